@@ -1,0 +1,29 @@
+"""axon4d: transformer training with 4D hybrid parallelism (a 3D-parallel matmul plus data parallelism).
+
+Start with ``axon4d.init(grid=(x, y, z, data))``, replace ``torch.nn.Linear`` with
+``axon4d.Linear``, and move tensors in and out of the grid's layouts with ``shard_input`` /
+``gather_output``. DESIGN.md explains the algorithm; docs/ the user guide.
+"""
+
+from axon4d.grid import Grid, GridShape, factorizations
+from axon4d.layout import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input
+from axon4d.nn import Linear
+from axon4d.runtime import get_grid, init, shutdown
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Grid",
+    "GridShape",
+    "Linear",
+    "factorizations",
+    "gather_batch",
+    "gather_features",
+    "gather_output",
+    "get_grid",
+    "init",
+    "shard_batch",
+    "shard_features",
+    "shard_input",
+    "shutdown",
+]

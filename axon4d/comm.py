@@ -1,0 +1,300 @@
+"""The communication layer: the only module in axon4d that calls collectives.
+
+Every collective goes through a ``Communicator`` bound to a grid. It is issued asynchronously and
+returns a ``Handle``; ``Handle.wait()`` blocks until the result is ready and returns it. Each call
+is recorded in the ``CommLog`` (op, axis, payload bytes, issue time, time blocked waiting,
+completion) — the payload is the size of the full tensor the collective produces, as defined in
+DESIGN.md §3, so the log can be checked term by term against E8–E13 (``axon4d.volume``).
+
+Collectives on an axis of size 1 are not issued and not recorded: they move nothing.
+
+The transport sits behind ``Backend``: ``TorchBackend`` uses torch.distributed process groups
+(gloo on CPU, NCCL on GPU). A backend only moves bytes; logging, reshaping and handles live here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from axon4d.grid import Grid
+
+
+class Op(str, enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+@dataclasses.dataclass
+class CommRecord:
+    """One collective as it happened on this rank (times from ``time.perf_counter``)."""
+
+    op: Op
+    axis: str
+    group_size: int
+    payload_bytes: int
+    tag: str
+    t_issue: float
+    t_wait_start: float | None = None
+    t_wait_end: float | None = None
+    t_done: float | None = None
+
+    @property
+    def blocked(self) -> float:
+        """Seconds this rank spent blocked in ``wait()`` before the collective completed."""
+        if self.t_wait_start is None or self.t_wait_end is None:
+            return 0.0
+        end = self.t_wait_end if self.t_done is None else min(self.t_wait_end, self.t_done)
+        return max(0.0, end - self.t_wait_start)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from issue to completion (as far as this rank could observe it)."""
+        end = self.t_done if self.t_done is not None else self.t_wait_end
+        return 0.0 if end is None else max(0.0, end - self.t_issue)
+
+    @property
+    def traffic_bytes(self) -> float:
+        """Bytes a ring algorithm sends per rank for this collective (DESIGN.md §3)."""
+        phi = (self.group_size - 1) / self.group_size
+        factor = 2 * phi if self.op == Op.ALL_REDUCE else phi
+        return factor * self.payload_bytes
+
+
+class CommLog:
+    """All collectives this rank issued since the last ``clear()``."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self._lock = threading.Lock()
+
+    def add(self, record: CommRecord) -> None:
+        with self._lock:
+            self.records.append(record)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.records = []
+
+    def bytes_by_axis(self, op: Op | None = None) -> dict[str, int]:
+        """Total payload bytes per axis, optionally for one kind of collective."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            if op is None or r.op == op:
+                out[r.axis] = out.get(r.axis, 0) + r.payload_bytes
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Per-axis bytes, counts, communication time and blocked time, and the share hidden."""
+        axes: dict[str, dict[str, float]] = {}
+        for r in self.records:
+            a = axes.setdefault(r.axis, {"count": 0, "bytes": 0, "comm_s": 0.0, "blocked_s": 0.0})
+            a["count"] += 1
+            a["bytes"] += r.payload_bytes
+            a["comm_s"] += r.duration
+            a["blocked_s"] += r.blocked
+        comm = sum(a["comm_s"] for a in axes.values())
+        blocked = sum(a["blocked_s"] for a in axes.values())
+        hidden = 100.0 * (1.0 - blocked / comm) if comm > 0 else 0.0
+        return {"axes": axes, "comm_s": comm, "blocked_s": blocked, "hidden_pct": hidden}
+
+    def format_summary(self) -> str:
+        """One line: bytes per axis, communication time, time blocked and the share hidden."""
+        s = self.summary()
+        parts = [f"{a}={v['bytes'] / 2**20:.2f}MiB" for a, v in sorted(s["axes"].items())]
+        return (
+            f"comm {' '.join(parts) or 'none'} | time {s['comm_s'] * 1e3:.1f} ms, "
+            f"blocked {s['blocked_s'] * 1e3:.1f} ms, hidden {s['hidden_pct']:.0f}%"
+        )
+
+
+class Work(Protocol):
+    """What a backend returns for an issued collective."""
+
+    def wait(self) -> Any: ...
+
+
+class Backend(Protocol):
+    """Moves bytes for one grid; every call is asynchronous and operates on contiguous tensors."""
+
+    name: str
+
+    def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work: ...
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work: ...
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TorchBackend:
+    """Collectives through torch.distributed process groups (gloo, NCCL)."""
+
+    name = "torch"
+
+    def __init__(self, groups: dict[str, dist.ProcessGroup]):
+        self.groups = groups
+
+    def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
+        return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
+        return dist.all_gather_single(out, inp, group=self.groups[axis], async_op=True)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
+        return dist.reduce_scatter_single(out, inp, group=self.groups[axis], async_op=True)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.groups["world"])
+
+    def close(self) -> None:
+        pass
+
+
+def make_backend(name: str, grid: "Grid") -> Backend:
+    """The transport called ``name`` for ``grid``."""
+    if name == "torch":
+        return TorchBackend(grid.groups)
+    raise ValueError(f"unknown communication backend {name!r}; available: 'torch'")
+
+
+class Handle:
+    """An issued collective. ``wait()`` blocks until done and returns the result tensor."""
+
+    def __init__(
+        self,
+        work: Work | None,
+        result: torch.Tensor,
+        record: CommRecord | None,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
+        self._work = work
+        self._result = result
+        self._record = record
+        self._finish = finish
+        self._done = work is None
+
+    def wait(self) -> torch.Tensor:
+        if not self._done:
+            start = time.perf_counter()
+            assert self._work is not None
+            self._work.wait()
+            end = time.perf_counter()
+            if self._record is not None:
+                self._record.t_wait_start, self._record.t_wait_end = start, end
+                if self._record.t_done is None or self._record.t_done > end:
+                    self._record.t_done = end
+            self._done = True
+            self._work = None
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+                self._finish = None
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+
+def _stamp_completion(work: Work, record: CommRecord) -> None:
+    """Record the time the backend finished ``work`` (when it can tell us)."""
+    get_future = getattr(work, "get_future", None)
+    if get_future is None:
+        return
+
+    def done(_: Any) -> None:
+        now = time.perf_counter()
+        if record.t_done is None or record.t_done > now:
+            record.t_done = now
+
+    try:
+        get_future().add_done_callback(done)
+    except (RuntimeError, AttributeError):
+        pass
+
+
+class Communicator:
+    """Issues and records every collective of one grid. Axes: x, y, z, data, batch, world."""
+
+    def __init__(self, grid: "Grid", backend: str = "torch"):
+        self.grid = grid
+        self.backend = make_backend(backend, grid)
+        self.log = CommLog()
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def barrier(self) -> None:
+        """Block until every rank of the world arrives here (not logged: it moves no data)."""
+        self.backend.barrier()
+
+    def _record(self, op: Op, axis: str, payload: torch.Tensor, tag: str) -> CommRecord:
+        record = CommRecord(
+            op=op,
+            axis=axis,
+            group_size=self.grid.size(axis),
+            payload_bytes=payload.numel() * payload.element_size(),
+            tag=tag,
+            t_issue=time.perf_counter(),
+        )
+        self.log.add(record)
+        return record
+
+    def all_reduce(self, tensor: torch.Tensor, axis: str, tag: str = "") -> Handle:
+        """Sum ``tensor`` over ``axis``, in place; the handle's result is ``tensor``."""
+        if self.grid.size(axis) == 1:
+            return Handle(None, tensor, None)
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce works in place and needs a contiguous tensor")
+        record = self._record(Op.ALL_REDUCE, axis, tensor, tag)
+        work = self.backend.all_reduce(tensor, axis)
+        _stamp_completion(work, record)
+        return Handle(work, tensor, record)
+
+    def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
+        """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
+        g = self.grid.size(axis)
+        if g == 1:
+            return Handle(None, tensor, None)
+        dim = dim % tensor.dim()
+        inp = tensor.movedim(dim, 0).contiguous()
+        out = inp.new_empty((g * inp.shape[0], *inp.shape[1:]))
+        record = self._record(Op.ALL_GATHER, axis, out, tag)
+        work = self.backend.all_gather(out, inp, axis)
+        _stamp_completion(work, record)
+        finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
+        return Handle(work, out, record, finish)
+
+    def reduce_scatter(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
+        """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index)."""
+        g = self.grid.size(axis)
+        if g == 1:
+            return Handle(None, tensor, None)
+        dim = dim % tensor.dim()
+        if tensor.shape[dim] % g:
+            raise ValueError(
+                f"reduce_scatter over {axis}: dim {dim} has size {tensor.shape[dim]}, "
+                f"not divisible by G_{axis} = {g}"
+            )
+        inp = tensor.movedim(dim, 0).contiguous()
+        out = inp.new_empty((inp.shape[0] // g, *inp.shape[1:]))
+        record = self._record(Op.REDUCE_SCATTER, axis, inp, tag)
+        work = self.backend.reduce_scatter(out, inp, axis)
+        _stamp_completion(work, record)
+        finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
+        return Handle(work, out, record, finish)

@@ -1,0 +1,67 @@
+"""Moving between full tensors and the grid's layouts (DESIGN.md §2).
+
+Tokens (dim 0: the batch, or the token count of a 2-D input) are split over batch = data × z,
+chunk index d·G_z + z. Features (the last dim) of a normal layer's input are split over x and its
+output over y; a transposed layer swaps the two. ``shard_*`` functions slice locally (no
+communication, differentiable); ``gather_*`` functions all-gather through the communication layer
+and return full tensors on every rank, detached from autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from axon4d import runtime, volume
+from axon4d.grid import Grid, require_divisible
+
+
+def _chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    n = x.shape[dim] // parts
+    return x.narrow(dim, index * n, n)
+
+
+def shard_batch(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
+    """This rank's part of a full global batch: dim 0 split over batch = data × z."""
+    grid = runtime.resolve(grid)
+    if x.dim() == 0:
+        raise ValueError("shard_batch needs a tensor with a batch dim (dim 0), got a scalar")
+    require_divisible(x.shape[0], "the batch (dim 0 of the input)", grid.shape, ["data", "z"],
+                      "tokens are split over data × z")
+    return _chunk(x, 0, grid.size("batch"), grid.coord("batch"))
+
+
+def gather_batch(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
+    """The full batch from every rank's dim-0 part (all-gather over batch = data × z)."""
+    grid = runtime.resolve(grid)
+    return grid.comm.all_gather(x.detach().contiguous(), "batch", dim=0, tag="gather_batch").wait()
+
+
+def shard_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torch.Tensor:
+    """This rank's part of the last dim of ``x``, split over ``axis``."""
+    grid = runtime.resolve(grid)
+    require_divisible(x.shape[-1], "the feature count (last dim)", grid.shape, [axis],
+                      f"features are split over {axis} here")
+    return _chunk(x, x.dim() - 1, grid.size(axis), grid.coord(axis))
+
+
+def gather_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torch.Tensor:
+    """The full last dim from every rank's part (all-gather over ``axis``)."""
+    grid = runtime.resolve(grid)
+    return grid.comm.all_gather(x.detach().contiguous(), axis, dim=-1, tag="gather_features").wait()
+
+
+def shard_input(x: torch.Tensor, transpose: bool = False, grid: Grid | None = None) -> torch.Tensor:
+    """This rank's part of a full input (N, ..., in) for a normal (or ``transpose``d) Linear.
+
+    Dim 0 is split over batch (data × z); the last dim over x (normal) or y (transposed).
+    """
+    grid = runtime.resolve(grid)
+    in_axis, _ = volume.layer_axes(transpose)
+    return shard_features(shard_batch(x, grid), in_axis, grid)
+
+
+def gather_output(y: torch.Tensor, transpose: bool = False, grid: Grid | None = None) -> torch.Tensor:
+    """The full output (N, ..., out) of a normal (or ``transpose``d) Linear, on every rank."""
+    grid = runtime.resolve(grid)
+    _, out_axis = volume.layer_axes(transpose)
+    return gather_batch(gather_features(y, out_axis, grid), grid)

@@ -1,0 +1,219 @@
+"""The 3D-parallel linear layer, Y = X Wᵀ + b, decomposed as in DESIGN.md §2 (E2–E7).
+
+A **normal** layer splits input features over x and output features over y; the weight block of
+position (y, x), shape (out/G_y, in/G_x), is flattened and split again over z, so a rank stores
+⌈out·in/(G_x G_y G_z)⌉ elements (padded when G_z does not divide the block). ``transpose=True``
+swaps x and y, so a normal layer's output layout is a transposed layer's input layout.
+
+Tokens are split over batch = data × z. Parameter gradients are averaged over the batch axis
+like DDP: if each rank's loss is the mean over its own tokens, ``.grad`` is the gradient of the
+mean over all tokens, complete on every rank when ``backward()`` returns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon4d import runtime, volume
+from axon4d import device as devices
+from axon4d.grid import Grid, require_divisible
+
+
+class _Linear3D(torch.autograd.Function):
+    """Forward E2–E3 and backward E4–E7 of one 3D linear layer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear") -> torch.Tensor:
+        comm = layer.grid.comm
+        w = layer.weight_block(weight)  # (out_l, in_l) — E2, all-gather over z
+        y = torch.matmul(x, w.t())  # (..., in_l) @ (in_l, out_l) = (..., out_l)
+        y = comm.all_reduce(y, layer.in_axis, tag="fwd.E3").wait()  # partial sums over input features
+        if bias is not None:
+            y = y + bias
+        ctx.layer = layer
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layer: Linear = ctx.layer
+        comm = layer.grid.comm
+        x, weight = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
+        dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()  # (b, out_l)
+        dx_handle = None
+        if ctx.needs_input_grad[0]:
+            w = layer.weight_block(weight)  # E10 again: the block is not kept between passes
+            dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
+            dx_handle = comm.all_reduce(dx, layer.out_axis, tag="bwd.E4")  # issued before dW: OAR
+        dweight = dbias = None
+        scale = 1.0 / layer.grid.size("batch")
+        if ctx.needs_input_grad[1]:
+            dw = torch.matmul(dy2.t(), x2).reshape(-1)  # (out_l, b) @ (b, in_l), flattened
+            dw = F.pad(dw, (0, layer.shard_numel * layer.grid.size("z") - dw.numel()))
+            dw = comm.reduce_scatter(dw, "z", tag="bwd.E5").wait()  # this rank's flat shard
+            dw = comm.all_reduce(dw, "data", tag="bwd.E6").wait()
+            dweight = dw.mul_(scale)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(dim=0)  # (out_l,)
+            dbias = comm.all_reduce(db, "batch", tag="bwd.E7").wait().mul_(scale)
+        dx_out = None
+        if dx_handle is not None:
+            dx_out = dx_handle.wait().view(x.shape)
+        return dx_out, dweight, dbias, None
+
+
+class Linear(nn.Module):
+    """Drop-in replacement for ``torch.nn.Linear`` decomposed over the 3D grid (DESIGN.md §2).
+
+    Input: this rank's shard (..., in_features/G_in) of tokens split over batch (data × z);
+    output: (..., out_features/G_out), where (G_in, G_out) = (G_x, G_y), or (G_y, G_x) when
+    ``transpose``. ``weight`` is this rank's flat Z shard of its weight block; ``bias`` is the
+    block's slice of the bias (out_features/G_out,), replicated over the other axes.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        transpose: bool = False,
+        *,
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.grid = runtime.resolve(grid)
+        self.in_features, self.out_features, self.transpose = in_features, out_features, transpose
+        self.in_axis, self.out_axis = volume.layer_axes(transpose)
+        kind = "transposed" if transpose else "normal"
+        shape = self.grid.shape
+        require_divisible(in_features, "in_features", shape, [self.in_axis],
+                          f"a {kind} layer splits input features over {self.in_axis}")
+        require_divisible(out_features, "out_features", shape, [self.out_axis],
+                          f"a {kind} layer splits output features over {self.out_axis}")
+        self.block_shape = volume.weight_block_shape(in_features, out_features, shape, transpose)
+        self.shard_numel = volume.weight_shard_numel(in_features, out_features, shape, transpose)
+        dtype = devices.check_dtype(dtype or torch.get_default_dtype())
+        device = torch.device(device) if device is not None else self.grid.device
+        self.weight = nn.Parameter(torch.empty(self.shard_numel, device=device, dtype=dtype))
+        rows = self.block_shape[0]
+        self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    # -- layout ---------------------------------------------------------------------------------
+    @property
+    def block_index(self) -> tuple[int, int]:
+        """(row block, column block) of W this rank's (x, y) position owns."""
+        return self.grid.coord(self.out_axis), self.grid.coord(self.in_axis)
+
+    def _my_shard(self, flat_block: torch.Tensor) -> torch.Tensor:
+        """This rank's Z shard of a flat block (padded with zeros to G_z shards)."""
+        z, n = self.grid.coord("z"), self.shard_numel
+        padded = F.pad(flat_block, (0, n * self.grid.size("z") - flat_block.numel()))
+        return padded[z * n : (z + 1) * n]
+
+    def weight_block(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The full (out/G_out, in/G_in) block of this (x, y) position — E2, all-gather over z."""
+        weight = self.weight if weight is None else weight
+        rows, cols = self.block_shape
+        flat = self.grid.comm.all_gather(weight.detach(), "z", tag="E2").wait()
+        return flat[: rows * cols].view(rows, cols)
+
+    # -- parameters -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise like ``torch.nn.Linear``: U(−1/√in, 1/√in) for weight and bias.
+
+        Every rank draws one seed from torch's default generator (so it stays in step across
+        ranks); a block's values then depend on that seed and the block's position only, so
+        replicas agree and the result does not depend on G_z.
+        """
+        seed = int(torch.randint(0, 2**62, (), generator=None).item())
+        if self.weight.is_meta:
+            return
+        bound = 1.0 / math.sqrt(self.in_features)
+        row, col = self.block_index
+        gen = torch.Generator().manual_seed(seed + 7919 * (row * 65537 + col + 1))
+        block = torch.empty(self.block_shape).uniform_(-bound, bound, generator=gen)
+        self.weight.copy_(self._my_shard(block.reshape(-1)))
+        if self.bias is not None:
+            gen = torch.Generator().manual_seed(seed + 104729 * (row + 1))
+            self.bias.copy_(torch.empty(self.bias.shape).uniform_(-bound, bound, generator=gen))
+
+    @torch.no_grad()
+    def load_dense_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
+        """Copy this rank's part of a full (out, in) weight and (out,) bias, given on every rank."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"dense weight has shape {tuple(weight.shape)}, this layer needs "
+                f"(out_features, in_features) = ({self.out_features}, {self.in_features})"
+            )
+        rows, cols = self.block_shape
+        r, c = self.block_index
+        block = weight[r * rows : (r + 1) * rows, c * cols : (c + 1) * cols]
+        self.weight.copy_(self._my_shard(block.reshape(-1).to(self.weight)))
+        if self.bias is not None:
+            if bias is None:
+                raise ValueError("this layer has a bias but the dense layer has none")
+            self.bias.copy_(bias[r * rows : (r + 1) * rows].to(self.bias))
+        elif bias is not None:
+            raise ValueError("the dense layer has a bias but this layer was built with bias=False")
+        return self
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, transpose: bool = False, *, grid: Grid | None = None) -> "Linear":
+        """A 3D layer holding this rank's part of ``dense`` (which must be equal on every rank)."""
+        layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None,
+                    transpose=transpose, grid=grid, dtype=dense.weight.dtype)
+        return layer.load_dense_(dense.weight, dense.bias)
+
+    def _assemble(self, flat_shard: torch.Tensor) -> torch.Tensor:
+        """The full (out, in) matrix from every rank's flat shard (gathers over z, in, out axes)."""
+        block = self.weight_block(flat_shard)
+        block = self.grid.comm.all_gather(block.contiguous(), self.in_axis, dim=1, tag="dense").wait()
+        return self.grid.comm.all_gather(block.contiguous(), self.out_axis, dim=0, tag="dense").wait()
+
+    @torch.no_grad()
+    def to_dense(self, grads: bool = False) -> nn.Linear:
+        """A plain ``torch.nn.Linear`` with the full weight and bias (and their ``.grad``), on every rank."""
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                          device=self.weight.device, dtype=self.weight.dtype)
+        dense.weight.copy_(self._assemble(self.weight))
+        if self.bias is not None:
+            dense.bias.copy_(self.grid.comm.all_gather(self.bias.detach(), self.out_axis, tag="dense").wait())
+        if grads:
+            if self.weight.grad is not None:
+                dense.weight.grad = self._assemble(self.weight.grad).clone()
+            if self.bias is not None and self.bias.grad is not None:
+                dense.bias.grad = self.grid.comm.all_gather(self.bias.grad, self.out_axis, tag="dense").wait().clone()
+        return dense
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cols = self.block_shape[1]
+        if x.dim() < 1 or x.shape[-1] != cols:
+            g = self.grid.size(self.in_axis)
+            raise ValueError(
+                f"{self._name()} expects this rank's input shard with last dim in_features/G_{self.in_axis} "
+                f"= {self.in_features}/{g} = {cols}, got shape {tuple(x.shape)}; shard a full input with "
+                f"axon4d.shard_input(x, transpose={self.transpose})"
+            )
+        return _Linear3D.apply(x, self.weight, self.bias, self)
+
+    def _name(self) -> str:
+        return f"axon4d.Linear({self.in_features}, {self.out_features}, transpose={self.transpose})"
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, transpose={self.transpose}, "
+            f"block={self.block_shape}, shard={self.shard_numel}"
+        )

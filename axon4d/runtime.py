@@ -1,0 +1,89 @@
+"""Starting and stopping axon4d in a process: ``init()``, ``get_grid()``, ``shutdown()``.
+
+``init`` reads the launcher (torchrun, mpirun/mpiexec, or a lone process), creates the default
+process group with the backend that fits the device, validates the grid on every rank before any
+group exists, and builds it. The grid it returns is also the default for layers created without
+an explicit ``grid=``.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from axon4d import device as devices
+from axon4d import launch
+from axon4d.grid import Grid, GridShape
+
+_state: dict[str, object] = {"grid": None, "owns_world": False}
+
+
+def init(
+    grid: GridShape | Sequence[int] | dict[str, int] = (1, 1, 1, -1),
+    *,
+    backend: str | None = None,
+    device: str | torch.device | None = None,
+    comm: str = "torch",
+    seed: int | None = None,
+    timeout_s: float = 600.0,
+) -> Grid:
+    """Join the job and build the 4D grid ``(x, y, z, data)``; return it and make it current.
+
+    ``grid`` may hold one -1 ("the rest"); the default is pure data parallelism. ``backend`` is
+    the torch.distributed backend (default: NCCL with accelerators, gloo otherwise); ``device``
+    overrides the compute device; ``comm`` chooses the communication layer's transport.
+    ``seed``, if given, seeds torch's generator identically on every rank.
+    Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
+    """
+    if _state["grid"] is not None:
+        raise RuntimeError(
+            f"axon4d.init() was already called and built {_state['grid']}; "
+            "call axon4d.shutdown() first to build another grid"
+        )
+    info = launch.detect()
+    shape = GridShape.parse(grid, info.world_size)
+    dev = torch.device(device) if device is not None else devices.default_device(info.local_rank)
+    devices.bind(dev)
+    if seed is not None:
+        torch.manual_seed(seed)
+    if not dist.is_initialized():
+        launch.start_world(info, backend or devices.default_backend(dev), timeout_s)
+        _state["owns_world"] = True
+    new = Grid(shape, dev, comm, launcher=info.launcher)
+    _state["grid"] = new
+    return new
+
+
+def get_grid() -> Grid:
+    """The grid built by ``axon4d.init()``; raises ``RuntimeError`` if there is none."""
+    grid = _state["grid"]
+    if grid is None:
+        raise RuntimeError("no axon4d grid: call axon4d.init(grid=(x, y, z, data)) first")
+    assert isinstance(grid, Grid)
+    return grid
+
+
+def resolve(grid: Grid | None) -> Grid:
+    """``grid`` if given, else the current one."""
+    return grid if grid is not None else get_grid()
+
+
+def shutdown() -> None:
+    """Destroy the current grid's groups and, if ``init`` created it, the default group."""
+    grid = _state["grid"]
+    if grid is None:
+        return
+    assert isinstance(grid, Grid)
+    _state["grid"] = None
+    if dist.is_initialized():
+        grid.comm.barrier()  # a rank leaving early can abort the others (DESIGN.md §7)
+    grid.destroy()
+    if _state["owns_world"] and dist.is_initialized():
+        dist.destroy_process_group()
+        _state["owns_world"] = False
+
+
+atexit.register(shutdown)

@@ -1,0 +1,86 @@
+"""How many bytes each collective of a 3D-parallel linear layer moves (DESIGN.md §3, E8–E13).
+
+This is the single source of truth for communication volume: the layers size their buffers with
+``weight_shard_numel`` and the planner prices the ``Collective`` list returned by
+``linear_collectives``; tests check that list against what ``axon4d.comm`` logged at run time.
+Payload = the full tensor a collective produces (all-reduce: the buffer; all-gather: the
+gathered result; reduce-scatter: the input). Axes of size 1 issue nothing and are omitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from axon4d.comm import Op
+from axon4d.grid import GridShape
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective a layer issues per step: what, over which axis, how many payload bytes."""
+
+    op: Op
+    axis: str
+    payload_bytes: int
+    phase: str  # "forward" | "backward"
+    term: str  # the equation of DESIGN.md it implements, e.g. "E8"
+
+
+def layer_axes(transpose: bool) -> tuple[str, str]:
+    """(axis splitting input features, axis splitting output features) — §2."""
+    return ("y", "x") if transpose else ("x", "y")
+
+
+def weight_block_shape(in_features: int, out_features: int, shape: GridShape, transpose: bool) -> tuple[int, int]:
+    """Shape (out/G_out, in/G_in) of the weight block a (x, y) position owns before Z sharding."""
+    in_axis, out_axis = layer_axes(transpose)
+    return out_features // shape.size(out_axis), in_features // shape.size(in_axis)
+
+
+def weight_shard_numel(in_features: int, out_features: int, shape: GridShape, transpose: bool) -> int:
+    """Elements of this rank's flat Z shard: ⌈n_W / G_z⌉ with n_W = out·in/(G_x G_y) (padded)."""
+    rows, cols = weight_block_shape(in_features, out_features, shape, transpose)
+    return math.ceil(rows * cols / shape.z)
+
+
+def linear_collectives(
+    in_features: int,
+    out_features: int,
+    tokens: int,
+    shape: GridShape,
+    *,
+    transpose: bool = False,
+    bias: bool = True,
+    element_size: int = 4,
+    grad_element_size: int | None = None,
+    cache_weight: bool = False,
+) -> list[Collective]:
+    """Every collective one forward + backward of a 3D linear layer issues on one rank.
+
+    ``tokens`` is this rank's token count b = B·S/(G_data·G_z). ``element_size`` is the bytes of
+    the parameters and activations; ``grad_element_size`` those of the gradient reductions (E11,
+    E12, E13; defaults to ``element_size``). With ``cache_weight`` the forward all-gather's result
+    is kept for backward and E10 is paid once.
+    """
+    g_elem = element_size if grad_element_size is None else grad_element_size
+    in_axis, out_axis = layer_axes(transpose)
+    rows, cols = weight_block_shape(in_features, out_features, shape, transpose)
+    shard = weight_shard_numel(in_features, out_features, shape, transpose)
+    padded_block = shard * shape.z
+    out: list[Collective] = []
+
+    def add(op: Op, axis: str, elems: int, elem: int, phase: str, term: str) -> None:
+        if shape.size(axis) > 1:
+            out.append(Collective(op, axis, elems * elem, phase, term))
+
+    add(Op.ALL_GATHER, "z", padded_block, element_size, "forward", "E10")
+    add(Op.ALL_REDUCE, in_axis, tokens * rows, element_size, "forward", "E8")
+    if not cache_weight:
+        add(Op.ALL_GATHER, "z", padded_block, element_size, "backward", "E10")
+    add(Op.ALL_REDUCE, out_axis, tokens * cols, element_size, "backward", "E9")
+    add(Op.REDUCE_SCATTER, "z", padded_block, g_elem, "backward", "E11")
+    add(Op.ALL_REDUCE, "data", shard, g_elem, "backward", "E12")
+    if bias:
+        add(Op.ALL_REDUCE, "batch", rows, g_elem, "backward", "E13")
+    return out

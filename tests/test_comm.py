@@ -1,0 +1,112 @@
+"""Protects the communication layer: collectives return the right data along any dim, every call
+is logged with its payload, and a Linear's forward + backward moves exactly the bytes of DESIGN.md
+E8–E13 as computed by axon4d.volume (the planner's source of truth)."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import axon4d
+from axon4d.comm import Op
+from axon4d.volume import linear_collectives
+
+
+def _primitives(grid):
+    comm = grid.comm
+    comm.log.clear()
+    r = grid.rank
+    out = {}
+    out["all_reduce"] = comm.all_reduce(torch.full((3,), float(r)), "x").wait()
+    base = torch.arange(6.0).view(2, 3) + 10 * grid.coord("y")
+    out["gather0"] = comm.all_gather(base, "y").wait()
+    out["gather1"] = comm.all_gather(base, "y", dim=1).wait()
+    out["gather_last"] = comm.all_gather(base, "y", dim=-1).wait()
+    rs = torch.arange(8.0).view(4, 2) * (grid.coord("z") + 1)
+    out["rs0"] = comm.reduce_scatter(rs, "z").wait()
+    rs1 = torch.arange(8.0).view(2, 4) * (grid.coord("z") + 1)
+    out["rs1"] = comm.reduce_scatter(rs1, "z", dim=1).wait()
+    out["records"] = [(rec.op, rec.axis, rec.payload_bytes, rec.group_size) for rec in comm.log.records]
+    out["timed"] = all(rec.t_wait_end is not None and rec.duration >= rec.blocked >= 0 for rec in comm.log.records)
+    out["coords"] = dict(grid.coords)
+    return out
+
+
+def test_collectives_return_correct_data_and_are_logged(pools):
+    for res in pools(8).run((2, 2, 2, 1), _primitives):
+        c = res["coords"]
+        x_peer_sum = float(sum(c["y"] * 2 + c["z"] * 4 + i for i in range(2)))
+        assert torch.equal(res["all_reduce"], torch.full((3,), x_peer_sum))
+        base = torch.arange(6.0).view(2, 3)
+        assert torch.equal(res["gather0"], torch.cat([base, base + 10], 0))
+        assert torch.equal(res["gather1"], torch.cat([base, base + 10], 1))
+        assert torch.equal(res["gather_last"], res["gather1"])
+        z = c["z"]
+        assert torch.equal(res["rs0"], (torch.arange(8.0).view(4, 2) * 3)[2 * z : 2 * z + 2])
+        assert torch.equal(res["rs1"], (torch.arange(8.0).view(2, 4) * 3)[:, 2 * z : 2 * z + 2])
+        assert res["records"] == [
+            (Op.ALL_REDUCE, "x", 12, 2),
+            (Op.ALL_GATHER, "y", 48, 2),
+            (Op.ALL_GATHER, "y", 48, 2),
+            (Op.ALL_GATHER, "y", 48, 2),
+            (Op.REDUCE_SCATTER, "z", 32, 2),
+            (Op.REDUCE_SCATTER, "z", 32, 2),
+        ]
+        assert res["timed"]
+
+
+def _size_one_axes_are_free(grid):
+    grid.comm.log.clear()
+    t = torch.ones(4)
+    same = grid.comm.all_reduce(t, "y").wait() is t and grid.comm.all_gather(t, "z").wait() is t
+    return same, len(grid.comm.log.records), grid.comm.log.format_summary()
+
+
+def test_axes_of_size_one_issue_and_log_nothing(pools):
+    for same, n, summary in pools(2).run((2, 1, 1, 1), _size_one_axes_are_free):
+        assert same and n == 0 and summary.startswith("comm none")
+
+
+LAYERS = [(24, 40, True, False), (40, 24, True, True), (24, 36, False, False)]
+
+
+def _bytes_of_one_step(grid, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    layers = [axon4d.Linear(i, o, bias=b, transpose=t, dtype=dtype) for i, o, b, t in LAYERS]
+    x = axon4d.shard_input(torch.randn(8, 3, 24, dtype=dtype)).requires_grad_()
+    grid.comm.log.clear()
+    y = layers[2](layers[1](layers[0](x)))
+    y.float().sum().backward()
+    return Counter((r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records)
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 4, 1), (2, 2, 1, 2), (1, 1, 8, 1)])
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_linear_moves_exactly_the_bytes_of_e8_to_e13(pools, grid, dtype_name):
+    shape = axon4d.GridShape(*grid)
+    tokens = 8 * 3 // shape.size("batch")
+    elem = torch.empty(0, dtype=getattr(torch, dtype_name)).element_size()
+    expected = Counter()
+    for i, o, b, t in LAYERS:
+        for c in linear_collectives(i, o, tokens, shape, transpose=t, bias=b, element_size=elem):
+            expected[(c.op, c.axis, c.payload_bytes)] += 1
+    for counted in pools(8).run(grid, _bytes_of_one_step, dtype_name):
+        assert counted == expected
+
+
+def test_volume_terms_match_the_design_table():
+    shape = axon4d.GridShape(2, 4, 2, 2)
+    cs = linear_collectives(1024, 4096, 512, shape, transpose=False, bias=True, element_size=2)
+    by_term = {(c.term, c.phase): c for c in cs}
+    n_w = 4096 * 1024 // (2 * 4)
+    assert by_term[("E8", "forward")].payload_bytes == 512 * 4096 // 4 * 2 and by_term[("E8", "forward")].axis == "x"
+    assert by_term[("E9", "backward")].payload_bytes == 512 * 1024 // 2 * 2 and by_term[("E9", "backward")].axis == "y"
+    assert by_term[("E10", "forward")].payload_bytes == n_w * 2 == by_term[("E10", "backward")].payload_bytes
+    assert by_term[("E11", "backward")].payload_bytes == n_w * 2
+    assert by_term[("E12", "backward")].payload_bytes == n_w // 2 * 2 and by_term[("E12", "backward")].axis == "data"
+    assert by_term[("E13", "backward")].payload_bytes == 4096 // 4 * 2 and by_term[("E13", "backward")].axis == "batch"
+    t = {(c.term, c.phase): c for c in linear_collectives(1024, 4096, 512, shape, transpose=True, element_size=2)}
+    assert t[("E8", "forward")].axis == "y" and t[("E8", "forward")].payload_bytes == 512 * 4096 // 2 * 2
+    cached = linear_collectives(1024, 4096, 512, shape, cache_weight=True)
+    assert [c.phase for c in cached if c.term == "E10"] == ["forward"]

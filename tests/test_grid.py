@@ -1,0 +1,106 @@
+"""Protects the grid (DESIGN.md §1): E1 coordinates, the groups of each axis, and validation that
+fails early with a useful message on every rank instead of hanging."""
+
+import pytest
+import torch.distributed as dist
+
+import axon4d
+from axon4d.grid import GridShape, factorizations, require_divisible
+from harness import grids_of
+
+
+@pytest.mark.parametrize("world,count", [(1, 1), (2, 4), (4, 10), (8, 20), (12, 40)])
+def test_factorizations_are_complete_and_exact(world, count):
+    shapes = factorizations(world)
+    assert len(shapes) == count == len(set(shapes))
+    assert all(s.world_size == world for s in shapes)
+
+
+def test_parse_fills_in_minus_one_and_accepts_dicts():
+    assert GridShape.parse((2, -1, 1, 2), 8) == GridShape(2, 2, 1, 2)
+    assert GridShape.parse({"x": 4, "data": 2}, 8) == GridShape(4, 1, 1, 2)
+    assert GridShape.parse((1, 1, 1, -1), 6) == GridShape(1, 1, 1, 6)
+
+
+@pytest.mark.parametrize(
+    "grid,world,needle",
+    [
+        ((2, 2, 2, 2), 8, "has 16 ranks"),
+        ((3, 1, 1, -1), 8, "does not divide the world size 8"),
+        ((2, 2, 2), 8, "give 4 as (x, y, z, data)"),
+        ((-1, -1, 2, 1), 8, "at most one size may be -1"),
+        ((0, 1, 1, 8), 8, "must be positive"),
+        ({"w": 8}, 8, "unknown grid axes"),
+    ],
+)
+def test_parse_rejects_bad_grids_with_alternatives(grid, world, needle):
+    with pytest.raises(ValueError) as e:
+        GridShape.parse(grid, world)
+    assert needle in str(e.value)
+
+
+def test_wrong_product_lists_grids_that_work():
+    with pytest.raises(ValueError, match=r"grids \(x, y, z, data\) that work: \(1, 1, 1, 4\)"):
+        GridShape.parse((2, 2, 2, 1), 4)
+
+
+def test_require_divisible_names_value_rule_and_alternatives():
+    with pytest.raises(ValueError) as e:
+        require_divisible(6, "in_features", GridShape(4, 1, 2, 1), ["x"], "normal layers split in over x")
+    msg = str(e.value)
+    assert "in_features = 6" in msg and "G_x = 4" in msg and "normal layers" in msg
+    assert "(1, 1, 8, 1)" in msg and "(2, 1, 4, 1)" in msg and "(4, 1, 2, 1)" not in msg
+
+
+def _coords_and_groups(grid):
+    members = {a: dist.get_process_group_ranks(grid.groups[a]) for a in ("x", "y", "z", "data", "batch")}
+    return grid.rank, dict(grid.coords), members, str(grid)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_coordinates_follow_e1_and_groups_span_one_axis(pools, world):
+    for shape in grids_of(world):
+        gx, gy, gz, gd = shape
+        for rank, c, members, text in pools(world).run(shape, _coords_and_groups):
+            assert rank == ((c["data"] * gz + c["z"]) * gy + c["y"]) * gx + c["x"]  # E1
+            assert c["batch"] == c["data"] * gz + c["z"]
+            assert members["x"] == [rank - c["x"] + i for i in range(gx)]
+            assert members["y"] == [rank + (i - c["y"]) * gx for i in range(gy)]
+            assert members["z"] == [rank + (i - c["z"]) * gx * gy for i in range(gz)]
+            assert members["data"] == [rank + (i - c["data"]) * gx * gy * gz for i in range(gd)]
+            # the batch group orders ranks by d·G_z + z, the token chunk index
+            assert members["batch"] == sorted(members["batch"])
+            assert members["batch"].index(rank) == c["batch"] and len(members["batch"]) == gz * gd
+            assert f"x={c['x']}, y={c['y']}" in text and f"Grid(x={gx}, y={gy}, z={gz}, data={gd})" in text
+
+
+def _init_bad_grid(grid_arg):
+    try:
+        axon4d.init(grid=grid_arg)
+    except ValueError as e:
+        return str(e)
+    axon4d.shutdown()
+    return None
+
+
+def test_wrong_grid_raises_on_every_rank_without_hanging(pools):
+    msgs = pools(4).run(None, _init_bad_grid, (2, 2, 2, 1))
+    assert all(m is not None and "world size is 4" in m for m in msgs)
+
+
+def _init_twice(grid):
+    try:
+        axon4d.init(grid=(1, 1, 1, -1))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_init_twice_is_an_error_that_names_the_grid(pools):
+    msgs = pools(2).run((2, 1, 1, 1), _init_twice)
+    assert all("already called" in m and "Grid(x=2" in m for m in msgs)
+
+
+def test_get_grid_without_init_says_what_to_do():
+    with pytest.raises(RuntimeError, match="call axon4d.init"):
+        axon4d.get_grid()

@@ -1,0 +1,58 @@
+"""Protects how a job starts: axon4d.init() under torchrun, under mpiexec (rank and size from
+mpi4py, rendezvous published by rank 0) and as a plain python process, with clean shutdown."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "launch_check.py")
+BIN = os.path.dirname(sys.executable)
+
+
+def _run(cmd, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MASTER_ADDR", None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return [line for line in proc.stdout.splitlines() if line.startswith("LAUNCH")]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _errors_ok(lines):
+    return all(float(line.rsplit("err=", 1)[1]) < 1e-5 for line in lines)
+
+
+def test_plain_python_is_a_world_of_one():
+    lines = _run([sys.executable, SCRIPT, "1,1,1,1"])
+    assert len(lines) == 1 and "LAUNCH single world=1" in lines[0] and _errors_ok(lines)
+
+
+def test_torchrun():
+    torchrun = os.path.join(BIN, "torchrun")
+    lines = _run([torchrun, "--nproc-per-node", "4", "--master-port", str(_free_port()), SCRIPT, "2,1,2,1"])
+    assert len(lines) == 4 and all("world=4" in line for line in lines) and _errors_ok(lines)
+    assert {line.split()[1] for line in lines} == {"torchrun"}
+
+
+def _mpiexec():
+    found = os.path.join(BIN, "mpiexec")
+    return found if os.path.exists(found) else shutil.which("mpiexec")
+
+
+@pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: install the [mpi] extra (make test does)")
+def test_mpiexec():
+    pytest.importorskip("mpi4py")
+    lines = _run([_mpiexec(), "-n", "4", sys.executable, SCRIPT, "1,2,1,2"])
+    assert len(lines) == 4 and all("world=4" in line for line in lines) and _errors_ok(lines)
+    assert {line.split()[1] for line in lines} == {"mpi"}
+    assert sum("rank 0 at" in line for line in lines) == 1
