@@ -110,8 +110,7 @@ def plot(path: str, ours: list[float], ref: list[float], grid: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", default="2,2,2,1", help="x,y,z,data sizes (one may be -1)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=64, help="global batch (split over data × z)")
@@ -121,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="build/demo")
-    args = p.parse_args(argv)
 
+
+def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     grid = axon4d.init(grid=tuple(int(s) for s in args.grid.split(",")), seed=args.seed)
     dense = build_dense(args.width, args.hidden, args.depth)  # same weights on every rank (same seed)
@@ -160,4 +160,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

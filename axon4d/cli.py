@@ -1,0 +1,36 @@
+"""The ``axon4d`` command: one subcommand per tool, each implemented in its own module.
+
+A subcommand module provides ``add_arguments(parser)`` and ``main(args) -> int``; it is imported
+only when its subcommand runs, so ``axon4d plan`` never pays for what ``axon4d train`` imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("axon4d.demo", "train an MLP on the 4D grid and compare it with one process"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="axon4d", description="4D hybrid-parallel transformer training")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv[:1])
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    sub_parser = argparse.ArgumentParser(prog=f"axon4d {argv[0]}", description=module.__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(sub_parser)
+    return int(module.main(sub_parser.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

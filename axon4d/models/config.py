@@ -1,0 +1,118 @@
+"""Transformer shapes: the configuration dataclass and the size table of DESIGN.md §6.
+
+A ``ModelConfig`` describes the model only (no parallelism). The planner prices it, the reference
+models build it, and ``SIZES`` holds AxoNN's table (5B … 640B, sequence 2048) plus small models
+for tests and the demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a decoder-only transformer."""
+
+    n_layers: int
+    """Number of transformer blocks."""
+    hidden: int
+    """Model width (features of the residual stream)."""
+    n_heads: int
+    """Attention (query) heads; hidden must be divisible by it."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (None: same as n_heads)."""
+    ffn_hidden: int | None = None
+    """MLP inner width (None: 4·hidden for GPT, the Llama rule ⌈8/3·hidden⌉ rounded to 256)."""
+    vocab_size: int = 50304
+    """Vocabulary size (a multiple of 128 keeps every vocab split even)."""
+    seq_len: int = 2048
+    """Training sequence length."""
+    arch: str = "gpt"
+    """"gpt" (LayerNorm, GELU MLP, learned positions, biases) or "llama" (RMSNorm, SwiGLU, RoPE, no biases)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    name: str = ""
+    """A label such as "20B"."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"arch {self.arch!r} is not supported; use 'gpt' or 'llama'")
+        if self.hidden % self.n_heads:
+            raise ValueError(f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.arch == "llama":
+            return 256 * -(-(8 * self.hidden // 3) // 256)
+        return 4 * self.hidden
+
+    @property
+    def gated(self) -> bool:
+        """True for SwiGLU MLPs (two up-projections)."""
+        return self.arch == "llama"
+
+    def linear_shapes(self) -> list[tuple[str, int, int, bool, bool]]:
+        """(name, in, out, transpose, bias) of every linear layer of one block, in forward order."""
+        bias = self.arch == "gpt"
+        qkv_out = (self.n_heads + 2 * self.kv_heads) * self.head_dim
+        shapes = [("qkv", self.hidden, qkv_out, False, bias), ("attn_out", self.hidden, self.hidden, True, bias)]
+        up_out = 2 * self.ffn if self.gated else self.ffn
+        shapes += [("mlp_up", self.hidden, up_out, False, bias), ("mlp_down", self.ffn, self.hidden, True, bias)]
+        return shapes
+
+    def n_params(self) -> int:
+        """Number of parameters (weights, biases, norms, embeddings)."""
+        per_block = sum(i * o + (o if b else 0) for _, i, o, _, b in self.linear_shapes())
+        per_block += 2 * self.hidden * (2 if self.arch == "gpt" else 1)  # two norms (weight, and bias for LayerNorm)
+        emb = self.vocab_size * self.hidden
+        pos = self.seq_len * self.hidden if self.arch == "gpt" else 0
+        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden
+        final_norm = self.hidden * (2 if self.arch == "gpt" else 1)
+        return self.n_layers * per_block + emb + pos + head + final_norm
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6·(matmul parameters) plus attention scores (causal: half)."""
+        matmul = sum(i * o for _, i, o, _, _ in self.linear_shapes()) * self.n_layers + self.vocab_size * self.hidden
+        attention = 2 * 2 * self.n_layers * self.seq_len * self.hidden / 2  # QKᵀ and AV, causal
+        return 6.0 * matmul + 3.0 * attention
+
+    def replace(self, **changes: object) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _table(name: str, layers: int, hidden: int, heads: int) -> ModelConfig:
+    return ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, vocab_size=51200, seq_len=2048, name=name)
+
+
+#: AxoNN's reference models (DESIGN.md §6) and small ones for tests and the demo.
+SIZES: dict[str, ModelConfig] = {
+    "5B": _table("5B", 24, 4096, 32),
+    "10B": _table("10B", 32, 5120, 40),
+    "20B": _table("20B", 32, 7168, 56),
+    "40B": _table("40B", 38, 9216, 72),
+    "80B": _table("80B", 42, 12288, 96),
+    "320B": _table("320B", 96, 16384, 128),
+    "640B": _table("640B", 192, 16384, 128),
+    "tiny": ModelConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=256, seq_len=32, name="tiny"),
+    "small": ModelConfig(n_layers=4, hidden=256, n_heads=8, vocab_size=4096, seq_len=128, name="small"),
+}
+
+
+def get_config(name: str, **overrides: object) -> ModelConfig:
+    """A config from ``SIZES`` by name (e.g. "20B"), with fields overridden; ValueError lists the names."""
+    if name not in SIZES:
+        raise ValueError(f"unknown model size {name!r}; known sizes: {', '.join(SIZES)}")
+    return SIZES[name].replace(**overrides) if overrides else SIZES[name]
