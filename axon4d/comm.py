@@ -74,15 +74,22 @@ class CommLog:
 
     def __init__(self) -> None:
         self.records: list[CommRecord] = []
+        self.spans: list[tuple[str, float, float]] = []  # (name, start, end): compute, for timelines
         self._lock = threading.Lock()
 
     def add(self, record: CommRecord) -> None:
         with self._lock:
             self.records.append(record)
 
+    def add_span(self, name: str, start: float, end: float) -> None:
+        """Record a stretch of compute (layers call this through ``Scheduler.compute``)."""
+        with self._lock:
+            self.spans.append((name, start, end))
+
     def clear(self) -> None:
         with self._lock:
             self.records = []
+            self.spans = []
 
     def bytes_by_axis(self, op: Op | None = None) -> dict[str, int]:
         """Total payload bytes per axis, optionally for one kind of collective."""
@@ -225,18 +232,25 @@ def _stamp_completion(work: Work, record: CommRecord) -> None:
 
 
 class Communicator:
-    """Issues and records every collective of one grid. Axes: x, y, z, data, batch, world."""
+    """Issues and records every collective of one grid. Axes: x, y, z, data, batch, world.
+
+    ``scheduler`` (axon4d.overlap) decides when the layers' collectives are issued and waited on.
+    """
 
     def __init__(self, grid: "Grid", backend: str = "torch"):
+        from axon4d.overlap import Scheduler  # overlap sits on top of comm; import late
+
         self.grid = grid
         self.backend = make_backend(backend, grid)
         self.log = CommLog()
+        self.scheduler = Scheduler(self)
 
     @property
     def backend_name(self) -> str:
         return self.backend.name
 
     def close(self) -> None:
+        self.scheduler.finish_gradients()
         self.backend.close()
 
     def barrier(self) -> None:

@@ -55,13 +55,17 @@ def linear_collectives(
     element_size: int = 4,
     grad_element_size: int | None = None,
     cache_weight: bool = False,
+    forward_chunks: int = 1,
+    min_chunk_bytes: int = 0,
 ) -> list[Collective]:
     """Every collective one forward + backward of a 3D linear layer issues on one rank.
 
     ``tokens`` is this rank's token count b = B·S/(G_data·G_z). ``element_size`` is the bytes of
     the parameters and activations; ``grad_element_size`` those of the gradient reductions (E11,
     E12, E13; defaults to ``element_size``). With ``cache_weight`` the forward all-gather's result
-    is kept for backward and E10 is paid once.
+    is kept for backward and E10 is paid once. ``forward_chunks``/``min_chunk_bytes`` are the
+    overlap policy's token chunking of the forward all-reduce (E8; see ``forward_chunk_count``): the E8
+    payload is then issued as that many all-reduces of ``chunk_sizes`` rows each.
     """
     g_elem = element_size if grad_element_size is None else grad_element_size
     in_axis, out_axis = layer_axes(transpose)
@@ -75,7 +79,9 @@ def linear_collectives(
             out.append(Collective(op, axis, elems * elem, phase, term))
 
     add(Op.ALL_GATHER, "z", padded_block, element_size, "forward", "E10")
-    add(Op.ALL_REDUCE, in_axis, tokens * rows, element_size, "forward", "E8")
+    k = forward_chunk_count(tokens, rows * element_size, forward_chunks, min_chunk_bytes)
+    for part in chunk_sizes(tokens, k):
+        add(Op.ALL_REDUCE, in_axis, part * rows, element_size, "forward", "E8")
     if not cache_weight:
         add(Op.ALL_GATHER, "z", padded_block, element_size, "backward", "E10")
     add(Op.ALL_REDUCE, out_axis, tokens * cols, element_size, "backward", "E9")
@@ -84,3 +90,19 @@ def linear_collectives(
     if bias:
         add(Op.ALL_REDUCE, "batch", rows, g_elem, "backward", "E13")
     return out
+
+
+def forward_chunk_count(tokens: int, row_bytes: int, chunks: int, min_chunk_bytes: int = 0) -> int:
+    """How many token chunks the forward all-reduce (E8) of ``tokens`` rows of ``row_bytes`` is
+    split into when ``chunks`` are asked for: never more than the rows, and never so many that a
+    chunk falls below ``min_chunk_bytes`` (small messages only pay latency for being split)."""
+    k = max(1, min(chunks, tokens))
+    if min_chunk_bytes > 0:
+        k = max(1, min(k, tokens * row_bytes // min_chunk_bytes))
+    return k
+
+
+def chunk_sizes(tokens: int, chunks: int) -> list[int]:
+    """Rows of each of ``chunks`` token chunks (the first ``tokens % chunks`` get one more)."""
+    base, extra = divmod(tokens, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]

@@ -25,18 +25,37 @@ from axon4d.grid import Grid, require_divisible
 
 
 class _Linear3D(torch.autograd.Function):
-    """Forward E2–E3 and backward E4–E7 of one 3D linear layer."""
+    """Forward E2–E3 and backward E4–E7 of one 3D linear layer.
+
+    When each collective is issued and waited on is the grid's overlap scheduler's decision
+    (axon4d.overlap): OAG prefetches weight blocks, OAR overlaps the dX all-reduce with the dW
+    matmul, ORS/ODP leave the gradient reductions running, and the forward all-reduce runs in
+    token chunks, chunk i on the wire while chunk i+1 is multiplied.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear") -> torch.Tensor:
         comm = layer.grid.comm
-        w = layer.weight_block(weight)  # (out_l, in_l) — E2, all-gather over z
-        y = torch.matmul(x, w.t())  # (..., in_l) @ (in_l, out_l) = (..., out_l)
-        y = comm.all_reduce(y, layer.in_axis, tag="fwd.E3").wait()  # partial sums over input features
+        sched = comm.scheduler
+        w = sched.gather_weight(layer, weight, backward=False)  # (out_l, in_l) — E2, all-gather over z
+        x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
+        tokens, out_l = x2.shape[0], w.shape[0]
+        y = x2.new_empty((tokens, out_l))  # (b, out_l)
+        handles, start = [], 0
+        for rows in volume.chunk_sizes(tokens, sched.policy.chunk_count(tokens, out_l * y.element_size())):
+            part = y[start : start + rows]  # a contiguous row block of y
+            with sched.compute("fwd.matmul"):
+                torch.matmul(x2[start : start + rows], w.t(), out=part)  # (rows, in_l) @ (in_l, out_l)
+            handles.append(comm.all_reduce(part, layer.in_axis, tag="fwd.E8"))  # E3: partial sums
+            start += rows
+        for h in handles:
+            h.wait()
+        y = y.view(*x.shape[:-1], out_l)
         if bias is not None:
             y = y + bias
         ctx.layer = layer
         ctx.has_bias = bias is not None
+        ctx.w_block = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no second E10
         ctx.save_for_backward(x, weight)
         return y
 
@@ -44,25 +63,29 @@ class _Linear3D(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer: Linear = ctx.layer
         comm = layer.grid.comm
+        sched = comm.scheduler
         x, weight = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()  # (b, out_l)
         dx_handle = None
         if ctx.needs_input_grad[0]:
-            w = layer.weight_block(weight)  # E10 again: the block is not kept between passes
-            dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
-            dx_handle = comm.all_reduce(dx, layer.out_axis, tag="bwd.E4")  # issued before dW: OAR
+            w = ctx.w_block if ctx.w_block is not None else sched.gather_weight(layer, weight, backward=True)
+            with sched.compute("bwd.dX"):
+                dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
+            dx_handle = comm.all_reduce(dx, layer.out_axis, tag="bwd.E9")  # E4, issued before dW
+            if not sched.policy.oar:
+                dx_handle.wait()
+        ctx.w_block = None
         dweight = dbias = None
         scale = 1.0 / layer.grid.size("batch")
         if ctx.needs_input_grad[1]:
-            dw = torch.matmul(dy2.t(), x2).reshape(-1)  # (out_l, b) @ (b, in_l), flattened
+            with sched.compute("bwd.dW"):
+                dw = torch.matmul(dy2.t(), x2).reshape(-1)  # (out_l, b) @ (b, in_l), flattened
             dw = F.pad(dw, (0, layer.shard_numel * layer.grid.size("z") - dw.numel()))
-            dw = comm.reduce_scatter(dw, "z", tag="bwd.E5").wait()  # this rank's flat shard
-            dw = comm.all_reduce(dw, "data", tag="bwd.E6").wait()
-            dweight = dw.mul_(scale)
+            dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0)  # (out_l,)
-            dbias = comm.all_reduce(db, "batch", tag="bwd.E7").wait().mul_(scale)
+            dbias = sched.reduce_bias_grad(layer.bias, db, scale)  # E7 over batch
         dx_out = None
         if dx_handle is not None:
             dx_out = dx_handle.wait().view(x.shape)

@@ -1,0 +1,307 @@
+"""When collectives are issued and waited on: the one place that holds the overlap policy (DESIGN.md §4).
+
+A ``Scheduler`` belongs to one grid's ``Communicator`` (``grid.comm.scheduler``) and is configured
+from ``axon4d.init(..., overlap=...)`` or, for a region of code, ``with axon4d.overlap.using(...)``.
+Layers ask it for their weight block and hand it their gradients; they hold no overlap flags.
+
+- **OAG** (E2/E10): ``gather_weight`` issues the all-gather over z of the *next* layer's weight —
+  next in forward order during forward, in reverse order during backward — so it runs while the
+  current layer computes. The order is learned from the previous forward. ``oag_keep`` keeps the
+  forward's gathered block for backward (memory for time: E10 is then paid once, see
+  ``volume.linear_collectives(cache_weight=True)``).
+- **OAR** (E4/E9): the layer issues the dX all-reduce over its output axis before the dW matmul and
+  waits after it; off, it waits at once.
+- **ORS** (E5/E11): the dW reduce-scatter over z is not waited on in the layer; it is folded in at
+  the next layer's backward or at the end of backward.
+- **ODP** (E6/E12, E7/E13): data-parallel all-reduces of the weight shards, in buckets of
+  ``bucket_mb`` (0: one bucket per layer), are launched as the shards arrive; the bias
+  all-reduces over batch are issued asynchronously too.
+- **Chunked forward all-reduce** (E3/E8): the tokens are split into ``forward_chunks`` chunks and
+  chunk i is all-reduced over the input axis while chunk i+1 is multiplied.
+
+Gradient contract: pending gradient reductions are completed and written into ``.grad`` by a
+callback queued on the autograd engine, which runs before ``loss.backward()`` returns. Code
+that drives backward without the engine (``torch.autograd.grad``) calls ``finish_gradients()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from axon4d import volume
+
+if TYPE_CHECKING:
+    from axon4d.comm import Communicator, Handle
+    from axon4d.grid import Grid
+
+MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapPolicy:
+    """Which overlap mechanisms are on (all by default) and their knobs."""
+
+    oag: bool = True
+    """Prefetch the next layer's all-gather of weights over z (E10)."""
+    oag_keep: bool = False
+    """Keep the forward's gathered weight block for backward instead of gathering it again."""
+    oar: bool = True
+    """Issue the dX all-reduce (E9) before the dW matmul and wait after it."""
+    ors: bool = True
+    """Leave the dW reduce-scatter over z (E11) running; fold it into .grad later."""
+    odp: bool = True
+    """Launch the data all-reduces (E12) and bias all-reduces (E13) asynchronously in buckets."""
+    bucket_mb: float = 0.0
+    """ODP bucket size in MiB; 0 makes every layer's weight shard its own bucket."""
+    forward_chunks: int = 4
+    """Split the forward all-reduce (E8) into this many token chunks (1 = one all-reduce)."""
+    min_chunk_kb: float = 256.0
+    """Never make a forward chunk smaller than this (tiny messages gain nothing from chunking)."""
+
+    @classmethod
+    def off(cls) -> "OverlapPolicy":
+        """Every collective waited on where it is issued, as a serial implementation would."""
+        return cls(oag=False, oar=False, ors=False, odp=False, forward_chunks=1)
+
+    @classmethod
+    def only(cls, *mechanisms: str, **knobs: Any) -> "OverlapPolicy":
+        """All mechanisms off except ``mechanisms`` (names from ``MECHANISMS``)."""
+        unknown = set(mechanisms) - set(MECHANISMS)
+        if unknown:
+            raise ValueError(f"unknown overlap mechanisms {sorted(unknown)}; choose from {MECHANISMS}")
+        base = dataclasses.asdict(cls.off())
+        for m in mechanisms:
+            base["forward_chunks" if m == "chunks" else m] = cls.forward_chunks if m == "chunks" else True
+        base.update(knobs)
+        return cls(**base)
+
+    @classmethod
+    def parse(cls, spec: "OverlapPolicy | bool | str | dict[str, Any] | None") -> "OverlapPolicy":
+        """A policy from ``True``/``None`` (all on), ``False`` or ``"off"``, ``"all"``, a
+        comma-separated list of mechanisms (``"oag,chunks"``), a dict of fields, or a policy."""
+        if isinstance(spec, OverlapPolicy):
+            return spec
+        if spec is None or spec is True or spec == "all":
+            return cls()
+        if spec is False or spec == "off":
+            return cls.off()
+        if isinstance(spec, dict):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(spec) - fields
+            if unknown:
+                raise ValueError(f"unknown overlap options {sorted(unknown)}; options are {sorted(fields)}")
+            return cls(**spec)
+        if isinstance(spec, str):
+            return cls.only(*[m.strip() for m in spec.split(",") if m.strip()])
+        raise ValueError(f"overlap={spec!r}: give True/False, 'all', 'off', 'oag,oar,...', a dict or an OverlapPolicy")
+
+    def __post_init__(self) -> None:
+        if self.forward_chunks < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
+            raise ValueError(
+                f"overlap policy {self}: forward_chunks must be >= 1 and bucket_mb, min_chunk_kb >= 0"
+            )
+
+    def chunk_count(self, tokens: int, row_bytes: int) -> int:
+        """Chunks for a forward all-reduce of ``tokens`` rows of ``row_bytes`` (see volume.forward_chunk_count)."""
+        return volume.forward_chunk_count(tokens, row_bytes, self.forward_chunks, int(self.min_chunk_kb * 1024))
+
+
+@dataclasses.dataclass
+class _PendingGrad:
+    """A gradient on its way into ``param.grad``: a handle, then what to do with its result."""
+
+    param: torch.Tensor
+    handle: "Handle"
+    stage: str  # "rs": reduce-scatter over z still to fold; "ar": final all-reduce in flight
+    scale: float
+
+
+class Scheduler:
+    """Issues and completes the overlapped collectives of one grid according to its policy."""
+
+    def __init__(self, comm: "Communicator", policy: OverlapPolicy | None = None):
+        self.comm = comm
+        self.policy = policy or OverlapPolicy()
+        self._next: dict[int, Any] = {}  # id(layer) -> weakref of the layer run after it in forward
+        self._prev: dict[int, Any] = {}
+        self._last_forward: Any = None
+        self._prefetched: dict[int, tuple["Handle", int]] = {}  # id(layer) -> (gather, weight version)
+        self._scattering: list[_PendingGrad] = []  # ORS: reduce-scatters not yet folded
+        self._bucket: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (param, shard, scale)
+        self._reducing: list[tuple[list[tuple[torch.Tensor, torch.Tensor, float]], "Handle", torch.Tensor | None]] = []
+        self._callback_queued = False
+
+    @property
+    def grid(self) -> "Grid":
+        return self.comm.grid
+
+    # -- policy ---------------------------------------------------------------------------------
+    def configure(self, spec: Any) -> OverlapPolicy:
+        """Set the policy (see ``OverlapPolicy.parse``); returns it. Pending work is finished first."""
+        self.finish_gradients()
+        self.policy = OverlapPolicy.parse(spec)
+        return self.policy
+
+    @contextlib.contextmanager
+    def using(self, spec: Any) -> Iterator[OverlapPolicy]:
+        """Run the enclosed region under another policy, then restore the previous one."""
+        old = self.policy
+        try:
+            yield self.configure(spec)
+        finally:
+            self.configure(old)
+
+    # -- OAG: weights ---------------------------------------------------------------------------
+    def gather_weight(self, layer: Any, weight: torch.Tensor, backward: bool) -> torch.Tensor:
+        """The (rows, cols) weight block of ``layer`` — E2, all-gather over z — and the OAG prefetch
+        of the layer that runs next (forward order, or reverse order when ``backward``)."""
+        if not backward and torch.is_grad_enabled():
+            self._learn_order(layer)
+        handle = self._take_prefetch(layer, weight)
+        if handle is None:
+            handle = self._issue_gather(weight)
+        if self.policy.oag:
+            following = (self._prev if backward else self._next).get(id(layer))
+            nxt = following() if following is not None else None
+            if nxt is not None and id(nxt) not in self._prefetched:
+                self._prefetched[id(nxt)] = (self._issue_gather(nxt.weight), nxt.weight._version)
+        rows, cols = layer.block_shape
+        return handle.wait()[: rows * cols].view(rows, cols)
+
+    def _issue_gather(self, weight: torch.Tensor) -> "Handle":
+        return self.comm.all_gather(weight.detach(), "z", tag="E10")
+
+    def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> "Handle | None":
+        entry = self._prefetched.pop(id(layer), None)
+        if entry is None:
+            return None
+        handle, version = entry
+        if version != weight._version:  # the weight changed since the prefetch: gather again
+            handle.wait()
+            return None
+        return handle
+
+    def _learn_order(self, layer: Any) -> None:
+        last = self._last_forward() if self._last_forward is not None else None
+        if last is not None and last is not layer:
+            self._next[id(last)] = weakref.ref(layer)
+            self._prev[id(layer)] = weakref.ref(last)
+        self._last_forward = weakref.ref(layer)
+
+    # -- ORS / ODP: gradients -------------------------------------------------------------------
+    def reduce_weight_grad(self, param: torch.Tensor, dw: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """Reduce a flat padded dW block: reduce-scatter over z (E11), all-reduce over data (E12),
+        times ``scale``. Returns the shard when the policy is fully synchronous; otherwise the
+        result is written into ``param.grad`` before backward returns and None is returned."""
+        rs = self.comm.reduce_scatter(dw, "z", tag="bwd.E11")
+        if not (self.policy.ors or self.policy.odp):
+            shard = rs.wait()
+            return self.comm.all_reduce(shard, "data", tag="bwd.E12").wait().mul_(scale)
+        self._queue_callback()
+        self._advance()  # fold reduce-scatters issued by layers that ran before this one
+        self._scattering.append(_PendingGrad(param, rs, "rs", scale))
+        if not self.policy.ors:
+            self._advance()
+        return None
+
+    def reduce_bias_grad(self, param: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP."""
+        handle = self.comm.all_reduce(db, "batch", tag="bwd.E13")
+        if not self.policy.odp:
+            return handle.wait().mul_(scale)
+        self._queue_callback()
+        self._reducing.append(([(param, db, scale)], handle, None))
+        return None
+
+    def _advance(self) -> None:
+        """Fold every finished-or-due reduce-scatter into the ODP bucket (in issue order, the same
+        on every rank), launching the bucket's all-reduce over data when it is full."""
+        while self._scattering:
+            pending = self._scattering.pop(0)
+            shard = pending.handle.wait()
+            self._bucket.append((pending.param, shard, pending.scale))
+            limit = self.policy.bucket_mb * 2**20
+            if sum(s.numel() * s.element_size() for _, s, _ in self._bucket) >= limit:
+                self._flush_bucket()
+
+    def _flush_bucket(self) -> None:
+        """All-reduce the bucket over data (E12): one tensor as is, several through a flat buffer."""
+        if not self._bucket:
+            return
+        items, self._bucket = self._bucket, []
+        flat = items[0][1] if len(items) == 1 else torch.cat([s for _, s, _ in items])
+        handle = self.comm.all_reduce(flat, "data", tag="bwd.E12")
+        if not self.policy.odp:
+            handle.wait()
+        self._reducing.append((items, handle, flat if len(items) > 1 else None))
+
+    def finish_gradients(self) -> None:
+        """Complete every pending gradient reduction and add the results into ``.grad``.
+
+        Runs automatically at the end of each backward; call it yourself only if you drive
+        backward in a way that does not finish through the autograd engine."""
+        self._advance()
+        self._flush_bucket()
+        reducing, self._reducing = self._reducing, []
+        for items, handle, flat in reducing:
+            handle.wait()
+            offset = 0
+            for param, shard, scale in items:
+                if flat is not None:
+                    shard = flat[offset : offset + shard.numel()]
+                    offset += shard.numel()
+                shard = shard.mul_(scale)
+                if param.grad is None:
+                    param.grad = shard if flat is None else shard.clone()
+                else:
+                    param.grad.add_(shard)
+        for handle, _ in self._prefetched.values():  # prefetches nobody asked for (control flow changed)
+            handle.wait()
+        self._prefetched.clear()
+        self._last_forward = None
+
+    def _queue_callback(self) -> None:
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+
+        def done() -> None:
+            self._callback_queued = False
+            self.finish_gradients()
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    # -- compute spans for the timeline ---------------------------------------------------------
+    @contextlib.contextmanager
+    def compute(self, name: str) -> Iterator[None]:
+        """Record the enclosed compute as a span of this rank's timeline (see axon4d.trace)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.comm.log.add_span(name, start, time.perf_counter())
+
+
+def scheduler(grid: "Grid | None" = None) -> Scheduler:
+    """The scheduler of ``grid`` (default: the current grid)."""
+    from axon4d import runtime
+
+    return runtime.resolve(grid).comm.scheduler
+
+
+def configure(spec: Any, grid: "Grid | None" = None) -> OverlapPolicy:
+    """Set the overlap policy of ``grid`` (default: the current grid); see ``OverlapPolicy.parse``."""
+    return scheduler(grid).configure(spec)
+
+
+@contextlib.contextmanager
+def using(spec: Any, grid: "Grid | None" = None) -> Iterator[OverlapPolicy]:
+    """``with axon4d.overlap.using("off"): ...`` runs a region under another overlap policy."""
+    with scheduler(grid).using(spec) as policy:
+        yield policy
