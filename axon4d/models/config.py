@@ -30,8 +30,10 @@ class ModelConfig:
     """Training sequence length."""
     arch: str = "gpt"
     """"gpt" (LayerNorm, GELU MLP, learned positions, biases) or "llama" (RMSNorm, SwiGLU, RoPE, no biases)."""
-    tie_embeddings: bool = False
-    """Share the input embedding with the output projection."""
+    rope_theta: float = 10000.0
+    """Base of the rotary embedding frequencies (llama)."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
     name: str = ""
     """A label such as "20B"."""
 
@@ -79,7 +81,7 @@ class ModelConfig:
         per_block += 2 * self.hidden * (2 if self.arch == "gpt" else 1)  # two norms (weight, and bias for LayerNorm)
         emb = self.vocab_size * self.hidden
         pos = self.seq_len * self.hidden if self.arch == "gpt" else 0
-        head = 0 if self.tie_embeddings else self.vocab_size * self.hidden
+        head = self.vocab_size * self.hidden
         final_norm = self.hidden * (2 if self.arch == "gpt" else 1)
         return self.n_layers * per_block + emb + pos + head + final_norm
 

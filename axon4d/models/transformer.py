@@ -1,0 +1,128 @@
+"""GPT and Llama language models on the 4D grid, and their single-process references.
+
+``Transformer(cfg)`` takes this rank's batch shard of token ids (b, s) — b = B/(G_data·G_z), see
+``axon4d.shard_batch`` — and returns this rank's logits (b, s, vocab/G_y), replicated over x:
+
+    ids ─ VocabParallelEmbedding (+ positions) ─ blocks ─ final norm ─ LM head (normal Linear)
+         (b, s, hidden/G_x) throughout                                  (b, s, vocab/G_y)
+
+``loss(ids, targets)`` is the vocabulary-parallel cross-entropy, the mean over this rank's tokens,
+so after ``backward()`` every parameter's gradient is the DDP-averaged gradient of the global
+mean loss. ``DenseTransformer`` is the same model in plain PyTorch (what ``to_dense`` returns).
+Any size builds on the ``meta`` device to count per-rank parameters without allocating.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon4d import runtime
+from axon4d.grid import Grid
+from axon4d.models.config import ModelConfig
+from axon4d.nn.block import DenseBlock, TransformerBlock, _dense_norm, _norm
+from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
+from axon4d.nn.linear import Linear
+from axon4d.nn.loss import vocab_parallel_cross_entropy
+
+
+class DenseTransformer(nn.Module):
+    """The single-process reference: (B, s) ids → (B, s, vocab) logits."""
+
+    def __init__(self, cfg: ModelConfig, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.hidden, device=device, dtype=dtype)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden, device=device, dtype=dtype) if cfg.arch == "gpt" else None
+        if self.pos_emb is not None:
+            nn.init.normal_(self.pos_emb.weight, std=0.02)
+        self.blocks = nn.ModuleList(DenseBlock(cfg, device=device, dtype=dtype) for _ in range(cfg.n_layers))
+        self.norm = _dense_norm(cfg, device, dtype)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(ids)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb.weight[: ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(ids)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class Transformer(nn.Module):
+    """A GPT (``cfg.arch == "gpt"``) or Llama (``"llama"``) model on the 4D grid."""
+
+    def __init__(self, cfg: ModelConfig, *, grid: Grid | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.grid = grid = runtime.resolve(grid)
+        self.cfg = cfg
+        kw = dict(grid=grid, device=device, dtype=dtype)
+        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **kw)
+        self.pos_emb = PositionEmbedding(cfg.seq_len, cfg.hidden, **kw) if cfg.arch == "gpt" else None
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, **kw) for _ in range(cfg.n_layers))
+        self.norm = _norm(cfg, grid, device, dtype)
+        self.head = Linear(cfg.hidden, cfg.vocab_size, bias=False, transpose=False, **kw)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """(b, s) ids of this rank's batch shard → (b, s, vocab/G_y) logits, replicated over x."""
+        if ids.dim() != 2:
+            raise ValueError(f"expected token ids of shape (batch, seq), got {tuple(ids.shape)}")
+        if ids.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds cfg.seq_len = {self.cfg.seq_len}")
+        x = self.tok_emb(ids)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(ids.shape[1])
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over this rank's tokens, computed without gathering the vocabulary."""
+        return vocab_parallel_cross_entropy(self(ids), targets, self.grid, axis="y")
+
+    @torch.no_grad()
+    def load_dense_(self, dense: DenseTransformer) -> "Transformer":
+        """Take this rank's part of every weight of ``dense`` (equal on every rank)."""
+        self.tok_emb.load_dense_(dense.tok_emb.weight)
+        if self.pos_emb is not None:
+            assert dense.pos_emb is not None
+            self.pos_emb.load_dense_(dense.pos_emb.weight)
+        for mine, theirs in zip(self.blocks, dense.blocks):
+            mine.load_dense_(theirs)
+        self.norm.load_dense_(dense.norm)
+        self.head.load_dense_(dense.head.weight)
+        return self
+
+    @classmethod
+    def from_dense(cls, dense: DenseTransformer, *, grid: Grid | None = None) -> "Transformer":
+        p = dense.head.weight
+        model = cls(dense.cfg, grid=grid, dtype=p.dtype)
+        return model.load_dense_(dense)
+
+    def to_dense(self, grads: bool = False) -> DenseTransformer:
+        """The full single-process model (and gradients) on every rank."""
+        p = self.head.weight
+        dense = DenseTransformer(self.cfg, device=p.device, dtype=p.dtype)
+        dense.tok_emb = self.tok_emb.to_dense(grads)
+        if self.pos_emb is not None:
+            dense.pos_emb = self.pos_emb.to_dense(grads)
+        dense.blocks = nn.ModuleList(b.to_dense(grads) for b in self.blocks)
+        dense.norm = self.norm.to_dense(grads)
+        dense.head = self.head.to_dense(grads)
+        return dense
+
+
+def gpt(cfg: ModelConfig, **kw: object) -> Transformer:
+    """A GPT model (LayerNorm, GELU, learned positions, biases) on the grid."""
+    return Transformer(cfg.replace(arch="gpt"), **kw)  # type: ignore[arg-type]
+
+
+def llama(cfg: ModelConfig, **kw: object) -> Transformer:
+    """A Llama model (RMSNorm, SwiGLU, rotary positions, GQA, no biases) on the grid."""
+    return Transformer(cfg.replace(arch="llama"), **kw)  # type: ignore[arg-type]

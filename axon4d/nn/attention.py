@@ -1,0 +1,140 @@
+"""Causal self-attention on the grid: GQA, rotary embeddings, heads split over y (DESIGN.md §2).
+
+The fused QKV projection is a normal Linear (hidden over x → q, k, v features over y) and the
+output projection a transposed one (features over y → hidden over x), so the block consumes and
+produces the residual-stream layout (b, s, hidden/G_x) with no redistribution. The QKV output
+features are ordered so that y-rank j's contiguous chunk holds whole heads:
+[q heads of group j | k heads of group j | v heads of group j]; attention then runs on this rank's
+n_heads/G_y query heads and n_kv_heads/G_y key/value heads with no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon4d import runtime
+from axon4d.grid import Grid, require_divisible
+from axon4d.nn.linear import Linear
+
+
+def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (seq, head_dim) of rotary position embeddings (half-split convention)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # (seq, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (b, heads, s, head_dim) by position: x·cos + rotate_half(x)·sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None) -> torch.Tensor:
+    """softmax(q kᵀ/√d, causal) v for (b, s, heads, d) inputs with GQA; returns (b, s, heads·d)."""
+    b, s, hq, d = q.shape
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
+    if rope_theta is not None:
+        cos, sin = rotary_tables(s, d, rope_theta, q.device, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != hq)
+    return out.transpose(1, 2).reshape(b, s, hq * d)
+
+
+class DenseAttention(nn.Module):
+    """The single-process reference: separate q, k, v, o projections."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, bias: bool, rope_theta: float | None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta = n_heads, n_kv_heads, hidden // n_heads, rope_theta
+        kv = n_kv_heads * self.head_dim
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(hidden, hidden, **kw), nn.Linear(hidden, kv, **kw), nn.Linear(hidden, kv, **kw)
+        self.o_proj = nn.Linear(hidden, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
+        return self.o_proj(causal_attention(q, k, v, self.rope_theta))
+
+
+def _qkv_order(n_heads: int, n_kv_heads: int, head_dim: int, groups: int) -> torch.Tensor:
+    """Row permutation taking cat(q, k, v) features to the grouped-by-y order described above."""
+    hq, hkv = n_heads // groups, n_kv_heads // groups
+    q_off, k_off, v_off = 0, n_heads * head_dim, (n_heads + n_kv_heads) * head_dim
+    parts = []
+    for j in range(groups):
+        parts.append(torch.arange(q_off + j * hq * head_dim, q_off + (j + 1) * hq * head_dim))
+        parts.append(torch.arange(k_off + j * hkv * head_dim, k_off + (j + 1) * hkv * head_dim))
+        parts.append(torch.arange(v_off + j * hkv * head_dim, v_off + (j + 1) * hkv * head_dim))
+    return torch.cat(parts)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention on (b, s, hidden/G_x) activations (replicated over y)."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
+                 rope_theta: float | None = None, grid: Grid | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.grid = grid = runtime.resolve(grid)
+        n_kv_heads = n_kv_heads or n_heads
+        if hidden % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"hidden = {hidden}, n_heads = {n_heads}, n_kv_heads = {n_kv_heads}: need hidden % n_heads == 0 "
+                             "and n_heads % n_kv_heads == 0")
+        require_divisible(n_heads, "n_heads", grid.shape, ["y"], "attention splits heads over y")
+        require_divisible(n_kv_heads, "n_kv_heads", grid.shape, ["y"], "attention splits key/value heads over y")
+        self.hidden, self.n_heads, self.n_kv_heads, self.head_dim = hidden, n_heads, n_kv_heads, hidden // n_heads
+        self.rope_theta = rope_theta
+        self.local_heads, self.local_kv_heads = n_heads // grid.size("y"), n_kv_heads // grid.size("y")
+        qkv_out = (n_heads + 2 * n_kv_heads) * self.head_dim
+        kw = dict(grid=grid, device=device, dtype=dtype)
+        self.qkv = Linear(hidden, qkv_out, bias=bias, transpose=False, **kw)
+        self.out = Linear(hidden, hidden, bias=bias, transpose=True, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x)  # (b, s, (hq + 2 hkv)·d) of this y group's heads
+        hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        y = causal_attention(q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d), self.rope_theta)
+        return self.out(y)  # (b, s, hidden/G_x)
+
+    @torch.no_grad()
+    def load_dense_(self, dense: DenseAttention) -> "Attention":
+        order = _qkv_order(self.n_heads, self.n_kv_heads, self.head_dim, self.grid.size("y"))
+        w = torch.cat([dense.q_proj.weight, dense.k_proj.weight, dense.v_proj.weight])[order]
+        b = None
+        if dense.q_proj.bias is not None:
+            b = torch.cat([dense.q_proj.bias, dense.k_proj.bias, dense.v_proj.bias])[order]
+        self.qkv.load_dense_(w, b)
+        self.out.load_dense_(dense.o_proj.weight, dense.o_proj.bias)
+        return self
+
+    def to_dense(self, grads: bool = False) -> DenseAttention:
+        p = self.qkv.weight
+        dense = DenseAttention(self.hidden, self.n_heads, self.n_kv_heads, self.qkv.bias is not None, self.rope_theta,
+                               device=p.device, dtype=p.dtype)
+        order = _qkv_order(self.n_heads, self.n_kv_heads, self.head_dim, self.grid.size("y"))
+        inverse = torch.argsort(order)
+        qkv = self.qkv.to_dense(grads)
+        splits = [self.hidden, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
+        targets = [dense.q_proj, dense.k_proj, dense.v_proj]
+        for attr in ("weight", "bias"):
+            t = getattr(qkv, attr)
+            if t is None:
+                continue
+            for part, tgt in zip(t.detach()[inverse].split(splits), targets):
+                getattr(tgt, attr).data.copy_(part)
+            if grads and t.grad is not None:
+                for part, tgt in zip(t.grad[inverse].split(splits), targets):
+                    getattr(tgt, attr).grad = part.clone()
+        dense.o_proj = self.out.to_dense(grads)
+        return dense

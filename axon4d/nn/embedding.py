@@ -1,0 +1,119 @@
+"""Vocabulary-parallel token embedding and position embedding on the grid (DESIGN.md §2, edges).
+
+The table E (vocab, hidden) is split in both dims: rank (x, y) holds rows vocab/G_y · y … and
+columns hidden/G_x · x …, replicated over z and data. A lookup takes the rows this rank owns
+(zeros for the others) and sums over y, producing the residual-stream layout — (b, s, hidden/G_x),
+replicated over y — with no rank ever holding the whole table or the whole activation width.
+Gradients are averaged over batch = data × z.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from axon4d import runtime
+from axon4d.grid import Grid, require_divisible
+from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
+
+
+def _block(full: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    return full[rows[0] : rows[1], cols[0] : cols[1]]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``torch.nn.Embedding(vocab, hidden)`` with vocab split over y and hidden over x."""
+
+    def __init__(self, vocab_size: int, hidden: int, *, grid: Grid | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.grid = runtime.resolve(grid)
+        self.vocab_size, self.hidden = vocab_size, hidden
+        require_divisible(vocab_size, "vocab_size", self.grid.shape, ["y"], "the embedding splits the vocabulary over y")
+        require_divisible(hidden, "hidden", self.grid.shape, ["x"], "the embedding splits hidden features over x")
+        v, h = vocab_size // self.grid.size("y"), hidden // self.grid.size("x")
+        self.rows = (self.grid.coord("y") * v, (self.grid.coord("y") + 1) * v)
+        self.cols = (self.grid.coord("x") * h, (self.grid.coord("x") + 1) * h)
+        device = device if device is not None else self.grid.device
+        self.weight = nn.Parameter(torch.empty(v, h, device=device, dtype=dtype))
+        average_grad_over_batch(self.weight, self.grid)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """N(0, 1) like ``torch.nn.Embedding``; a block's values depend on the seed and its position."""
+        seed = int(torch.randint(0, 2**62, ()).item())
+        if self.weight.is_meta:
+            return
+        gen = torch.Generator().manual_seed(seed + 31 * (self.grid.coord("y") * 65537 + self.grid.coord("x") + 1))
+        self.weight.copy_(torch.randn(self.weight.shape, generator=gen))
+
+    @torch.no_grad()
+    def load_dense_(self, weight: torch.Tensor) -> "VocabParallelEmbedding":
+        """Copy this rank's block of a full (vocab, hidden) table given on every rank."""
+        if tuple(weight.shape) != (self.vocab_size, self.hidden):
+            raise ValueError(f"dense embedding has shape {tuple(weight.shape)}, expected ({self.vocab_size}, {self.hidden})")
+        self.weight.copy_(_block(weight, self.rows, self.cols))
+        return self
+
+    def _assemble(self, block: torch.Tensor) -> torch.Tensor:
+        comm = self.grid.comm
+        t = comm.all_gather(block.detach().contiguous(), "x", dim=1, tag="dense").wait()
+        return comm.all_gather(t.contiguous(), "y", dim=0, tag="dense").wait().clone()
+
+    def to_dense(self, grads: bool = False) -> nn.Embedding:
+        dense = nn.Embedding(self.vocab_size, self.hidden, device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            dense.weight.copy_(self._assemble(self.weight))
+        if grads and self.weight.grad is not None:
+            dense.weight.grad = self._assemble(self.weight.grad)
+        return dense
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """(b, s) token ids → (b, s, hidden/G_x), replicated over y."""
+        lo, hi = self.rows
+        mine = (ids >= lo) & (ids < hi)
+        local = torch.where(mine, ids - lo, torch.zeros_like(ids))
+        out = nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return sum_to_replicas(out, "y", self.grid)
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions (GPT): a (seq_len, hidden/G_x) slice per rank, added to the stream."""
+
+    def __init__(self, seq_len: int, hidden: int, *, grid: Grid | None = None,
+                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.grid = runtime.resolve(grid)
+        self.seq_len, self.hidden = seq_len, hidden
+        require_divisible(hidden, "hidden", self.grid.shape, ["x"], "position embeddings split hidden over x")
+        h = hidden // self.grid.size("x")
+        self.cols = (self.grid.coord("x") * h, (self.grid.coord("x") + 1) * h)
+        device = device if device is not None else self.grid.device
+        self.weight = nn.Parameter(torch.zeros(seq_len, h, device=device, dtype=dtype))
+        average_grad_over_batch(self.weight, self.grid)
+        if not self.weight.is_meta:
+            seed = int(torch.randint(0, 2**62, ()).item())
+            gen = torch.Generator().manual_seed(seed + self.grid.coord("x"))
+            with torch.no_grad():
+                self.weight.copy_(0.02 * torch.randn(self.weight.shape, generator=gen))
+
+    @torch.no_grad()
+    def load_dense_(self, weight: torch.Tensor) -> "PositionEmbedding":
+        self.weight.copy_(weight[:, self.cols[0] : self.cols[1]])
+        return self
+
+    def to_dense(self, grads: bool = False) -> nn.Embedding:
+        dense = nn.Embedding(self.seq_len, self.hidden, device=self.weight.device, dtype=self.weight.dtype)
+        gather = lambda t: self.grid.comm.all_gather(t.detach().contiguous(), "x", dim=1, tag="dense").wait().clone()  # noqa: E731
+        with torch.no_grad():
+            dense.weight.copy_(gather(self.weight))
+        if grads and self.weight.grad is not None:
+            dense.weight.grad = gather(self.weight.grad)
+        return dense
+
+    def forward(self, seq: int) -> torch.Tensor:
+        """(seq, hidden/G_x) positions 0 … seq−1."""
+        if seq > self.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the position table's seq_len = {self.seq_len}")
+        return self.weight[:seq]

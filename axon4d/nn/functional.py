@@ -1,0 +1,79 @@
+"""Differentiable collectives and gradient synchronisation for modules built on the grid.
+
+The 3D Linear hides its own communication (DESIGN.md §2); the modules around it — norms over
+sharded features, the vocabulary-parallel embedding and loss — need a few collectives inside
+autograd. Each is a tiny ``torch.autograd.Function`` that calls the communication layer.
+
+Naming follows the role of the result:
+- ``sum_partials``: every rank holds a partial sum and uses the total for *its own* features, so
+  the backward sums the incoming gradients too (all-reduce forward and backward).
+- ``sum_to_replicas``: partial sums whose total is then used *identically* on every rank of the
+  axis (replicated), so the gradient flowing back is already complete (all-reduce forward,
+  identity backward) — Megatron's "g".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from axon4d.grid import Grid
+
+
+class _SumPartials(torch.autograd.Function):
+    """All-reduce over an axis, forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+        ctx.axis, ctx.grid = axis, grid
+        return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=f"sum_partials.{axis}").wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=f"sum_partials.bwd.{ctx.axis}").wait(), None, None
+
+
+class _SumToReplicas(torch.autograd.Function):
+    """All-reduce over an axis forward; identity backward (the result is used replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+        return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=f"sum_to_replicas.{axis}").wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g, None, None
+
+
+def sum_partials(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    """Σ over ``axis`` of every rank's ``x``; gradients are summed over ``axis`` as well."""
+    if grid.size(axis) == 1:
+        return x
+    return _SumPartials.apply(x, axis, grid)
+
+
+def sum_to_replicas(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    """Σ over ``axis`` of every rank's ``x``, for a result every rank of ``axis`` uses identically."""
+    if grid.size(axis) == 1:
+        return x
+    return _SumToReplicas.apply(x, axis, grid)
+
+
+def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
+    """Make ``param``'s gradient the DDP average over batch = data × z (E6/E7 for replicated params).
+
+    For a parameter every rank of the batch axis holds a copy of (norm weights, embeddings): each
+    backward's gradient is all-reduced over batch and divided by G_batch before it is
+    accumulated into ``.grad``, so gradient accumulation over micro-batches stays correct.
+    """
+    g_batch = grid.size("batch")
+    if g_batch == 1:
+        return
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        reduced = grid.comm.all_reduce(grad.contiguous().clone(), "batch", tag="replicated_grad").wait()
+        return reduced.div_(g_batch)
+
+    param.register_hook(hook)

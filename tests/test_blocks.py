@@ -1,0 +1,233 @@
+"""Protects the transformer building blocks (attention with GQA and rotary, GELU and SwiGLU MLPs,
+LayerNorm/RMSNorm on sharded features, vocabulary-parallel embedding and cross-entropy, whole GPT
+and Llama models): each must equal its single-process PyTorch counterpart in forward output and
+in every gradient on grids of 1, 2, 4 and 8 ranks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import axon4d
+from axon4d.models.config import ModelConfig
+from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.nn.attention import Attention, DenseAttention
+from axon4d.nn.block import DenseBlock, TransformerBlock
+from axon4d.nn.embedding import VocabParallelEmbedding
+from axon4d.nn.loss import vocab_parallel_cross_entropy
+from axon4d.nn.mlp import MLP, DenseMLP
+from axon4d.nn.norm import LayerNorm, RMSNorm
+TOL = 2e-5
+FLOOR = 1e-3  # some gradients are exactly zero in theory (a key bias cannot change a softmax)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error relative to the reference's scale (floored, for gradients that vanish)."""
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(FLOOR))
+
+GPT = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="gpt")
+LLAMA = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
+
+
+def _grad_errors(dense_ref: nn.Module, dense_got: nn.Module) -> dict:
+    got = dict(dense_got.named_parameters())
+    errs = {}
+    for name, p in dense_ref.named_parameters():
+        errs[f"{name}"] = rel_err(got[name].detach(), p.detach())
+        errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
+    return errs
+
+
+def _make_pair(kind, cfg):
+    """(dense reference, parallel module) with the same weights."""
+    bias = cfg.arch == "gpt"
+    rope = cfg.rope_theta if cfg.arch == "llama" else None
+    if kind == "attention":
+        dense = DenseAttention(cfg.hidden, cfg.n_heads, cfg.kv_heads, bias, rope)
+        return dense, Attention(cfg.hidden, cfg.n_heads, cfg.kv_heads, bias=bias, rope_theta=rope).load_dense_(dense)
+    if kind == "mlp":
+        dense = DenseMLP(cfg.hidden, cfg.ffn, cfg.gated, bias)
+        return dense, MLP(cfg.hidden, cfg.ffn, gated=cfg.gated, bias=bias).load_dense_(dense)
+    if kind == "layernorm":
+        dense = nn.LayerNorm(cfg.hidden)
+        with torch.no_grad():
+            dense.weight.uniform_(0.5, 1.5), dense.bias.uniform_(-0.5, 0.5)
+        return dense, LayerNorm(cfg.hidden).load_dense_(dense)
+    if kind == "rmsnorm":
+        dense = nn.RMSNorm(cfg.hidden, eps=1e-6)
+        with torch.no_grad():
+            dense.weight.uniform_(0.5, 1.5)
+        return dense, RMSNorm(cfg.hidden).load_dense_(dense)
+    if kind == "block":
+        dense = DenseBlock(cfg)
+        return dense, TransformerBlock(cfg).load_dense_(dense)
+    raise ValueError(kind)
+
+
+def _check_activation_module(grid, kind, cfg):
+    """Modules mapping the residual layout (b, s, hidden/G_x) to itself."""
+    torch.manual_seed(11)
+    dense, mod = _make_pair(kind, cfg)
+    x_full = torch.randn(4, cfg.seq_len, cfg.hidden)
+    v = torch.randn(cfg.hidden)
+    x = axon4d.shard_input(x_full).detach().requires_grad_()
+    y = mod(x)
+    (y * axon4d.shard_features(v, "x")).sum().div(y.shape[0] * y.shape[1]).backward()
+    xr = x_full.clone().requires_grad_()
+    yr = dense(xr)
+    (yr * v).sum().div(yr.shape[0] * yr.shape[1]).backward()
+    errs = {"forward": rel_err(axon4d.gather_batch(axon4d.gather_features(y, "x")), yr)}
+    dx = axon4d.gather_batch(axon4d.gather_features(x.grad, "x")) / grid.size("batch")
+    errs["input_grad"] = rel_err(dx, xr.grad)
+    errs.update(_grad_errors(dense, mod.to_dense(grads=True)))
+    return errs
+
+
+def _assert_small(results, tol, label):
+    for rank, errs in enumerate(results):
+        bad = {k: v for k, v in errs.items() if not v <= tol}
+        assert not bad, f"{label} rank {rank}: {bad}"
+
+
+ACTIVATION_CASES = [("attention", GPT), ("attention", LLAMA), ("mlp", GPT), ("mlp", LLAMA),
+                    ("layernorm", GPT), ("rmsnorm", LLAMA), ("block", GPT), ("block", LLAMA)]
+
+
+@pytest.mark.parametrize("world,grids", [
+    (1, [(1, 1, 1, 1)]),
+    (2, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]),
+    (4, [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2), (1, 1, 2, 2)]),
+    (8, [(2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2), (2, 1, 4, 1)]),
+])
+def test_blocks_match_single_process(pools, world, grids):
+    for grid in grids:
+        for kind, cfg in ACTIVATION_CASES:
+            _assert_small(pools(world).run(grid, _check_activation_module, kind, cfg), TOL, f"{kind}/{cfg.arch} on {grid}")
+
+
+def _check_embedding_and_loss(grid):
+    torch.manual_seed(2)
+    vocab, hidden = 64, 32
+    dense = nn.Embedding(vocab, hidden)
+    emb = VocabParallelEmbedding(vocab, hidden).load_dense_(dense.weight)
+    ids_full = torch.randint(0, vocab, (4, 6))
+    v = torch.randn(hidden)
+    y = emb(axon4d.shard_batch(ids_full))
+    (y * axon4d.shard_features(v, "x")).sum().div(y.shape[0] * y.shape[1]).backward()
+    yr = dense(ids_full)
+    (yr * v).sum().div(yr.shape[0] * yr.shape[1]).backward()
+    errs = {"emb_forward": rel_err(axon4d.gather_batch(axon4d.gather_features(y, "x")), yr)}
+    errs.update({f"emb_{k}": e for k, e in _grad_errors(dense, emb.to_dense(grads=True)).items()})
+    # cross-entropy over logits split over y, with an ignored token
+    logits_full = torch.randn(4, 6, vocab)
+    targets = torch.randint(0, vocab, (4, 6))
+    targets[0, 0] = -100
+    logits = axon4d.shard_features(axon4d.shard_batch(logits_full), "y").detach().requires_grad_()
+    loss = vocab_parallel_cross_entropy(logits, axon4d.shard_batch(targets), grid)
+    loss.backward()
+    lr = logits_full.clone().requires_grad_()
+    ref_loss = F.cross_entropy(lr.reshape(-1, vocab), targets.reshape(-1))
+    ref_loss.backward()
+    # a rank's loss is the mean over its own tokens; the global mean is their mean when shards hold equal valid counts
+    ref_local = F.cross_entropy(axon4d.shard_batch(logits_full).reshape(-1, vocab), axon4d.shard_batch(targets).reshape(-1))
+    errs["ce_forward"] = rel_err(loss.detach(), ref_local)
+    g = axon4d.gather_batch(axon4d.gather_features(logits.grad, "y"))
+    local_counts = (axon4d.shard_batch(targets) != -100).sum()
+    total = (targets != -100).sum()
+    errs["ce_grad"] = rel_err(axon4d.shard_batch(g) * local_counts / total, axon4d.shard_batch(lr.grad))
+    return errs
+
+
+@pytest.mark.parametrize("world,grid", [(1, (1, 1, 1, 1)), (2, (1, 2, 1, 1)), (4, (2, 2, 1, 1)), (8, (2, 2, 2, 1)), (8, (1, 4, 1, 2))])
+def test_vocab_parallel_embedding_and_cross_entropy(pools, world, grid):
+    _assert_small(pools(world).run(grid, _check_embedding_and_loss), TOL, f"embedding/ce on {grid}")
+
+
+def _check_model(grid, cfg):
+    torch.manual_seed(7)
+    dense = DenseTransformer(cfg)
+    model = Transformer.from_dense(dense)
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
+    targets = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
+    loss = model.loss(axon4d.shard_batch(ids), axon4d.shard_batch(targets))
+    loss.backward()
+    ref = dense.loss(ids, targets)
+    ref.backward()
+    logits = axon4d.gather_batch(axon4d.gather_features(model(axon4d.shard_batch(ids)), "y"))
+    errs = {"logits": rel_err(logits, dense(ids))}
+    mean_loss = grid.comm.all_reduce(loss.detach().reshape(1).clone(), "batch").wait() / grid.size("batch")
+    errs["loss"] = rel_err(mean_loss, ref.detach().reshape(1))
+    errs.update(_grad_errors(dense, model.to_dense(grads=True)))
+    return errs
+
+
+@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("world,grid", [(1, (1, 1, 1, 1)), (2, (1, 1, 1, 2)), (4, (1, 2, 2, 1)), (8, (2, 2, 2, 1)), (8, (1, 2, 2, 2))])
+def test_whole_model_matches_single_process(pools, cfg, world, grid):
+    _assert_small(pools(world).run(grid, _check_model, cfg), TOL, f"{cfg.arch} on {grid}")
+
+
+def _train(grid, cfg, steps):
+    torch.manual_seed(3)
+    dense = DenseTransformer(cfg)
+    model = Transformer.from_dense(dense)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=gen)
+        loss = model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        mean = grid.comm.all_reduce(loss.detach().reshape(1).clone(), "batch").wait() / grid.size("batch")
+        losses.append(mean.item())
+    return losses
+
+
+def _train_reference(cfg, steps):
+    torch.manual_seed(3)
+    dense = DenseTransformer(cfg)
+    opt = torch.optim.AdamW(dense.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=gen)
+        loss = dense.loss(ids[:, :-1], ids[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2)])
+def test_training_follows_the_single_process_loss_curve(pools, grid):
+    ref = _train_reference(LLAMA, 50)
+    for curve in pools(8).run(grid, _train, LLAMA, 50):
+        worst = max(abs(a - b) / b for a, b in zip(curve, ref))
+        assert worst < 1e-4, f"grid {grid}: loss curve deviates by {worst:.1e}"
+    assert ref[-1] < ref[0]  # it actually learned something
+
+
+def _head_errors(grid):
+    msgs = {}
+    for name, fn in {
+        "heads": lambda: Attention(32, 4, 4),
+        "kv_heads": lambda: Attention(32, 8, 2),
+        "vocab": lambda: VocabParallelEmbedding(30, 32),
+    }.items():
+        try:
+            fn()
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+    return msgs
+
+
+def test_heads_and_vocab_that_do_not_split_raise_clear_errors(pools):
+    for msgs in pools(8).run((1, 8, 1, 1), _head_errors):
+        assert "n_heads = 4 is not divisible by G_y = 8" in msgs["heads"]
+        assert "n_kv_heads = 2 is not divisible by G_y = 8" in msgs["kv_heads"]
+        assert "vocab_size = 30 is not divisible by G_y = 8" in msgs["vocab"]
