@@ -1,0 +1,418 @@
+"""Drop-in parallelization of an existing model: ``auto_parallelize(model)`` and ``to_dense(model)``.
+
+``auto_parallelize`` swaps every ``torch.nn.Linear`` (and Hugging Face's ``Conv1D``) for a
+``ShardedLinear`` around an ``axon4d.Linear`` (DESIGN.md §2, E2–E7) and keeps the model's own
+forward code. The model runs on this rank's token shard (``axon4d.shard_batch``, dim 0 split over
+batch = data × z); everything outside the wrapped layers (norms, residuals, attention maths,
+reshapes, embeddings) runs replicated over x and y on full features.
+
+Two layouts per layer:
+- **general** (any model): the layer takes full features, slices its input features locally (no
+  communication) and all-gathers its output features, so the code around it sees full tensors.
+  Cost per layer: one all-gather of (b, out) forward and one of (b, in) backward, on top of the
+  3D layer's own E8/E9 all-reduces.
+- **chained** (known families, ``FAMILY_PLANS``): inside an attention or MLP block whose code
+  between projections only reshapes per head or acts elementwise, the first projections are normal
+  layers whose output stays split over y (so attention runs on this rank's heads only), and the last
+  is a transposed layer that takes that split input and gathers over x — one all-gather per block
+  instead of one per layer.
+
+Parameters left replicated (norms, embeddings, layers it cannot split) get a gradient hook that
+averages over batch = data × z (E6/E7 for replicated parameters), so ``.grad`` is DDP-complete when
+``backward()`` returns. Layers left as they are are listed in one warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from axon4d import runtime
+from axon4d.grid import Grid, _suggest, factorizations
+from axon4d.nn.linear import Linear
+
+#: attribute marking a forward pre-hook installed here (stripped from ``to_dense`` copies)
+_HOOK_MARK = "__axon4d_hook__"
+#: attribute holding {name: original value} of module attributes a family plan changed
+_RESTORE = "_axon4d_restore"
+
+
+# -- differentiable feature collectives ------------------------------------------------------
+class _SliceFeatures(torch.autograd.Function):
+    """Forward: this rank's chunk of the last dim over ``axis`` (local). Backward: all-gather over ``axis``.
+
+    The input is replicated over ``axis``; each rank's gradient is exact for its own chunk only,
+    so the full input gradient is the concatenation of every rank's chunk.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+        ctx.axis, ctx.grid = axis, grid
+        n = x.shape[-1] // grid.size(axis)
+        return x.narrow(-1, grid.coord(axis) * n, n).contiguous()  # (..., f/G_axis)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        full = ctx.grid.comm.all_gather(g.contiguous(), ctx.axis, dim=-1, tag=f"parallelize.bwd.gather.{ctx.axis}")
+        return full.wait(), None, None  # (..., f)
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """Forward: all-gather the last dim over ``axis``. Backward: keep this rank's chunk (local).
+
+    The result is used identically on every rank of ``axis``, so each rank's incoming gradient is
+    already complete and its own chunk is exact.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+        ctx.axis, ctx.grid, ctx.n = axis, grid, x.shape[-1]
+        return grid.comm.all_gather(x.contiguous(), axis, dim=-1, tag=f"parallelize.fwd.gather.{axis}").wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g.narrow(-1, ctx.grid.coord(ctx.axis) * ctx.n, ctx.n).contiguous(), None, None
+
+
+def slice_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    """This rank's chunk of ``x``'s last dim over ``axis``; the backward all-gathers over ``axis``."""
+    return x if grid.size(axis) == 1 else _SliceFeatures.apply(x, axis, grid)
+
+
+def gather_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    """The full last dim from every rank's chunk over ``axis``; the backward keeps this rank's chunk."""
+    return x if grid.size(axis) == 1 else _GatherFeatures.apply(x, axis, grid)
+
+
+def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
+    """Average ``param``'s gradient over batch = data × z, as DDP does (E6/E7 for a replicated parameter).
+
+    Each backward's gradient is all-reduced and divided by G_batch before it is accumulated into
+    ``.grad``, so gradient accumulation over several backward calls stays correct.
+    """
+    g_batch = grid.size("batch")
+    if g_batch == 1:
+        return
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:  # (param shape), this rank's local-mean gradient
+        total = grid.comm.all_reduce(grad.contiguous().clone(), "batch", tag="parallelize.replicated_grad")
+        return total.wait().div_(g_batch)
+
+    param.register_hook(hook)
+
+
+# -- the wrapped layer -----------------------------------------------------------------------
+def _is_conv1d(m: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear layer storing its weight as (in, out)."""
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and hasattr(m, "nx")
+
+
+def _dense_params(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight (out, in), bias (out,) or None) of an ``nn.Linear`` or a ``Conv1D``."""
+    if _is_conv1d(m):
+        return m.weight.detach().t(), m.bias.detach()
+    return m.weight.detach(), None if m.bias is None else m.bias.detach()
+
+
+class ShardedLinear(nn.Module):
+    """An ``axon4d.Linear`` that fits where a model had an ``nn.Linear`` or ``Conv1D``.
+
+    Input: (..., in) full features, or — ``input_sharded`` — this rank's chunk over the layer's
+    input axis (x normal, y transposed). Output: (..., out) full, gathered over the output axis, or —
+    ``output_sharded`` — this rank's chunk. ``out_perm`` reorders output features before splitting
+    (GPT-2's packed q|k|v so each rank gets whole heads of all three); ``to_dense`` undoes it.
+    """
+
+    def __init__(self, dense: nn.Module, *, transpose: bool = False, input_sharded: bool = False,
+                 output_sharded: bool = False, out_perm: torch.Tensor | None = None, grid: Grid | None = None):
+        super().__init__()
+        weight, bias = _dense_params(dense)
+        out_f, in_f = weight.shape
+        if out_perm is not None:
+            weight, bias = weight[out_perm], None if bias is None else bias[out_perm]
+        self.inner = Linear(in_f, out_f, bias=bias is not None, transpose=transpose, grid=grid,
+                            device=weight.device, dtype=weight.dtype)
+        self.inner.load_dense_(weight, bias)
+        self.grid = self.inner.grid
+        self.input_sharded, self.output_sharded = input_sharded, output_sharded
+        self.conv1d = _is_conv1d(dense)
+        self.register_buffer("out_perm", out_perm, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_sharded:
+            x = slice_features(x, self.inner.in_axis, self.grid)  # (..., in) → (..., in/G_in)
+        y = self.inner(x)  # (..., out/G_out)
+        return y if self.output_sharded else gather_features(y, self.inner.out_axis, self.grid)
+
+    @torch.no_grad()
+    def to_dense(self, grads: bool = False) -> nn.Module:
+        """The layer it replaced (``nn.Linear`` or ``Conv1D``) with full weight, bias and ``.grad``."""
+        lin = self.inner.to_dense(grads=grads)
+        if self.out_perm is not None:
+            inv = torch.argsort(self.out_perm)
+            for p in lin.parameters():
+                p.data = p.data[inv]
+                if p.grad is not None:
+                    p.grad = p.grad[inv]
+        if not self.conv1d:
+            return lin
+        from transformers.pytorch_utils import Conv1D  # only reached for a model that had one
+
+        conv = Conv1D(lin.out_features, lin.in_features).to(lin.weight)
+        conv.weight.copy_(lin.weight.t())
+        conv.bias.copy_(lin.bias)
+        if grads:
+            conv.weight.grad = None if lin.weight.grad is None else lin.weight.grad.t().contiguous()
+            conv.bias.grad = lin.bias.grad
+        return conv
+
+    def extra_repr(self) -> str:
+        return f"conv1d={self.conv1d}, input_sharded={self.input_sharded}, output_sharded={self.output_sharded}"
+
+
+# -- family plans ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Spec:
+    """How one linear layer is replaced."""
+
+    transpose: bool = False
+    input_sharded: bool = False
+    output_sharded: bool = False
+    out_perm: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class _BlockPlan:
+    """A family plan's decisions for one block: child specs, attributes to change, input slicing."""
+
+    specs: dict[str, _Spec]
+    patch: dict[str, Any] = dataclasses.field(default_factory=dict)
+    slice_input: bool = True  # slice the block's hidden_states over x once, for its first projections
+
+
+def _require_heads(name: str, what: str, heads: int, grid: Grid) -> None:
+    """Attention runs on this rank's heads: ``heads`` must divide by G_y (chained layout)."""
+    g = grid.size("y")
+    if heads % g == 0:
+        return
+    ok = [s for s in factorizations(grid.world_size) if heads % s.y == 0]
+    raise ValueError(
+        f"{name}: {what} = {heads} is not divisible by G_y = {g} on grid {grid.shape} (the chained "
+        f"layout splits attention heads over y); use layout='general', or "
+        + _suggest(grid.world_size, ok, near=grid.shape)
+    )
+
+
+def _plan_llama_attention(name: str, m: nn.Module, grid: Grid) -> _BlockPlan:
+    """q, k, v normal with output split over y (whole heads; GQA needs kv heads to divide too), o transposed."""
+    cfg = m.config
+    _require_heads(name, "num_attention_heads", cfg.num_attention_heads, grid)
+    _require_heads(name, "num_key_value_heads", cfg.num_key_value_heads, grid)
+    qkv = _Spec(input_sharded=True, output_sharded=True)
+    return _BlockPlan({"q_proj": qkv, "k_proj": qkv, "v_proj": qkv, "o_proj": _Spec(transpose=True, input_sharded=True)})
+
+
+def _plan_llama_mlp(name: str, m: nn.Module, grid: Grid) -> _BlockPlan:
+    """gate and up normal with output split over y; the SiLU product is elementwise; down transposed."""
+    up = _Spec(input_sharded=True, output_sharded=True)
+    return _BlockPlan({"gate_proj": up, "up_proj": up, "down_proj": _Spec(transpose=True, input_sharded=True)})
+
+
+def _plan_gpt2_mlp(name: str, m: nn.Module, grid: Grid) -> _BlockPlan:
+    """c_fc normal with output split over y; GELU is elementwise; c_proj transposed."""
+    return _BlockPlan({"c_fc": _Spec(input_sharded=True, output_sharded=True),
+                       "c_proj": _Spec(transpose=True, input_sharded=True)})
+
+
+def _plan_gpt2_attention(name: str, m: nn.Module, grid: Grid) -> _BlockPlan | None:
+    """c_attn packs q|k|v: rows are permuted so rank y holds [q, k, v] of its own heads, and the
+    module's ``split_size`` becomes hidden/G_y so its ``split`` cuts the local chunk; c_proj transposed."""
+    if getattr(m, "is_cross_attention", False) or hasattr(m, "q_attn"):
+        return None  # cross-attention: general path
+    _require_heads(name, "num_heads", m.num_heads, grid)
+    h, g = m.embed_dim, grid.size("y")
+    local = h // g
+    perm = torch.cat([torch.arange(y * local, (y + 1) * local) + j * h for y in range(g) for j in range(3)])
+    return _BlockPlan(
+        {"c_attn": _Spec(input_sharded=True, output_sharded=True, out_perm=perm),
+         "c_proj": _Spec(transpose=True, input_sharded=True)},
+        patch={"split_size": local},
+    )
+
+
+#: class name → plan for blocks whose forward code is known (tested: see docs/parallelize.md)
+FAMILY_PLANS: dict[str, Callable[[str, nn.Module, Grid], _BlockPlan | None]] = {
+    "LlamaAttention": _plan_llama_attention,
+    "LlamaMLP": _plan_llama_mlp,
+    "GPT2Attention": _plan_gpt2_attention,
+    "GPT2MLP": _plan_gpt2_mlp,
+}
+
+
+def _slice_hidden_states_hook(grid: Grid) -> Callable[..., Any]:
+    """A forward pre-hook slicing a block's ``hidden_states`` (first argument) over x, once."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            args = (slice_features(args[0], "x", grid), *args[1:])
+        else:
+            kwargs = dict(kwargs, hidden_states=slice_features(kwargs["hidden_states"], "x", grid))
+        return args, kwargs
+
+    setattr(hook, _HOOK_MARK, True)
+    return hook
+
+
+# -- the entry points ------------------------------------------------------------------------
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or _is_conv1d(m)
+
+
+def _owned_by_axon4d(m: nn.Module) -> bool:
+    """Modules of this library reduce their own gradients (the 3D Linear, sharded norms, ...)."""
+    return type(m).__module__.startswith("axon4d.")
+
+
+def _linear_problem(name: str, m: nn.Module, spec: _Spec, grid: Grid, users: dict[int, list[str]]) -> str | None:
+    """Why ``m`` cannot be replaced as ``spec`` says (None if it can)."""
+    weight, _ = _dense_params(m)
+    out_f, in_f = weight.shape
+    for p in m.parameters(recurse=False):
+        others = [u for u in users[id(p)] if u != name]
+        if others:
+            return f"weight shared with {', '.join(others)} (tied)"
+    in_axis, out_axis = ("y", "x") if spec.transpose else ("x", "y")
+    if in_f % grid.size(in_axis) or out_f % grid.size(out_axis):
+        return (f"({out_f}, {in_f}) does not split over G_{out_axis} = {grid.size(out_axis)} × "
+                f"G_{in_axis} = {grid.size(in_axis)}")
+    return None
+
+
+def auto_parallelize(model: nn.Module, *, grid: Grid | None = None, layout: str = "chained") -> nn.Module:
+    """Replace ``model``'s linear layers by 3D-parallel ones in place and return ``model``.
+
+    ``model`` must be identical on every rank (same seed or checkpoint) and already on the grid's
+    device; afterwards it takes this rank's batch shard (``axon4d.shard_batch``) and its outputs are
+    this rank's shard (``axon4d.gather_batch`` reassembles them). ``layout="chained"`` uses the
+    family plans (``FAMILY_PLANS``) where they apply and the general path elsewhere;
+    ``layout="general"`` uses the general path for every layer. Layers left as they are (tied to
+    another module, not divisible by the grid, embeddings) stay replicated with gradients averaged
+    over batch = data × z and are listed in a ``UserWarning``. Raises ``ValueError`` on every rank,
+    before any collective, when a chained block's heads do not divide by G_y.
+    """
+    if layout not in ("chained", "general"):
+        raise ValueError(f"layout {layout!r} is not known; use 'chained' or 'general'")
+    grid = runtime.resolve(grid)
+    users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
+    for name, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            users.setdefault(id(p), []).append(name)
+
+    # 1. decide everything (sizes only: no collective, the same on every rank)
+    specs: dict[str, _Spec] = {}
+    blocks: list[tuple[nn.Module, _BlockPlan]] = []
+    skipped: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ShardedLinear) or _owned_by_axon4d(m):
+            continue
+        plan_fn = FAMILY_PLANS.get(type(m).__name__) if layout == "chained" else None
+        plan = plan_fn(name, m, grid) if plan_fn else None
+        if plan is None:
+            continue
+        children = {c: getattr(m, c, None) for c in plan.specs}
+        if all(_is_linear(c) for c in children.values()) and not any(
+            _linear_problem(f"{name}.{c}", children[c], s, grid, users) for c, s in plan.specs.items()
+        ):
+            blocks.append((m, plan))
+            specs.update({f"{name}.{c}": s for c, s in plan.specs.items()})
+    for name, m in model.named_modules():
+        if _is_linear(m) and name not in specs and not _owned_by_axon4d(m):
+            problem = _linear_problem(name, m, _Spec(), grid, users)
+            if problem:
+                skipped[name] = f"{type(m).__name__}: {problem}"
+            else:
+                specs[name] = _Spec()
+        elif isinstance(m, nn.Embedding):
+            skipped[name] = "Embedding: kept whole on every rank"
+        elif isinstance(m, nn.MultiheadAttention):
+            skipped[name] = "MultiheadAttention: uses its projection weights directly"
+            for child, _ in m.named_modules():
+                specs.pop(f"{name}.{child}" if child else name, None)
+
+    # 2. apply: replace layers, install block hooks and patches, hook replicated gradients
+    modules = dict(model.named_modules())
+    for name, spec in specs.items():
+        parent_name, _, child = name.rpartition(".")
+        new = ShardedLinear(modules[name], transpose=spec.transpose, input_sharded=spec.input_sharded,
+                            output_sharded=spec.output_sharded, out_perm=spec.out_perm, grid=grid)
+        setattr(modules[parent_name] if parent_name else model, child, new)
+    for m, plan in blocks:
+        if plan.patch:
+            setattr(m, _RESTORE, {k: getattr(m, k) for k in plan.patch})
+            for k, v in plan.patch.items():
+                setattr(m, k, v)
+        if plan.slice_input:
+            m.register_forward_pre_hook(_slice_hidden_states_hook(grid), with_kwargs=True)
+    _hook_replicated_grads(model, grid)
+    if skipped:
+        listed = "; ".join(f"{n} ({why})" for n, why in skipped.items())
+        warnings.warn(
+            f"axon4d.auto_parallelize left {len(skipped)} layer(s) as they are — replicated on every "
+            f"rank, gradients averaged over data × z: {listed}", UserWarning, stacklevel=2)
+    return model
+
+
+def _hook_replicated_grads(model: nn.Module, grid: Grid) -> None:
+    """Average over batch (data × z) the gradient of every parameter this library does not shard."""
+    sharded = {id(p) for m in model.modules() if _owned_by_axon4d(m) for p in m.parameters()}
+    for p in model.parameters():  # each shared parameter once
+        if p.requires_grad and id(p) not in sharded and not getattr(p, "_axon4d_replicated", False):
+            average_grad_over_batch(p, grid)
+            p._axon4d_replicated = True
+
+
+def to_dense(model: nn.Module, grads: bool = False) -> nn.Module:
+    """An unparallelized copy of ``model`` with full weights (and ``.grad`` if ``grads``), on every rank.
+
+    Every submodule with a ``to_dense(grads=...)`` method (``ShardedLinear``, ``axon4d.Linear``
+    and the library's other sharded modules) is replaced by its result, gathering over the axes it
+    is split on; everything else is copied. Hooks and attribute changes made by
+    ``auto_parallelize`` are undone in the copy. Every rank must call it (it communicates).
+    """
+    if callable(getattr(model, "to_dense", None)):
+        return model.to_dense(grads=grads)
+    memo: dict[int, Any] = {}
+
+    def convert(parent: nn.Module) -> None:  # children in a fixed order, the same on every rank
+        grid = getattr(parent, "grid", None)
+        if isinstance(grid, Grid):
+            memo[id(grid)] = grid  # shared, never copied
+        for child in parent.children():
+            if id(child) in memo:
+                continue
+            if callable(getattr(child, "to_dense", None)):
+                memo[id(child)] = child.to_dense(grads=grads)
+            else:
+                convert(child)
+
+    convert(model)
+    dense = copy.deepcopy(model, memo)
+    for m in dense.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for key in [k for k, fn in hooks.items() if getattr(fn, _HOOK_MARK, False)]:
+                del hooks[key]
+                m._forward_pre_hooks_with_kwargs.pop(key, None)
+        for k, v in m.__dict__.pop(_RESTORE, {}).items():
+            setattr(m, k, v)
+    originals = dict(model.named_parameters())
+    for name, p in dense.named_parameters():
+        p.__dict__.pop("_axon4d_replicated", None)
+        if grads and p.grad is None and name in originals and originals[name].grad is not None:
+            p.grad = originals[name].grad.detach().clone()
+    return dense
+
