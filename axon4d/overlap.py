@@ -161,8 +161,6 @@ class Scheduler:
     def gather_weight(self, layer: Any, weight: torch.Tensor, backward: bool) -> torch.Tensor:
         """The (rows, cols) weight block of ``layer`` — E2, all-gather over z — and the OAG prefetch
         of the layer that runs next (forward order, or reverse order when ``backward``)."""
-        if not backward and torch.is_grad_enabled():
-            self._learn_order(layer)
         handle = self._take_prefetch(layer, weight)
         if handle is None:
             handle = self._issue_gather(weight)
@@ -187,7 +185,11 @@ class Scheduler:
             return None
         return handle
 
-    def _learn_order(self, layer: Any) -> None:
+    def note_forward(self, layer: Any) -> None:
+        """Learn the forward order of layers (for OAG) from a forward that will be differentiated.
+
+        Layers call this before their forward when grad mode is on; the chain restarts after each
+        backward, so the order never links the last layer of one step to the first of the next."""
         last = self._last_forward() if self._last_forward is not None else None
         if last is not None and last is not layer:
             self._next[id(last)] = weakref.ref(layer)
@@ -203,7 +205,6 @@ class Scheduler:
         if not (self.policy.ors or self.policy.odp):
             shard = rs.wait()
             return self.comm.all_reduce(shard, "data", tag="bwd.E12").wait().mul_(scale)
-        self._queue_callback()
         self._advance()  # fold reduce-scatters issued by layers that ran before this one
         self._scattering.append(_PendingGrad(param, rs, "rs", scale))
         if not self.policy.ors:
@@ -215,7 +216,6 @@ class Scheduler:
         handle = self.comm.all_reduce(db, "batch", tag="bwd.E13")
         if not self.policy.odp:
             return handle.wait().mul_(scale)
-        self._queue_callback()
         self._reducing.append(([(param, db, scale)], handle, None))
         return None
 
@@ -266,7 +266,9 @@ class Scheduler:
         self._prefetched.clear()
         self._last_forward = None
 
-    def _queue_callback(self) -> None:
+    def backward_started(self) -> None:
+        """Called by every layer's backward: makes sure ``finish_gradients`` runs when this
+        backward pass ends (an autograd-engine callback, queued once per pass)."""
         if self._callback_queued:
             return
         self._callback_queued = True
@@ -275,7 +277,10 @@ class Scheduler:
             self._callback_queued = False
             self.finish_gradients()
 
-        torch.autograd.Variable._execution_engine.queue_callback(done)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(done)
+        except RuntimeError:  # not inside the engine's backward: the caller finishes explicitly
+            self._callback_queued = False
 
     # -- compute spans for the timeline ---------------------------------------------------------
     @contextlib.contextmanager

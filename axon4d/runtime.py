@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 from axon4d import device as devices
 from axon4d import launch
+from axon4d.comm import choose_transport
 from axon4d.grid import Grid, GridShape
+from axon4d.overlap import OverlapPolicy
 
 _state: dict[str, object] = {"grid": None, "owns_world": False}
 
@@ -26,7 +28,8 @@ def init(
     *,
     backend: str | None = None,
     device: str | torch.device | None = None,
-    comm: str = "torch",
+    comm: str = "auto",
+    overlap: object = None,
     seed: int | None = None,
     timeout_s: float = 600.0,
 ) -> Grid:
@@ -34,7 +37,10 @@ def init(
 
     ``grid`` may hold one -1 ("the rest"); the default is pure data parallelism. ``backend`` is
     the torch.distributed backend (default: NCCL with accelerators, gloo otherwise); ``device``
-    overrides the compute device; ``comm`` chooses the communication layer's transport.
+    overrides the compute device; ``comm`` chooses the communication layer's transport: "torch",
+    "mpi" (also ``backend="mpi"``), or "auto" = MPI when launched by mpirun on the host with mpi4py
+    present, else torch (axon4d.comm.choose_transport). ``overlap`` is the overlap policy
+    (axon4d.overlap.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict).
     ``seed``, if given, seeds torch's generator identically on every rank.
     Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
     """
@@ -49,10 +55,13 @@ def init(
     devices.bind(dev)
     if seed is not None:
         torch.manual_seed(seed)
+    transport, backend = choose_transport(comm, backend, info.launcher, dev)
+    policy = OverlapPolicy.parse(overlap)  # raises before any group exists
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s)
         _state["owns_world"] = True
-    new = Grid(shape, dev, comm, launcher=info.launcher)
+    new = Grid(shape, dev, transport, launcher=info.launcher)
+    new.comm.scheduler.configure(policy)
     _state["grid"] = new
     return new
 

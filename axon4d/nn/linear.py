@@ -64,6 +64,7 @@ class _Linear3D(torch.autograd.Function):
         layer: Linear = ctx.layer
         comm = layer.grid.comm
         sched = comm.scheduler
+        sched.backward_started()  # pending reductions land in .grad before backward() returns
         x, weight = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()  # (b, out_l)
@@ -229,6 +230,8 @@ class Linear(nn.Module):
                 f"= {self.in_features}/{g} = {cols}, got shape {tuple(x.shape)}; shard a full input with "
                 f"axon4d.shard_input(x, transpose={self.transpose})"
             )
+        if torch.is_grad_enabled():
+            self.grid.comm.scheduler.note_forward(self)  # the order OAG prefetches in
         return _Linear3D.apply(x, self.weight, self.bias, self)
 
     def _name(self) -> str:

@@ -1,0 +1,140 @@
+"""Protects the overlap scheduler (axon4d/overlap.py, DESIGN.md §4): with any mechanism on — OAG
+(and keep-for-backward), OAR, ORS, ODP (per layer and bucketed), chunked forward all-reduce — or all
+of them, several training steps give the same outputs and gradients as with overlap off (bitwise
+in fp32 where the reduction order is unchanged), .grad is complete when backward() returns
+(also when micro-batches accumulate), and the collectives issued are exactly what
+axon4d.volume says for that policy."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import axon4d
+from axon4d.comm import Op
+from axon4d.overlap import OverlapPolicy
+from axon4d.volume import linear_collectives
+
+# a transformer-shaped chain: normal → transposed → normal → transposed
+SPECS = [(32, 48, True, False), (48, 32, True, True), (32, 64, False, False), (64, 32, True, True)]
+LEAD = (8, 6)  # (batch, sequence)
+CHUNKED = dict(forward_chunks=3, min_chunk_kb=0)  # tiny test tensors: chunk anyway
+
+POLICIES = {
+    "off": OverlapPolicy.off(),
+    "oag": OverlapPolicy.only("oag"),
+    "oag_keep": OverlapPolicy.only("oag", oag_keep=True),
+    "oar": OverlapPolicy.only("oar"),
+    "ors": OverlapPolicy.only("ors"),
+    "odp": OverlapPolicy.only("odp"),
+    "odp_bucket": OverlapPolicy.only("odp", bucket_mb=1.0),
+    "chunks": OverlapPolicy.only("chunks", **CHUNKED),
+    "all": OverlapPolicy(**CHUNKED),
+    "all_keep_bucket": OverlapPolicy(oag_keep=True, bucket_mb=1.0, **CHUNKED),
+}
+# the only policies that change the order of a floating-point reduction
+REORDERING = {"chunks", "all", "all_keep_bucket", "odp_bucket"}
+
+
+def _train(grid, policy, steps=3):
+    """Run ``steps`` SGD steps of the chain under ``policy``; return outputs, grads and the log of
+    the last step. Step 0 accumulates two micro-batches into .grad before the update."""
+    grid.comm.scheduler.configure(policy)
+    torch.manual_seed(0)
+    layers = [axon4d.Linear(i, o, bias=b, transpose=t) for i, o, b, t in SPECS]
+    params = [p for layer in layers for p in layer.parameters()]
+    v = axon4d.shard_features(torch.randn(SPECS[-1][1]), layers[-1].out_axis)
+    outs, grads, tags = [], [], []
+    for step in range(steps):
+        grid.comm.log.clear()
+        for _ in range(2 if step == 0 else 1):
+            x = axon4d.shard_input(torch.randn(*LEAD, SPECS[0][0])).requires_grad_()
+            y = x
+            for layer in layers:
+                y = layer(y)
+            (y * v).sum().div(y.numel() // y.shape[-1]).backward()
+            outs.append(y.detach().clone())
+        grads.append([p.grad.clone() for p in params])  # complete as soon as backward() returned
+        tags.append([r.tag for r in grid.comm.log.records])
+        with torch.no_grad():
+            for p in params:
+                p -= 0.1 * p.grad
+                p.grad = None
+    counted = Counter((r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records)
+    return {"outs": outs, "grads": grads, "counted": counted, "tags": tags}
+
+
+def _all_policies(grid):
+    return {name: _train(grid, policy) for name, policy in POLICIES.items()}
+
+
+def _expected(shape, policy):
+    tokens = LEAD[0] * LEAD[1] // shape.size("batch")
+    expected = Counter()
+    for i, o, b, t in SPECS:
+        for c in linear_collectives(i, o, tokens, shape, transpose=t, bias=b, cache_weight=policy.oag_keep,
+                                    forward_chunks=policy.forward_chunks,
+                                    min_chunk_bytes=int(policy.min_chunk_kb * 1024)):
+            expected[(c.op, c.axis, c.payload_bytes)] += 1
+    if policy.bucket_mb > 0 and shape.data > 1:  # every shard fits one bucket: one all-reduce per step
+        data = [(k, n) for k, n in expected.items() if k[1] == "data"]
+        for k, _ in data:
+            del expected[k]
+        expected[(Op.ALL_REDUCE, "data", sum(k[2] * n for k, n in data))] += 1
+    return expected
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2)])
+def test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_off(pools, grid):
+    shape = axon4d.GridShape(*grid)
+    for rank, res in enumerate(pools(8).run(grid, _all_policies, timeout=300)):
+        ref = res["off"]
+        for name, got in res.items():
+            assert got["counted"] == _expected(shape, POLICIES[name]), f"{name}: bytes differ from volume"
+            pairs = list(zip(got["outs"], ref["outs"])) + [
+                (g, r) for gs, rs in zip(got["grads"], ref["grads"]) for g, r in zip(gs, rs)
+            ]
+            for g, r in pairs:
+                if name in REORDERING:
+                    torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank}")
+                else:
+                    assert torch.equal(g, r), f"{name} on grid {grid} rank {rank}: not bitwise equal"
+
+
+def test_oag_prefetches_the_next_layers_weight_from_the_second_step_on(pools):
+    res = pools(8).run((2, 2, 2, 1), _all_policies, timeout=300)[0]
+
+    def gathers_before_first_forward_all_reduce(tags):
+        return tags[: tags.index("fwd.E8")].count("E10")
+
+    assert [gathers_before_first_forward_all_reduce(t) for t in res["off"]["tags"]] == [1, 1, 1]
+    assert [gathers_before_first_forward_all_reduce(t) for t in res["oag"]["tags"]] == [1, 2, 2]
+    # keep-for-backward: the backward pass issues no gather at all
+    keep = res["oag_keep"]["tags"][-1]
+    assert keep.count("E10") == len(SPECS)
+
+
+def _policy_from_init(grid):
+    return grid.comm.scheduler.policy
+
+
+def test_init_overlap_argument_and_context_manager(pools):
+    for policy in pools(2).run((1, 1, 2, 1), _policy_from_init, overlap="oar,chunks"):
+        assert policy == OverlapPolicy.only("oar", "chunks")
+    for policy in pools(2).run((1, 1, 2, 1), _policy_from_init, overlap=False):
+        assert policy == OverlapPolicy.off()
+
+
+def test_policy_parsing_and_errors():
+    assert OverlapPolicy.parse(None) == OverlapPolicy() == OverlapPolicy.parse("all")
+    assert OverlapPolicy.parse({"oag": False}).oag is False
+    with pytest.raises(ValueError, match="unknown overlap mechanisms \\['bogus'\\]"):
+        OverlapPolicy.parse("oag,bogus")
+    with pytest.raises(ValueError, match="unknown overlap options"):
+        OverlapPolicy.parse({"bucket": 3})
+    with pytest.raises(ValueError, match="forward_chunks must be >= 1"):
+        OverlapPolicy(forward_chunks=0)
+    # chunking: never below min_chunk_kb, never more chunks than rows
+    assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096) == 4
+    assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40) == 1
+    assert OverlapPolicy(forward_chunks=4, min_chunk_kb=0).chunk_count(3, 40) == 3
