@@ -98,6 +98,9 @@ class Attention(nn.Module):
         kw = dict(grid=grid, device=device, dtype=dtype)
         self.qkv = Linear(hidden, qkv_out, bias=bias, transpose=False, **kw)
         self.out = Linear(hidden, hidden, bias=bias, transpose=True, **kw)
+        # the fused output is q | k | v interleaved by y group: checkpoints store the three apart
+        kv = n_kv_heads * self.head_dim
+        self.qkv.row_segments = (("q", hidden), ("k", kv), ("v", kv))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape

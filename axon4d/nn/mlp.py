@@ -52,6 +52,8 @@ class MLP(nn.Module):
         kw = dict(grid=grid, device=device, dtype=dtype)
         self.up = Linear(hidden, 2 * ffn if gated else ffn, bias=bias, transpose=False, **kw)
         self.down = Linear(ffn, hidden, bias=bias, transpose=True, **kw)
+        if gated:  # gate | up interleaved by y group: checkpoints store the two apart
+            self.up.row_segments = (("gate", ffn), ("up", ffn))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)  # (…, ffn/G_y) or (…, 2·ffn/G_y) = [gate_j | up_j]

@@ -1,0 +1,145 @@
+"""How each parameter of a model is laid out on the grid, in one table.
+
+Every parameter is a piece of a *global* tensor (the one the single-process model holds). A
+``ParamLayout`` says which tensor dim each grid axis splits, whether the piece is stored as a flat
+z-shard of its (x, y) block (axon4d.Linear weights, DESIGN.md §2), and over which axes the piece is
+replicated. Checkpoints use it to save pieces at their global offsets and to load them onto any
+other grid; gradient clipping uses it to count every element exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon4d.grid import AXES, Grid
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Where one parameter's local piece sits in its global tensor."""
+
+    global_shape: tuple[int, ...]
+    """Shape of the full tensor of the single-process model."""
+    split: tuple[tuple[str, int], ...] = ()
+    """(axis, dim) pairs: the grid axis splits that tensor dim into equal contiguous chunks."""
+    z_flat: bool = False
+    """Stored as this rank's flat, zero-padded 1/G_z of the block (axon4d.Linear weights)."""
+    segments: tuple[tuple[str, int], ...] = ()
+    """Dim 0 of the global tensor is really several tensors stacked (fused q|k|v, gate|up) whose
+    chunks are interleaved by the axis splitting dim 0: (name, global rows) of each. A checkpoint
+    stores each segment as its own tensor, so it does not depend on the grid that wrote it."""
+
+    def segment_views(self, block: torch.Tensor, grid: Grid) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """(name, rows of ``block``, global shape, offsets) of every segment of this rank's block."""
+        offsets = self.block_offsets(grid)
+        if not self.segments:
+            return [("", block, self.global_shape, offsets)]
+        parts = 1
+        for axis, dim in self.split:
+            if dim == 0:
+                parts = grid.size(axis)
+        out, start = [], 0
+        for name, rows in self.segments:
+            local = rows // parts
+            shape = (rows, *self.global_shape[1:])
+            seg_offsets = (offsets[0] // self.block_shape(grid)[0] * local, *offsets[1:])
+            out.append((name, block[start : start + local], shape, seg_offsets))
+            start += local
+        return out
+
+    def block_shape(self, grid: Grid) -> tuple[int, ...]:
+        """Shape of this rank's (x, y) block of the global tensor."""
+        shape = list(self.global_shape)
+        for axis, dim in self.split:
+            shape[dim] //= grid.size(axis)
+        return tuple(shape)
+
+    def block_offsets(self, grid: Grid) -> tuple[int, ...]:
+        """Offset of this rank's block in the global tensor."""
+        offsets = [0] * len(self.global_shape)
+        block = self.block_shape(grid)
+        for axis, dim in self.split:
+            offsets[dim] = grid.coord(axis) * block[dim]
+        return tuple(offsets)
+
+    def replicated_over(self) -> tuple[str, ...]:
+        """Axes over which every rank holds the same piece."""
+        used = {a for a, _ in self.split} | ({"z"} if self.z_flat else set())
+        return tuple(a for a in AXES if a not in used)
+
+    def to_block(self, local: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """The (x, y) block from this rank's stored piece (all-gather over z for flat shards)."""
+        if not self.z_flat:
+            return local
+        block = self.block_shape(grid)
+        flat = grid.comm.all_gather(local.detach().contiguous(), "z", tag="sharding").wait()
+        return flat[: math.prod(block)].view(block)
+
+    def from_block(self, block: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """This rank's stored piece of an (x, y) block (its flat z-shard, zero-padded)."""
+        if not self.z_flat:
+            return block
+        flat = block.reshape(-1)
+        n = -(-flat.numel() // grid.size("z"))
+        flat = F.pad(flat, (0, n * grid.size("z") - flat.numel()))
+        return flat[grid.coord("z") * n : (grid.coord("z") + 1) * n]
+
+
+def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:
+    """The layout of ``module``'s parameter ``name`` (fully replicated unless the module is ours)."""
+    from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
+    from axon4d.nn.linear import Linear
+    from axon4d.nn.norm import _ShardedNorm
+
+    if isinstance(module, Linear):
+        segments = tuple(getattr(module, "row_segments", ()))
+        if name == "weight":
+            split = ((module.out_axis, 0), (module.in_axis, 1))
+            return ParamLayout((module.out_features, module.in_features), split, z_flat=True, segments=segments)
+        return ParamLayout((module.out_features,), ((module.out_axis, 0),), segments=segments)
+    if isinstance(module, _ShardedNorm):
+        return ParamLayout((module.hidden,), ((module.axis, 0),))
+    if isinstance(module, VocabParallelEmbedding):
+        return ParamLayout((module.vocab_size, module.hidden), (("y", 0), ("x", 1)))
+    if isinstance(module, PositionEmbedding):
+        return ParamLayout((module.seq_len, module.hidden), (("x", 1),))
+    return ParamLayout(tuple(param.shape))
+
+
+def param_layouts(model: nn.Module) -> dict[str, ParamLayout]:
+    """``{qualified parameter name: layout}`` for every parameter of ``model``."""
+    out = {}
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            out[f"{mod_name}.{p_name}" if mod_name else p_name] = layout_of(module, p_name, p)
+    return out
+
+
+def grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
+    """The global L2 norm of all gradients, each element counted once however it is sharded."""
+    layouts = param_layouts(model)
+    device = next(model.parameters()).device
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        copies = math.prod(grid.size(a) for a in layouts[name].replicated_over())
+        total += p.grad.detach().double().square().sum() / copies
+    total = grid.comm.all_reduce(total, "world", tag="grad_norm").wait()
+    return total.sqrt().float()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> float:
+    """Scale every gradient so the global norm is at most ``max_norm``; return the norm before."""
+    norm = grad_norm(model, grid)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if scale.item() < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+    return float(norm)
