@@ -1,0 +1,265 @@
+"""Predicted time of one training step on one grid: compute + communication − overlap (DESIGN.md §3, §4, §6).
+
+For every linear layer kind of the ``Workload`` the collectives are exactly the list
+``axon4d.volume.linear_collectives`` returns (E8–E13, normal or transposed layout) — the same
+list the communication log is tested against — each priced by ``Machine.comm_time`` on its axis
+(group size and rank stride from E1). GEMMs are priced from the machine's measured throughput at
+the local shapes; attention, elementwise work and the optimizer from their own calibrations.
+
+Overlap (§4) is credited per layer window, never more than the compute in that window times the
+machine's ``overlap_efficiency``:
+
+    forward window of layer i  = its GEMM + the non-GEMM work after it (attention, GELU, …)
+        hides: OAG — layer i+1's Z all-gather (E10) prefetched;
+               chunked E8 — (k−1)/k of layer i's forward all-reduce, within (k−1)/k of its GEMM
+    backward window of layer i = the non-GEMM backward work after layer i + its dX and dW GEMMs
+        hides: OAR — layer i's E9 all-reduce, within its dW GEMM;
+               ORS — layer i+1's E11 reduce-scatter; ODP — layer i+1's E12 (and E13) all-reduce;
+               OAG — layer i−1's backward all-gather prefetched
+
+Block layers are repeated n_layers times and their neighbours wrap around the block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from axon4d.grid import GridShape
+from axon4d.plan.machine import Machine
+from axon4d.plan.workload import LinearSpec, Workload
+from axon4d.volume import linear_collectives, weight_shard_numel
+
+#: Axis → (group size, rank stride) under E1.
+def axis_geometry(shape: GridShape, axis: str) -> tuple[int, int]:
+    """(ranks in one group of ``axis``, distance between consecutive members) — E1, x innermost."""
+    x, y, z, d = shape.as_tuple()
+    return {"x": (x, 1), "y": (y, x), "z": (z, x * y), "data": (d, x * y * z), "batch": (z * d, x * y),
+            "world": (x * y * z * d, 1)}[axis]
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """Which overlap mechanisms of DESIGN.md §4 are on. The default is what axon4d.Linear does today."""
+
+    oag: bool = False  # prefetch the next layer's Z all-gather
+    oar: bool = True  # dX all-reduce issued before the dW GEMM (axon4d.Linear always does this)
+    ors: bool = False  # dW reduce-scatter asynchronous
+    odp: bool = False  # data-parallel gradient all-reduce asynchronous, bucketed
+    chunks: int = 1  # token chunks of the forward all-reduce (E8); 1 = synchronous
+    cache_weight: bool = False  # keep the gathered block for backward (E10 once)
+
+    @classmethod
+    def parse(cls, text: str) -> "Overlap":
+        """From "oag,oar,ors,odp,chunks=4,cache" (or "none", or "all")."""
+        text = text.strip().lower()
+        if text in ("", "none"):
+            return cls(oar=False)
+        if text == "all":
+            return cls(True, True, True, True, 4, False)
+        kw: dict[str, Any] = {"oar": False}
+        for part in text.split(","):
+            part = part.strip()
+            if part.startswith("chunks="):
+                kw["chunks"] = int(part.split("=", 1)[1])
+            elif part in ("oag", "oar", "ors", "odp"):
+                kw[part] = True
+            elif part == "cache":
+                kw["cache_weight"] = True
+            else:
+                raise ValueError(f"unknown overlap option {part!r}; use oag, oar, ors, odp, chunks=K, cache, none, all")
+        return cls(**kw)
+
+    def __str__(self) -> str:
+        on = [n for n in ("oag", "oar", "ors", "odp") if getattr(self, n)]
+        if self.chunks > 1:
+            on.append(f"chunks={self.chunks}")
+        if self.cache_weight:
+            on.append("cache")
+        return ",".join(on) or "none"
+
+
+@dataclasses.dataclass
+class LayerCost:
+    """Seconds of one run of one linear layer kind (compute and each collective) on one rank."""
+
+    spec: LinearSpec
+    fwd: float  # forward GEMM + elementwise of the layer itself
+    post_fwd: float  # non-GEMM forward work after the layer (attention, GELU, residual, loss)
+    fwd_mm: float
+    dx: float
+    dw: float
+    bwd_ew: float
+    post_bwd: float  # backward of the non-GEMM work after the layer
+    comm: dict[str, float]  # term key ("E8", "E10f", "E10b", "E9", "E11", "E12", "E13") -> seconds
+    comm_axis: dict[str, str]
+    bytes_by_axis: dict[str, int]
+
+
+def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov: Overlap) -> LayerCost:
+    world, dt, elem = shape.world_size, wl.dtype, wl.element_size
+    b = wl.local_tokens(shape)
+    in_l, out_l = spec.local(shape)
+    shard = weight_shard_numel(spec.in_features, spec.out_features, shape, spec.transpose)
+    n_w = shard * shape.z
+    ew = m.elementwise_time
+    if spec.embedding:
+        fwd_mm, dx = 0.0, 0.0
+        fwd = ew(2 * b * out_l * elem, world)  # gather rows
+        dw = ew((2 * n_w + 2 * b * out_l) * elem, world)  # zero-fill the block, scatter-add rows
+    else:
+        fwd_mm = m.matmul_time("nt", b, in_l, out_l, dt, world)
+        fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
+        dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
+        dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
+    bwd_ew = ew((2 * n_w + 2 * shard + (b * out_l if spec.bias else 0)) * elem, world) + 8 * m.op_overhead_s
+    comm: dict[str, float] = {}
+    axes: dict[str, str] = {}
+    by_axis: dict[str, int] = {}
+    for c in linear_collectives(spec.in_features, spec.out_features, b, shape, transpose=spec.transpose,
+                                bias=spec.bias, element_size=elem, cache_weight=ov.cache_weight):
+        if c.term == "E9" and not spec.input_grad:
+            continue
+        group, stride = axis_geometry(shape, c.axis)
+        key = c.term + ("f" if c.term == "E10" and c.phase == "forward" else "b" if c.term == "E10" else "")
+        k = ov.chunks if c.term == "E8" and not spec.embedding else 1
+        comm[key] = k * m.comm_time(c.op.value, group, stride, c.payload_bytes / k, world)
+        axes[key] = c.axis
+        by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
+    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis)
+
+
+def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
+    """Non-GEMM (forward, backward) seconds following each layer kind in forward order."""
+    mod, world, elem = wl.model, shape.world_size, wl.element_size
+    b = wl.local_tokens(shape)
+    ew = m.elementwise_time
+    h_x = mod.hidden // shape.x
+    ffn_y = mod.ffn // shape.y
+    out: dict[str, tuple[float, float]] = {}
+    if wl.attention:
+        units = (b // mod.seq_len) * (mod.n_heads // shape.y)
+        att = m.attention_time(mod.seq_len, mod.head_dim, units, wl.dtype, world)
+        out["qkv"] = (att * 0.3, att * 0.7)  # fwd:bwd ≈ 1:2.3 for flash-style kernels (heads → features is a view)
+    residual = (ew(3 * b * h_x * elem, world), ew(3 * b * h_x * elem, world))  # add; grad fan-out sum
+    out["attn_out"] = residual
+    out["mlp_down"] = residual
+    act = m.activation_time(b * ffn_y * (2 if mod.gated else 1), world)
+    out["mlp_up"] = (act[0], act[1])
+    if wl.norms:  # the norm before QKV and MLP-up: ~5 passes forward, ~8 backward over (b, hidden/G_x)
+        norm = (ew(5 * b * h_x * elem, world), ew(8 * b * h_x * elem, world))
+        for k in ("attn_out", "mlp_down"):
+            out[k] = (out[k][0] + norm[0], out[k][1] + norm[1])
+    if wl.head:
+        vocab_y = mod.vocab_size // shape.y
+        out["head"] = (ew(3 * b * vocab_y * 4, world), ew(3 * b * vocab_y * 4, world))  # loss on fp32 logits
+    return out
+
+
+@dataclasses.dataclass
+class TimeEstimate:
+    """Predicted seconds of one step on one rank, and where they go."""
+
+    step_s: float
+    compute_s: float
+    matmul_s: float
+    optimizer_s: float
+    comm_s: float  # all collectives as if serial
+    hidden_s: float  # the part of comm_s overlap hides
+    comm_by_axis: dict[str, float]
+    bytes_by_axis: dict[str, int]
+    hidden_by_mechanism: dict[str, float]
+    layers: dict[str, dict[str, float]]
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.comm_s - self.hidden_s
+
+    @property
+    def hidden_pct(self) -> float:
+        return 100.0 * self.hidden_s / self.comm_s if self.comm_s > 0 else 0.0
+
+
+def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap = Overlap(),
+              params_local: int | None = None) -> TimeEstimate:
+    """Predicted seconds of one forward + backward + optimizer step on ``shape`` (one rank)."""
+    layers = [_layer_cost(s, wl, shape, machine, overlap) for s in wl.linears()]
+    extras = _block_extras(wl, shape, machine)
+    for lc in layers:
+        lc.post_fwd, lc.post_bwd = extras.get(lc.spec.name, (0.0, 0.0))
+    eff = machine.overlap_efficiency
+    block = [i for i, lc in enumerate(layers) if lc.spec.count == wl.model.n_layers and not lc.spec.embedding
+             and lc.spec.name != "head"]
+
+    def neighbour(i: int, step: int) -> LayerCost | None:
+        if i in block:
+            pos = block.index(i) + step
+            return layers[block[pos % len(block)]]
+        j = i + step
+        return layers[j] if 0 <= j < len(layers) else None
+
+    hidden = {"oag": 0.0, "oar": 0.0, "ors": 0.0, "odp": 0.0, "chunks": 0.0}
+    compute = matmul = comm = 0.0
+    comm_by_axis: dict[str, float] = {}
+    bytes_by_axis: dict[str, int] = {}
+    per_layer: dict[str, dict[str, float]] = {}
+    for i, lc in enumerate(layers):
+        n = lc.spec.count
+        c = lc.comm
+        # forward window
+        cap = eff * (lc.fwd + lc.post_fwd)
+        h_f = 0.0
+        if overlap.chunks > 1 and "E8" in c:
+            k = overlap.chunks
+            h = min(c["E8"] * (k - 1) / k, eff * lc.fwd_mm * (k - 1) / k, cap)
+            hidden["chunks"] += n * h
+            h_f += h
+        nxt = neighbour(i, +1)
+        if overlap.oag and nxt is not None:
+            h = min(nxt.comm.get("E10f", 0.0), cap - h_f)
+            hidden["oag"] += n * h
+            h_f += h
+        # backward window
+        cap = eff * (lc.post_bwd + lc.dx + lc.dw + lc.bwd_ew)
+        h_b = 0.0
+        if overlap.oar and "E9" in c:
+            h = min(c["E9"], eff * lc.dw, cap)
+            hidden["oar"] += n * h
+            h_b += h
+        later = neighbour(i, +1)  # its backward ran just before this layer's
+        if later is not None:
+            if overlap.ors:
+                h = min(later.comm.get("E11", 0.0), cap - h_b)
+                hidden["ors"] += n * h
+                h_b += h
+            if overlap.odp:
+                h = min(later.comm.get("E12", 0.0) + later.comm.get("E13", 0.0), cap - h_b)
+                hidden["odp"] += n * h
+                h_b += h
+        earlier = neighbour(i, -1)
+        if overlap.oag and earlier is not None and not overlap.cache_weight:
+            h = min(earlier.comm.get("E10b", 0.0), cap - h_b)
+            hidden["oag"] += n * h
+            h_b += h
+        layer_compute = lc.fwd + lc.post_fwd + lc.dx + lc.dw + lc.bwd_ew + lc.post_bwd
+        compute += n * layer_compute
+        matmul += n * (lc.fwd_mm + lc.dx + lc.dw)
+        comm += n * sum(c.values())
+        for key, t in c.items():
+            comm_by_axis[lc.comm_axis[key]] = comm_by_axis.get(lc.comm_axis[key], 0.0) + n * t
+        for axis, nb in lc.bytes_by_axis.items():
+            bytes_by_axis[axis] = bytes_by_axis.get(axis, 0) + n * nb
+        per_layer[lc.spec.name] = {"count": n, "compute_s": layer_compute, "comm_s": sum(c.values()),
+                                   "fwd_s": lc.fwd + lc.post_fwd, "fwd_comm_s": c.get("E8", 0.0) + c.get("E10f", 0.0),
+                                   "hidden_s": h_f + h_b, **{f"comm_{k}": v for k, v in c.items()}}
+    if params_local is None:
+        from axon4d.plan.memory import local_param_count
+
+        params_local = local_param_count(wl, shape)
+    opt = machine.optimizer_time(params_local, shape.world_size)
+    total_hidden = sum(hidden.values())
+    return TimeEstimate(
+        step_s=compute + opt + comm - total_hidden, compute_s=compute + opt, matmul_s=matmul, optimizer_s=opt,
+        comm_s=comm, hidden_s=total_hidden, comm_by_axis=comm_by_axis, bytes_by_axis=bytes_by_axis,
+        hidden_by_mechanism=hidden, layers=per_layer,
+    )

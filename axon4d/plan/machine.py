@@ -1,0 +1,268 @@
+"""A machine description: what one rank computes per second and what a collective costs (DESIGN.md §6).
+
+A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file written by
+``axon4d calibrate``). It answers three questions for the cost model:
+
+- ``matmul_time(form, m, k, n, dtype)``: seconds of one GEMM on one rank, from a measured table of
+  throughput on a log2 lattice of (m, k, n), interpolated (trilinear in log space, clamped at the
+  lattice edges); without a table, ``matmul_efficiency × peak``.
+- ``comm_time(op, group, stride, payload, world)``: seconds of one collective on an axis whose
+  ``group`` ranks sit ``stride`` apart (E1: x has stride 1, y stride G_x, …). Measured entries
+  (op, group, stride, world) are interpolated piecewise linearly in the payload — in each size
+  segment that is t = α + bytes/β. Otherwise the model t = α·steps + traffic/β (ring traffic; steps = the fewer of ring and tree) of the first
+  hierarchy level (e.g. "node", then "network") that contains the whole group.
+- elementwise, attention and per-op costs for the work that is not a GEMM.
+
+Every figure in a shipped machine file carries its source in the file's "sources" field.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+MACHINE_DIR = os.path.join(os.path.dirname(__file__), "machines")
+#: GEMM forms: forward X·Wᵀ ("nt"), input gradient dY·W ("nn"), weight gradient dYᵀ·X ("tn").
+FORMS = ("nt", "nn", "tn")
+
+
+@dataclasses.dataclass
+class Level:
+    """One level of the machine hierarchy: groups that fit in ``ranks`` consecutive ranks use it."""
+
+    name: str
+    ranks: int  # consecutive ranks sharing this level (0: unbounded, the network)
+    alpha_s: float  # latency per ring step
+    beta_Bps: float  # per-rank bandwidth (bytes/s) for ring traffic
+
+
+@dataclasses.dataclass
+class MatmulTable:
+    """Measured GEMM throughput (FLOP/s) on the lattice dims × dims × dims of (m, k, n)."""
+
+    dims: list[int]
+    rates: np.ndarray  # (len(dims),)*3, FLOP/s
+
+    def rate(self, m: float, k: float, n: float) -> float:
+        """Throughput at (m, k, n): trilinear interpolation of log rate over log2 dims, clamped."""
+        lg = np.log2(np.asarray(self.dims, dtype=float))
+        idx, wts = [], []
+        for v in (m, k, n):
+            p = float(np.clip(math.log2(max(v, 1)), lg[0], lg[-1]))
+            i = min(int(np.searchsorted(lg, p, side="right")) - 1, len(lg) - 2)
+            idx.append(i)
+            wts.append((p - lg[i]) / (lg[i + 1] - lg[i]))
+        logr = np.log(self.rates)
+        acc = 0.0
+        for a in (0, 1):
+            for b in (0, 1):
+                for c in (0, 1):
+                    w = (wts[0] if a else 1 - wts[0]) * (wts[1] if b else 1 - wts[1]) * (wts[2] if c else 1 - wts[2])
+                    if w:
+                        acc += w * logr[idx[0] + a, idx[1] + b, idx[2] + c]
+        return float(math.exp(acc))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dims": self.dims, "rates": self.rates.tolist()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "MatmulTable":
+        return cls(list(d["dims"]), np.asarray(d["rates"], dtype=float))
+
+
+@dataclasses.dataclass
+class CommCurve:
+    """Measured time of one collective (op over ``group`` ranks at ``stride``, ``world`` ranks busy)."""
+
+    op: str
+    group: int
+    stride: int
+    world: int
+    payload: list[int]  # bytes, increasing
+    seconds: list[float]
+
+    def time(self, payload: float) -> float:
+        """Piecewise-linear in payload (t = α + bytes/β per segment), extrapolated with the end segments."""
+        xs, ys = self.payload, self.seconds
+        i = min(max(bisect.bisect_right(xs, payload) - 1, 0), len(xs) - 2)
+        slope = max((ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]), 0.0)
+        return max(ys[i] + slope * (payload - xs[i]), 0.0) if payload >= xs[0] else ys[0]
+
+    def alpha_beta(self) -> tuple[float, float]:
+        """Least-squares α (s) and β (bytes/s of payload) over all points, for display."""
+        a = np.vstack([np.ones(len(self.payload)), np.asarray(self.payload, float)]).T
+        (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.asarray(self.seconds), rcond=None)
+        return float(alpha), float(1.0 / inv_beta) if inv_beta > 0 else float("inf")
+
+
+@dataclasses.dataclass
+class Machine:
+    """Everything the cost model needs to know about a cluster or this host."""
+
+    name: str
+    devices_per_node: int
+    memory_per_device: float  # bytes
+    peak_flops: dict[str, float]  # dtype name -> FLOP/s per device
+    levels: list[Level]
+    matmul_efficiency: float = 0.7  # share of peak a large GEMM reaches when there is no table
+    matmul: dict[str, dict[str, dict[str, MatmulTable]]] = dataclasses.field(default_factory=dict)
+    # dtype -> concurrency (ranks computing at once on a node, as str) -> form -> table
+    comm: list[CommCurve] = dataclasses.field(default_factory=list)
+    attention: dict[str, dict[str, list[list[float]]]] = dataclasses.field(default_factory=dict)
+    # dtype -> concurrency -> rows [seq, head_dim, seconds per (sequence·head) fwd+bwd]
+    elementwise_Bps: dict[str, float] = dataclasses.field(default_factory=lambda: {"1": 1e12})
+    # concurrency -> bytes/s an elementwise op streams (read + write)
+    activation_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # concurrency -> [forward, backward] seconds per element of the MLP activation (GELU)
+    adam_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    # concurrency -> seconds per parameter element of one Adam step
+    op_overhead_s: float = 5e-6  # fixed cost of one framework op (kernel launch / dispatch)
+    overlap_efficiency: float = 0.9  # share of an overlapped collective that compute actually hides
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    # -- lookups ----------------------------------------------------------------------------------
+    @staticmethod
+    def _nearest(table: dict[str, Any], concurrency: int) -> Any:
+        keys = sorted(table, key=lambda k: (abs(int(k) - concurrency), -int(k)))
+        return table[keys[0]]
+
+    def concurrency(self, world: int) -> int:
+        """Ranks of a ``world``-rank job computing at once on one node (they may share a host)."""
+        return min(world, self.devices_per_node)
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"machine {self.name!r} has no peak for dtype {dtype!r}; it knows {sorted(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+    def matmul_time(self, form: str, m: int, k: int, n: int, dtype: str, world: int = 1) -> float:
+        """Seconds of one (m×k)·(k×n) GEMM in ``form`` on one rank while ``world`` ranks run."""
+        flops = 2.0 * m * k * n
+        if flops == 0:
+            return 0.0
+        tables = self.matmul.get(dtype)
+        if tables:
+            rate = self._nearest(tables, self.concurrency(world))[form].rate(m, k, n)
+        else:
+            rate = self.matmul_efficiency * self.peak(dtype)
+        return flops / rate + self.op_overhead_s
+
+    def attention_time(self, seq: int, head_dim: int, units: float, dtype: str, world: int = 1) -> float:
+        """Seconds of causal attention forward + backward for ``units`` (sequence, head) pairs."""
+        if units == 0:
+            return 0.0
+        table = self.attention.get(dtype)
+        if table:
+            rows = np.asarray(self._nearest(table, self.concurrency(world)), dtype=float)
+            # log-log interpolation in sequence length at the nearest measured head_dim
+            hd = rows[np.argmin(np.abs(np.log2(rows[:, 1]) - math.log2(head_dim))), 1]
+            sel = rows[rows[:, 1] == hd]
+            sel = sel[np.argsort(sel[:, 0])]
+            per = float(np.exp(np.interp(math.log(seq), np.log(sel[:, 0]), np.log(sel[:, 2]))))
+            if seq > sel[-1, 0]:  # beyond the table: quadratic growth
+                per = float(sel[-1, 2]) * (seq / sel[-1, 0]) ** 2
+            return units * per * head_dim / hd + 4 * self.op_overhead_s
+        flops = units * 3.0 * 2.0 * seq * seq * head_dim  # fwd (2 GEMMs, causal half) + bwd 2×
+        return flops / (self.matmul_efficiency * self.peak(dtype)) + 4 * self.op_overhead_s
+
+    def elementwise_time(self, nbytes: float, world: int = 1) -> float:
+        """Seconds to stream ``nbytes`` (reads + writes) through elementwise ops on one rank."""
+        return nbytes / self._nearest(self.elementwise_Bps, self.concurrency(world))
+
+    def activation_time(self, elements: float, world: int = 1) -> tuple[float, float]:
+        """(forward, backward) seconds of the MLP activation over ``elements`` elements."""
+        if self.activation_s:
+            f, b = self._nearest(self.activation_s, self.concurrency(world))
+            return elements * f, elements * b
+        return self.elementwise_time(2 * 2 * elements, world), self.elementwise_time(3 * 2 * elements, world)
+
+    def optimizer_time(self, params: float, world: int = 1) -> float:
+        """Seconds of one Adam step over ``params`` local parameter elements (fp32 states)."""
+        if self.adam_s:
+            return params * self._nearest(self.adam_s, self.concurrency(world))
+        return self.elementwise_time(40 * params, world)  # p, g, m, v in; p, m, v out, fp32
+
+    def level_of(self, group: int, stride: int) -> Level:
+        """The innermost hierarchy level whose ``ranks`` consecutive ranks hold the whole group."""
+        span = (group - 1) * stride + 1
+        for level in self.levels:
+            if level.ranks == 0 or span <= level.ranks:
+                return level
+        return self.levels[-1]
+
+    def comm_time(self, op: str, group: int, stride: int, payload: float, world: int) -> float:
+        """Seconds of one collective of ``payload`` bytes over ``group`` ranks ``stride`` apart."""
+        if group <= 1:
+            return 0.0
+        curve = self._comm_curve(op, group, stride, world)
+        if curve is not None:
+            return curve.time(payload)
+        level = self.level_of(group, stride)
+        phi = (group - 1) / group
+        tree = math.ceil(math.log2(group))  # latency-bound sizes: collective libraries switch to trees
+        if op == "all_reduce":
+            steps, traffic = min(2 * (group - 1), 2 * tree), 2 * phi * payload
+        else:
+            steps, traffic = min(group - 1, tree), phi * payload
+        return level.alpha_s * steps + traffic / level.beta_Bps
+
+    def _comm_curve(self, op: str, group: int, stride: int, world: int) -> CommCurve | None:
+        best, best_key = None, None
+        for c in self.comm:
+            if c.op != op or c.group != group:
+                continue
+            key = (c.stride != stride, abs(c.world - world), abs(c.stride - stride))
+            if best_key is None or key < best_key:
+                best, best_key = c, key
+        return best
+
+    # -- JSON -------------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["levels"] = [dataclasses.asdict(lv) for lv in self.levels]
+        d["matmul"] = {dt: {c: {f: t.to_json() for f, t in forms.items()} for c, forms in per.items()}
+                       for dt, per in self.matmul.items()}
+        d["comm"] = [dataclasses.asdict(c) for c in self.comm]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Machine":
+        d = dict(d)
+        d.pop("comment", None)
+        d["levels"] = [Level(**lv) for lv in d["levels"]]
+        d["matmul"] = {dt: {c: {f: MatmulTable.from_json(t) for f, t in forms.items()} for c, forms in per.items()}
+                       for dt, per in d.get("matmul", {}).items()}
+        d["comm"] = [CommCurve(**c) for c in d.get("comm", [])]
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"machine file has unknown fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+
+def available() -> list[str]:
+    """Names of the machine files shipped in axon4d/plan/machines."""
+    return sorted(f[:-5] for f in os.listdir(MACHINE_DIR) if f.endswith(".json"))
+
+
+def load(name_or_path: str | Machine) -> Machine:
+    """A machine by shipped name (e.g. "perlmutter") or by JSON path."""
+    if isinstance(name_or_path, Machine):
+        return name_or_path
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(MACHINE_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        raise ValueError(f"unknown machine {name_or_path!r}: not a file and not one of {available()}")
+    with open(path) as f:
+        return Machine.from_json(json.load(f))

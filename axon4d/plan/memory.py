@@ -1,0 +1,176 @@
+"""Predicted memory per rank of one training step on one grid (DESIGN.md §2, §5, §6).
+
+Persistent: parameters (each layer's Z shard ⌈n_W/G_z⌉ = ``volume.weight_shard_numel`` plus its
+bias slice; norms and position embeddings split over x), gradients of the same size, and Adam
+state (two fp32 moments, plus fp32 master weights when training in 16 bits).
+
+Transient: the peak is found by walking the backward pass in order (``_backward_peak``): at its
+start every activation saved under the recompute policy is live (plus the loss's temporaries);
+then each layer's backward allocates its input gradient, the gathered weight block (E10, when
+G_z > 1), the dW block and its padded copy (E11's input) and finally its gradient shard, and
+frees what it had saved. The optimizer step adds its per-tensor temporaries.
+
+Activations saved per block and rank (b tokens, GPT block, recompute "none"): block input
+(b·H/G_x, kept by QKV), QKV output (b·QKV/G_y, kept by attention as q, k, v), attention output
+(b·H/G_y, kept by attention and, as a view, by the output projection), log-sum-exp
+(b·heads/G_y fp32), the residual after attention (b·H/G_x), MLP up output and activation output
+(2·b·F/G_y). "selective" (GEMM-last, §5) drops the activation output (recomputed from the up
+output); "full" keeps only block inputs and rebuilds one block at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from axon4d.grid import GridShape
+from axon4d.plan.cost import Overlap
+from axon4d.plan.workload import Workload
+from axon4d.volume import weight_shard_numel
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def local_param_count(wl: Workload, shape: GridShape) -> int:
+    """Parameter elements one rank holds: linear shards + bias slices + norms + position embedding."""
+    m = wl.model
+    n = 0
+    for s in wl.linears():
+        rows = s.local(shape)[1]
+        n += s.count * (weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) + (rows if s.bias else 0))
+    if wl.norms:
+        per_norm = (2 if m.arch == "gpt" else 1) * m.hidden // shape.x
+        n += per_norm * (2 * m.n_layers + 1)
+    if wl.embedding and m.arch == "gpt":
+        n += m.seq_len * m.hidden // shape.x
+    return n
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Predicted bytes per rank."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # saved for backward, all blocks, at the start of backward
+    buffers: float  # transient buffers at the peak (gathered weights, dW blocks, logits gradient)
+    peak: float
+
+    def to_json(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def block_activation_elements(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[float, float]:
+    """(elements in the step's dtype, fp32 elements) one block saves for backward on one rank."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute policy {recompute!r} is unknown; use one of {RECOMPUTE}")
+    t = _block_tensors(wl, shape)
+    if recompute == "full":
+        return t["x0"], 0.0
+    elems = t["x0"] + t["qkv"] + t["att"] + t["x1"] + t["up"] + (t["act"] if recompute == "none" else 0)
+    if wl.norms:
+        elems += 2 * t["x0"]  # normalised inputs of QKV and MLP-up
+    return elems, t["lse"]
+
+
+def _block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
+    """Elements of the tensors one block creates on one rank (b tokens)."""
+    m = wl.model
+    b = wl.local_tokens(shape)
+    h_x, h_y = m.hidden // shape.x, m.hidden // shape.y
+    qkv_y = (m.n_heads + 2 * m.kv_heads) * m.head_dim // shape.y
+    up_y = (2 if m.gated else 1) * m.ffn // shape.y
+    att = wl.attention
+    return {"x0": b * h_x, "qkv": b * qkv_y if att else 0, "att": b * h_y, "lse": b * (m.n_heads // shape.y) if att else 0,
+            "x1": b * h_x, "up": b * up_y, "act": b * (m.ffn // shape.y)}
+
+
+def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: Overlap = Overlap(),
+           master_weights: bool | None = None) -> MemoryEstimate:
+    """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (Adam optimizer)."""
+    m, elem = wl.model, wl.element_size
+    n_params = local_param_count(wl, shape)
+    master = wl.dtype != "float32" if master_weights is None else master_weights
+    params = grads = n_params * elem
+    optimizer = n_params * (8 + (4 if master else 0))
+    a16, a32 = block_activation_elements(wl, shape, recompute)
+    acts = m.n_layers * (a16 * elem + a32 * 4)
+    b = wl.local_tokens(shape)
+    if wl.head:
+        acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
+    live_peak = _backward_peak(wl, shape, recompute, overlap, acts)
+    specs = wl.linears()
+    largest_shard = max(weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) for s in specs)
+    optimizer_step = grads + 2 * largest_shard * 4  # per-tensor temporaries of a non-foreach Adam
+    peak = params + optimizer + max(live_peak, optimizer_step)
+    return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
+
+
+def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Overlap, acts: float) -> float:
+    """Largest live bytes (activations, gradients, buffers) during forward end and backward."""
+    m, elem = wl.model, wl.element_size
+    b = wl.local_tokens(shape)
+    t = {k: v * elem for k, v in _block_tensors(wl, shape).items()}
+    lse = _block_tensors(wl, shape)["lse"] * 4
+    specs = {s.name: s for s in wl.linears()}
+    live, peak = acts, acts
+
+    def note(extra: float = 0.0) -> None:
+        nonlocal peak
+        peak = max(peak, live + extra)
+
+    transient: dict[str, float] = {}
+
+    def linear_bwd(name: str, dx_elems: float) -> float:
+        """Record one layer's backward transients; return the gradient bytes kept afterwards."""
+        s = specs[name]
+        shard = weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
+        n_w = shard * shape.z
+        gathered = n_w * elem if shape.z > 1 and not overlap.cache_weight else 0.0
+        transient[name] = gathered + dx_elems * elem + 2 * n_w * elem + (shard * elem if shape.z > 1 else 0)
+        return (shard + (s.local(shape)[1] if s.bias else 0)) * elem
+
+    def note_linear(name: str) -> None:
+        note(transient[name])
+
+    if wl.head:
+        logits = b * (m.vocab_size // shape.y) * 4
+        # the loss's backward holds ~4 logit-sized fp32 temporaries at once (measured with the probe's
+        # mean-square loss: the mean's expanded gradient, pow's self·2 and its product, the result)
+        head_grad = linear_bwd("head", b * m.hidden // shape.x)
+        # with G_z > 1 the head's forward-gathered block is still referenced then (measured on CPU/gloo)
+        head = specs["head"]
+        lingering = weight_shard_numel(head.in_features, head.out_features, shape, head.transpose) * shape.z * elem
+        note(4 * logits + (lingering if shape.z > 1 else 0.0))
+        note_linear("head")
+        live += head_grad - b * (m.hidden // shape.x) * elem
+        live -= logits
+        live += b * (m.hidden // shape.x) * elem  # incoming gradient of the last block's output
+    rebuilt = block_activation_elements(wl, shape, "none")
+    mlp_down, mlp_up = linear_bwd("mlp_down", t["act"] / elem), linear_bwd("mlp_up", t["x1"] / elem)
+    attn_out, qkv = linear_bwd("attn_out", t["att"] / elem), linear_bwd("qkv", t["x0"] / elem)
+
+    def block(start: float) -> float:
+        """Walk one block's backward from ``start`` live bytes; return the live bytes after it."""
+        nonlocal live
+        live = start
+        if recompute == "full":  # rebuild this block's activations from its saved input
+            live += rebuilt[0] * elem + rebuilt[1] * 4 - t["x0"]
+        note()
+        note_linear("mlp_down")  # dX (b, F/G_y), then the activation's backward, then MLP up
+        live += mlp_down + t["act"] - (t["act"] if recompute == "none" else 0.0)
+        note(t["act"])
+        note_linear("mlp_up")
+        live += mlp_up - t["act"] - t["up"] - t["x1"]  # frees dX of MLP down, the up output, the saved input
+        note_linear("attn_out")  # then attention: dq, dk, dv and their assembled qkv gradient
+        live += attn_out
+        note(t["att"] + 2 * t["qkv"])
+        live -= t["att"] + lse  # the saved q, k, v are replaced by their assembled gradient
+        note_linear("qkv")
+        live += qkv - t["qkv"] - t["x0"] - (2 * t["x0"] if wl.norms else 0.0)
+        return live
+
+    first = live
+    after_one = block(first)
+    block(first + (m.n_layers - 1) * (after_one - first))  # blocks are alike: the extremes are the ends
+    return peak

@@ -1,0 +1,114 @@
+"""The transformer the planner is validated against, built from ``axon4d.Linear`` (DESIGN.md §2).
+
+``ProbeModel`` runs exactly the work ``Workload`` prices: per block QKV (normal) → causal
+attention on this rank's heads (split over y) → attention output (transposed) + residual → MLP up
+(normal) → GELU → MLP down (transposed) + residual; then the vocab-parallel head (normal, logits
+split over y) and a mean-square loss on the logits. It has no norms and no embedding (its
+input is a random activation that requires grad, as an embedding's output would), so the
+benchmark needs nothing beyond the 3D linear layer. ``measure_step`` times steps and measures the
+peak of torch allocations per rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon4d.grid import Grid
+from axon4d.nn import Linear
+from axon4d.plan.workload import DTYPES_TORCH, Workload
+
+
+class ProbeModel(nn.Module):
+    """This rank's part of ``wl``'s blocks and head on ``grid`` (no norms, no embedding)."""
+
+    def __init__(self, wl: Workload, grid: Grid):
+        super().__init__()
+        if wl.embedding or wl.norms:
+            raise ValueError("ProbeModel has no embedding and no norms: use Workload(..., embedding=False, norms=False)")
+        problems = wl.grid_problems(grid.shape)
+        if problems:
+            raise ValueError(f"grid {grid.shape} does not fit the workload: {'; '.join(problems)}")
+        self.wl, self.grid = wl, grid
+        dtype = DTYPES_TORCH[wl.dtype]
+        m = wl.model
+        self.blocks = nn.ModuleList()
+        for _ in range(m.n_layers):
+            self.blocks.append(nn.ModuleDict({name: Linear(i, o, bias=b, transpose=t, grid=grid, dtype=dtype)
+                                              for name, i, o, t, b in m.linear_shapes()}))
+        self.head = Linear(m.hidden, m.vocab_size, bias=False, grid=grid, dtype=dtype) if wl.head else None
+
+    def input(self) -> torch.Tensor:
+        """A random activation (b, hidden/G_x) standing in for the embedding output."""
+        b = self.wl.local_tokens(self.grid.shape)
+        dtype = DTYPES_TORCH[self.wl.dtype]
+        return torch.randn(b, self.wl.model.hidden // self.grid.size("x"), dtype=dtype,
+                           device=self.grid.device, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m, g = self.wl.model, self.grid
+        seqs = x.shape[0] // m.seq_len
+        heads = m.n_heads // g.size("y")
+        for blk in self.blocks:
+            qkv = blk["qkv"](x)  # (b, 3·H/G_y)
+            qkv = qkv.view(seqs, m.seq_len, 3, heads, m.head_dim).permute(2, 0, 3, 1, 4)
+            att = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (seqs, heads, S, hd)
+            att = att.transpose(1, 2).reshape(x.shape[0], heads * m.head_dim)  # (b, H/G_y)
+            x = x + blk["attn_out"](att)  # (b, H/G_x)
+            x = x + blk["mlp_down"](F.gelu(blk["mlp_up"](x)))
+        if self.head is None:
+            return x.float().square().mean()
+        return self.head(x).float().square().mean()  # logits (b, vocab/G_y)
+
+
+def train_step(model: ProbeModel, opt: torch.optim.Optimizer) -> None:
+    """One forward, backward and Adam step."""
+    opt.zero_grad(set_to_none=True)
+    model(model.input()).backward()
+    opt.step()
+
+
+def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2, memory: bool = True) -> dict[str, Any]:
+    """Per-step seconds (the slowest rank's, each step between barriers) and this rank's peak bytes.
+
+    Peak memory is measured with torch's ``MemTracker`` over one extra step after the timed ones:
+    it follows every tensor torch allocates (parameters, gradients, optimizer state, activations,
+    temporaries, collective buffers) and reports the maximum live total; host-side buffers of the
+    communication library itself are not torch tensors and are not counted.
+    """
+    from axon4d import device as devices
+
+    grid = model.grid
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    for _ in range(warmup):
+        train_step(model, opt)
+    times = []
+    grid.comm.log.clear()
+    for _ in range(steps):
+        grid.comm.barrier()
+        t = time.perf_counter()
+        train_step(model, opt)
+        devices.synchronize(grid.device)
+        times.append(time.perf_counter() - t)
+    log_bytes = {a: v // steps for a, v in grid.comm.log.bytes_by_axis().items()}
+    summary = grid.comm.log.summary()
+    per_rank = grid.comm.all_gather(torch.tensor(times, dtype=torch.float64), "world").wait()
+    slowest = per_rank.view(grid.world_size, steps).max(dim=0).values.tolist()
+    peak = None
+    if memory:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        grid.comm.barrier()
+        with tracker:
+            train_step(model, opt)
+        peak = int(tracker.get_tracker_snapshot("peak")[grid.device]["Total"])
+    grid.comm.log.clear()
+    return {"step_s": statistics.median(slowest), "steps_s": slowest, "bytes_by_axis": log_bytes,
+            "comm_s": summary["comm_s"] / steps, "blocked_s": summary["blocked_s"] / steps, "peak_bytes": peak}

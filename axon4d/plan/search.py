@@ -1,0 +1,167 @@
+"""Choosing the grid: enumerate every (G_x, G_y, G_z, G_data) of P ranks, keep the valid ones that
+fit in memory, rank them by predicted step time (DESIGN.md §6).
+
+The divisibility rules (§1) are checked for all factorisations at once with numpy; only valid
+grids are priced (``cost.step_time``, ``memory.memory``), each in well under a millisecond.
+Besides time and memory, each candidate reports its communication words against Agarwal's lower
+bound for its GEMMs, Σ 3·(M·K·N/P)^{2/3} per rank (§3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from axon4d.grid import GridShape, factorizations
+from axon4d.models.config import ModelConfig, get_config
+from axon4d.plan.cost import Overlap, TimeEstimate, step_time
+from axon4d.plan.machine import Machine, load
+from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
+from axon4d.plan.workload import Workload
+from axon4d.volume import layer_axes
+
+AXIS_ORDER = ("x", "y", "z", "data", "batch")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One grid with its predicted time, memory and efficiency."""
+
+    shape: GridShape
+    time: TimeEstimate
+    mem: MemoryEstimate
+    fits: bool
+    mfu: float
+    bound_ratio: float  # communication words / Agarwal's lower bound
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.time
+        return {
+            "grid": list(self.shape.as_tuple()), "fits": self.fits, "step_s": t.step_s, "mfu": self.mfu,
+            "compute_s": t.compute_s, "matmul_s": t.matmul_s, "optimizer_s": t.optimizer_s,
+            "comm_s": t.comm_s, "hidden_s": t.hidden_s, "hidden_pct": t.hidden_pct,
+            "comm_by_axis_s": t.comm_by_axis, "bytes_by_axis": t.bytes_by_axis,
+            "hidden_by_mechanism_s": t.hidden_by_mechanism, "memory": self.mem.to_json(),
+            "bound_ratio": self.bound_ratio, "layers": t.layers,
+        }
+
+
+@dataclasses.dataclass
+class PlanResult:
+    """All candidates of one planning run, best first, and what was asked."""
+
+    workload: Workload
+    machine: Machine
+    world: int
+    overlap: Overlap
+    recompute: str
+    memory_limit: float
+    candidates: list[Candidate]  # valid grids, sorted: fitting ones by time, then the others
+    invalid: int  # factorisations that break a divisibility rule
+
+    @property
+    def best(self) -> Candidate:
+        fitting = [c for c in self.candidates if c.fits]
+        if not fitting:
+            smallest = min(self.candidates, key=lambda c: c.mem.peak) if self.candidates else None
+            need = f"; the smallest needs {smallest.mem.peak / 2**30:.1f} GiB on {smallest.shape}" if smallest else ""
+            raise ValueError(
+                f"no grid of {self.world} ranks fits {self.workload.model.name or 'the model'} in "
+                f"{self.memory_limit / 2**30:.1f} GiB per device{need}; use more ranks, recompute='full', "
+                f"or a smaller batch"
+            )
+        return fitting[0]
+
+    def to_json(self, top: int | None = None) -> dict[str, Any]:
+        wl = self.workload
+        return {
+            "model": dataclasses.asdict(wl.model), "batch": wl.batch, "dtype": wl.dtype, "world": self.world,
+            "machine": self.machine.name, "overlap": str(self.overlap), "recompute": self.recompute,
+            "memory_limit": self.memory_limit, "valid": len(self.candidates), "invalid": self.invalid,
+            "candidates": [c.to_json() for c in self.candidates[:top]],
+        }
+
+    def table(self, top: int = 10) -> str:
+        """The top-k candidates as a text table."""
+        head = (f"{'grid (x,y,z,d)':<18} {'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':>4} "
+                + " ".join(f"{'t_' + a:>8}" for a in AXIS_ORDER) + f" {'hidden':>7} {'×bound':>7}")
+        lines = [head, "-" * len(head)]
+        for c in self.candidates[:top]:
+            t = c.time
+            axes = " ".join(f"{t.comm_by_axis.get(a, 0.0):>8.3g}" for a in AXIS_ORDER)
+            lines.append(f"{str(c.shape.as_tuple()):<18} {t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
+                         f"{c.mem.peak / 2**30:>8.2f} {'yes' if c.fits else 'NO':>4} {axes} "
+                         f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}")
+        return "\n".join(lines)
+
+
+def valid_mask(wl: Workload, shapes: np.ndarray) -> np.ndarray:
+    """Boolean per row of ``shapes`` (n, 4) = (x, y, z, data): does the grid satisfy §1 for ``wl``?"""
+    x, y, z, d = shapes.T
+    m = wl.model
+    ok = (wl.batch % (z * d) == 0) & (m.n_heads % y == 0) & (m.kv_heads % y == 0)
+    size = {"x": x, "y": y}
+    for s in wl.linears():
+        in_axis, out_axis = layer_axes(s.transpose)
+        ok &= (s.in_features % size[in_axis] == 0) & (s.out_features % size[out_axis] == 0)
+    return ok
+
+
+def agarwal_ratio(wl: Workload, shape: GridShape, t: TimeEstimate) -> float:
+    """Ring traffic words per rank ÷ Σ over the step's GEMMs of 3·(M·K·N/P)^{2/3} (§3)."""
+    p = shape.world_size
+    bound = sum(3 * s.count * 3 * (wl.tokens * s.in_features * s.out_features / p) ** (2 / 3)
+                for s in wl.linears() if not s.embedding)
+    words = 0.0
+    for axis, nbytes in t.bytes_by_axis.items():
+        g = shape.size(axis)
+        words += nbytes / wl.element_size * (g - 1) / g * 1.5  # ~ AR (2φ) and AG/RS (φ) mixed
+    return words / bound if bound else math.nan
+
+
+def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap = Overlap(),
+             recompute: str = "none", memory_limit: float | None = None) -> Candidate:
+    """Predicted time, memory and MFU of one valid grid."""
+    limit = machine.memory_per_device if memory_limit is None else memory_limit
+    params = local_param_count(wl, shape)
+    t = step_time(wl, shape, machine, overlap, params_local=params)
+    if recompute != "none":  # the recomputed forward: every block layer again ("full"), or the MLP activation
+        layers = {k: v for k, v in t.layers.items() if v["count"] == wl.model.n_layers}
+        if recompute == "full":
+            extra_compute = sum(v["count"] * v["fwd_s"] for v in layers.values())
+            extra_comm = sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
+        else:
+            extra_compute = wl.model.n_layers * machine.activation_time(
+                wl.local_tokens(shape) * wl.model.ffn // shape.y, shape.world_size)[0]
+            extra_comm = 0.0
+        t.step_s += extra_compute + extra_comm
+        t.compute_s += extra_compute
+        t.comm_s += extra_comm
+    mem = memory(wl, shape, recompute, overlap)
+    mfu = wl.flops() / (shape.world_size * machine.peak(wl.dtype) * t.step_s)
+    return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t))
+
+
+def plan(model: ModelConfig | str, world: int, machine: Machine | str, batch: int, *, dtype: str = "bfloat16",
+         overlap: Overlap | str = Overlap(), recompute: str = "none", memory_limit: float | None = None,
+         workload: Workload | None = None) -> PlanResult:
+    """Price every valid grid of ``world`` ranks for ``model`` on ``machine``; best first.
+
+    ``batch`` is the global batch in sequences per step. ``memory_limit`` (bytes per device)
+    defaults to the machine's device memory.
+    """
+    mach = load(machine)
+    if workload is None:
+        cfg = get_config(model) if isinstance(model, str) else model
+        workload = Workload(cfg, batch, dtype)
+    ov = Overlap.parse(overlap) if isinstance(overlap, str) else overlap
+    shapes = factorizations(world)
+    arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
+    mask = valid_mask(workload, arr)
+    cands = [evaluate(workload, s, mach, ov, recompute, memory_limit) for s, ok in zip(shapes, mask) if ok]
+    cands.sort(key=lambda c: (not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple()))
+    limit = mach.memory_per_device if memory_limit is None else memory_limit
+    return PlanResult(workload, mach, world, ov, recompute, limit, cands, int((~mask).sum()))

@@ -1,0 +1,108 @@
+"""What one training step of a transformer asks of one rank, as the planner sees it (DESIGN.md §2, §6).
+
+A ``Workload`` is a model (``ModelConfig``), a global batch of sequences and a dtype. Its linear
+layers are the block's layers in the layouts the block really uses — QKV normal, attention output
+transposed, MLP up normal, MLP down transposed (``ModelConfig.linear_shapes()``) — repeated
+``n_layers`` times, plus at the edges:
+
+- the token embedding, priced as a transposed layer (vocab → hidden): the vocabulary is split over
+  y, features over x, the table's (x, y) block is Z-sharded like any weight; the lookup's partial
+  rows are all-reduced over y (E8) and there is no input gradient (no E9);
+- the output head, a normal layer hidden → vocab without bias (vocab-parallel logits over y).
+
+``grid_ok`` states the divisibility rules a grid must satisfy for this workload (§1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from axon4d.grid import GridShape
+from axon4d.models.config import ModelConfig
+from axon4d.volume import layer_axes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSpec:
+    """One linear layer kind of the step: shape, layout, and how many times it runs."""
+
+    name: str
+    in_features: int
+    out_features: int
+    transpose: bool
+    bias: bool
+    count: int
+    input_grad: bool = True  # False for the embedding (token ids have no gradient)
+    embedding: bool = False  # a lookup: no forward GEMM, a scatter-add for dW
+
+    def local(self, shape: GridShape) -> tuple[int, int]:
+        """(in/G_in, out/G_out) features of this rank's block."""
+        in_axis, out_axis = layer_axes(self.transpose)
+        return self.in_features // shape.size(in_axis), self.out_features // shape.size(out_axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model, a global batch (sequences per step) and the training precision."""
+
+    model: ModelConfig
+    batch: int
+    dtype: str = "bfloat16"
+    embedding: bool = True
+    head: bool = True
+    attention: bool = True
+    norms: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}")
+        if self.batch < 1:
+            raise ValueError(f"batch = {self.batch}: need at least one sequence per step")
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.model.seq_len
+
+    def local_tokens(self, shape: GridShape) -> int:
+        """b = B·S/(G_data·G_z): tokens on one rank (whole sequences are split over batch)."""
+        return self.tokens // shape.size("batch")
+
+    def linears(self) -> list[LinearSpec]:
+        """Every linear layer kind of a step, in forward order."""
+        m = self.model
+        out = []
+        if self.embedding:
+            out.append(LinearSpec("embedding", m.vocab_size, m.hidden, True, False, 1, input_grad=False, embedding=True))
+        out += [LinearSpec(n, i, o, t, b, m.n_layers) for n, i, o, t, b in m.linear_shapes()]
+        if self.head:
+            out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
+        return out
+
+    def flops(self) -> float:
+        """Model FLOPs of one step (6 per matmul parameter per token, plus causal attention)."""
+        m = self.model
+        matmul = sum(s.in_features * s.out_features * s.count for s in self.linears() if not s.embedding)
+        att = 2 * 2 * m.n_layers * m.seq_len * m.hidden / 2 if self.attention else 0.0
+        return self.tokens * (6.0 * matmul + 3.0 * att)
+
+    def grid_problems(self, shape: GridShape) -> list[str]:
+        """The §1 rules ``shape`` breaks for this workload (empty: the grid is valid)."""
+        m, problems = self.model, []
+        if self.batch % shape.size("batch"):
+            problems.append(f"batch {self.batch} % (G_data·G_z = {shape.size('batch')})")
+        if m.n_heads % shape.y or m.kv_heads % shape.y:
+            problems.append(f"heads {m.n_heads}/{m.kv_heads} % G_y = {shape.y}")
+        for s in self.linears():
+            in_axis, out_axis = layer_axes(s.transpose)
+            if s.in_features % shape.size(in_axis) or s.out_features % shape.size(out_axis):
+                problems.append(f"{s.name} ({s.in_features}→{s.out_features}) on G_{in_axis}, G_{out_axis}")
+        return problems

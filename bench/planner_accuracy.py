@@ -1,0 +1,193 @@
+"""How right is the planner? Measure step time and per-rank peak memory of a transformer workload on
+many grids of this machine and compare with the planner's predictions (DESIGN.md §6).
+
+    .venv/bin/python bench/planner_accuracy.py                 # calibrates first if no machine file
+    .venv/bin/python bench/planner_accuracy.py --calibrate     # re-measure the machine
+
+Workload: ``axon4d.plan.probe.ProbeModel`` — transformer blocks of axon4d.Linear layers in the
+block's layouts (QKV normal, attention output transposed, MLP up normal, MLP down transposed),
+causal attention on the local heads, vocab-parallel head, Adam — at the shapes of
+``ModelConfig.linear_shapes()``. Every valid grid of 8 ranks is run, plus some of 4 and 2 ranks,
+in ``--rounds`` interleaved rounds (the median over rounds is kept: the host is shared).
+
+Time: the slowest rank's step, median of ``--steps`` steps between barriers. Memory: the peak of
+live torch allocations per rank over one step, from torch's MemTracker (parameters, gradients,
+optimizer state, activations, temporaries, collective buffers; not gloo's own host buffers),
+maximum over ranks. The communication log's bytes per axis are checked against the planner's.
+
+Saves bench/results/planner_accuracy.json and docs/planner_accuracy.png and ends with
+``planner: median error = M%, worst = W%, top-1 gap = G%, memory error = E%``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from axon4d.grid import GridShape, factorizations  # noqa: E402
+from axon4d.models.config import ModelConfig  # noqa: E402
+from axon4d.plan import Overlap, Workload, evaluate, load  # noqa: E402
+
+GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
+GRIDS_2 = [(2, 1, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)]
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    cfg = ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, ffn_hidden=4 * args.hidden,
+                      vocab_size=args.vocab, seq_len=args.seq, name="probe")
+    return Workload(cfg, batch=args.batch, dtype=args.dtype, embedding=False, norms=False)
+
+
+def _run_grid(grid, wl: Workload, steps: int) -> dict:
+    import torch
+
+    from axon4d.plan.probe import ProbeModel, measure_step
+
+    torch.manual_seed(0)
+    return measure_step(ProbeModel(wl, grid), steps=steps)
+
+
+def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int) -> dict[tuple, list[dict]]:
+    """Run every grid ``rounds`` times, interleaved; per grid the list of per-round results (rank order)."""
+    from harness import RankPool
+
+    out: dict[tuple, list[dict]] = {g: [] for g in grids}
+    by_world: dict[int, list[tuple]] = {}
+    for g in grids:
+        by_world.setdefault(GridShape(*g).world_size, []).append(g)
+    for r in range(rounds):
+        for world, gs in sorted(by_world.items(), reverse=True):
+            pool = RankPool(world)
+            try:
+                for g in gs:
+                    res = pool.run(g, _run_grid, wl, steps, timeout=600)
+                    out[g].append(res)
+                    print(f"round {r + 1}/{rounds} grid {g}: {res[0]['step_s'] * 1e3:.0f} ms, "
+                          f"peak {max(x['peak_bytes'] for x in res) / 2**20:.1f} MiB", flush=True)
+            finally:
+                pool.close()
+    return out
+
+
+def plot(path: str, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+    for ax, key, unit, scale in ((axes[0], "step", "step time (ms)", 1e3), (axes[1], "mem", "peak memory per rank (MiB)", 2**-20)):
+        for world, marker in ((8, "o"), (4, "s"), (2, "^")):
+            sel = [r for r in rows if r["world"] == world]
+            if sel:
+                ax.scatter([r[f"measured_{key}"] * scale for r in sel], [r[f"predicted_{key}"] * scale for r in sel],
+                           marker=marker, label=f"{world} ranks")
+        lo = min(min(r[f"measured_{key}"], r[f"predicted_{key}"]) for r in rows) * scale * 0.9
+        hi = max(max(r[f"measured_{key}"], r[f"predicted_{key}"]) for r in rows) * scale * 1.1
+        ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="exact")
+        ax.fill_between([lo, hi], [lo * 0.95, hi * 0.95], [lo * 1.05, hi * 1.05], color="grey", alpha=0.2, label="±5%")
+        ax.set_xlabel(f"measured {unit}")
+        ax.set_ylabel(f"predicted {unit}")
+        ax.legend(fontsize=8)
+    axes[0].set_title("planner vs measured: time")
+    axes[1].set_title("planner vs measured: memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--machine", default=os.path.join(ROOT, "bench/results/planner_machine_local.json"))
+    p.add_argument("--calibrate", action="store_true", help="re-measure the machine before the run")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--overlap", default="oar", help="what axon4d.Linear does: dX all-reduce before the dW GEMM")
+    p.add_argument("--only", default="", help="semicolon-separated grids x,y,z,d to run instead of the default set")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner_accuracy.json"))
+    p.add_argument("--plot", default=os.path.join(ROOT, "docs/planner_accuracy.png"))
+    args = p.parse_args()
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.calibrate or not os.path.exists(args.machine):
+        if os.path.exists(args.machine):
+            os.remove(args.machine)
+        subprocess.run([sys.executable, "-m", "axon4d.plan.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
+                        "--out", args.machine], check=True)
+    machine = load(args.machine)
+    wl = workload(args)
+    overlap = Overlap.parse(args.overlap)
+    if args.only:
+        grids = [tuple(int(v) for v in g.split(",")) for g in args.only.split(";")]
+    else:
+        grids = [s.as_tuple() for s in factorizations(8) if not wl.grid_problems(s)] + GRIDS_4 + GRIDS_2
+    start = time.perf_counter()
+    results = measure(wl, grids, args.rounds, args.steps)
+
+    rows = []
+    for g in grids:
+        shape = GridShape(*g)
+        cand = evaluate(wl, shape, machine, overlap)
+        per_round = [statistics.median(r[0]["steps_s"]) for r in results[g]]
+        measured = statistics.median(per_round)
+        peak = max(x["peak_bytes"] for x in results[g][0])
+        logged = results[g][0][0]["bytes_by_axis"]
+        rows.append({
+            "grid": list(g), "world": shape.world_size, "measured_step": measured, "rounds_step": per_round,
+            "predicted_step": cand.time.step_s, "time_error": (cand.time.step_s - measured) / measured,
+            "measured_mem": peak, "predicted_mem": cand.mem.peak, "mem_error": (cand.mem.peak - peak) / peak,
+            "bytes_logged": logged, "bytes_predicted": cand.time.bytes_by_axis,
+            "bytes_match": logged == cand.time.bytes_by_axis,
+            "measured_comm_blocked_s": statistics.median(r[0]["blocked_s"] for r in results[g]),
+            "prediction": cand.to_json(),
+        })
+    print(f"\n{'grid':<14} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7} {'bytes':>5}")
+    for r in rows:
+        print(f"{str(tuple(r['grid'])):<14} {r['measured_step'] * 1e3:>8.0f} {r['predicted_step'] * 1e3:>8.0f} "
+              f"{100 * r['time_error']:>+6.1f}% {r['measured_mem'] / 2**20:>9.1f} {r['predicted_mem'] / 2**20:>9.1f} "
+              f"{100 * r['mem_error']:>+6.1f}% {'ok' if r['bytes_match'] else 'DIFF':>5}")
+    errs = [abs(r["time_error"]) for r in rows]
+    mem_errs = [abs(r["mem_error"]) for r in rows]
+    eight = [r for r in rows if r["world"] == 8]
+    fastest = min(eight, key=lambda r: r["measured_step"])
+    chosen = min(eight, key=lambda r: r["predicted_step"])
+    gap = (chosen["measured_step"] - fastest["measured_step"]) / fastest["measured_step"]
+    summary = {
+        "median_time_error": statistics.median(errs), "worst_time_error": max(errs), "top1_gap": gap,
+        "planner_choice": chosen["grid"], "fastest_measured": fastest["grid"],
+        "median_memory_error": statistics.median(mem_errs), "worst_memory_error": max(mem_errs),
+        "bytes_match_all": all(r["bytes_match"] for r in rows), "seconds": time.perf_counter() - start,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
+                   "machine": args.machine, "overlap": str(overlap), "summary": summary, "rows": rows}, f, indent=1)
+    os.makedirs(os.path.dirname(args.plot), exist_ok=True)
+    plot(args.plot, rows)
+    print(f"\nplanner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
+          f"communication bytes per axis equal the planner's on {sum(r['bytes_match'] for r in rows)}/{len(rows)} grids")
+    print(f"saved {args.out} and {args.plot}")
+    print(f"planner: median error = {100 * summary['median_time_error']:.1f}%, worst = "
+          f"{100 * summary['worst_time_error']:.1f}%, top-1 gap = {100 * gap:.1f}%, memory error = "
+          f"{100 * summary['worst_memory_error']:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

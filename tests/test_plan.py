@@ -1,0 +1,205 @@
+"""Protects the planner (axon4d.plan, DESIGN.md §6): it prices exactly the collectives that
+axon4d.volume lists and the communication log counts, its parameter and memory figures match what
+real layers allocate (on real gloo grids, and for 20B/80B on 512–1024 ranks of torch's fake process
+group), and its search, overlap credit and machine files behave. Start here when changing the cost
+or memory model."""
+
+import json
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+from axon4d.grid import GridShape, factorizations
+from axon4d.models.config import SIZES, ModelConfig
+from axon4d.plan import Overlap, Workload, evaluate, load, local_param_count, memory, plan, step_time
+from axon4d.plan.cost import axis_geometry
+from axon4d.plan.machine import CommCurve, MatmulTable, available
+from axon4d.volume import linear_collectives
+
+PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
+PROBE_WL = Workload(PROBE, batch=8, dtype="float32", embedding=False, norms=False)
+
+
+def _bytes_from_volume(wl: Workload, shape: GridShape) -> dict:
+    out: dict = {}
+    for s in wl.linears():
+        for c in linear_collectives(s.in_features, s.out_features, wl.local_tokens(shape), shape,
+                                    transpose=s.transpose, bias=s.bias, element_size=wl.element_size):
+            if c.term == "E9" and not s.input_grad:
+                continue
+            out[c.axis] = out.get(c.axis, 0) + s.count * c.payload_bytes
+    return out
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 4, 1, 2), (8, 1, 1, 1), (2, 1, 2, 2)])
+def test_planner_prices_exactly_the_volume_collectives(grid):
+    shape = GridShape(*grid)
+    wl = Workload(SIZES["5B"], batch=16, dtype="bfloat16")
+    t = step_time(wl, shape, load("perlmutter"))
+    assert t.bytes_by_axis == _bytes_from_volume(wl, shape)
+    assert set(t.comm_by_axis) == set(t.bytes_by_axis)
+
+
+def _probe_step(grid, wl):
+    import torch
+
+    from axon4d.plan.probe import ProbeModel, measure_step
+
+    torch.manual_seed(0)
+    model = ProbeModel(wl, grid)
+    n_params = sum(p.numel() for p in model.parameters())
+    res = measure_step(model, steps=1, warmup=1, memory=False)
+    return n_params, res["bytes_by_axis"]
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (4, 1, 1, 2), (1, 1, 8, 1)])
+def test_logged_bytes_and_parameters_equal_the_planner(pools, grid):
+    shape = GridShape(*grid)
+    t = step_time(PROBE_WL, shape, load("perlmutter"))
+    for n_params, logged in pools(8).run(grid, _probe_step, PROBE_WL):
+        assert logged == t.bytes_by_axis
+        assert n_params == local_param_count(PROBE_WL, shape)
+
+
+def _fake_world_shapes(name, world, grid):
+    """In a fresh process: a fake process group of ``world`` ranks, meta-device block layers."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import axon4d
+    from axon4d.plan.workload import Workload
+
+    dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
+    try:
+        g = axon4d.init(grid=grid)
+        cfg = SIZES[name]
+        layers = [axon4d.Linear(i, o, bias=b, transpose=t, device="meta", dtype=torch.bfloat16)
+                  for _, i, o, t, b in cfg.linear_shapes()]
+        head = axon4d.Linear(cfg.hidden, cfg.vocab_size, bias=False, device="meta", dtype=torch.bfloat16)
+        emb = axon4d.Linear(cfg.vocab_size, cfg.hidden, bias=False, transpose=True, device="meta", dtype=torch.bfloat16)
+        per_block = sum(p.numel() for m in layers for p in m.parameters())
+        total = cfg.n_layers * per_block + sum(p.numel() for m in (head, emb) for p in m.parameters())
+        shapes = [tuple(p.shape) for m in layers for p in m.parameters()]
+        wl = Workload(cfg, batch=g.size("batch"), dtype="bfloat16", norms=False)
+        axon4d.shutdown()
+        return total, shapes, wl
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name,world,grid", [("20B", 512, (8, 8, 8, 1)), ("20B", 1024, (4, 8, 16, 2)),
+                                             ("80B", 1024, (8, 4, 32, 1)), ("80B", 512, (2, 8, 8, 4))])
+def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
+    with mp.get_context("spawn").Pool(1) as pool:
+        total, shapes, wl = pool.apply(_fake_world_shapes, (name, world, grid))
+    shape = GridShape(*grid)
+    cfg = SIZES[name]
+    position = cfg.seq_len * cfg.hidden // shape.x  # GPT's learned positions, not built here
+    assert total == local_param_count(wl, shape) - position  # norms off: linear shards, biases, embedding, head
+    from axon4d.volume import weight_shard_numel
+
+    expect = []
+    for _, i, o, t, b in SIZES[name].linear_shapes():
+        expect.append((weight_shard_numel(i, o, shape, t),))
+        if b:
+            expect.append((o // shape.size("x" if t else "y"),))
+    assert shapes == expect
+    mem = memory(wl, shape)
+    assert mem.params == (total + position) * 2 and mem.grads == mem.params and mem.optimizer == (total + position) * 12
+
+
+def test_search_enumerates_valid_grids_best_first_and_flags_memory():
+    result = plan("20B", 512, "perlmutter", batch=512)
+    wl = result.workload
+    assert len(result.candidates) + result.invalid == len(factorizations(512))
+    assert all(not wl.grid_problems(c.shape) for c in result.candidates)
+    assert all(c.shape.y in (1, 2, 4, 7, 8, 14, 28, 56) for c in result.candidates)  # 56 heads split over y
+    fitting = [c for c in result.candidates if c.fits]
+    assert fitting and fitting == result.candidates[: len(fitting)]
+    assert [c.time.step_s for c in fitting] == sorted(c.time.step_s for c in fitting)
+    assert all(not c.fits and c.mem.peak > result.memory_limit for c in result.candidates[len(fitting):])
+    assert result.best is fitting[0]
+    with pytest.raises(ValueError, match="no grid of 8 ranks fits"):
+        plan("80B", 8, "perlmutter", batch=8).best
+
+
+def test_overlap_credit_is_bounded_and_never_slows_a_step():
+    m = load("perlmutter")
+    wl = Workload(SIZES["20B"], batch=64)
+    for grid in [(4, 2, 8, 8), (1, 4, 64, 2), (4, 4, 4, 8)]:
+        shape = GridShape(*grid)
+        base = step_time(wl, shape, m, Overlap(oar=False))
+        assert base.hidden_s == 0
+        previous = base.step_s
+        for ov in ["oar", "oar,ors", "oar,ors,odp", "oag,oar,ors,odp", "oag,oar,ors,odp,chunks=4"]:
+            t = step_time(wl, shape, m, Overlap.parse(ov))
+            assert t.hidden_s <= m.overlap_efficiency * t.compute_s + 1e-12
+            assert t.hidden_s <= t.comm_s
+            assert t.step_s <= previous + 1e-9 or ov.endswith("chunks=4")  # chunks pay k·α
+            previous = t.step_s
+    assert str(Overlap.parse("oag,odp,chunks=2,cache")) == "oag,odp,chunks=2,cache"
+    with pytest.raises(ValueError, match="unknown overlap option"):
+        Overlap.parse("prefetch")
+
+
+def test_axis_geometry_and_machine_levels_follow_e1():
+    shape = GridShape(4, 2, 8, 16)
+    assert [axis_geometry(shape, a) for a in ("x", "y", "z", "data", "batch")] == [(4, 1), (2, 4), (8, 8), (16, 64), (128, 8)]
+    m = load("perlmutter")
+    assert m.level_of(4, 1).name.startswith("node") and m.level_of(2, 4).name.startswith("network")
+    fast, slow = m.comm_time("all_reduce", 4, 1, 1 << 26, 1024), m.comm_time("all_reduce", 4, 4, 1 << 26, 1024)
+    assert slow > 3 * fast
+
+
+def test_calibration_tables_interpolate():
+    dims = [16, 64, 256]
+    rates = np.full((3, 3, 3), 1e9)
+    rates[2, 2, 2] = 4e9
+    table = MatmulTable(dims, rates)
+    assert table.rate(16, 64, 256) == pytest.approx(1e9) and table.rate(256, 256, 256) == pytest.approx(4e9)
+    assert table.rate(4096, 4096, 4096) == pytest.approx(4e9)  # clamped at the lattice edge
+    assert 1e9 < table.rate(128, 256, 256) < 4e9
+    curve = CommCurve("all_reduce", 2, 1, 2, [1000, 2000, 4000], [1.0, 2.0, 3.0])
+    assert curve.time(1500) == pytest.approx(1.5) and curve.time(8000) == pytest.approx(5.0)
+    alpha, beta = CommCurve("all_gather", 2, 1, 2, [0, 1000], [1e-3, 2e-3]).alpha_beta()
+    assert alpha == pytest.approx(1e-3) and beta == pytest.approx(1e6)
+
+
+def test_shipped_machines_state_their_sources():
+    for name in available():
+        m = load(name)
+        assert m.sources and m.levels and m.peak_flops
+        assert json.loads(json.dumps(m.to_json()))["name"] == m.name
+    with pytest.raises(ValueError, match="unknown machine"):
+        load("summit-2099")
+
+
+def test_memory_policies_order_and_count_parameters():
+    wl = Workload(SIZES["20B"], batch=64)
+    shape = GridShape(4, 4, 8, 4)
+    none, sel, full = (memory(wl, shape, r) for r in ("none", "selective", "full"))
+    assert full.activations < sel.activations < none.activations
+    assert full.peak < none.peak
+    total = sum(local_param_count(wl, GridShape(*s)) for s in [(1, 1, 1, 1)])
+    assert abs(total - SIZES["20B"].n_params()) / SIZES["20B"].n_params() < 1e-9
+    c = evaluate(wl, shape, load("perlmutter"), recompute="full")
+    assert c.time.step_s > evaluate(wl, shape, load("perlmutter")).time.step_s
+
+
+def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
+    import argparse
+
+    from axon4d.plan import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    out = tmp_path / "plan.json"
+    code = cli.main(p.parse_args(["--model", "20B", "--gpus", "64", "--machine", "h100", "--batch", "64",
+                                  "--recompute", "full", "--top", "3", "--json", str(out)]))
+    text = capsys.readouterr().out
+    assert code == 0 and "grid (x,y,z,d)" in text and "t_data" in text
+    data = json.loads(out.read_text())
+    assert len(data["candidates"]) == 3 and data["world"] == 64
