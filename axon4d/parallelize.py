@@ -34,6 +34,7 @@ from torch import nn
 
 from axon4d import runtime
 from axon4d.grid import Grid, _suggest, factorizations
+from axon4d.nn.functional import average_grad_over_batch
 from axon4d.nn.linear import Linear
 
 #: attribute marking a forward pre-hook installed here (stripped from ``to_dense`` copies)
@@ -87,23 +88,6 @@ def slice_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
 def gather_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
     """The full last dim from every rank's chunk over ``axis``; the backward keeps this rank's chunk."""
     return x if grid.size(axis) == 1 else _GatherFeatures.apply(x, axis, grid)
-
-
-def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
-    """Average ``param``'s gradient over batch = data × z, as DDP does (E6/E7 for a replicated parameter).
-
-    Each backward's gradient is all-reduced and divided by G_batch before it is accumulated into
-    ``.grad``, so gradient accumulation over several backward calls stays correct.
-    """
-    g_batch = grid.size("batch")
-    if g_batch == 1:
-        return
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:  # (param shape), this rank's local-mean gradient
-        total = grid.comm.all_reduce(grad.contiguous().clone(), "batch", tag="parallelize.replicated_grad")
-        return total.wait().div_(g_batch)
-
-    param.register_hook(hook)
 
 
 # -- the wrapped layer -----------------------------------------------------------------------
