@@ -195,11 +195,16 @@ class _MPIWork:
                 fn()
 
     def wait(self) -> None:
-        while True:  # spin on Test under the lock so a progress thread never races for the request
+        polls = 0
+        while True:  # poll Test under the lock so a progress thread never races for the request
             with self.backend.lock:
                 if self.test():
                     break
-            os.sched_yield()  # ranks may share cores: let a peer that must send to us run
+            polls += 1  # ranks may share cores: yield, then back off so the peers we wait for run
+            if polls < 20:
+                os.sched_yield()
+            else:
+                time.sleep(min(1e-3, 2e-5 * (polls - 19)))
         if self.finish is not None:
             self.finish()
             self.finish = None

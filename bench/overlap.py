@@ -1,0 +1,256 @@
+"""Overlap off vs each mechanism alone vs all on, on a transformer-shaped workload (DESIGN.md §4).
+
+The workload: ``--layers`` blocks, each an attention-shaped pair (QKV h→3h normal, a cheap
+elementwise mix standing in for attention, output projection h→h transposed) and an MLP (h→4h
+normal, GELU, 4h→h transposed), with residuals — all ``axon4d.Linear`` — on an 8-rank grid. One
+step = forward, backward, SGD update. Configurations run interleaved (off, oag, oar, ors, odp,
+chunks, all; then again) ``--reps`` times, ``--steps`` timed steps each after one warm-up step; the
+step time is the slowest rank's, and each configuration reports the median step time, its ratio to
+"off", and the median share of communication hidden (axon4d.stepstats).
+
+    python bench/overlap.py --link 1gbit     # emulated cluster of 8 namespaces at 1 Gbit/s (root)
+    python bench/overlap.py --backend gloo   # loopback, gloo
+    python bench/overlap.py --backend mpi    # loopback, MPI (mpiexec -n 8)
+
+Results go to ``bench/results/overlap_<where>.json``; ``--trace DIR`` also dumps one step with
+overlap off and one with all on (axon4d.trace) and draws ``--png``. The last line is
+``overlap: all-on/off = R, hidden = H%``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
+
+
+# -- the worker: runs on every rank ---------------------------------------------------------------
+def _policy(name: str):
+    from axon4d.overlap import OverlapPolicy
+
+    return {"off": OverlapPolicy.off(), "all": OverlapPolicy()}.get(name) or OverlapPolicy.only(name)
+
+
+def _model(hidden: int, layers: int):
+    import torch
+
+    import axon4d
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = axon4d.Linear(hidden, 3 * hidden)
+            self.proj = axon4d.Linear(hidden, hidden, transpose=True)
+            self.up = axon4d.Linear(hidden, 4 * hidden)
+            self.down = axon4d.Linear(4 * hidden, hidden, transpose=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)  # (b, h/G_y) each: an elementwise stand-in for attention
+            x = x + self.proj(q * torch.sigmoid(k) + v)
+            return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+    return torch.nn.Sequential(*[Block() for _ in range(layers)])
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    import axon4d
+    from axon4d import stepstats, trace
+
+    torch.set_num_threads(1)
+    grid = axon4d.init(grid=tuple(int(s) for s in args.grid.split(",")), comm=args.comm, seed=0)
+    model = _model(args.hidden, args.layers)
+    params = list(model.parameters())
+    x = axon4d.shard_input(torch.randn(args.batch, args.seq, args.hidden))
+    v = torch.randn(x.shape[-1])
+    sched = grid.comm.scheduler
+
+    def step() -> None:
+        y = model(x)
+        (y * v).sum().div(y.numel() // y.shape[-1]).backward()
+        with torch.no_grad():
+            for p in params:
+                p -= 1e-3 * p.grad
+                p.grad = None
+
+    def timed(n: int) -> stepstats.StepReport:
+        grid.comm.barrier()
+        with stepstats.step(grid, n) as rep:
+            step()
+        return rep
+
+    def gather(values: list[float]) -> list[list[float]]:  # every rank's values, rank order
+        t = torch.tensor(values, dtype=torch.float64)
+        return grid.comm.all_gather(t.view(1, -1), "world").wait().tolist()
+
+    sched.configure(_policy("all"))
+    step()  # warm up allocations and the OAG order
+    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    for rep in range(args.reps):
+        for name in CONFIGS:
+            sched.configure(_policy(name))
+            step()
+            for s in range(args.steps):
+                r = timed(s)
+                per_rank = gather([r.wall_s, r.comm_s, r.blocked_s, r.compute_s])
+                results[name].append({
+                    "rep": rep, "step_s": max(p[0] for p in per_rank),
+                    "comm_s": statistics.mean(p[1] for p in per_rank),
+                    "blocked_s": statistics.mean(p[2] for p in per_rank),
+                    "compute_s": statistics.mean(p[3] for p in per_rank),
+                    "bytes_by_axis": r.bytes_by_axis,
+                })
+                if grid.rank == 0:
+                    print(f"rep {rep} {name:6s} {r.line()}", flush=True)
+    if args.trace:
+        for name in ("off", "all"):
+            sched.configure(_policy(name))
+            step()
+            grid.comm.barrier()
+            t0 = time.perf_counter()
+            grid.comm.log.clear()
+            step()
+            trace.dump(grid, os.path.join(args.trace, name), t0=t0, label=name)
+    if grid.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"grid": str(grid.shape), "comm": grid.comm.backend_name, "runs": results}, f)
+    axon4d.shutdown()
+
+
+# -- the driver: starts the ranks, collects, prints -----------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--comm", comm,
+           "--grid", args.grid, "--hidden", str(args.hidden), "--layers", str(args.layers),
+           "--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps), "--steps", str(args.steps)]
+    return cmd + (["--trace", args.trace] if args.trace else [])
+
+
+def run_ranks(args: argparse.Namespace, out: str) -> dict:
+    """Start 8 (``--ranks``) ranks where asked; return the setting that was measured."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    if args.link:
+        sys.path.insert(0, HERE)
+        from cluster import Cluster
+
+        with Cluster(args.ranks, args.link, args.nodes, args.intra) as cluster:
+            code = cluster.run(_worker_cmd(args, out, "torch"), env={"PYTHONPATH": ROOT}, timeout=args.timeout)
+        where = {"where": "emulated cluster", **cluster.describe(), "backend": "gloo"}
+    elif args.backend == "mpi":
+        env["AXON4D_MPI_PROGRESS"] = args.mpi_progress
+        if args.mpi_progress == "mpich":
+            env["MPIR_CVAR_ASYNC_PROGRESS"] = "1"
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        code = subprocess.run([mpiexec, "-n", str(args.ranks), *_worker_cmd(args, out, "mpi")], env=env,
+                              timeout=args.timeout).returncode
+        where = {"where": "loopback", "backend": "mpi", "mpi_progress": args.mpi_progress}
+    else:
+        port, procs = _free_port(), []
+        for r in range(args.ranks):
+            procs.append(subprocess.Popen(_worker_cmd(args, out, "torch"), env=dict(
+                env, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port))))
+        code = max(p.wait(timeout=args.timeout) for p in procs)
+        where = {"where": "loopback", "backend": "gloo"}
+    if code != 0:
+        raise SystemExit(f"a rank failed (exit {code}); see the output above")
+    return where
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    off = statistics.median(r["step_s"] for r in runs["off"])
+    out = {}
+    for name, rows in runs.items():
+        med = statistics.median(r["step_s"] for r in rows)
+        hidden = [100.0 * (1 - r["blocked_s"] / r["comm_s"]) if r["comm_s"] else 0.0 for r in rows]
+        out[name] = {"median_step_s": med, "ratio_to_off": med / off, "hidden_pct": statistics.median(hidden),
+                     "comm_s": statistics.median(r["comm_s"] for r in rows),
+                     "blocked_s": statistics.median(r["blocked_s"] for r in rows),
+                     "compute_s": statistics.median(r["compute_s"] for r in rows),
+                     "steps_s": [r["step_s"] for r in rows]}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--link", help="run on an emulated cluster with this link rate (e.g. 1gbit); needs root")
+    p.add_argument("--nodes", type=int, default=1, help="emulated cluster: group ranks into nodes (--link is then the uplink)")
+    p.add_argument("--intra", default=None, help="emulated cluster: rank link rate inside a node (default uncapped)")
+    p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo", help="loopback transport when no --link")
+    p.add_argument("--mpi-progress", choices=["thread", "mpich", "none"], default="thread")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--grid", default="2,2,2,1", help="x,y,z,data")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--trace", help="dump one step with overlap off and one with all on into this directory")
+    p.add_argument("--png", help="draw the traced steps into this PNG (needs --trace)")
+    p.add_argument("--results", help="JSON to write (default bench/results/overlap_<where>.json)")
+    p.add_argument("--timeout", type=float, default=3000)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--comm", default="torch", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    tag = f"cluster_{args.link}" if args.link else args.backend
+    if args.nodes > 1:
+        tag += f"_{args.nodes}nodes"
+    results_path = args.results or os.path.join(HERE, "results", f"overlap_{tag}.json")
+    os.makedirs(os.path.dirname(results_path), exist_ok=True)
+    out = os.path.join("/tmp", f"axon4d_overlap_{os.getpid()}.json")
+    where = run_ranks(args, out)
+    with open(out) as f:
+        raw = json.load(f)
+    os.remove(out)
+    summary = summarize(raw["runs"])
+    setting = {**where, "grid": raw["grid"], "comm": raw["comm"], "hidden": args.hidden, "layers": args.layers,
+               "tokens": args.batch * args.seq, "reps": args.reps, "steps_per_rep": args.steps,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    print(f"\n{setting}")
+    print(f"{'config':8s} {'median step':>12s} {'/off':>6s} {'hidden':>7s} {'comm':>9s} {'blocked':>9s} {'compute':>9s}")
+    for name, s in summary.items():
+        print(f"{name:8s} {s['median_step_s'] * 1e3:10.1f}ms {s['ratio_to_off']:6.3f} {s['hidden_pct']:6.1f}% "
+              f"{s['comm_s'] * 1e3:7.1f}ms {s['blocked_s'] * 1e3:7.1f}ms {s['compute_s'] * 1e3:7.1f}ms")
+    record = {"setting": setting, "summary": summary, "runs": raw["runs"]}
+    if args.trace:
+        sys.path.insert(0, ROOT)
+        from axon4d import trace
+
+        runs = [("overlap off", trace.load(os.path.join(args.trace, "off"))),
+                ("overlap all on", trace.load(os.path.join(args.trace, "all")))]
+        with open(os.path.join(args.trace, "trace.json"), "w") as f:
+            json.dump(trace.chrome_trace(runs), f)
+        record["trace"] = os.path.join(args.trace, "trace.json")
+        if args.png:
+            trace.plot(runs, args.png, ranks=(0, 1))
+            record["png"] = args.png
+    with open(results_path, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"saved {results_path}")
+    print(f"overlap: all-on/off = {summary['all']['ratio_to_off']:.2f}, hidden = {summary['all']['hidden_pct']:.0f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""Runs the gloo backend's own correctness tests on the MPI backend, under ``mpiexec -n 8``.
+
+Started by tests/test_mpi.py. Every rank joins one torch world (for group bookkeeping) and builds
+each grid with ``axon4d.init(..., comm="mpi")``, so every collective goes through mpi4py. The
+tests of test_comm.py, test_linear.py and test_overlap.py are called with ``MPIPools`` in place of
+the gloo ``pools`` fixture: ``run`` calls the function on every MPI rank and gathers the results
+on all of them, so each rank evaluates the same assertions. Rank 0 prints one line per test:
+``MPICHECK <name> ok`` or ``MPICHECK <name> FAIL <first line of the error>``.
+"""
+
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import axon4d  # noqa: E402
+from axon4d import launch  # noqa: E402
+
+import test_comm  # noqa: E402
+import test_linear  # noqa: E402
+import test_overlap  # noqa: E402
+
+
+class Skip(Exception):
+    """The test needs a world of another size than this mpiexec job."""
+
+
+class MPIPools:
+    """Stands in for the ``pools`` fixture: runs a function on every rank of this MPI job."""
+
+    def __call__(self, world):
+        if world != MPI.COMM_WORLD.Get_size():
+            raise Skip(f"needs {world} ranks")
+        return self
+
+    def run(self, grid, fn, *args, timeout=None, **init_kwargs):
+        g = axon4d.init(grid=grid, comm="mpi", **init_kwargs)
+        try:
+            assert g.comm.backend_name == "mpi"
+            result = fn(g, *args)
+        finally:
+            axon4d.shutdown()
+        return MPI.COMM_WORLD.allgather(result)
+
+
+TESTS = [
+    ("comm.collectives", test_comm.test_collectives_return_correct_data_and_are_logged, {}),
+    *[
+        (f"comm.bytes{g}.{d}", test_comm.test_linear_moves_exactly_the_bytes_of_e8_to_e13, {"grid": g, "dtype_name": d})
+        for g in [(2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 8, 1)]
+        for d in ["float32", "bfloat16"]
+    ],
+    ("linear.fp32_every_grid_of_8", test_linear.test_every_grid_matches_torch_linear_fp32, {"world": 8}),
+    ("linear.bf16", test_linear.test_bf16_matches_within_documented_tolerance, {"grid": (2, 2, 2, 1)}),
+    ("linear.padded", test_linear.test_weight_blocks_that_do_not_split_over_z_are_padded, {"grid": (1, 1, 4, 2)}),
+    *[
+        (f"overlap.equivalence{g}", test_overlap.test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_off, {"grid": g})
+        for g in [(2, 2, 2, 1), (2, 1, 2, 2)]
+    ],
+    ("overlap.prefetch", test_overlap.test_oag_prefetches_the_next_layers_weight_from_the_second_step_on, {}),
+]
+
+
+def main():
+    torch.set_num_threads(1)
+    info = launch.detect()
+    launch.start_world(info, "gloo")  # one torch world for all grids; collectives go through MPI
+    pools = MPIPools()
+    only = sys.argv[1:]
+    for name, test, kwargs in TESTS:
+        if only and not any(name.startswith(o) for o in only):
+            continue
+        try:
+            test(pools, **kwargs)
+            line = f"MPICHECK {name} ok"
+        except Skip as e:
+            line = f"MPICHECK {name} skip {e}"
+        except Exception as e:  # noqa: BLE001 - report and go on with the next test
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            line = f"MPICHECK {name} FAIL {type(e).__name__}: {first}"
+            if info.rank == 0:
+                traceback.print_exc()
+        if info.rank == 0:
+            print(line, flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
