@@ -24,7 +24,7 @@ _state: dict[str, object] = {"grid": None, "owns_world": False}
 
 
 def init(
-    grid: GridShape | Sequence[int] | dict[str, int] = (1, 1, 1, -1),
+    grid: GridShape | Sequence[int] | dict[str, int] | str = (1, 1, 1, -1),
     *,
     backend: str | None = None,
     device: str | torch.device | None = None,
@@ -32,6 +32,7 @@ def init(
     overlap: object = None,
     seed: int | None = None,
     timeout_s: float = 600.0,
+    plan: dict[str, object] | None = None,
 ) -> Grid:
     """Join the job and build the 4D grid ``(x, y, z, data)``; return it and make it current.
 
@@ -42,6 +43,8 @@ def init(
     present, else torch (axon4d.comm.choose_transport). ``overlap`` is the overlap policy
     (axon4d.overlap.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict).
     ``seed``, if given, seeds torch's generator identically on every rank.
+    ``grid="auto"`` lets the planner choose (axon4d.plan.auto.choose_grid) for ``plan`` =
+    {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}.
     Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
     """
     if _state["grid"] is not None:
@@ -50,6 +53,12 @@ def init(
             "call axon4d.shutdown() first to build another grid"
         )
     info = launch.detect()
+    if isinstance(grid, str):
+        if grid != "auto":
+            raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")
+        from axon4d.plan.auto import choose_grid
+
+        grid = choose_grid(info.world_size, overlap=overlap, rank=info.rank, **(plan or {}))  # type: ignore[arg-type]
     shape = GridShape.parse(grid, info.world_size)
     dev = torch.device(device) if device is not None else devices.default_device(info.local_rank)
     devices.bind(dev)

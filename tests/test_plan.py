@@ -12,7 +12,7 @@ import pytest
 
 from axon4d.grid import GridShape, factorizations
 from axon4d.models.config import SIZES, ModelConfig
-from axon4d.plan import Overlap, Workload, evaluate, load, local_param_count, memory, plan, step_time
+from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.cost import axis_geometry
 from axon4d.plan.machine import CommCurve, MatmulTable, available
 from axon4d.volume import linear_collectives
@@ -131,18 +131,17 @@ def test_overlap_credit_is_bounded_and_never_slows_a_step():
     wl = Workload(SIZES["20B"], batch=64)
     for grid in [(4, 2, 8, 8), (1, 4, 64, 2), (4, 4, 4, 8)]:
         shape = GridShape(*grid)
-        base = step_time(wl, shape, m, Overlap(oar=False))
+        base = step_time(wl, shape, m, Overlap.off())
         assert base.hidden_s == 0
         previous = base.step_s
-        for ov in ["oar", "oar,ors", "oar,ors,odp", "oag,oar,ors,odp", "oag,oar,ors,odp,chunks=4"]:
+        for ov in ["oar", "oar,ors", "oar,ors,odp", "oag,oar,ors,odp", "oag,oar,ors,odp,chunks"]:
             t = step_time(wl, shape, m, Overlap.parse(ov))
             assert t.hidden_s <= m.overlap_efficiency * t.compute_s + 1e-12
             assert t.hidden_s <= t.comm_s
-            assert t.step_s <= previous + 1e-9 or ov.endswith("chunks=4")  # chunks pay k·α
+            assert t.step_s <= previous + 1e-9 or ov.endswith("chunks")  # chunks pay k·α
             previous = t.step_s
-    assert str(Overlap.parse("oag,odp,chunks=2,cache")) == "oag,odp,chunks=2,cache"
-    with pytest.raises(ValueError, match="unknown overlap option"):
-        Overlap.parse("prefetch")
+    assert describe(Overlap.parse("oag,odp,chunks")) == "oag,odp,chunks=4"
+    assert describe(Overlap.off()) == "off"
 
 
 def test_axis_geometry_and_machine_levels_follow_e1():
@@ -203,3 +202,29 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     assert code == 0 and "grid (x,y,z,d)" in text and "t_data" in text
     data = json.loads(out.read_text())
     assert len(data["candidates"]) == 3 and data["world"] == 64
+
+
+def _auto_grid(cfg):
+    import axon4d
+
+    grid = axon4d.init(grid="auto", plan={"model": cfg, "batch": 8, "machine": "perlmutter", "dtype": "float32"})
+    try:
+        return grid.shape.as_tuple()
+    finally:
+        axon4d.shutdown()
+
+
+def test_init_auto_builds_the_planners_choice_on_every_rank(pools):
+    expected = plan(PROBE, 8, "perlmutter", batch=8, dtype="float32").best.shape.as_tuple()
+    assert pools(8).run(None, _auto_grid, PROBE) == [expected] * 8
+
+
+def test_auto_without_a_model_or_machine_says_what_to_pass(monkeypatch, tmp_path):
+    from axon4d.plan.auto import choose_grid
+
+    with pytest.raises(ValueError, match="needs the model"):
+        choose_grid(8, machine="perlmutter")
+    monkeypatch.delenv("AXON4D_MACHINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="axon4d calibrate"):
+        choose_grid(8, model=PROBE)

@@ -9,7 +9,7 @@ Modules: ``workload`` (the layers a step runs), ``machine`` (measured or publish
 ``calibrate`` (measure this machine), ``cli`` (``axon4d plan``).
 """
 
-from axon4d.plan.cost import Overlap, TimeEstimate, step_time
+from axon4d.plan.cost import Overlap, TimeEstimate, describe, step_time
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.search import Candidate, PlanResult, evaluate, plan
@@ -17,5 +17,5 @@ from axon4d.plan.workload import LinearSpec, Workload
 
 __all__ = [
     "Candidate", "LinearSpec", "Machine", "MemoryEstimate", "Overlap", "PlanResult", "TimeEstimate", "Workload",
-    "available", "evaluate", "load", "local_param_count", "memory", "plan", "step_time",
+    "available", "describe", "evaluate", "load", "local_param_count", "memory", "plan", "step_time",
 ]

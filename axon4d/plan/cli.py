@@ -17,6 +17,7 @@ import sys
 import time
 
 from axon4d.models.config import SIZES, get_config
+from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan
 
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
     p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--overlap", default="oar", help="on mechanisms: oag,oar,ors,odp,chunks=K,cache | all | none")
+    p.add_argument("--overlap", default="all", help="mechanisms on: all (the library default) | off | a list like oag,oar,odp,chunks")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
@@ -49,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     wl = result.workload
     print(f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
           f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
-          f"overlap {result.overlap}, recompute {result.recompute}")
+          f"overlap {describe(result.overlap)}, recompute {result.recompute}")
     print(f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "
           f"{sum(c.fits for c in result.candidates)} fit in memory; priced in {elapsed * 1e3:.0f} ms\n")
     print(result.table(args.top))

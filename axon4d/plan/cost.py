@@ -12,12 +12,14 @@ machine's ``overlap_efficiency``:
     forward window of layer i  = its GEMM + the non-GEMM work after it (attention, GELU, …)
         hides: OAG — layer i+1's Z all-gather (E10) prefetched;
                chunked E8 — (k−1)/k of layer i's forward all-reduce, within (k−1)/k of its GEMM
+                 (k from ``volume.forward_chunk_count``, as the layer chunks it)
     backward window of layer i = the non-GEMM backward work after layer i + its dX and dW GEMMs
         hides: OAR — layer i's E9 all-reduce, within its dW GEMM;
                ORS — layer i+1's E11 reduce-scatter; ODP — layer i+1's E12 (and E13) all-reduce;
                OAG — layer i−1's backward all-gather prefetched
 
-Block layers are repeated n_layers times and their neighbours wrap around the block.
+Block layers are repeated n_layers times and their neighbours wrap around the block. Which
+mechanisms are on is the library's own ``axon4d.overlap.OverlapPolicy`` (default: all on).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import dataclasses
 from typing import Any
 
 from axon4d.grid import GridShape
+from axon4d.overlap import OverlapPolicy
 from axon4d.plan.machine import Machine
 from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.volume import linear_collectives, weight_shard_numel
@@ -38,45 +41,23 @@ def axis_geometry(shape: GridShape, axis: str) -> tuple[int, int]:
             "world": (x * y * z * d, 1)}[axis]
 
 
-@dataclasses.dataclass(frozen=True)
-class Overlap:
-    """Which overlap mechanisms of DESIGN.md §4 are on. The default is what axon4d.Linear does today."""
+#: The planner is told which mechanisms are on with the library's own policy (axon4d.overlap).
+Overlap = OverlapPolicy
 
-    oag: bool = False  # prefetch the next layer's Z all-gather
-    oar: bool = True  # dX all-reduce issued before the dW GEMM (axon4d.Linear always does this)
-    ors: bool = False  # dW reduce-scatter asynchronous
-    odp: bool = False  # data-parallel gradient all-reduce asynchronous, bucketed
-    chunks: int = 1  # token chunks of the forward all-reduce (E8); 1 = synchronous
-    cache_weight: bool = False  # keep the gathered block for backward (E10 once)
 
-    @classmethod
-    def parse(cls, text: str) -> "Overlap":
-        """From "oag,oar,ors,odp,chunks=4,cache" (or "none", or "all")."""
-        text = text.strip().lower()
-        if text in ("", "none"):
-            return cls(oar=False)
-        if text == "all":
-            return cls(True, True, True, True, 4, False)
-        kw: dict[str, Any] = {"oar": False}
-        for part in text.split(","):
-            part = part.strip()
-            if part.startswith("chunks="):
-                kw["chunks"] = int(part.split("=", 1)[1])
-            elif part in ("oag", "oar", "ors", "odp"):
-                kw[part] = True
-            elif part == "cache":
-                kw["cache_weight"] = True
-            else:
-                raise ValueError(f"unknown overlap option {part!r}; use oag, oar, ors, odp, chunks=K, cache, none, all")
-        return cls(**kw)
+def parse_overlap(spec: Any) -> OverlapPolicy:
+    """An overlap policy from anything ``OverlapPolicy.parse`` takes ("all", "off", "oag,oar", …)."""
+    return OverlapPolicy.parse(spec)
 
-    def __str__(self) -> str:
-        on = [n for n in ("oag", "oar", "ors", "odp") if getattr(self, n)]
-        if self.chunks > 1:
-            on.append(f"chunks={self.chunks}")
-        if self.cache_weight:
-            on.append("cache")
-        return ",".join(on) or "none"
+
+def describe(policy: OverlapPolicy) -> str:
+    """The mechanisms that are on, e.g. "oag,oar,ors,odp,chunks=4" ("off" when none)."""
+    on = [n for n in ("oag", "oar", "ors", "odp") if getattr(policy, n)]
+    if policy.forward_chunks > 1:
+        on.append(f"chunks={policy.forward_chunks}")
+    if policy.oag_keep:
+        on.append("keep")
+    return ",".join(on) or "off"
 
 
 @dataclasses.dataclass
@@ -94,9 +75,10 @@ class LayerCost:
     comm: dict[str, float]  # term key ("E8", "E10f", "E10b", "E9", "E11", "E12", "E13") -> seconds
     comm_axis: dict[str, str]
     bytes_by_axis: dict[str, int]
+    chunks: int = 1  # forward all-reduces E8 is issued as
 
 
-def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov: Overlap) -> LayerCost:
+def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov: OverlapPolicy) -> LayerCost:
     world, dt, elem = shape.world_size, wl.dtype, wl.element_size
     b = wl.local_tokens(shape)
     in_l, out_l = spec.local(shape)
@@ -116,17 +98,20 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
     comm: dict[str, float] = {}
     axes: dict[str, str] = {}
     by_axis: dict[str, int] = {}
+    chunks = 0
     for c in linear_collectives(spec.in_features, spec.out_features, b, shape, transpose=spec.transpose,
-                                bias=spec.bias, element_size=elem, cache_weight=ov.cache_weight):
+                                bias=spec.bias, element_size=elem, cache_weight=ov.oag_keep,
+                                forward_chunks=1 if spec.embedding else ov.forward_chunks,
+                                min_chunk_bytes=int(ov.min_chunk_kb * 1024)):
         if c.term == "E9" and not spec.input_grad:
             continue
         group, stride = axis_geometry(shape, c.axis)
         key = c.term + ("f" if c.term == "E10" and c.phase == "forward" else "b" if c.term == "E10" else "")
-        k = ov.chunks if c.term == "E8" and not spec.embedding else 1
-        comm[key] = k * m.comm_time(c.op.value, group, stride, c.payload_bytes / k, world)
+        chunks += c.term == "E8"
+        comm[key] = comm.get(key, 0.0) + m.comm_time(c.op.value, group, stride, c.payload_bytes, world)
         axes[key] = c.axis
         by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
-    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis)
+    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, max(chunks, 1))
 
 
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
@@ -180,7 +165,7 @@ class TimeEstimate:
         return 100.0 * self.hidden_s / self.comm_s if self.comm_s > 0 else 0.0
 
 
-def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap = Overlap(),
+def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: OverlapPolicy = OverlapPolicy(),
               params_local: int | None = None) -> TimeEstimate:
     """Predicted seconds of one forward + backward + optimizer step on ``shape`` (one rank)."""
     layers = [_layer_cost(s, wl, shape, machine, overlap) for s in wl.linears()]
@@ -209,8 +194,8 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         # forward window
         cap = eff * (lc.fwd + lc.post_fwd)
         h_f = 0.0
-        if overlap.chunks > 1 and "E8" in c:
-            k = overlap.chunks
+        if lc.chunks > 1:
+            k = lc.chunks
             h = min(c["E8"] * (k - 1) / k, eff * lc.fwd_mm * (k - 1) / k, cap)
             hidden["chunks"] += n * h
             h_f += h
@@ -237,7 +222,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
                 hidden["odp"] += n * h
                 h_b += h
         earlier = neighbour(i, -1)
-        if overlap.oag and earlier is not None and not overlap.cache_weight:
+        if overlap.oag and earlier is not None and not overlap.oag_keep:
             h = min(earlier.comm.get("E10b", 0.0), cap - h_b)
             hidden["oag"] += n * h
             h_b += h

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from axon4d.grid import GridShape
-from axon4d.plan.cost import Overlap
+from axon4d.overlap import OverlapPolicy
 from axon4d.plan.workload import Workload
 from axon4d.volume import weight_shard_numel
 
@@ -85,7 +85,7 @@ def _block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
             "x1": b * h_x, "up": b * up_y, "act": b * (m.ffn // shape.y)}
 
 
-def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: Overlap = Overlap(),
+def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: OverlapPolicy = OverlapPolicy(),
            master_weights: bool | None = None) -> MemoryEstimate:
     """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (Adam optimizer)."""
     m, elem = wl.model, wl.element_size
@@ -95,6 +95,9 @@ def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: Ove
     optimizer = n_params * (8 + (4 if master else 0))
     a16, a32 = block_activation_elements(wl, shape, recompute)
     acts = m.n_layers * (a16 * elem + a32 * 4)
+    if overlap.oag_keep and shape.z > 1:  # every gathered block kept from forward to backward
+        acts += sum(s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
+                    for s in wl.linears()) * elem
     b = wl.local_tokens(shape)
     if wl.head:
         acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
@@ -106,7 +109,7 @@ def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: Ove
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
 
 
-def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Overlap, acts: float) -> float:
+def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: OverlapPolicy, acts: float) -> float:
     """Largest live bytes (activations, gradients, buffers) during forward end and backward."""
     m, elem = wl.model, wl.element_size
     b = wl.local_tokens(shape)
@@ -120,14 +123,31 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         peak = max(peak, live + extra)
 
     transient: dict[str, float] = {}
+    order = ["head", "mlp_down", "mlp_up", "attn_out", "qkv"]  # backward order (blocks repeat)
+
+    def block_bytes(name: str) -> float:
+        s = specs.get(name)
+        return 0.0 if s is None else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z * elem
+
+    def overlap_extra(name: str) -> float:
+        """Buffers overlap keeps alive during ``name``'s backward: OAG's prefetched block of the
+        next layer, ORS/ODP's still-reducing gradient block of the previous one."""
+        i = order.index(name)
+        nxt = order[i + 1] if i + 1 < len(order) else "mlp_down"
+        prev = order[i - 1] if i > 1 else ("qkv" if i == 1 else "")
+        extra = block_bytes(nxt) if overlap.oag and shape.z > 1 and not overlap.oag_keep else 0.0
+        if (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1):
+            extra += block_bytes(prev)
+        return extra
 
     def linear_bwd(name: str, dx_elems: float) -> float:
         """Record one layer's backward transients; return the gradient bytes kept afterwards."""
         s = specs[name]
         shard = weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         n_w = shard * shape.z
-        gathered = n_w * elem if shape.z > 1 and not overlap.cache_weight else 0.0
-        transient[name] = gathered + dx_elems * elem + 2 * n_w * elem + (shard * elem if shape.z > 1 else 0)
+        gathered = n_w * elem if shape.z > 1 and not overlap.oag_keep else 0.0
+        transient[name] = (gathered + dx_elems * elem + 2 * n_w * elem + (shard * elem if shape.z > 1 else 0)
+                           + overlap_extra(name))
         return (shard + (s.local(shape)[1] if s.bias else 0)) * elem
 
     def note_linear(name: str) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 
 from axon4d.grid import GridShape, factorizations
 from axon4d.models.config import ModelConfig, get_config
-from axon4d.plan.cost import Overlap, TimeEstimate, step_time
+from axon4d.overlap import OverlapPolicy
+from axon4d.plan.cost import TimeEstimate, describe, step_time
 from axon4d.plan.machine import Machine, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.workload import Workload
@@ -56,7 +57,7 @@ class PlanResult:
     workload: Workload
     machine: Machine
     world: int
-    overlap: Overlap
+    overlap: OverlapPolicy
     recompute: str
     memory_limit: float
     candidates: list[Candidate]  # valid grids, sorted: fitting ones by time, then the others
@@ -79,7 +80,7 @@ class PlanResult:
         wl = self.workload
         return {
             "model": dataclasses.asdict(wl.model), "batch": wl.batch, "dtype": wl.dtype, "world": self.world,
-            "machine": self.machine.name, "overlap": str(self.overlap), "recompute": self.recompute,
+            "machine": self.machine.name, "overlap": describe(self.overlap), "recompute": self.recompute,
             "memory_limit": self.memory_limit, "valid": len(self.candidates), "invalid": self.invalid,
             "candidates": [c.to_json() for c in self.candidates[:top]],
         }
@@ -122,7 +123,7 @@ def agarwal_ratio(wl: Workload, shape: GridShape, t: TimeEstimate) -> float:
     return words / bound if bound else math.nan
 
 
-def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap = Overlap(),
+def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: OverlapPolicy = OverlapPolicy(),
              recompute: str = "none", memory_limit: float | None = None) -> Candidate:
     """Predicted time, memory and MFU of one valid grid."""
     limit = machine.memory_per_device if memory_limit is None else memory_limit
@@ -146,7 +147,7 @@ def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap 
 
 
 def plan(model: ModelConfig | str, world: int, machine: Machine | str, batch: int, *, dtype: str = "bfloat16",
-         overlap: Overlap | str = Overlap(), recompute: str = "none", memory_limit: float | None = None,
+         overlap: OverlapPolicy | str | None = None, recompute: str = "none", memory_limit: float | None = None,
          workload: Workload | None = None) -> PlanResult:
     """Price every valid grid of ``world`` ranks for ``model`` on ``machine``; best first.
 
@@ -157,7 +158,7 @@ def plan(model: ModelConfig | str, world: int, machine: Machine | str, batch: in
     if workload is None:
         cfg = get_config(model) if isinstance(model, str) else model
         workload = Workload(cfg, batch, dtype)
-    ov = Overlap.parse(overlap) if isinstance(overlap, str) else overlap
+    ov = OverlapPolicy.parse(overlap)
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     mask = valid_mask(workload, arr)

@@ -1,0 +1,65 @@
+"""``axon4d.init(grid="auto", plan={...})``: the planner chooses the grid and says why (DESIGN.md §6).
+
+Every rank runs the same deterministic search on the same inputs, so all ranks pick the same grid
+without communicating. Rank 0 prints the choice, its predicted time, MFU and memory, and the
+runners-up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from axon4d.grid import GridShape
+from axon4d.models.config import ModelConfig, get_config
+from axon4d.plan.cost import describe
+from axon4d.plan.machine import available
+from axon4d.plan.search import plan
+from axon4d.plan.workload import Workload
+
+LOCAL_MACHINE_FILE = "local.json"  # what ``axon4d calibrate`` writes by default
+
+
+def default_machine() -> str:
+    """$AXON4D_MACHINE, else ./local.json (from ``axon4d calibrate``); ValueError if neither exists."""
+    env = os.environ.get("AXON4D_MACHINE")
+    if env:
+        return env
+    if os.path.exists(LOCAL_MACHINE_FILE):
+        return LOCAL_MACHINE_FILE
+    raise ValueError(
+        "grid='auto' needs a machine description: pass plan={'machine': NAME or PATH}, set AXON4D_MACHINE, "
+        f"or run `axon4d calibrate` here to write {LOCAL_MACHINE_FILE}; shipped machines: {', '.join(available())}"
+    )
+
+
+def choose_grid(world: int, *, model: ModelConfig | str | None = None, batch: int | None = None,
+                machine: str | None = None, dtype: str = "bfloat16", overlap: Any = None, recompute: str = "none",
+                memory_gib: float | None = None, workload: Workload | None = None, rank: int = 0,
+                top: int = 3) -> GridShape:
+    """The fastest grid of ``world`` ranks that fits, by the planner; rank 0 prints why.
+
+    ``model`` is a ModelConfig or a size name; ``batch`` the global batch in sequences (default:
+    one per rank). Raises ``ValueError`` (on every rank alike) when no grid fits.
+    """
+    if workload is None:
+        if model is None:
+            raise ValueError("grid='auto' needs the model: axon4d.init(grid='auto', plan={'model': cfg_or_name, 'batch': B})")
+        cfg = get_config(model) if isinstance(model, str) else model
+        workload = Workload(cfg, batch if batch is not None else world, dtype)
+    result = plan(workload.model, world, machine or default_machine(), workload.batch, overlap=overlap,
+                  recompute=recompute, memory_limit=memory_gib * 2**30 if memory_gib else None, workload=workload)
+    best = result.best
+    if rank == 0:
+        t = best.time
+        m = workload.model
+        print(f"axon4d: grid='auto' chose {best.shape.as_tuple()} (x, y, z, data) for {m.name or 'the model'} "
+              f"(batch {workload.batch} × {m.seq_len}, {workload.dtype}) on {world} × {result.machine.name}: predicted "
+              f"{t.step_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}%, {best.mem.peak / 2**30:.2f} GiB per rank "
+              f"(limit {result.memory_limit / 2**30:.1f}), communication {t.comm_s * 1e3:.1f} ms of which "
+              f"{t.hidden_pct:.0f}% hidden (overlap {describe(result.overlap)}); "
+              f"{sum(c.fits for c in result.candidates)} of {len(result.candidates)} valid grids fit. Top {top}:",
+              file=sys.stderr, flush=True)
+        print(result.table(top), file=sys.stderr, flush=True)
+    return best.shape
