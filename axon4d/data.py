@@ -1,0 +1,107 @@
+"""Token streams for training: a synthetic default and tokenized text files (memmap).
+
+Both give, for a step, the *global* batch (B, S+1) of token ids — the same on every rank, drawn
+deterministically from (seed, step) — so a run is reproducible and a resumed run sees exactly the
+batches it would have seen; ``axon4d.shard_batch`` then takes this rank's rows.
+
+``prepare_text`` turns text into a uint16 token file with a byte-level tokenizer (vocab 256), and
+``demo_corpus`` writes a small English corpus made offline from the docstrings of Python's own
+standard library — real text for the demo without downloading anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sysconfig
+
+import numpy as np
+import torch
+
+
+class SyntheticTokens:
+    """A learnable synthetic language: each sequence counts t[i+1] = (t[i] + d) mod V, with noise.
+
+    The stride d is drawn per sequence from a small fixed set, so a model can lower its loss well
+    below log V by inferring d from context, which makes loss curves informative.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, rules: int = 8, noise: float = 0.1):
+        self.vocab_size, self.seq_len, self.seed, self.noise = vocab_size, seq_len, seed, noise
+        gen = torch.Generator().manual_seed(seed)
+        self.stride = torch.randint(1, vocab_size, (rules,), generator=gen)
+
+    def batch(self, step: int, batch_size: int) -> torch.Tensor:
+        """The global batch (batch_size, seq_len + 1) of step ``step``."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        d = self.stride[torch.randint(0, len(self.stride), (batch_size,), generator=gen)]
+        t = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long)
+        t[:, 0] = torch.randint(0, self.vocab_size, (batch_size,), generator=gen)
+        noise = torch.rand(batch_size, self.seq_len, generator=gen) < self.noise
+        random = torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=gen)
+        for i in range(self.seq_len):
+            nxt = (t[:, i] + d) % self.vocab_size
+            t[:, i + 1] = torch.where(noise[:, i], random[:, i], nxt)
+        return t
+
+
+class MemmapTokens:
+    """Random windows of a tokenized file (uint16 or uint32 token ids, as written by numpy)."""
+
+    def __init__(self, path: str, seq_len: int, vocab_size: int, seed: int = 0, dtype: str | None = None):
+        if dtype is None:
+            dtype = "uint32" if path.endswith(".u32") or path.endswith(".uint32") else "uint16"
+        if dtype not in ("uint16", "uint32"):
+            raise ValueError(f"token file dtype {dtype!r} is not supported; use uint16 or uint32")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.seq_len, self.seed = seq_len, seed
+        if len(self.tokens) < seq_len + 2:
+            raise ValueError(f"{path} holds {len(self.tokens)} tokens, fewer than one sequence of {seq_len + 1}")
+        top = int(self.tokens.max())
+        if top >= vocab_size:
+            raise ValueError(f"{path} contains token id {top}, but the model's vocab_size is {vocab_size}")
+
+    def batch(self, step: int, batch_size: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (batch_size,), generator=gen)
+        rows = [np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts.tolist()]
+        return torch.from_numpy(np.stack(rows))
+
+
+def prepare_text(text: str, out_path: str) -> int:
+    """Byte-level tokenize ``text`` (UTF-8 bytes are the ids, vocab 256) into a uint16 file."""
+    ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    ids.tofile(out_path)
+    return int(ids.size)
+
+
+def demo_corpus(out_path: str, max_bytes: int = 1_000_000) -> str:
+    """Write (once) a byte-tokenized corpus of the Python standard library's docstrings."""
+    if os.path.exists(out_path):
+        return out_path
+    stdlib = sysconfig.get_paths()["stdlib"]
+    pieces: list[str] = []
+    size = 0
+    for root, dirs, files in sorted(os.walk(stdlib)):
+        dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "site-packages", "idlelib", "__pycache__"))
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(root, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) > 80 and doc.isascii():
+                        pieces.append(doc.strip() + "\n\n")
+                        size += len(pieces[-1])
+            if size >= max_bytes:
+                break
+        if size >= max_bytes:
+            break
+    prepare_text("".join(pieces)[:max_bytes], out_path)
+    return out_path
