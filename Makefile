@@ -7,7 +7,7 @@ NPROC ?= 8
 # same pin pulls the CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install test demo lint clean
+.PHONY: install test demo demo-mlp clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,16 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The main job: a small Llama trained for a couple of minutes on an 8-rank (2,2,2,1) grid on a
+# byte-level corpus made offline from Python's docstrings, then the same model in one process.
+DEMO_ARGS ?= --grid 2,2,2,1 --model small --data corpus --steps 80 --batch-size 16 --warmup-steps 8
 demo: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --master-port 29517 -m axon4d.demo $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --master-port 29517 -m axon4d.train \
+		$(DEMO_ARGS) --compare-single --out-dir build/demo
+
+# The drop-in example: an MLP of axon4d.Linear layers against the same MLP in one process.
+demo-mlp: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --master-port 29518 -m axon4d.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -12,7 +12,8 @@ import sys
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("axon4d.demo", "train an MLP on the 4D grid and compare it with one process"),
+    "train": ("axon4d.train", "train a GPT or Llama model on the 4D grid"),
+    "demo": ("axon4d.demo", "train an MLP of axon4d.Linear layers and compare it with one process"),
 }
 
 

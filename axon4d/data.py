@@ -103,5 +103,7 @@ def demo_corpus(out_path: str, max_bytes: int = 1_000_000) -> str:
                 break
         if size >= max_bytes:
             break
-    prepare_text("".join(pieces)[:max_bytes], out_path)
+    tmp = out_path + ".tmp"
+    prepare_text("".join(pieces)[:max_bytes], tmp)
+    os.replace(tmp, out_path)  # readers never see a half-written corpus
     return out_path

@@ -148,10 +148,22 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
-def make_data(cfg: TrainConfig, mcfg: ModelConfig) -> SyntheticTokens | MemmapTokens:
+CORPUS_PATH = os.path.join("build", "corpus.u16")
+
+
+def make_data(cfg: TrainConfig, mcfg: ModelConfig, grid: axon4d.Grid | None = None) -> SyntheticTokens | MemmapTokens:
+    """The token stream ``cfg.data`` names; the demo corpus is written once, by rank 0."""
     if cfg.data == "synthetic":
         return SyntheticTokens(mcfg.vocab_size, mcfg.seq_len, seed=cfg.seed)
-    path = demo_corpus(os.path.join("build", "corpus.u16")) if cfg.data == "corpus" else cfg.data
+    path = cfg.data
+    if cfg.data == "corpus":
+        path = CORPUS_PATH
+        if grid is None or grid.rank == 0:
+            demo_corpus(path)
+        if grid is not None:
+            grid.comm.barrier()
+    if not os.path.exists(path):
+        raise ValueError(f"data {cfg.data!r}: no such token file; use synthetic, corpus, or a path to a .u16/.u32 file")
     return MemmapTokens(path, mcfg.seq_len, mcfg.vocab_size, seed=cfg.seed)
 
 
@@ -205,7 +217,7 @@ def _train_on(grid: axon4d.Grid, cfg: TrainConfig, mcfg: ModelConfig) -> dict[st
     model = Transformer(mcfg, grid=grid)
     initial_dense = model.to_dense() if cfg.compare_single else None
     opt = make_optimizer(model, cfg)
-    data = make_data(cfg, mcfg)
+    data = make_data(cfg, mcfg, grid)
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
     start = 0
     if cfg.resume:
