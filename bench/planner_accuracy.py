@@ -78,6 +78,33 @@ def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
     return out
 
 
+def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str) -> dict | None:
+    """Under torchrun/srun/mpirun (or bench/cluster.py): every grid of this one world, in this job.
+    Returns the results on rank 0, None on the others."""
+    import torch
+
+    import axon4d
+
+    out: dict[tuple, list[dict]] = {g: [] for g in grids}
+    rank = 0
+    for r in range(rounds):
+        for g in grids:
+            grid = axon4d.init(grid=g, overlap=overlap)
+            try:
+                rank = grid.rank
+                res = _run_grid(grid, wl, steps)
+                peak = torch.tensor([float(res["peak_bytes"])], dtype=torch.float64, device=grid.device)
+                gathered = grid.comm.all_gather(peak, "world").wait()
+                per_rank = [dict(res, peak_bytes=int(v)) for v in gathered.tolist()]
+            finally:
+                axon4d.shutdown()
+            out[g].append(per_rank)
+            if rank == 0:
+                print(f"round {r + 1}/{rounds} grid {g}: {res['step_s'] * 1e3:.0f} ms, "
+                      f"peak {max(x['peak_bytes'] for x in per_rank) / 2**20:.1f} MiB", flush=True)
+    return out if rank == 0 else None
+
+
 def plot(path: str, rows: list[dict]) -> None:
     import matplotlib
 
@@ -125,7 +152,13 @@ def main() -> int:
     args = p.parse_args()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if args.calibrate or not os.path.exists(args.machine):
+    from axon4d import launch
+
+    launched = launch.detect().launcher in ("torchrun", "mpi")
+    if launched and not os.path.exists(args.machine):
+        raise SystemExit(f"{args.machine} does not exist: calibrate first, in the same kind of job "
+                         f"(python -m axon4d.plan.calibrate --out {args.machine})")
+    if not launched and (args.calibrate or not os.path.exists(args.machine)):
         if os.path.exists(args.machine):
             os.remove(args.machine)
         subprocess.run([sys.executable, "-m", "axon4d.plan.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
@@ -133,12 +166,19 @@ def main() -> int:
     machine = load(args.machine)
     wl = workload(args)
     overlap = Overlap.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner
+    world = int(os.environ.get("WORLD_SIZE", "8")) if launched else 8
     if args.only:
         grids = [tuple(int(v) for v in g.split(",")) for g in args.only.split(";")]
     else:
-        grids = [s.as_tuple() for s in factorizations(8) if not wl.grid_problems(s)] + GRIDS_4 + GRIDS_2
+        grids = [s.as_tuple() for s in factorizations(world) if not wl.grid_problems(s)]
+        grids += [] if launched else GRIDS_4 + GRIDS_2
     start = time.perf_counter()
-    results = measure(wl, grids, args.rounds, args.steps, args.overlap)
+    if launched:
+        results = measure_launched(wl, grids, args.rounds, args.steps, args.overlap)
+        if results is None:
+            return 0
+    else:
+        results = measure(wl, grids, args.rounds, args.steps, args.overlap)
 
     rows = []
     for g in grids:
@@ -164,7 +204,7 @@ def main() -> int:
               f"{100 * r['mem_error']:>+6.1f}% {'ok' if r['bytes_match'] else 'DIFF':>5}")
     errs = [abs(r["time_error"]) for r in rows]
     mem_errs = [abs(r["mem_error"]) for r in rows]
-    eight = [r for r in rows if r["world"] == 8]
+    eight = [r for r in rows if r["world"] == max(x["world"] for x in rows)]
     fastest = min(eight, key=lambda r: r["measured_step"])
     chosen = min(eight, key=lambda r: r["predicted_step"])
     gap = (chosen["measured_step"] - fastest["measured_step"]) / fastest["measured_step"]

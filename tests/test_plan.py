@@ -228,3 +228,26 @@ def test_auto_without_a_model_or_machine_says_what_to_pass(monkeypatch, tmp_path
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="axon4d calibrate"):
         choose_grid(8, model=PROBE)
+
+
+def _calibrate_small(grid):
+    from axon4d.plan import calibrate
+
+    calibrate.DIMS, calibrate.PAYLOADS = [16, 64], [4096, 65536]
+    result = calibrate.measure_world(grid, ["float32"], reps=1, log=lambda s: None)
+    return calibrate.merge(None, result, "test-host", 2**30).to_json()
+
+
+def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(pools):
+    from axon4d.plan.machine import Machine
+
+    data = pools(4).run((1, 1, 1, 4), _calibrate_small)[0]
+    m = Machine.from_json(json.loads(json.dumps(data)))
+    assert sorted((c.op, c.group, c.stride) for c in m.comm) == sorted(
+        (op, g, s) for op in ("all_reduce", "all_gather", "reduce_scatter") for g, s in [(2, 1), (2, 2), (4, 1)])
+    assert all(c.world == 4 and len(c.seconds) == 2 and min(c.seconds) > 0 for c in m.comm)
+    table = m.matmul["float32"]["4"]["nt"]
+    assert table.dims == [16, 64] and (table.rates > 0).all()
+    assert 0.0 <= m.overlap_efficiency <= 1.0 and m.peak_flops["float32"] > 0
+    t = step_time(PROBE_WL, GridShape(2, 1, 2, 1), m)
+    assert t.step_s > 0 and t.comm_by_axis["x"] > 0 and t.comm_by_axis["z"] > 0

@@ -42,8 +42,9 @@ PAYLOADS = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], None], budget_s: float = 1.0) -> float:
-    """Median seconds of ``fn`` over up to ``reps`` runs (fewer if they exceed ``budget_s``), after a warm-up."""
+def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], None], budget_s: float | None = 1.0) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs after a warm-up; with ``budget_s``, fewer once the
+    runs exceed it. Collectives must pass ``budget_s=None``: every rank has to run them equally often."""
     fn()
     sync()
     times: list[float] = []
@@ -52,7 +53,7 @@ def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], None], budget_s
         fn()
         sync()
         times.append(time.perf_counter() - t)
-        if sum(times) > budget_s and len(times) >= 2:
+        if budget_s is not None and sum(times) > budget_s and len(times) >= 2:
             break
     return statistics.median(times)
 
@@ -72,7 +73,7 @@ class _Ctx:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         return float(self.grid.comm.all_reduce(t, "world").wait()) / self.grid.world_size
 
-    def measure(self, fn: Callable[[], Any], budget_s: float = 1.0) -> float:
+    def measure(self, fn: Callable[[], Any], budget_s: float | None = 1.0) -> float:
         self.grid.comm.barrier()
         return self.mean(_timeit(fn, self.reps, self.sync, budget_s))
 
@@ -166,7 +167,7 @@ def _comm_curves(ctx: _Ctx, world: int, dtype: torch.dtype) -> list[CommCurve]:
                     else:
                         buf = torch.zeros(n - n % g, dtype=dtype, device=ctx.device)
                         fn = lambda: grid.comm.reduce_scatter(buf, "y").wait()  # noqa: E731
-                    secs.append(ctx.measure(fn, budget_s=0.6))
+                    secs.append(ctx.measure(fn, budget_s=None))
                 grid.comm.log.clear()
                 curves.append(CommCurve(op, g, s, world, list(PAYLOADS), secs))
         finally:
@@ -181,10 +182,10 @@ def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
     if ctx.grid.world_size == 1:
         return 1.0
     buf = torch.zeros((4 << 20) // 4, dtype=dtype, device=ctx.device)
-    t_ar = ctx.measure(lambda: ctx.grid.comm.all_reduce(buf, "world").wait())
+    t_ar = ctx.measure(lambda: ctx.grid.comm.all_reduce(buf, "world").wait(), budget_s=None)
     a = torch.randn(512, 512, dtype=dtype, device=ctx.device)
     t_one = ctx.measure(lambda: a @ a)
-    reps = max(1, int(t_ar / t_one))
+    reps = max(1, int(t_ar / t_one))  # t_ar and t_one are means over ranks: every rank agrees
     t_mm = ctx.measure(lambda: [a @ a for _ in range(reps)])
 
     def both() -> None:
@@ -193,7 +194,7 @@ def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
             a @ a
         h.wait()
 
-    t_both = ctx.measure(both)
+    t_both = ctx.measure(both, budget_s=None)
     hidden = t_mm + t_ar - t_both
     return float(min(max(hidden / min(t_mm, t_ar), 0.0), 1.0))
 
@@ -266,7 +267,7 @@ def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     grid = axon4d.init(grid=(1, 1, 1, world))
-    result = measure_world(grid, dtypes, reps, log=print if rank == 0 else (lambda s: None))
+    result = measure_world(grid, dtypes, reps, log=(lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None))
     if rank == 0:
         queue.put(result)
     axon4d.shutdown()
@@ -313,18 +314,20 @@ def main(args: argparse.Namespace) -> int:
 
         grid = axon4d.init(grid=(1, 1, 1, -1))
         result = measure_world(grid, dtypes, args.reps, log=print if grid.rank == 0 else (lambda s: None))
-        worlds = [result]
         rank = grid.rank
         axon4d.shutdown()
         if rank != 0:
             return 0
-    else:
-        worlds = [run_local(int(w), dtypes, args.reps) for w in args.ranks.split(",")]
-    for result in worlds:
         mem = args.memory_gib * 2**30 if args.memory_gib else _host_memory() / max(result["world"], 1)
         machine = merge(machine, result, args.name, mem)
+        machine.save(args.out)
+    else:
+        for w in args.ranks.split(","):
+            result = run_local(int(w), dtypes, args.reps)
+            mem = args.memory_gib * 2**30 if args.memory_gib else _host_memory() / max(result["world"], 1)
+            machine = merge(machine, result, args.name, mem)
+            machine.save(args.out)  # after every world: a later failure keeps what was measured
     assert machine is not None
-    machine.save(args.out)
     print(f"calibrated {args.name} in {time.perf_counter() - start:.0f} s: {args.out}")
     for c in machine.comm:
         if c.op == "all_reduce":
