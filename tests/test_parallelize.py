@@ -3,8 +3,8 @@
 Hugging Face models built from tiny configs with random weights (no downloads) — Llama with
 grouped-query attention and GPT-2 with its packed Conv1D attention — are parallelized on grids of
 2, 4 and 8 ranks (data > 1 and z > 1 included) and must equal the unparallelized model: logits,
-loss, and the gradient of every parameter (gathered back with ``to_dense``), in both the chained
-layout and the general one. Also checked: the warning that lists layers left as they are, layers
+loss, and the gradient of every parameter (gathered back with ``to_dense``), in each layout
+(sharded residual stream, chained blocks, general). Also checked: the warning that lists layers left as they are, layers
 that cannot split staying correct, gradient accumulation and an optimizer step, clear errors.
 
 Loss convention: each rank's loss is the mean over its local batch (``shard_batch``); the
@@ -120,7 +120,7 @@ def _world(grid):
 
 @pytest.mark.parametrize("grid", GRIDS)
 @pytest.mark.parametrize("family,attn,layout", [("llama", "eager", "sharded"), ("llama", "sdpa", "chained"),
-                                                ("gpt2", "sdpa", "sharded")])
+                                                ("gpt2", "sdpa", "sharded"), ("gpt2", "eager", "chained")])
 def test_planned_layouts_match_the_unparallelized_model(pools, family, attn, layout, grid):
     results = pools(_world(grid)).run(grid, _compare, family, attn, layout)
     _assert_close(results, f"{family} {layout} {grid}")
@@ -243,5 +243,9 @@ def test_chained_blocks_gather_once_per_block_and_sharded_ones_never(pools, fami
     assert chained["parallelize.fwd.gather.x"] == 2 * 2
     assert chained["parallelize.bwd.gather.x"] == 2 * 2 + gpt2_head
     assert chained.get("parallelize.fwd.gather.y", 0) == gpt2_head
-    # sharded (Llama): the residual stream stays split over x; only the logits are gathered (over y)
-    assert sharded == ({"parallelize.fwd.gather.y": 1} if family == "llama" else chained)
+    # sharded: the residual stream stays split over x between blocks; Llama gathers only the logits
+    # (over y); GPT-2's tied head gathers its input over x, and the backward of its two whole
+    # embeddings (tokens, positions) gathers their output gradient over x
+    expected = {"llama": {"parallelize.fwd.gather.y": 1},
+                "gpt2": {"parallelize.fwd.gather.x": 1, "parallelize.bwd.gather.x": 2}}[family]
+    assert sharded == expected
