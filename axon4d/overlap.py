@@ -133,6 +133,7 @@ class Scheduler:
         self._prev: dict[int, Any] = {}
         self._last_forward: Any = None
         self._prefetched: dict[int, tuple["Handle", int]] = {}  # id(layer) -> (gather, weight version)
+        self._gathers_in_backward: dict[int, bool] = {}
         self._scattering: list[_PendingGrad] = []  # ORS: reduce-scatters not yet folded
         self._bucket: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (param, shard, scale)
         self._reducing: list[tuple[list[tuple[torch.Tensor, torch.Tensor, float]], "Handle", torch.Tensor | None]] = []
@@ -168,10 +169,17 @@ class Scheduler:
         if self.policy.oag:
             following = (self._prev if backward else self._next).get(id(layer))
             nxt = following() if following is not None else None
+            if backward and nxt is not None and not self._gathers_in_backward.get(id(nxt), False):
+                nxt = None  # its backward needs no weight block (no input gradient, or kept)
             if nxt is not None and id(nxt) not in self._prefetched:
                 self._prefetched[id(nxt)] = (self._issue_gather(nxt.weight), nxt.weight._version)
         rows, cols = layer.block_shape
         return handle.wait()[: rows * cols].view(rows, cols)
+
+    def will_gather_in_backward(self, layer: Any, needed: bool) -> None:
+        """Note (at forward) whether ``layer``'s backward will gather its weight block, so the
+        backward prefetch never fetches a block nobody uses."""
+        self._gathers_in_backward[id(layer)] = needed
 
     def _issue_gather(self, weight: torch.Tensor) -> "Handle":
         # mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes

@@ -170,13 +170,29 @@ class _Spec:
     out_perm: torch.Tensor | None = None
 
 
+Hook = Callable[..., Any]
+
+
 @dataclasses.dataclass
 class _BlockPlan:
-    """A family plan's decisions for one block: child specs, attributes to change, input slicing."""
+    """A family plan's decisions for one block; names are relative to the block ('' = the block)."""
 
     specs: dict[str, _Spec]
+    """linear layers and how each is replaced"""
     patch: dict[str, Any] = dataclasses.field(default_factory=dict)
-    slice_input: bool = True  # slice the block's hidden_states over x once, for its first projections
+    """attributes of the block to change (``to_dense`` restores them)"""
+    replace: dict[str, Callable[[nn.Module], nn.Module]] = dataclasses.field(default_factory=dict)
+    """other modules (norms, embeddings) and the builder of each one's sharded replacement"""
+    pre_hooks: dict[str, Hook] = dataclasses.field(default_factory=dict)
+    """forward pre-hooks (with kwargs) to install"""
+    post_hooks: dict[str, Hook] = dataclasses.field(default_factory=dict)
+    """forward hooks to install"""
+
+
+def _marked(hook: Hook) -> Hook:
+    """Mark ``hook`` as installed by auto_parallelize, so ``to_dense`` removes it from its copy."""
+    setattr(hook, _HOOK_MARK, True)
+    return hook
 
 
 def _require_heads(name: str, what: str, heads: int, grid: Grid) -> None:
@@ -186,7 +202,7 @@ def _require_heads(name: str, what: str, heads: int, grid: Grid) -> None:
         return
     ok = [s for s in factorizations(grid.world_size) if heads % s.y == 0]
     raise ValueError(
-        f"{name}: {what} = {heads} is not divisible by G_y = {g} on grid {grid.shape} (the chained "
+        f"{name or 'the model'}: {what} = {heads} is not divisible by G_y = {g} on grid {grid.shape} (the chained "
         f"layout splits attention heads over y); use layout='general', or "
         + _suggest(grid.world_size, ok, near=grid.shape)
     )
@@ -198,19 +214,22 @@ def _plan_llama_attention(name: str, m: nn.Module, grid: Grid) -> _BlockPlan:
     _require_heads(name, "num_attention_heads", cfg.num_attention_heads, grid)
     _require_heads(name, "num_key_value_heads", cfg.num_key_value_heads, grid)
     qkv = _Spec(input_sharded=True, output_sharded=True)
-    return _BlockPlan({"q_proj": qkv, "k_proj": qkv, "v_proj": qkv, "o_proj": _Spec(transpose=True, input_sharded=True)})
+    return _BlockPlan({"q_proj": qkv, "k_proj": qkv, "v_proj": qkv, "o_proj": _Spec(transpose=True, input_sharded=True)},
+                      pre_hooks={"": _slice_hidden_states_hook(grid)})
 
 
 def _plan_llama_mlp(name: str, m: nn.Module, grid: Grid) -> _BlockPlan:
     """gate and up normal with output split over y; the SiLU product is elementwise; down transposed."""
     up = _Spec(input_sharded=True, output_sharded=True)
-    return _BlockPlan({"gate_proj": up, "up_proj": up, "down_proj": _Spec(transpose=True, input_sharded=True)})
+    return _BlockPlan({"gate_proj": up, "up_proj": up, "down_proj": _Spec(transpose=True, input_sharded=True)},
+                      pre_hooks={"": _slice_hidden_states_hook(grid)})
 
 
 def _plan_gpt2_mlp(name: str, m: nn.Module, grid: Grid) -> _BlockPlan:
     """c_fc normal with output split over y; GELU is elementwise; c_proj transposed."""
     return _BlockPlan({"c_fc": _Spec(input_sharded=True, output_sharded=True),
-                       "c_proj": _Spec(transpose=True, input_sharded=True)})
+                       "c_proj": _Spec(transpose=True, input_sharded=True)},
+                      pre_hooks={"": _slice_hidden_states_hook(grid)})
 
 
 def _plan_gpt2_attention(name: str, m: nn.Module, grid: Grid) -> _BlockPlan | None:
@@ -226,7 +245,91 @@ def _plan_gpt2_attention(name: str, m: nn.Module, grid: Grid) -> _BlockPlan | No
         {"c_attn": _Spec(input_sharded=True, output_sharded=True, out_perm=perm),
          "c_proj": _Spec(transpose=True, input_sharded=True)},
         patch={"split_size": local},
+        pre_hooks={"": _slice_hidden_states_hook(grid)},
     )
+
+
+class ShardedNorm(nn.Module):
+    """A sharded norm of the library (features split over x) standing in for a model's own norm class;
+    ``to_dense`` gives back that class with the full weight."""
+
+    def __init__(self, inner: nn.Module, original: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self._original = [original]  # a template for to_dense, deliberately not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)  # (..., hidden/G_x) → (..., hidden/G_x)
+
+    @torch.no_grad()
+    def to_dense(self, grads: bool = False) -> nn.Module:
+        full = self.inner.to_dense(grads=grads)
+        dense = copy.deepcopy(self._original[0])
+        for name, p in dense.named_parameters():
+            src = full.get_parameter(name)
+            p.copy_(src)
+            p.grad = src.grad.clone() if grads and src.grad is not None else None
+        return dense
+
+
+def _plan_llama_sharded(name: str, m: nn.Module, grid: Grid) -> _BlockPlan | None:
+    """LlamaForCausalLM with its residual stream split over x (norms on sharded features).
+
+    Every block chains with no feature gather: input norm (RMSNorm over x) → q, k, v normal →
+    this rank's heads → o transposed (output stays split over x) → residual add → norm → gate, up
+    normal → down transposed. The embedding is vocabulary-parallel (or, when it cannot be, whole
+    with its output sliced over x); lm_head is normal and gathers the logits over y.
+    """
+    from axon4d.nn.embedding import VocabParallelEmbedding
+    from axon4d.nn.norm import RMSNorm
+
+    body = getattr(m, "model", None)
+    if type(body).__name__ != "LlamaModel" or not isinstance(getattr(m, "lm_head", None), nn.Linear) or not all(
+        type(layer).__name__ == "LlamaDecoderLayer" for layer in body.layers
+    ):
+        return None
+    cfg = m.config
+    _require_heads(name, "num_attention_heads", cfg.num_attention_heads, grid)
+    _require_heads(name, "num_key_value_heads", cfg.num_key_value_heads, grid)
+    if cfg.hidden_size % grid.size("x"):
+        return None  # the chained plans still apply block by block
+
+    def norm(n: nn.Module) -> nn.Module:
+        w = n.weight
+        inner = RMSNorm(w.shape[0], eps=n.variance_epsilon, grid=grid, device=w.device, dtype=w.dtype)
+        return ShardedNorm(inner.load_dense_(n), n)
+
+    def embedding(e: nn.Module) -> nn.Module:
+        inner = VocabParallelEmbedding(e.num_embeddings, e.embedding_dim, grid=grid,
+                                       device=e.weight.device, dtype=e.weight.dtype)
+        return inner.load_dense_(e.weight.detach())
+
+    mid, last = _Spec(input_sharded=True, output_sharded=True), _Spec(transpose=True, input_sharded=True, output_sharded=True)
+    plan = _BlockPlan({}, replace={"model.norm": norm})
+    for i in range(len(body.layers)):
+        p = f"model.layers.{i}"
+        plan.specs.update({f"{p}.self_attn.{c}": mid for c in ("q_proj", "k_proj", "v_proj")})
+        plan.specs.update({f"{p}.mlp.{c}": mid for c in ("gate_proj", "up_proj")})
+        plan.specs.update({f"{p}.self_attn.o_proj": last, f"{p}.mlp.down_proj": last})
+        plan.replace.update({f"{p}.input_layernorm": norm, f"{p}.post_attention_layernorm": norm})
+    emb = body.embed_tokens
+    tied = m.lm_head.weight is emb.weight
+    plain = emb.padding_idx is None and emb.max_norm is None and not emb.sparse and not emb.scale_grad_by_freq
+    if tied or not plain or cfg.vocab_size % grid.size("y"):
+        plan.post_hooks["model.embed_tokens"] = _marked(lambda mod, args, out: slice_features(out, "x", grid))
+    else:
+        plan.replace["model.embed_tokens"] = embedding
+    if tied:  # lm_head stays whole and takes full features
+        plan.pre_hooks["lm_head"] = _marked(lambda mod, args, kwargs: ((gather_features(args[0], "x", grid), *args[1:]), kwargs))
+    else:
+        plan.specs["lm_head"] = _Spec(input_sharded=True)
+    return plan
+
+
+#: class name → plan of the "sharded" layout (the residual stream split over x)
+SHARDED_PLANS: dict[str, Callable[[str, nn.Module, Grid], _BlockPlan | None]] = {
+    "LlamaForCausalLM": _plan_llama_sharded,
+}
 
 
 #: class name → plan for blocks whose forward code is known (tested: see docs/parallelize.md)
@@ -248,8 +351,7 @@ def _slice_hidden_states_hook(grid: Grid) -> Callable[..., Any]:
             kwargs = dict(kwargs, hidden_states=slice_features(kwargs["hidden_states"], "x", grid))
         return args, kwargs
 
-    setattr(hook, _HOOK_MARK, True)
-    return hook
+    return _marked(hook)
 
 
 # -- the entry points ------------------------------------------------------------------------
@@ -277,45 +379,55 @@ def _linear_problem(name: str, m: nn.Module, spec: _Spec, grid: Grid, users: dic
     return None
 
 
-def auto_parallelize(model: nn.Module, *, grid: Grid | None = None, layout: str = "chained") -> nn.Module:
+LAYOUTS = ("sharded", "chained", "general")
+
+
+def auto_parallelize(model: nn.Module, *, grid: Grid | None = None, layout: str = "sharded") -> nn.Module:
     """Replace ``model``'s linear layers by 3D-parallel ones in place and return ``model``.
 
     ``model`` must be identical on every rank (same seed or checkpoint) and already on the grid's
-    device; afterwards it takes this rank's batch shard (``axon4d.shard_batch``) and its outputs are
-    this rank's shard (``axon4d.gather_batch`` reassembles them). ``layout="chained"`` uses the
-    family plans (``FAMILY_PLANS``) where they apply and the general path elsewhere;
-    ``layout="general"`` uses the general path for every layer. Layers left as they are (tied to
-    another module, not divisible by the grid, embeddings) stay replicated with gradients averaged
-    over batch = data × z and are listed in a ``UserWarning``. Raises ``ValueError`` on every rank,
-    before any collective, when a chained block's heads do not divide by G_y.
+    device; afterwards it takes this rank's batch shard (``axon4d.shard_batch``) and its outputs
+    are this rank's shard (``axon4d.gather_batch`` reassembles them). ``layout``:
+    ``"sharded"`` (default) uses ``SHARDED_PLANS`` (the residual stream split over x), else
+    ``FAMILY_PLANS``, else the general path; ``"chained"`` skips the sharded plans; ``"general"``
+    uses the general path for every layer. Layers left as they are (tied to another module, not
+    divisible by the grid, embeddings) stay replicated with gradients averaged over batch =
+    data × z and are listed in a ``UserWarning``. Raises ``ValueError`` on every rank, before any
+    collective, when a planned block's heads do not divide by G_y.
     """
-    if layout not in ("chained", "general"):
-        raise ValueError(f"layout {layout!r} is not known; use 'chained' or 'general'")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not known; use one of {LAYOUTS}")
     grid = runtime.resolve(grid)
     users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
     for name, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             users.setdefault(id(p), []).append(name)
+    plans = {"sharded": [SHARDED_PLANS, FAMILY_PLANS], "chained": [FAMILY_PLANS], "general": []}[layout]
 
     # 1. decide everything (sizes only: no collective, the same on every rank)
     specs: dict[str, _Spec] = {}
-    blocks: list[tuple[nn.Module, _BlockPlan]] = []
+    blocks: list[tuple[str, _BlockPlan]] = []
+    handled: set[str] = set()  # modules a plan replaces
+    whole: list[str] = []  # prefixes whose linear layers are left alone
     skipped: dict[str, str] = {}
     for name, m in model.named_modules():
-        if isinstance(m, ShardedLinear) or _owned_by_axon4d(m):
+        if _owned_by_axon4d(m) or _under(name, [b for b, _ in blocks]):
             continue
-        plan_fn = FAMILY_PLANS.get(type(m).__name__) if layout == "chained" else None
-        plan = plan_fn(name, m, grid) if plan_fn else None
+        fn = next((table[type(m).__name__] for table in plans if type(m).__name__ in table), None)
+        plan = fn(name, m, grid) if fn else None
         if plan is None:
             continue
-        children = {c: getattr(m, c, None) for c in plan.specs}
-        if all(_is_linear(c) for c in children.values()) and not any(
-            _linear_problem(f"{name}.{c}", children[c], s, grid, users) for c, s in plan.specs.items()
-        ):
-            blocks.append((m, plan))
-            specs.update({f"{name}.{c}": s for c, s in plan.specs.items()})
+        absolute = {(f"{name}.{rel}" if name else rel): s for rel, s in plan.specs.items()}
+        modules = dict(m.named_modules())
+        if all(_is_linear(modules.get(rel)) and not _linear_problem(a, modules[rel], s, grid, users)
+               for (rel, s), a in zip(plan.specs.items(), absolute)):
+            blocks.append((name, plan))
+            specs.update(absolute)
+            handled.update(f"{name}.{rel}" if name else rel for rel in plan.replace)
     for name, m in model.named_modules():
-        if _is_linear(m) and name not in specs and not _owned_by_axon4d(m):
+        if name in handled or name in specs or _owned_by_axon4d(m) or _under(name, whole):
+            continue
+        if _is_linear(m):
             problem = _linear_problem(name, m, _Spec(), grid, users)
             if problem:
                 skipped[name] = f"{type(m).__name__}: {problem}"
@@ -325,23 +437,27 @@ def auto_parallelize(model: nn.Module, *, grid: Grid | None = None, layout: str 
             skipped[name] = "Embedding: kept whole on every rank"
         elif isinstance(m, nn.MultiheadAttention):
             skipped[name] = "MultiheadAttention: uses its projection weights directly"
-            for child, _ in m.named_modules():
-                specs.pop(f"{name}.{child}" if child else name, None)
+            whole.append(name)
 
-    # 2. apply: replace layers, install block hooks and patches, hook replicated gradients
-    modules = dict(model.named_modules())
+    # 2. apply: replace modules and layers, install patches and hooks, hook replicated gradients
+    for block_name, plan in blocks:
+        block = model.get_submodule(block_name)
+        for rel, build in plan.replace.items():
+            _swap(block, rel, build(block.get_submodule(rel)))
     for name, spec in specs.items():
-        parent_name, _, child = name.rpartition(".")
-        new = ShardedLinear(modules[name], transpose=spec.transpose, input_sharded=spec.input_sharded,
-                            output_sharded=spec.output_sharded, out_perm=spec.out_perm, grid=grid)
-        setattr(modules[parent_name] if parent_name else model, child, new)
-    for m, plan in blocks:
+        _swap(model, name, ShardedLinear(model.get_submodule(name), transpose=spec.transpose,
+                                         input_sharded=spec.input_sharded, output_sharded=spec.output_sharded,
+                                         out_perm=spec.out_perm, grid=grid))
+    for block_name, plan in blocks:
+        block = model.get_submodule(block_name)
         if plan.patch:
-            setattr(m, _RESTORE, {k: getattr(m, k) for k in plan.patch})
+            setattr(block, _RESTORE, {k: getattr(block, k) for k in plan.patch})
             for k, v in plan.patch.items():
-                setattr(m, k, v)
-        if plan.slice_input:
-            m.register_forward_pre_hook(_slice_hidden_states_hook(grid), with_kwargs=True)
+                setattr(block, k, v)
+        for rel, hook in plan.pre_hooks.items():
+            block.get_submodule(rel).register_forward_pre_hook(hook, with_kwargs=True)
+        for rel, hook in plan.post_hooks.items():
+            block.get_submodule(rel).register_forward_hook(hook)
     _hook_replicated_grads(model, grid)
     if skipped:
         listed = "; ".join(f"{n} ({why})" for n, why in skipped.items())
@@ -349,6 +465,17 @@ def auto_parallelize(model: nn.Module, *, grid: Grid | None = None, layout: str 
             f"axon4d.auto_parallelize left {len(skipped)} layer(s) as they are — replicated on every "
             f"rank, gradients averaged over data × z: {listed}", UserWarning, stacklevel=2)
     return model
+
+
+def _under(name: str, prefixes: list[str]) -> bool:
+    """Whether module ``name`` is one of ``prefixes`` or inside one ('' is the root)."""
+    return any(p == "" or name == p or name.startswith(f"{p}.") for p in prefixes)
+
+
+def _swap(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where ``root``'s submodule ``name`` is."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
 def _hook_replicated_grads(model: nn.Module, grid: Grid) -> None:
@@ -390,7 +517,9 @@ def to_dense(model: nn.Module, grads: bool = False) -> nn.Module:
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for key in [k for k, fn in hooks.items() if getattr(fn, _HOOK_MARK, False)]:
                 del hooks[key]
-                m._forward_pre_hooks_with_kwargs.pop(key, None)
+                for extra in (m._forward_pre_hooks_with_kwargs, m._forward_hooks_with_kwargs,
+                              m._forward_hooks_always_called):
+                    extra.pop(key, None)
         for k, v in m.__dict__.pop(_RESTORE, {}).items():
             setattr(m, k, v)
     originals = dict(model.named_parameters())

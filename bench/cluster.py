@@ -23,6 +23,7 @@ MASTER_PORT) and ``GLOO_SOCKET_IFNAME=eth0``, so ``axon4d.init()`` joins without
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import signal
 import subprocess
@@ -33,6 +34,8 @@ from typing import Sequence
 PREFIX = "ax4"
 SUBNET = "10.213.0"
 SWITCH = f"{PREFIX}-sw"
+LOCK = "/tmp/axon4d_cluster.lock"
+SWITCH_QUEUE = "500ms"  # tbf queue of switch ports (see _tbf)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -43,11 +46,16 @@ def _sw(*args: str) -> None:
     _ip("-n", SWITCH, *args)
 
 
-def _tbf(ns: str, dev: str, rate: str | None) -> None:
-    """Cap egress of ``dev`` in namespace ``ns`` at ``rate`` (None: leave the veth uncapped)."""
+def _tbf(ns: str, dev: str, rate: str | None, queue: str = "50ms") -> None:
+    """Cap egress of ``dev`` in namespace ``ns`` at ``rate`` (None: leave the veth uncapped).
+
+    ``queue`` is how long a packet may wait before tbf drops it. A rank's own link pushes back on
+    its sockets, so 50 ms is plenty; switch ports that several senders feed at once (incast: a
+    rank receiving on x, y and z together) get a deep buffer like a switch's, or drops and TCP's
+    200 ms retransmission timeouts would dominate every step."""
     if rate:
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                        "rate", rate, "burst", "256kb", "latency", "50ms"], check=True, capture_output=True)
+                        "rate", rate, "burst", "256kb", "latency", queue], check=True, capture_output=True)
 
 
 def rank_ns(rank: int) -> str:
@@ -82,6 +90,7 @@ class Cluster:
             raise RuntimeError("the emulated cluster needs root (ip netns, tc); run as root")
         self.ranks, self.link, self.nodes, self.intra = ranks, link, nodes, intra
         self.procs: list[subprocess.Popen] = []
+        self._lock = None
 
     def describe(self) -> dict:
         if self.nodes == 1:
@@ -90,6 +99,13 @@ class Cluster:
                 "intra_node_link": self.intra or "uncapped"}
 
     def up(self) -> None:
+        self._lock = open(LOCK, "w")
+        try:  # one emulated cluster at a time: the namespace names are fixed
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            self._lock = None
+            raise RuntimeError(f"another emulated cluster is running (lock {LOCK} is held); wait for it to finish")
         teardown()  # leftovers of a run that was killed hard
         _ip("netns", "add", SWITCH)
         _sw("link", "set", "lo", "up")
@@ -105,8 +121,8 @@ class Cluster:
                 _sw("link", "add", f"u{n}a", "type", "veth", "peer", "name", f"u{n}b")
                 _sw("link", "set", f"u{n}a", "master", f"br{n}", "up")
                 _sw("link", "set", f"u{n}b", "master", "core", "up")
-                _tbf(SWITCH, f"u{n}a", self.link)
-                _tbf(SWITCH, f"u{n}b", self.link)
+                _tbf(SWITCH, f"u{n}a", self.link, SWITCH_QUEUE)
+                _tbf(SWITCH, f"u{n}b", self.link, SWITCH_QUEUE)
         for r in range(self.ranks):
             ns = rank_ns(r)
             _ip("netns", "add", ns)
@@ -116,7 +132,7 @@ class Cluster:
             _ip("-n", ns, "link", "set", "eth0", "up")
             _sw("link", "set", f"p{r}", "master", f"br{r // per_node}", "up")
             _tbf(ns, "eth0", rank_rate)
-            _tbf(SWITCH, f"p{r}", rank_rate)
+            _tbf(SWITCH, f"p{r}", rank_rate, SWITCH_QUEUE)
 
     def launch(self, cmd: Sequence[str], env: dict[str, str] | None = None, port: int = 29611) -> None:
         """Start ``cmd`` once per rank inside its namespace with torchrun's environment."""
@@ -173,7 +189,10 @@ class Cluster:
         try:
             self.stop()
         finally:
-            teardown()
+            if self._lock is not None:  # only the holder of the lock may remove the namespaces
+                teardown()
+                self._lock.close()
+                self._lock = None
             for s, h in self._old.items():
                 signal.signal(s, h)
 

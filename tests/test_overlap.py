@@ -36,7 +36,7 @@ POLICIES = {
 REORDERING = {"chunks", "all", "all_keep_bucket", "odp_bucket"}
 
 
-def _train(grid, policy, steps=3):
+def _train(grid, policy, steps=3, input_grad=True):
     """Run ``steps`` SGD steps of the chain under ``policy``; return outputs, grads and the log of
     the last step. Step 0 accumulates two micro-batches into .grad before the update."""
     grid.comm.scheduler.configure(policy)
@@ -48,7 +48,7 @@ def _train(grid, policy, steps=3):
     for step in range(steps):
         grid.comm.log.clear()
         for _ in range(2 if step == 0 else 1):
-            x = axon4d.shard_input(torch.randn(*LEAD, SPECS[0][0])).requires_grad_()
+            x = axon4d.shard_input(torch.randn(*LEAD, SPECS[0][0])).requires_grad_(input_grad)
             y = x
             for layer in layers:
                 y = layer(y)
@@ -112,6 +112,16 @@ def test_oag_prefetches_the_next_layers_weight_from_the_second_step_on(pools):
     # keep-for-backward: the backward pass issues no gather at all
     keep = res["oag_keep"]["tags"][-1]
     assert keep.count("E10") == len(SPECS)
+
+
+def _without_input_grad(grid):
+    return {name: _train(grid, POLICIES[name], input_grad=False)["counted"] for name in ("off", "oag")}
+
+
+def test_oag_prefetches_nothing_a_backward_does_not_use(pools):
+    # the first layer's input needs no gradient: its backward gathers no weight, so none is prefetched
+    for counted in pools(8).run((2, 2, 2, 1), _without_input_grad):
+        assert counted["oag"] == counted["off"]
 
 
 def _policy_from_init(grid):

@@ -30,11 +30,12 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
-def _llama(attn: str = "eager"):
+def _llama(attn: str = "eager", tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=tied)
     cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg)
 
@@ -69,7 +70,7 @@ class _Toy(nn.Module):
         return type("Out", (), {"logits": logits, "loss": loss})()
 
 
-BUILDERS = {"llama": _llama, "gpt2": _gpt2, "toy": _Toy}
+BUILDERS = {"llama": _llama, "gpt2": _gpt2, "toy": _Toy, "llama_tied": lambda attn: _llama(attn, tied=True)}
 
 
 def _compare(grid, family, attn, layout, steps=1):
@@ -118,12 +119,21 @@ def _world(grid):
 
 
 @pytest.mark.parametrize("grid", GRIDS)
-@pytest.mark.parametrize("family,attn", [("llama", "eager"), ("gpt2", "sdpa")])
-def test_chained_layout_matches_the_unparallelized_model(pools, family, attn, grid):
-    results = pools(_world(grid)).run(grid, _compare, family, attn, "chained")
-    _assert_close(results, f"{family} {grid}")
+@pytest.mark.parametrize("family,attn,layout", [("llama", "eager", "sharded"), ("llama", "sdpa", "chained"),
+                                                ("gpt2", "sdpa", "sharded")])
+def test_planned_layouts_match_the_unparallelized_model(pools, family, attn, layout, grid):
+    results = pools(_world(grid)).run(grid, _compare, family, attn, layout)
+    _assert_close(results, f"{family} {layout} {grid}")
     for _errs, _msgs, dense_cls, par_cls in results:
         assert dense_cls == par_cls
+
+
+@pytest.mark.parametrize("grid", [(2, 1, 1, 1), (2, 2, 1, 1), (2, 2, 1, 2)])
+def test_tied_llama_keeps_its_embedding_whole_and_matches(pools, grid):
+    # tie_word_embeddings: the embedding's output is sliced over x and lm_head gathers its input
+    results = pools(_world(grid)).run(grid, _compare, "llama_tied", "eager", "sharded")
+    _assert_close(results, f"tied llama {grid}")
+    assert "lm_head (Linear: weight shared with model.embed_tokens (tied))" in results[0][1][0]
 
 
 @pytest.mark.parametrize("grid", [(2, 1, 1, 1), (1, 4, 1, 1), (2, 2, 2, 1), (1, 2, 1, 4)])
@@ -180,17 +190,15 @@ def test_optimizer_steps_need_no_extra_call(pools, family):
     _assert_close([(r,) for r in pools(8).run(grid, _sgd_steps, family)], f"{family} sgd {grid}")
 
 
+def _value_error(fn) -> str:
+    with pytest.raises(ValueError) as info:
+        fn()
+    return str(info.value)
+
+
 def _errors(grid):
-    msgs = {}
-    for name, fn in {
-        "kv_heads": lambda: auto_parallelize(_llama()),
-        "layout": lambda: auto_parallelize(_llama(), layout="fast"),
-    }.items():
-        try:
-            fn()
-            msgs[name] = None
-        except ValueError as e:
-            msgs[name] = str(e)
+    msgs = {"kv_heads": _value_error(lambda: auto_parallelize(_llama())),
+            "layout": _value_error(lambda: auto_parallelize(_llama(), layout="fast"))}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         general = auto_parallelize(_llama(), layout="general")  # the general path still splits every layer
@@ -200,7 +208,7 @@ def _errors(grid):
 
 def test_heads_that_do_not_divide_raise_a_clear_error_on_every_rank(pools):
     for msgs in pools(4).run((1, 4, 1, 1), _errors):
-        assert "num_key_value_heads = 2 is not divisible by G_y = 4" in msgs["kv_heads"]
+        assert "the model: num_key_value_heads = 2 is not divisible by G_y = 4" in msgs["kv_heads"]
         assert "layout='general'" in msgs["kv_heads"] and "(4, 1, 1, 1)" in msgs["kv_heads"]
         assert "layout 'fast' is not known" in msgs["layout"]
         assert msgs["general_layers"] == 2 * 7 + 1
@@ -223,9 +231,10 @@ def _gathers(grid, family, layout):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_chained_blocks_gather_once_per_block_instead_of_once_per_layer(pools, family):
+def test_chained_blocks_gather_once_per_block_and_sharded_ones_never(pools, family):
     per_layer = {"llama": 7, "gpt2": 4}[family]  # linear layers in one transformer block
-    general, chained = (pools(4).run((2, 2, 1, 1), _gathers, family, lay)[0] for lay in ("general", "chained"))
+    general, chained, sharded = (pools(4).run((2, 2, 1, 1), _gathers, family, lay)[0]
+                                 for lay in ("general", "chained", "sharded"))
     # general: every layer gathers its output (forward) and its input gradient (backward)
     gpt2_head = 0 if family == "gpt2" else 1  # GPT-2's lm_head is tied to wte and stays whole
     assert general["parallelize.fwd.gather.y"] == 2 * per_layer + gpt2_head
@@ -234,3 +243,5 @@ def test_chained_blocks_gather_once_per_block_instead_of_once_per_layer(pools, f
     assert chained["parallelize.fwd.gather.x"] == 2 * 2
     assert chained["parallelize.bwd.gather.x"] == 2 * 2 + gpt2_head
     assert chained.get("parallelize.fwd.gather.y", 0) == gpt2_head
+    # sharded (Llama): the residual stream stays split over x; only the logits are gathered (over y)
+    assert sharded == ({"parallelize.fwd.gather.y": 1} if family == "llama" else chained)

@@ -57,6 +57,7 @@ class _Linear3D(torch.autograd.Function):
         ctx.layer = layer
         ctx.has_bias = bias is not None
         ctx.w_block = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no second E10
+        sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and ctx.w_block is None)
         ctx.save_for_backward(x, weight)
         return y
 
