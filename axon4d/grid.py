@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from axon4d import device as devices
+from axon4d.precision import Precision
 
 #: the grid's axes, fastest first (E1). "batch" is data × z, "world" is every rank.
 AXES = ("x", "y", "z", "data")
@@ -156,12 +157,14 @@ class Grid:
     Collectives are not issued here: ``grid.comm`` (axon4d.comm) is the only caller.
     """
 
-    def __init__(self, shape: GridShape, device: torch.device, backend: str = "torch", launcher: str = "existing"):
+    def __init__(self, shape: GridShape, device: torch.device, backend: str = "torch", launcher: str = "existing",
+                 precision: "Precision | str | None" = None):
         from axon4d import comm  # comm needs the groups built here; import late to avoid a cycle
 
         self.shape = shape
         self.device = device
         self.launcher = launcher  # how the job was started: torchrun, mpi, single or existing
+        self.precision = Precision.parse(precision)  # dtypes of parameters, compute and reductions
         self.rank = dist.get_rank()
         r = self.rank
         self.coords = {

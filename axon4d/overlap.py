@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from axon4d import volume
+from axon4d.precision import compute_dtype, reduce_dtype
 
 if TYPE_CHECKING:
     from axon4d.comm import Communicator, Handle
@@ -181,7 +182,8 @@ class Scheduler:
         self._gathers_in_backward[id(layer)] = needed
 
     def _issue_gather(self, weight: torch.Tensor) -> "Handle":
-        return self.comm.all_gather(weight.detach(), "z", tag="E10")
+        # mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes
+        return self.comm.all_gather(weight.detach().to(compute_dtype(self.grid.precision, weight)), "z", tag="E10")
 
     def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> "Handle | None":
         entry = self._prefetched.pop(id(layer), None)
@@ -207,12 +209,14 @@ class Scheduler:
     # -- ORS / ODP: gradients -------------------------------------------------------------------
     def reduce_weight_grad(self, param: torch.Tensor, dw: torch.Tensor, scale: float) -> torch.Tensor | None:
         """Reduce a flat padded dW block: reduce-scatter over z (E11), all-reduce over data (E12),
-        times ``scale``. Returns the shard when the policy is fully synchronous; otherwise the
-        result is written into ``param.grad`` before backward returns and None is returned."""
+        times ``scale``, in the grid's gradient-reduction dtype. Returns the shard (in the
+        parameter's dtype) when the policy is fully synchronous; otherwise the result is written
+        into ``param.grad`` before backward returns and None is returned."""
+        dw = dw.to(reduce_dtype(self.grid.precision, param))
         rs = self.comm.reduce_scatter(dw, "z", tag="bwd.E11")
         if not (self.policy.ors or self.policy.odp):
             shard = rs.wait()
-            return self.comm.all_reduce(shard, "data", tag="bwd.E12").wait().mul_(scale)
+            return self.comm.all_reduce(shard, "data", tag="bwd.E12").wait().mul_(scale).to(param.dtype)
         self._advance()  # fold reduce-scatters issued by layers that ran before this one
         self._scattering.append(_PendingGrad(param, rs, "rs", scale))
         if not self.policy.ors:
@@ -221,9 +225,10 @@ class Scheduler:
 
     def reduce_bias_grad(self, param: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor | None:
         """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP."""
+        db = db.to(reduce_dtype(self.grid.precision, param))
         handle = self.comm.all_reduce(db, "batch", tag="bwd.E13")
         if not self.policy.odp:
-            return handle.wait().mul_(scale)
+            return handle.wait().mul_(scale).to(param.dtype)
         self._reducing.append(([(param, db, scale)], handle, None))
         return None
 
@@ -264,9 +269,9 @@ class Scheduler:
                 if flat is not None:
                     shard = flat[offset : offset + shard.numel()]
                     offset += shard.numel()
-                shard = shard.mul_(scale)
+                shard = shard.mul_(scale).to(param.dtype)
                 if param.grad is None:
-                    param.grad = shard if flat is None else shard.clone()
+                    param.grad = shard if flat is None or shard.dtype != flat.dtype else shard.clone()
                 else:
                     param.grad.add_(shard)
         for handle, _ in self._prefetched.values():  # prefetches nobody asked for (control flow changed)

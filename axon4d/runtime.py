@@ -19,6 +19,7 @@ from axon4d import launch
 from axon4d.comm import choose_transport
 from axon4d.grid import Grid, GridShape
 from axon4d.overlap import OverlapPolicy
+from axon4d.precision import Precision
 
 _state: dict[str, object] = {"grid": None, "owns_world": False}
 
@@ -33,6 +34,7 @@ def init(
     seed: int | None = None,
     timeout_s: float = 600.0,
     plan: dict[str, object] | None = None,
+    precision: object = None,
 ) -> Grid:
     """Join the job and build the 4D grid ``(x, y, z, data)``; return it and make it current.
 
@@ -45,6 +47,8 @@ def init(
     ``seed``, if given, seeds torch's generator identically on every rank.
     ``grid="auto"`` lets the planner choose (axon4d.plan.auto.choose_grid) for ``plan`` =
     {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}.
+    ``precision`` sets the dtypes of master weights, compute and gradient reductions for every
+    layer on the grid (axon4d.precision: "fp32", "bf16", "bf16-fp32-reduce").
     Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
     """
     if _state["grid"] is not None:
@@ -66,10 +70,11 @@ def init(
         torch.manual_seed(seed)
     transport, backend = choose_transport(comm, backend, info.launcher, dev)
     policy = OverlapPolicy.parse(overlap)  # raises before any group exists
+    mixed = Precision.parse(precision)  # likewise
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s)
         _state["owns_world"] = True
-    new = Grid(shape, dev, transport, launcher=info.launcher)
+    new = Grid(shape, dev, transport, launcher=info.launcher, precision=mixed)
     new.comm.scheduler.configure(policy)
     _state["grid"] = new
     return new

@@ -32,6 +32,7 @@ from axon4d import checkpoint, sharding
 from axon4d.data import MemmapTokens, SyntheticTokens, demo_corpus
 from axon4d.models.config import ModelConfig, get_config
 from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.precision import Precision
 
 
 @dataclasses.dataclass
@@ -77,7 +78,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     precision: str = "fp32"
-    """Parameter and compute precision: fp32."""
+    """fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (fp32 reductions)."""
     data: str = "synthetic"
     """synthetic, corpus (a byte-level corpus of Python's stdlib docstrings, made offline), or a token file path (.u16/.u32 memmap)."""
     seed: int = 0
@@ -200,10 +201,9 @@ def _fit_step(model: torch.nn.Module, batches: tuple[torch.Tensor, ...], grid: a
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the training job described by ``cfg`` on the grid; return the run summary (all ranks)."""
-    if cfg.precision not in ("fp32",):
-        raise ValueError(f"precision {cfg.precision!r} is not supported; use fp32")
+    Precision.parse(cfg.precision)  # a bad name fails here, on every rank, before any communication
     mcfg = cfg.model_config()
-    grid = axon4d.init(grid=tuple(int(s) for s in cfg.grid.split(",")), seed=cfg.seed)
+    grid = axon4d.init(grid=tuple(int(s) for s in cfg.grid.split(",")), seed=cfg.seed, precision=cfg.precision)
     try:
         return _train_on(grid, cfg, mcfg)
     finally:
@@ -224,7 +224,7 @@ def _train_on(grid: axon4d.Grid, cfg: TrainConfig, mcfg: ModelConfig) -> dict[st
         found = checkpoint.latest(ckpt_dir)
         if found is not None:
             start = int(checkpoint.load(found, model, grid, opt)["step"])
-    peak_rank = cfg.peak_tflops or measure_peak_tflops(grid, model.head.weight.dtype)
+    peak_rank = cfg.peak_tflops or measure_peak_tflops(grid, grid.precision.compute)
     peak_total = grid.comm.all_reduce(torch.tensor([peak_rank]), "world", tag="peak").wait().item()
     if rank0:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -318,12 +318,14 @@ def train_single(dense: DenseTransformer, cfg: TrainConfig, mcfg: ModelConfig) -
 
     opt = make_optimizer_dense(dense, cfg)
     data = make_data(cfg, mcfg)
+    precision, p0 = Precision.parse(cfg.precision), next(dense.parameters())  # mixed: autocast, the usual way
     losses = []
     for step in tqdm(range(cfg.steps), desc="1 process", ncols=110, disable=not cfg.progress):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         batches = data.batch(step, cfg.batch_size * cfg.micro_batches).chunk(cfg.micro_batches)
-        loss = _fit_step(dense, batches, None)
+        with torch.autocast(p0.device.type, dtype=precision.compute, enabled=precision.mixed):
+            loss = _fit_step(dense, batches, None)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(dense.parameters(), cfg.grad_clip)
         opt.step()

@@ -156,6 +156,18 @@ class Pools:
         self._pools.clear()
 
 
+def value_errors(cases: dict[str, Callable[[], Any]]) -> dict[str, str | None]:
+    """Run each case; its ValueError message, or None if it raised nothing."""
+    msgs: dict[str, str | None] = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+    return msgs
+
+
 def grids_of(world: int) -> list[tuple[int, int, int, int]]:
     """Every (x, y, z, data) factorisation of ``world``."""
     from axon4d.grid import factorizations

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import axon4d
+from harness import value_errors
 from axon4d.models.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention, DenseAttention
@@ -212,18 +213,11 @@ def test_training_follows_the_single_process_loss_curve(pools, grid):
 
 
 def _head_errors(grid):
-    msgs = {}
-    for name, fn in {
+    return value_errors({
         "heads": lambda: Attention(32, 4, 4),
         "kv_heads": lambda: Attention(32, 8, 2),
         "vocab": lambda: VocabParallelEmbedding(30, 32),
-    }.items():
-        try:
-            fn()
-            msgs[name] = None
-        except ValueError as e:
-            msgs[name] = str(e)
-    return msgs
+    })
 
 
 def test_heads_and_vocab_that_do_not_split_raise_clear_errors(pools):

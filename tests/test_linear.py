@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import axon4d
-from harness import grids_of
+from harness import grids_of, value_errors
 
 FP32_TOL = 1e-5  # max abs error relative to the reference tensor's scale
 BF16_TOL = 3e-2  # bf16 keeps 8 significant bits; reductions over the grid add a few roundings
@@ -149,21 +149,14 @@ def test_initialisation_is_consistent_across_replicas_and_independent_of_z(pools
 
 
 def _errors(grid):
-    msgs = {}
-    for name, fn in {
+    return value_errors({
         "in_features": lambda: axon4d.Linear(6, 8),
         "out_features": lambda: axon4d.Linear(8, 6, transpose=True),
         "input_shape": lambda: axon4d.Linear(8, 8)(torch.randn(4, 8)),
         "tokens": lambda: axon4d.shard_input(torch.randn(3, 8)),
         "dense_shape": lambda: axon4d.Linear(8, 8).load_dense_(torch.randn(8, 4)),
         "dtype": lambda: axon4d.Linear(8, 8, dtype=torch.int32),
-    }.items():
-        try:
-            fn()
-            msgs[name] = None
-        except ValueError as e:
-            msgs[name] = str(e)
-    return msgs
+    })
 
 
 def test_bad_shapes_raise_clear_value_errors_on_every_rank(pools):

@@ -78,5 +78,5 @@ def test_every_config_field_is_a_documented_flag():
 
 
 def test_unknown_precision_is_rejected():
-    with pytest.raises(ValueError, match="precision 'fp8' is not supported"):
+    with pytest.raises(ValueError, match="precision 'fp8' is not supported; use one of fp32, bf16"):
         train(TrainConfig(precision="fp8"))

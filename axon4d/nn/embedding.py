@@ -15,6 +15,7 @@ from torch import nn
 from axon4d import runtime
 from axon4d.grid import Grid, require_divisible
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
+from axon4d.precision import compute_dtype
 
 
 def _block(full: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
@@ -74,7 +75,8 @@ class VocabParallelEmbedding(nn.Module):
         lo, hi = self.rows
         mine = (ids >= lo) & (ids < hi)
         local = torch.where(mine, ids - lo, torch.zeros_like(ids))
-        out = nn.functional.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        dtype = compute_dtype(self.grid.precision, self.weight)
+        out = nn.functional.embedding(local, self.weight).to(dtype) * mine.unsqueeze(-1).to(dtype)
         return sum_to_replicas(out, "y", self.grid)
 
 
@@ -116,4 +118,4 @@ class PositionEmbedding(nn.Module):
         """(seq, hidden/G_x) positions 0 … seq−1."""
         if seq > self.seq_len:
             raise ValueError(f"sequence length {seq} exceeds the position table's seq_len = {self.seq_len}")
-        return self.weight[:seq]
+        return self.weight[:seq].to(compute_dtype(self.grid.precision, self.weight))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from axon4d.grid import Grid
+from axon4d.precision import reduce_dtype
 
 
 class _SumPartials(torch.autograd.Function):
@@ -72,8 +73,10 @@ def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
     if g_batch == 1:
         return
 
+    dtype = reduce_dtype(grid.precision, param)
+
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        reduced = grid.comm.all_reduce(grad.contiguous().clone(), "batch", tag="replicated_grad").wait()
-        return reduced.div_(g_batch)
+        reduced = grid.comm.all_reduce(grad.to(dtype).contiguous().clone(), "batch", tag="replicated_grad").wait()
+        return reduced.div_(g_batch).to(grad.dtype)
 
     param.register_hook(hook)

@@ -38,6 +38,7 @@ class _Linear3D(torch.autograd.Function):
         comm = layer.grid.comm
         sched = comm.scheduler
         w = sched.gather_weight(layer, weight, backward=False)  # (out_l, in_l) — E2, all-gather over z
+        x = x.to(w.dtype)  # mixed precision: compute in the gathered block's dtype (axon4d.precision)
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         tokens, out_l = x2.shape[0], w.shape[0]
         y = x2.new_empty((tokens, out_l))  # (b, out_l)
@@ -52,7 +53,7 @@ class _Linear3D(torch.autograd.Function):
             h.wait()
         y = y.view(*x.shape[:-1], out_l)
         if bias is not None:
-            y = y + bias
+            y = y + bias.to(y.dtype)
         ctx.layer = layer
         ctx.has_bias = bias is not None
         ctx.w_block = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no second E10
@@ -86,7 +87,7 @@ class _Linear3D(torch.autograd.Function):
             dw = F.pad(dw, (0, layer.shard_numel * layer.grid.size("z") - dw.numel()))
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(dim=0)  # (out_l,)
+            db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
             dbias = sched.reduce_bias_grad(layer.bias, db, scale)  # E7 over batch
         dx_out = None
         if dx_handle is not None:

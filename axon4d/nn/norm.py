@@ -32,9 +32,11 @@ class _ShardedNorm(nn.Module):
         for p in self.parameters():
             average_grad_over_batch(p, self.grid)
 
-    def _affine(self, x_hat: torch.Tensor) -> torch.Tensor:
-        y = x_hat * self.weight
-        return y + self.bias if self.bias is not None else y
+    def _affine(self, x_hat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x̂·w (+ b), computed in fp32 and returned in the activations' dtype."""
+        y = x_hat * self.weight.float()
+        y = y + self.bias.float() if self.bias is not None else y
+        return y.to(dtype)
 
     def _slice(self, full: torch.Tensor) -> torch.Tensor:
         n = self.hidden // self.grid.size(self.axis)
@@ -64,7 +66,7 @@ class LayerNorm(_ShardedNorm):
         mean = sum_partials(xf.sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         centred = xf - mean
         var = sum_partials(centred.square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
-        return self._affine((centred * torch.rsqrt(var + self.eps)).to(x.dtype))
+        return self._affine(centred * torch.rsqrt(var + self.eps), x.dtype)
 
     def to_dense(self, grads: bool = False) -> nn.LayerNorm:
         dense = nn.LayerNorm(self.hidden, eps=self.eps, bias=self.bias is not None,
@@ -90,7 +92,7 @@ class RMSNorm(_ShardedNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         ms = sum_partials(xf.square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
-        return self._affine((xf * torch.rsqrt(ms + self.eps)).to(x.dtype))
+        return self._affine(xf * torch.rsqrt(ms + self.eps), x.dtype)
 
     def to_dense(self, grads: bool = False) -> nn.RMSNorm:
         dense = nn.RMSNorm(self.hidden, eps=self.eps, device=self.weight.device, dtype=self.weight.dtype)

@@ -1,0 +1,64 @@
+"""Mixed precision in one place: the dtypes of parameters, compute and gradient reductions.
+
+A grid carries one ``Precision`` (``axon4d.init(..., precision="bf16")``). Parameters — and so
+the optimizer's state and ``.grad`` — stay in ``param`` (fp32 master weights); the layers cast
+what they compute with to ``compute`` (bf16: matmuls, activations, and the weight all-gathers of
+E10, which then move half the bytes) and reduce gradients (E11–E13 and replicated parameters) in
+``reduce`` before writing them back in ``param``.
+
+Names: ``fp32`` (everything fp32), ``bf16`` (bf16 compute, bf16 gradient reductions),
+``bf16-fp32-reduce`` (bf16 compute, fp32 gradient reductions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from axon4d import device as devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Dtypes of parameters (master weights), compute, and gradient reductions."""
+
+    param: torch.dtype = torch.float32
+    compute: torch.dtype = torch.float32
+    reduce: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for d in (self.param, self.compute, self.reduce):
+            devices.check_dtype(d)
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != self.param
+
+    @classmethod
+    def parse(cls, spec: "Precision | str | None") -> "Precision":
+        """A Precision from itself, None (fp32) or a name listed in the module docstring."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, Precision):
+            return spec
+        if spec not in NAMED:
+            raise ValueError(f"precision {spec!r} is not supported; use one of {', '.join(NAMED)}")
+        return NAMED[spec]
+
+
+NAMED = {
+    "fp32": Precision(),
+    "bf16": Precision(compute=torch.bfloat16, reduce=torch.bfloat16),
+    "bf16-fp32-reduce": Precision(compute=torch.bfloat16, reduce=torch.float32),
+}
+
+
+def compute_dtype(precision: Precision, param: torch.Tensor) -> torch.dtype:
+    """The dtype a layer holding ``param`` computes in (its own dtype unless precision is mixed)."""
+    return precision.compute if precision.mixed else param.dtype
+
+
+def reduce_dtype(precision: Precision, param: torch.Tensor) -> torch.dtype:
+    """The dtype ``param``'s gradient is reduced in (its own dtype unless precision is mixed)."""
+    return precision.reduce if precision.mixed else param.dtype

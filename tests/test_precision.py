@@ -1,0 +1,81 @@
+"""Protects mixed precision (axon4d.precision): fp32 master weights and gradients with bf16
+compute stay close to the fp32 model, the weight all-gathers move bf16 bytes and the gradient
+reductions move the bytes of the chosen reduction dtype (volume.linear_collectives agrees), and
+bad names fail early."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+import axon4d
+from axon4d.comm import Op
+from axon4d.models.config import ModelConfig
+from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.precision import Precision
+from axon4d.volume import linear_collectives
+
+CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
+BF16_TOL = 5e-2
+
+
+def _mixed_vs_fp32(grid):
+    torch.manual_seed(7)
+    dense = DenseTransformer(CFG)
+    model = Transformer.from_dense(dense)
+    ids = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len + 1))
+    loss = model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:]))
+    loss.backward()
+    dense.loss(ids[:, :-1], ids[:, 1:]).backward()
+    got = model.to_dense(grads=True)
+    dtypes = {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()}
+    logits_dtype = model(axon4d.shard_batch(ids[:, :-1])).dtype
+    ref = dict(dense.named_parameters())
+    errs = {}
+    for name, p in got.named_parameters():
+        r = ref[name].grad
+        errs[name] = float((p.grad - r).abs().max() / r.abs().max().clamp_min(1e-3))
+    return dtypes, logits_dtype, errs
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-fp32-reduce"])
+def test_mixed_precision_keeps_fp32_masters_and_tracks_the_fp32_gradients(pools, precision):
+    for dtypes, logits_dtype, errs in pools(8).run((2, 2, 2, 1), _mixed_vs_fp32, precision=precision):
+        assert dtypes == {torch.float32}  # parameters and .grad stay fp32 (master weights)
+        assert logits_dtype == torch.bfloat16  # the matmuls ran in bf16
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < BF16_TOL, f"{worst}: {errs[worst]:.2e}"
+
+
+LAYERS = [(24, 40, True, False), (40, 24, True, True)]
+
+
+def _bytes(grid):
+    torch.manual_seed(0)
+    layers = [axon4d.Linear(i, o, bias=b, transpose=t) for i, o, b, t in LAYERS]
+    x = axon4d.shard_input(torch.randn(8, 3, 24)).requires_grad_()
+    grid.comm.log.clear()
+    layers[1](layers[0](x)).float().sum().backward()
+    return Counter((r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records)
+
+
+@pytest.mark.parametrize("precision,grad_bytes", [("bf16", 2), ("bf16-fp32-reduce", 4)])
+def test_collectives_move_compute_and_reduction_dtype_bytes(pools, precision, grad_bytes):
+    grid = (2, 2, 2, 1)
+    shape = axon4d.GridShape(*grid)
+    expected = Counter()
+    for i, o, b, t in LAYERS:
+        for c in linear_collectives(i, o, 8 * 3 // shape.size("batch"), shape, transpose=t, bias=b,
+                                    element_size=2, grad_element_size=grad_bytes):
+            expected[(c.op, c.axis, c.payload_bytes)] += 1
+    for counted in pools(8).run(grid, _bytes, precision=precision):
+        assert counted == expected
+        assert any(op == Op.REDUCE_SCATTER for op, _, _ in counted)
+
+
+def test_precision_names():
+    assert Precision.parse("bf16").compute == torch.bfloat16 and Precision.parse("bf16").param == torch.float32
+    assert Precision.parse("bf16-fp32-reduce").reduce == torch.float32
+    assert not Precision.parse(None).mixed
+    with pytest.raises(ValueError, match="precision 'fp16-ish' is not supported; use one of fp32, bf16, bf16-fp32-reduce"):
+        Precision.parse("fp16-ish")
