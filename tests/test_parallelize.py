@@ -49,6 +49,17 @@ def _gpt2(attn: str = "eager"):
     return GPT2LMHeadModel(cfg)
 
 
+def _qwen2(attn: str = "eager"):
+    """A family with no plan (q/k/v biases, GQA): the default layout falls back to the general path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = attn
+    return Qwen2ForCausalLM(cfg)
+
+
 class _Toy(nn.Module):
     """A model no family plan knows: an odd-sized head that cannot split, and a tied pair."""
 
@@ -70,7 +81,7 @@ class _Toy(nn.Module):
         return type("Out", (), {"logits": logits, "loss": loss})()
 
 
-BUILDERS = {"llama": _llama, "gpt2": _gpt2, "toy": _Toy, "llama_tied": lambda attn: _llama(attn, tied=True)}
+BUILDERS = {"llama": _llama, "gpt2": _gpt2, "qwen2": _qwen2, "toy": _Toy, "llama_tied": lambda attn: _llama(attn, tied=True)}
 
 
 def _compare(grid, family, attn, layout, steps=1):
@@ -137,10 +148,12 @@ def test_tied_llama_keeps_its_embedding_whole_and_matches(pools, grid):
 
 
 @pytest.mark.parametrize("grid", [(2, 1, 1, 1), (1, 4, 1, 1), (2, 2, 2, 1), (1, 2, 1, 4)])
-@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("gpt2", "eager")])
-def test_general_layout_matches_the_unparallelized_model(pools, family, attn, grid):
-    # (1, 4, 1, 1) splits features over y = 4 although the 2 KV heads could not be
-    _assert_close(pools(_world(grid)).run(grid, _compare, family, attn, "general"), f"{family} {grid}")
+@pytest.mark.parametrize("family,attn,layout", [("llama", "sdpa", "general"), ("gpt2", "eager", "general"),
+                                                ("qwen2", "sdpa", "sharded")])
+def test_general_layout_matches_the_unparallelized_model(pools, family, attn, layout, grid):
+    # (1, 4, 1, 1) splits features over y = 4 although the 2 KV heads could not be; Qwen2 has no
+    # plan, so even the default layout runs it on the general path
+    _assert_close(pools(_world(grid)).run(grid, _compare, family, attn, layout), f"{family} {grid}")
 
 
 def _toy(grid):
@@ -188,6 +201,22 @@ def _sgd_steps(grid, family):
 def test_optimizer_steps_need_no_extra_call(pools, family):
     grid = (2, 1, 2, 2)
     _assert_close([(r,) for r in pools(8).run(grid, _sgd_steps, family)], f"{family} sgd {grid}")
+
+
+def _lead_model_to_dense(grid):
+    """axon4d's own models implement to_dense; axon4d.to_dense must hand over to it, also when nested."""
+    from axon4d.models import get_config
+    from axon4d.models.transformer import llama
+
+    torch.manual_seed(0)
+    model = llama(get_config("tiny", n_kv_heads=2))
+    direct, nested = to_dense(model), to_dense(nn.ModuleList([model]))[0]
+    ref = model.to_dense()
+    return max(rel_err(a, b) for x in (direct, nested) for a, b in zip(x.parameters(), ref.parameters()))
+
+
+def test_to_dense_hands_over_to_the_library_models_own_to_dense(pools):
+    assert max(pools(4).run((2, 2, 1, 1), _lead_model_to_dense)) == 0.0
 
 
 def _value_error(fn) -> str:
