@@ -66,7 +66,7 @@ def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
         by_world.setdefault(GridShape(*g).world_size, []).append(g)
     for r in range(rounds):
         for world, gs in sorted(by_world.items(), reverse=True):
-            pool = RankPool(world)
+            pool = RankPool(world, start_timeout=900)
             try:
                 for g in gs:
                     res = pool.run(g, _run_grid, wl, steps, timeout=600, overlap=overlap)
@@ -147,6 +147,7 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--overlap", default="all", help="overlap policy for the run and the planner (all, off, oag,oar,...)")
     p.add_argument("--only", default="", help="semicolon-separated grids x,y,z,d to run instead of the default set")
+    p.add_argument("--from-json", default=None, help="recompute predictions for the measurements saved in this JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner_accuracy.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs/planner_accuracy.png"))
     args = p.parse_args()
@@ -158,7 +159,7 @@ def main() -> int:
     if launched and not os.path.exists(args.machine):
         raise SystemExit(f"{args.machine} does not exist: calibrate first, in the same kind of job "
                          f"(python -m axon4d.plan.calibrate --out {args.machine})")
-    if not launched and (args.calibrate or not os.path.exists(args.machine)):
+    if not launched and not args.from_json and (args.calibrate or not os.path.exists(args.machine)):
         if os.path.exists(args.machine):
             os.remove(args.machine)
         subprocess.run([sys.executable, "-m", "axon4d.plan.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
@@ -173,28 +174,40 @@ def main() -> int:
         grids = [s.as_tuple() for s in factorizations(world) if not wl.grid_problems(s)]
         grids += [] if launched else GRIDS_4 + GRIDS_2
     start = time.perf_counter()
-    if launched:
-        results = measure_launched(wl, grids, args.rounds, args.steps, args.overlap)
-        if results is None:
-            return 0
+    if args.from_json:  # predictions again (new machine file or planner) for measurements already taken
+        with open(args.from_json) as f:
+            old = json.load(f)
+        measured = {tuple(r["grid"]): {k: r[k] for k in ("rounds_step", "measured_mem", "bytes_logged",
+                                                          "measured_comm_blocked_s")} for r in old["rows"]}
+        grids = list(measured)
     else:
-        results = measure(wl, grids, args.rounds, args.steps, args.overlap)
+        if launched:
+            results = measure_launched(wl, grids, args.rounds, args.steps, args.overlap)
+            if results is None:
+                return 0
+        else:
+            results = measure(wl, grids, args.rounds, args.steps, args.overlap)
+        measured = {g: {"rounds_step": [statistics.median(r[0]["steps_s"]) for r in results[g]],
+                        "measured_mem": max(x["peak_bytes"] for x in results[g][0]),
+                        "bytes_logged": results[g][0][0]["bytes_by_axis"],
+                        "measured_comm_blocked_s": statistics.median(r[0]["blocked_s"] for r in results[g])}
+                    for g in grids}
 
     rows = []
     for g in grids:
         shape = GridShape(*g)
         cand = evaluate(wl, shape, machine, overlap)
-        per_round = [statistics.median(r[0]["steps_s"]) for r in results[g]]
-        measured = statistics.median(per_round)
-        peak = max(x["peak_bytes"] for x in results[g][0])
-        logged = results[g][0][0]["bytes_by_axis"]
+        got = measured[g]
+        step = statistics.median(got["rounds_step"])
+        peak = got["measured_mem"]
+        logged = {a: int(v) for a, v in got["bytes_logged"].items()}
         rows.append({
-            "grid": list(g), "world": shape.world_size, "measured_step": measured, "rounds_step": per_round,
-            "predicted_step": cand.time.step_s, "time_error": (cand.time.step_s - measured) / measured,
+            "grid": list(g), "world": shape.world_size, "measured_step": step, "rounds_step": got["rounds_step"],
+            "predicted_step": cand.time.step_s, "time_error": (cand.time.step_s - step) / step,
             "measured_mem": peak, "predicted_mem": cand.mem.peak, "mem_error": (cand.mem.peak - peak) / peak,
             "bytes_logged": logged, "bytes_predicted": cand.time.bytes_by_axis,
             "bytes_match": logged == cand.time.bytes_by_axis,
-            "measured_comm_blocked_s": statistics.median(r[0]["blocked_s"] for r in results[g]),
+            "measured_comm_blocked_s": got["measured_comm_blocked_s"],
             "prediction": cand.to_json(),
         })
     print(f"\n{'grid':<14} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7} {'bytes':>5}")
@@ -213,6 +226,9 @@ def main() -> int:
         "planner_choice": chosen["grid"], "fastest_measured": fastest["grid"],
         "median_memory_error": statistics.median(mem_errs), "worst_memory_error": max(mem_errs),
         "bytes_match_all": all(r["bytes_match"] for r in rows), "seconds": time.perf_counter() - start,
+        # how much the same grid's time moved between rounds: the noise floor of this measurement
+        "round_spread_median": statistics.median((max(r["rounds_step"]) - min(r["rounds_step"])) / r["measured_step"]
+                                                 for r in rows),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -220,7 +236,8 @@ def main() -> int:
                    "machine": args.machine, "overlap": describe(overlap), "summary": summary, "rows": rows}, f, indent=1)
     os.makedirs(os.path.dirname(args.plot), exist_ok=True)
     plot(args.plot, rows)
-    print(f"\nplanner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
+    print(f"\nthe same grid's step time moved by {100 * summary['round_spread_median']:.0f}% (median) between rounds")
+    print(f"planner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
           f"communication bytes per axis equal the planner's on {sum(r['bytes_match'] for r in rows)}/{len(rows)} grids")
     print(f"saved {args.out} and {args.plot}")
     print(f"planner: median error = {100 * summary['median_time_error']:.1f}%, worst = "

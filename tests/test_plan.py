@@ -24,11 +24,13 @@ PROBE_WL = Workload(PROBE, batch=8, dtype="float32", embedding=False, norms=Fals
 def _bytes_from_volume(wl: Workload, shape: GridShape) -> dict:
     out: dict = {}
     for s in wl.linears():
+        if s.embedding:
+            continue
         for c in linear_collectives(s.in_features, s.out_features, wl.local_tokens(shape), shape,
                                     transpose=s.transpose, bias=s.bias, element_size=wl.element_size):
-            if c.term == "E9" and not s.input_grad:
-                continue
             out[c.axis] = out.get(c.axis, 0) + s.count * c.payload_bytes
+    for c in wl.edge_collectives(shape):
+        out[c.axis] = out.get(c.axis, 0) + c.payload_bytes
     return out
 
 
@@ -63,28 +65,23 @@ def test_logged_bytes_and_parameters_equal_the_planner(pools, grid):
 
 
 def _fake_world_shapes(name, world, grid):
-    """In a fresh process: a fake process group of ``world`` ranks, meta-device block layers."""
+    """In a fresh process: a fake process group of ``world`` ranks and the real model on ``meta``."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import axon4d
-    from axon4d.plan.workload import Workload
+    from axon4d.models.transformer import Transformer
 
     dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
     try:
         g = axon4d.init(grid=grid)
-        cfg = SIZES[name]
-        layers = [axon4d.Linear(i, o, bias=b, transpose=t, device="meta", dtype=torch.bfloat16)
-                  for _, i, o, t, b in cfg.linear_shapes()]
-        head = axon4d.Linear(cfg.hidden, cfg.vocab_size, bias=False, device="meta", dtype=torch.bfloat16)
-        emb = axon4d.Linear(cfg.vocab_size, cfg.hidden, bias=False, transpose=True, device="meta", dtype=torch.bfloat16)
-        per_block = sum(p.numel() for m in layers for p in m.parameters())
-        total = cfg.n_layers * per_block + sum(p.numel() for m in (head, emb) for p in m.parameters())
-        shapes = [tuple(p.shape) for m in layers for p in m.parameters()]
-        wl = Workload(cfg, batch=g.size("batch"), dtype="bfloat16", norms=False)
+        model = Transformer(SIZES[name], device="meta", dtype=torch.bfloat16)
+        total = sum(p.numel() for p in model.parameters())
+        block = [tuple(p.shape) for n, p in model.blocks[0].named_parameters() if p.dim() == 1 and "norm" not in n]
+        batch = g.size("batch")
         axon4d.shutdown()
-        return total, shapes, wl
+        return total, block, batch
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -94,21 +91,18 @@ def _fake_world_shapes(name, world, grid):
                                              ("80B", 1024, (8, 4, 32, 1)), ("80B", 512, (2, 8, 8, 4))])
 def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
     with mp.get_context("spawn").Pool(1) as pool:
-        total, shapes, wl = pool.apply(_fake_world_shapes, (name, world, grid))
+        total, block, batch = pool.apply(_fake_world_shapes, (name, world, grid))
     shape = GridShape(*grid)
-    cfg = SIZES[name]
-    position = cfg.seq_len * cfg.hidden // shape.x  # GPT's learned positions, not built here
-    assert total == local_param_count(wl, shape) - position  # norms off: linear shards, biases, embedding, head
+    wl = Workload(SIZES[name], batch=batch, dtype="bfloat16")
+    assert total == local_param_count(wl, shape)  # every tensor of the real GPT model, per rank
     from axon4d.volume import weight_shard_numel
 
-    expect = []
-    for _, i, o, t, b in SIZES[name].linear_shapes():
-        expect.append((weight_shard_numel(i, o, shape, t),))
-        if b:
-            expect.append((o // shape.size("x" if t else "y"),))
-    assert shapes == expect
+    shards = sorted(s for s in block if len(s) == 1)
+    expect = sorted([(weight_shard_numel(i, o, shape, t),) for _, i, o, t, _ in SIZES[name].linear_shapes()]
+                    + [(o // shape.size("x" if t else "y"),) for _, i, o, t, b in SIZES[name].linear_shapes() if b])
+    assert shards == expect  # the block's weight shards and bias slices
     mem = memory(wl, shape)
-    assert mem.params == (total + position) * 2 and mem.grads == mem.params and mem.optimizer == (total + position) * 12
+    assert mem.params == total * 2 and mem.grads == mem.params and mem.optimizer == total * 12
 
 
 def test_search_enumerates_valid_grids_best_first_and_flags_memory():

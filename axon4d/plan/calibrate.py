@@ -21,6 +21,7 @@ worlds are merged into one file (tables keyed by the number of ranks that ran at
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -144,8 +145,18 @@ def _geometries(world: int) -> list[tuple[int, int]]:
     return out
 
 
-def _comm_curves(ctx: _Ctx, world: int, dtype: torch.dtype) -> list[CommCurve]:
-    import axon4d
+def _comm_curves(ctx: _Ctx, world: int, dtype: torch.dtype, passes: int = 1) -> list[CommCurve]:
+    """Every collective on every axis geometry; ``passes`` sweeps over all of them, per-point median
+    (a shared host's load drifts: spreading the repetitions over time makes the median robust)."""
+    sweeps = [_comm_sweep(ctx, world, dtype) for _ in range(passes)]
+    curves = []
+    for same in zip(*sweeps):  # one (op, geometry) as measured in every pass
+        points = range(len(same[0].payload))
+        curves.append(dataclasses.replace(same[0], seconds=[statistics.median(c.seconds[i] for c in same) for i in points]))
+    return curves
+
+
+def _comm_sweep(ctx: _Ctx, world: int, dtype: torch.dtype) -> list[CommCurve]:
     from axon4d.grid import Grid, GridShape
 
     curves = []
@@ -173,7 +184,6 @@ def _comm_curves(ctx: _Ctx, world: int, dtype: torch.dtype) -> list[CommCurve]:
         finally:
             grid.comm.barrier()
             grid.destroy()
-    del axon4d
     return curves
 
 
@@ -199,7 +209,8 @@ def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
     return float(min(max(hidden / min(t_mm, t_ar), 0.0), 1.0))
 
 
-def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], None] = print) -> dict[str, Any]:
+def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], None] = print,
+                  passes: int = 1) -> dict[str, Any]:
     """All measurements on the current world (every rank calls this); the result on every rank."""
     ctx = _Ctx(grid, reps)
     world = grid.world_size
@@ -214,8 +225,8 @@ def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], 
     t_op = ctx.measure(lambda: torch.add(torch.ones(1), 1))
     out["op_overhead_s"] = t_op
     log(f"[{world} ranks] attention, elementwise, optimizer done")
-    out["comm"] = _comm_curves(ctx, world, torch.float32) if world > 1 else []
-    out["overlap_efficiency"] = _overlap_efficiency(ctx, torch.float32)
+    out["comm"] = _comm_curves(ctx, world, torch.float32, passes) if world > 1 else []
+    out["overlap_efficiency"] = statistics.median(_overlap_efficiency(ctx, torch.float32) for _ in range(max(passes, 1)))
     log(f"[{world} ranks] collectives done; overlap efficiency {out['overlap_efficiency']:.2f}")
     return out
 
@@ -228,7 +239,6 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
         machine = Machine(name=name, devices_per_node=world, memory_per_device=memory, peak_flops={},
                           levels=[Level("host", 0, 1e-5, 1e9)], elementwise_Bps={},
                           sources={"all": "measured by `axon4d calibrate` on this host"})
-    machine.devices_per_node = max(machine.devices_per_node, world)
     for dt, forms in result["matmul"].items():
         machine.matmul.setdefault(dt, {})[key] = forms
         best = max(float(t.rates.max()) for t in forms.values())
@@ -240,13 +250,14 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
     machine.adam_s[key] = result["adam_s"]
     machine.op_overhead_s = result["op_overhead_s"] if world == 1 else machine.op_overhead_s
     machine.comm = [c for c in machine.comm if c.world != world] + result["comm"]
-    if world > 1:
+    if world > 1 and world >= machine.devices_per_node:  # the fullest node is what a job of the host sees
         machine.overlap_efficiency = result["overlap_efficiency"]
         curves = [c for c in machine.comm if c.op == "all_reduce"]
         if curves:  # the fallback level: the median fitted α, β over the measured all-reduces
             fits = [c.alpha_beta() for c in curves]
             machine.levels = [Level("host (measured)", 0, statistics.median(f[0] for f in fits) / 2,
                                     statistics.median(f[1] for f in fits))]
+    machine.devices_per_node = max(machine.devices_per_node, world)
     machine.sources["peak_flops"] = "best GEMM throughput measured at the lattice points (not a hardware peak)"
     return machine
 
@@ -257,7 +268,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int, queue: Any) -> None:
+def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int, passes: int, queue: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -267,19 +278,20 @@ def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     grid = axon4d.init(grid=(1, 1, 1, world))
-    result = measure_world(grid, dtypes, reps, log=(lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None))
+    result = measure_world(grid, dtypes, reps, log=(lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None),
+                           passes=passes)
     if rank == 0:
         queue.put(result)
     axon4d.shutdown()
     dist.destroy_process_group()
 
 
-def run_local(world: int, dtypes: list[str], reps: int) -> dict[str, Any]:
+def run_local(world: int, dtypes: list[str], reps: int, passes: int = 1) -> dict[str, Any]:
     """Spawn ``world`` gloo ranks on this host, measure, return rank 0's results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, dtypes, reps, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, dtypes, reps, passes, queue)) for r in range(world)]
     for p in procs:
         p.start()
     result = queue.get()
@@ -293,6 +305,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated world sizes to spawn on this host (ignored under torchrun/srun/mpirun)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="GEMM dtypes to measure")
     p.add_argument("--reps", type=int, default=5, help="repetitions per measurement (median)")
+    p.add_argument("--passes", type=int, default=3, help="sweeps over all collectives (per-point median)")
     p.add_argument("--name", default="local", help="machine name stored in the file")
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: host RAM / ranks)")
     p.add_argument("--out", default="local.json", help="machine file to write (merged into if it exists)")
@@ -313,7 +326,8 @@ def main(args: argparse.Namespace) -> int:
         import axon4d
 
         grid = axon4d.init(grid=(1, 1, 1, -1))
-        result = measure_world(grid, dtypes, args.reps, log=print if grid.rank == 0 else (lambda s: None))
+        result = measure_world(grid, dtypes, args.reps, log=print if grid.rank == 0 else (lambda s: None),
+                               passes=args.passes)
         rank = grid.rank
         axon4d.shutdown()
         if rank != 0:
@@ -323,7 +337,7 @@ def main(args: argparse.Namespace) -> int:
         machine.save(args.out)
     else:
         for w in args.ranks.split(","):
-            result = run_local(int(w), dtypes, args.reps)
+            result = run_local(int(w), dtypes, args.reps, args.passes)
             mem = args.memory_gib * 2**30 if args.memory_gib else _host_memory() / max(result["world"], 1)
             machine = merge(machine, result, args.name, mem)
             machine.save(args.out)  # after every world: a later failure keeps what was measured

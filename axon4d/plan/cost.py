@@ -86,9 +86,10 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
     n_w = shard * shape.z
     ew = m.elementwise_time
     if spec.embedding:
+        table = (spec.in_features // shape.y) * (spec.out_features // shape.x)
         fwd_mm, dx = 0.0, 0.0
-        fwd = ew(2 * b * out_l * elem, world)  # gather rows
-        dw = ew((2 * n_w + 2 * b * out_l) * elem, world)  # zero-fill the block, scatter-add rows
+        fwd = ew(4 * b * out_l * elem, world)  # gather rows, mask
+        dw = ew((2 * table + 2 * b * out_l) * elem, world)  # zero-fill the table, scatter-add rows
     else:
         fwd_mm = m.matmul_time("nt", b, in_l, out_l, dt, world)
         fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
@@ -99,10 +100,13 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
     axes: dict[str, str] = {}
     by_axis: dict[str, int] = {}
     chunks = 0
-    for c in linear_collectives(spec.in_features, spec.out_features, b, shape, transpose=spec.transpose,
-                                bias=spec.bias, element_size=elem, cache_weight=ov.oag_keep,
-                                forward_chunks=1 if spec.embedding else ov.forward_chunks,
-                                min_chunk_bytes=int(ov.min_chunk_kb * 1024)):
+    if spec.embedding:  # the lookup's all-reduce over y and the table's gradient all-reduce over batch
+        collectives = [c for c in wl.edge_collectives(shape) if c.term.startswith("embedding")]
+    else:
+        collectives = linear_collectives(spec.in_features, spec.out_features, b, shape, transpose=spec.transpose,
+                                         bias=spec.bias, element_size=elem, cache_weight=ov.oag_keep,
+                                         forward_chunks=ov.forward_chunks, min_chunk_bytes=int(ov.min_chunk_kb * 1024))
+    for c in collectives:
         if c.term == "E9" and not spec.input_grad:
             continue
         group, stride = axis_geometry(shape, c.axis)
@@ -237,6 +241,14 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         per_layer[lc.spec.name] = {"count": n, "compute_s": layer_compute, "comm_s": sum(c.values()),
                                    "fwd_s": lc.fwd + lc.post_fwd, "fwd_comm_s": c.get("E8", 0.0) + c.get("E10f", 0.0),
                                    "hidden_s": h_f + h_b, **{f"comm_{k}": v for k, v in c.items()}}
+    for c in wl.edge_collectives(shape):  # replicated parameters' gradients: waited on in their hooks
+        if c.term.startswith("embedding"):
+            continue
+        group, stride = axis_geometry(shape, c.axis)
+        t_c = machine.comm_time(c.op.value, group, stride, c.payload_bytes, shape.world_size)
+        comm += t_c
+        comm_by_axis[c.axis] = comm_by_axis.get(c.axis, 0.0) + t_c
+        bytes_by_axis[c.axis] = bytes_by_axis.get(c.axis, 0) + c.payload_bytes
     if params_local is None:
         from axon4d.plan.memory import local_param_count
 

@@ -35,6 +35,9 @@ def local_param_count(wl: Workload, shape: GridShape) -> int:
     m = wl.model
     n = 0
     for s in wl.linears():
+        if s.embedding:  # (vocab/G_y, hidden/G_x), replicated over z and data
+            n += (s.in_features // shape.y) * (s.out_features // shape.x)
+            continue
         rows = s.local(shape)[1]
         n += s.count * (weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) + (rows if s.bias else 0))
     if wl.norms:
@@ -102,8 +105,8 @@ def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: Ove
     if wl.head:
         acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
     live_peak = _backward_peak(wl, shape, recompute, overlap, acts)
-    specs = wl.linears()
-    largest_shard = max(weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) for s in specs)
+    largest_shard = max((s.in_features // shape.y) * (s.out_features // shape.x) if s.embedding else
+                        weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) for s in wl.linears())
     optimizer_step = grads + 2 * largest_shard * 4  # per-tensor temporaries of a non-foreach Adam
     peak = params + optimizer + max(live_peak, optimizer_step)
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)

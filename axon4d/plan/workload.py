@@ -5,12 +5,14 @@ layers are the block's layers in the layouts the block really uses — QKV norma
 transposed, MLP up normal, MLP down transposed (``ModelConfig.linear_shapes()``) — repeated
 ``n_layers`` times, plus at the edges:
 
-- the token embedding, priced as a transposed layer (vocab → hidden): the vocabulary is split over
-  y, features over x, the table's (x, y) block is Z-sharded like any weight; the lookup's partial
-  rows are all-reduced over y (E8) and there is no input gradient (no E9);
+- the token embedding as ``axon4d.nn.VocabParallelEmbedding`` holds it: a (vocab/G_y, hidden/G_x)
+  block replicated over z and data; the lookup's partial rows are all-reduced over y and the
+  table's gradient over batch (``edge_collectives``);
 - the output head, a normal layer hidden → vocab without bias (vocab-parallel logits over y).
 
-``grid_ok`` states the divisibility rules a grid must satisfy for this workload (§1).
+Parameters replicated over batch (norms, position embeddings) have their gradients all-reduced
+over batch, one collective per tensor. ``grid_problems`` states the divisibility rules a grid must
+satisfy for this workload (§1).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import dataclasses
 
 import torch
 
+from axon4d.comm import Op
 from axon4d.grid import GridShape
 from axon4d.models.config import ModelConfig
-from axon4d.volume import layer_axes
+from axon4d.volume import Collective, layer_axes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPES_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,6 +88,28 @@ class Workload:
         out += [LinearSpec(n, i, o, t, b, m.n_layers) for n, i, o, t, b in m.linear_shapes()]
         if self.head:
             out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
+        return out
+
+    def edge_collectives(self, shape: GridShape) -> list[Collective]:
+        """Collectives of one step outside the linear layers, on one rank: the embedding's forward
+        all-reduce over y and its table's gradient all-reduce over batch; one gradient all-reduce
+        over batch per replicated tensor (norm weights and biases, position embedding)."""
+        m, elem = self.model, self.element_size
+        h_x = m.hidden // shape.x
+        out: list[Collective] = []
+
+        def add(op: Op, axis: str, elems: int, phase: str, term: str, count: int = 1) -> None:
+            if shape.size(axis) > 1:
+                out.extend([Collective(op, axis, elems * elem, phase, term)] * count)
+
+        if self.embedding:
+            add(Op.ALL_REDUCE, "y", self.local_tokens(shape) * h_x, "forward", "embedding")
+            add(Op.ALL_REDUCE, "batch", m.vocab_size // shape.y * h_x, "backward", "embedding.grad")
+            if m.arch == "gpt":
+                add(Op.ALL_REDUCE, "batch", m.seq_len * h_x, "backward", "position.grad")
+        if self.norms:
+            tensors = (2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1)
+            add(Op.ALL_REDUCE, "batch", h_x, "backward", "norm.grad", tensors)
         return out
 
     def flops(self) -> float:
