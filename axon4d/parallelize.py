@@ -6,16 +6,19 @@ forward code. The model runs on this rank's token shard (``axon4d.shard_batch``,
 batch = data × z); everything outside the wrapped layers (norms, residuals, attention maths,
 reshapes, embeddings) runs replicated over x and y on full features.
 
-Two layouts per layer:
+Three layouts (``auto_parallelize(model, layout=...)``), from most general to most efficient:
 - **general** (any model): the layer takes full features, slices its input features locally (no
   communication) and all-gathers its output features, so the code around it sees full tensors.
   Cost per layer: one all-gather of (b, out) forward and one of (b, in) backward, on top of the
   3D layer's own E8/E9 all-reduces.
-- **chained** (known families, ``FAMILY_PLANS``): inside an attention or MLP block whose code
-  between projections only reshapes per head or acts elementwise, the first projections are normal
-  layers whose output stays split over y (so attention runs on this rank's heads only), and the last
-  is a transposed layer that takes that split input and gathers over x — one all-gather per block
+- **chained** (blocks in ``FAMILY_PLANS``): inside an attention or MLP block whose code between
+  projections only reshapes per head or acts elementwise, the first projections are normal layers
+  whose output stays split over y (so attention runs on this rank's heads only), and the last is
+  a transposed layer that takes that split input and gathers over x — one all-gather per block
   instead of one per layer.
+- **sharded** (models in ``SHARDED_PLANS``, the default): the residual stream stays split over x
+  between blocks, norms run on sharded features (``axon4d.nn.norm``), the embedding is
+  vocabulary-parallel where it can be, and only the logits are gathered.
 
 Parameters left replicated (norms, embeddings, layers it cannot split) get a gradient hook that
 averages over batch = data × z (E6/E7 for replicated parameters), so ``.grad`` is DDP-complete when
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import runtime
+from axon4d import runtime, volume
 from axon4d.grid import Grid, _suggest, factorizations
 from axon4d.nn.functional import average_grad_over_batch
 from axon4d.nn.linear import Linear
@@ -448,7 +451,7 @@ def _linear_problem(name: str, m: nn.Module, spec: _Spec, grid: Grid, users: dic
         others = [u for u in users[id(p)] if u != name]
         if others:
             return f"weight shared with {', '.join(others)} (tied)"
-    in_axis, out_axis = ("y", "x") if spec.transpose else ("x", "y")
+    in_axis, out_axis = volume.layer_axes(spec.transpose)
     if in_f % grid.size(in_axis) or out_f % grid.size(out_axis):
         return (f"({out_f}, {in_f}) does not split over G_{out_axis} = {grid.size(out_axis)} × "
                 f"G_{in_axis} = {grid.size(in_axis)}")

@@ -108,6 +108,8 @@ def _compare(grid, family, attn, layout, steps=1):
         errs[f"{name}"] = rel_err(got[name], p)
         errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
     assert set(got) == set(dict(ref.named_parameters())), "to_dense must give the original parameter names"
+    with torch.no_grad():  # the copy is a working unparallelized model (hooks gone, attributes restored)
+        errs["dense_copy_logits"] = rel_err(dense(input_ids=ids, labels=ids).logits, rout.logits)
     assert not any(isinstance(m, ShardedLinear) for m in dense.modules())
     assert all(not m._forward_pre_hooks for m in dense.modules())
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
