@@ -254,26 +254,33 @@ def _gathers(grid, family, layout):
     ids = axon4d.shard_batch(torch.randint(0, VOCAB, (BATCH, SEQ)))
     grid.comm.log.clear()
     par(input_ids=ids, labels=ids).loss.backward()
-    counts = {}
+    counts, elements = {}, {}
     for r in grid.comm.log.records:
         if r.tag.startswith("parallelize."):
             counts[r.tag] = counts.get(r.tag, 0) + 1
-    return counts
+            elements[r.tag] = elements.get(r.tag, 0) + r.payload_bytes // 4  # fp32
+    return counts, elements
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_chained_blocks_gather_once_per_block_and_sharded_ones_never(pools, family):
     per_layer = {"llama": 7, "gpt2": 4}[family]  # linear layers in one transformer block
-    general, chained, sharded = (pools(4).run((2, 2, 1, 1), _gathers, family, lay)[0]
-                                 for lay in ("general", "chained", "sharded"))
+    (general, general_el), (chained, chained_el), (sharded, _) = (
+        pools(4).run((2, 2, 1, 1), _gathers, family, lay)[0] for lay in ("general", "chained", "sharded"))
+    head = 1 if family == "llama" else 0  # Llama's lm_head is split; GPT-2's is tied to wte, whole
     # general: every layer gathers its output (forward) and its input gradient (backward)
-    gpt2_head = 0 if family == "gpt2" else 1  # GPT-2's lm_head is tied to wte and stays whole
-    assert general["parallelize.fwd.gather.y"] == 2 * per_layer + gpt2_head
-    assert general["parallelize.bwd.gather.x"] == 2 * per_layer + gpt2_head
+    assert general["parallelize.fwd.gather.y"] == 2 * per_layer + head
+    assert general["parallelize.bwd.gather.x"] == 2 * per_layer + head
     # chained: attention and MLP gather once each, over x, forward and backward; the head over y
     assert chained["parallelize.fwd.gather.x"] == 2 * 2
-    assert chained["parallelize.bwd.gather.x"] == 2 * 2 + gpt2_head
-    assert chained.get("parallelize.fwd.gather.y", 0) == gpt2_head
+    assert chained["parallelize.bwd.gather.x"] == 2 * 2 + head
+    assert chained.get("parallelize.fwd.gather.y", 0) == head
+    if family == "llama":  # the payloads of docs/parallelize.md's cost table, in elements
+        b, h, kv_d, f, v, layers = BATCH * SEQ, 64, 2 * 16, 128, VOCAB, 2  # b: tokens per rank (G_batch = 1)
+        assert general_el["parallelize.fwd.gather.y"] == layers * b * (3 * h + 2 * kv_d + 2 * f) + b * v
+        assert general_el["parallelize.bwd.gather.x"] == layers * b * (6 * h + f) + b * h
+        assert chained_el["parallelize.fwd.gather.x"] == layers * 2 * b * h
+        assert chained_el["parallelize.bwd.gather.x"] == layers * 2 * b * h + b * h
     # sharded: the residual stream stays split over x between blocks; Llama gathers only the logits
     # (over y); GPT-2's tied head gathers its input over x, and the backward of its two whole
     # embeddings (tokens, positions) gathers their output gradient over x
