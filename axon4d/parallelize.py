@@ -84,12 +84,12 @@ class _GatherFeatures(torch.autograd.Function):
         return g.narrow(-1, ctx.grid.coord(ctx.axis) * ctx.n, ctx.n).contiguous(), None, None
 
 
-def slice_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+def _slice_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
     """This rank's chunk of ``x``'s last dim over ``axis``; the backward all-gathers over ``axis``."""
     return x if grid.size(axis) == 1 else _SliceFeatures.apply(x, axis, grid)
 
 
-def gather_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+def _gather_features(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
     """The full last dim from every rank's chunk over ``axis``; the backward keeps this rank's chunk."""
     return x if grid.size(axis) == 1 else _GatherFeatures.apply(x, axis, grid)
 
@@ -133,9 +133,9 @@ class ShardedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_sharded:
-            x = slice_features(x, self.inner.in_axis, self.grid)  # (..., in) → (..., in/G_in)
+            x = _slice_features(x, self.inner.in_axis, self.grid)  # (..., in) → (..., in/G_in)
         y = self.inner(x)  # (..., out/G_out)
-        return y if self.output_sharded else gather_features(y, self.inner.out_axis, self.grid)
+        return y if self.output_sharded else _gather_features(y, self.inner.out_axis, self.grid)
 
     @torch.no_grad()
     def to_dense(self, grads: bool = False) -> nn.Module:
@@ -204,9 +204,9 @@ def _slice_hidden_states_hook(grid: Grid) -> Callable[..., Any]:
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:
-            args = (slice_features(args[0], "x", grid), *args[1:])
+            args = (_slice_features(args[0], "x", grid), *args[1:])
         else:
-            kwargs = dict(kwargs, hidden_states=slice_features(kwargs["hidden_states"], "x", grid))
+            kwargs = dict(kwargs, hidden_states=_slice_features(kwargs["hidden_states"], "x", grid))
         return args, kwargs
 
     return _marked(hook)
@@ -334,7 +334,7 @@ def _sharded_edges(plan: _BlockPlan, grid: Grid, emb_name: str, emb: nn.Embeddin
         return inner.load_dense_(e.weight.detach())
 
     def gather_input(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return (gather_features(args[0], "x", grid), *args[1:]), kwargs
+        return (_gather_features(args[0], "x", grid), *args[1:]), kwargs
 
     tied = head.weight is emb.weight
     plain = emb.padding_idx is None and emb.max_norm is None and not emb.sparse and not emb.scale_grad_by_freq
@@ -350,7 +350,7 @@ def _sharded_edges(plan: _BlockPlan, grid: Grid, emb_name: str, emb: nn.Embeddin
 
 def _slice_output_hook(grid: Grid) -> Hook:
     """A forward hook slicing a module's output features over x."""
-    return _marked(lambda mod, args, out: slice_features(out, "x", grid))
+    return _marked(lambda mod, args, out: _slice_features(out, "x", grid))
 
 
 _MID = _Spec(input_sharded=True, output_sharded=True)  # normal: x-split in, y-split out
