@@ -8,6 +8,7 @@ Start with ``axon4d.init(grid=(x, y, z, data))``, replace ``torch.nn.Linear`` wi
 from axon4d.grid import Grid, GridShape, factorizations
 from axon4d.layout import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input
 from axon4d.nn import Linear
+from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.runtime import get_grid, init, shutdown
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "Grid",
     "GridShape",
     "Linear",
+    "auto_parallelize",
     "factorizations",
     "gather_batch",
     "gather_features",
@@ -26,4 +28,5 @@ __all__ = [
     "shard_features",
     "shard_input",
     "shutdown",
+    "to_dense",
 ]

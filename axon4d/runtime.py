@@ -9,6 +9,7 @@ an explicit ``grid=``.
 from __future__ import annotations
 
 import atexit
+import gc
 from typing import Sequence
 
 import torch
@@ -104,6 +105,10 @@ def shutdown() -> None:
     if dist.is_initialized():
         grid.comm.barrier()  # a rank leaving early can abort the others (DESIGN.md §7)
     grid.destroy()
+    # the grid, its communicator and the layers refer to each other: collect the cycle now so the
+    # destroyed groups' threads and sockets go away at shutdown, not at some later collection
+    del grid
+    gc.collect()
     if _state["owns_world"] and dist.is_initialized():
         dist.destroy_process_group()
         _state["owns_world"] = False

@@ -1,6 +1,8 @@
 """Protects the grid (DESIGN.md §1): E1 coordinates, the groups of each axis, and validation that
 fails early with a useful message on every rank instead of hanging."""
 
+import os
+
 import pytest
 import torch.distributed as dist
 
@@ -104,3 +106,21 @@ def test_init_twice_is_an_error_that_names_the_grid(pools):
 def test_get_grid_without_init_says_what_to_do():
     with pytest.raises(RuntimeError, match="call axon4d.init"):
         axon4d.get_grid()
+
+
+def _threads():
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def _noop(grid):
+    return grid.rank
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_shutdown_releases_the_groups_threads(pools):
+    pool = pools(4)
+    pool.run((2, 1, 2, 1), _noop)
+    before = pool.run(None, _threads)
+    for _ in range(4):
+        pool.run((2, 1, 2, 1), _noop)
+    assert pool.run(None, _threads) == before  # gloo threads of destroyed groups do not pile up
