@@ -47,10 +47,14 @@ class MPIPools:
         return MPI.COMM_WORLD.allgather(result)
 
 
+def _name(grid):
+    return "(" + "x".join(str(s) for s in grid) + ")"  # no spaces: names are the second word of a line
+
+
 TESTS = [
     ("comm.collectives", test_comm.test_collectives_return_correct_data_and_are_logged, {}),
     *[
-        (f"comm.bytes{g}.{d}", test_comm.test_linear_moves_exactly_the_bytes_of_e8_to_e13, {"grid": g, "dtype_name": d})
+        (f"comm.bytes{_name(g)}.{d}", test_comm.test_linear_moves_exactly_the_bytes_of_e8_to_e13, {"grid": g, "dtype_name": d})
         for g in [(2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 8, 1)]
         for d in ["float32", "bfloat16"]
     ],
@@ -58,7 +62,7 @@ TESTS = [
     ("linear.bf16", test_linear.test_bf16_matches_within_documented_tolerance, {"grid": (2, 2, 2, 1)}),
     ("linear.padded", test_linear.test_weight_blocks_that_do_not_split_over_z_are_padded, {"grid": (1, 1, 4, 2)}),
     *[
-        (f"overlap.equivalence{g}", test_overlap.test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_off, {"grid": g})
+        (f"overlap.equivalence{_name(g)}", test_overlap.test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_off, {"grid": g})
         for g in [(2, 2, 2, 1), (2, 1, 2, 2)]
     ],
     ("overlap.prefetch", test_overlap.test_oag_prefetches_the_next_layers_weight_from_the_second_step_on, {}),
