@@ -5,6 +5,7 @@ Start with ``axon4d.init(grid=(x, y, z, data))``, replace ``torch.nn.Linear`` wi
 ``gather_output``. DESIGN.md explains the algorithm; docs/ the user guide.
 """
 
+from axon4d import overlap, stepstats, trace  # noqa: F401  (public modules)
 from axon4d.grid import Grid, GridShape, factorizations
 from axon4d.layout import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input
 from axon4d.nn import Linear
@@ -24,9 +25,12 @@ __all__ = [
     "gather_output",
     "get_grid",
     "init",
+    "overlap",
     "shard_batch",
     "shard_features",
     "shard_input",
     "shutdown",
+    "stepstats",
     "to_dense",
+    "trace",
 ]
