@@ -40,7 +40,9 @@ class TrainConfig:
     """Everything a training run needs; each field is a command-line flag."""
 
     grid: str = "1,1,1,-1"
-    """Grid sizes x,y,z,data (one may be -1: the rest)."""
+    """Grid sizes x,y,z,data (one may be -1: the rest), or auto (the planner chooses)."""
+    machine: str = ""
+    """With --grid auto: the planner's machine (a shipped name such as perlmutter, or a file from axon4d calibrate)."""
     model: str = "small"
     """Model size from the table: tiny, small, 5B, 10B, 20B, 40B, 80B, 320B, 640B."""
     arch: str = "llama"
@@ -203,7 +205,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the training job described by ``cfg`` on the grid; return the run summary (all ranks)."""
     Precision.parse(cfg.precision)  # a bad name fails here, on every rank, before any communication
     mcfg = cfg.model_config()
-    grid = axon4d.init(grid=tuple(int(s) for s in cfg.grid.split(",")), seed=cfg.seed, precision=cfg.precision)
+    grid_spec = "auto" if cfg.grid == "auto" else tuple(int(s) for s in cfg.grid.split(","))
+    grid = axon4d.init(grid=grid_spec, seed=cfg.seed, precision=cfg.precision,
+                       plan={"model": mcfg, "batch": cfg.batch_size, "machine": cfg.machine or None,
+                             "dtype": "float32" if cfg.precision == "fp32" else "bfloat16"})
     try:
         return _train_on(grid, cfg, mcfg)
     finally:

@@ -143,10 +143,17 @@ class Pools:
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
 
-    def __call__(self, world: int) -> RankPool:
+    def __call__(self, world: int, attempts: int = 3) -> RankPool:
         pool = self._pools.get(world)
         if pool is None or not pool.alive:
-            pool = self._pools[world] = RankPool(world)
+            for attempt in range(attempts):  # the free port can be taken before rank 0 binds it
+                try:
+                    pool = self._pools[world] = RankPool(world)
+                    break
+                except RankFailure:
+                    if attempt == attempts - 1:
+                        raise
+        assert pool is not None
         return pool
 
     def close(self) -> None:
