@@ -37,7 +37,11 @@ def _placements(layout: ParamLayout) -> list:
 
 def _to_dtensors(prefix: str, piece: torch.Tensor, layout: ParamLayout, grid: Grid) -> dict[str, DTensor]:
     """DTensors (one per segment) for this rank's stored ``piece`` of a parameter-shaped tensor."""
-    block = layout.to_block(piece, grid).contiguous()
+    return _block_dtensors(prefix, layout.to_block(piece, grid).contiguous(), layout, grid)
+
+
+def _block_dtensors(prefix: str, block: torch.Tensor, layout: ParamLayout, grid: Grid) -> dict[str, DTensor]:
+    """DTensors (one per segment) describing this rank's (x, y) ``block`` of the global tensor."""
     out = {}
     for seg, rows, shape, _ in layout.segment_views(block, grid):
         key = f"{prefix}.{seg}" if seg else prefix
@@ -58,7 +62,7 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _empty_dtensors(prefix: str, layout: ParamLayout, like: torch.Tensor, grid: Grid) -> dict[str, DTensor]:
     """Zero DTensors with this grid's description of the tensor, for DCP to load into."""
     block = torch.zeros(layout.block_shape(grid), dtype=like.dtype, device=like.device)
-    return _to_dtensors(prefix, layout.from_block(block, grid), layout, grid)
+    return _block_dtensors(prefix, block, layout, grid)
 
 
 def _from_dtensors(prefix: str, loaded: dict[str, Any], layout: ParamLayout, grid: Grid) -> torch.Tensor:

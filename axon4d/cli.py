@@ -26,9 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        parser.print_help() if not argv or argv[0] in ("-h", "--help") else parser.parse_args(argv[:1])
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    parser.parse_args(argv[:1])  # an unknown subcommand exits here with argparse's message (status 2)
     module = importlib.import_module(COMMANDS[argv[0]][0])
     sub_parser = argparse.ArgumentParser(prog=f"axon4d {argv[0]}", description=module.__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)

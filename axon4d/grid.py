@@ -216,4 +216,4 @@ class Grid:
                 continue
             seen.add(id(group))
             dist.destroy_process_group(group)
-        self.groups = {}
+        self.groups.clear()  # the backend holds this same dict: empty it so the groups can be freed

@@ -13,9 +13,9 @@ import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from axon4d import volume
 from axon4d.grid import AXES, Grid
 
 
@@ -84,10 +84,7 @@ class ParamLayout:
         """This rank's stored piece of an (x, y) block (its flat z-shard, zero-padded)."""
         if not self.z_flat:
             return block
-        flat = block.reshape(-1)
-        n = -(-flat.numel() // grid.size("z"))
-        flat = F.pad(flat, (0, n * grid.size("z") - flat.numel()))
-        return flat[grid.coord("z") * n : (grid.coord("z") + 1) * n]
+        return volume.z_shard(block.reshape(-1), grid.coord("z"), grid.size("z"))
 
 
 def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:

@@ -143,7 +143,10 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (norm weights and biases excluded)."""
+    """AdamW with weight decay on matrices and embeddings only (norm weights and biases excluded).
+
+    Decided by the parameter's *global* shape, so flat Linear shards count as matrices; for a
+    plain single-process model the global shape is the parameter's own."""
     layouts = sharding.param_layouts(model)
     decay = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) >= 2]
     other = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) < 2]
@@ -321,7 +324,7 @@ def train_single(dense: DenseTransformer, cfg: TrainConfig, mcfg: ModelConfig) -
     """The same run in one process with plain PyTorch (the reference curve)."""
     from tqdm import tqdm
 
-    opt = make_optimizer_dense(dense, cfg)
+    opt = make_optimizer(dense, cfg)
     data = make_data(cfg, mcfg)
     precision, p0 = Precision.parse(cfg.precision), next(dense.parameters())  # mixed: autocast, the usual way
     losses = []
@@ -337,13 +340,6 @@ def train_single(dense: DenseTransformer, cfg: TrainConfig, mcfg: ModelConfig) -
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     return losses
-
-
-def make_optimizer_dense(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
 def plot_curves(path: str, ours: list[float], ref: list[float], grid: str) -> str:

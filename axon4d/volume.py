@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+import torch.nn.functional as F
+
 from axon4d.comm import Op
 from axon4d.grid import GridShape
 
@@ -42,6 +45,13 @@ def weight_shard_numel(in_features: int, out_features: int, shape: GridShape, tr
     """Elements of this rank's flat Z shard: ⌈n_W / G_z⌉ with n_W = out·in/(G_x G_y) (padded)."""
     rows, cols = weight_block_shape(in_features, out_features, shape, transpose)
     return math.ceil(rows * cols / shape.z)
+
+
+def z_shard(flat_block: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    """Shard ``index`` of a flat weight block split into ``parts`` equal shards over z, the last
+    zero-padded — the storage layout E2 gathers and E5 reduce-scatters."""
+    n = math.ceil(flat_block.numel() / parts)
+    return F.pad(flat_block, (0, n * parts - flat_block.numel()))[index * n : (index + 1) * n]
 
 
 def linear_collectives(

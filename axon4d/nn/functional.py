@@ -76,7 +76,8 @@ def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
     dtype = reduce_dtype(grid.precision, param)
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        reduced = grid.comm.all_reduce(grad.to(dtype).contiguous().clone(), "batch", tag="replicated_grad").wait()
+        reduced = grid.comm.all_reduce(grad.to(dtype, memory_format=torch.contiguous_format, copy=True), "batch",
+                                       tag="replicated_grad").wait()  # one copy: the incoming grad may be shared
         return reduced.div_(g_batch).to(grad.dtype)
 
     param.register_hook(hook)

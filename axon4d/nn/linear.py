@@ -142,9 +142,7 @@ class Linear(nn.Module):
 
     def _my_shard(self, flat_block: torch.Tensor) -> torch.Tensor:
         """This rank's Z shard of a flat block (padded with zeros to G_z shards)."""
-        z, n = self.grid.coord("z"), self.shard_numel
-        padded = F.pad(flat_block, (0, n * self.grid.size("z") - flat_block.numel()))
-        return padded[z * n : (z + 1) * n]
+        return volume.z_shard(flat_block, self.grid.coord("z"), self.grid.size("z"))
 
     def weight_block(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The full (out/G_out, in/G_in) block of this (x, y) position — E2, all-gather over z."""
