@@ -43,17 +43,31 @@ PAYLOADS = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], None], budget_s: float | None = 1.0) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs after a warm-up; with ``budget_s``, fewer once the
-    runs exceed it. Collectives must pass ``budget_s=None``: every rank has to run them equally often."""
+def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], None], budget_s: float | None = 1.0,
+            window_s: float = 0.0) -> float:
+    """Median over ``reps`` samples of the seconds per call of ``fn``, after a warm-up; with
+    ``budget_s``, fewer samples once they exceed it. Collectives must pass ``budget_s=None`` and
+    ``window_s=0``: every rank has to run them equally often.
+
+    With ``window_s`` a sample is the mean over as many back-to-back calls as fill that window.
+    Where ranks share cores (more ranks than cores on one host) the scheduler runs each for a
+    time slice of a few milliseconds: a single short call is then either not preempted at all or
+    preempted for several slices, and the median of single calls measures an unshared core. A
+    window of several slices measures the share of the core a rank really gets."""
     fn()
     sync()
     times: list[float] = []
     for _ in range(reps):
+        calls = 0
         t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
+        while True:
+            fn()
+            calls += 1
+            sync()
+            elapsed = time.perf_counter() - t
+            if elapsed >= window_s:
+                break
+        times.append(elapsed / calls)
         if budget_s is not None and sum(times) > budget_s and len(times) >= 2:
             break
     return statistics.median(times)
@@ -62,8 +76,8 @@ def _timeit(fn: Callable[[], Any], reps: int, sync: Callable[[], None], budget_s
 class _Ctx:
     """What the measurements need: the grid's communicator for barriers and averaging."""
 
-    def __init__(self, grid: Any, reps: int):
-        self.grid, self.reps = grid, reps
+    def __init__(self, grid: Any, reps: int, window_s: float = 0.0):
+        self.grid, self.reps, self.window_s = grid, reps, window_s
         from axon4d import device as devices
 
         self.device = grid.device
@@ -75,8 +89,14 @@ class _Ctx:
         return float(self.grid.comm.all_reduce(t, "world").wait()) / self.grid.world_size
 
     def measure(self, fn: Callable[[], Any], budget_s: float | None = 1.0) -> float:
+        """Seconds per call of local work ``fn``, mean over ranks (windowed: see ``_timeit``)."""
         self.grid.comm.barrier()
-        return self.mean(_timeit(fn, self.reps, self.sync, budget_s))
+        return self.mean(_timeit(fn, self.reps, self.sync, budget_s, self.window_s))
+
+    def measure_collective(self, fn: Callable[[], Any]) -> float:
+        """Seconds of one collective ``fn`` that every rank runs the same number of times."""
+        self.grid.comm.barrier()
+        return self.mean(_timeit(fn, self.reps, self.sync, None))
 
 
 def _matmul_table(ctx: _Ctx, dtype: torch.dtype, form: str) -> MatmulTable:
@@ -178,7 +198,7 @@ def _comm_sweep(ctx: _Ctx, world: int, dtype: torch.dtype) -> list[CommCurve]:
                     else:
                         buf = torch.zeros(n - n % g, dtype=dtype, device=ctx.device)
                         fn = lambda: grid.comm.reduce_scatter(buf, "y").wait()  # noqa: E731
-                    secs.append(ctx.measure(fn, budget_s=None))
+                    secs.append(ctx.measure_collective(fn))
                 grid.comm.log.clear()
                 curves.append(CommCurve(op, g, s, world, list(PAYLOADS), secs))
         finally:
@@ -192,7 +212,7 @@ def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
     if ctx.grid.world_size == 1:
         return 1.0
     buf = torch.zeros((4 << 20) // 4, dtype=dtype, device=ctx.device)
-    t_ar = ctx.measure(lambda: ctx.grid.comm.all_reduce(buf, "world").wait(), budget_s=None)
+    t_ar = ctx.measure_collective(lambda: ctx.grid.comm.all_reduce(buf, "world").wait())
     a = torch.randn(512, 512, dtype=dtype, device=ctx.device)
     t_one = ctx.measure(lambda: a @ a)
     reps = max(1, int(t_ar / t_one))  # t_ar and t_one are means over ranks: every rank agrees
@@ -204,15 +224,16 @@ def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
             a @ a
         h.wait()
 
-    t_both = ctx.measure(both, budget_s=None)
+    t_both = ctx.measure_collective(both)
     hidden = t_mm + t_ar - t_both
     return float(min(max(hidden / min(t_mm, t_ar), 0.0), 1.0))
 
 
 def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], None] = print,
-                  passes: int = 1) -> dict[str, Any]:
-    """All measurements on the current world (every rank calls this); the result on every rank."""
-    ctx = _Ctx(grid, reps)
+                  passes: int = 1, window_s: float = 0.03) -> dict[str, Any]:
+    """All measurements on the current world (every rank calls this); the result on every rank.
+    ``window_s``: each sample of local work is a mean over this long (see ``_timeit``)."""
+    ctx = _Ctx(grid, reps, window_s)
     world = grid.world_size
     out: dict[str, Any] = {"world": world, "matmul": {}, "attention": {}}
     for name in dtypes:

@@ -74,7 +74,12 @@ def train_step(model: ProbeModel, opt: torch.optim.Optimizer) -> None:
 
 
 def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2, memory: bool = True) -> dict[str, Any]:
-    """Per-step seconds (the slowest rank's, each step between barriers) and this rank's peak bytes.
+    """Seconds per training step, as a training run sees them, and this rank's peak bytes.
+
+    The ``steps`` steps run back to back, as in training (no barrier between them: ranks drift
+    out of phase and one rank's computation fills another's wait, which is what sets throughput);
+    one barrier before and one after. The step time is the slowest rank's span divided by
+    ``steps``. ``steps_s`` lists each rank-0 step's own duration for the record.
 
     Peak memory is measured with torch's ``MemTracker`` over one extra step after the timed ones:
     it follows every tensor torch allocates (parameters, gradients, optimizer state, activations,
@@ -87,18 +92,17 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2, memory: boo
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     for _ in range(warmup):
         train_step(model, opt)
-    times = []
     grid.comm.log.clear()
+    grid.comm.barrier()
+    marks = [time.perf_counter()]
     for _ in range(steps):
-        grid.comm.barrier()
-        t = time.perf_counter()
         train_step(model, opt)
         devices.synchronize(grid.device)
-        times.append(time.perf_counter() - t)
+        marks.append(time.perf_counter())
     log_bytes = {a: v // steps for a, v in grid.comm.log.bytes_by_axis().items()}
     summary = grid.comm.log.summary()
-    per_rank = grid.comm.all_gather(torch.tensor(times, dtype=torch.float64), "world").wait()
-    slowest = per_rank.view(grid.world_size, steps).max(dim=0).values.tolist()
+    spans = grid.comm.all_gather(torch.tensor([marks[-1] - marks[0]], dtype=torch.float64), "world").wait()
+    own = [b - a for a, b in zip(marks, marks[1:])]
     peak = None
     if memory:
         from torch.distributed._tools.mem_tracker import MemTracker
@@ -110,5 +114,5 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2, memory: boo
             train_step(model, opt)
         peak = int(tracker.get_tracker_snapshot("peak")[grid.device]["Total"])
     grid.comm.log.clear()
-    return {"step_s": statistics.median(slowest), "steps_s": slowest, "bytes_by_axis": log_bytes,
+    return {"step_s": float(spans.max()) / steps, "steps_s": own, "bytes_by_axis": log_bytes,
             "comm_s": summary["comm_s"] / steps, "blocked_s": summary["blocked_s"] / steps, "peak_bytes": peak}
