@@ -56,6 +56,9 @@ class OverlapPolicy:
     """Issue the dX all-reduce (E9) before the dW matmul and wait after it."""
     ors: bool = True
     """Leave the dW reduce-scatter over z (E11) running; fold it into .grad later."""
+    ors_inflight: int = 1
+    """Reduce-scatters ORS leaves running behind the layer whose backward issues the next one:
+    that many layers' backward hide each (each holds its layer's dW block until folded)."""
     odp: bool = True
     """Launch the data all-reduces (E12) and bias all-reduces (E13) asynchronously in buckets."""
     bucket_mb: float = 0.0
@@ -103,9 +106,10 @@ class OverlapPolicy:
         raise ValueError(f"overlap={spec!r}: give True/False, 'all', 'off', 'oag,oar,...', a dict or an OverlapPolicy")
 
     def __post_init__(self) -> None:
-        if self.forward_chunks < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
+        if self.forward_chunks < 1 or self.ors_inflight < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
             raise ValueError(
-                f"overlap policy {self}: forward_chunks must be >= 1 and bucket_mb, min_chunk_kb >= 0"
+                f"overlap policy {self}: forward_chunks and ors_inflight must be >= 1 and bucket_mb, "
+                f"min_chunk_kb >= 0"
             )
 
     def chunk_count(self, tokens: int, row_bytes: int) -> int:
@@ -217,7 +221,9 @@ class Scheduler:
         if not (self.policy.ors or self.policy.odp):
             shard = rs.wait()
             return self.comm.all_reduce(shard, "data", tag="bwd.E12").wait().mul_(scale).to(param.dtype)
-        self._advance()  # fold reduce-scatters issued by layers that ran before this one
+        # fold the reduce-scatters of layers that ran before this one, all but the newest
+        # ors_inflight - 1 (a count, not "whichever finished": every rank folds the same ones)
+        self._advance(keep=self.policy.ors_inflight - 1)
         self._scattering.append(_PendingGrad(param, rs, "rs", scale))
         if not self.policy.ors:
             self._advance()
@@ -232,10 +238,11 @@ class Scheduler:
         self._reducing.append(([(param, db, scale)], handle, None))
         return None
 
-    def _advance(self) -> None:
-        """Fold every finished-or-due reduce-scatter into the ODP bucket (in issue order, the same
-        on every rank), launching the bucket's all-reduce over data when it is full."""
-        while self._scattering:
+    def _advance(self, keep: int = 0) -> None:
+        """Fold the due reduce-scatters — all but the newest ``keep`` — into the ODP bucket (in
+        issue order, the same on every rank), launching the bucket's all-reduce over data when it
+        is full."""
+        while len(self._scattering) > keep:
             pending = self._scattering.pop(0)
             shard = pending.handle.wait()
             self._bucket.append((pending.param, shard, pending.scale))

@@ -35,6 +35,10 @@ PREFIX = "ax4"
 SUBNET = "10.213.0"
 SWITCH = f"{PREFIX}-sw"
 LOCK = "/tmp/axon4d_cluster.lock"
+#: MTU of every emulated link. The kernel's work per packet (bridge, veth, tc, TCP) runs on the
+#: cores the ranks compute on; large frames cut it ~an order of magnitude, so the emulation
+#: itself takes little CPU from the ranks. The cap being emulated is the link *rate*.
+MTU = 65000
 SWITCH_QUEUE = "500ms"  # tbf queue of switch ports (see _tbf)
 
 
@@ -81,22 +85,24 @@ def teardown() -> None:
 class Cluster:
     """``with Cluster(8, "1gbit") as c: c.run([...])`` — namespaces exist only inside the block."""
 
-    def __init__(self, ranks: int, link: str | None, nodes: int = 1, intra: str | None = None):
+    def __init__(self, ranks: int, link: str | None, nodes: int = 1, intra: str | None = None, mtu: int = MTU):
         if ranks < 1 or ranks > 250:
             raise ValueError(f"ranks = {ranks}: the emulated cluster holds 1 to 250 ranks")
         if nodes < 1 or ranks % nodes:
             raise ValueError(f"nodes = {nodes} must divide ranks = {ranks} (ranks are grouped into equal nodes)")
         if os.geteuid() != 0:
             raise RuntimeError("the emulated cluster needs root (ip netns, tc); run as root")
-        self.ranks, self.link, self.nodes, self.intra = ranks, link, nodes, intra
+        if not 1280 <= mtu <= 65535:
+            raise ValueError(f"mtu = {mtu}: veth MTUs range from 1280 to 65535 bytes")
+        self.ranks, self.link, self.nodes, self.intra, self.mtu = ranks, link, nodes, intra, mtu
         self.procs: list[subprocess.Popen] = []
         self._lock = None
 
     def describe(self) -> dict:
         if self.nodes == 1:
-            return {"ranks": self.ranks, "nodes": 1, "link": self.link or "uncapped"}
+            return {"ranks": self.ranks, "nodes": 1, "link": self.link or "uncapped", "mtu": self.mtu}
         return {"ranks": self.ranks, "nodes": self.nodes, "inter_node_link": self.link or "uncapped",
-                "intra_node_link": self.intra or "uncapped"}
+                "intra_node_link": self.intra or "uncapped", "mtu": self.mtu}
 
     def up(self) -> None:
         self._lock = open(LOCK, "w")
@@ -109,16 +115,21 @@ class Cluster:
         teardown()  # leftovers of a run that was killed hard
         _ip("netns", "add", SWITCH)
         _sw("link", "set", "lo", "up")
+        # bridged frames skip netfilter (a real switch does not run the host's firewall on them)
+        for table in ("iptables", "ip6tables", "arptables"):
+            subprocess.run(["ip", "netns", "exec", SWITCH, "sysctl", "-qw", f"net.bridge.bridge-nf-call-{table}=0"],
+                           capture_output=True)
         per_node = self.ranks // self.nodes
         rank_rate = self.link if self.nodes == 1 else self.intra
         for n in range(self.nodes):
-            _sw("link", "add", f"br{n}", "type", "bridge")
+            _sw("link", "add", f"br{n}", "mtu", str(self.mtu), "type", "bridge")
             _sw("link", "set", f"br{n}", "up")
         if self.nodes > 1:
-            _sw("link", "add", "core", "type", "bridge")
+            _sw("link", "add", "core", "mtu", str(self.mtu), "type", "bridge")
             _sw("link", "set", "core", "up")
             for n in range(self.nodes):  # node uplink: u<n>a in the node bridge, u<n>b in the core
-                _sw("link", "add", f"u{n}a", "type", "veth", "peer", "name", f"u{n}b")
+                _sw("link", "add", f"u{n}a", "mtu", str(self.mtu), "type", "veth", "peer", "name", f"u{n}b",
+                    "mtu", str(self.mtu))
                 _sw("link", "set", f"u{n}a", "master", f"br{n}", "up")
                 _sw("link", "set", f"u{n}b", "master", "core", "up")
                 _tbf(SWITCH, f"u{n}a", self.link, SWITCH_QUEUE)
@@ -127,7 +138,8 @@ class Cluster:
             ns = rank_ns(r)
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{r}", "netns", SWITCH)
+            _ip("-n", ns, "link", "add", "eth0", "mtu", str(self.mtu), "type", "veth", "peer", "name", f"p{r}",
+                "mtu", str(self.mtu), "netns", SWITCH)
             _ip("-n", ns, "addr", "add", f"{address(r)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _sw("link", "set", f"p{r}", "master", f"br{r // per_node}", "up")
@@ -206,6 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="1gbit", help="rank link rate (one level) or inter-node uplink rate; 'none' = uncapped")
     p.add_argument("--nodes", type=int, default=1, help="group ranks into this many nodes (two levels)")
     p.add_argument("--intra", default="none", help="rank link rate inside a node when --nodes > 1")
+    p.add_argument("--mtu", type=int, default=MTU, help="MTU of every emulated link (bytes)")
 
 
 def _rate(s: str) -> str | None:
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "status":
         print("\n".join(existing()) or "no emulated cluster")
         return 0
-    cluster = Cluster(args.ranks, _rate(args.link), args.nodes, _rate(args.intra))
+    cluster = Cluster(args.ranks, _rate(args.link), args.nodes, _rate(args.intra), args.mtu)
     if args.action == "up":
         cluster.up()
         print(f"up: {cluster.describe()}; remove with: python bench/cluster.py down")

@@ -36,10 +36,24 @@ CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
 
 
 # -- the worker: runs on every rank ---------------------------------------------------------------
-def _policy(name: str):
+def _policy(name: str, knobs: str = ""):
+    """The policy of configuration ``name``; ``knobs`` ("ors_inflight=2,bucket_mb=4") tune every
+    configuration but "off"."""
+    import dataclasses
+
     from axon4d.overlap import OverlapPolicy
 
-    return {"off": OverlapPolicy.off(), "all": OverlapPolicy()}.get(name) or OverlapPolicy.only(name)
+    if name == "off":
+        return OverlapPolicy.off()
+    policy = OverlapPolicy() if name == "all" else OverlapPolicy.only(name)
+    fields = {f.name: f.type for f in dataclasses.fields(OverlapPolicy)}
+    values = {}
+    for item in filter(None, knobs.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields or key in ("oag", "oar", "ors", "odp"):
+            raise SystemExit(f"--knobs {knobs}: {key!r} is not a knob of OverlapPolicy")
+        values[key] = type(getattr(policy, key))(value) if not isinstance(getattr(policy, key), bool) else value == "1"
+    return dataclasses.replace(policy, **values)
 
 
 def _model(hidden: int, layers: int):
@@ -87,38 +101,50 @@ def worker(args: argparse.Namespace) -> None:
                 p -= 1e-3 * p.grad
                 p.grad = None
 
-    def timed(n: int) -> stepstats.StepReport:
+    def host_busy() -> tuple[float, float]:  # (busy, total) jiffies of the host's CPUs
+        with open("/proc/stat") as f:
+            v = [float(x) for x in f.readline().split()[1:]]
+        return sum(v) - v[3] - v[4], sum(v)
+
+    def timed(n: int) -> tuple[stepstats.StepReport, float, float]:
+        """The step's report, this process's CPU seconds in it, and the host's busy share."""
         grid.comm.barrier()
+        cpu0, (busy0, tot0) = os.times(), host_busy()
         with stepstats.step(grid, n) as rep:
             step()
-        return rep
+        cpu1, (busy1, tot1) = os.times(), host_busy()
+        cpu = cpu1.user + cpu1.system - cpu0.user - cpu0.system
+        return rep, cpu, (busy1 - busy0) / max(tot1 - tot0, 1.0)
 
     def gather(values: list[float]) -> list[list[float]]:  # every rank's values, rank order
         t = torch.tensor(values, dtype=torch.float64)
         return grid.comm.all_gather(t.view(1, -1), "world").wait().tolist()
 
-    sched.configure(_policy("all"))
+    sched.configure(_policy("all", args.knobs))
     step()  # warm up allocations and the OAG order
-    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    configs = args.configs.split(",")
+    results: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.reps):
-        for name in CONFIGS:
-            sched.configure(_policy(name))
+        for name in configs:
+            sched.configure(_policy(name, args.knobs))
             step()
             for s in range(args.steps):
-                r = timed(s)
-                per_rank = gather([r.wall_s, r.comm_s, r.blocked_s, r.compute_s])
+                r, cpu, busy = timed(s)
+                per_rank = gather([r.wall_s, r.comm_s, r.blocked_s, r.compute_s, cpu, busy])
                 results[name].append({
                     "rep": rep, "step_s": max(p[0] for p in per_rank),
                     "comm_s": statistics.mean(p[1] for p in per_rank),
                     "blocked_s": statistics.mean(p[2] for p in per_rank),
                     "compute_s": statistics.mean(p[3] for p in per_rank),
+                    "cpu_s_all_ranks": sum(p[4] for p in per_rank),  # CPU seconds the ranks used
+                    "host_busy": per_rank[0][5],  # share of the host's cores busy during the step
                     "bytes_by_axis": r.bytes_by_axis,
                 })
                 if grid.rank == 0:
                     print(f"rep {rep} {name:6s} {r.line()}", flush=True)
     if args.trace:
         for name in ("off", "all"):
-            sched.configure(_policy(name))
+            sched.configure(_policy(name, args.knobs))
             step()
             grid.comm.barrier()
             t0 = time.perf_counter()
@@ -141,7 +167,8 @@ def _free_port() -> int:
 def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--comm", comm,
            "--grid", args.grid, "--hidden", str(args.hidden), "--layers", str(args.layers),
-           "--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps), "--steps", str(args.steps)]
+           "--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps), "--steps", str(args.steps),
+           "--configs", args.configs, "--knobs", args.knobs]
     cmd += ["--nice-compute", str(args.nice_compute)]
     return cmd + (["--trace", args.trace] if args.trace else [])
 
@@ -197,6 +224,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                      "comm_s": statistics.median(r["comm_s"] for r in rows),
                      "blocked_s": statistics.median(r["blocked_s"] for r in rows),
                      "compute_s": statistics.median(r["compute_s"] for r in rows),
+                     "cpu_s_all_ranks": statistics.median(r.get("cpu_s_all_ranks", 0.0) for r in rows),
+                     "host_busy": statistics.median(r.get("host_busy", 0.0) for r in rows),
                      "steps_s": [r["step_s"] for r in rows]}
     return out
 
@@ -212,9 +241,12 @@ def main() -> int:
     p.add_argument("--grid", default="2,2,2,1", help="x,y,z,data")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--knobs", default="", help="policy knobs for every configuration but off, e.g. ors_inflight=2")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated configurations to run, 'off' and 'all' among them (default: {','.join(CONFIGS)})")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--nice-compute", type=int, default=10,
                    help="nice value of each rank's compute thread (0: off). Its communication threads keep "
@@ -228,6 +260,9 @@ def main() -> int:
     p.add_argument("--comm", default="torch", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown or not {"off", "all"} <= set(args.configs.split(",")):
+        p.error(f"--configs {args.configs}: choose from {','.join(CONFIGS)}, including off and all")
     if args.worker:
         worker(args)
         return 0
@@ -242,16 +277,17 @@ def main() -> int:
         raw = json.load(f)
     os.remove(out)
     summary = summarize(raw["runs"])
-    setting = {**where, "nice_compute": args.nice_compute, "grid": raw["grid"], "comm": raw["comm"], "hidden": args.hidden, "layers": args.layers,
+    setting = {**where, "knobs": args.knobs, "nice_compute": args.nice_compute, "grid": raw["grid"], "comm": raw["comm"], "hidden": args.hidden, "layers": args.layers,
                "tokens": args.batch * args.seq, "reps": args.reps, "steps_per_rep": args.steps,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"\n{setting}")
     print(f"{'config':8s} {'median step':>12s} {'/off':>6s} {'paired':>6s} {'hidden':>7s} {'comm':>9s} "
-          f"{'blocked':>9s} {'compute':>9s}")
+          f"{'blocked':>9s} {'compute':>9s} {'CPU s':>7s} {'busy':>5s}")
     for name, s in summary.items():
         print(f"{name:8s} {s['median_step_s'] * 1e3:10.1f}ms {s['ratio_to_off']:6.3f} {s['paired_ratio_to_off']:6.3f} "
               f"{s['hidden_pct']:6.1f}% "
-              f"{s['comm_s'] * 1e3:7.1f}ms {s['blocked_s'] * 1e3:7.1f}ms {s['compute_s'] * 1e3:7.1f}ms")
+              f"{s['comm_s'] * 1e3:7.1f}ms {s['blocked_s'] * 1e3:7.1f}ms {s['compute_s'] * 1e3:7.1f}ms "
+              f"{s['cpu_s_all_ranks']:7.2f} {100 * s['host_busy']:4.0f}%")
     record = {"setting": setting, "summary": summary, "runs": raw["runs"]}
     if args.trace:
         sys.path.insert(0, ROOT)

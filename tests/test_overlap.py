@@ -26,14 +26,16 @@ POLICIES = {
     "oag_keep": OverlapPolicy.only("oag", oag_keep=True),
     "oar": OverlapPolicy.only("oar"),
     "ors": OverlapPolicy.only("ors"),
+    "ors_deep": OverlapPolicy.only("ors", ors_inflight=3),  # three reduce-scatters left in flight
     "odp": OverlapPolicy.only("odp"),
     "odp_bucket": OverlapPolicy.only("odp", bucket_mb=1.0),
     "chunks": OverlapPolicy.only("chunks", **CHUNKED),
     "all": OverlapPolicy(**CHUNKED),
     "all_keep_bucket": OverlapPolicy(oag_keep=True, bucket_mb=1.0, **CHUNKED),
+    "all_deep_bucket": OverlapPolicy(ors_inflight=2, bucket_mb=1.0, **CHUNKED),
 }
 # the only policies that change the order of a floating-point reduction
-REORDERING = {"chunks", "all", "all_keep_bucket", "odp_bucket"}
+REORDERING = {"chunks", "all", "all_keep_bucket", "all_deep_bucket", "odp_bucket"}
 
 
 def _train(grid, policy, steps=3, input_grad=True):
@@ -142,8 +144,10 @@ def test_policy_parsing_and_errors():
         OverlapPolicy.parse("oag,bogus")
     with pytest.raises(ValueError, match="unknown overlap options"):
         OverlapPolicy.parse({"bucket": 3})
-    with pytest.raises(ValueError, match="forward_chunks must be >= 1"):
+    with pytest.raises(ValueError, match="forward_chunks and ors_inflight must be >= 1"):
         OverlapPolicy(forward_chunks=0)
+    with pytest.raises(ValueError, match="forward_chunks and ors_inflight must be >= 1"):
+        OverlapPolicy(ors_inflight=0)
     # chunking: never below min_chunk_kb, never more chunks than rows
     assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096) == 4
     assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40) == 1

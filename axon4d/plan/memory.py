@@ -140,7 +140,8 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         prev = order[i - 1] if i > 1 else ("qkv" if i == 1 else "")
         extra = block_bytes(nxt) if overlap.oag and shape.z > 1 and not overlap.oag_keep else 0.0
         if (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1):
-            extra += block_bytes(prev)
+            # ORS leaves ors_inflight reduce-scatters running (counted at the previous layer's size)
+            extra += block_bytes(prev) * (overlap.ors_inflight if overlap.ors and shape.z > 1 else 1)
         return extra
 
     def linear_bwd(name: str, dx_elems: float) -> float:
