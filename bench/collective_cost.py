@@ -90,7 +90,8 @@ def main() -> int:
             code = cluster.run(cmd, env={"PYTHONPATH": ROOT})
         where = {"where": "emulated cluster", **cluster.describe()}
     else:
-        code = subprocess.run(["torchrun", "--nproc-per-node", "8", *cmd[1:]], env=env).returncode
+        code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", *cmd[1:]],
+                              env=env).returncode
         where = {"where": "loopback"}
     if code != 0:
         raise SystemExit(f"a rank failed (exit {code}); see the output above")

@@ -38,21 +38,21 @@ CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
 # -- the worker: runs on every rank ---------------------------------------------------------------
 def _policy(name: str, knobs: str = ""):
     """The policy of configuration ``name``; ``knobs`` ("ors_inflight=2,bucket_mb=4") tune every
-    configuration but "off"."""
+    configuration but "off" (the mechanisms themselves are chosen by ``name``)."""
     import dataclasses
 
-    from axon4d.overlap import OverlapPolicy
+    from axon4d.overlap import MECHANISMS, OverlapPolicy
 
     if name == "off":
         return OverlapPolicy.off()
     policy = OverlapPolicy() if name == "all" else OverlapPolicy.only(name)
-    fields = {f.name: f.type for f in dataclasses.fields(OverlapPolicy)}
     values = {}
     for item in filter(None, knobs.split(",")):
         key, _, value = item.partition("=")
-        if key not in fields or key in ("oag", "oar", "ors", "odp"):
+        if key in MECHANISMS or not hasattr(policy, key):
             raise SystemExit(f"--knobs {knobs}: {key!r} is not a knob of OverlapPolicy")
-        values[key] = type(getattr(policy, key))(value) if not isinstance(getattr(policy, key), bool) else value == "1"
+        default = getattr(policy, key)
+        values[key] = value == "1" if isinstance(default, bool) else type(default)(value)
     return dataclasses.replace(policy, **values)
 
 

@@ -11,7 +11,6 @@ peak of torch allocations per rank.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -79,7 +78,7 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2, memory: boo
     The ``steps`` steps run back to back, as in training (no barrier between them: ranks drift
     out of phase and one rank's computation fills another's wait, which is what sets throughput);
     one barrier before and one after. The step time is the slowest rank's span divided by
-    ``steps``. ``steps_s`` lists each rank-0 step's own duration for the record.
+    ``steps``. ``steps_s`` lists this rank's own duration of each step, for the record.
 
     Peak memory is measured with torch's ``MemTracker`` over one extra step after the timed ones:
     it follows every tensor torch allocates (parameters, gradients, optimizer state, activations,
