@@ -1,4 +1,5 @@
-"""The communication layer: the only module in axon4d that calls collectives.
+"""The communication layer: the only module in axon4d that calls collectives (its MPI transport
+lives in ``axon4d.mpi``).
 
 Every collective goes through a ``Communicator`` bound to a grid. It is issued asynchronously and
 returns a ``Handle``; ``Handle.wait()`` blocks until the result is ready and returns it. Each call
@@ -9,8 +10,8 @@ DESIGN.md §3, so the log can be checked term by term against E8–E13 (``axon4d
 Collectives on an axis of size 1 are not issued and not recorded: they move nothing.
 
 The transport sits behind ``Backend``: ``TorchBackend`` uses torch.distributed process groups
-(gloo on CPU, NCCL on GPU); ``MPIBackend`` uses mpi4py's non-blocking collectives on per-axis
-sub-communicators. A backend only moves bytes; logging, reshaping and handles live here.
+(gloo on CPU, NCCL on GPU); ``MPIBackend`` (``axon4d.mpi``) uses mpi4py's non-blocking collectives on
+per-axis sub-communicators. A backend only moves bytes; logging, reshaping and handles live here.
 """
 
 from __future__ import annotations
@@ -171,200 +172,6 @@ class TorchBackend:
         pass
 
 
-class _MPIWork:
-    """An MPI request plus what to copy back when it completes (for staged or upcast buffers)."""
-
-    def __init__(self, backend: "MPIBackend", request: Any, finish: Callable[[], None] | None):
-        self.backend, self.request, self.finish = backend, request, finish
-        self.done = False
-        self.on_done: Callable[[], None] | None = None
-
-    def test(self) -> bool:
-        """Progress MPI once; True when this request has completed (callers hold the backend lock)."""
-        if not self.done and self.request.Test():
-            self.done = True
-            if self.on_done is not None:
-                self.on_done()
-        return self.done
-
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` when the request completes (at once if it already has)."""
-        with self.backend.lock:
-            self.on_done = fn
-            if self.done:
-                fn()
-
-    def wait(self) -> None:
-        polls = 0
-        while True:  # poll Test under the lock so a progress thread never races for the request
-            with self.backend.lock:
-                if self.test():
-                    break
-            polls += 1  # ranks may share cores: yield, then back off so the peers we wait for run
-            if polls < 20:
-                os.sched_yield()
-            else:
-                time.sleep(min(1e-3, 2e-5 * (polls - 19)))
-        if self.finish is not None:
-            self.finish()
-            self.finish = None
-
-    def is_completed(self) -> bool:
-        with self.backend.lock:
-            return self.test()
-
-
-def mpi_cuda_aware() -> bool:
-    """True when the MPI library can read device memory (CUDA-aware MPI).
-
-    Asks mpi4py when it can tell (``MPI.Query_cuda_support`` in newer mpi4py), else trusts
-    ``AXON4D_MPI_CUDA_AWARE=1``. Without it, device tensors are staged through host memory."""
-    from mpi4py import MPI
-
-    query = getattr(MPI, "Query_cuda_support", None)
-    if query is not None:
-        return bool(query())
-    return os.environ.get("AXON4D_MPI_CUDA_AWARE", "0") == "1"
-
-
-class MPIBackend:
-    """Non-blocking MPI collectives (mpi4py Iallreduce / Iallgather / Ireduce_scatter_block) on
-    per-axis sub-communicators that mirror the grid (split of COMM_WORLD keyed by E1 coordinates).
-
-    Host tensors are passed zero-copy (numpy views of the same memory). bf16/fp16 reductions run in
-    fp32 (MPI has no 16-bit float sum) and are copied back on completion. Device tensors go to MPI
-    directly when it is CUDA-aware (mpi4py reads ``__cuda_array_interface__``/DLPack; the stream
-    is synchronised first) and are staged through host memory otherwise.
-
-    Progress: ``progress="thread"`` (default) runs a Python thread that tests outstanding requests
-    every ``poll_us`` microseconds, so collectives advance while matmuls (which release the GIL)
-    run; ``"mpich"`` relies on MPICH's own progress thread (``MPIR_CVAR_ASYNC_PROGRESS=1`` in the
-    environment before MPI starts); ``"none"`` progresses only inside ``wait()``.
-    """
-
-    name = "mpi"
-
-    def __init__(self, grid: "Grid", progress: str | None = None, poll_us: float = 200.0):
-        from mpi4py import MPI
-
-        world = MPI.COMM_WORLD
-        if world.Get_size() != grid.world_size or world.Get_rank() != grid.rank:
-            raise ValueError(
-                f"the MPI backend needs MPI's world to be the grid's: MPI rank {world.Get_rank()} of "
-                f"{world.Get_size()}, grid rank {grid.rank} of {grid.world_size}; launch with "
-                f"mpiexec -n {grid.world_size}, or use comm='torch'"
-            )
-        progress = progress or os.environ.get("AXON4D_MPI_PROGRESS", "thread")
-        if progress not in ("thread", "mpich", "none"):
-            raise ValueError(f"MPI progress {progress!r}: choose 'thread', 'mpich' or 'none'")
-        self.MPI, self.progress, self.poll_s = MPI, progress, poll_us * 1e-6
-        self.lock = threading.Lock()
-        c = grid.coords
-        others = {
-            "x": (c["data"], c["z"], c["y"]), "y": (c["data"], c["z"], c["x"]),
-            "z": (c["data"], c["y"], c["x"]), "data": (c["z"], c["y"], c["x"]),
-            "batch": (c["y"], c["x"]), "world": (),
-        }
-        self.comms: dict[str, Any] = {}
-        for axis, key in others.items():  # color: coordinates on the other axes; key: own index
-            color = 0
-            for k, size in zip(key, _other_sizes(grid, axis)):
-                color = color * size + k
-            self.comms[axis] = world.Split(color, c[axis])
-        self._pending: list[_MPIWork] = []
-        self._wake = threading.Event()
-        self._stop = False
-        self._cuda_aware: bool | None = None
-        self._thread = None
-        if progress == "thread":
-            self._thread = threading.Thread(target=self._poll, name="axon4d-mpi-progress", daemon=True)
-            self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._stop:
-            self._wake.wait()
-            with self.lock:
-                self._pending = [w for w in self._pending if not w.test()]
-                if not self._pending:
-                    self._wake.clear()
-            time.sleep(self.poll_s)
-
-    def _buffer(self, t: torch.Tensor, writes: bool) -> tuple[Any, Callable[[], None] | None]:
-        """(what MPI reads/writes for ``t``, copy-back to run after completion or None)."""
-        if t.device.type == "cpu":
-            return t.detach().numpy(), None
-        if self._cuda_aware is None:
-            self._cuda_aware = mpi_cuda_aware()
-        if self._cuda_aware:
-            from axon4d import device as devices
-
-            devices.synchronize(t.device)
-            return t.detach(), None
-        host = t.detach().cpu()
-        return host.numpy(), ((lambda: t.copy_(host)) if writes else None)
-
-    def _start(self, request: Any, finish: list[Callable[[], None] | None]) -> _MPIWork:
-        steps = [f for f in finish if f is not None]
-
-        def run_steps() -> None:
-            for step in steps:  # staged copy-back first, then the fp32 → 16-bit copy
-                step()
-
-        work = _MPIWork(self, request, run_steps if steps else None)
-        if self._thread is not None:
-            with self.lock:
-                self._pending.append(work)
-            self._wake.set()
-        return work
-
-    def _reducible(self, t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """``t`` itself, or an fp32 copy for 16-bit floats with a copy-back into ``t``."""
-        if t.dtype in (torch.bfloat16, torch.float16):
-            wide = t.float()
-            return wide, (lambda: t.copy_(wide))
-        return t, None
-
-    def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
-        wide, back = self._reducible(tensor)
-        buf, staged = self._buffer(wide, writes=True)
-        req = self.comms[axis].Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return self._start(req, [staged, back])
-
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
-        send, _ = self._buffer(inp.view(torch.uint8), writes=False)  # bytes: any dtype gathers as is
-        recv, staged = self._buffer(out.view(torch.uint8), writes=True)
-        return self._start(self.comms[axis].Iallgather(send, recv), [staged])
-
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
-        wide_in, _ = self._reducible(inp)
-        wide_out, back = self._reducible(out)
-        send, _ = self._buffer(wide_in, writes=False)
-        recv, staged = self._buffer(wide_out, writes=True)
-        req = self.comms[axis].Ireduce_scatter_block(send, recv, op=self.MPI.SUM)
-        return self._start(req, [staged, back])
-
-    def barrier(self) -> None:
-        self.comms["world"].Barrier()
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        for c in self.comms.values():
-            c.Free()
-        self.comms = {}
-
-
-def _other_sizes(grid: "Grid", axis: str) -> tuple[int, ...]:
-    """Sizes of the axes whose coordinates colour ``axis``'s sub-communicator (see MPIBackend)."""
-    s = grid.shape
-    return {
-        "x": (s.data, s.z, s.y), "y": (s.data, s.z, s.x), "z": (s.data, s.y, s.x),
-        "data": (s.z, s.y, s.x), "batch": (s.y, s.x), "world": (),
-    }[axis]
-
-
 def choose_transport(comm: str, backend: str | None, launcher: str, device: torch.device) -> tuple[str, str | None]:
     """(communication transport, torch.distributed backend) for ``axon4d.init``.
 
@@ -392,6 +199,8 @@ def make_backend(name: str, grid: "Grid") -> Backend:
     if name == "torch":
         return TorchBackend(grid.groups)
     if name == "mpi":
+        from axon4d.mpi import MPIBackend  # mpi4py is imported only when MPI is asked for
+
         return MPIBackend(grid)
     raise ValueError(f"unknown communication backend {name!r}; available: 'torch', 'mpi'")
 
@@ -442,8 +251,9 @@ def _stamp_completion(work: Work, record: CommRecord) -> None:
         if record.t_done is None or record.t_done > now:
             record.t_done = now
 
-    if isinstance(work, _MPIWork):
-        work.add_done_callback(done)
+    add_done_callback = getattr(work, "add_done_callback", None)  # the MPI transport's requests
+    if add_done_callback is not None:
+        add_done_callback(done)
         return
     get_future = getattr(work, "get_future", None)
     if get_future is None:

@@ -11,10 +11,10 @@ causal attention on the local heads, vocab-parallel head, Adam — at the shapes
 in ``--rounds`` interleaved rounds (the median over rounds is kept: the host is shared).
 
 Time: ``--steps`` steps back to back between two barriers (as training runs them), the slowest
-rank's span divided by the steps; the median over rounds. Memory: the peak of
-live torch allocations per rank over one step, from torch's MemTracker (parameters, gradients,
-optimizer state, activations, temporaries, collective buffers; not gloo's own host buffers),
-maximum over ranks. The communication log's bytes per axis are checked against the planner's.
+rank's span divided by the steps; the median over rounds. Memory, in a pass after all timing
+(see ``_memory_pass``): the peak of live torch allocations per rank over one step, from torch's
+MemTracker (parameters, gradients, optimizer state, activations, temporaries, collective buffers;
+not gloo's own host buffers), maximum over ranks. The communication log's bytes per axis are checked against the planner's.
 
 Saves bench/results/planner_accuracy.json and docs/planner_accuracy.png and ends with
 ``planner: median error = M%, worst = W%, top-1 gap = G%, memory error = E%``.
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -48,13 +49,22 @@ def workload(args: argparse.Namespace) -> Workload:
     return Workload(cfg, batch=args.batch, dtype=args.dtype, embedding=False, norms=False)
 
 
-def _run_grid(grid, wl: Workload, steps: int) -> dict:
+def _run_grid(grid, wl: Workload, steps: int, memory: bool = False) -> dict:
     import torch
 
     from axon4d.plan.probe import ProbeModel, measure_step
 
     torch.manual_seed(0)
-    return measure_step(ProbeModel(wl, grid), steps=steps)
+    return measure_step(ProbeModel(wl, grid), steps=steps, warmup=1 if memory else 2, memory=memory)
+
+
+def _memory_pass(wl: Workload, grids: list[tuple[int, ...]], run: Callable[..., list[dict]]) -> dict[tuple, int]:
+    """Peak bytes per grid (maximum over ranks), from one tracked step per grid after all timing.
+
+    torch's MemTracker keeps the tracked model — and through it the grid's process groups and
+    their threads — alive in the process after it exits, so a tracked step slows every later step
+    of the same rank process; no timed step may follow one."""
+    return {g: max(x["peak_bytes"] for x in run(g, _run_grid, wl, 1, True)) for g in grids}
 
 
 def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str) -> dict[tuple, list[dict]]:
@@ -65,15 +75,22 @@ def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
     by_world: dict[int, list[tuple]] = {}
     for g in grids:
         by_world.setdefault(GridShape(*g).world_size, []).append(g)
-    for r in range(rounds):
+    for r in range(rounds + 1):  # the last pass measures memory only, in fresh processes
         for world, gs in sorted(by_world.items(), reverse=True):
             pool = RankPool(world, start_timeout=900)
             try:
+                if r == rounds:
+                    peaks = _memory_pass(wl, gs, lambda g, *a: pool.run(g, *a, timeout=600, overlap=overlap))
+                    for g in gs:
+                        for res in out[g]:
+                            for rank_res in res:
+                                rank_res["peak_bytes"] = peaks[g]
+                        print(f"memory pass grid {g}: peak {peaks[g] / 2**20:.1f} MiB", flush=True)
+                    continue
                 for g in gs:
                     res = pool.run(g, _run_grid, wl, steps, timeout=600, overlap=overlap)
                     out[g].append(res)
-                    print(f"round {r + 1}/{rounds} grid {g}: {res[0]['step_s'] * 1e3:.0f} ms, "
-                          f"peak {max(x['peak_bytes'] for x in res) / 2**20:.1f} MiB", flush=True)
+                    print(f"round {r + 1}/{rounds} grid {g}: {res[0]['step_s'] * 1e3:.0f} ms", flush=True)
             finally:
                 pool.close()
     return out
@@ -86,24 +103,32 @@ def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, st
 
     import axon4d
 
+    ranks: list[int] = []  # this process's rank
+
+    def run(g: tuple[int, ...], fn: Callable[..., dict], *args: object) -> list[dict]:
+        grid = axon4d.init(grid=g, overlap=overlap)
+        ranks[:] = [grid.rank]
+        try:
+            res = fn(grid, *args)
+            peak = torch.tensor([float(res["peak_bytes"] or 0)], dtype=torch.float64, device=grid.device)
+            gathered = grid.comm.all_gather(peak, "world").wait()
+            return [dict(res, peak_bytes=int(v)) for v in gathered.tolist()]
+        finally:
+            axon4d.shutdown()
+
     out: dict[tuple, list[dict]] = {g: [] for g in grids}
-    rank = 0
     for r in range(rounds):
         for g in grids:
-            grid = axon4d.init(grid=g, overlap=overlap)
-            try:
-                rank = grid.rank
-                res = _run_grid(grid, wl, steps)
-                peak = torch.tensor([float(res["peak_bytes"])], dtype=torch.float64, device=grid.device)
-                gathered = grid.comm.all_gather(peak, "world").wait()
-                per_rank = [dict(res, peak_bytes=int(v)) for v in gathered.tolist()]
-            finally:
-                axon4d.shutdown()
+            per_rank = run(g, _run_grid, wl, steps)
             out[g].append(per_rank)
-            if rank == 0:
-                print(f"round {r + 1}/{rounds} grid {g}: {res['step_s'] * 1e3:.0f} ms, "
-                      f"peak {max(x['peak_bytes'] for x in per_rank) / 2**20:.1f} MiB", flush=True)
-    return out if rank == 0 else None
+            if ranks[0] == 0:
+                print(f"round {r + 1}/{rounds} grid {g}: {per_rank[0]['step_s'] * 1e3:.0f} ms", flush=True)
+    peaks = _memory_pass(wl, grids, run)  # after every timed step (see _memory_pass)
+    for g in grids:
+        for res in out[g]:
+            for rank_res in res:
+                rank_res["peak_bytes"] = peaks[g]
+    return out if ranks[0] == 0 else None
 
 
 def plot(path: str, rows: list[dict]) -> None:
