@@ -112,9 +112,10 @@ class OverlapPolicy:
                 f"min_chunk_kb >= 0"
             )
 
-    def chunk_count(self, tokens: int, row_bytes: int) -> int:
-        """Chunks for a forward all-reduce of ``tokens`` rows of ``row_bytes`` (see volume.forward_chunk_count)."""
-        return volume.forward_chunk_count(tokens, row_bytes, self.forward_chunks, int(self.min_chunk_kb * 1024))
+    def chunk_count(self, tokens: int, row_bytes: int, group: int) -> int:
+        """Chunks for a forward all-reduce of ``tokens`` rows of ``row_bytes`` over a group of
+        ``group`` ranks (see volume.forward_chunk_count)."""
+        return volume.forward_chunk_count(tokens, row_bytes, self.forward_chunks, int(self.min_chunk_kb * 1024), group)
 
 
 @dataclasses.dataclass

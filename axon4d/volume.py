@@ -89,7 +89,7 @@ def linear_collectives(
             out.append(Collective(op, axis, elems * elem, phase, term))
 
     add(Op.ALL_GATHER, "z", padded_block, element_size, "forward", "E10")
-    k = forward_chunk_count(tokens, rows * element_size, forward_chunks, min_chunk_bytes)
+    k = forward_chunk_count(tokens, rows * element_size, forward_chunks, min_chunk_bytes, shape.size(in_axis))
     for part in chunk_sizes(tokens, k):
         add(Op.ALL_REDUCE, in_axis, part * rows, element_size, "forward", "E8")
     if not cache_weight:
@@ -102,10 +102,13 @@ def linear_collectives(
     return out
 
 
-def forward_chunk_count(tokens: int, row_bytes: int, chunks: int, min_chunk_bytes: int = 0) -> int:
+def forward_chunk_count(tokens: int, row_bytes: int, chunks: int, min_chunk_bytes: int, group: int) -> int:
     """How many token chunks the forward all-reduce (E8) of ``tokens`` rows of ``row_bytes`` is
-    split into when ``chunks`` are asked for: never more than the rows, and never so many that a
-    chunk falls below ``min_chunk_bytes`` (small messages only pay latency for being split)."""
+    split into when ``chunks`` are asked for: never more than the rows, never so many that a
+    chunk falls below ``min_chunk_bytes`` (small messages only pay latency for being split), and
+    one when the all-reduce's ``group`` has a single rank (nothing to overlap: the GEMM stays whole)."""
+    if group <= 1:
+        return 1
     k = max(1, min(chunks, tokens))
     if min_chunk_bytes > 0:
         k = max(1, min(k, tokens * row_bytes // min_chunk_bytes))

@@ -126,6 +126,28 @@ def test_oag_prefetches_nothing_a_backward_does_not_use(pools):
         assert counted["oag"] == counted["off"]
 
 
+def _forward_matmuls(grid):
+    """Forward GEMM spans of one normal (E8 over x) and one transposed (E8 over y) layer."""
+    torch.manual_seed(0)
+    counts = {}
+    for transpose in (False, True):
+        layer = axon4d.Linear(32, 32, transpose=transpose, grid=grid)
+        x = torch.randn(12, 32 // grid.size("y" if transpose else "x"))
+        grid.comm.log.clear()
+        layer(x)
+        counts[transpose] = sum(name == "fwd.matmul" for name, _, _ in grid.comm.log.spans)
+    return counts
+
+
+def test_forward_chunks_only_where_the_forward_all_reduce_has_peers(pools):
+    # chunking splits the GEMM so each chunk's all-reduce overlaps the next; with no peer on the
+    # layer's input axis there is no all-reduce, and the GEMM stays whole
+    for counts in pools(2).run((2, 1, 1, 1), _forward_matmuls, overlap=OverlapPolicy(**CHUNKED)):
+        assert counts == {False: 3, True: 1}
+    for counts in pools(2).run((1, 2, 1, 1), _forward_matmuls, overlap=OverlapPolicy(**CHUNKED)):
+        assert counts == {False: 1, True: 3}
+
+
 def _policy_from_init(grid):
     return grid.comm.scheduler.policy
 
@@ -148,7 +170,8 @@ def test_policy_parsing_and_errors():
         OverlapPolicy(forward_chunks=0)
     with pytest.raises(ValueError, match="forward_chunks and ors_inflight must be >= 1"):
         OverlapPolicy(ors_inflight=0)
-    # chunking: never below min_chunk_kb, never more chunks than rows
-    assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096) == 4
-    assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40) == 1
-    assert OverlapPolicy(forward_chunks=4, min_chunk_kb=0).chunk_count(3, 40) == 3
+    # chunking: never below min_chunk_kb, never more chunks than rows, none without a peer
+    assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 2) == 4
+    assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40, 2) == 1
+    assert OverlapPolicy(forward_chunks=4, min_chunk_kb=0).chunk_count(3, 40, 2) == 3
+    assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 1) == 1

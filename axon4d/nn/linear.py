@@ -43,7 +43,8 @@ class _Linear3D(torch.autograd.Function):
         tokens, out_l = x2.shape[0], w.shape[0]
         y = x2.new_empty((tokens, out_l))  # (b, out_l)
         handles, start = [], 0
-        for rows in volume.chunk_sizes(tokens, sched.policy.chunk_count(tokens, out_l * y.element_size())):
+        chunks = sched.policy.chunk_count(tokens, out_l * y.element_size(), layer.grid.size(layer.in_axis))
+        for rows in volume.chunk_sizes(tokens, chunks):
             part = y[start : start + rows]  # a contiguous row block of y
             with sched.compute("fwd.matmul"):
                 torch.matmul(x2[start : start + rows], w.t(), out=part)  # (rows, in_l) @ (in_l, out_l)

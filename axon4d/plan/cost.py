@@ -31,7 +31,7 @@ from axon4d.grid import GridShape
 from axon4d.overlap import OverlapPolicy
 from axon4d.plan.machine import Machine
 from axon4d.plan.workload import LinearSpec, Workload
-from axon4d.volume import linear_collectives, weight_shard_numel
+from axon4d.volume import chunk_sizes, linear_collectives, weight_shard_numel
 
 #: Axis → (group size, rank stride) under E1.
 def axis_geometry(shape: GridShape, axis: str) -> tuple[int, int]:
@@ -85,16 +85,6 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
     shard = weight_shard_numel(spec.in_features, spec.out_features, shape, spec.transpose)
     n_w = shard * shape.z
     ew = m.elementwise_time
-    if spec.embedding:
-        table = (spec.in_features // shape.y) * (spec.out_features // shape.x)
-        fwd_mm, dx = 0.0, 0.0
-        fwd = ew(4 * b * out_l * elem, world)  # gather rows, mask
-        dw = ew((2 * table + 2 * b * out_l) * elem, world)  # zero-fill the table, scatter-add rows
-    else:
-        fwd_mm = m.matmul_time("nt", b, in_l, out_l, dt, world)
-        fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
-        dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
-        dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
     bwd_ew = ew((2 * n_w + 2 * shard + (b * out_l if spec.bias else 0)) * elem, world) + 8 * m.op_overhead_s
     comm: dict[str, float] = {}
     axes: dict[str, str] = {}
@@ -115,7 +105,18 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
         comm[key] = comm.get(key, 0.0) + m.comm_time(c.op.value, group, stride, c.payload_bytes, world)
         axes[key] = c.axis
         by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
-    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, max(chunks, 1))
+    chunks = max(chunks, 1)
+    if spec.embedding:
+        table = (spec.in_features // shape.y) * (spec.out_features // shape.x)
+        fwd_mm, dx = 0.0, 0.0
+        fwd = ew(4 * b * out_l * elem, world)  # gather rows, mask
+        dw = ew((2 * table + 2 * b * out_l) * elem, world)  # zero-fill the table, scatter-add rows
+    else:  # the forward GEMM runs as one GEMM per token chunk of E8 (axon4d.nn.linear)
+        fwd_mm = sum(m.matmul_time("nt", rows, in_l, out_l, dt, world) for rows in chunk_sizes(b, chunks))
+        fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
+        dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
+        dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
+    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, chunks)
 
 
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
