@@ -1,4 +1,4 @@
-"""Protects ``axon4d.auto_parallelize`` and ``axon4d.to_dense`` (axon4d/parallelize.py).
+"""Protects ``axon4d.auto_parallelize`` and ``axon4d.to_dense`` (axon4d/parallelize.py, axon4d/family_plans.py).
 
 Hugging Face models built from tiny configs with random weights (no downloads) — Llama with
 grouped-query attention and GPT-2 with its packed Conv1D attention — are parallelized on grids of
@@ -256,7 +256,7 @@ def _gathers(grid, family, layout):
     par(input_ids=ids, labels=ids).loss.backward()
     counts, elements = {}, {}
     for r in grid.comm.log.records:
-        if r.tag.startswith("parallelize."):
+        if r.tag.startswith(("gather_replicated.", "split_replicated.")):
             counts[r.tag] = counts.get(r.tag, 0) + 1
             elements[r.tag] = elements.get(r.tag, 0) + r.payload_bytes // 4  # fp32
     return counts, elements
@@ -269,21 +269,21 @@ def test_chained_blocks_gather_once_per_block_and_sharded_ones_never(pools, fami
         pools(4).run((2, 2, 1, 1), _gathers, family, lay)[0] for lay in ("general", "chained", "sharded"))
     head = 1 if family == "llama" else 0  # Llama's lm_head is split; GPT-2's is tied to wte, whole
     # general: every layer gathers its output (forward) and its input gradient (backward)
-    assert general["parallelize.fwd.gather.y"] == 2 * per_layer + head
-    assert general["parallelize.bwd.gather.x"] == 2 * per_layer + head
+    assert general["gather_replicated.y"] == 2 * per_layer + head
+    assert general["split_replicated.grad.x"] == 2 * per_layer + head
     # chained: attention and MLP gather once each, over x, forward and backward; the head over y
-    assert chained["parallelize.fwd.gather.x"] == 2 * 2
-    assert chained["parallelize.bwd.gather.x"] == 2 * 2 + head
-    assert chained.get("parallelize.fwd.gather.y", 0) == head
+    assert chained["gather_replicated.x"] == 2 * 2
+    assert chained["split_replicated.grad.x"] == 2 * 2 + head
+    assert chained.get("gather_replicated.y", 0) == head
     if family == "llama":  # the payloads of docs/parallelize.md's cost table, in elements
         b, h, kv_d, f, v, layers = BATCH * SEQ, 64, 2 * 16, 128, VOCAB, 2  # b: tokens per rank (G_batch = 1)
-        assert general_el["parallelize.fwd.gather.y"] == layers * b * (3 * h + 2 * kv_d + 2 * f) + b * v
-        assert general_el["parallelize.bwd.gather.x"] == layers * b * (6 * h + f) + b * h
-        assert chained_el["parallelize.fwd.gather.x"] == layers * 2 * b * h
-        assert chained_el["parallelize.bwd.gather.x"] == layers * 2 * b * h + b * h
+        assert general_el["gather_replicated.y"] == layers * b * (3 * h + 2 * kv_d + 2 * f) + b * v
+        assert general_el["split_replicated.grad.x"] == layers * b * (6 * h + f) + b * h
+        assert chained_el["gather_replicated.x"] == layers * 2 * b * h
+        assert chained_el["split_replicated.grad.x"] == layers * 2 * b * h + b * h
     # sharded: the residual stream stays split over x between blocks; Llama gathers only the logits
     # (over y); GPT-2's tied head gathers its input over x, and the backward of its two whole
     # embeddings (tokens, positions) gathers their output gradient over x
-    expected = {"llama": {"parallelize.fwd.gather.y": 1},
-                "gpt2": {"parallelize.fwd.gather.x": 1, "parallelize.bwd.gather.x": 2}}[family]
+    expected = {"llama": {"gather_replicated.y": 1},
+                "gpt2": {"gather_replicated.x": 1, "split_replicated.grad.x": 2}}[family]
     assert sharded == expected

@@ -10,6 +10,14 @@ Naming follows the role of the result:
 - ``sum_to_replicas``: partial sums whose total is then used *identically* on every rank of the
   axis (replicated), so the gradient flowing back is already complete (all-reduce forward,
   identity backward) — Megatron's "g".
+- ``split_replicated``: an input replicated over the axis, of which each rank keeps its own chunk
+  of features; each rank's gradient is exact for its chunk only (local slice forward, all-gather
+  backward).
+- ``gather_replicated``: every rank's chunk of features, gathered into a result every rank of the
+  axis uses identically (all-gather forward, local slice backward).
+
+``split_replicated``/``gather_replicated`` are the differentiable counterparts of
+``axon4d.layout.shard_features``/``gather_features``, which move tensors outside autograd.
 """
 
 from __future__ import annotations
@@ -81,3 +89,43 @@ def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
         return reduced.div_(g_batch).to(grad.dtype)
 
     param.register_hook(hook)
+
+
+class _SplitReplicated(torch.autograd.Function):
+    """Forward: this rank's chunk of the last dim over ``axis`` (local). Backward: all-gather over ``axis``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+        ctx.axis, ctx.grid = axis, grid
+        n = x.shape[-1] // grid.size(axis)
+        return x.narrow(-1, grid.coord(axis) * n, n).contiguous()  # (..., f/G_axis)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        full = ctx.grid.comm.all_gather(g.contiguous(), ctx.axis, dim=-1, tag=f"split_replicated.grad.{ctx.axis}")
+        return full.wait(), None, None  # (..., f)
+
+
+class _GatherReplicated(torch.autograd.Function):
+    """Forward: all-gather the last dim over ``axis``. Backward: keep this rank's chunk (local)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+        ctx.axis, ctx.grid, ctx.n = axis, grid, x.shape[-1]
+        return grid.comm.all_gather(x.contiguous(), axis, dim=-1, tag=f"gather_replicated.{axis}").wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g.narrow(-1, ctx.grid.coord(ctx.axis) * ctx.n, ctx.n).contiguous(), None, None
+
+
+def split_replicated(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    """This rank's chunk of ``x``'s last dim over ``axis`` (``x`` replicated over ``axis``); the
+    backward all-gathers the gradient over ``axis``."""
+    return x if grid.size(axis) == 1 else _SplitReplicated.apply(x, axis, grid)
+
+
+def gather_replicated(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    """The full last dim from every rank's chunk over ``axis``, used identically on every rank of
+    ``axis``; the backward keeps this rank's chunk of the gradient."""
+    return x if grid.size(axis) == 1 else _GatherReplicated.apply(x, axis, grid)
