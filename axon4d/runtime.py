@@ -22,7 +22,7 @@ from axon4d.grid import Grid, GridShape
 from axon4d.overlap import OverlapPolicy
 from axon4d.precision import Precision
 
-_state: dict[str, object] = {"grid": None, "owns_world": False}
+_state: dict[str, object] = {"grid": None, "owns_world": False, "launch": None}
 
 
 def init(
@@ -51,6 +51,8 @@ def init(
     ``precision`` sets the dtypes of master weights, compute and gradient reductions for every
     layer on the grid (axon4d.precision: "fp32", "bf16", "bf16-fp32-reduce").
     Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
+    A default process group that exists already (the caller's, or one an earlier ``init()`` in this
+    job created; see ``shutdown``) is used as it is.
     """
     if _state["grid"] is not None:
         raise RuntimeError(
@@ -58,6 +60,8 @@ def init(
             "call axon4d.shutdown() first to build another grid"
         )
     info = launch.detect()
+    if _state["owns_world"] and dist.is_initialized():
+        info = _state["launch"]  # type: ignore[assignment]  # the world an earlier init() created
     if isinstance(grid, str):
         if grid != "auto":
             raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")
@@ -74,7 +78,7 @@ def init(
     mixed = Precision.parse(precision)  # likewise
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s)
-        _state["owns_world"] = True
+        _state["owns_world"], _state["launch"] = True, info
     new = Grid(shape, dev, transport, launcher=info.launcher, precision=mixed)
     new.comm.scheduler.configure(policy)
     _state["grid"] = new
@@ -96,7 +100,12 @@ def resolve(grid: Grid | None) -> Grid:
 
 
 def shutdown() -> None:
-    """Destroy the current grid's groups and, if ``init`` created it, the default group."""
+    """Destroy the current grid's groups; ``init()`` may then build another grid in this process.
+
+    The default process group that ``init()`` created stays until the process exits (it is
+    destroyed then): under torchrun the job's store is the launcher's, and a default group
+    destroyed and created again on it never completes its rendezvous — a second ``init()`` in
+    the same job would hang. A default group the caller created is never touched."""
     grid = _state["grid"]
     if grid is None:
         return
@@ -109,9 +118,14 @@ def shutdown() -> None:
     # destroyed groups' threads and sockets go away at shutdown, not at some later collection
     del grid
     gc.collect()
+
+
+def _at_exit() -> None:
+    """Shut down, then destroy the default process group if ``init()`` created it."""
+    shutdown()
     if _state["owns_world"] and dist.is_initialized():
         dist.destroy_process_group()
-        _state["owns_world"] = False
+    _state["owns_world"], _state["launch"] = False, None
 
 
-atexit.register(shutdown)
+atexit.register(_at_exit)

@@ -1,5 +1,6 @@
 """Protects how a job starts: axon4d.init() under torchrun, under mpiexec (rank and size from
-mpi4py, rendezvous published by rank 0) and as a plain python process, with clean shutdown."""
+mpi4py, rendezvous published by rank 0) and as a plain python process, with clean shutdown —
+and a second grid built after ``shutdown()`` in the same job."""
 
 import os
 import shutil
@@ -33,14 +34,15 @@ def _errors_ok(lines):
 
 
 def test_plain_python_is_a_world_of_one():
-    lines = _run([sys.executable, SCRIPT, "1,1,1,1"])
-    assert len(lines) == 1 and "LAUNCH single world=1" in lines[0] and _errors_ok(lines)
+    lines = _run([sys.executable, SCRIPT, "1,1,1,1;1,1,1,1"])
+    assert len(lines) == 2 and all("LAUNCH single world=1" in line for line in lines) and _errors_ok(lines)
 
 
 def test_torchrun():
     torchrun = os.path.join(BIN, "torchrun")
-    lines = _run([torchrun, "--nproc-per-node", "4", "--master-port", str(_free_port()), SCRIPT, "2,1,2,1"])
-    assert len(lines) == 4 and all("world=4" in line for line in lines) and _errors_ok(lines)
+    lines = _run([torchrun, "--nproc-per-node", "4", "--master-port", str(_free_port()), SCRIPT, "2,1,2,1;1,1,2,2"])
+    assert len(lines) == 8 and all("world=4" in line for line in lines) and _errors_ok(lines)
+    assert sum("Grid(x=1, y=1, z=2, data=2)" in line for line in lines) == 4  # the second grid, after shutdown
     assert {line.split()[1] for line in lines} == {"torchrun"}
 
 
@@ -52,7 +54,7 @@ def _mpiexec():
 @pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: install the [mpi] extra (make test does)")
 def test_mpiexec():
     pytest.importorskip("mpi4py")
-    lines = _run([_mpiexec(), "-n", "4", sys.executable, SCRIPT, "1,2,1,2"])
-    assert len(lines) == 4 and all("world=4" in line for line in lines) and _errors_ok(lines)
+    lines = _run([_mpiexec(), "-n", "4", sys.executable, SCRIPT, "1,2,1,2;4,1,1,1"])
+    assert len(lines) == 8 and all("world=4" in line for line in lines) and _errors_ok(lines)
     assert {line.split()[1] for line in lines} == {"mpi"}
-    assert sum("rank 0 at" in line for line in lines) == 1
+    assert sum("rank 0 at" in line for line in lines) == 2
