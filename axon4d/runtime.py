@@ -103,9 +103,9 @@ def shutdown() -> None:
     """Destroy the current grid's groups; ``init()`` may then build another grid in this process.
 
     The default process group that ``init()`` created stays until the process exits (it is
-    destroyed then): under torchrun the job's store is the launcher's, and a default group
-    destroyed and created again on it never completes its rendezvous — a second ``init()`` in
-    the same job would hang. A default group the caller created is never touched."""
+    destroyed then): under torchrun, destroying it and creating it again in the same job hangs
+    (tests/test_launch.py builds two grids in one job). A default group the caller created is
+    never touched."""
     grid = _state["grid"]
     if grid is None:
         return
