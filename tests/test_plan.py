@@ -15,7 +15,7 @@ from axon4d.models.config import SIZES, ModelConfig
 from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.cost import axis_geometry
 from axon4d.plan.machine import CommCurve, MatmulTable, available
-from axon4d.volume import linear_collectives
+from axon4d.volume import chunk_sizes, linear_collectives
 
 PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
 PROBE_WL = Workload(PROBE, batch=8, dtype="float32", embedding=False, norms=False)
@@ -136,6 +136,25 @@ def test_overlap_credit_is_bounded_and_never_slows_a_step():
             previous = t.step_s
     assert describe(Overlap.parse("oag,odp,chunks")) == "oag,odp,chunks=4"
     assert describe(Overlap.off()) == "off"
+
+
+def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
+    # the layer splits its forward GEMM into token chunks only where its forward all-reduce (E8)
+    # has peers (axon4d.nn.linear); the planner prices exactly those GEMMs
+    from axon4d.plan.cost import _layer_cost
+
+    m = load("perlmutter")
+    wl = Workload(SIZES["20B"], batch=64)
+    qkv = next(s for s in wl.linears() if s.name == "qkv")  # normal layer: E8 over x
+    chunked = Overlap.parse({"forward_chunks": 4, "min_chunk_kb": 0})
+    for grid, chunks in [((1, 4, 8, 4), 1), ((4, 4, 8, 2), 4)]:
+        shape = GridShape(*grid)
+        b, (in_l, out_l) = wl.local_tokens(shape), qkv.local(shape)
+        cost = _layer_cost(qkv, wl, shape, m, chunked)
+        expected = sum(m.matmul_time("nt", rows, in_l, out_l, wl.dtype, shape.world_size)
+                       for rows in chunk_sizes(b, chunks))
+        assert cost.chunks == chunks and cost.fwd_mm == pytest.approx(expected, rel=1e-12)
+    assert cost.fwd_mm > m.matmul_time("nt", b, in_l, out_l, wl.dtype, shape.world_size)  # 4 GEMMs cost more
 
 
 def test_axis_geometry_and_machine_levels_follow_e1():
