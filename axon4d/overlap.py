@@ -17,7 +17,8 @@ Layers ask it for their weight block and hand it their gradients; they hold no o
   ``bucket_mb`` (0: one bucket per layer), are launched as the shards arrive; the bias
   all-reduces over batch are issued asynchronously too.
 - **Chunked forward all-reduce** (E3/E8): the tokens are split into ``forward_chunks`` chunks and
-  chunk i is all-reduced over the input axis while chunk i+1 is multiplied.
+  chunk i is all-reduced over the input axis while chunk i+1 is multiplied (only where the input
+  axis has more than one rank: otherwise there is no E8 and the GEMM stays whole).
 
 Gradient contract: pending gradient reductions are completed and written into ``.grad`` by a
 callback queued on the autograd engine, which runs before ``loss.backward()`` returns. Code
