@@ -76,12 +76,12 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from harness import RankPool
-    from planner_accuracy import workload
+    from planner_accuracy import WORKLOAD, workload
 
     from axon4d.grid import GridShape
     from axon4d.plan import Overlap, evaluate, load
 
-    wl = workload(argparse.Namespace(layers=2, hidden=512, heads=8, vocab=2048, seq=128, batch=8, dtype="float32"))
+    wl = workload(argparse.Namespace(**WORKLOAD))
     machine = load(args.machine)
     grids = [tuple(int(v) for v in g.split(",")) for g in args.grids.split(";")]
     by_world: dict[int, list[tuple[int, ...]]] = {}

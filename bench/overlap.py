@@ -224,8 +224,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                      "comm_s": statistics.median(r["comm_s"] for r in rows),
                      "blocked_s": statistics.median(r["blocked_s"] for r in rows),
                      "compute_s": statistics.median(r["compute_s"] for r in rows),
-                     "cpu_s_all_ranks": statistics.median(r.get("cpu_s_all_ranks", 0.0) for r in rows),
-                     "host_busy": statistics.median(r.get("host_busy", 0.0) for r in rows),
+                     "cpu_s_all_ranks": statistics.median(r["cpu_s_all_ranks"] for r in rows),
+                     "host_busy": statistics.median(r["host_busy"] for r in rows),
                      "steps_s": [r["step_s"] for r in rows]}
     return out
 

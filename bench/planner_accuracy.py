@@ -12,9 +12,10 @@ in ``--rounds`` interleaved rounds (the median over rounds is kept: the host is 
 
 Time: ``--steps`` steps back to back between two barriers (as training runs them), the slowest
 rank's span divided by the steps; the median over rounds. Memory, in a pass after all timing
-(see ``_memory_pass``): the peak of live torch allocations per rank over one step, from torch's
-MemTracker (parameters, gradients, optimizer state, activations, temporaries, collective buffers;
-not gloo's own host buffers), maximum over ranks. The communication log's bytes per axis are checked against the planner's.
+(``axon4d.plan.probe.measure_peak``): the peak of live torch allocations over one step, from
+torch's MemTracker (parameters, gradients, optimizer state, activations, temporaries, collective
+buffers; not gloo's own host buffers), maximum over ranks. The communication log's bytes per axis
+are checked against the planner's.
 
 Saves bench/results/planner_accuracy.json and docs/planner_accuracy.png and ends with
 ``planner: median error = M%, worst = W%, top-1 gap = G%, memory error = E%``.
@@ -29,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -43,92 +44,88 @@ GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
 GRIDS_2 = [(2, 1, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)]
 
 
+#: the default workload (also the one bench/gemm_in_step.py profiles)
+WORKLOAD = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048, "seq": 128, "batch": 8, "dtype": "float32"}
+
+
 def workload(args: argparse.Namespace) -> Workload:
     cfg = ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, ffn_hidden=4 * args.hidden,
                       vocab_size=args.vocab, seq_len=args.seq, name="probe")
     return Workload(cfg, batch=args.batch, dtype=args.dtype, embedding=False, norms=False)
 
 
-def _run_grid(grid, wl: Workload, steps: int, memory: bool = False) -> dict:
+def _time_grid(grid, wl: Workload, steps: int) -> dict:
     import torch
 
     from axon4d.plan.probe import ProbeModel, measure_step
 
     torch.manual_seed(0)
-    return measure_step(ProbeModel(wl, grid), steps=steps, warmup=1 if memory else 2, memory=memory)
+    return measure_step(ProbeModel(wl, grid), steps=steps)
 
 
-def _memory_pass(wl: Workload, grids: list[tuple[int, ...]], run: Callable[..., list[dict]]) -> dict[tuple, int]:
-    """Peak bytes per grid (maximum over ranks), from one tracked step per grid after all timing.
+def _peak_grid(grid, wl: Workload) -> int:
+    """Peak bytes of one step, maximum over ranks — only after all timing in the process (see
+    ``axon4d.plan.probe.measure_peak``)."""
+    import torch
 
-    torch's MemTracker keeps the tracked model — and through it the grid's process groups and
-    their threads — alive in the process after it exits, so a tracked step slows every later step
-    of the same rank process; no timed step may follow one."""
-    return {g: max(x["peak_bytes"] for x in run(g, _run_grid, wl, 1, True)) for g in grids}
+    from axon4d.plan.probe import ProbeModel, measure_peak
+
+    torch.manual_seed(0)
+    return measure_peak(ProbeModel(wl, grid))
 
 
-def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str) -> dict[tuple, list[dict]]:
-    """Run every grid ``rounds`` times, interleaved; per grid the list of per-round results (rank order)."""
+def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
+            overlap: str) -> tuple[dict[tuple, list[dict]], dict[tuple, int]]:
+    """Time every grid ``rounds`` times, interleaved, then measure peak memory in a last pass, each
+    pass in fresh rank processes. Returns (per grid rank 0's result of each round, per grid peak bytes)."""
     from harness import RankPool
 
-    out: dict[tuple, list[dict]] = {g: [] for g in grids}
+    times: dict[tuple, list[dict]] = {g: [] for g in grids}
+    peaks: dict[tuple, int] = {}
     by_world: dict[int, list[tuple]] = {}
     for g in grids:
         by_world.setdefault(GridShape(*g).world_size, []).append(g)
-    for r in range(rounds + 1):  # the last pass measures memory only, in fresh processes
+    for r in range(rounds + 1):
         for world, gs in sorted(by_world.items(), reverse=True):
             pool = RankPool(world, start_timeout=900)
             try:
-                if r == rounds:
-                    peaks = _memory_pass(wl, gs, lambda g, *a: pool.run(g, *a, timeout=600, overlap=overlap))
-                    for g in gs:
-                        for res in out[g]:
-                            for rank_res in res:
-                                rank_res["peak_bytes"] = peaks[g]
-                        print(f"memory pass grid {g}: peak {peaks[g] / 2**20:.1f} MiB", flush=True)
-                    continue
                 for g in gs:
-                    res = pool.run(g, _run_grid, wl, steps, timeout=600, overlap=overlap)
-                    out[g].append(res)
-                    print(f"round {r + 1}/{rounds} grid {g}: {res[0]['step_s'] * 1e3:.0f} ms", flush=True)
+                    if r < rounds:
+                        times[g].append(pool.run(g, _time_grid, wl, steps, timeout=600, overlap=overlap)[0])
+                        print(f"round {r + 1}/{rounds} grid {g}: {times[g][-1]['step_s'] * 1e3:.0f} ms", flush=True)
+                    else:
+                        peaks[g] = pool.run(g, _peak_grid, wl, timeout=600, overlap=overlap)[0]
+                        print(f"memory pass grid {g}: peak {peaks[g] / 2**20:.1f} MiB", flush=True)
             finally:
                 pool.close()
-    return out
+    return times, peaks
 
 
-def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str) -> dict | None:
-    """Under torchrun/srun/mpirun (or bench/cluster.py): every grid of this one world, in this job.
-    Returns the results on rank 0, None on the others."""
-    import torch
-
+def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
+                     overlap: str) -> tuple[dict[tuple, list[dict]], dict[tuple, int]] | None:
+    """Under torchrun/srun/mpirun (or bench/cluster.py): every grid of this one world, in this job,
+    timing first and memory last (as ``measure``). Returns the results on rank 0, None on the others."""
     import axon4d
 
-    ranks: list[int] = []  # this process's rank
+    rank = 0
 
-    def run(g: tuple[int, ...], fn: Callable[..., dict], *args: object) -> list[dict]:
+    def run(g: tuple[int, ...], fn: Callable[..., Any], *args: object) -> Any:
+        nonlocal rank
         grid = axon4d.init(grid=g, overlap=overlap)
-        ranks[:] = [grid.rank]
+        rank = grid.rank
         try:
-            res = fn(grid, *args)
-            peak = torch.tensor([float(res["peak_bytes"] or 0)], dtype=torch.float64, device=grid.device)
-            gathered = grid.comm.all_gather(peak, "world").wait()
-            return [dict(res, peak_bytes=int(v)) for v in gathered.tolist()]
+            return fn(grid, *args)
         finally:
             axon4d.shutdown()
 
-    out: dict[tuple, list[dict]] = {g: [] for g in grids}
+    times: dict[tuple, list[dict]] = {g: [] for g in grids}
     for r in range(rounds):
         for g in grids:
-            per_rank = run(g, _run_grid, wl, steps)
-            out[g].append(per_rank)
-            if ranks[0] == 0:
-                print(f"round {r + 1}/{rounds} grid {g}: {per_rank[0]['step_s'] * 1e3:.0f} ms", flush=True)
-    peaks = _memory_pass(wl, grids, run)  # after every timed step (see _memory_pass)
-    for g in grids:
-        for res in out[g]:
-            for rank_res in res:
-                rank_res["peak_bytes"] = peaks[g]
-    return out if ranks[0] == 0 else None
+            times[g].append(run(g, _time_grid, wl, steps))
+            if rank == 0:
+                print(f"round {r + 1}/{rounds} grid {g}: {times[g][-1]['step_s'] * 1e3:.0f} ms", flush=True)
+    peaks = {g: run(g, _peak_grid, wl) for g in grids}
+    return (times, peaks) if rank == 0 else None
 
 
 def plot(path: str, rows: list[dict]) -> None:
@@ -164,13 +161,13 @@ def main() -> int:
     p.add_argument("--calibrate", action="store_true", help="re-measure the machine before the run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--layers", type=int, default=WORKLOAD["layers"])
+    p.add_argument("--hidden", type=int, default=WORKLOAD["hidden"])
+    p.add_argument("--heads", type=int, default=WORKLOAD["heads"])
+    p.add_argument("--vocab", type=int, default=WORKLOAD["vocab"])
+    p.add_argument("--seq", type=int, default=WORKLOAD["seq"])
+    p.add_argument("--batch", type=int, default=WORKLOAD["batch"], help="sequences per step")
+    p.add_argument("--dtype", default=WORKLOAD["dtype"])
     p.add_argument("--overlap", default="all", help="overlap policy for the run and the planner (all, off, oag,oar,...)")
     p.add_argument("--only", default="", help="semicolon-separated grids x,y,z,d to run instead of the default set")
     p.add_argument("--from-json", default=None, help="recompute predictions for the measurements saved in this JSON")
@@ -213,10 +210,10 @@ def main() -> int:
                 return 0
         else:
             results = measure(wl, grids, args.rounds, args.steps, args.overlap)
-        measured = {g: {"rounds_step": [r[0]["step_s"] for r in results[g]],
-                        "measured_mem": max(x["peak_bytes"] for x in results[g][0]),
-                        "bytes_logged": results[g][0][0]["bytes_by_axis"],
-                        "measured_comm_blocked_s": statistics.median(r[0]["blocked_s"] for r in results[g])}
+        times, peaks = results
+        measured = {g: {"rounds_step": [r["step_s"] for r in times[g]], "measured_mem": peaks[g],
+                        "bytes_logged": times[g][0]["bytes_by_axis"],
+                        "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g])}
                     for g in grids}
 
     rows = []

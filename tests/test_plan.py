@@ -51,7 +51,7 @@ def _probe_step(grid, wl):
     torch.manual_seed(0)
     model = ProbeModel(wl, grid)
     n_params = sum(p.numel() for p in model.parameters())
-    res = measure_step(model, steps=1, warmup=1, memory=False)
+    res = measure_step(model, steps=1, warmup=1)
     return n_params, res["bytes_by_axis"]
 
 
