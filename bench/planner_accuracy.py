@@ -48,6 +48,12 @@ GRIDS_2 = [(2, 1, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)]
 WORKLOAD = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048, "seq": 128, "batch": 8, "dtype": "float32"}
 
 
+def workload_spec(args: argparse.Namespace) -> str:
+    """The workload as ``axon4d calibrate --step-model`` takes it (axon4d.plan.stepfit.parse_model)."""
+    return (f"layers={args.layers},hidden={args.hidden},heads={args.heads},ffn={4 * args.hidden},vocab={args.vocab},"
+            f"seq={args.seq},batch={args.batch},dtype={args.dtype}")
+
+
 def workload(args: argparse.Namespace) -> Workload:
     cfg = ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, ffn_hidden=4 * args.hidden,
                       vocab_size=args.vocab, seq_len=args.seq, name="probe")
@@ -186,7 +192,7 @@ def main() -> int:
         if os.path.exists(args.machine):
             os.remove(args.machine)
         subprocess.run([sys.executable, "-m", "axon4d.plan.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
-                        "--out", args.machine], check=True)
+                        "--step-model", workload_spec(args), "--out", args.machine], check=True)
     machine = load(args.machine)
     wl = workload(args)
     overlap = Overlap.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner
@@ -216,6 +222,11 @@ def main() -> int:
                         "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g])}
                     for g in grids}
 
+    # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
+    fitted_on = {tuple(s["grid"]) for s in machine.step_samples
+                 if s["model"] == {k: v for k, v in wl.model.__dict__.items() if k != "name"} and s["batch"] == wl.batch}
+    if machine.step_samples and not fitted_on:
+        print(f"note: the machine's in-step scale was fitted to another model ({machine.step_samples[0]['model']})")
     rows = []
     for g in grids:
         shape = GridShape(*g)
@@ -227,25 +238,35 @@ def main() -> int:
         rows.append({
             "grid": list(g), "world": shape.world_size, "measured_step": step, "rounds_step": got["rounds_step"],
             "predicted_step": cand.time.step_s, "time_error": (cand.time.step_s - step) / step,
+            # the same model without the machine's in-step scale (axon4d.plan.stepfit), for comparison
+            "predicted_step_unscaled": sum(cand.time.parts), "time_error_unscaled": (sum(cand.time.parts) - step) / step,
             "measured_mem": peak, "predicted_mem": cand.mem.peak, "mem_error": (cand.mem.peak - peak) / peak,
             "bytes_logged": logged, "bytes_predicted": cand.time.bytes_by_axis,
             "bytes_match": logged == cand.time.bytes_by_axis,
-            "measured_comm_blocked_s": got["measured_comm_blocked_s"],
+            "measured_comm_blocked_s": got["measured_comm_blocked_s"], "step_calibration_grid": g in fitted_on,
             "prediction": cand.to_json(),
         })
     print(f"\n{'grid':<14} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7} {'bytes':>5}")
     for r in rows:
         print(f"{str(tuple(r['grid'])):<14} {r['measured_step'] * 1e3:>8.0f} {r['predicted_step'] * 1e3:>8.0f} "
               f"{100 * r['time_error']:>+6.1f}% {r['measured_mem'] / 2**20:>9.1f} {r['predicted_mem'] / 2**20:>9.1f} "
-              f"{100 * r['mem_error']:>+6.1f}% {'ok' if r['bytes_match'] else 'DIFF':>5}")
+              f"{100 * r['mem_error']:>+6.1f}% {'ok' if r['bytes_match'] else 'DIFF':>5}"
+              f"{'  (step calibration grid)' if r['step_calibration_grid'] else ''}")
     errs = [abs(r["time_error"]) for r in rows]
     mem_errs = [abs(r["mem_error"]) for r in rows]
     eight = [r for r in rows if r["world"] == max(x["world"] for x in rows)]
     fastest = min(eight, key=lambda r: r["measured_step"])
     chosen = min(eight, key=lambda r: r["predicted_step"])
     gap = (chosen["measured_step"] - fastest["measured_step"]) / fastest["measured_step"]
+    unscaled = [abs(r["time_error_unscaled"]) for r in rows]
+    held_out = [abs(r["time_error"]) for r in rows if not r["step_calibration_grid"]]
     summary = {
         "median_time_error": statistics.median(errs), "worst_time_error": max(errs), "top1_gap": gap,
+        "step_scale": machine.step_scale, "step_calibration_grids": [s["grid"] for s in machine.step_samples],
+        "median_time_error_unscaled": statistics.median(unscaled), "worst_time_error_unscaled": max(unscaled),
+        # the grids the step calibration did not run (its own grids were timed there, in another job)
+        "held_out_grids": len(held_out), "median_time_error_held_out": statistics.median(held_out) if held_out else None,
+        "worst_time_error_held_out": max(held_out) if held_out else None,
         "planner_choice": chosen["grid"], "fastest_measured": fastest["grid"],
         "median_memory_error": statistics.median(mem_errs), "worst_memory_error": max(mem_errs),
         "bytes_match_all": all(r["bytes_match"] for r in rows), "seconds": time.perf_counter() - start,
@@ -259,6 +280,14 @@ def main() -> int:
                    "machine": args.machine, "overlap": describe(overlap), "summary": summary, "rows": rows}, f, indent=1)
     os.makedirs(os.path.dirname(args.plot), exist_ok=True)
     plot(args.plot, rows)
+    for w, k in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):
+        print(f"in-step scale ({w} ranks, fitted to the calibration model's steps): compute ×{k[0]:.2f}, "
+              f"activation all-reduces ×{k[1]:.2f}, weight/gradient collectives ×{k[2]:.2f}")
+    print(f"without it: median error {100 * summary['median_time_error_unscaled']:.1f}%, "
+          f"worst {100 * summary['worst_time_error_unscaled']:.1f}%")
+    if fitted_on and held_out:
+        print(f"on the {len(held_out)} grids the step calibration did not run: median error "
+              f"{100 * summary['median_time_error_held_out']:.1f}%, worst {100 * summary['worst_time_error_held_out']:.1f}%")
     print(f"\nthe same grid's step time moved by {100 * summary['round_spread_median']:.0f}% (median) between rounds")
     print(f"planner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
           f"communication bytes per axis equal the planner's on {sum(r['bytes_match'] for r in rows)}/{len(rows)} grids")

@@ -157,6 +157,51 @@ def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
     assert cost.fwd_mm > m.matmul_time("nt", b, in_l, out_l, wl.dtype, shape.world_size)  # 4 GEMMs cost more
 
 
+def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibration():
+    import dataclasses
+
+    m = load("perlmutter")
+    assert m.step_scale == {} and m.step_scale_for(8) == (1.0, 1.0, 1.0)
+    wl = Workload(SIZES["20B"], batch=64)
+    shape = GridShape(4, 2, 8, 8)
+    t = step_time(wl, shape, m)
+    assert t.step_s == pytest.approx(t.compute_s + t.comm_s - t.hidden_s, rel=1e-12)
+    compute, activation, weight = t.parts
+    assert activation > 0 and weight > 0 and activation + weight == pytest.approx(t.comm_s - t.hidden_s)
+    # activations: the forward (E8) and input-gradient (E9) all-reduces and the embedding lookup's
+    assert t.layers["embedding"]["comm_embedding"] > 0
+    assert t.activation_comm_s == pytest.approx(sum(v["count"] * sum(v.get(f"comm_{k}", 0.0) for k in ("E8", "E9", "embedding"))
+                                                    for v in t.layers.values()), rel=1e-12)
+    scaled = dataclasses.replace(m, step_scale={"2": [9.0, 9.0, 9.0], "512": [1.25, 1.5, 0.5]})
+    assert scaled.step_scale_for(shape.world_size) == (1.25, 1.5, 0.5)  # the nearest calibrated world
+    s = step_time(wl, shape, scaled)
+    assert s.parts == pytest.approx(t.parts)
+    assert s.step_s == pytest.approx(1.25 * compute + 1.5 * activation + 0.5 * weight, rel=1e-12)
+    # recomputation adds to the parts, so it is scaled like the rest
+    full = evaluate(wl, shape, scaled, recompute="full").time
+    assert full.parts[0] > s.parts[0] and full.parts[1] > s.parts[1] and full.step_s > s.step_s
+
+
+def test_step_fit_recovers_scales_and_keeps_them_non_negative():
+    from axon4d.plan.stepfit import calibration_grids, fit, parse_model
+
+    rng = np.random.default_rng(0)
+    parts = rng.uniform(0.05, 1.0, size=(5, 3))
+    k = np.array([1.2, 1.1, 0.7])
+    assert fit(parts, parts @ k) == pytest.approx(tuple(k), rel=1e-9)
+    # measured steps that only a negative weight would match: that weight is dropped, not negative
+    parts = np.array([[1.0, 0.0, 1.0], [1.0, 0.0, 2.0], [1.0, 0.0, 3.0]])
+    got = fit(parts, np.array([1.0, 0.9, 0.8]))
+    assert got[2] == 0.0 and got[0] > 0 and got[1] == 1.0  # no activation traffic measured: weight 1
+    wl = parse_model("layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8")
+    assert wl.model.ffn == 4 * 384 and wl.dtype == "float32" and wl.tokens == 768 and not wl.norms
+    for bad in ("layers=2,hidden=384", "layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8,width=3"):
+        with pytest.raises(ValueError, match="step model"):
+            parse_model(bad)
+    assert calibration_grids(8, wl) == [(1, 1, 1, 8), (1, 1, 8, 1), (8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1)]
+    assert calibration_grids(4, wl)[-1] == (2, 2, 1, 1) and calibration_grids(1, wl) == []
+
+
 def test_axis_geometry_and_machine_levels_follow_e1():
     shape = GridShape(4, 2, 8, 16)
     assert [axis_geometry(shape, a) for a in ("x", "y", "z", "data", "batch")] == [(4, 1), (2, 4), (8, 8), (16, 64), (128, 8)]
@@ -247,7 +292,8 @@ def _calibrate_small(grid):
     from axon4d.plan import calibrate
 
     calibrate.DIMS, calibrate.PAYLOADS = [16, 64], [4096, 65536]
-    result = calibrate.measure_world(grid, ["float32"], reps=1, log=lambda s: None)
+    result = calibrate.measure_world(grid, ["float32"], reps=1, log=lambda s: None,
+                                     step_model="layers=1,hidden=64,heads=8,ffn=128,vocab=64,seq=16,batch=8", step_rounds=1)
     return calibrate.merge(None, result, "test-host", 2**30).to_json()
 
 
@@ -264,3 +310,8 @@ def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(po
     assert 0.0 <= m.overlap_efficiency <= 1.0 and m.peak_flops["float32"] > 0
     t = step_time(PROBE_WL, GridShape(2, 1, 2, 1), m)
     assert t.step_s > 0 and t.comm_by_axis["x"] > 0 and t.comm_by_axis["z"] > 0
+    # the whole calibration steps: one per grid of stepfit.calibration_grids, and a fitted scale
+    assert [s["grid"] for s in m.step_samples] == [[1, 1, 1, 4], [1, 1, 4, 1], [4, 1, 1, 1], [1, 4, 1, 1], [2, 2, 1, 1]]
+    assert all(s["measured_s"] > 0 and s["model"]["hidden"] == 64 for s in m.step_samples)
+    k = m.step_scale["4"]
+    assert len(k) == 3 and min(k) >= 0 and k[0] > 0 and t.scale == tuple(k)

@@ -12,7 +12,9 @@ real step (on a CPU host the ranks share cores; on a GPU node each has its own d
   MLP activation forward/backward per element, one Adam step per parameter, a framework op;
 - every collective (all-reduce, all-gather, reduce-scatter) through ``axon4d.comm`` on every axis
   geometry (group size, rank stride) of the world, at several payloads;
-- how much of an asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``).
+- how much of an asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``);
+- with ``--step-model``, whole training steps of that model on a few grids, to which the
+  planner's in-step scale is fitted (``axon4d.plan.stepfit``).
 
 Times are the mean over ranks of each rank's median over repetitions. The results of several
 worlds are merged into one file (tables keyed by the number of ranks that ran at once).
@@ -35,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from axon4d.plan import stepfit
 from axon4d.plan.machine import FORMS, CommCurve, Level, Machine, MatmulTable
 
 DIMS = [16, 64, 256, 1024, 4096]
@@ -230,9 +233,17 @@ def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
 
 
 def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], None] = print,
-                  passes: int = 1, window_s: float = 0.03) -> dict[str, Any]:
+                  passes: int = 1, window_s: float = 0.03, step_model: str | None = None,
+                  step_rounds: int = 3) -> dict[str, Any]:
     """All measurements on the current world (every rank calls this); the result on every rank.
-    ``window_s``: each sample of local work is a mean over this long (see ``_timeit``)."""
+    ``window_s``: each sample of local work is a mean over this long (see ``_timeit``);
+    ``step_model``: a ``stepfit.parse_model`` spec whose steps the in-step scale is fitted to
+    (``step_rounds`` rounds on ``stepfit.calibration_grids``; None: no step calibration)."""
+    step_wl = stepfit.parse_model(step_model) if step_model else None  # a bad spec fails before measuring
+    if step_wl is not None and grid.world_size > 1 and len(stepfit.calibration_grids(grid.world_size, step_wl)) < 3:
+        raise ValueError(f"step model {step_model!r} fits only the grids {stepfit.calibration_grids(grid.world_size, step_wl)} "
+                         f"of {grid.world_size} ranks; the fit needs 3 (make heads and batch divisible by "
+                         f"{grid.world_size}, and the features by it)")
     ctx = _Ctx(grid, reps, window_s)
     world = grid.world_size
     out: dict[str, Any] = {"world": world, "matmul": {}, "attention": {}}
@@ -249,6 +260,8 @@ def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], 
     out["comm"] = _comm_curves(ctx, world, torch.float32, passes) if world > 1 else []
     out["overlap_efficiency"] = statistics.median(_overlap_efficiency(ctx, torch.float32) for _ in range(max(passes, 1)))
     log(f"[{world} ranks] collectives done; overlap efficiency {out['overlap_efficiency']:.2f}")
+    samples = stepfit.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []
+    out["step_samples"] = [dataclasses.asdict(s) for s in samples]
     return out
 
 
@@ -279,6 +292,9 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
             machine.levels = [Level("host (measured)", 0, statistics.median(f[0] for f in fits) / 2,
                                     statistics.median(f[1] for f in fits))]
     machine.devices_per_node = max(machine.devices_per_node, world)
+    machine.step_samples = [s for s in machine.step_samples if stepfit.Sample(**s).world != world] + result["step_samples"]
+    if stepfit.refit(machine):
+        machine.sources["step_scale"] = "fitted to the measured steps in step_samples (axon4d.plan.stepfit)"
     machine.sources["peak_flops"] = "best GEMM throughput measured at the lattice points (not a hardware peak)"
     return machine
 
@@ -289,7 +305,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int, passes: int, queue: Any) -> None:
+def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int, passes: int,
+                  step_model: str | None, queue: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -300,19 +317,19 @@ def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int
                             timeout=datetime.timedelta(seconds=600))
     grid = axon4d.init(grid=(1, 1, 1, world))
     result = measure_world(grid, dtypes, reps, log=(lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None),
-                           passes=passes)
+                           passes=passes, step_model=step_model)
     if rank == 0:
         queue.put(result)
     axon4d.shutdown()
     dist.destroy_process_group()
 
 
-def run_local(world: int, dtypes: list[str], reps: int, passes: int = 1) -> dict[str, Any]:
+def run_local(world: int, dtypes: list[str], reps: int, passes: int = 1, step_model: str | None = None) -> dict[str, Any]:
     """Spawn ``world`` gloo ranks on this host, measure, return rank 0's results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, dtypes, reps, passes, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, dtypes, reps, passes, step_model, queue)) for r in range(world)]
     for p in procs:
         p.start()
     result = queue.get()
@@ -327,6 +344,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtypes", default="float32,bfloat16", help="GEMM dtypes to measure")
     p.add_argument("--reps", type=int, default=5, help="repetitions per measurement (median)")
     p.add_argument("--passes", type=int, default=3, help="sweeps over all collectives (per-point median)")
+    p.add_argument("--step-model", default=None, metavar="SPEC",
+                   help="also time whole steps of this model on a few grids and fit the planner's in-step scale to "
+                        "them (axon4d.plan.stepfit), e.g. layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8")
     p.add_argument("--name", default="local", help="machine name stored in the file")
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: host RAM / ranks)")
     p.add_argument("--out", default="local.json", help="machine file to write (merged into if it exists)")
@@ -336,6 +356,8 @@ def main(args: argparse.Namespace) -> int:
     from axon4d import launch
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if args.step_model:
+        stepfit.parse_model(args.step_model)  # a bad spec fails now, not after the tables
     machine = None
     if os.path.exists(args.out):
         from axon4d.plan.machine import load
@@ -348,7 +370,7 @@ def main(args: argparse.Namespace) -> int:
 
         grid = axon4d.init(grid=(1, 1, 1, -1))
         result = measure_world(grid, dtypes, args.reps, log=print if grid.rank == 0 else (lambda s: None),
-                               passes=args.passes)
+                               passes=args.passes, step_model=args.step_model)
         rank = grid.rank
         axon4d.shutdown()
         if rank != 0:
@@ -358,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         machine.save(args.out)
     else:
         for w in args.ranks.split(","):
-            result = run_local(int(w), dtypes, args.reps, args.passes)
+            result = run_local(int(w), dtypes, args.reps, args.passes, args.step_model)
             mem = args.memory_gib * 2**30 if args.memory_gib else _host_memory() / max(result["world"], 1)
             machine = merge(machine, result, args.name, mem)
             machine.save(args.out)  # after every world: a later failure keeps what was measured
@@ -368,6 +390,9 @@ def main(args: argparse.Namespace) -> int:
         if c.op == "all_reduce":
             a, b = c.alpha_beta()
             print(f"  all_reduce group {c.group} stride {c.stride} ({c.world} ranks): α {a * 1e6:.0f} µs, β {b / 1e9:.2f} GB/s")
+    for w, (k_c, k_a, k_w) in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):
+        print(f"  in-step scale ({w} ranks): compute ×{k_c:.2f}, activation all-reduces ×{k_a:.2f}, "
+              f"weight/gradient collectives ×{k_w:.2f}")
     return 0
 
 

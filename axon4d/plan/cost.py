@@ -20,6 +20,13 @@ machine's ``overlap_efficiency``:
 
 Block layers are repeated n_layers times and their neighbours wrap around the block. Which
 mechanisms are on is the library's own ``axon4d.overlap.OverlapPolicy`` (default: all on).
+
+The step is then the sum of three parts, each weighted by the machine's in-step scale for the
+world size (``Machine.step_scale``, fitted by ``axon4d.plan.stepfit`` from measured steps; 1, 1, 1
+for a machine without step calibration):
+
+    step = k_c · (compute + optimizer) + k_a · exposed activation all-reduces (E8, E9, embedding lookup)
+           + k_w · exposed weight and gradient collectives (E10–E13, replicated gradients)
 """
 
 from __future__ import annotations
@@ -33,7 +40,13 @@ from axon4d.plan.machine import Machine
 from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.volume import chunk_sizes, linear_collectives, weight_shard_numel
 
-#: Axis → (group size, rank stride) under E1.
+#: Collectives that move activations on the critical path (their term keys); every other one
+#: moves weights or gradients.
+ACTIVATION_TERMS = frozenset({"E8", "E9", "embedding"})
+#: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
+ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})
+
+
 def axis_geometry(shape: GridShape, axis: str) -> tuple[int, int]:
     """(ranks in one group of ``axis``, distance between consecutive members) — E1, x innermost."""
     x, y, z, d = shape.as_tuple()
@@ -148,10 +161,13 @@ def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple
 
 @dataclasses.dataclass
 class TimeEstimate:
-    """Predicted seconds of one step on one rank, and where they go."""
+    """Predicted seconds of one step on one rank, and where they go.
 
-    step_s: float
-    compute_s: float
+    ``compute_s``, ``comm_s`` and ``hidden_s`` are the unscaled model; ``step_s`` weights the three
+    parts (compute, exposed activation collectives, exposed weight/gradient collectives) by
+    ``scale`` — the machine's in-step scale (``Machine.step_scale``)."""
+
+    compute_s: float  # GEMMs, attention, elementwise work and the optimizer
     matmul_s: float
     optimizer_s: float
     comm_s: float  # all collectives as if serial
@@ -160,6 +176,19 @@ class TimeEstimate:
     bytes_by_axis: dict[str, int]
     hidden_by_mechanism: dict[str, float]
     layers: dict[str, dict[str, float]]
+    activation_comm_s: float = 0.0  # the part of comm_s in ACTIVATION_TERMS
+    scale: tuple[float, float, float] = (1.0, 1.0, 1.0)  # (k_c, k_a, k_w)
+
+    @property
+    def parts(self) -> tuple[float, float, float]:
+        """(compute, exposed activation collectives, exposed weight/gradient collectives), unscaled."""
+        act_hidden = sum(v for k, v in self.hidden_by_mechanism.items() if k in ACTIVATION_MECHANISMS)
+        return (self.compute_s, self.activation_comm_s - act_hidden,
+                self.comm_s - self.activation_comm_s - (self.hidden_s - act_hidden))
+
+    @property
+    def step_s(self) -> float:
+        return sum(k * part for k, part in zip(self.scale, self.parts))
 
     @property
     def exposed_comm_s(self) -> float:
@@ -189,7 +218,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         return layers[j] if 0 <= j < len(layers) else None
 
     hidden = {"oag": 0.0, "oar": 0.0, "ors": 0.0, "odp": 0.0, "chunks": 0.0}
-    compute = matmul = comm = 0.0
+    compute = matmul = comm = activation_comm = 0.0
     comm_by_axis: dict[str, float] = {}
     bytes_by_axis: dict[str, int] = {}
     per_layer: dict[str, dict[str, float]] = {}
@@ -235,6 +264,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         compute += n * layer_compute
         matmul += n * (lc.fwd_mm + lc.dx + lc.dw)
         comm += n * sum(c.values())
+        activation_comm += n * sum(t for key, t in c.items() if key in ACTIVATION_TERMS)
         for key, t in c.items():
             comm_by_axis[lc.comm_axis[key]] = comm_by_axis.get(lc.comm_axis[key], 0.0) + n * t
         for axis, nb in lc.bytes_by_axis.items():
@@ -255,9 +285,8 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
 
         params_local = local_param_count(wl, shape)
     opt = machine.optimizer_time(params_local, shape.world_size)
-    total_hidden = sum(hidden.values())
     return TimeEstimate(
-        step_s=compute + opt + comm - total_hidden, compute_s=compute + opt, matmul_s=matmul, optimizer_s=opt,
-        comm_s=comm, hidden_s=total_hidden, comm_by_axis=comm_by_axis, bytes_by_axis=bytes_by_axis,
-        hidden_by_mechanism=hidden, layers=per_layer,
+        compute_s=compute + opt, matmul_s=matmul, optimizer_s=opt, comm_s=comm, hidden_s=sum(hidden.values()),
+        comm_by_axis=comm_by_axis, bytes_by_axis=bytes_by_axis, hidden_by_mechanism=hidden, layers=per_layer,
+        activation_comm_s=activation_comm, scale=machine.step_scale_for(shape.world_size),
     )

@@ -11,7 +11,9 @@ A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file wri
   (op, group, stride, world) are interpolated piecewise linearly in the payload — in each size
   segment that is t = α + bytes/β. Otherwise the model t = α·steps + traffic/β (ring traffic; steps = the fewer of ring and tree) of the first
   hierarchy level (e.g. "node", then "network") that contains the whole group.
-- elementwise, attention and per-op costs for the work that is not a GEMM.
+- elementwise, attention and per-op costs for the work that is not a GEMM;
+- ``step_scale_for(world)``: how the parts of a priced step compare with steps measured on this
+  machine (``axon4d.plan.stepfit``; 1, 1, 1 without step calibration).
 
 Every figure in a shipped machine file carries its source in the file's "sources" field.
 """
@@ -124,6 +126,10 @@ class Machine:
     # concurrency -> seconds per parameter element of one Adam step
     op_overhead_s: float = 5e-6  # fixed cost of one framework op (kernel launch / dispatch)
     overlap_efficiency: float = 0.9  # share of an overlapped collective that compute actually hides
+    step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # world size (str) -> [k_compute, k_activation_comm, k_weight_comm] fitted by axon4d.plan.stepfit
+    step_samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # the measured calibration steps the scales were fitted to (axon4d.plan.stepfit.Sample as dicts)
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -187,6 +193,13 @@ class Machine:
         if self.adam_s:
             return params * self._nearest(self.adam_s, self.concurrency(world))
         return self.elementwise_time(40 * params, world)  # p, g, m, v in; p, m, v out, fp32
+
+    def step_scale_for(self, world: int) -> tuple[float, float, float]:
+        """(k_c, k_a, k_w) of the nearest world size that was step-calibrated; (1, 1, 1) if none."""
+        if not self.step_scale:
+            return (1.0, 1.0, 1.0)
+        k_c, k_a, k_w = self._nearest(self.step_scale, world)
+        return (float(k_c), float(k_a), float(k_w))
 
     def level_of(self, group: int, stride: int) -> Level:
         """The innermost hierarchy level whose ``ranks`` consecutive ranks hold the whole group."""

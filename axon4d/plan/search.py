@@ -131,16 +131,13 @@ def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: OverlapP
     t = step_time(wl, shape, machine, overlap, params_local=params)
     if recompute != "none":  # the recomputed forward: every block layer again ("full"), or the MLP activation
         layers = {k: v for k, v in t.layers.items() if v["count"] == wl.model.n_layers}
-        if recompute == "full":
-            extra_compute = sum(v["count"] * v["fwd_s"] for v in layers.values())
-            extra_comm = sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
+        if recompute == "full":  # with its forward all-reduces (E8) and Z all-gathers (E10f)
+            t.compute_s += sum(v["count"] * v["fwd_s"] for v in layers.values())
+            t.comm_s += sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
+            t.activation_comm_s += sum(v["count"] * v.get("comm_E8", 0.0) for v in layers.values())
         else:
-            extra_compute = wl.model.n_layers * machine.activation_time(
+            t.compute_s += wl.model.n_layers * machine.activation_time(
                 wl.local_tokens(shape) * wl.model.ffn // shape.y, shape.world_size)[0]
-            extra_comm = 0.0
-        t.step_s += extra_compute + extra_comm
-        t.compute_s += extra_compute
-        t.comm_s += extra_comm
     mem = memory(wl, shape, recompute, overlap)
     mfu = wl.flops() / (shape.world_size * machine.peak(wl.dtype) * t.step_s)
     return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t))

@@ -1,0 +1,167 @@
+"""Step calibration: fit how whole measured steps of a model compare with the priced parts (DESIGN.md §6).
+
+``axon4d calibrate`` times every GEMM, elementwise op and collective on its own, with every rank
+busy with the same kind of work. A training step runs them together, with the layers' Python and
+autograd between them and the overlap scheduler moving collectives under compute, and the sum of
+the priced parts is off in a way that depends on the machine and on the model. With
+``axon4d calibrate --step-model SPEC``:
+
+- ``measure`` runs training steps of that model (``axon4d.plan.probe.ProbeModel``: the model's
+  blocks of ``axon4d.Linear``, attention, head and Adam; the library's default overlap policy) on
+  a few grids of the current world, ``calibration_grids``: one per parallel axis that divides the
+  world alone (data, z, x, y), so that each kind of collective dominates one step, and one grid
+  over as many axes as the world allows;
+- ``fit`` finds, per world size, the non-negative weights (k_c, k_a, k_w) that minimise the
+  squared relative error of
+
+      measured step ≈ k_c · compute + k_a · exposed activation all-reduces + k_w · exposed weight/gradient collectives
+
+  over those steps (the three parts are ``cost.TimeEstimate.parts``, from the machine's tables);
+  ``cost.step_time`` applies the weights of the nearest calibrated world size to every grid.
+
+The weights describe the calibrated model on this machine. They carry over to models of similar
+shape, not to models of very different size: a step of a smaller model is dominated by fixed
+per-op costs that a multiplicative weight does not describe (docs/planner.md shows both). Without
+step calibration (the shipped cluster files) the weights are (1, 1, 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from typing import Any, Callable
+
+import numpy as np
+
+from axon4d.grid import GridShape
+from axon4d.models.config import ModelConfig
+from axon4d.plan.workload import Workload
+
+#: ``parse_model`` keys → ModelConfig fields
+_SPEC_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
+              "ffn": "ffn_hidden", "vocab": "vocab_size", "seq": "seq_len"}
+
+
+@dataclasses.dataclass
+class Sample:
+    """One measured calibration step: the grid, the model, and the median step time over rounds."""
+
+    grid: list[int]
+    measured_s: float
+    model: dict[str, Any]
+    batch: int
+    dtype: str
+    rounds_s: list[float]
+
+    @property
+    def world(self) -> int:
+        return GridShape(*self.grid).world_size
+
+    def workload(self) -> Workload:
+        return Workload(ModelConfig(name="stepfit", **self.model), self.batch, self.dtype, embedding=False,
+                        norms=False)
+
+
+def parse_model(spec: str) -> Workload:
+    """The workload of ``spec`` = "layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8[,ffn=…][,kv_heads=…]
+    [,dtype=float32]" (ffn: ModelConfig's default), as ``ProbeModel`` runs it (no embedding, no norms)."""
+    fields: dict[str, object] = {}
+    batch, dtype = None, "float32"
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or (key not in _SPEC_KEYS and key not in ("batch", "dtype")):
+            raise ValueError(f"step model {spec!r}: {item!r} is not key=value with a key of "
+                             f"{sorted(_SPEC_KEYS) + ['batch', 'dtype']}")
+        if key == "dtype":
+            dtype = value
+        elif key == "batch":
+            batch = int(value)
+        else:
+            fields[_SPEC_KEYS[key]] = int(value)
+    missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if _SPEC_KEYS[k] not in fields]
+    if missing or batch is None:
+        raise ValueError(f"step model {spec!r} lacks {missing + ([] if batch else ['batch'])}; "
+                         "e.g. layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8")
+    return Workload(ModelConfig(name="stepfit", **fields), batch, dtype, embedding=False, norms=False)  # type: ignore[arg-type]
+
+
+def calibration_grids(world: int, wl: Workload) -> list[tuple[int, int, int, int]]:
+    """The grids ``measure`` runs on ``world`` ranks: every single-axis grid (data, z, x, y) the
+    workload allows, then one valid grid over as many axes as possible (the most balanced, model
+    axes before data)."""
+    pure = [(1, 1, 1, world), (1, 1, world, 1), (world, 1, 1, 1), (1, world, 1, 1)]
+    out = [g for g in pure if world > 1 and not wl.grid_problems(GridShape(*g))]
+    mixed = [g for g in itertools.product(range(1, world + 1), repeat=4) if int(np.prod(g)) == world
+             and sum(v > 1 for v in g) >= 2 and not wl.grid_problems(GridShape(*g))]
+    if mixed:
+        out.append(min(mixed, key=lambda g: (-sum(v > 1 for v in g), max(g), g[3], g[2])))
+    return list(dict.fromkeys(out))
+
+
+def measure(world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6,
+            log: Callable[[str], None] = print) -> list[Sample]:
+    """Time ``wl`` on every ``calibration_grids`` grid of this world (every rank calls this; all get
+    the same samples): ``rounds`` interleaved rounds of ``steps`` back-to-back steps
+    (``axon4d.plan.probe.measure_step``), the median over rounds."""
+    import torch
+
+    from axon4d.grid import Grid
+    from axon4d.overlap import OverlapPolicy
+    from axon4d.plan.probe import ProbeModel, measure_step
+
+    grids = calibration_grids(world_grid.world_size, wl)
+    times: dict[tuple, list[float]] = {g: [] for g in grids}
+    for _ in range(rounds):
+        for g in grids:
+            grid = Grid(GridShape(*g), world_grid.device, world_grid.comm.backend_name, launcher="existing")
+            grid.comm.scheduler.configure(OverlapPolicy())
+            try:
+                torch.manual_seed(0)
+                times[g].append(measure_step(ProbeModel(wl, grid), steps=steps)["step_s"])
+            finally:
+                grid.comm.barrier()
+                grid.destroy()
+    for g in grids:
+        log(f"[{world_grid.world_size} ranks] calibration step {g}: {statistics.median(times[g]) * 1e3:.0f} ms")
+    model = {f.name: getattr(wl.model, f.name) for f in dataclasses.fields(wl.model) if f.name != "name"}
+    return [Sample(list(g), statistics.median(times[g]), model, wl.batch, wl.dtype, times[g]) for g in grids]
+
+
+def fit(parts: np.ndarray, measured: np.ndarray) -> tuple[float, float, float]:
+    """Non-negative (k_c, k_a, k_w) minimising Σ ((parts · k − measured) / measured)².
+
+    ``parts`` (n, 3): the unscaled (compute, activation, weight) seconds of each step; a column
+    that is zero in every step gets weight 1 (nothing measured says otherwise)."""
+    a = parts / measured[:, None]
+    b = np.ones(len(measured))
+    active = [j for j in range(3) if np.any(parts[:, j] > 0)]
+    while True:  # least squares on the active columns; drop a column whose weight comes out negative
+        k = np.zeros(3)
+        if active:
+            k[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        negative = [j for j in active if k[j] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda j: k[j]))
+    for j in range(3):
+        if not np.any(parts[:, j] > 0):
+            k[j] = 1.0
+    return (float(k[0]), float(k[1]), float(k[2]))
+
+
+def refit(machine: Any) -> dict[str, list[float]]:
+    """Fit ``machine.step_scale`` from ``machine.step_samples`` (per world size) with the machine's
+    current tables; returns and stores it. A world needs at least three samples."""
+    from axon4d.plan.cost import step_time
+
+    samples = [Sample(**s) for s in machine.step_samples]
+    scale: dict[str, list[float]] = {}
+    for world in sorted({s.world for s in samples}):
+        mine = [s for s in samples if s.world == world]
+        if len(mine) < 3:
+            continue
+        parts = np.array([step_time(s.workload(), GridShape(*s.grid), machine).parts for s in mine])
+        scale[str(world)] = list(fit(parts, np.array([s.measured_s for s in mine])))
+    machine.step_scale = scale
+    return scale
