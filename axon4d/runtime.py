@@ -9,7 +9,6 @@ an explicit ``grid=``.
 from __future__ import annotations
 
 import atexit
-import gc
 from typing import Sequence
 
 import torch
@@ -113,11 +112,7 @@ def shutdown() -> None:
     _state["grid"] = None
     if dist.is_initialized():
         grid.comm.barrier()  # a rank leaving early can abort the others (DESIGN.md §7)
-    grid.destroy()
-    # the grid, its communicator and the layers refer to each other: collect the cycle now so the
-    # destroyed groups' threads and sockets go away at shutdown, not at some later collection
-    del grid
-    gc.collect()
+    grid.destroy()  # collects what refers to its groups (Grid.destroy)
 
 
 def _at_exit() -> None:

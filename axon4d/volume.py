@@ -47,11 +47,18 @@ def weight_shard_numel(in_features: int, out_features: int, shape: GridShape, tr
     return math.ceil(rows * cols / shape.z)
 
 
+def z_padded(flat_block: torch.Tensor, parts: int) -> torch.Tensor:
+    """A flat weight block zero-padded to ``parts`` equal shards over z — the storage layout E2
+    gathers and E5 reduce-scatters."""
+    n = math.ceil(flat_block.numel() / parts)
+    return F.pad(flat_block, (0, n * parts - flat_block.numel()))
+
+
 def z_shard(flat_block: torch.Tensor, index: int, parts: int) -> torch.Tensor:
     """Shard ``index`` of a flat weight block split into ``parts`` equal shards over z, the last
-    zero-padded — the storage layout E2 gathers and E5 reduce-scatters."""
+    zero-padded (``z_padded``)."""
     n = math.ceil(flat_block.numel() / parts)
-    return F.pad(flat_block, (0, n * parts - flat_block.numel()))[index * n : (index + 1) * n]
+    return z_padded(flat_block, parts)[index * n : (index + 1) * n]
 
 
 def linear_collectives(

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 import axon4d
-from axon4d.grid import GridShape, factorizations, require_divisible
+from axon4d.grid import Grid, GridShape, factorizations, require_divisible
 from harness import grids_of
 
 
@@ -124,3 +124,26 @@ def test_shutdown_releases_the_groups_threads(pools):
     for _ in range(4):
         pool.run((2, 1, 2, 1), _noop)
     assert pool.run(None, _threads) == before  # gloo threads of destroyed groups do not pile up
+
+
+def _train_on_grids_and_keep_them(grid):
+    from axon4d.plan.probe import ProbeModel, measure_step
+    from axon4d.plan.stepfit import parse_model
+
+    wl = parse_model("layers=1,hidden=32,heads=4,vocab=32,seq=8,batch=4")
+    before, kept = _threads(), []
+    for shape in [(2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]:
+        g = Grid(GridShape(*shape), grid.device, launcher="existing")
+        model = ProbeModel(wl, g)
+        measure_step(model, steps=1, warmup=1)  # layers, optimizer state and autograd graphs on g
+        g.destroy()
+        kept.append((g, model))  # the caller still holds the grid and its layers
+    return before, _threads()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_destroy_releases_the_groups_threads_while_the_grid_and_its_layers_are_still_held(pools):
+    # a benchmark or the calibration builds grid after grid in one process: the destroyed groups'
+    # transport threads must not pile up and time-slice with later steps
+    for before, after in pools(4).run((1, 1, 1, 4), _train_on_grids_and_keep_them):
+        assert after == before

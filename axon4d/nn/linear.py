@@ -16,7 +16,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from axon4d import runtime, volume
@@ -85,7 +84,7 @@ class _Linear3D(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             with sched.compute("bwd.dW"):
                 dw = torch.matmul(dy2.t(), x2).reshape(-1)  # (out_l, b) @ (b, in_l), flattened
-            dw = F.pad(dw, (0, layer.shard_numel * layer.grid.size("z") - dw.numel()))
+            dw = volume.z_padded(dw, layer.grid.size("z"))  # (shard_numel·G_z,)
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
