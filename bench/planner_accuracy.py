@@ -206,8 +206,9 @@ def main() -> int:
     if args.from_json:  # predictions again (new machine file or planner) for measurements already taken
         with open(args.from_json) as f:
             old = json.load(f)
-        measured = {tuple(r["grid"]): {k: r[k] for k in ("rounds_step", "measured_mem", "bytes_logged",
-                                                          "measured_comm_blocked_s")} for r in old["rows"]}
+        measured = {tuple(r["grid"]): {k: r.get(k) for k in ("rounds_step", "measured_mem", "bytes_logged",
+                                                              "measured_comm_blocked_s", "collectives_logged")}
+                    for r in old["rows"]}
         grids = list(measured)
     else:
         if launched:
@@ -218,7 +219,7 @@ def main() -> int:
             results = measure(wl, grids, args.rounds, args.steps, args.overlap)
         times, peaks = results
         measured = {g: {"rounds_step": [r["step_s"] for r in times[g]], "measured_mem": peaks[g],
-                        "bytes_logged": times[g][0]["bytes_by_axis"],
+                        "bytes_logged": times[g][0]["bytes_by_axis"], "collectives_logged": times[g][0]["collectives"],
                         "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g])}
                     for g in grids}
 
@@ -240,6 +241,7 @@ def main() -> int:
             "predicted_step": cand.time.step_s, "time_error": (cand.time.step_s - step) / step,
             # the same model without the machine's in-step scale (axon4d.plan.stepfit), for comparison
             "predicted_step_unscaled": sum(cand.time.parts), "time_error_unscaled": (sum(cand.time.parts) - step) / step,
+            "collectives_logged": got["collectives_logged"], "collectives_predicted": cand.time.collectives,
             "measured_mem": peak, "predicted_mem": cand.mem.peak, "mem_error": (cand.mem.peak - peak) / peak,
             "bytes_logged": logged, "bytes_predicted": cand.time.bytes_by_axis,
             "bytes_match": logged == cand.time.bytes_by_axis,
@@ -281,8 +283,9 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.plot), exist_ok=True)
     plot(args.plot, rows)
     for w, k in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):
-        print(f"in-step scale ({w} ranks, fitted to the calibration model's steps): compute ×{k[0]:.2f}, "
-              f"activation all-reduces ×{k[1]:.2f}, weight/gradient collectives ×{k[2]:.2f}")
+        print(f"in-step scale ({w} ranks, fitted to steps on the step-calibration grids): compute ×{k[0]:.2f}, "
+              f"activation all-reduces ×{k[1]:.2f}, weight/gradient collectives ×{k[2]:.2f}, "
+              f"{k[3] * 1e3:.2f} ms per collective")
     print(f"without it: median error {100 * summary['median_time_error_unscaled']:.1f}%, "
           f"worst {100 * summary['worst_time_error_unscaled']:.1f}%")
     if fitted_on and held_out:

@@ -51,16 +51,17 @@ def _probe_step(grid, wl):
     torch.manual_seed(0)
     model = ProbeModel(wl, grid)
     n_params = sum(p.numel() for p in model.parameters())
-    res = measure_step(model, steps=1, warmup=1)
-    return n_params, res["bytes_by_axis"]
+    res = measure_step(model, steps=2, warmup=1)
+    return n_params, res["bytes_by_axis"], res["collectives"]
 
 
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (4, 1, 1, 2), (1, 1, 8, 1)])
 def test_logged_bytes_and_parameters_equal_the_planner(pools, grid):
     shape = GridShape(*grid)
     t = step_time(PROBE_WL, shape, load("perlmutter"))
-    for n_params, logged in pools(8).run(grid, _probe_step, PROBE_WL):
+    for n_params, logged, calls in pools(8).run(grid, _probe_step, PROBE_WL):
         assert logged == t.bytes_by_axis
+        assert calls == t.collectives  # what the in-step scale's per-collective cost counts
         assert n_params == local_param_count(PROBE_WL, shape)
 
 
@@ -161,7 +162,7 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     import dataclasses
 
     m = load("perlmutter")
-    assert m.step_scale == {} and m.step_scale_for(8) == (1.0, 1.0, 1.0)
+    assert m.step_scale == {} and m.step_scale_for(8) == (1.0, 1.0, 1.0, 0.0)
     wl = Workload(SIZES["20B"], batch=64)
     shape = GridShape(4, 2, 8, 8)
     t = step_time(wl, shape, m)
@@ -172,11 +173,11 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     assert t.layers["embedding"]["comm_embedding"] > 0
     assert t.activation_comm_s == pytest.approx(sum(v["count"] * sum(v.get(f"comm_{k}", 0.0) for k in ("E8", "E9", "embedding"))
                                                     for v in t.layers.values()), rel=1e-12)
-    scaled = dataclasses.replace(m, step_scale={"2": [9.0, 9.0, 9.0], "512": [1.25, 1.5, 0.5]})
-    assert scaled.step_scale_for(shape.world_size) == (1.25, 1.5, 0.5)  # the nearest calibrated world
+    scaled = dataclasses.replace(m, step_scale={"2": [9.0, 9.0, 9.0, 9.0], "512": [1.25, 1.5, 0.5, 1e-3]})
+    assert scaled.step_scale_for(shape.world_size) == (1.25, 1.5, 0.5, 1e-3)  # the nearest calibrated world
     s = step_time(wl, shape, scaled)
-    assert s.parts == pytest.approx(t.parts)
-    assert s.step_s == pytest.approx(1.25 * compute + 1.5 * activation + 0.5 * weight, rel=1e-12)
+    assert s.parts == pytest.approx(t.parts) and s.collectives == t.collectives > 0
+    assert s.step_s == pytest.approx(1.25 * compute + 1.5 * activation + 0.5 * weight + 1e-3 * t.collectives, rel=1e-12)
     # recomputation adds to the parts, so it is scaled like the rest
     full = evaluate(wl, shape, scaled, recompute="full").time
     assert full.parts[0] > s.parts[0] and full.parts[1] > s.parts[1] and full.step_s > s.step_s
@@ -186,20 +187,22 @@ def test_step_fit_recovers_scales_and_keeps_them_non_negative():
     from axon4d.plan.stepfit import calibration_grids, fit, parse_model
 
     rng = np.random.default_rng(0)
-    parts = rng.uniform(0.05, 1.0, size=(5, 3))
-    k = np.array([1.2, 1.1, 0.7])
-    assert fit(parts, parts @ k) == pytest.approx(tuple(k), rel=1e-9)
+    terms = np.c_[rng.uniform(0.05, 1.0, size=(6, 3)), rng.integers(10, 100, size=6)]
+    k = np.array([1.2, 1.1, 0.7, 2e-3])
+    assert fit(terms, terms @ k) == pytest.approx(tuple(k), rel=1e-9)
     # measured steps that only a negative weight would match: that weight is dropped, not negative
-    parts = np.array([[1.0, 0.0, 1.0], [1.0, 0.0, 2.0], [1.0, 0.0, 3.0]])
-    got = fit(parts, np.array([1.0, 0.9, 0.8]))
-    assert got[2] == 0.0 and got[0] > 0 and got[1] == 1.0  # no activation traffic measured: weight 1
+    terms = np.array([[1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 2.0, 0.0], [1.0, 0.0, 3.0, 0.0]])
+    got = fit(terms, np.array([1.0, 0.9, 0.8]))
+    assert got[2] == 0.0 and got[0] > 0
+    assert got[1] == 1.0 and got[3] == 0.0  # no activation traffic, no collectives measured: left unscaled
     wl = parse_model("layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8")
     assert wl.model.ffn == 4 * 384 and wl.dtype == "float32" and wl.tokens == 768 and not wl.norms
     for bad in ("layers=2,hidden=384", "layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8,width=3"):
         with pytest.raises(ValueError, match="step model"):
             parse_model(bad)
-    assert calibration_grids(8, wl) == [(1, 1, 1, 8), (1, 1, 8, 1), (8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 2, 1)]
-    assert calibration_grids(4, wl)[-1] == (2, 2, 1, 1) and calibration_grids(1, wl) == []
+    assert calibration_grids(8, wl) == [(1, 1, 1, 8), (1, 1, 8, 1), (8, 1, 1, 1), (1, 8, 1, 1),
+                                        (2, 2, 2, 1), (2, 2, 1, 2), (1, 2, 2, 2)]
+    assert calibration_grids(4, wl)[4:] == [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1)] and calibration_grids(1, wl) == []
 
 
 def test_axis_geometry_and_machine_levels_follow_e1():
@@ -262,13 +265,13 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     assert len(data["candidates"]) == 3 and data["world"] == 64
     assert "in-step scale" not in text  # shipped machines have no step calibration
     scaled = load("h100")
-    scaled.step_scale = {"64": [1.5, 1.0, 0.5]}
+    scaled.step_scale = {"64": [1.5, 1.0, 0.5, 2e-3]}
     scaled.step_samples = [{"grid": [1, 1, 1, 64], "measured_s": 1.0, "model": {"hidden": 8}, "batch": 64,
                             "dtype": "bfloat16", "rounds_s": [1.0]}]
     scaled.save(str(tmp_path / "scaled.json"))
     cli.main(p.parse_args(["--model", "20B", "--gpus", "64", "--machine", str(tmp_path / "scaled.json"),
                            "--batch", "64", "--top", "3"]))
-    assert "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50" in \
+    assert "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50, 2.00 ms" in \
         capsys.readouterr().out
 
 
@@ -321,7 +324,8 @@ def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(po
     t = step_time(PROBE_WL, GridShape(2, 1, 2, 1), m)
     assert t.step_s > 0 and t.comm_by_axis["x"] > 0 and t.comm_by_axis["z"] > 0
     # the whole calibration steps: one per grid of stepfit.calibration_grids, and a fitted scale
-    assert [s["grid"] for s in m.step_samples] == [[1, 1, 1, 4], [1, 1, 4, 1], [4, 1, 1, 1], [1, 4, 1, 1], [2, 2, 1, 1]]
+    assert [s["grid"] for s in m.step_samples] == [[1, 1, 1, 4], [1, 1, 4, 1], [4, 1, 1, 1], [1, 4, 1, 1],
+                                                   [2, 2, 1, 1], [1, 2, 2, 1], [2, 1, 2, 1]]
     assert all(s["measured_s"] > 0 and s["model"]["hidden"] == 64 for s in m.step_samples)
     k = m.step_scale["4"]
-    assert len(k) == 3 and min(k) >= 0 and t.scale == tuple(k)  # the fit itself: bench/planner_accuracy.py
+    assert len(k) == 4 and min(k) >= 0 and t.scale == tuple(k)  # the fit itself: bench/planner_accuracy.py

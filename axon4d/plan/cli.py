@@ -53,9 +53,10 @@ def main(args: argparse.Namespace) -> int:
           f"overlap {describe(result.overlap)}, recompute {result.recompute}")
     samples = result.machine.step_samples
     if result.machine.step_scale:
-        k_c, k_a, k_w = result.machine.step_scale_for(args.gpus)
+        k_c, k_a, k_w, k_n = result.machine.step_scale_for(args.gpus)
         print(f"in-step scale compute ×{k_c:.2f}, activation all-reduces ×{k_a:.2f}, weight/gradient collectives "
-              f"×{k_w:.2f}, fitted to steps of {samples[0]['model']} on this machine (axon4d.plan.stepfit)")
+              f"×{k_w:.2f}, {k_n * 1e3:.2f} ms per collective; fitted to steps of {samples[0]['model']} on this "
+              "machine (axon4d.plan.stepfit)")
     print(f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "
           f"{sum(c.fits for c in result.candidates)} fit in memory; priced in {elapsed * 1e3:.0f} ms\n")
     print(result.table(args.top))

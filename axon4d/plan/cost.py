@@ -21,12 +21,13 @@ machine's ``overlap_efficiency``:
 Block layers are repeated n_layers times and their neighbours wrap around the block. Which
 mechanisms are on is the library's own ``axon4d.overlap.OverlapPolicy`` (default: all on).
 
-The step is then the sum of three parts, each weighted by the machine's in-step scale for the
-world size (``Machine.step_scale``, fitted by ``axon4d.plan.stepfit`` from measured steps; 1, 1, 1
-for a machine without step calibration):
+The step is then the sum of three parts and a per-collective cost, weighted by the machine's
+in-step scale for the world size (``Machine.step_scale``, fitted by ``axon4d.plan.stepfit`` from
+measured steps; 1, 1, 1, 0 for a machine without step calibration):
 
     step = k_c · (compute + optimizer) + k_a · exposed activation all-reduces (E8, E9, embedding lookup)
            + k_w · exposed weight and gradient collectives (E10–E13, replicated gradients)
+           + k_n · collectives issued per step (each chunk of E8 is one)
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class LayerCost:
     comm_axis: dict[str, str]
     bytes_by_axis: dict[str, int]
     chunks: int = 1  # forward all-reduces E8 is issued as
+    calls: int = 0  # collectives the layer issues per run
 
 
 def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov: OverlapPolicy) -> LayerCost:
@@ -102,7 +104,7 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
     comm: dict[str, float] = {}
     axes: dict[str, str] = {}
     by_axis: dict[str, int] = {}
-    chunks = 0
+    chunks = calls = 0
     if spec.embedding:  # the lookup's all-reduce over y and the table's gradient all-reduce over batch
         collectives = [c for c in wl.edge_collectives(shape) if c.term.startswith("embedding")]
     else:
@@ -115,6 +117,7 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
         group, stride = axis_geometry(shape, c.axis)
         key = c.term + ("f" if c.term == "E10" and c.phase == "forward" else "b" if c.term == "E10" else "")
         chunks += c.term == "E8"
+        calls += 1
         comm[key] = comm.get(key, 0.0) + m.comm_time(c.op.value, group, stride, c.payload_bytes, world)
         axes[key] = c.axis
         by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
@@ -129,7 +132,7 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
         fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
         dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
         dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
-    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, chunks)
+    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, chunks, calls)
 
 
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
@@ -164,8 +167,8 @@ class TimeEstimate:
     """Predicted seconds of one step on one rank, and where they go.
 
     ``compute_s``, ``comm_s`` and ``hidden_s`` are the unscaled model; ``step_s`` weights the three
-    parts (compute, exposed activation collectives, exposed weight/gradient collectives) by
-    ``scale`` — the machine's in-step scale (``Machine.step_scale``)."""
+    parts (compute, exposed activation collectives, exposed weight/gradient collectives) and the
+    number of collectives by ``scale`` — the machine's in-step scale (``Machine.step_scale``)."""
 
     compute_s: float  # GEMMs, attention, elementwise work and the optimizer
     matmul_s: float
@@ -177,7 +180,8 @@ class TimeEstimate:
     hidden_by_mechanism: dict[str, float]
     layers: dict[str, dict[str, float]]
     activation_comm_s: float = 0.0  # the part of comm_s in ACTIVATION_TERMS
-    scale: tuple[float, float, float] = (1.0, 1.0, 1.0)  # (k_c, k_a, k_w)
+    collectives: int = 0  # issued per step on one rank (the communication log's count)
+    scale: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 0.0)  # (k_c, k_a, k_w, k_n s per collective)
 
     @property
     def parts(self) -> tuple[float, float, float]:
@@ -188,7 +192,9 @@ class TimeEstimate:
 
     @property
     def step_s(self) -> float:
-        return sum(k * part for k, part in zip(self.scale, self.parts))
+        k_c, k_a, k_w, k_n = self.scale
+        compute, activation, weight = self.parts
+        return k_c * compute + k_a * activation + k_w * weight + k_n * self.collectives
 
     @property
     def exposed_comm_s(self) -> float:
@@ -219,6 +225,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
 
     hidden = {"oag": 0.0, "oar": 0.0, "ors": 0.0, "odp": 0.0, "chunks": 0.0}
     compute = matmul = comm = activation_comm = 0.0
+    calls = 0
     comm_by_axis: dict[str, float] = {}
     bytes_by_axis: dict[str, int] = {}
     per_layer: dict[str, dict[str, float]] = {}
@@ -265,6 +272,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         matmul += n * (lc.fwd_mm + lc.dx + lc.dw)
         comm += n * sum(c.values())
         activation_comm += n * sum(t for key, t in c.items() if key in ACTIVATION_TERMS)
+        calls += n * lc.calls
         for key, t in c.items():
             comm_by_axis[lc.comm_axis[key]] = comm_by_axis.get(lc.comm_axis[key], 0.0) + n * t
         for axis, nb in lc.bytes_by_axis.items():
@@ -278,6 +286,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         group, stride = axis_geometry(shape, c.axis)
         t_c = machine.comm_time(c.op.value, group, stride, c.payload_bytes, shape.world_size)
         comm += t_c
+        calls += 1
         comm_by_axis[c.axis] = comm_by_axis.get(c.axis, 0.0) + t_c
         bytes_by_axis[c.axis] = bytes_by_axis.get(c.axis, 0) + c.payload_bytes
     if params_local is None:
@@ -288,5 +297,5 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
     return TimeEstimate(
         compute_s=compute + opt, matmul_s=matmul, optimizer_s=opt, comm_s=comm, hidden_s=sum(hidden.values()),
         comm_by_axis=comm_by_axis, bytes_by_axis=bytes_by_axis, hidden_by_mechanism=hidden, layers=per_layer,
-        activation_comm_s=activation_comm, scale=machine.step_scale_for(shape.world_size),
+        activation_comm_s=activation_comm, collectives=calls, scale=machine.step_scale_for(shape.world_size),
     )

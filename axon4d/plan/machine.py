@@ -127,7 +127,7 @@ class Machine:
     op_overhead_s: float = 5e-6  # fixed cost of one framework op (kernel launch / dispatch)
     overlap_efficiency: float = 0.9  # share of an overlapped collective that compute actually hides
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    # world size (str) -> [k_compute, k_activation_comm, k_weight_comm] fitted by axon4d.plan.stepfit
+    # world size (str) -> [k_compute, k_activation_comm, k_weight_comm, seconds per collective] (stepfit)
     step_samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # the measured calibration steps the scales were fitted to (axon4d.plan.stepfit.Sample as dicts)
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -194,12 +194,12 @@ class Machine:
             return params * self._nearest(self.adam_s, self.concurrency(world))
         return self.elementwise_time(40 * params, world)  # p, g, m, v in; p, m, v out, fp32
 
-    def step_scale_for(self, world: int) -> tuple[float, float, float]:
-        """(k_c, k_a, k_w) of the nearest world size that was step-calibrated; (1, 1, 1) if none."""
+    def step_scale_for(self, world: int) -> tuple[float, float, float, float]:
+        """(k_c, k_a, k_w, k_n) of the nearest world size that was step-calibrated; (1, 1, 1, 0) if none."""
         if not self.step_scale:
-            return (1.0, 1.0, 1.0)
-        k_c, k_a, k_w = self._nearest(self.step_scale, world)
-        return (float(k_c), float(k_a), float(k_w))
+            return (1.0, 1.0, 1.0, 0.0)
+        k_c, k_a, k_w, k_n = self._nearest(self.step_scale, world)
+        return (float(k_c), float(k_a), float(k_w), float(k_n))
 
     def level_of(self, group: int, stride: int) -> Level:
         """The innermost hierarchy level whose ``ranks`` consecutive ranks hold the whole group."""

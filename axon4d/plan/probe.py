@@ -78,7 +78,8 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2) -> dict[str
     The ``steps`` steps run back to back, as in training (no barrier between them: ranks drift
     out of phase and one rank's computation fills another's wait, which is what sets throughput);
     one barrier before and one after. The step time is the slowest rank's span divided by
-    ``steps``. ``steps_s`` lists this rank's own duration of each step, for the record.
+    ``steps``. ``steps_s`` lists this rank's own duration of each step, for the record;
+    ``bytes_by_axis`` and ``collectives`` are what the communication log counted per step.
     """
     from axon4d import device as devices
 
@@ -94,11 +95,12 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2) -> dict[str
         devices.synchronize(grid.device)
         marks.append(time.perf_counter())
     log_bytes = {a: v // steps for a, v in grid.comm.log.bytes_by_axis().items()}
+    calls = len(grid.comm.log.records) // steps
     summary = grid.comm.log.summary()
     spans = grid.comm.all_gather(torch.tensor([marks[-1] - marks[0]], dtype=torch.float64), "world").wait()
     grid.comm.log.clear()
     return {"step_s": float(spans.max()) / steps, "steps_s": [b - a for a, b in zip(marks, marks[1:])],
-            "bytes_by_axis": log_bytes, "comm_s": summary["comm_s"] / steps, "blocked_s": summary["blocked_s"] / steps}
+            "bytes_by_axis": log_bytes, "collectives": calls, "comm_s": summary["comm_s"] / steps, "blocked_s": summary["blocked_s"] / steps}
 
 
 def measure_peak(model: ProbeModel, warmup: int = 2) -> int:

@@ -9,20 +9,25 @@ the priced parts is off in a way that depends on the machine and on the model. W
 - ``measure`` runs training steps of that model (``axon4d.plan.probe.ProbeModel``: the model's
   blocks of ``axon4d.Linear``, attention, head and Adam; the library's default overlap policy) on
   a few grids of the current world, ``calibration_grids``: one per parallel axis that divides the
-  world alone (data, z, x, y), so that each kind of collective dominates one step, and one grid
-  over as many axes as the world allows;
-- ``fit`` finds, per world size, the non-negative weights (k_c, k_a, k_w) that minimise the
+  world alone (data, z, x, y), so that each kind of collective dominates one step, and up to three
+  grids over several axes;
+- ``fit`` finds, per world size, the non-negative weights (k_c, k_a, k_w, k_n) that minimise the
   squared relative error of
 
-      measured step ≈ k_c · compute + k_a · exposed activation all-reduces + k_w · exposed weight/gradient collectives
+      measured step ≈ k_c · compute + k_a · exposed activation all-reduces
+                      + k_w · exposed weight/gradient collectives + k_n · collectives issued
 
-  over those steps (the three parts are ``cost.TimeEstimate.parts``, from the machine's tables);
-  ``cost.step_time`` applies the weights of the nearest calibrated world size to every grid.
+  over those steps (the parts are ``cost.TimeEstimate.parts`` from the machine's tables, and
+  ``TimeEstimate.collectives``, the count the communication log records); ``cost.step_time``
+  applies the weights of the nearest calibrated world size to every grid. k_n is a fixed cost
+  per collective that the isolated collective timings (a tight loop of one collective) do not
+  see: issuing and waiting on it inside a layer, and on a shared host the wake-ups of the
+  threads that carry it.
 
 The weights describe the calibrated model on this machine. They carry over to models of similar
 shape, not to models of very different size: a step of a smaller model is dominated by fixed
-per-op costs that a multiplicative weight does not describe (docs/planner.md shows both). Without
-step calibration (the shipped cluster files) the weights are (1, 1, 1).
+per-op costs that these weights do not describe (docs/planner.md shows both). Without step
+calibration (the shipped cluster files) the weights are (1, 1, 1, 0).
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ from axon4d.grid import GridShape
 from axon4d.models.config import ModelConfig
 from axon4d.plan.workload import Workload
 
+#: grids over several axes ``calibration_grids`` adds to the single-axis ones
+MIXED = 3
+#: (k_c, k_a, k_w, k_n) where nothing was measured: the tables as they are, no per-collective cost
+UNSCALED = (1.0, 1.0, 1.0, 0.0)
 #: ``parse_model`` keys → ModelConfig fields
 _SPEC_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
               "ffn": "ffn_hidden", "vocab": "vocab_size", "seq": "seq_len"}
@@ -88,14 +97,13 @@ def parse_model(spec: str) -> Workload:
 
 def calibration_grids(world: int, wl: Workload) -> list[tuple[int, int, int, int]]:
     """The grids ``measure`` runs on ``world`` ranks: every single-axis grid (data, z, x, y) the
-    workload allows, then one valid grid over as many axes as possible (the most balanced, model
-    axes before data)."""
+    workload allows, then up to ``MIXED`` valid grids over as many axes as possible (the most
+    balanced first, model axes before data)."""
     pure = [(1, 1, 1, world), (1, 1, world, 1), (world, 1, 1, 1), (1, world, 1, 1)]
     out = [g for g in pure if world > 1 and not wl.grid_problems(GridShape(*g))]
     mixed = [g for g in itertools.product(range(1, world + 1), repeat=4) if int(np.prod(g)) == world
              and sum(v > 1 for v in g) >= 2 and not wl.grid_problems(GridShape(*g))]
-    if mixed:
-        out.append(min(mixed, key=lambda g: (-sum(v > 1 for v in g), max(g), g[3], g[2])))
+    out += sorted(mixed, key=lambda g: (-sum(v > 1 for v in g), max(g), g[3], g[2]))[:MIXED]
     return list(dict.fromkeys(out))
 
 
@@ -128,40 +136,43 @@ def measure(world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6,
     return [Sample(list(g), statistics.median(times[g]), model, wl.batch, wl.dtype, times[g]) for g in grids]
 
 
-def fit(parts: np.ndarray, measured: np.ndarray) -> tuple[float, float, float]:
-    """Non-negative (k_c, k_a, k_w) minimising Σ ((parts · k − measured) / measured)².
+def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, float]:
+    """Non-negative (k_c, k_a, k_w, k_n) minimising Σ ((terms · k − measured) / measured)².
 
-    ``parts`` (n, 3): the unscaled (compute, activation, weight) seconds of each step; a column
-    that is zero in every step gets weight 1 (nothing measured says otherwise)."""
-    a = parts / measured[:, None]
+    ``terms`` (n, 4): the unscaled (compute, activation, weight) seconds and the collectives of
+    each step; a term that is zero in every step keeps its ``UNSCALED`` weight (nothing measured
+    says otherwise)."""
+    a = terms / measured[:, None]
     b = np.ones(len(measured))
-    active = [j for j in range(3) if np.any(parts[:, j] > 0)]
-    while True:  # least squares on the active columns; drop a column whose weight comes out negative
-        k = np.zeros(3)
+    seen = [j for j in range(4) if np.any(terms[:, j] > 0)]
+    active = list(seen)
+    while True:  # least squares on the active terms; drop a term whose weight comes out negative
+        k = np.zeros(4)
         if active:
             k[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
         negative = [j for j in active if k[j] < 0]
         if not negative:
             break
         active.remove(min(negative, key=lambda j: k[j]))
-    for j in range(3):
-        if not np.any(parts[:, j] > 0):
-            k[j] = 1.0
-    return (float(k[0]), float(k[1]), float(k[2]))
+    for j in range(4):
+        if j not in seen:
+            k[j] = UNSCALED[j]
+    return (float(k[0]), float(k[1]), float(k[2]), float(k[3]))
 
 
 def refit(machine: Any) -> dict[str, list[float]]:
     """Fit ``machine.step_scale`` from ``machine.step_samples`` (per world size) with the machine's
-    current tables; returns and stores it. A world needs at least three samples."""
+    current tables; returns and stores it. A world needs at least four samples."""
     from axon4d.plan.cost import step_time
 
     samples = [Sample(**s) for s in machine.step_samples]
     scale: dict[str, list[float]] = {}
     for world in sorted({s.world for s in samples}):
         mine = [s for s in samples if s.world == world]
-        if len(mine) < 3:
+        if len(mine) < 4:
             continue
-        parts = np.array([step_time(s.workload(), GridShape(*s.grid), machine).parts for s in mine])
-        scale[str(world)] = list(fit(parts, np.array([s.measured_s for s in mine])))
+        estimates = [step_time(s.workload(), GridShape(*s.grid), machine) for s in mine]
+        terms = np.array([[*t.parts, t.collectives] for t in estimates])
+        scale[str(world)] = list(fit(terms, np.array([s.measured_s for s in mine])))
     machine.step_scale = scale
     return scale
