@@ -110,9 +110,9 @@ def measure_peak(model: ProbeModel, warmup: int = 2) -> int:
     Measured with torch's ``MemTracker``: it follows every tensor torch allocates (parameters,
     gradients, optimizer state, activations, temporaries, collective buffers) and reports the
     maximum live total; host-side buffers of the communication library are not torch tensors and
-    are not counted. Time nothing after it in the same process: after a tracked step of this
-    model the process was seen to keep the grid's process groups and their threads, and its later
-    steps ran slower (docs/planner.md; the cause is not found).
+    are not counted. The tracker keeps a reference to the model, and so to its grid: the grid's
+    groups and their threads are released by ``Grid.destroy`` all the same (before that was so,
+    timed steps after a tracked one ran slower; the benchmarks still measure memory last).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 
