@@ -17,6 +17,11 @@ torch's MemTracker (parameters, gradients, optimizer state, activations, tempora
 buffers; not gloo's own host buffers), maximum over ranks. The communication log's bytes per axis
 are checked against the planner's.
 
+Calibration (``--calibrate``, or no machine file yet) runs ``axon4d calibrate --step-model`` with
+this workload, so the machine's in-step scale (axon4d.plan.stepfit) is fitted to steps of it on a
+few grids, timed in the calibration job. Those grids are marked in the table; the JSON summary
+also gives the error on the other grids (held out) and of the model without the scale.
+
 Saves bench/results/planner_accuracy.json and docs/planner_accuracy.png and ends with
 ``planner: median error = M%, worst = W%, top-1 gap = G%, memory error = E%``.
 """

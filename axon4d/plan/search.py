@@ -46,7 +46,8 @@ class Candidate:
             "comm_s": t.comm_s, "hidden_s": t.hidden_s, "hidden_pct": t.hidden_pct,
             "comm_by_axis_s": t.comm_by_axis, "bytes_by_axis": t.bytes_by_axis,
             "hidden_by_mechanism_s": t.hidden_by_mechanism, "memory": self.mem.to_json(),
-            "bound_ratio": self.bound_ratio, "layers": t.layers,
+            "bound_ratio": self.bound_ratio, "collectives": t.collectives, "step_scale": list(t.scale),
+            "layers": t.layers,
         }
 
 
