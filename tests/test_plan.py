@@ -197,7 +197,8 @@ def test_step_fit_recovers_scales_and_keeps_them_non_negative():
     assert got[1] == 1.0 and got[3] == 0.0  # no activation traffic, no collectives measured: left unscaled
     wl = parse_model("layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8")
     assert wl.model.ffn == 4 * 384 and wl.dtype == "float32" and wl.tokens == 768 and not wl.norms
-    for bad in ("layers=2,hidden=384", "layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8,width=3"):
+    for bad in ("layers=2,hidden=384", "layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8,width=3",
+                "layers=2,hidden=38.4,heads=8,vocab=1536,seq=96,batch=8", "layers=0,hidden=384,heads=8,vocab=1536,seq=96,batch=8"):
         with pytest.raises(ValueError, match="step model"):
             parse_model(bad)
     assert calibration_grids(8, wl) == [(1, 1, 1, 8), (1, 1, 8, 1), (8, 1, 1, 1), (1, 8, 1, 1),

@@ -84,7 +84,10 @@ def parse_model(spec: str) -> Workload:
                              f"{sorted(_SPEC_KEYS) + ['batch', 'dtype']}")
         if key == "dtype":
             dtype = value
-        elif key == "batch":
+            continue
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"step model {spec!r}: {key}={value!r} must be a positive integer")
+        if key == "batch":
             batch = int(value)
         else:
             fields[_SPEC_KEYS[key]] = int(value)
