@@ -42,8 +42,6 @@ def _to_dtensors(prefix: str, piece: torch.Tensor, layout: ParamLayout, grid: Gr
 
 def _block_dtensors(prefix: str, block: torch.Tensor, layout: ParamLayout, grid: Grid) -> dict[str, DTensor]:
     """DTensors (one per segment) describing this rank's (x, y) ``block`` of the global tensor."""
-    if grid.mesh is None:
-        raise RuntimeError(f"{grid} was destroyed (axon4d.shutdown / Grid.destroy): save or load before shutting down")
     out = {}
     for seg, rows, shape, _ in layout.segment_views(block, grid):
         key = f"{prefix}.{seg}" if seg else prefix

@@ -12,9 +12,8 @@ wrong grid raises ``ValueError`` on every rank and never hangs in a collective.
 
 from __future__ import annotations
 
-import gc
-
 import dataclasses
+import gc
 import itertools
 from typing import Iterable, Sequence
 
@@ -182,7 +181,7 @@ class Grid:
             (shape.data, shape.z, shape.y, shape.x),
             mesh_dim_names=("data", "z", "y", "x"),
         )
-        self.mesh: DeviceMesh | None = mesh  # None once destroyed
+        self._mesh: DeviceMesh | None = mesh  # None once destroyed
         self.groups: dict[str, dist.ProcessGroup] = {a: mesh[a].get_group() for a in AXES}
         self.groups["batch"] = mesh["data", "z"]._flatten("batch").get_group()
         self.groups["world"] = dist.group.WORLD
@@ -190,6 +189,13 @@ class Grid:
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {r} at {mesh.get_coordinate()}, E1 says {expected}")
         self.comm = comm.Communicator(self, backend)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The grid's DeviceMesh (for DTensors); a destroyed grid has none."""
+        if self._mesh is None:
+            raise RuntimeError(f"{self} was destroyed (axon4d.shutdown / Grid.destroy); it has no DeviceMesh")
+        return self._mesh
 
     def size(self, axis: str) -> int:
         """Number of ranks along ``axis`` (x, y, z, data, batch = data·z, world)."""
@@ -225,5 +231,5 @@ class Grid:
         # threads live as long as the group, and a process that builds one grid after another (a
         # benchmark, the calibration) would otherwise keep them all, time-slicing with its compute
         # (in a one-off 8-rank check the calibration's later steps ran 10–50% slower).
-        self.mesh = None
+        self._mesh = None
         gc.collect()

@@ -42,8 +42,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from axon4d.grid import GridShape, factorizations  # noqa: E402
-from axon4d.models.config import ModelConfig  # noqa: E402
 from axon4d.plan import Overlap, Workload, describe, evaluate, load  # noqa: E402
+from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
+from axon4d.plan.stepfit import describe as describe_scale  # noqa: E402
 
 GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
 GRIDS_2 = [(2, 1, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)]
@@ -60,9 +61,8 @@ def workload_spec(args: argparse.Namespace) -> str:
 
 
 def workload(args: argparse.Namespace) -> Workload:
-    cfg = ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, ffn_hidden=4 * args.hidden,
-                      vocab_size=args.vocab, seq_len=args.seq, name="probe")
-    return Workload(cfg, batch=args.batch, dtype=args.dtype, embedding=False, norms=False)
+    """The workload ``ProbeModel`` runs (no embedding, no norms)."""
+    return parse_model(workload_spec(args), name="probe")
 
 
 def _time_grid(grid, wl: Workload, steps: int) -> dict:
@@ -229,8 +229,7 @@ def main() -> int:
                     for g in grids}
 
     # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
-    fitted_on = {tuple(s["grid"]) for s in machine.step_samples
-                 if s["model"] == {k: v for k, v in wl.model.__dict__.items() if k != "name"} and s["batch"] == wl.batch}
+    fitted_on = {tuple(s["grid"]) for s in machine.step_samples if Sample(**s).matches(wl)}
     if machine.step_samples and not fitted_on:
         print(f"note: the machine's in-step scale was fitted to another model ({machine.step_samples[0]['model']})")
     rows = []
@@ -288,9 +287,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.plot), exist_ok=True)
     plot(args.plot, rows)
     for w, k in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):
-        print(f"in-step scale ({w} ranks, fitted to steps on the step-calibration grids): compute ×{k[0]:.2f}, "
-              f"activation all-reduces ×{k[1]:.2f}, weight/gradient collectives ×{k[2]:.2f}, "
-              f"{k[3] * 1e3:.2f} ms per collective")
+        print(f"in-step scale ({w} ranks, fitted to steps on the step-calibration grids): {describe_scale(k)}")
     print(f"without it: median error {100 * summary['median_time_error_unscaled']:.1f}%, "
           f"worst {100 * summary['worst_time_error_unscaled']:.1f}%")
     if fitted_on and held_out:

@@ -240,10 +240,8 @@ def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], 
     ``step_model``: a ``stepfit.parse_model`` spec whose steps the in-step scale is fitted to
     (``step_rounds`` rounds on ``stepfit.calibration_grids``; None: no step calibration)."""
     step_wl = stepfit.parse_model(step_model) if step_model else None  # a bad spec fails before measuring
-    if step_wl is not None and grid.world_size > 1 and len(stepfit.calibration_grids(grid.world_size, step_wl)) < 4:
-        raise ValueError(f"step model {step_model!r} fits only the grids {stepfit.calibration_grids(grid.world_size, step_wl)} "
-                         f"of {grid.world_size} ranks; the fit needs 4 (make heads and batch divisible by "
-                         f"{grid.world_size}, and the features by it)")
+    if step_wl is not None:
+        stepfit.check_grids(grid.world_size, step_wl)
     ctx = _Ctx(grid, reps, window_s)
     world = grid.world_size
     out: dict[str, Any] = {"world": world, "matmul": {}, "attention": {}}
@@ -390,9 +388,8 @@ def main(args: argparse.Namespace) -> int:
         if c.op == "all_reduce":
             a, b = c.alpha_beta()
             print(f"  all_reduce group {c.group} stride {c.stride} ({c.world} ranks): α {a * 1e6:.0f} µs, β {b / 1e9:.2f} GB/s")
-    for w, (k_c, k_a, k_w, k_n) in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):
-        print(f"  in-step scale ({w} ranks): compute ×{k_c:.2f}, activation all-reduces ×{k_a:.2f}, "
-              f"weight/gradient collectives ×{k_w:.2f}, {k_n * 1e3:.2f} ms per collective")
+    for w, scale in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):
+        print(f"  in-step scale ({w} ranks): {stepfit.describe(scale)}")
     return 0
 
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 from axon4d.models.config import SIZES, get_config
+from axon4d.plan import stepfit
 from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan
@@ -51,12 +52,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
           f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
           f"overlap {describe(result.overlap)}, recompute {result.recompute}")
-    samples = result.machine.step_samples
     if result.machine.step_scale:
-        k_c, k_a, k_w, k_n = result.machine.step_scale_for(args.gpus)
-        print(f"in-step scale compute ×{k_c:.2f}, activation all-reduces ×{k_a:.2f}, weight/gradient collectives "
-              f"×{k_w:.2f}, {k_n * 1e3:.2f} ms per collective; fitted to steps of {samples[0]['model']} on this "
-              "machine (axon4d.plan.stepfit)")
+        print(f"in-step scale {stepfit.describe(result.machine.step_scale_for(args.gpus))}; fitted to steps of "
+              f"{result.machine.step_samples[0]['model']} on this machine (axon4d.plan.stepfit)")
     print(f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "
           f"{sum(c.fits for c in result.candidates)} fit in memory; priced in {elapsed * 1e3:.0f} ms\n")
     print(result.table(args.top))

@@ -21,8 +21,8 @@ the priced parts is off in a way that depends on the machine and on the model. W
   ``TimeEstimate.collectives``, the count the communication log records); ``cost.step_time``
   applies the weights of the nearest calibrated world size to every grid. k_n is a fixed cost
   per collective that the isolated collective timings (a tight loop of one collective) do not
-  see: issuing and waiting on it inside a layer, and on a shared host the wake-ups of the
-  threads that carry it.
+  see. What it consists of is not measured separately; plausibly issuing and waiting on the
+  collective inside a layer and, on a shared host, waking the threads that carry it.
 
 The weights describe the calibrated model on this machine. They carry over to models of similar
 shape, not to models of very different size: a step of a smaller model is dominated by fixed
@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -45,6 +45,8 @@ from axon4d.plan.workload import Workload
 
 #: grids over several axes ``calibration_grids`` adds to the single-axis ones
 MIXED = 3
+#: calibration steps a world needs for the four weights
+MIN_GRIDS = 4
 #: (k_c, k_a, k_w, k_n) where nothing was measured: the tables as they are, no per-collective cost
 UNSCALED = (1.0, 1.0, 1.0, 0.0)
 #: ``parse_model`` keys → ModelConfig fields
@@ -67,12 +69,28 @@ class Sample:
     def world(self) -> int:
         return GridShape(*self.grid).world_size
 
+    def matches(self, wl: Workload) -> bool:
+        """Whether this step was of ``wl``'s model and batch."""
+        return self.model == model_fields(wl.model) and self.batch == wl.batch and self.dtype == wl.dtype
+
     def workload(self) -> Workload:
         return Workload(ModelConfig(name="stepfit", **self.model), self.batch, self.dtype, embedding=False,
                         norms=False)
 
 
-def parse_model(spec: str) -> Workload:
+def model_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """A model's configuration as a ``Sample`` stores it (every field but the label)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "name"}
+
+
+def describe(scale: Sequence[float]) -> str:
+    """One line for the weights (k_c, k_a, k_w, k_n)."""
+    k_c, k_a, k_w, k_n = scale
+    return (f"compute ×{k_c:.2f}, activation all-reduces ×{k_a:.2f}, weight/gradient collectives ×{k_w:.2f}, "
+            f"{k_n * 1e3:.2f} ms per collective")
+
+
+def parse_model(spec: str, name: str = "stepfit") -> Workload:
     """The workload of ``spec`` = "layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8[,ffn=…][,kv_heads=…]
     [,dtype=float32]" (ffn: ModelConfig's default), as ``ProbeModel`` runs it (no embedding, no norms)."""
     fields: dict[str, object] = {}
@@ -95,7 +113,7 @@ def parse_model(spec: str) -> Workload:
     if missing or batch is None:
         raise ValueError(f"step model {spec!r} lacks {missing + ([] if batch else ['batch'])}; "
                          "e.g. layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8")
-    return Workload(ModelConfig(name="stepfit", **fields), batch, dtype, embedding=False, norms=False)  # type: ignore[arg-type]
+    return Workload(ModelConfig(name=name, **fields), batch, dtype, embedding=False, norms=False)  # type: ignore[arg-type]
 
 
 def calibration_grids(world: int, wl: Workload) -> list[tuple[int, int, int, int]]:
@@ -108,6 +126,14 @@ def calibration_grids(world: int, wl: Workload) -> list[tuple[int, int, int, int
              and sum(v > 1 for v in g) >= 2 and not wl.grid_problems(GridShape(*g))]
     out += sorted(mixed, key=lambda g: (-sum(v > 1 for v in g), max(g), g[3], g[2]))[:MIXED]
     return list(dict.fromkeys(out))
+
+
+def check_grids(world: int, wl: Workload) -> None:
+    """Raise ValueError unless ``wl`` fits at least ``MIN_GRIDS`` calibration grids of ``world`` ranks."""
+    grids = calibration_grids(world, wl)
+    if world > 1 and len(grids) < MIN_GRIDS:
+        raise ValueError(f"step model fits only the grids {grids} of {world} ranks; the fit needs {MIN_GRIDS} "
+                         f"(make heads and batch divisible by {world}, and the features by it)")
 
 
 def measure(world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6,
@@ -135,8 +161,8 @@ def measure(world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6,
                 grid.destroy()
     for g in grids:
         log(f"[{world_grid.world_size} ranks] calibration step {g}: {statistics.median(times[g]) * 1e3:.0f} ms")
-    model = {f.name: getattr(wl.model, f.name) for f in dataclasses.fields(wl.model) if f.name != "name"}
-    return [Sample(list(g), statistics.median(times[g]), model, wl.batch, wl.dtype, times[g]) for g in grids]
+    return [Sample(list(g), statistics.median(times[g]), model_fields(wl.model), wl.batch, wl.dtype, times[g])
+            for g in grids]
 
 
 def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, float]:
@@ -165,14 +191,14 @@ def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, f
 
 def refit(machine: Any) -> dict[str, list[float]]:
     """Fit ``machine.step_scale`` from ``machine.step_samples`` (per world size) with the machine's
-    current tables; returns and stores it. A world needs at least four samples."""
+    current tables; returns and stores it. A world needs ``MIN_GRIDS`` samples."""
     from axon4d.plan.cost import step_time
 
     samples = [Sample(**s) for s in machine.step_samples]
     scale: dict[str, list[float]] = {}
     for world in sorted({s.world for s in samples}):
         mine = [s for s in samples if s.world == world]
-        if len(mine) < 4:
+        if len(mine) < MIN_GRIDS:
             continue
         estimates = [step_time(s.workload(), GridShape(*s.grid), machine) for s in mine]
         terms = np.array([[*t.parts, t.collectives] for t in estimates])
