@@ -181,6 +181,8 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     # recomputation adds to the parts, so it is scaled like the rest
     full = evaluate(wl, shape, scaled, recompute="full").time
     assert full.parts[0] > s.parts[0] and full.parts[1] > s.parts[1] and full.step_s > s.step_s
+    again = sum(v["count"] * v["fwd_collectives"] for v in s.layers.values() if v["count"] == wl.model.n_layers)
+    assert again > 0 and full.collectives == s.collectives + again  # its forward collectives are issued again
 
 
 def test_step_fit_recovers_scales_and_keeps_them_non_negative():

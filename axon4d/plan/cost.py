@@ -91,6 +91,7 @@ class LayerCost:
     bytes_by_axis: dict[str, int]
     chunks: int = 1  # forward all-reduces E8 is issued as
     calls: int = 0  # collectives the layer issues per run
+    fwd_calls: int = 0  # of which in the forward pass
 
 
 def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov: OverlapPolicy) -> LayerCost:
@@ -104,7 +105,7 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
     comm: dict[str, float] = {}
     axes: dict[str, str] = {}
     by_axis: dict[str, int] = {}
-    chunks = calls = 0
+    chunks = calls = fwd_calls = 0
     if spec.embedding:  # the lookup's all-reduce over y and the table's gradient all-reduce over batch
         collectives = [c for c in wl.edge_collectives(shape) if c.term.startswith("embedding")]
     else:
@@ -118,6 +119,7 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
         key = c.term + ("f" if c.term == "E10" and c.phase == "forward" else "b" if c.term == "E10" else "")
         chunks += c.term == "E8"
         calls += 1
+        fwd_calls += c.phase == "forward"
         comm[key] = comm.get(key, 0.0) + m.comm_time(c.op.value, group, stride, c.payload_bytes, world)
         axes[key] = c.axis
         by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
@@ -132,7 +134,7 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
         fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
         dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
         dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
-    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, chunks, calls)
+    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, chunks, calls, fwd_calls)
 
 
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
@@ -279,6 +281,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
             bytes_by_axis[axis] = bytes_by_axis.get(axis, 0) + n * nb
         per_layer[lc.spec.name] = {"count": n, "compute_s": layer_compute, "comm_s": sum(c.values()),
                                    "fwd_s": lc.fwd + lc.post_fwd, "fwd_comm_s": c.get("E8", 0.0) + c.get("E10f", 0.0),
+                                   "fwd_collectives": lc.fwd_calls,
                                    "hidden_s": h_f + h_b, **{f"comm_{k}": v for k, v in c.items()}}
     for c in wl.edge_collectives(shape):  # replicated parameters' gradients: waited on in their hooks
         if c.term.startswith("embedding"):

@@ -136,6 +136,7 @@ def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: OverlapP
             t.compute_s += sum(v["count"] * v["fwd_s"] for v in layers.values())
             t.comm_s += sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
             t.activation_comm_s += sum(v["count"] * v.get("comm_E8", 0.0) for v in layers.values())
+            t.collectives += sum(v["count"] * v["fwd_collectives"] for v in layers.values())
         else:
             t.compute_s += wl.model.n_layers * machine.activation_time(
                 wl.local_tokens(shape) * wl.model.ffn // shape.y, shape.world_size)[0]
