@@ -106,15 +106,16 @@ def worker(args: argparse.Namespace) -> None:
             v = [float(x) for x in f.readline().split()[1:]]
         return sum(v) - v[3] - v[4], sum(v)
 
-    def timed(n: int) -> tuple[stepstats.StepReport, float, float]:
-        """The step's report, this process's CPU seconds in it, and the host's busy share."""
+    def timed(n: int) -> tuple[stepstats.StepReport, float, float, float]:
+        """The step's report, this process's CPU seconds in it (all threads; the main thread —
+        the matmuls, autograd and the Python around them), and the host's busy share."""
         grid.comm.barrier()
-        cpu0, (busy0, tot0) = os.times(), host_busy()
+        cpu0, main0, (busy0, tot0) = os.times(), time.thread_time(), host_busy()
         with stepstats.step(grid, n) as rep:
             step()
-        cpu1, (busy1, tot1) = os.times(), host_busy()
+        cpu1, main1, (busy1, tot1) = os.times(), time.thread_time(), host_busy()
         cpu = cpu1.user + cpu1.system - cpu0.user - cpu0.system
-        return rep, cpu, (busy1 - busy0) / max(tot1 - tot0, 1.0)
+        return rep, cpu, main1 - main0, (busy1 - busy0) / max(tot1 - tot0, 1.0)
 
     def gather(values: list[float]) -> list[list[float]]:  # every rank's values, rank order
         t = torch.tensor(values, dtype=torch.float64)
@@ -129,14 +130,15 @@ def worker(args: argparse.Namespace) -> None:
             sched.configure(_policy(name, args.knobs))
             step()
             for s in range(args.steps):
-                r, cpu, busy = timed(s)
-                per_rank = gather([r.wall_s, r.comm_s, r.blocked_s, r.compute_s, cpu, busy])
+                r, cpu, main_cpu, busy = timed(s)
+                per_rank = gather([r.wall_s, r.comm_s, r.blocked_s, r.compute_s, cpu, busy, main_cpu])
                 results[name].append({
                     "rep": rep, "step_s": max(p[0] for p in per_rank),
                     "comm_s": statistics.mean(p[1] for p in per_rank),
                     "blocked_s": statistics.mean(p[2] for p in per_rank),
                     "compute_s": statistics.mean(p[3] for p in per_rank),
                     "cpu_s_all_ranks": sum(p[4] for p in per_rank),  # CPU seconds the ranks used
+                    "main_cpu_s_all_ranks": sum(p[6] for p in per_rank),  # of which in their main threads
                     "host_busy": per_rank[0][5],  # share of the host's cores busy during the step
                     "bytes_by_axis": r.bytes_by_axis,
                 })
@@ -225,6 +227,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                      "blocked_s": statistics.median(r["blocked_s"] for r in rows),
                      "compute_s": statistics.median(r["compute_s"] for r in rows),
                      "cpu_s_all_ranks": statistics.median(r["cpu_s_all_ranks"] for r in rows),
+                     "main_cpu_s_all_ranks": statistics.median(r["main_cpu_s_all_ranks"] for r in rows),
                      "host_busy": statistics.median(r["host_busy"] for r in rows),
                      "steps_s": [r["step_s"] for r in rows]}
     return out
@@ -282,12 +285,12 @@ def main() -> int:
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"\n{setting}")
     print(f"{'config':8s} {'median step':>12s} {'/off':>6s} {'paired':>6s} {'hidden':>7s} {'comm':>9s} "
-          f"{'blocked':>9s} {'compute':>9s} {'CPU s':>7s} {'busy':>5s}")
+          f"{'blocked':>9s} {'compute':>9s} {'CPU s':>7s} {'main':>6s} {'busy':>5s}")
     for name, s in summary.items():
         print(f"{name:8s} {s['median_step_s'] * 1e3:10.1f}ms {s['ratio_to_off']:6.3f} {s['paired_ratio_to_off']:6.3f} "
               f"{s['hidden_pct']:6.1f}% "
               f"{s['comm_s'] * 1e3:7.1f}ms {s['blocked_s'] * 1e3:7.1f}ms {s['compute_s'] * 1e3:7.1f}ms "
-              f"{s['cpu_s_all_ranks']:7.2f} {100 * s['host_busy']:4.0f}%")
+              f"{s['cpu_s_all_ranks']:7.2f} {s['main_cpu_s_all_ranks']:6.2f} {100 * s['host_busy']:4.0f}%")
     record = {"setting": setting, "summary": summary, "runs": raw["runs"]}
     if args.trace:
         sys.path.insert(0, ROOT)
