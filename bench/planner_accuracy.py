@@ -215,6 +215,8 @@ def main() -> int:
                                                               "measured_comm_blocked_s", "collectives_logged")}
                     for r in old["rows"]}
         grids = list(measured)
+        # the job that took the measurements (a re-prediction keeps it; its own args say --from-json)
+        measured_by = old.get("measured_by", {"args": old["args"], "seconds": old["summary"]["seconds"]})
     else:
         if launched:
             results = measure_launched(wl, grids, args.rounds, args.steps, args.overlap)
@@ -228,6 +230,8 @@ def main() -> int:
                         "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g])}
                     for g in grids}
 
+    if not args.from_json:
+        measured_by = {"args": vars(args), "seconds": time.perf_counter() - start}
     # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
     fitted_on = {tuple(s["grid"]) for s in machine.step_samples if Sample(**s).matches(wl)}
     if machine.step_samples and not fitted_on:
@@ -283,7 +287,8 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
-                   "machine": args.machine, "overlap": describe(overlap), "summary": summary, "rows": rows}, f, indent=1)
+                   "machine": args.machine, "overlap": describe(overlap), "summary": summary, "rows": rows,
+                   "measured_by": measured_by}, f, indent=1)
     os.makedirs(os.path.dirname(args.plot), exist_ok=True)
     plot(args.plot, rows)
     for w, k in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):

@@ -267,15 +267,26 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     data = json.loads(out.read_text())
     assert len(data["candidates"]) == 3 and data["world"] == 64
     assert "in-step scale" not in text  # shipped machines have no step calibration
+    from axon4d.plan.stepfit import model_fields
+
     scaled = load("h100")
     scaled.step_scale = {"64": [1.5, 1.0, 0.5, 2e-3]}
-    scaled.step_samples = [{"grid": [1, 1, 1, 64], "measured_s": 1.0, "model": {"hidden": 8}, "batch": 64,
-                            "dtype": "bfloat16", "rounds_s": [1.0]}]
+    scaled.step_samples = [{"grid": [1, 1, 1, 64], "measured_s": 1.0, "model": model_fields(SIZES["20B"]),
+                            "batch": 64, "dtype": "bfloat16", "rounds_s": [1.0]}]
     scaled.save(str(tmp_path / "scaled.json"))
-    cli.main(p.parse_args(["--model", "20B", "--gpus", "64", "--machine", str(tmp_path / "scaled.json"),
-                           "--batch", "64", "--top", "3"]))
-    assert "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50, 2.00 ms" in \
-        capsys.readouterr().out
+    args = ["--gpus", "64", "--machine", str(tmp_path / "scaled.json"), "--top", "3", "--json", str(out)]
+    cli.main(p.parse_args(["--model", "20B", "--batch", "64", *args]))
+    text = capsys.readouterr().out
+    assert "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50, 2.00 ms" in text
+    assert "warning" not in text and json.loads(out.read_text())["step_scale_caveat"] is None  # the calibrated job
+    # another model, twice the sequences per rank, recomputation: the weights are applied and the plan says why
+    # they may not fit
+    cli.main(p.parse_args(["--model", "80B", "--batch", "128", "--recompute", "full", *args]))
+    warning = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "fitted to steps on 64 ranks" in warning[0]
+    for part in ("hidden 12288 here, 7168 there", "sequences per rank (2 here, 1 there)", "recomputation (full here"):
+        assert part in warning[0], (part, warning[0])
+    assert json.loads(out.read_text())["step_scale_caveat"] in warning[0]
 
 
 def _auto_grid(cfg):

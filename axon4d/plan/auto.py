@@ -62,4 +62,6 @@ def choose_grid(world: int, *, model: ModelConfig | str | None = None, batch: in
               f"{sum(c.fits for c in result.candidates)} of {len(result.candidates)} valid grids fit. Top {top}:",
               file=sys.stderr, flush=True)
         print(result.table(top), file=sys.stderr, flush=True)
+        if result.caveat:
+            print(f"axon4d: warning: {result.caveat}", file=sys.stderr, flush=True)
     return best.shape

@@ -55,6 +55,8 @@ def main(args: argparse.Namespace) -> int:
     if result.machine.step_scale:
         print(f"in-step scale {stepfit.describe(result.machine.step_scale_for(args.gpus))}; fitted to steps of "
               f"{result.machine.step_samples[0]['model']} on this machine (axon4d.plan.stepfit)")
+    if result.caveat:
+        print(f"warning: {result.caveat}")
     print(f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "
           f"{sum(c.fits for c in result.candidates)} fit in memory; priced in {elapsed * 1e3:.0f} ms\n")
     print(result.table(args.top))

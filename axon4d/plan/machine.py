@@ -194,11 +194,18 @@ class Machine:
             return params * self._nearest(self.adam_s, self.concurrency(world))
         return self.elementwise_time(40 * params, world)  # p, g, m, v in; p, m, v out, fp32
 
+    def step_world(self, world: int) -> int | None:
+        """The step-calibrated world size nearest ``world`` (whose weights ``step_scale_for`` applies); None if none."""
+        if not self.step_scale:
+            return None
+        return int(self._nearest({k: k for k in self.step_scale}, world))
+
     def step_scale_for(self, world: int) -> tuple[float, float, float, float]:
         """(k_c, k_a, k_w, k_n) of the nearest world size that was step-calibrated; (1, 1, 1, 0) if none."""
-        if not self.step_scale:
+        used = self.step_world(world)
+        if used is None:
             return (1.0, 1.0, 1.0, 0.0)
-        k_c, k_a, k_w, k_n = self._nearest(self.step_scale, world)
+        k_c, k_a, k_w, k_n = self.step_scale[str(used)]
         return (float(k_c), float(k_a), float(k_w), float(k_n))
 
     def level_of(self, group: int, stride: int) -> Level:

@@ -18,6 +18,7 @@ import numpy as np
 from axon4d.grid import GridShape, factorizations
 from axon4d.models.config import ModelConfig, get_config
 from axon4d.overlap import OverlapPolicy
+from axon4d.plan import stepfit
 from axon4d.plan.cost import TimeEstimate, describe, step_time
 from axon4d.plan.machine import Machine, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
@@ -63,6 +64,7 @@ class PlanResult:
     memory_limit: float
     candidates: list[Candidate]  # valid grids, sorted: fitting ones by time, then the others
     invalid: int  # factorisations that break a divisibility rule
+    caveat: str | None = None  # why the machine's in-step scale may not fit this job (stepfit.caveat)
 
     @property
     def best(self) -> Candidate:
@@ -83,6 +85,7 @@ class PlanResult:
             "model": dataclasses.asdict(wl.model), "batch": wl.batch, "dtype": wl.dtype, "world": self.world,
             "machine": self.machine.name, "overlap": describe(self.overlap), "recompute": self.recompute,
             "memory_limit": self.memory_limit, "valid": len(self.candidates), "invalid": self.invalid,
+            "step_scale_caveat": self.caveat,
             "candidates": [c.to_json() for c in self.candidates[:top]],
         }
 
@@ -164,4 +167,5 @@ def plan(model: ModelConfig | str, world: int, machine: Machine | str, batch: in
     cands = [evaluate(workload, s, mach, ov, recompute, memory_limit) for s, ok in zip(shapes, mask) if ok]
     cands.sort(key=lambda c: (not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple()))
     limit = mach.memory_per_device if memory_limit is None else memory_limit
-    return PlanResult(workload, mach, world, ov, recompute, limit, cands, int((~mask).sum()))
+    return PlanResult(workload, mach, world, ov, recompute, limit, cands, int((~mask).sum()),
+                      stepfit.caveat(mach, workload, world, ov, recompute))

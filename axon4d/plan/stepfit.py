@@ -71,7 +71,11 @@ class Sample:
 
     def matches(self, wl: Workload) -> bool:
         """Whether this step was of ``wl``'s model and batch."""
-        return self.model == model_fields(wl.model) and self.batch == wl.batch and self.dtype == wl.dtype
+        return self.fields() == model_fields(wl.model) and self.batch == wl.batch and self.dtype == wl.dtype
+
+    def fields(self) -> dict[str, Any]:
+        """The stored model as ``model_fields`` gives it (files written before it resolved defaults too)."""
+        return model_fields(ModelConfig(name="stepfit", **self.model))
 
     def workload(self) -> Workload:
         return Workload(ModelConfig(name="stepfit", **self.model), self.batch, self.dtype, embedding=False,
@@ -79,8 +83,46 @@ class Sample:
 
 
 def model_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """A model's configuration as a ``Sample`` stores it (every field but the label)."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "name"}
+    """A model's configuration as a ``Sample`` stores it: every field but the label, with the FFN
+    width and KV heads resolved (so a default and its explicit value compare equal)."""
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "name"}
+    return {**fields, "ffn_hidden": cfg.ffn, "n_kv_heads": cfg.kv_heads}
+
+
+def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recompute: str = "none") -> str | None:
+    """Why ``machine``'s in-step scale may not describe a step of ``wl`` on ``world`` ranks, or None.
+
+    The weights describe the steps they were fitted to (module docstring): those of the
+    calibrated world size ``Machine.step_scale_for`` applies. The planned step is like them when
+    its model and dtype are the calibrated ones, each rank gets as many sequences, and the overlap
+    policy and recomputation are those ``measure`` ran (the library's default policy, none)."""
+    from axon4d.overlap import OverlapPolicy
+
+    used = machine.step_world(world)
+    if used is None:
+        return None
+    mine = [s for s in (Sample(**d) for d in machine.step_samples) if s.world == used]
+    if not mine:
+        return None
+    ref, fields = mine[0], model_fields(wl.model)
+    differs = []
+    if not any(s.fields() == fields for s in mine):
+        theirs = ref.fields()
+        differs.append("model (" + ", ".join(f"{k} {v} here, {theirs[k]} there" for k, v in fields.items()
+                                             if theirs[k] != v) + ")")
+    if wl.dtype != ref.dtype:
+        differs.append(f"dtype ({wl.dtype} here, {ref.dtype} there)")
+    if wl.batch * used != ref.batch * world:
+        differs.append(f"sequences per rank ({wl.batch / world:g} here, {ref.batch / used:g} there)")
+    if OverlapPolicy.parse(overlap) != OverlapPolicy():
+        differs.append("overlap policy (not the default)")
+    if recompute != "none":
+        differs.append(f"recomputation ({recompute} here, none there)")
+    if not differs:
+        return None
+    return (f"the in-step scale of machine {machine.name!r} was fitted to steps on {used} ranks that differ in "
+            f"{'; '.join(differs)}; its weights may not carry over (docs/planner.md). To fit them to this job, "
+            f"run `axon4d calibrate --step-model SPEC` with its model")
 
 
 def describe(scale: Sequence[float]) -> str:
