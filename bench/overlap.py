@@ -6,9 +6,11 @@ normal, GELU, 4h→h transposed), with residuals — all ``axon4d.Linear`` — o
 step = forward, backward, SGD update. Configurations run interleaved (off, oag, oar, ors, odp,
 chunks, all; then again) ``--reps`` times, ``--steps`` timed steps each after one warm-up step; the
 step time is the slowest rank's, and each configuration reports the median step time, its ratio to
-"off", and the median share of communication hidden (axon4d.stepstats).
+"off", and the median share of communication hidden (axon4d.stepstats), with the CPU-seconds the
+ranks used (all their threads, and their main threads alone) and the host's busy share.
 
     python bench/overlap.py --link 1gbit     # emulated cluster of 8 namespaces at 1 Gbit/s (root)
+    python bench/overlap.py --link 1gbit --nodes 2 --intra 10gbit   # two nodes of 4, 1 Gbit/s between
     python bench/overlap.py --backend gloo   # loopback, gloo
     python bench/overlap.py --backend mpi    # loopback, MPI (mpiexec -n 8)
 

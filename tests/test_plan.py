@@ -287,6 +287,14 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     for part in ("hidden 12288 here, 7168 there", "sequences per rank (2 here, 1 there)", "recomputation (full here"):
         assert part in warning[0], (part, warning[0])
     assert json.loads(out.read_text())["step_scale_caveat"] in warning[0]
+    # each difference is named on its own; the calibrated job has none
+    from axon4d.plan.stepfit import caveat
+
+    same = Workload(SIZES["20B"], 64, "bfloat16")
+    assert caveat(scaled, same, 64) is None and caveat(load("h100"), same, 64) is None  # none: no step calibration
+    assert "dtype (float32 here, bfloat16 there)" in caveat(scaled, Workload(SIZES["20B"], 64, "float32"), 64)
+    assert "overlap policy (not the default)" in caveat(scaled, same, 64, overlap="off")
+    assert caveat(scaled, same, 64, overlap="all") is None  # "all" is the default policy
 
 
 def _auto_grid(cfg):
