@@ -233,7 +233,7 @@ def main() -> int:
     if not args.from_json:
         measured_by = {"args": vars(args), "seconds": time.perf_counter() - start}
     # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
-    fitted_on = {tuple(s["grid"]) for s in machine.step_samples if Sample(**s).matches(wl)}
+    fitted_on = {tuple(s["grid"]): s["measured_s"] for s in machine.step_samples if Sample(**s).matches(wl)}
     if machine.step_samples and not fitted_on:
         print(f"note: the machine's in-step scale was fitted to another model ({machine.step_samples[0]['model']})")
     rows = []
@@ -284,6 +284,13 @@ def main() -> int:
         "round_spread_median": statistics.median((max(r["rounds_step"]) - min(r["rounds_step"])) / r["measured_step"]
                                                  for r in rows),
     }
+    # the same grid in two jobs: the calibration job's steps of it against this job's (the noise floor
+    # of an error between a fit made in one job and a measurement made in another)
+    between = [abs(r["measured_step"] - fitted_on[tuple(r["grid"])]) / fitted_on[tuple(r["grid"])]
+               for r in rows if r["step_calibration_grid"]]
+    if between:
+        summary.update({"between_jobs_grids": len(between), "between_jobs_median": statistics.median(between),
+                        "between_jobs_worst": max(between)})
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
@@ -299,6 +306,9 @@ def main() -> int:
         print(f"on the {len(held_out)} grids the step calibration did not run: median error "
               f"{100 * summary['median_time_error_held_out']:.1f}%, worst {100 * summary['worst_time_error_held_out']:.1f}%")
     print(f"\nthe same grid's step time moved by {100 * summary['round_spread_median']:.0f}% (median) between rounds")
+    if between:
+        print(f"the {len(between)} grids timed both in the calibration job and here differ between the two jobs by "
+              f"{100 * summary['between_jobs_median']:.1f}% (median), {100 * summary['between_jobs_worst']:.1f}% at most")
     print(f"planner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
           f"communication bytes per axis equal the planner's on {sum(r['bytes_match'] for r in rows)}/{len(rows)} grids")
     print(f"saved {args.out} and {args.plot}")
