@@ -229,9 +229,8 @@ def main() -> int:
                         "bytes_logged": times[g][0]["bytes_by_axis"], "collectives_logged": times[g][0]["collectives"],
                         "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g])}
                     for g in grids}
-
-    if not args.from_json:
         measured_by = {"args": vars(args), "seconds": time.perf_counter() - start}
+
     # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
     fitted_on = {tuple(s["grid"]): s["measured_s"] for s in machine.step_samples if Sample(**s).matches(wl)}
     if machine.step_samples and not fitted_on:
