@@ -278,6 +278,7 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     cli.main(p.parse_args(["--model", "20B", "--batch", "64", *args]))
     text = capsys.readouterr().out
     assert "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50, 2.00 ms" in text
+    assert "fitted to steps of layers=32,hidden=7168,heads=56,kv_heads=56,ffn=28672,vocab=51200," in text  # the --step-model form
     assert "warning" not in text and json.loads(out.read_text())["step_scale_caveat"] is None  # the calibrated job
     # another model, twice the sequences per rank, recomputation: the weights are applied and the plan says why
     # they may not fit

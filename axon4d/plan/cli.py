@@ -53,8 +53,10 @@ def main(args: argparse.Namespace) -> int:
           f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
           f"overlap {describe(result.overlap)}, recompute {result.recompute}")
     if result.machine.step_scale:
-        print(f"in-step scale {stepfit.describe(result.machine.step_scale_for(args.gpus))}; fitted to steps of "
-              f"{result.machine.step_samples[0]['model']} on this machine (axon4d.plan.stepfit)")
+        used = result.machine.step_world(args.gpus)
+        steps = [s for s in (stepfit.Sample(**d) for d in result.machine.step_samples) if s.world == used]
+        print(f"in-step scale {stepfit.describe(result.machine.step_scale_for(args.gpus))}; fitted to steps "
+              f"{'of ' + steps[0].spec() + ' ' if steps else ''}on {used} ranks of this machine (axon4d.plan.stepfit)")
     if result.caveat:
         print(f"warning: {result.caveat}")
     print(f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "

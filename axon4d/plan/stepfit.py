@@ -77,6 +77,12 @@ class Sample:
         """The stored model as ``model_fields`` gives it (files written before it resolved defaults too)."""
         return model_fields(ModelConfig(name="stepfit", **self.model))
 
+    def spec(self) -> str:
+        """The model and batch in ``parse_model``'s form, e.g. "layers=2,hidden=512,…,batch=8,dtype=float32"."""
+        fields = self.fields()
+        return ",".join([*(f"{key}={fields[name]}" for key, name in _SPEC_KEYS.items()),
+                         f"batch={self.batch}", f"dtype={self.dtype}"])
+
     def workload(self) -> Workload:
         return Workload(ModelConfig(name="stepfit", **self.model), self.batch, self.dtype, embedding=False,
                         norms=False)
@@ -108,8 +114,9 @@ def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recomput
     differs = []
     if not any(s.fields() == fields for s in mine):
         theirs = ref.fields()
-        differs.append("model (" + ", ".join(f"{k} {v} here, {theirs[k]} there" for k, v in fields.items()
-                                             if theirs[k] != v) + ")")
+        label = {name: key for key, name in _SPEC_KEYS.items()}  # the --step-model keys where there are some
+        differs.append("model (" + ", ".join(f"{label.get(k, k)} {v} here, {theirs[k]} there"
+                                             for k, v in fields.items() if theirs[k] != v) + ")")
     if wl.dtype != ref.dtype:
         differs.append(f"dtype ({wl.dtype} here, {ref.dtype} there)")
     if wl.batch * used != ref.batch * world:
