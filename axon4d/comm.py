@@ -206,7 +206,11 @@ def make_backend(name: str, grid: "Grid") -> Backend:
 
 
 class Handle:
-    """An issued collective. ``wait()`` blocks until done and returns the result tensor."""
+    """An issued collective. ``wait()`` blocks until done and returns the result tensor.
+
+    Until then the handle also holds the collective's input (``source``), which the backend is
+    still reading: the memory stays accounted to torch — its allocator and memory trackers see
+    it as live, which it is — however the caller drops its own references."""
 
     def __init__(
         self,
@@ -214,12 +218,14 @@ class Handle:
         result: torch.Tensor,
         record: CommRecord | None,
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        source: torch.Tensor | None = None,
     ):
         self._work = work
         self._result = result
         self._record = record
         self._finish = finish
         self._done = work is None
+        self._source = source if work is not None else None
 
     def wait(self) -> torch.Tensor:
         if not self._done:
@@ -232,7 +238,7 @@ class Handle:
                 if self._record.t_done is None or self._record.t_done > end:
                     self._record.t_done = end
             self._done = True
-            self._work = None
+            self._work = self._source = None
             if self._finish is not None:
                 self._result = self._finish(self._result)
                 self._finish = None
@@ -326,7 +332,7 @@ class Communicator:
         work = self.backend.all_gather(out, inp, axis)
         _stamp_completion(work, record)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish)
+        return Handle(work, out, record, finish, source=inp)
 
     def reduce_scatter(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
         """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index)."""
@@ -345,4 +351,4 @@ class Communicator:
         work = self.backend.reduce_scatter(out, inp, axis)
         _stamp_completion(work, record)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish)
+        return Handle(work, out, record, finish, source=inp)
