@@ -60,15 +60,25 @@ def _inputs_stay_live_until_wait(grid):
     the caller dropped are in flight, and after they were waited on."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    import time
+
     tracker = MemTracker()
     seen = []
+
+    def live() -> int:
+        return tracker.get_tracker_snapshot("current")[grid.device]["Total"]
+
     with tracker:
         for op in ("reduce_scatter", "all_gather"):
             handle = getattr(grid.comm, op)(torch.ones(1 << 18), "z")  # 1 MiB input, caller keeps no reference
-            seen.append(tracker.get_tracker_snapshot("current")[grid.device]["Total"])
+            seen.append(live())
             result = handle.wait()
             del handle
-            seen.append(tracker.get_tracker_snapshot("current")[grid.device]["Total"])
+            # the handle lets go at wait(); the backend's own work object may hold the storage a moment longer
+            deadline = time.monotonic() + 5.0
+            while live() > seen[-1] - (1 << 20) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen.append(live())
             del result
     return seen
 
