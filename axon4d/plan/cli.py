@@ -53,8 +53,7 @@ def main(args: argparse.Namespace) -> int:
           f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
           f"overlap {describe(result.overlap)}, recompute {result.recompute}")
     if result.machine.step_scale:
-        used = result.machine.step_world(args.gpus)
-        steps = [s for s in (stepfit.Sample(**d) for d in result.machine.step_samples) if s.world == used]
+        used, steps = stepfit.samples_for(result.machine, args.gpus)
         print(f"in-step scale {stepfit.describe(result.machine.step_scale_for(args.gpus))}; fitted to steps "
               f"{'of ' + steps[0].spec() + ' ' if steps else ''}on {used} ranks of this machine (axon4d.plan.stepfit)")
     if result.caveat:

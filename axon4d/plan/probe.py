@@ -110,9 +110,10 @@ def measure_peak(model: ProbeModel, warmup: int = 2) -> int:
     Measured with torch's ``MemTracker``: it follows every tensor torch allocates (parameters,
     gradients, optimizer state, activations, temporaries, collective buffers — including the input
     of a collective in flight, which its handle holds until waited on) and reports the maximum live
-    total; host-side buffers of the communication library are not torch tensors and are not counted. The tracker keeps a reference to the model, and so to its grid: the grid's
-    groups and their threads are released by ``Grid.destroy`` all the same (before that was so,
-    timed steps after a tracked one ran slower; the benchmarks still measure memory last).
+    total; host-side buffers of the communication library are not torch tensors and are not
+    counted. The tracker keeps a reference to the model, and so to its grid: the grid's groups and
+    their threads are released by ``Grid.destroy`` all the same (before that was so, timed steps
+    after a tracked one ran slower; the benchmarks still measure memory last).
     """
     from torch.distributed._tools.mem_tracker import MemTracker
 

@@ -52,6 +52,7 @@ UNSCALED = (1.0, 1.0, 1.0, 0.0)
 #: ``parse_model`` keys → ModelConfig fields
 _SPEC_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
               "ffn": "ffn_hidden", "vocab": "vocab_size", "seq": "seq_len"}
+_SPEC_KEY_OF = {name: key for key, name in _SPEC_KEYS.items()}  # ModelConfig field → its spec key
 
 
 @dataclasses.dataclass
@@ -73,9 +74,12 @@ class Sample:
         """Whether this step was of ``wl``'s model and batch."""
         return self.fields() == model_fields(wl.model) and self.batch == wl.batch and self.dtype == wl.dtype
 
+    def config(self) -> ModelConfig:
+        return ModelConfig(name="stepfit", **self.model)
+
     def fields(self) -> dict[str, Any]:
         """The stored model as ``model_fields`` gives it (files written before it resolved defaults too)."""
-        return model_fields(ModelConfig(name="stepfit", **self.model))
+        return model_fields(self.config())
 
     def spec(self) -> str:
         """The model and batch in ``parse_model``'s form, e.g. "layers=2,hidden=512,…,batch=8,dtype=float32"."""
@@ -84,8 +88,7 @@ class Sample:
                          f"batch={self.batch}", f"dtype={self.dtype}"])
 
     def workload(self) -> Workload:
-        return Workload(ModelConfig(name="stepfit", **self.model), self.batch, self.dtype, embedding=False,
-                        norms=False)
+        return Workload(self.config(), self.batch, self.dtype, embedding=False, norms=False)
 
 
 def model_fields(cfg: ModelConfig) -> dict[str, Any]:
@@ -93,6 +96,13 @@ def model_fields(cfg: ModelConfig) -> dict[str, Any]:
     width and KV heads resolved (so a default and its explicit value compare equal)."""
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "name"}
     return {**fields, "ffn_hidden": cfg.ffn, "n_kv_heads": cfg.kv_heads}
+
+
+def samples_for(machine: Any, world: int) -> tuple[int | None, list[Sample]]:
+    """(the step-calibrated world size whose weights ``world`` ranks get — ``Machine.step_world`` —,
+    the steps they were fitted to); (None, []) without step calibration."""
+    used = machine.step_world(world)
+    return used, [s for s in (Sample(**d) for d in machine.step_samples) if s.world == used]
 
 
 def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recompute: str = "none") -> str | None:
@@ -104,18 +114,14 @@ def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recomput
     policy and recomputation are those ``measure`` ran (the library's default policy, none)."""
     from axon4d.overlap import OverlapPolicy
 
-    used = machine.step_world(world)
-    if used is None:
-        return None
-    mine = [s for s in (Sample(**d) for d in machine.step_samples) if s.world == used]
+    used, mine = samples_for(machine, world)
     if not mine:
         return None
     ref, fields = mine[0], model_fields(wl.model)
     differs = []
     if not any(s.fields() == fields for s in mine):
         theirs = ref.fields()
-        label = {name: key for key, name in _SPEC_KEYS.items()}  # the --step-model keys where there are some
-        differs.append("model (" + ", ".join(f"{label.get(k, k)} {v} here, {theirs[k]} there"
+        differs.append("model (" + ", ".join(f"{_SPEC_KEY_OF.get(k, k)} {v} here, {theirs[k]} there"
                                              for k, v in fields.items() if theirs[k] != v) + ")")
     if wl.dtype != ref.dtype:
         differs.append(f"dtype ({wl.dtype} here, {ref.dtype} there)")
