@@ -51,6 +51,10 @@ class OverlapPolicy:
 
     oag: bool = True
     """Prefetch the next layer's all-gather of weights over z (E10)."""
+    oag_depth: int = 1
+    """Layers OAG gathers ahead: each layer's forward (backward) keeps the weight blocks of the next
+    ``oag_depth`` layers in forward (reverse) order in flight, so a slow link is never left idle
+    between short layers (each block in flight is held until its layer uses it)."""
     oag_keep: bool = False
     """Keep the forward's gathered weight block for backward instead of gathering it again."""
     oar: bool = True
@@ -107,10 +111,10 @@ class OverlapPolicy:
         raise ValueError(f"overlap={spec!r}: give True/False, 'all', 'off', 'oag,oar,...', a dict or an OverlapPolicy")
 
     def __post_init__(self) -> None:
-        if self.forward_chunks < 1 or self.ors_inflight < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
+        if min(self.forward_chunks, self.ors_inflight, self.oag_depth) < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
             raise ValueError(
-                f"overlap policy {self}: forward_chunks and ors_inflight must be >= 1 and bucket_mb, "
-                f"min_chunk_kb >= 0"
+                f"overlap policy {self}: forward_chunks, ors_inflight and oag_depth must be >= 1 and "
+                f"bucket_mb, min_chunk_kb >= 0"
             )
 
     def chunk_count(self, tokens: int, row_bytes: int, group: int) -> int:
@@ -135,11 +139,13 @@ class Scheduler:
     def __init__(self, comm: "Communicator", policy: OverlapPolicy | None = None):
         self.comm = comm
         self.policy = policy or OverlapPolicy()
-        self._next: dict[int, Any] = {}  # id(layer) -> weakref of the layer run after it in forward
-        self._prev: dict[int, Any] = {}
+        # per layer object, held weakly: a freed layer's entries go with it (keyed by id(), a new
+        # layer that reused the id would inherit its successor and its prefetched block)
+        self._next: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> weakref of the next in forward
+        self._prev: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last_forward: Any = None
-        self._prefetched: dict[int, tuple["Handle", int]] = {}  # id(layer) -> (gather, weight version)
-        self._gathers_in_backward: dict[int, bool] = {}
+        self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (gather, weight version)
+        self._gathers_in_backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> bool
         self._scattering: list[_PendingGrad] = []  # ORS: reduce-scatters not yet folded
         self._bucket: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (param, shard, scale)
         self._reducing: list[tuple[list[tuple[torch.Tensor, torch.Tensor, float]], "Handle", torch.Tensor | None]] = []
@@ -173,26 +179,36 @@ class Scheduler:
         if handle is None:
             handle = self._issue_gather(weight)
         if self.policy.oag:
-            following = (self._prev if backward else self._next).get(id(layer))
-            nxt = following() if following is not None else None
-            if backward and nxt is not None and not self._gathers_in_backward.get(id(nxt), False):
-                nxt = None  # its backward needs no weight block (no input gradient, or kept)
-            if nxt is not None and id(nxt) not in self._prefetched:
-                self._prefetched[id(nxt)] = (self._issue_gather(nxt.weight), nxt.weight._version)
+            self._prefetch_after(layer, backward)
         rows, cols = layer.block_shape
         return handle.wait()[: rows * cols].view(rows, cols)
+
+    def _prefetch_after(self, layer: Any, backward: bool) -> None:
+        """OAG: issue the gathers of the ``oag_depth`` layers that run after ``layer`` (in forward
+        order, or reverse order in backward) unless already in flight; in backward, layers whose
+        backward needs no weight block (no input gradient, or kept) are passed over."""
+        links = self._prev if backward else self._next
+        for _ in range(self.policy.oag_depth):
+            ref = links.get(layer)
+            layer = ref() if ref is not None else None
+            if layer is None:
+                return
+            if backward and not self._gathers_in_backward.get(layer, False):
+                continue
+            if layer not in self._prefetched:
+                self._prefetched[layer] = (self._issue_gather(layer.weight), layer.weight._version)
 
     def will_gather_in_backward(self, layer: Any, needed: bool) -> None:
         """Note (at forward) whether ``layer``'s backward will gather its weight block, so the
         backward prefetch never fetches a block nobody uses."""
-        self._gathers_in_backward[id(layer)] = needed
+        self._gathers_in_backward[layer] = needed
 
     def _issue_gather(self, weight: torch.Tensor) -> "Handle":
         # mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes
         return self.comm.all_gather(weight.detach().to(compute_dtype(self.grid.precision, weight)), "z", tag="E10")
 
     def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> "Handle | None":
-        entry = self._prefetched.pop(id(layer), None)
+        entry = self._prefetched.pop(layer, None)
         if entry is None:
             return None
         handle, version = entry
@@ -208,8 +224,8 @@ class Scheduler:
         backward, so the order never links the last layer of one step to the first of the next."""
         last = self._last_forward() if self._last_forward is not None else None
         if last is not None and last is not layer:
-            self._next[id(last)] = weakref.ref(layer)
-            self._prev[id(layer)] = weakref.ref(last)
+            self._next[last] = weakref.ref(layer)
+            self._prev[layer] = weakref.ref(last)
         self._last_forward = weakref.ref(layer)
 
     # -- ORS / ODP: gradients -------------------------------------------------------------------
@@ -283,7 +299,7 @@ class Scheduler:
                     param.grad = shard if flat is None or shard.dtype != flat.dtype else shard.clone()
                 else:
                     param.grad.add_(shard)
-        for handle, _ in self._prefetched.values():  # prefetches nobody asked for (control flow changed)
+        for handle, _ in list(self._prefetched.values()):  # prefetches nobody asked for (control flow changed)
             handle.wait()
         self._prefetched.clear()
         self._last_forward = None

@@ -24,6 +24,7 @@ POLICIES = {
     "off": OverlapPolicy.off(),
     "oag": OverlapPolicy.only("oag"),
     "oag_keep": OverlapPolicy.only("oag", oag_keep=True),
+    "oag_deep": OverlapPolicy.only("oag", oag_depth=3),  # three layers' blocks gathered ahead
     "oar": OverlapPolicy.only("oar"),
     "ors": OverlapPolicy.only("ors"),
     "ors_deep": OverlapPolicy.only("ors", ors_inflight=3),  # three reduce-scatters left in flight
@@ -32,7 +33,7 @@ POLICIES = {
     "chunks": OverlapPolicy.only("chunks", **CHUNKED),
     "all": OverlapPolicy(**CHUNKED),
     "all_keep_bucket": OverlapPolicy(oag_keep=True, bucket_mb=1.0, **CHUNKED),
-    "all_deep_bucket": OverlapPolicy(ors_inflight=2, bucket_mb=1.0, **CHUNKED),
+    "all_deep_bucket": OverlapPolicy(ors_inflight=2, oag_depth=2, bucket_mb=1.0, **CHUNKED),
 }
 # the only policies that change the order of a floating-point reduction
 REORDERING = {"chunks", "all", "all_keep_bucket", "all_deep_bucket", "odp_bucket"}
@@ -111,19 +112,21 @@ def test_oag_prefetches_the_next_layers_weight_from_the_second_step_on(pools):
 
     assert [gathers_before_first_forward_all_reduce(t) for t in res["off"]["tags"]] == [1, 1, 1]
     assert [gathers_before_first_forward_all_reduce(t) for t in res["oag"]["tags"]] == [1, 2, 2]
+    # oag_depth=3: the first layer's block and the next three layers' (all of them) before any E8
+    assert [gathers_before_first_forward_all_reduce(t) for t in res["oag_deep"]["tags"]] == [1, 4, 4]
     # keep-for-backward: the backward pass issues no gather at all
     keep = res["oag_keep"]["tags"][-1]
     assert keep.count("E10") == len(SPECS)
 
 
 def _without_input_grad(grid):
-    return {name: _train(grid, POLICIES[name], input_grad=False)["counted"] for name in ("off", "oag")}
+    return {name: _train(grid, POLICIES[name], input_grad=False)["counted"] for name in ("off", "oag", "oag_deep")}
 
 
 def test_oag_prefetches_nothing_a_backward_does_not_use(pools):
     # the first layer's input needs no gradient: its backward gathers no weight, so none is prefetched
     for counted in pools(8).run((2, 2, 2, 1), _without_input_grad):
-        assert counted["oag"] == counted["off"]
+        assert counted["oag"] == counted["off"] == counted["oag_deep"]
 
 
 def _forward_matmuls(grid):
@@ -166,12 +169,42 @@ def test_policy_parsing_and_errors():
         OverlapPolicy.parse("oag,bogus")
     with pytest.raises(ValueError, match="unknown overlap options"):
         OverlapPolicy.parse({"bucket": 3})
-    with pytest.raises(ValueError, match="forward_chunks and ors_inflight must be >= 1"):
-        OverlapPolicy(forward_chunks=0)
-    with pytest.raises(ValueError, match="forward_chunks and ors_inflight must be >= 1"):
-        OverlapPolicy(ors_inflight=0)
+    for bad in (dict(forward_chunks=0), dict(ors_inflight=0), dict(oag_depth=0)):
+        with pytest.raises(ValueError, match="forward_chunks, ors_inflight and oag_depth must be >= 1"):
+            OverlapPolicy(**bad)
     # chunking: never below min_chunk_kb, never more chunks than rows, none without a peer
     assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 2) == 4
     assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40, 2) == 1
     assert OverlapPolicy(forward_chunks=4, min_chunk_kb=0).chunk_count(3, 40, 2) == 3
     assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 1) == 1
+
+
+
+def _records_after_a_layer_dies(grid):
+    """Train a → b, free a; return whether a was freed, the layers the scheduler still keeps
+    records for, and the gathers over z of a step of b alone."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    a, b = axon4d.Linear(16, 16), axon4d.Linear(16, 16)
+    for _ in range(2):
+        b(a(axon4d.shard_input(torch.randn(4, 16)).requires_grad_())).sum().backward()
+    sched, freed = grid.comm.scheduler, weakref.ref(a)
+    del a
+    gc.collect()
+    kept = set(sched._next) | set(sched._prev) | set(sched._gathers_in_backward) | set(sched._prefetched)
+    grid.comm.log.clear()
+    b(axon4d.shard_input(torch.randn(4, 16)).requires_grad_()).sum().backward()
+    return freed() is None, [layer is b for layer in kept], sum(r.tag == "E10" for r in grid.comm.log.records)
+
+
+def test_oag_records_go_with_their_layer(pools):
+    # the prefetch order and prefetched blocks are kept per layer object, weakly. Keyed by id(), a
+    # new layer that reused a freed layer's id inherited its successor and prefetched that layer's
+    # block, on the ranks where the allocator happened to reuse the id (a collective mismatch seen
+    # in a test that built one model after another; the reuse cannot be forced reliably here)
+    for freed, kept, gathers in pools(2).run((1, 1, 2, 1), _records_after_a_layer_dies):
+        assert freed  # the scheduler keeps no layer alive
+        assert kept == [True]  # only b's own record is left
+        assert gathers == 2  # b's forward and backward gathers; no prefetch from a's old links

@@ -9,6 +9,7 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
+import torch
 
 from axon4d.grid import GridShape, factorizations
 from axon4d.models.config import SIZES, ModelConfig
@@ -137,6 +138,71 @@ def test_overlap_credit_is_bounded_and_never_slows_a_step():
             previous = t.step_s
     assert describe(Overlap.parse("oag,odp,chunks")) == "oag,odp,chunks=4"
     assert describe(Overlap.off()) == "off"
+
+
+def test_deeper_overlap_hands_spare_windows_to_collectives_in_issue_order():
+    from axon4d.plan.cost import _deeper_overlap
+
+    # a block of two layers, 0 then 1. Forward: window 1 credited the gather of layer 0 of the next
+    # block and could not hide 0.5 s of it; window 0 has 0.3 s spare. Issued two windows ahead
+    # (oag_depth=2) the gather also overlaps window 0; deeper, window 1 of the block before (no spare)
+    spare_f, spare_b = {0: 0.3, 1: 0.0}, {0: 0.0, 1: 0.4}
+    short = {"oag_f": {0: 0.0, 1: 0.5}, "oag_b": {}, "ors": {0: 0.25, 1: 0.0}}
+    assert _deeper_overlap([0, 1], spare_f, spare_b, short, Overlap(oag_depth=1, ors_inflight=1)) == []
+    for depth in (2, 3):
+        got = _deeper_overlap([0, 1], spare_f, spare_b, dict(short, ors={}), Overlap(oag_depth=depth))
+        assert got == [("oag", 0, pytest.approx(0.3))]
+    # backward (order 1, 0): the reduce-scatter credited at window 0 left 0.25 s exposed; left running
+    # (ors_inflight=2) it overlaps the next backward window, layer 1 of the block before, 0.4 s spare
+    assert _deeper_overlap([0, 1], spare_f, spare_b, dict(short, oag_f={}), Overlap(ors_inflight=2)) == [
+        ("ors", 1, pytest.approx(0.25))]
+    # a spare window is given once: two collectives that both may use window 1 share its 0.4 s
+    both = dict(short, oag_f={}, oag_b={0: 0.0, 1: 0.0}, ors={0: 0.25, 1: 0.3})
+    got = _deeper_overlap([0, 1], spare_f, {0: 0.1, 1: 0.4}, both, Overlap(ors_inflight=3))
+    assert sum(h for _, w, h in got if w == 1) <= 0.4 + 1e-12 and sum(h for _, w, h in got if w == 0) <= 0.1 + 1e-12
+
+
+def test_deeper_prefetch_and_more_reduce_scatters_in_flight_hide_more_within_the_bounds():
+    m = load("bench/results/planner_machine_cluster_1gbit.json")
+    wl = Workload(ModelConfig(n_layers=4, hidden=1024, n_heads=16, ffn_hidden=4096, vocab_size=2048, seq_len=256),
+                  batch=16, dtype="float32")
+    gained = 0.0
+    for grid in [(2, 2, 2, 1), (1, 1, 8, 1), (1, 2, 4, 1)]:
+        shape = GridShape(*grid)
+        previous = step_time(wl, shape, m, Overlap())
+        for knobs in [dict(oag_depth=2), dict(oag_depth=4), dict(oag_depth=4, ors_inflight=3)]:
+            t = step_time(wl, shape, m, Overlap(**knobs))
+            assert t.comm_s == previous.comm_s and t.compute_s == previous.compute_s
+            assert t.hidden_s >= previous.hidden_s - 1e-12 and t.hidden_s <= t.comm_s
+            assert t.hidden_s <= m.overlap_efficiency * t.compute_s + 1e-12
+            gained += t.hidden_s - previous.hidden_s
+            previous = t
+    assert gained > 0.1  # this workload's short attention-output window leaves the MLP-up gather exposed
+    assert describe(Overlap(oag_depth=3, ors_inflight=2)) == "oag,oar,ors,odp,chunks=4,oag_depth=3,ors_inflight=2"
+
+
+def _peaks_by_depth(grid, wl):
+    import axon4d
+    from axon4d.plan.probe import ProbeModel, measure_peak
+
+    out = {}
+    for depth in (1, 3):
+        axon4d.overlap.configure({"oag_depth": depth}, grid)
+        torch.manual_seed(0)
+        out[depth] = measure_peak(ProbeModel(wl, grid))
+    return out
+
+
+def test_memory_counts_the_blocks_a_deeper_prefetch_holds(pools):
+    wl = Workload(ModelConfig(n_layers=2, hidden=256, n_heads=4, ffn_hidden=1024, vocab_size=512, seq_len=64),
+                  batch=4, dtype="float32", embedding=False, norms=False)
+    shape = GridShape(1, 1, 4, 1)
+    measured = pools(4).run(shape.as_tuple(), _peaks_by_depth, wl)[0]
+    predicted = {d: memory(wl, shape, "none", Overlap(oag_depth=d)).peak for d in (1, 3)}
+    for d in (1, 3):
+        assert abs(predicted[d] - measured[d]) <= 0.05 * measured[d], (d, predicted, measured)
+    grown, predicted_growth = measured[3] - measured[1], predicted[3] - predicted[1]
+    assert grown > 0 and abs(predicted_growth - grown) <= 0.2 * grown, (grown, predicted_growth)
 
 
 def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():

@@ -17,6 +17,12 @@ machine's ``overlap_efficiency``:
         hides: OAR — layer i's E9 all-reduce, within its dW GEMM;
                ORS — layer i+1's E11 reduce-scatter; ODP — layer i+1's E12 (and E13) all-reduce;
                OAG — layer i−1's backward all-gather prefetched
+    deeper overlap: with ``oag_depth`` d > 1 a gather is issued d layers ahead, so what of it the
+        window before its layer could not hide may go into the spare of the d − 1 windows before
+        that; with ``ors_inflight`` k > 1 a reduce-scatter may spill into the k − 1 backward
+        windows after its own. Spare is handed out in the order the collectives were issued (one
+        link, first come first served), over the repeated block in its steady state
+        (``_deeper_overlap``)
 
 Block layers are repeated n_layers times and their neighbours wrap around the block. Which
 mechanisms are on is the library's own ``axon4d.overlap.OverlapPolicy`` (default: all on).
@@ -71,6 +77,10 @@ def describe(policy: OverlapPolicy) -> str:
         on.append(f"chunks={policy.forward_chunks}")
     if policy.oag_keep:
         on.append("keep")
+    if policy.oag and policy.oag_depth > 1:
+        on.append(f"oag_depth={policy.oag_depth}")
+    if policy.ors and policy.ors_inflight > 1:
+        on.append(f"ors_inflight={policy.ors_inflight}")
     return ",".join(on) or "off"
 
 
@@ -226,6 +236,9 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         return layers[j] if 0 <= j < len(layers) else None
 
     hidden = {"oag": 0.0, "oar": 0.0, "ors": 0.0, "odp": 0.0, "chunks": 0.0}
+    spare_f: dict[int, float] = {}  # window -> capacity left after the one-window credits below
+    spare_b: dict[int, float] = {}
+    short: dict[str, dict[int, float]] = {"oag_f": {}, "oag_b": {}, "ors": {}}  # window -> not yet hidden
     compute = matmul = comm = activation_comm = 0.0
     calls = 0
     comm_by_axis: dict[str, float] = {}
@@ -247,6 +260,8 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
             h = min(nxt.comm.get("E10f", 0.0), cap - h_f)
             hidden["oag"] += n * h
             h_f += h
+            short["oag_f"][i] = nxt.comm.get("E10f", 0.0) - h
+        spare_f[i] = cap - h_f
         # backward window
         cap = eff * (lc.post_bwd + lc.dx + lc.dw + lc.bwd_ew)
         h_b = 0.0
@@ -260,6 +275,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
                 h = min(later.comm.get("E11", 0.0), cap - h_b)
                 hidden["ors"] += n * h
                 h_b += h
+                short["ors"][i] = later.comm.get("E11", 0.0) - h
             if overlap.odp:
                 h = min(later.comm.get("E12", 0.0) + later.comm.get("E13", 0.0), cap - h_b)
                 hidden["odp"] += n * h
@@ -269,6 +285,8 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
             h = min(earlier.comm.get("E10b", 0.0), cap - h_b)
             hidden["oag"] += n * h
             h_b += h
+            short["oag_b"][i] = earlier.comm.get("E10b", 0.0) - h
+        spare_b[i] = cap - h_b
         layer_compute = lc.fwd + lc.post_fwd + lc.dx + lc.dw + lc.bwd_ew + lc.post_bwd
         compute += n * layer_compute
         matmul += n * (lc.fwd_mm + lc.dx + lc.dw)
@@ -283,6 +301,11 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
                                    "fwd_s": lc.fwd + lc.post_fwd, "fwd_comm_s": c.get("E8", 0.0) + c.get("E10f", 0.0),
                                    "fwd_collectives": lc.fwd_calls,
                                    "hidden_s": h_f + h_b, **{f"comm_{k}": v for k, v in c.items()}}
+    if block:
+        for mech, window, h in _deeper_overlap(block, spare_f, spare_b, short, overlap):
+            n = layers[window].spec.count
+            hidden[mech] += n * h
+            per_layer[layers[window].spec.name]["hidden_s"] += h
     for c in wl.edge_collectives(shape):  # replicated parameters' gradients: waited on in their hooks
         if c.term.startswith("embedding"):
             continue
@@ -302,3 +325,58 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         comm_by_axis=comm_by_axis, bytes_by_axis=bytes_by_axis, hidden_by_mechanism=hidden, layers=per_layer,
         activation_comm_s=activation_comm, collectives=calls, scale=machine.step_scale_for(shape.world_size),
     )
+
+
+def _deeper_overlap(block: list[int], spare_f: dict[int, float], spare_b: dict[int, float],
+                    short: dict[str, dict[int, float]], overlap: OverlapPolicy) -> list[tuple[str, int, float]]:
+    """(mechanism, window, seconds) hidden beyond the one-window credits of ``step_time``.
+
+    ``block`` lists the repeated layers' indices in forward order; ``spare_f``/``spare_b`` map each
+    to the capacity its forward/backward window has left; ``short`` maps each window to what of the
+    collective credited there is still exposed: "oag_f" the next layer's forward gather, "oag_b"
+    the previous layer's backward gather, "ors" the later layer's reduce-scatter. With
+    ``oag_depth`` d a gather was issued d − 1 windows before the one credited, and may use those
+    windows' spare; with ``ors_inflight`` k a reduce-scatter may use the k − 1 backward windows
+    after its own. The block is unrolled over enough repetitions that the middle one sees the
+    steady state (every window has neighbours on both sides); its credits are returned, per run of
+    the block. Each window's spare goes to the collectives in the order they were issued."""
+    d = overlap.oag_depth if overlap.oag else 1
+    k = overlap.ors_inflight if overlap.ors else 1
+    reach = max(d, k) - 1
+    if reach == 0:
+        return []
+    size = len(block)
+    periods = 4 * -(-reach // size) + 1
+    middle = range((periods // 2) * size, (periods // 2 + 1) * size)
+    out: list[tuple[str, int, float]] = []
+
+    def hand_out(order: list[int], spare: dict[int, float], jobs: list[tuple[int, str, int, range]]) -> None:
+        """``jobs``: (issue position, mechanism, owner position, window positions), in any order;
+        positions index the unrolled ``order`` (layer indices, in the pass's own order)."""
+        left = [spare[order[t % size]] for t in range(periods * size)]
+        for _, mech, owner, windows in sorted(jobs, key=lambda j: (j[0], j[2])):
+            need = short[mech][order[owner % size]]
+            for t in windows:
+                if need <= 0:
+                    break
+                if 0 <= t < len(left) and left[t] > 0:
+                    h = min(need, left[t])
+                    left[t] -= h
+                    need -= h
+                    if owner in middle:
+                        out.append((mech[:3], order[t % size], h))
+
+    forward = block
+    if d > 1 and short["oag_f"]:  # the gather credited at window t was issued at window t − d + 1
+        hand_out(forward, spare_f, [(t - d + 1, "oag_f", t, range(t - d + 1, t))
+                                    for t in range(periods * size) if forward[t % size] in short["oag_f"]])
+    backward = block[::-1]
+    jobs = []
+    if d > 1 and short["oag_b"]:
+        jobs += [(t - d + 1, "oag_b", t, range(t - d + 1, t))
+                 for t in range(periods * size) if backward[t % size] in short["oag_b"]]
+    if k > 1 and short["ors"]:  # issued just before window t, left running for k − 1 more windows
+        jobs += [(t - 1, "ors", t, range(t + 1, t + k)) for t in range(periods * size) if backward[t % size] in short["ors"]]
+    if jobs:
+        hand_out(backward, spare_b, jobs)
+    return out

@@ -133,12 +133,13 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         return 0.0 if s is None else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z * elem
 
     def overlap_extra(name: str) -> float:
-        """Buffers overlap keeps alive during ``name``'s backward: OAG's prefetched block of the
-        next layer, ORS/ODP's still-reducing gradient block of the previous one."""
+        """Buffers overlap keeps alive during ``name``'s backward: OAG's prefetched blocks of the
+        next ``oag_depth`` layers, ORS/ODP's still-reducing gradient block of the previous one."""
         i = order.index(name)
-        nxt = order[i + 1] if i + 1 < len(order) else "mlp_down"
+        depth = overlap.oag_depth
+        following = (order[i + 1 :] + order[1:] * (depth // (len(order) - 1) + 1))[:depth]  # blocks repeat
         prev = order[i - 1] if i > 1 else ("qkv" if i == 1 else "")
-        extra = block_bytes(nxt) if overlap.oag and shape.z > 1 and not overlap.oag_keep else 0.0
+        extra = sum(map(block_bytes, following)) if overlap.oag and shape.z > 1 and not overlap.oag_keep else 0.0
         if (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1):
             # ORS leaves ors_inflight reduce-scatters running (counted at the previous layer's size)
             extra += block_bytes(prev) * (overlap.ors_inflight if overlap.ors and shape.z > 1 else 1)
