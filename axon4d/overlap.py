@@ -6,7 +6,8 @@ Layers ask it for their weight block and hand it their gradients; they hold no o
 
 - **OAG** (E2/E10): ``gather_weight`` issues the all-gather over z of the *next* layer's weight —
   next in forward order during forward, in reverse order during backward — so it runs while the
-  current layer computes. The order is learned from the previous forward. ``oag_keep`` keeps the
+  current layer computes (``oag_depth`` layers ahead). The order is learned from the previous
+  forward. ``oag_keep`` keeps the
   forward's gathered block for backward (memory for time: E10 is then paid once, see
   ``volume.linear_collectives(cache_weight=True)``).
 - **OAR** (E4/E9): the layer issues the dX all-reduce over its output axis before the dW matmul and
@@ -93,7 +94,12 @@ class OverlapPolicy:
     @classmethod
     def parse(cls, spec: "OverlapPolicy | bool | str | dict[str, Any] | None") -> "OverlapPolicy":
         """A policy from ``True``/``None`` (all on), ``False`` or ``"off"``, ``"all"``, a
-        comma-separated list of mechanisms (``"oag,chunks"``), a dict of fields, or a policy."""
+        comma-separated list of mechanisms (``"oag,chunks"``), a dict of fields, or a policy.
+
+        A string may also set knobs: ``"all,oag_depth=3"``, ``"oag,ors,ors_inflight=2"``,
+        ``"chunks=8"`` (the chunks mechanism with 8 chunks), ``"keep"`` (``oag_keep``). With no
+        mechanism named, knobs tune the all-on policy; ``describe`` in axon4d.plan.cost writes
+        this form."""
         if isinstance(spec, OverlapPolicy):
             return spec
         if spec is None or spec is True or spec == "all":
@@ -107,8 +113,50 @@ class OverlapPolicy:
                 raise ValueError(f"unknown overlap options {sorted(unknown)}; options are {sorted(fields)}")
             return cls(**spec)
         if isinstance(spec, str):
-            return cls.only(*[m.strip() for m in spec.split(",") if m.strip()])
+            return cls._from_string(spec)
         raise ValueError(f"overlap={spec!r}: give True/False, 'all', 'off', 'oag,oar,...', a dict or an OverlapPolicy")
+
+    @classmethod
+    def _from_string(cls, spec: str) -> "OverlapPolicy":
+        """See ``parse``: mechanisms, "all"/"off", "keep" and ``field=value`` knobs."""
+        if not spec.strip():
+            raise ValueError("overlap '': name 'all', 'off', mechanisms like 'oag,oar', or knobs like 'oag_depth=2'")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        mechanisms: list[str] = []
+        knobs: dict[str, Any] = {}
+        base = None
+        for item in filter(None, (t.strip() for t in spec.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                if key in ("all", "off"):
+                    base = key
+                elif key == "keep":
+                    knobs["oag_keep"] = True
+                elif key in MECHANISMS:
+                    mechanisms.append(key)
+                else:
+                    raise ValueError(f"unknown overlap mechanisms {[key]} in {spec!r}; choose from {MECHANISMS}, "
+                                     f"'all', 'off', 'keep' or knobs like oag_depth=2")
+                continue
+            if key == "chunks":
+                mechanisms.append("chunks")
+                key = "forward_chunks"
+            if key not in fields or key in MECHANISMS:
+                knob_names = sorted(n for n in fields if n not in MECHANISMS)
+                raise ValueError(f"overlap {spec!r}: {key!r} is not a knob; knobs are {knob_names} (and chunks=K)")
+            default = getattr(cls, key)
+            try:
+                knobs[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else type(default)(value)
+            except ValueError:
+                kind = {int: "an integer", float: "a number"}[type(default)]
+                raise ValueError(f"overlap {spec!r}: {key}={value!r}, expected {kind}") from None
+        if mechanisms and base is None:
+            return cls.only(*mechanisms, **knobs)
+        if base == "off":
+            if mechanisms or knobs:
+                raise ValueError(f"overlap {spec!r}: 'off' takes no mechanisms or knobs")
+            return cls.off()
+        return cls(**knobs)
 
     def __post_init__(self) -> None:
         if min(self.forward_chunks, self.ors_inflight, self.oag_depth) < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:

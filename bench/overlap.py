@@ -41,21 +41,18 @@ CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
 def _policy(name: str, knobs: str = ""):
     """The policy of configuration ``name``; ``knobs`` ("ors_inflight=2,bucket_mb=4") tune every
     configuration but "off" (the mechanisms themselves are chosen by ``name``)."""
-    import dataclasses
-
     from axon4d.overlap import MECHANISMS, OverlapPolicy
 
     if name == "off":
         return OverlapPolicy.off()
-    policy = OverlapPolicy() if name == "all" else OverlapPolicy.only(name)
-    values = {}
-    for item in filter(None, knobs.split(",")):
-        key, _, value = item.partition("=")
-        if key in MECHANISMS or not hasattr(policy, key):
-            raise SystemExit(f"--knobs {knobs}: {key!r} is not a knob of OverlapPolicy")
-        default = getattr(policy, key)
-        values[key] = value == "1" if isinstance(default, bool) else type(default)(value)
-    return dataclasses.replace(policy, **values)
+    bad = [k for k in filter(None, knobs.split(",")) if "=" not in k or k.partition("=")[0] in MECHANISMS]
+    if bad:
+        raise SystemExit(f"--knobs {knobs}: {bad} — give policy knobs as key=value (oag_depth=3, "
+                         f"forward_chunks=8); the configuration chooses the mechanisms")
+    try:
+        return OverlapPolicy.parse(",".join(filter(None, [name, knobs])))
+    except ValueError as e:
+        raise SystemExit(f"--knobs {knobs}: {e}") from None
 
 
 def _model(hidden: int, layers: int):
@@ -86,6 +83,10 @@ def worker(args: argparse.Namespace) -> None:
     from axon4d import stepstats, trace
 
     torch.set_num_threads(1)
+    if args.pin_nodes:  # before any thread exists: every thread of the rank inherits the core
+        cores = sorted(os.sched_getaffinity(0))
+        node = int(os.environ["RANK"]) // (args.ranks // args.nodes)
+        os.sched_setaffinity(0, {cores[node % len(cores)]})
     grid = axon4d.init(grid=tuple(int(s) for s in args.grid.split(",")), comm=args.comm, seed=0)
     if args.nice_compute:  # this thread only: the communication threads made above keep nice 0
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice_compute)
@@ -173,7 +174,8 @@ def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
            "--grid", args.grid, "--hidden", str(args.hidden), "--layers", str(args.layers),
            "--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps), "--steps", str(args.steps),
            "--configs", args.configs, "--knobs", args.knobs]
-    cmd += ["--nice-compute", str(args.nice_compute)]
+    cmd += ["--nice-compute", str(args.nice_compute), "--ranks", str(args.ranks), "--nodes", str(args.nodes)]
+    cmd += ["--pin-nodes"] if args.pin_nodes else []
     return cmd + (["--trace", args.trace] if args.trace else [])
 
 
@@ -257,6 +259,9 @@ def main() -> int:
                    help="nice value of each rank's compute thread (0: off). Its communication threads keep "
                         "nice 0, so on an oversubscribed CPU they are not starved by the other ranks' matmuls "
                         "(on a real cluster the NIC moves the bytes)")
+    p.add_argument("--pin-nodes", action="store_true",
+                   help="emulated cluster with --nodes > 1: run each node's ranks on one core of this host "
+                        "(node i on the i-th core, round robin), as a node's ranks share its CPUs")
     p.add_argument("--trace", help="dump one step with overlap off and one with all on into this directory")
     p.add_argument("--png", help="draw the traced steps into this PNG (needs --trace)")
     p.add_argument("--results", help="JSON to write (default bench/results/overlap_<where>.json)")
@@ -271,6 +276,9 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.pin_nodes and (not args.link or args.nodes < 2 or args.ranks % args.nodes):
+        p.error(f"--pin-nodes needs an emulated cluster of several nodes (--link, --nodes > 1 dividing "
+                f"--ranks); got --link {args.link}, --nodes {args.nodes}, --ranks {args.ranks}")
     tag = f"cluster_{args.link}" if args.link else args.backend
     if args.nodes > 1:
         tag += f"_{args.nodes}nodes"
@@ -282,7 +290,8 @@ def main() -> int:
         raw = json.load(f)
     os.remove(out)
     summary = summarize(raw["runs"])
-    setting = {**where, "knobs": args.knobs, "nice_compute": args.nice_compute, "grid": raw["grid"], "comm": raw["comm"], "hidden": args.hidden, "layers": args.layers,
+    setting = {**where, "knobs": args.knobs, "nice_compute": args.nice_compute, "pin_nodes": args.pin_nodes,
+               "grid": raw["grid"], "comm": raw["comm"], "hidden": args.hidden, "layers": args.layers,
                "tokens": args.batch * args.seq, "reps": args.reps, "steps_per_rep": args.steps,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     print(f"\n{setting}")

@@ -172,6 +172,22 @@ def test_policy_parsing_and_errors():
     for bad in (dict(forward_chunks=0), dict(ors_inflight=0), dict(oag_depth=0)):
         with pytest.raises(ValueError, match="forward_chunks, ors_inflight and oag_depth must be >= 1"):
             OverlapPolicy(**bad)
+    # strings carry knobs; with no mechanism named they tune the all-on policy
+    assert OverlapPolicy.parse("all,oag_depth=3") == OverlapPolicy(oag_depth=3) == OverlapPolicy.parse("oag_depth=3")
+    assert OverlapPolicy.parse("oag,ors,ors_inflight=2") == OverlapPolicy.only("oag", "ors", ors_inflight=2)
+    assert OverlapPolicy.parse("chunks=8") == OverlapPolicy.only("chunks", forward_chunks=8)
+    assert OverlapPolicy.parse("oag,keep") == OverlapPolicy.only("oag", oag_keep=True)
+    assert OverlapPolicy.parse("all,oag_keep=1").oag_keep is True
+    from axon4d.plan.cost import describe
+
+    for policy in [OverlapPolicy(), OverlapPolicy.off(), OverlapPolicy.only("oag", oag_keep=True, oag_depth=2),
+                   OverlapPolicy(ors_inflight=3, forward_chunks=8)]:
+        assert OverlapPolicy.parse(describe(policy)) == policy  # the planner's description reads back
+    for bad, message in [("oag,depth=2", "'depth' is not a knob"), ("oag_depth=x", "oag_depth='x', expected an integer"),
+                         ("off,oag", "'off' takes no mechanisms"), ("", "name 'all', 'off'"),
+                         ("oag=1", "'oag' is not a knob")]:
+        with pytest.raises(ValueError, match=message):
+            OverlapPolicy.parse(bad)
     # chunking: never below min_chunk_kb, never more chunks than rows, none without a peer
     assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 2) == 4
     assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40, 2) == 1

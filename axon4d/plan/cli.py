@@ -30,7 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
     p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--overlap", default="all", help="mechanisms on: all (the library default) | off | a list like oag,oar,odp,chunks")
+    p.add_argument("--overlap", default="all",
+                   help="mechanisms on: all (the library default) | off | a list like oag,oar,odp,chunks; "
+                        "knobs too: all,oag_depth=3,ors_inflight=2 (axon4d.overlap.OverlapPolicy.parse)")
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
