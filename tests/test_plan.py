@@ -163,11 +163,10 @@ def test_deeper_overlap_hands_spare_windows_to_collectives_in_issue_order():
 
 
 def test_deeper_prefetch_and_more_reduce_scatters_in_flight_hide_more_within_the_bounds():
-    m = load("bench/results/planner_machine_cluster_1gbit.json")
-    wl = Workload(ModelConfig(n_layers=4, hidden=1024, n_heads=16, ffn_hidden=4096, vocab_size=2048, seq_len=256),
-                  batch=16, dtype="float32")
+    m = load("perlmutter")
+    wl = Workload(SIZES["20B"], batch=64)
     gained = 0.0
-    for grid in [(2, 2, 2, 1), (1, 1, 8, 1), (1, 2, 4, 1)]:
+    for grid in [(2, 2, 8, 1), (1, 1, 16, 1), (4, 1, 16, 1)]:
         shape = GridShape(*grid)
         previous = step_time(wl, shape, m, Overlap())
         for knobs in [dict(oag_depth=2), dict(oag_depth=4), dict(oag_depth=4, ors_inflight=3)]:
@@ -177,7 +176,7 @@ def test_deeper_prefetch_and_more_reduce_scatters_in_flight_hide_more_within_the
             assert t.hidden_s <= m.overlap_efficiency * t.compute_s + 1e-12
             gained += t.hidden_s - previous.hidden_s
             previous = t
-    assert gained > 0.1  # this workload's short attention-output window leaves the MLP-up gather exposed
+    assert gained > 0.3  # (2, 2, 8, 1): the short attention-output window leaves the MLP-up gather exposed
     assert describe(Overlap(oag_depth=3, ors_inflight=2)) == "oag,oar,ors,odp,chunks=4,oag_depth=3,ors_inflight=2"
 
 
