@@ -4,12 +4,11 @@ A ``Scheduler`` belongs to one grid's ``Communicator`` (``grid.comm.scheduler``)
 from ``axon4d.init(..., overlap=...)`` or, for a region of code, ``with axon4d.overlap.using(...)``.
 Layers ask it for their weight block and hand it their gradients; they hold no overlap flags.
 
-- **OAG** (E2/E10): ``gather_weight`` issues the all-gather over z of the *next* layer's weight —
-  next in forward order during forward, in reverse order during backward — so it runs while the
-  current layer computes (``oag_depth`` layers ahead). The order is learned from the previous
-  forward. ``oag_keep`` keeps the
-  forward's gathered block for backward (memory for time: E10 is then paid once, see
-  ``volume.linear_collectives(cache_weight=True)``).
+- **OAG** (E2/E10): ``gather_weight`` issues the all-gather over z of the *next* layers' weights
+  (``oag_depth`` of them) — next in forward order during forward, in reverse order during
+  backward — so they run while the current layer computes. The order is learned from the previous
+  forward. ``oag_keep`` keeps the forward's gathered block for backward (memory for time: E10 is
+  then paid once, see ``volume.linear_collectives(cache_weight=True)``).
 - **OAR** (E4/E9): the layer issues the dX all-reduce over its output axis before the dW matmul and
   waits after it; off, it waits at once.
 - **ORS** (E5/E11): the dW reduce-scatter over z is not waited on in the layer; it is folded in at
@@ -233,8 +232,9 @@ class Scheduler:
 
     def _prefetch_after(self, layer: Any, backward: bool) -> None:
         """OAG: issue the gathers of the ``oag_depth`` layers that run after ``layer`` (in forward
-        order, or reverse order in backward) unless already in flight; in backward, layers whose
-        backward needs no weight block (no input gradient, or kept) are passed over."""
+        order, or reverse order in backward) unless already in flight; in backward, a layer whose
+        backward needs no weight block (no input gradient, or kept) is passed over but still counts
+        towards the depth."""
         links = self._prev if backward else self._next
         for _ in range(self.policy.oag_depth):
             ref = links.get(layer)
