@@ -180,27 +180,33 @@ def test_deeper_prefetch_and_more_reduce_scatters_in_flight_hide_more_within_the
     assert describe(Overlap(oag_depth=3, ors_inflight=2)) == "oag,oar,ors,odp,chunks=4,oag_depth=3,ors_inflight=2"
 
 
-def _peaks_by_depth(grid, wl):
+MEMORY_POLICIES = {"default": {}, "depth": {"oag_depth": 3}, "inflight": {"ors_inflight": 3},
+                   "keep": {"oag_keep": True}, "knobs": {"oag_keep": True, "oag_depth": 3, "ors_inflight": 3}}
+
+
+def _peaks_by_policy(grid, wl):
     import axon4d
     from axon4d.plan.probe import ProbeModel, measure_peak
 
     out = {}
-    for depth in (1, 3):
-        axon4d.overlap.configure({"oag_depth": depth}, grid)
+    for name, policy in MEMORY_POLICIES.items():
+        axon4d.overlap.configure(policy, grid)
         torch.manual_seed(0)
-        out[depth] = measure_peak(ProbeModel(wl, grid))
+        out[name] = measure_peak(ProbeModel(wl, grid))
     return out
 
 
-def test_memory_counts_the_blocks_a_deeper_prefetch_holds(pools):
+def test_memory_follows_the_overlap_knobs(pools):
+    # prefetched blocks in flight (oag_depth), reduce-scatters left running (ors_inflight, fewer at
+    # the start of backward), kept blocks (oag_keep, each freed after its layer's backward)
     wl = Workload(ModelConfig(n_layers=2, hidden=256, n_heads=4, ffn_hidden=1024, vocab_size=512, seq_len=64),
                   batch=4, dtype="float32", embedding=False, norms=False)
     shape = GridShape(1, 1, 4, 1)
-    measured = pools(4).run(shape.as_tuple(), _peaks_by_depth, wl)[0]
-    predicted = {d: memory(wl, shape, "none", Overlap(oag_depth=d)).peak for d in (1, 3)}
-    for d in (1, 3):
-        assert abs(predicted[d] - measured[d]) <= 0.05 * measured[d], (d, predicted, measured)
-    grown, predicted_growth = measured[3] - measured[1], predicted[3] - predicted[1]
+    measured = pools(4).run(shape.as_tuple(), _peaks_by_policy, wl)[0]
+    predicted = {k: memory(wl, shape, "none", Overlap(**v)).peak for k, v in MEMORY_POLICIES.items()}
+    for name in MEMORY_POLICIES:
+        assert abs(predicted[name] - measured[name]) <= 0.05 * measured[name], (name, predicted, measured)
+    grown, predicted_growth = measured["depth"] - measured["default"], predicted["depth"] - predicted["default"]
     assert grown > 0 and abs(predicted_growth - grown) <= 0.2 * grown, (grown, predicted_growth)
 
 

@@ -132,18 +132,24 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         s = specs.get(name)
         return 0.0 if s is None else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z * elem
 
-    def overlap_extra(name: str) -> float:
-        """Buffers overlap keeps alive during ``name``'s backward: OAG's prefetched blocks of the
-        next ``oag_depth`` layers, ORS/ODP's still-reducing gradient block of the previous one."""
-        i = order.index(name)
-        depth = overlap.oag_depth
-        following = (order[i + 1 :] + order[1:] * (depth // (len(order) - 1) + 1))[:depth]  # blocks repeat
-        prev = order[i - 1] if i > 1 else ("qkv" if i == 1 else "")
-        extra = sum(map(block_bytes, following)) if overlap.oag and shape.z > 1 and not overlap.oag_keep else 0.0
-        if (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1):
-            # ORS leaves ors_inflight reduce-scatters running (counted at the previous layer's size)
-            extra += block_bytes(prev) * (overlap.ors_inflight if overlap.ors and shape.z > 1 else 1)
-        return extra
+    def prefetched(name: str) -> float:
+        """OAG's prefetched blocks of the next ``oag_depth`` layers, alive during ``name``'s backward."""
+        if not overlap.oag or shape.z == 1 or overlap.oag_keep:
+            return 0.0
+        i, depth = order.index(name), overlap.oag_depth
+        return sum(map(block_bytes, (order[i + 1 :] + order[1:] * (depth // (len(order) - 1) + 1))[:depth]))
+
+    def reducing(name: str, first: bool) -> float:
+        """Gradient blocks still being reduced during ``name``'s backward: ORS leaves the
+        reduce-scatters of the ``ors_inflight`` layers whose backward ran just before running (ODP
+        alone, one). In the first block after the head only the head's and this block's have run;
+        in later blocks, the previous block's too."""
+        if name == "head" or not ((overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1)):
+            return 0.0
+        k = overlap.ors_inflight if overlap.ors and shape.z > 1 else 1
+        j = order.index(name)
+        before = order[1:j][::-1] + (["head"] if first else order[:0:-1] * (k // (len(order) - 1) + 1))
+        return sum(map(block_bytes, before[:k]))
 
     def linear_bwd(name: str, dx_elems: float) -> float:
         """Record one layer's backward transients; return the gradient bytes kept afterwards."""
@@ -152,11 +158,15 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         n_w = shard * shape.z
         gathered = n_w * elem if shape.z > 1 and not overlap.oag_keep else 0.0
         transient[name] = (gathered + dx_elems * elem + 2 * n_w * elem + (shard * elem if shape.z > 1 else 0)
-                           + overlap_extra(name))
+                           + prefetched(name))
         return (shard + (s.local(shape)[1] if s.bias else 0)) * elem
 
-    def note_linear(name: str) -> None:
-        note(transient[name])
+    def note_linear(name: str, first: bool = True) -> None:
+        note(transient[name] + reducing(name, first))
+
+    def kept(name: str) -> float:
+        """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
+        return block_bytes(name) if overlap.oag_keep and shape.z > 1 else 0.0
 
     if wl.head:
         logits = b * (m.vocab_size // shape.y) * 4
@@ -166,36 +176,40 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         # with G_z > 1 the head's forward-gathered block is still referenced then (measured on CPU/gloo)
         head = specs["head"]
         lingering = weight_shard_numel(head.in_features, head.out_features, shape, head.transpose) * shape.z * elem
-        note(4 * logits + (lingering if shape.z > 1 else 0.0))
+        # (with keep-for-backward that block is the kept one, already counted in the activations)
+        note(4 * logits + (lingering if shape.z > 1 and not overlap.oag_keep else 0.0))
         note_linear("head")
-        live += head_grad - b * (m.hidden // shape.x) * elem
+        live += head_grad - b * (m.hidden // shape.x) * elem - kept("head")
         live -= logits
         live += b * (m.hidden // shape.x) * elem  # incoming gradient of the last block's output
     rebuilt = block_activation_elements(wl, shape, "none")
+
+
     mlp_down, mlp_up = linear_bwd("mlp_down", t["act"] / elem), linear_bwd("mlp_up", t["x1"] / elem)
     attn_out, qkv = linear_bwd("attn_out", t["att"] / elem), linear_bwd("qkv", t["x0"] / elem)
 
-    def block(start: float) -> float:
-        """Walk one block's backward from ``start`` live bytes; return the live bytes after it."""
+    def block(start: float, first: bool) -> float:
+        """Walk one block's backward from ``start`` live bytes (``first``: the block right after
+        the head); return the live bytes after it."""
         nonlocal live
         live = start
         if recompute == "full":  # rebuild this block's activations from its saved input
             live += rebuilt[0] * elem + rebuilt[1] * 4 - t["x0"]
         note()
-        note_linear("mlp_down")  # dX (b, F/G_y), then the activation's backward, then MLP up
-        live += mlp_down + t["act"] - (t["act"] if recompute == "none" else 0.0)
+        note_linear("mlp_down", first)  # dX (b, F/G_y), then the activation's backward, then MLP up
+        live += mlp_down + t["act"] - (t["act"] if recompute == "none" else 0.0) - kept("mlp_down")
         note(t["act"])
-        note_linear("mlp_up")
-        live += mlp_up - t["act"] - t["up"] - t["x1"]  # frees dX of MLP down, the up output, the saved input
-        note_linear("attn_out")  # then attention: dq, dk, dv and their assembled qkv gradient
-        live += attn_out
+        note_linear("mlp_up", first)
+        live += mlp_up - t["act"] - t["up"] - t["x1"] - kept("mlp_up")  # frees dX of MLP down, the up output, the saved input
+        note_linear("attn_out", first)  # then attention: dq, dk, dv and their assembled qkv gradient
+        live += attn_out - kept("attn_out")
         note(t["att"] + 2 * t["qkv"])
         live -= t["att"] + lse  # the saved q, k, v are replaced by their assembled gradient
-        note_linear("qkv")
-        live += qkv - t["qkv"] - t["x0"] - (2 * t["x0"] if wl.norms else 0.0)
+        note_linear("qkv", first)
+        live += qkv - t["qkv"] - t["x0"] - (2 * t["x0"] if wl.norms else 0.0) - kept("qkv")
         return live
 
-    first = live
-    after_one = block(first)
-    block(first + (m.n_layers - 1) * (after_one - first))  # blocks are alike: the extremes are the ends
+    before_blocks = live
+    after_one = block(before_blocks, True)
+    block(before_blocks + (m.n_layers - 1) * (after_one - before_blocks), m.n_layers == 1)  # blocks are alike: the extremes are the ends
     return peak
