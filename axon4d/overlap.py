@@ -134,8 +134,8 @@ class OverlapPolicy:
                 elif key in MECHANISMS:
                     mechanisms.append(key)
                 else:
-                    raise ValueError(f"unknown overlap mechanisms {[key]} in {spec!r}; choose from {MECHANISMS}, "
-                                     f"'all', 'off', 'keep' or knobs like oag_depth=2")
+                    raise ValueError(f"unknown overlap mechanisms {[key]} in {spec!r}; choose from "
+                                     f"{MECHANISMS}, 'all', 'off', 'keep' or knobs like oag_depth=2")
                 continue
             if key == "chunks":
                 mechanisms.append("chunks")
@@ -145,7 +145,8 @@ class OverlapPolicy:
                 raise ValueError(f"overlap {spec!r}: {key!r} is not a knob; knobs are {knob_names} (and chunks=K)")
             default = getattr(cls, key)
             try:
-                knobs[key] = value.lower() in ("1", "true", "yes") if isinstance(default, bool) else type(default)(value)
+                is_bool = isinstance(default, bool)
+                knobs[key] = value.lower() in ("1", "true", "yes") if is_bool else type(default)(value)
             except ValueError:
                 kind = {int: "an integer", float: "a number"}[type(default)]
                 raise ValueError(f"overlap {spec!r}: {key}={value!r}, expected {kind}") from None
@@ -158,7 +159,8 @@ class OverlapPolicy:
         return cls(**knobs)
 
     def __post_init__(self) -> None:
-        if min(self.forward_chunks, self.ors_inflight, self.oag_depth) < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
+        counts = (self.forward_chunks, self.ors_inflight, self.oag_depth)
+        if min(counts) < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
             raise ValueError(
                 f"overlap policy {self}: forward_chunks, ors_inflight and oag_depth must be >= 1 and "
                 f"bucket_mb, min_chunk_kb >= 0"

@@ -376,7 +376,8 @@ def _deeper_overlap(block: list[int], spare_f: dict[int, float], spare_b: dict[i
         jobs += [(t - d + 1, "oag_b", t, range(t - d + 1, t))
                  for t in range(periods * size) if backward[t % size] in short["oag_b"]]
     if k > 1 and short["ors"]:  # issued just before window t, left running for k − 1 more windows
-        jobs += [(t - 1, "ors", t, range(t + 1, t + k)) for t in range(periods * size) if backward[t % size] in short["ors"]]
+        jobs += [(t - 1, "ors", t, range(t + 1, t + k))
+                 for t in range(periods * size) if backward[t % size] in short["ors"]]
     if jobs:
         hand_out(backward, spare_b, jobs)
     return out

@@ -183,8 +183,6 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         live -= logits
         live += b * (m.hidden // shape.x) * elem  # incoming gradient of the last block's output
     rebuilt = block_activation_elements(wl, shape, "none")
-
-
     mlp_down, mlp_up = linear_bwd("mlp_down", t["act"] / elem), linear_bwd("mlp_up", t["x1"] / elem)
     attn_out, qkv = linear_bwd("attn_out", t["att"] / elem), linear_bwd("qkv", t["x0"] / elem)
 
@@ -200,7 +198,8 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         live += mlp_down + t["act"] - (t["act"] if recompute == "none" else 0.0) - kept("mlp_down")
         note(t["act"])
         note_linear("mlp_up", first)
-        live += mlp_up - t["act"] - t["up"] - t["x1"] - kept("mlp_up")  # frees dX of MLP down, the up output, the saved input
+        # frees dX of MLP down, the up output, the saved input
+        live += mlp_up - t["act"] - t["up"] - t["x1"] - kept("mlp_up")
         note_linear("attn_out", first)  # then attention: dq, dk, dv and their assembled qkv gradient
         live += attn_out - kept("attn_out")
         note(t["att"] + 2 * t["qkv"])
@@ -211,5 +210,6 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
 
     before_blocks = live
     after_one = block(before_blocks, True)
-    block(before_blocks + (m.n_layers - 1) * (after_one - before_blocks), m.n_layers == 1)  # blocks are alike: the extremes are the ends
+    # blocks are alike: the extremes are the ends
+    block(before_blocks + (m.n_layers - 1) * (after_one - before_blocks), m.n_layers == 1)
     return peak
