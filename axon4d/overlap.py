@@ -97,8 +97,7 @@ class OverlapPolicy:
 
         A string may also set knobs: ``"all,oag_depth=3"``, ``"oag,ors,ors_inflight=2"``,
         ``"chunks=8"`` (the chunks mechanism with 8 chunks), ``"keep"`` (``oag_keep``). With no
-        mechanism named, knobs tune the all-on policy; ``describe`` in axon4d.plan.cost writes
-        this form."""
+        mechanism named, knobs tune the all-on policy; ``spec`` writes this form."""
         if isinstance(spec, OverlapPolicy):
             return spec
         if spec is None or spec is True or spec == "all":
@@ -120,7 +119,7 @@ class OverlapPolicy:
         """See ``parse``: mechanisms, "all"/"off", "keep" and ``field=value`` knobs."""
         if not spec.strip():
             raise ValueError("overlap '': name 'all', 'off', mechanisms like 'oag,oar', or knobs like 'oag_depth=2'")
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls)}
         mechanisms: list[str] = []
         knobs: dict[str, Any] = {}
         base = None
@@ -165,6 +164,21 @@ class OverlapPolicy:
                 f"overlap policy {self}: forward_chunks, ors_inflight and oag_depth must be >= 1 and "
                 f"bucket_mb, min_chunk_kb >= 0"
             )
+
+    def spec(self) -> str:
+        """The mechanisms that are on and the knobs off their defaults that the planner prices, as
+        ``parse`` reads them: e.g. "oag,oar,ors,odp,chunks=4" (the default), "oag,keep,oag_depth=2",
+        "off"."""
+        on = [n for n in ("oag", "oar", "ors", "odp") if getattr(self, n)]
+        if self.forward_chunks > 1:
+            on.append(f"chunks={self.forward_chunks}")
+        if self.oag_keep:
+            on.append("keep")
+        if self.oag and self.oag_depth > 1:
+            on.append(f"oag_depth={self.oag_depth}")
+        if self.ors and self.ors_inflight > 1:
+            on.append(f"ors_inflight={self.ors_inflight}")
+        return ",".join(on) or "off"
 
     def chunk_count(self, tokens: int, row_bytes: int, group: int) -> int:
         """Chunks for a forward all-reduce of ``tokens`` rows of ``row_bytes`` over a group of

@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     if args.pin_nodes:  # before any thread exists: every thread of the rank inherits the core
         cores = sorted(os.sched_getaffinity(0))
-        node = int(os.environ["RANK"]) // (args.ranks // args.nodes)
+        node = int(os.environ["RANK"]) // int(os.environ["LOCAL_WORLD_SIZE"])  # set by bench/cluster.py
         os.sched_setaffinity(0, {cores[node % len(cores)]})
     grid = axon4d.init(grid=tuple(int(s) for s in args.grid.split(",")), comm=args.comm, seed=0)
     if args.nice_compute:  # this thread only: the communication threads made above keep nice 0
@@ -174,8 +174,7 @@ def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
            "--grid", args.grid, "--hidden", str(args.hidden), "--layers", str(args.layers),
            "--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps), "--steps", str(args.steps),
            "--configs", args.configs, "--knobs", args.knobs]
-    cmd += ["--nice-compute", str(args.nice_compute), "--ranks", str(args.ranks), "--nodes", str(args.nodes)]
-    cmd += ["--pin-nodes"] if args.pin_nodes else []
+    cmd += ["--nice-compute", str(args.nice_compute)] + (["--pin-nodes"] if args.pin_nodes else [])
     return cmd + (["--trace", args.trace] if args.trace else [])
 
 

@@ -58,9 +58,9 @@ def test_collectives_return_correct_data_and_are_logged(pools):
 def _inputs_stay_live_until_wait(grid):
     """Bytes torch's memory tracker sees live while a reduce-scatter and an all-gather whose inputs
     the caller dropped are in flight, and after they were waited on."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     import time
+
+    from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     seen = []

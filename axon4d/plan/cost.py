@@ -71,17 +71,9 @@ def parse_overlap(spec: Any) -> OverlapPolicy:
 
 
 def describe(policy: OverlapPolicy) -> str:
-    """The mechanisms that are on, e.g. "oag,oar,ors,odp,chunks=4" ("off" when none)."""
-    on = [n for n in ("oag", "oar", "ors", "odp") if getattr(policy, n)]
-    if policy.forward_chunks > 1:
-        on.append(f"chunks={policy.forward_chunks}")
-    if policy.oag_keep:
-        on.append("keep")
-    if policy.oag and policy.oag_depth > 1:
-        on.append(f"oag_depth={policy.oag_depth}")
-    if policy.ors and policy.ors_inflight > 1:
-        on.append(f"ors_inflight={policy.ors_inflight}")
-    return ",".join(on) or "off"
+    """The mechanisms that are on, e.g. "oag,oar,ors,odp,chunks=4" ("off" when none): the policy's
+    own string form (``OverlapPolicy.spec``), which ``OverlapPolicy.parse`` reads back."""
+    return policy.spec()
 
 
 @dataclasses.dataclass
@@ -349,6 +341,7 @@ def _deeper_overlap(block: list[int], spare_f: dict[int, float], spare_b: dict[i
     periods = 4 * -(-reach // size) + 1
     middle = range((periods // 2) * size, (periods // 2 + 1) * size)
     out: list[tuple[str, int, float]] = []
+    mechanism = {"oag_f": "oag", "oag_b": "oag", "ors": "ors"}
 
     def hand_out(order: list[int], spare: dict[int, float], jobs: list[tuple[int, str, int, range]]) -> None:
         """``jobs``: (issue position, mechanism, owner position, window positions), in any order;
@@ -364,12 +357,11 @@ def _deeper_overlap(block: list[int], spare_f: dict[int, float], spare_b: dict[i
                     left[t] -= h
                     need -= h
                     if owner in middle:
-                        out.append((mech[:3], order[t % size], h))
+                        out.append((mechanism[mech], order[t % size], h))
 
-    forward = block
     if d > 1 and short["oag_f"]:  # the gather credited at window t was issued at window t − d + 1
-        hand_out(forward, spare_f, [(t - d + 1, "oag_f", t, range(t - d + 1, t))
-                                    for t in range(periods * size) if forward[t % size] in short["oag_f"]])
+        hand_out(block, spare_f, [(t - d + 1, "oag_f", t, range(t - d + 1, t))
+                                  for t in range(periods * size) if block[t % size] in short["oag_f"]])
     backward = block[::-1]
     jobs = []
     if d > 1 and short["oag_b"]:

@@ -21,6 +21,7 @@ output); "full" keeps only block inputs and rebuilds one block at a time.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from axon4d.grid import GridShape
 from axon4d.overlap import OverlapPolicy
@@ -132,12 +133,15 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         s = specs.get(name)
         return 0.0 if s is None else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z * elem
 
+    def blocks(first: list[str], repeated: list[str], n: int) -> float:
+        """Bytes of the first ``n`` blocks of ``first`` followed by ``repeated`` over and over."""
+        return sum(map(block_bytes, itertools.islice(itertools.chain(first, itertools.cycle(repeated)), n)))
+
     def prefetched(name: str) -> float:
         """OAG's prefetched blocks of the next ``oag_depth`` layers, alive during ``name``'s backward."""
         if not overlap.oag or shape.z == 1 or overlap.oag_keep:
             return 0.0
-        i, depth = order.index(name), overlap.oag_depth
-        return sum(map(block_bytes, (order[i + 1 :] + order[1:] * (depth // (len(order) - 1) + 1))[:depth]))
+        return blocks(order[order.index(name) + 1 :], order[1:], overlap.oag_depth)  # blocks repeat
 
     def reducing(name: str, first: bool) -> float:
         """Gradient blocks still being reduced during ``name``'s backward: ORS leaves the
@@ -147,9 +151,8 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         if name == "head" or not ((overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1)):
             return 0.0
         k = overlap.ors_inflight if overlap.ors and shape.z > 1 else 1
-        j = order.index(name)
-        before = order[1:j][::-1] + (["head"] if first else order[:0:-1] * (k // (len(order) - 1) + 1))
-        return sum(map(block_bytes, before[:k]))
+        earlier = order[1 : order.index(name)][::-1]
+        return blocks(earlier + ["head"], [], k) if first else blocks(earlier, order[:0:-1], k)
 
     def linear_bwd(name: str, dx_elems: float) -> float:
         """Record one layer's backward transients; return the gradient bytes kept afterwards."""
@@ -174,10 +177,8 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         # mean-square loss: the mean's expanded gradient, pow's self·2 and its product, the result)
         head_grad = linear_bwd("head", b * m.hidden // shape.x)
         # with G_z > 1 the head's forward-gathered block is still referenced then (measured on CPU/gloo)
-        head = specs["head"]
-        lingering = weight_shard_numel(head.in_features, head.out_features, shape, head.transpose) * shape.z * elem
         # (with keep-for-backward that block is the kept one, already counted in the activations)
-        note(4 * logits + (lingering if shape.z > 1 and not overlap.oag_keep else 0.0))
+        note(4 * logits + (block_bytes("head") if shape.z > 1 and not overlap.oag_keep else 0.0))
         note_linear("head")
         live += head_grad - b * (m.hidden // shape.x) * elem - kept("head")
         live -= logits

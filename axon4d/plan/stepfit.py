@@ -41,6 +41,7 @@ import numpy as np
 
 from axon4d.grid import GridShape
 from axon4d.models.config import ModelConfig
+from axon4d.overlap import OverlapPolicy
 from axon4d.plan.workload import Workload
 
 #: grids over several axes ``calibration_grids`` adds to the single-axis ones
@@ -112,8 +113,6 @@ def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recomput
     calibrated world size ``Machine.step_scale_for`` applies. The planned step is like them when
     its model and dtype are the calibrated ones, each rank gets as many sequences, and the overlap
     policy and recomputation are those ``measure`` ran (the library's default policy, none)."""
-    from axon4d.overlap import OverlapPolicy
-
     used, mine = samples_for(machine, world)
     if not mine:
         return None
