@@ -17,10 +17,16 @@ torch's MemTracker (parameters, gradients, optimizer state, activations, tempora
 buffers; not gloo's own host buffers), maximum over ranks. The communication log's bytes per axis
 are checked against the planner's.
 
-Calibration (``--calibrate``, or no machine file yet) runs ``axon4d calibrate --step-model`` with
-this workload, so the machine's in-step scale (axon4d.plan.stepfit) is fitted to steps of it on a
-few grids, timed in the calibration job. Those grids are marked in the table; the JSON summary
-also gives the error on the other grids (held out) and of the model without the scale.
+Calibration (``--calibrate``, or no machine file yet) runs ``axon4d calibrate`` (tables,
+collectives, interference). The machine's in-step scale (axon4d.plan.stepfit) is then fitted to
+steps of this workload on the step-calibration grids (``stepfit.calibration_grids``), timed in
+this run's rounds alternating with the grids compared (``--fit-steps run``, the default) and saved
+into the machine file: the host's speed drifts between jobs by more than the target error (the
+calibration job's steps of a grid and a later job's differed by up to 15%), and steps timed in
+the same rounds drift alike. Every grid compared is timed separately from its calibration steps.
+``--fit-steps machine`` keeps the machine file's scale (``axon4d calibrate --step-model``, fitted
+in its own job). The step-calibration grids are marked in the table; the JSON summary also gives
+the error on the other grids (held out) and of the model without the scale.
 
 Saves bench/results/planner_accuracy.json and docs/planner_accuracy.png and ends with
 ``planner: median error = M%, worst = W%, top-1 gap = G%, memory error = E%``.
@@ -29,6 +35,7 @@ Saves bench/results/planner_accuracy.json and docs/planner_accuracy.png and ends
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -43,7 +50,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from axon4d.grid import GridShape, factorizations  # noqa: E402
 from axon4d.plan import Overlap, Workload, describe, evaluate, load  # noqa: E402
-from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
+from axon4d.plan import stepfit  # noqa: E402
+from axon4d.plan.stepfit import Sample, model_fields, parse_model  # noqa: E402
 from axon4d.plan.stepfit import describe as describe_scale  # noqa: E402
 
 GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
@@ -85,13 +93,29 @@ def _peak_grid(grid, wl: Workload) -> int:
     return measure_peak(ProbeModel(wl, grid))
 
 
-def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
-            overlap: str) -> tuple[dict[tuple, list[dict]], dict[tuple, int]]:
-    """Time every grid ``rounds`` times, interleaved, then measure peak memory in a last pass, each
-    pass in fresh rank processes. Returns (per grid rank 0's result of each round, per grid peak bytes)."""
+#: the overlap policy the step calibration times (as ``axon4d calibrate --step-model`` does: the default)
+CALIBRATION_POLICY = Overlap().spec()
+
+
+def _jobs(grids: list[tuple], calibration: list[tuple]) -> list[tuple[str, tuple]]:
+    """The grids to compare ("grid") and the step-calibration grids ("calibration") of one world,
+    alternated, so that both see the host's drift alike."""
+    a, b = [("grid", g) for g in grids], [("calibration", g) for g in calibration]
+    out = []
+    for i in range(max(len(a), len(b))):
+        out += a[i:i + 1] + b[i:i + 1]
+    return out
+
+
+def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str,
+            calibration: dict[int, list[tuple]]) -> tuple[dict[tuple, list[dict]], dict[tuple, list[dict]], dict[tuple, int]]:
+    """Time every grid and every step-calibration grid ``rounds`` times, interleaved (``_jobs``),
+    then measure peak memory in a last pass, each pass in fresh rank processes. Returns (per grid
+    rank 0's result of each round, the same for the step-calibration grids, per grid peak bytes)."""
     from harness import RankPool
 
     times: dict[tuple, list[dict]] = {g: [] for g in grids}
+    cal: dict[tuple, list[dict]] = {g: [] for gs in calibration.values() for g in gs}
     peaks: dict[tuple, int] = {}
     by_world: dict[int, list[tuple]] = {}
     for g in grids:
@@ -100,29 +124,33 @@ def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
         for world, gs in sorted(by_world.items(), reverse=True):
             pool = RankPool(world, start_timeout=900)
             try:
-                for g in gs:
-                    if r < rounds:
-                        times[g].append(pool.run(g, _time_grid, wl, steps, timeout=600, overlap=overlap)[0])
-                        print(f"round {r + 1}/{rounds} grid {g}: {times[g][-1]['step_s'] * 1e3:.0f} ms", flush=True)
-                    else:
+                if r == rounds:
+                    for g in gs:
                         peaks[g] = pool.run(g, _peak_grid, wl, timeout=600, overlap=overlap)[0]
                         print(f"memory pass grid {g}: peak {peaks[g] / 2**20:.1f} MiB", flush=True)
+                    continue
+                for kind, g in _jobs(gs, calibration.get(world, [])):
+                    policy = overlap if kind == "grid" else CALIBRATION_POLICY
+                    got = pool.run(g, _time_grid, wl, steps, timeout=600, overlap=policy)[0]
+                    (times if kind == "grid" else cal)[g].append(got)
+                    print(f"round {r + 1}/{rounds} {kind} {g}: {got['step_s'] * 1e3:.0f} ms", flush=True)
             finally:
                 pool.close()
-    return times, peaks
+    return times, cal, peaks
 
 
-def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
-                     overlap: str) -> tuple[dict[tuple, list[dict]], dict[tuple, int]] | None:
-    """Under torchrun/srun/mpirun (or bench/cluster.py): every grid of this one world, in this job,
-    timing first and memory last (as ``measure``). Returns the results on rank 0, None on the others."""
+def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str,
+                     calibration: list[tuple]) -> tuple[dict[tuple, list[dict]], dict[tuple, list[dict]], dict[tuple, int]] | None:
+    """Under torchrun/srun/mpirun (or bench/cluster.py): every grid and step-calibration grid of
+    this one world, in this job, timing first and memory last (as ``measure``). Returns the
+    results on rank 0, None on the others."""
     import axon4d
 
     rank = 0
 
-    def run(g: tuple[int, ...], fn: Callable[..., Any], *args: object) -> Any:
+    def run(g: tuple[int, ...], fn: Callable[..., Any], *args: object, policy: str = overlap) -> Any:
         nonlocal rank
-        grid = axon4d.init(grid=g, overlap=overlap)
+        grid = axon4d.init(grid=g, overlap=policy)
         rank = grid.rank
         try:
             return fn(grid, *args)
@@ -130,13 +158,15 @@ def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, st
             axon4d.shutdown()
 
     times: dict[tuple, list[dict]] = {g: [] for g in grids}
+    cal: dict[tuple, list[dict]] = {g: [] for g in calibration}
     for r in range(rounds):
-        for g in grids:
-            times[g].append(run(g, _time_grid, wl, steps))
+        for kind, g in _jobs(grids, calibration):
+            got = run(g, _time_grid, wl, steps, policy=overlap if kind == "grid" else CALIBRATION_POLICY)
+            (times if kind == "grid" else cal)[g].append(got)
             if rank == 0:
-                print(f"round {r + 1}/{rounds} grid {g}: {times[g][-1]['step_s'] * 1e3:.0f} ms", flush=True)
+                print(f"round {r + 1}/{rounds} {kind} {g}: {got['step_s'] * 1e3:.0f} ms", flush=True)
     peaks = {g: run(g, _peak_grid, wl) for g in grids}
-    return (times, peaks) if rank == 0 else None
+    return (times, cal, peaks) if rank == 0 else None
 
 
 def plot(path: str, rows: list[dict]) -> None:
@@ -170,6 +200,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machine", default=os.path.join(ROOT, "bench/results/planner_machine_local.json"))
     p.add_argument("--calibrate", action="store_true", help="re-measure the machine before the run")
+    p.add_argument("--fit-steps", choices=("run", "machine"), default="run",
+                   help="run: fit the machine's in-step scale to steps of the step-calibration grids timed in this "
+                        "run, interleaved with the grids compared (saved into the machine file); machine: keep the "
+                        "scale the machine file has (from `axon4d calibrate --step-model`, another job)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--layers", type=int, default=WORKLOAD["layers"])
@@ -196,8 +230,9 @@ def main() -> int:
     if not launched and not args.from_json and (args.calibrate or not os.path.exists(args.machine)):
         if os.path.exists(args.machine):
             os.remove(args.machine)
+        steps = ["--step-model", workload_spec(args)] if args.fit_steps == "machine" else []
         subprocess.run([sys.executable, "-m", "axon4d.plan.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
-                        "--step-model", workload_spec(args), "--out", args.machine], check=True)
+                        *steps, "--out", args.machine], check=True)
     machine = load(args.machine)
     wl = workload(args)
     overlap = Overlap.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner
@@ -207,6 +242,8 @@ def main() -> int:
     else:
         grids = [s.as_tuple() for s in factorizations(world) if not wl.grid_problems(s)]
         grids += [] if launched else GRIDS_4 + GRIDS_2
+    worlds = sorted({GridShape(*g).world_size for g in grids})
+    calibration = {w: stepfit.calibration_grids(w, wl) for w in worlds} if args.fit_steps == "run" else {}
     start = time.perf_counter()
     if args.from_json:  # predictions again (new machine file or planner) for measurements already taken
         with open(args.from_json) as f:
@@ -219,17 +256,26 @@ def main() -> int:
         measured_by = old.get("measured_by", {"args": old["args"], "seconds": old["summary"]["seconds"]})
     else:
         if launched:
-            results = measure_launched(wl, grids, args.rounds, args.steps, args.overlap)
+            results = measure_launched(wl, grids, args.rounds, args.steps, args.overlap, calibration.get(world, []))
             if results is None:
                 return 0
         else:
-            results = measure(wl, grids, args.rounds, args.steps, args.overlap)
-        times, peaks = results
+            results = measure(wl, grids, args.rounds, args.steps, args.overlap, calibration)
+        times, cal, peaks = results
         measured = {g: {"rounds_step": [r["step_s"] for r in times[g]], "measured_mem": peaks[g],
                         "bytes_logged": times[g][0]["bytes_by_axis"], "collectives_logged": times[g][0]["collectives"],
                         "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g])}
                     for g in grids}
         measured_by = {"args": vars(args), "seconds": time.perf_counter() - start}
+        if cal:  # the in-step scale, fitted to this run's steps of the step-calibration grids
+            samples = [Sample(list(g), statistics.median(r["step_s"] for r in got), model_fields(wl.model), wl.batch,
+                              wl.dtype, [r["step_s"] for r in got]) for g, got in cal.items()]
+            machine.step_samples = ([d for d in machine.step_samples if Sample(**d).world not in worlds]
+                                    + [dataclasses.asdict(x) for x in samples])
+            stepfit.refit(machine)
+            machine.sources["step_scale"] = ("fitted to the steps in step_samples (axon4d.plan.stepfit), timed by "
+                                             "bench/planner_accuracy.py interleaved with the grids it compares")
+            machine.save(args.machine)
 
     # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
     fitted_on = {tuple(s["grid"]): s["measured_s"] for s in machine.step_samples if Sample(**s).matches(wl)}
@@ -283,13 +329,15 @@ def main() -> int:
         "round_spread_median": statistics.median((max(r["rounds_step"]) - min(r["rounds_step"])) / r["measured_step"]
                                                  for r in rows),
     }
-    # the same grid in two jobs: the calibration job's steps of it against this job's (the noise floor
-    # of an error between a fit made in one job and a measurement made in another)
+    # the same grid timed twice: as a step-calibration step and as a grid compared (in this run's
+    # rounds with --fit-steps run; in the calibration job and here with --fit-steps machine)
     between = [abs(r["measured_step"] - fitted_on[tuple(r["grid"])]) / fitted_on[tuple(r["grid"])]
                for r in rows if r["step_calibration_grid"]]
+    summary["step_fit"] = "this run" if calibration and not args.from_json else "machine file"
     if between:
-        summary.update({"between_jobs_grids": len(between), "between_jobs_median": statistics.median(between),
-                        "between_jobs_worst": max(between)})
+        summary.update({"calibration_vs_compared_grids": len(between),
+                        "calibration_vs_compared_median": statistics.median(between),
+                        "calibration_vs_compared_worst": max(between)})
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
@@ -306,8 +354,9 @@ def main() -> int:
               f"{100 * summary['median_time_error_held_out']:.1f}%, worst {100 * summary['worst_time_error_held_out']:.1f}%")
     print(f"\nthe same grid's step time moved by {100 * summary['round_spread_median']:.0f}% (median) between rounds")
     if between:
-        print(f"the {len(between)} grids timed both in the calibration job and here differ between the two jobs by "
-              f"{100 * summary['between_jobs_median']:.1f}% (median), {100 * summary['between_jobs_worst']:.1f}% at most")
+        print(f"the {len(between)} step-calibration grids' calibration steps ({summary['step_fit']}) and their timing "
+              f"here differ by {100 * summary['calibration_vs_compared_median']:.1f}% (median), "
+              f"{100 * summary['calibration_vs_compared_worst']:.1f}% at most")
     print(f"planner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
           f"communication bytes per axis equal the planner's on {sum(r['bytes_match'] for r in rows)}/{len(rows)} grids")
     print(f"saved {args.out} and {args.plot}")

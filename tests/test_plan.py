@@ -256,6 +256,37 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     assert again > 0 and full.collectives == s.collectives + again  # its forward collectives are issued again
 
 
+def test_interference_charges_every_byte_of_ring_traffic_to_compute():
+    import dataclasses
+
+    from axon4d.plan.machine import ring_traffic
+
+    assert ring_traffic("all_reduce", 4, 1000) == 1500 and ring_traffic("all_gather", 4, 1000) == 750
+    assert ring_traffic("reduce_scatter", 2, 1000) == 500 and ring_traffic("all_reduce", 1, 1000) == 0
+    m = load("perlmutter")
+    assert m.interference_time(1e9, 8) == 0.0  # the shipped GPU files did not measure it
+    kappa = 2e-9
+    host = dataclasses.replace(m, comm_interference_s_per_byte={"4": kappa, "2": 1.0},
+                               step_scale={"8": [1.25, 1.5, 0.5, 1e-3]})
+    # data parallel over 2 ranks: only all-reduces of 2 ranks, whose ring traffic is their payload
+    dp = step_time(PROBE_WL, GridShape(1, 1, 1, 2), m)
+    assert dp.traffic_bytes == sum(dp.bytes_by_axis.values()) > 0 and dp.interference_s == 0.0
+    # z over 2 (gathers and reduce-scatters move half their payload) and x, y over 2 (all-reduces)
+    shape = GridShape(2, 2, 2, 1)
+    t = step_time(PROBE_WL, shape, m)
+    by_op = {"z": 0.5, "x": 1.0, "y": 1.0, "batch": 1.0}
+    assert t.traffic_bytes == pytest.approx(sum(by_op[a] * b for a, b in t.bytes_by_axis.items()), rel=1e-12)
+    s = step_time(PROBE_WL, shape, host)  # 8 ranks on nodes of 4 devices: 4 compute at once
+    assert s.interference_s == pytest.approx(kappa * t.traffic_bytes, rel=1e-12)
+    assert s.parts[0] == pytest.approx(t.compute_s + s.interference_s) and s.parts[1:] == pytest.approx(t.parts[1:])
+    assert s.step_s - dataclasses.replace(s, interference_s=0.0).step_s == pytest.approx(1.25 * s.interference_s)
+    # recomputation sends the forward collectives' bytes again
+    full = evaluate(PROBE_WL, shape, host, recompute="full").time
+    again = sum(v["count"] * v["fwd_traffic_bytes"] for v in s.layers.values() if v["count"] == PROBE.n_layers)
+    assert again > 0 and full.traffic_bytes == pytest.approx(s.traffic_bytes + again)
+    assert full.interference_s == pytest.approx(kappa * full.traffic_bytes)
+
+
 def test_step_fit_recovers_scales_and_keeps_them_non_negative():
     from axon4d.plan.stepfit import calibration_grids, fit, parse_model
 
@@ -274,9 +305,10 @@ def test_step_fit_recovers_scales_and_keeps_them_non_negative():
                 "layers=2,hidden=38.4,heads=8,vocab=1536,seq=96,batch=8", "layers=0,hidden=384,heads=8,vocab=1536,seq=96,batch=8"):
         with pytest.raises(ValueError, match="step model"):
             parse_model(bad)
+    # single-axis grids, then mixed ones that put each group size on each axis as soon as possible
     assert calibration_grids(8, wl) == [(1, 1, 1, 8), (1, 1, 8, 1), (8, 1, 1, 1), (1, 8, 1, 1),
-                                        (2, 2, 2, 1), (2, 2, 1, 2), (1, 2, 2, 2)]
-    assert calibration_grids(4, wl)[4:] == [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 2, 1)] and calibration_grids(1, wl) == []
+                                        (2, 2, 2, 1), (1, 4, 1, 2), (4, 2, 1, 1)]
+    assert calibration_grids(4, wl)[4:] == [(2, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 1)] and calibration_grids(1, wl) == []
 
 
 def test_axis_geometry_and_machine_levels_follow_e1():
@@ -419,7 +451,10 @@ def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(po
     assert t.step_s > 0 and t.comm_by_axis["x"] > 0 and t.comm_by_axis["z"] > 0
     # the whole calibration steps: one per grid of stepfit.calibration_grids, and a fitted scale
     assert [s["grid"] for s in m.step_samples] == [[1, 1, 1, 4], [1, 1, 4, 1], [4, 1, 1, 1], [1, 4, 1, 1],
-                                                   [2, 2, 1, 1], [1, 2, 2, 1], [2, 1, 2, 1]]
+                                                   [2, 2, 1, 1], [1, 1, 2, 2], [1, 2, 2, 1]]
+    # what a collective's bytes take from the GEMMs beside it, priced into every step
+    assert m.comm_interference_s_per_byte["4"] >= 0.0
+    assert t.interference_s == pytest.approx(m.comm_interference_s_per_byte["4"] * t.traffic_bytes)
     assert all(s["measured_s"] > 0 and s["model"]["hidden"] == 64 for s in m.step_samples)
     k = m.step_scale["4"]
     assert len(k) == 4 and min(k) >= 0 and t.scale == tuple(k)  # the fit itself: bench/planner_accuracy.py

@@ -12,7 +12,9 @@ real step (on a CPU host the ranks share cores; on a GPU node each has its own d
   MLP activation forward/backward per element, one Adam step per parameter, a framework op;
 - every collective (all-reduce, all-gather, reduce-scatter) through ``axon4d.comm`` on every axis
   geometry (group size, rank stride) of the world, at several payloads;
-- how much of an asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``);
+- how much of an asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``), and
+  how much GEMM time each byte of a collective running beside it costs
+  (``comm_interference_s_per_byte``; ``_interference``);
 - with ``--step-model``, whole training steps of that model on a few grids, to which the
   planner's in-step scale is fitted (``axon4d.plan.stepfit``).
 
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from axon4d.plan import stepfit
-from axon4d.plan.machine import FORMS, CommCurve, Level, Machine, MatmulTable
+from axon4d.plan.machine import FORMS, CommCurve, Level, Machine, MatmulTable, ring_traffic
 
 DIMS = [16, 64, 256, 1024, 4096]
 MAX_MACS = 2**29  # lattice points larger than this are not run; they take the rate of a smaller point
@@ -210,15 +212,13 @@ def _comm_sweep(ctx: _Ctx, world: int, dtype: torch.dtype) -> list[CommCurve]:
     return curves
 
 
-def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
-    """Share of an async all-reduce (world axis) that a concurrent GEMM of similar length hides."""
-    if ctx.grid.world_size == 1:
-        return 1.0
-    buf = torch.zeros((4 << 20) // 4, dtype=dtype, device=ctx.device)
-    t_ar = ctx.measure_collective(lambda: ctx.grid.comm.all_reduce(buf, "world").wait())
-    a = torch.randn(512, 512, dtype=dtype, device=ctx.device)
+def _beside(ctx: _Ctx, buf: torch.Tensor, length: float) -> tuple[float, float, float]:
+    """Seconds of an async all-reduce of ``buf`` on the world axis alone, of GEMMs lasting about
+    ``length`` times as long alone, and of the two together (issue, GEMMs, wait)."""
+    a = torch.randn(512, 512, dtype=buf.dtype, device=ctx.device)
     t_one = ctx.measure(lambda: a @ a)
-    reps = max(1, int(t_ar / t_one))  # t_ar and t_one are means over ranks: every rank agrees
+    t_ar = ctx.measure_collective(lambda: ctx.grid.comm.all_reduce(buf, "world").wait())
+    reps = max(1, int(length * t_ar / t_one))  # t_ar and t_one are means over ranks: every rank agrees
     t_mm = ctx.measure(lambda: [a @ a for _ in range(reps)])
 
     def both() -> None:
@@ -227,9 +227,43 @@ def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
             a @ a
         h.wait()
 
-    t_both = ctx.measure_collective(both)
+    return t_ar, t_mm, ctx.measure_collective(both)
+
+
+def _overlap_efficiency(ctx: _Ctx, dtype: torch.dtype) -> float:
+    """Share of an async all-reduce (world axis) that a concurrent GEMM of similar length hides."""
+    if ctx.grid.world_size == 1:
+        return 1.0
+    t_ar, t_mm, t_both = _beside(ctx, torch.zeros((4 << 20) // 4, dtype=dtype, device=ctx.device), 1.0)
     hidden = t_mm + t_ar - t_both
     return float(min(max(hidden / min(t_mm, t_ar), 0.0), 1.0))
+
+
+#: all-reduce payloads (bytes) of the interference probe: large, so per-collective costs are small
+#: beside the bytes' and cancel in the difference of the two
+INTERFERENCE_PAYLOADS = (4 << 20, 16 << 20)
+
+
+def _interference(ctx: _Ctx, dtype: torch.dtype) -> float:
+    """Seconds of GEMM time lost per byte of ring traffic (``ring_traffic``) of an asynchronous
+    all-reduce on the world axis running beside the GEMMs (every rank at once).
+
+    For each of ``INTERFERENCE_PAYLOADS``: GEMMs lasting twice the all-reduce alone, once alone
+    and once with the all-reduce issued before them and waited on after (``_beside``). With a
+    core per rank the pair would take as long as the GEMMs; the excess is what moving the bytes
+    took from them. The excess at the larger payload minus that at the smaller, per byte of
+    traffic between them, leaves out what every collective costs regardless of its size (the
+    in-step scale's per-collective term prices that)."""
+    world = ctx.grid.world_size
+    if world == 1:
+        return 0.0
+    elem = torch.empty(0, dtype=dtype).element_size()
+    excess = []
+    for payload in INTERFERENCE_PAYLOADS:
+        _, t_mm, t_both = _beside(ctx, torch.zeros(payload // elem, dtype=dtype, device=ctx.device), 2.0)
+        excess.append(t_both - t_mm)
+    moved = [ring_traffic("all_reduce", world, p) for p in INTERFERENCE_PAYLOADS]
+    return max((excess[1] - excess[0]) / (moved[1] - moved[0]), 0.0)
 
 
 def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], None] = print,
@@ -257,7 +291,10 @@ def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], 
     log(f"[{world} ranks] attention, elementwise, optimizer done")
     out["comm"] = _comm_curves(ctx, world, torch.float32, passes) if world > 1 else []
     out["overlap_efficiency"] = statistics.median(_overlap_efficiency(ctx, torch.float32) for _ in range(max(passes, 1)))
-    log(f"[{world} ranks] collectives done; overlap efficiency {out['overlap_efficiency']:.2f}")
+    out["comm_interference_s_per_byte"] = statistics.median(_interference(ctx, torch.float32)
+                                                            for _ in range(max(passes, 1)))
+    log(f"[{world} ranks] collectives done; overlap efficiency {out['overlap_efficiency']:.2f}, "
+        f"interference {out['comm_interference_s_per_byte'] * 1e9:.2f} s per GB of collective traffic")
     samples = stepfit.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []
     out["step_samples"] = [dataclasses.asdict(s) for s in samples]
     return out
@@ -278,6 +315,8 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
     for dt, rows in result["attention"].items():
         machine.attention.setdefault(dt, {})[key] = rows
     machine.elementwise_Bps[key] = result["elementwise_Bps"]
+    if world > 1:
+        machine.comm_interference_s_per_byte[key] = result["comm_interference_s_per_byte"]
     machine.activation_s[key] = result["activation_s"]
     machine.adam_s[key] = result["adam_s"]
     machine.op_overhead_s = result["op_overhead_s"] if world == 1 else machine.op_overhead_s

@@ -27,11 +27,16 @@ machine's ``overlap_efficiency``:
 Block layers are repeated n_layers times and their neighbours wrap around the block. Which
 mechanisms are on is the library's own ``axon4d.overlap.OverlapPolicy`` (default: all on).
 
+Interference: where the machine measured it (``Machine.interference_time``; a host whose ranks
+share CPU cores), every collective also costs the compute its ring traffic's bytes take, hidden
+or not: interference = κ · Σ ``machine.ring_traffic`` over the step's collectives.
+
 The step is then the sum of three parts and a per-collective cost, weighted by the machine's
 in-step scale for the world size (``Machine.step_scale``, fitted by ``axon4d.plan.stepfit`` from
 measured steps; 1, 1, 1, 0 for a machine without step calibration):
 
-    step = k_c · (compute + optimizer) + k_a · exposed activation all-reduces (E8, E9, embedding lookup)
+    step = k_c · (compute + optimizer + interference)
+           + k_a · exposed activation all-reduces (E8, E9, embedding lookup)
            + k_w · exposed weight and gradient collectives (E10–E13, replicated gradients)
            + k_n · collectives issued per step (each chunk of E8 is one)
 """
@@ -43,7 +48,7 @@ from typing import Any
 
 from axon4d.grid import GridShape
 from axon4d.overlap import OverlapPolicy
-from axon4d.plan.machine import Machine
+from axon4d.plan.machine import Machine, ring_traffic
 from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.volume import chunk_sizes, linear_collectives, weight_shard_numel
 
@@ -94,6 +99,8 @@ class LayerCost:
     chunks: int = 1  # forward all-reduces E8 is issued as
     calls: int = 0  # collectives the layer issues per run
     fwd_calls: int = 0  # of which in the forward pass
+    traffic: float = 0.0  # ring traffic bytes of its collectives per run (machine.ring_traffic)
+    fwd_traffic: float = 0.0  # of which in the forward pass
 
 
 def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov: OverlapPolicy) -> LayerCost:
@@ -108,6 +115,7 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
     axes: dict[str, str] = {}
     by_axis: dict[str, int] = {}
     chunks = calls = fwd_calls = 0
+    traffic = fwd_traffic = 0.0
     if spec.embedding:  # the lookup's all-reduce over y and the table's gradient all-reduce over batch
         collectives = [c for c in wl.edge_collectives(shape) if c.term.startswith("embedding")]
     else:
@@ -123,6 +131,9 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
         calls += 1
         fwd_calls += c.phase == "forward"
         comm[key] = comm.get(key, 0.0) + m.comm_time(c.op.value, group, stride, c.payload_bytes, world)
+        moved = ring_traffic(c.op.value, group, c.payload_bytes)
+        traffic += moved
+        fwd_traffic += moved if c.phase == "forward" else 0.0
         axes[key] = c.axis
         by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
     chunks = max(chunks, 1)
@@ -136,7 +147,8 @@ def _layer_cost(spec: LinearSpec, wl: Workload, shape: GridShape, m: Machine, ov
         fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
         dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
         dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
-    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, chunks, calls, fwd_calls)
+    return LayerCost(spec, fwd, 0.0, fwd_mm, dx, dw, bwd_ew, 0.0, comm, axes, by_axis, chunks, calls, fwd_calls,
+                     traffic, fwd_traffic)
 
 
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
@@ -185,13 +197,16 @@ class TimeEstimate:
     layers: dict[str, dict[str, float]]
     activation_comm_s: float = 0.0  # the part of comm_s in ACTIVATION_TERMS
     collectives: int = 0  # issued per step on one rank (the communication log's count)
+    traffic_bytes: float = 0.0  # ring traffic of those collectives (machine.ring_traffic)
+    interference_s: float = 0.0  # compute lost to that traffic (Machine.interference_time)
     scale: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 0.0)  # (k_c, k_a, k_w, k_n s per collective)
 
     @property
     def parts(self) -> tuple[float, float, float]:
-        """(compute, exposed activation collectives, exposed weight/gradient collectives), unscaled."""
+        """(compute with interference, exposed activation collectives, exposed weight/gradient
+        collectives), unscaled."""
         act_hidden = sum(v for k, v in self.hidden_by_mechanism.items() if k in ACTIVATION_MECHANISMS)
-        return (self.compute_s, self.activation_comm_s - act_hidden,
+        return (self.compute_s + self.interference_s, self.activation_comm_s - act_hidden,
                 self.comm_s - self.activation_comm_s - (self.hidden_s - act_hidden))
 
     @property
@@ -231,7 +246,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
     spare_f: dict[int, float] = {}  # window -> capacity left after the one-window credits below
     spare_b: dict[int, float] = {}
     short: dict[str, dict[int, float]] = {"oag_f": {}, "oag_b": {}, "ors": {}}  # window -> not yet hidden
-    compute = matmul = comm = activation_comm = 0.0
+    compute = matmul = comm = activation_comm = traffic = 0.0
     calls = 0
     comm_by_axis: dict[str, float] = {}
     bytes_by_axis: dict[str, int] = {}
@@ -285,13 +300,14 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         comm += n * sum(c.values())
         activation_comm += n * sum(t for key, t in c.items() if key in ACTIVATION_TERMS)
         calls += n * lc.calls
+        traffic += n * lc.traffic
         for key, t in c.items():
             comm_by_axis[lc.comm_axis[key]] = comm_by_axis.get(lc.comm_axis[key], 0.0) + n * t
         for axis, nb in lc.bytes_by_axis.items():
             bytes_by_axis[axis] = bytes_by_axis.get(axis, 0) + n * nb
         per_layer[lc.spec.name] = {"count": n, "compute_s": layer_compute, "comm_s": sum(c.values()),
                                    "fwd_s": lc.fwd + lc.post_fwd, "fwd_comm_s": c.get("E8", 0.0) + c.get("E10f", 0.0),
-                                   "fwd_collectives": lc.fwd_calls,
+                                   "fwd_collectives": lc.fwd_calls, "fwd_traffic_bytes": lc.fwd_traffic,
                                    "hidden_s": h_f + h_b, **{f"comm_{k}": v for k, v in c.items()}}
     if block:
         for mech, window, h in _deeper_overlap(block, spare_f, spare_b, short, overlap):
@@ -305,6 +321,7 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
         t_c = machine.comm_time(c.op.value, group, stride, c.payload_bytes, shape.world_size)
         comm += t_c
         calls += 1
+        traffic += ring_traffic(c.op.value, group, c.payload_bytes)
         comm_by_axis[c.axis] = comm_by_axis.get(c.axis, 0.0) + t_c
         bytes_by_axis[c.axis] = bytes_by_axis.get(c.axis, 0) + c.payload_bytes
     if params_local is None:
@@ -315,7 +332,8 @@ def step_time(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
     return TimeEstimate(
         compute_s=compute + opt, matmul_s=matmul, optimizer_s=opt, comm_s=comm, hidden_s=sum(hidden.values()),
         comm_by_axis=comm_by_axis, bytes_by_axis=bytes_by_axis, hidden_by_mechanism=hidden, layers=per_layer,
-        activation_comm_s=activation_comm, collectives=calls, scale=machine.step_scale_for(shape.world_size),
+        activation_comm_s=activation_comm, collectives=calls, traffic_bytes=traffic,
+        interference_s=machine.interference_time(traffic, shape.world_size), scale=machine.step_scale_for(shape.world_size),
     )
 
 

@@ -12,6 +12,10 @@ A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file wri
   segment that is t = α + bytes/β. Otherwise the model t = α·steps + traffic/β (ring traffic; steps = the fewer of ring and tree) of the first
   hierarchy level (e.g. "node", then "network") that contains the whole group.
 - elementwise, attention and per-op costs for the work that is not a GEMM;
+- ``interference_time(traffic, world)``: step time the ranks' compute loses to the collectives
+  running beside it, per byte of ring traffic (measured by ``axon4d calibrate``: on a host whose
+  ranks share CPU cores, moving bytes through gloo takes cycles from the GEMMs however well the
+  collective overlaps them; 0 where nothing was measured);
 - ``step_scale_for(world)``: how the parts of a priced step compare with steps measured on this
   machine (``axon4d.plan.stepfit``; 1, 1, 1 without step calibration).
 
@@ -126,6 +130,8 @@ class Machine:
     # concurrency -> seconds per parameter element of one Adam step
     op_overhead_s: float = 5e-6  # fixed cost of one framework op (kernel launch / dispatch)
     overlap_efficiency: float = 0.9  # share of an overlapped collective that compute actually hides
+    comm_interference_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
+    # concurrency -> seconds of compute lost per byte of ring traffic (``ring_traffic``); none: 0
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # world size (str) -> [k_compute, k_activation_comm, k_weight_comm, seconds per collective] (stepfit)
     step_samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -194,6 +200,13 @@ class Machine:
             return params * self._nearest(self.adam_s, self.concurrency(world))
         return self.elementwise_time(40 * params, world)  # p, g, m, v in; p, m, v out, fp32
 
+    def interference_time(self, traffic_bytes: float, world: int = 1) -> float:
+        """Seconds the compute of a rank loses to ``traffic_bytes`` of its collectives' ring traffic
+        (``ring_traffic``) while ``world`` ranks run; 0 for a machine that did not measure it."""
+        if not self.comm_interference_s_per_byte or traffic_bytes <= 0:
+            return 0.0
+        return traffic_bytes * self._nearest(self.comm_interference_s_per_byte, self.concurrency(world))
+
     def step_world(self, world: int) -> int | None:
         """The step-calibrated world size nearest ``world`` (whose weights ``step_scale_for`` applies); None if none."""
         if not self.step_scale:
@@ -224,13 +237,9 @@ class Machine:
         if curve is not None:
             return curve.time(payload)
         level = self.level_of(group, stride)
-        phi = (group - 1) / group
         tree = math.ceil(math.log2(group))  # latency-bound sizes: collective libraries switch to trees
-        if op == "all_reduce":
-            steps, traffic = min(2 * (group - 1), 2 * tree), 2 * phi * payload
-        else:
-            steps, traffic = min(group - 1, tree), phi * payload
-        return level.alpha_s * steps + traffic / level.beta_Bps
+        steps = min(2 * (group - 1), 2 * tree) if op == "all_reduce" else min(group - 1, tree)
+        return level.alpha_s * steps + ring_traffic(op, group, payload) / level.beta_Bps
 
     def _comm_curve(self, op: str, group: int, stride: int, world: int) -> CommCurve | None:
         best, best_key = None, None
@@ -268,6 +277,16 @@ class Machine:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
+
+
+def ring_traffic(op: str, group: int, payload: float) -> float:
+    """Bytes one rank sends (and receives) in a ring ``op`` over ``group`` ranks of ``payload``
+    bytes (the whole buffer: an all-reduce's, an all-gather's output, a reduce-scatter's input):
+    2(g−1)/g · payload for an all-reduce, (g−1)/g · payload for the other two."""
+    if group <= 1:
+        return 0.0
+    share = (group - 1) / group * payload
+    return 2 * share if op == "all_reduce" else share
 
 
 def available() -> list[str]:

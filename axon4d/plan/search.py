@@ -45,6 +45,7 @@ class Candidate:
             "grid": list(self.shape.as_tuple()), "fits": self.fits, "step_s": t.step_s, "mfu": self.mfu,
             "compute_s": t.compute_s, "matmul_s": t.matmul_s, "optimizer_s": t.optimizer_s,
             "comm_s": t.comm_s, "hidden_s": t.hidden_s, "hidden_pct": t.hidden_pct,
+            "traffic_bytes": t.traffic_bytes, "interference_s": t.interference_s,
             "comm_by_axis_s": t.comm_by_axis, "bytes_by_axis": t.bytes_by_axis,
             "hidden_by_mechanism_s": t.hidden_by_mechanism, "memory": self.mem.to_json(),
             "bound_ratio": self.bound_ratio, "collectives": t.collectives, "step_scale": list(t.scale),
@@ -140,6 +141,9 @@ def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: OverlapP
             t.comm_s += sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
             t.activation_comm_s += sum(v["count"] * v.get("comm_E8", 0.0) for v in layers.values())
             t.collectives += sum(v["count"] * v["fwd_collectives"] for v in layers.values())
+            again = sum(v["count"] * v["fwd_traffic_bytes"] for v in layers.values())
+            t.traffic_bytes += again
+            t.interference_s += machine.interference_time(again, shape.world_size)
         else:
             t.compute_s += wl.model.n_layers * machine.activation_time(
                 wl.local_tokens(shape) * wl.model.ffn // shape.y, shape.world_size)[0]

@@ -172,14 +172,28 @@ def parse_model(spec: str, name: str = "stepfit") -> Workload:
 
 def calibration_grids(world: int, wl: Workload) -> list[tuple[int, int, int, int]]:
     """The grids ``measure`` runs on ``world`` ranks: every single-axis grid (data, z, x, y) the
-    workload allows, then up to ``MIXED`` valid grids over as many axes as possible (the most
-    balanced first, model axes before data)."""
+    workload allows, then up to ``MIXED`` valid grids over several axes, chosen one at a time to
+    put the most group sizes on axes no grid so far has had them on (a collective's cost in a
+    step depends on its group size, and the weights are fitted over all of them: on 8 ranks
+    that adds groups of 4 on x and y, whose latency the single-axis grids, at 8, do not show).
+    Ties go to the grid over the most axes, then the most balanced, model axes before data."""
     pure = [(1, 1, 1, world), (1, 1, world, 1), (world, 1, 1, 1), (1, world, 1, 1)]
     out = [g for g in pure if world > 1 and not wl.grid_problems(GridShape(*g))]
     mixed = [g for g in itertools.product(range(1, world + 1), repeat=4) if int(np.prod(g)) == world
              and sum(v > 1 for v in g) >= 2 and not wl.grid_problems(GridShape(*g))]
-    out += sorted(mixed, key=lambda g: (-sum(v > 1 for v in g), max(g), g[3], g[2]))[:MIXED]
-    return list(dict.fromkeys(out))
+
+    def placements(g: tuple[int, ...]) -> set[tuple[int, int]]:  # (axis, group size) below the world
+        return {(axis, size) for axis, size in enumerate(g) if 1 < size < world}
+
+    seen: set[tuple[int, int]] = set()
+    for _ in range(MIXED):
+        left = [g for g in mixed if g not in out]
+        if not left:
+            break
+        best = min(left, key=lambda g: (-len(placements(g) - seen), -sum(v > 1 for v in g), max(g), g[3], g[2]))
+        out.append(best)
+        seen |= placements(best)
+    return out
 
 
 def check_grids(world: int, wl: Workload) -> None:
