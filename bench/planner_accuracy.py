@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from axon4d.grid import GridShape, factorizations  # noqa: E402
 from axon4d.plan import Overlap, Workload, describe, evaluate, load  # noqa: E402
 from axon4d.plan import stepfit  # noqa: E402
-from axon4d.plan.stepfit import Sample, model_fields, parse_model  # noqa: E402
+from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
 from axon4d.plan.stepfit import describe as describe_scale  # noqa: E402
 
 GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
@@ -268,13 +268,9 @@ def main() -> int:
                     for g in grids}
         measured_by = {"args": vars(args), "seconds": time.perf_counter() - start}
         if cal:  # the in-step scale, fitted to this run's steps of the step-calibration grids
-            samples = [Sample(list(g), statistics.median(r["step_s"] for r in got), model_fields(wl.model), wl.batch,
-                              wl.dtype, [r["step_s"] for r in got]) for g, got in cal.items()]
-            machine.step_samples = ([d for d in machine.step_samples if Sample(**d).world not in worlds]
-                                    + [dataclasses.asdict(x) for x in samples])
-            stepfit.refit(machine)
-            machine.sources["step_scale"] = ("fitted to the steps in step_samples (axon4d.plan.stepfit), timed by "
-                                             "bench/planner_accuracy.py interleaved with the grids it compares")
+            samples = [dataclasses.asdict(Sample.of(g, wl, [r["step_s"] for r in got])) for g, got in cal.items()]
+            stepfit.store(machine, set(worlds), samples, "fitted to the steps in step_samples (axon4d.plan.stepfit), "
+                          "timed by bench/planner_accuracy.py interleaved with the grids it compares")
             machine.save(args.machine)
 
     # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
@@ -319,7 +315,7 @@ def main() -> int:
         "median_time_error": statistics.median(errs), "worst_time_error": max(errs), "top1_gap": gap,
         "step_scale": machine.step_scale, "step_calibration_grids": [s["grid"] for s in machine.step_samples],
         "median_time_error_unscaled": statistics.median(unscaled), "worst_time_error_unscaled": max(unscaled),
-        # the grids the step calibration did not run (its own grids were timed there, in another job)
+        # the grids the step calibration did not run (its own grids are timed twice: see below)
         "held_out_grids": len(held_out), "median_time_error_held_out": statistics.median(held_out) if held_out else None,
         "worst_time_error_held_out": max(held_out) if held_out else None,
         "planner_choice": chosen["grid"], "fastest_measured": fastest["grid"],

@@ -329,9 +329,8 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
             machine.levels = [Level("host (measured)", 0, statistics.median(f[0] for f in fits) / 2,
                                     statistics.median(f[1] for f in fits))]
     machine.devices_per_node = max(machine.devices_per_node, world)
-    machine.step_samples = [s for s in machine.step_samples if stepfit.Sample(**s).world != world] + result["step_samples"]
-    if stepfit.refit(machine):
-        machine.sources["step_scale"] = "fitted to the measured steps in step_samples (axon4d.plan.stepfit)"
+    stepfit.store(machine, {world}, result["step_samples"],
+                  "fitted to the measured steps in step_samples (axon4d.plan.stepfit)")
     machine.sources["peak_flops"] = "best GEMM throughput measured at the lattice points (not a hardware peak)"
     return machine
 

@@ -67,6 +67,11 @@ class Sample:
     dtype: str
     rounds_s: list[float]
 
+    @classmethod
+    def of(cls, grid: Sequence[int], wl: Workload, rounds_s: Sequence[float]) -> "Sample":
+        """The steps of ``wl`` timed on ``grid`` in ``rounds_s``, kept as their median."""
+        return cls(list(grid), statistics.median(rounds_s), model_fields(wl.model), wl.batch, wl.dtype, list(rounds_s))
+
     @property
     def world(self) -> int:
         return GridShape(*self.grid).world_size
@@ -229,8 +234,7 @@ def measure(world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6,
                 grid.destroy()
     for g in grids:
         log(f"[{world_grid.world_size} ranks] calibration step {g}: {statistics.median(times[g]) * 1e3:.0f} ms")
-    return [Sample(list(g), statistics.median(times[g]), model_fields(wl.model), wl.batch, wl.dtype, times[g])
-            for g in grids]
+    return [Sample.of(g, wl, times[g]) for g in grids]
 
 
 def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, float]:
@@ -255,6 +259,17 @@ def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, f
         if j not in seen:
             k[j] = UNSCALED[j]
     return (float(k[0]), float(k[1]), float(k[2]), float(k[3]))
+
+
+def store(machine: Any, worlds: set[int], samples: list[dict[str, Any]], source: str) -> dict[str, list[float]]:
+    """Replace ``machine``'s calibration steps of the world sizes ``worlds`` with ``samples``
+    (``Sample``s as dicts) and refit its in-step scale (``refit``); where a scale came out,
+    ``source`` says in the machine's sources where the steps were timed. Returns the scale."""
+    machine.step_samples = [s for s in machine.step_samples if Sample(**s).world not in worlds] + samples
+    scale = refit(machine)
+    if scale:
+        machine.sources["step_scale"] = source
+    return scale
 
 
 def refit(machine: Any) -> dict[str, list[float]]:
