@@ -1,7 +1,7 @@
 """Sharded checkpoints that load onto any grid, with ``torch.distributed.checkpoint``.
 
 Each parameter (and each AdamW moment) is saved as a DTensor describing *its piece of the global
-tensor* of the single-process model (``axon4d.sharding``): the piece's (x, y) block, gathered over
+tensor* of the single-process model (``axon4d.params``): the piece's (x, y) block, gathered over
 z for flat Linear shards, with Shard/Replicate placements on the grid's DeviceMesh. Fused tensors
 (q|k|v, gate|up) are saved as their separate parts. A checkpoint is therefore independent of the
 grid that wrote it: loading builds the same description for the current grid and DCP reads the
@@ -23,8 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from axon4d import runtime
+from axon4d.config import ModelConfig
 from axon4d.grid import Grid
-from axon4d.sharding import ParamLayout, param_layouts
+from axon4d.models.transformer import Transformer
+from axon4d.params import ParamLayout, param_layouts
 
 _MESH_AXES = ("data", "z", "y", "x")  # the DeviceMesh's dims, outermost first (grid.py)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -145,18 +148,14 @@ def export_dense(path: str, out_file: str) -> str:
 
     Runs in a single process: it loads the checkpoint onto a 1-rank grid and converts.
     """
-    import axon4d
-    from axon4d.models.config import ModelConfig
-    from axon4d.models.transformer import Transformer
-
     meta = read_meta(path)
     if "model_config" not in meta:
         raise ValueError(f"{path} has no model_config in meta.json; only axon4d models can be exported")
-    grid = axon4d.init(grid=(1, 1, 1, 1))
+    grid = runtime.init(grid=(1, 1, 1, 1))
     try:
         model = Transformer(ModelConfig(**meta["model_config"]), grid=grid)
         load(path, model, grid)
         torch.save(model.to_dense().state_dict(), out_file)
     finally:
-        axon4d.shutdown()
+        runtime.shutdown()
     return out_file

@@ -1,11 +1,13 @@
 """The communication layer: the only module in axon4d that calls collectives (its MPI transport
 lives in ``axon4d.mpi``).
 
-Every collective goes through a ``Communicator`` bound to a grid. It is issued asynchronously and
+Every collective goes through a ``Communicator``, built from a grid's shape and a transport over
+its process groups (it knows nothing of the ``Grid`` object). It is issued asynchronously and
 returns a ``Handle``; ``Handle.wait()`` blocks until the result is ready and returns it. Each call
-is recorded in the ``CommLog`` (op, axis, payload bytes, issue time, time blocked waiting,
-completion) — the payload is the size of the full tensor the collective produces, as defined in
-DESIGN.md §3, so the log can be checked term by term against E8–E13 (``axon4d.volume``).
+is recorded in the ``CommLog`` (axon4d.commlog: op, axis, payload bytes, issue time, time blocked
+waiting, completion) — the payload is the size of the full tensor the collective produces, as
+defined in docs/design.md §3, so the log can be checked term by term against E8–E13
+(``axon4d.geometry``).
 
 Collectives on an axis of size 1 are not issued and not recorded: they move nothing.
 
@@ -16,114 +18,17 @@ per-axis sub-communicators. A backend only moves bytes; logging, reshaping and h
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import os
-import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from axon4d.grid import Grid
-
-
-class Op(str, enum.Enum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-
-
-@dataclasses.dataclass
-class CommRecord:
-    """One collective as it happened on this rank (times from ``time.perf_counter``)."""
-
-    op: Op
-    axis: str
-    group_size: int
-    payload_bytes: int
-    tag: str
-    t_issue: float
-    t_wait_start: float | None = None
-    t_wait_end: float | None = None
-    t_done: float | None = None
-
-    @property
-    def blocked(self) -> float:
-        """Seconds this rank spent blocked in ``wait()`` before the collective completed."""
-        if self.t_wait_start is None or self.t_wait_end is None:
-            return 0.0
-        end = self.t_wait_end if self.t_done is None else min(self.t_wait_end, self.t_done)
-        return max(0.0, end - self.t_wait_start)
-
-    @property
-    def duration(self) -> float:
-        """Seconds from issue to completion (as far as this rank could observe it)."""
-        end = self.t_done if self.t_done is not None else self.t_wait_end
-        return 0.0 if end is None else max(0.0, end - self.t_issue)
-
-    @property
-    def traffic_bytes(self) -> float:
-        """Bytes a ring algorithm sends per rank for this collective (DESIGN.md §3)."""
-        phi = (self.group_size - 1) / self.group_size
-        factor = 2 * phi if self.op == Op.ALL_REDUCE else phi
-        return factor * self.payload_bytes
-
-
-class CommLog:
-    """All collectives this rank issued since the last ``clear()``."""
-
-    def __init__(self) -> None:
-        self.records: list[CommRecord] = []
-        self.spans: list[tuple[str, float, float]] = []  # (name, start, end): compute, for timelines
-        self._lock = threading.Lock()
-
-    def add(self, record: CommRecord) -> None:
-        with self._lock:
-            self.records.append(record)
-
-    def add_span(self, name: str, start: float, end: float) -> None:
-        """Record a stretch of compute (layers call this through ``Scheduler.compute``)."""
-        with self._lock:
-            self.spans.append((name, start, end))
-
-    def clear(self) -> None:
-        with self._lock:
-            self.records = []
-            self.spans = []
-
-    def bytes_by_axis(self, op: Op | None = None) -> dict[str, int]:
-        """Total payload bytes per axis, optionally for one kind of collective."""
-        out: dict[str, int] = {}
-        for r in self.records:
-            if op is None or r.op == op:
-                out[r.axis] = out.get(r.axis, 0) + r.payload_bytes
-        return out
-
-    def summary(self) -> dict[str, Any]:
-        """Per-axis bytes, counts, communication time and blocked time, and the share hidden."""
-        axes: dict[str, dict[str, float]] = {}
-        for r in self.records:
-            a = axes.setdefault(r.axis, {"count": 0, "bytes": 0, "comm_s": 0.0, "blocked_s": 0.0})
-            a["count"] += 1
-            a["bytes"] += r.payload_bytes
-            a["comm_s"] += r.duration
-            a["blocked_s"] += r.blocked
-        comm = sum(a["comm_s"] for a in axes.values())
-        blocked = sum(a["blocked_s"] for a in axes.values())
-        hidden = 100.0 * (1.0 - blocked / comm) if comm > 0 else 0.0
-        return {"axes": axes, "comm_s": comm, "blocked_s": blocked, "hidden_pct": hidden}
-
-    def format_summary(self) -> str:
-        """One line: bytes per axis, communication time, time blocked and the share hidden."""
-        s = self.summary()
-        parts = [f"{a}={v['bytes'] / 2**20:.2f}MiB" for a, v in sorted(s["axes"].items())]
-        return (
-            f"comm {' '.join(parts) or 'none'} | time {s['comm_s'] * 1e3:.1f} ms, "
-            f"blocked {s['blocked_s'] * 1e3:.1f} ms, hidden {s['hidden_pct']:.0f}%"
-        )
+from axon4d.commlog import CommLog, CommRecord
+from axon4d.geometry import Op
+from axon4d.mpi import MPIBackend
+from axon4d.shape import GridShape
 
 
 class Work(Protocol):
@@ -194,14 +99,13 @@ def choose_transport(comm: str, backend: str | None, launcher: str, device: torc
     return comm, backend
 
 
-def make_backend(name: str, grid: "Grid") -> Backend:
-    """The transport called ``name`` for ``grid``."""
+def make_backend(name: str, groups: dict[str, dist.ProcessGroup], shape: GridShape, rank: int) -> Backend:
+    """The transport called ``name`` over a grid's per-axis ``groups`` (torch) or MPI
+    sub-communicators mirroring them (``shape`` and ``rank`` place this rank, E1)."""
     if name == "torch":
-        return TorchBackend(grid.groups)
+        return TorchBackend(groups)
     if name == "mpi":
-        from axon4d.mpi import MPIBackend  # mpi4py is imported only when MPI is asked for
-
-        return MPIBackend(grid)
+        return MPIBackend(shape, rank)
     raise ValueError(f"unknown communication backend {name!r}; available: 'torch', 'mpi'")
 
 
@@ -272,25 +176,23 @@ def _stamp_completion(work: Work, record: CommRecord) -> None:
 
 
 class Communicator:
-    """Issues and records every collective of one grid. Axes: x, y, z, data, batch, world.
+    """Issues and records every collective of one grid of ``shape`` through ``backend``.
+    Axes: x, y, z, data, batch, world (axon4d.shape).
 
-    ``scheduler`` (axon4d.overlap) decides when the layers' collectives are issued and waited on.
+    When the layers' collectives are issued and waited on is the grid's scheduler's decision
+    (axon4d.scheduler), which calls this class.
     """
 
-    def __init__(self, grid: "Grid", backend: str = "torch"):
-        from axon4d.overlap import Scheduler  # overlap sits on top of comm; import late
-
-        self.grid = grid
-        self.backend = make_backend(backend, grid)
+    def __init__(self, shape: GridShape, backend: Backend):
+        self.shape = shape
+        self.backend = backend
         self.log = CommLog()
-        self.scheduler = Scheduler(self)
 
     @property
     def backend_name(self) -> str:
         return self.backend.name
 
     def close(self) -> None:
-        self.scheduler.finish_gradients()
         self.backend.close()
 
     def barrier(self) -> None:
@@ -301,7 +203,7 @@ class Communicator:
         record = CommRecord(
             op=op,
             axis=axis,
-            group_size=self.grid.size(axis),
+            group_size=self.shape.size(axis),
             payload_bytes=payload.numel() * payload.element_size(),
             tag=tag,
             t_issue=time.perf_counter(),
@@ -311,7 +213,7 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, axis: str, tag: str = "") -> Handle:
         """Sum ``tensor`` over ``axis``, in place; the handle's result is ``tensor``."""
-        if self.grid.size(axis) == 1:
+        if self.shape.size(axis) == 1:
             return Handle(None, tensor, None)
         if not tensor.is_contiguous():
             raise ValueError("all_reduce works in place and needs a contiguous tensor")
@@ -322,7 +224,7 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
         """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
-        g = self.grid.size(axis)
+        g = self.shape.size(axis)
         if g == 1:
             return Handle(None, tensor, None)
         dim = dim % tensor.dim()
@@ -336,7 +238,7 @@ class Communicator:
 
     def reduce_scatter(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
         """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index)."""
-        g = self.grid.size(axis)
+        g = self.shape.size(axis)
         if g == 1:
             return Handle(None, tensor, None)
         dim = dim % tensor.dim()

@@ -4,7 +4,7 @@ is the curve of the same MLP trained in one process with plain torch.nn.Linear.
     torchrun --nproc-per-node 8 -m axon4d.demo --grid 2,2,2,1
 
 Every rank trains its shard of the MLP (normal and transposed layers alternate, so activations
-never need redistributing, DESIGN.md §2) on a synthetic regression task. Afterwards rank 0 trains
+never need redistributing, docs/design.md §2) on a synthetic regression task. Afterwards rank 0 trains
 the plain MLP from the same initial weights on the same batches in this one process, prints both
 curves side by side, and writes ``loss.png`` and ``result.json`` to ``--out``.
 """

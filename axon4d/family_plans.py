@@ -1,5 +1,5 @@
 """Family plans for ``axon4d.auto_parallelize``: how the linear layers of known model families are
-split so that the code between them needs no feature gathers (DESIGN.md §2, E2–E7).
+split so that the code between them needs no feature gathers (docs/design.md §2, E2–E7).
 
 A plan is a function ``(name, module, grid) -> BlockPlan | None`` that reads sizes only (no
 collective, the same on every rank) and says, for one block or one whole model: which linear
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d.grid import Grid, _suggest, factorizations
+from axon4d.grid import Grid
+from axon4d.shape import factorizations, suggest
 from axon4d.nn.functional import gather_replicated, split_replicated
 
 #: attribute marking a forward pre-hook installed by a plan (``to_dense`` strips them from its copy)
@@ -85,7 +86,7 @@ def _require_heads(name: str, what: str, heads: int, grid: Grid) -> None:
     raise ValueError(
         f"{name or 'the model'}: {what} = {heads} is not divisible by G_y = {g} on grid {grid.shape} "
         f"(this layout splits attention heads over y); use layout='general', or "
-        + _suggest(grid.world_size, ok, near=grid.shape)
+        + suggest(grid.world_size, ok, near=grid.shape)
     )
 
 

@@ -63,7 +63,8 @@ def detect() -> LaunchInfo:
     return LaunchInfo("single", 0, 1, 0)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that is free on this host now (for a rendezvous address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
@@ -88,7 +89,7 @@ def start_world(info: LaunchInfo, backend: str, timeout_s: float = 600.0) -> Non
     elif info.launcher == "mpi":
         from mpi4py import MPI
 
-        address = (_host_address(), _free_port()) if info.rank == 0 else None
+        address = (_host_address(), free_port()) if info.rank == 0 else None
         addr, port = MPI.COMM_WORLD.bcast(address, root=0)
         dist.init_process_group(
             backend,

@@ -1,4 +1,4 @@
-"""Moving between full tensors and the grid's layouts (DESIGN.md §2).
+"""Moving between full tensors and the grid's layouts (docs/design.md §2).
 
 Tokens (dim 0: the batch, or the token count of a 2-D input) are split over batch = data × z,
 chunk index d·G_z + z. Features (the last dim) of a normal layer's input are split over x and its
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from axon4d import runtime, volume
-from axon4d.grid import Grid, require_divisible
+from axon4d import geometry, runtime
+from axon4d.grid import Grid
+from axon4d import rules
 
 
 def _chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
@@ -25,8 +26,7 @@ def shard_batch(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
     grid = runtime.resolve(grid)
     if x.dim() == 0:
         raise ValueError("shard_batch needs a tensor with a batch dim (dim 0), got a scalar")
-    require_divisible(x.shape[0], "the batch (dim 0 of the input)", grid.shape, ["data", "z"],
-                      "tokens are split over data × z")
+    rules.batch(x.shape[0]).check(grid.shape)
     return _chunk(x, 0, grid.size("batch"), grid.coord("batch"))
 
 
@@ -39,8 +39,7 @@ def gather_batch(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
 def shard_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torch.Tensor:
     """This rank's part of the last dim of ``x``, split over ``axis``."""
     grid = runtime.resolve(grid)
-    require_divisible(x.shape[-1], "the feature count (last dim)", grid.shape, [axis],
-                      f"features are split over {axis} here")
+    rules.features(x.shape[-1], axis).check(grid.shape)
     return _chunk(x, x.dim() - 1, grid.size(axis), grid.coord(axis))
 
 
@@ -56,12 +55,12 @@ def shard_input(x: torch.Tensor, transpose: bool = False, grid: Grid | None = No
     Dim 0 is split over batch (data × z); the last dim over x (normal) or y (transposed).
     """
     grid = runtime.resolve(grid)
-    in_axis, _ = volume.layer_axes(transpose)
+    in_axis, _ = geometry.layer_axes(transpose)
     return shard_features(shard_batch(x, grid), in_axis, grid)
 
 
 def gather_output(y: torch.Tensor, transpose: bool = False, grid: Grid | None = None) -> torch.Tensor:
     """The full output (N, ..., out) of a normal (or ``transpose``d) Linear, on every rank."""
     grid = runtime.resolve(grid)
-    _, out_axis = volume.layer_axes(transpose)
+    _, out_axis = geometry.layer_axes(transpose)
     return gather_batch(gather_features(y, out_axis, grid), grid)

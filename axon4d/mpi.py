@@ -1,5 +1,5 @@
 """The MPI transport of the communication layer (``axon4d.comm``): mpi4py's non-blocking
-collectives on per-axis sub-communicators that mirror the grid (DESIGN.md §7).
+collectives on per-axis sub-communicators that mirror the grid (docs/design.md §7).
 
 ``axon4d.comm`` builds an ``MPIBackend`` for ``axon4d.init(..., backend="mpi")`` or when launched
 under mpirun on the host; only its ``Communicator`` calls it. Like every backend, it only moves
@@ -11,13 +11,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from axon4d.comm import Work
-    from axon4d.grid import Grid
+from axon4d import device as devices
+from axon4d.shape import GridShape
 
 
 class _MPIWork:
@@ -93,22 +92,22 @@ class MPIBackend:
 
     name = "mpi"
 
-    def __init__(self, grid: "Grid", progress: str | None = None, poll_us: float = 200.0):
-        from mpi4py import MPI
+    def __init__(self, shape: GridShape, rank: int, progress: str | None = None, poll_us: float = 200.0):
+        from mpi4py import MPI  # optional dependency (the "mpi" extra), needed only here
 
         world = MPI.COMM_WORLD
-        if world.Get_size() != grid.world_size or world.Get_rank() != grid.rank:
+        if world.Get_size() != shape.world_size or world.Get_rank() != rank:
             raise ValueError(
                 f"the MPI backend needs MPI's world to be the grid's: MPI rank {world.Get_rank()} of "
-                f"{world.Get_size()}, grid rank {grid.rank} of {grid.world_size}; launch with "
-                f"mpiexec -n {grid.world_size}, or use comm='torch'"
+                f"{world.Get_size()}, grid rank {rank} of {shape.world_size}; launch with "
+                f"mpiexec -n {shape.world_size}, or use comm='torch'"
             )
         progress = progress or os.environ.get("AXON4D_MPI_PROGRESS", "thread")
         if progress not in ("thread", "mpich", "none"):
             raise ValueError(f"MPI progress {progress!r}: choose 'thread', 'mpich' or 'none'")
         self.MPI, self.progress, self.poll_s = MPI, progress, poll_us * 1e-6
         self.lock = threading.Lock()
-        c = grid.coords
+        c = shape.coordinates(rank)
         others = {
             "x": (c["data"], c["z"], c["y"]), "y": (c["data"], c["z"], c["x"]),
             "z": (c["data"], c["y"], c["x"]), "data": (c["z"], c["y"], c["x"]),
@@ -117,7 +116,7 @@ class MPIBackend:
         self.comms: dict[str, Any] = {}
         for axis, key in others.items():  # color: coordinates on the other axes; key: own index
             color = 0
-            for k, size in zip(key, _other_sizes(grid, axis)):
+            for k, size in zip(key, _other_sizes(shape, axis)):
                 color = color * size + k
             self.comms[axis] = world.Split(color, c[axis])
         self._pending: list[_MPIWork] = []
@@ -145,8 +144,6 @@ class MPIBackend:
         if self._cuda_aware is None:
             self._cuda_aware = mpi_cuda_aware()
         if self._cuda_aware:
-            from axon4d import device as devices
-
             devices.synchronize(t.device)
             return t.detach(), None
         host = t.detach().cpu()
@@ -173,18 +170,18 @@ class MPIBackend:
             return wide, (lambda: t.copy_(wide))
         return t, None
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, axis: str) -> _MPIWork:
         wide, back = self._reducible(tensor)
         buf, staged = self._buffer(wide, writes=True)
         req = self.comms[axis].Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         return self._start(req, [staged, back])
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> _MPIWork:
         send, _ = self._buffer(inp.view(torch.uint8), writes=False)  # bytes: any dtype gathers as is
         recv, staged = self._buffer(out.view(torch.uint8), writes=True)
         return self._start(self.comms[axis].Iallgather(send, recv), [staged])
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> _MPIWork:
         wide_in, _ = self._reducible(inp)
         wide_out, back = self._reducible(out)
         send, _ = self._buffer(wide_in, writes=False)
@@ -205,9 +202,8 @@ class MPIBackend:
         self.comms = {}
 
 
-def _other_sizes(grid: "Grid", axis: str) -> tuple[int, ...]:
+def _other_sizes(s: GridShape, axis: str) -> tuple[int, ...]:
     """Sizes of the axes whose coordinates colour ``axis``'s sub-communicator (see MPIBackend)."""
-    s = grid.shape
     return {
         "x": (s.data, s.z, s.y), "y": (s.data, s.z, s.x), "z": (s.data, s.y, s.x),
         "data": (s.z, s.y, s.x), "batch": (s.y, s.x), "world": (),

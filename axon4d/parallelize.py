@@ -1,7 +1,7 @@
 """Drop-in parallelization of an existing model: ``auto_parallelize(model)`` and ``to_dense(model)``.
 
 ``auto_parallelize`` swaps every ``torch.nn.Linear`` (and Hugging Face's ``Conv1D``) for a
-``ShardedLinear`` around an ``axon4d.Linear`` (DESIGN.md §2, E2–E7) and keeps the model's own
+``ShardedLinear`` around an ``axon4d.Linear`` (docs/design.md §2, E2–E7) and keeps the model's own
 forward code. The model runs on this rank's token shard (``axon4d.shard_batch``, dim 0 split over
 batch = data × z); everything outside the wrapped layers (norms, residuals, attention maths,
 reshapes, embeddings) runs replicated over x and y on full features.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import runtime, volume
+from axon4d import geometry, runtime
 from axon4d.family_plans import FAMILY_PLANS, HOOK_MARK, SHARDED_PLANS, BlockPlan, Spec
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch, gather_replicated, split_replicated
@@ -131,7 +131,7 @@ def _linear_problem(name: str, m: nn.Module, spec: Spec, grid: Grid, users: dict
         others = [u for u in users[id(p)] if u != name]
         if others:
             return f"weight shared with {', '.join(others)} (tied)"
-    in_axis, out_axis = volume.layer_axes(spec.transpose)
+    in_axis, out_axis = geometry.layer_axes(spec.transpose)
     if in_f % grid.size(in_axis) or out_f % grid.size(out_axis):
         return (f"({out_f}, {in_f}) does not split over G_{out_axis} = {grid.size(out_axis)} × "
                 f"G_{in_axis} = {grid.size(in_axis)}")

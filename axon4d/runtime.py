@@ -17,9 +17,11 @@ import torch.distributed as dist
 from axon4d import device as devices
 from axon4d import launch
 from axon4d.comm import choose_transport
-from axon4d.grid import Grid, GridShape
-from axon4d.overlap import OverlapPolicy
+from axon4d.grid import Grid
+from axon4d.plan.auto import choose_grid
+from axon4d.policy import OverlapPolicy
 from axon4d.precision import Precision
+from axon4d.shape import GridShape
 
 _state: dict[str, object] = {"grid": None, "owns_world": False, "launch": None}
 
@@ -43,7 +45,7 @@ def init(
     overrides the compute device; ``comm`` chooses the communication layer's transport: "torch",
     "mpi" (also ``backend="mpi"``), or "auto" = MPI when launched by mpirun on the host with mpi4py
     present, else torch (axon4d.comm.choose_transport). ``overlap`` is the overlap policy
-    (axon4d.overlap.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict).
+    (axon4d.policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict).
     ``seed``, if given, seeds torch's generator identically on every rank.
     ``grid="auto"`` lets the planner choose (axon4d.plan.auto.choose_grid) for ``plan`` =
     {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}.
@@ -64,8 +66,6 @@ def init(
     if isinstance(grid, str):
         if grid != "auto":
             raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")
-        from axon4d.plan.auto import choose_grid
-
         grid = choose_grid(info.world_size, overlap=overlap, rank=info.rank, **(plan or {}))  # type: ignore[arg-type]
     shape = GridShape.parse(grid, info.world_size)
     dev = torch.device(device) if device is not None else devices.default_device(info.local_rank)
@@ -78,8 +78,7 @@ def init(
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s)
         _state["owns_world"], _state["launch"] = True, info
-    new = Grid(shape, dev, transport, launcher=info.launcher, precision=mixed)
-    new.comm.scheduler.configure(policy)
+    new = Grid(shape, dev, transport, launcher=info.launcher, precision=mixed, overlap=policy)
     _state["grid"] = new
     return new
 
@@ -111,7 +110,7 @@ def shutdown() -> None:
     assert isinstance(grid, Grid)
     _state["grid"] = None
     if dist.is_initialized():
-        grid.comm.barrier()  # a rank leaving early can abort the others (DESIGN.md §7)
+        grid.comm.barrier()  # a rank leaving early can abort the others (docs/design.md §7)
     grid.destroy()  # collects what refers to its groups (Grid.destroy)
 
 

@@ -1,13 +1,8 @@
-"""What one training step spent on communication, from the grid's CommLog (DESIGN.md §4).
+"""What one training step spent on communication, from the grid's CommLog (docs/design.md §4).
 
 ``StepReport`` holds, for one rank and one step: payload bytes per axis, communication time,
 time blocked waiting, the share of communication hidden behind compute, and compute time. Times
-are measured as the union of intervals on this rank's clock, so collectives that run at once
-(a prefetch beside an all-reduce) are not counted twice:
-
-    comm    = | ∪ [issue, done] |         over every collective of the step
-    blocked = | ∪ [wait start, min(wait end, done)] |
-    hidden  = 1 − blocked / comm
+are interval unions on this rank's clock, as ``axon4d.commlog`` defines them for every report.
 
     with axon4d.stepstats.step(grid) as report:   # clears the log, times the step
         loss = model(batch); loss.backward(); opt.step()
@@ -20,22 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
-if TYPE_CHECKING:
-    from axon4d.comm import CommLog
-    from axon4d.grid import Grid
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by ``intervals`` (overlaps counted once)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+from axon4d.commlog import CommLog, comm_and_blocked, hidden_pct, union_length
+from axon4d.grid import Grid
 
 
 @dataclasses.dataclass
@@ -53,8 +36,8 @@ class StepReport:
 
     @property
     def hidden_pct(self) -> float:
-        """Share of communication time during which this rank was not blocked waiting."""
-        return 100.0 * (1.0 - self.blocked_s / self.comm_s) if self.comm_s > 0 else 0.0
+        """Share of communication time during which this rank was not blocked waiting (axon4d.commlog)."""
+        return hidden_pct(self.comm_s, self.blocked_s)
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "hidden_pct": self.hidden_pct}
@@ -69,24 +52,19 @@ class StepReport:
         )
 
 
-def report(log: "CommLog", *, step: int = 0, rank: int = 0, wall_s: float = 0.0) -> StepReport:
+def report(log: CommLog, *, step: int = 0, rank: int = 0, wall_s: float = 0.0) -> StepReport:
     """The report of everything ``log`` holds (call ``log.clear()`` at the start of a step)."""
-    comm, blocked = [], []
     out = StepReport(step=step, rank=rank, wall_s=wall_s)
     for r in log.records:
         out.bytes_by_axis[r.axis] = out.bytes_by_axis.get(r.axis, 0) + r.payload_bytes
         out.collectives += 1
-        if r.duration > 0:
-            comm.append((r.t_issue, r.t_issue + r.duration))
-        if r.blocked > 0 and r.t_wait_start is not None:
-            blocked.append((r.t_wait_start, r.t_wait_start + r.blocked))
-    out.comm_s, out.blocked_s = union_length(comm), union_length(blocked)
+    out.comm_s, out.blocked_s = comm_and_blocked(log.records)
     out.compute_s = union_length([(a, b) for _, a, b in log.spans])
     return out
 
 
 @contextlib.contextmanager
-def step(grid: "Grid", number: int = 0) -> Iterator[StepReport]:
+def step(grid: Grid, number: int = 0) -> Iterator[StepReport]:
     """Clear ``grid``'s log, run the enclosed step, then fill the yielded report in."""
     result = StepReport(step=number, rank=grid.rank)
     grid.comm.log.clear()

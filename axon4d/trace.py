@@ -1,4 +1,4 @@
-"""Timelines of compute and communication: Chrome/Perfetto trace JSON and a PNG (DESIGN.md §4).
+"""Timelines of compute and communication: Chrome/Perfetto trace JSON and a PNG (docs/design.md §4).
 
 Each rank writes what its CommLog holds — collectives (op, axis, bytes, issue, wait, done) and
 compute spans recorded by the layers — with ``dump(grid, directory)`` (one ``rank<r>.json`` per
@@ -23,17 +23,16 @@ import argparse
 import glob
 import json
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-if TYPE_CHECKING:
-    from axon4d.grid import Grid
+from axon4d.grid import Grid
+from axon4d.shape import ALL_AXES as AXIS_ORDER
 
-AXIS_ORDER = ("x", "y", "z", "data", "batch", "world")
 COLORS = {"compute": "#4C72B0", "blocked": "#D62728", "x": "#55A868", "y": "#DD8452", "z": "#8172B3",
           "data": "#937860", "batch": "#DA8BC3", "world": "#8C8C8C"}
 
 
-def dump(grid: "Grid", directory: str, t0: float | None = None, label: str = "") -> str:
+def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -> str:
     """Write this rank's collectives and compute spans to ``directory/rank<r>.json``; return the path."""
     log = grid.comm.log
     if t0 is None:

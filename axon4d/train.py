@@ -5,7 +5,7 @@
 
 Every field of ``TrainConfig`` is a command-line flag. The loop: deterministic global batches
 (``axon4d.data``) → this rank's rows (``shard_batch``) → micro-batches with gradient accumulation →
-gradient clipping whose norm counts each element once (``axon4d.sharding``) → AdamW with warmup
+gradient clipping whose norm counts each element once (``axon4d.params``) → AdamW with warmup
 and cosine decay. Rank 0 shows a progress bar (loss, tokens/s, MFU, hidden communication) and
 writes ``log.jsonl``; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and
 at the end, and ``--resume`` continues from the newest one on the same loss curve. With
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 import axon4d
-from axon4d import checkpoint, sharding
+from axon4d import checkpoint, params
 from axon4d.data import MemmapTokens, SyntheticTokens, demo_corpus
-from axon4d.models.config import ModelConfig, get_config
+from axon4d.config import ModelConfig, get_config
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.precision import Precision
 
@@ -147,7 +147,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
     Decided by the parameter's *global* shape, so flat Linear shards count as matrices; for a
     plain single-process model the global shape is the parameter's own."""
-    layouts = sharding.param_layouts(model)
+    layouts = params.param_layouts(model)
     decay = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) >= 2]
     other = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
@@ -250,7 +250,7 @@ def _train_on(grid: axon4d.Grid, cfg: TrainConfig, mcfg: ModelConfig) -> dict[st
             group["lr"] = lr_at(step, cfg)
         batches = data.batch(step, cfg.batch_size * cfg.micro_batches).chunk(cfg.micro_batches)
         loss = _fit_step(model, batches, grid)
-        norm = sharding.clip_grad_norm_(model, cfg.grad_clip, grid) if cfg.grad_clip > 0 else sharding.grad_norm(model, grid).item()
+        norm = params.clip_grad_norm_(model, cfg.grad_clip, grid) if cfg.grad_clip > 0 else params.grad_norm(model, grid).item()
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0

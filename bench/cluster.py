@@ -1,6 +1,6 @@
 """An emulated cluster on one machine: one network namespace per rank, links capped with tc tbf.
 
-On loopback, communication costs CPU rather than wall time, so overlap cannot show (DESIGN.md
+On loopback, communication costs CPU rather than wall time, so overlap cannot show (docs/design.md
 §7). Here every rank runs in its own network namespace ``ax4-r<i>`` whose ``eth0`` (a veth) is
 plugged into a bridge living in a switch namespace ``ax4-sw``; both directions of every rank's
 link are capped with ``tc qdisc ... tbf rate LINK``. With ``--nodes N`` the ranks are grouped into

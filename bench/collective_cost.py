@@ -1,4 +1,4 @@
-"""Wall time and CPU time of each collective on 8 ranks (DESIGN.md §7).
+"""Wall time and CPU time of each collective on 8 ranks (docs/design.md §7).
 
 On one host the CPU that moves bytes is the CPU the ranks compute on, so a collective's CPU cost
 bounds what overlap can gain there (docs/overlap.md). For each axis of the (2, 2, 2, 1) grid and

@@ -1,6 +1,6 @@
-"""Where a training step's time goes, against the planner's prices (DESIGN.md §6).
+"""Where a training step's time goes, against the planner's prices (docs/design.md §6).
 
-For each grid, ``axon4d.plan.probe.ProbeModel`` (the planner benchmark's workload, same defaults)
+For each grid, ``axon4d.measure.probe.ProbeModel`` (the planner benchmark's workload, same defaults)
 runs ``--steps`` training steps under torch's profiler on every rank, with overlap off and with
 the default policy ("all"), alternating, ``--rounds`` times (medians over rounds are kept). Per
 step and rank (mean over ranks): the wall time, the time inside GEMMs (``aten::mm``,
@@ -42,7 +42,7 @@ def _profiled_steps(grid, wl, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from axon4d.plan.probe import ProbeModel, train_step
+    from axon4d.measure.probe import ProbeModel, train_step
 
     torch.manual_seed(0)
     model = ProbeModel(wl, grid)
@@ -78,7 +78,7 @@ def main() -> int:
     from harness import RankPool
     from planner_accuracy import WORKLOAD, workload
 
-    from axon4d.grid import GridShape
+    from axon4d.shape import GridShape
     from axon4d.plan import Overlap, evaluate, load
 
     wl = workload(argparse.Namespace(**WORKLOAD))

@@ -1,5 +1,5 @@
 """The GPT benchmark: train a model of the size table on the 4D grid and report throughput, MFU and
-the planner's predicted vs measured step time (DESIGN.md §6).
+the planner's predicted vs measured step time (docs/design.md §6).
 
     srun -N 256 --ntasks-per-node 4 python bench/gpt.py --model 80B --batch 2048 --grid auto --machine perlmutter
     torchrun --nproc-per-node 8 bench/gpt.py --model 20B --batch 64 --grid 2,2,2,1
@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
-from axon4d.grid import GridShape  # noqa: E402
-from axon4d.models.config import SIZES, get_config  # noqa: E402
+from axon4d.shape import GridShape# noqa: E402
+from axon4d.config import SIZES, get_config  # noqa: E402
 from axon4d.plan import Overlap, Workload, describe, evaluate, load  # noqa: E402
 from axon4d.plan.workload import DTYPES_TORCH  # noqa: E402
 

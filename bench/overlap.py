@@ -1,4 +1,4 @@
-"""Overlap off vs each mechanism alone vs all on, on a transformer-shaped workload (DESIGN.md §4).
+"""Overlap off vs each mechanism alone vs all on, on a transformer-shaped workload (docs/design.md §4).
 
 The workload: ``--layers`` blocks, each an attention-shaped pair (QKV h→3h normal, a cheap
 elementwise mix standing in for attention, output projection h→h transposed) and an MLP (h→4h
@@ -25,12 +25,13 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+
+from axon4d.launch import free_port  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,7 +42,7 @@ CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
 def _policy(name: str, knobs: str = ""):
     """The policy of configuration ``name``; ``knobs`` ("ors_inflight=2,bucket_mb=4") tune every
     configuration but "off" (the mechanisms themselves are chosen by ``name``)."""
-    from axon4d.overlap import MECHANISMS, OverlapPolicy
+    from axon4d.policy import MECHANISMS, OverlapPolicy
 
     if name == "off":
         return OverlapPolicy.off()
@@ -94,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     params = list(model.parameters())
     x = axon4d.shard_input(torch.randn(args.batch, args.seq, args.hidden))
     v = torch.randn(x.shape[-1])
-    sched = grid.comm.scheduler
+    sched = grid.scheduler
 
     def step() -> None:
         y = model(x)
@@ -163,12 +164,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # -- the driver: starts the ranks, collects, prints -----------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--comm", comm,
            "--grid", args.grid, "--hidden", str(args.hidden), "--layers", str(args.layers),
@@ -197,7 +192,7 @@ def run_ranks(args: argparse.Namespace, out: str) -> dict:
                               timeout=args.timeout).returncode
         where = {"where": "loopback", "backend": "mpi", "mpi_progress": args.mpi_progress}
     else:
-        port, procs = _free_port(), []
+        port, procs = free_port(), []
         for r in range(args.ranks):
             procs.append(subprocess.Popen(_worker_cmd(args, out, "torch"), env=dict(
                 env, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",

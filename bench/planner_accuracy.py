@@ -1,10 +1,10 @@
 """How right is the planner? Measure step time and per-rank peak memory of a transformer workload on
-many grids of this machine and compare with the planner's predictions (DESIGN.md §6).
+many grids of this machine and compare with the planner's predictions (docs/design.md §6).
 
     .venv/bin/python bench/planner_accuracy.py                 # calibrates first if no machine file
     .venv/bin/python bench/planner_accuracy.py --calibrate     # re-measure the machine
 
-Workload: ``axon4d.plan.probe.ProbeModel`` — transformer blocks of axon4d.Linear layers in the
+Workload: ``axon4d.measure.probe.ProbeModel`` — transformer blocks of axon4d.Linear layers in the
 block's layouts (QKV normal, attention output transposed, MLP up normal, MLP down transposed),
 causal attention on the local heads, vocab-parallel head, Adam — at the shapes of
 ``ModelConfig.linear_shapes()``. Every valid grid of 8 ranks is run, plus some of 4 and 2 ranks,
@@ -12,7 +12,7 @@ in ``--rounds`` interleaved rounds (the median over rounds is kept: the host is 
 
 Time: ``--steps`` steps back to back between two barriers (as training runs them), the slowest
 rank's span divided by the steps; the median over rounds. Memory, in a pass after all timing
-(``axon4d.plan.probe.measure_peak``): the peak of live torch allocations over one step, from
+(``axon4d.measure.probe.measure_peak``): the peak of live torch allocations over one step, from
 torch's MemTracker (parameters, gradients, optimizer state, activations, temporaries, collective
 buffers; not gloo's own host buffers), maximum over ranks. The communication log's bytes per axis
 are checked against the planner's.
@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from axon4d.grid import GridShape, factorizations  # noqa: E402
+from axon4d.shape import GridShape, factorizations# noqa: E402
 from axon4d.plan import Overlap, Workload, describe, evaluate, load  # noqa: E402
 from axon4d.plan import stepfit  # noqa: E402
 from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
@@ -76,7 +76,7 @@ def workload(args: argparse.Namespace) -> Workload:
 def _time_grid(grid, wl: Workload, steps: int) -> dict:
     import torch
 
-    from axon4d.plan.probe import ProbeModel, measure_step
+    from axon4d.measure.probe import ProbeModel, measure_step
 
     torch.manual_seed(0)
     return measure_step(ProbeModel(wl, grid), steps=steps)
@@ -84,10 +84,10 @@ def _time_grid(grid, wl: Workload, steps: int) -> dict:
 
 def _peak_grid(grid, wl: Workload) -> int:
     """Peak bytes of one step, maximum over ranks — only after all timing in the process (see
-    ``axon4d.plan.probe.measure_peak``)."""
+    ``axon4d.measure.probe.measure_peak``)."""
     import torch
 
-    from axon4d.plan.probe import ProbeModel, measure_peak
+    from axon4d.measure.probe import ProbeModel, measure_peak
 
     torch.manual_seed(0)
     return measure_peak(ProbeModel(wl, grid))
@@ -226,12 +226,12 @@ def main() -> int:
     launched = launch.detect().launcher in ("torchrun", "mpi")
     if launched and not os.path.exists(args.machine):
         raise SystemExit(f"{args.machine} does not exist: calibrate first, in the same kind of job "
-                         f"(python -m axon4d.plan.calibrate --out {args.machine})")
+                         f"(python -m axon4d.measure.calibrate --out {args.machine})")
     if not launched and not args.from_json and (args.calibrate or not os.path.exists(args.machine)):
         if os.path.exists(args.machine):
             os.remove(args.machine)
         steps = ["--step-model", workload_spec(args)] if args.fit_steps == "machine" else []
-        subprocess.run([sys.executable, "-m", "axon4d.plan.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
+        subprocess.run([sys.executable, "-m", "axon4d.measure.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
                         *steps, "--out", args.machine], check=True)
     machine = load(args.machine)
     wl = workload(args)

@@ -13,20 +13,15 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
 from typing import Any, Callable
 
+from axon4d.launch import free_port
+
 _CTX = mp.get_context("spawn")
 _STOP = "stop"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
@@ -77,7 +72,7 @@ class RankPool:
         self.world = world
         self.outbox = _CTX.Queue()
         self.inboxes = [_CTX.Queue() for _ in range(world)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             _CTX.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
             for r in range(world)
@@ -177,7 +172,7 @@ def value_errors(cases: dict[str, Callable[[], Any]]) -> dict[str, str | None]:
 
 def grids_of(world: int) -> list[tuple[int, int, int, int]]:
     """Every (x, y, z, data) factorisation of ``world``."""
-    from axon4d.grid import factorizations
+    from axon4d.shape import factorizations
 
     return [s.as_tuple() for s in factorizations(world)]
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import axon4d
 from harness import value_errors
-from axon4d.models.config import ModelConfig
+from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention, DenseAttention
 from axon4d.nn.block import DenseBlock, TransformerBlock

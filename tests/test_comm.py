@@ -1,6 +1,6 @@
 """Protects the communication layer: collectives return the right data along any dim, every call
-is logged with its payload, and a Linear's forward + backward moves exactly the bytes of DESIGN.md
-E8–E13 as computed by axon4d.volume (the planner's source of truth)."""
+is logged with its payload, and a Linear's forward + backward moves exactly the bytes of docs/design.md
+E8–E13 as computed by axon4d.geometry (the planner's source of truth)."""
 
 from collections import Counter
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.comm import Op
-from axon4d.volume import linear_collectives
+from axon4d.geometry import Op
+from axon4d.geometry import linear_collectives
 
 
 def _primitives(grid):

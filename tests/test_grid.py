@@ -1,4 +1,4 @@
-"""Protects the grid (DESIGN.md §1): E1 coordinates, the groups of each axis, and validation that
+"""Protects the grid (docs/design.md §1): E1 coordinates, the groups of each axis, and validation that
 fails early with a useful message on every rank instead of hanging."""
 
 import os
@@ -7,7 +7,9 @@ import pytest
 import torch.distributed as dist
 
 import axon4d
-from axon4d.grid import Grid, GridShape, factorizations, require_divisible
+from axon4d.grid import Grid
+from axon4d.shape import GridShape, factorizations
+from axon4d import rules
 from harness import grids_of
 
 
@@ -46,9 +48,9 @@ def test_wrong_product_lists_grids_that_work():
         GridShape.parse((2, 2, 2, 1), 4)
 
 
-def test_require_divisible_names_value_rule_and_alternatives():
+def test_divisibility_rule_names_value_rule_and_alternatives():
     with pytest.raises(ValueError) as e:
-        require_divisible(6, "in_features", GridShape(4, 1, 2, 1), ["x"], "normal layers split in over x")
+        rules.divisible(6, "in_features", ["x"], "normal layers split in over x").check(GridShape(4, 1, 2, 1))
     msg = str(e.value)
     assert "in_features = 6" in msg and "G_x = 4" in msg and "normal layers" in msg
     assert "(1, 1, 8, 1)" in msg and "(2, 1, 4, 1)" in msg and "(4, 1, 2, 1)" not in msg
@@ -127,7 +129,7 @@ def test_shutdown_releases_the_groups_threads(pools):
 
 
 def _train_on_grids_and_keep_them(grid):
-    from axon4d.plan.probe import ProbeModel, measure_step
+    from axon4d.measure.probe import ProbeModel, measure_step
     from axon4d.plan.stepfit import parse_model
 
     wl = parse_model("layers=1,hidden=32,heads=4,vocab=32,seq=8,batch=4")

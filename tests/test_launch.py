@@ -4,11 +4,12 @@ and a second grid built after ``shutdown()`` in the same job."""
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from axon4d.launch import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launch_check.py")
@@ -23,12 +24,6 @@ def _run(cmd, timeout=240):
     return [line for line in proc.stdout.splitlines() if line.startswith("LAUNCH")]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _errors_ok(lines):
     return all(float(line.rsplit("err=", 1)[1]) < 1e-5 for line in lines)
 
@@ -40,7 +35,7 @@ def test_plain_python_is_a_world_of_one():
 
 def test_torchrun():
     torchrun = os.path.join(BIN, "torchrun")
-    lines = _run([torchrun, "--nproc-per-node", "4", "--master-port", str(_free_port()), SCRIPT, "2,1,2,1;1,1,2,2"])
+    lines = _run([torchrun, "--nproc-per-node", "4", "--master-port", str(free_port()), SCRIPT, "2,1,2,1;1,1,2,2"])
     assert len(lines) == 8 and all("world=4" in line for line in lines) and _errors_ok(lines)
     assert sum("Grid(x=1, y=1, z=2, data=2)" in line for line in lines) == 4  # the second grid, after shutdown
     assert {line.split()[1] for line in lines} == {"torchrun"}

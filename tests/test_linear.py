@@ -1,4 +1,4 @@
-"""Protects axon4d.Linear (DESIGN.md §2): on every grid of 1, 2, 4 and 8 ranks it must equal the
+"""Protects axon4d.Linear (docs/design.md §2): on every grid of 1, 2, 4 and 8 ranks it must equal the
 plain single-process torch.nn.Linear in forward output, input gradient, weight gradient and bias
 gradient — normal, transposed, chained, with padding over z, in fp32 and bf16.
 
@@ -173,12 +173,12 @@ def test_bad_shapes_raise_clear_value_errors_on_every_rank(pools):
 
 def test_large_layers_build_on_the_meta_device_without_memory():
     # a 20B-sized MLP projection as one rank of a 1024-rank grid would hold it
-    from axon4d.grid import GridShape
-    from axon4d import volume
+    from axon4d.shape import GridShape
+    from axon4d import geometry
 
     shape = GridShape(8, 8, 16, 1)
-    assert volume.weight_shard_numel(7168, 4 * 7168, shape, False) == 7168 * 4 * 7168 // 1024
-    assert volume.weight_block_shape(7168, 4 * 7168, shape, True) == (4 * 7168 // 8, 7168 // 8)
+    assert geometry.weight_shard_numel(7168, 4 * 7168, shape, False) == 7168 * 4 * 7168 // 1024
+    assert geometry.weight_block_shape(7168, 4 * 7168, shape, True) == (4 * 7168 // 8, 7168 // 8)
 
 
 def _meta_layer(grid):

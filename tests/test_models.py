@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from axon4d.models.config import SIZES, ModelConfig, get_config
+from axon4d.config import SIZES, ModelConfig, get_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

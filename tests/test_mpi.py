@@ -1,5 +1,5 @@
 """Protects the MPI backend (axon4d/mpi.py MPIBackend): the same correctness tests as the gloo
-backend — collectives, byte log against axon4d.volume, Linear against torch.nn.Linear on every grid
+backend — collectives, byte log against axon4d.geometry, Linear against torch.nn.Linear on every grid
 of 8 ranks, overlap on = overlap off — run under ``mpiexec -n 8`` with every collective going
 through mpi4py's non-blocking collectives (tests/mpi_check.py), and ``axon4d.init`` picks MPI by
 itself when launched by mpiexec."""

@@ -1,9 +1,9 @@
-"""Protects the overlap scheduler (axon4d/overlap.py, DESIGN.md §4): with any mechanism on — OAG
+"""Protects the overlap scheduler (axon4d/overlap.py, docs/design.md §4): with any mechanism on — OAG
 (and keep-for-backward), OAR, ORS, ODP (per layer and bucketed), chunked forward all-reduce — or all
 of them, several training steps give the same outputs and gradients as with overlap off (bitwise
 in fp32 where the reduction order is unchanged), .grad is complete when backward() returns
 (also when micro-batches accumulate), and the collectives issued are exactly what
-axon4d.volume says for that policy."""
+axon4d.geometry says for that policy."""
 
 from collections import Counter
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.comm import Op
-from axon4d.overlap import OverlapPolicy
-from axon4d.volume import linear_collectives
+from axon4d.geometry import Op
+from axon4d.policy import OverlapPolicy
+from axon4d.geometry import linear_collectives
 
 # a transformer-shaped chain: normal → transposed → normal → transposed
 SPECS = [(32, 48, True, False), (48, 32, True, True), (32, 64, False, False), (64, 32, True, True)]
@@ -42,7 +42,7 @@ REORDERING = {"chunks", "all", "all_keep_bucket", "all_deep_bucket", "odp_bucket
 def _train(grid, policy, steps=3, input_grad=True):
     """Run ``steps`` SGD steps of the chain under ``policy``; return outputs, grads and the log of
     the last step. Step 0 accumulates two micro-batches into .grad before the update."""
-    grid.comm.scheduler.configure(policy)
+    grid.scheduler.configure(policy)
     torch.manual_seed(0)
     layers = [axon4d.Linear(i, o, bias=b, transpose=t) for i, o, b, t in SPECS]
     params = [p for layer in layers for p in layer.parameters()]
@@ -152,7 +152,7 @@ def test_forward_chunks_only_where_the_forward_all_reduce_has_peers(pools):
 
 
 def _policy_from_init(grid):
-    return grid.comm.scheduler.policy
+    return grid.scheduler.policy
 
 
 def test_init_overlap_argument_and_context_manager(pools):
@@ -206,7 +206,7 @@ def _records_after_a_layer_dies(grid):
     a, b = axon4d.Linear(16, 16), axon4d.Linear(16, 16)
     for _ in range(2):
         b(a(axon4d.shard_input(torch.randn(4, 16)).requires_grad_())).sum().backward()
-    sched, freed = grid.comm.scheduler, weakref.ref(a)
+    sched, freed = grid.scheduler, weakref.ref(a)
     del a
     gc.collect()
     kept = set(sched._next) | set(sched._prev) | set(sched._gathers_in_backward) | set(sched._prefetched)

@@ -1,5 +1,5 @@
-"""Protects the planner (axon4d.plan, DESIGN.md §6): it prices exactly the collectives that
-axon4d.volume lists and the communication log counts, its parameter and memory figures match what
+"""Protects the planner (axon4d.plan, docs/design.md §6): it prices exactly the collectives that
+axon4d.geometry lists and the communication log counts, its parameter and memory figures match what
 real layers allocate (on real gloo grids, and for 20B/80B on 512–1024 ranks of torch's fake process
 group), and its search, overlap credit and machine files behave. Start here when changing the cost
 or memory model."""
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from axon4d.grid import GridShape, factorizations
-from axon4d.models.config import SIZES, ModelConfig
+from axon4d.shape import GridShape, factorizations
+from axon4d.config import SIZES, ModelConfig
 from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.cost import axis_geometry
 from axon4d.plan.machine import CommCurve, MatmulTable, available
-from axon4d.volume import chunk_sizes, linear_collectives
+from axon4d.geometry import chunk_sizes, linear_collectives
 
 PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
 PROBE_WL = Workload(PROBE, batch=8, dtype="float32", embedding=False, norms=False)
@@ -47,7 +47,7 @@ def test_planner_prices_exactly_the_volume_collectives(grid):
 def _probe_step(grid, wl):
     import torch
 
-    from axon4d.plan.probe import ProbeModel, measure_step
+    from axon4d.measure.probe import ProbeModel, measure_step
 
     torch.manual_seed(0)
     model = ProbeModel(wl, grid)
@@ -97,7 +97,7 @@ def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
     shape = GridShape(*grid)
     wl = Workload(SIZES[name], batch=batch, dtype="bfloat16")
     assert total == local_param_count(wl, shape)  # every tensor of the real GPT model, per rank
-    from axon4d.volume import weight_shard_numel
+    from axon4d.geometry import weight_shard_numel
 
     shards = sorted(s for s in block if len(s) == 1)
     expect = sorted([(weight_shard_numel(i, o, shape, t),) for _, i, o, t, _ in SIZES[name].linear_shapes()]
@@ -186,7 +186,7 @@ MEMORY_POLICIES = {"default": {}, "depth": {"oag_depth": 3}, "inflight": {"ors_i
 
 def _peaks_by_policy(grid, wl):
     import axon4d
-    from axon4d.plan.probe import ProbeModel, measure_peak
+    from axon4d.measure.probe import ProbeModel, measure_peak
 
     out = {}
     for name, policy in MEMORY_POLICIES.items():
@@ -428,7 +428,7 @@ def test_auto_without_a_model_or_machine_says_what_to_pass(monkeypatch, tmp_path
 
 
 def _calibrate_small(grid):
-    from axon4d.plan import calibrate
+    from axon4d.measure import calibrate
 
     calibrate.DIMS, calibrate.PAYLOADS = [16, 64], [4096, 65536]
     result = calibrate.measure_world(grid, ["float32"], reps=1, log=lambda s: None,

@@ -1,6 +1,6 @@
 """Protects mixed precision (axon4d.precision): fp32 master weights and gradients with bf16
 compute stay close to the fp32 model, the weight all-gathers move bf16 bytes and the gradient
-reductions move the bytes of the chosen reduction dtype (volume.linear_collectives agrees), and
+reductions move the bytes of the chosen reduction dtype (geometry.linear_collectives agrees), and
 bad names fail early."""
 
 from collections import Counter
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.comm import Op
-from axon4d.models.config import ModelConfig
+from axon4d.geometry import Op
+from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.precision import Precision
-from axon4d.volume import linear_collectives
+from axon4d.geometry import linear_collectives
 
 CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
 BF16_TOL = 5e-2

@@ -20,7 +20,7 @@ from torch import nn
 
 from axon4d import runtime
 from axon4d.grid import Grid
-from axon4d.models.config import ModelConfig
+from axon4d.config import ModelConfig
 from axon4d.nn.block import DenseBlock, TransformerBlock, _dense_norm, _norm
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear

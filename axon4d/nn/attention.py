@@ -1,4 +1,4 @@
-"""Causal self-attention on the grid: GQA, rotary embeddings, heads split over y (DESIGN.md §2).
+"""Causal self-attention on the grid: GQA, rotary embeddings, heads split over y (docs/design.md §2).
 
 The fused QKV projection is a normal Linear (hidden over x → q, k, v features over y) and the
 output projection a transposed one (features over y → hidden over x), so the block consumes and
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import runtime
-from axon4d.grid import Grid, require_divisible
+from axon4d.grid import Grid
+from axon4d import rules
 from axon4d.nn.linear import Linear
 
 
@@ -89,8 +90,7 @@ class Attention(nn.Module):
         if hidden % n_heads or n_heads % n_kv_heads:
             raise ValueError(f"hidden = {hidden}, n_heads = {n_heads}, n_kv_heads = {n_kv_heads}: need hidden % n_heads == 0 "
                              "and n_heads % n_kv_heads == 0")
-        require_divisible(n_heads, "n_heads", grid.shape, ["y"], "attention splits heads over y")
-        require_divisible(n_kv_heads, "n_kv_heads", grid.shape, ["y"], "attention splits key/value heads over y")
+        rules.check(grid.shape, rules.heads(n_heads, n_kv_heads))
         self.hidden, self.n_heads, self.n_kv_heads, self.head_dim = hidden, n_heads, n_kv_heads, hidden // n_heads
         self.rope_theta = rope_theta
         self.local_heads, self.local_kv_heads = n_heads // grid.size("y"), n_kv_heads // grid.size("y")

@@ -4,7 +4,7 @@
 
 Everything stays in the residual-stream layout (b, s, hidden/G_x), replicated over y: the QKV and
 MLP-up projections are normal layers, the attention-output and MLP-down projections transposed
-(DESIGN.md §2), so a block issues no redistribution at all.
+(docs/design.md §2), so a block issues no redistribution at all.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from axon4d import runtime
 from axon4d.grid import Grid
-from axon4d.models.config import ModelConfig
+from axon4d.config import ModelConfig
 from axon4d.nn.attention import Attention, DenseAttention
 from axon4d.nn.mlp import MLP, DenseMLP
 from axon4d.nn.norm import LayerNorm, RMSNorm

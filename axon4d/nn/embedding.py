@@ -1,4 +1,4 @@
-"""Vocabulary-parallel token embedding and position embedding on the grid (DESIGN.md §2, edges).
+"""Vocabulary-parallel token embedding and position embedding on the grid (docs/design.md §2, edges).
 
 The table E (vocab, hidden) is split in both dims: rank (x, y) holds rows vocab/G_y · y … and
 columns hidden/G_x · x …, replicated over z and data. A lookup takes the rows this rank owns
@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from axon4d import runtime
-from axon4d.grid import Grid, require_divisible
+from axon4d.grid import Grid
+from axon4d import rules
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
 from axon4d.precision import compute_dtype
 
@@ -30,8 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.vocab_size, self.hidden = vocab_size, hidden
-        require_divisible(vocab_size, "vocab_size", self.grid.shape, ["y"], "the embedding splits the vocabulary over y")
-        require_divisible(hidden, "hidden", self.grid.shape, ["x"], "the embedding splits hidden features over x")
+        rules.check(self.grid.shape, rules.embedding(vocab_size, hidden))
         v, h = vocab_size // self.grid.size("y"), hidden // self.grid.size("x")
         self.rows = (self.grid.coord("y") * v, (self.grid.coord("y") + 1) * v)
         self.cols = (self.grid.coord("x") * h, (self.grid.coord("x") + 1) * h)
@@ -88,7 +88,7 @@ class PositionEmbedding(nn.Module):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.seq_len, self.hidden = seq_len, hidden
-        require_divisible(hidden, "hidden", self.grid.shape, ["x"], "position embeddings split hidden over x")
+        rules.positions(hidden).check(self.grid.shape)
         h = hidden // self.grid.size("x")
         self.cols = (self.grid.coord("x") * h, (self.grid.coord("x") + 1) * h)
         device = device if device is not None else self.grid.device

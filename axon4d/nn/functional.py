@@ -1,6 +1,6 @@
 """Differentiable collectives and gradient synchronisation for modules built on the grid.
 
-The 3D Linear hides its own communication (DESIGN.md §2); the modules around it — norms over
+The 3D Linear hides its own communication (docs/design.md §2); the modules around it — norms over
 sharded features, the vocabulary-parallel embedding and loss — need a few collectives inside
 autograd. Each is a tiny ``torch.autograd.Function`` that calls the communication layer.
 

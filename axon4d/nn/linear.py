@@ -1,4 +1,4 @@
-"""The 3D-parallel linear layer, Y = X Wᵀ + b, decomposed as in DESIGN.md §2 (E2–E7).
+"""The 3D-parallel linear layer, Y = X Wᵀ + b, decomposed as in docs/design.md §2 (E2–E7).
 
 A **normal** layer splits input features over x and output features over y; the weight block of
 position (y, x), shape (out/G_y, in/G_x), is flattened and split again over z, so a rank stores
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import runtime, volume
+from axon4d import geometry, runtime
 from axon4d import device as devices
-from axon4d.grid import Grid, require_divisible
+from axon4d.grid import Grid
+from axon4d import rules
 
 
 class _Linear3D(torch.autograd.Function):
@@ -34,8 +35,7 @@ class _Linear3D(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear") -> torch.Tensor:
-        comm = layer.grid.comm
-        sched = comm.scheduler
+        comm, sched = layer.grid.comm, layer.grid.scheduler
         w = sched.gather_weight(layer, weight, backward=False)  # (out_l, in_l) — E2, all-gather over z
         x = x.to(w.dtype)  # mixed precision: compute in the gathered block's dtype (axon4d.precision)
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
@@ -43,7 +43,7 @@ class _Linear3D(torch.autograd.Function):
         y = x2.new_empty((tokens, out_l))  # (b, out_l)
         handles, start = [], 0
         chunks = sched.policy.chunk_count(tokens, out_l * y.element_size(), layer.grid.size(layer.in_axis))
-        for rows in volume.chunk_sizes(tokens, chunks):
+        for rows in geometry.chunk_sizes(tokens, chunks):
             part = y[start : start + rows]  # a contiguous row block of y
             with sched.compute("fwd.matmul"):
                 torch.matmul(x2[start : start + rows], w.t(), out=part)  # (rows, in_l) @ (in_l, out_l)
@@ -64,8 +64,7 @@ class _Linear3D(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer: Linear = ctx.layer
-        comm = layer.grid.comm
-        sched = comm.scheduler
+        comm, sched = layer.grid.comm, layer.grid.scheduler
         sched.backward_started()  # pending reductions land in .grad before backward() returns
         x, weight = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
@@ -84,7 +83,7 @@ class _Linear3D(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             with sched.compute("bwd.dW"):
                 dw = torch.matmul(dy2.t(), x2).reshape(-1)  # (out_l, b) @ (b, in_l), flattened
-            dw = volume.z_padded(dw, layer.grid.size("z"))  # (shard_numel·G_z,)
+            dw = geometry.z_padded(dw, layer.grid.size("z"))  # (shard_numel·G_z,)
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
@@ -96,7 +95,7 @@ class _Linear3D(torch.autograd.Function):
 
 
 class Linear(nn.Module):
-    """Drop-in replacement for ``torch.nn.Linear`` decomposed over the 3D grid (DESIGN.md §2).
+    """Drop-in replacement for ``torch.nn.Linear`` decomposed over the 3D grid (docs/design.md §2).
 
     Input: this rank's shard (..., in_features/G_in) of tokens split over batch (data × z);
     output: (..., out_features/G_out), where (G_in, G_out) = (G_x, G_y), or (G_y, G_x) when
@@ -118,15 +117,11 @@ class Linear(nn.Module):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.in_features, self.out_features, self.transpose = in_features, out_features, transpose
-        self.in_axis, self.out_axis = volume.layer_axes(transpose)
-        kind = "transposed" if transpose else "normal"
+        self.in_axis, self.out_axis = geometry.layer_axes(transpose)
         shape = self.grid.shape
-        require_divisible(in_features, "in_features", shape, [self.in_axis],
-                          f"a {kind} layer splits input features over {self.in_axis}")
-        require_divisible(out_features, "out_features", shape, [self.out_axis],
-                          f"a {kind} layer splits output features over {self.out_axis}")
-        self.block_shape = volume.weight_block_shape(in_features, out_features, shape, transpose)
-        self.shard_numel = volume.weight_shard_numel(in_features, out_features, shape, transpose)
+        rules.check(shape, rules.linear(in_features, out_features, transpose))
+        self.block_shape = geometry.weight_block_shape(in_features, out_features, shape, transpose)
+        self.shard_numel = geometry.weight_shard_numel(in_features, out_features, shape, transpose)
         dtype = devices.check_dtype(dtype or torch.get_default_dtype())
         device = torch.device(device) if device is not None else self.grid.device
         self.weight = nn.Parameter(torch.empty(self.shard_numel, device=device, dtype=dtype))
@@ -142,7 +137,7 @@ class Linear(nn.Module):
 
     def _my_shard(self, flat_block: torch.Tensor) -> torch.Tensor:
         """This rank's Z shard of a flat block (padded with zeros to G_z shards)."""
-        return volume.z_shard(flat_block, self.grid.coord("z"), self.grid.size("z"))
+        return geometry.z_shard(flat_block, self.grid.coord("z"), self.grid.size("z"))
 
     def weight_block(self, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The full (out/G_out, in/G_in) block of this (x, y) position — E2, all-gather over z."""
@@ -231,7 +226,7 @@ class Linear(nn.Module):
                 f"axon4d.shard_input(x, transpose={self.transpose})"
             )
         if torch.is_grad_enabled():
-            self.grid.comm.scheduler.note_forward(self)  # the order OAG prefetches in
+            self.grid.scheduler.note_forward(self)  # the order OAG prefetches in
         return _Linear3D.apply(x, self.weight, self.bias, self)
 
     def _name(self) -> str:

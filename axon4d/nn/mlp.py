@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import runtime
-from axon4d.grid import Grid, require_divisible
+from axon4d.grid import Grid
+from axon4d import rules
 from axon4d.nn.linear import Linear
 
 
@@ -47,7 +48,7 @@ class MLP(nn.Module):
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
-        require_divisible(ffn, "ffn_hidden", grid.shape, ["y"], "the MLP splits its inner features over y")
+        rules.mlp(ffn).check(grid.shape)
         self.hidden, self.ffn, self.gated = hidden, ffn, gated
         kw = dict(grid=grid, device=device, dtype=dtype)
         self.up = Linear(hidden, 2 * ffn if gated else ffn, bias=bias, transpose=False, **kw)

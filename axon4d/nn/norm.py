@@ -1,6 +1,6 @@
 """LayerNorm and RMSNorm over activations whose feature dim is split over a grid axis.
 
-Between blocks the residual stream has the layout of a normal layer's input (DESIGN.md §2):
+Between blocks the residual stream has the layout of a normal layer's input (docs/design.md §2):
 (b, hidden/G_x) on each rank, replicated over y. A norm's statistics span all ``hidden``
 features, so the per-rank partial sums are all-reduced over x (``sum_partials``); the affine
 weight and bias are split over x like the features and replicated elsewhere, with gradients
@@ -13,18 +13,18 @@ import torch
 from torch import nn
 
 from axon4d import runtime
-from axon4d.grid import Grid, require_divisible
+from axon4d.grid import Grid
+from axon4d import rules
 from axon4d.nn.functional import average_grad_over_batch, sum_partials
 
 
-class _ShardedNorm(nn.Module):
+class ShardedNorm(nn.Module):
     def __init__(self, hidden: int, eps: float, bias: bool, axis: str, grid: Grid | None,
                  device: str | torch.device | None, dtype: torch.dtype | None):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.hidden, self.eps, self.axis = hidden, eps, axis
-        require_divisible(hidden, "the normalised feature count", self.grid.shape, [axis],
-                          f"norm features are split over {axis} like the residual stream")
+        rules.norm(hidden, axis).check(self.grid.shape)
         local = hidden // self.grid.size(axis)
         device = device if device is not None else self.grid.device
         self.weight = nn.Parameter(torch.ones(local, device=device, dtype=dtype))
@@ -43,7 +43,7 @@ class _ShardedNorm(nn.Module):
         return full[self.grid.coord(self.axis) * n : (self.grid.coord(self.axis) + 1) * n]
 
     @torch.no_grad()
-    def load_dense_(self, dense: nn.Module) -> "_ShardedNorm":
+    def load_dense_(self, dense: nn.Module) -> "ShardedNorm":
         """Copy this rank's features of a full-width norm's weight (and bias)."""
         self.weight.copy_(self._slice(dense.weight))
         if self.bias is not None:
@@ -54,7 +54,7 @@ class _ShardedNorm(nn.Module):
         return self.grid.comm.all_gather(t.detach().contiguous(), self.axis, tag="dense").wait().clone()
 
 
-class LayerNorm(_ShardedNorm):
+class LayerNorm(ShardedNorm):
     """``torch.nn.LayerNorm(hidden)`` on features split over ``axis`` (default x)."""
 
     def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True, *, axis: str = "x",
@@ -82,7 +82,7 @@ class LayerNorm(_ShardedNorm):
         return dense
 
 
-class RMSNorm(_ShardedNorm):
+class RMSNorm(ShardedNorm):
     """``torch.nn.RMSNorm(hidden)`` on features split over ``axis`` (default x)."""
 
     def __init__(self, hidden: int, eps: float = 1e-6, *, axis: str = "x", grid: Grid | None = None,

@@ -1,4 +1,4 @@
-"""The planner (DESIGN.md §6): predict step time and memory of any grid, choose the grid.
+"""The planner (docs/design.md §6): predict step time and memory of any grid, choose the grid.
 
     from axon4d.plan import plan
     result = plan("80B", 1024, "perlmutter", batch=2048)

@@ -1,4 +1,4 @@
-"""``axon4d.init(grid="auto", plan={...})``: the planner chooses the grid and says why (DESIGN.md §6).
+"""``axon4d.init(grid="auto", plan={...})``: the planner chooses the grid and says why (docs/design.md §6).
 
 Every rank runs the same deterministic search on the same inputs, so all ranks pick the same grid
 without communicating. Rank 0 prints the choice, its predicted time, MFU and memory, and the
@@ -11,8 +11,8 @@ import os
 import sys
 from typing import Any
 
-from axon4d.grid import GridShape
-from axon4d.models.config import ModelConfig, get_config
+from axon4d.shape import GridShape
+from axon4d.config import ModelConfig, get_config
 from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan

@@ -3,7 +3,7 @@
     axon4d plan --model 80B --gpus 1024 --machine perlmutter --batch 2048
     axon4d plan --model 20B --gpus 512 --machine frontier --batch 1024 --overlap all --recompute full --json -
 
-For each valid grid the planner predicts the step time (compute + communication of DESIGN.md
+For each valid grid the planner predicts the step time (compute + communication of docs/design.md
 E8–E13 − what the chosen overlap hides), MFU, peak memory per rank, communication time per axis,
 the share hidden by overlap and the communication volume against Agarwal's bound; grids that do
 not fit in the device memory are listed after the ones that do.
@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from axon4d.models.config import SIZES, get_config
+from axon4d.config import SIZES, get_config
 from axon4d.plan import stepfit
 from axon4d.plan.cost import describe
 from axon4d.plan.machine import available

@@ -1,7 +1,7 @@
-"""Predicted time of one training step on one grid: compute + communication − overlap (DESIGN.md §3, §4, §6).
+"""Predicted time of one training step on one grid: compute + communication − overlap (docs/design.md §3, §4, §6).
 
 For every linear layer kind of the ``Workload`` the collectives are exactly the list
-``axon4d.volume.linear_collectives`` returns (E8–E13, normal or transposed layout) — the same
+``axon4d.geometry.linear_collectives`` returns (E8–E13, normal or transposed layout) — the same
 list the communication log is tested against — each priced by ``Machine.comm_time`` on its axis
 (group size and rank stride from E1). GEMMs are priced from the machine's measured throughput at
 the local shapes; attention, elementwise work and the optimizer from their own calibrations.
@@ -12,7 +12,7 @@ machine's ``overlap_efficiency``:
     forward window of layer i  = its GEMM + the non-GEMM work after it (attention, GELU, …)
         hides: OAG — layer i+1's Z all-gather (E10) prefetched;
                chunked E8 — (k−1)/k of layer i's forward all-reduce, within (k−1)/k of its GEMM
-                 (k from ``volume.forward_chunk_count``, as the layer chunks it)
+                 (k from ``geometry.forward_chunk_count``, as the layer chunks it)
     backward window of layer i = the non-GEMM backward work after layer i + its dX and dW GEMMs
         hides: OAR — layer i's E9 all-reduce, within its dW GEMM;
                ORS — layer i+1's E11 reduce-scatter; ODP — layer i+1's E12 (and E13) all-reduce;
@@ -46,11 +46,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from axon4d.grid import GridShape
-from axon4d.overlap import OverlapPolicy
+from axon4d.shape import GridShape
+from axon4d.policy import OverlapPolicy
 from axon4d.plan.machine import Machine, ring_traffic
 from axon4d.plan.workload import LinearSpec, Workload
-from axon4d.volume import chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.geometry import chunk_sizes, linear_collectives, weight_shard_numel
 
 #: Collectives that move activations on the critical path (their term keys); every other one
 #: moves weights or gradients.

@@ -1,4 +1,4 @@
-"""A machine description: what one rank computes per second and what a collective costs (DESIGN.md §6).
+"""A machine description: what one rank computes per second and what a collective costs (docs/design.md §6).
 
 A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file written by
 ``axon4d calibrate``). It answers three questions for the cost model:

@@ -1,6 +1,6 @@
-"""Predicted memory per rank of one training step on one grid (DESIGN.md §2, §5, §6).
+"""Predicted memory per rank of one training step on one grid (docs/design.md §2, §5, §6).
 
-Persistent: parameters (each layer's Z shard ⌈n_W/G_z⌉ = ``volume.weight_shard_numel`` plus its
+Persistent: parameters (each layer's Z shard ⌈n_W/G_z⌉ = ``geometry.weight_shard_numel`` plus its
 bias slice; norms and position embeddings split over x), gradients of the same size, and Adam
 state (two fp32 moments, plus fp32 master weights when training in 16 bits).
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from axon4d.grid import GridShape
-from axon4d.overlap import OverlapPolicy
+from axon4d.shape import GridShape
+from axon4d.policy import OverlapPolicy
 from axon4d.plan.workload import Workload
-from axon4d.volume import weight_shard_numel
+from axon4d.geometry import weight_shard_numel
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -1,5 +1,5 @@
 """Choosing the grid: enumerate every (G_x, G_y, G_z, G_data) of P ranks, keep the valid ones that
-fit in memory, rank them by predicted step time (DESIGN.md §6).
+fit in memory, rank them by predicted step time (docs/design.md §6).
 
 The divisibility rules (§1) are checked for all factorisations at once with numpy; only valid
 grids are priced (``cost.step_time``, ``memory.memory``), each in well under a millisecond.
@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from axon4d.grid import GridShape, factorizations
-from axon4d.models.config import ModelConfig, get_config
-from axon4d.overlap import OverlapPolicy
+from axon4d.shape import GridShape, factorizations
+from axon4d.config import ModelConfig, get_config
+from axon4d.policy import OverlapPolicy
 from axon4d.plan import stepfit
 from axon4d.plan.cost import TimeEstimate, describe, step_time
 from axon4d.plan.machine import Machine, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.workload import Workload
-from axon4d.volume import layer_axes
+from axon4d.geometry import layer_axes
 
 AXIS_ORDER = ("x", "y", "z", "data", "batch")
 

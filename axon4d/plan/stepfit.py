@@ -1,4 +1,4 @@
-"""Step calibration: fit how whole measured steps of a model compare with the priced parts (DESIGN.md §6).
+"""Step calibration: fit how whole measured steps of a model compare with the priced parts (docs/design.md §6).
 
 ``axon4d calibrate`` times every GEMM, elementwise op and collective on its own, with every rank
 busy with the same kind of work. A training step runs them together, with the layers' Python and
@@ -6,7 +6,7 @@ autograd between them and the overlap scheduler moving collectives under compute
 the priced parts is off in a way that depends on the machine and on the model. With
 ``axon4d calibrate --step-model SPEC``:
 
-- ``measure`` runs training steps of that model (``axon4d.plan.probe.ProbeModel``: the model's
+- ``measure`` runs training steps of that model (``axon4d.measure.probe.ProbeModel``: the model's
   blocks of ``axon4d.Linear``, attention, head and Adam; the library's default overlap policy) on
   a few grids of the current world, ``calibration_grids``: one per parallel axis that divides the
   world alone (data, z, x, y), so that each kind of collective dominates one step, and up to three
@@ -39,9 +39,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from axon4d.grid import GridShape
-from axon4d.models.config import ModelConfig
-from axon4d.overlap import OverlapPolicy
+from axon4d.shape import GridShape
+from axon4d.config import ModelConfig
+from axon4d.policy import OverlapPolicy
 from axon4d.plan.workload import Workload
 
 #: grids over several axes ``calibration_grids`` adds to the single-axis ones
@@ -207,34 +207,6 @@ def check_grids(world: int, wl: Workload) -> None:
     if world > 1 and len(grids) < MIN_GRIDS:
         raise ValueError(f"step model fits only the grids {grids} of {world} ranks; the fit needs {MIN_GRIDS} "
                          f"(make heads and batch divisible by {world}, and the features by it)")
-
-
-def measure(world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6,
-            log: Callable[[str], None] = print) -> list[Sample]:
-    """Time ``wl`` on every ``calibration_grids`` grid of this world (every rank calls this; all get
-    the same samples): ``rounds`` interleaved rounds of ``steps`` back-to-back steps
-    (``axon4d.plan.probe.measure_step``), the median over rounds."""
-    import torch
-
-    from axon4d.grid import Grid
-    from axon4d.overlap import OverlapPolicy
-    from axon4d.plan.probe import ProbeModel, measure_step
-
-    grids = calibration_grids(world_grid.world_size, wl)
-    times: dict[tuple, list[float]] = {g: [] for g in grids}
-    for _ in range(rounds):
-        for g in grids:
-            grid = Grid(GridShape(*g), world_grid.device, world_grid.comm.backend_name, launcher="existing")
-            grid.comm.scheduler.configure(OverlapPolicy())
-            try:
-                torch.manual_seed(0)
-                times[g].append(measure_step(ProbeModel(wl, grid), steps=steps)["step_s"])
-            finally:
-                grid.comm.barrier()
-                grid.destroy()
-    for g in grids:
-        log(f"[{world_grid.world_size} ranks] calibration step {g}: {statistics.median(times[g]) * 1e3:.0f} ms")
-    return [Sample.of(g, wl, times[g]) for g in grids]
 
 
 def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, float]:

@@ -1,4 +1,4 @@
-"""What one training step of a transformer asks of one rank, as the planner sees it (DESIGN.md §2, §6).
+"""What one training step of a transformer asks of one rank, as the planner sees it (docs/design.md §2, §6).
 
 A ``Workload`` is a model (``ModelConfig``), a global batch of sequences and a dtype. Its linear
 layers are the block's layers in the layouts the block really uses — QKV normal, attention output
@@ -21,10 +21,10 @@ import dataclasses
 
 import torch
 
-from axon4d.comm import Op
-from axon4d.grid import GridShape
-from axon4d.models.config import ModelConfig
-from axon4d.volume import Collective, layer_axes
+from axon4d.geometry import Op
+from axon4d.shape import GridShape
+from axon4d.config import ModelConfig
+from axon4d.geometry import Collective, layer_axes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPES_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

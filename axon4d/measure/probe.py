@@ -1,4 +1,4 @@
-"""The transformer the planner is validated against, built from ``axon4d.Linear`` (DESIGN.md §2).
+"""The transformer the planner is validated against, built from ``axon4d.Linear`` (docs/design.md §2).
 
 ``ProbeModel`` runs exactly the work ``Workload`` prices: per block QKV (normal) → causal
 attention on this rank's heads (split over y) → attention output (transposed) + residual → MLP up
@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.nn import Linear
 from axon4d.plan.workload import DTYPES_TORCH, Workload
@@ -81,8 +82,6 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2) -> dict[str
     ``steps``. ``steps_s`` lists this rank's own duration of each step, for the record;
     ``bytes_by_axis`` and ``collectives`` are what the communication log counted per step.
     """
-    from axon4d import device as devices
-
     grid = model.grid
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     for _ in range(warmup):

@@ -1,4 +1,4 @@
-"""Transformer shapes: the configuration dataclass and the size table of DESIGN.md §6.
+"""Transformer shapes: the configuration dataclass and the size table of docs/design.md §6.
 
 A ``ModelConfig`` describes the model only (no parallelism). The planner prices it, the reference
 models build it, and ``SIZES`` holds AxoNN's table (5B … 640B, sequence 2048) plus small models
@@ -99,7 +99,7 @@ def _table(name: str, layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, vocab_size=51200, seq_len=2048, name=name)
 
 
-#: AxoNN's reference models (DESIGN.md §6) and small ones for tests and the demo.
+#: AxoNN's reference models (docs/design.md §6) and small ones for tests and the demo.
 SIZES: dict[str, ModelConfig] = {
     "5B": _table("5B", 24, 4096, 32),
     "10B": _table("10B", 32, 5120, 40),

@@ -1,8 +1,10 @@
-"""How many bytes each collective of a 3D-parallel linear layer moves (DESIGN.md §3, E8–E13).
+"""The geometry of a 3D-parallel linear layer: its block shapes, z shards, and the collectives it
+issues with their payloads (docs/design.md §2, §3, E8–E13).
 
-This is the single source of truth for communication volume: the layers size their buffers with
-``weight_shard_numel`` and the planner prices the ``Collective`` list returned by
-``linear_collectives``; tests check that list against what ``axon4d.comm`` logged at run time.
+This is the single source of truth for layer shapes and communication volume: the layers size
+their blocks and buffers with ``weight_block_shape``/``weight_shard_numel`` and the planner prices
+the ``Collective`` list returned by ``linear_collectives``; tests check that list against what
+``axon4d.comm`` logged at run time.
 Payload = the full tensor a collective produces (all-reduce: the buffer; all-gather: the
 gathered result; reduce-scatter: the input). Axes of size 1 issue nothing and are omitted.
 """
@@ -10,13 +12,21 @@ gathered result; reduce-scatter: the input). Axes of size 1 issue nothing and ar
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import torch
 import torch.nn.functional as F
 
-from axon4d.comm import Op
-from axon4d.grid import GridShape
+from axon4d.shape import GridShape
+
+
+class Op(str, enum.Enum):
+    """The kinds of collective the library issues."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +37,7 @@ class Collective:
     axis: str
     payload_bytes: int
     phase: str  # "forward" | "backward"
-    term: str  # the equation of DESIGN.md it implements, e.g. "E8"
+    term: str  # the equation of docs/design.md it implements, e.g. "E8"
 
 
 def layer_axes(transpose: bool) -> tuple[str, str]:

@@ -2,7 +2,7 @@
 
 Every parameter is a piece of a *global* tensor (the one the single-process model holds). A
 ``ParamLayout`` says which tensor dim each grid axis splits, whether the piece is stored as a flat
-z-shard of its (x, y) block (axon4d.Linear weights, DESIGN.md §2), and over which axes the piece is
+z-shard of its (x, y) block (axon4d.Linear weights, docs/design.md §2), and over which axes the piece is
 replicated. Checkpoints use it to save pieces at their global offsets and to load them onto any
 other grid; gradient clipping uses it to count every element exactly once.
 """
@@ -15,8 +15,12 @@ import math
 import torch
 from torch import nn
 
-from axon4d import volume
-from axon4d.grid import AXES, Grid
+from axon4d import geometry
+from axon4d.grid import Grid
+from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
+from axon4d.nn.linear import Linear
+from axon4d.nn.norm import ShardedNorm
+from axon4d.shape import AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,22 +88,18 @@ class ParamLayout:
         """This rank's stored piece of an (x, y) block (its flat z-shard, zero-padded)."""
         if not self.z_flat:
             return block
-        return volume.z_shard(block.reshape(-1), grid.coord("z"), grid.size("z"))
+        return geometry.z_shard(block.reshape(-1), grid.coord("z"), grid.size("z"))
 
 
 def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:
     """The layout of ``module``'s parameter ``name`` (fully replicated unless the module is ours)."""
-    from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
-    from axon4d.nn.linear import Linear
-    from axon4d.nn.norm import _ShardedNorm
-
     if isinstance(module, Linear):
         segments = tuple(getattr(module, "row_segments", ()))
         if name == "weight":
             split = ((module.out_axis, 0), (module.in_axis, 1))
             return ParamLayout((module.out_features, module.in_features), split, z_flat=True, segments=segments)
         return ParamLayout((module.out_features,), ((module.out_axis, 0),), segments=segments)
-    if isinstance(module, _ShardedNorm):
+    if isinstance(module, ShardedNorm):
         return ParamLayout((module.hidden,), ((module.axis, 0),))
     if isinstance(module, VocabParallelEmbedding):
         return ParamLayout((module.vocab_size, module.hidden), (("y", 0), ("x", 1)))

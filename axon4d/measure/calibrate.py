@@ -1,7 +1,7 @@
-"""Measure this machine for the planner and save a machine file (DESIGN.md §6, §7).
+"""Measure this machine for the planner and save a machine file (docs/design.md §6, §7).
 
     axon4d calibrate --ranks 2,4,8 --out local.json        # spawns local gloo worlds of 2, 4, 8 ranks
-    torchrun --nproc-per-node 8 -m axon4d.plan.calibrate    # or: srun / mpirun, one world
+    torchrun --nproc-per-node 8 -m axon4d.measure.calibrate    # or: srun / mpirun, one world
 
 Every rank measures at the same time as the others, so the numbers include the contention of a
 real step (on a CPU host the ranks share cores; on a GPU node each has its own device):
@@ -31,7 +31,6 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
 from typing import Any, Callable
@@ -39,6 +38,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from axon4d import device as devices
+from axon4d.launch import free_port
+from axon4d.measure import steps as step_probe
 from axon4d.plan import stepfit
 from axon4d.plan.machine import FORMS, CommCurve, Level, Machine, MatmulTable, ring_traffic
 
@@ -83,8 +85,6 @@ class _Ctx:
 
     def __init__(self, grid: Any, reps: int, window_s: float = 0.0):
         self.grid, self.reps, self.window_s = grid, reps, window_s
-        from axon4d import device as devices
-
         self.device = grid.device
         self.sync = lambda: devices.synchronize(grid.device)
 
@@ -182,7 +182,8 @@ def _comm_curves(ctx: _Ctx, world: int, dtype: torch.dtype, passes: int = 1) -> 
 
 
 def _comm_sweep(ctx: _Ctx, world: int, dtype: torch.dtype) -> list[CommCurve]:
-    from axon4d.grid import Grid, GridShape
+    from axon4d.grid import Grid
+    from axon4d.shape import GridShape
 
     curves = []
     elem = torch.empty(0, dtype=dtype).element_size()
@@ -295,7 +296,7 @@ def measure_world(grid: Any, dtypes: list[str], reps: int, log: Callable[[str], 
                                                             for _ in range(max(passes, 1)))
     log(f"[{world} ranks] collectives done; overlap efficiency {out['overlap_efficiency']:.2f}, "
         f"interference {out['comm_interference_s_per_byte'] * 1e9:.2f} s per GB of collective traffic")
-    samples = stepfit.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []
+    samples = step_probe.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []
     out["step_samples"] = [dataclasses.asdict(s) for s in samples]
     return out
 
@@ -335,12 +336,6 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
     return machine
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawned_rank(rank: int, world: int, port: int, dtypes: list[str], reps: int, passes: int,
                   step_model: str | None, queue: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -364,7 +359,7 @@ def run_local(world: int, dtypes: list[str], reps: int, passes: int = 1, step_mo
     """Spawn ``world`` gloo ranks on this host, measure, return rank 0's results."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, dtypes, reps, passes, step_model, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -1,0 +1,141 @@
+"""The communication log: every collective a rank issued, and how much of it was hidden (docs/design.md §4).
+
+``CommRecord`` is one collective as it happened (op, axis, payload bytes, issue time, time blocked
+waiting, completion); ``CommLog`` holds a rank's records and compute spans. Hidden communication
+has one definition, used by the log's summary, the per-step report (axon4d.stepstats), the
+training job's progress line and the benches: on this rank's clock,
+
+    comm    = | ∪ [issue, done] |                   over the collectives
+    blocked = | ∪ [wait start, min(wait end, done)] |
+    hidden  = 1 − blocked / comm
+
+so collectives that run at once (a prefetch beside an all-reduce) are not counted twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Iterable
+
+from axon4d.geometry import Op
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def comm_and_blocked(records: Iterable["CommRecord"]) -> tuple[float, float]:
+    """(communication seconds, seconds blocked waiting) of ``records``, each an interval union."""
+    comm, blocked = [], []
+    for r in records:
+        if r.duration > 0:
+            comm.append((r.t_issue, r.t_issue + r.duration))
+        if r.blocked > 0 and r.t_wait_start is not None:
+            blocked.append((r.t_wait_start, r.t_wait_start + r.blocked))
+    return union_length(comm), union_length(blocked)
+
+
+def hidden_pct(comm_s: float, blocked_s: float) -> float:
+    """Share of communication time during which the rank was not blocked waiting, in percent."""
+    return 100.0 * (1.0 - blocked_s / comm_s) if comm_s > 0 else 0.0
+
+
+@dataclasses.dataclass
+class CommRecord:
+    """One collective as it happened on this rank (times from ``time.perf_counter``)."""
+
+    op: Op
+    axis: str
+    group_size: int
+    payload_bytes: int
+    tag: str
+    t_issue: float
+    t_wait_start: float | None = None
+    t_wait_end: float | None = None
+    t_done: float | None = None
+
+    @property
+    def blocked(self) -> float:
+        """Seconds this rank spent blocked in ``wait()`` before the collective completed."""
+        if self.t_wait_start is None or self.t_wait_end is None:
+            return 0.0
+        end = self.t_wait_end if self.t_done is None else min(self.t_wait_end, self.t_done)
+        return max(0.0, end - self.t_wait_start)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from issue to completion (as far as this rank could observe it)."""
+        end = self.t_done if self.t_done is not None else self.t_wait_end
+        return 0.0 if end is None else max(0.0, end - self.t_issue)
+
+    @property
+    def traffic_bytes(self) -> float:
+        """Bytes a ring algorithm sends per rank for this collective (docs/design.md §3)."""
+        phi = (self.group_size - 1) / self.group_size
+        factor = 2 * phi if self.op == Op.ALL_REDUCE else phi
+        return factor * self.payload_bytes
+
+
+class CommLog:
+    """All collectives this rank issued since the last ``clear()``."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self.spans: list[tuple[str, float, float]] = []  # (name, start, end): compute, for timelines
+        self._lock = threading.Lock()
+
+    def add(self, record: CommRecord) -> None:
+        with self._lock:
+            self.records.append(record)
+
+    def add_span(self, name: str, start: float, end: float) -> None:
+        """Record a stretch of compute (layers call this through ``Scheduler.compute``)."""
+        with self._lock:
+            self.spans.append((name, start, end))
+
+    def clear(self) -> None:
+        with self._lock:
+            self.records = []
+            self.spans = []
+
+    def bytes_by_axis(self, op: Op | None = None) -> dict[str, int]:
+        """Total payload bytes per axis, optionally for one kind of collective."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            if op is None or r.op == op:
+                out[r.axis] = out.get(r.axis, 0) + r.payload_bytes
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Per-axis bytes, counts, communication time and blocked time, and the share hidden
+        (times as interval unions: see the module docstring)."""
+        with self._lock:
+            records = list(self.records)
+        axes: dict[str, dict[str, float]] = {}
+        for r in records:
+            a = axes.setdefault(r.axis, {"count": 0, "bytes": 0, "comm_s": 0.0, "blocked_s": 0.0})
+            a["count"] += 1
+            a["bytes"] += r.payload_bytes
+        for axis, a in axes.items():
+            a["comm_s"], a["blocked_s"] = comm_and_blocked(r for r in records if r.axis == axis)
+        comm, blocked = comm_and_blocked(records)
+        return {"axes": axes, "comm_s": comm, "blocked_s": blocked, "hidden_pct": hidden_pct(comm, blocked)}
+
+    def format_summary(self) -> str:
+        """One line: bytes per axis, communication time, time blocked and the share hidden."""
+        s = self.summary()
+        parts = [f"{a}={v['bytes'] / 2**20:.2f}MiB" for a, v in sorted(s["axes"].items())]
+        return (
+            f"comm {' '.join(parts) or 'none'} | time {s['comm_s'] * 1e3:.1f} ms, "
+            f"blocked {s['blocked_s'] * 1e3:.1f} ms, hidden {s['hidden_pct']:.0f}%"
+        )
+
+

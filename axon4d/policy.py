@@ -1,0 +1,160 @@
+"""The overlap policy as data (docs/design.md §4): which mechanisms are on and their knobs.
+
+``OverlapPolicy`` is what ``axon4d.init(..., overlap=...)`` and ``axon4d plan --overlap`` accept
+(``OverlapPolicy.parse``) and what the planner prices; the scheduler (``axon4d.scheduler``) acts
+on it. Mechanisms: OAG (prefetch the next layers' weight all-gathers over z, E10), OAR (the dX
+all-reduce E9 overlapped with the dW matmul), ORS (the dW reduce-scatter E11 left running), ODP
+(data-parallel and bias all-reduces E12/E13 in buckets, asynchronously), and the chunked forward
+all-reduce (E8 split into token chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from axon4d.geometry import forward_chunk_count
+
+MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapPolicy:
+    """Which overlap mechanisms are on (all by default) and their knobs."""
+
+    oag: bool = True
+    """Prefetch the next layer's all-gather of weights over z (E10)."""
+    oag_depth: int = 1
+    """Layers OAG gathers ahead: each layer's forward (backward) keeps the weight blocks of the next
+    ``oag_depth`` layers in forward (reverse) order in flight, so a slow link is never left idle
+    between short layers (each block in flight is held until its layer uses it)."""
+    oag_keep: bool = False
+    """Keep the forward's gathered weight block for backward instead of gathering it again."""
+    oar: bool = True
+    """Issue the dX all-reduce (E9) before the dW matmul and wait after it."""
+    ors: bool = True
+    """Leave the dW reduce-scatter over z (E11) running; fold it into .grad later."""
+    ors_inflight: int = 1
+    """Reduce-scatters ORS leaves running behind the layer whose backward issues the next one:
+    that many layers' backward hide each (each holds its layer's dW block until folded)."""
+    odp: bool = True
+    """Launch the data all-reduces (E12) and bias all-reduces (E13) asynchronously in buckets."""
+    bucket_mb: float = 0.0
+    """ODP bucket size in MiB; 0 makes every layer's weight shard its own bucket."""
+    forward_chunks: int = 4
+    """Split the forward all-reduce (E8) into this many token chunks (1 = one all-reduce)."""
+    min_chunk_kb: float = 256.0
+    """Never make a forward chunk smaller than this (tiny messages gain nothing from chunking)."""
+
+    @classmethod
+    def off(cls) -> "OverlapPolicy":
+        """Every collective waited on where it is issued, as a serial implementation would."""
+        return cls(oag=False, oar=False, ors=False, odp=False, forward_chunks=1)
+
+    @classmethod
+    def only(cls, *mechanisms: str, **knobs: Any) -> "OverlapPolicy":
+        """All mechanisms off except ``mechanisms`` (names from ``MECHANISMS``)."""
+        unknown = set(mechanisms) - set(MECHANISMS)
+        if unknown:
+            raise ValueError(f"unknown overlap mechanisms {sorted(unknown)}; choose from {MECHANISMS}")
+        base = dataclasses.asdict(cls.off())
+        for m in mechanisms:
+            base["forward_chunks" if m == "chunks" else m] = cls.forward_chunks if m == "chunks" else True
+        base.update(knobs)
+        return cls(**base)
+
+    @classmethod
+    def parse(cls, spec: "OverlapPolicy | bool | str | dict[str, Any] | None") -> "OverlapPolicy":
+        """A policy from ``True``/``None`` (all on), ``False`` or ``"off"``, ``"all"``, a
+        comma-separated list of mechanisms (``"oag,chunks"``), a dict of fields, or a policy.
+
+        A string may also set knobs: ``"all,oag_depth=3"``, ``"oag,ors,ors_inflight=2"``,
+        ``"chunks=8"`` (the chunks mechanism with 8 chunks), ``"keep"`` (``oag_keep``). With no
+        mechanism named, knobs tune the all-on policy; ``spec`` writes this form."""
+        if isinstance(spec, OverlapPolicy):
+            return spec
+        if spec is None or spec is True or spec == "all":
+            return cls()
+        if spec is False or spec == "off":
+            return cls.off()
+        if isinstance(spec, dict):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(spec) - fields
+            if unknown:
+                raise ValueError(f"unknown overlap options {sorted(unknown)}; options are {sorted(fields)}")
+            return cls(**spec)
+        if isinstance(spec, str):
+            return cls._from_string(spec)
+        raise ValueError(f"overlap={spec!r}: give True/False, 'all', 'off', 'oag,oar,...', a dict or an OverlapPolicy")
+
+    @classmethod
+    def _from_string(cls, spec: str) -> "OverlapPolicy":
+        """See ``parse``: mechanisms, "all"/"off", "keep" and ``field=value`` knobs."""
+        if not spec.strip():
+            raise ValueError("overlap '': name 'all', 'off', mechanisms like 'oag,oar', or knobs like 'oag_depth=2'")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        mechanisms: list[str] = []
+        knobs: dict[str, Any] = {}
+        base = None
+        for item in filter(None, (t.strip() for t in spec.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq:
+                if key in ("all", "off"):
+                    base = key
+                elif key == "keep":
+                    knobs["oag_keep"] = True
+                elif key in MECHANISMS:
+                    mechanisms.append(key)
+                else:
+                    raise ValueError(f"unknown overlap mechanisms {[key]} in {spec!r}; choose from "
+                                     f"{MECHANISMS}, 'all', 'off', 'keep' or knobs like oag_depth=2")
+                continue
+            if key == "chunks":
+                mechanisms.append("chunks")
+                key = "forward_chunks"
+            if key not in fields or key in MECHANISMS:
+                knob_names = sorted(n for n in fields if n not in MECHANISMS)
+                raise ValueError(f"overlap {spec!r}: {key!r} is not a knob; knobs are {knob_names} (and chunks=K)")
+            default = getattr(cls, key)
+            try:
+                is_bool = isinstance(default, bool)
+                knobs[key] = value.lower() in ("1", "true", "yes") if is_bool else type(default)(value)
+            except ValueError:
+                kind = {int: "an integer", float: "a number"}[type(default)]
+                raise ValueError(f"overlap {spec!r}: {key}={value!r}, expected {kind}") from None
+        if mechanisms and base is None:
+            return cls.only(*mechanisms, **knobs)
+        if base == "off":
+            if mechanisms or knobs:
+                raise ValueError(f"overlap {spec!r}: 'off' takes no mechanisms or knobs")
+            return cls.off()
+        return cls(**knobs)
+
+    def __post_init__(self) -> None:
+        counts = (self.forward_chunks, self.ors_inflight, self.oag_depth)
+        if min(counts) < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
+            raise ValueError(
+                f"overlap policy {self}: forward_chunks, ors_inflight and oag_depth must be >= 1 and "
+                f"bucket_mb, min_chunk_kb >= 0"
+            )
+
+    def spec(self) -> str:
+        """The mechanisms that are on and the knobs off their defaults that the planner prices, as
+        ``parse`` reads them: e.g. "oag,oar,ors,odp,chunks=4" (the default), "oag,keep,oag_depth=2",
+        "off"."""
+        on = [n for n in ("oag", "oar", "ors", "odp") if getattr(self, n)]
+        if self.forward_chunks > 1:
+            on.append(f"chunks={self.forward_chunks}")
+        if self.oag_keep:
+            on.append("keep")
+        if self.oag and self.oag_depth > 1:
+            on.append(f"oag_depth={self.oag_depth}")
+        if self.ors and self.ors_inflight > 1:
+            on.append(f"ors_inflight={self.ors_inflight}")
+        return ",".join(on) or "off"
+
+    def chunk_count(self, tokens: int, row_bytes: int, group: int) -> int:
+        """Chunks for a forward all-reduce of ``tokens`` rows of ``row_bytes`` over a group of
+        ``group`` ranks (see forward_chunk_count)."""
+        return forward_chunk_count(tokens, row_bytes, self.forward_chunks, int(self.min_chunk_kb * 1024), group)
+

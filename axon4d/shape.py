@@ -1,0 +1,134 @@
+"""The grid's shape as plain data (docs/design.md §1): axis names, sizes, rank coordinates (E1).
+
+Nothing here communicates. A rank has coordinates (d, z, y, x) with x varying fastest:
+
+    rank = ((d · G_z + z) · G_y + y) · G_x + x                                   (E1)
+
+The axes are named once, here: ``AXES`` (x, y, z, data, fastest first), the composite axes
+``batch`` (data × z, over which tokens are split) and ``world``, and ``MESH_AXES``, the order
+DeviceMesh and checkpoints lay them out in (slowest first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Iterable, Mapping, Sequence
+
+#: the grid's axes, fastest first (E1).
+AXES: tuple[str, ...] = ("x", "y", "z", "data")
+#: axes made of others: "batch" is data × z, "world" is every rank.
+COMPOSITE_AXES: tuple[str, ...] = ("batch", "world")
+#: every axis a collective may run over, in the order reports list them.
+ALL_AXES: tuple[str, ...] = AXES + COMPOSITE_AXES
+#: the axes as DeviceMesh dims, slowest first (the reverse of E1's order).
+MESH_AXES: tuple[str, ...] = tuple(reversed(AXES))
+
+
+@dataclasses.dataclass(frozen=True)
+class GridShape:
+    """Sizes of the four axes; their product is the world size."""
+
+    x: int
+    y: int
+    z: int
+    data: int
+
+    @property
+    def world_size(self) -> int:
+        return self.x * self.y * self.z * self.data
+
+    def size(self, axis: str) -> int:
+        """Number of ranks along ``axis`` (one of x, y, z, data, batch, world)."""
+        if axis == "batch":
+            return self.data * self.z
+        if axis == "world":
+            return self.world_size
+        if axis not in AXES:
+            raise ValueError(f"unknown grid axis {axis!r}; axes are {ALL_AXES}")
+        return int(getattr(self, axis))
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.x, self.y, self.z, self.data)
+
+    def __str__(self) -> str:
+        return f"(x={self.x}, y={self.y}, z={self.z}, data={self.data})"
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` on every axis (E1); ``batch`` is d·G_z + z, ``world`` the rank."""
+        c = {
+            "x": rank % self.x,
+            "y": (rank // self.x) % self.y,
+            "z": (rank // (self.x * self.y)) % self.z,
+            "data": rank // (self.x * self.y * self.z),
+        }
+        c["batch"] = c["data"] * self.z + c["z"]
+        c["world"] = rank
+        return c
+
+    @classmethod
+    def parse(cls, grid: "GridShape | Sequence[int] | Mapping[str, int]", world_size: int) -> "GridShape":
+        """Turn ``grid`` into a validated shape for ``world_size`` ranks.
+
+        ``grid`` is (x, y, z, data) or a dict with those keys (missing keys are 1). At most one
+        size may be -1, meaning "whatever makes the product equal the world size".
+        """
+        if isinstance(grid, GridShape):
+            sizes = list(grid.as_tuple())
+        elif isinstance(grid, Mapping):
+            unknown = set(grid) - set(AXES)
+            if unknown:
+                raise ValueError(f"unknown grid axes {sorted(unknown)}; axes are {AXES}")
+            sizes = [int(grid.get(a, 1)) for a in AXES]
+        else:
+            sizes = [int(s) for s in grid]
+            if len(sizes) != 4:
+                raise ValueError(
+                    f"grid {tuple(grid)} has {len(sizes)} sizes; give 4 as (x, y, z, data), "
+                    f"for example {factorizations(world_size)[-1].as_tuple()}"
+                )
+        if sizes.count(-1) > 1:
+            raise ValueError(f"grid {tuple(sizes)}: at most one size may be -1 (fill in the rest)")
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(f"grid {tuple(sizes)}: sizes must be positive (or a single -1)")
+        if -1 in sizes:
+            known = 1
+            for s in sizes:
+                known *= s if s != -1 else 1
+            if world_size % known:
+                raise ValueError(
+                    f"grid {tuple(sizes)}: the known sizes multiply to {known}, which does not "
+                    f"divide the world size {world_size}; {suggest(world_size)}"
+                )
+            sizes[sizes.index(-1)] = world_size // known
+        shape = cls(*sizes)
+        if shape.world_size != world_size:
+            raise ValueError(
+                f"grid {shape} has {shape.world_size} ranks (x·y·z·data) but the world size is "
+                f"{world_size}; {suggest(world_size)}"
+            )
+        return shape
+
+
+def factorizations(world_size: int) -> list[GridShape]:
+    """Every (x, y, z, data) whose product is ``world_size``, in lexicographic order."""
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    shapes = []
+    for x, y, z in itertools.product(divisors, repeat=3):
+        if world_size % (x * y * z) == 0:
+            shapes.append(GridShape(x, y, z, world_size // (x * y * z)))
+    return shapes
+
+
+def suggest(
+    world_size: int, shapes: Iterable[GridShape] | None = None, near: GridShape | None = None, limit: int = 8
+) -> str:
+    """A sentence listing grids that work, those closest to ``near`` (fewest changed axes) first."""
+    shapes = list(factorizations(world_size) if shapes is None else shapes)
+    if near is not None:
+        shapes.sort(key=lambda s: sum(a != b for a, b in zip(s.as_tuple(), near.as_tuple())))
+    if not shapes:
+        return f"no grid of {world_size} ranks satisfies this"
+    shown = ", ".join(str(s.as_tuple()) for s in shapes[:limit])
+    more = f" and {len(shapes) - limit} more" if len(shapes) > limit else ""
+    return f"grids (x, y, z, data) that work: {shown}{more}"
