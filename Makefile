@@ -7,7 +7,7 @@ NPROC ?= 8
 # same pin pulls the CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install test demo demo-mlp clean
+.PHONY: install lint test demo demo-mlp clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,14 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+# The layering (docs/design.md §9), lint and format, and the public API's types, then the suite.
+lint: install
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy axon4d
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The main job: a small Llama trained for a couple of minutes on an 8-rank (2,2,2,1) grid on a

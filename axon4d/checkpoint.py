@@ -9,6 +9,12 @@ overlapping regions (resharding), and replicated pieces are written once.
 
 Layout of a checkpoint directory: DCP's files plus ``meta.json`` (step, model config, free-form
 extras) written by rank 0.
+
+Devices: the DTensors wrap the tensors where they live (``grid.device``), DCP writes their bytes,
+and loading reads the bytes into buffers made on the loading grid's device; a file records no
+device, so a checkpoint saved on GPUs loads on CPUs and the other way round. An optimizer's step
+count goes back where torch.optim keeps it (with the parameter for fused or capturable AdamW, in
+host memory otherwise). ``export_dense`` writes host tensors, which ``torch.load`` reads anywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from axon4d import device as devices
 from axon4d import runtime
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
@@ -49,8 +56,14 @@ def _block_dtensors(prefix: str, block: torch.Tensor, layout: ParamLayout, grid:
     for seg, rows, shape, _ in layout.segment_views(block, grid):
         key = f"{prefix}.{seg}" if seg else prefix
         rows = rows.contiguous()
-        out[key] = DTensor.from_local(rows, grid.mesh, _placements(layout), run_check=False,
-                                      shape=torch.Size(shape), stride=_contiguous_stride(shape))
+        out[key] = DTensor.from_local(
+            rows,
+            grid.mesh,
+            _placements(layout),
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=_contiguous_stride(shape),
+        )
     return out
 
 
@@ -75,9 +88,23 @@ def _from_dtensors(prefix: str, loaded: dict[str, Any], layout: ParamLayout, gri
     return layout.from_block(block, grid)
 
 
+def _step_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.device:
+    """Where ``optimizer`` keeps ``p``'s step count: where it is already, else as torch.optim puts it
+    (on the parameter's device for fused or capturable AdamW, in host memory otherwise)."""
+    step = optimizer.state.get(p, {}).get("step")
+    if isinstance(step, torch.Tensor):
+        return step.device
+    group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
+    return p.device if group.get("fused") or group.get("capturable") else devices.HOST
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid, empty: bool) -> dict[str, Any]:
     layouts = param_layouts(model)
-    make = (lambda pre, t, lay: _empty_dtensors(pre, lay, t, grid)) if empty else (lambda pre, t, lay: _to_dtensors(pre, t, lay, grid))
+    make = (
+        (lambda pre, t, lay: _empty_dtensors(pre, lay, t, grid))
+        if empty
+        else (lambda pre, t, lay: _to_dtensors(pre, t, lay, grid))
+    )
     state: dict[str, Any] = {}
     for name, p in model.named_parameters():
         state.update(make(f"model.{name}", p.detach(), layouts[name]))
@@ -87,19 +114,30 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid
             for moment in _MOMENTS:
                 if empty or moment in st:
                     state.update(make(f"optim.{name}.{moment}", st.get(moment, p.detach()), layouts[name]))
-            state[f"optim.{name}.step"] = torch.zeros(()) if empty else torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).clone()
+            where = _step_device(optimizer, p)
+            state[f"optim.{name}.step"] = (
+                torch.zeros((), device=where)
+                if empty
+                else torch.as_tensor(st.get("step", 0.0), dtype=torch.float32, device=where).clone()
+            )
     return state
 
 
-def save(path: str, model: nn.Module, grid: Grid, optimizer: torch.optim.Optimizer | None = None,
-         step: int = 0, extra: dict[str, Any] | None = None) -> None:
+def save(
+    path: str,
+    model: nn.Module,
+    grid: Grid,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write a sharded checkpoint of ``model`` (and AdamW-style ``optimizer`` state) to ``path``."""
     os.makedirs(path, exist_ok=True)
     dcp.save(_state(model, optimizer, grid, empty=False), checkpoint_id=path)
     if grid.rank == 0:
         meta = {"step": step, "grid": list(grid.shape.as_tuple()), **(extra or {})}
         cfg = getattr(model, "cfg", None)
-        if cfg is not None and dataclasses.is_dataclass(cfg):
+        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
             meta["model_config"] = dataclasses.asdict(cfg)
         with open(os.path.join(path, "meta.json.tmp"), "w") as f:
             json.dump(meta, f, indent=1)
@@ -129,7 +167,7 @@ def load(path: str, model: nn.Module, grid: Grid, optimizer: torch.optim.Optimiz
             st = optimizer.state[p]
             for moment in _MOMENTS:
                 st[moment] = _from_dtensors(f"optim.{name}.{moment}", state, layouts[name], grid).clone()
-            st["step"] = state[f"optim.{name}.step"].clone()
+            st["step"] = state[f"optim.{name}.step"].clone()  # made where the optimizer keeps it
     return meta
 
 
@@ -137,7 +175,11 @@ def latest(directory: str) -> str | None:
     """The newest complete checkpoint ``step_<N>`` under ``directory``, or None."""
     if not os.path.isdir(directory):
         return None
-    steps = [d for d in os.listdir(directory) if d.startswith("step_") and os.path.exists(os.path.join(directory, d, "meta.json"))]
+    steps = [
+        d
+        for d in os.listdir(directory)
+        if d.startswith("step_") and os.path.exists(os.path.join(directory, d, "meta.json"))
+    ]
     if not steps:
         return None
     return os.path.join(directory, max(steps, key=lambda d: int(d.split("_")[1])))
@@ -146,7 +188,9 @@ def latest(directory: str) -> str | None:
 def export_dense(path: str, out_file: str) -> str:
     """Write a checkpoint's model as one plain ``torch.save`` state dict of ``DenseTransformer``.
 
-    Runs in a single process: it loads the checkpoint onto a 1-rank grid and converts.
+    Runs in a single process: it loads the checkpoint onto a 1-rank grid (on this machine's
+    default device) and converts; the file holds host tensors, so ``torch.load`` needs no
+    ``map_location`` anywhere.
     """
     meta = read_meta(path)
     if "model_config" not in meta:
@@ -155,7 +199,7 @@ def export_dense(path: str, out_file: str) -> str:
     try:
         model = Transformer(ModelConfig(**meta["model_config"]), grid=grid)
         load(path, model, grid)
-        torch.save(model.to_dense().state_dict(), out_file)
+        torch.save({k: devices.to_host(v) for k, v in model.to_dense().state_dict().items()}, out_file)
     finally:
         runtime.shutdown()
     return out_file

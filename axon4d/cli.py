@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser.parse_args(argv[:1])  # an unknown subcommand exits here with argparse's message (status 2)
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    sub_parser = argparse.ArgumentParser(prog=f"axon4d {argv[0]}", description=module.__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub_parser = argparse.ArgumentParser(
+        prog=f"axon4d {argv[0]}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     module.add_arguments(sub_parser)
     return int(module.main(sub_parser.parse_args(argv[1:])) or 0)
 

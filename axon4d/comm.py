@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from axon4d import device as devices
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op
 from axon4d.mpi import MPIBackend
@@ -87,7 +89,7 @@ def choose_transport(comm: str, backend: str | None, launcher: str, device: torc
         comm, backend = "mpi", None
     if comm == "auto":
         comm = "torch"
-        if launcher == "mpi" and device.type == "cpu" and os.environ.get("AXON4D_COMM", "") != "torch":
+        if launcher == "mpi" and devices.is_host(device) and os.environ.get("AXON4D_COMM", "") != "torch":
             try:
                 import mpi4py  # noqa: F401
 
@@ -244,8 +246,7 @@ class Communicator:
         dim = dim % tensor.dim()
         if tensor.shape[dim] % g:
             raise ValueError(
-                f"reduce_scatter over {axis}: dim {dim} has size {tensor.shape[dim]}, "
-                f"not divisible by G_{axis} = {g}"
+                f"reduce_scatter over {axis}: dim {dim} has size {tensor.shape[dim]}, not divisible by G_{axis} = {g}"
             )
         inp = tensor.movedim(dim, 0).contiguous()
         out = inp.new_empty((inp.shape[0] // g, *inp.shape[1:]))

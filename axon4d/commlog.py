@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from axon4d.geometry import Op
 
@@ -32,7 +33,7 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def comm_and_blocked(records: Iterable["CommRecord"]) -> tuple[float, float]:
+def comm_and_blocked(records: Iterable[CommRecord]) -> tuple[float, float]:
     """(communication seconds, seconds blocked waiting) of ``records``, each an interval union."""
     comm, blocked = [], []
     for r in records:
@@ -137,5 +138,3 @@ class CommLog:
             f"comm {' '.join(parts) or 'none'} | time {s['comm_s'] * 1e3:.1f} ms, "
             f"blocked {s['blocked_s'] * 1e3:.1f} ms, hidden {s['hidden_pct']:.0f}%"
         )
-
-

@@ -91,7 +91,7 @@ class ModelConfig:
         attention = 2 * 2 * self.n_layers * self.seq_len * self.hidden / 2  # QKᵀ and AV, causal
         return 6.0 * matmul + 3.0 * attention
 
-    def replace(self, **changes: object) -> "ModelConfig":
+    def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 

@@ -18,8 +18,11 @@ import time
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
-import axon4d
+from axon4d import layout, runtime
+from axon4d.grid import Grid
+from axon4d.nn import Linear
 
 
 def build_dense(width: int, hidden: int, depth: int) -> nn.Sequential:
@@ -30,13 +33,13 @@ def build_dense(width: int, hidden: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def parallelize(dense: nn.Sequential) -> nn.Sequential:
+def parallelize(dense: nn.Sequential, grid: Grid) -> nn.Sequential:
     """The same MLP with each Linear replaced by its 3D shard: up-projections normal, down transposed."""
     out: list[nn.Module] = []
     normal = True
     for m in dense:
         if isinstance(m, nn.Linear):
-            out.append(axon4d.Linear.from_dense(m, transpose=not normal))
+            out.append(Linear.from_dense(m, transpose=not normal, grid=grid))
             normal = not normal
         else:
             out.append(m)
@@ -52,17 +55,15 @@ def batches(steps: int, batch: int, width: int, seed: int):
         yield x, torch.tanh(x @ teacher) + 0.1 * x
 
 
-def train_parallel(model: nn.Module, args: argparse.Namespace, grid: axon4d.Grid) -> list[float]:
+def train_parallel(model: nn.Module, args: argparse.Namespace, grid: Grid) -> list[float]:
     """Train the sharded MLP; return the global mean-squared error of every step."""
-    from tqdm import tqdm
-
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     out_axis = "x"  # the last layer is transposed: its output features are split over x
     losses = []
     bar = tqdm(total=args.steps, desc="4D grid", disable=grid.rank != 0, ncols=90)
     for x_full, t_full in batches(args.steps, args.batch, args.width, args.seed):
-        x = axon4d.shard_input(x_full)
-        t = axon4d.shard_features(axon4d.shard_batch(t_full), out_axis)
+        x = layout.shard_input(x_full, grid=grid)
+        t = layout.shard_features(layout.shard_batch(t_full, grid), out_axis, grid)
         y = model(x)
         # each rank: its feature block's share of the mean over its own tokens (DDP convention)
         loss = (y - t).square().sum() / (y.shape[0] * args.width)
@@ -124,10 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
-    grid = axon4d.init(grid=tuple(int(s) for s in args.grid.split(",")), seed=args.seed)
+    grid = runtime.init(grid=tuple(int(s) for s in args.grid.split(",")), seed=args.seed)
     dense = build_dense(args.width, args.hidden, args.depth)  # same weights on every rank (same seed)
     initial = {k: v.clone() for k, v in dense.state_dict().items()}
-    model = parallelize(dense)
+    model = parallelize(dense, grid)
     if grid.rank == 0:
         print(grid)
     grid.comm.log.clear()
@@ -137,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     summary = grid.comm.log.summary()
     line = grid.comm.log.format_summary()
     rank = grid.rank
-    axon4d.shutdown()
+    runtime.shutdown()
     if rank != 0:
         return 0
 
@@ -153,8 +154,19 @@ def main(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     plot(os.path.join(args.out, "loss.png"), ours, ref, args.grid)
     with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump({"grid": args.grid, "args": vars(args), "axon4d": ours, "reference": ref,
-                   "max_rel_diff": max(diffs), "comm": summary, "seconds": elapsed}, f, indent=1)
+        json.dump(
+            {
+                "grid": args.grid,
+                "args": vars(args),
+                "axon4d": ours,
+                "reference": ref,
+                "max_rel_diff": max(diffs),
+                "comm": summary,
+                "seconds": elapsed,
+            },
+            f,
+            indent=1,
+        )
     print(f"loss curves: {os.path.join(args.out, 'loss.png')}")
     return 0
 

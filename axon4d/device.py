@@ -2,18 +2,30 @@
 
 Nothing else in the library names ``cuda`` or ``cpu``. On a GPU node every rank uses
 ``cuda:<local_rank>`` and NCCL; on a CPU-only machine every rank uses the CPU and gloo. Both
-can be overridden (``axon4d.init(device=..., backend=...)``).
+can be overridden (``axon4d.init(device=..., backend=...)``). Host memory is ``HOST``: what
+leaves a device for a file or a host-only library goes through ``to_host``/``staging_copy``, and
+what a job makes on the host (token ids from a data loader) reaches its device by ``to_device``.
+``matmul_seconds`` times one square matmul, synchronising the device, for the start-up probes;
+``reset_peak_memory``/``peak_memory_allocated``/``memory_allocated`` read an accelerator's allocator.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import time
+from collections.abc import Iterator
 
 import torch
 
 #: dtypes a layer may hold its parameters in.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the dtypes by the names configurations, machine files and the command line use; the one such
+#: map in the library (element sizes come from it: ``DTYPES[name].itemsize``).
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: host memory: where data loaders make batches and where files and host-only libraries read from.
+HOST = torch.device("cpu")
 
 
 def accelerator_available() -> bool:
@@ -25,7 +37,38 @@ def default_device(local_rank: int = 0) -> torch.device:
     """The device a rank computes on: its local accelerator when there is one, else the host."""
     if accelerator_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    return HOST
+
+
+def accelerator_kind() -> str:
+    """The accelerator family torch drives as ``cuda``: "rocm" on a ROCm build, "cuda" otherwise
+    (the name MPI libraries give the device memory they can read)."""
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def is_host(device: torch.device) -> bool:
+    """True when ``device`` is host memory."""
+    return device.type == HOST.type
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: itself when it is there already, else a copy that does not block the
+    host (host → accelerator copies queue on the current stream, so later kernels see the data)."""
+    return t.to(device, non_blocking=not is_host(device))
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (detached) in host memory, e.g. for ``torch.save`` files any machine can read."""
+    return t.detach().to(HOST)
+
+
+def staging_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of device tensor ``t`` for a library that reads only host memory (MPI without
+    device support); pinned, so the copies in and out run at full speed. Blocks until it holds
+    ``t``'s values."""
+    host = torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=t.device.type == "cuda")
+    host.copy_(t.detach())
+    return host
 
 
 def default_backend(device: torch.device) -> str:
@@ -56,6 +99,50 @@ def synchronize(device: torch.device) -> None:
     """Wait for all queued work on ``device`` (accelerators run asynchronously; the host does not)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for ``peak_memory_allocated`` (a no-op on the host)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_allocated(device: torch.device) -> int | None:
+    """Peak bytes of torch tensors on ``device`` since ``reset_peak_memory``, from the caching
+    allocator; None on the host, which keeps no such count (use torch's ``MemTracker`` there)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def memory_allocated(device: torch.device) -> int | None:
+    """Bytes of torch tensors alive on ``device`` now, from the caching allocator; None on the host."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return None
+
+
+def matmul_seconds(
+    device: torch.device, dtype: torch.dtype, n: int = 512, budget_s: float = 0.1, repeats: int = 8
+) -> float:
+    """Seconds one (n × n) @ (n × n) matmul in ``dtype`` takes on ``device``: after a warm-up
+    call, one timed call sets how many more fit in ``budget_s`` (1 to ``repeats``), and those run
+    back to back between two device synchronisations, so a dtype with slow kernels costs about
+    three calls and a fast one a fraction of ``budget_s``."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b)  # warm-up: library handles, kernel selection
+    synchronize(device)
+    start = time.perf_counter()
+    torch.matmul(a, b)
+    synchronize(device)
+    one = time.perf_counter() - start
+    count = max(1, min(repeats, int(budget_s / max(one, 1e-9))))
+    start = time.perf_counter()
+    for _ in range(count):
+        torch.matmul(a, b)
+    synchronize(device)
+    return (time.perf_counter() - start) / count
 
 
 @contextlib.contextmanager

@@ -37,8 +37,8 @@ class Grid:
         device: torch.device,
         backend: str = "torch",
         launcher: str = "existing",
-        precision: "Precision | str | None" = None,
-        overlap: "OverlapPolicy | None" = None,
+        precision: Precision | str | None = None,
+        overlap: OverlapPolicy | None = None,
     ):
         self.shape = shape
         self.device = device
@@ -54,7 +54,9 @@ class Grid:
         self._mesh: DeviceMesh | None = mesh  # None once destroyed
         self.groups: dict[str, dist.ProcessGroup] = {a: mesh[a].get_group() for a in AXES}
         self.groups["batch"] = mesh["data", "z"]._flatten("batch").get_group()
-        self.groups["world"] = dist.group.WORLD
+        world = dist.group.WORLD
+        assert world is not None  # dist.get_rank() above succeeded, so the default group exists
+        self.groups["world"] = world
         expected = tuple(self.coords[a] for a in MESH_AXES)
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")

@@ -54,11 +54,13 @@ def detect() -> LaunchInfo:
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
-        local = next((int(os.environ[v]) for v in _MPI_LOCAL_RANK_VARS if v in os.environ), None)
-        if local is None:
+        named = next((int(os.environ[v]) for v in _MPI_LOCAL_RANK_VARS if v in os.environ), None)
+        if named is None:
             node = world.Split_type(MPI.COMM_TYPE_SHARED)
             local = node.Get_rank()
             node.Free()
+        else:
+            local = named
         return LaunchInfo("mpi", world.Get_rank(), world.Get_size(), local)
     return LaunchInfo("single", 0, 1, 0)
 
@@ -99,6 +101,4 @@ def start_world(info: LaunchInfo, backend: str, timeout_s: float = 600.0) -> Non
             timeout=timeout,
         )
     else:
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

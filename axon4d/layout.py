@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from axon4d import geometry, runtime
+from axon4d import geometry, rules, runtime
 from axon4d.grid import Grid
-from axon4d import rules
 
 
 def _chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
@@ -56,11 +55,11 @@ def shard_input(x: torch.Tensor, transpose: bool = False, grid: Grid | None = No
     """
     grid = runtime.resolve(grid)
     in_axis, _ = geometry.layer_axes(transpose)
-    return shard_features(shard_batch(x, grid), in_axis, grid)
+    return shard_features(shard_batch(x, grid=grid), in_axis, grid=grid)
 
 
 def gather_output(y: torch.Tensor, transpose: bool = False, grid: Grid | None = None) -> torch.Tensor:
     """The full output (N, ..., out) of a normal (or ``transpose``d) Linear, on every rank."""
     grid = runtime.resolve(grid)
     _, out_axis = geometry.layer_axes(transpose)
-    return gather_batch(gather_features(y, out_axis, grid), grid)
+    return gather_batch(gather_features(y, out_axis, grid=grid), grid=grid)

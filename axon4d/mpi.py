@@ -8,10 +8,12 @@ bytes: logging, reshaping and handles live in ``axon4d.comm``.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ from axon4d.shape import GridShape
 class _MPIWork:
     """An MPI request plus what to copy back when it completes (for staged or upcast buffers)."""
 
-    def __init__(self, backend: "MPIBackend", request: Any, finish: Callable[[], None] | None):
+    def __init__(self, backend: MPIBackend, request: Any, finish: Callable[[], None] | None):
         self.backend, self.request, self.finish = backend, request, finish
         self.done = False
         self.on_done: Callable[[], None] | None = None
@@ -63,16 +65,54 @@ class _MPIWork:
 
 
 def mpi_cuda_aware() -> bool:
-    """True when the MPI library can read device memory (CUDA-aware MPI).
+    """True when the MPI library reports that it reads and writes device memory (CUDA-aware MPI).
 
-    Asks mpi4py when it can tell (``MPI.Query_cuda_support`` in newer mpi4py), else trusts
-    ``AXON4D_MPI_CUDA_AWARE=1``. Without it, device tensors are staged through host memory."""
+    ``AXON4D_MPI_CUDA_AWARE=1`` or ``=0`` decides when set (an override for libraries that
+    cannot tell). Otherwise the library is asked, first answer wins: mpi4py's
+    ``MPI.Query_cuda_support()`` where mpi4py has it; the MPI 4.1 info key
+    ``mpi_memory_alloc_kinds`` of ``COMM_WORLD`` naming the accelerator's memory ("cuda" or "rocm",
+    ``axon4d.device.accelerator_kind``); the ``MPIX_Query_cuda_support``/``MPIX_Query_rocm_support``
+    extension of Open MPI and MPICH, called through the library mpi4py loaded. No answer: False,
+    and device tensors are staged through host memory."""
+    env = os.environ.get("AXON4D_MPI_CUDA_AWARE", "")
+    if env in ("0", "1"):
+        return env == "1"
     from mpi4py import MPI
 
-    query = getattr(MPI, "Query_cuda_support", None)
+    kind = devices.accelerator_kind()
+    query = getattr(MPI, f"Query_{kind}_support", None)
     if query is not None:
         return bool(query())
-    return os.environ.get("AXON4D_MPI_CUDA_AWARE", "0") == "1"
+    kinds = _memory_alloc_kinds(MPI)
+    if kinds is not None and any(k.split(":")[0] == kind for k in kinds):
+        return True
+    extension = _mpix_query(MPI, kind)
+    return bool(extension) if extension is not None else False
+
+
+def _memory_alloc_kinds(MPI: Any) -> list[str] | None:
+    """The memory kinds of MPI 4.1's ``mpi_memory_alloc_kinds`` on ``COMM_WORLD`` (e.g. "system",
+    "mpi", "cuda:device"), or None when the library does not say."""
+    try:
+        info = MPI.COMM_WORLD.Get_info()
+        try:
+            value = info.Get("mpi_memory_alloc_kinds")
+        finally:
+            info.Free()
+    except Exception:
+        return None
+    return [k.strip() for k in value.split(",")] if value else None
+
+
+def _mpix_query(MPI: Any, kind: str) -> int | None:
+    """``MPIX_Query_<kind>_support()`` of the MPI library mpi4py loaded, or None when it lacks it."""
+    try:
+        lib = ctypes.CDLL(MPI.__file__)  # symbol lookups search the extension and the libmpi it links
+        fn = getattr(lib, f"MPIX_Query_{kind}_support")
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return int(fn())
 
 
 class MPIBackend:
@@ -81,8 +121,10 @@ class MPIBackend:
 
     Host tensors are passed zero-copy (numpy views of the same memory). bf16/fp16 reductions run in
     fp32 (MPI has no 16-bit float sum) and are copied back on completion. Device tensors go to MPI
-    directly when it is CUDA-aware (mpi4py reads ``__cuda_array_interface__``/DLPack; the stream
-    is synchronised first) and are staged through host memory otherwise.
+    directly when the library reports it is CUDA-aware (``mpi_cuda_aware``; mpi4py reads DLPack /
+    ``__cuda_array_interface__``; the device is synchronised first, so MPI reads finished data) and
+    are staged through pinned host memory otherwise: copied to the host before the call, and for
+    outputs copied back to the device when the request completes.
 
     Progress: ``progress="thread"`` (default) runs a Python thread that tests outstanding requests
     every ``poll_us`` microseconds, so collectives advance while matmuls (which release the GIL)
@@ -109,9 +151,12 @@ class MPIBackend:
         self.lock = threading.Lock()
         c = shape.coordinates(rank)
         others = {
-            "x": (c["data"], c["z"], c["y"]), "y": (c["data"], c["z"], c["x"]),
-            "z": (c["data"], c["y"], c["x"]), "data": (c["z"], c["y"], c["x"]),
-            "batch": (c["y"], c["x"]), "world": (),
+            "x": (c["data"], c["z"], c["y"]),
+            "y": (c["data"], c["z"], c["x"]),
+            "z": (c["data"], c["y"], c["x"]),
+            "data": (c["z"], c["y"], c["x"]),
+            "batch": (c["y"], c["x"]),
+            "world": (),
         }
         self.comms: dict[str, Any] = {}
         for axis, key in others.items():  # color: coordinates on the other axes; key: own index
@@ -139,15 +184,19 @@ class MPIBackend:
 
     def _buffer(self, t: torch.Tensor, writes: bool) -> tuple[Any, Callable[[], None] | None]:
         """(what MPI reads/writes for ``t``, copy-back to run after completion or None)."""
-        if t.device.type == "cpu":
+        if devices.is_host(t.device):
             return t.detach().numpy(), None
         if self._cuda_aware is None:
             self._cuda_aware = mpi_cuda_aware()
         if self._cuda_aware:
             devices.synchronize(t.device)
             return t.detach(), None
-        host = t.detach().cpu()
-        return host.numpy(), ((lambda: t.copy_(host)) if writes else None)
+        host = devices.staging_copy(t)
+
+        def copy_back() -> None:
+            t.copy_(host)
+
+        return host.numpy(), (copy_back if writes else None)
 
     def _start(self, request: Any, finish: list[Callable[[], None] | None]) -> _MPIWork:
         steps = [f for f in finish if f is not None]
@@ -167,7 +216,11 @@ class MPIBackend:
         """``t`` itself, or an fp32 copy for 16-bit floats with a copy-back into ``t``."""
         if t.dtype in (torch.bfloat16, torch.float16):
             wide = t.float()
-            return wide, (lambda: t.copy_(wide))
+
+            def narrow() -> None:
+                t.copy_(wide)
+
+            return wide, narrow
         return t, None
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> _MPIWork:
@@ -205,6 +258,10 @@ class MPIBackend:
 def _other_sizes(s: GridShape, axis: str) -> tuple[int, ...]:
     """Sizes of the axes whose coordinates colour ``axis``'s sub-communicator (see MPIBackend)."""
     return {
-        "x": (s.data, s.z, s.y), "y": (s.data, s.z, s.x), "z": (s.data, s.y, s.x),
-        "data": (s.z, s.y, s.x), "batch": (s.y, s.x), "world": (),
+        "x": (s.data, s.z, s.y),
+        "y": (s.data, s.z, s.x),
+        "z": (s.data, s.y, s.x),
+        "data": (s.z, s.y, s.x),
+        "batch": (s.y, s.x),
+        "world": (),
     }[axis]

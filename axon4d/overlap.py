@@ -12,7 +12,8 @@ grid explicitly or fall back to the one ``axon4d.init()`` built.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from axon4d.grid import Grid
 from axon4d.policy import MECHANISMS, OverlapPolicy

@@ -19,7 +19,7 @@ from axon4d import geometry
 from axon4d.grid import Grid
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
-from axon4d.nn.norm import ShardedNorm
+from axon4d.nn.norm import SplitFeatureNorm
 from axon4d.shape import AXES
 
 
@@ -32,13 +32,34 @@ class ParamLayout:
     split: tuple[tuple[str, int], ...] = ()
     """(axis, dim) pairs: the grid axis splits that tensor dim into equal contiguous chunks."""
     z_flat: bool = False
-    """Stored as this rank's flat, zero-padded 1/G_z of the block (axon4d.Linear weights)."""
+    """Stored as this rank's flat, zero-padded 1/G_z of the block: an axon4d.Linear weight, whose
+    block and z shards are the layer's own (``geometry.weight_block_shape``, ``geometry.z_shard``)."""
     segments: tuple[tuple[str, int], ...] = ()
     """Dim 0 of the global tensor is really several tensors stacked (fused q|k|v, gate|up) whose
     chunks are interleaved by the axis splitting dim 0: (name, global rows) of each. A checkpoint
     stores each segment as its own tensor, so it does not depend on the grid that wrote it."""
+    transpose: bool = False
+    """For an axon4d.Linear's weight or bias: the layer is transposed (``geometry.layer_axes``)."""
 
-    def segment_views(self, block: torch.Tensor, grid: Grid) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+    @classmethod
+    def linear(cls, layer: Linear, name: str) -> ParamLayout:
+        """The layout of ``layer``'s parameter ``name`` ("weight" or "bias"): output features
+        split over the layer's output axis, input features over its input axis (docs/design.md §2)."""
+        in_axis, out_axis = geometry.layer_axes(layer.transpose)
+        segments = tuple(getattr(layer, "row_segments", ()))
+        if name == "weight":
+            return cls(
+                (layer.out_features, layer.in_features),
+                ((out_axis, 0), (in_axis, 1)),
+                z_flat=True,
+                segments=segments,
+                transpose=layer.transpose,
+            )
+        return cls((layer.out_features,), ((out_axis, 0),), segments=segments, transpose=layer.transpose)
+
+    def segment_views(
+        self, block: torch.Tensor, grid: Grid
+    ) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
         """(name, rows of ``block``, global shape, offsets) of every segment of this rank's block."""
         offsets = self.block_offsets(grid)
         if not self.segments:
@@ -58,6 +79,9 @@ class ParamLayout:
 
     def block_shape(self, grid: Grid) -> tuple[int, ...]:
         """Shape of this rank's (x, y) block of the global tensor."""
+        if self.z_flat:  # a Linear weight (out, in): the block the layer holds
+            out_features, in_features = self.global_shape
+            return geometry.weight_block_shape(in_features, out_features, grid.shape, self.transpose)
         shape = list(self.global_shape)
         for axis, dim in self.split:
             shape[dim] //= grid.size(axis)
@@ -94,12 +118,8 @@ class ParamLayout:
 def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:
     """The layout of ``module``'s parameter ``name`` (fully replicated unless the module is ours)."""
     if isinstance(module, Linear):
-        segments = tuple(getattr(module, "row_segments", ()))
-        if name == "weight":
-            split = ((module.out_axis, 0), (module.in_axis, 1))
-            return ParamLayout((module.out_features, module.in_features), split, z_flat=True, segments=segments)
-        return ParamLayout((module.out_features,), ((module.out_axis, 0),), segments=segments)
-    if isinstance(module, ShardedNorm):
+        return ParamLayout.linear(module, name)
+    if isinstance(module, SplitFeatureNorm):
         return ParamLayout((module.hidden,), ((module.axis, 0),))
     if isinstance(module, VocabParallelEmbedding):
         return ParamLayout((module.vocab_size, module.hidden), (("y", 0), ("x", 1)))

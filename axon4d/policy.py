@@ -1,4 +1,5 @@
-"""The overlap policy as data (docs/design.md §4): which mechanisms are on and their knobs.
+"""Policies as plain data: the overlap policy (docs/design.md §4: which mechanisms are on and their
+knobs) and the names of the activation recomputation modes (§5).
 
 ``OverlapPolicy`` is what ``axon4d.init(..., overlap=...)`` and ``axon4d plan --overlap`` accept
 (``OverlapPolicy.parse``) and what the planner prices; the scheduler (``axon4d.scheduler``) acts
@@ -47,12 +48,12 @@ class OverlapPolicy:
     """Never make a forward chunk smaller than this (tiny messages gain nothing from chunking)."""
 
     @classmethod
-    def off(cls) -> "OverlapPolicy":
+    def off(cls) -> OverlapPolicy:
         """Every collective waited on where it is issued, as a serial implementation would."""
         return cls(oag=False, oar=False, ors=False, odp=False, forward_chunks=1)
 
     @classmethod
-    def only(cls, *mechanisms: str, **knobs: Any) -> "OverlapPolicy":
+    def only(cls, *mechanisms: str, **knobs: Any) -> OverlapPolicy:
         """All mechanisms off except ``mechanisms`` (names from ``MECHANISMS``)."""
         unknown = set(mechanisms) - set(MECHANISMS)
         if unknown:
@@ -64,7 +65,7 @@ class OverlapPolicy:
         return cls(**base)
 
     @classmethod
-    def parse(cls, spec: "OverlapPolicy | bool | str | dict[str, Any] | None") -> "OverlapPolicy":
+    def parse(cls, spec: OverlapPolicy | bool | str | dict[str, Any] | None) -> OverlapPolicy:
         """A policy from ``True``/``None`` (all on), ``False`` or ``"off"``, ``"all"``, a
         comma-separated list of mechanisms (``"oag,chunks"``), a dict of fields, or a policy.
 
@@ -88,7 +89,7 @@ class OverlapPolicy:
         raise ValueError(f"overlap={spec!r}: give True/False, 'all', 'off', 'oag,oar,...', a dict or an OverlapPolicy")
 
     @classmethod
-    def _from_string(cls, spec: str) -> "OverlapPolicy":
+    def _from_string(cls, spec: str) -> OverlapPolicy:
         """See ``parse``: mechanisms, "all"/"off", "keep" and ``field=value`` knobs."""
         if not spec.strip():
             raise ValueError("overlap '': name 'all', 'off', mechanisms like 'oag,oar', or knobs like 'oag_depth=2'")
@@ -106,8 +107,10 @@ class OverlapPolicy:
                 elif key in MECHANISMS:
                     mechanisms.append(key)
                 else:
-                    raise ValueError(f"unknown overlap mechanisms {[key]} in {spec!r}; choose from "
-                                     f"{MECHANISMS}, 'all', 'off', 'keep' or knobs like oag_depth=2")
+                    raise ValueError(
+                        f"unknown overlap mechanisms {[key]} in {spec!r}; choose from "
+                        f"{MECHANISMS}, 'all', 'off', 'keep' or knobs like oag_depth=2"
+                    )
                 continue
             if key == "chunks":
                 mechanisms.append("chunks")
@@ -158,3 +161,14 @@ class OverlapPolicy:
         ``group`` ranks (see forward_chunk_count)."""
         return forward_chunk_count(tokens, row_bytes, self.forward_chunks, int(self.min_chunk_kb * 1024), group)
 
+
+#: activation recomputation modes (docs/design.md §5), from the most memory kept to the least: what
+#: ``Transformer(cfg, recompute=...)``, ``axon4d train --recompute`` and ``axon4d plan --recompute`` take.
+RECOMPUTE_MODES = ("none", "selective", "balanced", "full")
+
+
+def check_recompute(mode: str) -> str:
+    """``mode`` if it names a recomputation mode; ``ValueError`` naming the modes otherwise."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={mode!r} is not a recomputation mode; choose one of {', '.join(RECOMPUTE_MODES)}")
+    return mode

@@ -36,7 +36,7 @@ class Precision:
         return self.compute != self.param
 
     @classmethod
-    def parse(cls, spec: "Precision | str | None") -> "Precision":
+    def parse(cls, spec: Precision | str | None) -> Precision:
         """A Precision from itself, None (fp32) or a name listed in the module docstring."""
         if spec is None:
             return cls()

@@ -10,10 +10,11 @@ axis sizes) to know which grids are valid.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from axon4d.shape import GridShape, factorizations, suggest
 from axon4d.geometry import layer_axes
+from axon4d.shape import GridShape, factorizations, suggest
 
 
 def _size(sizes: GridShape | Mapping[str, Any], axis: str) -> Any:
@@ -77,10 +78,18 @@ def linear(in_features: int, out_features: int, transpose: bool, name: str = "")
     in_axis, out_axis = layer_axes(transpose)
     prefix = f"{name}: " if name else ""
     return [
-        Rule(in_features, f"{prefix}in_features", (in_axis,),
-             f"{'a transposed' if transpose else 'a normal'} layer splits input features over {in_axis}"),
-        Rule(out_features, f"{prefix}out_features", (out_axis,),
-             f"{'a transposed' if transpose else 'a normal'} layer splits output features over {out_axis}"),
+        Rule(
+            in_features,
+            f"{prefix}in_features",
+            (in_axis,),
+            f"{'a transposed' if transpose else 'a normal'} layer splits input features over {in_axis}",
+        ),
+        Rule(
+            out_features,
+            f"{prefix}out_features",
+            (out_axis,),
+            f"{'a transposed' if transpose else 'a normal'} layer splits output features over {out_axis}",
+        ),
     ]
 
 
@@ -117,8 +126,9 @@ def positions(hidden: int) -> Rule:
 
 def norm(hidden: int, axis: str) -> Rule:
     """A sharded norm splits its features over ``axis``, like the residual stream it normalises."""
-    return Rule(hidden, "the normalised feature count", (axis,),
-                f"norm features are split over {axis} like the residual stream")
+    return Rule(
+        hidden, "the normalised feature count", (axis,), f"norm features are split over {axis} like the residual stream"
+    )
 
 
 def features(count: int, axis: str) -> Rule:

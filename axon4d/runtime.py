@@ -9,7 +9,8 @@ an explicit ``grid=``.
 from __future__ import annotations
 
 import atexit
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,11 +33,11 @@ def init(
     backend: str | None = None,
     device: str | torch.device | None = None,
     comm: str = "auto",
-    overlap: object = None,
+    overlap: OverlapPolicy | bool | str | dict[str, Any] | None = None,
     seed: int | None = None,
     timeout_s: float = 600.0,
-    plan: dict[str, object] | None = None,
-    precision: object = None,
+    plan: dict[str, Any] | None = None,
+    precision: Precision | str | None = None,
 ) -> Grid:
     """Join the job and build the 4D grid ``(x, y, z, data)``; return it and make it current.
 

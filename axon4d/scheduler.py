@@ -32,7 +32,8 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -69,6 +70,8 @@ class Scheduler:
         self._bucket: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (param, shard, scale)
         self._reducing: list[tuple[list[tuple[torch.Tensor, torch.Tensor, float]], Handle, torch.Tensor | None]] = []
         self._callback_queued = False
+        self._recomputing: weakref.WeakSet | None = None  # layers of the region being recomputed
+        self._checkpointed = 0  # depth of checkpointed regions (full recomputation) being run
 
     # -- policy ---------------------------------------------------------------------------------
     def configure(self, spec: Any) -> OverlapPolicy:
@@ -111,6 +114,8 @@ class Scheduler:
                 return
             if backward and not self._gathers_in_backward.get(layer, False):
                 continue
+            if not backward and self._recomputing is not None and layer not in self._recomputing:
+                return
             if layer not in self._prefetched:
                 self._prefetched[layer] = (self._issue_gather(layer.weight), layer.weight._version)
 
@@ -123,7 +128,7 @@ class Scheduler:
         # mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes
         return self.comm.all_gather(weight.detach().to(compute_dtype(self.precision, weight)), "z", tag="E10")
 
-    def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> "Handle | None":
+    def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> Handle | None:
         entry = self._prefetched.pop(layer, None)
         if entry is None:
             return None
@@ -133,11 +138,42 @@ class Scheduler:
             return None
         return handle
 
+    @property
+    def checkpointed(self) -> bool:
+        """True inside a region under full recomputation (its forward or its re-run): layers then
+        save what they keep for backward through autograd, so it is dropped and made again."""
+        return self._checkpointed > 0
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """The enclosed forward is a region under full recomputation (docs/design.md §5)."""
+        self._checkpointed += 1
+        try:
+            yield
+        finally:
+            self._checkpointed -= 1
+
+    @contextlib.contextmanager
+    def recomputing(self, layers: Any) -> Iterator[None]:
+        """The enclosed forward re-runs a checkpointed region during backward (full recomputation,
+        docs/design.md §5): it teaches OAG no order, and OAG prefetches only the region's own
+        ``layers`` (the layer after the region already ran its backward)."""
+        previous = self._recomputing
+        self._recomputing = weakref.WeakSet(layers)
+        try:
+            with self.checkpointing():
+                yield
+        finally:
+            self._recomputing = previous
+
     def note_forward(self, layer: Any) -> None:
         """Learn the forward order of layers (for OAG) from a forward that will be differentiated.
 
         Layers call this before their forward when grad mode is on; the chain restarts after each
-        backward, so the order never links the last layer of one step to the first of the next."""
+        backward, so the order never links the last layer of one step to the first of the next.
+        A recomputed forward (``recomputing``) teaches nothing: it runs in backward order."""
+        if self._recomputing is not None:
+            return
         last = self._last_forward() if self._last_forward is not None else None
         if last is not None and last is not layer:
             self._next[last] = weakref.ref(layer)
@@ -245,4 +281,3 @@ class Scheduler:
             yield
         finally:
             self.comm.log.add_span(name, start, time.perf_counter())
-

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 #: the grid's axes, fastest first (E1).
 AXES: tuple[str, ...] = ("x", "y", "z", "data")
@@ -67,7 +67,7 @@ class GridShape:
         return c
 
     @classmethod
-    def parse(cls, grid: "GridShape | Sequence[int] | Mapping[str, int]", world_size: int) -> "GridShape":
+    def parse(cls, grid: GridShape | Sequence[int] | Mapping[str, int], world_size: int) -> GridShape:
         """Turn ``grid`` into a validated shape for ``world_size`` ranks.
 
         ``grid`` is (x, y, z, data) or a dict with those keys (missing keys are 1). At most one

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from axon4d.commlog import CommLog, comm_and_blocked, hidden_pct, union_length
 from axon4d.grid import Grid

@@ -23,13 +23,22 @@ import argparse
 import glob
 import json
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from axon4d.grid import Grid
 from axon4d.shape import ALL_AXES as AXIS_ORDER
 
-COLORS = {"compute": "#4C72B0", "blocked": "#D62728", "x": "#55A868", "y": "#DD8452", "z": "#8172B3",
-          "data": "#937860", "batch": "#DA8BC3", "world": "#8C8C8C"}
+COLORS = {
+    "compute": "#4C72B0",
+    "blocked": "#D62728",
+    "x": "#55A868",
+    "y": "#DD8452",
+    "z": "#8172B3",
+    "data": "#937860",
+    "batch": "#DA8BC3",
+    "world": "#8C8C8C",
+}
 
 
 def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -> str:
@@ -41,12 +50,26 @@ def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -
     records = []
     for r in log.records:
         done = r.t_issue + r.duration
-        records.append({"op": r.op.value, "axis": r.axis, "tag": r.tag, "bytes": r.payload_bytes,
-                        "issue": r.t_issue - t0, "done": done - t0,
-                        "wait": None if r.t_wait_start is None else [r.t_wait_start - t0, r.t_wait_start - t0 + r.blocked]})
-    data = {"rank": grid.rank, "coords": dict(grid.coords), "grid": str(grid.shape), "label": label,
-            "backend": grid.comm.backend_name, "records": records,
-            "spans": [[name, a - t0, b - t0] for name, a, b in log.spans]}
+        records.append(
+            {
+                "op": r.op.value,
+                "axis": r.axis,
+                "tag": r.tag,
+                "bytes": r.payload_bytes,
+                "issue": r.t_issue - t0,
+                "done": done - t0,
+                "wait": None if r.t_wait_start is None else [r.t_wait_start - t0, r.t_wait_start - t0 + r.blocked],
+            }
+        )
+    data = {
+        "rank": grid.rank,
+        "coords": dict(grid.coords),
+        "grid": str(grid.shape),
+        "label": label,
+        "backend": grid.comm.backend_name,
+        "records": records,
+        "spans": [[name, a - t0, b - t0] for name, a, b in log.spans],
+    }
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"rank{grid.rank}.json")
     with open(path, "w") as f:
@@ -67,7 +90,8 @@ def load(directory: str) -> list[dict[str, Any]]:
 
 def wire_intervals(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float, float]]:
     """(record, start, end) per collective: start = max(issue, previous completion on its axis)."""
-    out, last_done = [], {}
+    out: list[tuple[dict[str, Any], float, float]] = []
+    last_done: dict[str, float] = {}
     for r in sorted(records, key=lambda r: r["issue"]):
         start = max(r["issue"], last_done.get(r["axis"], float("-inf")))
         end = max(r["done"], start)
@@ -87,18 +111,47 @@ def chrome_trace(runs: Sequence[tuple[str, list[dict[str, Any]]]]) -> dict[str, 
             events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
             for i, axis in enumerate(AXIS_ORDER):
-                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": i + 1, "args": {"name": f"comm {axis}"}})
+                events.append(
+                    {"ph": "M", "name": "thread_name", "pid": pid, "tid": i + 1, "args": {"name": f"comm {axis}"}}
+                )
             for span_name, a, b in d["spans"]:
-                events.append({"ph": "X", "cat": "compute", "name": span_name, "pid": pid, "tid": 0,
-                               "ts": a * 1e6, "dur": (b - a) * 1e6})
+                events.append(
+                    {
+                        "ph": "X",
+                        "cat": "compute",
+                        "name": span_name,
+                        "pid": pid,
+                        "tid": 0,
+                        "ts": a * 1e6,
+                        "dur": (b - a) * 1e6,
+                    }
+                )
             for r, start, end in wire_intervals(d["records"]):
                 args = {"bytes": r["bytes"], "issue_ms": r["issue"] * 1e3, "done_ms": r["done"] * 1e3}
-                events.append({"ph": "X", "cat": "comm", "name": f"{r['op']} {r['tag']}", "pid": pid,
-                               "tid": AXIS_ORDER.index(r["axis"]) + 1, "ts": start * 1e6,
-                               "dur": (end - start) * 1e6, "args": args})
+                events.append(
+                    {
+                        "ph": "X",
+                        "cat": "comm",
+                        "name": f"{r['op']} {r['tag']}",
+                        "pid": pid,
+                        "tid": AXIS_ORDER.index(r["axis"]) + 1,
+                        "ts": start * 1e6,
+                        "dur": (end - start) * 1e6,
+                        "args": args,
+                    }
+                )
                 if r["wait"] and r["wait"][1] > r["wait"][0]:
-                    events.append({"ph": "X", "cat": "blocked", "name": f"wait {r['tag']}", "pid": pid, "tid": 0,
-                                   "ts": r["wait"][0] * 1e6, "dur": (r["wait"][1] - r["wait"][0]) * 1e6})
+                    events.append(
+                        {
+                            "ph": "X",
+                            "cat": "blocked",
+                            "name": f"wait {r['tag']}",
+                            "pid": pid,
+                            "tid": 0,
+                            "ts": r["wait"][0] * 1e6,
+                            "dur": (r["wait"][1] - r["wait"][0]) * 1e6,
+                        }
+                    )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -110,8 +163,14 @@ def plot(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: str, ranks: Seq
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    end = max((max([b for _, _, b in d["spans"]] + [r["done"] for r in d["records"]] + [0.0])
-               for _, dumps in runs for d in dumps), default=1.0)
+    end = max(
+        (
+            max([b for _, _, b in d["spans"]] + [r["done"] for r in d["records"]] + [0.0])
+            for _, dumps in runs
+            for d in dumps
+        ),
+        default=1.0,
+    )
     rows_per_run = []
     for _, dumps in runs:
         rows = []
@@ -120,8 +179,14 @@ def plot(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: str, ranks: Seq
             rows.append((d, axes))
         rows_per_run.append(rows)
     heights = [max(1, sum(1 + len(axes) for _, axes in rows)) for rows in rows_per_run]
-    fig, panels = plt.subplots(len(runs), 1, figsize=(13, 1.0 + 0.32 * sum(heights) + 0.5 * len(runs)),
-                               sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})
+    fig, panels = plt.subplots(
+        len(runs),
+        1,
+        figsize=(13, 1.0 + 0.32 * sum(heights) + 0.5 * len(runs)),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
     for (title, _), rows, ax in zip(runs, rows_per_run, panels[:, 0]):
         labels, y = [], 0
         for d, axes in rows:
@@ -144,10 +209,16 @@ def plot(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: str, ranks: Seq
     panels[-1, 0].set_xticks(ticks, [f"{t * 1e3:.0f}" for t in ticks])
     panels[-1, 0].set_xlim(0, end)
     panels[-1, 0].set_xlabel("time since step start (ms)")
-    used = [k for k in COLORS if k in ("compute", "blocked") or any(k in axes for rows in rows_per_run for _, axes in rows)]
+    used = [
+        k for k in COLORS if k in ("compute", "blocked") or any(k in axes for rows in rows_per_run for _, axes in rows)
+    ]
     names = {"compute": "compute", "blocked": "blocked waiting"}
-    fig.legend(handles=[Patch(color=COLORS[k], label=names.get(k, f"comm over {k}")) for k in used],
-               loc="upper right", ncol=len(used), fontsize=8)
+    fig.legend(
+        handles=[Patch(color=COLORS[k], label=names.get(k, f"comm over {k}")) for k in used],
+        loc="upper right",
+        ncol=len(used),
+        fontsize=8,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -177,7 +248,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="axon4d trace", description=__doc__,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    _parser = argparse.ArgumentParser(
+        prog="axon4d trace", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(_parser)
     raise SystemExit(main(_parser.parse_args()))

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 PREFIX = "ax4"
 SUBNET = "10.213.0"
@@ -58,8 +58,29 @@ def _tbf(ns: str, dev: str, rate: str | None, queue: str = "50ms") -> None:
     rank receiving on x, y and z together) get a deep buffer like a switch's, or drops and TCP's
     200 ms retransmission timeouts would dominate every step."""
     if rate:
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
-                        "rate", rate, "burst", "256kb", "latency", queue], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "256kb",
+                "latency",
+                queue,
+            ],
+            check=True,
+            capture_output=True,
+        )
 
 
 def rank_ns(rank: int) -> str:
@@ -101,8 +122,13 @@ class Cluster:
     def describe(self) -> dict:
         if self.nodes == 1:
             return {"ranks": self.ranks, "nodes": 1, "link": self.link or "uncapped", "mtu": self.mtu}
-        return {"ranks": self.ranks, "nodes": self.nodes, "inter_node_link": self.link or "uncapped",
-                "intra_node_link": self.intra or "uncapped", "mtu": self.mtu}
+        return {
+            "ranks": self.ranks,
+            "nodes": self.nodes,
+            "inter_node_link": self.link or "uncapped",
+            "intra_node_link": self.intra or "uncapped",
+            "mtu": self.mtu,
+        }
 
     def up(self) -> None:
         self._lock = open(LOCK, "w")
@@ -111,14 +137,18 @@ class Cluster:
         except BlockingIOError:
             self._lock.close()
             self._lock = None
-            raise RuntimeError(f"another emulated cluster is running (lock {LOCK} is held); wait for it to finish")
+            raise RuntimeError(
+                f"another emulated cluster is running (lock {LOCK} is held); wait for it to finish"
+            ) from None
         teardown()  # leftovers of a run that was killed hard
         _ip("netns", "add", SWITCH)
         _sw("link", "set", "lo", "up")
         # bridged frames skip netfilter (a real switch does not run the host's firewall on them)
         for table in ("iptables", "ip6tables", "arptables"):
-            subprocess.run(["ip", "netns", "exec", SWITCH, "sysctl", "-qw", f"net.bridge.bridge-nf-call-{table}=0"],
-                           capture_output=True)
+            subprocess.run(
+                ["ip", "netns", "exec", SWITCH, "sysctl", "-qw", f"net.bridge.bridge-nf-call-{table}=0"],
+                capture_output=True,
+            )
         per_node = self.ranks // self.nodes
         rank_rate = self.link if self.nodes == 1 else self.intra
         for n in range(self.nodes):
@@ -128,8 +158,20 @@ class Cluster:
             _sw("link", "add", "core", "mtu", str(self.mtu), "type", "bridge")
             _sw("link", "set", "core", "up")
             for n in range(self.nodes):  # node uplink: u<n>a in the node bridge, u<n>b in the core
-                _sw("link", "add", f"u{n}a", "mtu", str(self.mtu), "type", "veth", "peer", "name", f"u{n}b",
-                    "mtu", str(self.mtu))
+                _sw(
+                    "link",
+                    "add",
+                    f"u{n}a",
+                    "mtu",
+                    str(self.mtu),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"u{n}b",
+                    "mtu",
+                    str(self.mtu),
+                )
                 _sw("link", "set", f"u{n}a", "master", f"br{n}", "up")
                 _sw("link", "set", f"u{n}b", "master", "core", "up")
                 _tbf(SWITCH, f"u{n}a", self.link, SWITCH_QUEUE)
@@ -138,8 +180,24 @@ class Cluster:
             ns = rank_ns(r)
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "link", "add", "eth0", "mtu", str(self.mtu), "type", "veth", "peer", "name", f"p{r}",
-                "mtu", str(self.mtu), "netns", SWITCH)
+            _ip(
+                "-n",
+                ns,
+                "link",
+                "add",
+                "eth0",
+                "mtu",
+                str(self.mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{r}",
+                "mtu",
+                str(self.mtu),
+                "netns",
+                SWITCH,
+            )
             _ip("-n", ns, "addr", "add", f"{address(r)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _sw("link", "set", f"p{r}", "master", f"br{r // per_node}", "up")
@@ -151,9 +209,15 @@ class Cluster:
         per_node = self.ranks // self.nodes
         for r in range(self.ranks):
             rank_env = dict(os.environ, **(env or {}))
-            rank_env.update(RANK=str(r), WORLD_SIZE=str(self.ranks), LOCAL_RANK=str(r % per_node),
-                            LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=address(0), MASTER_PORT=str(port),
-                            GLOO_SOCKET_IFNAME="eth0")
+            rank_env.update(
+                RANK=str(r),
+                WORLD_SIZE=str(self.ranks),
+                LOCAL_RANK=str(r % per_node),
+                LOCAL_WORLD_SIZE=str(per_node),
+                MASTER_ADDR=address(0),
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME="eth0",
+            )
             rank_env.setdefault("OMP_NUM_THREADS", "1")
             self.procs.append(subprocess.Popen(["ip", "netns", "exec", rank_ns(r), *cmd], env=rank_env))
 
@@ -186,7 +250,7 @@ class Cluster:
                 p.kill()
                 p.wait()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         self._old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
         for s in self._old:  # make SIGTERM/SIGHUP unwind through __exit__ like Ctrl-C does
             signal.signal(s, _raise_exit)
@@ -215,7 +279,9 @@ def _raise_exit(signum: int, _frame: object) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--link", default="1gbit", help="rank link rate (one level) or inter-node uplink rate; 'none' = uncapped")
+    p.add_argument(
+        "--link", default="1gbit", help="rank link rate (one level) or inter-node uplink rate; 'none' = uncapped"
+    )
     p.add_argument("--nodes", type=int, default=1, help="group ranks into this many nodes (two levels)")
     p.add_argument("--intra", default="none", help="rank link rate inside a node when --nodes > 1")
     p.add_argument("--mtu", type=int, default=MTU, help="MTU of every emulated link (bytes)")

@@ -58,7 +58,10 @@ def worker(args: argparse.Namespace) -> None:
                 cpu = torch.tensor([c1.user + c1.system - c0.user - c0.system], dtype=torch.float64)
                 walls.append(wall)
                 cpus.append(float(grid.comm.all_reduce(cpu, "world").wait()))
-            out.setdefault(axis, {})[op] = {"wall_s": statistics.median(walls), "cpu_s_all_ranks": statistics.median(cpus)}
+            out.setdefault(axis, {})[op] = {
+                "wall_s": statistics.median(walls),
+                "cpu_s_all_ranks": statistics.median(cpus),
+            }
     if grid.rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
@@ -79,8 +82,17 @@ def main() -> int:
         worker(args)
         return 0
     out = f"/tmp/axon4d_collective_cost_{os.getpid()}.json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--mib", str(args.mib),
-           "--reps", str(args.reps)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--out",
+        out,
+        "--mib",
+        str(args.mib),
+        "--reps",
+        str(args.reps),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     if args.link:
         sys.path.insert(0, HERE)
@@ -90,8 +102,9 @@ def main() -> int:
             code = cluster.run(cmd, env={"PYTHONPATH": ROOT})
         where = {"where": "emulated cluster", **cluster.describe()}
     else:
-        code = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", *cmd[1:]],
-                              env=env).returncode
+        code = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", *cmd[1:]], env=env
+        ).returncode
         where = {"where": "loopback"}
     if code != 0:
         raise SystemExit(f"a rank failed (exit {code}); see the output above")
@@ -101,15 +114,25 @@ def main() -> int:
     tag = f"cluster_{args.link}" if args.link else "loopback"
     path = os.path.join(HERE, "results", f"collective_cost_{tag}.json")
     with open(path, "w") as f:
-        json.dump({"setting": {**where, "grid": "(2, 2, 2, 1)", "payload_mib": args.mib, "reps": args.reps},
-                   "results": result}, f, indent=1)
+        json.dump(
+            {
+                "setting": {**where, "grid": "(2, 2, 2, 1)", "payload_mib": args.mib, "reps": args.reps},
+                "results": result,
+            },
+            f,
+            indent=1,
+        )
     for axis, ops in result.items():
         for op, r in ops.items():
-            print(f"{axis} {op:15s} wall {r['wall_s'] * 1e3:7.1f} ms   CPU (8 ranks) {r['cpu_s_all_ranks'] * 1e3:7.1f} ms")
+            print(
+                f"{axis} {op:15s} wall {r['wall_s'] * 1e3:7.1f} ms   CPU (8 ranks) {r['cpu_s_all_ranks'] * 1e3:7.1f} ms"
+            )
     print(f"saved {path}")
     z = result["z"]
-    print("collectives: " + ", ".join(f"{op} = {z[op]['wall_s'] * 1e3:.0f} ms / {z[op]['cpu_s_all_ranks']:.2f} s CPU"
-                                      for op in OPS))
+    print(
+        "collectives: "
+        + ", ".join(f"{op} = {z[op]['wall_s'] * 1e3:.0f} ms / {z[op]['cpu_s_all_ranks']:.2f} s CPU" for op in OPS)
+    )
     return 0
 
 

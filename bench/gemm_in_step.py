@@ -78,8 +78,8 @@ def main() -> int:
     from harness import RankPool
     from planner_accuracy import WORKLOAD, workload
 
-    from axon4d.shape import GridShape
     from axon4d.plan import Overlap, evaluate, load
+    from axon4d.shape import GridShape
 
     wl = workload(argparse.Namespace(**WORKLOAD))
     machine = load(args.machine)
@@ -97,8 +97,9 @@ def main() -> int:
                 for _ in range(args.rounds):
                     for policy in rounds:
                         per_rank = pool.run(g, _profiled_steps, wl, args.steps, timeout=900, overlap=policy)
-                        rounds[policy].append({k: statistics.fmean(r[k] for r in per_rank)
-                                               for k in ("wall_s", "gemm_s", "other_s")})
+                        rounds[policy].append(
+                            {k: statistics.fmean(r[k] for r in per_rank) for k in ("wall_s", "gemm_s", "other_s")}
+                        )
                 for policy, got in rounds.items():
                     median = {k: statistics.median(r[k] for r in got) for k in got[0]}
                     pred = evaluate(wl, GridShape(*g), machine, Overlap.parse(policy)).time
@@ -106,20 +107,30 @@ def main() -> int:
                 row["in_step_over_priced_gemm"] = row["all"]["gemm_s"] / row["all"]["priced_gemm_s"]
                 row["off_over_all_gemm"] = row["off"]["gemm_s"] / row["all"]["gemm_s"]
                 rows.append(row)
-                print(f"{str(g):<14} all: step {row['all']['wall_s'] * 1e3:6.0f} ms (predicted "
-                      f"{row['all']['predicted_step_s'] * 1e3:4.0f}), GEMMs {row['all']['gemm_s'] * 1e3:4.0f} ms "
-                      f"(priced {row['all']['priced_gemm_s'] * 1e3:4.0f}), other ops {row['all']['other_s'] * 1e3:4.0f} ms"
-                      f" | off: GEMMs {row['off']['gemm_s'] * 1e3:4.0f} ms", flush=True)
+                print(
+                    f"{str(g):<14} all: step {row['all']['wall_s'] * 1e3:6.0f} ms (predicted "
+                    f"{row['all']['predicted_step_s'] * 1e3:4.0f}), GEMMs {row['all']['gemm_s'] * 1e3:4.0f} ms "
+                    f"(priced {row['all']['priced_gemm_s'] * 1e3:4.0f}), other ops {row['all']['other_s'] * 1e3:4.0f} ms"
+                    f" | off: GEMMs {row['off']['gemm_s'] * 1e3:4.0f} ms",
+                    flush=True,
+                )
         finally:
             pool.close()
     ratio = statistics.median(r["in_step_over_priced_gemm"] for r in rows)
     off_all = statistics.median(r["off_over_all_gemm"] for r in rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "machine": args.machine,
-                   "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows,
-                   "summary": {"in_step_over_priced_gemm_median": ratio, "off_over_all_gemm_median": off_all}},
-                  f, indent=1)
+        json.dump(
+            {
+                "args": vars(args),
+                "machine": args.machine,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "rows": rows,
+                "summary": {"in_step_over_priced_gemm_median": ratio, "off_over_all_gemm_median": off_all},
+            },
+            f,
+            indent=1,
+        )
     print(f"saved {args.out}")
     print(f"gemm_in_step: in-step/priced GEMM = {ratio:.2f} (median over grids), off/all GEMM = {off_all:.2f}")
     return 0

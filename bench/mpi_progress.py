@@ -69,11 +69,21 @@ def worker(args: argparse.Namespace) -> None:
     blocked = statistics.median(r[0] for r in rows)
     total = statistics.median(r[1] for r in rows)
     if grid.rank == 0:
-        print("RESULT " + json.dumps({
-            "backend": grid.comm.backend_name, "comm_alone_s": comm_alone, "compute_alone_s": compute_alone,
-            "overlapped_total_s": total, "blocked_s": blocked,
-            "hidden_pct": 100.0 * max(0.0, 1 - blocked / comm_alone),
-            "speedup_vs_serial": (comm_alone + compute_alone) / total}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "backend": grid.comm.backend_name,
+                    "comm_alone_s": comm_alone,
+                    "compute_alone_s": compute_alone,
+                    "overlapped_total_s": total,
+                    "blocked_s": blocked,
+                    "hidden_pct": 100.0 * max(0.0, 1 - blocked / comm_alone),
+                    "speedup_vs_serial": (comm_alone + compute_alone) / total,
+                }
+            ),
+            flush=True,
+        )
     axon4d.shutdown()
 
 
@@ -92,17 +102,29 @@ def main() -> int:
     results = {}
     for mode in args.modes.split(","):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **MODES[mode])
-        cmd = [mpiexec, "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker",
-               "--mb", str(args.mb), "--reps", str(args.reps)]
+        cmd = [
+            mpiexec,
+            "-n",
+            str(args.ranks),
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--mb",
+            str(args.mb),
+            "--reps",
+            str(args.reps),
+        ]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode != 0 or not lines:
             raise SystemExit(f"{mode} failed (exit {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
         results[mode] = json.loads(lines[0][7:])
         r = results[mode]
-        print(f"{mode:11s} all-reduce alone {r['comm_alone_s'] * 1e3:7.1f} ms, blocked after compute "
-              f"{r['blocked_s'] * 1e3:7.1f} ms, hidden {r['hidden_pct']:5.1f}%, speedup vs serial {r['speedup_vs_serial']:.2f}",
-              flush=True)
+        print(
+            f"{mode:11s} all-reduce alone {r['comm_alone_s'] * 1e3:7.1f} ms, blocked after compute "
+            f"{r['blocked_s'] * 1e3:7.1f} ms, hidden {r['hidden_pct']:5.1f}%, speedup vs serial {r['speedup_vs_serial']:.2f}",
+            flush=True,
+        )
     path = os.path.join(HERE, "results", "mpi_progress.json")
     with open(path, "w") as f:
         json.dump({"ranks": args.ranks, "mb": args.mb, "reps": args.reps, "results": results}, f, indent=1)

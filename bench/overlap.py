@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from axon4d.launch import free_port  # noqa: E402
+from axon4d.launch import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -48,8 +48,10 @@ def _policy(name: str, knobs: str = ""):
         return OverlapPolicy.off()
     bad = [k for k in filter(None, knobs.split(",")) if "=" not in k or k.partition("=")[0] in MECHANISMS]
     if bad:
-        raise SystemExit(f"--knobs {knobs}: {bad} — give policy knobs as key=value (oag_depth=3, "
-                         f"forward_chunks=8); the configuration chooses the mechanisms")
+        raise SystemExit(
+            f"--knobs {knobs}: {bad} — give policy knobs as key=value (oag_depth=3, "
+            f"forward_chunks=8); the configuration chooses the mechanisms"
+        )
     try:
         return OverlapPolicy.parse(",".join(filter(None, [name, knobs])))
     except ValueError as e:
@@ -136,16 +138,19 @@ def worker(args: argparse.Namespace) -> None:
             for s in range(args.steps):
                 r, cpu, main_cpu, busy = timed(s)
                 per_rank = gather([r.wall_s, r.comm_s, r.blocked_s, r.compute_s, cpu, busy, main_cpu])
-                results[name].append({
-                    "rep": rep, "step_s": max(p[0] for p in per_rank),
-                    "comm_s": statistics.mean(p[1] for p in per_rank),
-                    "blocked_s": statistics.mean(p[2] for p in per_rank),
-                    "compute_s": statistics.mean(p[3] for p in per_rank),
-                    "cpu_s_all_ranks": sum(p[4] for p in per_rank),  # CPU seconds the ranks used
-                    "main_cpu_s_all_ranks": sum(p[6] for p in per_rank),  # of which in their main threads
-                    "host_busy": per_rank[0][5],  # share of the host's cores busy during the step
-                    "bytes_by_axis": r.bytes_by_axis,
-                })
+                results[name].append(
+                    {
+                        "rep": rep,
+                        "step_s": max(p[0] for p in per_rank),
+                        "comm_s": statistics.mean(p[1] for p in per_rank),
+                        "blocked_s": statistics.mean(p[2] for p in per_rank),
+                        "compute_s": statistics.mean(p[3] for p in per_rank),
+                        "cpu_s_all_ranks": sum(p[4] for p in per_rank),  # CPU seconds the ranks used
+                        "main_cpu_s_all_ranks": sum(p[6] for p in per_rank),  # of which in their main threads
+                        "host_busy": per_rank[0][5],  # share of the host's cores busy during the step
+                        "bytes_by_axis": r.bytes_by_axis,
+                    }
+                )
                 if grid.rank == 0:
                     print(f"rep {rep} {name:6s} {r.line()}", flush=True)
     if args.trace:
@@ -165,10 +170,33 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- the driver: starts the ranks, collects, prints -----------------------------------------------
 def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--comm", comm,
-           "--grid", args.grid, "--hidden", str(args.hidden), "--layers", str(args.layers),
-           "--batch", str(args.batch), "--seq", str(args.seq), "--reps", str(args.reps), "--steps", str(args.steps),
-           "--configs", args.configs, "--knobs", args.knobs]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--out",
+        out,
+        "--comm",
+        comm,
+        "--grid",
+        args.grid,
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--reps",
+        str(args.reps),
+        "--steps",
+        str(args.steps),
+        "--configs",
+        args.configs,
+        "--knobs",
+        args.knobs,
+    ]
     cmd += ["--nice-compute", str(args.nice_compute)] + (["--pin-nodes"] if args.pin_nodes else [])
     return cmd + (["--trace", args.trace] if args.trace else [])
 
@@ -188,15 +216,26 @@ def run_ranks(args: argparse.Namespace, out: str) -> dict:
         if args.mpi_progress == "mpich":
             env["MPIR_CVAR_ASYNC_PROGRESS"] = "1"
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        code = subprocess.run([mpiexec, "-n", str(args.ranks), *_worker_cmd(args, out, "mpi")], env=env,
-                              timeout=args.timeout).returncode
+        code = subprocess.run(
+            [mpiexec, "-n", str(args.ranks), *_worker_cmd(args, out, "mpi")], env=env, timeout=args.timeout
+        ).returncode
         where = {"where": "loopback", "backend": "mpi", "mpi_progress": args.mpi_progress}
     else:
         port, procs = free_port(), []
         for r in range(args.ranks):
-            procs.append(subprocess.Popen(_worker_cmd(args, out, "torch"), env=dict(
-                env, RANK=str(r), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port))))
+            procs.append(
+                subprocess.Popen(
+                    _worker_cmd(args, out, "torch"),
+                    env=dict(
+                        env,
+                        RANK=str(r),
+                        WORLD_SIZE=str(args.ranks),
+                        LOCAL_RANK=str(r),
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port),
+                    ),
+                )
+            )
         code = max(p.wait(timeout=args.timeout) for p in procs)
         where = {"where": "loopback", "backend": "gloo"}
     if code != 0:
@@ -219,22 +258,28 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
         med = statistics.median(r["step_s"] for r in rows)
         hidden = [100.0 * (1 - r["blocked_s"] / r["comm_s"]) if r["comm_s"] else 0.0 for r in rows]
         paired = statistics.median(m / off_reps[rep] for rep, m in rep_means(rows).items())
-        out[name] = {"median_step_s": med, "ratio_to_off": med / off, "paired_ratio_to_off": paired,
-                     "hidden_pct": statistics.median(hidden),
-                     "comm_s": statistics.median(r["comm_s"] for r in rows),
-                     "blocked_s": statistics.median(r["blocked_s"] for r in rows),
-                     "compute_s": statistics.median(r["compute_s"] for r in rows),
-                     "cpu_s_all_ranks": statistics.median(r["cpu_s_all_ranks"] for r in rows),
-                     "main_cpu_s_all_ranks": statistics.median(r["main_cpu_s_all_ranks"] for r in rows),
-                     "host_busy": statistics.median(r["host_busy"] for r in rows),
-                     "steps_s": [r["step_s"] for r in rows]}
+        out[name] = {
+            "median_step_s": med,
+            "ratio_to_off": med / off,
+            "paired_ratio_to_off": paired,
+            "hidden_pct": statistics.median(hidden),
+            "comm_s": statistics.median(r["comm_s"] for r in rows),
+            "blocked_s": statistics.median(r["blocked_s"] for r in rows),
+            "compute_s": statistics.median(r["compute_s"] for r in rows),
+            "cpu_s_all_ranks": statistics.median(r["cpu_s_all_ranks"] for r in rows),
+            "main_cpu_s_all_ranks": statistics.median(r["main_cpu_s_all_ranks"] for r in rows),
+            "host_busy": statistics.median(r["host_busy"] for r in rows),
+            "steps_s": [r["step_s"] for r in rows],
+        }
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--link", help="run on an emulated cluster with this link rate (e.g. 1gbit); needs root")
-    p.add_argument("--nodes", type=int, default=1, help="emulated cluster: group ranks into nodes (--link is then the uplink)")
+    p.add_argument(
+        "--nodes", type=int, default=1, help="emulated cluster: group ranks into nodes (--link is then the uplink)"
+    )
     p.add_argument("--intra", default=None, help="emulated cluster: rank link rate inside a node (default uncapped)")
     p.add_argument("--backend", choices=["gloo", "mpi"], default="gloo", help="loopback transport when no --link")
     p.add_argument("--mpi-progress", choices=["thread", "mpich", "none"], default="thread")
@@ -246,16 +291,26 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--knobs", default="", help="policy knobs for every configuration but off, e.g. ors_inflight=2")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated configurations to run, 'off' and 'all' among them (default: {','.join(CONFIGS)})")
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated configurations to run, 'off' and 'all' among them (default: {','.join(CONFIGS)})",
+    )
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--nice-compute", type=int, default=10,
-                   help="nice value of each rank's compute thread (0: off). Its communication threads keep "
-                        "nice 0, so on an oversubscribed CPU they are not starved by the other ranks' matmuls "
-                        "(on a real cluster the NIC moves the bytes)")
-    p.add_argument("--pin-nodes", action="store_true",
-                   help="emulated cluster with --nodes > 1: run each node's ranks on one core of this host "
-                        "(node i on the i-th core, round robin), as a node's ranks share its CPUs")
+    p.add_argument(
+        "--nice-compute",
+        type=int,
+        default=10,
+        help="nice value of each rank's compute thread (0: off). Its communication threads keep "
+        "nice 0, so on an oversubscribed CPU they are not starved by the other ranks' matmuls "
+        "(on a real cluster the NIC moves the bytes)",
+    )
+    p.add_argument(
+        "--pin-nodes",
+        action="store_true",
+        help="emulated cluster with --nodes > 1: run each node's ranks on one core of this host "
+        "(node i on the i-th core, round robin), as a node's ranks share its CPUs",
+    )
     p.add_argument("--trace", help="dump one step with overlap off and one with all on into this directory")
     p.add_argument("--png", help="draw the traced steps into this PNG (needs --trace)")
     p.add_argument("--results", help="JSON to write (default bench/results/overlap_<where>.json)")
@@ -271,8 +326,10 @@ def main() -> int:
         worker(args)
         return 0
     if args.pin_nodes and (not args.link or args.nodes < 2 or args.ranks % args.nodes):
-        p.error(f"--pin-nodes needs an emulated cluster of several nodes (--link, --nodes > 1 dividing "
-                f"--ranks); got --link {args.link}, --nodes {args.nodes}, --ranks {args.ranks}")
+        p.error(
+            f"--pin-nodes needs an emulated cluster of several nodes (--link, --nodes > 1 dividing "
+            f"--ranks); got --link {args.link}, --nodes {args.nodes}, --ranks {args.ranks}"
+        )
     tag = f"cluster_{args.link}" if args.link else args.backend
     if args.nodes > 1:
         tag += f"_{args.nodes}nodes"
@@ -284,25 +341,41 @@ def main() -> int:
         raw = json.load(f)
     os.remove(out)
     summary = summarize(raw["runs"])
-    setting = {**where, "knobs": args.knobs, "nice_compute": args.nice_compute, "pin_nodes": args.pin_nodes,
-               "grid": raw["grid"], "comm": raw["comm"], "hidden": args.hidden, "layers": args.layers,
-               "tokens": args.batch * args.seq, "reps": args.reps, "steps_per_rep": args.steps,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    setting = {
+        **where,
+        "knobs": args.knobs,
+        "nice_compute": args.nice_compute,
+        "pin_nodes": args.pin_nodes,
+        "grid": raw["grid"],
+        "comm": raw["comm"],
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "tokens": args.batch * args.seq,
+        "reps": args.reps,
+        "steps_per_rep": args.steps,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
     print(f"\n{setting}")
-    print(f"{'config':8s} {'median step':>12s} {'/off':>6s} {'paired':>6s} {'hidden':>7s} {'comm':>9s} "
-          f"{'blocked':>9s} {'compute':>9s} {'CPU s':>7s} {'main':>6s} {'busy':>5s}")
+    print(
+        f"{'config':8s} {'median step':>12s} {'/off':>6s} {'paired':>6s} {'hidden':>7s} {'comm':>9s} "
+        f"{'blocked':>9s} {'compute':>9s} {'CPU s':>7s} {'main':>6s} {'busy':>5s}"
+    )
     for name, s in summary.items():
-        print(f"{name:8s} {s['median_step_s'] * 1e3:10.1f}ms {s['ratio_to_off']:6.3f} {s['paired_ratio_to_off']:6.3f} "
-              f"{s['hidden_pct']:6.1f}% "
-              f"{s['comm_s'] * 1e3:7.1f}ms {s['blocked_s'] * 1e3:7.1f}ms {s['compute_s'] * 1e3:7.1f}ms "
-              f"{s['cpu_s_all_ranks']:7.2f} {s['main_cpu_s_all_ranks']:6.2f} {100 * s['host_busy']:4.0f}%")
+        print(
+            f"{name:8s} {s['median_step_s'] * 1e3:10.1f}ms {s['ratio_to_off']:6.3f} {s['paired_ratio_to_off']:6.3f} "
+            f"{s['hidden_pct']:6.1f}% "
+            f"{s['comm_s'] * 1e3:7.1f}ms {s['blocked_s'] * 1e3:7.1f}ms {s['compute_s'] * 1e3:7.1f}ms "
+            f"{s['cpu_s_all_ranks']:7.2f} {s['main_cpu_s_all_ranks']:6.2f} {100 * s['host_busy']:4.0f}%"
+        )
     record = {"setting": setting, "summary": summary, "runs": raw["runs"]}
     if args.trace:
         sys.path.insert(0, ROOT)
         from axon4d import trace
 
-        runs = [("overlap off", trace.load(os.path.join(args.trace, "off"))),
-                ("overlap all on", trace.load(os.path.join(args.trace, "all")))]
+        runs = [
+            ("overlap off", trace.load(os.path.join(args.trace, "off"))),
+            ("overlap all on", trace.load(os.path.join(args.trace, "all"))),
+        ]
         with open(os.path.join(args.trace, "trace.json"), "w") as f:
             json.dump(trace.chrome_trace(runs), f)
         record["trace"] = os.path.join(args.trace, "trace.json")

@@ -42,17 +42,24 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from axon4d.shape import GridShape, factorizations# noqa: E402
-from axon4d.plan import Overlap, Workload, describe, evaluate, load  # noqa: E402
-from axon4d.plan import stepfit  # noqa: E402
+from axon4d.plan import (  # noqa: E402
+    Overlap,
+    Workload,
+    describe,
+    evaluate,
+    load,
+    stepfit,
+)
 from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
 from axon4d.plan.stepfit import describe as describe_scale  # noqa: E402
+from axon4d.shape import GridShape, factorizations  # noqa: E402
 
 GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
 GRIDS_2 = [(2, 1, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)]
@@ -64,8 +71,10 @@ WORKLOAD = {"layers": 2, "hidden": 512, "heads": 8, "vocab": 2048, "seq": 128, "
 
 def workload_spec(args: argparse.Namespace) -> str:
     """The workload as ``axon4d calibrate --step-model`` takes it (axon4d.plan.stepfit.parse_model)."""
-    return (f"layers={args.layers},hidden={args.hidden},heads={args.heads},ffn={4 * args.hidden},vocab={args.vocab},"
-            f"seq={args.seq},batch={args.batch},dtype={args.dtype}")
+    return (
+        f"layers={args.layers},hidden={args.hidden},heads={args.heads},ffn={4 * args.hidden},vocab={args.vocab},"
+        f"seq={args.seq},batch={args.batch},dtype={args.dtype}"
+    )
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -103,12 +112,18 @@ def _jobs(grids: list[tuple], calibration: list[tuple]) -> list[tuple[str, tuple
     a, b = [("grid", g) for g in grids], [("calibration", g) for g in calibration]
     out = []
     for i in range(max(len(a), len(b))):
-        out += a[i:i + 1] + b[i:i + 1]
+        out += a[i : i + 1] + b[i : i + 1]
     return out
 
 
-def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str,
-            calibration: dict[int, list[tuple]]) -> tuple[dict[tuple, list[dict]], dict[tuple, list[dict]], dict[tuple, int]]:
+def measure(
+    wl: Workload,
+    grids: list[tuple[int, ...]],
+    rounds: int,
+    steps: int,
+    overlap: str,
+    calibration: dict[int, list[tuple]],
+) -> tuple[dict[tuple, list[dict]], dict[tuple, list[dict]], dict[tuple, int]]:
     """Time every grid and every step-calibration grid ``rounds`` times, interleaved (``_jobs``),
     then measure peak memory in a last pass, each pass in fresh rank processes. Returns (per grid
     rank 0's result of each round, the same for the step-calibration grids, per grid peak bytes)."""
@@ -139,8 +154,9 @@ def measure(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int,
     return times, cal, peaks
 
 
-def measure_launched(wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str,
-                     calibration: list[tuple]) -> tuple[dict[tuple, list[dict]], dict[tuple, list[dict]], dict[tuple, int]] | None:
+def measure_launched(
+    wl: Workload, grids: list[tuple[int, ...]], rounds: int, steps: int, overlap: str, calibration: list[tuple]
+) -> tuple[dict[tuple, list[dict]], dict[tuple, list[dict]], dict[tuple, int]] | None:
     """Under torchrun/srun/mpirun (or bench/cluster.py): every grid and step-calibration grid of
     this one world, in this job, timing first and memory last (as ``measure``). Returns the
     results on rank 0, None on the others."""
@@ -176,12 +192,19 @@ def plot(path: str, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
-    for ax, key, unit, scale in ((axes[0], "step", "step time (ms)", 1e3), (axes[1], "mem", "peak memory per rank (MiB)", 2**-20)):
+    for ax, key, unit, scale in (
+        (axes[0], "step", "step time (ms)", 1e3),
+        (axes[1], "mem", "peak memory per rank (MiB)", 2**-20),
+    ):
         for world, marker in ((8, "o"), (4, "s"), (2, "^")):
             sel = [r for r in rows if r["world"] == world]
             if sel:
-                ax.scatter([r[f"measured_{key}"] * scale for r in sel], [r[f"predicted_{key}"] * scale for r in sel],
-                           marker=marker, label=f"{world} ranks")
+                ax.scatter(
+                    [r[f"measured_{key}"] * scale for r in sel],
+                    [r[f"predicted_{key}"] * scale for r in sel],
+                    marker=marker,
+                    label=f"{world} ranks",
+                )
         lo = min(min(r[f"measured_{key}"], r[f"predicted_{key}"]) for r in rows) * scale * 0.9
         hi = max(max(r[f"measured_{key}"], r[f"predicted_{key}"]) for r in rows) * scale * 1.1
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="exact")
@@ -200,10 +223,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machine", default=os.path.join(ROOT, "bench/results/planner_machine_local.json"))
     p.add_argument("--calibrate", action="store_true", help="re-measure the machine before the run")
-    p.add_argument("--fit-steps", choices=("run", "machine"), default="run",
-                   help="run: fit the machine's in-step scale to steps of the step-calibration grids timed in this "
-                        "run, interleaved with the grids compared (saved into the machine file); machine: keep the "
-                        "scale the machine file has (from `axon4d calibrate --step-model`, another job)")
+    p.add_argument(
+        "--fit-steps",
+        choices=("run", "machine"),
+        default="run",
+        help="run: fit the machine's in-step scale to steps of the step-calibration grids timed in this "
+        "run, interleaved with the grids compared (saved into the machine file); machine: keep the "
+        "scale the machine file has (from `axon4d calibrate --step-model`, another job)",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--layers", type=int, default=WORKLOAD["layers"])
@@ -213,7 +240,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=WORKLOAD["seq"])
     p.add_argument("--batch", type=int, default=WORKLOAD["batch"], help="sequences per step")
     p.add_argument("--dtype", default=WORKLOAD["dtype"])
-    p.add_argument("--overlap", default="all", help="overlap policy for the run and the planner (all, off, oag,oar,...)")
+    p.add_argument(
+        "--overlap", default="all", help="overlap policy for the run and the planner (all, off, oag,oar,...)"
+    )
     p.add_argument("--only", default="", help="semicolon-separated grids x,y,z,d to run instead of the default set")
     p.add_argument("--from-json", default=None, help="recompute predictions for the measurements saved in this JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner_accuracy.json"))
@@ -225,14 +254,29 @@ def main() -> int:
 
     launched = launch.detect().launcher in ("torchrun", "mpi")
     if launched and not os.path.exists(args.machine):
-        raise SystemExit(f"{args.machine} does not exist: calibrate first, in the same kind of job "
-                         f"(python -m axon4d.measure.calibrate --out {args.machine})")
+        raise SystemExit(
+            f"{args.machine} does not exist: calibrate first, in the same kind of job "
+            f"(python -m axon4d.measure.calibrate --out {args.machine})"
+        )
     if not launched and not args.from_json and (args.calibrate or not os.path.exists(args.machine)):
         if os.path.exists(args.machine):
             os.remove(args.machine)
         steps = ["--step-model", workload_spec(args)] if args.fit_steps == "machine" else []
-        subprocess.run([sys.executable, "-m", "axon4d.measure.calibrate", "--ranks", "2,4,8", "--dtypes", args.dtype,
-                        *steps, "--out", args.machine], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "axon4d.measure.calibrate",
+                "--ranks",
+                "2,4,8",
+                "--dtypes",
+                args.dtype,
+                *steps,
+                "--out",
+                args.machine,
+            ],
+            check=True,
+        )
     machine = load(args.machine)
     wl = workload(args)
     overlap = Overlap.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner
@@ -248,9 +292,19 @@ def main() -> int:
     if args.from_json:  # predictions again (new machine file or planner) for measurements already taken
         with open(args.from_json) as f:
             old = json.load(f)
-        measured = {tuple(r["grid"]): {k: r.get(k) for k in ("rounds_step", "measured_mem", "bytes_logged",
-                                                              "measured_comm_blocked_s", "collectives_logged")}
-                    for r in old["rows"]}
+        measured = {
+            tuple(r["grid"]): {
+                k: r.get(k)
+                for k in (
+                    "rounds_step",
+                    "measured_mem",
+                    "bytes_logged",
+                    "measured_comm_blocked_s",
+                    "collectives_logged",
+                )
+            }
+            for r in old["rows"]
+        }
         grids = list(measured)
         # the job that took the measurements (a re-prediction keeps it; its own args say --from-json)
         measured_by = old.get("measured_by", {"args": old["args"], "seconds": old["summary"]["seconds"]})
@@ -262,15 +316,26 @@ def main() -> int:
         else:
             results = measure(wl, grids, args.rounds, args.steps, args.overlap, calibration)
         times, cal, peaks = results
-        measured = {g: {"rounds_step": [r["step_s"] for r in times[g]], "measured_mem": peaks[g],
-                        "bytes_logged": times[g][0]["bytes_by_axis"], "collectives_logged": times[g][0]["collectives"],
-                        "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g])}
-                    for g in grids}
+        measured = {
+            g: {
+                "rounds_step": [r["step_s"] for r in times[g]],
+                "measured_mem": peaks[g],
+                "bytes_logged": times[g][0]["bytes_by_axis"],
+                "collectives_logged": times[g][0]["collectives"],
+                "measured_comm_blocked_s": statistics.median(r["blocked_s"] for r in times[g]),
+            }
+            for g in grids
+        }
         measured_by = {"args": vars(args), "seconds": time.perf_counter() - start}
         if cal:  # the in-step scale, fitted to this run's steps of the step-calibration grids
             samples = [dataclasses.asdict(Sample.of(g, wl, [r["step_s"] for r in got])) for g, got in cal.items()]
-            stepfit.store(machine, set(worlds), samples, "fitted to the steps in step_samples (axon4d.plan.stepfit), "
-                          "timed by bench/planner_accuracy.py interleaved with the grids it compares")
+            stepfit.store(
+                machine,
+                set(worlds),
+                samples,
+                "fitted to the steps in step_samples (axon4d.plan.stepfit), "
+                "timed by bench/planner_accuracy.py interleaved with the grids it compares",
+            )
             machine.save(args.machine)
 
     # grids whose steps of this very workload the machine's in-step scale was fitted to (axon4d.plan.stepfit)
@@ -285,24 +350,40 @@ def main() -> int:
         step = statistics.median(got["rounds_step"])
         peak = got["measured_mem"]
         logged = {a: int(v) for a, v in got["bytes_logged"].items()}
-        rows.append({
-            "grid": list(g), "world": shape.world_size, "measured_step": step, "rounds_step": got["rounds_step"],
-            "predicted_step": cand.time.step_s, "time_error": (cand.time.step_s - step) / step,
-            # the same model without the machine's in-step scale (axon4d.plan.stepfit), for comparison
-            "predicted_step_unscaled": sum(cand.time.parts), "time_error_unscaled": (sum(cand.time.parts) - step) / step,
-            "collectives_logged": got["collectives_logged"], "collectives_predicted": cand.time.collectives,
-            "measured_mem": peak, "predicted_mem": cand.mem.peak, "mem_error": (cand.mem.peak - peak) / peak,
-            "bytes_logged": logged, "bytes_predicted": cand.time.bytes_by_axis,
-            "bytes_match": logged == cand.time.bytes_by_axis,
-            "measured_comm_blocked_s": got["measured_comm_blocked_s"], "step_calibration_grid": g in fitted_on,
-            "prediction": cand.to_json(),
-        })
-    print(f"\n{'grid':<14} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7} {'bytes':>5}")
+        rows.append(
+            {
+                "grid": list(g),
+                "world": shape.world_size,
+                "measured_step": step,
+                "rounds_step": got["rounds_step"],
+                "predicted_step": cand.time.step_s,
+                "time_error": (cand.time.step_s - step) / step,
+                # the same model without the machine's in-step scale (axon4d.plan.stepfit), for comparison
+                "predicted_step_unscaled": sum(cand.time.parts),
+                "time_error_unscaled": (sum(cand.time.parts) - step) / step,
+                "collectives_logged": got["collectives_logged"],
+                "collectives_predicted": cand.time.collectives,
+                "measured_mem": peak,
+                "predicted_mem": cand.mem.peak,
+                "mem_error": (cand.mem.peak - peak) / peak,
+                "bytes_logged": logged,
+                "bytes_predicted": cand.time.bytes_by_axis,
+                "bytes_match": logged == cand.time.bytes_by_axis,
+                "measured_comm_blocked_s": got["measured_comm_blocked_s"],
+                "step_calibration_grid": g in fitted_on,
+                "prediction": cand.to_json(),
+            }
+        )
+    print(
+        f"\n{'grid':<14} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7} {'bytes':>5}"
+    )
     for r in rows:
-        print(f"{str(tuple(r['grid'])):<14} {r['measured_step'] * 1e3:>8.0f} {r['predicted_step'] * 1e3:>8.0f} "
-              f"{100 * r['time_error']:>+6.1f}% {r['measured_mem'] / 2**20:>9.1f} {r['predicted_mem'] / 2**20:>9.1f} "
-              f"{100 * r['mem_error']:>+6.1f}% {'ok' if r['bytes_match'] else 'DIFF':>5}"
-              f"{'  (step calibration grid)' if r['step_calibration_grid'] else ''}")
+        print(
+            f"{str(tuple(r['grid'])):<14} {r['measured_step'] * 1e3:>8.0f} {r['predicted_step'] * 1e3:>8.0f} "
+            f"{100 * r['time_error']:>+6.1f}% {r['measured_mem'] / 2**20:>9.1f} {r['predicted_mem'] / 2**20:>9.1f} "
+            f"{100 * r['mem_error']:>+6.1f}% {'ok' if r['bytes_match'] else 'DIFF':>5}"
+            f"{'  (step calibration grid)' if r['step_calibration_grid'] else ''}"
+        )
     errs = [abs(r["time_error"]) for r in rows]
     mem_errs = [abs(r["mem_error"]) for r in rows]
     eight = [r for r in rows if r["world"] == max(x["world"] for x in rows)]
@@ -312,53 +393,89 @@ def main() -> int:
     unscaled = [abs(r["time_error_unscaled"]) for r in rows]
     held_out = [abs(r["time_error"]) for r in rows if not r["step_calibration_grid"]]
     summary = {
-        "median_time_error": statistics.median(errs), "worst_time_error": max(errs), "top1_gap": gap,
-        "step_scale": machine.step_scale, "step_calibration_grids": [s["grid"] for s in machine.step_samples],
-        "median_time_error_unscaled": statistics.median(unscaled), "worst_time_error_unscaled": max(unscaled),
+        "median_time_error": statistics.median(errs),
+        "worst_time_error": max(errs),
+        "top1_gap": gap,
+        "step_scale": machine.step_scale,
+        "step_calibration_grids": [s["grid"] for s in machine.step_samples],
+        "median_time_error_unscaled": statistics.median(unscaled),
+        "worst_time_error_unscaled": max(unscaled),
         # the grids the step calibration did not run (its own grids are timed twice: see below)
-        "held_out_grids": len(held_out), "median_time_error_held_out": statistics.median(held_out) if held_out else None,
+        "held_out_grids": len(held_out),
+        "median_time_error_held_out": statistics.median(held_out) if held_out else None,
         "worst_time_error_held_out": max(held_out) if held_out else None,
-        "planner_choice": chosen["grid"], "fastest_measured": fastest["grid"],
-        "median_memory_error": statistics.median(mem_errs), "worst_memory_error": max(mem_errs),
-        "bytes_match_all": all(r["bytes_match"] for r in rows), "seconds": time.perf_counter() - start,
+        "planner_choice": chosen["grid"],
+        "fastest_measured": fastest["grid"],
+        "median_memory_error": statistics.median(mem_errs),
+        "worst_memory_error": max(mem_errs),
+        "bytes_match_all": all(r["bytes_match"] for r in rows),
+        "seconds": time.perf_counter() - start,
         # how much the same grid's time moved between rounds: the noise floor of this measurement
-        "round_spread_median": statistics.median((max(r["rounds_step"]) - min(r["rounds_step"])) / r["measured_step"]
-                                                 for r in rows),
+        "round_spread_median": statistics.median(
+            (max(r["rounds_step"]) - min(r["rounds_step"])) / r["measured_step"] for r in rows
+        ),
     }
     # the same grid timed twice: as a step-calibration step and as a grid compared (in this run's
     # rounds with --fit-steps run; in the calibration job and here with --fit-steps machine)
-    between = [abs(r["measured_step"] - fitted_on[tuple(r["grid"])]) / fitted_on[tuple(r["grid"])]
-               for r in rows if r["step_calibration_grid"]]
+    between = [
+        abs(r["measured_step"] - fitted_on[tuple(r["grid"])]) / fitted_on[tuple(r["grid"])]
+        for r in rows
+        if r["step_calibration_grid"]
+    ]
     summary["step_fit"] = "this run" if calibration and not args.from_json else "machine file"
     if between:
-        summary.update({"calibration_vs_compared_grids": len(between),
-                        "calibration_vs_compared_median": statistics.median(between),
-                        "calibration_vs_compared_worst": max(between)})
+        summary.update(
+            {
+                "calibration_vs_compared_grids": len(between),
+                "calibration_vs_compared_median": statistics.median(between),
+                "calibration_vs_compared_worst": max(between),
+            }
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
-                   "machine": args.machine, "overlap": describe(overlap), "summary": summary, "rows": rows,
-                   "measured_by": measured_by}, f, indent=1)
+        json.dump(
+            {
+                "args": vars(args),
+                "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
+                "machine": args.machine,
+                "overlap": describe(overlap),
+                "summary": summary,
+                "rows": rows,
+                "measured_by": measured_by,
+            },
+            f,
+            indent=1,
+        )
     os.makedirs(os.path.dirname(args.plot), exist_ok=True)
     plot(args.plot, rows)
     for w, k in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):
         print(f"in-step scale ({w} ranks, fitted to steps on the step-calibration grids): {describe_scale(k)}")
-    print(f"without it: median error {100 * summary['median_time_error_unscaled']:.1f}%, "
-          f"worst {100 * summary['worst_time_error_unscaled']:.1f}%")
+    print(
+        f"without it: median error {100 * summary['median_time_error_unscaled']:.1f}%, "
+        f"worst {100 * summary['worst_time_error_unscaled']:.1f}%"
+    )
     if fitted_on and held_out:
-        print(f"on the {len(held_out)} grids the step calibration did not run: median error "
-              f"{100 * summary['median_time_error_held_out']:.1f}%, worst {100 * summary['worst_time_error_held_out']:.1f}%")
+        print(
+            f"on the {len(held_out)} grids the step calibration did not run: median error "
+            f"{100 * summary['median_time_error_held_out']:.1f}%, worst {100 * summary['worst_time_error_held_out']:.1f}%"
+        )
     print(f"\nthe same grid's step time moved by {100 * summary['round_spread_median']:.0f}% (median) between rounds")
     if between:
-        print(f"the {len(between)} step-calibration grids' calibration steps ({summary['step_fit']}) and their timing "
-              f"here differ by {100 * summary['calibration_vs_compared_median']:.1f}% (median), "
-              f"{100 * summary['calibration_vs_compared_worst']:.1f}% at most")
-    print(f"planner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
-          f"communication bytes per axis equal the planner's on {sum(r['bytes_match'] for r in rows)}/{len(rows)} grids")
+        print(
+            f"the {len(between)} step-calibration grids' calibration steps ({summary['step_fit']}) and their timing "
+            f"here differ by {100 * summary['calibration_vs_compared_median']:.1f}% (median), "
+            f"{100 * summary['calibration_vs_compared_worst']:.1f}% at most"
+        )
+    print(
+        f"planner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}; "
+        f"communication bytes per axis equal the planner's on {sum(r['bytes_match'] for r in rows)}/{len(rows)} grids"
+    )
     print(f"saved {args.out} and {args.plot}")
-    print(f"planner: median error = {100 * summary['median_time_error']:.1f}%, worst = "
-          f"{100 * summary['worst_time_error']:.1f}%, top-1 gap = {100 * gap:.1f}%, memory error = "
-          f"{100 * summary['worst_memory_error']:.1f}%")
+    print(
+        f"planner: median error = {100 * summary['median_time_error']:.1f}%, worst = "
+        f"{100 * summary['worst_time_error']:.1f}%, top-1 gap = {100 * gap:.1f}%, memory error = "
+        f"{100 * summary['worst_memory_error']:.1f}%"
+    )
     return 0
 
 

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from harness import Pools  # noqa: E402
+from harness import Pools
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ import queue
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from axon4d.launch import free_port
 
@@ -55,7 +56,7 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
                 finally:
                     axon4d.shutdown()
             outbox.put((rank, "ok", result))
-        except BaseException:  # noqa: BLE001 - report everything to the driver
+        except BaseException:
             outbox.put((rank, "error", traceback.format_exc()))
     dist.barrier()
     dist.destroy_process_group()
@@ -106,12 +107,16 @@ class RankPool:
             self.close(force=True)
             if errors:
                 first = min(errors)
-                raise RankFailure(f"rank {first} of {self.world} failed:\n{errors[first]}"
-                                  + (f"\n(ranks {missing} did not report)" if missing else ""))
+                raise RankFailure(
+                    f"rank {first} of {self.world} failed:\n{errors[first]}"
+                    + (f"\n(ranks {missing} did not report)" if missing else "")
+                )
             raise RankFailure(f"ranks {missing} of {self.world} did not finish within {timeout:.0f} s")
         return [results[r] for r in range(self.world)]
 
-    def run(self, grid: Any, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **init_kwargs: Any) -> list[Any]:
+    def run(
+        self, grid: Any, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **init_kwargs: Any
+    ) -> list[Any]:
         """``fn(axon4d.init(grid), *args)`` on every rank; returns the results in rank order.
 
         With ``grid=None`` no grid is built and ``fn(*args)`` runs on the bare world.

@@ -14,15 +14,14 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import test_comm
+import test_linear
+import test_overlap
+import torch
+from mpi4py import MPI
 
-import axon4d  # noqa: E402
-from axon4d import launch  # noqa: E402
-
-import test_comm  # noqa: E402
-import test_linear  # noqa: E402
-import test_overlap  # noqa: E402
+import axon4d
+from axon4d import launch
 
 
 class Skip(Exception):
@@ -54,7 +53,11 @@ def _name(grid):
 TESTS = [
     ("comm.collectives", test_comm.test_collectives_return_correct_data_and_are_logged, {}),
     *[
-        (f"comm.bytes{_name(g)}.{d}", test_comm.test_linear_moves_exactly_the_bytes_of_e8_to_e13, {"grid": g, "dtype_name": d})
+        (
+            f"comm.bytes{_name(g)}.{d}",
+            test_comm.test_linear_moves_exactly_the_bytes_of_e8_to_e13,
+            {"grid": g, "dtype_name": d},
+        )
         for g in [(2, 2, 2, 1), (1, 2, 2, 2), (1, 1, 8, 1)]
         for d in ["float32", "bfloat16"]
     ],
@@ -62,7 +65,11 @@ TESTS = [
     ("linear.bf16", test_linear.test_bf16_matches_within_documented_tolerance, {"grid": (2, 2, 2, 1)}),
     ("linear.padded", test_linear.test_weight_blocks_that_do_not_split_over_z_are_padded, {"grid": (1, 1, 4, 2)}),
     *[
-        (f"overlap.equivalence{_name(g)}", test_overlap.test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_off, {"grid": g})
+        (
+            f"overlap.equivalence{_name(g)}",
+            test_overlap.test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_off,
+            {"grid": g},
+        )
         for g in [(2, 2, 2, 1), (2, 1, 2, 2)]
     ],
     ("overlap.prefetch", test_overlap.test_oag_prefetches_the_next_layers_weight_from_the_second_step_on, {}),
@@ -83,7 +90,7 @@ def main():
             line = f"MPICHECK {name} ok"
         except Skip as e:
             line = f"MPICHECK {name} skip {e}"
-        except Exception as e:  # noqa: BLE001 - report and go on with the next test
+        except Exception as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             line = f"MPICHECK {name} FAIL {type(e).__name__}: {first}"
             if info.rank == 0:

@@ -6,10 +6,10 @@ in every gradient on grids of 1, 2, 4 and 8 ranks."""
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import value_errors
 from torch import nn
 
 import axon4d
-from harness import value_errors
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention, DenseAttention
@@ -18,6 +18,7 @@ from axon4d.nn.embedding import VocabParallelEmbedding
 from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.mlp import MLP, DenseMLP
 from axon4d.nn.norm import LayerNorm, RMSNorm
+
 TOL = 2e-5
 FLOOR = 1e-3  # some gradients are exactly zero in theory (a key bias cannot change a softmax)
 
@@ -27,8 +28,11 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.detach().double(), ref.detach().double()
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(FLOOR))
 
+
 GPT = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="gpt")
-LLAMA = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
+LLAMA = ModelConfig(
+    n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama"
+)
 
 
 def _grad_errors(dense_ref: nn.Module, dense_got: nn.Module) -> dict:
@@ -91,20 +95,33 @@ def _assert_small(results, tol, label):
         assert not bad, f"{label} rank {rank}: {bad}"
 
 
-ACTIVATION_CASES = [("attention", GPT), ("attention", LLAMA), ("mlp", GPT), ("mlp", LLAMA),
-                    ("layernorm", GPT), ("rmsnorm", LLAMA), ("block", GPT), ("block", LLAMA)]
+ACTIVATION_CASES = [
+    ("attention", GPT),
+    ("attention", LLAMA),
+    ("mlp", GPT),
+    ("mlp", LLAMA),
+    ("layernorm", GPT),
+    ("rmsnorm", LLAMA),
+    ("block", GPT),
+    ("block", LLAMA),
+]
 
 
-@pytest.mark.parametrize("world,grids", [
-    (1, [(1, 1, 1, 1)]),
-    (2, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]),
-    (4, [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2), (1, 1, 2, 2)]),
-    (8, [(2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2), (2, 1, 4, 1)]),
-])
+@pytest.mark.parametrize(
+    "world,grids",
+    [
+        (1, [(1, 1, 1, 1)]),
+        (2, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]),
+        (4, [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2), (1, 1, 2, 2)]),
+        (8, [(2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2), (2, 1, 4, 1)]),
+    ],
+)
 def test_blocks_match_single_process(pools, world, grids):
     for grid in grids:
         for kind, cfg in ACTIVATION_CASES:
-            _assert_small(pools(world).run(grid, _check_activation_module, kind, cfg), TOL, f"{kind}/{cfg.arch} on {grid}")
+            _assert_small(
+                pools(world).run(grid, _check_activation_module, kind, cfg), TOL, f"{kind}/{cfg.arch} on {grid}"
+            )
 
 
 def _check_embedding_and_loss(grid):
@@ -131,7 +148,9 @@ def _check_embedding_and_loss(grid):
     ref_loss = F.cross_entropy(lr.reshape(-1, vocab), targets.reshape(-1))
     ref_loss.backward()
     # a rank's loss is the mean over its own tokens; the global mean is their mean when shards hold equal valid counts
-    ref_local = F.cross_entropy(axon4d.shard_batch(logits_full).reshape(-1, vocab), axon4d.shard_batch(targets).reshape(-1))
+    ref_local = F.cross_entropy(
+        axon4d.shard_batch(logits_full).reshape(-1, vocab), axon4d.shard_batch(targets).reshape(-1)
+    )
     errs["ce_forward"] = rel_err(loss.detach(), ref_local)
     g = axon4d.gather_batch(axon4d.gather_features(logits.grad, "y"))
     local_counts = (axon4d.shard_batch(targets) != -100).sum()
@@ -140,7 +159,9 @@ def _check_embedding_and_loss(grid):
     return errs
 
 
-@pytest.mark.parametrize("world,grid", [(1, (1, 1, 1, 1)), (2, (1, 2, 1, 1)), (4, (2, 2, 1, 1)), (8, (2, 2, 2, 1)), (8, (1, 4, 1, 2))])
+@pytest.mark.parametrize(
+    "world,grid", [(1, (1, 1, 1, 1)), (2, (1, 2, 1, 1)), (4, (2, 2, 1, 1)), (8, (2, 2, 2, 1)), (8, (1, 4, 1, 2))]
+)
 def test_vocab_parallel_embedding_and_cross_entropy(pools, world, grid):
     _assert_small(pools(world).run(grid, _check_embedding_and_loss), TOL, f"embedding/ce on {grid}")
 
@@ -164,7 +185,9 @@ def _check_model(grid, cfg):
 
 
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
-@pytest.mark.parametrize("world,grid", [(1, (1, 1, 1, 1)), (2, (1, 1, 1, 2)), (4, (1, 2, 2, 1)), (8, (2, 2, 2, 1)), (8, (1, 2, 2, 2))])
+@pytest.mark.parametrize(
+    "world,grid", [(1, (1, 1, 1, 1)), (2, (1, 1, 1, 2)), (4, (1, 2, 2, 1)), (8, (2, 2, 2, 1)), (8, (1, 2, 2, 2))]
+)
 def test_whole_model_matches_single_process(pools, cfg, world, grid):
     _assert_small(pools(world).run(grid, _check_model, cfg), TOL, f"{cfg.arch} on {grid}")
 
@@ -213,11 +236,13 @@ def test_training_follows_the_single_process_loss_curve(pools, grid):
 
 
 def _head_errors(grid):
-    return value_errors({
-        "heads": lambda: Attention(32, 4, 4),
-        "kv_heads": lambda: Attention(32, 8, 2),
-        "vocab": lambda: VocabParallelEmbedding(30, 32),
-    })
+    return value_errors(
+        {
+            "heads": lambda: Attention(32, 4, 4),
+            "kv_heads": lambda: Attention(32, 8, 2),
+            "vocab": lambda: VocabParallelEmbedding(30, 32),
+        }
+    )
 
 
 def test_heads_and_vocab_that_do_not_split_raise_clear_errors(pools):

@@ -1,6 +1,6 @@
 """Protects checkpoints: a sharded save on one grid loads onto another grid (and onto one
-process) with every weight and optimizer moment intact, and exports as a plain state dict of the
-single-process model."""
+process) with every weight and both AdamW moments (exp_avg, exp_avg_sq) intact, and exports as a
+plain state dict of the single-process model."""
 
 import pytest
 import torch
@@ -28,17 +28,25 @@ def _dense_state(model):
     return {k: v.clone() for k, v in model.to_dense().state_dict().items()}
 
 
-def _moments_dense(model, opt):
-    """The exp_avg of every parameter as the dense model would hold it (assembled via to_dense)."""
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's first and second moments
+
+
+def _moment_dense(model, opt, moment):
+    """One AdamW moment of every parameter as the dense model would hold it (assembled via to_dense)."""
     saved = {p: p.detach().clone() for p in model.parameters()}
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(opt.state[p]["exp_avg"])
+            p.copy_(opt.state[p][moment])
     dense = _dense_state(model)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(saved[p])
     return dense
+
+
+def _moments_dense(model, opt):
+    """{moment: dense state dict} for both AdamW moments."""
+    return {m: _moment_dense(model, opt, m) for m in MOMENTS}
 
 
 def _save(grid, cfg, path):
@@ -59,7 +67,9 @@ def _load(grid, cfg, path):
 
 
 @pytest.mark.parametrize("cfg", [CFG, GPT_CFG], ids=["llama", "gpt"])
-@pytest.mark.parametrize("src,dst", [((2, 2, 2, 1), (2, 1, 2, 2)), ((1, 2, 2, 2), (2, 2, 2, 1)), ((2, 2, 2, 1), (1, 1, 1, 1))])
+@pytest.mark.parametrize(
+    "src,dst", [((2, 2, 2, 1), (2, 1, 2, 2)), ((1, 2, 2, 2), (2, 2, 2, 1)), ((2, 2, 2, 1), (1, 1, 1, 1))]
+)
 def test_checkpoint_loads_onto_another_grid(pools, tmp_path, cfg, src, dst):
     path = str(tmp_path / "ckpt")
     saved = pools(8).run(src, _save, cfg, path)
@@ -70,7 +80,8 @@ def test_checkpoint_loads_onto_another_grid(pools, tmp_path, cfg, src, dst):
         assert step == 2.0
         for k in weights:
             assert torch.equal(w[k], weights[k]), k
-            assert torch.equal(m[k], moments[k]), k
+            for moment in MOMENTS:
+                assert torch.equal(m[moment][k], moments[moment][k]), (moment, k)
 
 
 def _export(grid, path, out):

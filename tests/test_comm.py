@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.geometry import Op
-from axon4d.geometry import linear_collectives
+from axon4d.geometry import Op, linear_collectives
 
 
 def _primitives(grid):

@@ -5,12 +5,12 @@ import os
 
 import pytest
 import torch.distributed as dist
+from harness import grids_of
 
 import axon4d
+from axon4d import rules
 from axon4d.grid import Grid
 from axon4d.shape import GridShape, factorizations
-from axon4d import rules
-from harness import grids_of
 
 
 @pytest.mark.parametrize("world,count", [(1, 1), (2, 4), (4, 10), (8, 20), (12, 40)])

@@ -83,6 +83,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_every_module_is_in_a_layer():
     placed = _layer_modules()
     graph = _graph()
-    loose = [m for m in sorted(graph.modules)
-             if m != "axon4d" and not any(m == p or m.startswith(p + ".") for p in placed)]
+    loose = [
+        m for m in sorted(graph.modules) if m != "axon4d" and not any(m == p or m.startswith(p + ".") for p in placed)
+    ]
     assert loose == [], f"modules in no layer of setup.cfg's import-linter contract: {loose}"

@@ -14,7 +14,9 @@ from axon4d.config import SIZES, ModelConfig, get_config
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("name,billions", [("5B", 5), ("10B", 10), ("20B", 20), ("40B", 40), ("80B", 80), ("320B", 320), ("640B", 640)])
+@pytest.mark.parametrize(
+    "name,billions", [("5B", 5), ("10B", 10), ("20B", 20), ("40B", 40), ("80B", 80), ("320B", 320), ("640B", 640)]
+)
 def test_size_table_matches_its_names(name, billions):
     assert abs(SIZES[name].n_params() / 1e9 - billions) / billions < 0.07  # the names are rounded (10B is 10.6B)
 
@@ -34,11 +36,22 @@ def expected_per_rank(cfg: ModelConfig, gx: int, gy: int, gz: int) -> int:
     return total
 
 
-@pytest.mark.parametrize("size,arch,grid", [("20B", "gpt", (8, 8, 16, 1)), ("20B", "llama", (4, 8, 8, 2)),
-                                            ("80B", "gpt", (8, 8, 8, 2)), ("80B", "llama", (8, 4, 16, 2))])
+@pytest.mark.parametrize(
+    "size,arch,grid",
+    [
+        ("20B", "gpt", (8, 8, 16, 1)),
+        ("20B", "llama", (4, 8, 8, 2)),
+        ("80B", "gpt", (8, 8, 8, 2)),
+        ("80B", "llama", (8, 4, 16, 2)),
+    ],
+)
 def test_large_models_build_on_meta_as_one_rank_of_a_fake_grid(size, arch, grid):
-    out = subprocess.run([sys.executable, os.path.join(HERE, "meta_check.py"), size, arch, ",".join(map(str, grid)), "7"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "meta_check.py"), size, arch, ",".join(map(str, grid)), "7"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     got = int(out.stdout.split("PARAMS")[1])
     assert got == expected_per_rank(get_config(size, arch=arch), *grid[:3])

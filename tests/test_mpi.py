@@ -29,8 +29,9 @@ pytestmark = [
 def _run(args, timeout=1400, **env):
     environ = dict(os.environ, OMP_NUM_THREADS="1", **env)
     environ.pop("MASTER_ADDR", None)
-    proc = subprocess.run([_mpiexec(), "-n", "8", sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=environ)
+    proc = subprocess.run(
+        [_mpiexec(), "-n", "8", sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=environ
+    )
     return proc
 
 
@@ -45,7 +46,7 @@ def checks():
 
 def test_every_check_ran_and_passed_under_mpiexec(checks):
     results, output = checks
-    from mpi_check import TESTS  # noqa: PLC0415 - the list of checks the script runs
+    from mpi_check import TESTS
 
     assert sorted(results) == sorted(name for name, _, _ in TESTS), output[-3000:]
     failed = {name: r for name, r in results.items() if r != "ok"}

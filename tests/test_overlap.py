@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.geometry import Op
+from axon4d.geometry import Op, linear_collectives
 from axon4d.policy import OverlapPolicy
-from axon4d.geometry import linear_collectives
 
 # a transformer-shaped chain: normal → transposed → normal → transposed
 SPECS = [(32, 48, True, False), (48, 32, True, True), (32, 64, False, False), (64, 32, True, True)]
@@ -75,9 +74,17 @@ def _expected(shape, policy):
     tokens = LEAD[0] * LEAD[1] // shape.size("batch")
     expected = Counter()
     for i, o, b, t in SPECS:
-        for c in linear_collectives(i, o, tokens, shape, transpose=t, bias=b, cache_weight=policy.oag_keep,
-                                    forward_chunks=policy.forward_chunks,
-                                    min_chunk_bytes=int(policy.min_chunk_kb * 1024)):
+        for c in linear_collectives(
+            i,
+            o,
+            tokens,
+            shape,
+            transpose=t,
+            bias=b,
+            cache_weight=policy.oag_keep,
+            forward_chunks=policy.forward_chunks,
+            min_chunk_bytes=int(policy.min_chunk_kb * 1024),
+        ):
             expected[(c.op, c.axis, c.payload_bytes)] += 1
     if policy.bucket_mb > 0 and shape.data > 1:  # every shard fits one bucket: one all-reduce per step
         data = [(k, n) for k, n in expected.items() if k[1] == "data"]
@@ -180,12 +187,20 @@ def test_policy_parsing_and_errors():
     assert OverlapPolicy.parse("all,oag_keep=1").oag_keep is True
     from axon4d.plan.cost import describe
 
-    for policy in [OverlapPolicy(), OverlapPolicy.off(), OverlapPolicy.only("oag", oag_keep=True, oag_depth=2),
-                   OverlapPolicy(ors_inflight=3, forward_chunks=8)]:
+    for policy in [
+        OverlapPolicy(),
+        OverlapPolicy.off(),
+        OverlapPolicy.only("oag", oag_keep=True, oag_depth=2),
+        OverlapPolicy(ors_inflight=3, forward_chunks=8),
+    ]:
         assert OverlapPolicy.parse(describe(policy)) == policy  # the planner's description reads back
-    for bad, message in [("oag,depth=2", "'depth' is not a knob"), ("oag_depth=x", "oag_depth='x', expected an integer"),
-                         ("off,oag", "'off' takes no mechanisms"), ("", "name 'all', 'off'"),
-                         ("oag=1", "'oag' is not a knob")]:
+    for bad, message in [
+        ("oag,depth=2", "'depth' is not a knob"),
+        ("oag_depth=x", "oag_depth='x', expected an integer"),
+        ("off,oag", "'off' takes no mechanisms"),
+        ("", "name 'all', 'off'"),
+        ("oag=1", "'oag' is not a knob"),
+    ]:
         with pytest.raises(ValueError, match=message):
             OverlapPolicy.parse(bad)
     # chunking: never below min_chunk_kb, never more chunks than rows, none without a peer
@@ -193,7 +208,6 @@ def test_policy_parsing_and_errors():
     assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40, 2) == 1
     assert OverlapPolicy(forward_chunks=4, min_chunk_kb=0).chunk_count(3, 40, 2) == 3
     assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 1) == 1
-
 
 
 def _records_after_a_layer_dies(grid):

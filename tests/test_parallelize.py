@@ -1,4 +1,4 @@
-"""Protects ``axon4d.auto_parallelize`` and ``axon4d.to_dense`` (axon4d/parallelize.py, axon4d/family_plans.py).
+"""Protects ``axon4d.auto_parallelize`` and ``axon4d.to_dense`` (the package axon4d/parallelize/).
 
 Hugging Face models built from tiny configs with random weights (no downloads) — Llama with
 grouped-query attention and GPT-2 with its packed Conv1D attention — are parallelized on grids of
@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import axon4d
-from axon4d.parallelize import ShardedLinear, auto_parallelize, to_dense
+from axon4d.parallelize import auto_parallelize, to_dense
+from axon4d.parallelize.layers import ShardedLinear
 
 TOL = 2e-5  # fp32: max abs error relative to the reference tensor's scale
 VOCAB, BATCH, SEQ = 128, 8, 8
@@ -33,9 +34,16 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 def _llama(attn: str = "eager", tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
     cfg._attn_implementation = attn
     return LlamaForCausalLM(cfg)
 
@@ -43,8 +51,16 @@ def _llama(attn: str = "eager", tied: bool = False):
 def _gpt2(attn: str = "eager"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     cfg._attn_implementation = attn
     return GPT2LMHeadModel(cfg)
 
@@ -53,9 +69,16 @@ def _qwen2(attn: str = "eager"):
     """A family with no plan (q/k/v biases, GQA): the default layout falls back to the general path."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     cfg._attn_implementation = attn
     return Qwen2ForCausalLM(cfg)
 
@@ -81,7 +104,13 @@ class _Toy(nn.Module):
         return type("Out", (), {"logits": logits, "loss": loss})()
 
 
-BUILDERS = {"llama": _llama, "gpt2": _gpt2, "qwen2": _qwen2, "toy": _Toy, "llama_tied": lambda attn: _llama(attn, tied=True)}
+BUILDERS = {
+    "llama": _llama,
+    "gpt2": _gpt2,
+    "qwen2": _qwen2,
+    "toy": _Toy,
+    "llama_tied": lambda attn: _llama(attn, tied=True),
+}
 
 
 def _compare(grid, family, attn, layout, steps=1):
@@ -122,9 +151,18 @@ def _assert_close(results, what):
         assert errs[worst] <= TOL, f"{what} rank {rank}: {worst} error {errs[worst]:.2e} > {TOL:.0e}"
 
 
-GRIDS = [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2),
-         (2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2),
-         (2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2)]
+GRIDS = [
+    (2, 1, 1, 1),
+    (1, 2, 1, 1),
+    (1, 1, 2, 1),
+    (1, 1, 1, 2),
+    (2, 2, 1, 1),
+    (1, 2, 2, 1),
+    (2, 1, 1, 2),
+    (2, 2, 2, 1),
+    (1, 2, 2, 2),
+    (2, 2, 1, 2),
+]
 
 
 def _world(grid):
@@ -132,8 +170,15 @@ def _world(grid):
 
 
 @pytest.mark.parametrize("grid", GRIDS)
-@pytest.mark.parametrize("family,attn,layout", [("llama", "eager", "sharded"), ("llama", "sdpa", "chained"),
-                                                ("gpt2", "sdpa", "sharded"), ("gpt2", "eager", "chained")])
+@pytest.mark.parametrize(
+    "family,attn,layout",
+    [
+        ("llama", "eager", "sharded"),
+        ("llama", "sdpa", "chained"),
+        ("gpt2", "sdpa", "sharded"),
+        ("gpt2", "eager", "chained"),
+    ],
+)
 def test_planned_layouts_match_the_unparallelized_model(pools, family, attn, layout, grid):
     results = pools(_world(grid)).run(grid, _compare, family, attn, layout)
     _assert_close(results, f"{family} {layout} {grid}")
@@ -150,8 +195,9 @@ def test_tied_llama_keeps_its_embedding_whole_and_matches(pools, grid):
 
 
 @pytest.mark.parametrize("grid", [(2, 1, 1, 1), (1, 4, 1, 1), (2, 2, 2, 1), (1, 2, 1, 4)])
-@pytest.mark.parametrize("family,attn,layout", [("llama", "sdpa", "general"), ("gpt2", "eager", "general"),
-                                                ("qwen2", "sdpa", "sharded")])
+@pytest.mark.parametrize(
+    "family,attn,layout", [("llama", "sdpa", "general"), ("gpt2", "eager", "general"), ("qwen2", "sdpa", "sharded")]
+)
 def test_general_layout_matches_the_unparallelized_model(pools, family, attn, layout, grid):
     # (1, 4, 1, 1) splits features over y = 4 although the 2 KV heads could not be; Qwen2 has no
     # plan, so even the default layout runs it on the general path
@@ -192,7 +238,7 @@ def _sgd_steps(grid, family):
         local = axon4d.shard_batch(ids)
         out, rout = par(input_ids=local, labels=local), ref(input_ids=ids, labels=ids)
         errs[f"logits{step}"] = rel_err(axon4d.gather_batch(out.logits), rout.logits)
-        for o, m, r in ((opt, out, ref_opt), (ref_opt, rout, None)):
+        for o, m, _ref in ((opt, out, ref_opt), (ref_opt, rout, None)):
             o.zero_grad()
             m.loss.backward()
             o.step()
@@ -228,8 +274,10 @@ def _value_error(fn) -> str:
 
 
 def _errors(grid):
-    msgs = {"kv_heads": _value_error(lambda: auto_parallelize(_llama())),
-            "layout": _value_error(lambda: auto_parallelize(_llama(), layout="fast"))}
+    msgs = {
+        "kv_heads": _value_error(lambda: auto_parallelize(_llama())),
+        "layout": _value_error(lambda: auto_parallelize(_llama(), layout="fast")),
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         general = auto_parallelize(_llama(), layout="general")  # the general path still splits every layer
@@ -266,7 +314,8 @@ def _gathers(grid, family, layout):
 def test_chained_blocks_gather_once_per_block_and_sharded_ones_never(pools, family):
     per_layer = {"llama": 7, "gpt2": 4}[family]  # linear layers in one transformer block
     (general, general_el), (chained, chained_el), (sharded, _) = (
-        pools(4).run((2, 2, 1, 1), _gathers, family, lay)[0] for lay in ("general", "chained", "sharded"))
+        pools(4).run((2, 2, 1, 1), _gathers, family, lay)[0] for lay in ("general", "chained", "sharded")
+    )
     head = 1 if family == "llama" else 0  # Llama's lm_head is split; GPT-2's is tied to wte, whole
     # general: every layer gathers its output (forward) and its input gradient (backward)
     assert general["gather_replicated.y"] == 2 * per_layer + head
@@ -284,6 +333,48 @@ def test_chained_blocks_gather_once_per_block_and_sharded_ones_never(pools, fami
     # sharded: the residual stream stays split over x between blocks; Llama gathers only the logits
     # (over y); GPT-2's tied head gathers its input over x, and the backward of its two whole
     # embeddings (tokens, positions) gathers their output gradient over x
-    expected = {"llama": {"gather_replicated.y": 1},
-                "gpt2": {"gather_replicated.x": 1, "split_replicated.grad.x": 2}}[family]
+    expected = {"llama": {"gather_replicated.y": 1}, "gpt2": {"gather_replicated.x": 1, "split_replicated.grad.x": 2}}[
+        family
+    ]
     assert sharded == expected
+
+
+def _hf_recompute(grid, family):
+    """Every recompute mode's loss and gradients against "none", on the parallel HF model."""
+    torch.manual_seed(0)
+    base = BUILDERS[family]("sdpa")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    local = axon4d.shard_batch(ids)
+    results = {}
+    for mode in ("none", "selective", "balanced", "full"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            par = auto_parallelize(copy.deepcopy(base), recompute=mode)
+        par.train()
+        out = par(input_ids=local, labels=local)
+        out.loss.backward()
+        results[mode] = (
+            out.loss.detach(),
+            {n: p.grad.clone() for n, p in par.named_parameters() if p.grad is not None},
+        )
+        if mode != "none":  # the unparallelized copy is the plain model again
+            dense = to_dense(par)
+            assert not any(getattr(m, "gradient_checkpointing", False) for m in dense.modules())
+            assert not any("Recomputed" in type(m).__name__ for m in dense.modules())
+    loss0, grads0 = results["none"]
+    errs = {}
+    for mode, (loss, grads) in results.items():
+        errs[f"{mode}.loss"] = float((loss - loss0).abs() / loss0.abs())
+        errs[f"{mode}.grads"] = max(
+            float((grads[n].double() - g.double()).norm() / g.double().norm().clamp_min(1e-30))
+            for n, g in grads0.items()
+        )
+    return errs
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("grid", [(1, 2, 2, 1), (2, 2, 1, 1)])
+def test_recompute_modes_match_none_on_hugging_face_models(pools, family, grid):
+    for rank, errs in enumerate(pools(4).run(grid, _hf_recompute, family)):
+        bad = {k: v for k, v in errs.items() if v > 1e-6}
+        assert not bad, f"rank {rank}, {family} on {grid}: {bad}"

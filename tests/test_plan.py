@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from axon4d.shape import GridShape, factorizations
 from axon4d.config import SIZES, ModelConfig
+from axon4d.geometry import chunk_sizes, linear_collectives
 from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.cost import axis_geometry
 from axon4d.plan.machine import CommCurve, MatmulTable, available
-from axon4d.geometry import chunk_sizes, linear_collectives
+from axon4d.shape import GridShape, factorizations
 
 PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
 PROBE_WL = Workload(PROBE, batch=8, dtype="float32", embedding=False, norms=False)
@@ -27,8 +27,15 @@ def _bytes_from_volume(wl: Workload, shape: GridShape) -> dict:
     for s in wl.linears():
         if s.embedding:
             continue
-        for c in linear_collectives(s.in_features, s.out_features, wl.local_tokens(shape), shape,
-                                    transpose=s.transpose, bias=s.bias, element_size=wl.element_size):
+        for c in linear_collectives(
+            s.in_features,
+            s.out_features,
+            wl.local_tokens(shape),
+            shape,
+            transpose=s.transpose,
+            bias=s.bias,
+            element_size=wl.element_size,
+        ):
             out[c.axis] = out.get(c.axis, 0) + s.count * c.payload_bytes
     for c in wl.edge_collectives(shape):
         out[c.axis] = out.get(c.axis, 0) + c.payload_bytes
@@ -89,8 +96,15 @@ def _fake_world_shapes(name, world, grid):
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name,world,grid", [("20B", 512, (8, 8, 8, 1)), ("20B", 1024, (4, 8, 16, 2)),
-                                             ("80B", 1024, (8, 4, 32, 1)), ("80B", 512, (2, 8, 8, 4))])
+@pytest.mark.parametrize(
+    "name,world,grid",
+    [
+        ("20B", 512, (8, 8, 8, 1)),
+        ("20B", 1024, (4, 8, 16, 2)),
+        ("80B", 1024, (8, 4, 32, 1)),
+        ("80B", 512, (2, 8, 8, 4)),
+    ],
+)
 def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
     with mp.get_context("spawn").Pool(1) as pool:
         total, block, batch = pool.apply(_fake_world_shapes, (name, world, grid))
@@ -100,8 +114,10 @@ def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
     from axon4d.geometry import weight_shard_numel
 
     shards = sorted(s for s in block if len(s) == 1)
-    expect = sorted([(weight_shard_numel(i, o, shape, t),) for _, i, o, t, _ in SIZES[name].linear_shapes()]
-                    + [(o // shape.size("x" if t else "y"),) for _, i, o, t, b in SIZES[name].linear_shapes() if b])
+    expect = sorted(
+        [(weight_shard_numel(i, o, shape, t),) for _, i, o, t, _ in SIZES[name].linear_shapes()]
+        + [(o // shape.size("x" if t else "y"),) for _, i, o, t, b in SIZES[name].linear_shapes() if b]
+    )
     assert shards == expect  # the block's weight shards and bias slices
     mem = memory(wl, shape)
     assert mem.params == total * 2 and mem.grads == mem.params and mem.optimizer == total * 12
@@ -112,14 +128,16 @@ def test_search_enumerates_valid_grids_best_first_and_flags_memory():
     wl = result.workload
     assert len(result.candidates) + result.invalid == len(factorizations(512))
     assert all(not wl.grid_problems(c.shape) for c in result.candidates)
+    # the search's vectorised rules and the per-grid ones are the same rules (axon4d.rules)
+    assert result.invalid == sum(bool(wl.grid_problems(s)) for s in factorizations(512)) > 0
     assert all(c.shape.y in (1, 2, 4, 7, 8, 14, 28, 56) for c in result.candidates)  # 56 heads split over y
     fitting = [c for c in result.candidates if c.fits]
     assert fitting and fitting == result.candidates[: len(fitting)]
     assert [c.time.step_s for c in fitting] == sorted(c.time.step_s for c in fitting)
-    assert all(not c.fits and c.mem.peak > result.memory_limit for c in result.candidates[len(fitting):])
+    assert all(not c.fits and c.mem.peak > result.memory_limit for c in result.candidates[len(fitting) :])
     assert result.best is fitting[0]
     with pytest.raises(ValueError, match="no grid of 8 ranks fits"):
-        plan("80B", 8, "perlmutter", batch=8).best
+        _ = plan("80B", 8, "perlmutter", batch=8).best
 
 
 def test_overlap_credit_is_bounded_and_never_slows_a_step():
@@ -141,24 +159,25 @@ def test_overlap_credit_is_bounded_and_never_slows_a_step():
 
 
 def test_deeper_overlap_hands_spare_windows_to_collectives_in_issue_order():
-    from axon4d.plan.cost import _deeper_overlap
+    from axon4d.plan.schedule import deeper_overlap
 
     # a block of two layers, 0 then 1. Forward: window 1 credited the gather of layer 0 of the next
     # block and could not hide 0.5 s of it; window 0 has 0.3 s spare. Issued two windows ahead
     # (oag_depth=2) the gather also overlaps window 0; deeper, window 1 of the block before (no spare)
     spare_f, spare_b = {0: 0.3, 1: 0.0}, {0: 0.0, 1: 0.4}
     short = {"oag_f": {0: 0.0, 1: 0.5}, "oag_b": {}, "ors": {0: 0.25, 1: 0.0}}
-    assert _deeper_overlap([0, 1], spare_f, spare_b, short, Overlap(oag_depth=1, ors_inflight=1)) == []
+    assert deeper_overlap([0, 1], spare_f, spare_b, short, Overlap(oag_depth=1, ors_inflight=1)) == []
     for depth in (2, 3):
-        got = _deeper_overlap([0, 1], spare_f, spare_b, dict(short, ors={}), Overlap(oag_depth=depth))
+        got = deeper_overlap([0, 1], spare_f, spare_b, dict(short, ors={}), Overlap(oag_depth=depth))
         assert got == [("oag", 0, pytest.approx(0.3))]
     # backward (order 1, 0): the reduce-scatter credited at window 0 left 0.25 s exposed; left running
     # (ors_inflight=2) it overlaps the next backward window, layer 1 of the block before, 0.4 s spare
-    assert _deeper_overlap([0, 1], spare_f, spare_b, dict(short, oag_f={}), Overlap(ors_inflight=2)) == [
-        ("ors", 1, pytest.approx(0.25))]
+    assert deeper_overlap([0, 1], spare_f, spare_b, dict(short, oag_f={}), Overlap(ors_inflight=2)) == [
+        ("ors", 1, pytest.approx(0.25))
+    ]
     # a spare window is given once: two collectives that both may use window 1 share its 0.4 s
     both = dict(short, oag_f={}, oag_b={0: 0.0, 1: 0.0}, ors={0: 0.25, 1: 0.3})
-    got = _deeper_overlap([0, 1], spare_f, {0: 0.1, 1: 0.4}, both, Overlap(ors_inflight=3))
+    got = deeper_overlap([0, 1], spare_f, {0: 0.1, 1: 0.4}, both, Overlap(ors_inflight=3))
     assert sum(h for _, w, h in got if w == 1) <= 0.4 + 1e-12 and sum(h for _, w, h in got if w == 0) <= 0.1 + 1e-12
 
 
@@ -180,8 +199,13 @@ def test_deeper_prefetch_and_more_reduce_scatters_in_flight_hide_more_within_the
     assert describe(Overlap(oag_depth=3, ors_inflight=2)) == "oag,oar,ors,odp,chunks=4,oag_depth=3,ors_inflight=2"
 
 
-MEMORY_POLICIES = {"default": {}, "depth": {"oag_depth": 3}, "inflight": {"ors_inflight": 3},
-                   "keep": {"oag_keep": True}, "knobs": {"oag_keep": True, "oag_depth": 3, "ors_inflight": 3}}
+MEMORY_POLICIES = {
+    "default": {},
+    "depth": {"oag_depth": 3},
+    "inflight": {"ors_inflight": 3},
+    "keep": {"oag_keep": True},
+    "knobs": {"oag_keep": True, "oag_depth": 3, "ors_inflight": 3},
+}
 
 
 def _peaks_by_policy(grid, wl):
@@ -199,8 +223,13 @@ def _peaks_by_policy(grid, wl):
 def test_memory_follows_the_overlap_knobs(pools):
     # prefetched blocks in flight (oag_depth), reduce-scatters left running (ors_inflight, fewer at
     # the start of backward), kept blocks (oag_keep, each freed after its layer's backward)
-    wl = Workload(ModelConfig(n_layers=2, hidden=256, n_heads=4, ffn_hidden=1024, vocab_size=512, seq_len=64),
-                  batch=4, dtype="float32", embedding=False, norms=False)
+    wl = Workload(
+        ModelConfig(n_layers=2, hidden=256, n_heads=4, ffn_hidden=1024, vocab_size=512, seq_len=64),
+        batch=4,
+        dtype="float32",
+        embedding=False,
+        norms=False,
+    )
     shape = GridShape(1, 1, 4, 1)
     measured = pools(4).run(shape.as_tuple(), _peaks_by_policy, wl)[0]
     predicted = {k: memory(wl, shape, "none", Overlap(**v)).peak for k, v in MEMORY_POLICIES.items()}
@@ -213,7 +242,7 @@ def test_memory_follows_the_overlap_knobs(pools):
 def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
     # the layer splits its forward GEMM into token chunks only where its forward all-reduce (E8)
     # has peers (axon4d.nn.linear); the planner prices exactly those GEMMs
-    from axon4d.plan.cost import _layer_cost
+    from axon4d.plan.cost import layer_cost
 
     m = load("perlmutter")
     wl = Workload(SIZES["20B"], batch=64)
@@ -222,9 +251,10 @@ def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
     for grid, chunks in [((1, 4, 8, 4), 1), ((4, 4, 8, 2), 4)]:
         shape = GridShape(*grid)
         b, (in_l, out_l) = wl.local_tokens(shape), qkv.local(shape)
-        cost = _layer_cost(qkv, wl, shape, m, chunked)
-        expected = sum(m.matmul_time("nt", rows, in_l, out_l, wl.dtype, shape.world_size)
-                       for rows in chunk_sizes(b, chunks))
+        cost = layer_cost(qkv, wl, shape, m, chunked)
+        expected = sum(
+            m.matmul_time("nt", rows, in_l, out_l, wl.dtype, shape.world_size) for rows in chunk_sizes(b, chunks)
+        )
         assert cost.chunks == chunks and cost.fwd_mm == pytest.approx(expected, rel=1e-12)
     assert cost.fwd_mm > m.matmul_time("nt", b, in_l, out_l, wl.dtype, shape.world_size)  # 4 GEMMs cost more
 
@@ -242,8 +272,10 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     assert activation > 0 and weight > 0 and activation + weight == pytest.approx(t.comm_s - t.hidden_s)
     # activations: the forward (E8) and input-gradient (E9) all-reduces and the embedding lookup's
     assert t.layers["embedding"]["comm_embedding"] > 0
-    assert t.activation_comm_s == pytest.approx(sum(v["count"] * sum(v.get(f"comm_{k}", 0.0) for k in ("E8", "E9", "embedding"))
-                                                    for v in t.layers.values()), rel=1e-12)
+    assert t.activation_comm_s == pytest.approx(
+        sum(v["count"] * sum(v.get(f"comm_{k}", 0.0) for k in ("E8", "E9", "embedding")) for v in t.layers.values()),
+        rel=1e-12,
+    )
     scaled = dataclasses.replace(m, step_scale={"2": [9.0, 9.0, 9.0, 9.0], "512": [1.25, 1.5, 0.5, 1e-3]})
     assert scaled.step_scale_for(shape.world_size) == (1.25, 1.5, 0.5, 1e-3)  # the nearest calibrated world
     s = step_time(wl, shape, scaled)
@@ -266,8 +298,9 @@ def test_interference_charges_every_byte_of_ring_traffic_to_compute():
     m = load("perlmutter")
     assert m.interference_time(1e9, 8) == 0.0  # the shipped GPU files did not measure it
     kappa = 2e-9
-    host = dataclasses.replace(m, comm_interference_s_per_byte={"4": kappa, "2": 1.0},
-                               step_scale={"8": [1.25, 1.5, 0.5, 1e-3]})
+    host = dataclasses.replace(
+        m, comm_interference_s_per_byte={"4": kappa, "2": 1.0}, step_scale={"8": [1.25, 1.5, 0.5, 1e-3]}
+    )
     # data parallel over 2 ranks: only all-reduces of 2 ranks, whose ring traffic is their payload
     dp = step_time(PROBE_WL, GridShape(1, 1, 1, 2), m)
     assert dp.traffic_bytes == sum(dp.bytes_by_axis.values()) > 0 and dp.interference_s == 0.0
@@ -301,19 +334,36 @@ def test_step_fit_recovers_scales_and_keeps_them_non_negative():
     assert got[1] == 1.0 and got[3] == 0.0  # no activation traffic, no collectives measured: left unscaled
     wl = parse_model("layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8")
     assert wl.model.ffn == 4 * 384 and wl.dtype == "float32" and wl.tokens == 768 and not wl.norms
-    for bad in ("layers=2,hidden=384", "layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8,width=3",
-                "layers=2,hidden=38.4,heads=8,vocab=1536,seq=96,batch=8", "layers=0,hidden=384,heads=8,vocab=1536,seq=96,batch=8"):
+    for bad in (
+        "layers=2,hidden=384",
+        "layers=2,hidden=384,heads=8,vocab=1536,seq=96,batch=8,width=3",
+        "layers=2,hidden=38.4,heads=8,vocab=1536,seq=96,batch=8",
+        "layers=0,hidden=384,heads=8,vocab=1536,seq=96,batch=8",
+    ):
         with pytest.raises(ValueError, match="step model"):
             parse_model(bad)
     # single-axis grids, then mixed ones that put each group size on each axis as soon as possible
-    assert calibration_grids(8, wl) == [(1, 1, 1, 8), (1, 1, 8, 1), (8, 1, 1, 1), (1, 8, 1, 1),
-                                        (2, 2, 2, 1), (1, 4, 1, 2), (4, 2, 1, 1)]
+    assert calibration_grids(8, wl) == [
+        (1, 1, 1, 8),
+        (1, 1, 8, 1),
+        (8, 1, 1, 1),
+        (1, 8, 1, 1),
+        (2, 2, 2, 1),
+        (1, 4, 1, 2),
+        (4, 2, 1, 1),
+    ]
     assert calibration_grids(4, wl)[4:] == [(2, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 1)] and calibration_grids(1, wl) == []
 
 
 def test_axis_geometry_and_machine_levels_follow_e1():
     shape = GridShape(4, 2, 8, 16)
-    assert [axis_geometry(shape, a) for a in ("x", "y", "z", "data", "batch")] == [(4, 1), (2, 4), (8, 8), (16, 64), (128, 8)]
+    assert [axis_geometry(shape, a) for a in ("x", "y", "z", "data", "batch")] == [
+        (4, 1),
+        (2, 4),
+        (8, 8),
+        (16, 64),
+        (128, 8),
+    ]
     m = load("perlmutter")
     assert m.level_of(4, 1).name.startswith("node") and m.level_of(2, 4).name.startswith("network")
     fast, slow = m.comm_time("all_reduce", 4, 1, 1 << 26, 1024), m.comm_time("all_reduce", 4, 4, 1 << 26, 1024)
@@ -363,8 +413,26 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     out = tmp_path / "plan.json"
-    code = cli.main(p.parse_args(["--model", "20B", "--gpus", "64", "--machine", "h100", "--batch", "64",
-                                  "--recompute", "full", "--top", "3", "--json", str(out)]))
+    code = cli.main(
+        p.parse_args(
+            [
+                "--model",
+                "20B",
+                "--gpus",
+                "64",
+                "--machine",
+                "h100",
+                "--batch",
+                "64",
+                "--recompute",
+                "full",
+                "--top",
+                "3",
+                "--json",
+                str(out),
+            ]
+        )
+    )
     text = capsys.readouterr().out
     assert code == 0 and "grid (x,y,z,d)" in text and "t_data" in text
     data = json.loads(out.read_text())
@@ -374,14 +442,26 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
 
     scaled = load("h100")
     scaled.step_scale = {"64": [1.5, 1.0, 0.5, 2e-3]}
-    scaled.step_samples = [{"grid": [1, 1, 1, 64], "measured_s": 1.0, "model": model_fields(SIZES["20B"]),
-                            "batch": 64, "dtype": "bfloat16", "rounds_s": [1.0]}]
+    scaled.step_samples = [
+        {
+            "grid": [1, 1, 1, 64],
+            "measured_s": 1.0,
+            "model": model_fields(SIZES["20B"]),
+            "batch": 64,
+            "dtype": "bfloat16",
+            "rounds_s": [1.0],
+        }
+    ]
     scaled.save(str(tmp_path / "scaled.json"))
     args = ["--gpus", "64", "--machine", str(tmp_path / "scaled.json"), "--top", "3", "--json", str(out)]
     cli.main(p.parse_args(["--model", "20B", "--batch", "64", *args]))
     text = capsys.readouterr().out
-    assert "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50, 2.00 ms" in text
-    assert "fitted to steps of layers=32,hidden=7168,heads=56,kv_heads=56,ffn=28672,vocab=51200," in text  # the --step-model form
+    assert (
+        "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50, 2.00 ms" in text
+    )
+    assert (
+        "fitted to steps of layers=32,hidden=7168,heads=56,kv_heads=56,ffn=28672,vocab=51200," in text
+    )  # the --step-model form
     assert "warning" not in text and json.loads(out.read_text())["step_scale_caveat"] is None  # the calibrated job
     # another model, twice the sequences per rank, recomputation: the weights are applied and the plan says why
     # they may not fit
@@ -430,30 +510,61 @@ def test_auto_without_a_model_or_machine_says_what_to_pass(monkeypatch, tmp_path
 def _calibrate_small(grid):
     from axon4d.measure import calibrate
 
-    calibrate.DIMS, calibrate.PAYLOADS = [16, 64], [4096, 65536]
-    result = calibrate.measure_world(grid, ["float32"], reps=1, log=lambda s: None,
-                                     step_model="layers=1,hidden=64,heads=8,ffn=128,vocab=64,seq=16,batch=8", step_rounds=1)
-    return calibrate.merge(None, result, "test-host", 2**30).to_json()
+    result = calibrate.measure_world(
+        grid,
+        ["float32"],
+        reps=1,
+        log=lambda s: None,
+        dims=[16, 64],
+        payloads=[4096, 65536],
+        step_rounds=1,
+        step_model="layers=1,hidden=64,heads=8,ffn=128,vocab=64,seq=16,batch=8",
+    )
+    measured = {k: result[k] for k in ("overlap_efficiency", "comm_interference_s_per_byte")}
+    return calibrate.merge(None, result, "test-host", 2**30).to_json(), measured
+
+
+def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():
+    from axon4d.measure.collectives import hidden_share, interference_per_byte
+
+    # GEMMs beside an all-reduce of 1 MB ring traffic lost 1 ms, beside one of 2 MB 3 ms: 2 ns per
+    # byte (the slope; what every collective costs cancels), not clamped
+    assert interference_per_byte([1e-3, 3e-3], [1e6, 2e6]) == pytest.approx(2e-9, rel=1e-12)
+    assert interference_per_byte([3e-3, 3e-3], [1e6, 2e6]) == 0.0  # a per-collective cost only
+    # less excess beside the larger all-reduce is noise: clamped at 0, never a negative cost
+    assert interference_per_byte([3e-3, 1e-3], [1e6, 2e6]) == 0.0
+    # an all-reduce of 2 ms beside GEMMs of 4 ms: together in 5 ms hid half the all-reduce
+    assert hidden_share(2e-3, 4e-3, 5e-3) == pytest.approx(0.5, rel=1e-12)
+    assert hidden_share(2e-3, 4e-3, 7e-3) == 0.0  # slower than one after the other: nothing hidden
+    assert hidden_share(2e-3, 4e-3, 3.5e-3) == 1.0  # faster than the GEMMs alone: all of it hidden
 
 
 def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(pools):
     from axon4d.plan.machine import Machine
 
-    data = pools(4).run((1, 1, 1, 4), _calibrate_small)[0]
+    data, measured = pools(4).run((1, 1, 1, 4), _calibrate_small)[0]
     m = Machine.from_json(json.loads(json.dumps(data)))
     assert sorted((c.op, c.group, c.stride) for c in m.comm) == sorted(
-        (op, g, s) for op in ("all_reduce", "all_gather", "reduce_scatter") for g, s in [(2, 1), (2, 2), (4, 1)])
+        (op, g, s) for op in ("all_reduce", "all_gather", "reduce_scatter") for g, s in [(2, 1), (2, 2), (4, 1)]
+    )
     assert all(c.world == 4 and len(c.seconds) == 2 and min(c.seconds) > 0 for c in m.comm)
     table = m.matmul["float32"]["4"]["nt"]
     assert table.dims == [16, 64] and (table.rates > 0).all()
-    assert 0.0 <= m.overlap_efficiency <= 1.0 and m.peak_flops["float32"] > 0
+    assert m.overlap_efficiency == measured["overlap_efficiency"] and m.peak_flops["float32"] > 0
     t = step_time(PROBE_WL, GridShape(2, 1, 2, 1), m)
     assert t.step_s > 0 and t.comm_by_axis["x"] > 0 and t.comm_by_axis["z"] > 0
     # the whole calibration steps: one per grid of stepfit.calibration_grids, and a fitted scale
-    assert [s["grid"] for s in m.step_samples] == [[1, 1, 1, 4], [1, 1, 4, 1], [4, 1, 1, 1], [1, 4, 1, 1],
-                                                   [2, 2, 1, 1], [1, 1, 2, 2], [1, 2, 2, 1]]
+    assert [s["grid"] for s in m.step_samples] == [
+        [1, 1, 1, 4],
+        [1, 1, 4, 1],
+        [4, 1, 1, 1],
+        [1, 4, 1, 1],
+        [2, 2, 1, 1],
+        [1, 1, 2, 2],
+        [1, 2, 2, 1],
+    ]
     # what a collective's bytes take from the GEMMs beside it, priced into every step
-    assert m.comm_interference_s_per_byte["4"] >= 0.0
+    assert m.comm_interference_s_per_byte == {"4": measured["comm_interference_s_per_byte"]}
     assert t.interference_s == pytest.approx(m.comm_interference_s_per_byte["4"] * t.traffic_bytes)
     assert all(s["measured_s"] > 0 and s["model"]["hidden"] == 64 for s in m.step_samples)
     k = m.step_scale["4"]

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.geometry import Op
 from axon4d.config import ModelConfig
+from axon4d.geometry import Op, linear_collectives
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.precision import Precision
-from axon4d.geometry import linear_collectives
 
 CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
 BF16_TOL = 5e-2
@@ -65,8 +64,9 @@ def test_collectives_move_compute_and_reduction_dtype_bytes(pools, precision, gr
     shape = axon4d.GridShape(*grid)
     expected = Counter()
     for i, o, b, t in LAYERS:
-        for c in linear_collectives(i, o, 8 * 3 // shape.size("batch"), shape, transpose=t, bias=b,
-                                    element_size=2, grad_element_size=grad_bytes):
+        for c in linear_collectives(
+            i, o, 8 * 3 // shape.size("batch"), shape, transpose=t, bias=b, element_size=2, grad_element_size=grad_bytes
+        ):
             expected[(c.op, c.axis, c.payload_bytes)] += 1
     for counted in pools(8).run(grid, _bytes, precision=precision):
         assert counted == expected
@@ -77,5 +77,7 @@ def test_precision_names():
     assert Precision.parse("bf16").compute == torch.bfloat16 and Precision.parse("bf16").param == torch.float32
     assert Precision.parse("bf16-fp32-reduce").reduce == torch.float32
     assert not Precision.parse(None).mixed
-    with pytest.raises(ValueError, match="precision 'fp16-ish' is not supported; use one of fp32, bf16, bf16-fp32-reduce"):
+    with pytest.raises(
+        ValueError, match="precision 'fp16-ish' is not supported; use one of fp32, bf16, bf16-fp32-reduce"
+    ):
         Precision.parse("fp16-ish")

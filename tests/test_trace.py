@@ -9,8 +9,7 @@ import os
 import torch
 
 import axon4d
-from axon4d import stepstats, trace
-from axon4d import commlog
+from axon4d import commlog, stepstats, trace
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op
 
@@ -33,7 +32,9 @@ def test_report_from_a_log():
     assert abs(rep.hidden_pct - 100 * 5 / 6) < 1e-9
     d = rep.as_dict()
     assert d["hidden_pct"] == rep.hidden_pct and d["step"] == 3 and json.dumps(d)
-    assert rep.line().startswith("step 3 | 6500.0 ms | x=0.00MiB z=0.00MiB | comm 6000.0 ms, blocked 1000.0 ms, hidden 83%")
+    assert rep.line().startswith(
+        "step 3 | 6500.0 ms | x=0.00MiB z=0.00MiB | comm 6000.0 ms, blocked 1000.0 ms, hidden 83%"
+    )
 
 
 def _traced_step(grid, directory):
@@ -71,7 +72,10 @@ def test_dump_of_a_real_step_gives_a_chrome_trace_and_a_png(pools, tmp_path):
 
 
 def test_wire_intervals_serialise_collectives_on_one_axis():
-    recs = [{"axis": "x", "issue": 0.0, "done": 2.0}, {"axis": "x", "issue": 0.5, "done": 3.0},
-            {"axis": "z", "issue": 1.0, "done": 1.5}]
+    recs = [
+        {"axis": "x", "issue": 0.0, "done": 2.0},
+        {"axis": "x", "issue": 0.5, "done": 3.0},
+        {"axis": "z", "issue": 1.0, "done": 1.5},
+    ]
     spans = [(r["axis"], a, b) for r, a, b in trace.wire_intervals(recs)]
     assert spans == [("x", 0.0, 2.0), ("x", 2.0, 3.0), ("z", 1.0, 1.5)]

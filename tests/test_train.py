@@ -1,19 +1,34 @@
 """Protects the training job: the gradient norm counts every element once however it is sharded
 or replicated, a run is reproducible and resumes on the same loss curve, gradient accumulation
-equals one big batch, and every TrainConfig field is a documented command-line flag."""
+equals one big batch, every TrainConfig field is a documented command-line flag, and a run's
+outputs hold what they promise: log.jsonl (a typed record per logged step), summary.json, the
+loss-curve PNG and rank 0's progress line, with communication hidden as axon4d.commlog defines it;
+--recompute reaches the model and the records, and rank 0 warns at start-up when the compute dtype's
+matmuls are far slower than fp32's."""
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
+import math
+import os
+import re
+import shutil
+import types
 
 import pytest
 import torch
 
 import axon4d
-from axon4d import params
+from axon4d import checkpoint, commlog, params
+from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.nn.recompute import MODES
+from axon4d.precision import Precision
 from axon4d.train import TrainConfig, add_arguments, train
+from axon4d.train.peak import SLOW_RATIO, check_compute_dtype
 
 CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
 
@@ -41,9 +56,87 @@ def _run(cfg_dict):
     return summary["losses"]
 
 
+def _run_captured(cfg_dict):
+    """Train; return the summary and what this rank printed to stdout and stderr (the progress bar)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        summary = train(TrainConfig(**cfg_dict))
+    return summary, out.getvalue(), err.getvalue()
+
+
+def _log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+RECORD_TYPES = {
+    "step": int,
+    "loss": float,
+    "lr": float,
+    "grad_norm": float,
+    "step_s": float,
+    "tokens_per_s": float,
+    "mfu": float,
+    "comm_bytes": dict,
+    "comm_s": float,
+    "blocked_s": float,
+    "hidden_pct": float,
+}
+SUMMARY_KEYS = {
+    "grid",
+    "device",
+    "recompute",
+    "steps",
+    "final_loss",
+    "median_step_s",
+    "median_tokens_per_s",
+    "median_mfu",
+    "comm_bytes_per_step",
+    "hidden_pct",
+    "checkpoint",
+    "single_process_losses",
+    "max_rel_diff",
+}
+PROGRESS = re.compile(r"loss (\d+\.\d{4}) \| ([\d,]+) tok/s \| MFU (\d+\.\d)% \| hidden (\d+)%")
+
+
+def _check_log(records, cfg_dict, log_every, losses):
+    """One typed record per logged step, steps increasing, finite losses equal to the run's, MFU
+    against the peak of 8 ranks at --peak-tflops 1."""
+    cfg = TrainConfig(**cfg_dict)
+    steps, mcfg = cfg.steps, cfg.model_config()
+    tokens_per_step = cfg.batch_size * cfg.micro_batches * mcfg.seq_len
+    assert [r["step"] for r in records] == list(range(log_every, steps + 1, log_every))
+    assert [r["loss"] for r in records] == losses[log_every - 1 :: log_every]
+    for r in records:
+        assert {k: type(v) for k, v in r.items()} == RECORD_TYPES, r
+        assert math.isfinite(r["loss"]) and r["loss"] > 0 and math.isfinite(r["grad_norm"]) and r["lr"] > 0
+        assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(tokens_per_step / r["step_s"])
+        assert 0 < r["mfu"] <= 1 and r["mfu"] == pytest.approx(mcfg.flops_per_token() * r["tokens_per_s"] / 8e12)
+        assert {"x", "y", "z"} <= set(r["comm_bytes"]) and all(
+            isinstance(b, int) and b > 0 for b in r["comm_bytes"].values()
+        )
+        assert 0 <= r["blocked_s"] <= r["comm_s"] + 1e-9  # blocked time lies inside communication time
+        assert r["hidden_pct"] == pytest.approx(commlog.hidden_pct(r["comm_s"], r["blocked_s"]), abs=1e-9)
+
+
 def _base(tmp, **kw):
-    cfg = dict(grid="2,2,2,1", model="tiny", layers=1, hidden=32, heads=4, kv_heads=2, vocab_size=64, seq_len=8,
-               batch_size=8, steps=4, warmup_steps=2, out_dir=str(tmp), progress=False, peak_tflops=1.0)
+    cfg = dict(
+        grid="2,2,2,1",
+        model="tiny",
+        layers=1,
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        vocab_size=64,
+        seq_len=8,
+        batch_size=8,
+        steps=4,
+        warmup_steps=2,
+        out_dir=str(tmp),
+        progress=False,
+        peak_tflops=1.0,
+    )
     cfg.update(kw)
     return cfg
 
@@ -53,17 +146,72 @@ def test_resume_of_an_interrupted_run_matches_exactly(pools, tmp_path):
     assert straight == pools(8).run(None, _run, _base(tmp_path / "b", steps=6))[0]  # same seed, same run
     # simulate an interruption after step 3: keep only the step-3 checkpoint, then resume
     ckpts = tmp_path / "a" / "checkpoints"
-    import shutil
-
     shutil.rmtree(ckpts / "step_6")
     resumed = pools(8).run(None, _run, _base(tmp_path / "a", steps=6, save_every=3, resume=True))[0]
     assert resumed == straight[3:]
+    # the resumed run appends its steps to the same log.jsonl
+    log = _log(tmp_path / "a")
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    assert [r["loss"] for r in log] == straight + resumed
+    meta = checkpoint.read_meta(str(ckpts / "step_6"))
+    assert meta["train_config"]["recompute"] == "none" and meta["step"] == 6
 
 
 def test_gradient_accumulation_equals_one_big_batch(pools, tmp_path):
-    big = pools(8).run(None, _run, _base(tmp_path / "a", batch_size=16))[0]
-    acc = pools(8).run(None, _run, _base(tmp_path / "b", batch_size=8, micro_batches=2))[0]
+    # the big-batch run also shows its progress bar and compares with one process: its outputs are checked below
+    big_cfg = _base(tmp_path / "a", batch_size=16, progress=True, compare_single=True)
+    ranks = pools(8).run(None, _run_captured, big_cfg)
+    summary, stdout, stderr = ranks[0]
+    big = summary["losses"]
+    # recomputation changes no gradient: the accumulating run recomputes whole blocks
+    acc_cfg = _base(tmp_path / "b", batch_size=8, micro_batches=2, log_every=2, recompute="full")
+    acc = pools(8).run(None, _run, acc_cfg)[0]
     assert max(abs(a - b) / b for a, b in zip(acc, big)) < 1e-5
+    with open(tmp_path / "b" / "summary.json") as f:
+        assert json.load(f)["recompute"] == "full"
+    assert checkpoint.read_meta(str(tmp_path / "b" / "checkpoints" / "step_4"))["train_config"]["recompute"] == "full"
+    _check_outputs(tmp_path / "a", big_cfg, big, stdout, stderr)
+    assert all(out == "" and err == "" for _, out, err in ranks[1:])  # only rank 0 prints
+    _check_log(_log(tmp_path / "b"), acc_cfg, 2, acc)
+    assert not (tmp_path / "b" / "loss.png").exists()
+
+
+def _check_outputs(out_dir, cfg_dict, losses, stdout, stderr):
+    """log.jsonl, summary.json, loss.png and rank 0's printout of a run with --compare-single."""
+    records = _log(out_dir)
+    _check_log(records, cfg_dict, 1, losses)
+    steps = cfg_dict["steps"]
+    with open(out_dir / "summary.json") as f:
+        s = json.load(f)
+    assert set(s) == SUMMARY_KEYS
+    assert s["grid"] == "(x=2, y=2, z=2, data=1)" and s["steps"] == steps and s["final_loss"] == losses[-1]
+    assert s["device"] == str(devices.default_device()) and s["recompute"] == "none"
+    steady = records[1:]  # the first step pays for warm-up
+    median = lambda key: sorted(r[key] for r in steady)[len(steady) // 2]  # noqa: E731
+    assert s["median_step_s"] == median("step_s") and s["median_tokens_per_s"] == median("tokens_per_s")
+    assert s["median_mfu"] == median("mfu") and 0 < s["median_mfu"] <= 1
+    assert s["comm_bytes_per_step"] == pytest.approx(
+        {a: sum(r["comm_bytes"][a] for r in steady) / len(steady) for a in steady[0]["comm_bytes"]}
+    )
+    comm_s, blocked_s = sum(r["comm_s"] for r in steady), sum(r["blocked_s"] for r in steady)
+    assert s["hidden_pct"] == pytest.approx(commlog.hidden_pct(comm_s, blocked_s), abs=1e-9)
+    assert s["checkpoint"] == str(out_dir / "checkpoints" / f"step_{steps}")
+    assert os.path.exists(os.path.join(s["checkpoint"], "meta.json"))
+    assert len(s["single_process_losses"]) == steps and s["max_rel_diff"] < 1e-5
+    png = (out_dir / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    # the progress bar shows every step's loss, tokens/s, MFU and hidden communication
+    shown = set(PROGRESS.findall(stderr))
+    for r in records:
+        assert (
+            f"{r['loss']:.4f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{100 * r['mfu']:.1f}",
+            f"{r['hidden_pct']:.0f}",
+        ) in shown, r
+    assert "peak 8.000 TFLOP/s over 8 ranks" in stdout and "run summary" in stdout
+    assert f"communication hidden  {s['hidden_pct']:.0f}%" in stdout
+    assert f"max relative loss difference over {steps} steps" in stdout
 
 
 def test_every_config_field_is_a_documented_flag():
@@ -75,6 +223,46 @@ def test_every_config_field_is_a_documented_flag():
     args = parser.parse_args(["--grid", "2,1,2,2", "--steps", "7", "--no-progress", "--lr", "0.5"])
     assert args.grid == "2,1,2,2" and args.steps == 7 and args.progress is False and args.lr == 0.5
     assert "Peak learning rate" in text
+    assert parser.parse_args([]).recompute == "none"
+    for mode in MODES:
+        assert parser.parse_args(["--recompute", mode]).recompute == mode
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        parser.parse_args(["--recompute", "most"])  # argparse lists the modes
+
+
+def test_unknown_recompute_mode_is_rejected():
+    with pytest.raises(ValueError, match="recompute='most' is not a recomputation mode; choose one of none"):
+        train(TrainConfig(recompute="most"))
+
+
+def _fake_grid(rank=0, precision="bf16"):
+    return types.SimpleNamespace(rank=rank, device=devices.HOST, precision=Precision.parse(precision))
+
+
+def test_slow_compute_dtype_warns_on_rank_0():
+    seconds = {torch.bfloat16: 0.6, torch.float32: 0.01}  # bf16 60x slower, as on a CPU without AVX-512 BF16
+
+    def timer(device, dtype):
+        assert device == devices.HOST
+        return seconds[dtype]
+
+    out = io.StringIO()
+    msg = check_compute_dtype(_fake_grid(), timer=timer, out=out)
+    assert out.getvalue() == msg + "\n"
+    assert "bfloat16 matmuls are 60x slower than fp32" in msg and "--precision fp32" in msg
+    # both speeds, in GFLOP/s of the 512 x 512 matmul: 2·512³ / 0.6 s and / 0.01 s
+    assert "0.447 GFLOP/s in bfloat16 against 26.8 GFLOP/s in fp32" in msg
+
+    seconds[torch.bfloat16] = 0.01 * SLOW_RATIO  # just slow enough to be let through
+    out = io.StringIO()
+    assert check_compute_dtype(_fake_grid(), timer=timer, out=out) is None and out.getvalue() == ""
+
+    def never(device, dtype):
+        raise AssertionError("measured where nothing is to be checked")
+
+    assert check_compute_dtype(_fake_grid(rank=1), timer=never) is None  # only rank 0 measures and warns
+    assert check_compute_dtype(_fake_grid(precision="fp32"), timer=never) is None  # fp32: nothing to compare
+    assert devices.matmul_seconds(devices.HOST, torch.float32, n=64, budget_s=0.01) > 0  # the real timer runs
 
 
 def test_unknown_precision_is_rejected():

@@ -1,2 +1,5 @@
-"""Measuring this machine for the planner: kernel and collective timings, whole-step probes and
-calibration runs (``axon4d calibrate``). The pricing itself (axon4d.plan) never imports this."""
+"""Measuring this machine for the planner (docs/design.md §6, §7): per-rank timing (``timing``),
+compute rates (``kernels``), collective costs, overlap and interference (``collectives``), whole
+training steps of the probe transformer (``probe``, ``steps``), local worlds (``spawn``), machine
+files (``merge``) and the ``axon4d calibrate`` run (``calibrate``). Above the planner in the
+layering (§9): the pricing (axon4d.plan) never imports this; it reads the machine files it writes."""

@@ -12,16 +12,17 @@ benchmark needs nothing beyond the 3D linear layer. ``measure_step`` times steps
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.nn import Linear
-from axon4d.plan.workload import DTYPES_TORCH, Workload
+from axon4d.plan.workload import Workload
 
 
 class ProbeModel(nn.Module):
@@ -30,31 +31,41 @@ class ProbeModel(nn.Module):
     def __init__(self, wl: Workload, grid: Grid):
         super().__init__()
         if wl.embedding or wl.norms:
-            raise ValueError("ProbeModel has no embedding and no norms: use Workload(..., embedding=False, norms=False)")
+            raise ValueError(
+                "ProbeModel has no embedding and no norms: use Workload(..., embedding=False, norms=False)"
+            )
         problems = wl.grid_problems(grid.shape)
         if problems:
             raise ValueError(f"grid {grid.shape} does not fit the workload: {'; '.join(problems)}")
         self.wl, self.grid = wl, grid
-        dtype = DTYPES_TORCH[wl.dtype]
+        dtype = devices.DTYPES[wl.dtype]
         m = wl.model
         self.blocks = nn.ModuleList()
         for _ in range(m.n_layers):
-            self.blocks.append(nn.ModuleDict({name: Linear(i, o, bias=b, transpose=t, grid=grid, dtype=dtype)
-                                              for name, i, o, t, b in m.linear_shapes()}))
+            self.blocks.append(
+                nn.ModuleDict(
+                    {
+                        name: Linear(i, o, bias=b, transpose=t, grid=grid, dtype=dtype)
+                        for name, i, o, t, b in m.linear_shapes()
+                    }
+                )
+            )
         self.head = Linear(m.hidden, m.vocab_size, bias=False, grid=grid, dtype=dtype) if wl.head else None
 
     def input(self) -> torch.Tensor:
         """A random activation (b, hidden/G_x) standing in for the embedding output."""
         b = self.wl.local_tokens(self.grid.shape)
-        dtype = DTYPES_TORCH[self.wl.dtype]
-        return torch.randn(b, self.wl.model.hidden // self.grid.size("x"), dtype=dtype,
-                           device=self.grid.device, requires_grad=True)
+        dtype = devices.DTYPES[self.wl.dtype]
+        return torch.randn(
+            b, self.wl.model.hidden // self.grid.size("x"), dtype=dtype, device=self.grid.device, requires_grad=True
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m, g = self.wl.model, self.grid
         seqs = x.shape[0] // m.seq_len
         heads = m.n_heads // g.size("y")
-        for blk in self.blocks:
+        for block in self.blocks:
+            blk = cast(nn.ModuleDict, block)  # every block is the ModuleDict built in __init__
             qkv = blk["qkv"](x)  # (b, 3·H/G_y)
             qkv = qkv.view(seqs, m.seq_len, 3, heads, m.head_dim).permute(2, 0, 3, 1, 4)
             att = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (seqs, heads, S, hd)
@@ -96,10 +107,18 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2) -> dict[str
     log_bytes = {a: v // steps for a, v in grid.comm.log.bytes_by_axis().items()}
     calls = len(grid.comm.log.records) // steps
     summary = grid.comm.log.summary()
-    spans = grid.comm.all_gather(torch.tensor([marks[-1] - marks[0]], dtype=torch.float64), "world").wait()
+    spans = grid.comm.all_gather(
+        torch.tensor([marks[-1] - marks[0]], dtype=torch.float64, device=grid.device), "world"
+    ).wait()
     grid.comm.log.clear()
-    return {"step_s": float(spans.max()) / steps, "steps_s": [b - a for a, b in zip(marks, marks[1:])],
-            "bytes_by_axis": log_bytes, "collectives": calls, "comm_s": summary["comm_s"] / steps, "blocked_s": summary["blocked_s"] / steps}
+    return {
+        "step_s": float(spans.max()) / steps,
+        "steps_s": [b - a for a, b in zip(marks, marks[1:])],
+        "bytes_by_axis": log_bytes,
+        "collectives": calls,
+        "comm_s": summary["comm_s"] / steps,
+        "blocked_s": summary["blocked_s"] / steps,
+    }
 
 
 def measure_peak(model: ProbeModel, warmup: int = 2) -> int:
@@ -114,8 +133,6 @@ def measure_peak(model: ProbeModel, warmup: int = 2) -> int:
     their threads are released by ``Grid.destroy`` all the same (before that was so, timed steps
     after a tracked one ran slower; the benchmarks still measure memory last).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     grid = model.grid
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     for _ in range(warmup):

@@ -1,11 +1,13 @@
 """Whole training steps timed on every calibration grid, for the planner's in-step scale
-(axon4d.plan.stepfit fits it; ``axon4d calibrate --step-model`` and the planner bench run this).
+(docs/design.md §6; axon4d.plan.stepfit fits it; ``axon4d calibrate --step-model`` and the
+planner bench run this).
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -17,8 +19,9 @@ from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape
 
 
-def measure(world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6,
-            log: Callable[[str], None] = print) -> list[Sample]:
+def measure(
+    world_grid: Any, wl: Workload, rounds: int = 3, steps: int = 6, log: Callable[[str], None] = print
+) -> list[Sample]:
     """Time ``wl`` on every ``calibration_grids`` grid of this world (every rank calls this; all get
     the same samples): ``rounds`` interleaved rounds of ``steps`` back-to-back steps
     (``axon4d.measure.probe.measure_step``), the median over rounds."""

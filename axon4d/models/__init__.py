@@ -1,4 +1,4 @@
-"""Reference transformer models and their size table."""
+"""Reference transformer models and their size table (docs/design.md §6)."""
 
 from axon4d.config import SIZES, ModelConfig, get_config
 

@@ -1,4 +1,5 @@
-"""GPT and Llama language models on the 4D grid, and their single-process references.
+"""GPT and Llama language models on the 4D grid, and their single-process references
+(docs/design.md §2; the size table is §6).
 
 ``Transformer(cfg)`` takes this rank's batch shard of token ids (b, s) — b = B/(G_data·G_z), see
 ``axon4d.shard_batch`` — and returns this rank's logits (b, s, vocab/G_y), replicated over x:
@@ -9,22 +10,29 @@
 ``loss(ids, targets)`` is the vocabulary-parallel cross-entropy, the mean over this rank's tokens,
 so after ``backward()`` every parameter's gradient is the DDP-averaged gradient of the global
 mean loss. ``DenseTransformer`` is the same model in plain PyTorch (what ``to_dense`` returns).
-Any size builds on the ``meta`` device to count per-rank parameters without allocating.
+Any size builds on the ``meta`` device (``Transformer(cfg, device="meta")``) to count per-rank
+parameters without allocating; ``axon4d.materialize.materialize_(model, seed)`` then gives every
+rank its shards, initialised as ``axon4d.materialize.init_dense_`` initialises the dense model.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import runtime
-from axon4d.grid import Grid
+from axon4d import pieces, runtime
 from axon4d.config import ModelConfig
-from axon4d.nn.block import DenseBlock, TransformerBlock, _dense_norm, _norm
+from axon4d.grid import Grid
+from axon4d.nn.block import DenseBlock, TransformerBlock
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.loss import vocab_parallel_cross_entropy
+from axon4d.nn.norm import dense_norm_for, norm_for
+from axon4d.nn.recompute import check_mode
 
 
 class DenseTransformer(nn.Module):
@@ -38,8 +46,28 @@ class DenseTransformer(nn.Module):
         if self.pos_emb is not None:
             nn.init.normal_(self.pos_emb.weight, std=0.02)
         self.blocks = nn.ModuleList(DenseBlock(cfg, device=device, dtype=dtype) for _ in range(cfg.n_layers))
-        self.norm = _dense_norm(cfg, device, dtype)
+        self.norm = dense_norm_for(cfg, device=device, dtype=dtype)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, device=device, dtype=dtype)
+
+    def param_inits(self) -> dict[str, pieces.Init]:
+        """``{parameter name: distribution}`` of this model's initialisation — what the constructor
+        draws: ``torch.nn.Linear``'s U(−1/√in, 1/√in) for weights and biases, N(0, 1) for the token
+        embedding, N(0, 0.02²) for the positions, ones and zeros for the norms. With
+        ``axon4d.materialize.init_dense_`` the same distributions are drawn tile by tile from a seed,
+        which makes the initialisation addressable (``axon4d.pieces``)."""
+        out: dict[str, pieces.Init] = {}
+        for mod_name, m in self.named_modules():
+            for p_name, _ in m.named_parameters(recurse=False):
+                name = f"{mod_name}.{p_name}" if mod_name else p_name
+                if isinstance(m, nn.Linear):
+                    out[name] = pieces.Init.uniform(1.0 / math.sqrt(m.in_features))
+                elif isinstance(m, nn.Embedding):
+                    out[name] = pieces.Init.normal(0.02 if m is self.pos_emb else 1.0)
+                elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                    out[name] = pieces.Init.constant(1.0 if p_name == "weight" else 0.0)
+                else:
+                    raise TypeError(f"{name}: no initialisation is defined for {type(m).__name__}")
+        return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(ids)
@@ -55,18 +83,29 @@ class DenseTransformer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A GPT (``cfg.arch == "gpt"``) or Llama (``"llama"``) model on the 4D grid."""
+    """A GPT (``cfg.arch == "gpt"``) or Llama (``"llama"``) model on the 4D grid.
 
-    def __init__(self, cfg: ModelConfig, *, grid: Grid | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    ``recompute`` is every block's activation recomputation: "none", "selective", "balanced" or
+    "full" (axon4d.nn.recompute; the planner's ``--recompute`` prices the same modes)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        recompute: str = "none",
+    ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.cfg = cfg
-        kw = dict(grid=grid, device=device, dtype=dtype)
+        self.recompute = check_mode(recompute)
+        kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **kw)
         self.pos_emb = PositionEmbedding(cfg.seq_len, cfg.hidden, **kw) if cfg.arch == "gpt" else None
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, **kw) for _ in range(cfg.n_layers))
-        self.norm = _norm(cfg, grid, device, dtype)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, recompute=recompute, **kw) for _ in range(cfg.n_layers))
+        self.norm = norm_for(cfg, grid=grid, device=device, dtype=dtype)
         self.head = Linear(cfg.hidden, cfg.vocab_size, bias=False, transpose=False, **kw)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -87,22 +126,22 @@ class Transformer(nn.Module):
         return vocab_parallel_cross_entropy(self(ids), targets, self.grid, axis="y")
 
     @torch.no_grad()
-    def load_dense_(self, dense: DenseTransformer) -> "Transformer":
+    def load_dense_(self, dense: DenseTransformer) -> Transformer:
         """Take this rank's part of every weight of ``dense`` (equal on every rank)."""
         self.tok_emb.load_dense_(dense.tok_emb.weight)
         if self.pos_emb is not None:
             assert dense.pos_emb is not None
             self.pos_emb.load_dense_(dense.pos_emb.weight)
         for mine, theirs in zip(self.blocks, dense.blocks):
-            mine.load_dense_(theirs)
+            cast(TransformerBlock, mine).load_dense_(cast(DenseBlock, theirs))
         self.norm.load_dense_(dense.norm)
         self.head.load_dense_(dense.head.weight)
         return self
 
     @classmethod
-    def from_dense(cls, dense: DenseTransformer, *, grid: Grid | None = None) -> "Transformer":
+    def from_dense(cls, dense: DenseTransformer, *, grid: Grid | None = None, recompute: str = "none") -> Transformer:
         p = dense.head.weight
-        model = cls(dense.cfg, grid=grid, dtype=p.dtype)
+        model = cls(dense.cfg, grid=grid, dtype=p.dtype, recompute=recompute)
         return model.load_dense_(dense)
 
     def to_dense(self, grads: bool = False) -> DenseTransformer:
@@ -112,7 +151,7 @@ class Transformer(nn.Module):
         dense.tok_emb = self.tok_emb.to_dense(grads)
         if self.pos_emb is not None:
             dense.pos_emb = self.pos_emb.to_dense(grads)
-        dense.blocks = nn.ModuleList(b.to_dense(grads) for b in self.blocks)
+        dense.blocks = nn.ModuleList(cast(TransformerBlock, b).to_dense(grads) for b in self.blocks)
         dense.norm = self.norm.to_dense(grads)
         dense.head = self.head.to_dense(grads)
         return dense

@@ -1,4 +1,4 @@
-"""Parallel modules built on the 4D grid."""
+"""Parallel modules built on the 4D grid (docs/design.md §2)."""
 
 from axon4d.nn.linear import Linear
 

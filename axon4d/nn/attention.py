@@ -6,21 +6,28 @@ produces the residual-stream layout (b, s, hidden/G_x) with no redistribution. T
 features are ordered so that y-rank j's contiguous chunk holds whole heads:
 [q heads of group j | k heads of group j | v heads of group j]; attention then runs on this rank's
 n_heads/G_y query heads and n_kv_heads/G_y key/value heads with no communication.
+
+``recompute_core`` (selective recomputation, axon4d.nn.recompute): core attention — rotary,
+scores, softmax, weighted sum — keeps only q, k, v and runs again in backward.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import runtime
+from axon4d import rules, runtime
 from axon4d.grid import Grid
-from axon4d import rules
 from axon4d.nn.linear import Linear
+from axon4d.nn.recompute import checkpointed
 
 
-def rotary_tables(seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (seq, head_dim) of rotary position embeddings (half-split convention)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # (seq, head_dim/2)
@@ -49,13 +56,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_the
 class DenseAttention(nn.Module):
     """The single-process reference: separate q, k, v, o projections."""
 
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, bias: bool, rope_theta: float | None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        n_kv_heads: int,
+        bias: bool,
+        rope_theta: float | None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta = n_heads, n_kv_heads, hidden // n_heads, rope_theta
+        self.n_heads, self.n_kv_heads, self.head_dim, self.rope_theta = (
+            n_heads,
+            n_kv_heads,
+            hidden // n_heads,
+            rope_theta,
+        )
         kv = n_kv_heads * self.head_dim
-        kw = dict(bias=bias, device=device, dtype=dtype)
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(hidden, hidden, **kw), nn.Linear(hidden, kv, **kw), nn.Linear(hidden, kv, **kw)
+        kw: dict[str, Any] = dict(bias=bias, device=device, dtype=dtype)
+        self.q_proj, self.k_proj, self.v_proj = (
+            nn.Linear(hidden, hidden, **kw),
+            nn.Linear(hidden, kv, **kw),
+            nn.Linear(hidden, kv, **kw),
+        )
         self.o_proj = nn.Linear(hidden, hidden, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,21 +105,34 @@ def _qkv_order(n_heads: int, n_kv_heads: int, head_dim: int, groups: int) -> tor
 class Attention(nn.Module):
     """Causal GQA self-attention on (b, s, hidden/G_x) activations (replicated over y)."""
 
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int | None = None, *, bias: bool = True,
-                 rope_theta: float | None = None, grid: Grid | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        bias: bool = True,
+        rope_theta: float | None = None,
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        recompute_core: bool = False,
+    ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
+        self.recompute_core = recompute_core
         n_kv_heads = n_kv_heads or n_heads
         if hidden % n_heads or n_heads % n_kv_heads:
-            raise ValueError(f"hidden = {hidden}, n_heads = {n_heads}, n_kv_heads = {n_kv_heads}: need hidden % n_heads == 0 "
-                             "and n_heads % n_kv_heads == 0")
+            raise ValueError(
+                f"hidden = {hidden}, n_heads = {n_heads}, n_kv_heads = {n_kv_heads}: need hidden % n_heads == 0 "
+                "and n_heads % n_kv_heads == 0"
+            )
         rules.check(grid.shape, rules.heads(n_heads, n_kv_heads))
         self.hidden, self.n_heads, self.n_kv_heads, self.head_dim = hidden, n_heads, n_kv_heads, hidden // n_heads
         self.rope_theta = rope_theta
         self.local_heads, self.local_kv_heads = n_heads // grid.size("y"), n_kv_heads // grid.size("y")
         qkv_out = (n_heads + 2 * n_kv_heads) * self.head_dim
-        kw = dict(grid=grid, device=device, dtype=dtype)
+        kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.qkv = Linear(hidden, qkv_out, bias=bias, transpose=False, **kw)
         self.out = Linear(hidden, hidden, bias=bias, transpose=True, **kw)
         # the fused output is q | k | v interleaved by y group: checkpoints store the three apart
@@ -107,11 +144,15 @@ class Attention(nn.Module):
         qkv = self.qkv(x)  # (b, s, (hq + 2 hkv)·d) of this y group's heads
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        y = causal_attention(q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d), self.rope_theta)
+        q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
+        if self.recompute_core:
+            y = checkpointed(causal_attention, q, k, v, self.rope_theta)
+        else:
+            y = causal_attention(q, k, v, self.rope_theta)
         return self.out(y)  # (b, s, hidden/G_x)
 
     @torch.no_grad()
-    def load_dense_(self, dense: DenseAttention) -> "Attention":
+    def load_dense_(self, dense: DenseAttention) -> Attention:
         order = _qkv_order(self.n_heads, self.n_kv_heads, self.head_dim, self.grid.size("y"))
         w = torch.cat([dense.q_proj.weight, dense.k_proj.weight, dense.v_proj.weight])[order]
         b = None
@@ -123,8 +164,15 @@ class Attention(nn.Module):
 
     def to_dense(self, grads: bool = False) -> DenseAttention:
         p = self.qkv.weight
-        dense = DenseAttention(self.hidden, self.n_heads, self.n_kv_heads, self.qkv.bias is not None, self.rope_theta,
-                               device=p.device, dtype=p.dtype)
+        dense = DenseAttention(
+            self.hidden,
+            self.n_heads,
+            self.n_kv_heads,
+            self.qkv.bias is not None,
+            self.rope_theta,
+            device=p.device,
+            dtype=p.dtype,
+        )
         order = _qkv_order(self.n_heads, self.n_kv_heads, self.head_dim, self.grid.size("y"))
         inverse = torch.argsort(order)
         qkv = self.qkv.to_dense(grads)

@@ -2,6 +2,11 @@
 
     x = x + attention(norm1(x));  x = x + mlp(norm2(x))
 
+``recompute`` chooses what the block keeps for backward (axon4d.nn.recompute, docs/design.md §5):
+"none", "selective" (core attention re-run from q, k, v), "balanced" (the norms' normalisation and
+the MLP activation re-run inside the backward of the GEMM that consumes them; statistics kept), or
+"full" (only the block input kept; the whole forward, collectives included, re-run in backward).
+
 Everything stays in the residual-stream layout (b, s, hidden/G_x), replicated over y: the QKV and
 MLP-up projections are normal layers, the attention-output and MLP-down projections transposed
 (docs/design.md §2), so a block issues no redistribution at all.
@@ -13,23 +18,14 @@ import torch
 from torch import nn
 
 from axon4d import runtime
-from axon4d.grid import Grid
 from axon4d.config import ModelConfig
+from axon4d.grid import Grid
 from axon4d.nn.attention import Attention, DenseAttention
+from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
-from axon4d.nn.norm import LayerNorm, RMSNorm
-
-
-def _dense_norm(cfg: ModelConfig, device: str | torch.device | None, dtype: torch.dtype | None) -> nn.Module:
-    if cfg.arch == "llama":
-        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps, device=device, dtype=dtype)
-    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, device=device, dtype=dtype)
-
-
-def _norm(cfg: ModelConfig, grid: Grid, device: str | torch.device | None, dtype: torch.dtype | None) -> nn.Module:
-    if cfg.arch == "llama":
-        return RMSNorm(cfg.hidden, eps=cfg.norm_eps, grid=grid, device=device, dtype=dtype)
-    return LayerNorm(cfg.hidden, eps=cfg.norm_eps, grid=grid, device=device, dtype=dtype)
+from axon4d.nn.norm import SplitFeatureNorm, dense_norm_for, norm_for
+from axon4d.nn.recompute import check_mode, checkpoint_block, recomputed_input
+from axon4d.precision import compute_dtype
 
 
 class DenseBlock(nn.Module):
@@ -39,7 +35,8 @@ class DenseBlock(nn.Module):
         super().__init__()
         bias = cfg.arch == "gpt"
         rope = cfg.rope_theta if cfg.arch == "llama" else None
-        self.norm1, self.norm2 = _dense_norm(cfg, device, dtype), _dense_norm(cfg, device, dtype)
+        self.norm1 = dense_norm_for(cfg, device=device, dtype=dtype)
+        self.norm2 = dense_norm_for(cfg, device=device, dtype=dtype)
         self.attn = DenseAttention(cfg.hidden, cfg.n_heads, cfg.kv_heads, bias, rope, device=device, dtype=dtype)
         self.mlp = DenseMLP(cfg.hidden, cfg.ffn, cfg.gated, bias, device=device, dtype=dtype)
 
@@ -51,24 +48,73 @@ class DenseBlock(nn.Module):
 class TransformerBlock(nn.Module):
     """One GPT or Llama block on the 4D grid: (b, s, hidden/G_x) → (b, s, hidden/G_x)."""
 
-    def __init__(self, cfg: ModelConfig, *, grid: Grid | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        recompute: str = "none",
+    ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.cfg = cfg
+        self.recompute = check_mode(recompute)
         bias = cfg.arch == "gpt"
         rope = cfg.rope_theta if cfg.arch == "llama" else None
-        self.norm1, self.norm2 = _norm(cfg, grid, device, dtype), _norm(cfg, grid, device, dtype)
-        self.attn = Attention(cfg.hidden, cfg.n_heads, cfg.kv_heads, bias=bias, rope_theta=rope,
-                              grid=grid, device=device, dtype=dtype)
-        self.mlp = MLP(cfg.hidden, cfg.ffn, gated=cfg.gated, bias=bias, grid=grid, device=device, dtype=dtype)
+        self.norm1 = norm_for(cfg, grid=grid, device=device, dtype=dtype)
+        self.norm2 = norm_for(cfg, grid=grid, device=device, dtype=dtype)
+        self.attn = Attention(
+            cfg.hidden,
+            cfg.n_heads,
+            cfg.kv_heads,
+            bias=bias,
+            rope_theta=rope,
+            grid=grid,
+            device=device,
+            dtype=dtype,
+            recompute_core=recompute == "selective",
+        )
+        self.mlp = MLP(
+            cfg.hidden,
+            cfg.ffn,
+            gated=cfg.gated,
+            bias=bias,
+            grid=grid,
+            device=device,
+            dtype=dtype,
+            recompute_activation=recompute == "balanced",
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        if self.recompute == "full":
+            return checkpoint_block(self._forward, x, scheduler=self.grid.scheduler, layers=self.linears())
+        return self._forward(x)
+
+    def linears(self) -> list[Linear]:
+        """The block's 3D layers, in forward order."""
+        return [self.attn.qkv, self.attn.out, self.mlp.up, self.mlp.down]
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._sublayer(self.norm1, self.attn, self.attn.qkv, x)
+        return x + self._sublayer(self.norm2, self.mlp, self.mlp.up, x)
+
+    def _sublayer(self, norm: SplitFeatureNorm, body: nn.Module, first: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``body(norm(x))``; under balanced recomputation ``body``'s first GEMM (``first``) keeps
+        ``x`` and the norm's statistics instead of the normalised activations."""
+        if self.recompute != "balanced":
+            return body(norm(x))
+        dtype = compute_dtype(self.grid.precision, first.weight)  # what ``first`` multiplies in
+
+        def normalize(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+            return norm.normalize(x, stats).to(dtype)
+
+        with recomputed_input(normalize, x, norm.statistics(x)) as h:
+            return body(h)
 
     @torch.no_grad()
-    def load_dense_(self, dense: DenseBlock) -> "TransformerBlock":
+    def load_dense_(self, dense: DenseBlock) -> TransformerBlock:
         self.norm1.load_dense_(dense.norm1)
         self.norm2.load_dense_(dense.norm2)
         self.attn.load_dense_(dense.attn)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from axon4d import runtime
+from axon4d import pieces, rules, runtime
 from axon4d.grid import Grid
-from axon4d import rules
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
 from axon4d.precision import compute_dtype
 
@@ -26,8 +25,15 @@ def _block(full: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> 
 class VocabParallelEmbedding(nn.Module):
     """``torch.nn.Embedding(vocab, hidden)`` with vocab split over y and hidden over x."""
 
-    def __init__(self, vocab_size: int, hidden: int, *, grid: Grid | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        *,
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.vocab_size, self.hidden = vocab_size, hidden
@@ -42,18 +48,22 @@ class VocabParallelEmbedding(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """N(0, 1) like ``torch.nn.Embedding``; a block's values depend on the seed and its position."""
+        """N(0, 1) like ``torch.nn.Embedding``: this rank's block of the full (vocab, hidden) table
+        initialised tile by tile (``axon4d.pieces``, tensor "weight") from one seed drawn from
+        torch's default generator, so a block's values depend on the seed and its position only."""
         seed = int(torch.randint(0, 2**62, ()).item())
         if self.weight.is_meta:
             return
-        gen = torch.Generator().manual_seed(seed + 31 * (self.grid.coord("y") * 65537 + self.grid.coord("x") + 1))
-        self.weight.copy_(torch.randn(self.weight.shape, generator=gen))
+        shape = (self.vocab_size, self.hidden)
+        pieces.fill_(self.weight, pieces.Init.normal(1.0), seed, "weight", shape, self.rows[0], self.cols[0])
 
     @torch.no_grad()
-    def load_dense_(self, weight: torch.Tensor) -> "VocabParallelEmbedding":
+    def load_dense_(self, weight: torch.Tensor) -> VocabParallelEmbedding:
         """Copy this rank's block of a full (vocab, hidden) table given on every rank."""
         if tuple(weight.shape) != (self.vocab_size, self.hidden):
-            raise ValueError(f"dense embedding has shape {tuple(weight.shape)}, expected ({self.vocab_size}, {self.hidden})")
+            raise ValueError(
+                f"dense embedding has shape {tuple(weight.shape)}, expected ({self.vocab_size}, {self.hidden})"
+            )
         self.weight.copy_(_block(weight, self.rows, self.cols))
         return self
 
@@ -83,8 +93,15 @@ class VocabParallelEmbedding(nn.Module):
 class PositionEmbedding(nn.Module):
     """Learned absolute positions (GPT): a (seq_len, hidden/G_x) slice per rank, added to the stream."""
 
-    def __init__(self, seq_len: int, hidden: int, *, grid: Grid | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        seq_len: int,
+        hidden: int,
+        *,
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.seq_len, self.hidden = seq_len, hidden
@@ -94,14 +111,12 @@ class PositionEmbedding(nn.Module):
         device = device if device is not None else self.grid.device
         self.weight = nn.Parameter(torch.zeros(seq_len, h, device=device, dtype=dtype))
         average_grad_over_batch(self.weight, self.grid)
-        if not self.weight.is_meta:
+        if not self.weight.is_meta:  # N(0, 0.02²): this rank's columns of the full table, drawn tile by tile
             seed = int(torch.randint(0, 2**62, ()).item())
-            gen = torch.Generator().manual_seed(seed + self.grid.coord("x"))
-            with torch.no_grad():
-                self.weight.copy_(0.02 * torch.randn(self.weight.shape, generator=gen))
+            pieces.fill_(self.weight, pieces.Init.normal(0.02), seed, "weight", (seq_len, hidden), 0, self.cols[0])
 
     @torch.no_grad()
-    def load_dense_(self, weight: torch.Tensor) -> "PositionEmbedding":
+    def load_dense_(self, weight: torch.Tensor) -> PositionEmbedding:
         self.weight.copy_(weight[:, self.cols[0] : self.cols[1]])
         return self
 

@@ -41,7 +41,11 @@ class _SumPartials(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=f"sum_partials.bwd.{ctx.axis}").wait(), None, None
+        return (
+            ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=f"sum_partials.bwd.{ctx.axis}").wait(),
+            None,
+            None,
+        )
 
 
 class _SumToReplicas(torch.autograd.Function):
@@ -84,8 +88,9 @@ def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
     dtype = reduce_dtype(grid.precision, param)
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        reduced = grid.comm.all_reduce(grad.to(dtype, memory_format=torch.contiguous_format, copy=True), "batch",
-                                       tag="replicated_grad").wait()  # one copy: the incoming grad may be shared
+        reduced = grid.comm.all_reduce(
+            grad.to(dtype, memory_format=torch.contiguous_format, copy=True), "batch", tag="replicated_grad"
+        ).wait()  # one copy: the incoming grad may be shared
         return reduced.div_(g_batch).to(grad.dtype)
 
     param.register_hook(hook)

@@ -18,10 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import geometry, runtime
 from axon4d import device as devices
+from axon4d import geometry, pieces, rules, runtime
 from axon4d.grid import Grid
-from axon4d import rules
 
 
 class _Linear3D(torch.autograd.Function):
@@ -34,7 +33,9 @@ class _Linear3D(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear") -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
+    ) -> torch.Tensor:
         comm, sched = layer.grid.comm, layer.grid.scheduler
         w = sched.gather_weight(layer, weight, backward=False)  # (out_l, in_l) — E2, all-gather over z
         x = x.to(w.dtype)  # mixed precision: compute in the gathered block's dtype (axon4d.precision)
@@ -56,9 +57,14 @@ class _Linear3D(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         ctx.layer = layer
         ctx.has_bias = bias is not None
-        ctx.w_block = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no second E10
-        sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and ctx.w_block is None)
-        ctx.save_for_backward(x, weight)
+        kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no second E10
+        sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and kept is None)
+        if sched.checkpointed:  # full recomputation: the kept block is the recomputed forward's
+            ctx.w_block = None
+            ctx.save_for_backward(x, weight, kept)
+        else:  # held on ctx, so backward can free it before the dW matmul
+            ctx.w_block = kept
+            ctx.save_for_backward(x, weight, None)
         return y
 
     @staticmethod
@@ -66,12 +72,14 @@ class _Linear3D(torch.autograd.Function):
         layer: Linear = ctx.layer
         comm, sched = layer.grid.comm, layer.grid.scheduler
         sched.backward_started()  # pending reductions land in .grad before backward() returns
-        x, weight = ctx.saved_tensors
+        x, weight, kept = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()  # (b, out_l)
         dx_handle = None
         if ctx.needs_input_grad[0]:
-            w = ctx.w_block if ctx.w_block is not None else sched.gather_weight(layer, weight, backward=True)
+            if kept is None:
+                kept = ctx.w_block
+            w = kept if kept is not None else sched.gather_weight(layer, weight, backward=True)
             with sched.compute("bwd.dX"):
                 dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
             dx_handle = comm.all_reduce(dx, layer.out_axis, tag="bwd.E9")  # E4, issued before dW
@@ -87,6 +95,7 @@ class _Linear3D(torch.autograd.Function):
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
+            assert layer.bias is not None  # ctx.has_bias
             dbias = sched.reduce_bias_grad(layer.bias, db, scale)  # E7 over batch
         dx_out = None
         if dx_handle is not None:
@@ -102,6 +111,10 @@ class Linear(nn.Module):
     ``transpose``. ``weight`` is this rank's flat Z shard of its weight block; ``bias`` is the
     block's slice of the bias (out_features/G_out,), replicated over the other axes.
     """
+
+    #: fused outputs (q | k | v, gate | up) interleaved by y group: (name, global rows) of each, so a
+    #: checkpoint stores them apart (axon4d.params); empty for a plain layer
+    row_segments: tuple[tuple[str, int], ...] = ()
 
     def __init__(
         self,
@@ -152,23 +165,28 @@ class Linear(nn.Module):
         """Initialise like ``torch.nn.Linear``: U(−1/√in, 1/√in) for weight and bias.
 
         Every rank draws one seed from torch's default generator (so it stays in step across
-        ranks); a block's values then depend on that seed and the block's position only, so
-        replicas agree and the result does not depend on G_z.
+        ranks). The layer then holds this rank's part of the full (out, in) weight and (out,) bias
+        initialised tile by tile from that seed (``axon4d.pieces``, tensors "weight" and "bias"),
+        drawing only the tiles its shard overlaps: replicas agree, and the values of a block depend
+        on neither G_z nor the other ranks.
         """
         seed = int(torch.randint(0, 2**62, (), generator=None).item())
         if self.weight.is_meta:
             return
-        bound = 1.0 / math.sqrt(self.in_features)
+        init = pieces.Init.uniform(1.0 / math.sqrt(self.in_features))
+        rows, cols = self.block_shape
         row, col = self.block_index
-        gen = torch.Generator().manual_seed(seed + 7919 * (row * 65537 + col + 1))
-        block = torch.empty(self.block_shape).uniform_(-bound, bound, generator=gen)
-        self.weight.copy_(self._my_shard(block.reshape(-1)))
+        start = self.grid.coord("z") * self.shard_numel
+        stop = min(start + self.shard_numel, rows * cols)
+        shape = (self.out_features, self.in_features)
+        weight = pieces.pieces([pieces.Rows(0, rows, "weight", shape, row * rows)], col * cols, cols, start, stop)
+        pieces.fill_pieces_(self.weight, weight, {"weight": init}, seed)
         if self.bias is not None:
-            gen = torch.Generator().manual_seed(seed + 104729 * (row + 1))
-            self.bias.copy_(torch.empty(self.bias.shape).uniform_(-bound, bound, generator=gen))
+            bias = pieces.pieces([pieces.Rows(0, rows, "bias", (self.out_features, 1), row * rows)], 0, 1, 0, rows)
+            pieces.fill_pieces_(self.bias, bias, {"bias": init}, seed)
 
     @torch.no_grad()
-    def load_dense_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
+    def load_dense_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         """Copy this rank's part of a full (out, in) weight and (out,) bias, given on every rank."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
@@ -188,10 +206,16 @@ class Linear(nn.Module):
         return self
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, transpose: bool = False, *, grid: Grid | None = None) -> "Linear":
+    def from_dense(cls, dense: nn.Linear, transpose: bool = False, *, grid: Grid | None = None) -> Linear:
         """A 3D layer holding this rank's part of ``dense`` (which must be equal on every rank)."""
-        layer = cls(dense.in_features, dense.out_features, bias=dense.bias is not None,
-                    transpose=transpose, grid=grid, dtype=dense.weight.dtype)
+        layer = cls(
+            dense.in_features,
+            dense.out_features,
+            bias=dense.bias is not None,
+            transpose=transpose,
+            grid=grid,
+            dtype=dense.weight.dtype,
+        )
         return layer.load_dense_(dense.weight, dense.bias)
 
     def _assemble(self, flat_shard: torch.Tensor) -> torch.Tensor:
@@ -203,8 +227,13 @@ class Linear(nn.Module):
     @torch.no_grad()
     def to_dense(self, grads: bool = False) -> nn.Linear:
         """A plain ``torch.nn.Linear`` with the full weight and bias (and their ``.grad``), on every rank."""
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
+        dense = nn.Linear(
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.weight.device,
+            dtype=self.weight.dtype,
+        )
         dense.weight.copy_(self._assemble(self.weight))
         if self.bias is not None:
             dense.bias.copy_(self.grid.comm.all_gather(self.bias.detach(), self.out_axis, tag="dense").wait())

@@ -1,4 +1,5 @@
-"""Vocabulary-parallel cross-entropy: the loss over logits split over an axis, never gathered.
+"""Vocabulary-parallel cross-entropy: the loss over logits split over an axis, never gathered
+(docs/design.md §2, edges: LM head and loss).
 
 Logits arrive as (…, vocab/G) on each rank of ``axis`` (the output of the LM head, a normal
 Linear whose output features — the vocabulary — are split over y). Per token:
@@ -22,7 +23,9 @@ from axon4d.grid import Grid
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, axis: str, grid: Grid, ignore_index: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, axis: str, grid: Grid, ignore_index: int
+    ) -> torch.Tensor:
         comm = grid.comm
         v_local = logits.shape[-1]
         lo = grid.coord(axis) * v_local
@@ -50,8 +53,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(logits.dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, grid: Grid, axis: str = "y",
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, grid: Grid, axis: str = "y", ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy over this rank's tokens of logits whose last dim is split over ``axis``.
 
     ``logits``: (…, vocab/G_axis); ``targets``: (…) global token ids. Equals

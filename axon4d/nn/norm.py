@@ -4,23 +4,39 @@ Between blocks the residual stream has the layout of a normal layer's input (doc
 (b, hidden/G_x) on each rank, replicated over y. A norm's statistics span all ``hidden``
 features, so the per-rank partial sums are all-reduced over x (``sum_partials``); the affine
 weight and bias are split over x like the features and replicated elsewhere, with gradients
-averaged over batch = data × z.
+averaged over batch = data × z. Each norm is ``normalize(x, statistics(x))``: the per-token
+statistics need the all-reduce, the normalisation is elementwise — so balanced recomputation
+(axon4d.nn.recompute) keeps the statistics and re-runs only ``normalize``. ``norm_for(cfg)`` / ``dense_norm_for(cfg)`` pick the norm of a
+model configuration's architecture (RMSNorm for Llama, LayerNorm for GPT), on the grid or plain.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
-from axon4d import runtime
+from axon4d import rules, runtime
+from axon4d.config import ModelConfig
 from axon4d.grid import Grid
-from axon4d import rules
 from axon4d.nn.functional import average_grad_over_batch, sum_partials
 
 
-class ShardedNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, bias: bool, axis: str, grid: Grid | None,
-                 device: str | torch.device | None, dtype: torch.dtype | None):
+class SplitFeatureNorm(nn.Module):
+    """What LayerNorm and RMSNorm share: ``hidden`` features split over ``axis``, this rank's slice
+    of the affine weight (and bias), gradients averaged over batch."""
+
+    def __init__(
+        self,
+        hidden: int,
+        eps: float,
+        bias: bool,
+        axis: str,
+        grid: Grid | None,
+        device: str | torch.device | None,
+        dtype: torch.dtype | None,
+    ):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.hidden, self.eps, self.axis = hidden, eps, axis
@@ -31,6 +47,22 @@ class ShardedNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype)) if bias else None
         for p in self.parameters():
             average_grad_over_batch(p, self.grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.statistics(x))
+
+    def statistics(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token statistics over all ``hidden`` features, fp32 (…, k) — all-reduce over the axis."""
+        raise NotImplementedError
+
+    def normalize(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        """The normalised, scaled (…, hidden/G_axis) activations from ``x`` and its ``statistics``
+        (elementwise: no communication)."""
+        raise NotImplementedError
+
+    def to_dense(self, grads: bool = False) -> nn.Module:
+        """The full-width ``torch.nn`` norm (with ``.grad`` if ``grads``), on every rank of the axis."""
+        raise NotImplementedError
 
     def _affine(self, x_hat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """x̂·w (+ b), computed in fp32 and returned in the activations' dtype."""
@@ -43,34 +75,56 @@ class ShardedNorm(nn.Module):
         return full[self.grid.coord(self.axis) * n : (self.grid.coord(self.axis) + 1) * n]
 
     @torch.no_grad()
-    def load_dense_(self, dense: nn.Module) -> "ShardedNorm":
+    def load_dense_(self, dense: nn.Module) -> SplitFeatureNorm:
         """Copy this rank's features of a full-width norm's weight (and bias)."""
-        self.weight.copy_(self._slice(dense.weight))
+        self.weight.copy_(self._slice(cast(torch.Tensor, dense.weight)))
         if self.bias is not None:
-            self.bias.copy_(self._slice(dense.bias))
+            self.bias.copy_(self._slice(cast(torch.Tensor, dense.bias)))
         return self
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return self.grid.comm.all_gather(t.detach().contiguous(), self.axis, tag="dense").wait().clone()
 
 
-class LayerNorm(ShardedNorm):
+class LayerNorm(SplitFeatureNorm):
     """``torch.nn.LayerNorm(hidden)`` on features split over ``axis`` (default x)."""
 
-    def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True, *, axis: str = "x",
-                 grid: Grid | None = None, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        *,
+        axis: str = "x",
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__(hidden, eps, bias, axis, grid, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``normalize(x, statistics(x))`` with the centred input made once (it is kept for backward)."""
         xf = x.float()
         mean = sum_partials(xf.sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         centred = xf - mean
         var = sum_partials(centred.square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         return self._affine(centred * torch.rsqrt(var + self.eps), x.dtype)
 
+    def statistics(self, x: torch.Tensor) -> torch.Tensor:
+        """(…, 2) fp32: the mean and 1/√(var + eps) of each token (all-reduces over the axis)."""
+        xf = x.float()
+        mean = sum_partials(xf.sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
+        var = sum_partials((xf - mean).square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
+        return torch.cat([mean, torch.rsqrt(var + self.eps)], dim=-1)
+
+    def normalize(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        mean, rstd = stats.split(1, dim=-1)
+        return self._affine((x.float() - mean) * rstd, x.dtype)
+
     def to_dense(self, grads: bool = False) -> nn.LayerNorm:
-        dense = nn.LayerNorm(self.hidden, eps=self.eps, bias=self.bias is not None,
-                             device=self.weight.device, dtype=self.weight.dtype)
+        dense = nn.LayerNorm(
+            self.hidden, eps=self.eps, bias=self.bias is not None, device=self.weight.device, dtype=self.weight.dtype
+        )
         with torch.no_grad():
             dense.weight.copy_(self._gather(self.weight))
             if self.bias is not None:
@@ -82,17 +136,28 @@ class LayerNorm(ShardedNorm):
         return dense
 
 
-class RMSNorm(ShardedNorm):
+class RMSNorm(SplitFeatureNorm):
     """``torch.nn.RMSNorm(hidden)`` on features split over ``axis`` (default x)."""
 
-    def __init__(self, hidden: int, eps: float = 1e-6, *, axis: str = "x", grid: Grid | None = None,
-                 device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        eps: float = 1e-6,
+        *,
+        axis: str = "x",
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__(hidden, eps, False, axis, grid, device, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        ms = sum_partials(xf.square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
-        return self._affine(xf * torch.rsqrt(ms + self.eps), x.dtype)
+    def statistics(self, x: torch.Tensor) -> torch.Tensor:
+        """(…, 1) fp32: 1/√(mean square + eps) of each token (an all-reduce over the axis)."""
+        ms = sum_partials(x.float().square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
+        return torch.rsqrt(ms + self.eps)
+
+    def normalize(self, x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        return self._affine(x.float() * stats, x.dtype)
 
     def to_dense(self, grads: bool = False) -> nn.RMSNorm:
         dense = nn.RMSNorm(self.hidden, eps=self.eps, device=self.weight.device, dtype=self.weight.dtype)
@@ -101,3 +166,21 @@ class RMSNorm(ShardedNorm):
         if grads and self.weight.grad is not None:
             dense.weight.grad = self._gather(self.weight.grad)
         return dense
+
+
+def norm_for(
+    cfg: ModelConfig, *, grid: Grid, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+) -> SplitFeatureNorm:
+    """The norm of ``cfg``'s architecture on features split over x: RMSNorm (Llama) or LayerNorm (GPT)."""
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.hidden, eps=cfg.norm_eps, grid=grid, device=device, dtype=dtype)
+    return LayerNorm(cfg.hidden, eps=cfg.norm_eps, grid=grid, device=device, dtype=dtype)
+
+
+def dense_norm_for(
+    cfg: ModelConfig, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The single-process norm of ``cfg``'s architecture: ``torch.nn.RMSNorm`` (Llama) or ``LayerNorm`` (GPT)."""
+    if cfg.arch == "llama":
+        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps, device=device, dtype=dtype)
+    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps, device=device, dtype=dtype)

@@ -11,12 +11,12 @@ import os
 import sys
 from typing import Any
 
-from axon4d.shape import GridShape
 from axon4d.config import ModelConfig, get_config
 from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan
 from axon4d.plan.workload import Workload
+from axon4d.shape import GridShape
 
 LOCAL_MACHINE_FILE = "local.json"  # what ``axon4d calibrate`` writes by default
 
@@ -34,10 +34,20 @@ def default_machine() -> str:
     )
 
 
-def choose_grid(world: int, *, model: ModelConfig | str | None = None, batch: int | None = None,
-                machine: str | None = None, dtype: str = "bfloat16", overlap: Any = None, recompute: str = "none",
-                memory_gib: float | None = None, workload: Workload | None = None, rank: int = 0,
-                top: int = 3) -> GridShape:
+def choose_grid(
+    world: int,
+    *,
+    model: ModelConfig | str | None = None,
+    batch: int | None = None,
+    machine: str | None = None,
+    dtype: str = "bfloat16",
+    overlap: Any = None,
+    recompute: str = "none",
+    memory_gib: float | None = None,
+    workload: Workload | None = None,
+    rank: int = 0,
+    top: int = 3,
+) -> GridShape:
     """The fastest grid of ``world`` ranks that fits, by the planner; rank 0 prints why.
 
     ``model`` is a ModelConfig or a size name; ``batch`` the global batch in sequences (default:
@@ -45,22 +55,35 @@ def choose_grid(world: int, *, model: ModelConfig | str | None = None, batch: in
     """
     if workload is None:
         if model is None:
-            raise ValueError("grid='auto' needs the model: axon4d.init(grid='auto', plan={'model': cfg_or_name, 'batch': B})")
+            raise ValueError(
+                "grid='auto' needs the model: axon4d.init(grid='auto', plan={'model': cfg_or_name, 'batch': B})"
+            )
         cfg = get_config(model) if isinstance(model, str) else model
         workload = Workload(cfg, batch if batch is not None else world, dtype)
-    result = plan(workload.model, world, machine or default_machine(), workload.batch, overlap=overlap,
-                  recompute=recompute, memory_limit=memory_gib * 2**30 if memory_gib else None, workload=workload)
+    result = plan(
+        workload.model,
+        world,
+        machine or default_machine(),
+        workload.batch,
+        overlap=overlap,
+        recompute=recompute,
+        memory_limit=memory_gib * 2**30 if memory_gib else None,
+        workload=workload,
+    )
     best = result.best
     if rank == 0:
         t = best.time
         m = workload.model
-        print(f"axon4d: grid='auto' chose {best.shape.as_tuple()} (x, y, z, data) for {m.name or 'the model'} "
-              f"(batch {workload.batch} × {m.seq_len}, {workload.dtype}) on {world} × {result.machine.name}: predicted "
-              f"{t.step_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}%, {best.mem.peak / 2**30:.2f} GiB per rank "
-              f"(limit {result.memory_limit / 2**30:.1f}), communication {t.comm_s * 1e3:.1f} ms of which "
-              f"{t.hidden_pct:.0f}% hidden (overlap {describe(result.overlap)}); "
-              f"{sum(c.fits for c in result.candidates)} of {len(result.candidates)} valid grids fit. Top {top}:",
-              file=sys.stderr, flush=True)
+        print(
+            f"axon4d: grid='auto' chose {best.shape.as_tuple()} (x, y, z, data) for {m.name or 'the model'} "
+            f"(batch {workload.batch} × {m.seq_len}, {workload.dtype}) on {world} × {result.machine.name}: predicted "
+            f"{t.step_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}%, {best.mem.peak / 2**30:.2f} GiB per rank "
+            f"(limit {result.memory_limit / 2**30:.1f}), communication {t.comm_s * 1e3:.1f} ms of which "
+            f"{t.hidden_pct:.0f}% hidden (overlap {describe(result.overlap)}); "
+            f"{sum(c.fits for c in result.candidates)} of {len(result.candidates)} valid grids fit. Top {top}:",
+            file=sys.stderr,
+            flush=True,
+        )
         print(result.table(top), file=sys.stderr, flush=True)
         if result.caveat:
             print(f"axon4d: warning: {result.caveat}", file=sys.stderr, flush=True)

@@ -17,10 +17,12 @@ import sys
 import time
 
 from axon4d.config import SIZES, get_config
+from axon4d.device import DTYPES
 from axon4d.plan import stepfit
 from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan
+from axon4d.policy import RECOMPUTE_MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,11 +31,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", default="perlmutter", help=f"shipped machine ({', '.join(available())}) or a JSON file")
     p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
     p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--overlap", default="all",
-                   help="mechanisms on: all (the library default) | off | a list like oag,oar,odp,chunks; "
-                        "knobs too: all,oag_depth=3,ors_inflight=2 (axon4d.overlap.OverlapPolicy.parse)")
-    p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument(
+        "--overlap",
+        default="all",
+        help="mechanisms on: all (the library default) | off | a list like oag,oar,odp,chunks; "
+        "knobs too: all,oag_depth=3,ors_inflight=2 (axon4d.overlap.OverlapPolicy.parse)",
+    )
+    p.add_argument(
+        "--recompute",
+        default="none",
+        choices=RECOMPUTE_MODES,
+        help="activation recomputation, as the runtime does it (Transformer(cfg, recompute=...), axon4d train --recompute): "
+        "none | selective (core attention) | balanced (norms and MLP activation, inside the consuming GEMM's backward) "
+        "| full (whole blocks)",
+    )
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the candidates as JSON ('-' for stdout)")
@@ -42,29 +54,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
     start = time.perf_counter()
-    result = plan(cfg, args.gpus, args.machine, args.batch, dtype=args.dtype, overlap=args.overlap,
-                  recompute=args.recompute,
-                  memory_limit=args.memory_gib * 2**30 if args.memory_gib else None)
+    result = plan(
+        cfg,
+        args.gpus,
+        args.machine,
+        args.batch,
+        dtype=args.dtype,
+        overlap=args.overlap,
+        recompute=args.recompute,
+        memory_limit=args.memory_gib * 2**30 if args.memory_gib else None,
+    )
     elapsed = time.perf_counter() - start
     if args.json == "-":
         json.dump(result.to_json(args.top), sys.stdout, indent=1)
         print()
         return 0
     wl = result.workload
-    print(f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
-          f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
-          f"overlap {describe(result.overlap)}, recompute {result.recompute}")
+    print(
+        f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
+        f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
+        f"overlap {describe(result.overlap)}, recompute {result.recompute}"
+    )
     if result.machine.step_scale:
         used, steps = stepfit.samples_for(result.machine, args.gpus)
-        print(f"in-step scale {stepfit.describe(result.machine.step_scale_for(args.gpus))}; fitted to steps "
-              f"{'of ' + steps[0].spec() + ' ' if steps else ''}on {used} ranks of this machine (axon4d.plan.stepfit)")
+        print(
+            f"in-step scale {stepfit.describe(result.machine.step_scale_for(args.gpus))}; fitted to steps "
+            f"{'of ' + steps[0].spec() + ' ' if steps else ''}on {used} ranks of this machine (axon4d.plan.stepfit)"
+        )
     if result.caveat:
         print(f"warning: {result.caveat}")
-    print(f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "
-          f"{sum(c.fits for c in result.candidates)} fit in memory; priced in {elapsed * 1e3:.0f} ms\n")
+    print(
+        f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "
+        f"{sum(c.fits for c in result.candidates)} fit in memory; priced in {elapsed * 1e3:.0f} ms\n"
+    )
     print(result.table(args.top))
-    print("\ncolumns: t_<axis> = communication seconds per step on that axis before overlap; hidden = share of "
-          "communication overlap hides; ×bound = communication words / Agarwal's lower bound")
+    print(
+        "\ncolumns: t_<axis> = communication seconds per step on that axis before overlap; hidden = share of "
+        "communication overlap hides; ×bound = communication words / Agarwal's lower bound"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_json(args.top), f, indent=1)

@@ -78,7 +78,7 @@ class MatmulTable:
         return {"dims": self.dims, "rates": self.rates.tolist()}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "MatmulTable":
+    def from_json(cls, d: dict[str, Any]) -> MatmulTable:
         return cls(list(d["dims"]), np.asarray(d["rates"], dtype=float))
 
 
@@ -150,7 +150,9 @@ class Machine:
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
-            raise ValueError(f"machine {self.name!r} has no peak for dtype {dtype!r}; it knows {sorted(self.peak_flops)}")
+            raise ValueError(
+                f"machine {self.name!r} has no peak for dtype {dtype!r}; it knows {sorted(self.peak_flops)}"
+            )
         return self.peak_flops[dtype]
 
     def matmul_time(self, form: str, m: int, k: int, n: int, dtype: str, world: int = 1) -> float:
@@ -255,18 +257,22 @@ class Machine:
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["levels"] = [dataclasses.asdict(lv) for lv in self.levels]
-        d["matmul"] = {dt: {c: {f: t.to_json() for f, t in forms.items()} for c, forms in per.items()}
-                       for dt, per in self.matmul.items()}
+        d["matmul"] = {
+            dt: {c: {f: t.to_json() for f, t in forms.items()} for c, forms in per.items()}
+            for dt, per in self.matmul.items()
+        }
         d["comm"] = [dataclasses.asdict(c) for c in self.comm]
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Machine":
+    def from_json(cls, d: dict[str, Any]) -> Machine:
         d = dict(d)
         d.pop("comment", None)
         d["levels"] = [Level(**lv) for lv in d["levels"]]
-        d["matmul"] = {dt: {c: {f: MatmulTable.from_json(t) for f, t in forms.items()} for c, forms in per.items()}
-                       for dt, per in d.get("matmul", {}).items()}
+        d["matmul"] = {
+            dt: {c: {f: MatmulTable.from_json(t) for f, t in forms.items()} for c, forms in per.items()}
+            for dt, per in d.get("matmul", {}).items()
+        }
         d["comm"] = [CommCurve(**c) for c in d.get("comm", [])]
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known

@@ -10,12 +10,18 @@ then each layer's backward allocates its input gradient, the gathered weight blo
 G_z > 1), the dW block and its padded copy (E11's input) and finally its gradient shard, and
 frees what it had saved. The optimizer step adds its per-tensor temporaries.
 
-Activations saved per block and rank (b tokens, GPT block, recompute "none"): block input
-(b·H/G_x, kept by QKV), QKV output (b·QKV/G_y, kept by attention as q, k, v), attention output
-(b·H/G_y, kept by attention and, as a view, by the output projection), log-sum-exp
-(b·heads/G_y fp32), the residual after attention (b·H/G_x), MLP up output and activation output
-(2·b·F/G_y). "selective" (GEMM-last, §5) drops the activation output (recomputed from the up
-output); "full" keeps only block inputs and rebuilds one block at a time.
+Activations saved per block and rank (b tokens; ``block_saved``), as axon4d's blocks keep them
+(measured with torch's memory tracker): each norm keeps three (b, H/G_x) tensors (its input or the
+centred input, the normalised input, its output, which the next GEMM keeps); attention keeps the
+QKV output (as q, k, v), the rotated q and k (Llama), its output (b·H/G_y, which the output
+projection keeps too) and the log-sum-exp (b·heads/G_y fp32); the MLP keeps the up output and the
+activation output (SwiGLU: silu(gate) and the product). Recomputation (§5, axon4d.nn.recompute):
+"selective" drops the rotated q, k and the log-sum-exp (core attention re-runs from q, k, v);
+"balanced" drops the norms' outputs and normalised inputs (a norm keeps its input, and LayerNorm
+its centred input too) and the activation outputs, which the consuming GEMM re-makes in its
+backward; "full" keeps only block inputs and rebuilds one block at a time. A workload without norms
+(``norms=False``) describes the planner probe's blocks (axon4d.measure.probe): no norms, no rotary,
+GELU.
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from axon4d.shape import GridShape
-from axon4d.policy import OverlapPolicy
-from axon4d.plan.workload import Workload
 from axon4d.geometry import weight_shard_numel
+from axon4d.plan.workload import Workload
+from axon4d.policy import RECOMPUTE_MODES, OverlapPolicy, check_recompute
+from axon4d.shape import GridShape
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = RECOMPUTE_MODES
 
 
 def local_param_count(wl: Workload, shape: GridShape) -> int:
@@ -64,17 +70,37 @@ class MemoryEstimate:
         return dataclasses.asdict(self)
 
 
-def block_activation_elements(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[float, float]:
-    """(elements in the step's dtype, fp32 elements) one block saves for backward on one rank."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute policy {recompute!r} is unknown; use one of {RECOMPUTE}")
+def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict[str, float]:
+    """Elements one block keeps for backward on one rank under ``recompute``, by the part of the
+    backward that frees them: ``norm1`` (the attention's norm, or the QKV input), ``attention``
+    (q, k, v, rotated q and k, output), ``lse`` (fp32), ``norm2`` (the MLP's norm, or the up
+    input), ``up`` (the up output), ``mid`` (SwiGLU's silu(gate)) and ``act`` (the down input)."""
+    check_recompute(recompute)
     t = _block_tensors(wl, shape)
     if recompute == "full":
-        return t["x0"], 0.0
-    elems = t["x0"] + t["qkv"] + t["att"] + t["x1"] + t["up"] + (t["act"] if recompute == "none" else 0)
-    if wl.norms:
-        elems += 2 * t["x0"]  # normalised inputs of QKV and MLP-up
-    return elems, t["lse"]
+        return {"norm1": t["x0"], "attention": 0.0, "lse": 0.0, "norm2": 0.0, "up": 0.0, "mid": 0.0, "act": 0.0}
+    real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
+    kept_per_norm = 1.0
+    if real:
+        kept_per_norm = 3.0 if recompute in ("none", "selective") else (1.0 if wl.model.arch == "llama" else 2.0)
+    rot = t["rot"] if real and recompute != "selective" else 0.0
+    gated = real and wl.model.gated
+    dropped_act = recompute == "balanced"
+    return {
+        "norm1": kept_per_norm * t["x0"],
+        "attention": t["qkv"] + rot + t["att"],
+        "lse": 0.0 if recompute == "selective" else t["lse"],
+        "norm2": kept_per_norm * t["x1"],
+        "up": t["up"],
+        "mid": t["act"] if gated and not dropped_act else 0.0,
+        "act": 0.0 if dropped_act else t["act"],
+    }
+
+
+def block_activation_elements(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[float, float]:
+    """(elements in the step's dtype, fp32 elements) one block saves for backward on one rank."""
+    saved = block_saved(wl, shape, recompute)
+    return sum(v for k, v in saved.items() if k != "lse"), saved["lse"]
 
 
 def _block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
@@ -85,12 +111,25 @@ def _block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
     qkv_y = (m.n_heads + 2 * m.kv_heads) * m.head_dim // shape.y
     up_y = (2 if m.gated else 1) * m.ffn // shape.y
     att = wl.attention
-    return {"x0": b * h_x, "qkv": b * qkv_y if att else 0, "att": b * h_y, "lse": b * (m.n_heads // shape.y) if att else 0,
-            "x1": b * h_x, "up": b * up_y, "act": b * (m.ffn // shape.y)}
+    return {
+        "x0": b * h_x,
+        "qkv": b * qkv_y if att else 0,
+        "rot": b * (m.n_heads + m.kv_heads) * m.head_dim // shape.y if att and m.arch == "llama" else 0,
+        "att": b * h_y,
+        "lse": b * (m.n_heads // shape.y) if att else 0,
+        "x1": b * h_x,
+        "up": b * up_y,
+        "act": b * (m.ffn // shape.y),
+    }
 
 
-def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: OverlapPolicy = OverlapPolicy(),
-           master_weights: bool | None = None) -> MemoryEstimate:
+def memory(
+    wl: Workload,
+    shape: GridShape,
+    recompute: str = "none",
+    overlap: OverlapPolicy = OverlapPolicy(),
+    master_weights: bool | None = None,
+) -> MemoryEstimate:
     """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (Adam optimizer)."""
     m, elem = wl.model, wl.element_size
     n_params = local_param_count(wl, shape)
@@ -100,14 +139,23 @@ def memory(wl: Workload, shape: GridShape, recompute: str = "none", overlap: Ove
     a16, a32 = block_activation_elements(wl, shape, recompute)
     acts = m.n_layers * (a16 * elem + a32 * 4)
     if overlap.oag_keep and shape.z > 1:  # every gathered block kept from forward to backward
-        acts += sum(s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
-                    for s in wl.linears()) * elem
+        acts += (
+            sum(
+                s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
+                for s in wl.linears()
+            )
+            * elem
+        )
     b = wl.local_tokens(shape)
     if wl.head:
         acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
     live_peak = _backward_peak(wl, shape, recompute, overlap, acts)
-    largest_shard = max((s.in_features // shape.y) * (s.out_features // shape.x) if s.embedding else
-                        weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) for s in wl.linears())
+    largest_shard = max(
+        (s.in_features // shape.y) * (s.out_features // shape.x)
+        if s.embedding
+        else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
+        for s in wl.linears()
+    )
     optimizer_step = grads + 2 * largest_shard * 4  # per-tensor temporaries of a non-foreach Adam
     peak = params + optimizer + max(live_peak, optimizer_step)
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
@@ -118,7 +166,6 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
     m, elem = wl.model, wl.element_size
     b = wl.local_tokens(shape)
     t = {k: v * elem for k, v in _block_tensors(wl, shape).items()}
-    lse = _block_tensors(wl, shape)["lse"] * 4
     specs = {s.name: s for s in wl.linears()}
     live, peak = acts, acts
 
@@ -131,7 +178,9 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
 
     def block_bytes(name: str) -> float:
         s = specs.get(name)
-        return 0.0 if s is None else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z * elem
+        return (
+            0.0 if s is None else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z * elem
+        )
 
     def blocks(first: list[str], repeated: list[str], n: int) -> float:
         """Bytes of the first ``n`` blocks of ``first`` followed by ``repeated`` over and over."""
@@ -160,12 +209,13 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         shard = weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         n_w = shard * shape.z
         gathered = n_w * elem if shape.z > 1 and not overlap.oag_keep else 0.0
-        transient[name] = (gathered + dx_elems * elem + 2 * n_w * elem + (shard * elem if shape.z > 1 else 0)
-                           + prefetched(name))
+        transient[name] = (
+            gathered + dx_elems * elem + 2 * n_w * elem + (shard * elem if shape.z > 1 else 0) + prefetched(name)
+        )
         return (shard + (s.local(shape)[1] if s.bias else 0)) * elem
 
-    def note_linear(name: str, first: bool = True) -> None:
-        note(transient[name] + reducing(name, first))
+    def note_linear(name: str, first: bool = True, remade: float = 0.0) -> None:
+        note(transient[name] + reducing(name, first) + remade)
 
     def kept(name: str) -> float:
         """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
@@ -184,6 +234,11 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         live -= logits
         live += b * (m.hidden // shape.x) * elem  # incoming gradient of the last block's output
     rebuilt = block_activation_elements(wl, shape, "none")
+    balanced = recompute == "balanced"
+    saved = {
+        k: v * (4 if k == "lse" else elem)
+        for k, v in block_saved(wl, shape, "none" if recompute == "full" else recompute).items()
+    }
     mlp_down, mlp_up = linear_bwd("mlp_down", t["act"] / elem), linear_bwd("mlp_up", t["x1"] / elem)
     attn_out, qkv = linear_bwd("attn_out", t["att"] / elem), linear_bwd("qkv", t["x0"] / elem)
 
@@ -195,18 +250,20 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         if recompute == "full":  # rebuild this block's activations from its saved input
             live += rebuilt[0] * elem + rebuilt[1] * 4 - t["x0"]
         note()
-        note_linear("mlp_down", first)  # dX (b, F/G_y), then the activation's backward, then MLP up
-        live += mlp_down + t["act"] - (t["act"] if recompute == "none" else 0.0) - kept("mlp_down")
-        note(t["act"])
-        note_linear("mlp_up", first)
-        # frees dX of MLP down, the up output, the saved input
-        live += mlp_up - t["act"] - t["up"] - t["x1"] - kept("mlp_up")
+        # dX (b, F/G_y), then the activation's backward, then MLP up; under balanced recomputation
+        # each GEMM's backward first re-makes the input it did not keep (the activation, the norm output)
+        note_linear("mlp_down", first, remade=t["act"] if balanced else 0.0)
+        live += mlp_down + t["act"] - saved["act"] - kept("mlp_down")
+        note(t["act"] * (2 if balanced else 1))
+        note_linear("mlp_up", first, remade=t["x1"] if balanced else 0.0)
+        # frees dX of MLP down, the up output, what the activation and the norm kept
+        live += mlp_up - t["act"] - saved["mid"] - saved["up"] - saved["norm2"] - kept("mlp_up")
         note_linear("attn_out", first)  # then attention: dq, dk, dv and their assembled qkv gradient
         live += attn_out - kept("attn_out")
         note(t["att"] + 2 * t["qkv"])
-        live -= t["att"] + lse  # the saved q, k, v are replaced by their assembled gradient
-        note_linear("qkv", first)
-        live += qkv - t["qkv"] - t["x0"] - (2 * t["x0"] if wl.norms else 0.0) - kept("qkv")
+        live -= saved["attention"] - t["qkv"] + saved["lse"]  # q, k, v are replaced by their gradient
+        note_linear("qkv", first, remade=t["x0"] if balanced else 0.0)
+        live += qkv - t["qkv"] - saved["norm1"] - kept("qkv")
         return live
 
     before_blocks = live

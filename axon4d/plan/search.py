@@ -1,8 +1,9 @@
 """Choosing the grid: enumerate every (G_x, G_y, G_z, G_data) of P ranks, keep the valid ones that
 fit in memory, rank them by predicted step time (docs/design.md §6).
 
-The divisibility rules (§1) are checked for all factorisations at once with numpy; only valid
-grids are priced (``cost.step_time``, ``memory.memory``), each in well under a millisecond.
+The divisibility rules (§1) — the workload's ``axon4d.rules`` objects, the ones the layers check —
+are evaluated on all factorisations at once with numpy (``valid_mask``); only valid grids are
+priced (``cost.step_time``, ``memory.memory``), each in well under a millisecond.
 Besides time and memory, each candidate reports its communication words against Agarwal's lower
 bound for its GEMMs, Σ 3·(M·K·N/P)^{2/3} per rank (§3).
 """
@@ -15,17 +16,18 @@ from typing import Any
 
 import numpy as np
 
-from axon4d.shape import GridShape, factorizations
 from axon4d.config import ModelConfig, get_config
-from axon4d.policy import OverlapPolicy
 from axon4d.plan import stepfit
-from axon4d.plan.cost import TimeEstimate, describe, step_time
+from axon4d.plan.cost import TimeEstimate, describe, recomputed_seconds, step_time
 from axon4d.plan.machine import Machine, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.workload import Workload
-from axon4d.geometry import layer_axes
+from axon4d.policy import OverlapPolicy
+from axon4d.shape import ALL_AXES, AXES, GridShape, factorizations
 
-AXIS_ORDER = ("x", "y", "z", "data", "batch")
+#: the axes the table gives communication time for: every axis but "world", over which no
+#: collective of a step runs
+TABLE_AXES = tuple(a for a in ALL_AXES if a != "world")
 
 
 @dataclasses.dataclass
@@ -42,13 +44,25 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         t = self.time
         return {
-            "grid": list(self.shape.as_tuple()), "fits": self.fits, "step_s": t.step_s, "mfu": self.mfu,
-            "compute_s": t.compute_s, "matmul_s": t.matmul_s, "optimizer_s": t.optimizer_s,
-            "comm_s": t.comm_s, "hidden_s": t.hidden_s, "hidden_pct": t.hidden_pct,
-            "traffic_bytes": t.traffic_bytes, "interference_s": t.interference_s,
-            "comm_by_axis_s": t.comm_by_axis, "bytes_by_axis": t.bytes_by_axis,
-            "hidden_by_mechanism_s": t.hidden_by_mechanism, "memory": self.mem.to_json(),
-            "bound_ratio": self.bound_ratio, "collectives": t.collectives, "step_scale": list(t.scale),
+            "grid": list(self.shape.as_tuple()),
+            "fits": self.fits,
+            "step_s": t.step_s,
+            "mfu": self.mfu,
+            "compute_s": t.compute_s,
+            "matmul_s": t.matmul_s,
+            "optimizer_s": t.optimizer_s,
+            "comm_s": t.comm_s,
+            "hidden_s": t.hidden_s,
+            "hidden_pct": t.hidden_pct,
+            "traffic_bytes": t.traffic_bytes,
+            "interference_s": t.interference_s,
+            "comm_by_axis_s": t.comm_by_axis,
+            "bytes_by_axis": t.bytes_by_axis,
+            "hidden_by_mechanism_s": t.hidden_by_mechanism,
+            "memory": self.mem.to_json(),
+            "bound_ratio": self.bound_ratio,
+            "collectives": t.collectives,
+            "step_scale": list(t.scale),
             "layers": t.layers,
         }
 
@@ -83,44 +97,57 @@ class PlanResult:
     def to_json(self, top: int | None = None) -> dict[str, Any]:
         wl = self.workload
         return {
-            "model": dataclasses.asdict(wl.model), "batch": wl.batch, "dtype": wl.dtype, "world": self.world,
-            "machine": self.machine.name, "overlap": describe(self.overlap), "recompute": self.recompute,
-            "memory_limit": self.memory_limit, "valid": len(self.candidates), "invalid": self.invalid,
+            "model": dataclasses.asdict(wl.model),
+            "batch": wl.batch,
+            "dtype": wl.dtype,
+            "world": self.world,
+            "machine": self.machine.name,
+            "overlap": describe(self.overlap),
+            "recompute": self.recompute,
+            "memory_limit": self.memory_limit,
+            "valid": len(self.candidates),
+            "invalid": self.invalid,
             "step_scale_caveat": self.caveat,
             "candidates": [c.to_json() for c in self.candidates[:top]],
         }
 
     def table(self, top: int = 10) -> str:
         """The top-k candidates as a text table."""
-        head = (f"{'grid (x,y,z,d)':<18} {'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':>4} "
-                + " ".join(f"{'t_' + a:>8}" for a in AXIS_ORDER) + f" {'hidden':>7} {'×bound':>7}")
+        head = (
+            f"{'grid (x,y,z,d)':<18} {'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':>4} "
+            + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES)
+            + f" {'hidden':>7} {'×bound':>7}"
+        )
         lines = [head, "-" * len(head)]
         for c in self.candidates[:top]:
             t = c.time
-            axes = " ".join(f"{t.comm_by_axis.get(a, 0.0):>8.3g}" for a in AXIS_ORDER)
-            lines.append(f"{str(c.shape.as_tuple()):<18} {t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
-                         f"{c.mem.peak / 2**30:>8.2f} {'yes' if c.fits else 'NO':>4} {axes} "
-                         f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}")
+            axes = " ".join(f"{t.comm_by_axis.get(a, 0.0):>8.3g}" for a in TABLE_AXES)
+            lines.append(
+                f"{str(c.shape.as_tuple()):<18} {t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
+                f"{c.mem.peak / 2**30:>8.2f} {'yes' if c.fits else 'NO':>4} {axes} "
+                f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"
+            )
         return "\n".join(lines)
 
 
 def valid_mask(wl: Workload, shapes: np.ndarray) -> np.ndarray:
-    """Boolean per row of ``shapes`` (n, 4) = (x, y, z, data): does the grid satisfy §1 for ``wl``?"""
-    x, y, z, d = shapes.T
-    m = wl.model
-    ok = (wl.batch % (z * d) == 0) & (m.n_heads % y == 0) & (m.kv_heads % y == 0)
-    size = {"x": x, "y": y}
-    for s in wl.linears():
-        in_axis, out_axis = layer_axes(s.transpose)
-        ok &= (s.in_features % size[in_axis] == 0) & (s.out_features % size[out_axis] == 0)
+    """Boolean per row of ``shapes`` (n, 4) = (x, y, z, data): does the grid satisfy every rule of
+    ``wl.rules()`` (§1)? Each ``Rule.holds`` is evaluated on the columns of axis sizes at once."""
+    sizes = dict(zip(AXES, shapes.T))
+    ok = np.ones(len(shapes), dtype=bool)
+    for rule in wl.rules():
+        ok &= rule.holds(sizes)
     return ok
 
 
 def agarwal_ratio(wl: Workload, shape: GridShape, t: TimeEstimate) -> float:
     """Ring traffic words per rank ÷ Σ over the step's GEMMs of 3·(M·K·N/P)^{2/3} (§3)."""
     p = shape.world_size
-    bound = sum(3 * s.count * 3 * (wl.tokens * s.in_features * s.out_features / p) ** (2 / 3)
-                for s in wl.linears() if not s.embedding)
+    bound = sum(
+        3 * s.count * 3 * (wl.tokens * s.in_features * s.out_features / p) ** (2 / 3)
+        for s in wl.linears()
+        if not s.embedding
+    )
     words = 0.0
     for axis, nbytes in t.bytes_by_axis.items():
         g = shape.size(axis)
@@ -128,33 +155,48 @@ def agarwal_ratio(wl: Workload, shape: GridShape, t: TimeEstimate) -> float:
     return words / bound if bound else math.nan
 
 
-def evaluate(wl: Workload, shape: GridShape, machine: Machine, overlap: OverlapPolicy = OverlapPolicy(),
-             recompute: str = "none", memory_limit: float | None = None) -> Candidate:
+def evaluate(
+    wl: Workload,
+    shape: GridShape,
+    machine: Machine,
+    overlap: OverlapPolicy = OverlapPolicy(),
+    recompute: str = "none",
+    memory_limit: float | None = None,
+) -> Candidate:
     """Predicted time, memory and MFU of one valid grid."""
     limit = machine.memory_per_device if memory_limit is None else memory_limit
     params = local_param_count(wl, shape)
     t = step_time(wl, shape, machine, overlap, params_local=params)
-    if recompute != "none":  # the recomputed forward: every block layer again ("full"), or the MLP activation
+    if recompute != "none":  # the recomputed forward: every block layer again ("full"), or part of it
         layers = {k: v for k, v in t.layers.items() if v["count"] == wl.model.n_layers}
         if recompute == "full":  # with its forward all-reduces (E8) and Z all-gathers (E10f)
             t.compute_s += sum(v["count"] * v["fwd_s"] for v in layers.values())
             t.comm_s += sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
             t.activation_comm_s += sum(v["count"] * v.get("comm_E8", 0.0) for v in layers.values())
-            t.collectives += sum(v["count"] * v["fwd_collectives"] for v in layers.values())
+            # counts: ints in the float-valued layer report, so int() keeps the value
+            t.collectives += int(sum(v["count"] * v["fwd_collectives"] for v in layers.values()))
             again = sum(v["count"] * v["fwd_traffic_bytes"] for v in layers.values())
             t.traffic_bytes += again
             t.interference_s += machine.interference_time(again, shape.world_size)
         else:
-            t.compute_s += wl.model.n_layers * machine.activation_time(
-                wl.local_tokens(shape) * wl.model.ffn // shape.y, shape.world_size)[0]
+            t.compute_s += wl.model.n_layers * recomputed_seconds(wl, shape, machine, recompute)
     mem = memory(wl, shape, recompute, overlap)
     mfu = wl.flops() / (shape.world_size * machine.peak(wl.dtype) * t.step_s)
     return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t))
 
 
-def plan(model: ModelConfig | str, world: int, machine: Machine | str, batch: int, *, dtype: str = "bfloat16",
-         overlap: OverlapPolicy | str | None = None, recompute: str = "none", memory_limit: float | None = None,
-         workload: Workload | None = None) -> PlanResult:
+def plan(
+    model: ModelConfig | str,
+    world: int,
+    machine: Machine | str,
+    batch: int,
+    *,
+    dtype: str = "bfloat16",
+    overlap: OverlapPolicy | str | None = None,
+    recompute: str = "none",
+    memory_limit: float | None = None,
+    workload: Workload | None = None,
+) -> PlanResult:
     """Price every valid grid of ``world`` ranks for ``model`` on ``machine``; best first.
 
     ``batch`` is the global batch in sequences per step. ``memory_limit`` (bytes per device)
@@ -171,5 +213,14 @@ def plan(model: ModelConfig | str, world: int, machine: Machine | str, batch: in
     cands = [evaluate(workload, s, mach, ov, recompute, memory_limit) for s, ok in zip(shapes, mask) if ok]
     cands.sort(key=lambda c: (not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple()))
     limit = mach.memory_per_device if memory_limit is None else memory_limit
-    return PlanResult(workload, mach, world, ov, recompute, limit, cands, int((~mask).sum()),
-                      stepfit.caveat(mach, workload, world, ov, recompute))
+    return PlanResult(
+        workload,
+        mach,
+        world,
+        ov,
+        recompute,
+        limit,
+        cands,
+        int((~mask).sum()),
+        stepfit.caveat(mach, workload, world, ov, recompute),
+    )

@@ -6,11 +6,11 @@ autograd between them and the overlap scheduler moving collectives under compute
 the priced parts is off in a way that depends on the machine and on the model. With
 ``axon4d calibrate --step-model SPEC``:
 
-- ``measure`` runs training steps of that model (``axon4d.measure.probe.ProbeModel``: the model's
-  blocks of ``axon4d.Linear``, attention, head and Adam; the library's default overlap policy) on
-  a few grids of the current world, ``calibration_grids``: one per parallel axis that divides the
-  world alone (data, z, x, y), so that each kind of collective dominates one step, and up to three
-  grids over several axes;
+- ``axon4d.measure.steps.measure`` runs training steps of that model
+  (``axon4d.measure.probe.ProbeModel``: the model's blocks of ``axon4d.Linear``, attention, head
+  and Adam; the library's default overlap policy) on a few grids of the current world,
+  ``calibration_grids``: one per parallel axis that divides the world alone (data, z, x, y), so
+  that each kind of collective dominates one step, and up to three grids over several axes;
 - ``fit`` finds, per world size, the non-negative weights (k_c, k_a, k_w, k_n) that minimise the
   squared relative error of
 
@@ -35,14 +35,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import statistics
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
-from axon4d.shape import GridShape
 from axon4d.config import ModelConfig
-from axon4d.policy import OverlapPolicy
+from axon4d.plan.cost import step_time
+from axon4d.plan.machine import Machine
 from axon4d.plan.workload import Workload
+from axon4d.policy import OverlapPolicy
+from axon4d.shape import GridShape
 
 #: grids over several axes ``calibration_grids`` adds to the single-axis ones
 MIXED = 3
@@ -51,8 +54,15 @@ MIN_GRIDS = 4
 #: (k_c, k_a, k_w, k_n) where nothing was measured: the tables as they are, no per-collective cost
 UNSCALED = (1.0, 1.0, 1.0, 0.0)
 #: ``parse_model`` keys → ModelConfig fields
-_SPEC_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
-              "ffn": "ffn_hidden", "vocab": "vocab_size", "seq": "seq_len"}
+_SPEC_KEYS = {
+    "layers": "n_layers",
+    "hidden": "hidden",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "ffn": "ffn_hidden",
+    "vocab": "vocab_size",
+    "seq": "seq_len",
+}
 _SPEC_KEY_OF = {name: key for key, name in _SPEC_KEYS.items()}  # ModelConfig field → its spec key
 
 
@@ -68,7 +78,7 @@ class Sample:
     rounds_s: list[float]
 
     @classmethod
-    def of(cls, grid: Sequence[int], wl: Workload, rounds_s: Sequence[float]) -> "Sample":
+    def of(cls, grid: Sequence[int], wl: Workload, rounds_s: Sequence[float]) -> Sample:
         """The steps of ``wl`` timed on ``grid`` in ``rounds_s``, kept as their median."""
         return cls(list(grid), statistics.median(rounds_s), model_fields(wl.model), wl.batch, wl.dtype, list(rounds_s))
 
@@ -90,8 +100,13 @@ class Sample:
     def spec(self) -> str:
         """The model and batch in ``parse_model``'s form, e.g. "layers=2,hidden=512,…,batch=8,dtype=float32"."""
         fields = self.fields()
-        return ",".join([*(f"{key}={fields[name]}" for key, name in _SPEC_KEYS.items()),
-                         f"batch={self.batch}", f"dtype={self.dtype}"])
+        return ",".join(
+            [
+                *(f"{key}={fields[name]}" for key, name in _SPEC_KEYS.items()),
+                f"batch={self.batch}",
+                f"dtype={self.dtype}",
+            ]
+        )
 
     def workload(self) -> Workload:
         return Workload(self.config(), self.batch, self.dtype, embedding=False, norms=False)
@@ -104,14 +119,14 @@ def model_fields(cfg: ModelConfig) -> dict[str, Any]:
     return {**fields, "ffn_hidden": cfg.ffn, "n_kv_heads": cfg.kv_heads}
 
 
-def samples_for(machine: Any, world: int) -> tuple[int | None, list[Sample]]:
+def samples_for(machine: Machine, world: int) -> tuple[int | None, list[Sample]]:
     """(the step-calibrated world size whose weights ``world`` ranks get — ``Machine.step_world`` —,
     the steps they were fitted to); (None, []) without step calibration."""
     used = machine.step_world(world)
     return used, [s for s in (Sample(**d) for d in machine.step_samples) if s.world == used]
 
 
-def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recompute: str = "none") -> str | None:
+def caveat(machine: Machine, wl: Workload, world: int, overlap: Any = None, recompute: str = "none") -> str | None:
     """Why ``machine``'s in-step scale may not describe a step of ``wl`` on ``world`` ranks, or None.
 
     The weights describe the steps they were fitted to (module docstring): those of the
@@ -119,14 +134,19 @@ def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recomput
     its model and dtype are the calibrated ones, each rank gets as many sequences, and the overlap
     policy and recomputation are those ``measure`` ran (the library's default policy, none)."""
     used, mine = samples_for(machine, world)
-    if not mine:
+    if used is None or not mine:
         return None
     ref, fields = mine[0], model_fields(wl.model)
     differs = []
     if not any(s.fields() == fields for s in mine):
         theirs = ref.fields()
-        differs.append("model (" + ", ".join(f"{_SPEC_KEY_OF.get(k, k)} {v} here, {theirs[k]} there"
-                                             for k, v in fields.items() if theirs[k] != v) + ")")
+        differs.append(
+            "model ("
+            + ", ".join(
+                f"{_SPEC_KEY_OF.get(k, k)} {v} here, {theirs[k]} there" for k, v in fields.items() if theirs[k] != v
+            )
+            + ")"
+        )
     if wl.dtype != ref.dtype:
         differs.append(f"dtype ({wl.dtype} here, {ref.dtype} there)")
     if wl.batch * used != ref.batch * world:
@@ -137,16 +157,20 @@ def caveat(machine: Any, wl: Workload, world: int, overlap: Any = None, recomput
         differs.append(f"recomputation ({recompute} here, none there)")
     if not differs:
         return None
-    return (f"the in-step scale of machine {machine.name!r} was fitted to steps on {used} ranks that differ in "
-            f"{'; '.join(differs)}; its weights may not carry over (docs/planner.md). To fit them to this job, "
-            f"run `axon4d calibrate --step-model SPEC` with its model")
+    return (
+        f"the in-step scale of machine {machine.name!r} was fitted to steps on {used} ranks that differ in "
+        f"{'; '.join(differs)}; its weights may not carry over (docs/planner.md). To fit them to this job, "
+        f"run `axon4d calibrate --step-model SPEC` with its model"
+    )
 
 
 def describe(scale: Sequence[float]) -> str:
     """One line for the weights (k_c, k_a, k_w, k_n)."""
     k_c, k_a, k_w, k_n = scale
-    return (f"compute ×{k_c:.2f}, activation all-reduces ×{k_a:.2f}, weight/gradient collectives ×{k_w:.2f}, "
-            f"{k_n * 1e3:.2f} ms per collective")
+    return (
+        f"compute ×{k_c:.2f}, activation all-reduces ×{k_a:.2f}, weight/gradient collectives ×{k_w:.2f}, "
+        f"{k_n * 1e3:.2f} ms per collective"
+    )
 
 
 def parse_model(spec: str, name: str = "stepfit") -> Workload:
@@ -157,8 +181,10 @@ def parse_model(spec: str, name: str = "stepfit") -> Workload:
     for item in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, value = item.partition("=")
         if not sep or (key not in _SPEC_KEYS and key not in ("batch", "dtype")):
-            raise ValueError(f"step model {spec!r}: {item!r} is not key=value with a key of "
-                             f"{sorted(_SPEC_KEYS) + ['batch', 'dtype']}")
+            raise ValueError(
+                f"step model {spec!r}: {item!r} is not key=value with a key of "
+                f"{sorted(_SPEC_KEYS) + ['batch', 'dtype']}"
+            )
         if key == "dtype":
             dtype = value
             continue
@@ -170,8 +196,10 @@ def parse_model(spec: str, name: str = "stepfit") -> Workload:
             fields[_SPEC_KEYS[key]] = int(value)
     missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if _SPEC_KEYS[k] not in fields]
     if missing or batch is None:
-        raise ValueError(f"step model {spec!r} lacks {missing + ([] if batch else ['batch'])}; "
-                         "e.g. layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8")
+        raise ValueError(
+            f"step model {spec!r} lacks {missing + ([] if batch else ['batch'])}; "
+            "e.g. layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8"
+        )
     return Workload(ModelConfig(name=name, **fields), batch, dtype, embedding=False, norms=False)  # type: ignore[arg-type]
 
 
@@ -184,8 +212,11 @@ def calibration_grids(world: int, wl: Workload) -> list[tuple[int, int, int, int
     Ties go to the grid over the most axes, then the most balanced, model axes before data."""
     pure = [(1, 1, 1, world), (1, 1, world, 1), (world, 1, 1, 1), (1, world, 1, 1)]
     out = [g for g in pure if world > 1 and not wl.grid_problems(GridShape(*g))]
-    mixed = [g for g in itertools.product(range(1, world + 1), repeat=4) if int(np.prod(g)) == world
-             and sum(v > 1 for v in g) >= 2 and not wl.grid_problems(GridShape(*g))]
+    mixed = [
+        cast("tuple[int, int, int, int]", g)  # product(..., repeat=4) yields 4-tuples; its stub says tuple[int, ...]
+        for g in itertools.product(range(1, world + 1), repeat=4)
+        if int(np.prod(g)) == world and sum(v > 1 for v in g) >= 2 and not wl.grid_problems(GridShape(*g))
+    ]
 
     def placements(g: tuple[int, ...]) -> set[tuple[int, int]]:  # (axis, group size) below the world
         return {(axis, size) for axis, size in enumerate(g) if 1 < size < world}
@@ -205,8 +236,10 @@ def check_grids(world: int, wl: Workload) -> None:
     """Raise ValueError unless ``wl`` fits at least ``MIN_GRIDS`` calibration grids of ``world`` ranks."""
     grids = calibration_grids(world, wl)
     if world > 1 and len(grids) < MIN_GRIDS:
-        raise ValueError(f"step model fits only the grids {grids} of {world} ranks; the fit needs {MIN_GRIDS} "
-                         f"(make heads and batch divisible by {world}, and the features by it)")
+        raise ValueError(
+            f"step model fits only the grids {grids} of {world} ranks; the fit needs {MIN_GRIDS} "
+            f"(make heads and batch divisible by {world}, and the features by it)"
+        )
 
 
 def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, float]:
@@ -233,7 +266,7 @@ def fit(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float, float, f
     return (float(k[0]), float(k[1]), float(k[2]), float(k[3]))
 
 
-def store(machine: Any, worlds: set[int], samples: list[dict[str, Any]], source: str) -> dict[str, list[float]]:
+def store(machine: Machine, worlds: set[int], samples: list[dict[str, Any]], source: str) -> dict[str, list[float]]:
     """Replace ``machine``'s calibration steps of the world sizes ``worlds`` with ``samples``
     (``Sample``s as dicts) and refit its in-step scale (``refit``); where a scale came out,
     ``source`` says in the machine's sources where the steps were timed. Returns the scale."""
@@ -244,11 +277,9 @@ def store(machine: Any, worlds: set[int], samples: list[dict[str, Any]], source:
     return scale
 
 
-def refit(machine: Any) -> dict[str, list[float]]:
+def refit(machine: Machine) -> dict[str, list[float]]:
     """Fit ``machine.step_scale`` from ``machine.step_samples`` (per world size) with the machine's
     current tables; returns and stores it. A world needs ``MIN_GRIDS`` samples."""
-    from axon4d.plan.cost import step_time
-
     samples = [Sample(**s) for s in machine.step_samples]
     scale: dict[str, list[float]] = {}
     for world in sorted({s.world for s in samples}):

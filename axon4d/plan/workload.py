@@ -11,23 +11,23 @@ transposed, MLP up normal, MLP down transposed (``ModelConfig.linear_shapes()``)
 - the output head, a normal layer hidden → vocab without bias (vocab-parallel logits over y).
 
 Parameters replicated over batch (norms, position embeddings) have their gradients all-reduced
-over batch, one collective per tensor. ``grid_problems`` states the divisibility rules a grid must
-satisfy for this workload (§1).
+over batch, one collective per tensor. ``rules`` lists the divisibility rules a grid must satisfy
+for this workload (§1) as the layers state them (``axon4d.rules``); ``grid_problems`` says which a
+grid breaks, and the search evaluates the same rules on every grid at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from axon4d.geometry import Op
-from axon4d.shape import GridShape
+from axon4d import rules as grid_rules
 from axon4d.config import ModelConfig
-from axon4d.geometry import Collective, layer_axes
+from axon4d.device import DTYPES
+from axon4d.geometry import Collective, Op, layer_axes
+from axon4d.shape import GridShape
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPES_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: kept for callers that imported the map from here (bench/gpt.py): it is ``axon4d.device.DTYPES``
+DTYPES_TORCH = DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +62,14 @@ class Workload:
     norms: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_BYTES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if self.batch < 1:
             raise ValueError(f"batch = {self.batch}: need at least one sequence per step")
 
     @property
     def element_size(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return DTYPES[self.dtype].itemsize
 
     @property
     def tokens(self) -> int:
@@ -84,7 +84,9 @@ class Workload:
         m = self.model
         out = []
         if self.embedding:
-            out.append(LinearSpec("embedding", m.vocab_size, m.hidden, True, False, 1, input_grad=False, embedding=True))
+            out.append(
+                LinearSpec("embedding", m.vocab_size, m.hidden, True, False, 1, input_grad=False, embedding=True)
+            )
         out += [LinearSpec(n, i, o, t, b, m.n_layers) for n, i, o, t, b in m.linear_shapes()]
         if self.head:
             out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
@@ -119,15 +121,23 @@ class Workload:
         att = 2 * 2 * m.n_layers * m.seq_len * m.hidden / 2 if self.attention else 0.0
         return self.tokens * (6.0 * matmul + 3.0 * att)
 
-    def grid_problems(self, shape: GridShape) -> list[str]:
-        """The §1 rules ``shape`` breaks for this workload (empty: the grid is valid)."""
-        m, problems = self.model, []
-        if self.batch % shape.size("batch"):
-            problems.append(f"batch {self.batch} % (G_data·G_z = {shape.size('batch')})")
-        if m.n_heads % shape.y or m.kv_heads % shape.y:
-            problems.append(f"heads {m.n_heads}/{m.kv_heads} % G_y = {shape.y}")
+    def rules(self) -> list[grid_rules.Rule]:
+        """The §1 rules a grid must satisfy for this workload: whole sequences split over batch, heads
+        over y, and each linear layer kind's features over its input and output axes (the embedding's
+        vocabulary over y and hidden features over x)."""
+        m = self.model
+        out = [grid_rules.batch(self.batch, "the batch (sequences per step)"), *grid_rules.heads(m.n_heads, m.kv_heads)]
         for s in self.linears():
-            in_axis, out_axis = layer_axes(s.transpose)
-            if s.in_features % shape.size(in_axis) or s.out_features % shape.size(out_axis):
-                problems.append(f"{s.name} ({s.in_features}→{s.out_features}) on G_{in_axis}, G_{out_axis}")
-        return problems
+            if s.embedding:
+                out += grid_rules.embedding(s.in_features, s.out_features)
+            else:
+                out += grid_rules.linear(s.in_features, s.out_features, s.transpose, s.name)
+        return out
+
+    def grid_problems(self, shape: GridShape) -> list[str]:
+        """The rules of ``rules`` that ``shape`` breaks, one line each (empty: the grid is valid)."""
+        return [
+            f"{r.what} = {r.value} is not divisible by {'·'.join(f'G_{a}' for a in r.axes)} = {r.divisor(shape)}"
+            for r in self.rules()
+            if not r.holds(shape)
+        ]

@@ -1,0 +1,97 @@
+"""The compute rates calibration measures on every rank at once (docs/design.md §6, §7).
+
+- GEMM throughput of the three forms a linear layer runs (X·Wᵀ, dY·W, dYᵀ·X; ``FORMS``) on a
+  log2 lattice of (m, k, n), per dtype (``matmul_table``);
+- causal attention forward + backward per (sequence, head) (``attention_rows``);
+- elementwise streaming bandwidth, the MLP activation forward/backward per element and one Adam
+  step per parameter (``elementwise``), and the fixed cost of one framework op (``op_overhead``).
+
+These are the rates ``axon4d.plan.machine.Machine`` prices compute with; every rank computes at the
+same time, so they include the contention of a real step (``axon4d.measure.timing``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from axon4d.measure.timing import Timer
+from axon4d.plan.machine import MatmulTable
+
+#: the GEMM lattice: every (m, k, n) of these
+DIMS = [16, 64, 256, 1024, 4096]
+#: lattice points larger than this are not run; they take the rate of a smaller point
+MAX_MACS = 2**29
+
+
+def matmul_table(timer: Timer, dtype: torch.dtype, form: str, dims: Sequence[int] = DIMS) -> MatmulTable:
+    """FLOP/s of GEMMs of ``form`` ("nt", "nn", "tn") at every lattice point of ``dims``."""
+    rates = torch.zeros(len(dims), len(dims), len(dims), dtype=torch.float64)
+    measured: dict[tuple[int, ...], float] = {}  # (i, j, l) lattice index -> FLOP/s
+    for (i, m), (j, k), (l, n) in itertools.product(enumerate(dims), repeat=3):
+        if m * k * n > MAX_MACS:
+            continue
+        a_shape, b_shape = {"nt": ((m, k), (n, k)), "nn": ((m, k), (k, n)), "tn": ((k, m), (k, n))}[form]
+        a = torch.randn(a_shape, dtype=dtype, device=timer.device)
+        b = torch.randn(b_shape, dtype=dtype, device=timer.device)
+        op = {
+            "nt": lambda: torch.matmul(a, b.t()),
+            "nn": lambda: torch.matmul(a, b),
+            "tn": lambda: torch.matmul(a.t(), b),
+        }[form]
+        t = timer.measure(op, budget_s=0.5)
+        measured[(i, j, l)] = 2.0 * m * k * n / t
+    for i, j, l in itertools.product(range(len(dims)), repeat=3):
+        if (i, j, l) in measured:
+            rates[i, j, l] = measured[(i, j, l)]
+            continue
+        # shrink the largest dims until the point was measured: large GEMMs run at the saturated rate
+        p = [i, j, l]
+        while tuple(p) not in measured:
+            p[max(range(3), key=lambda q: p[q])] -= 1
+        rates[i, j, l] = measured[tuple(p)]
+    return MatmulTable(list(dims), rates.numpy())
+
+
+def attention_rows(timer: Timer, dtype: torch.dtype) -> list[list[float]]:
+    """Rows [sequence, head_dim, seconds per (sequence·head)] of causal attention forward + backward."""
+    rows = []
+    for seq, hd in itertools.product([64, 128, 256, 512], [32, 64, 128]):
+        units = max(1, 2**22 // (seq * seq))  # similar work per measurement
+        q, k, v = (
+            torch.randn(1, units, seq, hd, dtype=dtype, device=timer.device, requires_grad=True) for _ in range(3)
+        )
+
+        def fwd_bwd() -> None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+
+        rows.append([seq, hd, timer.measure(fwd_bwd) / units])
+    return rows
+
+
+def elementwise(timer: Timer, dtype: torch.dtype) -> tuple[float, list[float], float]:
+    """(bytes/s an elementwise op streams, [forward, backward] seconds per element of the MLP
+    activation (GELU), seconds per parameter element of one Adam step)."""
+    n = 1 << 22
+    a, b = torch.randn(n, dtype=dtype, device=timer.device), torch.randn(n, dtype=dtype, device=timer.device)
+    t_add = timer.measure(lambda: a + b)
+    bps = 3 * n * a.element_size() / t_add
+    x = torch.randn(n, dtype=dtype, device=timer.device, requires_grad=True)
+    t_f = timer.measure(lambda: F.gelu(x))
+    y = F.gelu(x)
+    g = torch.ones_like(y)
+    t_fb = timer.measure(lambda: torch.autograd.grad(F.gelu(x), x, g))
+    p = torch.nn.Parameter(torch.randn(n, device=timer.device))
+    p.grad = torch.randn(n, device=timer.device)
+    opt = torch.optim.Adam([p], foreach=False)
+    t_adam = timer.measure(opt.step)
+    return bps, [t_f / n, max(t_fb - t_f, 0.0) / n], t_adam / n
+
+
+def op_overhead(timer: Timer) -> float:
+    """Seconds of one tiny framework op (dispatch, not work)."""
+    return timer.measure(lambda: torch.add(torch.ones(1), 1))

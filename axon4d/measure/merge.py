@@ -1,0 +1,74 @@
+"""Fold one world's calibration into a machine file (docs/design.md §6).
+
+A machine file written by ``axon4d calibrate`` holds the results of several world sizes: the
+tables are keyed by the number of ranks that ran at once (``Machine``'s "concurrency"), the
+collective curves carry their world, and the in-step scale is refitted per world size
+(``axon4d.plan.stepfit.store``). ``merge`` adds one world's ``measure_world`` result to a
+``Machine`` (a new one for the first world), replacing what that world had measured before.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+from axon4d.plan import stepfit
+from axon4d.plan.machine import Level, Machine
+
+
+def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: float) -> Machine:
+    """Fold one world's measurements into ``machine`` (a new one named ``name`` with ``memory``
+    bytes per device if None)."""
+    world = result["world"]
+    key = str(world)
+    if machine is None:
+        machine = Machine(
+            name=name,
+            devices_per_node=world,
+            memory_per_device=memory,
+            peak_flops={},
+            levels=[Level("host", 0, 1e-5, 1e9)],
+            elementwise_Bps={},
+            sources={"all": "measured by `axon4d calibrate` on this host"},
+        )
+    for dt, forms in result["matmul"].items():
+        machine.matmul.setdefault(dt, {})[key] = forms
+        best = max(float(t.rates.max()) for t in forms.values())
+        machine.peak_flops[dt] = max(machine.peak_flops.get(dt, 0.0), best)  # "peak" = best measured rate
+    for dt, rows in result["attention"].items():
+        machine.attention.setdefault(dt, {})[key] = rows
+    machine.elementwise_Bps[key] = result["elementwise_Bps"]
+    if world > 1:
+        machine.comm_interference_s_per_byte[key] = result["comm_interference_s_per_byte"]
+    machine.activation_s[key] = result["activation_s"]
+    machine.adam_s[key] = result["adam_s"]
+    machine.op_overhead_s = result["op_overhead_s"] if world == 1 else machine.op_overhead_s
+    machine.comm = [c for c in machine.comm if c.world != world] + result["comm"]
+    if world > 1 and world >= machine.devices_per_node:  # the fullest node is what a job of the host sees
+        machine.overlap_efficiency = result["overlap_efficiency"]
+        curves = [c for c in machine.comm if c.op == "all_reduce"]
+        if curves:  # the fallback level: the median fitted α, β over the measured all-reduces
+            fits = [c.alpha_beta() for c in curves]
+            machine.levels = [
+                Level(
+                    "host (measured)",
+                    0,
+                    statistics.median(f[0] for f in fits) / 2,
+                    statistics.median(f[1] for f in fits),
+                )
+            ]
+    machine.devices_per_node = max(machine.devices_per_node, world)
+    stepfit.store(
+        machine, {world}, result["step_samples"], "fitted to the measured steps in step_samples (axon4d.plan.stepfit)"
+    )
+    machine.sources["peak_flops"] = "best GEMM throughput measured at the lattice points (not a hardware peak)"
+    return machine
+
+
+def host_memory() -> float:
+    """Bytes of this host's memory (16 GiB where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 16 * 2**30

@@ -1,0 +1,211 @@
+"""The replacement walk: ``auto_parallelize(model)`` and its inverse ``to_dense(model)``
+(docs/design.md §2; docs/parallelize.md).
+
+``auto_parallelize`` walks a model twice. First it decides everything from sizes alone (no
+collective, the same on every rank): which blocks a family plan takes (the plan tables below,
+``axon4d.parallelize.llama`` and ``.gpt2``), then which other linear layers the general path takes
+(``axon4d.parallelize.general``) and which it leaves as they are. Then it applies the decisions:
+replaces modules and layers, patches attributes, installs the plans' forward hooks, and hooks the
+gradient of every parameter left replicated so it is averaged over batch = data × z (E6/E7 for
+replicated parameters), which makes every ``.grad`` DDP-complete when ``backward()`` returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+from torch import nn
+
+from axon4d import runtime
+from axon4d.grid import Grid
+from axon4d.nn.functional import average_grad_over_batch
+from axon4d.parallelize import gpt2, llama
+from axon4d.parallelize import recompute as recomputation
+from axon4d.parallelize.general import general_specs
+from axon4d.parallelize.layers import ShardedLinear, is_linear, linear_problem, owned_by_axon4d
+from axon4d.parallelize.plan import HOOK_MARK, RESTORE_ATTR, BlockPlan, PlanFn, Spec, within
+from axon4d.policy import check_recompute
+
+#: class name → plan for blocks whose forward code is known ("chained" layout; tested: docs/parallelize.md)
+FAMILY_PLANS: dict[str, PlanFn] = {**llama.CHAINED_PLANS, **gpt2.CHAINED_PLANS}
+
+#: class name → plan of the "sharded" layout (the residual stream split over x)
+SHARDED_PLANS: dict[str, PlanFn] = {**llama.SHARDED_PLANS, **gpt2.SHARDED_PLANS}
+
+LAYOUTS = ("sharded", "chained", "general")
+
+#: attribute set on a parameter whose gradient hook averages it over batch (set once per parameter)
+REPLICATED_MARK = "_axon4d_replicated"
+
+
+def auto_parallelize(
+    model: nn.Module, *, grid: Grid | None = None, layout: str = "sharded", recompute: str = "none"
+) -> nn.Module:
+    """Replace ``model``'s linear layers by 3D-parallel ones in place and return ``model``.
+
+    ``model`` must be identical on every rank (same seed or checkpoint) and already on the grid's
+    device; afterwards it takes this rank's batch shard (``axon4d.shard_batch``) and its outputs
+    are this rank's shard (``axon4d.gather_batch`` reassembles them). ``layout``:
+    ``"sharded"`` (default) uses ``SHARDED_PLANS`` (the residual stream split over x), else
+    ``FAMILY_PLANS``, else the general path; ``"chained"`` skips the sharded plans; ``"general"``
+    uses the general path for every layer. Layers left as they are (tied to another module, not
+    divisible by the grid, embeddings) stay replicated with gradients averaged over batch =
+    data × z and are listed in a ``UserWarning``. Raises ``ValueError`` on every rank, before any
+    collective, when a planned block's heads do not divide by G_y. ``recompute`` is the activation
+    recomputation of the model's decoder layers: "none", "selective", "balanced" (sharded layout)
+    or "full" (axon4d.parallelize.recompute, docs/design.md §5).
+    """
+    check_recompute(recompute)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not known; use one of {LAYOUTS}")
+    grid = runtime.resolve(grid)
+    users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
+    for name, m in model.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            users.setdefault(id(p), []).append(name)
+    tables = {"sharded": [SHARDED_PLANS, FAMILY_PLANS], "chained": [FAMILY_PLANS], "general": []}[layout]
+
+    # 1. decide everything (sizes only: no collective, the same on every rank)
+    blocks = _planned_blocks(model, grid, tables, users)
+    specs: dict[str, Spec] = {}
+    handled: set[str] = set()  # modules a plan replaces
+    for name, plan in blocks:
+        specs.update({_join(name, rel): s for rel, s in plan.specs.items()})
+        handled.update(_join(name, rel) for rel in plan.replace)
+    general, skipped = general_specs(model, grid, users, taken=handled | set(specs))
+    specs.update(general)
+
+    # 2. apply: replace modules and layers, install patches and hooks, hook replicated gradients
+    for block_name, plan in blocks:
+        block = model.get_submodule(block_name)
+        for rel, build in plan.replace.items():
+            _swap(block, rel, build(block.get_submodule(rel)))
+    for name, spec in specs.items():
+        _swap(
+            model,
+            name,
+            ShardedLinear(
+                model.get_submodule(name),
+                grid=grid,
+                transpose=spec.transpose,
+                input_sharded=spec.input_sharded,
+                output_sharded=spec.output_sharded,
+                out_perm=spec.out_perm,
+            ),
+        )
+    for block_name, plan in blocks:
+        block = model.get_submodule(block_name)
+        for rel, attrs in plan.patch.items():
+            target = block.get_submodule(rel)
+            setattr(target, RESTORE_ATTR, {k: getattr(target, k) for k in attrs})
+            for k, v in attrs.items():
+                setattr(target, k, v)
+        for rel, hook in plan.pre_hooks.items():
+            block.get_submodule(rel).register_forward_pre_hook(hook, with_kwargs=True)
+        for rel, hook in plan.post_hooks.items():
+            block.get_submodule(rel).register_forward_hook(hook)
+    _hook_replicated_grads(model, grid)
+    recomputation.apply(model, recompute, grid)
+    if skipped:
+        listed = "; ".join(f"{n} ({why})" for n, why in skipped.items())
+        warnings.warn(
+            f"axon4d.auto_parallelize left {len(skipped)} layer(s) as they are — replicated on every "
+            f"rank, gradients averaged over data × z: {listed}",
+            UserWarning,
+            stacklevel=2,
+        )
+    return model
+
+
+def _planned_blocks(
+    model: nn.Module, grid: Grid, tables: list[dict[str, PlanFn]], users: dict[int, list[str]]
+) -> list[tuple[str, BlockPlan]]:
+    """(block name, plan) of every module the first table that knows its class plans, outermost
+    first; a plan is dropped when one of its linear layers cannot be replaced as it says."""
+    blocks: list[tuple[str, BlockPlan]] = []
+    for name, m in model.named_modules():
+        if owned_by_axon4d(m) or within(name, [b for b, _ in blocks]):
+            continue
+        fn = next((table[type(m).__name__] for table in tables if type(m).__name__ in table), None)
+        plan = fn(name, m, grid) if fn else None
+        if plan is None:
+            continue
+        modules = dict(m.named_modules())
+        if all(
+            is_linear(modules.get(rel)) and not linear_problem(_join(name, rel), modules[rel], s.transpose, grid, users)
+            for rel, s in plan.specs.items()
+        ):
+            blocks.append((name, plan))
+    return blocks
+
+
+def _join(block: str, rel: str) -> str:
+    """The absolute name of module ``rel`` of block ``block`` ('' is the root)."""
+    return f"{block}.{rel}" if block else rel
+
+
+def _swap(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where ``root``'s submodule ``name`` is."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def _hook_replicated_grads(model: nn.Module, grid: Grid) -> None:
+    """Average over batch (data × z) the gradient of every parameter this library does not shard."""
+    sharded = {id(p) for m in model.modules() if owned_by_axon4d(m) for p in m.parameters()}
+    for p in model.parameters():  # each shared parameter once
+        if p.requires_grad and id(p) not in sharded and not getattr(p, REPLICATED_MARK, False):
+            average_grad_over_batch(p, grid)
+            setattr(p, REPLICATED_MARK, True)
+
+
+def to_dense(model: nn.Module, grads: bool = False) -> nn.Module:
+    """An unparallelized copy of ``model`` with full weights (and ``.grad`` if ``grads``), on every rank.
+
+    Every submodule with a ``to_dense(grads=...)`` method (``ShardedLinear``, ``axon4d.Linear``
+    and the library's other sharded modules) is replaced by its result, gathering over the axes it
+    is split on; everything else is copied. Hooks and attribute changes made by
+    ``auto_parallelize`` are undone in the copy. Every rank must call it (it communicates).
+    """
+    own_to_dense = getattr(model, "to_dense", None)  # duck-typed: any module with a to_dense(grads=...) method
+    if callable(own_to_dense):
+        return own_to_dense(grads=grads)
+    memo: dict[int, Any] = {}
+
+    def convert(parent: nn.Module) -> None:  # children in a fixed order, the same on every rank
+        grid = getattr(parent, "grid", None)
+        if isinstance(grid, Grid):
+            memo[id(grid)] = grid  # shared, never copied
+        for child in parent.children():
+            if id(child) in memo:
+                continue
+            child_to_dense = getattr(child, "to_dense", None)
+            if callable(child_to_dense):
+                memo[id(child)] = child_to_dense(grads=grads)
+            else:
+                convert(child)
+
+    convert(model)
+    dense = copy.deepcopy(model, memo)
+    for m in dense.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for key in [k for k, fn in hooks.items() if getattr(fn, HOOK_MARK, False)]:
+                del hooks[key]
+                for extra in (
+                    m._forward_pre_hooks_with_kwargs,
+                    m._forward_hooks_with_kwargs,
+                    m._forward_hooks_always_called,
+                ):
+                    extra.pop(key, None)
+        for k, v in m.__dict__.pop(RESTORE_ATTR, {}).items():
+            setattr(m, k, v)
+    originals = dict(model.named_parameters())
+    for name, p in dense.named_parameters():
+        p.__dict__.pop(REPLICATED_MARK, None)
+        if grads and p.grad is None and name in originals:
+            original_grad = originals[name].grad
+            if original_grad is not None:
+                p.grad = original_grad.detach().clone()
+    return dense

@@ -1,0 +1,29 @@
+"""The training job: a GPT or Llama model trained on the 4D grid.
+
+    torchrun --nproc-per-node 8 -m axon4d.train --grid 2,2,2,1 --model small --steps 200
+    axon4d train --help                       # every TrainConfig field is a flag
+
+Every field of ``TrainConfig`` is a command-line flag. The loop: deterministic global batches
+(``axon4d.data``) → this rank's rows (``shard_batch``) → micro-batches with gradient accumulation →
+gradient clipping whose norm counts each element once (``axon4d.params``) → AdamW with warmup
+and cosine decay. Rank 0 shows a progress bar (loss, tokens/s, MFU, hidden communication) and
+writes ``log.jsonl``; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and
+at the end, and ``--resume`` continues from the newest one on the same loss curve. With
+``--compare-single`` rank 0 afterwards trains the same model in one process with plain PyTorch
+from the same initial weights and plots both loss curves.
+"""
+
+# This docstring is the help text of `axon4d train` and `python -m axon4d.train`. The package sits
+# in layer L9 (docs/design.md §9), one idea per module:
+#   config     TrainConfig and the flags built from its field docstrings
+#   batches    the token stream --data names, a step's micro-batches, gradient accumulation
+#   optim      learning-rate schedule, AdamW, clipping by the global gradient norm
+#   peak       the peak TFLOP/s that MFU is measured against
+#   loop       train(cfg) on the grid, and main(args)
+#   reference  the single-process run of --compare-single
+#   report     step records, progress line, log.jsonl, summary.json, loss.png
+
+from axon4d.train.config import TrainConfig, add_arguments
+from axon4d.train.loop import main, train
+
+__all__ = ["TrainConfig", "add_arguments", "main", "train"]

@@ -1,0 +1,65 @@
+"""What a step trains on: the token stream ``--data`` names, and a step's micro-batches.
+
+``make_data`` opens the stream (``axon4d.data``): synthetic, the byte-level demo corpus (written
+once, by rank 0, to ``build/corpus.u16``), or a token file. A step's global batch is drawn from
+(seed, step), the same on every rank; ``accumulate`` runs forward and backward over its
+micro-batches, each rank on its own rows (``axon4d.layout.shard_batch``, tokens split over
+batch = data × z, docs/design.md §1), so the gradients add up to those of the whole batch. The
+single-process reference run calls it with no grid and trains on all rows. Batches are made on the
+host (the same bits on every machine); a rank moves only its rows to the model's device
+(``axon4d.device.to_device``), where the loss is accumulated too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from axon4d import device as devices
+from axon4d import layout
+from axon4d.config import ModelConfig
+from axon4d.data import MemmapTokens, SyntheticTokens, demo_corpus
+from axon4d.grid import Grid
+from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.train.config import TrainConfig
+
+CORPUS_PATH = os.path.join("build", "corpus.u16")
+
+
+def make_data(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid | None = None) -> SyntheticTokens | MemmapTokens:
+    """The token stream ``cfg.data`` names; the demo corpus is written once, by rank 0."""
+    if cfg.data == "synthetic":
+        return SyntheticTokens(mcfg.vocab_size, mcfg.seq_len, seed=cfg.seed)
+    path = cfg.data
+    if cfg.data == "corpus":
+        path = CORPUS_PATH
+        if grid is None or grid.rank == 0:
+            demo_corpus(path)
+        if grid is not None:
+            grid.comm.barrier()
+    if not os.path.exists(path):
+        raise ValueError(f"data {cfg.data!r}: no such token file; use synthetic, corpus, or a path to a .u16/.u32 file")
+    return MemmapTokens(path, mcfg.seq_len, mcfg.vocab_size, seed=cfg.seed)
+
+
+def step_batches(data: SyntheticTokens | MemmapTokens, step: int, cfg: TrainConfig) -> tuple[torch.Tensor, ...]:
+    """The global micro-batches of ``step`` (``cfg.micro_batches`` of ``cfg.batch_size`` sequences each)."""
+    return data.batch(step, cfg.batch_size * cfg.micro_batches).chunk(cfg.micro_batches)
+
+
+def accumulate(
+    model: Transformer | DenseTransformer, batches: tuple[torch.Tensor, ...], grid: Grid | None
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch; returns the mean loss (this rank's tokens).
+
+    With a grid each rank trains on its rows of each micro-batch; with ``grid=None`` (one
+    process) on all of them. The rows go to the device of the model's parameters (the grid's)."""
+    device = grid.device if grid is not None else next(model.parameters()).device
+    total = torch.zeros((), device=device)
+    for full in batches:
+        rows = devices.to_device(layout.shard_batch(full, grid) if grid is not None else full, device)
+        loss = model.loss(rows[:, :-1], rows[:, 1:]) / len(batches)
+        loss.backward()
+        total += loss.detach()
+    return total

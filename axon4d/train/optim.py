@@ -1,0 +1,53 @@
+"""How a step updates the weights: the learning-rate schedule, AdamW, and gradient clipping.
+
+``lr_at`` is linear warmup to ``lr`` followed by cosine decay to ``min_lr`` at the last step.
+``make_optimizer`` is AdamW with weight decay on matrices and embeddings only, decided by each
+parameter's *global* shape (``axon4d.params``), so a flat Linear shard counts as the matrix it is
+part of. ``clip`` clips by the global gradient norm, which counts every element once however it
+is sharded or replicated over the grid (``axon4d.params.grad_norm``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from axon4d import params
+from axon4d.grid import Grid
+from axon4d.train.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.min_lr at cfg.steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def set_lr(opt: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
+    """Set every parameter group's learning rate to the schedule's value at ``step``; return it."""
+    lr = lr_at(step, cfg)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only (norm weights and biases excluded).
+
+    Decided by the parameter's *global* shape, so flat Linear shards count as matrices; for a
+    plain single-process model the global shape is the parameter's own."""
+    layouts = params.param_layouts(model)
+    decay = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) >= 2]
+    other = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def clip(model: torch.nn.Module, cfg: TrainConfig, grid: Grid) -> float:
+    """Clip the gradients to ``cfg.grad_clip`` by their global norm (no clipping at 0); return the norm."""
+    if cfg.grad_clip > 0:
+        return params.clip_grad_norm_(model, cfg.grad_clip, grid)
+    return params.grad_norm(model, grid).item()

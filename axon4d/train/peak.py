@@ -1,0 +1,87 @@
+"""MFU's denominator, and a start-up check that the compute dtype is fast here.
+
+``measure_peak_tflops`` times a square matmul on this rank after a barrier, so all ranks share the
+machine as they will while training; ``world_peak_tflops`` sums the per-rank peaks (or the
+``--peak-tflops`` a user gave) over the grid. ``mfu`` is achieved model FLOP/s over that peak.
+
+``check_compute_dtype`` times a 512 × 512 matmul in the compute dtype and in fp32 on the grid's
+device (``axon4d.device.matmul_seconds``): where the compute dtype is more than ``SLOW_RATIO``
+times slower — bf16 on a CPU without AVX-512 BF16 runs some 50× slower than fp32 — rank 0 prints
+a warning naming both speeds and suggesting ``--precision fp32``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+import torch
+
+from axon4d import device as devices
+from axon4d.grid import Grid
+
+#: warn when the compute dtype's matmul is this many times slower than fp32's.
+SLOW_RATIO = 8.0
+#: the matmul size of the dtype check.
+CHECK_N = 512
+
+
+def measure_peak_tflops(grid: Grid, dtype: torch.dtype, seconds: float = 0.5) -> float:
+    """Matmul TFLOP/s of this rank while every rank measures at once (the machine's shared peak)."""
+    n = 512
+    a = torch.randn(n, n, dtype=dtype, device=grid.device)
+    b = torch.randn(n, n, dtype=dtype, device=grid.device)
+    torch.matmul(a, b)
+    devices.synchronize(grid.device)
+    grid.comm.barrier()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.matmul(a, b)
+        count += 1
+    devices.synchronize(grid.device)  # an accelerator queues the matmuls: count them once they ran
+    return 2 * n**3 * count / (time.perf_counter() - start) / 1e12
+
+
+def world_peak_tflops(grid: Grid, per_rank: float = 0.0) -> float:
+    """Peak TFLOP/s of the whole grid: ``per_rank`` on every rank, or measured (at 0), summed over the world."""
+    peak_rank = per_rank or measure_peak_tflops(grid, grid.precision.compute)
+    total = torch.tensor([peak_rank], dtype=torch.float64, device=grid.device)
+    return grid.comm.all_reduce(total, "world", tag="peak").wait().item()
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float) -> float:
+    """Model FLOP utilisation: model FLOP/s achieved over the peak (``peak_tflops`` in TFLOP/s)."""
+    return flops_per_token * tokens_per_s / (peak_tflops * 1e12)
+
+
+def slow_dtype_warning(name: str, seconds: float, fp32_seconds: float, device: torch.device) -> str | None:
+    """The warning for a compute dtype ``name`` whose matmul takes ``seconds`` against fp32's
+    ``fp32_seconds``, or None when it is at most ``SLOW_RATIO`` times slower."""
+    ratio = seconds / fp32_seconds
+    if ratio <= SLOW_RATIO:
+        return None
+    flops = 2 * CHECK_N**3
+    return (
+        f"WARNING: {name} matmuls are {ratio:.0f}x slower than fp32 on {device}: "
+        f"{flops / seconds / 1e9:.3g} GFLOP/s in {name} against {flops / fp32_seconds / 1e9:.3g} GFLOP/s in fp32 "
+        f"({CHECK_N}x{CHECK_N} matmul). This machine has no fast {name} kernels; train with --precision fp32."
+    )
+
+
+def check_compute_dtype(
+    grid: Grid, timer: Callable[[torch.device, torch.dtype], float] | None = None, out: TextIO | None = None
+) -> str | None:
+    """Time the grid's compute dtype against fp32 on rank 0 (``timer(device, dtype)`` → seconds per
+    matmul; ``axon4d.device.matmul_seconds`` by default) and print ``slow_dtype_warning``'s text
+    there when it is much slower; return that text (None on other ranks, for fp32, or when fast)."""
+    compute = grid.precision.compute
+    if grid.rank != 0 or compute == torch.float32:
+        return None
+    timer = timer or (lambda device, dtype: devices.matmul_seconds(device, dtype, n=CHECK_N))
+    name = str(compute).removeprefix("torch.")
+    warning = slow_dtype_warning(name, timer(grid.device, compute), timer(grid.device, torch.float32), grid.device)
+    if warning is not None:
+        print(warning, file=out or sys.stdout, flush=True)
+    return warning

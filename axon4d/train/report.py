@@ -1,0 +1,159 @@
+"""What a training run reports: the step record, the progress line, log.jsonl, the run summary and
+the loss-curve plot.
+
+A step record holds the loss, learning rate, gradient norm, step time, tokens/s, MFU, payload bytes
+per grid axis, and the communication and blocked time with the share of communication hidden, all
+as ``axon4d.commlog`` defines them (``CommLog.summary``; docs/design.md §4). The run summary adds
+the steady steps up (every step but the first, which pays for warm-up allocations): medians of
+time, tokens/s and MFU, mean bytes per axis, and the hidden share of the summed communication and
+blocked time (``commlog.hidden_pct``), the device the run trained on and its activation
+recomputation mode. Rank 0 writes ``log.jsonl`` (one record per logged step, appended to on
+resume), ``summary.json`` and, with ``--compare-single``, ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from axon4d.commlog import hidden_pct
+from axon4d.config import ModelConfig
+from axon4d.grid import Grid
+
+
+def step_record(
+    step: int,
+    loss: float,
+    lr: float,
+    grad_norm: float,
+    step_s: float,
+    tokens_per_s: float,
+    mfu: float,
+    comm: dict[str, Any],
+) -> dict[str, Any]:
+    """The log record of step number ``step`` (counted from 1); ``comm`` is the step's ``CommLog.summary()``."""
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "comm_bytes": {a: v["bytes"] for a, v in comm["axes"].items()},
+        "comm_s": comm["comm_s"],
+        "blocked_s": comm["blocked_s"],
+        "hidden_pct": comm["hidden_pct"],
+    }
+
+
+def progress_line(rec: dict[str, Any]) -> str:
+    """The progress bar's fields for a step record: loss, tokens/s, MFU, communication hidden."""
+    return (
+        f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | MFU {100 * rec['mfu']:.1f}% | "
+        f"hidden {rec['hidden_pct']:.0f}%"
+    )
+
+
+def banner(grid: Grid, model: str, mcfg: ModelConfig, peak_tflops: float, start: int, recompute: str = "none") -> str:
+    """The start-up lines: the grid, the model, the peak MFU is measured against, recomputation, the resume step."""
+    return (
+        f"{grid}\nmodel {mcfg.name or model} ({mcfg.arch}): {mcfg.n_params() / 1e6:.2f} M parameters, "
+        f"{mcfg.n_layers} layers, hidden {mcfg.hidden}, seq {mcfg.seq_len}; "
+        f"peak {peak_tflops:.3f} TFLOP/s over {grid.world_size} ranks"
+        + (f"; recompute {recompute}" if recompute != "none" else "")
+        + (f"; resumed at step {start}" if start else "")
+    )
+
+
+class LogFile:
+    """``log.jsonl`` of a run: every ``every``-th step record as one JSON line (rank 0 only)."""
+
+    def __init__(self, out_dir: str, every: int, enabled: bool):
+        self.every = every
+        self._file = open(os.path.join(out_dir, "log.jsonl"), "a") if enabled else None
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self._file is not None and rec["step"] % self.every == 0:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def summarize(
+    records: list[dict[str, Any]], steps: int, grid: Grid, ckpt: str, recompute: str = "none"
+) -> dict[str, Any]:
+    """The run summary of the step records (steady steps: all but the first) of a run with
+    activation recomputation ``recompute``."""
+    steady = records[1:] or records  # the first step pays for warm-up allocations
+    med = lambda key: sorted(r[key] for r in steady)[len(steady) // 2] if steady else float("nan")  # noqa: E731
+    axes: dict[str, float] = {}
+    for r in steady:
+        for a, b in r["comm_bytes"].items():
+            axes[a] = axes.get(a, 0) + b / len(steady)
+    comm_s = sum(r["comm_s"] for r in steady)
+    blocked_s = sum(r["blocked_s"] for r in steady)
+    return {
+        "grid": str(grid.shape),
+        "device": str(grid.device),
+        "recompute": recompute,
+        "steps": steps,
+        "final_loss": records[-1]["loss"] if records else None,
+        "median_step_s": med("step_s"),
+        "median_tokens_per_s": med("tokens_per_s"),
+        "median_mfu": med("mfu"),
+        "comm_bytes_per_step": axes,
+        "hidden_pct": hidden_pct(comm_s, blocked_s),
+        "checkpoint": ckpt,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The end-of-run table."""
+    rows = [
+        ("grid", s["grid"]),
+        ("device", s["device"]),
+        ("recompute", s["recompute"]),
+        ("steps", s["steps"]),
+        ("final loss", f"{s['final_loss']:.4f}" if s["final_loss"] is not None else "-"),
+        ("step time (median)", f"{1e3 * s['median_step_s']:.1f} ms"),
+        ("tokens/s (median)", f"{s['median_tokens_per_s']:,.0f}"),
+        ("MFU (median)", f"{100 * s['median_mfu']:.2f}%"),
+        ("communication hidden", f"{s['hidden_pct']:.0f}%"),
+    ]
+    rows += [(f"bytes/step on {a}", f"{b / 2**20:.2f} MiB") for a, b in sorted(s["comm_bytes_per_step"].items())]
+    rows.append(("checkpoint", s["checkpoint"]))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["", "run summary", "-" * (width + 30)] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def write_summary(out_dir: str, summary: dict[str, Any]) -> None:
+    """Write ``summary.json``."""
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+def plot_curves(path: str, ours: list[float], ref: list[float], grid: str) -> str:
+    """Both loss curves in one PNG."""
+    # pyplot is slow to import and needs its backend chosen first; only --compare-single plots
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    ax.plot(range(1, len(ref) + 1), ref, label="1 process, plain PyTorch", linewidth=3.5, alpha=0.45)
+    ax.plot(range(1, len(ours) + 1), ours, label=f"axon4d, grid {grid}", linewidth=1.2, linestyle="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (cross-entropy)")
+    ax.set_title("4D-parallel training follows the single-process loss curve")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,133 @@
+"""Protects activation recomputation (axon4d/nn/recompute.py, docs/design.md §5): every mode —
+selective, balanced, full — gives the same loss, logits and gradients as keeping everything
+("none"), on grids that split every axis, under the default overlap policy and with every overlap
+mechanism pushed (OAG depth 2 with keep-for-backward, ORS with two reduce-scatters in flight), and
+each mode really keeps less for backward than "none".
+
+Start here when a change touches what a block saves for backward or the scheduler's prefetching.
+"""
+
+import pytest
+import torch
+
+import axon4d
+from axon4d.config import ModelConfig
+from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.nn.recompute import MODES, check_mode
+
+GPT = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="gpt")
+LLAMA = ModelConfig(
+    n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama"
+)
+TOL = 1e-6
+POLICIES = {"default": None, "pushed": "all,keep,oag_depth=2,ors_inflight=2", "off": "off"}
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖a − ref‖ / ‖ref‖ (a mode may add the same terms in another order: LayerNorm's statistics
+    and normalisation are separate ops under balanced recomputation)."""
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _step(grid, cfg, mode, policy, steps=2):
+    """Loss, logits and every local gradient of the last of ``steps`` SGD steps under ``mode``."""
+    torch.manual_seed(7)
+    dense = DenseTransformer(cfg)
+    model = Transformer.from_dense(dense, grid=grid, recompute=mode)
+    axon4d.overlap.configure(policy, grid)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # linear in the gradient: no amplified rounding
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
+        inputs, targets = axon4d.shard_batch(ids[:, :-1], grid), axon4d.shard_batch(ids[:, 1:], grid)
+        opt.zero_grad()
+        loss = model.loss(inputs, targets)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    with torch.no_grad():
+        logits = model(inputs)
+    return loss.detach(), logits, grads
+
+
+def _compare_modes(grid, cfg, policy):
+    loss0, logits0, grads0 = _step(grid, cfg, "none", policy)
+    errs = {}
+    for mode in MODES[1:]:
+        loss, logits, grads = _step(grid, cfg, mode, policy)
+        errs[f"{mode}.loss"] = _rel(loss, loss0)
+        errs[f"{mode}.logits"] = _rel(logits, logits0)
+        errs[f"{mode}.grads"] = max(_rel(grads[n], g) for n, g in grads0.items())
+    return errs
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+@pytest.mark.parametrize("world,grid", [(4, (1, 2, 2, 1)), (8, (2, 2, 2, 1)), (8, (1, 2, 2, 2))])
+def test_every_mode_gives_the_gradients_of_none(pools, world, grid, cfg, policy):
+    for rank, errs in enumerate(pools(world).run(grid, _compare_modes, cfg, POLICIES[policy])):
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, f"rank {rank} on {grid}, overlap {policy}: {bad}"
+
+
+MEM_CFG = {
+    "llama": ModelConfig(
+        n_layers=2, hidden=128, n_heads=8, n_kv_heads=2, ffn_hidden=352, vocab_size=256, seq_len=128, arch="llama"
+    ),
+    "gpt": ModelConfig(n_layers=2, hidden=128, n_heads=8, vocab_size=256, seq_len=128, arch="gpt"),
+}
+MEM_BATCH = 8
+
+
+def _peaks(grid, cfg):
+    """Peak bytes of one training step (after two warm-up steps) per mode, max over ranks, and the
+    planner's prediction for the same job."""
+    import warnings
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from axon4d.plan.memory import memory
+    from axon4d.plan.workload import Workload
+
+    warnings.filterwarnings("ignore", message="Expected a tensor")  # MemTracker on optimizer state None entries
+    out = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = Transformer(cfg, grid=grid, recompute=mode)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+        ids = torch.randint(0, cfg.vocab_size, (MEM_BATCH, cfg.seq_len + 1))
+        inputs, targets = axon4d.shard_batch(ids[:, :-1], grid), axon4d.shard_batch(ids[:, 1:], grid)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            model.loss(inputs, targets).backward()
+            opt.step()
+
+        step(), step()
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            step()
+        peak = torch.tensor([float(tracker.get_tracker_snapshot("peak")[grid.device]["Total"])], dtype=torch.float64)
+        measured = float(grid.comm.all_gather(peak, "world").wait().max())
+        predicted = memory(Workload(cfg, MEM_BATCH, "float32"), grid.shape, mode, grid.scheduler.policy).peak
+        out[mode] = (measured, predicted)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+@pytest.mark.parametrize("world,grid", [(1, (1, 1, 1, 1)), (4, (1, 2, 2, 1))])
+def test_peak_memory_of_every_mode_is_the_planners(pools, world, grid, arch):
+    """Measured peak per rank within 10% of the planner's prediction, and the modes ordered as predicted."""
+    peaks = pools(world).run(grid, _peaks, MEM_CFG[arch])[0]
+    errors = {mode: (p - m) / m for mode, (m, p) in peaks.items()}
+    assert all(abs(e) <= 0.10 for e in errors.values()), f"{arch} on {grid}: planner error by mode {errors}"
+    by_measured = sorted(MODES, key=lambda mode: -peaks[mode][0])
+    by_predicted = sorted(MODES, key=lambda mode: -peaks[mode][1])
+    assert by_measured == by_predicted == list(MODES), (peaks, by_measured, by_predicted)
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="recompute='some'.*none, selective, balanced, full"):
+        check_mode("some")
