@@ -13,7 +13,7 @@ blocks, final norm, vocab-parallel head and cross-entropy) with Adam on random t
 line per step as it goes (rank 0: the step's seconds and rank 0's loss). The step time is the
 median over the timed steps of the slowest rank's step (a barrier before each step, the device
 synchronised after). Peak memory per rank is measured over one more step: torch's ``MemTracker``
-on the host (as ``axon4d.measure.probe.measure_peak`` does), the allocator's
+on the host (``axon4d.measure.probe.peak_bytes``), the allocator's
 ``max_memory_allocated`` on a GPU; the maximum over ranks.
 
 Whatever is smaller than the size table's model or than a production run is printed at start and
@@ -39,20 +39,19 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from torch.distributed._tools.mem_tracker import MemTracker  # noqa: E402
 
 import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig, get_config  # noqa: E402
-from axon4d.nn.recompute import MODES  # noqa: E402
+from axon4d.measure.probe import peak_bytes  # noqa: E402
 from axon4d.plan import Candidate, Overlap, Workload, describe, evaluate, load  # noqa: E402
+from axon4d.policy import RECOMPUTE_MODES  # noqa: E402
 from axon4d.shape import GridShape  # noqa: E402
 from axon4d.train.loop import build_model  # noqa: E402
 from axon4d.train.peak import check_compute_dtype  # noqa: E402
@@ -88,7 +87,9 @@ def parse() -> argparse.Namespace:
         choices=("auto", "torch", "mpi"),
         help="transport: auto (MPI under mpiexec on CPUs, else torch.distributed), torch or mpi",
     )
-    p.add_argument("--recompute", default="none", choices=MODES, help="activation recomputation in every block")
+    p.add_argument(
+        "--recompute", default="none", choices=RECOMPUTE_MODES, help="activation recomputation in every block"
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/gpt_<model>[_reduced][_<mode>].json)")
@@ -123,31 +124,6 @@ def describe_reductions(red: dict[str, Any]) -> str:
     parts.append(f"batch {red['batch']['run']} sequences ({red['batch']['tokens']} tokens)")
     parts.append(f"optimizer {red['optimizer']['run']} instead of {red['optimizer']['training job']}")
     return "reduced: " + "; ".join(parts)
-
-
-def peak_bytes(grid: axon4d.Grid, model: torch.nn.Module, opt: torch.optim.Optimizer, step: Any) -> int:
-    """Peak bytes of torch tensors on this rank over one ``step()``, maximum over ranks: torch's
-    ``MemTracker`` on the host (as ``axon4d.measure.probe.measure_peak``), the allocator's peak on
-    an accelerator."""
-    device = grid.device
-    grid.comm.barrier()
-    if devices.is_host(device):
-        tracker = MemTracker()
-        with warnings.catch_warnings():  # it warns of the gradients zero_grad set to None
-            warnings.simplefilter("ignore", UserWarning)
-            tracker.track_external(model, opt)
-            with tracker:
-                step()
-        peak = float(tracker.get_tracker_snapshot("peak")[device]["Total"])
-    else:
-        devices.synchronize(device)
-        devices.reset_peak_memory(device)
-        step()
-        devices.synchronize(device)
-        peak = float(devices.peak_memory_allocated(device) or 0)
-    grid.comm.log.clear()
-    peaks = grid.comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=device), "world").wait()
-    return int(peaks.max())
 
 
 def predict(cfg: ModelConfig, args: argparse.Namespace, shape: GridShape, machine_name: str) -> dict[str, Any]:

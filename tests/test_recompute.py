@@ -13,7 +13,7 @@ import torch
 import axon4d
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.nn.recompute import MODES, check_mode
+from axon4d.policy import RECOMPUTE_MODES, check_recompute
 
 GPT = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="gpt")
 LLAMA = ModelConfig(
@@ -54,7 +54,7 @@ def _step(grid, cfg, mode, policy, steps=2):
 def _compare_modes(grid, cfg, policy):
     loss0, logits0, grads0 = _step(grid, cfg, "none", policy)
     errs = {}
-    for mode in MODES[1:]:
+    for mode in RECOMPUTE_MODES[1:]:
         loss, logits, grads = _step(grid, cfg, mode, policy)
         errs[f"{mode}.loss"] = _rel(loss, loss0)
         errs[f"{mode}.logits"] = _rel(logits, logits0)
@@ -83,16 +83,12 @@ MEM_BATCH = 8
 def _peaks(grid, cfg):
     """Peak bytes of one training step (after two warm-up steps) per mode, max over ranks, and the
     planner's prediction for the same job."""
-    import warnings
-
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    from axon4d.measure.probe import peak_bytes
     from axon4d.plan.memory import memory
     from axon4d.plan.workload import Workload
 
-    warnings.filterwarnings("ignore", message="Expected a tensor")  # MemTracker on optimizer state None entries
     out = {}
-    for mode in MODES:
+    for mode in RECOMPUTE_MODES:
         torch.manual_seed(0)
         model = Transformer(cfg, grid=grid, recompute=mode)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
@@ -105,12 +101,7 @@ def _peaks(grid, cfg):
             opt.step()
 
         step(), step()
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with tracker:
-            step()
-        peak = torch.tensor([float(tracker.get_tracker_snapshot("peak")[grid.device]["Total"])], dtype=torch.float64)
-        measured = float(grid.comm.all_gather(peak, "world").wait().max())
+        measured = peak_bytes(grid, model, opt, step)
         predicted = memory(Workload(cfg, MEM_BATCH, "float32"), grid.shape, mode, grid.scheduler.policy).peak
         out[mode] = (measured, predicted)
     return out
@@ -123,11 +114,11 @@ def test_peak_memory_of_every_mode_is_the_planners(pools, world, grid, arch):
     peaks = pools(world).run(grid, _peaks, MEM_CFG[arch])[0]
     errors = {mode: (p - m) / m for mode, (m, p) in peaks.items()}
     assert all(abs(e) <= 0.10 for e in errors.values()), f"{arch} on {grid}: planner error by mode {errors}"
-    by_measured = sorted(MODES, key=lambda mode: -peaks[mode][0])
-    by_predicted = sorted(MODES, key=lambda mode: -peaks[mode][1])
-    assert by_measured == by_predicted == list(MODES), (peaks, by_measured, by_predicted)
+    by_measured = sorted(RECOMPUTE_MODES, key=lambda mode: -peaks[mode][0])
+    by_predicted = sorted(RECOMPUTE_MODES, key=lambda mode: -peaks[mode][1])
+    assert by_measured == by_predicted == list(RECOMPUTE_MODES), (peaks, by_measured, by_predicted)
 
 
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="recompute='some'.*none, selective, balanced, full"):
-        check_mode("some")
+        check_recompute("some")

@@ -25,7 +25,7 @@ from axon4d import checkpoint, commlog, params
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.nn.recompute import MODES
+from axon4d.policy import RECOMPUTE_MODES
 from axon4d.precision import Precision
 from axon4d.train import TrainConfig, add_arguments, train
 from axon4d.train.peak import SLOW_RATIO, check_compute_dtype
@@ -224,7 +224,7 @@ def test_every_config_field_is_a_documented_flag():
     assert args.grid == "2,1,2,2" and args.steps == 7 and args.progress is False and args.lr == 0.5
     assert "Peak learning rate" in text
     assert parser.parse_args([]).recompute == "none"
-    for mode in MODES:
+    for mode in RECOMPUTE_MODES:
         assert parser.parse_args(["--recompute", mode]).recompute == mode
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         parser.parse_args(["--recompute", "most"])  # argparse lists the modes

@@ -12,6 +12,8 @@ benchmark needs nothing beyond the 3D linear layer. ``measure_step`` times steps
 from __future__ import annotations
 
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -133,16 +135,32 @@ def measure_peak(model: ProbeModel, warmup: int = 2) -> int:
     their threads are released by ``Grid.destroy`` all the same (before that was so, timed steps
     after a tracked one ran slower; the benchmarks still measure memory last).
     """
-    grid = model.grid
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     for _ in range(warmup):
         train_step(model, opt)
-    tracker = MemTracker()
-    tracker.track_external(model, opt)
+    return peak_bytes(model.grid, model, opt, lambda: train_step(model, opt))
+
+
+def peak_bytes(grid: Grid, model: nn.Module, opt: torch.optim.Optimizer, step: Callable[[], Any]) -> int:
+    """Peak bytes of torch tensors on this rank over one ``step()``, maximum over ranks (all ranks
+    call it): torch's ``MemTracker`` on the host (see ``measure_peak``), the allocator's peak on an
+    accelerator. The communication log is cleared afterwards."""
+    device = grid.device
     grid.comm.barrier()
-    with tracker:
-        train_step(model, opt)
-    peak = float(tracker.get_tracker_snapshot("peak")[grid.device]["Total"])
+    if devices.is_host(device):
+        tracker = MemTracker()
+        with warnings.catch_warnings():  # it warns of the gradients zero_grad set to None
+            warnings.simplefilter("ignore", UserWarning)
+            tracker.track_external(model, opt)
+            with tracker:
+                step()
+        peak = float(tracker.get_tracker_snapshot("peak")[device]["Total"])
+    else:
+        devices.synchronize(device)
+        devices.reset_peak_memory(device)
+        step()
+        devices.synchronize(device)
+        peak = float(devices.peak_memory_allocated(device) or 0)
     grid.comm.log.clear()
-    peaks = grid.comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=grid.device), "world").wait()
+    peaks = grid.comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=device), "world").wait()
     return int(peaks.max())

@@ -32,7 +32,7 @@ from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.norm import dense_norm_for, norm_for
-from axon4d.nn.recompute import check_mode
+from axon4d.policy import check_recompute
 
 
 class DenseTransformer(nn.Module):
@@ -100,7 +100,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.cfg = cfg
-        self.recompute = check_mode(recompute)
+        self.recompute = check_recompute(recompute)
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **kw)
         self.pos_emb = PositionEmbedding(cfg.seq_len, cfg.hidden, **kw) if cfg.arch == "gpt" else None

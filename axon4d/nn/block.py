@@ -24,7 +24,8 @@ from axon4d.nn.attention import Attention, DenseAttention
 from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
 from axon4d.nn.norm import SplitFeatureNorm, dense_norm_for, norm_for
-from axon4d.nn.recompute import check_mode, checkpoint_block, recomputed_input
+from axon4d.nn.recompute import checkpoint_block, recomputed_input
+from axon4d.policy import check_recompute
 from axon4d.precision import compute_dtype
 
 
@@ -60,7 +61,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.cfg = cfg
-        self.recompute = check_mode(recompute)
+        self.recompute = check_recompute(recompute)
         bias = cfg.arch == "gpt"
         rope = cfg.rope_theta if cfg.arch == "llama" else None
         self.norm1 = norm_for(cfg, grid=grid, device=device, dtype=dtype)

@@ -27,12 +27,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from axon4d.policy import RECOMPUTE_MODES, check_recompute
 from axon4d.scheduler import Scheduler
-
-#: recomputation modes, from the most memory to the least (axon4d.policy, shared with the planner).
-MODES = RECOMPUTE_MODES
-check_mode = check_recompute
 
 
 def checkpointed(fn: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:

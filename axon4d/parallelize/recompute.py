@@ -25,9 +25,10 @@ from torch import nn
 
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
-from axon4d.nn.recompute import Recipes, check_mode, checkpoint_block, checkpointed
+from axon4d.nn.recompute import Recipes, checkpoint_block, checkpointed
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
 from axon4d.parallelize.plan import RESTORE_ATTR, marked
+from axon4d.policy import check_recompute
 
 #: prefix of the attention functions registered for selective recomputation
 SELECTIVE_PREFIX = "axon4d_selective:"
@@ -35,7 +36,7 @@ SELECTIVE_PREFIX = "axon4d_selective:"
 
 def apply(model: nn.Module, mode: str, grid: Grid) -> None:
     """Make ``model`` (already parallelized on ``grid``) recompute activations under ``mode``."""
-    check_mode(mode)
+    check_recompute(mode)
     if mode == "full":
         _checkpoint_layers(model, grid)
     elif mode == "selective":

@@ -31,10 +31,8 @@ import itertools
 
 from axon4d.geometry import weight_shard_numel
 from axon4d.plan.workload import Workload
-from axon4d.policy import RECOMPUTE_MODES, OverlapPolicy, check_recompute
+from axon4d.policy import OverlapPolicy, check_recompute
 from axon4d.shape import GridShape
-
-RECOMPUTE = RECOMPUTE_MODES
 
 
 def local_param_count(wl: Workload, shape: GridShape) -> int:

@@ -3,7 +3,7 @@
 Every field of ``TrainConfig`` is a flag (``--micro-batches`` for ``micro_batches``) whose help is
 the string literal written under the field, so a field is documented once, here, and ``axon4d
 train --help`` can never fall behind the dataclass; a field with a fixed set of values takes them
-from where they are defined (``CHOICES``: ``--recompute`` from ``axon4d.nn.recompute.MODES``, ``--comm``'s transports). ``model_config`` turns the size name and the
+from where they are defined (``CHOICES``: ``--recompute`` from ``axon4d.policy.RECOMPUTE_MODES``, ``--comm``'s transports). ``model_config`` turns the size name and the
 overrides into the ``ModelConfig`` of the size table (docs/design.md §6).
 """
 
@@ -16,7 +16,7 @@ import inspect
 from typing import Any
 
 from axon4d.config import ModelConfig, get_config
-from axon4d.nn.recompute import MODES
+from axon4d.policy import RECOMPUTE_MODES
 
 
 @dataclasses.dataclass
@@ -107,7 +107,7 @@ class TrainConfig:
 
 
 #: fields whose flag accepts only these values.
-CHOICES: dict[str, tuple[str, ...]] = {"recompute": MODES, "comm": ("auto", "torch", "mpi")}
+CHOICES: dict[str, tuple[str, ...]] = {"recompute": RECOMPUTE_MODES, "comm": ("auto", "torch", "mpi")}
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -31,7 +31,7 @@ from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
-from axon4d.nn.recompute import check_mode
+from axon4d.policy import check_recompute
 from axon4d.precision import Precision
 from axon4d.train import reference, report
 from axon4d.train.batches import accumulate, make_data, step_batches
@@ -43,7 +43,7 @@ from axon4d.train.peak import check_compute_dtype, mfu, world_peak_tflops
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run the training job described by ``cfg`` on the grid; return the run summary (all ranks)."""
     Precision.parse(cfg.precision)  # a bad name fails here, on every rank, before any communication
-    check_mode(cfg.recompute)  # likewise
+    check_recompute(cfg.recompute)  # likewise
     mcfg = cfg.model_config()
     grid_spec = "auto" if cfg.grid == "auto" else tuple(int(s) for s in cfg.grid.split(","))
     grid = runtime.init(

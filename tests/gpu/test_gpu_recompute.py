@@ -16,7 +16,7 @@ import axon4d
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.nn.recompute import MODES
+from axon4d.policy import RECOMPUTE_MODES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,14 +48,14 @@ def test_every_mode_gives_the_gradients_of_none(grid, deterministic, arch):
     dense = DenseTransformer(cfg, device=grid.device)
     ids, targets = _batch(cfg, grid, 8)
     grads, losses = {}, {}
-    for mode in MODES:
+    for mode in RECOMPUTE_MODES:
         model = _model(cfg, grid, mode, dense)
         loss = model.loss(ids, targets)
         loss.backward()
         losses[mode] = loss.detach()
         grads[mode] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         assert all(g.device == grid.device for g in grads[mode].values())
-    for mode in MODES[1:]:
+    for mode in RECOMPUTE_MODES[1:]:
         torch.testing.assert_close(losses[mode], losses["none"], rtol=1e-6, atol=0, msg=f"loss of {mode}")
         for name, g in grads["none"].items():
             torch.testing.assert_close(grads[mode][name], g, rtol=1e-5, atol=1e-6, msg=f"{mode}: {name}")
@@ -88,7 +88,7 @@ def test_peak_memory_falls_from_mode_to_mode(grid):
     dense = DenseTransformer(WIDE, device=grid.device)
     ids, targets = _batch(WIDE, grid, 8 * grid.size("batch"))
     peaks = {}
-    for mode in MODES:
+    for mode in RECOMPUTE_MODES:
         model = _model(WIDE, grid, mode, dense)
         model.loss(ids, targets).backward()  # warm-up: kernels chosen, workspaces allocated
         model.zero_grad(set_to_none=True)
@@ -96,6 +96,6 @@ def test_peak_memory_falls_from_mode_to_mode(grid):
         del model
         gc.collect()
     mib = {m: round(p / 2**20, 1) for m, p in peaks.items()}
-    for more, less in zip(MODES, MODES[1:]):
+    for more, less in zip(RECOMPUTE_MODES, RECOMPUTE_MODES[1:]):
         assert peaks[more] >= peaks[less], f"peak of {more} below {less}: {mib} MiB"
     assert peaks["none"] > peaks["full"], f"full recomputation saved nothing: {mib} MiB"
