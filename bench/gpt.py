@@ -9,7 +9,8 @@ for exactly the same job (docs/design.md §6).
         --grid 2,2,2,1 --steps 3 --warmup 1
 
 Runs ``--warmup`` + ``--steps`` steps of ``axon4d.models.transformer.Transformer`` (embedding,
-blocks, final norm, vocab-parallel head and cross-entropy) with Adam on random tokens, printing one
+blocks, final norm, vocab-parallel head and cross-entropy) with Adam (or, with ``--optimizer sgd``,
+plain SGD, which keeps no state: the 80B width fits 8 ranks of one host only so) on random tokens, printing one
 line per step as it goes (rank 0: the step's seconds and rank 0's loss). The step time is the
 median over the timed steps of the slowest rank's step (a barrier before each step, the device
 synchronised after). Peak memory per rank is measured over one more step: torch's ``MemTracker``
@@ -18,9 +19,9 @@ on the host (``axon4d.measure.probe.peak_bytes``), the allocator's
 
 Whatever is smaller than the size table's model or than a production run is printed at start and
 saved under ``reduced`` in the JSON: depth (``--layers``), sequence (``--seq-len``), width, heads and
-vocabulary when overridden, the batch, and the optimizer (Adam, constant learning rate, no weight
-decay or clipping, where the training job runs AdamW on a schedule with clipping). The planner
-prices the same job — the reduced model, grid, batch, dtype, recompute mode and overlap policy — on
+vocabulary when overridden, the batch, and the optimizer (Adam or SGD, constant learning rate, no
+weight decay or clipping, where the training job runs AdamW on a schedule with clipping). The planner
+prices the same job — the reduced model, grid, batch, dtype, optimizer, recompute mode and overlap policy — on
 the machine file ``--machine`` (default: $AXON4D_MACHINE, else bench/results/planner_machine_local.json).
 ``--dtype bfloat16`` trains as ``axon4d train --precision bf16`` does (fp32 master weights, bf16
 compute), which the planner's memory model prices. Results go to stdout and to
@@ -51,6 +52,7 @@ from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig, get_config  # noqa: E402
 from axon4d.measure.probe import peak_bytes  # noqa: E402
 from axon4d.plan import Candidate, Overlap, Workload, describe, evaluate, load  # noqa: E402
+from axon4d.plan.workload import OPTIMIZERS  # noqa: E402
 from axon4d.policy import RECOMPUTE_MODES  # noqa: E402
 from axon4d.shape import GridShape  # noqa: E402
 from axon4d.train.loop import build_model  # noqa: E402
@@ -59,7 +61,10 @@ from axon4d.train.peak import check_compute_dtype  # noqa: E402
 #: the training precision (axon4d.precision) each --dtype trains with.
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 LOCAL_MACHINE = os.path.join(ROOT, "bench", "results", "planner_machine_local.json")
-OPTIMIZER = "Adam (lr 1e-4 constant, no weight decay, no clipping, foreach=False)"
+OPTIMIZER = {
+    "adam": "Adam (lr 1e-4 constant, no weight decay, no clipping, foreach=False)",
+    "sgd": "SGD (lr 1e-4 constant, no momentum, no weight decay, no clipping, foreach=False)",
+}
 FULL_OPTIMIZER = "AdamW with warmup and cosine decay, weight decay and clipping (axon4d train)"
 
 
@@ -80,6 +85,12 @@ def parse() -> argparse.Namespace:
         "else bench/results/planner_machine_local.json)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=sorted(PRECISION))
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=sorted(OPTIMIZERS),
+        help="adam (two fp32 states per parameter) or sgd (no state; what lets the 80B width fit one host)",
+    )
     p.add_argument("--overlap", default="all", help="overlap policy (all, off, oag,oar,...)")
     p.add_argument(
         "--comm",
@@ -114,7 +125,7 @@ def reductions(args: argparse.Namespace, cfg: ModelConfig, full: ModelConfig) ->
         if getattr(cfg, key) != getattr(full, key):
             out[name] = {"run": getattr(cfg, key), "table": getattr(full, key)}
     out["batch"] = {"run": args.batch, "tokens": args.batch * cfg.seq_len}
-    out["optimizer"] = {"run": OPTIMIZER, "training job": FULL_OPTIMIZER}
+    out["optimizer"] = {"run": OPTIMIZER[args.optimizer], "training job": FULL_OPTIMIZER}
     out["steps"] = {"warmup": args.warmup, "timed": args.steps}
     return out
 
@@ -140,7 +151,7 @@ def predict(cfg: ModelConfig, args: argparse.Namespace, shape: GridShape, machin
     except ValueError as e:
         out["notes"].append(str(e))
     try:
-        wl = Workload(cfg, args.batch, args.dtype)
+        wl = Workload(cfg, args.batch, args.dtype, optimizer=args.optimizer)
         out["candidate"] = evaluate(wl, shape, machine, Overlap.parse(args.overlap), args.recompute)
     except (ValueError, KeyError) as e:
         out["notes"].append(f"the planner cannot price this job: {e}")
@@ -182,6 +193,7 @@ def main() -> int:
             "machine": machine_name,
             "dtype": args.dtype,
             "recompute": args.recompute,
+            "optimizer": args.optimizer,
         },
     )
     rank0 = grid.rank == 0
@@ -196,7 +208,11 @@ def main() -> int:
         print(describe_reductions(red), flush=True)
     check_compute_dtype(grid)
     model = build_model(cfg, grid, args.recompute)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    opt: torch.optim.Optimizer
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=False)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
     local = devices.to_device(axon4d.shard_batch(ids), grid.device)  # (b, s+1): this rank's sequences
@@ -249,6 +265,7 @@ def main() -> int:
         "dtype": args.dtype,
         "precision": PRECISION[args.dtype],
         "recompute": args.recompute,
+        "optimizer": args.optimizer,
         "overlap": args.overlap,
         "comm": comm,
         "machine": machine_name,
@@ -265,7 +282,11 @@ def main() -> int:
         "prediction": cand.to_json() if cand is not None else None,
         "notes": plan["notes"],
     }
-    tag = ("_reduced" if overrides else "") + (f"_{args.recompute}" if args.recompute != "none" else "")
+    tag = (
+        ("_reduced" if overrides else "")
+        + (f"_{args.recompute}" if args.recompute != "none" else "")
+        + (f"_{args.optimizer}" if args.optimizer != "adam" else "")
+    )
     out = args.out or os.path.join(ROOT, "bench", "results", f"gpt_{args.model}{tag}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:

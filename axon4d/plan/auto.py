@@ -43,6 +43,7 @@ def choose_grid(
     dtype: str = "bfloat16",
     overlap: Any = None,
     recompute: str = "none",
+    optimizer: str = "adam",
     memory_gib: float | None = None,
     workload: Workload | None = None,
     rank: int = 0,
@@ -51,7 +52,7 @@ def choose_grid(
     """The fastest grid of ``world`` ranks that fits, by the planner; rank 0 prints why.
 
     ``model`` is a ModelConfig or a size name; ``batch`` the global batch in sequences (default:
-    one per rank). Raises ``ValueError`` (on every rank alike) when no grid fits.
+    one per rank); ``optimizer`` "adam" or "sgd" (``Workload``). Raises ``ValueError`` (on every rank alike) when no grid fits.
     """
     if workload is None:
         if model is None:
@@ -59,7 +60,7 @@ def choose_grid(
                 "grid='auto' needs the model: axon4d.init(grid='auto', plan={'model': cfg_or_name, 'batch': B})"
             )
         cfg = get_config(model) if isinstance(model, str) else model
-        workload = Workload(cfg, batch if batch is not None else world, dtype)
+        workload = Workload(cfg, batch if batch is not None else world, dtype, optimizer=optimizer)
     result = plan(
         workload.model,
         world,

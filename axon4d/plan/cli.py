@@ -22,6 +22,7 @@ from axon4d.plan import stepfit
 from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan
+from axon4d.plan.workload import OPTIMIZERS
 from axon4d.policy import RECOMPUTE_MODES
 
 
@@ -46,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "none | selective (core attention) | balanced (norms and MLP activation, inside the consuming GEMM's backward) "
         "| full (whole blocks)",
     )
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=sorted(OPTIMIZERS),
+        help="adam (two fp32 states per parameter, the training job's) or sgd (none)",
+    )
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the candidates as JSON ('-' for stdout)")
@@ -62,6 +69,7 @@ def main(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         overlap=args.overlap,
         recompute=args.recompute,
+        optimizer=args.optimizer,
         memory_limit=args.memory_gib * 2**30 if args.memory_gib else None,
     )
     elapsed = time.perf_counter() - start

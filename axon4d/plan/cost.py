@@ -371,7 +371,7 @@ def step_time(
             totals.add_collective(c, *_priced(c, shape, machine))
     if params_local is None:
         params_local = local_param_count(wl, shape)
-    opt = machine.optimizer_time(params_local, shape.world_size)
+    opt = machine.optimizer_time(params_local, shape.world_size, wl.optimizer)
     return TimeEstimate(
         compute_s=totals.compute + opt,
         matmul_s=totals.matmul,

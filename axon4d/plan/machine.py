@@ -196,8 +196,11 @@ class Machine:
             return elements * f, elements * b
         return self.elementwise_time(2 * 2 * elements, world), self.elementwise_time(3 * 2 * elements, world)
 
-    def optimizer_time(self, params: float, world: int = 1) -> float:
-        """Seconds of one Adam step over ``params`` local parameter elements (fp32 states)."""
+    def optimizer_time(self, params: float, world: int = 1, optimizer: str = "adam") -> float:
+        """Seconds of one optimizer step over ``params`` local parameter elements: Adam (fp32 states;
+        calibrated per element), or plain SGD, which streams p and g in and p out (fp32)."""
+        if optimizer == "sgd":
+            return self.elementwise_time(12 * params, world)
         if self.adam_s:
             return params * self._nearest(self.adam_s, self.concurrency(world))
         return self.elementwise_time(40 * params, world)  # p, g, m, v in; p, m, v out, fp32

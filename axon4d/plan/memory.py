@@ -30,7 +30,7 @@ import dataclasses
 import itertools
 
 from axon4d.geometry import weight_shard_numel
-from axon4d.plan.workload import Workload
+from axon4d.plan.workload import OPTIMIZERS, Workload
 from axon4d.policy import OverlapPolicy, check_recompute
 from axon4d.shape import GridShape
 
@@ -128,12 +128,12 @@ def memory(
     overlap: OverlapPolicy = OverlapPolicy(),
     master_weights: bool | None = None,
 ) -> MemoryEstimate:
-    """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (Adam optimizer)."""
+    """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (with ``wl.optimizer``'s states)."""
     m, elem = wl.model, wl.element_size
     n_params = local_param_count(wl, shape)
     master = wl.dtype != "float32" if master_weights is None else master_weights
     params = grads = n_params * elem
-    optimizer = n_params * (8 + (4 if master else 0))
+    optimizer = n_params * (OPTIMIZERS[wl.optimizer] + (4 if master else 0))
     a16, a32 = block_activation_elements(wl, shape, recompute)
     acts = m.n_layers * (a16 * elem + a32 * 4)
     if overlap.oag_keep and shape.z > 1:  # every gathered block kept from forward to backward
@@ -154,7 +154,8 @@ def memory(
         else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         for s in wl.linears()
     )
-    optimizer_step = grads + 2 * largest_shard * 4  # per-tensor temporaries of a non-foreach Adam
+    # per-tensor temporaries of a non-foreach Adam; SGD updates in place
+    optimizer_step = grads + (2 * largest_shard * 4 if wl.optimizer == "adam" else 0)
     peak = params + optimizer + max(live_peak, optimizer_step)
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
 

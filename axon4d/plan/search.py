@@ -196,16 +196,17 @@ def plan(
     recompute: str = "none",
     memory_limit: float | None = None,
     workload: Workload | None = None,
+    optimizer: str = "adam",
 ) -> PlanResult:
     """Price every valid grid of ``world`` ranks for ``model`` on ``machine``; best first.
 
     ``batch`` is the global batch in sequences per step. ``memory_limit`` (bytes per device)
-    defaults to the machine's device memory.
+    defaults to the machine's device memory. ``optimizer``: "adam" or "sgd" (``Workload``).
     """
     mach = load(machine)
     if workload is None:
         cfg = get_config(model) if isinstance(model, str) else model
-        workload = Workload(cfg, batch, dtype)
+        workload = Workload(cfg, batch, dtype, optimizer=optimizer)
     ov = OverlapPolicy.parse(overlap)
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)

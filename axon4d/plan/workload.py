@@ -28,6 +28,8 @@ from axon4d.shape import GridShape
 
 #: kept for callers that imported the map from here (bench/gpt.py): it is ``axon4d.device.DTYPES``
 DTYPES_TORCH = DTYPES
+#: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
+OPTIMIZERS = {"adam": 8, "sgd": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,8 @@ class LinearSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """A model, a global batch (sequences per step) and the training precision."""
+    """A model, a global batch (sequences per step), the training precision and the optimizer
+    (``OPTIMIZERS``: "adam", two fp32 states per parameter; "sgd", plain SGD without momentum, none)."""
 
     model: ModelConfig
     batch: int
@@ -60,10 +63,13 @@ class Workload:
     head: bool = True
     attention: bool = True
     norms: bool = True
+    optimizer: str = "adam"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not priced; use one of {list(OPTIMIZERS)}")
         if self.batch < 1:
             raise ValueError(f"batch = {self.batch}: need at least one sequence per step")
 
