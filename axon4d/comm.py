@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
+from axon4d import watchdog
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op
 from axon4d.mpi import MPIBackend
@@ -137,7 +138,14 @@ class Handle:
         if not self._done:
             start = time.perf_counter()
             assert self._work is not None
-            self._work.wait()
+            with watchdog.waiting(self._describe):
+                try:
+                    self._work.wait()
+                except RuntimeError as e:  # a peer died or the transport timed out: say who, if known
+                    dog = watchdog.current()
+                    if dog is None:
+                        raise
+                    raise RuntimeError(dog.diagnose(f"{self._describe()} failed ({e})")) from e
             end = time.perf_counter()
             if self._record is not None:
                 self._record.t_wait_start, self._record.t_wait_end = start, end
@@ -153,6 +161,13 @@ class Handle:
     @property
     def done(self) -> bool:
         return self._done
+
+    def _describe(self) -> str:
+        """What this handle waits for, e.g. "all_gather over z (tag E10f, 1.5 MB)"."""
+        r = self._record
+        if r is None:
+            return "a collective"
+        return f"{r.op.value} over {r.axis} (tag {r.tag or '-'}, {r.payload_bytes / 1e6:.3g} MB)"
 
 
 def _stamp_completion(work: Work, record: CommRecord) -> None:
@@ -197,9 +212,18 @@ class Communicator:
     def close(self) -> None:
         self.backend.close()
 
+    @property
+    def abort(self) -> Callable[[], None] | None:
+        """How to end every rank of the job at once after an error on this one: the MPI transport's
+        ``MPI_Abort``; None for torch.distributed, whose ranks learn of it from the watchdog
+        (axon4d.watchdog) or their launcher (torchrun's agent stops the others)."""
+        abort = getattr(self.backend, "abort", None)
+        return abort if callable(abort) else None
+
     def barrier(self) -> None:
         """Block until every rank of the world arrives here (not logged: it moves no data)."""
-        self.backend.barrier()
+        with watchdog.waiting("a barrier of the world"):
+            self.backend.barrier()
 
     def _record(self, op: Op, axis: str, payload: torch.Tensor, tag: str) -> CommRecord:
         record = CommRecord(

@@ -8,6 +8,8 @@ for tests and the demo.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +40,40 @@ class ModelConfig:
     """A label such as "20B"."""
 
     def __post_init__(self) -> None:
+        """Refuse a shape no model can have: every field is checked, and each error names the field,
+        its value and a value that would work."""
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"arch {self.arch!r} is not supported; use 'gpt' or 'llama'")
+        _whole("n_layers", self.n_layers, 1, "blocks")
+        _whole("hidden", self.hidden, 1, "features")
+        _whole("n_heads", self.n_heads, 1, "heads")
+        if self.n_kv_heads is not None:
+            _whole("n_kv_heads", self.n_kv_heads, 1, "heads (or None: as many as n_heads)")
+        if self.ffn_hidden is not None:
+            _whole("ffn_hidden", self.ffn_hidden, 1, "features (or None: the architecture's rule)")
+        _whole("vocab_size", self.vocab_size, 1, "token ids")
+        _whole("seq_len", self.seq_len, 1, "tokens")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} = {value!r} ({type(value).__name__}) must be a number, e.g. {_DEFAULTS[name]}")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} = {value} must be a finite number above 0, e.g. {_DEFAULTS[name]}")
         if self.hidden % self.n_heads:
-            raise ValueError(f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads}")
+            raise ValueError(
+                f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads} (each head gets "
+                f"hidden/n_heads features); n_heads that divide it: {_divisors(self.hidden)}"
+            )
         if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.kv_heads}")
+            raise ValueError(
+                f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.kv_heads} (each key/value head "
+                f"serves n_heads/n_kv_heads query heads); n_kv_heads that divide it: {_divisors(self.n_heads)}"
+            )
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = hidden/n_heads = {self.hidden}/{self.n_heads} = {self.head_dim} is odd, but llama's "
+                "rotary embedding rotates pairs of features; choose hidden and n_heads with an even quotient"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -95,6 +125,26 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
 
+#: example values for error messages
+_DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5}
+
+
+def _whole(name: str, value: object, minimum: int, unit: str) -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``; the message names the
+    field, the value and what it counts (``unit``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} = {value!r} ({type(value).__name__}) must be a whole number of {unit}, e.g. 8")
+    if value < minimum:
+        raise ValueError(f"{name} = {value} must be at least {minimum} (a number of {unit})")
+
+
+def _divisors(n: int, limit: int = 12) -> str:
+    """The divisors of ``n`` as a list for a message (the first ``limit``, then the largest)."""
+    ds = [d for d in range(1, n + 1) if n % d == 0] if n <= 1 << 20 else [d for d in range(1, 4097) if n % d == 0]
+    shown = ", ".join(str(d) for d in ds[:limit])
+    return shown + (f", …, {ds[-1]}" if len(ds) > limit else "")
+
+
 def _table(name: str, layers: int, hidden: int, heads: int) -> ModelConfig:
     return ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, vocab_size=51200, seq_len=2048, name=name)
 
@@ -117,4 +167,8 @@ def get_config(name: str, **overrides: object) -> ModelConfig:
     """A config from ``SIZES`` by name (e.g. "20B"), with fields overridden; ValueError lists the names."""
     if name not in SIZES:
         raise ValueError(f"unknown model size {name!r}; known sizes: {', '.join(SIZES)}")
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise TypeError(f"ModelConfig has no field {unknown[0]!r}; its fields are {', '.join(fields)}")
     return SIZES[name].replace(**overrides) if overrides else SIZES[name]

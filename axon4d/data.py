@@ -45,21 +45,61 @@ class SyntheticTokens:
         return t
 
 
+#: the element types a token file may hold
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+def token_dtype(path: str, dtype: str | None = None) -> str:
+    """The element type of token file ``path``: ``dtype`` if given, else uint32 for a .u32/.uint32
+    name and uint16 otherwise; ``ValueError`` for a type token files do not use."""
+    if dtype is None:
+        dtype = "uint32" if path.endswith(".u32") or path.endswith(".uint32") else "uint16"
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"token file dtype {dtype!r} is not supported; use one of {', '.join(TOKEN_DTYPES)}")
+    return dtype
+
+
+def check_token_file(path: str, seq_len: int, dtype: str | None = None) -> int:
+    """The number of tokens in ``path`` if it can feed sequences of ``seq_len``: it must exist
+    (``FileNotFoundError``), be a file of whole ``dtype`` elements, and hold at least one window of
+    seq_len + 2 tokens (``ValueError``). Reads only the file's size."""
+    dtype = token_dtype(path, dtype)
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise FileNotFoundError(
+            f"token file {path!r} {what}; give --data synthetic, corpus, or the path of a {'/'.join(TOKEN_DTYPES)} "
+            "token file (e.g. written by axon4d.data.prepare_text)"
+        )
+    size = os.path.getsize(path)
+    item = np.dtype(dtype).itemsize
+    if size % item:
+        raise ValueError(
+            f"token file {path!r} has {size} bytes, not a multiple of {item} ({dtype}): it is truncated or not a "
+            f"{dtype} file; give its element type (a .u32 name for uint32) or rewrite it whole"
+        )
+    tokens = size // item
+    if tokens < seq_len + 2:
+        raise ValueError(
+            f"token file {path!r} holds {tokens} tokens, fewer than one sequence of {seq_len + 1} "
+            f"(seq_len {seq_len} + 1) and a start to draw; give a file of at least {seq_len + 2} tokens or a shorter seq_len"
+        )
+    return tokens
+
+
 class MemmapTokens:
     """Random windows of a tokenized file (uint16 or uint32 token ids, as written by numpy)."""
 
     def __init__(self, path: str, seq_len: int, vocab_size: int, seed: int = 0, dtype: str | None = None):
-        if dtype is None:
-            dtype = "uint32" if path.endswith(".u32") or path.endswith(".uint32") else "uint16"
-        if dtype not in ("uint16", "uint32"):
-            raise ValueError(f"token file dtype {dtype!r} is not supported; use uint16 or uint32")
+        dtype = token_dtype(path, dtype)
+        check_token_file(path, seq_len, dtype)
         self.tokens = np.memmap(path, dtype=dtype, mode="r")
         self.seq_len, self.seed = seq_len, seed
-        if len(self.tokens) < seq_len + 2:
-            raise ValueError(f"{path} holds {len(self.tokens)} tokens, fewer than one sequence of {seq_len + 1}")
         top = int(self.tokens.max())
         if top >= vocab_size:
-            raise ValueError(f"{path} contains token id {top}, but the model's vocab_size is {vocab_size}")
+            raise ValueError(
+                f"token file {path!r} contains token id {top}, but the model's vocab_size is {vocab_size}; "
+                f"give --vocab-size {top + 1} or more, or a file tokenized for this vocabulary"
+            )
 
     def batch(self, step: int, batch_size: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)

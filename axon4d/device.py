@@ -51,6 +51,22 @@ def is_host(device: torch.device) -> bool:
     return device.type == HOST.type
 
 
+def rng_state(device: torch.device | None = None) -> dict[str, list[int]]:
+    """This process's random generator states as JSON data: the host's (key "host") and, for an
+    accelerator ``device``, its own (key ``device.type``); ``restore_rng`` puts them back."""
+    state = {"host": torch.get_rng_state().tolist()}
+    if device is not None and not is_host(device) and device.type != "meta":
+        state[device.type] = torch.get_device_module(device.type).get_rng_state(device).tolist()
+    return state
+
+
+def restore_rng(state: dict[str, list[int]], device: torch.device | None = None) -> None:
+    """Set the generators ``rng_state`` recorded (the ``device`` one only when ``state`` has it)."""
+    torch.set_rng_state(torch.tensor(state["host"], dtype=torch.uint8))
+    if device is not None and not is_host(device) and device.type in state:
+        torch.get_device_module(device.type).set_rng_state(torch.tensor(state[device.type], dtype=torch.uint8), device)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``: itself when it is there already, else a copy that does not block the
     host (host → accelerator copies queue on the current stream, so later kernels see the data)."""

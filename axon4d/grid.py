@@ -89,9 +89,12 @@ class Grid:
             f"data={c['data']}) on {self.device}, comm {self.comm.backend_name}"
         )
 
-    def destroy(self) -> None:
-        """Release this grid's process groups (the default group is left to its owner)."""
-        self.scheduler.finish_gradients()
+    def destroy(self, drain: bool = True) -> None:
+        """Release this grid's process groups (the default group is left to its owner). ``drain``:
+        first wait for the gradient reductions still in flight; False after an error, when the
+        other ranks may never join them."""
+        if drain:
+            self.scheduler.finish_gradients()
         self.comm.close()
         seen = {id(dist.group.WORLD)}  # DeviceMesh reuses the default group for a world-wide axis
         for group in self.groups.values():

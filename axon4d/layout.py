@@ -14,6 +14,16 @@ import torch
 from axon4d import geometry, rules, runtime
 from axon4d.grid import Grid
 
+#: the attribute a layer sets on its output tensor: the axis that output's features are split over
+#: (``mark_features``); ``gather_output`` compares it with the layout it is asked to gather
+FEATURES_AXIS = "_axon4d_features_axis"
+
+
+def mark_features(y: torch.Tensor, axis: str) -> torch.Tensor:
+    """``y``, noted as a tensor whose last dim is split over ``axis`` (a layer's output)."""
+    setattr(y, FEATURES_AXIS, axis)
+    return y
+
 
 def _chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
     n = x.shape[dim] // parts
@@ -59,7 +69,16 @@ def shard_input(x: torch.Tensor, transpose: bool = False, grid: Grid | None = No
 
 
 def gather_output(y: torch.Tensor, transpose: bool = False, grid: Grid | None = None) -> torch.Tensor:
-    """The full output (N, ..., out) of a normal (or ``transpose``d) Linear, on every rank."""
+    """The full output (N, ..., out) of a normal (or ``transpose``d) Linear, on every rank.
+
+    ``ValueError`` (before any communication) when ``y`` is a layer's output of the other layout."""
     grid = runtime.resolve(grid)
     _, out_axis = geometry.layer_axes(transpose)
+    split = getattr(y, FEATURES_AXIS, None)
+    if split is not None and split != out_axis:
+        made_by = "a transposed" if split == geometry.layer_axes(True)[1] else "a normal"
+        raise ValueError(
+            f"gather_output(transpose={transpose}) gathers features split over {out_axis}, but this tensor is the "
+            f"output of {made_by} layer (features split over {split}); call gather_output(y, transpose={not transpose})"
+        )
     return gather_batch(gather_features(y, out_axis, grid=grid), grid=grid)

@@ -245,6 +245,13 @@ class MPIBackend:
     def barrier(self) -> None:
         self.comms["world"].Barrier()
 
+    def abort(self) -> None:
+        """End every rank of the job now (``MPI_Abort`` on the world, exit code 1): after an error
+        on this rank, the others may be blocked in collectives it will never join."""
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
     def close(self) -> None:
         self._stop = True
         self._wake.set()

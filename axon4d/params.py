@@ -151,9 +151,31 @@ def grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
     return total.sqrt().float()
 
 
+def first_nonfinite_grad(model: nn.Module, grid: Grid) -> str | None:
+    """The name of the first parameter (in ``named_parameters`` order) whose gradient holds a NaN
+    or inf on any rank, or None; every rank gets the same answer (one all-reduce over the world)."""
+    named = [(n, p) for n, p in model.named_parameters()]
+    if not named:
+        return None
+    flags = torch.stack(
+        [
+            torch.zeros((), device=p.device) if p.grad is None else (~torch.isfinite(p.grad)).any().float()
+            for _, p in named
+        ]
+    )
+    if grid.world_size > 1:
+        flags = grid.comm.all_reduce(flags, "world", tag="nonfinite").wait()
+    bad = torch.nonzero(flags > 0)
+    return named[int(bad[0])][0] if len(bad) else None
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> float:
-    """Scale every gradient so the global norm is at most ``max_norm``; return the norm before."""
+    """Scale every gradient so the global norm is at most ``max_norm``; return the norm before.
+    A non-finite norm (a NaN or inf gradient somewhere) is returned with the gradients untouched:
+    the caller decides about that step (the training job skips it)."""
     norm = grad_norm(model, grid)
+    if not math.isfinite(float(norm)):
+        return float(norm)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     if scale.item() < 1.0:
         for p in model.parameters():

@@ -10,6 +10,7 @@ axis sizes) to know which grids are valid.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,19 @@ class Rule:
         """Raise ``ValueError`` (``message``) unless the rule holds on ``shape``."""
         if not self.holds(shape):
             raise ValueError(self.message(shape))
+
+
+def count(value: object, what: str, example: int = 8) -> int:
+    """``value`` if it is a count of things (a whole number, at least 1): ``TypeError`` for a
+    non-integer (bools included), ``ValueError`` for zero or a negative number, each naming
+    ``what``, the value and an ``example`` that works."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{what} = {value!r} ({type(value).__name__}) must be a whole number (int), for example {example}"
+        )
+    if value < 1:
+        raise ValueError(f"{what} = {value} must be at least 1 (it counts something), for example {example}")
+    return int(value)
 
 
 def check(shape: GridShape, rules: Iterable[Rule]) -> None:

@@ -9,6 +9,7 @@ an explicit ``grid=``.
 from __future__ import annotations
 
 import atexit
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,15 +105,20 @@ def shutdown() -> None:
     The default process group that ``init()`` created stays until the process exits (it is
     destroyed then): under torchrun, destroying it and creating it again in the same job hangs
     (tests/test_launch.py builds two grids in one job). A default group the caller created is
-    never touched."""
+    never touched.
+
+    Called while an exception propagates (from a ``finally``), it enters no barrier: the other
+    ranks may be inside a collective this rank will never join, and the barrier would hang it
+    instead of letting its error end the job (docs/reliability.md)."""
     grid = _state["grid"]
     if grid is None:
         return
     assert isinstance(grid, Grid)
     _state["grid"] = None
-    if dist.is_initialized():
+    clean = sys.exc_info()[0] is None
+    if dist.is_initialized() and clean:
         grid.comm.barrier()  # a rank leaving early can abort the others (docs/design.md §7)
-    grid.destroy()  # collects what refers to its groups (Grid.destroy)
+    grid.destroy(drain=clean)  # collects what refers to its groups (Grid.destroy)
 
 
 def _at_exit() -> None:

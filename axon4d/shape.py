@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 #: the grid's axes, fastest first (E1).
@@ -74,23 +75,25 @@ class GridShape:
         size may be -1, meaning "whatever makes the product equal the world size".
         """
         if isinstance(grid, GridShape):
-            sizes = list(grid.as_tuple())
+            sizes = check_sizes(grid.as_tuple())
         elif isinstance(grid, Mapping):
             unknown = set(grid) - set(AXES)
             if unknown:
                 raise ValueError(f"unknown grid axes {sorted(unknown)}; axes are {AXES}")
-            sizes = [int(grid.get(a, 1)) for a in AXES]
+            sizes = check_sizes([grid.get(a, 1) for a in AXES])
+        elif isinstance(grid, (str, bytes)) or not isinstance(grid, Iterable):
+            raise TypeError(
+                f"grid {grid!r} ({type(grid).__name__}) is not a grid: give (x, y, z, data) sizes, a dict such as "
+                f"{{'x': 2, 'data': -1}}, or a GridShape, for example {factorizations(world_size)[-1].as_tuple()}"
+            )
         else:
-            sizes = [int(s) for s in grid]
-            if len(sizes) != 4:
+            given = tuple(grid)
+            if len(given) != 4:
                 raise ValueError(
-                    f"grid {tuple(grid)} has {len(sizes)} sizes; give 4 as (x, y, z, data), "
+                    f"grid {given} has {len(given)} sizes; give 4 as (x, y, z, data), "
                     f"for example {factorizations(world_size)[-1].as_tuple()}"
                 )
-        if sizes.count(-1) > 1:
-            raise ValueError(f"grid {tuple(sizes)}: at most one size may be -1 (fill in the rest)")
-        if any(s == 0 or s < -1 for s in sizes):
-            raise ValueError(f"grid {tuple(sizes)}: sizes must be positive (or a single -1)")
+            sizes = check_sizes(given)
         if -1 in sizes:
             known = 1
             for s in sizes:
@@ -108,6 +111,29 @@ class GridShape:
                 f"{world_size}; {suggest(world_size)}"
             )
         return shape
+
+
+def check_sizes(sizes: Sequence[object]) -> list[int]:
+    """``sizes`` as ints if each is a whole number ≥ 1 or -1 ("the rest", at most once); a float
+    such as 1.5, a string or a bool is a ``TypeError`` (never truncated), zero or another negative
+    size a ``ValueError``. The world size is not needed (``GridShape.parse`` checks the product)."""
+    shown = tuple(sizes)
+    ints: list[int] = []
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+            raise TypeError(
+                f"grid {shown}: size {s!r} ({type(s).__name__}) is not a whole number; give each of "
+                "(x, y, z, data) as an int ≥ 1, or -1 for the rest, e.g. (1, 4, 1, 1)"
+            )
+        ints.append(int(s))
+    if ints.count(-1) > 1:
+        raise ValueError(f"grid {shown}: at most one size may be -1 (fill in the rest); give the others as sizes ≥ 1")
+    bad = [s for s in ints if s == 0 or s < -1]
+    if bad:
+        raise ValueError(
+            f"grid {shown}: size {bad[0]} is not allowed; sizes must be positive (or a single -1 for the rest)"
+        )
+    return ints
 
 
 def factorizations(world_size: int) -> list[GridShape]:

@@ -81,6 +81,8 @@ RECORD_TYPES = {
     "comm_s": float,
     "blocked_s": float,
     "hidden_pct": float,
+    "rss_bytes": int,
+    "threads": int,
 }
 SUMMARY_KEYS = {
     "grid",
@@ -96,6 +98,7 @@ SUMMARY_KEYS = {
     "checkpoint",
     "single_process_losses",
     "max_rel_diff",
+    "nonfinite_skipped",
 }
 PROGRESS = re.compile(r"loss (\d+\.\d{4}) \| ([\d,]+) tok/s \| MFU (\d+\.\d)% \| hidden (\d+)%")
 
@@ -117,6 +120,7 @@ def _check_log(records, cfg_dict, log_every, losses):
             isinstance(b, int) and b > 0 for b in r["comm_bytes"].values()
         )
         assert 0 <= r["blocked_s"] <= r["comm_s"] + 1e-9  # blocked time lies inside communication time
+        assert r["rss_bytes"] > 2**20 and r["threads"] >= 1
         assert r["hidden_pct"] == pytest.approx(commlog.hidden_pct(r["comm_s"], r["blocked_s"]), abs=1e-9)
 
 
@@ -149,12 +153,35 @@ def test_resume_of_an_interrupted_run_matches_exactly(pools, tmp_path):
     shutil.rmtree(ckpts / "step_6")
     resumed = pools(8).run(None, _run, _base(tmp_path / "a", steps=6, save_every=3, resume=True))[0]
     assert resumed == straight[3:]
-    # the resumed run appends its steps to the same log.jsonl
+    # the resumed run keeps the log up to its checkpoint's step and writes on: each step once
     log = _log(tmp_path / "a")
-    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
-    assert [r["loss"] for r in log] == straight + resumed
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in log] == straight[:3] + resumed
     meta = checkpoint.read_meta(str(ckpts / "step_6"))
     assert meta["train_config"]["recompute"] == "none" and meta["step"] == 6
+    # on another grid (and with another transport layout): the same curve within 1e-5
+    shutil.rmtree(ckpts / "step_6")
+    other = pools(8).run(None, _run, _base(tmp_path / "a", grid="1,2,1,4", steps=6, save_every=3, resume=True))[0]
+    assert max(abs(a - b) / b for a, b in zip(other, straight[3:])) < 1e-5
+    # a fresh run refuses the directory; resuming at or past --steps, or with another model, is refused
+    for kw, says in (
+        ({}, "holds checkpoints of another run"),
+        ({"resume": True, "steps": 6}, "already at its last step"),
+        ({"resume": True, "steps": 5}, "already past its last step"),
+        ({"resume": True, "hidden": 64}, "differs in 'hidden'"),
+        ({"resume": True, "lr": 1.0}, "differs in 'lr'"),
+    ):
+        errors = pools(8).run(None, _refused, _base(tmp_path / "a", **{"steps": 8, **kw}))
+        assert all(says in e for e in errors), (kw, errors)
+    # --overwrite starts afresh and deletes the old checkpoints
+    fresh = pools(8).run(None, _run, _base(tmp_path / "a", steps=2, overwrite=True))[0]
+    assert fresh == straight[:2] and checkpoint.list_checkpoints(str(ckpts)) == [str(ckpts / "step_2")]
+
+
+def _refused(cfg_dict):
+    with pytest.raises(ValueError) as e:
+        train(TrainConfig(**cfg_dict))
+    return str(e.value)
 
 
 def test_gradient_accumulation_equals_one_big_batch(pools, tmp_path):

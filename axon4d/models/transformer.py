@@ -99,6 +99,11 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(
+                f"Transformer takes a ModelConfig, got {type(cfg).__name__}; "
+                "use axon4d.config.get_config('tiny') or ModelConfig(...)"
+            )
         self.cfg = cfg
         self.recompute = check_recompute(recompute)
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
@@ -110,10 +115,18 @@ class Transformer(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(b, s) ids of this rank's batch shard → (b, s, vocab/G_y) logits, replicated over x."""
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"Transformer takes a tensor of token ids (batch, seq), got {type(ids).__name__}")
         if ids.dim() != 2:
-            raise ValueError(f"expected token ids of shape (batch, seq), got {tuple(ids.shape)}")
+            raise ValueError(
+                f"expected token ids of shape (batch, seq), got {tuple(ids.shape)}; "
+                "a single sequence takes ids.unsqueeze(0)"
+            )
         if ids.shape[1] > self.cfg.seq_len:
-            raise ValueError(f"sequence length {ids.shape[1]} exceeds cfg.seq_len = {self.cfg.seq_len}")
+            raise ValueError(
+                f"sequence length {ids.shape[1]} exceeds cfg.seq_len = {self.cfg.seq_len}; "
+                f"give at most {self.cfg.seq_len} tokens per sequence or build the model with a longer seq_len"
+            )
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
             x = x + self.pos_emb(ids.shape[1])

@@ -121,11 +121,18 @@ class Attention(nn.Module):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.recompute_core = recompute_core
-        n_kv_heads = n_kv_heads or n_heads
+        rules.count(hidden, "hidden", example=1024)
+        rules.count(n_heads, "n_heads", example=8)
+        n_kv_heads = rules.count(n_kv_heads, "n_kv_heads", example=n_heads) if n_kv_heads is not None else n_heads
         if hidden % n_heads or n_heads % n_kv_heads:
             raise ValueError(
                 f"hidden = {hidden}, n_heads = {n_heads}, n_kv_heads = {n_kv_heads}: need hidden % n_heads == 0 "
                 "and n_heads % n_kv_heads == 0"
+            )
+        if rope_theta is not None and (hidden // n_heads) % 2:
+            raise ValueError(
+                f"head_dim = hidden/n_heads = {hidden}/{n_heads} = {hidden // n_heads} is odd, but rotary embeddings "
+                "(rope_theta given) rotate pairs of features; choose an even head_dim or rope_theta=None"
             )
         rules.check(grid.shape, rules.heads(n_heads, n_kv_heads))
         self.hidden, self.n_heads, self.n_kv_heads, self.head_dim = hidden, n_heads, n_kv_heads, hidden // n_heads
@@ -140,6 +147,13 @@ class Attention(nn.Module):
         self.qkv.row_segments = (("q", hidden), ("k", kv), ("v", kv))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, s, hidden/G_x) → (b, s, hidden/G_x), causal self-attention over the s positions."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"Attention expects this rank's activations of shape (batch, seq, hidden/G_x), got {shape}; "
+                "add a batch dim with x.unsqueeze(0)"
+            )
         b, s, _ = x.shape
         qkv = self.qkv(x)  # (b, s, (hq + 2 hkv)·d) of this y group's heads
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from axon4d import device as devices
 from axon4d import pieces, rules, runtime
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
@@ -20,6 +21,39 @@ from axon4d.precision import compute_dtype
 
 def _block(full: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
     return full[rows[0] : rows[1], cols[0] : cols[1]]
+
+
+def check_token_ids(ids: torch.Tensor, vocab_size: int, what: str, ignore_index: int | None = None) -> None:
+    """Raise ``TypeError`` unless ``ids`` is an integer tensor, ``ValueError`` unless every id
+    (other than ``ignore_index``) lies in [0, vocab_size); the message names the first bad id.
+
+    On the host this reads one flag (no cost worth a name). On an accelerator a host read would
+    stall the queue of kernels in the middle of every forward, so the check is queued as a
+    device-side assertion instead (``torch._assert_async``): the step still fails, without the
+    value in the message; the training job checks its batches on the host before they move."""
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.dtype.is_floating_point
+        or ids.dtype.is_complex
+        or ids.dtype == torch.bool
+    ):
+        kind = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{what} must be an integer tensor (torch.long), got {kind}; convert with ids.long()")
+    if ids.is_meta or ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if not devices.is_host(ids.device):
+        torch._assert_async(~bad.any(), f"{what} hold ids outside the vocabulary [0, {vocab_size})")
+        return
+    if bool(bad.any()):  # a host tensor: reading the flag costs nothing
+        first = int(ids[bad][0])
+        skip = f" (or {ignore_index}, ignored)" if ignore_index is not None else ""
+        raise ValueError(
+            f"{what} hold {first}, outside the vocabulary [0, {vocab_size}): ids must lie in 0 … {vocab_size - 1}"
+            f"{skip}; check the tokenizer or give a vocab_size above the largest id"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,6 +71,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.vocab_size, self.hidden = vocab_size, hidden
+        rules.count(vocab_size, "vocab_size", example=50304)
+        rules.count(hidden, "hidden", example=1024)
         rules.check(self.grid.shape, rules.embedding(vocab_size, hidden))
         v, h = vocab_size // self.grid.size("y"), hidden // self.grid.size("x")
         self.rows = (self.grid.coord("y") * v, (self.grid.coord("y") + 1) * v)
@@ -81,7 +117,11 @@ class VocabParallelEmbedding(nn.Module):
         return dense
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """(b, s) token ids → (b, s, hidden/G_x), replicated over y."""
+        """(b, s) token ids → (b, s, hidden/G_x), replicated over y.
+
+        Ids must be integers in [0, vocab_size) of the whole vocabulary (checked here: one
+        reduction and one host sync per call, no communication)."""
+        check_token_ids(ids, self.vocab_size, "token ids")
         lo, hi = self.rows
         mine = (ids >= lo) & (ids < hi)
         local = torch.where(mine, ids - lo, torch.zeros_like(ids))

@@ -21,6 +21,7 @@ from torch import nn
 from axon4d import device as devices
 from axon4d import geometry, pieces, rules, runtime
 from axon4d.grid import Grid
+from axon4d.layout import mark_features
 
 
 class _Linear3D(torch.autograd.Function):
@@ -129,6 +130,8 @@ class Linear(nn.Module):
     ):
         super().__init__()
         self.grid = runtime.resolve(grid)
+        rules.count(in_features, "in_features", example=1024)
+        rules.count(out_features, "out_features", example=1024)
         self.in_features, self.out_features, self.transpose = in_features, out_features, transpose
         self.in_axis, self.out_axis = geometry.layer_axes(transpose)
         shape = self.grid.shape
@@ -246,6 +249,31 @@ class Linear(nn.Module):
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output shard (..., out/G_out) of its input shard x (..., in/G_in).
+
+        The input must be a floating tensor of a parameter dtype (fp32, bf16 or fp16: a mixed
+        precision layer computes in its compute dtype) on the parameters' device, with the shard's
+        last dim; anything else is refused before any communication."""
+        self._check_input(x)
+        if torch.is_grad_enabled():
+            self.grid.scheduler.note_forward(self)  # the order OAG prefetches in
+        return mark_features(_Linear3D.apply(x, self.weight, self.bias, self), self.out_axis)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Raise ``TypeError`` or ``ValueError`` naming what is wrong with input ``x`` and what works."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self._name()} takes a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in devices.SUPPORTED_DTYPES:
+            names = ", ".join(str(d) for d in devices.SUPPORTED_DTYPES)
+            raise TypeError(
+                f"{self._name()} got input of dtype {x.dtype}; it computes in one of {names} "
+                f"(its parameters are {self.weight.dtype}): cast the input, e.g. x.to({self.weight.dtype})"
+            )
+        if x.device != self.weight.device:
+            raise ValueError(
+                f"{self._name()} got input on {x.device} but its parameters are on {self.weight.device}; "
+                f"move the input with x.to({str(self.weight.device)!r})"
+            )
         cols = self.block_shape[1]
         if x.dim() < 1 or x.shape[-1] != cols:
             g = self.grid.size(self.in_axis)
@@ -254,9 +282,6 @@ class Linear(nn.Module):
                 f"= {self.in_features}/{g} = {cols}, got shape {tuple(x.shape)}; shard a full input with "
                 f"axon4d.shard_input(x, transpose={self.transpose})"
             )
-        if torch.is_grad_enabled():
-            self.grid.scheduler.note_forward(self)  # the order OAG prefetches in
-        return _Linear3D.apply(x, self.weight, self.bias, self)
 
     def _name(self) -> str:
         return f"axon4d.Linear({self.in_features}, {self.out_features}, transpose={self.transpose})"

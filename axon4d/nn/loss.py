@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from axon4d.grid import Grid
+from axon4d.nn.embedding import check_token_ids
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -58,9 +59,14 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Mean cross-entropy over this rank's tokens of logits whose last dim is split over ``axis``.
 
-    ``logits``: (…, vocab/G_axis); ``targets``: (…) global token ids. Equals
+    ``logits``: (…, vocab/G_axis); ``targets``: (…) global token ids in [0, vocab) or
+    ``ignore_index`` (checked: one host sync, no communication). Equals
     ``F.cross_entropy(full_logits, targets)`` without any rank holding the full logits.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the token dims")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the token dims; "
+            "give one target per token: targets.shape == logits.shape[:-1]"
+        )
+    check_token_ids(targets, logits.shape[-1] * grid.size(axis), "targets", ignore_index=ignore_index)
     return _VocabParallelCE.apply(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), axis, grid, ignore_index)

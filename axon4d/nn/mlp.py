@@ -72,6 +72,8 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
+        rules.count(hidden, "hidden", example=1024)
+        rules.count(ffn, "ffn", example=4096)
         rules.mlp(ffn).check(grid.shape)
         self.hidden, self.ffn, self.gated = hidden, ffn, gated
         self.recompute_activation = recompute_activation

@@ -40,6 +40,9 @@ class SplitFeatureNorm(nn.Module):
         super().__init__()
         self.grid = runtime.resolve(grid)
         self.hidden, self.eps, self.axis = hidden, eps, axis
+        rules.count(hidden, "hidden (the normalised features)", example=1024)
+        if not eps > 0:
+            raise ValueError(f"eps = {eps} must be above 0 (it keeps the norm finite), e.g. 1e-5")
         rules.norm(hidden, axis).check(self.grid.shape)
         local = hidden // self.grid.size(axis)
         device = device if device is not None else self.grid.device
@@ -50,6 +53,20 @@ class SplitFeatureNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.normalize(x, self.statistics(x))
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise unless ``x`` is a floating tensor whose last dim is this rank's hidden/G_axis features
+        (checked before the statistics' all-reduce, so every rank refuses alike)."""
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{type(self).__name__} normalises a floating tensor, got {kind}; convert with x.float()")
+        local = self.hidden // self.grid.size(self.axis)
+        if x.dim() < 1 or x.shape[-1] != local:
+            raise ValueError(
+                f"{type(self).__name__}({self.hidden}) expects this rank's features, last dim hidden/G_{self.axis} = "
+                f"{self.hidden}/{self.grid.size(self.axis)} = {local}, got shape {tuple(x.shape)}; "
+                f"shard a full tensor with axon4d.shard_features(x, {self.axis!r})"
+            )
 
     def statistics(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token statistics over all ``hidden`` features, fp32 (…, k) — all-reduce over the axis."""
@@ -104,6 +121,7 @@ class LayerNorm(SplitFeatureNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``normalize(x, statistics(x))`` with the centred input made once (it is kept for backward)."""
+        self.check_input(x)
         xf = x.float()
         mean = sum_partials(xf.sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         centred = xf - mean
@@ -112,6 +130,7 @@ class LayerNorm(SplitFeatureNorm):
 
     def statistics(self, x: torch.Tensor) -> torch.Tensor:
         """(…, 2) fp32: the mean and 1/√(var + eps) of each token (all-reduces over the axis)."""
+        self.check_input(x)
         xf = x.float()
         mean = sum_partials(xf.sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         var = sum_partials((xf - mean).square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
@@ -153,6 +172,7 @@ class RMSNorm(SplitFeatureNorm):
 
     def statistics(self, x: torch.Tensor) -> torch.Tensor:
         """(…, 1) fp32: 1/√(mean square + eps) of each token (an all-reduce over the axis)."""
+        self.check_input(x)
         ms = sum_partials(x.float().square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         return torch.rsqrt(ms + self.eps)
 

@@ -53,7 +53,11 @@ def checkpoint_files(directory: str) -> dict[str, str]:
         return {name: os.path.join(directory, file) for name, file in weight_map.items()}
     single = os.path.join(directory, SINGLE_FILE)
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        what = "holds" if os.path.isdir(directory) else "is not a directory, so it holds"
+        raise FileNotFoundError(
+            f"{directory!r} {what} neither {SINGLE_FILE} nor {INDEX_FILE}; give the directory a Hugging Face "
+            "model was saved to with save_pretrained(directory, safe_serialization=True)"
+        )
     from safetensors import safe_open  # an optional dependency (it comes with transformers)
 
     with safe_open(single, framework="pt") as f:

@@ -57,6 +57,10 @@ def auto_parallelize(
     recomputation of the model's decoder layers: "none", "selective", "balanced" (sharded layout)
     or "full" (axon4d.parallelize.recompute, docs/design.md §5).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"auto_parallelize takes a torch.nn.Module (the model to parallelize in place), got {type(model).__name__}"
+        )
     check_recompute(recompute)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not known; use one of {LAYOUTS}")

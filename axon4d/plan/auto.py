@@ -68,7 +68,7 @@ def choose_grid(
         workload.batch,
         overlap=overlap,
         recompute=recompute,
-        memory_limit=memory_gib * 2**30 if memory_gib else None,
+        memory_limit=memory_gib * 2**30 if memory_gib is not None else None,
         workload=workload,
     )
     best = result.best

@@ -16,6 +16,7 @@ import json
 import sys
 import time
 
+from axon4d import rules
 from axon4d.config import SIZES, get_config
 from axon4d.device import DTYPES
 from axon4d.plan import stepfit
@@ -59,7 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len else {}))
+    """Price the job of the parsed flags and print the table; every flag is checked first."""
+    rules.count(args.top, "--top (rows to print)", example=10)
+    if args.memory_gib is not None and not 0 < args.memory_gib < float("inf"):
+        raise ValueError(
+            f"--memory-gib {args.memory_gib}: memory per device must be a finite number of GiB above 0, "
+            "e.g. --memory-gib 80, or leave it out for the machine's own"
+        )
+    cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len is not None else {}))
     start = time.perf_counter()
     result = plan(
         cfg,
@@ -70,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
         overlap=args.overlap,
         recompute=args.recompute,
         optimizer=args.optimizer,
-        memory_limit=args.memory_gib * 2**30 if args.memory_gib else None,
+        memory_limit=args.memory_gib * 2**30 if args.memory_gib is not None else None,
     )
     elapsed = time.perf_counter() - start
     if args.json == "-":

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import numpy as np
 
+from axon4d import rules
 from axon4d.config import ModelConfig, get_config
 from axon4d.plan import stepfit
 from axon4d.plan.cost import TimeEstimate, describe, recomputed_seconds, step_time
-from axon4d.plan.machine import Machine, load
+from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.workload import Workload
 from axon4d.policy import OverlapPolicy
@@ -185,6 +187,22 @@ def evaluate(
     return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t))
 
 
+def load_machine(machine: Machine | str) -> Machine:
+    """``axon4d.plan.machine.load``, with a file that is not a machine description (not JSON, not
+    an object, a field missing or of the wrong kind) refused by a ``ValueError`` naming the file and
+    what to use instead."""
+    if not isinstance(machine, str) or not os.path.isfile(machine):
+        return load(machine)
+    try:
+        return load(machine)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        what = f"lacks the field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(
+            f"machine file {machine!r} is not a machine description ({type(e).__name__}: {what}); give a file "
+            f"written by `axon4d calibrate` or a shipped machine: {', '.join(available())}"
+        ) from e
+
+
 def plan(
     model: ModelConfig | str,
     world: int,
@@ -201,9 +219,16 @@ def plan(
     """Price every valid grid of ``world`` ranks for ``model`` on ``machine``; best first.
 
     ``batch`` is the global batch in sequences per step. ``memory_limit`` (bytes per device)
-    defaults to the machine's device memory. ``optimizer``: "adam" or "sgd" (``Workload``).
+    defaults to the machine's device memory. A world below 1, a limit that is not a positive
+    number, a bad machine file or model or batch is refused before anything is priced. ``optimizer``: "adam" or "sgd" (``Workload``).
     """
-    mach = load(machine)
+    rules.count(world, "world (ranks, --gpus)", example=8)
+    if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and 0 < memory_limit < math.inf):
+        raise ValueError(
+            f"memory_limit = {memory_limit!r} bytes per device must be a finite number above 0 "
+            "(--memory-gib 80 for 80 GiB), or None for the machine's own"
+        )
+    mach = load_machine(machine)
     if workload is None:
         cfg = get_config(model) if isinstance(model, str) else model
         workload = Workload(cfg, batch, dtype, optimizer=optimizer)

@@ -19,6 +19,7 @@ grid breaks, and the search evaluates the same rules on every grid at once.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from axon4d import rules as grid_rules
 from axon4d.config import ModelConfig
@@ -70,8 +71,10 @@ class Workload:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not priced; use one of {list(OPTIMIZERS)}")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, numbers.Integral):
+            raise TypeError(f"batch = {self.batch!r} ({type(self.batch).__name__}) must be a whole number of sequences")
         if self.batch < 1:
-            raise ValueError(f"batch = {self.batch}: need at least one sequence per step")
+            raise ValueError(f"batch = {self.batch}: need at least one sequence per step, e.g. --batch 8")
 
     @property
     def element_size(self) -> int:

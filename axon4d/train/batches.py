@@ -28,7 +28,9 @@ CORPUS_PATH = os.path.join("build", "corpus.u16")
 
 
 def make_data(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid | None = None) -> SyntheticTokens | MemmapTokens:
-    """The token stream ``cfg.data`` names; the demo corpus is written once, by rank 0."""
+    """The token stream ``cfg.data`` names; the demo corpus is written once, by rank 0. A token
+    file that is missing is a ``FileNotFoundError``, one that is too short or holds ids outside the
+    vocabulary a ``ValueError`` (``axon4d.data.MemmapTokens``)."""
     if cfg.data == "synthetic":
         return SyntheticTokens(mcfg.vocab_size, mcfg.seq_len, seed=cfg.seed)
     path = cfg.data
@@ -38,8 +40,6 @@ def make_data(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid | None = None) -> 
             demo_corpus(path)
         if grid is not None:
             grid.comm.barrier()
-    if not os.path.exists(path):
-        raise ValueError(f"data {cfg.data!r}: no such token file; use synthetic, corpus, or a path to a .u16/.u32 file")
     return MemmapTokens(path, mcfg.seq_len, mcfg.vocab_size, seed=cfg.seed)
 
 

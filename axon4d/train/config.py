@@ -13,10 +13,14 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 from typing import Any
 
 from axon4d.config import ModelConfig, get_config
-from axon4d.policy import RECOMPUTE_MODES
+from axon4d.data import check_token_file
+from axon4d.policy import RECOMPUTE_MODES, check_recompute
+from axon4d.precision import Precision
+from axon4d.shape import check_sizes
 
 
 @dataclasses.dataclass
@@ -77,8 +81,20 @@ class TrainConfig:
     """Where log.jsonl, checkpoints/ and plots go."""
     save_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
+    keep_last: int = 0
+    """Keep only the newest K checkpoints (0: keep all)."""
     resume: bool = False
-    """Continue from the newest checkpoint in out_dir/checkpoints."""
+    """Continue from the newest checkpoint in out_dir/checkpoints (its model and training settings must match this run's)."""
+    overwrite: bool = False
+    """Start afresh in an out_dir that holds another run's checkpoints, deleting them (without it such a directory is refused)."""
+    on_nonfinite: str = "skip"
+    """A step whose loss or gradients are not finite: skip (no update; stop after --max-nonfinite in a row) or stop (end the run with an error)."""
+    max_nonfinite: int = 3
+    """With --on-nonfinite skip: end the run after this many non-finite steps in a row."""
+    timeout: float = 60.0
+    """Seconds a rank waits for a collective after the first step before the job is ended and the waiting rank named."""
+    startup_timeout: float = 300.0
+    """Seconds allowed for start-up and the first step (building, loading, first collectives)."""
     log_every: int = 1
     """Write a log record every N steps."""
     peak_tflops: float = 0.0
@@ -87,6 +103,81 @@ class TrainConfig:
     """Afterwards, train the same model in one process (rank 0) and plot both loss curves."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse flags no run can use, before anything is built, created or communicated.
+
+        Each error names the flag, the value given and what would work: counts (--steps,
+        --batch-size, --micro-batches, --log-every, --max-nonfinite) are whole numbers ≥ 1; the
+        model overrides, --warmup-steps, --save-every and --keep-last are ≥ 0 (0: the default or
+        off); rates and bounds are finite, --lr above 0 and --min-lr within [0, --lr]; --grid is
+        four sizes or auto; names come from their lists (``CHOICES``, precisions, the size table);
+        the model those flags describe must be valid; a --data file must exist and hold at least
+        one sequence (its token ids are checked against the vocabulary when it is opened)."""
+        for name, minimum in _MINIMUM.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{_flag(name)} {value!r} ({type(value).__name__}) must be a whole number")
+            if value < minimum:
+                raise ValueError(f"{_flag(name)} {value}: must be at least {minimum}; {_HINTS[name]}")
+        for name, (low, high, open_low) in _RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{_flag(name)} {value!r} ({type(value).__name__}) must be a number")
+            too_low = value <= low if open_low else value < low
+            if not math.isfinite(value) or too_low or value > high:
+                bounds = f"{'above' if open_low else 'at least'} {low:g}" + (
+                    f" and at most {high:g}" if math.isfinite(high) else ""
+                )
+                raise ValueError(f"{_flag(name)} {value}: must be a finite number {bounds}; {_HINTS[name]}")
+        if self.beta1 >= 1 or self.beta2 >= 1:
+            raise ValueError(
+                f"--beta1 {self.beta1} / --beta2 {self.beta2}: AdamW's betas must be below 1, e.g. 0.9 and 0.95"
+            )
+        if self.min_lr > self.lr:
+            raise ValueError(
+                f"--min-lr {self.min_lr} is above --lr {self.lr}: the schedule decays from --lr down to --min-lr; "
+                f"give --min-lr at most {self.lr}"
+            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("str", str) and not isinstance(value, str):
+                raise TypeError(
+                    f"{_flag(f.name)} {value!r} ({type(value).__name__}) must be a string, e.g. {f.default!r}"
+                )
+        Precision.parse(self.precision)  # names the precisions that exist
+        check_recompute(self.recompute)  # names the modes
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        self.grid_spec()
+        if not self.out_dir:
+            raise ValueError("--out-dir '': give the directory for the log and checkpoints, e.g. runs/train")
+        mcfg = self.model_config()  # the size name, the arch and the overrides, checked by ModelConfig
+        if self.data == "corpus" and mcfg.vocab_size < 256:
+            raise ValueError(
+                f"--data corpus holds byte ids 0…255 but --vocab-size is {mcfg.vocab_size}; "
+                "give --vocab-size 256 or more, or 0 (256 for the corpus)"
+            )
+        if self.data not in DATA_NAMES:
+            check_token_file(self.data, mcfg.seq_len)
+
+    def grid_spec(self) -> str | tuple[int, ...]:
+        """--grid as ``axon4d.init`` takes it: "auto", or the four sizes (one may be -1), checked."""
+        if self.grid == "auto":
+            return "auto"
+        parts = [p.strip() for p in self.grid.split(",")]
+        example = "give four sizes x,y,z,data such as 1,1,1,-1 or 2,2,1,-1 (one may be -1: the rest), or auto"
+        if len(parts) != 4:
+            raise ValueError(f"--grid {self.grid!r} has {len(parts)} sizes; {example}")
+        try:
+            sizes = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"--grid {self.grid!r}: every size must be a whole number; {example}") from None
+        return tuple(check_sizes(sizes))
 
     def model_config(self) -> ModelConfig:
         """The size table's model with this run's overrides (vocabulary 256 for the byte-level corpus)."""
@@ -106,8 +197,76 @@ class TrainConfig:
         return get_config(self.model, **overrides)
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+#: whole-number fields and their least value
+_MINIMUM: dict[str, int] = {
+    "steps": 1,
+    "batch_size": 1,
+    "micro_batches": 1,
+    "log_every": 1,
+    "max_nonfinite": 1,
+    "layers": 0,
+    "hidden": 0,
+    "heads": 0,
+    "kv_heads": 0,
+    "vocab_size": 0,
+    "seq_len": 0,
+    "warmup_steps": 0,
+    "save_every": 0,
+    "keep_last": 0,
+    "seed": 0,
+}
+#: number fields: (bound, largest value, whether the bound itself is excluded)
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "lr": (0.0, math.inf, True),
+    "min_lr": (0.0, math.inf, False),
+    "weight_decay": (0.0, math.inf, False),
+    "beta1": (0.0, 1.0, False),
+    "beta2": (0.0, 1.0, False),
+    "grad_clip": (0.0, math.inf, False),
+    "timeout": (0.0, math.inf, True),
+    "startup_timeout": (0.0, math.inf, True),
+    "peak_tflops": (0.0, math.inf, False),
+}
+#: what each checked field means, for its error message
+_HINTS: dict[str, str] = {
+    "steps": "the optimizer steps of the whole run, e.g. --steps 100",
+    "batch_size": "global sequences per micro-batch, e.g. --batch-size 16",
+    "micro_batches": "micro-batches accumulated per step, e.g. --micro-batches 1",
+    "log_every": "a log record every N steps, e.g. --log-every 1",
+    "max_nonfinite": "non-finite steps in a row before the run stops, e.g. --max-nonfinite 3",
+    "layers": "0 keeps the size table's",
+    "hidden": "0 keeps the size table's",
+    "heads": "0 keeps the size table's",
+    "kv_heads": "0 means as many as the attention heads",
+    "vocab_size": "0 keeps the size table's",
+    "seq_len": "0 keeps the size table's",
+    "warmup_steps": "0 means no warmup",
+    "save_every": "0 saves only at the end, N every N steps",
+    "keep_last": "0 keeps every checkpoint, K the newest K",
+    "seed": "e.g. --seed 0",
+    "lr": "e.g. --lr 3e-3",
+    "min_lr": "e.g. --min-lr 3e-4 (0: decay to zero)",
+    "weight_decay": "e.g. --weight-decay 0.1 (0: none)",
+    "beta1": "e.g. --beta1 0.9",
+    "beta2": "e.g. --beta2 0.95",
+    "grad_clip": "e.g. --grad-clip 1.0 (0: no clipping)",
+    "timeout": "seconds, e.g. --timeout 60",
+    "startup_timeout": "seconds, e.g. --startup-timeout 300",
+    "peak_tflops": "e.g. --peak-tflops 0 (0: measure it)",
+}
+#: --data names that are not files
+DATA_NAMES = ("synthetic", "corpus")
+
 #: fields whose flag accepts only these values.
-CHOICES: dict[str, tuple[str, ...]] = {"recompute": RECOMPUTE_MODES, "comm": ("auto", "torch", "mpi")}
+CHOICES: dict[str, tuple[str, ...]] = {
+    "recompute": RECOMPUTE_MODES,
+    "comm": ("auto", "torch", "mpi"),
+    "on_nonfinite": ("skip", "stop"),
+}
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import shutil
 import time
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from axon4d import checkpoint, runtime
+from axon4d import checkpoint, params, runtime, watchdog
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
@@ -41,11 +43,19 @@ from axon4d.train.peak import check_compute_dtype, mfu, world_peak_tflops
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run the training job described by ``cfg`` on the grid; return the run summary (all ranks)."""
+    """Run the training job described by ``cfg`` on the grid; return the run summary (all ranks).
+
+    Everything that can be refused is refused before the first collective, on every rank alike:
+    the flags, the model, the output directory (writable by every rank; holding another run's
+    checkpoints only with --resume or --overwrite), and a checkpoint to resume (its model and
+    training settings, and a step below --steps). The run itself is watched (axon4d.watchdog): an
+    error on one rank is printed and announced, and the other ranks end within ``cfg.timeout``
+    seconds (``cfg.startup_timeout`` until the first step is done), naming it."""
     Precision.parse(cfg.precision)  # a bad name fails here, on every rank, before any communication
     check_recompute(cfg.recompute)  # likewise
     mcfg = cfg.model_config()
-    grid_spec = "auto" if cfg.grid == "auto" else tuple(int(s) for s in cfg.grid.split(","))
+    resume_from = _check_out_dir(cfg, mcfg)
+    grid_spec = cfg.grid_spec()
     grid = runtime.init(
         grid=grid_spec,
         seed=cfg.seed,
@@ -58,11 +68,49 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "dtype": "float32" if cfg.precision == "fp32" else "bfloat16",
             "recompute": cfg.recompute,
         },
+        timeout_s=cfg.startup_timeout,
     )
     try:
-        return _train_on(grid, cfg, mcfg)
+        with watchdog.guard(grid.rank, grid.world_size, cfg.timeout, cfg.startup_timeout, abort=grid.comm.abort) as dog:
+            return _train_on(grid, cfg, mcfg, resume_from, dog)
     finally:
         runtime.shutdown()
+
+
+def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
+    """Refuse an output directory this run cannot use, on every rank before any collective; return
+    the checkpoint to resume from (None: start at step 0)."""
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        probe = os.path.join(cfg.out_dir, f".write-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(
+            f"--out-dir {cfg.out_dir!r} cannot be written by this rank ({e.strerror or e}); "
+            "give a directory every rank can create and write"
+        ) from e
+    ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
+    found = checkpoint.latest(ckpt_dir)
+    if found is None:
+        return None
+    meta = checkpoint.read_meta(found)
+    if not cfg.resume:
+        if cfg.overwrite:
+            return None
+        raise ValueError(
+            f"--out-dir {cfg.out_dir!r} holds checkpoints of another run (newest: {found}, step {meta['step']}); "
+            "pass --resume to continue it, --overwrite to delete them and start afresh, or another --out-dir"
+        )
+    checkpoint.check_compatible(meta, model_config=mcfg, train_config=dataclasses.asdict(cfg))
+    if int(meta["step"]) >= cfg.steps:
+        raise ValueError(
+            f"--resume from {found} at step {meta['step']} with --steps {cfg.steps}: the run is already "
+            f"{'past' if int(meta['step']) > cfg.steps else 'at'} its last step; give --steps above {meta['step']} "
+            "to train further"
+        )
+    return found
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,6 +124,26 @@ def build_model(mcfg: ModelConfig, grid: Grid, recompute: str = "none") -> Trans
     return Transformer(mcfg, grid=grid, recompute=recompute)
 
 
+def _nonfinite(
+    grid: Grid, cfg: TrainConfig, step: int, loss: float, norm: float, first: str | None, in_a_row: int
+) -> dict[str, Any]:
+    """A step whose loss or gradient norm is not finite (every rank decided alike; ``first``: the
+    first parameter whose gradient is not): say so, and end the run under --on-nonfinite stop or
+    after --max-nonfinite such steps in a row; return the fields it adds to the step's record."""
+    where = f"first non-finite gradient: {first}" if first else "every gradient is finite"
+    message = f"step {step}: loss {loss}, gradient norm {norm} ({where})"
+    if cfg.on_nonfinite == "stop":
+        raise FloatingPointError(f"{message}; stopping (--on-nonfinite stop). Lower --lr or check the data")
+    if in_a_row >= cfg.max_nonfinite:
+        raise FloatingPointError(
+            f"{message}; {in_a_row} non-finite steps in a row (--max-nonfinite {cfg.max_nonfinite}): stopping. "
+            "Lower --lr or check the data"
+        )
+    if grid.rank == 0:
+        tqdm.write(f"axon4d: {message}; step skipped, weights unchanged")
+    return {"skipped": True, "nonfinite_param": first}
+
+
 def _global_mean(value: torch.Tensor, grid: Grid) -> float:
     """Mean over the batch axis of a per-rank scalar (each rank's loss is over its own tokens)."""
     local = devices.to_device(value.detach().float().reshape(1).clone(), grid.device)
@@ -83,7 +151,9 @@ def _global_mean(value: torch.Tensor, grid: Grid) -> float:
     return float(total) / grid.size("batch")
 
 
-def _train_on(grid: Grid, cfg: TrainConfig, mcfg: ModelConfig) -> dict[str, Any]:
+def _train_on(
+    grid: Grid, cfg: TrainConfig, mcfg: ModelConfig, resume_from: str | None, dog: watchdog.Watchdog | None
+) -> dict[str, Any]:
     """The run on a built grid: resume, train, checkpoint, report; the summary plus every step's loss."""
     rank0 = grid.rank == 0
     model = build_model(mcfg, grid, cfg.recompute)
@@ -92,53 +162,78 @@ def _train_on(grid: Grid, cfg: TrainConfig, mcfg: ModelConfig) -> dict[str, Any]
     data = make_data(cfg, mcfg, grid)
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
     start = 0
-    if cfg.resume:
-        found = checkpoint.latest(ckpt_dir)
-        if found is not None:
-            start = int(checkpoint.load(found, model, grid, opt)["step"])
+    if resume_from is not None:
+        with watchdog.waiting("the checkpoint load", cfg.startup_timeout):
+            meta = checkpoint.load(resume_from, model, grid, opt)
+        start = int(meta["step"])
+        if meta.get("rng"):
+            devices.restore_rng(meta["rng"], grid.device)
+    elif cfg.overwrite and rank0:
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
     check_compute_dtype(grid)
     peak_total = world_peak_tflops(grid, cfg.peak_tflops)
     if rank0:
-        os.makedirs(cfg.out_dir, exist_ok=True)
         print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute))
-    log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0)
+    log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
     tokens_per_step = cfg.batch_size * cfg.micro_batches * mcfg.seq_len
     bar = tqdm(total=cfg.steps, initial=start, disable=not (rank0 and cfg.progress), ncols=110, desc="train")
     records, losses = [], []
+    skipped = in_a_row = 0
+
+    def save(step: int) -> None:
+        with watchdog.waiting(f"the checkpoint save of step {step}", cfg.startup_timeout):
+            checkpoint.save(
+                os.path.join(ckpt_dir, f"step_{step}"),
+                model,
+                grid,
+                opt,
+                step=step,
+                extra={"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped},
+                keep_last=cfg.keep_last,
+                data_position={"step": step, "batches_per_step": cfg.micro_batches},
+                rng=devices.rng_state(grid.device),
+            )
+
     for step in range(start, cfg.steps):
         grid.comm.log.clear()
         t0 = time.perf_counter()
         lr = set_lr(opt, step, cfg)
         loss = accumulate(model, step_batches(data, step, cfg), grid)
+        mean_loss = _global_mean(loss, grid)  # the same on every rank, as is the norm: one decision
         norm = clip(model, cfg, grid)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        finite = math.isfinite(mean_loss) and math.isfinite(norm)
+        first_bad = None if finite else params.first_nonfinite_grad(model, grid)
+        if finite:
+            opt.step()
+            in_a_row = 0
+        opt.zero_grad(set_to_none=True)  # a skipped step's gradients are dropped with the rest
         devices.synchronize(grid.device)  # an accelerator runs the step asynchronously
         dt = time.perf_counter() - t0
-        comm = grid.comm.log.summary()  # this step's collectives (the loss all-reduce below is not one)
-        mean_loss = _global_mean(loss, grid)
-        losses.append(mean_loss)
+        comm = grid.comm.log.summary()  # this step's collectives (with the loss's all-reduce)
         tps = tokens_per_step / dt
         rec = report.step_record(
             step + 1, mean_loss, lr, norm, dt, tps, mfu(mcfg.flops_per_token(), tps, peak_total), comm
         )
+        if not finite:
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            rec.update(_nonfinite(grid, cfg, step + 1, mean_loss, norm, first_bad, in_a_row))
+        else:
+            losses.append(mean_loss)
         records.append(rec)
         log.write(rec)
-        bar.set_postfix_str(report.progress_line(rec))
+        bar.set_postfix_str(report.progress_line(rec), refresh=False)
         bar.update()
+        if dog is not None and step == start:
+            dog.steady()  # start-up is over: waits get --timeout from here on
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            checkpoint.save(
-                os.path.join(ckpt_dir, f"step_{step + 1}"),
-                model,
-                grid,
-                opt,
-                step=step + 1,
-                extra={"train_config": dataclasses.asdict(cfg)},
-            )
+            save(step + 1)
     bar.close()
     final = os.path.join(ckpt_dir, f"step_{cfg.steps}")
-    checkpoint.save(final, model, grid, opt, step=cfg.steps, extra={"train_config": dataclasses.asdict(cfg)})
-    summary = report.summarize(records, cfg.steps, grid, final, recompute=cfg.recompute)
+    save(cfg.steps)
+    summary = report.summarize(
+        [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
+    )
+    summary["nonfinite_skipped"] = skipped
     log.close()
     if rank0:
         print(report.format_summary(summary))

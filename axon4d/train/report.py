@@ -3,12 +3,15 @@ the loss-curve plot.
 
 A step record holds the loss, learning rate, gradient norm, step time, tokens/s, MFU, payload bytes
 per grid axis, and the communication and blocked time with the share of communication hidden, all
-as ``axon4d.commlog`` defines them (``CommLog.summary``; docs/design.md §4). The run summary adds
+as ``axon4d.commlog`` defines them (``CommLog.summary``; docs/design.md §4), and the writing rank's
+resident host memory and thread count (``host_usage``: a leak shows as a slope). A step skipped for
+a non-finite loss or gradient adds ``skipped`` and ``nonfinite_param``. The run summary adds
 the steady steps up (every step but the first, which pays for warm-up allocations): medians of
 time, tokens/s and MFU, mean bytes per axis, and the hidden share of the summed communication and
 blocked time (``commlog.hidden_pct``), the device the run trained on and its activation
-recomputation mode. Rank 0 writes ``log.jsonl`` (one record per logged step, appended to on
-resume), ``summary.json`` and, with ``--compare-single``, ``loss.png``.
+recomputation mode. Rank 0 writes ``log.jsonl`` (one record per logged step; a resumed run keeps
+the records up to its checkpoint's step and writes on from there), ``summary.json`` and, with
+``--compare-single``, ``loss.png``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,20 @@ from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 
 
+def host_usage() -> tuple[int, int]:
+    """(resident bytes, threads) of this process, from /proc where there is one (else the peak
+    resident size from ``getrusage`` and Python's threads)."""
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return rss, len(os.listdir("/proc/self/task"))
+    except (OSError, ValueError, IndexError):
+        import resource
+        import threading
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, threading.active_count()
+
+
 def step_record(
     step: int,
     loss: float,
@@ -33,6 +50,7 @@ def step_record(
     comm: dict[str, Any],
 ) -> dict[str, Any]:
     """The log record of step number ``step`` (counted from 1); ``comm`` is the step's ``CommLog.summary()``."""
+    rss, threads = host_usage()
     return {
         "step": step,
         "loss": loss,
@@ -45,6 +63,8 @@ def step_record(
         "comm_s": comm["comm_s"],
         "blocked_s": comm["blocked_s"],
         "hidden_pct": comm["hidden_pct"],
+        "rss_bytes": rss,
+        "threads": threads,
     }
 
 
@@ -70,9 +90,27 @@ def banner(grid: Grid, model: str, mcfg: ModelConfig, peak_tflops: float, start:
 class LogFile:
     """``log.jsonl`` of a run: every ``every``-th step record as one JSON line (rank 0 only)."""
 
-    def __init__(self, out_dir: str, every: int, enabled: bool):
+    def __init__(self, out_dir: str, every: int, enabled: bool, start: int = 0):
+        """A run starting at step ``start`` keeps the records of steps up to ``start`` that a
+        previous run wrote (a resumed run), and drops the rest (steps that run did after its
+        checkpoint, which this run does again), so each step is logged once."""
         self.every = every
-        self._file = open(os.path.join(out_dir, "log.jsonl"), "a") if enabled else None
+        self._file = None
+        if not enabled:
+            return
+        path = os.path.join(out_dir, "log.jsonl")
+        kept = []
+        if start > 0 and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= start:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn last line of a run that was killed
+        self._file = open(path, "w")
+        self._file.writelines(kept)
+        self._file.flush()
 
     def write(self, rec: dict[str, Any]) -> None:
         if self._file is not None and rec["step"] % self.every == 0:

@@ -1,0 +1,79 @@
+"""A training job with one fault planted on one rank, for tests/test_faults.py.
+
+    python fault_check.py FAULT RANK STEP [axon4d train flags...]
+
+FAULT is where rank RANK fails once the job reaches step STEP (counted from 1):
+``forward`` (raises inside the model's forward), ``backward`` (raises inside the backward of the
+first block), ``save`` (raises inside the checkpoint save of that step), ``kill`` (SIGKILLs itself
+in the forward), ``stop`` (SIGSTOPs itself in the forward: a hung rank), or ``none``. The fault is
+planted from outside the library (patching, hooks, signals), then ``axon4d.train.main`` runs with
+the remaining flags. Every rank prints ``FAULT-CHECK pid=<pid> rank=<rank>`` first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+from axon4d import checkpoint
+from axon4d.models.transformer import Transformer
+from axon4d.train import add_arguments, main
+
+
+class PlantedError(RuntimeError):
+    pass
+
+
+def _rank() -> int:
+    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def plant(fault: str, rank: int, step: int) -> None:
+    calls = {"forward": 0}
+    forward = Transformer.forward
+
+    def counting_forward(self, *args, **kwargs):
+        calls["forward"] += 1  # one forward per step (one micro-batch)
+        at_step = calls["forward"] == step
+        if at_step and fault == "forward":
+            raise PlantedError(f"planted forward failure at step {step}")
+        if at_step and fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if at_step and fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        out = forward(self, *args, **kwargs)
+        if at_step and fault == "backward":
+
+            def fail(grad: torch.Tensor) -> torch.Tensor:
+                raise PlantedError(f"planted backward failure at step {step}")
+
+            out.register_hook(fail)
+        return out
+
+    Transformer.forward = counting_forward  # type: ignore[method-assign]
+    if fault == "save":
+        save = checkpoint.dcp.save
+
+        def failing_save(*args, **kwargs):
+            raise PlantedError("planted failure inside the first checkpoint save")
+
+        checkpoint.dcp.save = failing_save  # type: ignore[assignment]
+        del save
+
+
+if __name__ == "__main__":
+    fault, rank, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    print(f"FAULT-CHECK pid={os.getpid()} rank={_rank()}", flush=True)
+    if _rank() == rank and fault != "none":
+        plant(fault, rank, step)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args(sys.argv[4:])))
