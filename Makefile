@@ -32,7 +32,7 @@ test: lint
 DEMO_ARGS ?= --grid 2,2,2,1 --model small --data corpus --steps 80 --batch-size 16 --warmup-steps 8
 demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --master-port 29517 -m axon4d.train \
-		$(DEMO_ARGS) --compare-single --out-dir build/demo
+		$(DEMO_ARGS) --compare-single --overwrite --out-dir build/demo
 
 # The drop-in example: an MLP of axon4d.Linear layers against the same MLP in one process.
 demo-mlp: install
