@@ -5,6 +5,12 @@ chunk index d·G_z + z. Features (the last dim) of a normal layer's input are sp
 output over y; a transposed layer swaps the two. ``shard_*`` functions slice locally (no
 communication, differentiable); ``gather_*`` functions all-gather through the communication layer
 and return full tensors on every rank, detached from autograd.
+
+Context parallelism (docs/context.md) splits the tokens of *one* sequence over z instead: the
+sequence of length S is cut into 2·G_z chunks of C = S/(2·G_z) tokens and z-rank r holds chunks r
+and 2·G_z−1−r (head–tail, in that order), so every rank does the same causal-attention work.
+Sequences are then split over data only (``shard_sequence``/``gather_sequence``; the positions of a
+rank's tokens are ``sequence_positions``).
 """
 
 from __future__ import annotations
@@ -82,3 +88,73 @@ def gather_output(y: torch.Tensor, transpose: bool = False, grid: Grid | None = 
             f"output of {made_by} layer (features split over {split}); call gather_output(y, transpose={not transpose})"
         )
     return gather_batch(gather_features(y, out_axis, grid=grid), grid=grid)
+
+
+def sequence_chunk_len(seq_len: int, g_z: int) -> int:
+    """C = S/(2·G_z): the length of one head–tail chunk of a sequence of ``seq_len`` tokens split over
+    G_z = ``g_z`` ranks. ``ValueError`` naming S, G_z and the nearest lengths that split, unless 2·G_z
+    divides S."""
+    parts = 2 * g_z
+    if seq_len > 0 and seq_len % parts == 0:
+        return seq_len // parts
+    below = seq_len // parts * parts
+    works = " or ".join(str(n) for n in (below, below + parts) if n > 0)
+    raise ValueError(
+        f"sequence length S = {seq_len} cannot be split over G_z = {g_z} with context parallelism: the sequence is "
+        f"cut into 2·G_z = {parts} equal chunks (head–tail causal balance), so S must be a multiple of {parts}; "
+        f"the nearest lengths that work are {works} (pad or trim the sequences), or split whole sequences instead "
+        "(context_parallel=False)"
+    )
+
+
+def sequence_chunks(z: int, g_z: int) -> tuple[int, int]:
+    """The two chunk indices z-rank ``z`` of ``g_z`` holds, in its local order: (z, 2·G_z−1−z)."""
+    return z, 2 * g_z - 1 - z
+
+
+def sequence_positions(seq_len: int, z: int, g_z: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions (S/G_z,) of the tokens z-rank ``z`` holds of a sequence of ``seq_len``
+    tokens, in the rank's local order: chunk z, then chunk 2·G_z−1−z."""
+    c = sequence_chunk_len(seq_len, g_z)
+    return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in sequence_chunks(z, g_z)])
+
+
+def sequence_order(seq_len: int, g_z: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The index that puts every z-rank's tokens, concatenated in z order (what an all-gather over z
+    returns), back into global order: ``gathered.index_select(dim, sequence_order(S, G_z))``."""
+    held = torch.cat([sequence_positions(seq_len, z, g_z, device) for z in range(g_z)])
+    return torch.argsort(held)
+
+
+def shard_sequence(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
+    """This rank's part of full sequences (B, S, ...) under context parallelism: the sequences (dim 0)
+    split over data, the tokens of each (dim 1) split head–tail over z — chunks z and 2·G_z−1−z of
+    the 2·G_z chunks of S/(2·G_z) tokens. Local slices, differentiable; token ids, targets and
+    activations alike."""
+    grid = runtime.resolve(grid)
+    if x.dim() < 2:
+        raise ValueError(
+            f"shard_sequence needs (batch, seq, ...) with a sequence dim (dim 1), got shape {tuple(x.shape)}; "
+            "a single sequence takes x.unsqueeze(0)"
+        )
+    rules.divisible(
+        x.shape[0], "the batch (dim 0 of the input)", ["data"], "with context parallelism sequences split over data"
+    ).check(grid.shape)
+    g_z = grid.size("z")
+    c = sequence_chunk_len(x.shape[1], g_z)
+    x = _chunk(x, 0, grid.size("data"), grid.coord("data"))
+    return torch.cat([x.narrow(1, k * c, c) for k in sequence_chunks(grid.coord("z"), g_z)], dim=1)
+
+
+def gather_sequence(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
+    """The full sequences (B, S, ...) from every rank's ``shard_sequence`` part (b, S/G_z, ...), in
+    global token order, on every rank (all-gather over z, then over data; detached)."""
+    grid = runtime.resolve(grid)
+    if x.dim() < 2:
+        raise ValueError(f"gather_sequence needs (batch, seq/G_z, ...), got shape {tuple(x.shape)}")
+    x = x.detach().contiguous()
+    g_z = grid.size("z")
+    if g_z > 1:
+        x = grid.comm.all_gather(x, "z", dim=1, tag="gather_sequence").wait()
+        x = x.index_select(1, sequence_order(x.shape[1], g_z, x.device))
+    return grid.comm.all_gather(x.contiguous(), "data", dim=0, tag="gather_sequence").wait()

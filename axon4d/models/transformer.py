@@ -10,9 +10,15 @@
 ``loss(ids, targets)`` is the vocabulary-parallel cross-entropy, the mean over this rank's tokens,
 so after ``backward()`` every parameter's gradient is the DDP-averaged gradient of the global
 mean loss. ``DenseTransformer`` is the same model in plain PyTorch (what ``to_dense`` returns).
+
 Any size builds on the ``meta`` device (``Transformer(cfg, device="meta")``) to count per-rank
 parameters without allocating; ``axon4d.materialize.materialize_(model, seed)`` then gives every
 rank its shards, initialised as ``axon4d.materialize.init_dense_`` initialises the dense model.
+
+With ``context_parallel=True`` (docs/context.md) the tokens of each sequence are split over z
+instead of whole sequences: the model takes ``axon4d.layout.shard_sequence(ids)`` — (b, S/G_z) with
+b = B/G_data, this rank's head–tail chunks — returns logits for those tokens, and ``loss`` takes
+``shard_sequence(targets)``. Positions (learned or rotary) are the tokens' global positions.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 from axon4d import pieces, runtime
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
+from axon4d.layout import sequence_chunk_len, sequence_positions
 from axon4d.nn.block import DenseBlock, TransformerBlock
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
@@ -86,7 +93,9 @@ class Transformer(nn.Module):
     """A GPT (``cfg.arch == "gpt"``) or Llama (``"llama"``) model on the 4D grid.
 
     ``recompute`` is every block's activation recomputation: "none", "selective", "balanced" or
-    "full" (axon4d.nn.recompute; the planner's ``--recompute`` prices the same modes)."""
+    "full" (axon4d.nn.recompute; the planner's ``--recompute`` prices the same modes).
+    ``context_parallel`` splits each sequence's tokens head–tail over z (docs/context.md): give it
+    ``axon4d.layout.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones."""
 
     def __init__(
         self,
@@ -96,6 +105,7 @@ class Transformer(nn.Module):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         recompute: str = "none",
+        context_parallel: bool = False,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
@@ -106,10 +116,14 @@ class Transformer(nn.Module):
             )
         self.cfg = cfg
         self.recompute = check_recompute(recompute)
+        self.context_parallel = bool(context_parallel)
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **kw)
         self.pos_emb = PositionEmbedding(cfg.seq_len, cfg.hidden, **kw) if cfg.arch == "gpt" else None
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, recompute=recompute, **kw) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(cfg, recompute=recompute, context_parallel=context_parallel, **kw)
+            for _ in range(cfg.n_layers)
+        )
         self.norm = norm_for(cfg, grid=grid, device=device, dtype=dtype)
         self.head = Linear(cfg.hidden, cfg.vocab_size, bias=False, transpose=False, **kw)
 
@@ -122,17 +136,31 @@ class Transformer(nn.Module):
                 f"expected token ids of shape (batch, seq), got {tuple(ids.shape)}; "
                 "a single sequence takes ids.unsqueeze(0)"
             )
-        if ids.shape[1] > self.cfg.seq_len:
+        seq = ids.shape[1] * (self.grid.size("z") if self.context_parallel else 1)  # the full sequence's length
+        if seq > self.cfg.seq_len:
+            held = f" (this rank holds {ids.shape[1]} of its tokens, split over z)" if self.context_parallel else ""
             raise ValueError(
-                f"sequence length {ids.shape[1]} exceeds cfg.seq_len = {self.cfg.seq_len}; "
+                f"sequence length {seq}{held} exceeds cfg.seq_len = {self.cfg.seq_len}; "
                 f"give at most {self.cfg.seq_len} tokens per sequence or build the model with a longer seq_len"
             )
+        if self.context_parallel:
+            sequence_chunk_len(seq, self.grid.size("z"))  # the same ValueError on every rank, before any collective
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(ids.shape[1])
+            x = x + self._positions(seq, ids.device)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def _positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """The learned position rows (s, hidden/G_x) of this rank's tokens of sequences of ``seq``
+        tokens: 0 … seq−1, or under context parallelism this rank's head–tail global positions."""
+        assert self.pos_emb is not None
+        if not self.context_parallel:
+            return self.pos_emb(seq)
+        z, g_z = self.grid.coord("z"), self.grid.size("z")
+        rows = self.pos_emb(self.cfg.seq_len)  # the table in compute dtype; autograd reaches the weight
+        return rows.index_select(0, sequence_positions(seq, z, g_z, device))  # checks 2·G_z | seq
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over this rank's tokens, computed without gathering the vocabulary."""
@@ -152,9 +180,16 @@ class Transformer(nn.Module):
         return self
 
     @classmethod
-    def from_dense(cls, dense: DenseTransformer, *, grid: Grid | None = None, recompute: str = "none") -> Transformer:
+    def from_dense(
+        cls,
+        dense: DenseTransformer,
+        *,
+        grid: Grid | None = None,
+        recompute: str = "none",
+        context_parallel: bool = False,
+    ) -> Transformer:
         p = dense.head.weight
-        model = cls(dense.cfg, grid=grid, dtype=p.dtype, recompute=recompute)
+        model = cls(dense.cfg, grid=grid, dtype=p.dtype, recompute=recompute, context_parallel=context_parallel)
         return model.load_dense_(dense)
 
     def to_dense(self, grads: bool = False) -> DenseTransformer:

@@ -9,6 +9,11 @@ n_heads/G_y query heads and n_kv_heads/G_y key/value heads with no communication
 
 ``recompute_core`` (selective recomputation, axon4d.nn.recompute): core attention — rotary,
 scores, softmax, weighted sum — keeps only q, k, v and runs again in backward.
+
+``context_parallel`` (docs/context.md): the s rows of this rank are its two head–tail chunks of
+each sequence, split over z (``axon4d.layout.shard_sequence``); rotary tables are taken at the
+tokens' global positions and core attention runs across the split (``axon4d.nn.context``). Under
+selective recomputation the all-gathered keys and values are kept, so no collective runs twice.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from torch import nn
 
 from axon4d import rules, runtime
 from axon4d.grid import Grid
+from axon4d.layout import sequence_positions
+from axon4d.nn.context import split_sequence_attention
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import checkpointed
 
@@ -29,8 +36,17 @@ def rotary_tables(
     seq: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (seq, head_dim) of rotary position embeddings (half-split convention)."""
+    return rotary_tables_at(torch.arange(seq, device=device), head_dim, theta, dtype)
+
+
+def rotary_tables_at(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (len(positions), head_dim) of rotary embeddings at the given global
+    ``positions`` (half-split convention); row i is row positions[i] of ``rotary_tables``."""
+    device = positions.device
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)  # (seq, head_dim/2)
+    angles = torch.outer(positions.to(torch.float32), inv)  # (n, head_dim/2)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -117,10 +133,12 @@ class Attention(nn.Module):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         recompute_core: bool = False,
+        context_parallel: bool = False,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.recompute_core = recompute_core
+        self.context_parallel = bool(context_parallel)
         rules.count(hidden, "hidden", example=1024)
         rules.count(n_heads, "n_heads", example=8)
         n_kv_heads = rules.count(n_kv_heads, "n_kv_heads", example=n_heads) if n_kv_heads is not None else n_heads
@@ -159,11 +177,26 @@ class Attention(nn.Module):
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
+        if self.context_parallel:
+            return self.out(self._split_sequence_core(q, k, v))
         if self.recompute_core:
             y = checkpointed(causal_attention, q, k, v, self.rope_theta)
         else:
             y = causal_attention(q, k, v, self.rope_theta)
         return self.out(y)  # (b, s, hidden/G_x)
+
+    def _split_sequence_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Core attention of (b, s, heads, d) q, k, v whose s rows are this rank's head–tail chunks of
+        sequences of s·G_z tokens split over z; returns (b, s, hq·d) like ``causal_attention``."""
+        b, s, hq, d = q.shape
+        g_z = self.grid.size("z")
+        positions = sequence_positions(s * g_z, self.grid.coord("z"), g_z, q.device)  # checks 2·G_z | S
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
+        if self.rope_theta is not None:
+            cos, sin = rotary_tables_at(positions, d, self.rope_theta, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = split_sequence_attention(q, k, v, self.grid, recompute_core=self.recompute_core)
+        return out.transpose(1, 2).reshape(b, s, hq * d)
 
     @torch.no_grad()
     def load_dense_(self, dense: DenseAttention) -> Attention:

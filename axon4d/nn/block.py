@@ -7,6 +7,9 @@
 the MLP activation re-run inside the backward of the GEMM that consumes them; statistics kept), or
 "full" (only the block input kept; the whole forward, collectives included, re-run in backward).
 
+``context_parallel`` (docs/context.md): the block's rows are head–tail chunks of sequences split
+over z; only attention differs (``axon4d.nn.context``), norms and MLP are untouched.
+
 Everything stays in the residual-stream layout (b, s, hidden/G_x), replicated over y: the QKV and
 MLP-up projections are normal layers, the attention-output and MLP-down projections transposed
 (docs/design.md §2), so a block issues no redistribution at all.
@@ -57,11 +60,13 @@ class TransformerBlock(nn.Module):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         recompute: str = "none",
+        context_parallel: bool = False,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.cfg = cfg
         self.recompute = check_recompute(recompute)
+        self.context_parallel = bool(context_parallel)
         bias = cfg.arch == "gpt"
         rope = cfg.rope_theta if cfg.arch == "llama" else None
         self.norm1 = norm_for(cfg, grid=grid, device=device, dtype=dtype)
@@ -76,6 +81,7 @@ class TransformerBlock(nn.Module):
             device=device,
             dtype=dtype,
             recompute_core=recompute == "selective",
+            context_parallel=context_parallel,
         )
         self.mlp = MLP(
             cfg.hidden,

@@ -15,6 +15,10 @@ Naming follows the role of the result:
   backward).
 - ``gather_replicated``: every rank's chunk of features, gathered into a result every rank of the
   axis uses identically (all-gather forward, local slice backward).
+- ``gather_shared``: every rank's part gathered into a whole that each rank of the axis then uses
+  in its own way (context parallelism: every rank's queries read the gathered keys), so each part's
+  gradient is the sum over the axis of the gradients reaching the whole (all-gather forward,
+  reduce-scatter backward).
 
 ``split_replicated``/``gather_replicated`` are the differentiable counterparts of
 ``axon4d.layout.shard_features``/``gather_features``, which move tensors outside autograd.
@@ -134,3 +138,25 @@ def gather_replicated(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
     """The full last dim from every rank's chunk over ``axis``, used identically on every rank of
     ``axis``; the backward keeps this rank's chunk of the gradient."""
     return x if grid.size(axis) == 1 else _GatherReplicated.apply(x, axis, grid)
+
+
+class _GatherShared(torch.autograd.Function):
+    """Forward: all-gather ``dim`` over ``axis``. Backward: reduce-scatter (sum) ``dim`` over ``axis``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid, dim: int, tag: str) -> torch.Tensor:
+        ctx.axis, ctx.grid, ctx.dim, ctx.tag = axis, grid, dim, tag
+        return grid.comm.all_gather(x.contiguous(), axis, dim=dim, tag=tag).wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        part = ctx.grid.comm.reduce_scatter(g.contiguous(), ctx.axis, dim=ctx.dim, tag=f"{ctx.tag}.grad").wait()
+        return part, None, None, None, None
+
+
+def gather_shared(x: torch.Tensor, axis: str, grid: Grid, dim: int = 0, tag: str = "gather_shared") -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in ``axis`` order, for a whole that each rank of
+    ``axis`` uses differently; the gradient of this rank's ``x`` is its part of the sum over ``axis``
+    of the gradients of the whole (reduce-scatter). ``tag`` names both collectives in the comm log
+    (the backward's as ``tag.grad``)."""
+    return x if grid.size(axis) == 1 else _GatherShared.apply(x, axis, grid, dim, tag)

@@ -21,7 +21,7 @@ from torch import nn
 from axon4d import runtime
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch
-from axon4d.parallelize import gpt2, llama
+from axon4d.parallelize import context, gpt2, llama
 from axon4d.parallelize import recompute as recomputation
 from axon4d.parallelize.general import general_specs
 from axon4d.parallelize.layers import ShardedLinear, is_linear, linear_problem, owned_by_axon4d
@@ -41,7 +41,12 @@ REPLICATED_MARK = "_axon4d_replicated"
 
 
 def auto_parallelize(
-    model: nn.Module, *, grid: Grid | None = None, layout: str = "sharded", recompute: str = "none"
+    model: nn.Module,
+    *,
+    grid: Grid | None = None,
+    layout: str = "sharded",
+    recompute: str = "none",
+    context_parallel: bool = False,
 ) -> nn.Module:
     """Replace ``model``'s linear layers by 3D-parallel ones in place and return ``model``.
 
@@ -55,7 +60,10 @@ def auto_parallelize(
     data × z and are listed in a ``UserWarning``. Raises ``ValueError`` on every rank, before any
     collective, when a planned block's heads do not divide by G_y. ``recompute`` is the activation
     recomputation of the model's decoder layers: "none", "selective", "balanced" (sharded layout)
-    or "full" (axon4d.parallelize.recompute, docs/design.md §5).
+    or "full" (axon4d.parallelize.recompute, docs/design.md §5). ``context_parallel``: the tokens
+    of each sequence are split head–tail over z and attention runs across the split through
+    transformers' AttentionInterface (axon4d.parallelize.context, docs/context.md); feed the model
+    ``axon4d.parallelize.context.inputs(ids)``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -111,7 +119,9 @@ def auto_parallelize(
         for rel, hook in plan.post_hooks.items():
             block.get_submodule(rel).register_forward_hook(hook)
     _hook_replicated_grads(model, grid)
-    recomputation.apply(model, recompute, grid)
+    recomputation.apply(model, "none" if context_parallel and recompute == "selective" else recompute, grid)
+    if context_parallel:
+        context.enable(model, grid, recompute_core=recompute == "selective")
     if skipped:
         listed = "; ".join(f"{n} ({why})" for n, why in skipped.items())
         warnings.warn(

@@ -26,6 +26,9 @@ from axon4d.plan.search import plan
 from axon4d.plan.workload import OPTIMIZERS
 from axon4d.policy import RECOMPUTE_MODES
 
+#: --context-parallel → plan(context_parallel=...)
+SPLIT_SEQUENCES: dict[str, bool | str] = {"off": False, "on": True, "auto": "auto"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="20B", help=f"model size: {', '.join(SIZES)}")
@@ -54,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(OPTIMIZERS),
         help="adam (two fp32 states per parameter, the training job's) or sgd (none)",
     )
+    p.add_argument(
+        "--context-parallel",
+        default="off",
+        choices=("off", "on", "auto"),
+        help="split each sequence's tokens over z (docs/context.md): off, on, or auto (price both for every grid)",
+    )
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the candidates as JSON ('-' for stdout)")
@@ -78,6 +87,7 @@ def main(args: argparse.Namespace) -> int:
         overlap=args.overlap,
         recompute=args.recompute,
         optimizer=args.optimizer,
+        context_parallel=SPLIT_SEQUENCES[args.context_parallel],
         memory_limit=args.memory_gib * 2**30 if args.memory_gib is not None else None,
     )
     elapsed = time.perf_counter() - start

@@ -219,7 +219,7 @@ def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple
     ffn_y = mod.ffn // shape.y
     out: dict[str, tuple[float, float]] = {}
     if wl.attention:
-        units = (b // mod.seq_len) * (mod.n_heads // shape.y)
+        units = wl.local_sequences(shape) * (mod.n_heads // shape.y)  # balanced over z under context parallelism
         att = m.attention_time(mod.seq_len, mod.head_dim, units, wl.dtype, world)
         out["qkv"] = (att * 0.3, att * 0.7)  # fwd:bwd ≈ 1:2.3 for flash-style kernels (heads → features is a view)
     residual = (ew(3 * b * h_x * elem, world), ew(3 * b * h_x * elem, world))  # add; grad fan-out sum
@@ -250,7 +250,7 @@ def recomputed_seconds(wl: Workload, shape: GridShape, m: Machine, recompute: st
     if recompute == "selective":
         if not wl.attention:
             return 0.0
-        units = (b // mod.seq_len) * (mod.n_heads // shape.y)
+        units = wl.local_sequences(shape) * (mod.n_heads // shape.y)  # balanced over z under context parallelism
         return 0.3 * m.attention_time(mod.seq_len, mod.head_dim, units, wl.dtype, world)
     if recompute == "balanced":
         act = m.activation_time(b * mod.ffn // shape.y * (2 if mod.gated else 1), world)[0]

@@ -15,8 +15,11 @@ Activations saved per block and rank (b tokens; ``block_saved``), as axon4d's bl
 centred input, the normalised input, its output, which the next GEMM keeps); attention keeps the
 QKV output (as q, k, v), the rotated q and k (Llama), its output (b·H/G_y, which the output
 projection keeps too) and the log-sum-exp (b·heads/G_y fp32); the MLP keeps the up output and the
-activation output (SwiGLU: silu(gate) and the product). Recomputation (§5, axon4d.nn.recompute):
-"selective" drops the rotated q, k and the log-sum-exp (core attention re-runs from q, k, v);
+activation output (SwiGLU: silu(gate) and the product). With context parallelism attention also
+keeps the keys and values of its kv heads gathered over z for the whole sequences (b·G_z tokens;
+docs/context.md); the rest is the same per token, and a rank holds b = B·S/(G_data·G_z) tokens
+either way, so splitting a sequence over z lowers memory per rank like splitting the batch.
+Recomputation (§5, axon4d.nn.recompute): "selective" drops the rotated q, k and the log-sum-exp (core attention re-runs from q, k, v);
 "balanced" drops the norms' outputs and normalised inputs (a norm keeps its input, and LayerNorm
 its centred input too) and the activation outputs, which the consuming GEMM re-makes in its
 backward; "full" keeps only block inputs and rebuilds one block at a time. A workload without norms
@@ -71,7 +74,8 @@ class MemoryEstimate:
 def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict[str, float]:
     """Elements one block keeps for backward on one rank under ``recompute``, by the part of the
     backward that frees them: ``norm1`` (the attention's norm, or the QKV input), ``attention``
-    (q, k, v, rotated q and k, output), ``lse`` (fp32), ``norm2`` (the MLP's norm, or the up
+    (q, k, v, rotated q and k, output; with context parallelism also the keys and values gathered
+    over z), ``lse`` (fp32), ``norm2`` (the MLP's norm, or the up
     input), ``up`` (the up output), ``mid`` (SwiGLU's silu(gate)) and ``act`` (the down input)."""
     check_recompute(recompute)
     t = _block_tensors(wl, shape)
@@ -86,7 +90,7 @@ def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict
     dropped_act = recompute == "balanced"
     return {
         "norm1": kept_per_norm * t["x0"],
-        "attention": t["qkv"] + rot + t["att"],
+        "attention": t["qkv"] + rot + t["att"] + t["kv_all"],
         "lse": 0.0 if recompute == "selective" else t["lse"],
         "norm2": kept_per_norm * t["x1"],
         "up": t["up"],
@@ -115,6 +119,8 @@ def _block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
         "rot": b * (m.n_heads + m.kv_heads) * m.head_dim // shape.y if att and m.arch == "llama" else 0,
         "att": b * h_y,
         "lse": b * (m.n_heads // shape.y) if att else 0,
+        # context parallelism: the whole sequences' keys and values of this rank's kv heads, gathered over z
+        "kv_all": b * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim if att and wl.context_parallel else 0,
         "x1": b * h_x,
         "up": b * up_y,
         "act": b * (m.ffn // shape.y),

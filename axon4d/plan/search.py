@@ -42,11 +42,13 @@ class Candidate:
     fits: bool
     mfu: float
     bound_ratio: float  # communication words / Agarwal's lower bound
+    context_parallel: bool = False  # each sequence's tokens split over z (docs/context.md)
 
     def to_json(self) -> dict[str, Any]:
         t = self.time
         return {
             "grid": list(self.shape.as_tuple()),
+            "context_parallel": self.context_parallel,
             "fits": self.fits,
             "step_s": t.step_s,
             "mfu": self.mfu,
@@ -116,7 +118,7 @@ class PlanResult:
     def table(self, top: int = 10) -> str:
         """The top-k candidates as a text table."""
         head = (
-            f"{'grid (x,y,z,d)':<18} {'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':>4} "
+            f"{'grid (x,y,z,d)':<18} {'seq':>5} {'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':>4} "
             + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES)
             + f" {'hidden':>7} {'×bound':>7}"
         )
@@ -125,7 +127,7 @@ class PlanResult:
             t = c.time
             axes = " ".join(f"{t.comm_by_axis.get(a, 0.0):>8.3g}" for a in TABLE_AXES)
             lines.append(
-                f"{str(c.shape.as_tuple()):<18} {t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
+                f"{str(c.shape.as_tuple()):<18} {'split' if c.context_parallel else 'whole':>5} {t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
                 f"{c.mem.peak / 2**30:>8.2f} {'yes' if c.fits else 'NO':>4} {axes} "
                 f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"
             )
@@ -184,7 +186,7 @@ def evaluate(
             t.compute_s += wl.model.n_layers * recomputed_seconds(wl, shape, machine, recompute)
     mem = memory(wl, shape, recompute, overlap)
     mfu = wl.flops() / (shape.world_size * machine.peak(wl.dtype) * t.step_s)
-    return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t))
+    return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t), wl.context_parallel)
 
 
 def load_machine(machine: Machine | str) -> Machine:
@@ -215,13 +217,18 @@ def plan(
     memory_limit: float | None = None,
     workload: Workload | None = None,
     optimizer: str = "adam",
+    context_parallel: bool | str = False,
 ) -> PlanResult:
     """Price every valid grid of ``world`` ranks for ``model`` on ``machine``; best first.
 
     ``batch`` is the global batch in sequences per step. ``memory_limit`` (bytes per device)
     defaults to the machine's device memory. A world below 1, a limit that is not a positive
     number, a bad machine file or model or batch is refused before anything is priced. ``optimizer``: "adam" or "sgd" (``Workload``).
+    ``context_parallel``: False (sequences whole), True (each sequence's tokens split over z,
+    docs/context.md) or "auto" (both priced for every grid; the table says which each row uses).
     """
+    if context_parallel not in (False, True, "auto"):
+        raise ValueError(f"context_parallel = {context_parallel!r}: use False, True or 'auto'")
     rules.count(world, "world (ranks, --gpus)", example=8)
     if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and 0 < memory_limit < math.inf):
         raise ValueError(
@@ -232,12 +239,23 @@ def plan(
     if workload is None:
         cfg = get_config(model) if isinstance(model, str) else model
         workload = Workload(cfg, batch, dtype, optimizer=optimizer)
+    if context_parallel is True and not workload.context_parallel:
+        workload = dataclasses.replace(workload, context_parallel=True)
     ov = OverlapPolicy.parse(overlap)
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     mask = valid_mask(workload, arr)
     cands = [evaluate(workload, s, mach, ov, recompute, memory_limit) for s, ok in zip(shapes, mask) if ok]
-    cands.sort(key=lambda c: (not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple()))
+    if context_parallel == "auto" and workload.model.seq_len % 2 == 0:  # the split too, where z > 1
+        split = dataclasses.replace(workload, context_parallel=True)
+        split_mask = valid_mask(split, arr)
+        cands += [
+            evaluate(split, s, mach, ov, recompute, memory_limit) for s, ok in zip(shapes, split_mask) if ok and s.z > 1
+        ]
+        mask |= split_mask
+    cands.sort(
+        key=lambda c: (not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel)
+    )
     limit = mach.memory_per_device if memory_limit is None else memory_limit
     return PlanResult(
         workload,

@@ -11,7 +11,12 @@ transposed, MLP up normal, MLP down transposed (``ModelConfig.linear_shapes()``)
 - the output head, a normal layer hidden → vocab without bias (vocab-parallel logits over y).
 
 Parameters replicated over batch (norms, position embeddings) have their gradients all-reduced
-over batch, one collective per tensor. ``rules`` lists the divisibility rules a grid must satisfy
+over batch, one collective per tensor.
+
+With ``context_parallel`` (docs/context.md) the tokens of each sequence are split head–tail over z
+and whole sequences over data only: a rank still holds B·S/(G_data·G_z) tokens, so every linear
+layer is priced as before, and each layer adds the all-gather over z of the keys and values of the
+rank's own key/value heads (forward) and the reduce-scatter of their gradients (backward). ``rules`` lists the divisibility rules a grid must satisfy
 for this workload (§1) as the layers state them (``axon4d.rules``); ``grid_problems`` says which a
 grid breaks, and the search evaluates the same rules on every grid at once.
 """
@@ -65,8 +70,15 @@ class Workload:
     attention: bool = True
     norms: bool = True
     optimizer: str = "adam"
+    context_parallel: bool = False
 
     def __post_init__(self) -> None:
+        if self.context_parallel and self.model.seq_len % 2:
+            raise ValueError(
+                f"seq_len = {self.model.seq_len} is odd, but context parallelism cuts each sequence into 2·G_z equal "
+                f"chunks (an even count for any G_z); use seq_len = {self.model.seq_len - 1} or "
+                f"{self.model.seq_len + 1}, or context_parallel=False"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
@@ -85,8 +97,31 @@ class Workload:
         return self.batch * self.model.seq_len
 
     def local_tokens(self, shape: GridShape) -> int:
-        """b = B·S/(G_data·G_z): tokens on one rank (whole sequences are split over batch)."""
+        """b = B·S/(G_data·G_z): tokens on one rank (whole sequences split over batch, or, with
+        ``context_parallel``, sequences over data and each one's tokens over z)."""
         return self.tokens // shape.size("batch")
+
+    def local_sequences(self, shape: GridShape) -> float:
+        """Sequences' worth of causal attention one rank computes: b/S — whole sequences, or with
+        ``context_parallel`` B/G_data sequences of which the head–tail split gives each z-rank 1/G_z
+        of the causal work."""
+        if self.context_parallel:
+            return self.local_tokens(shape) / self.model.seq_len
+        return self.local_tokens(shape) // self.model.seq_len
+
+    def context_collectives(self, shape: GridShape) -> list[Collective]:
+        """With ``context_parallel``, per layer on one rank: the all-gather over z of the keys and
+        values of the rank's n_kv/G_y key/value heads for its B/G_data whole sequences (forward,
+        payload B/G_data · S · 2 · n_kv/G_y · head_dim · e bytes) and the reduce-scatter of their
+        gradients (backward, the same payload); each moves φ(G_z) of it (docs/context.md)."""
+        m = self.model
+        if not self.context_parallel or shape.z == 1:
+            return []
+        elems = self.local_tokens(shape) * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim
+        payload = elems * self.element_size
+        return [Collective(Op.ALL_GATHER, "z", payload, "forward", "context.kv")] * m.n_layers + [
+            Collective(Op.REDUCE_SCATTER, "z", payload, "backward", "context.kv.grad")
+        ] * m.n_layers
 
     def linears(self) -> list[LinearSpec]:
         """Every linear layer kind of a step, in forward order."""
@@ -104,7 +139,8 @@ class Workload:
     def edge_collectives(self, shape: GridShape) -> list[Collective]:
         """Collectives of one step outside the linear layers, on one rank: the embedding's forward
         all-reduce over y and its table's gradient all-reduce over batch; one gradient all-reduce
-        over batch per replicated tensor (norm weights and biases, position embedding)."""
+        over batch per replicated tensor (norm weights and biases, position embedding); with
+        ``context_parallel``, attention's key/value collectives (``context_collectives``)."""
         m, elem = self.model, self.element_size
         h_x = m.hidden // shape.x
         out: list[Collective] = []
@@ -121,7 +157,7 @@ class Workload:
         if self.norms:
             tensors = (2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1)
             add(Op.ALL_REDUCE, "batch", h_x, "backward", "norm.grad", tensors)
-        return out
+        return out + self.context_collectives(shape)
 
     def flops(self) -> float:
         """Model FLOPs of one step (6 per matmul parameter per token, plus causal attention)."""
@@ -131,11 +167,24 @@ class Workload:
         return self.tokens * (6.0 * matmul + 3.0 * att)
 
     def rules(self) -> list[grid_rules.Rule]:
-        """The §1 rules a grid must satisfy for this workload: whole sequences split over batch, heads
-        over y, and each linear layer kind's features over its input and output axes (the embedding's
-        vocabulary over y and hidden features over x)."""
+        """The §1 rules a grid must satisfy for this workload: whole sequences split over batch (with
+        ``context_parallel``: over data, and S over 2·G_z), heads over y, and each linear layer kind's
+        features over its input and output axes (the embedding's vocabulary over y and hidden features
+        over x)."""
         m = self.model
         out = [grid_rules.batch(self.batch, "the batch (sequences per step)"), *grid_rules.heads(m.n_heads, m.kv_heads)]
+        if self.context_parallel:  # sequences over data, each one's 2·G_z chunks over z
+            out[0] = grid_rules.divisible(
+                self.batch, "the batch (sequences per step)", ["data"], "context parallelism splits sequences over data"
+            )
+            out.append(
+                grid_rules.divisible(
+                    m.seq_len // 2,
+                    "seq_len/2",
+                    ["z"],
+                    "context parallelism cuts each sequence into 2·G_z chunks, two per z-rank",
+                )
+            )
         for s in self.linears():
             if s.embedding:
                 out += grid_rules.embedding(s.in_features, s.out_features)

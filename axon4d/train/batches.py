@@ -4,7 +4,8 @@
 once, by rank 0, to ``build/corpus.u16``), or a token file. A step's global batch is drawn from
 (seed, step), the same on every rank; ``accumulate`` runs forward and backward over its
 micro-batches, each rank on its own rows (``axon4d.layout.shard_batch``, tokens split over
-batch = data × z, docs/design.md §1), so the gradients add up to those of the whole batch. The
+batch = data × z, docs/design.md §1; under ``--context-parallel`` each sequence's tokens split
+head–tail over z, ``axon4d.layout.shard_sequence``), so the gradients add up to those of the whole batch. The
 single-process reference run calls it with no grid and trains on all rows. Batches are made on the
 host (the same bits on every machine); a rank moves only its rows to the model's device
 (``axon4d.device.to_device``), where the loss is accumulated too.
@@ -56,10 +57,16 @@ def accumulate(
     With a grid each rank trains on its rows of each micro-batch; with ``grid=None`` (one
     process) on all of them. The rows go to the device of the model's parameters (the grid's)."""
     device = grid.device if grid is not None else next(model.parameters()).device
+    split_sequences = grid is not None and getattr(model, "context_parallel", False)
     total = torch.zeros((), device=device)
-    for full in batches:
-        rows = devices.to_device(layout.shard_batch(full, grid) if grid is not None else full, device)
-        loss = model.loss(rows[:, :-1], rows[:, 1:]) / len(batches)
+    for full in batches:  # (B, S+1): inputs are the first S tokens of each row, targets the last S
+        if split_sequences:  # tokens of each sequence split head–tail over z (docs/context.md)
+            inputs, targets = (layout.shard_sequence(t, grid) for t in (full[:, :-1], full[:, 1:]))
+        else:
+            rows = layout.shard_batch(full, grid) if grid is not None else full
+            inputs, targets = rows[:, :-1], rows[:, 1:]
+        inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
+        loss = model.loss(inputs, targets) / len(batches)
         loss.backward()
         total += loss.detach()
     return total

@@ -71,6 +71,8 @@ class TrainConfig:
     """Clip the global gradient norm to this (0: no clipping)."""
     precision: str = "fp32"
     """fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (fp32 reductions)."""
+    context_parallel: bool = False
+    """Split the tokens of each sequence over z (head–tail chunks, causal balance; sequences split over data only) for sequences too long for one rank (docs/context.md); the sequence length must be a multiple of 2·G_z."""
     recompute: str = "none"
     """Activation recomputation in every block (docs/design.md §5): none keeps every activation; selective recomputes core attention; balanced re-makes the norms' and the MLP activation's outputs inside the GEMMs that read them; full keeps only each block's input."""
     data: str = "synthetic"

@@ -119,9 +119,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_model(mcfg: ModelConfig, grid: Grid, recompute: str = "none") -> Transformer:
-    """The run's model on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute)."""
-    return Transformer(mcfg, grid=grid, recompute=recompute)
+def build_model(mcfg: ModelConfig, grid: Grid, recompute: str = "none", context_parallel: bool = False) -> Transformer:
+    """The run's model on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute)
+    and, with ``context_parallel``, each sequence's tokens split over z (docs/context.md)."""
+    return Transformer(mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel)
 
 
 def _nonfinite(
@@ -156,7 +157,7 @@ def _train_on(
 ) -> dict[str, Any]:
     """The run on a built grid: resume, train, checkpoint, report; the summary plus every step's loss."""
     rank0 = grid.rank == 0
-    model = build_model(mcfg, grid, cfg.recompute)
+    model = build_model(mcfg, grid, cfg.recompute, cfg.context_parallel)
     initial_dense = model.to_dense() if cfg.compare_single else None
     opt = make_optimizer(model, cfg)
     data = make_data(cfg, mcfg, grid)

@@ -1,0 +1,242 @@
+"""Protects context parallelism (docs/context.md): one sequence split head–tail over z.
+
+- the layout maths: which global positions each z-rank holds, and that gathering puts them back;
+- exactness: with ``Transformer(cfg, context_parallel=True)`` the logits, the loss and every
+  parameter gradient equal the single-process ``DenseTransformer`` on the full sequences (fp32,
+  ≤ 1e-5 relative) for G_z ∈ {2, 4}, with and without y and data splits, GQA ratios 1 and 4,
+  rotary (llama) and learned (gpt) positions, and under selective and full recomputation;
+- balance: every z-rank's queries attend to the same number of keys, (2·G_z+1)·S/(2·G_z);
+- traffic: each layer all-gathers over z the keys and values of this rank's own key/value heads
+  only (n_kv/G_y heads), and reduce-scatters their gradients, as many bytes as docs/context.md says;
+- a sequence length that 2·G_z does not divide is a ValueError on every rank, naming S, G_z and
+  the nearest lengths that work.
+"""
+
+import pytest
+import torch
+from harness import value_errors
+
+from axon4d import layout
+from axon4d.config import ModelConfig
+from axon4d.geometry import Op
+from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.nn import context
+from axon4d.nn.attention import Attention
+from axon4d.nn.context import KV_TAG
+from axon4d.plan.memory import block_saved
+from axon4d.plan.workload import Workload
+from axon4d.shape import GridShape
+
+TOL = 1e-5
+FLOOR = 1e-3  # some gradients are exactly zero in theory (a key bias cannot change a softmax)
+SEQ = 16  # 2·G_z chunks of 4 tokens on G_z = 2, of 2 tokens on G_z = 4
+BATCH = 2
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs error relative to the reference's scale (floored, for gradients that vanish)."""
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(FLOOR))
+
+
+GPT = ModelConfig(n_layers=2, hidden=32, n_heads=8, vocab_size=64, seq_len=SEQ, arch="gpt")  # GQA ratio 1
+LLAMA_GQA = ModelConfig(
+    n_layers=2, hidden=32, n_heads=8, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=SEQ, arch="llama"
+)  # GQA ratio 4
+LLAMA_MHA = LLAMA_GQA.replace(n_kv_heads=8)  # GQA ratio 1, rotary
+CONFIGS = {"gpt": GPT, "llama_gqa4": LLAMA_GQA, "llama_gqa1": LLAMA_MHA}
+
+
+def grid_id(value):
+    """A grid (x, y, z, data) as "x1y1z2d1" in test ids; other parameters as they are."""
+    return "x{}y{}z{}d{}".format(*value) if isinstance(value, tuple) else str(value)
+
+
+def test_each_z_rank_holds_a_head_and_a_tail_chunk():
+    # G_z = 2, S = 8: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert layout.sequence_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert layout.sequence_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    # G_z = 4, S = 8: chunks of 1; rank r holds r and 7 − r
+    assert [layout.sequence_positions(8, z, 4).tolist() for z in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    for g_z in (1, 2, 4):
+        held = torch.cat([layout.sequence_positions(24, z, g_z) for z in range(g_z)])
+        assert torch.equal(held[layout.sequence_order(24, g_z)], torch.arange(24))
+
+
+def test_a_length_that_does_not_split_names_the_rule_and_the_lengths_that_work():
+    with pytest.raises(ValueError) as e:
+        layout.sequence_chunk_len(10, 2)
+    msg = str(e.value)
+    assert "S = 10" in msg and "G_z = 2" in msg and "multiple of 4" in msg and "8 or 12" in msg
+    assert layout.sequence_chunk_len(12, 2) == 3
+
+
+def _check_model(grid, cfg, recompute):
+    torch.manual_seed(7)
+    dense = DenseTransformer(cfg)
+    model = Transformer.from_dense(dense, recompute=recompute, context_parallel=True)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
+    targets = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
+    grid.comm.log.clear()
+    loss = model.loss(layout.shard_sequence(ids), layout.shard_sequence(targets))
+    loss.backward()
+    kv = [(r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records if r.tag.startswith(KV_TAG)]
+    ref = dense.loss(ids, targets)
+    ref.backward()
+    logits = layout.gather_sequence(layout.gather_features(model(layout.shard_sequence(ids)), "y"))
+    errs = {"logits": rel_err(logits, dense(ids))}
+    mean_loss = grid.comm.all_reduce(loss.detach().reshape(1).clone(), "batch").wait() / grid.size("batch")
+    errs["loss"] = rel_err(mean_loss, ref.detach().reshape(1))
+    got = dict(model.to_dense(grads=True).named_parameters())
+    for name, p in dense.named_parameters():
+        errs[name] = rel_err(got[name], p)
+        errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
+    return errs, kv
+
+
+def _expected_kv_records(grid, cfg, recompute):
+    """Per layer: the all-gather of K and V (the whole sequence of this rank's kv heads) and the
+    reduce-scatter of their gradients, both of b·S·2·(n_kv/G_y)·d·4 bytes of payload; full
+    recomputation runs the block's forward, all-gather included, once more in backward."""
+    g_z = grid[2]
+    if g_z == 1:
+        return []
+    b = BATCH // grid[3]
+    payload = b * SEQ * 2 * (cfg.kv_heads // grid[1]) * (cfg.hidden // cfg.n_heads) * 4
+    fwd = [(Op.ALL_GATHER, "z", payload)] * cfg.n_layers * (2 if recompute == "full" else 1)
+    bwd = [(Op.REDUCE_SCATTER, "z", payload)] * cfg.n_layers
+    return fwd + bwd
+
+
+def _priced_kv_records(grid, cfg):
+    """What the planner prices for the same step (``Workload.context_collectives``)."""
+    wl = Workload(cfg, BATCH, "float32", context_parallel=True)
+    return [(c.op, c.axis, c.payload_bytes) for c in wl.context_collectives(GridShape(*grid))]
+
+
+def _run_matrix(pools, cfg_name, grid, recompute="none"):
+    cfg = CONFIGS[cfg_name]
+    world = grid[0] * grid[1] * grid[2] * grid[3]
+    for rank, (errs, kv) in enumerate(pools(world).run(grid, _check_model, cfg, recompute)):
+        bad = {k: v for k, v in errs.items() if not v <= TOL}
+        assert not bad, f"{cfg_name} on {grid} ({recompute}) rank {rank}: {bad}"
+        assert sorted(kv, key=str) == sorted(_expected_kv_records(grid, cfg, recompute), key=str), (
+            f"{cfg_name} on {grid} rank {rank}: key/value collectives {kv}"
+        )
+        if recompute == "none":  # the planner prices exactly the bytes the step logged
+            assert sorted(kv, key=str) == sorted(_priced_kv_records(grid, cfg), key=str), (
+                f"{cfg_name} on {grid} rank {rank}: logged {kv}, priced {_priced_kv_records(grid, cfg)}"
+            )
+
+
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+@pytest.mark.parametrize("grid", [(1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 2, 2), (2, 1, 2, 1)], ids=grid_id)
+def test_split_sequence_equals_the_single_process_model(pools, cfg_name, grid):
+    _run_matrix(pools, cfg_name, grid)
+
+
+@pytest.mark.parametrize(
+    "cfg_name,grid", [("llama_gqa4", (1, 2, 4, 1)), ("gpt", (2, 1, 2, 2)), ("llama_gqa4", (1, 1, 1, 2))], ids=grid_id
+)
+def test_split_sequence_on_eight_ranks_and_without_z(pools, cfg_name, grid):
+    _run_matrix(pools, cfg_name, grid)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_split_sequence_under_recomputation(pools, recompute):
+    _run_matrix(pools, "llama_gqa4", (1, 2, 2, 1), recompute)
+
+
+def _check_in_blocks(grid, cfg, rows):
+    """``_check_model`` with the host's attention run in checkpointed blocks of ``rows`` queries."""
+    kept = context.HOST_ROWS
+    context.HOST_ROWS = rows
+    try:
+        return _check_model(grid, cfg, "none")
+    finally:
+        context.HOST_ROWS = kept
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_blocked_host_attention_is_exact(pools, rows):
+    """On the host a chunk runs in blocks of HOST_ROWS queries, each checkpointed so no mask is kept
+    for backward: blocks that divide the chunk or leave a remainder give the same model."""
+    for rank, (errs, _) in enumerate(pools(2).run((1, 1, 2, 1), _check_in_blocks, LLAMA_GQA, rows)):
+        bad = {k: v for k, v in errs.items() if not v <= TOL}
+        assert not bad, f"blocks of {rows}, rank {rank}: {bad}"
+
+
+def _keys_attended(grid):
+    """The key lengths of every attention call of one split-sequence attention layer on this rank."""
+    torch.manual_seed(3)
+    attn = Attention(32, 8, 2, bias=False, rope_theta=10000.0, context_parallel=True)
+    x = layout.shard_sequence(torch.randn(1, SEQ, 32))
+    lengths = []
+    sdpa = context.scaled_dot_product_attention
+
+    def counting(q, k, v, **kw):
+        lengths.append(k.shape[2])
+        return sdpa(q, k, v, **kw)
+
+    context.scaled_dot_product_attention = counting
+    try:
+        attn(x)
+    finally:
+        context.scaled_dot_product_attention = sdpa
+    return lengths
+
+
+def test_every_z_rank_attends_to_the_same_number_of_keys(pools):
+    """Causal balance: z-rank r's chunks need (r+1)·C and (2·G_z−r)·C keys, (2·G_z+1)·C on every rank."""
+    g_z, c = 4, SEQ // 8
+    got = pools(4).run((1, 1, 4, 1), _keys_attended)
+    assert got == [[(r + 1) * c, (2 * g_z - r) * c] for r in range(g_z)]
+
+
+def _shard_and_gather(grid):
+    x = torch.arange(4 * SEQ * 3, dtype=torch.float32).reshape(4, SEQ, 3)
+    part = layout.shard_sequence(x)
+    z, g_z = grid.coord("z"), grid.size("z")
+    d, g_d = grid.coord("data"), grid.size("data")
+    want = x[d * 4 // g_d : (d + 1) * 4 // g_d].index_select(1, layout.sequence_positions(SEQ, z, g_z))
+    return torch.equal(part, want), torch.equal(layout.gather_sequence(part), x)
+
+
+@pytest.mark.parametrize("grid", [(1, 1, 2, 2), (1, 2, 2, 1), (1, 1, 4, 1)], ids=grid_id)
+def test_shard_and_gather_sequence_round_trip(pools, grid):
+    assert pools(4).run(grid, _shard_and_gather) == [(True, True)] * 4
+
+
+def _length_errors(grid):
+    model = Transformer(LLAMA_GQA, context_parallel=True)
+    return value_errors(
+        {
+            "shard": lambda: layout.shard_sequence(torch.zeros(2, 10, dtype=torch.long)),
+            "forward": lambda: model(torch.zeros(1, 5, dtype=torch.long)),  # 5 tokens of S = 10 per rank
+        }
+    )
+
+
+def test_a_length_that_does_not_split_raises_on_every_rank(pools):
+    for msgs in pools(2).run((1, 1, 2, 1), _length_errors):
+        for case, msg in msgs.items():
+            assert msg is not None, f"{case}: no error for S = 10 on G_z = 2"
+            assert "S = 10" in msg and "G_z = 2" in msg and "8 or 12" in msg, f"{case}: {msg}"
+
+
+def test_the_planner_prices_the_split_sequence():
+    """Grid validity, attention work per rank and the gathered keys and values kept for backward."""
+    cfg = LLAMA_GQA.replace(seq_len=4096)
+    cp = Workload(cfg, 2, "float32", context_parallel=True)
+    plain = Workload(cfg, 2, "float32")
+    shape = GridShape(1, 2, 4, 2)  # 2 sequences over data 2, each one's tokens over z 4
+    assert cp.grid_problems(shape) == [] and plain.grid_problems(shape) != []
+    assert cp.grid_problems(GridShape(1, 1, 4, 4)) == [
+        "the batch (sequences per step) = 2 is not divisible by G_data = 4"
+    ]
+    assert cp.local_tokens(shape) == 4096 // 4 and cp.local_sequences(shape) == 0.25
+    kv = 4096 * 2 * (cfg.kv_heads // 2) * cfg.head_dim  # one whole sequence's keys and values of 1 kv head
+    assert block_saved(cp, shape)["attention"] - block_saved(plain, shape)["attention"] == kv
+    assert block_saved(cp, shape, "full")["attention"] == 0
+    with pytest.raises(ValueError, match="seq_len = 4097 is odd"):
+        Workload(cfg.replace(seq_len=4097), 2, context_parallel=True)

@@ -1,0 +1,102 @@
+"""Context parallelism for Hugging Face models (axon4d.parallelize.context, docs/context.md): a Llama
+(GQA) parallelized with ``auto_parallelize(model, context_parallel=True)`` on grids that split
+sequences over z, fed ``axon4d.parallelize.context.inputs(ids)``, equals the unparallelized model on
+the full sequences — logits, loss and every gradient — through transformers' AttentionInterface,
+with no model code patched."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from axon4d import layout
+from axon4d.parallelize import auto_parallelize, to_dense
+from axon4d.parallelize.context import ATTENTION_NAME, inputs
+
+pytest.importorskip("transformers")
+
+TOL = 2e-5
+VOCAB, BATCH, SEQ = 128, 4, 16
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def _llama(kv_heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+    )
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def _compare(grid, kv_heads, recompute):
+    torch.manual_seed(0)
+    model = _llama(kv_heads)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    par = auto_parallelize(model, grid=grid, context_parallel=True, recompute=recompute)
+    assert model.config._attn_implementation == ATTENTION_NAME
+    par.train()
+    out = par(**inputs(ids, grid))
+    out.loss.backward()
+    rout = ref(input_ids=ids, labels=ids)
+    rout.loss.backward()
+    # this rank's logits are its head–tail chunks of every sequence of its data rank: put them back
+    full = layout.gather_sequence(out.logits.detach(), grid)
+    errs = {"logits": rel_err(full, rout.logits)}
+    kv = [r for r in grid.comm.log.records if r.tag.startswith("cp_kv")]
+    dense = to_dense(par, grads=True)
+    got = dict(dense.named_parameters())
+    for name, p in ref.named_parameters():
+        errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
+    loss = grid.comm.all_reduce(out.loss.detach().reshape(1).clone(), "batch").wait() / grid.size("batch")
+    errs["loss"] = rel_err(loss, rout.loss.detach().reshape(1))
+    return errs, len(kv)
+
+
+@pytest.mark.parametrize(
+    "grid,kv_heads,recompute",
+    [
+        ((1, 1, 2, 1), 2, "none"),
+        ((1, 2, 2, 1), 8, "none"),
+        ((1, 1, 4, 1), 2, "selective"),
+        ((2, 1, 2, 1), 2, "full"),
+        ((1, 1, 2, 2), 2, "none"),
+    ],
+)
+def test_context_parallel_llama_matches_the_unparallelized_model(pools, grid, kv_heads, recompute):
+    world = grid[0] * grid[1] * grid[2] * grid[3]
+    for rank, (errs, kv) in enumerate(pools(world).run(grid, _compare, kv_heads, recompute)):
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, f"rank {rank} on {grid}: {worst} error {errs[worst]:.2e}"
+        assert kv >= 2 * 2  # one K/V all-gather and one reduce-scatter per layer, through the comm log
+
+
+def _refused(grid):
+    model = auto_parallelize(_llama(2), grid=grid, context_parallel=True)
+    ids = torch.randint(0, VOCAB, (BATCH, 12))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        inputs(ids, grid)
+    with pytest.raises(ValueError, match="padding"):
+        model(
+            **inputs(torch.randint(0, VOCAB, (BATCH, SEQ)), grid),
+            attention_mask=torch.zeros(BATCH, SEQ // 4, dtype=torch.long),
+        )
+    return True
+
+
+def test_sequences_that_do_not_split_are_refused_on_every_rank(pools):
+    assert all(pools(4).run((1, 1, 4, 1), _refused))
