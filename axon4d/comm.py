@@ -138,14 +138,15 @@ class Handle:
         if not self._done:
             start = time.perf_counter()
             assert self._work is not None
-            with watchdog.waiting(self._describe):
-                try:
-                    self._work.wait()
-                except RuntimeError as e:  # a peer died or the transport timed out: say who, if known
-                    dog = watchdog.current()
-                    if dog is None:
-                        raise
-                    raise RuntimeError(dog.diagnose(f"{self._describe()} failed ({e})")) from e
+            dog = watchdog.current()
+            if dog is None:  # the common case: nothing to tell, nothing to set up per wait
+                self._work.wait()
+            else:
+                with dog.waiting(self._describe()):
+                    try:
+                        self._work.wait()
+                    except RuntimeError as e:  # a peer died or the transport timed out: say who
+                        raise RuntimeError(dog.diagnose(f"{self._describe()} failed ({e})")) from e
             end = time.perf_counter()
             if self._record is not None:
                 self._record.t_wait_start, self._record.t_wait_end = start, end

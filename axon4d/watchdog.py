@@ -248,14 +248,13 @@ class Watchdog:
 
 
 @contextlib.contextmanager
-def waiting(what: str | Callable[[], str], deadline_s: float | None = None) -> Iterator[None]:
-    """``Watchdog.waiting`` of the running watchdog; nothing without one (``what`` may be a
-    callable, evaluated only when a watchdog runs)."""
+def waiting(what: str, deadline_s: float | None = None) -> Iterator[None]:
+    """``Watchdog.waiting`` of the running watchdog; nothing without one."""
     dog = _current
     if dog is None:
         yield
         return
-    with dog.waiting(what() if callable(what) else what, deadline_s):
+    with dog.waiting(what, deadline_s):
         yield
 
 

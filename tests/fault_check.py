@@ -3,9 +3,9 @@
     python fault_check.py FAULT RANK STEP [axon4d train flags...]
 
 FAULT is where rank RANK fails once the job reaches step STEP (counted from 1):
-``forward`` (raises inside the model's forward), ``backward`` (raises inside the backward of the
-first block), ``save`` (raises inside the checkpoint save of that step), ``kill`` (SIGKILLs itself
-in the forward), ``stop`` (SIGSTOPs itself in the forward: a hung rank), or ``none``. The fault is
+``forward`` (raises inside the model's forward), ``backward`` (raises inside the backward at that
+step), ``save`` (raises inside the first checkpoint save, whatever STEP says), ``kill`` (SIGKILLs
+itself in the forward), ``stop`` (SIGSTOPs itself in the forward: a hung rank), or ``none``. The fault is
 planted from outside the library (patching, hooks, signals), then ``axon4d.train.main`` runs with
 the remaining flags. Every rank prints ``FAULT-CHECK pid=<pid> rank=<rank>`` first.
 """
@@ -58,13 +58,11 @@ def plant(fault: str, rank: int, step: int) -> None:
 
     Transformer.forward = counting_forward  # type: ignore[method-assign]
     if fault == "save":
-        save = checkpoint.dcp.save
 
         def failing_save(*args, **kwargs):
             raise PlantedError("planted failure inside the first checkpoint save")
 
         checkpoint.dcp.save = failing_save  # type: ignore[assignment]
-        del save
 
 
 if __name__ == "__main__":

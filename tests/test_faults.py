@@ -107,14 +107,12 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
-    start = time.monotonic()
     codes, outs, elapsed = _plain("stop", 1, 3, tmp_path)
     assert elapsed < BOUND_S
     assert codes[0] == 4, (codes, outs[0])  # watchdog.EXIT_TIMEOUT
     assert f"(deadline {TIMEOUT} s after the first step)" in outs[0], outs[0]
     assert "rank(s) 1 stopped answering" in outs[0], outs[0]
     assert "waited" in outs[0] and " over " in outs[0]  # which collective, on which axis
-    del start
 
 
 def test_under_torchrun_an_error_ends_the_job(tmp_path):

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from test_parallelize import rel_err
 
 from axon4d import layout
 from axon4d.parallelize import auto_parallelize, to_dense
@@ -19,11 +20,6 @@ pytest.importorskip("transformers")
 
 TOL = 2e-5
 VOCAB, BATCH, SEQ = 128, 4, 16
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def _llama(kv_heads: int):

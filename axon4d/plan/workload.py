@@ -32,8 +32,6 @@ from axon4d.device import DTYPES
 from axon4d.geometry import Collective, Op, layer_axes
 from axon4d.shape import GridShape
 
-#: kept for callers that imported the map from here (bench/gpt.py): it is ``axon4d.device.DTYPES``
-DTYPES_TORCH = DTYPES
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
 OPTIMIZERS = {"adam": 8, "sgd": 0}
 

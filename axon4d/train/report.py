@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import threading
 from typing import Any
 
 from axon4d.commlog import hidden_pct
@@ -33,9 +35,6 @@ def host_usage() -> tuple[int, int]:
             rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return rss, len(os.listdir("/proc/self/task"))
     except (OSError, ValueError, IndexError):
-        import resource
-        import threading
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, threading.active_count()
 
 
