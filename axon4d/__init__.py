@@ -5,13 +5,17 @@ Start with ``axon4d.init(grid=(x, y, z, data))``, replace ``torch.nn.Linear`` wi
 ``gather_output``. docs/design.md explains the algorithm; docs/ the user guide.
 """
 
-from axon4d import overlap, stepstats, trace
-from axon4d.grid import Grid
-from axon4d.layout import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input
-from axon4d.nn import Linear
-from axon4d.parallelize import auto_parallelize, to_dense
-from axon4d.runtime import get_grid, init, shutdown
-from axon4d.shape import GridShape, factorizations
+from axon4d import device as _device
+
+_device.use_huge_pages()  # before any tensor exists (axon4d.device)
+
+from axon4d import overlap, stepstats, trace  # noqa: E402
+from axon4d.grid import Grid  # noqa: E402
+from axon4d.layout import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input  # noqa: E402
+from axon4d.nn import Linear  # noqa: E402
+from axon4d.parallelize import auto_parallelize, to_dense  # noqa: E402
+from axon4d.runtime import get_grid, init, shutdown  # noqa: E402
+from axon4d.shape import GridShape, factorizations  # noqa: E402
 
 __version__ = "0.1.0"
 

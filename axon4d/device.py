@@ -7,11 +7,19 @@ leaves a device for a file or a host-only library goes through ``to_host``/``sta
 what a job makes on the host (token ids from a data loader) reaches its device by ``to_device``.
 ``matmul_seconds`` times one square matmul, synchronising the device, for the start-up probes;
 ``reset_peak_memory``/``peak_memory_allocated``/``memory_allocated`` read an accelerator's allocator.
+
+Host memory in huge pages (``use_huge_pages``, called when axon4d is imported): torch's host
+allocator returns large blocks to the system when they are freed, so every step of a host job
+touches its activations' memory afresh; in 4 KiB pages that is one page fault per 4 KiB (on a
+host, ``bench/gpt.py`` records a step's faults and its system CPU share). With
+``THP_MEM_ALLOC_ENABLE=1`` torch aligns blocks of 2 MiB and more to 2 MiB and asks the kernel for
+transparent huge pages, 512× fewer faults.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 
@@ -22,6 +30,20 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the dtypes by the names configurations, machine files and the command line use; the one such
 #: map in the library (element sizes come from it: ``DTYPES[name].itemsize``).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+#: the environment variable by which torch's host allocator uses transparent huge pages
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+
+
+def use_huge_pages() -> bool:
+    """Ask torch's host allocator for transparent huge pages (module docstring), unless the
+    environment already says (``THP_MEM_ALLOC_ENABLE=0`` turns it off). torch reads the setting at
+    its first host allocation, so this takes effect only when called before any tensor exists —
+    ``import axon4d`` does, first thing; a process that made tensors before importing axon4d sets
+    the variable in its environment instead. Returns whether huge pages were asked for."""
+    os.environ.setdefault(HUGE_PAGES_ENV, "1")
+    return os.environ[HUGE_PAGES_ENV] == "1"
 
 
 #: host memory: where data loaders make batches and where files and host-only libraries read from.
@@ -172,3 +194,83 @@ def side_stream(device: torch.device) -> Iterator[None]:
         torch.cuda.current_stream(device).wait_stream(stream)
     else:
         yield
+
+
+# Attention with its log-sum-exp: the fused kernel each device runs, for attention computed in parts
+# and merged (axon4d.nn.context). q (b, h, Lq, d), k and v (b, h, Lk, d), the same heads (expand
+# grouped-query heads first), no dropout, scale 1/√d; ``causal`` needs Lq = Lk (the square's lower
+# triangle). The host runs torch's CPU flash kernel; CUDA/ROCm the memory-efficient kernel (every
+# float dtype, fp32 included); another device, or a head_dim that kernel cannot take, plain matmuls.
+
+#: the memory-efficient kernel's log-sum-exp rows are padded to a multiple of this
+_LSE_ALIGN = 32
+
+
+def _fused_lse_kernel(q: torch.Tensor) -> str | None:
+    """ "host", "cuda" or None (plain matmuls) for attention on ``q``'s device and head_dim."""
+    if is_host(q.device):
+        return "host"
+    if q.device.type == "cuda" and q.shape[-1] % 8 == 0:
+        return "cuda"
+    return None
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q kᵀ/√d) v, the rows' log-sum-exp of the scores): (b, h, Lq, d) and (b, h, Lq) fp32."""
+    kernel = _fused_lse_kernel(q)
+    if kernel == "host":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse
+    if kernel == "cuda":
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        return out, lse[..., : q.shape[2]]  # drop the kernel's padding rows
+    scores = _scores(q, k, causal)
+    lse = scores.logsumexp(-1)
+    return (scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v, lse
+
+
+def attention_with_lse_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of ``attention_with_lse`` for the output gradient ``grad``. Given the ``out`` and
+    ``lse`` of a larger attention that these keys are a part of (merged over every part), it returns
+    exactly this part's share of that attention's gradients."""
+    kernel = _fused_lse_kernel(q)
+    if kernel == "host":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal
+        )
+        return dq, dk, dv
+    if kernel == "cuda":
+        rows = q.shape[2]
+        padded = lse.new_zeros(*lse.shape[:-1], -(-rows // _LSE_ALIGN) * _LSE_ALIGN)  # the forward's layout
+        padded[..., :rows] = lse
+        seed = torch.empty((), dtype=torch.long)  # no dropout: the random state is never read
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, None, out, padded[..., :rows], seed, seed, 0.0, [True, True, True, False], causal
+        )
+        return dq, dk, dv
+    scale = q.shape[-1] ** -0.5
+    p = (_scores(q, k, causal) - lse.unsqueeze(-1)).exp()  # (b, h, Lq, Lk) fp32
+    g32 = grad.float()
+    dv = p.transpose(-2, -1) @ g32
+    ds = p * (g32 @ v.float().transpose(-2, -1) - (g32 * out.float()).sum(-1, keepdim=True))
+    dq = (ds @ k.float()) * scale
+    dk = (ds.transpose(-2, -1) @ q.float()) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """q kᵀ/√d in fp32, the upper triangle −∞ when ``causal``."""
+    s = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    return s

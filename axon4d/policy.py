@@ -17,6 +17,8 @@ from typing import Any
 from axon4d.geometry import forward_chunk_count
 
 MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")
+#: the overlap spec by which the planner chooses the knobs for the job (``axon4d.plan.search.tune_overlap``)
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,11 @@ class OverlapPolicy:
             if unknown:
                 raise ValueError(f"unknown overlap options {sorted(unknown)}; options are {sorted(fields)}")
             return cls(**spec)
+        if spec == AUTO:
+            raise ValueError(
+                "overlap='auto' is chosen by the planner for a model and batch: axon4d.init(overlap='auto', "
+                "plan={'model': ..., 'batch': ...}) or axon4d.plan.tune_overlap; give 'all', 'off' or knobs here"
+            )
         if isinstance(spec, str):
             return cls._from_string(spec)
         raise ValueError(f"overlap={spec!r}: give True/False, 'all', 'off', 'oag,oar,...', a dict or an OverlapPolicy")
@@ -132,6 +139,22 @@ class OverlapPolicy:
                 raise ValueError(f"overlap {spec!r}: 'off' takes no mechanisms or knobs")
             return cls.off()
         return cls(**knobs)
+
+    def knob_variants(self) -> list[OverlapPolicy]:
+        """This policy with its knobs varied over what the planner tries for ``overlap="auto"``:
+        OAG depth 1–3 and keep-for-backward (when OAG is on), ORS in flight 1–3 (when ORS is on),
+        and 1, 2, 4 or 8 forward chunks (when chunking is on). Mechanisms stay as they are."""
+        depths = (1, 2, 3) if self.oag else (self.oag_depth,)
+        keeps = (False, True) if self.oag else (self.oag_keep,)
+        inflight = (1, 2, 3) if self.ors else (self.ors_inflight,)
+        chunks = (1, 2, 4, 8) if self.forward_chunks > 1 else (1,)
+        return [
+            dataclasses.replace(self, oag_depth=d, oag_keep=k, ors_inflight=r, forward_chunks=c)
+            for d in depths
+            for k in keeps
+            for r in inflight
+            for c in chunks
+        ]
 
     def __post_init__(self) -> None:
         counts = (self.forward_chunks, self.ors_inflight, self.oag_depth)

@@ -20,8 +20,8 @@ from axon4d import device as devices
 from axon4d import launch
 from axon4d.comm import choose_transport
 from axon4d.grid import Grid
-from axon4d.plan.auto import choose_grid
-from axon4d.policy import OverlapPolicy
+from axon4d.plan.auto import choose, choose_overlap
+from axon4d.policy import AUTO, OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.shape import GridShape
 
@@ -34,7 +34,7 @@ def init(
     backend: str | None = None,
     device: str | torch.device | None = None,
     comm: str = "auto",
-    overlap: OverlapPolicy | bool | str | dict[str, Any] | None = None,
+    overlap: OverlapPolicy | bool | str | dict[str, Any] | None = AUTO,
     seed: int | None = None,
     timeout_s: float = 600.0,
     plan: dict[str, Any] | None = None,
@@ -47,7 +47,10 @@ def init(
     overrides the compute device; ``comm`` chooses the communication layer's transport: "torch",
     "mpi" (also ``backend="mpi"``), or "auto" = MPI when launched by mpirun on the host with mpi4py
     present, else torch (axon4d.comm.choose_transport). ``overlap`` is the overlap policy
-    (axon4d.policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict).
+    (axon4d.policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
+    "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where
+    ``plan`` names the model and a machine description is known (``plan["machine"]``,
+    $AXON4D_MACHINE or ./local.json), else the default knobs (axon4d.plan.auto.choose_overlap).
     ``seed``, if given, seeds torch's generator identically on every rank.
     ``grid="auto"`` lets the planner choose (axon4d.plan.auto.choose_grid) for ``plan`` =
     {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}.
@@ -68,8 +71,11 @@ def init(
     if isinstance(grid, str):
         if grid != "auto":
             raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")
-        grid = choose_grid(info.world_size, overlap=overlap, rank=info.rank, **(plan or {}))  # type: ignore[arg-type]
+        chosen = choose(info.world_size, overlap=overlap, rank=info.rank, **(plan or {}))  # type: ignore[arg-type]
+        grid, overlap = chosen.shape, chosen.overlap if overlap == AUTO else overlap
     shape = GridShape.parse(grid, info.world_size)
+    if overlap == AUTO:
+        overlap = choose_overlap(shape, rank=info.rank, **(plan or {}))
     dev = torch.device(device) if device is not None else devices.default_device(info.local_rank)
     devices.bind(dev)
     if seed is not None:

@@ -45,11 +45,10 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from axon4d.config import ModelConfig  # noqa: E402
 from axon4d.layout import sequence_chunks  # noqa: E402
-from axon4d.nn.context import lower_right_mask, prefix_attention  # noqa: E402
+from axon4d.nn.context import prefix_attention  # noqa: E402
 
 
 def model_config(args: argparse.Namespace, seq: int) -> ModelConfig:
@@ -115,20 +114,12 @@ def attention_balance(
         q_ht = torch.randn(1, heads, seq // g_z, head_dim, generator=gen, requires_grad=True)
         q_c = torch.randn(1, heads, seq // g_z, head_dim, generator=gen, requires_grad=True)
         chunks = sequence_chunks(z, g_z)
-        block = seq // g_z
-        end = (z + 1) * block
 
         def head_tail() -> None:
             prefix_attention(q_ht, k, v, chunks, gqa).sum().backward()
 
-        def contiguous() -> None:
-            F.scaled_dot_product_attention(
-                q_c,
-                k.narrow(2, 0, end),
-                v.narrow(2, 0, end),
-                attn_mask=lower_right_mask(block, end, k.device),
-                enable_gqa=gqa,
-            ).sum().backward()
+        def contiguous() -> None:  # z-rank z holds tokens [z·S/G_z, (z+1)·S/G_z): chunks 2z and 2z+1 of 2·G_z
+            prefix_attention(q_c, k, v, (2 * z, 2 * z + 1), gqa).sum().backward()
 
         for name, fn in (("head_tail", head_tail), ("contiguous", contiguous)):
             fn()  # warm-up

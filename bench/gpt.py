@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -226,15 +227,25 @@ def main() -> int:
         return loss.detach()
 
     times = []
+    usage: list[dict[str, float]] = []  # rank 0's page faults and CPU seconds per timed step
     total = args.warmup + args.steps
     for i in range(total):
         grid.comm.barrier()
+        u0 = resource.getrusage(resource.RUSAGE_SELF)
         t = time.perf_counter()
         loss = step()
         devices.synchronize(grid.device)
         dt = time.perf_counter() - t
+        u1 = resource.getrusage(resource.RUSAGE_SELF)
         if i >= args.warmup:
             times.append(dt)
+            usage.append(
+                {
+                    "minor_faults": u1.ru_minflt - u0.ru_minflt,
+                    "user_s": u1.ru_utime - u0.ru_utime,
+                    "system_s": u1.ru_stime - u0.ru_stime,
+                }
+            )
         if rank0:
             kind = "warm-up" if i < args.warmup else "timed"
             print(f"step {i + 1}/{total} ({kind}): {dt:.3f} s, loss {float(loss):.4f}", flush=True)
@@ -281,6 +292,10 @@ def main() -> int:
         "memory_error": error(predicted_mem, measured_mem),
         "prediction": cand.to_json() if cand is not None else None,
         "notes": plan["notes"],
+        # rank 0's process: page faults, user and system CPU seconds of each timed step (host memory
+        # in huge pages or not: axon4d.device.use_huge_pages)
+        "rank0_usage": usage,
+        "huge_pages": os.environ.get(devices.HUGE_PAGES_ENV),
     }
     tag = (
         ("_reduced" if overrides else "")
@@ -294,6 +309,10 @@ def main() -> int:
     for note in plan["notes"]:
         print(f"note: {note}")
     mfu = f", MFU {100 * result['mfu']:.1f}%" if result["mfu"] is not None else ""
+    if usage:
+        faults = statistics.median(u["minor_faults"] for u in usage)
+        system = statistics.median(u["system_s"] / max(u["user_s"] + u["system_s"], 1e-9) for u in usage)
+        print(f"rank 0 per timed step: {faults:.0f} page faults, {100 * system:.0f}% of its CPU time in the kernel")
     print(
         f"{world} ranks: {result['tokens_per_s']:.0f} tokens/s, {tflops:.3g} TFLOP/s per device{mfu}; "
         "timed steps (s): " + ", ".join(f"{t:.3f}" for t in slowest)

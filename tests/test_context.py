@@ -6,6 +6,8 @@
   ≤ 1e-5 relative) for G_z ∈ {2, 4}, with and without y and data splits, GQA ratios 1 and 4,
   rotary (llama) and learned (gpt) positions, and under selective and full recomputation;
 - balance: every z-rank's queries attend to the same number of keys, (2·G_z+1)·S/(2·G_z);
+- overlap: the key/value all-gather is in flight while the diagonal (local) attention runs, and the
+  reduce-scatter of their gradients while the diagonals' backward runs;
 - traffic: each layer all-gathers over z the keys and values of this rank's own key/value heads
   only (n_kv/G_y heads), and reduce-scatters their gradients, as many bytes as docs/context.md says;
 - a sequence length that 2·G_z does not divide is a ValueError on every rank, naming S, G_z and
@@ -16,11 +18,11 @@ import pytest
 import torch
 from harness import value_errors
 
+from axon4d import device as devices
 from axon4d import layout
 from axon4d.config import ModelConfig
 from axon4d.geometry import Op
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.nn import context
 from axon4d.nn.attention import Attention
 from axon4d.nn.context import KV_TAG
 from axon4d.plan.memory import block_saved
@@ -147,50 +149,92 @@ def test_split_sequence_under_recomputation(pools, recompute):
     _run_matrix(pools, "llama_gqa4", (1, 2, 2, 1), recompute)
 
 
-def _check_in_blocks(grid, cfg, rows):
-    """``_check_model`` with the host's attention run in checkpointed blocks of ``rows`` queries."""
-    kept = context.HOST_ROWS
-    context.HOST_ROWS = rows
-    try:
-        return _check_model(grid, cfg, "none")
-    finally:
-        context.HOST_ROWS = kept
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-def test_blocked_host_attention_is_exact(pools, rows):
-    """On the host a chunk runs in blocks of HOST_ROWS queries, each checkpointed so no mask is kept
-    for backward: blocks that divide the chunk or leave a remainder give the same model."""
-    for rank, (errs, _) in enumerate(pools(2).run((1, 1, 2, 1), _check_in_blocks, LLAMA_GQA, rows)):
-        bad = {k: v for k, v in errs.items() if not v <= TOL}
-        assert not bad, f"blocks of {rows}, rank {rank}: {bad}"
+def _layer_input():
+    torch.manual_seed(3)
+    attn = Attention(32, 8, 2, bias=False, rope_theta=10000.0, context_parallel=True)
+    return attn, layout.shard_sequence(torch.randn(1, SEQ, 32, requires_grad=True))
 
 
 def _keys_attended(grid):
-    """The key lengths of every attention call of one split-sequence attention layer on this rank."""
-    torch.manual_seed(3)
-    attn = Attention(32, 8, 2, bias=False, rope_theta=10000.0, context_parallel=True)
-    x = layout.shard_sequence(torch.randn(1, SEQ, 32))
+    """The key lengths of every attention kernel call of one split-sequence attention layer on this rank."""
+    attn, x = _layer_input()
     lengths = []
-    sdpa = context.scaled_dot_product_attention
+    kernel = devices.attention_with_lse
 
-    def counting(q, k, v, **kw):
+    def counting(q, k, v, causal):
         lengths.append(k.shape[2])
-        return sdpa(q, k, v, **kw)
+        return kernel(q, k, v, causal)
 
-    context.scaled_dot_product_attention = counting
+    devices.attention_with_lse = counting
     try:
         attn(x)
     finally:
-        context.scaled_dot_product_attention = sdpa
+        devices.attention_with_lse = kernel
     return lengths
 
 
 def test_every_z_rank_attends_to_the_same_number_of_keys(pools):
-    """Causal balance: z-rank r's chunks need (r+1)·C and (2·G_z−r)·C keys, (2·G_z+1)·C on every rank."""
+    """Causal balance: z-rank r's chunks r and 2·G_z−1−r read C keys each on the diagonal and r·C and
+    (2·G_z−1−r)·C in their prefixes (none for chunk 0): (2·G_z+1)·C on every rank."""
     g_z, c = 4, SEQ // 8
     got = pools(4).run((1, 1, 4, 1), _keys_attended)
-    assert got == [[(r + 1) * c, (2 * g_z - r) * c] for r in range(g_z)]
+    assert got == [[c, c] + ([r * c] if r else []) + [(2 * g_z - 1 - r) * c] for r in range(g_z)]
+    assert {sum(lengths) for lengths in got} == {(2 * g_z + 1) * c}
+
+
+def _events(grid):
+    """The order of the key/value collectives' issue and wait and of the attention kernel calls (diagonal:
+    causal, prefix: not) in one forward and backward of a split-sequence attention layer."""
+    attn, x = _layer_input()
+    events = []
+    kernels = devices.attention_with_lse, devices.attention_with_lse_backward
+
+    def forward(q, k, v, causal):
+        events.append(("forward", "diagonal" if causal else "prefix"))
+        return kernels[0](q, k, v, causal)
+
+    def backward(grad, q, k, v, out, lse, causal):
+        events.append(("backward", "diagonal" if causal else "prefix"))
+        return kernels[1](grad, q, k, v, out, lse, causal)
+
+    class Watched:
+        def __init__(self, handle, tag):
+            self.handle, self.tag = handle, tag
+
+        def wait(self):
+            events.append(("wait", self.tag))
+            return self.handle.wait()
+
+    def watch(issue):
+        def issued(tensor, axis, dim=0, tag=""):
+            handle = issue(tensor, axis, dim=dim, tag=tag)
+            if not tag.startswith(KV_TAG):  # the layer's other collectives (E10, E11)
+                return handle
+            events.append(("issue", tag))
+            return Watched(handle, tag)
+
+        return issued
+
+    devices.attention_with_lse, devices.attention_with_lse_backward = forward, backward
+    grid.comm.all_gather, grid.comm.reduce_scatter = watch(grid.comm.all_gather), watch(grid.comm.reduce_scatter)
+    try:
+        attn(x).sum().backward()
+    finally:
+        devices.attention_with_lse, devices.attention_with_lse_backward = kernels
+        del grid.comm.all_gather, grid.comm.reduce_scatter  # the class's methods again
+    return events
+
+
+def test_the_key_value_collectives_overlap_the_diagonal_attention(pools):
+    """Forward: the all-gather of K, V is issued before both diagonal parts and waited on after them,
+    before any prefix. Backward: every prefix's backward runs first, then the reduce-scatter of the
+    gathered K, V's gradient is issued, and both diagonals' backward run before it is waited on."""
+    for rank, events in enumerate(pools(2).run((1, 1, 2, 1), _events)):
+        prefixes = 1 if rank == 0 else 2  # rank 0 holds chunk 0, which has no prefix
+        gather = [("issue", KV_TAG)] + [("forward", "diagonal")] * 2 + [("wait", KV_TAG)]
+        scatter = [("issue", f"{KV_TAG}.grad")] + [("backward", "diagonal")] * 2 + [("wait", f"{KV_TAG}.grad")]
+        want = gather + [("forward", "prefix")] * prefixes + [("backward", "prefix")] * prefixes + scatter
+        assert events == want, f"rank {rank}: {events}"
 
 
 def _shard_and_gather(grid):

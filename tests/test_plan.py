@@ -486,14 +486,15 @@ def _auto_grid(cfg):
 
     grid = axon4d.init(grid="auto", plan={"model": cfg, "batch": 8, "machine": "perlmutter", "dtype": "float32"})
     try:
-        return grid.shape.as_tuple()
+        return grid.shape.as_tuple(), grid.scheduler.policy
     finally:
         axon4d.shutdown()
 
 
 def test_init_auto_builds_the_planners_choice_on_every_rank(pools):
-    expected = plan(PROBE, 8, "perlmutter", batch=8, dtype="float32").best.shape.as_tuple()
-    assert pools(8).run(None, _auto_grid, PROBE) == [expected] * 8
+    """grid="auto" with init's default overlap="auto": the planner's grid and its tuned knobs."""
+    best = plan(PROBE, 8, "perlmutter", batch=8, dtype="float32", overlap="auto").best
+    assert pools(8).run(None, _auto_grid, PROBE) == [(best.shape.as_tuple(), best.overlap)] * 8
 
 
 def test_auto_without_a_model_or_machine_says_what_to_pass(monkeypatch, tmp_path):
@@ -517,6 +518,8 @@ def _calibrate_small(grid):
         log=lambda s: None,
         dims=[16, 64],
         payloads=[4096, 65536],
+        attention_seqs=[64, 128],
+        prefix_keys=[256, 1024],
         step_rounds=1,
         step_model="layers=1,hidden=64,heads=8,ffn=128,vocab=64,seq=16,batch=8",
     )
@@ -550,6 +553,8 @@ def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(po
     assert all(c.world == 4 and len(c.seconds) == 2 and min(c.seconds) > 0 for c in m.comm)
     table = m.matmul["float32"]["4"]["nt"]
     assert table.dims == [16, 64] and (table.rates > 0).all()
+    assert sorted({r[0] for r in m.attention_prefix["float32"]["4"]}) == [256, 1024]  # the prefix table
+    assert all(r[2] > 0 for r in m.attention_prefix["float32"]["4"] + m.attention["float32"]["4"])
     assert m.overlap_efficiency == measured["overlap_efficiency"] and m.peak_flops["float32"] > 0
     t = step_time(PROBE_WL, GridShape(2, 1, 2, 1), m)
     assert t.step_s > 0 and t.comm_by_axis["x"] > 0 and t.comm_by_axis["z"] > 0
@@ -569,3 +574,85 @@ def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(po
     assert all(s["measured_s"] > 0 and s["model"]["hidden"] == 64 for s in m.step_samples)
     k = m.step_scale["4"]
     assert len(k) == 4 and min(k) >= 0 and t.scale == tuple(k)  # the fit itself: bench/planner_accuracy.py
+
+
+def test_context_parallel_attention_is_priced_as_the_rank_runs_it():
+    """Under context parallelism a z-rank runs, per sequence and head, two causal squares of
+    C = S/(2·G_z) (its own chunks) and its chunks against the keys before them, unmasked:
+    (2·G_z−1)·C² pairs in all; the key/value all-gather hides behind the squares' forward."""
+    import dataclasses
+
+    from axon4d.plan.cost import attention_seconds, context_hidden
+
+    cfg = ModelConfig(n_layers=2, hidden=256, n_heads=8, n_kv_heads=2, ffn_hidden=512, vocab_size=128, seq_len=4096)
+    shape = GridShape(1, 2, 4, 1)
+    per_pair = 1e-9  # seconds per (query, key) pair at head_dim 32, any key length
+    causal = [[s, 32, per_pair * s * s / 2] for s in (64, 256, 1024, 4096)]  # a causal square: S²/2 pairs
+    m = dataclasses.replace(
+        load("perlmutter"),
+        attention={"float32": {"8": causal}},
+        attention_prefix={"float32": {"8": [[k, 32, per_pair] for k in (256, 4096, 65536)]}},
+        overlap_efficiency=0.5,
+    )
+    wl = Workload(cfg, batch=2, dtype="float32", context_parallel=True)
+    units = 2 * cfg.n_heads // shape.y  # both sequences, this rank's heads
+    c = cfg.seq_len // (2 * shape.z)
+    local, prefix = attention_seconds(wl, shape, m)
+    overhead = 4 * m.op_overhead_s
+    assert local == pytest.approx(2 * (units * per_pair * c * c / 2 + overhead))
+    # the slowest z-rank: the last holds chunks 3 and 4 (3·C and 4·C keys before them); all hold 7·C² pairs
+    assert prefix == pytest.approx(units * per_pair * (2 * shape.z - 1) * c * c + 2 * overhead)
+    whole = attention_seconds(dataclasses.replace(wl, context_parallel=False), GridShape(1, 2, 1, 1), m)
+    assert whole == (pytest.approx(units * per_pair * cfg.seq_len**2 / 2 + overhead), 0.0)
+    # hidden: each collective up to the squares' forward (0.3) or backward (0.7) share, at efficiency 0.5
+    gather, scatter = wl.context_collectives(shape)[0], wl.context_collectives(shape)[-1]
+    seconds = [m.comm_time(col.op.value, 4, 2, col.payload_bytes, 8) for col in (gather, scatter)]
+    expect = cfg.n_layers * 0.5 * (min(seconds[0], 0.3 * local) + min(seconds[1], 0.7 * local))
+    assert context_hidden(wl, shape, m) == pytest.approx(expect)
+    assert step_time(wl, shape, m).hidden_by_mechanism["context"] == pytest.approx(expect)
+
+
+def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
+    """``overlap="auto"``: every knob variant of the all-on policy is priced and the fastest that
+    fits is taken (never slower than the default knobs), for the grids the plan ranks first."""
+    from axon4d.plan.search import tune_overlap
+    from axon4d.policy import OverlapPolicy
+
+    variants = OverlapPolicy().knob_variants()
+    assert len(variants) == 3 * 2 * 3 * 4 and OverlapPolicy() in variants
+    assert all((v.oag, v.oar, v.ors, v.odp) == (True,) * 4 for v in variants)  # knobs only, never mechanisms
+    assert OverlapPolicy.only("oar").knob_variants() == [OverlapPolicy.only("oar")]  # nothing to tune
+    m = load("perlmutter")
+    wl = Workload(SIZES["20B"], batch=64)
+    shape = GridShape(2, 4, 8, 2)
+    best = tune_overlap(wl, shape, m)
+    priced = [evaluate(wl, shape, m, v) for v in variants]
+    fastest = min(c.time.step_s for c in priced if c.fits)
+    assert best.fits and best.time.step_s == pytest.approx(fastest, rel=1e-9)
+    assert best.time.step_s <= evaluate(wl, shape, m).time.step_s
+    # a memory limit the deeper policies break: the choice fits it
+    tight = evaluate(wl, shape, m).mem.peak * 1.0001
+    assert tune_overlap(wl, shape, m, memory_limit=tight).mem.peak <= tight
+    # plan(overlap="auto"): the best grid carries its tuned policy, and it is never slower
+    auto = plan(SIZES["20B"], 128, m, 64, overlap="auto")
+    default = plan(SIZES["20B"], 128, m, 64)
+    assert auto.overlap == auto.best.overlap and auto.best.time.step_s <= default.best.time.step_s
+    assert auto.to_json(1)["candidates"][0]["overlap"] == describe(auto.best.overlap)
+
+
+def test_overlap_auto_for_a_given_grid_uses_the_planners_knobs_where_it_can_price_the_job(monkeypatch, tmp_path):
+    from axon4d.plan.auto import choose_overlap
+    from axon4d.plan.search import tune_overlap
+    from axon4d.policy import OverlapPolicy
+
+    monkeypatch.delenv("AXON4D_MACHINE", raising=False)
+    monkeypatch.chdir(tmp_path)  # no ./local.json
+    shape = GridShape(2, 4, 8, 2)
+    assert choose_overlap(shape) == OverlapPolicy()  # no model: the default knobs
+    assert choose_overlap(shape, model="20B", batch=64) == OverlapPolicy()  # no machine description
+    chosen = choose_overlap(shape, model="20B", batch=64, machine="perlmutter")
+    assert chosen == tune_overlap(Workload(SIZES["20B"], batch=64), shape, load("perlmutter")).overlap
+    monkeypatch.setenv("AXON4D_MACHINE", "perlmutter")
+    assert choose_overlap(shape, model="20B", batch=64) == chosen
+    with pytest.raises(ValueError, match="chosen by the planner"):
+        OverlapPolicy.parse("auto")

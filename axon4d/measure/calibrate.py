@@ -8,7 +8,8 @@ real step (on a CPU host the ranks share cores; on a GPU node each has its own d
 
 - GEMM throughput of the three forms a linear layer runs (X·Wᵀ, dY·W, dYᵀ·X) on a log2 lattice of
   (m, k, n), per dtype;
-- causal attention forward + backward per (sequence, head), elementwise streaming bandwidth, the
+- causal attention forward + backward per (sequence, head), unmasked attention per (query, key)
+  pair at long key runs (context parallelism's prefix), elementwise streaming bandwidth, the
   MLP activation forward/backward per element, one Adam step per parameter, a framework op
   (axon4d.measure.kernels);
 - every collective (all-reduce, all-gather, reduce-scatter) through ``axon4d.comm`` on every axis
@@ -59,23 +60,27 @@ def measure_world(
     step_rounds: int = 3,
     dims: Sequence[int] = kernels.DIMS,
     payloads: Sequence[int] = collectives.PAYLOADS,
+    attention_seqs: Sequence[int] = kernels.ATTENTION_SEQS,
+    prefix_keys: Sequence[int] = kernels.PREFIX_KEYS,
 ) -> dict[str, Any]:
     """All measurements on the current world (every rank calls this); the result on every rank.
     ``window_s``: each sample of local work is a mean over this long (``axon4d.measure.timing``);
     ``step_model``: a ``stepfit.parse_model`` spec whose steps the in-step scale is fitted to
     (``step_rounds`` rounds on ``stepfit.calibration_grids``; None: no step calibration);
-    ``dims``, ``payloads``: the GEMM lattice and the collective payloads."""
+    ``dims``, ``payloads``, ``attention_seqs``, ``prefix_keys``: the GEMM lattice, the collective
+    payloads, the causal attention's sequence lengths and the prefix attention's key lengths."""
     step_wl = stepfit.parse_model(step_model) if step_model else None  # a bad spec fails before measuring
     if step_wl is not None:
         stepfit.check_grids(grid.world_size, step_wl)
     timer = Timer(grid, reps, window_s)
     world = grid.world_size
-    out: dict[str, Any] = {"world": world, "matmul": {}, "attention": {}}
+    out: dict[str, Any] = {"world": world, "matmul": {}, "attention": {}, "attention_prefix": {}}
     for name in dtypes:
         dt = DTYPES[name]
         out["matmul"][name] = {f: kernels.matmul_table(timer, dt, f, dims) for f in FORMS}
         log(f"[{world} ranks] {name} GEMM tables done")
-        out["attention"][name] = kernels.attention_rows(timer, dt)
+        out["attention"][name] = kernels.attention_rows(timer, dt, attention_seqs)
+        out["attention_prefix"][name] = kernels.prefix_rows(timer, dt, prefix_keys)
     bps, act, adam = kernels.elementwise(timer, torch.float32)
     out.update(elementwise_Bps=bps, activation_s=act, adam_s=adam)
     out["op_overhead_s"] = kernels.op_overhead(timer)

@@ -2,7 +2,9 @@
 
 - GEMM throughput of the three forms a linear layer runs (X·Wᵀ, dY·W, dYᵀ·X; ``FORMS``) on a
   log2 lattice of (m, k, n), per dtype (``matmul_table``);
-- causal attention forward + backward per (sequence, head) (``attention_rows``);
+- causal attention forward + backward per (sequence, head) (``attention_rows``), and unmasked
+  attention of a block of queries against a longer run of keys per (query, key) pair
+  (``prefix_rows``: what a context-parallel rank computes against the keys of earlier chunks);
 - elementwise streaming bandwidth, the MLP activation forward/backward per element and one Adam
   step per parameter (``elementwise``), and the fixed cost of one framework op (``op_overhead``).
 
@@ -21,19 +23,23 @@ import torch.nn.functional as F
 from axon4d.measure.timing import Timer
 from axon4d.plan.machine import MatmulTable
 
-#: the GEMM lattice: every (m, k, n) of these
+#: the GEMM lattice: every (m, k, n) of these is run. The large points matter: on a host a
+#: 4096-wide GEMM runs well above the rate of a 1024-wide one, and a true-width layer's GEMMs are
+#: larger still (the planner clamps beyond the lattice).
 DIMS = [16, 64, 256, 1024, 4096]
-#: lattice points larger than this are not run; they take the rate of a smaller point
-MAX_MACS = 2**29
+#: sequence lengths of the causal attention rows; the planner grows the last quadratically beyond
+ATTENTION_SEQS = [64, 128, 256, 512, 1024, 2048, 4096]
+#: head dimensions of the attention rows
+HEAD_DIMS = [32, 64, 128]
+#: key lengths of the unmasked prefix rows (queries: ``PREFIX_QUERIES`` or as many as keys)
+PREFIX_KEYS = [256, 1024, 4096, 16384, 65536]
+PREFIX_QUERIES = 512
 
 
 def matmul_table(timer: Timer, dtype: torch.dtype, form: str, dims: Sequence[int] = DIMS) -> MatmulTable:
     """FLOP/s of GEMMs of ``form`` ("nt", "nn", "tn") at every lattice point of ``dims``."""
     rates = torch.zeros(len(dims), len(dims), len(dims), dtype=torch.float64)
-    measured: dict[tuple[int, ...], float] = {}  # (i, j, l) lattice index -> FLOP/s
     for (i, m), (j, k), (l, n) in itertools.product(enumerate(dims), repeat=3):
-        if m * k * n > MAX_MACS:
-            continue
         a_shape, b_shape = {"nt": ((m, k), (n, k)), "nn": ((m, k), (k, n)), "tn": ((k, m), (k, n))}[form]
         a = torch.randn(a_shape, dtype=dtype, device=timer.device)
         b = torch.randn(b_shape, dtype=dtype, device=timer.device)
@@ -42,24 +48,14 @@ def matmul_table(timer: Timer, dtype: torch.dtype, form: str, dims: Sequence[int
             "nn": lambda: torch.matmul(a, b),
             "tn": lambda: torch.matmul(a.t(), b),
         }[form]
-        t = timer.measure(op, budget_s=0.5)
-        measured[(i, j, l)] = 2.0 * m * k * n / t
-    for i, j, l in itertools.product(range(len(dims)), repeat=3):
-        if (i, j, l) in measured:
-            rates[i, j, l] = measured[(i, j, l)]
-            continue
-        # shrink the largest dims until the point was measured: large GEMMs run at the saturated rate
-        p = [i, j, l]
-        while tuple(p) not in measured:
-            p[max(range(3), key=lambda q: p[q])] -= 1
-        rates[i, j, l] = measured[tuple(p)]
+        rates[i, j, l] = 2.0 * m * k * n / timer.measure(op, budget_s=0.5)
     return MatmulTable(list(dims), rates.numpy())
 
 
-def attention_rows(timer: Timer, dtype: torch.dtype) -> list[list[float]]:
+def attention_rows(timer: Timer, dtype: torch.dtype, seqs: Sequence[int] = ATTENTION_SEQS) -> list[list[float]]:
     """Rows [sequence, head_dim, seconds per (sequence·head)] of causal attention forward + backward."""
     rows = []
-    for seq, hd in itertools.product([64, 128, 256, 512], [32, 64, 128]):
+    for seq, hd in itertools.product(seqs, HEAD_DIMS):
         units = max(1, 2**22 // (seq * seq))  # similar work per measurement
         q, k, v = (
             torch.randn(1, units, seq, hd, dtype=dtype, device=timer.device, requires_grad=True) for _ in range(3)
@@ -69,7 +65,26 @@ def attention_rows(timer: Timer, dtype: torch.dtype) -> list[list[float]]:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             out.backward(torch.ones_like(out))
 
-        rows.append([seq, hd, timer.measure(fwd_bwd) / units])
+        rows.append([seq, hd, timer.measure(fwd_bwd, budget_s=0.5) / units])
+    return rows
+
+
+def prefix_rows(timer: Timer, dtype: torch.dtype, keys_list: Sequence[int] = PREFIX_KEYS) -> list[list[float]]:
+    """Rows [keys, head_dim, seconds per (query·key) pair] of unmasked attention forward + backward
+    of a block of queries against ``keys`` keys — a context-parallel query chunk against the keys of
+    the chunks before it (axon4d.nn.context), all of which it sees."""
+    rows = []
+    for keys, hd in itertools.product(keys_list, HEAD_DIMS):
+        queries = min(PREFIX_QUERIES, keys)
+        units = max(1, 2**24 // (queries * keys))  # similar work per measurement
+        q = torch.randn(1, units, queries, hd, dtype=dtype, device=timer.device, requires_grad=True)
+        k, v = (torch.randn(1, units, keys, hd, dtype=dtype, device=timer.device, requires_grad=True) for _ in range(2))
+
+        def fwd_bwd() -> None:
+            out = F.scaled_dot_product_attention(q, k, v)
+            out.backward(torch.ones_like(out))
+
+        rows.append([keys, hd, timer.measure(fwd_bwd, budget_s=0.5) / (units * queries * keys)])
     return rows
 
 

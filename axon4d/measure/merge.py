@@ -38,6 +38,8 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
         machine.peak_flops[dt] = max(machine.peak_flops.get(dt, 0.0), best)  # "peak" = best measured rate
     for dt, rows in result["attention"].items():
         machine.attention.setdefault(dt, {})[key] = rows
+    for dt, rows in result.get("attention_prefix", {}).items():
+        machine.attention_prefix.setdefault(dt, {})[key] = rows
     machine.elementwise_Bps[key] = result["elementwise_Bps"]
     if world > 1:
         machine.comm_interference_s_per_byte[key] = result["comm_interference_s_per_byte"]

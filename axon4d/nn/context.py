@@ -3,24 +3,36 @@
 Under context parallelism (``axon4d.layout.shard_sequence``) a sequence of S tokens is cut into
 2·G_z chunks of C = S/(2·G_z) and z-rank r holds chunks r and 2·G_z−1−r, head then tail. Every
 linear layer, norm and MLP works on those 2·C rows unchanged; only attention needs the keys and
-values of earlier positions, which live on other z-ranks:
+values of earlier positions, which live on other z-ranks.
 
-1. each rank all-gathers over z the keys (already rotated at their global positions) and values
-   of its *own* key/value heads only — n_kv/G_y heads, so GQA shrinks the traffic by n/n_kv — in
-   one collective (tag ``cp_kv``), and puts them in global order;
-2. query chunk c (global positions c·C … (c+1)·C−1) attends to exactly the keys it needs,
-   [0, (c+1)·C): the earlier chunks in full and its own chunk causally — a lower-right causal
-   bias (``torch.nn.attention.bias.causal_lower_right``), which accelerators run in their fused
-   kernels without building a mask. On the host the mask is materialised (a plain boolean tensor,
-   ``lower_right_mask``, which torch's memory tracker can follow where it cannot follow the bias's
-   tensor subclass), and the attention kernel keeps it — as floats — for its backward: C × (c+1)·C
-   of them, O(S²/G_z), would undo what the split saves. So on the host each chunk runs in blocks of
-   ``HOST_ROWS`` queries, each block checkpointed: no mask is kept, and the backward rebuilds one
-   block's at a time (its forward runs again, attention only). Rank r's two chunks need
-   (r+1)·C and (2·G_z−r)·C keys — (2·G_z+1)·C on every rank, which is the causal balance;
-3. backward: the gradient of the gathered keys and values is reduce-scattered over z (the autograd
-   of the all-gather, ``axon4d.nn.functional.gather_shared``), so each rank receives, for its own
-   tokens, the sum of what every rank's queries contributed.
+Query chunk c attends to keys [0, (c+1)·C) in two parts, merged exactly by their log-sum-exps:
+
+- the **diagonal**: chunk c against its own keys, causal within the C × C square — both of a rank's
+  chunks are local, so this needs nothing from other ranks;
+- the **prefix**: chunk c against keys [0, c·C), every one visible (no mask); chunk 0 has none.
+
+    out = e^(lse_d − lse)·out_d + e^(lse_p − lse)·out_p,   lse = log(e^lse_d + e^lse_p)
+
+Rank r's parts read C + C + r·C + (2·G_z−1−r)·C = (2·G_z+1)·C keys: the causal balance. Neither
+part needs a mask tensor, so every device runs them in its fused kernel
+(``axon4d.device.attention_with_lse``); grouped-query heads are repeated for it and their
+gradients summed back.
+
+The keys and values of the prefixes live on other z-ranks. Each rank all-gathers over z the keys
+(already rotated at their global positions) and values of its *own* key/value heads — n_kv/G_y
+heads, so GQA shrinks the traffic by n/n_kv — in one collective (tag ``cp_kv``), issued as soon as
+k and v exist and waited on only after the diagonals, which run while it is in flight::
+
+    forward:   |-- all-gather K,V (z) --|
+               |- diag c_r -|- diag c_t -|wait|- prefix c_r -|- prefix c_t -|- merge -|
+    backward:  |- prefix c_r -|- prefix c_t -|-- reduce-scatter dK,dV (z) --|
+                                             |- diag c_r -|- diag c_t -|wait|- add -|
+
+Backward uses the standard identity of fused attention kernels: a part's backward, given the
+*merged* out and lse, yields exactly that part's dq, dk, dv. The prefixes' gradients of the gathered
+keys and values are reduce-scattered over z (tag ``cp_kv.grad``), so each rank receives, for its own
+tokens, the sum of what every rank's queries contributed; the diagonals' gradients, which stay on
+this rank, are computed while that reduce-scatter is in flight and added to its result.
 
 Bytes per layer and rank, each way (forward all-gather, backward reduce-scatter), for b sequences
 of S tokens, head_dim d and element size e:  2 · b · S · (n_kv/G_y) · d · e · (G_z−1)/G_z.
@@ -28,86 +40,180 @@ of S tokens, head_dim d and element size e:  2 · b · S · (n_kv/G_y) · d · e
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.nn.attention.bias import causal_lower_right
-from torch.nn.functional import scaled_dot_product_attention
 
 from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.layout import sequence_chunks, sequence_order
-from axon4d.nn.functional import gather_shared
-from axon4d.nn.recompute import checkpointed
-
-#: queries per attention block on the host (module docstring): the transient mask is this × keys
-HOST_ROWS = 256
 
 #: the tag of the key/value all-gather (and, with ``.grad``, of its reduce-scatter) in the comm log
 KV_TAG = "cp_kv"
 
-
-def gather_keys_values(k: torch.Tensor, v: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every z-rank's keys and values (b, heads, S/G_z, d), gathered in one all-gather over z and put
-    in global token order: two (b, heads, S, d) tensors. Differentiable: the backward reduce-scatters
-    the gradients over z."""
-    g_z = grid.size("z")
-    if g_z == 1:
-        return k, v
-    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # (s, 2, b, heads, d): tokens first, gathered on dim 0
-    full = gather_shared(kv, "z", grid, dim=0, tag=KV_TAG)  # (S, 2, b, heads, d), z-rank order
-    full = full.index_select(0, sequence_order(full.shape[0], g_z, full.device))  # global order
-    full = full.permute(1, 2, 3, 0, 4)  # (2, b, heads, S, d)
-    return full[0], full[1]
+Part = tuple[torch.Tensor, torch.Tensor]  # (out (b, hq, C, d), lse (b, hq, C))
 
 
-def lower_right_mask(rows: int, keys: int, device: torch.device) -> torch.Tensor:
-    """(rows, keys) booleans: query i sees key j when j ≤ keys − rows + i (the lower-right causal
-    mask of the last ``rows`` queries of a sequence of ``keys`` tokens)."""
-    return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows)
+def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Key/value heads (b, hkv, L, d) repeated for their ``groups`` query heads each: (b, hkv·groups, L, d)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-    """Attention of the last q.shape[2] queries of k.shape[2] tokens, lower-right causal, with a mask."""
-    mask = lower_right_mask(q.shape[2], k.shape[2], q.device)
-    return scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+def _fold(g: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of ``_repeat``: (b, hkv·groups, L, d) summed over each group → (b, hkv, L, d)."""
+    return g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
 
 
-def _host_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, gqa: bool) -> torch.Tensor:
-    """One query chunk q (b, hq, C, d) against keys [0, end), lower-right causal, in checkpointed
-    blocks of ``HOST_ROWS`` queries (module docstring)."""
-    c = q.shape[2]
-    outs = []
-    for a in range(0, c, HOST_ROWS):
-        rows = min(HOST_ROWS, c - a)
-        stop = end - c + a + rows  # the block's last query sees keys up to here
-        outs.append(
-            checkpointed(_masked_attention, q.narrow(2, a, rows), k.narrow(2, 0, stop), v.narrow(2, 0, stop), gqa)
-        )
-    return torch.cat(outs, dim=2)
+def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Part:
+    """One part's attention and log-sum-exp, k and v of their own (fewer) heads."""
+    groups = q.shape[1] // k.shape[1]
+    return devices.attention_with_lse(q, _repeat(k, groups), _repeat(v, groups), causal)
+
+
+def _part_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, merged: Part, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This part's (dq, dk, dv) from the merged out and lse of its query chunk (module docstring)."""
+    groups = q.shape[1] // k.shape[1]
+    dq, dk, dv = devices.attention_with_lse_backward(
+        grad, q, _repeat(k, groups), _repeat(v, groups), merged[0], merged[1], causal
+    )
+    return dq, _fold(dk, groups), _fold(dv, groups)
+
+
+def _merge(diagonal: Part, prefix: Part | None) -> Part:
+    """The attention over both parts' keys, from each part's out and lse (module docstring)."""
+    if prefix is None:
+        return diagonal
+    (out_d, lse_d), (out_p, lse_p) = diagonal, prefix
+    lse = torch.logaddexp(lse_d, lse_p)
+    out = (lse_d - lse).exp().unsqueeze(-1) * out_d.float() + (lse_p - lse).exp().unsqueeze(-1) * out_p.float()
+    return out.to(out_d.dtype), lse
+
+
+def _prefixes(
+    q: list[torch.Tensor], k_full: torch.Tensor, v_full: torch.Tensor, chunks: tuple[int, int]
+) -> list[Part | None]:
+    """Each query chunk's prefix part (None for chunk 0), keys (b, hkv, S, d) in global order."""
+    c = q[0].shape[2]
+    return [
+        _part(qh, k_full.narrow(2, 0, chunk * c), v_full.narrow(2, 0, chunk * c), False) if chunk else None
+        for qh, chunk in zip(q, chunks)
+    ]
+
+
+def _diagonals(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor]) -> list[Part]:
+    return [_part(qh, kh, vh, True) for qh, kh, vh in zip(q, k, v)]
+
+
+class _SplitAttention(torch.autograd.Function):
+    """Causal attention of a rank's two query chunks in diagonal and prefix parts (module docstring).
+    With a ``grid``, k and v are this rank's (b, hkv, 2·C, d) and are all-gathered over z, overlapped
+    with the diagonals; without one, they are the whole sequence's (b, hkv, S, d) in global order."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        grid: Grid | None,
+        chunks: tuple[int, int],
+        recompute: bool,
+    ) -> torch.Tensor:
+        c = q.shape[2] // 2
+        qs = [q.narrow(2, 0, c), q.narrow(2, c, c)]
+        if grid is None:
+            k_full, v_full = k, v
+            diagonal = _diagonals(qs, *_chunk_slices(k_full, v_full, chunks, c))
+        else:
+            kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # (2·C, 2, b, hkv, d): tokens first
+            gathering = grid.comm.all_gather(kv, "z", dim=0, tag=KV_TAG)  # in flight during the diagonals
+            diagonal = _diagonals(qs, [k.narrow(2, 0, c), k.narrow(2, c, c)], [v.narrow(2, 0, c), v.narrow(2, c, c)])
+            full = gathering.wait()  # (S, 2, b, hkv, d), z-rank order
+            order = sequence_order(full.shape[0], grid.size("z"), full.device)
+            k_full, v_full = full.permute(1, 2, 3, 0, 4).index_select(3, order).unbind(0)  # global order
+        merged = [_merge(d, p) for d, p in zip(diagonal, _prefixes(qs, k_full, v_full, chunks))]
+        out = torch.cat([m[0] for m in merged], dim=2)
+        ctx.grid, ctx.chunks, ctx.recompute = grid, chunks, recompute
+        if recompute:  # selective recomputation: q and the gathered keys and values only
+            ctx.save_for_backward(q, k_full, v_full)
+        else:
+            ctx.save_for_backward(q, k_full, v_full, out, torch.cat([m[1] for m in merged], dim=2))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k_full, v_full, *kept = ctx.saved_tensors
+        grid, chunks = ctx.grid, ctx.chunks
+        c = q.shape[2] // 2
+        qs = [q.narrow(2, 0, c), q.narrow(2, c, c)]
+        ks, vs = _chunk_slices(k_full, v_full, chunks, c)
+        if ctx.recompute:  # the forward's parts again, from the kept keys and values: no all-gather
+            diagonal = _diagonals(qs, ks, vs)
+            merged = [_merge(d, p) for d, p in zip(diagonal, _prefixes(qs, k_full, v_full, chunks))]
+        else:
+            out, lse = kept
+            merged = [(out.narrow(2, h * c, c), lse.narrow(2, h * c, c)) for h in range(2)]
+        grads = [g.contiguous() for g in (grad.narrow(2, 0, c), grad.narrow(2, c, c))]
+        dq: list[torch.Tensor] = [torch.zeros_like(qh) for qh in qs]
+        dk_full, dv_full = torch.zeros_like(k_full), torch.zeros_like(v_full)  # the prefixes' share
+        for h, chunk in enumerate(chunks):
+            if chunk:
+                keys = chunk * c
+                dq_p, dk, dv = _part_backward(
+                    grads[h], qs[h], k_full.narrow(2, 0, keys), v_full.narrow(2, 0, keys), merged[h], False
+                )
+                dq[h] += dq_p
+                dk_full.narrow(2, 0, keys).add_(dk)
+                dv_full.narrow(2, 0, keys).add_(dv)
+        if grid is not None:  # back to z-rank order, reduce-scattered over z during the diagonals
+            order = sequence_order(k_full.shape[2], grid.size("z"), k_full.device)
+            dkv = torch.stack([dk_full, dv_full]).index_select(3, torch.argsort(order)).permute(3, 0, 1, 2, 4)
+            scattering = grid.comm.reduce_scatter(dkv, "z", dim=0, tag=f"{KV_TAG}.grad")
+        diagonal_grads = []
+        for h in range(2):
+            dq_d, dk, dv = _part_backward(grads[h], qs[h], ks[h], vs[h], merged[h], True)
+            dq[h] += dq_d
+            diagonal_grads.append((dk, dv))
+        dq_all = torch.cat(dq, dim=2)
+        if grid is None:  # the whole sequence's keys and values: the diagonals' share at their chunks
+            for (dk, dv), chunk in zip(diagonal_grads, chunks):
+                dk_full.narrow(2, chunk * c, c).add_(dk)
+                dv_full.narrow(2, chunk * c, c).add_(dv)
+            return dq_all, dk_full, dv_full, None, None, None
+        mine = scattering.wait().permute(1, 2, 3, 0, 4)  # (2, b, hkv, 2·C, d): this rank's tokens
+        dk_local = mine[0] + torch.cat([g[0] for g in diagonal_grads], dim=2)
+        dv_local = mine[1] + torch.cat([g[1] for g in diagonal_grads], dim=2)
+        return dq_all, dk_local, dv_local, None, None, None
+
+
+def _chunk_slices(
+    k_full: torch.Tensor, v_full: torch.Tensor, chunks: tuple[int, int], c: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The keys and values of global chunks ``chunks`` (each ``c`` tokens) of the whole sequence's."""
+    return [k_full.narrow(2, ch * c, c) for ch in chunks], [v_full.narrow(2, ch * c, c) for ch in chunks]
 
 
 def prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int], gqa: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int], gqa: bool | None = None
 ) -> torch.Tensor:
     """Causal attention of a rank's two query chunks q (b, hq, 2·C, d), global chunk indices
     ``chunks``, against the whole sequence's keys and values (b, hkv, S, d) in global order: chunk c
-    sees keys [0, (c+1)·C), the last C causally. Returns (b, hq, 2·C, d)."""
-    c = q.shape[2] // 2
-    outs = []
-    for half, chunk in enumerate(chunks):
-        end = (chunk + 1) * c
-        if devices.is_host(q.device):
-            outs.append(_host_chunk(q.narrow(2, half * c, c), k, v, end, gqa))
-            continue
-        outs.append(
-            scaled_dot_product_attention(
-                q.narrow(2, half * c, c),
-                k.narrow(2, 0, end),
-                v.narrow(2, 0, end),
-                attn_mask=causal_lower_right(c, end),  # query i sees keys ≤ chunk·C + i
-                enable_gqa=gqa,
-            )
+    sees keys [0, (c+1)·C), its own causally — the split attention without its collectives (what one
+    rank computes once the keys and values are gathered). Returns (b, hq, 2·C, d). ``gqa`` (hkv < hq)
+    is read from the shapes; it is accepted for callers that pass it."""
+    _check_heads(q, k, gqa)
+    return _SplitAttention.apply(q, k, v, None, chunks, False)
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, gqa: bool | None = None) -> None:
+    if q.shape[1] % k.shape[1] or (gqa is not None and gqa != (k.shape[1] != q.shape[1])):
+        raise ValueError(
+            f"{q.shape[1]} query heads and {k.shape[1]} key/value heads: each key/value head serves a whole "
+            "group of query heads, so the query heads must be a multiple of the key/value heads"
+            + ("" if gqa is None else f" (and gqa={gqa} must say whether they differ)")
         )
-    return torch.cat(outs, dim=2)
 
 
 def split_sequence_attention(
@@ -115,16 +221,15 @@ def split_sequence_attention(
 ) -> torch.Tensor:
     """softmax(q kᵀ/√d, causal) v for this rank's tokens of sequences split head–tail over z:
     q (b, hq, 2·C, d), k and v (b, hkv, 2·C, d), positions already applied (rotary at global
-    positions). Returns (b, hq, 2·C, d). With ``recompute_core`` only q and the gathered keys and
-    values are kept; the scores are recomputed in backward (the all-gather is not run again)."""
+    positions). Returns (b, hq, 2·C, d). Communicates over z: the all-gather of k and v (overlapped
+    with the diagonal parts) and, in backward, the reduce-scatter of their gradients (overlapped with
+    the diagonals' backward). With ``recompute_core`` only q and the gathered keys and values are
+    kept; the attention is recomputed in backward (the all-gather is not run again)."""
     if q.shape[2] % 2:
         raise ValueError(
             f"a rank holds {q.shape[2]} tokens per sequence, but under context parallelism it holds two equal "
             "chunks (an even count): shard the sequences with axon4d.layout.shard_sequence"
         )
-    k_full, v_full = gather_keys_values(k, v, grid)
+    _check_heads(q, k)
     chunks = sequence_chunks(grid.coord("z"), grid.size("z"))
-    gqa = k.shape[1] != q.shape[1]
-    if recompute_core:
-        return checkpointed(prefix_attention, q, k_full, v_full, chunks, gqa)
-    return prefix_attention(q, k_full, v_full, chunks, gqa)
+    return _SplitAttention.apply(q, k, v, grid, chunks, recompute_core)

@@ -1,8 +1,9 @@
-"""``axon4d.init(grid="auto", plan={...})``: the planner chooses the grid and says why (docs/design.md §6).
+"""``axon4d.init(grid="auto", plan={...})``: the planner chooses the grid and says why (docs/design.md §6);
+``overlap="auto"`` (``init``'s default): it chooses the overlap knobs too (``choose_overlap``).
 
 Every rank runs the same deterministic search on the same inputs, so all ranks pick the same grid
-without communicating. Rank 0 prints the choice, its predicted time, MFU and memory, and the
-runners-up.
+and policy without communicating. Rank 0 prints the choice, its predicted time, MFU and memory,
+and the runners-up.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 from axon4d.config import ModelConfig, get_config
 from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
-from axon4d.plan.search import plan
+from axon4d.plan.search import Candidate, load_machine, plan, tune_overlap
 from axon4d.plan.workload import Workload
+from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape
 
 LOCAL_MACHINE_FILE = "local.json"  # what ``axon4d calibrate`` writes by default
@@ -34,7 +36,63 @@ def default_machine() -> str:
     )
 
 
-def choose_grid(
+def _workload(
+    world: int, model: ModelConfig | str | None, batch: int | None, dtype: str, optimizer: str, what: str
+) -> Workload:
+    if model is None:
+        raise ValueError(f"{what} needs the model: axon4d.init({what}, plan={{'model': cfg_or_name, 'batch': B}})")
+    cfg = get_config(model) if isinstance(model, str) else model
+    return Workload(cfg, batch if batch is not None else world, dtype, optimizer=optimizer)
+
+
+def choose_overlap(
+    shape: GridShape,
+    *,
+    model: ModelConfig | str | None = None,
+    batch: int | None = None,
+    machine: str | None = None,
+    dtype: str = "bfloat16",
+    recompute: str = "none",
+    optimizer: str = "adam",
+    memory_gib: float | None = None,
+    workload: Workload | None = None,
+    rank: int = 0,
+) -> OverlapPolicy:
+    """The overlap policy ``overlap="auto"`` gives a job on the given grid: all mechanisms on, with
+    the knobs the planner predicts fastest among those that fit (``search.tune_overlap``), where the
+    model and a machine description are known; else all mechanisms at the default knobs. Rank 0
+    prints the choice."""
+    if workload is None and model is None:
+        return OverlapPolicy()
+    try:
+        name = machine or default_machine()
+    except ValueError:
+        return OverlapPolicy()
+    wl = workload or _workload(shape.world_size, model, batch, dtype, optimizer, "overlap='auto'")
+    limit = memory_gib * 2**30 if memory_gib is not None else None
+    best = tune_overlap(wl, shape, load_machine(name), OverlapPolicy(), recompute, limit)
+    if rank == 0:
+        print(
+            f"axon4d: overlap='auto' chose {describe(best.overlap)} on {shape.as_tuple()} (predicted "
+            f"{best.time.step_s * 1e3:.1f} ms/step, {best.time.hidden_pct:.0f}% of communication hidden)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return best.overlap
+
+
+def choose_grid(world: int, **options: Any) -> GridShape:
+    """The fastest grid of ``world`` ranks that fits, by the planner; rank 0 prints why.
+
+    ``options`` are ``choose``'s: ``model`` (a ModelConfig or a size name), ``batch`` (the global
+    batch in sequences; default one per rank), ``machine``, ``dtype``, ``overlap`` (a policy, or
+    "auto": the knobs tuned too, ``search.plan``), ``recompute``, ``optimizer`` ("adam" or "sgd"),
+    ``memory_gib``, ``workload``, ``rank``, ``top``. Raises ``ValueError`` (on every rank alike)
+    when no grid fits."""
+    return choose(world, **options).shape
+
+
+def choose(
     world: int,
     *,
     model: ModelConfig | str | None = None,
@@ -48,19 +106,11 @@ def choose_grid(
     workload: Workload | None = None,
     rank: int = 0,
     top: int = 3,
-) -> GridShape:
-    """The fastest grid of ``world`` ranks that fits, by the planner; rank 0 prints why.
-
-    ``model`` is a ModelConfig or a size name; ``batch`` the global batch in sequences (default:
-    one per rank); ``optimizer`` "adam" or "sgd" (``Workload``). Raises ``ValueError`` (on every rank alike) when no grid fits.
-    """
+) -> Candidate:
+    """``choose_grid``'s whole choice: the best candidate, with the overlap policy it was priced with.
+    Raises ``ValueError`` (on every rank alike) when no grid fits."""
     if workload is None:
-        if model is None:
-            raise ValueError(
-                "grid='auto' needs the model: axon4d.init(grid='auto', plan={'model': cfg_or_name, 'batch': B})"
-            )
-        cfg = get_config(model) if isinstance(model, str) else model
-        workload = Workload(cfg, batch if batch is not None else world, dtype, optimizer=optimizer)
+        workload = _workload(world, model, batch, dtype, optimizer, "grid='auto'")
     result = plan(
         workload.model,
         world,
@@ -88,4 +138,4 @@ def choose_grid(
         print(result.table(top), file=sys.stderr, flush=True)
         if result.caveat:
             print(f"axon4d: warning: {result.caveat}", file=sys.stderr, flush=True)
-    return best.shape
+    return best

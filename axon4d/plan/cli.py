@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap",
         default="all",
-        help="mechanisms on: all (the library default) | off | a list like oag,oar,odp,chunks; "
+        help="mechanisms on: all (every mechanism, default knobs) | auto (all, with the knobs tuned per grid: "
+        "what axon4d.init gives a job it can price) | off | a list like oag,oar,odp,chunks; "
         "knobs too: all,oag_depth=3,ors_inflight=2 (axon4d.overlap.OverlapPolicy.parse)",
     )
     p.add_argument(

@@ -210,6 +210,45 @@ def layer_cost(
     )
 
 
+def attention_seconds(wl: Workload, shape: GridShape, m: Machine) -> tuple[float, float]:
+    """(local, prefix) seconds of one block's core attention, forward + backward, on one rank.
+
+    Whole sequences: every sequence's causal attention over this rank's heads (n/G_y), all local.
+    Context parallelism (docs/context.md): per sequence and head, each of the rank's two query chunks
+    of C = S/(2·G_z) tokens attends causally to its own chunk (a causal square of C, run while the
+    keys and values of the other chunks are gathered: "local") and, unmasked, to the chunks before
+    it — r·C and (2·G_z−1−r)·C keys on z-rank r ("prefix"); the slowest z-rank is priced."""
+    mod, world = wl.model, shape.world_size
+    heads = mod.n_heads // shape.y
+    if not (wl.context_parallel and shape.z > 1):
+        return m.attention_time(mod.seq_len, mod.head_dim, wl.local_sequences(shape) * heads, wl.dtype, world), 0.0
+    units = wl.local_tokens(shape) * shape.z // mod.seq_len * heads  # B/G_data sequences, this rank's heads
+    c = mod.seq_len // (2 * shape.z)
+    local = 2 * m.attention_time(c, mod.head_dim, units, wl.dtype, world)
+    prefix = max(
+        sum(m.prefix_attention_time(c, j * c, mod.head_dim, units, wl.dtype, world) for j in (r, 2 * shape.z - 1 - r))
+        for r in range(shape.z)
+    )
+    return local, prefix
+
+
+def context_hidden(wl: Workload, shape: GridShape, m: Machine) -> float:
+    """Seconds of the context-parallel key/value collectives hidden per step: the all-gather runs
+    while the local causal squares' forward computes, the reduce-scatter of their gradients while
+    the squares' backward does (axon4d.nn.context), each hidden up to the machine's overlap
+    efficiency (§4)."""
+    collectives = wl.context_collectives(shape)
+    if not collectives:
+        return 0.0
+    local = attention_seconds(wl, shape, m)[0]
+    fwd, bwd = 0.3 * local, 0.7 * local  # the split of ``_block_extras``
+    hidden = 0.0
+    for c in collectives:
+        seconds = _priced(c, shape, m)[0]
+        hidden += min(seconds, fwd if c.phase == "forward" else bwd)
+    return m.overlap_efficiency * hidden
+
+
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
     """Non-GEMM (forward, backward) seconds following each layer kind in forward order."""
     mod, world, elem = wl.model, shape.world_size, wl.element_size
@@ -219,8 +258,7 @@ def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple
     ffn_y = mod.ffn // shape.y
     out: dict[str, tuple[float, float]] = {}
     if wl.attention:
-        units = wl.local_sequences(shape) * (mod.n_heads // shape.y)  # balanced over z under context parallelism
-        att = m.attention_time(mod.seq_len, mod.head_dim, units, wl.dtype, world)
+        att = sum(attention_seconds(wl, shape, m))
         out["qkv"] = (att * 0.3, att * 0.7)  # fwd:bwd ≈ 1:2.3 for flash-style kernels (heads → features is a view)
     residual = (ew(3 * b * h_x * elem, world), ew(3 * b * h_x * elem, world))  # add; grad fan-out sum
     out["attn_out"] = residual
@@ -250,8 +288,7 @@ def recomputed_seconds(wl: Workload, shape: GridShape, m: Machine, recompute: st
     if recompute == "selective":
         if not wl.attention:
             return 0.0
-        units = wl.local_sequences(shape) * (mod.n_heads // shape.y)  # balanced over z under context parallelism
-        return 0.3 * m.attention_time(mod.seq_len, mod.head_dim, units, wl.dtype, world)
+        return 0.3 * sum(attention_seconds(wl, shape, m))
     if recompute == "balanced":
         act = m.activation_time(b * mod.ffn // shape.y * (2 if mod.gated else 1), world)[0]
         normalize = m.elementwise_time(3 * b * (mod.hidden // shape.x) * elem, world) if wl.norms else 0.0
@@ -363,6 +400,7 @@ def step_time(
     extras = _block_extras(wl, shape, machine)
     layers = [layer_cost(s, wl, shape, machine, overlap, extras.get(s.name, (0.0, 0.0))) for s in wl.linears()]
     hidden = credit([lc.window(_repeated(lc.spec, wl)) for lc in layers], overlap, machine.overlap_efficiency)
+    hidden_cp = context_hidden(wl, shape, machine)
     totals = _Totals()
     for lc in layers:
         totals.add_layer(lc)
@@ -377,10 +415,10 @@ def step_time(
         matmul_s=totals.matmul,
         optimizer_s=opt,
         comm_s=totals.comm,
-        hidden_s=hidden.total,
+        hidden_s=hidden.total + hidden_cp,
         comm_by_axis=totals.comm_by_axis,
         bytes_by_axis=totals.bytes_by_axis,
-        hidden_by_mechanism=hidden.by_mechanism,
+        hidden_by_mechanism={**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})},
         layers={lc.spec.name: lc.report(h) for lc, h in zip(layers, hidden.per_window)},
         activation_comm_s=totals.activation_comm,
         collectives=totals.calls,

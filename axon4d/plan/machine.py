@@ -122,6 +122,8 @@ class Machine:
     comm: list[CommCurve] = dataclasses.field(default_factory=list)
     attention: dict[str, dict[str, list[list[float]]]] = dataclasses.field(default_factory=dict)
     # dtype -> concurrency -> rows [seq, head_dim, seconds per (sequence·head) fwd+bwd]
+    attention_prefix: dict[str, dict[str, list[list[float]]]] = dataclasses.field(default_factory=dict)
+    # dtype -> concurrency -> rows [keys, head_dim, seconds per (query·key) pair of unmasked fwd+bwd]
     elementwise_Bps: dict[str, float] = dataclasses.field(default_factory=lambda: {"1": 1e12})
     # concurrency -> bytes/s an elementwise op streams (read + write)
     activation_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -183,6 +185,30 @@ class Machine:
                 per = float(sel[-1, 2]) * (seq / sel[-1, 0]) ** 2
             return units * per * head_dim / hd + 4 * self.op_overhead_s
         flops = units * 3.0 * 2.0 * seq * seq * head_dim  # fwd (2 GEMMs, causal half) + bwd 2×
+        return flops / (self.matmul_efficiency * self.peak(dtype)) + 4 * self.op_overhead_s
+
+    def prefix_attention_time(
+        self, queries: int, keys: int, head_dim: int, units: float, dtype: str, world: int = 1
+    ) -> float:
+        """Seconds of unmasked attention forward + backward of ``queries`` queries against ``keys``
+        keys for ``units`` (sequence, head) pairs: a context-parallel query chunk against the keys of
+        the chunks before it (axon4d.nn.context). Without a measured table: the causal table's rate
+        per pair (half a causal square's pairs are computed), else FLOPs at the matmul efficiency."""
+        if units == 0 or queries == 0 or keys == 0:
+            return 0.0
+        pairs = units * queries * keys
+        table = self.attention_prefix.get(dtype)
+        if table:
+            rows = np.asarray(self._nearest(table, self.concurrency(world)), dtype=float)
+            hd = rows[np.argmin(np.abs(np.log2(rows[:, 1]) - math.log2(head_dim))), 1]
+            sel = rows[rows[:, 1] == hd]
+            sel = sel[np.argsort(sel[:, 0])]  # per-pair rate, log-log in keys, clamped at the ends
+            per = float(np.exp(np.interp(math.log(keys), np.log(sel[:, 0]), np.log(sel[:, 2]))))
+            return pairs * per * head_dim / hd + 4 * self.op_overhead_s
+        if self.attention.get(dtype):
+            square = max(queries, keys)
+            return self.attention_time(square, head_dim, units, dtype, world) * pairs / (units * square * square / 2)
+        flops = pairs * 3.0 * 4.0 * head_dim  # fwd: 2 GEMMs of 2·q·k·d FLOPs; bwd 2×
         return flops / (self.matmul_efficiency * self.peak(dtype)) + 4 * self.op_overhead_s
 
     def elementwise_time(self, nbytes: float, world: int = 1) -> float:

@@ -24,12 +24,14 @@ from axon4d.plan.cost import TimeEstimate, describe, recomputed_seconds, step_ti
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.workload import Workload
-from axon4d.policy import OverlapPolicy
+from axon4d.policy import AUTO, OverlapPolicy
 from axon4d.shape import ALL_AXES, AXES, GridShape, factorizations
 
 #: the axes the table gives communication time for: every axis but "world", over which no
 #: collective of a step runs
 TABLE_AXES = tuple(a for a in ALL_AXES if a != "world")
+#: with ``overlap="auto"``, the knobs are tuned for this many of the fastest fitting grids
+TUNE_TOP = 4
 
 
 @dataclasses.dataclass
@@ -43,12 +45,14 @@ class Candidate:
     mfu: float
     bound_ratio: float  # communication words / Agarwal's lower bound
     context_parallel: bool = False  # each sequence's tokens split over z (docs/context.md)
+    overlap: OverlapPolicy = OverlapPolicy()  # the policy it was priced with
 
     def to_json(self) -> dict[str, Any]:
         t = self.time
         return {
             "grid": list(self.shape.as_tuple()),
             "context_parallel": self.context_parallel,
+            "overlap": describe(self.overlap),
             "fits": self.fits,
             "step_s": t.step_s,
             "mfu": self.mfu,
@@ -186,7 +190,29 @@ def evaluate(
             t.compute_s += wl.model.n_layers * recomputed_seconds(wl, shape, machine, recompute)
     mem = memory(wl, shape, recompute, overlap)
     mfu = wl.flops() / (shape.world_size * machine.peak(wl.dtype) * t.step_s)
-    return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t), wl.context_parallel)
+    return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t), wl.context_parallel, overlap)
+
+
+def tune_overlap(
+    wl: Workload,
+    shape: GridShape,
+    machine: Machine,
+    base: OverlapPolicy = OverlapPolicy(),
+    recompute: str = "none",
+    memory_limit: float | None = None,
+) -> Candidate:
+    """``shape`` priced with the fastest of ``base``'s knob variants that fits in memory
+    (``OverlapPolicy.knob_variants``: OAG depth and keep-for-backward, ORS in flight, forward
+    chunks); ``base`` itself where no variant fits or none is faster. Ties go to the earlier
+    variant (shallower, fewer in flight and chunks: less memory held)."""
+    best = evaluate(wl, shape, machine, base, recompute, memory_limit)
+    for policy in base.knob_variants():
+        if policy == base:
+            continue
+        c = evaluate(wl, shape, machine, policy, recompute, memory_limit)
+        if c.fits and (not best.fits or c.time.step_s < best.time.step_s * (1 - 1e-9)):
+            best = c
+    return best
 
 
 def load_machine(machine: Machine | str) -> Machine:
@@ -226,6 +252,9 @@ def plan(
     number, a bad machine file or model or batch is refused before anything is priced. ``optimizer``: "adam" or "sgd" (``Workload``).
     ``context_parallel``: False (sequences whole), True (each sequence's tokens split over z,
     docs/context.md) or "auto" (both priced for every grid; the table says which each row uses).
+    ``overlap``: a policy (``OverlapPolicy.parse``), or "auto": every grid priced with all
+    mechanisms on at the default knobs, then the knobs tuned (``tune_overlap``) for the
+    ``TUNE_TOP`` fastest that fit; the result's ``overlap`` is the best candidate's policy.
     """
     if context_parallel not in (False, True, "auto"):
         raise ValueError(f"context_parallel = {context_parallel!r}: use False, True or 'auto'")
@@ -241,7 +270,8 @@ def plan(
         workload = Workload(cfg, batch, dtype, optimizer=optimizer)
     if context_parallel is True and not workload.context_parallel:
         workload = dataclasses.replace(workload, context_parallel=True)
-    ov = OverlapPolicy.parse(overlap)
+    auto = overlap == AUTO
+    ov = OverlapPolicy() if auto else OverlapPolicy.parse(overlap)
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     mask = valid_mask(workload, arr)
@@ -253,9 +283,17 @@ def plan(
             evaluate(split, s, mach, ov, recompute, memory_limit) for s, ok in zip(shapes, split_mask) if ok and s.z > 1
         ]
         mask |= split_mask
-    cands.sort(
-        key=lambda c: (not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel)
-    )
+
+    def rank(c: Candidate) -> tuple[Any, ...]:
+        return not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel
+
+    cands.sort(key=rank)
+    if auto:  # the knobs, for the fastest few grids (each variant is one more pricing)
+        for i, c in enumerate(cands[:TUNE_TOP]):
+            wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel)
+            cands[i] = tune_overlap(wl_c, c.shape, mach, ov, recompute, memory_limit)
+        cands.sort(key=rank)
+        ov = cands[0].overlap if cands else ov
     limit = mach.memory_per_device if memory_limit is None else memory_limit
     return PlanResult(
         workload,
