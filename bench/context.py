@@ -145,7 +145,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--unsplit-steps", type=int, default=1)
     p.add_argument("--reps", type=int, default=3, help="repetitions of each rank's attention (balance)")
-    p.add_argument("--machine", default=os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-23.json"))
+    p.add_argument("--machine", default=os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-24.json"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "context.json"))
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

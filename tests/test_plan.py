@@ -656,3 +656,21 @@ def test_overlap_auto_for_a_given_grid_uses_the_planners_knobs_where_it_can_pric
     assert choose_overlap(shape, model="20B", batch=64) == chosen
     with pytest.raises(ValueError, match="chosen by the planner"):
         OverlapPolicy.parse("auto")
+
+
+def _timed_in_lockstep(grid):
+    import time
+
+    from axon4d.measure.timing import LOCKSTEP_S, Timer
+
+    pause = 3 * LOCKSTEP_S * (1 + 2 * grid.rank)  # rank 0 the shortest, the last rank the longest
+    return Timer(grid, reps=2).measure(lambda: time.sleep(pause))
+
+
+def test_long_work_is_timed_until_the_slowest_rank_is_done(pools):
+    """Work of LOCKSTEP_S or more per call is timed with a barrier around each call: every rank
+    gets the slowest rank's time, as in a step, not the mean of ranks that drifted apart."""
+    from axon4d.measure.timing import LOCKSTEP_S
+
+    times = pools(2).run((1, 1, 1, 2), _timed_in_lockstep)
+    assert times[0] == times[1] and times[0] >= 3 * LOCKSTEP_S * 3  # the slower rank's pause

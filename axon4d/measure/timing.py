@@ -3,7 +3,9 @@
 ``timeit`` is the sample loop: a median over repetitions, each repetition a mean over a window of
 back-to-back calls (where ranks share cores, §7: a single short call is either not preempted or
 preempted for several time slices). ``Timer`` runs it on every rank of a grid between barriers and
-averages the result over the ranks through ``axon4d.comm``, so every rank gets the same figure.
+averages the result over the ranks through ``axon4d.comm``, so every rank gets the same figure;
+work of ``LOCKSTEP_S`` or more per call is timed again with a barrier around every call
+(``Timer.lockstep``: the contention a step sees).
 The measurements themselves are in ``axon4d.measure.kernels`` and ``axon4d.measure.collectives``.
 """
 
@@ -51,6 +53,10 @@ def timeit(
     return statistics.median(times)
 
 
+#: local work that takes this long per call or more is timed again in lockstep (``Timer.lockstep``)
+LOCKSTEP_S = 0.05
+
+
 class Timer:
     """Times work on every rank of ``grid`` at once: ``reps`` samples, local work in windows of
     ``window_s`` (``timeit``), each figure the mean over ranks."""
@@ -69,9 +75,30 @@ class Timer:
         return float(self.grid.comm.all_reduce(t, "world").wait()) / self.grid.world_size
 
     def measure(self, fn: Callable[[], Any], budget_s: float | None = 1.0) -> float:
-        """Seconds per call of local work ``fn``, mean over ranks (windowed: see ``timeit``)."""
+        """Seconds per call of local work ``fn``, mean over ranks (windowed: see ``timeit``); for
+        work of ``LOCKSTEP_S`` or more per call, in lockstep (``lockstep``)."""
         self.grid.comm.barrier()
-        return self.mean(timeit(fn, self.reps, self.sync, budget_s, self.window_s))
+        t = self.mean(timeit(fn, self.reps, self.sync, budget_s, self.window_s))
+        if t < LOCKSTEP_S or self.grid.world_size == 1:
+            return t
+        return self.lockstep(fn)
+
+    def lockstep(self, fn: Callable[[], Any], samples: int = 2) -> float:
+        """Seconds per call of long local work ``fn`` run by every rank at once, as a step runs it:
+        each sample starts all ranks together (a barrier) and ends when the slowest is done (a
+        barrier); the median of ``samples``, mean over ranks. Timed freely, ranks that share cores
+        drift apart over calls of seconds, and those that finish first leave the cores to the rest,
+        whose calls then run faster than any call of a step, where every rank computes until the
+        next collective."""
+        times = []
+        for _ in range(samples):
+            self.grid.comm.barrier()
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            self.grid.comm.barrier()
+            times.append(time.perf_counter() - t)
+        return self.mean(statistics.median(times))
 
     def measure_collective(self, fn: Callable[[], Any]) -> float:
         """Seconds of one collective ``fn`` that every rank runs the same number of times."""
