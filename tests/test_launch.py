@@ -85,3 +85,58 @@ def test_importing_axon4d_puts_host_tensors_in_huge_pages_unless_told_not_to():
     policy = "/sys/kernel/mm/transparent_hugepage/enabled"
     if os.path.exists(policy) and "[never]" not in open(policy).read():  # where the kernel gives huge pages
         assert faults < faults_off / 10
+
+
+def _rank_pid_then_wait(grid, pid_dir, fail_rank):
+    """Write this rank's pid, then (``fail_rank``) end one rank as if killed, or wait forever."""
+    import time
+
+    with open(os.path.join(pid_dir, str(grid.rank)), "w") as f:
+        f.write(str(os.getpid()))
+    if grid.rank == fail_rank:
+        os._exit(9)
+    while True:
+        time.sleep(1)
+
+
+_SPAWNER = """
+import sys
+sys.path.insert(0, {root!r})
+from axon4d.measure.spawn import run_local
+from tests.test_launch import _rank_pid_then_wait
+run_local(2, _rank_pid_then_wait, {pid_dir!r}, -1)
+"""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone, only not yet reaped
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def test_local_ranks_end_with_the_process_that_spawned_them(tmp_path):
+    """axon4d.measure.spawn: killing the spawner leaves no rank behind; a rank that dies is reported."""
+    import signal
+    import time
+
+    from axon4d.measure.spawn import run_local
+
+    root = os.path.dirname(HERE)
+    spawner = subprocess.Popen([sys.executable, "-c", _SPAWNER.format(root=root, pid_dir=str(tmp_path))])
+    deadline = time.time() + 120
+    while len(os.listdir(tmp_path)) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    pids = [int((tmp_path / name).read_text()) for name in os.listdir(tmp_path)]
+    assert len(pids) == 2
+    spawner.send_signal(signal.SIGKILL)
+    spawner.wait()
+    deadline = time.time() + 10
+    while any(_alive(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+    (tmp_path / "again").mkdir()
+    with pytest.raises(RuntimeError, match="rank 1 of the local 2-rank world ended with exit code 9"):
+        run_local(2, _rank_pid_then_wait, str(tmp_path / "again"), 1)
