@@ -108,7 +108,6 @@ def attention_balance(
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, kv_heads, seq, head_dim, generator=gen, requires_grad=True)
     v = torch.randn(1, kv_heads, seq, head_dim, generator=gen, requires_grad=True)
-    gqa = heads != kv_heads
     out: dict[str, list[float]] = {"head_tail": [], "contiguous": []}
     for z in range(g_z):
         q_ht = torch.randn(1, heads, seq // g_z, head_dim, generator=gen, requires_grad=True)
@@ -116,10 +115,10 @@ def attention_balance(
         chunks = sequence_chunks(z, g_z)
 
         def head_tail() -> None:
-            prefix_attention(q_ht, k, v, chunks, gqa).sum().backward()
+            prefix_attention(q_ht, k, v, chunks).sum().backward()
 
         def contiguous() -> None:  # z-rank z holds tokens [z·S/G_z, (z+1)·S/G_z): chunks 2z and 2z+1 of 2·G_z
-            prefix_attention(q_c, k, v, (2 * z, 2 * z + 1), gqa).sum().backward()
+            prefix_attention(q_c, k, v, (2 * z, 2 * z + 1)).sum().backward()
 
         for name, fn in (("head_tail", head_tail), ("contiguous", contiguous)):
             fn()  # warm-up

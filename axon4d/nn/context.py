@@ -195,24 +195,21 @@ def _chunk_slices(
     return [k_full.narrow(2, ch * c, c) for ch in chunks], [v_full.narrow(2, ch * c, c) for ch in chunks]
 
 
-def prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int], gqa: bool | None = None
-) -> torch.Tensor:
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int]) -> torch.Tensor:
     """Causal attention of a rank's two query chunks q (b, hq, 2·C, d), global chunk indices
     ``chunks``, against the whole sequence's keys and values (b, hkv, S, d) in global order: chunk c
     sees keys [0, (c+1)·C), its own causally — the split attention without its collectives (what one
-    rank computes once the keys and values are gathered). Returns (b, hq, 2·C, d). ``gqa`` (hkv < hq)
-    is read from the shapes; it is accepted for callers that pass it."""
-    _check_heads(q, k, gqa)
+    rank computes once the keys and values are gathered). Returns (b, hq, 2·C, d); grouped-query
+    attention (hkv < hq) is read from the shapes."""
+    _check_heads(q, k)
     return _SplitAttention.apply(q, k, v, None, chunks, False)
 
 
-def _check_heads(q: torch.Tensor, k: torch.Tensor, gqa: bool | None = None) -> None:
-    if q.shape[1] % k.shape[1] or (gqa is not None and gqa != (k.shape[1] != q.shape[1])):
+def _check_heads(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"{q.shape[1]} query heads and {k.shape[1]} key/value heads: each key/value head serves a whole "
             "group of query heads, so the query heads must be a multiple of the key/value heads"
-            + ("" if gqa is None else f" (and gqa={gqa} must say whether they differ)")
         )
 
 

@@ -38,6 +38,8 @@ from axon4d.shape import GridShape
 #: Collectives that move activations on the critical path (their term keys); every other one
 #: moves weights or gradients.
 ACTIVATION_TERMS = frozenset({"E8", "E9", "embedding"})
+#: Share of attention's forward + backward seconds that is forward (fwd:bwd ≈ 1:2.3 for flash-style kernels).
+ATTENTION_FORWARD = 0.3
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})
 
@@ -241,7 +243,7 @@ def context_hidden(wl: Workload, shape: GridShape, m: Machine) -> float:
     if not collectives:
         return 0.0
     local = attention_seconds(wl, shape, m)[0]
-    fwd, bwd = 0.3 * local, 0.7 * local  # the split of ``_block_extras``
+    fwd, bwd = ATTENTION_FORWARD * local, (1 - ATTENTION_FORWARD) * local
     hidden = 0.0
     for c in collectives:
         seconds = _priced(c, shape, m)[0]
@@ -259,7 +261,7 @@ def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple
     out: dict[str, tuple[float, float]] = {}
     if wl.attention:
         att = sum(attention_seconds(wl, shape, m))
-        out["qkv"] = (att * 0.3, att * 0.7)  # fwd:bwd ≈ 1:2.3 for flash-style kernels (heads → features is a view)
+        out["qkv"] = (att * ATTENTION_FORWARD, att * (1 - ATTENTION_FORWARD))  # heads → features is a view
     residual = (ew(3 * b * h_x * elem, world), ew(3 * b * h_x * elem, world))  # add; grad fan-out sum
     out["attn_out"] = residual
     out["mlp_down"] = residual
@@ -279,16 +281,16 @@ def recomputed_seconds(wl: Workload, shape: GridShape, m: Machine, recompute: st
     """Forward work one block runs again in backward under ``selective`` or ``balanced``
     recomputation (docs/design.md §5; ``full`` re-runs whole layers, priced by the search).
 
-    selective: core attention's forward (the ~0.3 share of its forward + backward time, as
-    ``_block_extras`` splits it). balanced: the activation and the two norms' normalisation, each
-    twice — once when the consuming GEMM's backward re-makes its input, once in the op's own backward.
+    selective: core attention's forward (its ``ATTENTION_FORWARD`` share of forward + backward).
+    balanced: the activation and the two norms' normalisation, each twice — once when the consuming
+    GEMM's backward re-makes its input, once in the op's own backward.
     """
     mod, world, elem = wl.model, shape.world_size, wl.element_size
     b = wl.local_tokens(shape)
     if recompute == "selective":
         if not wl.attention:
             return 0.0
-        return 0.3 * sum(attention_seconds(wl, shape, m))
+        return ATTENTION_FORWARD * sum(attention_seconds(wl, shape, m))
     if recompute == "balanced":
         act = m.activation_time(b * mod.ffn // shape.y * (2 if mod.gated else 1), world)[0]
         normalize = m.elementwise_time(3 * b * (mod.hidden // shape.x) * elem, world) if wl.norms else 0.0
