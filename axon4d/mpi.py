@@ -1,8 +1,9 @@
 """The MPI transport of the communication layer (``axon4d.comm``): mpi4py's non-blocking
 collectives on per-axis sub-communicators that mirror the grid (docs/design.md §7).
 
-``axon4d.comm`` builds an ``MPIBackend`` for ``axon4d.init(..., backend="mpi")`` or when launched
-under mpirun on the host; only its ``Communicator`` calls it. Like every backend, it only moves
+``axon4d.comm`` builds an ``MPIBackend`` for ``axon4d.init(..., backend="mpi")``, or under mpirun on
+the host when its transport probe finds MPI the faster (``axon4d.comm.probe_transports``); only
+its ``Communicator`` calls it. Like every backend, it only moves
 bytes: logging, reshaping and handles live in ``axon4d.comm``.
 """
 
@@ -130,11 +131,21 @@ class MPIBackend:
     every ``poll_us`` microseconds, so collectives advance while matmuls (which release the GIL)
     run; ``"mpich"`` relies on MPICH's own progress thread (``MPIR_CVAR_ASYNC_PROGRESS=1`` in the
     environment before MPI starts); ``"none"`` progresses only inside ``wait()``.
+
+    ``axes``: build the sub-communicators of these axes only (default: every axis); each one is a
+    collective split of ``COMM_WORLD`` (the transport probe of ``axon4d.comm`` needs only "world").
     """
 
     name = "mpi"
 
-    def __init__(self, shape: GridShape, rank: int, progress: str | None = None, poll_us: float = 200.0):
+    def __init__(
+        self,
+        shape: GridShape,
+        rank: int,
+        progress: str | None = None,
+        poll_us: float = 200.0,
+        axes: tuple[str, ...] | None = None,
+    ):
         from mpi4py import MPI  # optional dependency (the "mpi" extra), needed only here
 
         world = MPI.COMM_WORLD
@@ -160,6 +171,8 @@ class MPIBackend:
         }
         self.comms: dict[str, Any] = {}
         for axis, key in others.items():  # color: coordinates on the other axes; key: own index
+            if axes is not None and axis not in axes:
+                continue
             color = 0
             for k, size in zip(key, _other_sizes(shape, axis)):
                 color = color * size + k

@@ -18,14 +18,14 @@ import torch.distributed as dist
 
 from axon4d import device as devices
 from axon4d import launch
-from axon4d.comm import choose_transport
+from axon4d.comm import PROBE, TransportChoice, choose_transport, settle_transport
 from axon4d.grid import Grid
 from axon4d.plan.auto import choose, choose_overlap
 from axon4d.policy import AUTO, OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.shape import GridShape
 
-_state: dict[str, object] = {"grid": None, "owns_world": False, "launch": None}
+_state: dict[str, object] = {"grid": None, "owns_world": False, "launch": None, "probed": None}
 
 
 def init(
@@ -45,8 +45,13 @@ def init(
     ``grid`` may hold one -1 ("the rest"); the default is pure data parallelism. ``backend`` is
     the torch.distributed backend (default: NCCL with accelerators, gloo otherwise); ``device``
     overrides the compute device; ``comm`` chooses the communication layer's transport: "torch",
-    "mpi" (also ``backend="mpi"``), or "auto" = MPI when launched by mpirun on the host with mpi4py
-    present, else torch (axon4d.comm.choose_transport). ``overlap`` is the overlap policy
+    "mpi" (also ``backend="mpi"``), or "auto": ``$AXON4D_COMM`` ("torch"/"mpi") when set; else,
+    when launched by mpirun/mpiexec on the host with mpi4py present, the faster of the two by a
+    short probe on the world group (all-reduce, all-gather, reduce-scatter at 64 KiB and 4 MiB;
+    every rank takes the same verdict; measured once per job, reused by later ``init`` calls);
+    else torch (axon4d.comm.choose_transport, settle_transport). The choice and the probe's
+    figures are ``grid.comm.transport``, logged on rank 0 (logger "axon4d.comm", INFO).
+    ``overlap`` is the overlap policy
     (axon4d.policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
     "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where
     ``plan`` names the model and a machine description is known (``plan["machine"]``,
@@ -80,13 +85,19 @@ def init(
     devices.bind(dev)
     if seed is not None:
         torch.manual_seed(seed)
-    transport, backend = choose_transport(comm, backend, info.launcher, dev)
+    transport, backend, why = choose_transport(comm, backend, info.launcher, dev)
     policy = OverlapPolicy.parse(overlap)  # raises before any group exists
     mixed = Precision.parse(precision)  # likewise
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s)
         _state["owns_world"], _state["launch"] = True, info
-    new = Grid(shape, dev, transport, launcher=info.launcher, precision=mixed, overlap=policy)
+    choice = _state["probed"] if transport == PROBE else None  # a probe is run once per world
+    if not isinstance(choice, TransportChoice):
+        choice = settle_transport(transport, why, dev, info.rank, info.world_size)
+        if choice.seconds is not None and _state["owns_world"]:
+            _state["probed"] = choice
+    new = Grid(shape, dev, choice.name, launcher=info.launcher, precision=mixed, overlap=policy)
+    new.comm.transport = choice
     _state["grid"] = new
     return new
 
@@ -132,7 +143,7 @@ def _at_exit() -> None:
     shutdown()
     if _state["owns_world"] and dist.is_initialized():
         dist.destroy_process_group()
-    _state["owns_world"], _state["launch"] = False, None
+    _state["owns_world"], _state["launch"], _state["probed"] = False, None, None
 
 
 atexit.register(_at_exit)

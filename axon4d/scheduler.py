@@ -52,6 +52,11 @@ class _PendingGrad:
     scale: float
 
 
+def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """``grad`` times ``scale``, in place; no pass over it when ``scale`` is 1 (G_batch = 1)."""
+    return grad if scale == 1.0 else grad.mul_(scale)
+
+
 class Scheduler:
     """Issues and completes the overlapped collectives of one grid according to its policy."""
 
@@ -190,7 +195,7 @@ class Scheduler:
         rs = self.comm.reduce_scatter(dw, "z", tag="bwd.E11")
         if not (self.policy.ors or self.policy.odp):
             shard = rs.wait()
-            return self.comm.all_reduce(shard, "data", tag="bwd.E12").wait().mul_(scale).to(param.dtype)
+            return _scaled(self.comm.all_reduce(shard, "data", tag="bwd.E12").wait(), scale).to(param.dtype)
         # fold the reduce-scatters of layers that ran before this one, all but the newest
         # ors_inflight - 1 (a count, not "whichever finished": every rank folds the same ones)
         self._advance(keep=self.policy.ors_inflight - 1)
@@ -204,7 +209,7 @@ class Scheduler:
         db = db.to(reduce_dtype(self.precision, param))
         handle = self.comm.all_reduce(db, "batch", tag="bwd.E13")
         if not self.policy.odp:
-            return handle.wait().mul_(scale).to(param.dtype)
+            return _scaled(handle.wait(), scale).to(param.dtype)
         self._reducing.append(([(param, db, scale)], handle, None))
         return None
 
@@ -246,7 +251,7 @@ class Scheduler:
                 if flat is not None:
                     shard = flat[offset : offset + shard.numel()]
                     offset += shard.numel()
-                shard = shard.mul_(scale).to(param.dtype)
+                shard = _scaled(shard, scale).to(param.dtype)
                 if param.grad is None:
                     param.grad = shard if flat is None or shard.dtype != flat.dtype else shard.clone()
                 else:

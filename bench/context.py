@@ -6,7 +6,8 @@ query and ``--kv-heads`` key/value heads) trains on one sequence of S tokens:
 
 - **split**: on ``--grid`` (default (1,2,4,1): 8 ranks) with ``context_parallel=True`` — the
   sequence's tokens split head–tail over z. ``--warmup`` + ``--steps`` steps of forward, backward
-  and Adam; the step time is the median of the slowest rank's; peak memory per rank is the maximum
+  and Adam (more steps for short sequences, so that at least ``--min-seconds`` are measured by
+  the planner's estimate of a step); the step time is the median of the slowest rank's; peak memory per rank is the maximum
   over ranks (torch's memory tracker on the host, the allocator's peak on a GPU:
   ``axon4d.measure.probe.peak_bytes``);
 - **unsplit**: the same model and sequence on the grid without z (default (1,2,1,1): 2 ranks), every
@@ -24,6 +25,7 @@ The planner (``axon4d.plan``, ``Workload(context_parallel=True)``) prices the sp
 
     python bench/context.py                          # S = 4096 … 32768 on 8 ranks
     python bench/context.py --seqs 4096,8192 --steps 2
+    python bench/context.py --seqs 32768 --keep      # re-measure one length, keep the others' rows
 
 Saves ``bench/results/context.json``; the last line is
 ``context: seq = S, tokens/s = T, memory per rank = M GiB (unsplit U GiB), balance max/min = B (contiguous C)``
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -49,6 +52,9 @@ import torch  # noqa: E402
 from axon4d.config import ModelConfig  # noqa: E402
 from axon4d.layout import sequence_chunks  # noqa: E402
 from axon4d.nn.context import prefix_attention  # noqa: E402
+
+#: the arguments rows kept by --keep must share
+SETTING = ("grid", "unsplit_grid", "layers", "hidden", "heads", "kv_heads", "machine")
 
 
 def model_config(args: argparse.Namespace, seq: int) -> ModelConfig:
@@ -140,12 +146,23 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=2, help="measured steps (at least; see --min-seconds)")
+    p.add_argument(
+        "--min-seconds",
+        type=float,
+        default=12.0,
+        help="measure at least this long: short sequences run more steps (by the planner's step estimate)",
+    )
     p.add_argument("--unsplit-steps", type=int, default=1)
     p.add_argument("--reps", type=int, default=3, help="repetitions of each rank's attention (balance)")
     p.add_argument("--machine", default=os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-24.json"))
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "context.json"))
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the rows of other lengths already in --out (same setting; each row has its date)",
+    )
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -168,16 +185,19 @@ def main() -> int:
     try:
         for seq in seqs:
             cfg = model_config(args, seq)
-            split = split_pool.run(split_grid, _train_steps, cfg, True, args.warmup, args.steps, timeout=3600)
+            wl = Workload(cfg, batch=shape.size("data"), dtype="float32", context_parallel=True)
+            cand = evaluate(wl, shape, machine, Overlap.parse("all"))
+            steps = max(args.steps, math.ceil(args.min_seconds / cand.time.step_s))
+            split = split_pool.run(split_grid, _train_steps, cfg, True, args.warmup, steps, timeout=3600)
             whole = unsplit_pool.run(unsplit_grid, _train_steps, cfg, False, 0, args.unsplit_steps, timeout=3600)
             step_s = _slowest_median(split)
             balance = attention_balance(
                 seq, g_z, args.heads // g_y, args.kv_heads // g_y, args.hidden // args.heads, args.reps
             )
-            wl = Workload(cfg, batch=shape.size("data"), dtype="float32", context_parallel=True)
-            cand = evaluate(wl, shape, machine, Overlap.parse("all"))
             row = {
                 "seq": seq,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "steps": steps,
                 "step_s": step_s,
                 "tokens_per_s": seq * shape.size("data") / step_s,
                 "memory_per_rank_bytes": max(r["peak"] for r in split),
@@ -206,6 +226,13 @@ def main() -> int:
         split_pool.close()
         unsplit_pool.close()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if args.keep and os.path.exists(args.out):  # rows of other lengths from an earlier run of the same setting
+        with open(args.out) as f:
+            old = json.load(f)
+        same = {k: old["args"].get(k) == getattr(args, k) for k in SETTING}
+        if not all(same.values()):
+            raise SystemExit(f"--keep: {args.out} was measured with other settings ({same}); drop --keep")
+        rows = sorted(rows + [r for r in old["rows"] if r["seq"] not in seqs], key=lambda r: r["seq"])
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}, f, indent=1)
     print(f"saved {args.out}")

@@ -9,6 +9,11 @@ step time is the slowest rank's, and each configuration reports the median step 
 "off", and the median share of communication hidden (axon4d.stepstats), with the CPU-seconds the
 ranks used (all their threads, and their main threads alone) and the host's busy share.
 
+The knobs (OAG depth and keep-for-backward, ORS in flight, forward chunks) are what a user gets by
+default: ``axon4d.init``'s ``overlap="auto"``, the planner's choice for this model (its linear
+layers, fp32, SGD) on ``--machine`` — a machine file measured where the bench runs (the default
+file of each setting is named in ``--help``). ``--knobs`` sets them by hand instead.
+
     python bench/overlap.py --link 1gbit     # emulated cluster of 8 namespaces at 1 Gbit/s (root)
     python bench/overlap.py --link 1gbit --nodes 2 --intra 10gbit   # two nodes of 4, 1 Gbit/s between
     python bench/overlap.py --backend gloo   # loopback, gloo
@@ -39,13 +44,20 @@ CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
 
 
 # -- the worker: runs on every rank ---------------------------------------------------------------
-def _policy(name: str, knobs: str = ""):
+def _policy(name: str, knobs: str = "", base=None):
     """The policy of configuration ``name``; ``knobs`` ("ors_inflight=2,bucket_mb=4") tune every
-    configuration but "off" (the mechanisms themselves are chosen by ``name``)."""
+    configuration but "off" (the mechanisms themselves are chosen by ``name``). With no ``knobs``,
+    the knobs of ``base`` (the policy ``axon4d.init``'s ``overlap="auto"`` chose) apply."""
+    import dataclasses
+
     from axon4d.policy import MECHANISMS, OverlapPolicy
 
     if name == "off":
         return OverlapPolicy.off()
+    if not knobs and base is not None:
+        on = set(MECHANISMS) if name == "all" else {name}
+        flags = {m: m in on for m in MECHANISMS if m != "chunks"}
+        return dataclasses.replace(base, **flags, forward_chunks=base.forward_chunks if "chunks" in on else 1)
     bad = [k for k in filter(None, knobs.split(",")) if "=" not in k or k.partition("=")[0] in MECHANISMS]
     if bad:
         raise SystemExit(
@@ -79,6 +91,21 @@ def _model(hidden: int, layers: int):
     return torch.nn.Sequential(*[Block() for _ in range(layers)])
 
 
+def _plan(args: argparse.Namespace) -> dict:
+    """What the planner is told of this job for ``overlap="auto"`` (axon4d.init's ``plan``): the
+    blocks' four linear layers as a model without attention compute, norms, embedding or head
+    (the elementwise mix is not priced), fp32, plain SGD, on ``--machine``."""
+    from axon4d.config import ModelConfig
+    from axon4d.plan.workload import Workload
+
+    h = args.hidden
+    cfg = ModelConfig(n_layers=args.layers, hidden=h, n_heads=1, ffn_hidden=4 * h, vocab_size=128, seq_len=args.seq)
+    wl = Workload(
+        cfg, args.batch, dtype="float32", optimizer="sgd", attention=False, norms=False, embedding=False, head=False
+    )
+    return {"workload": wl, "machine": args.machine}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -90,7 +117,12 @@ def worker(args: argparse.Namespace) -> None:
         cores = sorted(os.sched_getaffinity(0))
         node = int(os.environ["RANK"]) // int(os.environ["LOCAL_WORLD_SIZE"])  # set by bench/cluster.py
         os.sched_setaffinity(0, {cores[node % len(cores)]})
-    grid = axon4d.init(grid=tuple(int(s) for s in args.grid.split(",")), comm=args.comm, seed=0)
+    shape = tuple(int(s) for s in args.grid.split(","))
+    if args.knobs:
+        grid = axon4d.init(grid=shape, comm=args.comm, seed=0, overlap="all")
+    else:  # the library's default, overlap="auto": the planner's knobs for this model on --machine
+        grid = axon4d.init(grid=shape, comm=args.comm, seed=0, plan=_plan(args))
+    chosen = grid.scheduler.policy
     if args.nice_compute:  # this thread only: the communication threads made above keep nice 0
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice_compute)
     model = _model(args.hidden, args.layers)
@@ -127,13 +159,13 @@ def worker(args: argparse.Namespace) -> None:
         t = torch.tensor(values, dtype=torch.float64)
         return grid.comm.all_gather(t.view(1, -1), "world").wait().tolist()
 
-    sched.configure(_policy("all", args.knobs))
+    sched.configure(_policy("all", args.knobs, chosen))
     step()  # warm up allocations and the OAG order
     configs = args.configs.split(",")
     results: dict[str, list[dict]] = {c: [] for c in configs}
     for rep in range(args.reps):
         for name in configs:
-            sched.configure(_policy(name, args.knobs))
+            sched.configure(_policy(name, args.knobs, chosen))
             step()
             for s in range(args.steps):
                 r, cpu, main_cpu, busy = timed(s)
@@ -155,7 +187,7 @@ def worker(args: argparse.Namespace) -> None:
                     print(f"rep {rep} {name:6s} {r.line()}", flush=True)
     if args.trace:
         for name in ("off", "all"):
-            sched.configure(_policy(name, args.knobs))
+            sched.configure(_policy(name, args.knobs, chosen))
             step()
             grid.comm.barrier()
             t0 = time.perf_counter()
@@ -164,7 +196,9 @@ def worker(args: argparse.Namespace) -> None:
             trace.dump(grid, os.path.join(args.trace, name), t0=t0, label=name)
     if grid.rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"grid": str(grid.shape), "comm": grid.comm.backend_name, "runs": results}, f)
+            json.dump(
+                {"grid": str(grid.shape), "comm": grid.comm.backend_name, "policy": chosen.spec(), "runs": results}, f
+            )
     axon4d.shutdown()
 
 
@@ -197,6 +231,7 @@ def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
         "--knobs",
         args.knobs,
     ]
+    cmd += ["--machine", args.machine] if args.machine else []
     cmd += ["--nice-compute", str(args.nice_compute)] + (["--pin-nodes"] if args.pin_nodes else [])
     return cmd + (["--trace", args.trace] if args.trace else [])
 
@@ -286,17 +321,27 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--grid", default="2,2,2,1", help="x,y,z,data")
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--knobs", default="", help="policy knobs for every configuration but off, e.g. ors_inflight=2")
+    p.add_argument(
+        "--knobs",
+        default="",
+        help="policy knobs for every configuration but off, e.g. ors_inflight=2 (default: the knobs "
+        "axon4d.init's overlap='auto' chooses for this model on --machine)",
+    )
+    p.add_argument(
+        "--machine",
+        help="planner machine file for overlap='auto' (default: bench/results/planner_machine_<where>.json "
+        "of the setting: cluster_2node_1gbit, cluster_1gbit, or host_2026-11-24 on loopback)",
+    )
     p.add_argument(
         "--configs",
         default=",".join(CONFIGS),
         help=f"comma-separated configurations to run, 'off' and 'all' among them (default: {','.join(CONFIGS)})",
     )
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration per repetition")
     p.add_argument(
         "--nice-compute",
         type=int,
@@ -307,9 +352,11 @@ def main() -> int:
     )
     p.add_argument(
         "--pin-nodes",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="emulated cluster with --nodes > 1: run each node's ranks on one core of this host "
-        "(node i on the i-th core, round robin), as a node's ranks share its CPUs",
+        "(node i on the i-th core, round robin), as a node's ranks share its own CPUs and no other "
+        "node's (default: on with --nodes > 1; --no-pin-nodes lets every rank use every core)",
     )
     p.add_argument("--trace", help="dump one step with overlap off and one with all on into this directory")
     p.add_argument("--png", help="draw the traced steps into this PNG (needs --trace)")
@@ -325,11 +372,23 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.pin_nodes is None:
+        args.pin_nodes = bool(args.link) and args.nodes > 1 and args.ranks % args.nodes == 0
     if args.pin_nodes and (not args.link or args.nodes < 2 or args.ranks % args.nodes):
         p.error(
             f"--pin-nodes needs an emulated cluster of several nodes (--link, --nodes > 1 dividing "
             f"--ranks); got --link {args.link}, --nodes {args.nodes}, --ranks {args.ranks}"
         )
+    if not args.knobs and not args.machine:
+        where = f"cluster_{args.nodes}node_{args.link}" if args.nodes > 1 else f"cluster_{args.link}"
+        args.machine = os.path.join(
+            HERE, "results", f"planner_machine_{where if args.link else 'host_2026-11-24'}.json"
+        )
+        if not os.path.exists(args.machine):
+            p.error(
+                f"no machine file {args.machine} for overlap='auto' on this setting: calibrate it (docs/overlap.md), "
+                "give one with --machine, or set the knobs with --knobs"
+            )
     tag = f"cluster_{args.link}" if args.link else args.backend
     if args.nodes > 1:
         tag += f"_{args.nodes}nodes"
@@ -343,7 +402,8 @@ def main() -> int:
     summary = summarize(raw["runs"])
     setting = {
         **where,
-        "knobs": args.knobs,
+        "knobs": args.knobs or f"overlap='auto' on {os.path.relpath(args.machine, ROOT)}",
+        "policy": raw["policy"],
         "nice_compute": args.nice_compute,
         "pin_nodes": args.pin_nodes,
         "grid": raw["grid"],

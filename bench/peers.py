@@ -10,8 +10,8 @@ rank's tokens divided by their count, so every implementation gets the gradient 
   1024, 16 heads, 8 key/value heads (8, not 4: DTensor TP splits whole key/value heads, so 4 could
   not run at 8 ranks), ffn 2816 (the Llama rule), 2048 tokens (8 × 256);
 - ``20B``: one GPT block of the 20B width (axon4d.config.SIZES["20B"]: hidden 7168, 56 heads, ffn
-  28672, LayerNorm, GELU, biases) at 512 tokens (8 sequences × 64, so data parallelism can give
-  each of 8 ranks a whole sequence).
+  28672, LayerNorm, GELU, biases) at 128 tokens (8 sequences × 16, so data parallelism can give
+  each of 8 ranks a whole sequence; one step is ~0.5 TFLOP, about 10 s on a 2-core host).
 
 The modules are axon4d's own (axon4d.nn.mlp.MLP, axon4d.nn.block.TransformerBlock) and their
 single-process references (DenseMLP, DenseBlock), which the peers parallelize:
@@ -57,8 +57,8 @@ result per implementation is the median over rounds. One thread per rank.
 
 Ranks are spawned by ``axon4d.measure.spawn.run_local`` on loopback and by bench/cluster.py's
 ``Cluster`` on the emulated cluster. The planner prices the loopback runs with
-bench/results/planner_machine_local.json and the cluster runs with planner_machine_cluster_1gbit.json
-(``--machine`` to change). Results: ``bench/results/peers_<link>.json`` and ``.png``
+bench/results/planner_machine_local.json, the one-level cluster with planner_machine_cluster_1gbit.json
+and two nodes with planner_machine_cluster_2node_1gbit.json (``--machine`` to change). Results: ``bench/results/peers_<link>.json`` and ``.png``
 (``_<N>nodes`` added with --nodes N, ``_quick`` with --quick); the last lines, one per setting:
 
     peers: ranks = R, link = L, workload = W, axon4d = A s, dtensor = D s, fsdp2 = F s, ddp = P s, dense = S s
@@ -104,7 +104,8 @@ def workload(name: str, quick: bool) -> dict[str, Any]:
 
     if name == "mlp":
         h, f, b, s = (256, 1024, 4, 16) if quick else (2048, 8192, 8, 256)
-        cfg = ModelConfig(n_layers=1, hidden=h, n_heads=1, ffn_hidden=f, vocab_size=128, seq_len=s, name="mlp")
+        # no attention runs; 16 heads only so that the planner's head rule lets y split the block
+        cfg = ModelConfig(n_layers=1, hidden=h, n_heads=16, ffn_hidden=f, vocab_size=128, seq_len=s, name="mlp")
         return {"kind": "mlp", "cfg": cfg, "check_cfg": cfg, "batch": b, "seq": s}
     if name == "llama":
         h, b, s = (128, 4, 16) if quick else (1024, 8, 256)
@@ -113,7 +114,7 @@ def workload(name: str, quick: bool) -> dict[str, Any]:
         )
         return {"kind": "block", "cfg": cfg, "check_cfg": cfg, "batch": b, "seq": s}
     if name == "20B":
-        b, s = (8, 8) if quick else (8, 64)
+        b, s = (8, 8) if quick else (8, 16)
         cfg = get_config("20B", n_layers=1, vocab_size=128, seq_len=s)
         if quick:
             cfg = cfg.replace(hidden=448)  # 56 heads of 8
@@ -582,9 +583,16 @@ def main() -> int:
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 2, 1
     link = args.link or "loopback"
-    machine = args.machine or os.path.join(
-        HERE, "results", f"planner_machine_{'cluster_1gbit' if args.link else 'local'}.json"
+    where = (
+        "local"
+        if not args.link
+        else f"cluster_{args.nodes}node_{args.link}"
+        if args.nodes > 1
+        else f"cluster_{args.link}"
     )
+    machine = args.machine or os.path.join(HERE, "results", f"planner_machine_{where}.json")
+    if not os.path.exists(machine):
+        p.error(f"no machine file {machine} for this setting: calibrate it (docs/planner.md) or give --machine")
     try:
         grids = [[int(s) for s in g.split(",")] for g in filter(None, args.grids.split(";"))]
     except ValueError:

@@ -40,6 +40,7 @@ class MPIPools:
         g = axon4d.init(grid=grid, comm="mpi", **init_kwargs)
         try:
             assert g.comm.backend_name == "mpi"
+            assert (g.comm.transport.why, g.comm.transport.seconds) == ("comm='mpi'", None)  # given: no probe
             result = fn(g, *args)
         finally:
             axon4d.shutdown()

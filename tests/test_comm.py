@@ -2,6 +2,7 @@
 is logged with its payload, and a Linear's forward + backward moves exactly the bytes of docs/design.md
 E8–E13 as computed by axon4d.geometry (the planner's source of truth)."""
 
+import importlib.util
 from collections import Counter
 
 import pytest
@@ -146,3 +147,44 @@ def test_volume_terms_match_the_design_table():
     assert t[("E8", "forward")].axis == "y" and t[("E8", "forward")].payload_bytes == 512 * 4096 // 2 * 2
     cached = linear_collectives(1024, 4096, 512, shape, cache_weight=True)
     assert [c.phase for c in cached if c.term == "E10"] == ["forward"]
+
+
+def test_the_probe_picks_the_transport_whose_slowest_rank_is_fastest():
+    from axon4d.comm import decide_transport
+
+    # rank 0 alone would pick torch; the slowest rank decides: mpi 0.5 s < torch 0.9 s
+    per_rank = [{"mpi": 0.4, "torch": 0.2}, {"mpi": 0.5, "torch": 0.9}, {"mpi": 0.3, "torch": 0.3}]
+    choice = decide_transport(per_rank)
+    assert (choice.name, choice.seconds) == ("mpi", {"mpi": 0.5, "torch": 0.9})
+    assert choice.why == "probe over 3 ranks"
+    assert decide_transport([{"mpi": 0.7, "torch": 0.6}] * 4).name == "torch"
+    assert decide_transport([{"mpi": 0.5, "torch": 0.5}]).name == "mpi"  # an exact tie: the launcher's own
+    assert "mpi 0.5 s, torch 0.9 s" in choice.describe()
+    with pytest.raises(ValueError, match="rank 1's probe figures"):
+        decide_transport([{"mpi": 0.1, "torch": 0.1}, {"mpi": 0.1}])
+    with pytest.raises(ValueError, match="at least one rank"):
+        decide_transport([])
+
+
+def test_transport_overrides_and_other_launchers_never_probe(monkeypatch):
+    from axon4d import device as devices
+    from axon4d.comm import PROBE, TransportChoice, choose_transport, settle_transport
+
+    host, accel = devices.HOST, torch.device("meta")  # meta: any device that is not host memory
+    monkeypatch.delenv("AXON4D_COMM", raising=False)
+    expected = PROBE if importlib.util.find_spec("mpi4py") else "torch"
+    assert choose_transport("auto", None, "mpi", host)[0] == expected
+    assert choose_transport("auto", None, "torchrun", host) == ("torch", None, "launcher torchrun")
+    assert choose_transport("auto", None, "mpi", accel) == ("torch", None, "device meta")
+    assert choose_transport("torch", None, "mpi", host) == ("torch", None, "comm='torch'")
+    assert choose_transport("auto", "mpi", "mpi", host) == ("mpi", None, 'backend="mpi"')
+    for value in ("torch", "mpi"):
+        monkeypatch.setenv("AXON4D_COMM", value)
+        assert choose_transport("auto", "gloo", "mpi", host) == (value, "gloo", f"AXON4D_COMM={value}")
+    monkeypatch.setenv("AXON4D_COMM", "nccl")
+    with pytest.raises(ValueError, match="AXON4D_COMM='nccl'"):
+        choose_transport("auto", None, "mpi", host)
+    with pytest.raises(ValueError, match="comm='fast'"):
+        choose_transport("fast", None, "mpi", host)
+    assert settle_transport("mpi", "comm='mpi'", host, 0, 4) == TransportChoice("mpi", "comm='mpi'")
+    assert settle_transport(PROBE, "probe", host, 0, 1) == TransportChoice("torch", "one rank: no collective to time")

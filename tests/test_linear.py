@@ -9,6 +9,7 @@ gradient of a rank is G_batch times the reference's (it is the gradient of the l
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -257,3 +258,135 @@ def test_large_layers_build_on_the_meta_device_without_memory():
     assert got["layers"][2]["weight"] == [1]  # 15 elements padded to 16 over z
     # the last layer alone would take 64 MiB for its shard (and 1 GiB for its block while initialising)
     assert got["grown"] < 16 * 2**20, f"building on the meta device raised peak memory by {got['grown']} bytes"
+
+
+# -- a grid of one rank: nothing to communicate, nothing more to do than torch.nn.Linear (issue 18) --
+
+
+def _aten_ops_and_nodes(module, x, v):
+    """(aten ops torch's profiler records, autograd nodes of the graph) of one forward + backward
+    of ``module`` on ``x`` with loss (y·v).sum(), and the gradients it gave (input, weight, bias)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = x.detach().clone().requires_grad_()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss = (module(x) * v).sum()
+        nodes, todo = set(), [loss.grad_fn]
+        while todo:  # every node backward will run, AccumulateGrad included
+            node = todo.pop()
+            if node is not None and node not in nodes:
+                nodes.add(node)
+                todo.extend(f for f, _ in node.next_functions)
+        loss.backward()
+    ops = sum(e.name.startswith("aten::") for e in prof.events())
+    grads = (x.grad, module.weight.grad.view(module.out_features, module.in_features), module.bias.grad)
+    module.zero_grad(set_to_none=True)
+    return ops, len(nodes), grads
+
+
+def _no_grad_equal(layer, ref, x):
+    with torch.no_grad():
+        return torch.equal(layer(x), ref(x))
+
+
+def _one_rank_work(grid):
+    """For 2D and 3D inputs: (aten ops, autograd nodes) of axon4d.Linear and of torch.nn.Linear,
+    whether their output and gradients are bitwise equal, and what the grid's comm log and
+    scheduler hold afterwards."""
+    torch.manual_seed(0)
+    out = {}
+    for lead in ((32,), (4, 8)):
+        ref = nn.Linear(48, 40)
+        layer = axon4d.Linear.from_dense(ref)
+        x, v = torch.randn(*lead, 48), torch.randn(40)
+        for module in (ref, layer):  # warm-up: first calls may set things up
+            _aten_ops_and_nodes(module, x, v)
+        grid.comm.log.clear()
+        ops, nodes, grads = _aten_ops_and_nodes(layer, x, v)
+        ref_ops, ref_nodes, ref_grads = _aten_ops_and_nodes(ref, x, v)
+        sched = grid.scheduler
+        out[len(lead)] = {
+            "ops": (ops, ref_ops),
+            "nodes": (nodes, ref_nodes),
+            "equal": all(torch.equal(a, b) for a, b in zip(grads, ref_grads)) and torch.equal(layer(x), ref(x)),
+            "equal_no_grad": _no_grad_equal(layer, ref, x),
+            "records": len(grid.comm.log.records),
+            "spans": len(grid.comm.log.spans),
+            "scheduler": [len(sched._scattering), len(sched._bucket), len(sched._reducing), len(sched._prefetched)],
+            "order_learned": len(sched._next) + len(sched._prev),
+        }
+    return out
+
+
+def test_one_rank_grid_does_no_more_than_torch_linear(pools):
+    # the machinery costs nothing where nothing is communicated: no collective and no compute span
+    # in the comm log, nothing left with the scheduler, no more aten ops or autograd nodes than
+    # torch.nn.Linear, and the very same bits (bench/overhead.py times it)
+    for ndim, got in pools(1).run((1, 1, 1, 1), _one_rank_work)[0].items():
+        assert got["equal"], f"{ndim}D input: axon4d.Linear is not bitwise torch.nn.Linear on one rank"
+        assert got["equal_no_grad"], f"{ndim}D input: axon4d.Linear under no_grad is not torch.nn.Linear"
+        assert got["records"] == 0 and got["spans"] == 0, got
+        assert got["scheduler"] == [0, 0, 0, 0] and got["order_learned"] == 0, got
+        assert got["ops"][0] <= got["ops"][1], f"{ndim}D input: aten ops (axon4d, torch) = {got['ops']}"
+        assert got["nodes"][0] <= got["nodes"][1], f"{ndim}D input: autograd nodes (axon4d, torch) = {got['nodes']}"
+
+
+def _one_rank_mixed(grid):
+    """bf16 compute on one rank: dtypes, and errors against the fp32 nn.Linear."""
+    torch.manual_seed(1)
+    ref = nn.Linear(24, 40)
+    layer = axon4d.Linear.from_dense(ref)
+    x, v = torch.randn(8, 24), torch.randn(40)
+    xa, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = layer(xa)
+    (y.float() * v).sum().backward()
+    (ref(xr) * v).sum().backward()
+    errs = {
+        "forward": rel_err(y, ref(x)),
+        "input_grad": rel_err(xa.grad, xr.grad),
+        "weight_grad": rel_err(layer.weight.grad.view(40, 24), ref.weight.grad),
+        "bias_grad": rel_err(layer.bias.grad, ref.bias.grad),
+    }
+    with torch.no_grad():
+        y_no_grad = layer(x)
+    errs["forward_no_grad"] = rel_err(y_no_grad, ref(x))
+    dtypes = {"output": y.dtype, "output_no_grad": y_no_grad.dtype, "weight": layer.weight.dtype}
+    dtypes["weight_grad"] = layer.weight.grad.dtype
+    return {k: str(d) for k, d in dtypes.items()}, errs, len(grid.comm.log.records)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-fp32-reduce"])
+def test_one_rank_grid_still_computes_in_the_compute_dtype(pools, precision):
+    dtypes, errs, records = pools(1).run((1, 1, 1, 1), _one_rank_mixed, precision=precision)[0]
+    assert dtypes == {
+        "output": "torch.bfloat16",
+        "output_no_grad": "torch.bfloat16",
+        "weight": "torch.float32",
+        "weight_grad": "torch.float32",
+    }
+    assert records == 0
+    for what, err in errs.items():  # bf16 rounding, and more than fp32's: the compute really is bf16
+        assert 1e-5 < err <= BF16_TOL[what.removesuffix("_no_grad")], f"{precision}: {what} error {err:.2e}"
+
+
+def test_overhead_bench_quick_prints_its_headline(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "overhead.json"
+    run = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "overhead.py"), "--quick", "--threads", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert run.returncode == 0, run.stderr
+    last = run.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"overhead: worst = \d+\.\d{3}× at \(\d+×\d+, \d+ tokens\), median = \d+\.\d{3}×", last), last
+    saved = json.loads(out.read_text())
+    assert [(p["in"], p["tokens"]) for p in saved["points"]] == [(512, 256), (1024, 256)]
+    for p in saved["points"]:
+        assert max(p["agreement"][k] for k in ("output", "input_grad", "weight_grad", "bias_grad")) <= FP32_TOL
+        assert len(p["samples_s"]["axon4d"]) == len(p["samples_s"]["torch"]) == p["reps"] >= 5
+        assert p["ratio"] == p["median_s"]["axon4d"] / p["median_s"]["torch"]
+    assert saved["host"]["cpu_model"] and saved["threads"] == 1

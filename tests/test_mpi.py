@@ -1,9 +1,11 @@
 """Protects the MPI backend (axon4d/mpi.py MPIBackend): the same correctness tests as the gloo
 backend — collectives, byte log against axon4d.geometry, Linear against torch.nn.Linear on every grid
 of 8 ranks, overlap on = overlap off — run under ``mpiexec -n 8`` with every collective going
-through mpi4py's non-blocking collectives (tests/mpi_check.py), and ``axon4d.init`` picks MPI by
-itself when launched by mpiexec."""
+through mpi4py's non-blocking collectives (tests/mpi_check.py); and, launched by mpiexec,
+``axon4d.init(comm="auto")`` times both transports and every rank takes the faster, while
+``AXON4D_COMM`` chooses without a probe."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -54,21 +56,51 @@ def test_every_check_ran_and_passed_under_mpiexec(checks):
 
 
 AUTO = r"""
-import os, torch, axon4d
+import json, os, torch, axon4d
 g = axon4d.init(grid=(2, 2, 2, 1))
 t = torch.full((4,), float(g.rank))
 s = g.comm.all_reduce(t, "x").wait()
-os.write(1, f"AUTO {g.comm.backend_name} {g.launcher} {s.tolist()}\n".encode())  # one write: ranks share stdout
+c = g.comm.transport
+line = {"backend": g.comm.backend_name, "launcher": g.launcher, "sum": s.tolist(), "name": c.name, "why": c.why,
+        "seconds": c.seconds, "cost_s": c.cost_s}
 axon4d.shutdown()
+again = axon4d.init(grid=(1, 1, 2, 4))  # a second grid in the same job: the probe is not run again
+line["again"] = again.comm.transport == c and again.comm.backend_name == c.name
+axon4d.shutdown()
+os.write(1, ("AUTO " + json.dumps(line) + "\n").encode())  # one write: ranks share stdout
 """
 
 
-def test_init_chooses_mpi_under_mpiexec_and_torch_when_asked():
+def _auto(**env):
+    proc = _run(["-c", AUTO], timeout=300, **env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("AUTO ")]
+    assert len(lines) == 8, proc.stdout[-3000:]
+    for line in lines:
+        assert line["launcher"] == "mpi" and line["backend"] == line["name"] and line["again"]
+    # x pairs are (2k, 2k+1): their sum is 4k+1, whichever transport moved it
+    assert sorted({str(line["sum"]) for line in lines}) == sorted({str([4.0 * k + 1] * 4) for k in range(4)})
+    return lines
+
+
+def test_init_under_mpiexec_probes_both_transports_and_takes_the_faster_on_every_rank():
     pytest.importorskip("mpi4py")
-    for env, expect in [({}, "mpi"), ({"AXON4D_COMM": "torch"}, "torch")]:
-        proc = _run(["-c", AUTO], timeout=240, **env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [line.split(" ", 3) for line in proc.stdout.splitlines() if line.startswith("AUTO")]
-        assert len(lines) == 8 and {line[1] for line in lines} == {expect} and {line[2] for line in lines} == {"mpi"}
-        # x pairs are (2k, 2k+1): their sum is 4k+1
-        assert sorted({line[3] for line in lines}) == sorted({str([4.0 * k + 1] * 4) for k in range(4)})
+    lines = _auto()
+    first = lines[0]
+    assert set(first["seconds"]) == {"mpi", "torch"} and all(s > 0 for s in first["seconds"].values())
+    # one verdict from one set of figures on every rank, and it is the faster transport by them
+    assert all(
+        (line["name"], line["seconds"], line["why"]) == (first["name"], first["seconds"], first["why"])
+        for line in lines
+    )
+    assert first["name"] == min(("mpi", "torch"), key=lambda n: first["seconds"][n])
+    assert first["why"] == "probe over 8 ranks"
+    print(f"probe: {first['seconds']}, cost per rank {max(line['cost_s'] for line in lines):.2f} s")
+
+
+@pytest.mark.parametrize("forced", ["torch", "mpi"])
+def test_axon4d_comm_chooses_the_transport_under_mpiexec_without_a_probe(forced):
+    pytest.importorskip("mpi4py")
+    for line in _auto(AXON4D_COMM=forced):
+        assert (line["name"], line["why"]) == (forced, f"AXON4D_COMM={forced}")
+        assert line["seconds"] is None and line["cost_s"] is None

@@ -576,6 +576,41 @@ def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(po
     assert len(k) == 4 and min(k) >= 0 and t.scale == tuple(k)  # the fit itself: bench/planner_accuracy.py
 
 
+def _network_only(grid):
+    from axon4d.measure import calibrate
+
+    return calibrate.measure_world(grid, [], reps=1, log=lambda s: None, payloads=[4096, 65536], parts=["network"])
+
+
+def test_network_only_calibration_replaces_the_links_and_keeps_the_compute(pools, tmp_path):
+    """`axon4d calibrate --parts network` (e.g. on an emulated cluster): the collectives are measured
+    anew and merged into the machine file already at --out; its compute tables stay as they were."""
+    import argparse
+    import copy
+    import dataclasses
+
+    from axon4d.measure import calibrate
+
+    before = dataclasses.replace(load("perlmutter"), devices_per_node=2, comm=[])  # as if its node had 2 ranks
+    result = pools(2).run((1, 1, 1, 2), _network_only)[0]
+    assert "matmul" not in result and "elementwise_Bps" not in result  # nothing but the network measured
+    after = calibrate.merge(copy.deepcopy(before), result, "ignored", 2**30)
+    assert sorted((c.op, c.group, c.stride, c.world) for c in after.comm) == [
+        (op, 2, 1, 2) for op in ("all_gather", "all_reduce", "reduce_scatter")
+    ]
+    assert after.overlap_efficiency == result["overlap_efficiency"] and "network" in after.sources
+    assert after.matmul == before.matmul and after.attention == before.attention
+    assert after.elementwise_Bps == before.elementwise_Bps and after.peak_flops == before.peak_flops
+    # without a file to take the compute from, the command refuses before measuring anything
+    p = argparse.ArgumentParser()
+    calibrate.add_arguments(p)
+    missing = str(tmp_path / "none.json")
+    with pytest.raises(SystemExit, match="does not exist to take it from"):
+        calibrate.main(p.parse_args(["--parts", "network", "--out", missing]))
+    with pytest.raises(SystemExit, match="choose some of compute, network"):
+        calibrate.main(p.parse_args(["--parts", "links", "--out", missing]))
+
+
 def test_context_parallel_attention_is_priced_as_the_rank_runs_it():
     """Under context parallelism a z-rank runs, per sequence and head, two causal squares of
     C = S/(2·G_z) (its own chunks) and its chunks against the keys before them, unmasked:

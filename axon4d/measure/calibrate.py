@@ -2,6 +2,7 @@
 
     axon4d calibrate --ranks 2,4,8 --out local.json        # spawns local gloo worlds of 2, 4, 8 ranks
     torchrun --nproc-per-node 8 -m axon4d.measure.calibrate    # or: srun / mpirun, one world
+    torchrun ... -m axon4d.measure.calibrate --parts network --out copy.json   # re-measure the links only
 
 Every rank measures at the same time as the others, so the numbers include the contention of a
 real step (on a CPU host the ranks share cores; on a GPU node each has its own device):
@@ -22,7 +23,9 @@ real step (on a CPU host the ranks share cores; on a GPU node each has its own d
 
 Times are the mean over ranks of each rank's median over repetitions (axon4d.measure.timing). The
 results of several worlds are merged into one file, tables keyed by the number of ranks that ran
-at once (axon4d.measure.merge); local worlds are spawned by axon4d.measure.spawn.
+at once (axon4d.measure.merge); local worlds are spawned by axon4d.measure.spawn. ``--parts network``
+measures the collectives alone and merges them into the machine file already at ``--out``, whose
+compute tables it keeps: the same hosts behind another network (e.g. bench/cluster.py's emulation).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ from axon4d.measure.timing import Timer
 from axon4d.plan import stepfit
 from axon4d.plan.machine import FORMS, Machine, load
 
+#: What a calibration can measure (``--parts``).
+PARTS = ("compute", "network")
+
 
 def measure_world(
     grid: Grid,
@@ -62,19 +68,42 @@ def measure_world(
     payloads: Sequence[int] = collectives.PAYLOADS,
     attention_seqs: Sequence[int] = kernels.ATTENTION_SEQS,
     prefix_keys: Sequence[int] = kernels.PREFIX_KEYS,
+    parts: Sequence[str] = PARTS,
 ) -> dict[str, Any]:
     """All measurements on the current world (every rank calls this); the result on every rank.
     ``window_s``: each sample of local work is a mean over this long (``axon4d.measure.timing``);
     ``step_model``: a ``stepfit.parse_model`` spec whose steps the in-step scale is fitted to
     (``step_rounds`` rounds on ``stepfit.calibration_grids``; None: no step calibration);
     ``dims``, ``payloads``, ``attention_seqs``, ``prefix_keys``: the GEMM lattice, the collective
-    payloads, the causal attention's sequence lengths and the prefix attention's key lengths."""
+    payloads, the causal attention's sequence lengths and the prefix attention's key lengths;
+    ``parts``: which of ``PARTS`` to measure ("compute": GEMMs, attention, elementwise work and the
+    optimizer; "network": the collectives, their overlap and interference)."""
     step_wl = stepfit.parse_model(step_model) if step_model else None  # a bad spec fails before measuring
     if step_wl is not None:
         stepfit.check_grids(grid.world_size, step_wl)
     timer = Timer(grid, reps, window_s)
     world = grid.world_size
-    out: dict[str, Any] = {"world": world, "matmul": {}, "attention": {}, "attention_prefix": {}}
+    out: dict[str, Any] = {"world": world}
+    if "compute" in parts:
+        out.update(_measure_compute(timer, dtypes, attention_seqs, prefix_keys, dims, log))
+    if "network" in parts:
+        out.update(_measure_network(timer, passes, payloads, log))
+    samples = step_probe.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []
+    out["step_samples"] = [dataclasses.asdict(s) for s in samples]
+    return out
+
+
+def _measure_compute(
+    timer: Timer,
+    dtypes: list[str],
+    attention_seqs: Sequence[int],
+    prefix_keys: Sequence[int],
+    dims: Sequence[int],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """GEMM tables, attention rows, elementwise, activation, optimizer and op costs (``measure_world``)."""
+    world = timer.grid.world_size
+    out: dict[str, Any] = {"matmul": {}, "attention": {}, "attention_prefix": {}}
     for name in dtypes:
         dt = DTYPES[name]
         out["matmul"][name] = {f: kernels.matmul_table(timer, dt, f, dims) for f in FORMS}
@@ -85,6 +114,13 @@ def measure_world(
     out.update(elementwise_Bps=bps, activation_s=act, adam_s=adam)
     out["op_overhead_s"] = kernels.op_overhead(timer)
     log(f"[{world} ranks] attention, elementwise, optimizer done")
+    return out
+
+
+def _measure_network(timer: Timer, passes: int, payloads: Sequence[int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Collective curves, overlap efficiency and interference (``measure_world``)."""
+    world = timer.grid.world_size
+    out: dict[str, Any] = {}
     out["comm"] = collectives.comm_curves(timer, torch.float32, passes, payloads) if world > 1 else []
     out["overlap_efficiency"] = statistics.median(
         collectives.overlap_efficiency(timer, torch.float32) for _ in range(max(passes, 1))
@@ -96,15 +132,15 @@ def measure_world(
         f"[{world} ranks] collectives done; overlap efficiency {out['overlap_efficiency']:.2f}, "
         f"interference {out['comm_interference_s_per_byte'] * 1e9:.2f} s per GB of collective traffic"
     )
-    samples = step_probe.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []
-    out["step_samples"] = [dataclasses.asdict(s) for s in samples]
     return out
 
 
-def _measure_spawned(grid: Grid, dtypes: list[str], reps: int, passes: int, step_model: str | None) -> dict[str, Any]:
+def _measure_spawned(
+    grid: Grid, dtypes: list[str], reps: int, passes: int, step_model: str | None, parts: Sequence[str]
+) -> dict[str, Any]:
     """``measure_world`` on one rank of a world ``run_local`` spawned; rank 0 logs."""
     log = (lambda s: print(s, flush=True)) if grid.rank == 0 else (lambda s: None)
-    return measure_world(grid, dtypes, reps, log=log, passes=passes, step_model=step_model)
+    return measure_world(grid, dtypes, reps, log=log, passes=passes, step_model=step_model, parts=parts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,6 +159,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also time whole steps of this model on a few grids and fit the planner's in-step scale to "
         "them (axon4d.plan.stepfit), e.g. layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8",
     )
+    p.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="what to measure: compute (GEMMs, attention, elementwise, optimizer), network (collectives); "
+        "'network' alone re-measures the links of a machine file whose compute is already in --out",
+    )
     p.add_argument("--name", default="local", help="machine name stored in the file")
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: host RAM / ranks)")
     p.add_argument("--out", default="local.json", help="machine file to write (merged into if it exists)")
@@ -135,6 +177,14 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--dtypes: {unknown} unknown; use some of {sorted(DTYPES)}")
     if args.step_model:
         stepfit.parse_model(args.step_model)  # a bad spec fails now, not after the tables
+    parts = [s.strip() for s in args.parts.split(",") if s.strip()]
+    if not parts or set(parts) - set(PARTS):
+        raise SystemExit(f"--parts {args.parts}: choose some of {', '.join(PARTS)}")
+    if "compute" not in parts and not os.path.exists(args.out):
+        raise SystemExit(
+            f"--parts {args.parts} measures no compute, and --out {args.out} does not exist to take it from: "
+            "calibrate with --parts compute,network, or copy a machine file of this host to --out first"
+        )
     machine = load(args.out) if os.path.exists(args.out) else None
 
     def memory(result: dict[str, Any]) -> float:
@@ -150,17 +200,20 @@ def main(args: argparse.Namespace) -> int:
             log=print if grid.rank == 0 else (lambda s: None),
             passes=args.passes,
             step_model=args.step_model,
+            parts=parts,
         )
         rank = grid.rank
         runtime.shutdown()
         if rank != 0:
             return 0
         machine = merge(machine, result, args.name, memory(result))
+        machine.name = machine.name if "compute" in parts else args.name  # compute from elsewhere: name it anew
         machine.save(args.out)
     else:
         for w in args.ranks.split(","):
-            result = run_local(int(w), _measure_spawned, dtypes, args.reps, args.passes, args.step_model)
+            result = run_local(int(w), _measure_spawned, dtypes, args.reps, args.passes, args.step_model, parts)
             machine = merge(machine, result, args.name, memory(result))
+            machine.name = machine.name if "compute" in parts else args.name
             machine.save(args.out)  # after every world: a later failure keeps what was measured
     assert machine is not None
     _summarise(machine, args, time.perf_counter() - start)

@@ -32,20 +32,26 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
             elementwise_Bps={},
             sources={"all": "measured by `axon4d calibrate` on this host"},
         )
-    for dt, forms in result["matmul"].items():
+    for dt, forms in result.get("matmul", {}).items():
         machine.matmul.setdefault(dt, {})[key] = forms
         best = max(float(t.rates.max()) for t in forms.values())
         machine.peak_flops[dt] = max(machine.peak_flops.get(dt, 0.0), best)  # "peak" = best measured rate
-    for dt, rows in result["attention"].items():
+    for dt, rows in result.get("attention", {}).items():
         machine.attention.setdefault(dt, {})[key] = rows
     for dt, rows in result.get("attention_prefix", {}).items():
         machine.attention_prefix.setdefault(dt, {})[key] = rows
-    machine.elementwise_Bps[key] = result["elementwise_Bps"]
+    if "elementwise_Bps" in result:  # the compute part (calibrate --parts)
+        machine.elementwise_Bps[key] = result["elementwise_Bps"]
+        machine.activation_s[key] = result["activation_s"]
+        machine.adam_s[key] = result["adam_s"]
+        machine.op_overhead_s = result["op_overhead_s"] if world == 1 else machine.op_overhead_s
+    if "comm" not in result:  # no network part
+        machine.devices_per_node = max(machine.devices_per_node, world)
+        return _with_steps(machine, world, result)
+    if "matmul" not in result:
+        machine.sources["network"] = f"re-measured on {world} ranks by `axon4d calibrate --parts network`"
     if world > 1:
         machine.comm_interference_s_per_byte[key] = result["comm_interference_s_per_byte"]
-    machine.activation_s[key] = result["activation_s"]
-    machine.adam_s[key] = result["adam_s"]
-    machine.op_overhead_s = result["op_overhead_s"] if world == 1 else machine.op_overhead_s
     machine.comm = [c for c in machine.comm if c.world != world] + result["comm"]
     if world > 1 and world >= machine.devices_per_node:  # the fullest node is what a job of the host sees
         machine.overlap_efficiency = result["overlap_efficiency"]
@@ -61,6 +67,11 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
                 )
             ]
     machine.devices_per_node = max(machine.devices_per_node, world)
+    return _with_steps(machine, world, result)
+
+
+def _with_steps(machine: Machine, world: int, result: dict[str, Any]) -> Machine:
+    """``machine`` with the in-step scale fitted to ``result``'s step samples (if any)."""
     stepfit.store(
         machine, {world}, result["step_samples"], "fitted to the measured steps in step_samples (axon4d.plan.stepfit)"
     )

@@ -8,6 +8,10 @@ swaps x and y, so a normal layer's output layout is a transposed layer's input l
 Tokens are split over batch = data × z. Parameter gradients are averaged over the batch axis
 like DDP: if each rank's loss is the mean over its own tokens, ``.grad`` is the gradient of the
 mean over all tokens, complete on every rank when ``backward()`` returns.
+
+On a grid of one rank no axis has anything to communicate (every G of E2–E7 is 1): the layer
+then runs ``_LocalLinear``, the ops ``torch.nn.Linear`` runs, in the grid's compute dtype, and
+involves neither the overlap scheduler nor the comm log (issue 18: ``bench/overhead.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from axon4d import device as devices
 from axon4d import geometry, pieces, rules, runtime
 from axon4d.grid import Grid
 from axon4d.layout import mark_features
+from axon4d.precision import compute_dtype, reduce_dtype
 
 
 class _Linear3D(torch.autograd.Function):
@@ -43,19 +49,23 @@ class _Linear3D(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         tokens, out_l = x2.shape[0], w.shape[0]
         y = x2.new_empty((tokens, out_l))  # (b, out_l)
+        # the bias joins the partial sums of the input axis' first rank inside its GEMM (one addmm,
+        # no extra pass over y); E3's all-reduce then adds it to every rank's output exactly once
+        b = bias.to(y.dtype) if bias is not None and layer.grid.coord(layer.in_axis) == 0 else None  # (out_l,)
         handles, start = [], 0
         chunks = sched.policy.chunk_count(tokens, out_l * y.element_size(), layer.grid.size(layer.in_axis))
         for rows in geometry.chunk_sizes(tokens, chunks):
             part = y[start : start + rows]  # a contiguous row block of y
             with sched.compute("fwd.matmul"):
-                torch.matmul(x2[start : start + rows], w.t(), out=part)  # (rows, in_l) @ (in_l, out_l)
+                if b is None:
+                    torch.matmul(x2[start : start + rows], w.t(), out=part)  # (rows, in_l) @ (in_l, out_l)
+                else:
+                    torch.addmm(b, x2[start : start + rows], w.t(), out=part)  # the same, + bias
             handles.append(comm.all_reduce(part, layer.in_axis, tag="fwd.E8"))  # E3: partial sums
             start += rows
         for h in handles:
             h.wait()
         y = y.view(*x.shape[:-1], out_l)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
         ctx.layer = layer
         ctx.has_bias = bias is not None
         kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no second E10
@@ -92,7 +102,9 @@ class _Linear3D(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             with sched.compute("bwd.dW"):
                 dw = torch.matmul(dy2.t(), x2).reshape(-1)  # (out_l, b) @ (b, in_l), flattened
-            dw = geometry.z_padded(dw, layer.grid.size("z"))  # (shard_numel·G_z,)
+            g_z = layer.grid.size("z")
+            if g_z > 1:  # E11's input: zero-padded to G_z equal shards (a copy; with G_z = 1 nothing to pad)
+                dw = geometry.z_padded(dw, g_z)  # (shard_numel·G_z,)
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
@@ -102,6 +114,67 @@ class _Linear3D(torch.autograd.Function):
         if dx_handle is not None:
             dx_out = dx_handle.wait().view(x.shape)
         return dx_out, dweight, dbias, None
+
+
+class _LocalLinear(torch.autograd.Function):
+    """Y = X Wᵀ + b on a grid of one rank, where E2–E7 move nothing: the forward is one ``addmm``
+    (``F.linear``) and the backward the two matmuls and the sum of ``torch.nn.Linear``'s, in the
+    grid's compute dtype, with gradients cast to the reduction and then the parameter dtype as
+    the 3D path does. No scheduler, no comm log, no collective."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
+    ) -> torch.Tensor:
+        x = _cast(x, compute_dtype(layer.grid.precision, weight))  # mixed precision: the compute dtype
+        ctx.layer = layer
+        ctx.save_for_backward(x, weight)  # through autograd: recomputation and saved-tensor hooks see them
+        return _local_forward(x, weight, bias, layer.block_shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layer: Linear = ctx.layer
+        x, weight = ctx.saved_tensors
+        precision = layer.grid.precision
+        dy2 = _rows(dy)  # (b, out)
+        dx = dweight = dbias = None
+        if ctx.needs_input_grad[0]:
+            dx = dy2.mm(_block(weight, layer.block_shape, dy.dtype))  # (b, out) @ (out, in) = (b, in)
+            dx = dx if x.dim() == 2 else dx.view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = dy2.t().mm(_rows(x)).view(-1)  # (out, b) @ (b, in), flattened
+            dweight = _cast(_cast(dw, reduce_dtype(precision, weight)), weight.dtype)
+        if ctx.needs_input_grad[2]:
+            bias = layer.bias
+            assert bias is not None  # it needs a gradient
+            db = dy2.sum(dim=0) if dy2.dtype == torch.float32 else dy2.sum(dim=0, dtype=torch.float32)  # (out,)
+            dbias = _cast(_cast(db, reduce_dtype(precision, bias)), bias.dtype)
+        return dx, dweight, dbias, None
+
+
+def _local_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, int]
+) -> torch.Tensor:
+    """X Wᵀ + b on one rank, in ``x``'s dtype: ``F.linear``, one ``addmm`` like ``torch.nn.Linear``."""
+    w = _block(weight, shape, x.dtype)  # (out, in)
+    b = None if bias is None else _cast(bias, x.dtype)
+    return F.linear(x, w, b)  # (..., in) @ (in, out) + (out,) = (..., out)
+
+
+def _block(weight: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The (rows, cols) weight block of a one-rank grid from its flat weight (its whole z shard):
+    a view, or a copy cast to ``dtype`` under mixed precision."""
+    return _cast(weight.view(shape), dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it already is (not even a dispatched no-op)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., f) as rows (n, f): ``t`` itself when it is already 2D."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 class Linear(nn.Module):
@@ -135,6 +208,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.transpose = in_features, out_features, transpose
         self.in_axis, self.out_axis = geometry.layer_axes(transpose)
         shape = self.grid.shape
+        #: a grid of one rank: nothing to communicate, forward and backward are ``_LocalLinear``
+        self.local = shape.world_size == 1
         rules.check(shape, rules.linear(in_features, out_features, transpose))
         self.block_shape = geometry.weight_block_shape(in_features, out_features, shape, transpose)
         self.shard_numel = geometry.weight_shard_numel(in_features, out_features, shape, transpose)
@@ -255,6 +330,11 @@ class Linear(nn.Module):
         precision layer computes in its compute dtype) on the parameters' device, with the shard's
         last dim; anything else is refused before any communication."""
         self._check_input(x)
+        if self.local:
+            if torch.is_grad_enabled():
+                return mark_features(_LocalLinear.apply(x, self.weight, self.bias, self), self.out_axis)
+            x = _cast(x, compute_dtype(self.grid.precision, self.weight))  # nothing to save: no Function
+            return mark_features(_local_forward(x, self.weight, self.bias, self.block_shape), self.out_axis)
         if torch.is_grad_enabled():
             self.grid.scheduler.note_forward(self)  # the order OAG prefetches in
         return mark_features(_Linear3D.apply(x, self.weight, self.bias, self), self.out_axis)

@@ -162,11 +162,11 @@ def _train_on(
     opt = make_optimizer(model, cfg)
     data = make_data(cfg, mcfg, grid)
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-    start = 0
+    start = skipped = 0  # skipped: non-finite steps so far in the run, across resumptions
     if resume_from is not None:
         with watchdog.waiting("the checkpoint load", cfg.startup_timeout):
             meta = checkpoint.load(resume_from, model, grid, opt)
-        start = int(meta["step"])
+        start, skipped = int(meta["step"]), int(meta.get("nonfinite_skipped", 0))
         if meta.get("rng"):
             devices.restore_rng(meta["rng"], grid.device)
     elif cfg.overwrite and rank0:
@@ -179,7 +179,7 @@ def _train_on(
     tokens_per_step = cfg.batch_size * cfg.micro_batches * mcfg.seq_len
     bar = tqdm(total=cfg.steps, initial=start, disable=not (rank0 and cfg.progress), ncols=110, desc="train")
     records, losses = [], []
-    skipped = in_a_row = 0
+    in_a_row = 0
 
     def save(step: int) -> None:
         with watchdog.waiting(f"the checkpoint save of step {step}", cfg.startup_timeout):
