@@ -11,7 +11,7 @@ rank's tokens divided by their count, so every implementation gets the gradient 
   not run at 8 ranks), ffn 2816 (the Llama rule), 2048 tokens (8 × 256);
 - ``20B``: one GPT block of the 20B width (axon4d.config.SIZES["20B"]: hidden 7168, 56 heads, ffn
   28672, LayerNorm, GELU, biases) at 128 tokens (8 sequences × 16, so data parallelism can give
-  each of 8 ranks a whole sequence; one step is ~0.5 TFLOP, about 10 s on a 2-core host).
+  each of 8 ranks a whole sequence; one step is ~0.5 TFLOP).
 
 The modules are axon4d's own (axon4d.nn.mlp.MLP, axon4d.nn.block.TransformerBlock) and their
 single-process references (DenseMLP, DenseBlock), which the peers parallelize:

@@ -594,7 +594,7 @@ def test_network_only_calibration_replaces_the_links_and_keeps_the_compute(pools
     before = dataclasses.replace(load("perlmutter"), devices_per_node=2, comm=[])  # as if its node had 2 ranks
     result = pools(2).run((1, 1, 1, 2), _network_only)[0]
     assert "matmul" not in result and "elementwise_Bps" not in result  # nothing but the network measured
-    after = calibrate.merge(copy.deepcopy(before), result, "ignored", 2**30)
+    after = calibrate.merge(copy.deepcopy(before), result, "re-measured", 2**30)
     assert sorted((c.op, c.group, c.stride, c.world) for c in after.comm) == [
         (op, 2, 1, 2) for op in ("all_gather", "all_reduce", "reduce_scatter")
     ]

@@ -207,13 +207,11 @@ def main(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
         machine = merge(machine, result, args.name, memory(result))
-        machine.name = machine.name if "compute" in parts else args.name  # compute from elsewhere: name it anew
         machine.save(args.out)
     else:
         for w in args.ranks.split(","):
             result = run_local(int(w), _measure_spawned, dtypes, args.reps, args.passes, args.step_model, parts)
             machine = merge(machine, result, args.name, memory(result))
-            machine.name = machine.name if "compute" in parts else args.name
             machine.save(args.out)  # after every world: a later failure keeps what was measured
     assert machine is not None
     _summarise(machine, args, time.perf_counter() - start)

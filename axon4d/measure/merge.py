@@ -19,7 +19,7 @@ from axon4d.plan.machine import Level, Machine
 
 def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: float) -> Machine:
     """Fold one world's measurements into ``machine`` (a new one named ``name`` with ``memory``
-    bytes per device if None)."""
+    bytes per device if None; a result of the network alone renames it ``name``)."""
     world = result["world"]
     key = str(world)
     if machine is None:
@@ -48,7 +48,8 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
     if "comm" not in result:  # no network part
         machine.devices_per_node = max(machine.devices_per_node, world)
         return _with_steps(machine, world, result)
-    if "matmul" not in result:
+    if "matmul" not in result:  # the network alone: the compute came from elsewhere, the name is this one's
+        machine.name = name
         machine.sources["network"] = f"re-measured on {world} ranks by `axon4d calibrate --parts network`"
     if world > 1:
         machine.comm_interference_s_per_byte[key] = result["comm_interference_s_per_byte"]
