@@ -42,6 +42,14 @@ from axon4d.shape import GridShape
 log = logging.getLogger(__name__)
 
 
+def _collective(name: str, before_2_12: str) -> Callable[..., Any]:
+    """torch.distributed's ``name``, or ``before_2_12`` on a torch that predates it: the
+    single-tensor collectives were renamed (all_gather_into_tensor → all_gather_single,
+    reduce_scatter_tensor → reduce_scatter_single, the old names deprecated) after 2.11, which GPU
+    hosts still run."""
+    return getattr(dist, name, None) or getattr(dist, before_2_12)
+
+
 class Work(Protocol):
     """What a backend returns for an issued collective."""
 
@@ -76,10 +84,14 @@ class TorchBackend:
         return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
-        return dist.all_gather_single(out, inp, group=self.groups[axis], async_op=True)
+        return _collective("all_gather_single", "all_gather_into_tensor")(
+            out, inp, group=self.groups[axis], async_op=True
+        )
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
-        return dist.reduce_scatter_single(out, inp, group=self.groups[axis], async_op=True)
+        return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+            out, inp, group=self.groups[axis], async_op=True
+        )
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups["world"])

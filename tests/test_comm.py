@@ -104,6 +104,43 @@ def test_axes_of_size_one_issue_and_log_nothing(pools):
         assert same and n == 0 and summary.startswith("comm none")
 
 
+def _gather_and_scatter_on_either_torch(grid):
+    """All-gather and reduce-scatter over z with torch's current names (no deprecation warning),
+    then with only the names torch 2.11 has (all_gather_into_tensor, reduce_scatter_tensor)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    def run():
+        z = grid.coord("z")
+        return (
+            grid.comm.all_gather(torch.full((2,), float(z)), "z").wait().tolist(),
+            grid.comm.reduce_scatter(torch.arange(4.0) * (z + 1), "z").wait().tolist(),
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # a deprecated name would raise here
+        current = run()
+    renamed = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)}
+    try:
+        for n in renamed:
+            delattr(dist, n)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            old = run()
+    finally:
+        for n, f in renamed.items():
+            setattr(dist, n, f)
+    return grid.coord("z"), current, old
+
+
+def test_collectives_run_on_torch_before_and_after_the_rename(pools):
+    # GPU hosts run torch 2.11, which predates all_gather_single / reduce_scatter_single
+    for z, current, old in pools(2).run((1, 1, 2, 1), _gather_and_scatter_on_either_torch):
+        expected = ([0.0, 0.0, 1.0, 1.0], [0.0, 3.0] if z == 0 else [6.0, 9.0])
+        assert current == expected and old == expected
+
+
 LAYERS = [(24, 40, True, False), (40, 24, True, True), (24, 36, False, False)]
 
 
