@@ -79,6 +79,7 @@ class TorchBackend:
 
     def __init__(self, groups: dict[str, dist.ProcessGroup]):
         self.groups = groups
+        self._pairs: dict[str, int | None] = {}  # axis -> this rank's index in its gloo pair, or None
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
         return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
@@ -89,15 +90,52 @@ class TorchBackend:
         )
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
-        return _collective("reduce_scatter_single", "reduce_scatter_tensor")(
-            out, inp, group=self.groups[axis], async_op=True
-        )
+        group = self.groups[axis]
+        index = self._pair_index(axis)
+        if index is not None and inp.device.type == "cpu":
+            return _ExchangedHalves(out, inp, index, group)
+        return _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group, async_op=True)
+
+    def _pair_index(self, axis: str) -> int | None:
+        """This rank's index on ``axis`` when the axis is two ranks under gloo (else None): gloo's
+        reduce-scatter sends the whole tensor, as an all-reduce does; two ranks exchange halves."""
+        if axis not in self._pairs:
+            group = self.groups[axis]
+            pair = group.size() == 2 and "gloo" in str(dist.get_backend(group))
+            self._pairs[axis] = group.rank() if pair else None
+        return self._pairs[axis]
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups["world"])
 
     def close(self) -> None:
         pass
+
+
+class _ExchangedHalves:
+    """Reduce-scatter over a pair of ranks as one exchange (E5/E11 on gloo): each rank sends the
+    half the other keeps and receives the other's copy of its own half into ``out``, then adds its
+    own. It moves n/2 bytes each way, where gloo's reduce-scatter moves n like an all-reduce, and
+    needs no buffer beyond ``out``. The sum is the same on both ranks (two terms commute)."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, index: int, group: dist.ProcessGroup):
+        halves = inp.chunk(2)  # (n/2, ...) each: half i is rank i's result
+        splits = [0, 0]
+        splits[1 - index] = out.shape[0]  # send to and receive from the other rank only
+        self._own, self._out = halves[index], out
+        self._work = dist.all_to_all_single(
+            out, halves[1 - index], output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True
+        )
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if self._own is not None:
+            self._out.add_(self._own)
+            self._own = None
+        return True
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
 
 
 #: the transports, in the order that breaks an exact tie in the probe (MPI: the launcher's own).

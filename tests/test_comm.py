@@ -141,6 +141,44 @@ def test_collectives_run_on_torch_before_and_after_the_rename(pools):
         assert current == expected and old == expected
 
 
+def _reduce_scatter_routes(grid):
+    """Which torch.distributed calls a reduce-scatter over z makes (gloo), and its result."""
+    import torch.distributed as dist
+
+    calls = Counter()
+    names = ("reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def counted(name, f):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+
+        return call
+
+    try:
+        for n, f in saved.items():
+            setattr(dist, n, counted(n, f))
+        g, z = grid.size("z"), grid.coord("z")
+        full = torch.arange(4.0 * g).view(2 * g, 2) * (z + 1)  # rows [2z, 2z + 2) are this rank's
+        out = grid.comm.reduce_scatter(full, "z").wait()
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return g, z, out, dict(calls)
+
+
+def test_a_pair_reduce_scatters_by_exchanging_halves_on_gloo(pools):
+    # gloo's reduce-scatter moves the whole tensor like an all-reduce; over two ranks axon4d sends
+    # each rank the half it keeps instead (one all-to-all), over more it calls gloo's own
+    for ranks in (2, 4):
+        for g, z, out, calls in pools(ranks).run((1, 1, ranks, 1), _reduce_scatter_routes):
+            total = sum(torch.arange(4.0 * g).view(2 * g, 2) * (k + 1) for k in range(g))
+            assert torch.equal(out, total[2 * z : 2 * z + 2])
+            native = calls.get("reduce_scatter_single", 0) + calls.get("reduce_scatter_tensor", 0)
+            assert (calls.get("all_to_all_single", 0), native) == ((1, 0) if g == 2 else (0, 1)), calls
+
+
 LAYERS = [(24, 40, True, False), (40, 24, True, True), (24, 36, False, False)]
 
 
