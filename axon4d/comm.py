@@ -122,7 +122,8 @@ class _ExchangedHalves:
         halves = inp.chunk(2)  # (n/2, ...) each: half i is rank i's result
         splits = [0, 0]
         splits[1 - index] = out.shape[0]  # send to and receive from the other rank only
-        self._own, self._out = halves[index], out
+        self._own: torch.Tensor | None = halves[index]
+        self._out = out
         self._work = dist.all_to_all_single(
             out, halves[1 - index], output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True
         )
