@@ -2,7 +2,7 @@
 collectives on per-axis sub-communicators that mirror the grid (docs/design.md §7).
 
 ``axon4d.comm`` builds an ``MPIBackend`` for ``axon4d.init(..., backend="mpi")``, or under mpirun on
-the host when its transport probe finds MPI the faster (``axon4d.comm.probe_transports``); only
+the host when its transport probe finds MPI the faster (``axon4d.transport.probe_transports``); only
 its ``Communicator`` calls it. Like every backend, it only moves
 bytes: logging, reshaping and handles live in ``axon4d.comm``.
 """

@@ -18,12 +18,13 @@ import torch.distributed as dist
 
 from axon4d import device as devices
 from axon4d import launch
-from axon4d.comm import PROBE, TransportChoice, choose_transport, settle_transport
+from axon4d.comm import TransportChoice
 from axon4d.grid import Grid
 from axon4d.plan.auto import choose, choose_overlap
 from axon4d.policy import AUTO, OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.shape import GridShape
+from axon4d.transport import PROBE, choose_transport, settle_transport
 
 _state: dict[str, object] = {"grid": None, "owns_world": False, "launch": None, "probed": None}
 
@@ -49,8 +50,8 @@ def init(
     when launched by mpirun/mpiexec on the host with mpi4py present, the faster of the two by a
     short probe on the world group (all-reduce, all-gather, reduce-scatter at 64 KiB and 4 MiB;
     every rank takes the same verdict; measured once per job, reused by later ``init`` calls);
-    else torch (axon4d.comm.choose_transport, settle_transport). The choice and the probe's
-    figures are ``grid.comm.transport``, logged on rank 0 (logger "axon4d.comm", INFO).
+    else torch (axon4d.transport.choose_transport, settle_transport). The choice and the probe's
+    figures are ``grid.comm.transport``, logged on rank 0 (logger "axon4d.transport", INFO).
     ``overlap`` is the overlap policy
     (axon4d.policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
     "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where

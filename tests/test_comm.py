@@ -225,7 +225,7 @@ def test_volume_terms_match_the_design_table():
 
 
 def test_the_probe_picks_the_transport_whose_slowest_rank_is_fastest():
-    from axon4d.comm import decide_transport
+    from axon4d.transport import decide_transport
 
     # rank 0 alone would pick torch; the slowest rank decides: mpi 0.5 s < torch 0.9 s
     per_rank = [{"mpi": 0.4, "torch": 0.2}, {"mpi": 0.5, "torch": 0.9}, {"mpi": 0.3, "torch": 0.3}]
@@ -243,7 +243,8 @@ def test_the_probe_picks_the_transport_whose_slowest_rank_is_fastest():
 
 def test_transport_overrides_and_other_launchers_never_probe(monkeypatch):
     from axon4d import device as devices
-    from axon4d.comm import PROBE, TransportChoice, choose_transport, settle_transport
+    from axon4d.comm import TransportChoice
+    from axon4d.transport import PROBE, choose_transport, settle_transport
 
     host, accel = devices.HOST, torch.device("meta")  # meta: any device that is not host memory
     monkeypatch.delenv("AXON4D_COMM", raising=False)
