@@ -104,3 +104,22 @@ def test_axon4d_comm_chooses_the_transport_under_mpiexec_without_a_probe(forced)
     for line in _auto(AXON4D_COMM=forced):
         assert (line["name"], line["why"]) == (forced, f"AXON4D_COMM={forced}")
         assert line["seconds"] is None and line["cost_s"] is None
+
+
+def test_the_transport_bench_records_the_choice_and_both_steps(tmp_path):
+    # bench/transport.py: the auto job's choice, probe figures and cost, and a step under each
+    # transport; the headline names the choice and whether it stepped faster (issue 18, item 5)
+    pytest.importorskip("mpi4py")
+    out = tmp_path / "transport.json"
+    root = os.path.dirname(HERE)
+    bench = os.path.join(root, "bench", "transport.py")
+    args = ["--ranks", "2", "--hidden", "64", "--seq", "8", "--steps", "1", "--results", str(out)]
+    proc = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (record,) = json.loads(out.read_text())["records"]
+    jobs = record["jobs"]
+    assert jobs["torch"]["transport"] == "torch" and jobs["mpi"]["transport"] == "mpi"
+    auto = jobs["auto"]
+    assert auto["transport"] == min(auto["probe_s"], key=auto["probe_s"].get) and auto["probe_cost_s"] > 0
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"transport: ranks = 2, chosen = {auto['transport']}, probe cost = ")
