@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from axon4d import device as devices
 from axon4d import watchdog
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op
@@ -89,7 +90,7 @@ class TorchBackend:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
         group = self.groups[axis]
         index = self._pair_index(axis)
-        if index is not None and inp.device.type == "cpu":
+        if index is not None and devices.is_host(inp.device):
             return _ExchangedHalves(out, inp, index, group)
         return _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group, async_op=True)
 
@@ -98,7 +99,8 @@ class TorchBackend:
         reduce-scatter sends the whole tensor, as an all-reduce does; two ranks exchange halves."""
         if axis not in self._pairs:
             group = self.groups[axis]
-            pair = group.size() == 2 and "gloo" in str(dist.get_backend(group))
+            host_backend = devices.default_backend(devices.HOST)  # gloo
+            pair = group.size() == 2 and host_backend in str(dist.get_backend(group))
             self._pairs[axis] = group.rank() if pair else None
         return self._pairs[axis]
 

@@ -115,7 +115,7 @@ def _gather_and_scatter_on_either_torch(grid):
         z = grid.coord("z")
         return (
             grid.comm.all_gather(torch.full((2,), float(z)), "z").wait().tolist(),
-            grid.comm.reduce_scatter(torch.arange(4.0) * (z + 1), "z").wait().tolist(),
+            grid.comm.reduce_scatter(torch.arange(8.0) * (z + 1), "z").wait().tolist(),  # gloo's own (4 ranks)
         )
 
     with warnings.catch_warnings():
@@ -136,8 +136,9 @@ def _gather_and_scatter_on_either_torch(grid):
 
 def test_collectives_run_on_torch_before_and_after_the_rename(pools):
     # GPU hosts run torch 2.11, which predates all_gather_single / reduce_scatter_single
-    for z, current, old in pools(2).run((1, 1, 2, 1), _gather_and_scatter_on_either_torch):
-        expected = ([0.0, 0.0, 1.0, 1.0], [0.0, 3.0] if z == 0 else [6.0, 9.0])
+    for z, current, old in pools(4).run((1, 1, 4, 1), _gather_and_scatter_on_either_torch):
+        gathered = [float(k) for k in range(4) for _ in range(2)]
+        expected = (gathered, [10.0 * 2 * z, 10.0 * (2 * z + 1)])  # the ranks' factors sum to 10
         assert current == expected and old == expected
 
 
