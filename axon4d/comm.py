@@ -22,7 +22,6 @@ Which transport ``axon4d.init`` uses is decided by ``axon4d.transport``; the cho
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -36,8 +35,6 @@ from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op
 from axon4d.mpi import MPIBackend
 from axon4d.shape import GridShape
-
-log = logging.getLogger(__name__)
 
 
 def _collective(name: str, before_2_12: str) -> Callable[..., Any]:
@@ -77,7 +74,8 @@ class TorchBackend:
 
     def __init__(self, groups: dict[str, dist.ProcessGroup]):
         self.groups = groups
-        self._pairs: dict[str, int | None] = {}  # axis -> this rank's index in its gloo pair, or None
+        #: axis -> this rank's index on it where the axis is a pair of ranks under gloo, else None
+        self.pairs = {axis: _index_in_gloo_pair(group) for axis, group in groups.items()}
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
         return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
@@ -88,27 +86,24 @@ class TorchBackend:
         )
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
-        group = self.groups[axis]
-        index = self._pair_index(axis)
+        group, index = self.groups[axis], self.pairs[axis]
         if index is not None and devices.is_host(inp.device):
             return _ExchangedHalves(out, inp, index, group)
         return _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group, async_op=True)
-
-    def _pair_index(self, axis: str) -> int | None:
-        """This rank's index on ``axis`` when the axis is two ranks under gloo (else None): gloo's
-        reduce-scatter sends the whole tensor, as an all-reduce does; two ranks exchange halves."""
-        if axis not in self._pairs:
-            group = self.groups[axis]
-            host_backend = devices.default_backend(devices.HOST)  # gloo
-            pair = group.size() == 2 and host_backend in str(dist.get_backend(group))
-            self._pairs[axis] = group.rank() if pair else None
-        return self._pairs[axis]
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups["world"])
 
     def close(self) -> None:
         pass
+
+
+def _index_in_gloo_pair(group: dist.ProcessGroup) -> int | None:
+    """This rank's index in ``group`` when it is two ranks under gloo (the host backend), else
+    None: gloo's reduce-scatter sends the whole tensor, as an all-reduce does; a pair exchanges
+    halves instead (``_ExchangedHalves``)."""
+    host_backend = devices.default_backend(devices.HOST)  # gloo
+    return group.rank() if group.size() == 2 and host_backend in str(dist.get_backend(group)) else None
 
 
 class _ExchangedHalves:

@@ -133,7 +133,7 @@ class MPIBackend:
     environment before MPI starts); ``"none"`` progresses only inside ``wait()``.
 
     ``axes``: build the sub-communicators of these axes only (default: every axis); each one is a
-    collective split of ``COMM_WORLD`` (the transport probe of ``axon4d.comm`` needs only "world").
+    collective split of ``COMM_WORLD`` (the transport probe of ``axon4d.transport`` needs only "world").
     """
 
     name = "mpi"

@@ -147,7 +147,7 @@ class _LocalLinear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             bias = layer.bias
             assert bias is not None  # it needs a gradient
-            db = dy2.sum(dim=0) if dy2.dtype == torch.float32 else dy2.sum(dim=0, dtype=torch.float32)  # (out,)
+            db = dy2.sum(dim=0, dtype=torch.float32)  # (out,), accumulated in fp32
             dbias = _cast(_cast(db, reduce_dtype(precision, bias)), bias.dtype)
         return dx, dweight, dbias, None
 
