@@ -250,3 +250,53 @@ def test_heads_and_vocab_that_do_not_split_raise_clear_errors(pools):
         assert "n_heads = 4 is not divisible by G_y = 8" in msgs["heads"]
         assert "n_kv_heads = 2 is not divisible by G_y = 8" in msgs["kv_heads"]
         assert "vocab_size = 30 is not divisible by G_y = 8" in msgs["vocab"]
+
+
+def _norm_work(grid):
+    """For LayerNorm and RMSNorm: whether forward and gradients equal torch.nn's bitwise, and the
+    aten ops torch's profiler records in one forward + backward of ours and of torch.nn's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(mod, x, v):
+        x = x.detach().clone().requires_grad_()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            y = mod(x)
+            (y * v).sum().backward()
+        # aten::to of an fp32 tensor to fp32 returns it (no work): the casts of the bf16 path
+        ops = sum(e.name.startswith("aten::") and e.name != "aten::to" for e in prof.events())
+        return y.detach(), x.grad, ops
+
+    torch.manual_seed(4)
+    out = {}
+    for kind, cfg in (("layernorm", GPT), ("rmsnorm", LLAMA)):
+        dense, mod = _make_pair(kind, cfg)
+        x_full, v = torch.randn(2, 6, cfg.hidden), torch.randn(cfg.hidden)
+        y, dx, ops = run(mod, axon4d.shard_features(x_full, "x"), axon4d.shard_features(v, "x"))
+        yr, dxr, ops_ref = run(dense, x_full, v)
+        got = mod.to_dense(grads=True)
+        exact = torch.equal(axon4d.gather_features(y, "x"), yr) and torch.equal(axon4d.gather_features(dx, "x"), dxr)
+        exact = exact and all(torch.equal(got.get_parameter(n).grad, p.grad) for n, p in dense.named_parameters())
+        with torch.no_grad():
+            low = mod(axon4d.shard_features(x_full, "x").bfloat16())
+        out[kind] = {"exact": exact, "ops": ops, "ops_ref": ops_ref, "bf16_out": low.dtype}
+    return out
+
+
+@pytest.mark.parametrize(
+    "world,grid,whole", [(1, (1, 1, 1, 1), True), (2, (1, 2, 1, 1), True), (2, (2, 1, 1, 1), False)]
+)
+def test_a_norm_whose_features_are_whole_runs_torchs_kernel(pools, world, grid, whole):
+    """G_x = 1: the norm is torch.nn's own (bitwise equal, no more ops besides casts that return
+    their input; for LayerNorm one fused kernel each way); split over x it is the elementwise chain
+    around the statistics' all-reduce (more ops; exact to TOL by test_blocks_match_single_process).
+    Either way bf16 activations come back in bf16."""
+    for rank, res in enumerate(pools(world).run(grid, _norm_work)):
+        for kind, r in res.items():
+            assert r["bf16_out"] == torch.bfloat16, (kind, rank, r)
+            if whole:
+                assert r["exact"], f"{kind} on {grid} rank {rank}: not bitwise torch.nn's"
+                assert r["ops"] <= r["ops_ref"], (
+                    f"{kind} on {grid} rank {rank}: {r['ops']} ops, torch.nn {r['ops_ref']}"
+                )
+            else:
+                assert r["ops"] > r["ops_ref"], f"{kind} on {grid} rank {rank}: split path expected, {r}"

@@ -6,7 +6,9 @@ features, so the per-rank partial sums are all-reduced over x (``sum_partials``)
 weight and bias are split over x like the features and replicated elsewhere, with gradients
 averaged over batch = data × z. Each norm is ``normalize(x, statistics(x))``: the per-token
 statistics need the all-reduce, the normalisation is elementwise — so balanced recomputation
-(axon4d.nn.recompute) keeps the statistics and re-runs only ``normalize``. ``norm_for(cfg)`` / ``dense_norm_for(cfg)`` pick the norm of a
+(axon4d.nn.recompute) keeps the statistics and re-runs only ``normalize``. Where the axis has one
+rank (G_x = 1: the features are whole) the forward is torch.nn's norm itself (``whole``), for
+LayerNorm one fused kernel each way. ``norm_for(cfg)`` / ``dense_norm_for(cfg)`` pick the norm of a
 model configuration's architecture (RMSNorm for Llama, LayerNorm for GPT), on the grid or plain.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from axon4d import rules, runtime
@@ -52,7 +55,19 @@ class SplitFeatureNorm(nn.Module):
             average_grad_over_batch(p, self.grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grid.size(self.axis) == 1:
+            self.check_input(x)
+            return self.whole(x)
         return self.normalize(x, self.statistics(x))
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of (…, hidden) activations whole on this rank (G_axis = 1): torch.nn's own —
+        for LayerNorm one fused kernel each way instead of the split path's elementwise chain —
+        computed in fp32 like the split path and returned in ``x``'s dtype."""
+        raise NotImplementedError
+
+    def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.float()
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise unless ``x`` is a floating tensor whose last dim is this rank's hidden/G_axis features
@@ -120,13 +135,20 @@ class LayerNorm(SplitFeatureNorm):
         super().__init__(hidden, eps, bias, axis, grid, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``normalize(x, statistics(x))`` with the centred input made once (it is kept for backward)."""
+        """``normalize(x, statistics(x))`` with the centred input made once (it is kept for backward);
+        ``whole(x)`` where the features are not split."""
         self.check_input(x)
+        if self.grid.size(self.axis) == 1:
+            return self.whole(x)
         xf = x.float()
         mean = sum_partials(xf.sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         centred = xf - mean
         var = sum_partials(centred.square().sum(-1, keepdim=True), self.axis, self.grid) / self.hidden
         return self._affine(centred * torch.rsqrt(var + self.eps), x.dtype)
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (self.hidden,), self._fp32(self.weight), self._fp32(self.bias), self.eps)
+        return y.to(x.dtype)
 
     def statistics(self, x: torch.Tensor) -> torch.Tensor:
         """(…, 2) fp32: the mean and 1/√(var + eps) of each token (all-reduces over the axis)."""
@@ -169,6 +191,9 @@ class RMSNorm(SplitFeatureNorm):
         dtype: torch.dtype | None = None,
     ):
         super().__init__(hidden, eps, False, axis, grid, device, dtype)
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (self.hidden,), self._fp32(self.weight), self.eps).to(x.dtype)
 
     def statistics(self, x: torch.Tensor) -> torch.Tensor:
         """(…, 1) fp32: 1/√(mean square + eps) of each token (an all-reduce over the axis)."""

@@ -12,7 +12,8 @@ frees what it had saved. The optimizer step adds its per-tensor temporaries.
 
 Activations saved per block and rank (b tokens; ``block_saved``), as axon4d's blocks keep them
 (measured with torch's memory tracker): each norm keeps three (b, H/G_x) tensors (its input or the
-centred input, the normalised input, its output, which the next GEMM keeps); attention keeps the
+centred input, the normalised input, its output, which the next GEMM keeps), but LayerNorm with
+G_x = 1, torch's fused kernel, two (its input and output: per-token statistics instead of x̂); attention keeps the
 QKV output (as q, k, v), the rotated q and k (Llama), its output (b·H/G_y, which the output
 projection keeps too) and the log-sum-exp (b·heads/G_y fp32); the MLP keeps the up output and the
 activation output (SwiGLU: silu(gate) and the product). With context parallelism attention also
@@ -84,7 +85,11 @@ def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict
     real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
     kept_per_norm = 1.0
     if real:
-        kept_per_norm = 3.0 if recompute in ("none", "selective") else (1.0 if wl.model.arch == "llama" else 2.0)
+        layer_norm = wl.model.arch != "llama"
+        if recompute in ("none", "selective"):  # torch's fused LayerNorm, where G_x = 1, keeps no x̂
+            kept_per_norm = 2.0 if layer_norm and shape.x == 1 else 3.0
+        else:
+            kept_per_norm = 2.0 if layer_norm else 1.0
     rot = t["rot"] if real and recompute != "selective" else 0.0
     gated = real and wl.model.gated
     dropped_act = recompute == "balanced"
