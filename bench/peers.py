@@ -51,6 +51,12 @@ an order rotated by one each round; per implementation ``--warmup`` untimed step
 steps, each after a barrier, each taking the slowest rank's time; per round the median step. The
 result per implementation is the median over rounds. One thread per rank.
 
+Paired steps (``--pairs``, default 8): rounds minutes apart see the shared host at different
+speeds, which can move a round's median by 10-20%. So after the rounds, axon4d and the best
+peer by those medians are built at once and stepped alternately (A B, B A, A B, …); each pair's
+ratio axon4d / peer sees the host at one speed. The JSON records every pair and the median
+ratio (``paired``), and the driver prints it beside the headline.
+
     .venv/bin/python bench/peers.py --ranks 2,4,8                         # loopback (gloo)
     .venv/bin/python bench/peers.py --link 1gbit --nodes 2 --intra 10gbit --ranks 8   # emulated cluster (root)
     .venv/bin/python bench/peers.py --quick --ranks 2                     # tiny sizes, checks the script
@@ -402,6 +408,54 @@ def time_peer(peer: str, spec: dict, ctx: dict) -> list[float]:
     return times
 
 
+def time_pair(peers: tuple[str, str], spec: dict, ctx: dict) -> dict[str, list[float]]:
+    """Both implementations built at once and stepped alternately, ``pairs`` times: pair i runs
+    A then B for even i and B then A for odd i, so that drift in the host's speed (other tenants,
+    clocks) lands on both sides of each ratio alike. Each step as in ``time_peer``: after a
+    barrier, the slowest rank's time. After ``warmup`` untimed steps of each."""
+    built = {p: build(p, spec, ctx, None) for p in peers}
+    opts = {p: torch.optim.SGD(b.module.parameters(), lr=LR) for p, b in built.items()}
+
+    def step(p: str) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        forward_backward(built[p])
+        opts[p].step()
+        opts[p].zero_grad(set_to_none=True)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return float(dt)
+
+    for _ in range(spec["warmup"]):
+        for p in peers:
+            step(p)
+    times: dict[str, list[float]] = {p: [] for p in peers}
+    for i in range(spec["pairs"]):
+        for p in peers if i % 2 == 0 else peers[::-1]:
+            times[p].append(step(p))
+    for b in built.values():
+        if b.close:
+            b.close()
+    built.clear()
+    opts.clear()
+    gc.collect()
+    dist.barrier()
+    return times
+
+
+def pair(best: str, spec: dict, ctx: dict) -> dict[str, Any]:
+    """``time_pair`` of axon4d and ``best``: every step, each pair's ratio and their median."""
+    times = time_pair(("axon4d", best), spec, ctx)
+    ratios = [a / b for a, b in zip(times["axon4d"], times[best])]
+    out = {"against": best, "steps_s": times, "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    if dist.get_rank() == 0:
+        span = f"{min(ratios):.3f}-{max(ratios):.3f}"
+        print(
+            f"  paired axon4d / {best}: median {out['median_ratio']:.3f} over {len(ratios)} pairs ({span})", flush=True
+        )
+    return out
+
+
 def fsdp_reshard(spec: dict) -> bool:
     """FSDP2's ``reshard_after_forward``: False (one all-gather per parameter per step) but for
     the full 20B width, whose unsharded Linears of every rank at once do not fit the host."""
@@ -410,11 +464,13 @@ def fsdp_reshard(spec: dict) -> bool:
     return spec["fsdp_reshard"] == "true"
 
 
-def too_big(peer: str, spec: dict, world: int) -> str:
+def too_big(peer: str, spec: dict, world: int, also: float = 0.0) -> str:
     """Why ``peer`` would not fit the host's memory at ``world`` ranks ("" if it fits): a rough
     peak per rank (DDP: parameters, gradients and buckets; FSDP2: shards plus, resharding, the
     unsharded weights of two Linears and one gradient, else every unsharded parameter and
-    gradient), times the ranks, against 80% of the memory available when the run started."""
+    gradient; a tensor-parallel split: its parameters and gradients), times the ranks, plus
+    ``also`` bytes (another implementation held at once), against 80% of the memory available when
+    the run started."""
     w = workload(spec["workload"], spec["quick"])
     total = param_bytes(w["kind"], w["cfg"])
     with torch.device("meta"):
@@ -425,8 +481,11 @@ def too_big(peer: str, spec: dict, world: int) -> str:
         need = world * 2.5 * total
     elif peer == "fsdp2":
         need = world * (2.5 * total / world + (3 * largest if fsdp_reshard(spec) else 2 * total))
+    elif also:
+        need = 2.5 * total
     else:
         return ""
+    need += also
     limit = 0.8 * spec["mem_available"]
     return (
         f"needs ~{need / 2**30:.1f} GiB, over 80% of the {spec['mem_available'] / 2**30:.1f} GiB available"
@@ -480,6 +539,13 @@ def _rank_main(spec: dict) -> dict:
             if rank == 0:
                 print(f"  round {r} {p:16s} " + " ".join(f"{t:.3f}" for t in runs[p][-1]) + " s", flush=True)
     medians = {p: statistics.median(statistics.median(t) for t in rounds) for p, rounds in runs.items()}
+    paired: dict[str, Any] = {}
+    others = [p for p in peers if p in PEERS[1:-1]]  # DTensor, FSDP2, DDP: not the one-process reference
+    if spec["pairs"] and "axon4d" in runs and others:
+        best = min(others, key=lambda p: medians[p])
+        w = workload(spec["workload"], spec["quick"])
+        why = too_big(best, spec, world, also=2.5 * param_bytes(w["kind"], w["cfg"]))
+        paired = {"against": best, "skipped": f"axon4d and {best} at once {why}"} if why else pair(best, spec, ctx)
     return {
         "axon4d": {
             p: {"grid": list(g), "overlap": describe(OverlapPolicy.parse(o))} for p, (g, o) in ctx["axon4d"].items()
@@ -488,6 +554,7 @@ def _rank_main(spec: dict) -> dict:
         "skipped": skipped,
         "steps_s": runs,
         "median_s": medians,
+        "paired": paired,
     }
 
 
@@ -568,6 +635,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="timed steps per implementation per round")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--pairs", type=int, default=8, help="after the rounds, axon4d and the best peer stepped alternately (0: skip)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--link", help="emulated cluster with this (inter-node) link rate, e.g. 1gbit; needs root")
     p.add_argument("--nodes", type=int, default=1)
@@ -581,7 +651,7 @@ def main() -> int:
         return worker_main(args.worker)
     sys.path.insert(0, HERE)
     if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 2, 1
+        args.rounds, args.steps, args.warmup, args.pairs = 1, 2, 1, min(args.pairs, 2)
     link = args.link or "loopback"
     where = (
         "local"
@@ -620,6 +690,7 @@ def main() -> int:
                 "rounds": args.rounds,
                 "steps": args.steps,
                 "warmup": args.warmup,
+                "pairs": args.pairs,
                 "seed": args.seed,
                 "timeout": args.timeout,
                 "mem_available": mem_available,
@@ -648,6 +719,7 @@ def main() -> int:
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
+        "pairs": args.pairs,
         "optimizer": f"SGD lr {LR}, no momentum",
         "dtype": "float32",
         "quick": args.quick,
@@ -663,6 +735,13 @@ def main() -> int:
         t = rec["median_s"].get(name)
         return "n/a" if t is None else f"{t:.3f} s"
 
+    for rec in records:
+        pair = rec.get("paired") or {}
+        if "median_ratio" in pair:
+            print(
+                f"paired: ranks = {rec['ranks']}, link = {link}, workload = {rec['workload']}, "
+                f"axon4d / {pair['against']} = {pair['median_ratio']:.3f} over {len(pair['ratios'])} pairs"
+            )
     for rec in records:
         print(
             f"peers: ranks = {rec['ranks']}, link = {link}, workload = {rec['workload']}, axon4d = {s(rec, 'axon4d')}, "
