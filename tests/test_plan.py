@@ -4,6 +4,7 @@ real layers allocate (on real gloo grids, and for 20B/80B on 512–1024 ranks of
 group), and its search, overlap credit and machine files behave. Start here when changing the cost
 or memory model."""
 
+import dataclasses
 import json
 import multiprocessing as mp
 
@@ -709,3 +710,28 @@ def test_long_work_is_timed_until_the_slowest_rank_is_done(pools):
 
     times = pools(2).run((1, 1, 1, 2), _timed_in_lockstep)
     assert times[0] == times[1] and times[0] >= 3 * LOCKSTEP_S * 3  # the slower rank's pause
+
+
+def test_norms_are_priced_as_the_kernel_that_runs():
+    """LayerNorm with G_x = 1 runs torch's fused kernel (axon4d.nn.norm.whole): the planner prices
+    ~2 + 3 passes over the activations instead of the split chain's ~5 + 8; RMSNorm, a split norm
+    and balanced recomputation (which keeps the statistics, so takes the chain) keep the chain —
+    for balanced the recomputed work adds back what the step priced as the kernel."""
+    from axon4d.plan.cost import norm_passes, recomputed_seconds
+
+    gpt = Workload(SIZES["5B"], batch=16, dtype="bfloat16")
+    llama = Workload(dataclasses.replace(SIZES["5B"], arch="llama"), batch=16, dtype="bfloat16")
+    whole, split = GridShape.parse((1, 4, 2, 1), 8), GridShape.parse((2, 2, 2, 1), 8)
+    assert norm_passes(gpt, whole) == (2, 3)
+    assert norm_passes(gpt, split) == norm_passes(llama, whole) == norm_passes(gpt, whole, "balanced") == (5, 8)
+    m = load("perlmutter")
+    b, h = gpt.local_tokens(whole), gpt.model.hidden
+    chain = 2 * m.elementwise_time(8 * b * h * gpt.element_size, 8)  # two norms, (5 + 8) − (2 + 3) passes
+    act = m.activation_time(b * gpt.model.ffn // 4, 8)[0]
+    normalize = m.elementwise_time(3 * b * h * gpt.element_size, 8)
+    assert recomputed_seconds(gpt, whole, m, "balanced") == pytest.approx(2 * (act + 2 * normalize) + chain)
+    # a workload whose norms are split has nothing to add back
+    bs, hs = gpt.local_tokens(split), h // 2
+    act_s = m.activation_time(bs * gpt.model.ffn // 2, 8)[0]
+    norm_s = m.elementwise_time(3 * bs * hs * gpt.element_size, 8)
+    assert recomputed_seconds(gpt, split, m, "balanced") == pytest.approx(2 * (act_s + 2 * norm_s))

@@ -251,6 +251,15 @@ def context_hidden(wl: Workload, shape: GridShape, m: Machine) -> float:
     return m.overlap_efficiency * hidden
 
 
+def norm_passes(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[int, int]:
+    """(forward, backward) passes over its activations of one norm (axon4d.nn.norm): ~5 and ~8 for
+    the elementwise chain around the statistics, ~2 and ~3 for LayerNorm with G_x = 1, which is
+    torch's fused kernel — except under balanced recomputation, which keeps the statistics and so
+    takes the chain."""
+    fused = wl.model.arch != "llama" and shape.x == 1 and recompute != "balanced"
+    return (2, 3) if fused else (5, 8)
+
+
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:
     """Non-GEMM (forward, backward) seconds following each layer kind in forward order."""
     mod, world, elem = wl.model, shape.world_size, wl.element_size
@@ -267,8 +276,9 @@ def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple
     out["mlp_down"] = residual
     act = m.activation_time(b * ffn_y * (2 if mod.gated else 1), world)
     out["mlp_up"] = (act[0], act[1])
-    if wl.norms:  # the norm before QKV and MLP-up: ~5 passes forward, ~8 backward over (b, hidden/G_x)
-        norm = (ew(5 * b * h_x * elem, world), ew(8 * b * h_x * elem, world))
+    if wl.norms:  # the norm before QKV and MLP-up, passes over (b, hidden/G_x) (``norm_passes``)
+        fwd, bwd = norm_passes(wl, shape)
+        norm = (ew(fwd * b * h_x * elem, world), ew(bwd * b * h_x * elem, world))
         for k in ("attn_out", "mlp_down"):
             out[k] = (out[k][0] + norm[0], out[k][1] + norm[1])
     if wl.head:
@@ -283,7 +293,8 @@ def recomputed_seconds(wl: Workload, shape: GridShape, m: Machine, recompute: st
 
     selective: core attention's forward (its ``ATTENTION_FORWARD`` share of forward + backward).
     balanced: the activation and the two norms' normalisation, each twice — once when the consuming
-    GEMM's backward re-makes its input, once in the op's own backward.
+    GEMM's backward re-makes its input, once in the op's own backward — and, where LayerNorm would
+    otherwise be torch's fused kernel (G_x = 1), the two norms' elementwise chain instead.
     """
     mod, world, elem = wl.model, shape.world_size, wl.element_size
     b = wl.local_tokens(shape)
@@ -293,8 +304,12 @@ def recomputed_seconds(wl: Workload, shape: GridShape, m: Machine, recompute: st
         return ATTENTION_FORWARD * sum(attention_seconds(wl, shape, m))
     if recompute == "balanced":
         act = m.activation_time(b * mod.ffn // shape.y * (2 if mod.gated else 1), world)[0]
-        normalize = m.elementwise_time(3 * b * (mod.hidden // shape.x) * elem, world) if wl.norms else 0.0
-        return 2 * (act + 2 * normalize)
+        h_x = mod.hidden // shape.x
+        normalize = m.elementwise_time(3 * b * h_x * elem, world) if wl.norms else 0.0
+        # the step prices each norm by ``norm_passes`` without recomputation; balanced takes the chain
+        chain = sum(norm_passes(wl, shape, "balanced")) - sum(norm_passes(wl, shape))
+        unfused = m.elementwise_time(chain * b * h_x * elem, world) if wl.norms else 0.0
+        return 2 * (act + 2 * normalize) + 2 * unfused
     return 0.0
 
 
