@@ -52,7 +52,8 @@ steps, each after a barrier, each taking the slowest rank's time; per round the 
 result per implementation is the median over rounds. One thread per rank.
 
 Paired steps (``--pairs``, default 8): rounds minutes apart see the shared host at different
-speeds, which can move a round's median by 10-20%. So after the rounds, axon4d and the best
+speeds (in the 4-rank loopback run of docs/performance.md the one-process step moved by up to
+16% between rounds). So after the rounds, axon4d and the best
 peer by those medians are built at once and stepped alternately (A B, B A, A B, …); each pair's
 ratio axon4d / peer sees the host at one speed. The JSON records every pair and the median
 ratio (``paired``), and the driver prints it beside the headline.
@@ -384,22 +385,25 @@ def check(peer: str, spec: dict, ctx: dict) -> dict[str, float]:
     return errs
 
 
+def timed_step(b: Built, opt: torch.optim.Optimizer | None) -> float:
+    """One step (forward, backward, SGD update) after a barrier: the slowest rank's seconds
+    (a rank where ``b`` is inactive only waits)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    if b.active:
+        forward_backward(b)
+        opt.step()  # type: ignore[union-attr]
+        opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
+    dt = torch.tensor([time.perf_counter() - t0 if b.active else 0.0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return float(dt)
+
+
 def time_peer(peer: str, spec: dict, ctx: dict) -> list[float]:
     """``warmup`` + ``steps`` steps of ``peer``; each step's time is the slowest rank's."""
     b = build(peer, spec, ctx, None)
     opt = torch.optim.SGD(b.module.parameters(), lr=LR) if b.active else None
-    times = []
-    for i in range(spec["warmup"] + spec["steps"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if b.active:
-            forward_backward(b)
-            opt.step()  # type: ignore[union-attr]
-            opt.zero_grad(set_to_none=True)  # type: ignore[union-attr]
-        dt = torch.tensor([time.perf_counter() - t0 if b.active else 0.0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        if i >= spec["warmup"]:
-            times.append(float(dt))
+    times = [timed_step(b, opt) for _ in range(spec["warmup"] + spec["steps"])][spec["warmup"] :]
     if b.close:
         b.close()
     del b, opt
@@ -411,33 +415,21 @@ def time_peer(peer: str, spec: dict, ctx: dict) -> list[float]:
 def time_pair(peers: tuple[str, str], spec: dict, ctx: dict) -> dict[str, list[float]]:
     """Both implementations built at once and stepped alternately, ``pairs`` times: pair i runs
     A then B for even i and B then A for odd i, so that drift in the host's speed (other tenants,
-    clocks) lands on both sides of each ratio alike. Each step as in ``time_peer``: after a
-    barrier, the slowest rank's time. After ``warmup`` untimed steps of each."""
+    clocks) lands on both sides of each ratio alike. Each step is a ``timed_step``, after
+    ``warmup`` untimed steps of each."""
     built = {p: build(p, spec, ctx, None) for p in peers}
     opts = {p: torch.optim.SGD(b.module.parameters(), lr=LR) for p, b in built.items()}
-
-    def step(p: str) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        forward_backward(built[p])
-        opts[p].step()
-        opts[p].zero_grad(set_to_none=True)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return float(dt)
-
     for _ in range(spec["warmup"]):
         for p in peers:
-            step(p)
+            timed_step(built[p], opts[p])
     times: dict[str, list[float]] = {p: [] for p in peers}
     for i in range(spec["pairs"]):
         for p in peers if i % 2 == 0 else peers[::-1]:
-            times[p].append(step(p))
+            times[p].append(timed_step(built[p], opts[p]))
     for b in built.values():
         if b.close:
             b.close()
-    built.clear()
-    opts.clear()
+    del built, opts
     gc.collect()
     dist.barrier()
     return times

@@ -256,8 +256,7 @@ def norm_passes(wl: Workload, shape: GridShape, recompute: str = "none") -> tupl
     the elementwise chain around the statistics, ~2 and ~3 for LayerNorm with G_x = 1, which is
     torch's fused kernel — except under balanced recomputation, which keeps the statistics and so
     takes the chain."""
-    fused = wl.model.arch != "llama" and shape.x == 1 and recompute != "balanced"
-    return (2, 3) if fused else (5, 8)
+    return (2, 3) if wl.fused_norms(shape, recompute) else (5, 8)
 
 
 def _block_extras(wl: Workload, shape: GridShape, m: Machine) -> dict[str, tuple[float, float]]:

@@ -85,11 +85,10 @@ def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict
     real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
     kept_per_norm = 1.0
     if real:
-        layer_norm = wl.model.arch != "llama"
-        if recompute in ("none", "selective"):  # torch's fused LayerNorm, where G_x = 1, keeps no x̂
-            kept_per_norm = 2.0 if layer_norm and shape.x == 1 else 3.0
+        if recompute in ("none", "selective"):  # torch's fused LayerNorm keeps no x̂
+            kept_per_norm = 2.0 if wl.fused_norms(shape, recompute) else 3.0
         else:
-            kept_per_norm = 2.0 if layer_norm else 1.0
+            kept_per_norm = 1.0 if wl.model.arch == "llama" else 2.0
     rot = t["rot"] if real and recompute != "selective" else 0.0
     gated = real and wl.model.gated
     dropped_act = recompute == "balanced"

@@ -94,6 +94,12 @@ class Workload:
     def tokens(self) -> int:
         return self.batch * self.model.seq_len
 
+    def fused_norms(self, shape: GridShape, recompute: str = "none") -> bool:
+        """Whether the blocks' norms run torch's fused LayerNorm kernel on ``shape``
+        (axon4d.nn.norm ``whole``): GPT's LayerNorm with its features whole on a rank (G_x = 1),
+        but not under balanced recomputation, which keeps the statistics and takes the split chain."""
+        return self.norms and self.model.arch != "llama" and shape.x == 1 and recompute != "balanced"
+
     def local_tokens(self, shape: GridShape) -> int:
         """b = B·S/(G_data·G_z): tokens on one rank (whole sequences split over batch, or, with
         ``context_parallel``, sequences over data and each one's tokens over z)."""
