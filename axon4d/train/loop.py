@@ -177,7 +177,17 @@ def _train_on(
         print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
     tokens_per_step = cfg.batch_size * cfg.micro_batches * mcfg.seq_len
-    bar = tqdm(total=cfg.steps, initial=start, disable=not (rank0 and cfg.progress), ncols=110, desc="train")
+    # every step is drawn (tqdm's defaults skip redraws less than 0.1 s apart): a step is the unit
+    # the user watches, and its loss, tokens/s, MFU and hidden share must not go unseen
+    bar = tqdm(
+        total=cfg.steps,
+        initial=start,
+        disable=not (rank0 and cfg.progress),
+        ncols=110,
+        desc="train",
+        mininterval=0,
+        miniters=1,
+    )
     records, losses = [], []
     in_a_row = 0
 
