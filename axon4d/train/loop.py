@@ -178,12 +178,13 @@ def _train_on(
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
     tokens_per_step = cfg.batch_size * cfg.micro_batches * mcfg.seq_len
     # every step is drawn (tqdm's defaults skip redraws less than 0.1 s apart): a step is the unit
-    # the user watches, and its loss, tokens/s, MFU and hidden share must not go unseen
+    # the user watches, and its loss, tokens/s, MFU and hidden share must not go unseen; the width
+    # follows the terminal (none in a log file), where a fixed one cut long runs' lines short
     bar = tqdm(
         total=cfg.steps,
         initial=start,
         disable=not (rank0 and cfg.progress),
-        ncols=110,
+        dynamic_ncols=True,
         desc="train",
         mininterval=0,
         miniters=1,
