@@ -74,8 +74,8 @@ class TorchBackend:
 
     def __init__(self, groups: dict[str, dist.ProcessGroup]):
         self.groups = groups
-        #: axis -> this rank's index on it where the axis is a pair of ranks under gloo, else None
-        self.pairs = {axis: _index_in_gloo_pair(group) for axis, group in groups.items()}
+        #: axis -> this rank's index on it where the axis is two or more ranks under gloo, else None
+        self.exchanged = {axis: _index_under_gloo(group) for axis, group in groups.items()}
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
         return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
@@ -86,9 +86,11 @@ class TorchBackend:
         )
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
-        group, index = self.groups[axis], self.pairs[axis]
+        group, index = self.groups[axis], self.exchanged[axis]
         if index is not None and devices.is_host(inp.device):
-            return _ExchangedHalves(out, inp, index, group)
+            if group.size() == 2:
+                return _ExchangedHalves(out, inp, index, group)
+            return _ExchangedChunks(out, inp, group)
         return _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group, async_op=True)
 
     def barrier(self) -> None:
@@ -98,12 +100,13 @@ class TorchBackend:
         pass
 
 
-def _index_in_gloo_pair(group: dist.ProcessGroup) -> int | None:
-    """This rank's index in ``group`` when it is two ranks under gloo (the host backend), else
-    None: gloo's reduce-scatter sends the whole tensor, as an all-reduce does; a pair exchanges
-    halves instead (``_ExchangedHalves``)."""
+def _index_under_gloo(group: dist.ProcessGroup) -> int | None:
+    """This rank's index in ``group`` when it is two or more ranks under gloo (the host backend),
+    else None. gloo's reduce-scatter sends the whole tensor, as an all-reduce does, and works on a
+    staged copy of it; an exchange of chunks (``_ExchangedHalves``, ``_ExchangedChunks``) sends
+    each rank only the chunk it keeps."""
     host_backend = devices.default_backend(devices.HOST)  # gloo
-    return group.rank() if group.size() == 2 and host_backend in str(dist.get_backend(group)) else None
+    return group.rank() if group.size() >= 2 and host_backend in str(dist.get_backend(group)) else None
 
 
 class _ExchangedHalves:
@@ -127,6 +130,30 @@ class _ExchangedHalves:
         if self._own is not None:
             self._out.add_(self._own)
             self._own = None
+        return True
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+
+class _ExchangedChunks:
+    """Reduce-scatter over G > 2 ranks as one all-to-all (E5/E11 on gloo): rank j receives every
+    rank's chunk j — (G, n/G, ...) in rank order — and sums them into ``out`` on ``wait``. It sends
+    (G−1)/G of the input, where gloo's reduce-scatter sends all of it; the received chunks take a
+    buffer the input's size until then, as gloo's own staged copy does. The sum runs in rank
+    order, whatever order the chunks arrive in."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup):
+        self._chunks: torch.Tensor | None = torch.empty_like(inp)  # (G·n/G, ...): chunk i from rank i
+        self._out = out
+        self._parts = group.size()
+        self._work = dist.all_to_all_single(self._chunks, inp, group=group, async_op=True)
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if self._chunks is not None:
+            torch.sum(self._chunks.view(self._parts, *self._out.shape), dim=0, out=self._out)
+            self._chunks = None  # the buffer goes as soon as the sum is made
         return True
 
     def get_future(self) -> Any:

@@ -57,11 +57,15 @@ def weight_shard_numel(in_features: int, out_features: int, shape: GridShape, tr
     return math.ceil(rows * cols / shape.z)
 
 
+def z_padded_numel(numel: int, parts: int) -> int:
+    """Elements of a flat block of ``numel`` padded to ``parts`` equal shards: ⌈numel/parts⌉·parts."""
+    return math.ceil(numel / parts) * parts
+
+
 def z_padded(flat_block: torch.Tensor, parts: int) -> torch.Tensor:
     """A flat weight block zero-padded to ``parts`` equal shards over z — the storage layout E2
-    gathers and E5 reduce-scatters."""
-    n = math.ceil(flat_block.numel() / parts)
-    return F.pad(flat_block, (0, n * parts - flat_block.numel()))
+    gathers and E5 reduce-scatters (a new tensor, even where nothing is padded)."""
+    return F.pad(flat_block, (0, z_padded_numel(flat_block.numel(), parts) - flat_block.numel()))
 
 
 def z_shard(flat_block: torch.Tensor, index: int, parts: int) -> torch.Tensor:

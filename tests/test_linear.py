@@ -390,3 +390,38 @@ def test_overhead_bench_quick_prints_its_headline(tmp_path):
         assert len(p["samples_s"]["axon4d"]) == len(p["samples_s"]["torch"]) == p["reps"] >= 5
         assert p["ratio"] == p["median_s"]["axon4d"] / p["median_s"]["torch"]
     assert saved["host"]["cpu_model"] and saved["threads"] == 1
+
+
+def _block_sized_copies(grid, in_features, out_features):
+    """aten ops of one Linear's backward that make a new tensor from existing data (pad, clone,
+    copy, cat) of at least the (x, y) weight block's size, with the block's and the padded size."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    copying = {"constant_pad_nd", "clone", "copy_", "cat", "_to_copy", "contiguous"}
+    torch.manual_seed(0)
+    layer = axon4d.Linear(in_features, out_features)
+    n_w = math.prod(layer.block_shape)
+    x = torch.randn(3, in_features // grid.size("x"), requires_grad=True)
+    loss = layer(x).sum()
+    seen = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in copying and isinstance(out, torch.Tensor) and out.numel() >= n_w:
+                seen.append(name)
+            return out
+
+    with Copies():
+        loss.backward()
+    return seen, n_w, layer.shard_numel * grid.size("z")
+
+
+@pytest.mark.parametrize("shape", [(16, 12), (5, 7)], ids=["divides", "padded"])
+def test_the_weight_gradient_is_reduce_scattered_without_a_copy(pools, shape):
+    """E11's input at G_z > 1 is dW computed straight into the zero-padded flat buffer: no copy of
+    the block (a pad or clone) per layer and step, whether or not out·in divides by G_z."""
+    for seen, n_w, padded in pools(2).run((1, 1, 2, 1), _block_sized_copies, *shape):
+        assert n_w == shape[0] * shape[1] and padded == n_w + (n_w % 2)
+        assert seen == [], f"copies of the {n_w}-element block in backward: {seen}"

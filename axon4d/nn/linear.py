@@ -101,10 +101,7 @@ class _Linear3D(torch.autograd.Function):
         scale = 1.0 / layer.grid.size("batch")
         if ctx.needs_input_grad[1]:
             with sched.compute("bwd.dW"):
-                dw = torch.matmul(dy2.t(), x2).reshape(-1)  # (out_l, b) @ (b, in_l), flattened
-            g_z = layer.grid.size("z")
-            if g_z > 1:  # E11's input: zero-padded to G_z equal shards (a copy; with G_z = 1 nothing to pad)
-                dw = geometry.z_padded(dw, g_z)  # (shard_numel·G_z,)
+                dw = _dw_padded(dy2, x2, layer.grid.size("z"))  # (shard_numel·G_z,): E11's input
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
@@ -114,6 +111,21 @@ class _Linear3D(torch.autograd.Function):
         if dx_handle is not None:
             dx_out = dx_handle.wait().view(x.shape)
         return dx_out, dweight, dbias, None
+
+
+def _dw_padded(dy2: torch.Tensor, x2: torch.Tensor, g_z: int) -> torch.Tensor:
+    """dW = dYᵀ X (out_l, b) @ (b, in_l), flat and zero-padded to ``g_z`` equal shards (the layout
+    E11 reduce-scatters over z, ``geometry.z_padded``). The product is written straight into the
+    padded buffer: no copy of the block, and none at all when out_l·in_l divides by G_z."""
+    rows, cols = dy2.shape[1], x2.shape[1]
+    numel = rows * cols
+    padded = geometry.z_padded_numel(numel, g_z)
+    if padded == numel:
+        return torch.matmul(dy2.t(), x2).view(-1)  # (out_l·in_l,)
+    dw = torch.empty(padded, dtype=torch.promote_types(dy2.dtype, x2.dtype), device=dy2.device)
+    torch.matmul(dy2.t(), x2, out=dw[:numel].view(rows, cols))
+    dw[numel:].zero_()
+    return dw
 
 
 class _LocalLinear(torch.autograd.Function):

@@ -7,8 +7,10 @@ state (two fp32 moments, plus fp32 master weights when training in 16 bits).
 Transient: the peak is found by walking the backward pass in order (``_backward_peak``): at its
 start every activation saved under the recompute policy is live (plus the loss's temporaries);
 then each layer's backward allocates its input gradient, the gathered weight block (E10, when
-G_z > 1), the dW block and its padded copy (E11's input) and finally its gradient shard, and
-frees what it had saved. The optimizer step adds its per-tensor temporaries.
+G_z > 1) and the dW block (computed into E11's zero-padded input, no copy), then issues E11: its
+gradient shard and, over more than two ranks, the chunks the host's exchange receives
+(axon4d.comm), held with the earlier layers' still-running reduce-scatters until the scheduler
+waits on them; it frees what it had saved. The optimizer step adds its per-tensor temporaries.
 
 Activations saved per block and rank (b tokens; ``block_saved``), as axon4d's blocks keep them
 (measured with torch's memory tracker): each norm keeps three (b, H/G_x) tensors (its input or the
@@ -201,16 +203,27 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
             return 0.0
         return blocks(order[order.index(name) + 1 :], order[1:], overlap.oag_depth)  # blocks repeat
 
+    # the newest reduce-scatters left running while a layer's backward runs: ORS leaves
+    # ``ors_inflight``, ODP alone (an all-reduce over data) one
+    inflight = overlap.ors_inflight if overlap.ors and shape.z > 1 else 1
+    reduces = (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1)
+    # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
+    # the input's size until it is waited on (axon4d.comm._ExchangedChunks); NCCL needs none, so on
+    # an accelerator this over-counts
+    received = 1.0 if shape.z > 2 else 0.0
+
     def reducing(name: str, first: bool) -> float:
-        """Gradient blocks still being reduced during ``name``'s backward: ORS leaves the
-        reduce-scatters of the ``ors_inflight`` layers whose backward ran just before running (ODP
-        alone, one). In the first block after the head only the head's and this block's have run;
-        in later blocks, the previous block's too."""
-        if name == "head" or not ((overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1)):
+        """Bytes the ``inflight`` newest reduce-scatters of layers whose backward ran before
+        ``name``'s still hold (their gradient blocks, and the received chunks). In the first block
+        after the head only the head's and this block's have run; in later blocks, the previous
+        block's too."""
+        if name == "head" or not reduces:
             return 0.0
-        k = overlap.ors_inflight if overlap.ors and shape.z > 1 else 1
         earlier = order[1 : order.index(name)][::-1]
-        return blocks(earlier + ["head"], [], k) if first else blocks(earlier, order[:0:-1], k)
+        held = blocks(earlier + ["head"], [], inflight) if first else blocks(earlier, order[:0:-1], inflight)
+        return held * (1 + received)
+
+    issued: dict[str, float] = {}
 
     def linear_bwd(name: str, dx_elems: float) -> float:
         """Record one layer's backward transients; return the gradient bytes kept afterwards."""
@@ -218,13 +231,16 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         shard = weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         n_w = shard * shape.z
         gathered = n_w * elem if shape.z > 1 and not overlap.oag_keep else 0.0
-        transient[name] = (
-            gathered + dx_elems * elem + 2 * n_w * elem + (shard * elem if shape.z > 1 else 0) + prefetched(name)
-        )
+        # the gathered block, dX, the dW block (computed into E11's padded input) and the prefetches
+        transient[name] = gathered + dx_elems * elem + n_w * elem + prefetched(name)
+        # once its own E11 is issued: the shard it fills and the chunks it receives
+        issued[name] = (shard + received * n_w) * elem if shape.z > 1 else 0.0
         return (shard + (s.local(shape)[1] if s.bias else 0)) * elem
 
     def note_linear(name: str, first: bool = True, remade: float = 0.0) -> None:
-        note(transient[name] + reducing(name, first) + remade)
+        """``name``'s backward at its peak: its own reduce-scatter just issued, the earlier ones
+        still running (the scheduler completes the older ones only after issuing the new one)."""
+        note(transient[name] + issued[name] + reducing(name, first) + remade)
 
     def kept(name: str) -> float:
         """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
@@ -263,7 +279,9 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
         # each GEMM's backward first re-makes the input it did not keep (the activation, the norm output)
         note_linear("mlp_down", first, remade=t["act"] if balanced else 0.0)
         live += mlp_down + t["act"] - saved["act"] - kept("mlp_down")
-        note(t["act"] * (2 if balanced else 1))
+        # the activation's backward: GELU's gradient, or SwiGLU's d(gate) and d(up) ((b, F/G_y)
+        # each); balanced recomputation re-made the activation's output too
+        note(t["act"] * ((2 if m.gated else 1) + (1 if balanced else 0)))
         note_linear("mlp_up", first, remade=t["x1"] if balanced else 0.0)
         # frees dX of MLP down, the up output, what the activation and the norm kept
         live += mlp_up - t["act"] - saved["mid"] - saved["up"] - saved["norm2"] - kept("mlp_up")
