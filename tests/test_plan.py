@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from axon4d.config import SIZES, ModelConfig
-from axon4d.geometry import chunk_sizes, linear_collectives
+from axon4d.geometry import chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.cost import axis_geometry
 from axon4d.plan.machine import CommCurve, MatmulTable, available
@@ -112,7 +112,6 @@ def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
     shape = GridShape(*grid)
     wl = Workload(SIZES[name], batch=batch, dtype="bfloat16")
     assert total == local_param_count(wl, shape)  # every tensor of the real GPT model, per rank
-    from axon4d.geometry import weight_shard_numel
 
     shards = sorted(s for s in block if len(s) == 1)
     expect = sorted(
@@ -258,6 +257,25 @@ def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
         )
         assert cost.chunks == chunks and cost.fwd_mm == pytest.approx(expected, rel=1e-12)
     assert cost.fwd_mm > m.matmul_time("nt", b, in_l, out_l, wl.dtype, shape.world_size)  # 4 GEMMs cost more
+
+
+def test_the_backward_prices_no_copy_of_the_weight_gradient():
+    # dW is computed straight into E11's input (axon4d.nn.linear._dw_padded): the layer's own
+    # elementwise backward work is the 1/G_batch scaling of its gradient shard (none when
+    # G_batch = 1) and the bias gradient's sum, never a pass over the n_W-sized block
+    from axon4d.plan.cost import layer_cost
+
+    m = load("perlmutter")
+    wl = Workload(SIZES["20B"], batch=64)
+    up = next(s for s in wl.linears() if s.name == "mlp_up")
+    for grid in [(2, 4, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2)]:
+        shape = GridShape(*grid)
+        b, (_, out_l) = wl.local_tokens(shape), up.local(shape)
+        shard = weight_shard_numel(up.in_features, up.out_features, shape, up.transpose)
+        scaled = 2 * shard if shape.size("batch") > 1 else 0
+        bias = b * out_l if up.bias else 0
+        expected = m.elementwise_time((scaled + bias) * wl.element_size, 8) + 8 * m.op_overhead_s
+        assert layer_cost(up, wl, shape, m, Overlap()).bwd_ew == pytest.approx(expected, rel=1e-12), grid
 
 
 def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibration():

@@ -145,9 +145,11 @@ def layer_cost(
     b = wl.local_tokens(shape)
     in_l, out_l = spec.local(shape)
     shard = weight_shard_numel(spec.in_features, spec.out_features, shape, spec.transpose)
-    n_w = shard * shape.z
     ew = m.elementwise_time
-    bwd_ew = ew((2 * n_w + 2 * shard + (b * out_l if spec.bias else 0)) * elem, world) + 8 * m.op_overhead_s
+    # the gradient shard scaled by 1/G_batch in place (read and write; none when G_batch = 1), and the
+    # bias gradient's sum over tokens; dW itself is computed straight into E11's input (no copy)
+    scaled = 2 * shard if shape.size("batch") > 1 else 0
+    bwd_ew = ew((scaled + (b * out_l if spec.bias else 0)) * elem, world) + 8 * m.op_overhead_s
     comm: dict[str, float] = {}
     axes: dict[str, str] = {}
     by_axis: dict[str, int] = {}
