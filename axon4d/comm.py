@@ -55,6 +55,10 @@ class Backend(Protocol):
     """Moves bytes for one grid; every call is asynchronous and operates on contiguous tensors."""
 
     name: str
+    #: whether a reduce-scatter over more than two ranks holds a buffer of its input's size (the
+    #: chunks received from the other ranks) until it is waited on; the planner's memory model
+    #: prices it where the machine file says so (``Machine.staged_reduce_scatter``)
+    stages_reduce_scatter: bool
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work: ...
 
@@ -76,6 +80,8 @@ class TorchBackend:
         self.groups = groups
         #: axis -> this rank's index on it where the axis is two or more ranks under gloo, else None
         self.exchanged = {axis: _index_under_gloo(group) for axis, group in groups.items()}
+        # under gloo the exchange receives every rank's chunk (_ExchangedChunks); NCCL sums in place
+        self.stages_reduce_scatter = any(index is not None for index in self.exchanged.values())
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
         return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)

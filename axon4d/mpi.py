@@ -137,6 +137,9 @@ class MPIBackend:
     """
 
     name = "mpi"
+    #: Ireduce_scatter_block writes the caller's output only; what MPI stages inside is its own
+    #: memory, not a tensor of the job's
+    stages_reduce_scatter = False
 
     def __init__(
         self,

@@ -217,26 +217,57 @@ def _peaks_by_policy(grid, wl):
         axon4d.overlap.configure(policy, grid)
         torch.manual_seed(0)
         out[name] = measure_peak(ProbeModel(wl, grid))
-    return out
+    return out, grid.comm.backend.stages_reduce_scatter
+
+
+#: two small blocks whose weights are split over z alone: the memory tests of the overlap knobs
+KNOBS_WL = Workload(
+    ModelConfig(n_layers=2, hidden=256, n_heads=4, ffn_hidden=1024, vocab_size=512, seq_len=64),
+    batch=4,
+    dtype="float32",
+    embedding=False,
+    norms=False,
+)
 
 
 def test_memory_follows_the_overlap_knobs(pools):
     # prefetched blocks in flight (oag_depth), reduce-scatters left running (ors_inflight, fewer at
     # the start of backward), kept blocks (oag_keep, each freed after its layer's backward)
-    wl = Workload(
-        ModelConfig(n_layers=2, hidden=256, n_heads=4, ffn_hidden=1024, vocab_size=512, seq_len=64),
-        batch=4,
-        dtype="float32",
-        embedding=False,
-        norms=False,
-    )
+    wl = KNOBS_WL
     shape = GridShape(1, 1, 4, 1)
-    measured = pools(4).run(shape.as_tuple(), _peaks_by_policy, wl)[0]
-    predicted = {k: memory(wl, shape, "none", Overlap(**v)).peak for k, v in MEMORY_POLICIES.items()}
+    measured, staged = pools(4).run(shape.as_tuple(), _peaks_by_policy, wl)[0]
+    assert staged  # gloo's reduce-scatter over 4 ranks receives the other ranks' chunks
+    predicted = {
+        k: memory(wl, shape, "none", Overlap(**v), staged_reduce_scatter=staged).peak
+        for k, v in MEMORY_POLICIES.items()
+    }
     for name in MEMORY_POLICIES:
         assert abs(predicted[name] - measured[name]) <= 0.05 * measured[name], (name, predicted, measured)
+    # without the received chunks (what NCCL needs) the model falls short of what gloo holds
+    unstaged = memory(wl, shape, "none", Overlap(**MEMORY_POLICIES["default"]), staged_reduce_scatter=False).peak
+    assert unstaged < 0.95 * measured["default"], (unstaged, measured)
     grown, predicted_growth = measured["depth"] - measured["default"], predicted["depth"] - predicted["default"]
     assert grown > 0 and abs(predicted_growth - grown) <= 0.2 * grown, (grown, predicted_growth)
+
+
+def test_received_chunks_are_priced_only_where_the_machine_stages_them():
+    # gloo's exchange holds the chunks a reduce-scatter over more than two ranks receives, a buffer
+    # the size of its input; NCCL/RCCL need none, so the shipped accelerator machines price none
+    import dataclasses
+
+    wl = KNOBS_WL  # the peak falls inside a block's backward
+    gpu = load("perlmutter")
+    host = dataclasses.replace(gpu, staged_reduce_scatter=True)
+    assert not any(load(name).staged_reduce_scatter for name in available())
+    up = next(s for s in wl.linears() if s.name == "mlp_up")
+    for grid in [(1, 1, 4, 1), (1, 1, 8, 1)]:
+        shape = GridShape(*grid)
+        staged, plain = evaluate(wl, shape, host).mem.peak, evaluate(wl, shape, gpu).mem.peak
+        assert staged == memory(wl, shape).peak and plain == memory(wl, shape, staged_reduce_scatter=False).peak
+        block = weight_shard_numel(up.in_features, up.out_features, shape, up.transpose) * shape.z * wl.element_size
+        assert staged - plain >= block, grid  # at least the largest layer's received chunks
+    shape = GridShape(1, 2, 2, 1)  # over two ranks the exchange receives into the output: nothing staged
+    assert evaluate(wl, shape, host).mem.peak == evaluate(wl, shape, gpu).mem.peak
 
 
 def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
@@ -575,6 +606,7 @@ def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(po
     assert sorted({r[0] for r in m.attention_prefix["float32"]["4"]}) == [256, 1024]  # the prefix table
     assert all(r[2] > 0 for r in m.attention_prefix["float32"]["4"] + m.attention["float32"]["4"])
     assert m.overlap_efficiency == measured["overlap_efficiency"] and m.peak_flops["float32"] > 0
+    assert m.staged_reduce_scatter  # measured under gloo, whose reduce-scatter receives chunks
     t = step_time(PROBE_WL, GridShape(2, 1, 2, 1), m)
     assert t.step_s > 0 and t.comm_by_axis["x"] > 0 and t.comm_by_axis["z"] > 0
     # the whole calibration steps: one per grid of stepfit.calibration_grids, and a fitted scale
@@ -618,6 +650,7 @@ def test_network_only_calibration_replaces_the_links_and_keeps_the_compute(pools
         (op, 2, 1, 2) for op in ("all_gather", "all_reduce", "reduce_scatter")
     ]
     assert after.overlap_efficiency == result["overlap_efficiency"] and "network" in after.sources
+    assert not before.staged_reduce_scatter and after.staged_reduce_scatter  # now the links of gloo
     assert after.matmul == before.matmul and after.attention == before.attention
     assert after.elementwise_Bps == before.elementwise_Bps and after.peak_flops == before.peak_flops
     # without a file to take the compute from, the command refuses before measuring anything

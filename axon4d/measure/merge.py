@@ -53,6 +53,7 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
         machine.sources["network"] = f"re-measured on {world} ranks by `axon4d calibrate --parts network`"
     if world > 1:
         machine.comm_interference_s_per_byte[key] = result["comm_interference_s_per_byte"]
+        machine.staged_reduce_scatter = result["staged_reduce_scatter"]  # the backend the curves are of
     machine.comm = [c for c in machine.comm if c.world != world] + result["comm"]
     if world > 1 and world >= machine.devices_per_node:  # the fullest node is what a job of the host sees
         machine.overlap_efficiency = result["overlap_efficiency"]

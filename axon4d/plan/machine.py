@@ -132,6 +132,10 @@ class Machine:
     # concurrency -> seconds per parameter element of one Adam step
     op_overhead_s: float = 5e-6  # fixed cost of one framework op (kernel launch / dispatch)
     overlap_efficiency: float = 0.9  # share of an overlapped collective that compute actually hides
+    staged_reduce_scatter: bool = True
+    # whether a reduce-scatter over more than two ranks holds a buffer of its input's size until
+    # waited on (axon4d.comm's exchange under gloo; calibrate records the backend's answer);
+    # false for NCCL/RCCL, which sum in place; unknown (an older file): true, the larger estimate
     comm_interference_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
     # concurrency -> seconds of compute lost per byte of ring traffic (``ring_traffic``); none: 0
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)

@@ -139,8 +139,13 @@ def memory(
     recompute: str = "none",
     overlap: OverlapPolicy = OverlapPolicy(),
     master_weights: bool | None = None,
+    staged_reduce_scatter: bool = True,
 ) -> MemoryEstimate:
-    """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (with ``wl.optimizer``'s states)."""
+    """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (with ``wl.optimizer``'s states).
+
+    ``staged_reduce_scatter``: whether a reduce-scatter over more than two ranks holds the chunks it
+    receives, a buffer of its input's size, until waited on (the host's exchange under gloo; not
+    NCCL: ``Machine.staged_reduce_scatter``)."""
     m, elem = wl.model, wl.element_size
     n_params = local_param_count(wl, shape)
     master = wl.dtype != "float32" if master_weights is None else master_weights
@@ -159,7 +164,7 @@ def memory(
     b = wl.local_tokens(shape)
     if wl.head:
         acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
-    live_peak = _backward_peak(wl, shape, recompute, overlap, acts)
+    live_peak = _backward_peak(wl, shape, recompute, overlap, acts, staged_reduce_scatter)
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
         if s.embedding
@@ -172,7 +177,9 @@ def memory(
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
 
 
-def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: OverlapPolicy, acts: float) -> float:
+def _backward_peak(
+    wl: Workload, shape: GridShape, recompute: str, overlap: OverlapPolicy, acts: float, staged_reduce_scatter: bool
+) -> float:
     """Largest live bytes (activations, gradients, buffers) during forward end and backward."""
     m, elem = wl.model, wl.element_size
     b = wl.local_tokens(shape)
@@ -208,9 +215,8 @@ def _backward_peak(wl: Workload, shape: GridShape, recompute: str, overlap: Over
     inflight = overlap.ors_inflight if overlap.ors and shape.z > 1 else 1
     reduces = (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1)
     # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
-    # the input's size until it is waited on (axon4d.comm._ExchangedChunks); NCCL needs none, so on
-    # an accelerator this over-counts
-    received = 1.0 if shape.z > 2 else 0.0
+    # the input's size until it is waited on (axon4d.comm._ExchangedChunks); NCCL needs none
+    received = 1.0 if shape.z > 2 and staged_reduce_scatter else 0.0
 
     def reducing(name: str, first: bool) -> float:
         """Bytes the ``inflight`` newest reduce-scatters of layers whose backward ran before

@@ -188,7 +188,7 @@ def evaluate(
             t.interference_s += machine.interference_time(again, shape.world_size)
         else:
             t.compute_s += wl.model.n_layers * recomputed_seconds(wl, shape, machine, recompute)
-    mem = memory(wl, shape, recompute, overlap)
+    mem = memory(wl, shape, recompute, overlap, staged_reduce_scatter=machine.staged_reduce_scatter)
     mfu = wl.flops() / (shape.world_size * machine.peak(wl.dtype) * t.step_s)
     return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t), wl.context_parallel, overlap)
 
