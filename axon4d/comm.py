@@ -80,7 +80,8 @@ class TorchBackend:
         self.groups = groups
         #: axis -> this rank's index on it where the axis is two or more ranks under gloo, else None
         self.exchanged = {axis: _index_under_gloo(group) for axis, group in groups.items()}
-        # under gloo the exchange receives every rank's chunk (_ExchangedChunks); NCCL sums in place
+        # under gloo the exchange receives every rank's chunk (_ExchangedChunks); NCCL stages
+        # through its communicator's fixed buffers
         self.stages_reduce_scatter = any(index is not None for index in self.exchanged.values())
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:

@@ -135,7 +135,8 @@ class Machine:
     staged_reduce_scatter: bool = True
     # whether a reduce-scatter over more than two ranks holds a buffer of its input's size until
     # waited on (axon4d.comm's exchange under gloo; calibrate records the backend's answer);
-    # false for NCCL/RCCL, which sum in place; unknown (an older file): true, the larger estimate
+    # false for NCCL/RCCL (their communicators' buffers are fixed); unknown (an older file): true,
+    # the larger estimate
     comm_interference_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
     # concurrency -> seconds of compute lost per byte of ring traffic (``ring_traffic``); none: 0
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)

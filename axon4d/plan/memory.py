@@ -215,7 +215,7 @@ def _backward_peak(
     inflight = overlap.ors_inflight if overlap.ors and shape.z > 1 else 1
     reduces = (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1)
     # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
-    # the input's size until it is waited on (axon4d.comm._ExchangedChunks); NCCL needs none
+    # the input's size until it is waited on (axon4d.comm._ExchangedChunks) where the backend stages
     received = 1.0 if shape.z > 2 and staged_reduce_scatter else 0.0
 
     def reducing(name: str, first: bool) -> float:
