@@ -224,7 +224,7 @@ def attention_with_lse(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out, lse
     if kernel == "cuda":
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+        out, lse = _efficient_attention(q, k, v, causal)
         return out, lse[..., : q.shape[2]]  # drop the kernel's padding rows
     scores = _scores(q, k, causal)
     lse = scores.logsumexp(-1)
@@ -253,11 +253,7 @@ def attention_with_lse_backward(
         rows = q.shape[2]
         padded = lse.new_zeros(*lse.shape[:-1], -(-rows // _LSE_ALIGN) * _LSE_ALIGN)  # the forward's layout
         padded[..., :rows] = lse
-        seed = torch.empty((), dtype=torch.long)  # no dropout: the random state is never read
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, None, out, padded[..., :rows], seed, seed, 0.0, [True, True, True, False], causal
-        )
-        return dq, dk, dv
+        return _efficient_attention_backward(grad, q, k, v, kernel_layout(out), padded[..., :rows], causal)
     scale = q.shape[-1] ** -0.5
     p = (_scores(q, k, causal) - lse.unsqueeze(-1)).exp()  # (b, h, Lq, Lk) fp32
     g32 = grad.float()
@@ -266,6 +262,44 @@ def attention_with_lse_backward(
     dq = (ds @ k.float()) * scale
     dk = (ds.transpose(-2, -1) @ q.float()) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def kernel_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out`` (b, h, L, d) with the memory layout of the memory-efficient kernel's own output:
+    (b, L, h, d) contiguous, viewed as (b, h, L, d) — ``out`` itself when it has it, else a copy.
+
+    The kernel's backward reads ``out`` (for delta = rowsum(dO ∘ O)) at a row stride of h·d
+    whatever the tensor's strides say (``o_strideM()`` in PyTorch's mem-eff ``kernel_backward.h``;
+    fp16 and bf16 compute delta in the kernel, fp32 in ATen from the strides). A merged or sliced
+    output (b, h, L, d)-contiguous has row stride d: with more than one head the kernel would read
+    other heads' rows — wrong dq and dk, and past the allocation for the last head."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _efficient_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The memory-efficient kernel's forward: out (b, h, Lq, d), lse (b, h, Lq rounded up to 32) fp32."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse
+
+
+def _efficient_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The memory-efficient kernel's backward: (dq, dk, dv). ``out`` must be in ``kernel_layout``;
+    ``lse`` is (b, h, Lq), a view whose rows are the forward's padded ones."""
+    seed = torch.empty((), dtype=torch.long)  # no dropout: the random state is never read
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal
+    )
+    return dq, dk, dv
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -284,3 +284,55 @@ def test_the_planner_prices_the_split_sequence():
     assert block_saved(cp, shape, "full")["attention"] == 0
     with pytest.raises(ValueError, match="seq_len = 4097 is odd"):
         Workload(cfg.replace(seq_len=4097), 2, context_parallel=True)
+
+
+def _cuda_kernels_on_host(monkeypatch, layouts):
+    """Stand-ins for the CUDA memory-efficient kernels that keep their contracts on the host: the
+    forward returns out in the kernel's own (b, L, h, d) layout and lse padded to 32 rows; the
+    backward reads ``out`` at row stride h·d whatever its strides (``o_strideM()``), as the kernel
+    does for fp16/bf16, and records whether ``out`` had that layout."""
+
+    def forward(q, k, v, causal):
+        scores = devices._scores(q, k, causal)
+        lse = scores.logsumexp(-1)
+        out = devices.kernel_layout((scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v)
+        padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)
+        padded[..., : lse.shape[-1]] = lse
+        return out, padded
+
+    def backward(grad, q, k, v, out, lse, causal):
+        b, h, rows, d = out.shape
+        layouts.append(out.transpose(1, 2).is_contiguous())
+        read = torch.as_strided(out, (b, h, rows, d), (out.stride(0), d, h * d, 1), out.storage_offset())
+        p = (devices._scores(q, k, causal) - lse.unsqueeze(-1)).exp()
+        g32 = grad.float()
+        ds = p * (g32 @ v.float().transpose(-2, -1) - (g32 * read.float()).sum(-1, keepdim=True))
+        scale = d**-0.5
+        return (ds @ k.float()) * scale, (ds.transpose(-2, -1) @ q.float()) * scale, p.transpose(-2, -1) @ g32
+
+    monkeypatch.setattr(devices, "_fused_lse_kernel", lambda q: "cuda")
+    monkeypatch.setattr(devices, "_efficient_attention", forward)
+    monkeypatch.setattr(devices, "_efficient_attention_backward", backward)
+
+
+@pytest.mark.parametrize("chunks", [(1, 2), (0, 3)])
+def test_the_cuda_backward_kernel_receives_out_in_its_own_layout(monkeypatch, chunks):
+    """On CUDA, context parallelism's backward hands the merged (or sliced) attention output to the
+    memory-efficient kernel, which reads it at row stride heads·head_dim (docs/context.md). With
+    stand-ins that read it exactly so, every call gets that layout and the gradients equal the host
+    kernel's — several local heads and GQA 4, where the (b, h, L, d)-contiguous output of a merge
+    would be misread (or read past its end)."""
+    from axon4d.nn.context import prefix_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 8, 16, dtype=torch.float64, requires_grad=True)  # (b, hq, 2·C, d), C = 4
+    k = torch.randn(2, 2, 16, 16, dtype=torch.float64, requires_grad=True)  # (b, hkv, S, d)
+    v = torch.randn(2, 2, 16, 16, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 8, 8, 16, dtype=torch.float64)
+    expected = torch.autograd.grad(prefix_attention(q, k, v, chunks), (q, k, v), grad)
+    layouts: list[bool] = []
+    _cuda_kernels_on_host(monkeypatch, layouts)
+    got = torch.autograd.grad(prefix_attention(q, k, v, chunks), (q, k, v), grad)
+    for g, e in zip(got, expected):
+        assert rel_err(g, e) <= TOL
+    assert layouts and all(layouts)
