@@ -25,8 +25,9 @@ from collections.abc import Iterator
 
 import torch
 
-#: dtypes a layer may hold its parameters in.
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: dtypes a layer may hold its parameters (and compute) in. Not fp16: its 5-bit exponent makes small
+#: gradients underflow to zero without loss scaling, which axon4d does not do (``check_dtype``).
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 #: the dtypes by the names configurations, machine files and the command line use; the one such
 #: map in the library (element sizes come from it: ``DTYPES[name].itemsize``).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,6 +128,13 @@ def bind(device: torch.device) -> None:
 
 def check_dtype(dtype: torch.dtype) -> torch.dtype:
     """Return ``dtype`` if axon4d layers can hold parameters in it; raise ``ValueError`` otherwise."""
+    if dtype == torch.float16:
+        raise ValueError(
+            "dtype torch.float16 is not supported for parameters: fp16 gradients underflow without dynamic loss "
+            "scaling, which axon4d does not do. Use torch.bfloat16 (the same bytes with fp32's range; e.g. "
+            "model.to(torch.bfloat16) before parallelizing it) or fp32 master weights with "
+            "precision='bf16-fp32-reduce'"
+        )
     if dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise ValueError(f"dtype {dtype} is not supported for parameters; use one of {names}")
@@ -181,6 +189,27 @@ def matmul_seconds(
         torch.matmul(a, b)
     synchronize(device)
     return (time.perf_counter() - start) / count
+
+
+#: whether a device type's GEMM takes ``out_dtype`` (learned at the first call; see ``mm_widening``)
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def mm_widening(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b for 2-D ``a`` (n, k), ``b`` (k, m) with the product written in ``dtype``, wider than
+    theirs (fp32 for bf16/fp16 inputs): the GEMM's fp32 sums are kept instead of being rounded to
+    the inputs' dtype. On CUDA one GEMM writes ``dtype`` (``torch.mm(..., out_dtype=)``); where that
+    is missing (the host, an older torch) the inputs are widened first — the same sums, since a
+    product of two bf16 or fp16 values is exact in fp32. Into ``out`` (n, m) when given."""
+    if a.dtype == dtype and b.dtype == dtype:
+        return torch.mm(a, b, out=out)
+    kind = a.device.type
+    if kind == "cuda" and _MM_OUT_DTYPE.get(kind, True):
+        try:
+            return torch.mm(a, b, out_dtype=dtype) if out is None else torch.mm(a, b, out_dtype=dtype, out=out)
+        except (RuntimeError, TypeError):  # this torch's GEMM cannot write another dtype
+            _MM_OUT_DTYPE[kind] = False
+    return torch.mm(a.to(dtype), b.to(dtype), out=out)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,11 @@ E10, which then move half the bytes) and reduce gradients (E11–E13 and replica
 ``reduce`` before writing them back in ``param``.
 
 Names: ``fp32`` (everything fp32), ``bf16`` (bf16 compute, bf16 gradient reductions),
-``bf16-fp32-reduce`` (bf16 compute, fp32 gradient reductions).
+``bf16-fp32-reduce`` (bf16 compute, fp32 gradient reductions: the dW GEMMs write their fp32 sums,
+which are reduced without a round trip through bf16).
+
+fp16 is refused (``device.check_dtype``): without dynamic loss scaling, which axon4d does not do,
+its gradients underflow; bf16 has the same bytes and fp32's range.
 """
 
 from __future__ import annotations

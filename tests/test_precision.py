@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import axon4d
+from axon4d import layout
 from axon4d.config import ModelConfig
 from axon4d.geometry import Op, linear_collectives
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -81,3 +82,45 @@ def test_precision_names():
         ValueError, match="precision 'fp16-ish' is not supported; use one of fp32, bf16, bf16-fp32-reduce"
     ):
         Precision.parse("fp16-ish")
+
+
+def _dw_relative_error(grid):
+    torch.manual_seed(3)
+    layer = axon4d.Linear(64, 48, bias=False)
+    x = torch.randn(16, 64).bfloat16().float()  # (tokens, in), exact in bf16
+    g = torch.randn(16, 48).bfloat16().float()  # dY (tokens, out), exact in bf16
+    y = layer(axon4d.shard_input(x))
+    y.backward(layout.shard_features(axon4d.shard_batch(g), "y").to(y.dtype))  # the output layout
+    got = layer.to_dense(grads=True).weight.grad.double()
+    exact = g.double().t() @ x.double() / grid.size("batch")  # DDP's average over the batch ranks
+    return float((got - exact).abs().max() / exact.abs().max())
+
+
+@pytest.mark.parametrize("grid", [(1, 1, 1, 1), (1, 1, 2, 1), (2, 1, 1, 1)])
+def test_an_fp32_reduction_keeps_the_dW_gemm_sums_in_fp32(pools, grid):
+    """Under bf16-fp32-reduce the dW GEMM writes fp32 (device.mm_widening): the gradient equals the
+    exact dYᵀ X of the bf16 operands to fp32 precision, where a product rounded to bf16 before its
+    fp32 reduction is off by ~1e-3. Both the one-rank path and the 3D path (E11 over z, E5 over x)."""
+    world = grid[0] * grid[1] * grid[2] * grid[3]
+    for err in pools(world).run(grid, _dw_relative_error, precision="bf16-fp32-reduce"):
+        assert err < 1e-5
+
+
+def _fp16_refusals(grid):
+    from harness import value_errors
+
+    return value_errors(
+        {
+            "linear": lambda: axon4d.Linear(8, 8, dtype=torch.float16),
+            "precision": lambda: Precision(compute=torch.float16),
+        }
+    )
+
+
+def test_fp16_parameters_are_refused_on_every_rank_naming_bf16(pools):
+    """fp16 has no loss scaling here, so its gradients would silently underflow: a layer of fp16
+    parameters (or an fp16 compute dtype) is a ValueError on every rank that says what to use."""
+    for msgs in pools(2).run((1, 2, 1, 1), _fp16_refusals):
+        for msg in msgs.values():
+            assert msg is not None and "torch.float16 is not supported" in msg
+            assert "loss scaling" in msg and "torch.bfloat16" in msg and "bf16-fp32-reduce" in msg

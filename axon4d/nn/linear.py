@@ -101,7 +101,8 @@ class _Linear3D(torch.autograd.Function):
         scale = 1.0 / layer.grid.size("batch")
         if ctx.needs_input_grad[1]:
             with sched.compute("bwd.dW"):
-                dw = _dw_padded(dy2, x2, layer.grid.size("z"))  # (shard_numel·G_z,): E11's input
+                dtype = reduce_dtype(layer.grid.precision, layer.weight)  # fp32 sums stay fp32
+                dw = _dw_padded(dy2, x2, layer.grid.size("z"), dtype)  # (shard_numel·G_z,): E11's input
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
@@ -113,17 +114,20 @@ class _Linear3D(torch.autograd.Function):
         return dx_out, dweight, dbias, None
 
 
-def _dw_padded(dy2: torch.Tensor, x2: torch.Tensor, g_z: int) -> torch.Tensor:
+def _dw_padded(dy2: torch.Tensor, x2: torch.Tensor, g_z: int, dtype: torch.dtype) -> torch.Tensor:
     """dW = dYᵀ X (out_l, b) @ (b, in_l), flat and zero-padded to ``g_z`` equal shards (the layout
-    E11 reduce-scatters over z, ``geometry.z_padded``). The product is written straight into the
-    padded buffer: no copy of the block, and none at all when out_l·in_l divides by G_z."""
+    E11 reduce-scatters over z, ``geometry.z_padded``), in ``dtype``: the gradient-reduction dtype,
+    so under ``bf16-fp32-reduce`` the GEMM's fp32 sums are reduced as they are, never rounded to
+    bf16 first (``device.mm_widening``). The product is written straight into the padded buffer:
+    no copy of the block, and none at all when out_l·in_l divides by G_z."""
     rows, cols = dy2.shape[1], x2.shape[1]
     numel = rows * cols
     padded = geometry.z_padded_numel(numel, g_z)
+    dtype = torch.promote_types(torch.promote_types(dy2.dtype, x2.dtype), dtype)
     if padded == numel:
-        return torch.matmul(dy2.t(), x2).view(-1)  # (out_l·in_l,)
-    dw = torch.empty(padded, dtype=torch.promote_types(dy2.dtype, x2.dtype), device=dy2.device)
-    torch.matmul(dy2.t(), x2, out=dw[:numel].view(rows, cols))
+        return devices.mm_widening(dy2.t(), x2, dtype).view(-1)  # (out_l·in_l,)
+    dw = torch.empty(padded, dtype=dtype, device=dy2.device)
+    devices.mm_widening(dy2.t(), x2, dtype, out=dw[:numel].view(rows, cols))
     dw[numel:].zero_()
     return dw
 
@@ -154,8 +158,9 @@ class _LocalLinear(torch.autograd.Function):
             dx = dy2.mm(_block(weight, layer.block_shape, dy.dtype))  # (b, out) @ (out, in) = (b, in)
             dx = dx if x.dim() == 2 else dx.view(x.shape)
         if ctx.needs_input_grad[1]:
-            dw = dy2.t().mm(_rows(x)).view(-1)  # (out, b) @ (b, in), flattened
-            dweight = _cast(_cast(dw, reduce_dtype(precision, weight)), weight.dtype)
+            wide = torch.promote_types(dy2.dtype, reduce_dtype(precision, weight))  # fp32 sums stay fp32
+            dw = devices.mm_widening(dy2.t(), _rows(x), wide).view(-1)  # (out, b) @ (b, in), flattened
+            dweight = _cast(dw, weight.dtype)
         if ctx.needs_input_grad[2]:
             bias = layer.bias
             assert bias is not None  # it needs a gradient
@@ -338,7 +343,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output shard (..., out/G_out) of its input shard x (..., in/G_in).
 
-        The input must be a floating tensor of a parameter dtype (fp32, bf16 or fp16: a mixed
+        The input must be a floating tensor of a parameter dtype (fp32 or bf16: a mixed
         precision layer computes in its compute dtype) on the parameters' device, with the shard's
         last dim; anything else is refused before any communication."""
         self._check_input(x)
