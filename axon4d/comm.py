@@ -213,8 +213,10 @@ class Handle:
         record: CommRecord | None,
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         source: torch.Tensor | None = None,
+        clock: devices.Clock | None = None,
     ):
         self._work = work
+        self._clock = clock if clock is not None and clock.on_device else None  # device marks to take
         self._result = result
         self._record = record
         self._finish = finish
@@ -224,6 +226,8 @@ class Handle:
     def wait(self) -> torch.Tensor:
         if not self._done:
             start = time.perf_counter()
+            if self._clock is not None and self._record is not None:  # where the compute stream waits
+                self._record.mark("t_wait_start", self._clock.mark())
             assert self._work is not None
             dog = watchdog.current()
             if dog is None:  # the common case: nothing to tell, nothing to set up per wait
@@ -235,7 +239,9 @@ class Handle:
                     except RuntimeError as e:  # a peer died or the transport timed out: say who
                         raise RuntimeError(dog.diagnose(f"{self._describe()} failed ({e})")) from e
             end = time.perf_counter()
-            if self._record is not None:
+            if self._clock is not None and self._record is not None:  # where it resumes: after completion
+                self._record.mark("t_wait_end", self._clock.mark())
+            elif self._record is not None:
                 self._record.t_wait_start, self._record.t_wait_end = start, end
                 if self._record.t_done is None or self._record.t_done > end:
                     self._record.t_done = end
@@ -258,10 +264,15 @@ class Handle:
         return f"{r.op.value} over {r.axis} (tag {r.tag or '-'}, {r.payload_bytes / 1e6:.3g} MB)"
 
 
-def _stamp_completion(work: Work, record: CommRecord) -> None:
-    """Record the time the backend finished ``work`` (when it can tell us)."""
+def _stamp_completion(work: Work, record: CommRecord, clock: devices.Clock) -> None:
+    """Record the time the backend finished ``work`` (when it can tell us). On an accelerator the
+    backend's future (NCCL's is complete as soon as the collective is queued) runs its callbacks on
+    streams that wait for the collective's kernels, so a mark taken there happens when it is done."""
 
     def done(_: Any = None) -> None:
+        if clock.on_device:
+            record.mark("t_done", clock.mark(), first=True)
+            return
         now = time.perf_counter()
         if record.t_done is None or record.t_done > now:
             record.t_done = now
@@ -288,10 +299,12 @@ class Communicator:
     (axon4d.scheduler), which calls this class.
     """
 
-    def __init__(self, shape: GridShape, backend: Backend):
+    def __init__(self, shape: GridShape, backend: Backend, clock: devices.Clock | None = None):
         self.shape = shape
         self.backend = backend
-        self.log = CommLog()
+        #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock)
+        self.clock = clock if clock is not None else devices.Clock(devices.HOST)
+        self.log = CommLog(self.clock)
         #: which transport and why; ``axon4d.init`` records its choice here (``settle_transport``)
         self.transport = TransportChoice(backend.name, "given to the grid")
 
@@ -324,6 +337,8 @@ class Communicator:
             tag=tag,
             t_issue=time.perf_counter(),
         )
+        if self.clock.on_device:  # the compute stream's position: the collective cannot start before it
+            record.mark("t_issue", self.clock.mark())
         self.log.add(record)
         return record
 
@@ -335,8 +350,8 @@ class Communicator:
             raise ValueError("all_reduce works in place and needs a contiguous tensor")
         record = self._record(Op.ALL_REDUCE, axis, tensor, tag)
         work = self.backend.all_reduce(tensor, axis)
-        _stamp_completion(work, record)
-        return Handle(work, tensor, record)
+        _stamp_completion(work, record, self.clock)
+        return Handle(work, tensor, record, clock=self.clock)
 
     def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
         """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
@@ -348,9 +363,9 @@ class Communicator:
         out = inp.new_empty((g * inp.shape[0], *inp.shape[1:]))
         record = self._record(Op.ALL_GATHER, axis, out, tag)
         work = self.backend.all_gather(out, inp, axis)
-        _stamp_completion(work, record)
+        _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish, source=inp)
+        return Handle(work, out, record, finish, source=inp, clock=self.clock)
 
     def reduce_scatter(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
         """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index)."""
@@ -366,6 +381,6 @@ class Communicator:
         out = inp.new_empty((inp.shape[0] // g, *inp.shape[1:]))
         record = self._record(Op.REDUCE_SCATTER, axis, inp, tag)
         work = self.backend.reduce_scatter(out, inp, axis)
-        _stamp_completion(work, record)
+        _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish, source=inp)
+        return Handle(work, out, record, finish, source=inp, clock=self.clock)

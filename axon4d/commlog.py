@@ -10,6 +10,12 @@ training job's progress line and the benches: on this rank's clock,
     hidden  = 1 − blocked / comm
 
 so collectives that run at once (a prefetch beside an all-reduce) are not counted twice.
+
+Times are on the grid device's ``Clock`` (axon4d.device): on the host, when the host issued, waited
+and saw completion; on an accelerator, when the device reached each point — the compute stream's
+position at issue and at the wait, the collective's completion on its own stream — from timing
+events read when the log is (``records``/``spans`` settle them), so "blocked" is the time the
+compute stream stalled on the collective, the same meaning under NCCL as under gloo.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from axon4d.device import HOST, Clock, Mark
 from axon4d.geometry import Op
 
 
@@ -62,6 +69,25 @@ class CommRecord:
     t_wait_start: float | None = None
     t_wait_end: float | None = None
     t_done: float | None = None
+    #: device marks of the times above not read yet (an accelerator's clock); ``CommLog`` settles them
+    marks: dict[str, Mark] | None = None
+
+    def mark(self, field: str, mark: Mark, first: bool = False) -> None:
+        """Set time ``field`` to device ``mark`` (read later); with ``first``, only if not set yet."""
+        if self.marks is None:
+            self.marks = {}
+        if not (first and field in self.marks):
+            self.marks[field] = mark
+
+    def settle(self, clock: Clock) -> None:
+        """Read the pending device marks into the times (blocks until they have happened)."""
+        if not self.marks:
+            return
+        for field, mark in self.marks.items():
+            setattr(self, field, clock.seconds(mark))
+        self.marks = None
+        if self.t_done is not None and self.t_wait_end is not None and self.t_done > self.t_wait_end:
+            self.t_done = self.t_wait_end  # the compute stream resumed only after completion
 
     @property
     def blocked(self) -> float:
@@ -86,26 +112,47 @@ class CommRecord:
 
 
 class CommLog:
-    """All collectives this rank issued since the last ``clear()``."""
+    """All collectives this rank issued since the last ``clear()``, timed on ``clock``."""
 
-    def __init__(self) -> None:
-        self.records: list[CommRecord] = []
-        self.spans: list[tuple[str, float, float]] = []  # (name, start, end): compute, for timelines
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock if clock is not None else Clock(HOST)
+        self._records: list[CommRecord] = []
+        self._spans: list[tuple[str, Mark, Mark]] = []  # (name, start, end): compute, for timelines
         self._lock = threading.Lock()
+
+    @property
+    def records(self) -> list[CommRecord]:
+        """The collectives, their times read (on an accelerator this waits for them to have run)."""
+        self._settle()
+        return self._records
+
+    @property
+    def spans(self) -> list[tuple[str, float, float]]:
+        """The compute spans (name, start, end), their times read like ``records``'."""
+        self._settle()
+        return self._spans
+
+    def _settle(self) -> None:
+        if not self.clock.on_device:  # host times are read as they happen
+            return
+        with self._lock:
+            for r in self._records:  # a wait or completion may have marked a record since the last read
+                r.settle(self.clock)
+            self._spans = [(name, self.clock.seconds(a), self.clock.seconds(b)) for name, a, b in self._spans]
 
     def add(self, record: CommRecord) -> None:
         with self._lock:
-            self.records.append(record)
+            self._records.append(record)
 
-    def add_span(self, name: str, start: float, end: float) -> None:
-        """Record a stretch of compute (layers call this through ``Scheduler.compute``)."""
+    def add_span(self, name: str, start: Mark, end: Mark) -> None:
+        """Record a stretch of compute between two marks of ``clock`` (``Scheduler.compute``)."""
         with self._lock:
-            self.spans.append((name, start, end))
+            self._spans.append((name, start, end))
 
     def clear(self) -> None:
         with self._lock:
-            self.records = []
-            self.spans = []
+            self._records = []
+            self._spans = []
 
     def bytes_by_axis(self, op: Op | None = None) -> dict[str, int]:
         """Total payload bytes per axis, optionally for one kind of collective."""
@@ -118,8 +165,7 @@ class CommLog:
     def summary(self) -> dict[str, Any]:
         """Per-axis bytes, counts, communication time and blocked time, and the share hidden
         (times as interval unions: see the module docstring)."""
-        with self._lock:
-            records = list(self.records)
+        records = list(self.records)
         axes: dict[str, dict[str, float]] = {}
         for r in records:
             a = axes.setdefault(r.axis, {"count": 0, "bytes": 0, "comm_s": 0.0, "blocked_s": 0.0})

@@ -60,7 +60,8 @@ class Grid:
         expected = tuple(self.coords[a] for a in MESH_AXES)
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")
-        self.comm = Communicator(shape, make_backend(backend, self.groups, shape, self.rank))
+        clock = devices.Clock(device)  # collectives and compute timed where they run (axon4d.commlog)
+        self.comm = Communicator(shape, make_backend(backend, self.groups, shape, self.rank), clock)
         self.scheduler = Scheduler(self.comm, self.precision, overlap)
 
     @property

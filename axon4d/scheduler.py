@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -280,9 +279,11 @@ class Scheduler:
     # -- compute spans for the timeline ---------------------------------------------------------
     @contextlib.contextmanager
     def compute(self, name: str) -> Iterator[None]:
-        """Record the enclosed compute as a span of this rank's timeline (see axon4d.trace)."""
-        start = time.perf_counter()
+        """Record the enclosed compute as a span of this rank's timeline (see axon4d.trace), on the
+        communicator's clock: on an accelerator, when the device ran it, not when the host queued it."""
+        clock = self.comm.clock
+        start = clock.mark()
         try:
             yield
         finally:
-            self.comm.log.add_span(name, start, time.perf_counter())
+            self.comm.log.add_span(name, start, clock.mark())

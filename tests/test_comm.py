@@ -266,3 +266,63 @@ def test_transport_overrides_and_other_launchers_never_probe(monkeypatch):
         choose_transport("fast", None, "mpi", host)
     assert settle_transport("mpi", "comm='mpi'", host, 0, 4) == TransportChoice("mpi", "comm='mpi'")
     assert settle_transport(PROBE, "probe", host, 0, 1) == TransportChoice("torch", "one rank: no collective to time")
+
+
+class _DeviceEvent:
+    """A stand-in for an accelerator's timing event: a time, known only once read."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _DeviceClock:
+    """A clock like an accelerator's (axon4d.device.Clock with on_device): marks are events read later;
+    counts how often the hot path would have blocked the host to read one."""
+
+    on_device = True
+
+    def __init__(self):
+        import time
+
+        self.now, self.reads = time.perf_counter, 0
+
+    def mark(self):
+        return _DeviceEvent(self.now() + 1000.0)  # a device timeline of its own, 1000 s ahead
+
+    def seconds(self, mark):
+        self.reads += 1
+        return mark if isinstance(mark, float) else mark.t
+
+
+def _device_timed(grid):
+    clock = _DeviceClock()
+    grid.comm.clock = grid.comm.log.clock = clock
+    grid.comm.log.clear()
+    torch.manual_seed(0)
+    layer = axon4d.Linear(16, 16)
+    layer(axon4d.shard_input(torch.randn(8, 16))).sum().backward()
+    read_during_step = clock.reads
+    records, spans = grid.comm.log.records, grid.comm.log.spans
+    return {
+        "read_during_step": read_during_step,
+        "records": len(records),
+        "on_device_scale": all(r.t_issue > 999 and r.t_wait_start > 999 and r.t_wait_end > 999 for r in records),
+        "done_before_resume": all(r.t_done is None or r.t_done <= r.t_wait_end for r in records),
+        "pending": sum(1 for r in records if r.marks),
+        "spans": len(spans) > 0 and all(a > 999 and b >= a for _, a, b in spans),
+        "hidden": grid.comm.log.summary()["hidden_pct"],
+    }
+
+
+def test_on_an_accelerator_the_log_times_collectives_by_device_marks_read_after_the_step(pools):
+    """On an accelerator (NCCL) the host neither blocks in a wait nor sees completion, so the log takes
+    device marks (axon4d.device.Clock: timing events on the current stream) at issue, at the wait and
+    where the compute stream resumes, and at completion from the backend future's callback. They are
+    read only when the log is — never during the step, which would block the host each time — and
+    then every record and compute span is on the device's timeline (here a stand-in clock)."""
+    for got in pools(2).run((1, 1, 2, 1), _device_timed):
+        assert got["read_during_step"] == 0
+        assert got["records"] >= 2  # E10 all-gathers, E11 reduce-scatter
+        assert got["on_device_scale"] and got["spans"] and got["done_before_resume"]
+        assert got["pending"] == 0
+        assert 0.0 <= got["hidden"] <= 100.0
