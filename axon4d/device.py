@@ -57,11 +57,47 @@ def accelerator_available() -> bool:
     return torch.cuda.is_available()
 
 
+#: the variables by which a process is shown a subset of the node's accelerators (CUDA, ROCm)
+_VISIBLE_DEVICES_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
 def default_device(local_rank: int = 0) -> torch.device:
-    """The device a rank computes on: its local accelerator when there is one, else the host."""
-    if accelerator_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return HOST
+    """The device a rank computes on: accelerator ``local_rank`` of those this process sees when
+    there are any, else the host. One device per local rank: a ``local_rank`` at or past the number
+    of visible accelerators raises ``RuntimeError`` (ranks sharing a device run at a fraction of its
+    speed and may run out of its memory) instead of silently sharing one."""
+    if not accelerator_available():
+        return HOST
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(_oversubscribed(local_rank, count))
+    return torch.device("cuda", local_rank)
+
+
+def _oversubscribed(local_rank: int, count: int) -> str:
+    """The error for a local rank with no accelerator of its own: what was seen and what would work."""
+    visible = ", ".join(f"{v}={os.environ[v]!r}" for v in _VISIBLE_DEVICES_VARS if v in os.environ)
+    return (
+        f"local rank {local_rank} needs accelerator {local_rank}, but this process sees {count} "
+        f"({visible or 'no *_VISIBLE_DEVICES set'}): at least {local_rank + 1} ranks on this node "
+        f"would share {count} device(s). Start at most {count} rank(s) per node (torchrun "
+        f"--nproc-per-node, srun --ntasks-per-node, mpirun --map-by ppr:{count}:node), and let "
+        "every rank see the node's devices (under srun: --gpus-per-node or --gres=gpu:N, not "
+        "--gpus-per-task or --gpu-bind, which show each task only its own); or pass "
+        "axon4d.init(device=...) yourself"
+    )
+
+
+def process_group_device(device: torch.device | None) -> torch.device | None:
+    """The ``device_id`` for ``init_process_group``: ``device`` (with its index; the current
+    device's if it has none) when it is an accelerator, so the backend binds this process to it and
+    makes its communicator at once (subgroups are then split from it); None on the host."""
+    if device is None or is_host(device) or device.type == "meta":
+        return None
+    if device.index is None:
+        return torch.device(device.type, torch.get_device_module(device.type).current_device())
+    return device
+
 
 
 def accelerator_kind() -> str:

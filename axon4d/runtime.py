@@ -1,8 +1,8 @@
 """Starting and stopping axon4d in a process: ``init()``, ``get_grid()``, ``shutdown()``.
 
-``init`` reads the launcher (torchrun, mpirun/mpiexec, or a lone process), creates the default
-process group with the backend that fits the device, validates the grid on every rank before any
-group exists, and builds it. The grid it returns is also the default for layers created without
+``init`` reads the launcher (torchrun, mpirun/mpiexec, srun, or a lone process), creates the
+default process group with the backend that fits the device (bound to it when it is an
+accelerator), validates the grid on every rank before any group exists, and builds it. The grid it returns is also the default for layers created without
 an explicit ``grid=``.
 """
 
@@ -90,7 +90,7 @@ def init(
     policy = OverlapPolicy.parse(overlap)  # raises before any group exists
     mixed = Precision.parse(precision)  # likewise
     if not dist.is_initialized():
-        launch.start_world(info, backend or devices.default_backend(dev), timeout_s)
+        launch.start_world(info, backend or devices.default_backend(dev), timeout_s, device=dev)
         _state["owns_world"], _state["launch"] = True, info
     choice = _state["probed"] if transport == PROBE else None  # a probe is run once per world
     if not isinstance(choice, TransportChoice):

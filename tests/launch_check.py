@@ -1,4 +1,4 @@
-"""A tiny job started by tests/test_launch.py under torchrun, mpiexec or plain python.
+"""A tiny job started by tests/test_launch.py under torchrun, mpiexec, srun (its environment) or plain python.
 
 It joins the world through ``axon4d.init`` alone and, for each grid of ``argv[1]`` (x,y,z,d;...),
 one after another in the same job (``shutdown()`` between them), runs one 3D Linear forward +

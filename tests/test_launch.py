@@ -1,15 +1,19 @@
 """Protects how a job starts: axon4d.init() under torchrun, under mpiexec (rank and size from
-mpi4py, rendezvous published by rank 0) and as a plain python process, with clean shutdown —
-and a second grid built after ``shutdown()`` in the same job."""
+mpi4py, rendezvous published by rank 0), under srun (processes started with the environment srun
+gives its tasks) and as a plain python process, with clean shutdown — and a second grid built after
+``shutdown()`` in the same job; a process whose environment names a larger world refuses to run
+alone. The environment rules themselves: tests/test_launch_env.py."""
 
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from axon4d.launch import free_port
+from axon4d.launch import free_port, slurm_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launch_check.py")
@@ -53,6 +57,74 @@ def test_mpiexec():
     assert len(lines) == 8 and all("world=4" in line for line in lines) and _errors_ok(lines)
     assert {line.split()[1] for line in lines} == {"mpi"}
     assert sum("rank 0 at" in line for line in lines) == 2
+
+
+#: launcher variables a test job must not inherit from the shell that runs pytest
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "PMIX_"))}
+    return dict(env, OMP_NUM_THREADS="1", **extra)
+
+
+def _slurm_job_id():
+    """A job id whose rendezvous port (axon4d.launch.slurm_port) is free on this host now."""
+    for _ in range(100):
+        job = random.randrange(1, 10**7)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", slurm_port(job)))
+            except OSError:
+                continue
+        return job
+    raise AssertionError("no free port in the SLURM range")
+
+
+def _srun(ntasks, spec, nodelist, timeout=240, **extra):
+    """Start ``ntasks`` copies of launch_check.py as ``srun -n ntasks`` on one node would: only the
+    environment tells each its place (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the step's nodes)."""
+    job = _slurm_job_id()
+    procs = []
+    for task in range(ntasks):
+        env = _clean_env(
+            SLURM_JOB_ID=str(job),
+            SLURM_STEP_ID="0",
+            SLURM_PROCID=str(task),
+            SLURM_NTASKS=str(ntasks),
+            SLURM_LOCALID=str(task),
+            SLURM_STEP_NODELIST=nodelist,
+            SLURM_JOB_NODELIST=nodelist,
+            **extra,
+        )
+        cmd = [sys.executable, SCRIPT, spec]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for task, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"task {task} exited {p.returncode}:\n{out}\n{err}"
+    return [line for out, _ in outs for line in out.splitlines() if line.startswith("LAUNCH")]
+
+
+def test_srun_tasks_form_one_world_from_slurm_variables():
+    # the step's first host in compressed form; the port derived from SLURM_JOB_ID
+    lines = _srun(4, "2,1,2,1;1,1,2,2", "localhost,nid[001-003]")
+    assert len(lines) == 8 and all("LAUNCH slurm world=4" in line for line in lines) and _errors_ok(lines)
+    assert sum("Grid(x=1, y=1, z=2, data=2)" in line for line in lines) == 4  # the second grid, after shutdown
+    assert sorted(int(line.split(" rank ")[1].split()[0]) for line in lines) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_srun_tasks_meet_at_master_addr_and_port_when_the_script_exports_them():
+    # the usual sbatch script: export MASTER_ADDR/MASTER_PORT, then srun — still SLURM's ranks
+    lines = _srun(2, "1,1,2,1", "nid[007-008]", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    assert len(lines) == 2 and all("LAUNCH slurm world=2" in line for line in lines) and _errors_ok(lines)
+
+
+def test_a_process_told_the_world_is_larger_refuses_to_run_alone():
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "1,1,1,1"], capture_output=True, text=True, timeout=120, env=_clean_env(WORLD_SIZE="4")
+    )
+    assert proc.returncode != 0 and "LAUNCH" not in proc.stdout
+    assert "WORLD_SIZE=4" in proc.stderr and "MASTER_ADDR" in proc.stderr and "torchrun" in proc.stderr
 
 
 _FAULTS = """
