@@ -63,12 +63,17 @@ _VISIBLE_DEVICES_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VI
 
 def default_device(local_rank: int = 0) -> torch.device:
     """The device a rank computes on: accelerator ``local_rank`` of those this process sees when
-    there are any, else the host. One device per local rank: a ``local_rank`` at or past the number
-    of visible accelerators raises ``RuntimeError`` (ranks sharing a device run at a fraction of its
-    speed and may run out of its memory) instead of silently sharing one."""
+    there are any, else the host. A process shown a single accelerator computes on it whatever its
+    local rank (``srun --gpus-per-task=1``, ``--gpu-bind`` or a per-rank ``CUDA_VISIBLE_DEVICES``
+    give each rank its own; NCCL refuses two ranks of one device itself, naming both). A process
+    shown several: one per local rank, and a ``local_rank`` at or past their number raises
+    ``RuntimeError`` (ranks sharing a device run at a fraction of its speed and may run out of its
+    memory) instead of silently sharing one."""
     if not accelerator_available():
         return HOST
     count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
     if local_rank >= count:
         raise RuntimeError(_oversubscribed(local_rank, count))
     return torch.device("cuda", local_rank)
@@ -81,10 +86,9 @@ def _oversubscribed(local_rank: int, count: int) -> str:
         f"local rank {local_rank} needs accelerator {local_rank}, but this process sees {count} "
         f"({visible or 'no *_VISIBLE_DEVICES set'}): at least {local_rank + 1} ranks on this node "
         f"would share {count} device(s). Start at most {count} rank(s) per node (torchrun "
-        f"--nproc-per-node, srun --ntasks-per-node, mpirun --map-by ppr:{count}:node), and let "
-        "every rank see the node's devices (under srun: --gpus-per-node or --gres=gpu:N, not "
-        "--gpus-per-task or --gpu-bind, which show each task only its own); or pass "
-        "axon4d.init(device=...) yourself"
+        f"--nproc-per-node, srun --ntasks-per-node, mpirun --map-by ppr:{count}:node), or show "
+        "each rank its own device (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank); or "
+        "pass axon4d.init(device=...) yourself"
     )
 
 
@@ -97,7 +101,6 @@ def process_group_device(device: torch.device | None) -> torch.device | None:
     if device.index is None:
         return torch.device(device.type, torch.get_device_module(device.type).current_device())
     return device
-
 
 
 def accelerator_kind() -> str:

@@ -42,7 +42,7 @@ class Grid:
     ):
         self.shape = shape
         self.device = device
-        self.launcher = launcher  # how the job was started: torchrun, mpi, single or existing
+        self.launcher = launcher  # how the job was started: torchrun, mpi, slurm, single or existing
         self.precision = Precision.parse(precision)  # dtypes of parameters, compute and reductions
         self.rank = dist.get_rank()
         self.coords = shape.coordinates(self.rank)

@@ -252,7 +252,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from axon4d import launch
 
-    launched = launch.detect().launcher in ("torchrun", "mpi")
+    launched = launch.detect().launcher in ("torchrun", "mpi", "slurm")
     if launched and not os.path.exists(args.machine):
         raise SystemExit(
             f"{args.machine} does not exist: calibrate first, in the same kind of job "

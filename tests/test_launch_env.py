@@ -240,6 +240,8 @@ def test_every_local_rank_gets_an_accelerator_of_its_own(env, accelerators):
     assert [devices.default_device(r).index for r in (0, 1)] == [0, 1]
     assert devices.default_device() == devices.default_device(0)
     assert not devices.is_host(devices.default_device(1))
+    accelerators(1)  # srun --gpus-per-task=1: each task is shown its own one
+    assert [devices.default_device(r).index for r in (0, 3)] == [0, 0]
     accelerators(0)
     assert devices.default_device(5) == devices.HOST
 

@@ -192,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
         return args.memory_gib * 2**30 if args.memory_gib else host_memory() / max(result["world"], 1)
 
     start = time.perf_counter()
-    if launch.detect().launcher in ("torchrun", "mpi"):
+    if launch.detect().launcher in ("torchrun", "mpi", "slurm"):
         grid = runtime.init(grid=(1, 1, 1, -1))
         result = measure_world(
             grid,
