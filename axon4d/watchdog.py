@@ -8,15 +8,18 @@ rendezvous store of torch.distributed: torchrun's agent, or rank 0 for mpirun an
 launches), and works with three facts:
 
 - **heartbeats**: the thread adds 1 to ``axon4d/beat/<rank>`` every ``beat_s`` seconds. A rank
-  whose count stops is hung (stopped, swapping, deadlocked) or dead.
+  whose count stops is hung (stopped, swapping, deadlocked) or dead. A rank that ends on its own
+  (its deadline, another's failure) first sets ``axon4d/ending/<rank>``: not hung, ending.
 - **failures**: a rank that raises announces it before anything else (``announce``):
   ``axon4d/failed/<rank>`` holds its one-line error and ``axon4d/failures`` counts them. Every
   other rank's thread sees the count within ``beat_s``, prints who failed and why, and ends its
   own process — whatever collective it was blocked in (exit code ``EXIT_PEER_FAILED``).
-- **waits**: the communicator (``axon4d.comm.Handle.wait``) and other blocking phases (a
+- **waits**: the communicator (``axon4d.comm.Handle.wait``) and the places where the host blocks
+  under NCCL (the training loop's loss and gradient-norm reads, device synchronisations, a
   checkpoint's save) mark what this rank is waiting for (``waiting``). A wait longer than the
   deadline — ``startup_s`` until ``steady()`` is called after the first step, ``timeout_s`` after —
   ends the process (``EXIT_TIMEOUT``) after naming the wait and the ranks whose heartbeat stopped.
+  From ``steady()`` on, the process groups' own timeout follows (``pg_timeout_s``).
 
 Store operations use their own client with a short timeout, so a hung store host makes the
 diagnosis say so instead of hanging it. Nothing here calls a collective: after an exception no
@@ -32,9 +35,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 #: exit code of a rank ended because another rank failed
@@ -43,6 +47,10 @@ EXIT_PEER_FAILED = 3
 EXIT_TIMEOUT = 4
 #: heartbeats a failing rank waits after announcing its error, before it ends or aborts the job
 GRACE_BEATS = 3
+#: torch.distributed's timeout after the first step is the watchdog's deadline plus this (or 5 beats
+#: if longer): the watchdog names the stopped rank first (a beat's check, 2.5 beats of watching), and
+#: NCCL's clock starts when a collective is queued, maybe a while before the host blocks on it
+PG_MARGIN_S = 10.0
 _PREFIX = "axon4d/"
 _current: Watchdog | None = None
 
@@ -66,6 +74,14 @@ def _client(store: Any, timeout_s: float) -> Any:
             wait_for_workers=False,
         )
     return inner
+
+
+def _timeout_of(group: Any) -> datetime.timedelta | None:
+    """A process group's timeout now, read from its backend's options (None where it cannot be)."""
+    for device in getattr(group, "_device_types", ()):
+        with contextlib.suppress(Exception):
+            return group._get_backend(device).options._timeout
+    return None
 
 
 def default_store() -> Any | None:
@@ -108,6 +124,10 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen_failures = 0
+        #: id -> (process group whose timeout follows the deadline after steady(), its timeout before)
+        self._groups: dict[int, tuple[Any, datetime.timedelta | None]] = {}
+        self._groups_timeout_s: float | None = None  # their timeout now, once steady() set it
+        self._stalled: list[int] = []  # the ranks the last diagnosis found stopped
 
     # ---- what the job tells it -------------------------------------------------------------
     def start(self) -> Watchdog:
@@ -128,10 +148,46 @@ class Watchdog:
             self._thread.join(timeout=2 * self.beat_s + 1)
         if _current is self:
             _current = None
+        for group, timeout in self._groups.values() if self._groups_timeout_s is not None else ():
+            if timeout is not None:  # back as they were: the groups may outlive the job
+                with contextlib.suppress(Exception):
+                    dist.distributed_c10d._set_pg_timeout(timeout, group)
+        self._groups_timeout_s = None
 
-    def steady(self) -> None:
-        """Start-up is over (after the first step): waits get ``timeout_s`` from now on."""
+    def steady(self, groups: Iterable[Any] = ()) -> None:
+        """Start-up is over (after the first step): waits get ``timeout_s`` from now on, and so do
+        torch.distributed's collectives: the timeout of the default process group and of ``groups``
+        (the grid's: ``grid.groups.values()``) becomes ``pg_timeout_s``. Where this torch cannot
+        set it, rank 0 says so once and the start-up timeout stays."""
         self._steady = True
+        for group in [dist.group.WORLD if dist.is_initialized() else None, *groups]:
+            if group is not None and id(group) not in self._groups:
+                self._groups[id(group)] = (group, _timeout_of(group))
+        if self._groups and self._set_group_timeouts(self.pg_timeout_s(self.timeout_s)):
+            self._groups_timeout_s = self.pg_timeout_s(self.timeout_s)
+
+    def pg_timeout_s(self, deadline_s: float) -> float:
+        """The process groups' timeout (NCCL's watchdog, gloo's) that goes with a deadline of
+        ``deadline_s``: after ``steady``, ``timeout_s``'s, or a longer one of the wait in progress."""
+        return deadline_s + max(PG_MARGIN_S, 5 * self.beat_s)
+
+    def _set_group_timeouts(self, seconds: float) -> bool:
+        """Set the timeout of every group ``steady`` was given to ``seconds`` (not a collective:
+        each rank sets its own); False, after saying why on rank 0, where torch cannot."""
+        setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        why = f"torch {torch.__version__} has no torch.distributed.distributed_c10d._set_pg_timeout"
+        if setter is not None:
+            try:
+                for group, _ in self._groups.values():
+                    setter(datetime.timedelta(seconds=seconds), group)
+                return True
+            except (AttributeError, AssertionError, RuntimeError, TypeError, ValueError) as e:
+                why = f"setting a process group's timeout failed ({type(e).__name__}: {e})"
+        stays = "torch.distributed's own timeout stays at its start-up value (--startup-timeout)"
+        if self.rank == 0:
+            print(f"axon4d: {why}; {stays}, the watchdog's is {self.timeout_s:g} s", file=self._out, flush=True)
+        self._groups = {}  # say it once
+        return False
 
     @property
     def deadline_s(self) -> float:
@@ -139,14 +195,25 @@ class Watchdog:
 
     @contextlib.contextmanager
     def waiting(self, what: str, deadline_s: float | None = None) -> Iterator[None]:
-        """Mark this rank as blocked in ``what`` (e.g. "all_gather over z (tag E10f)") meanwhile;
-        ``deadline_s`` replaces the phase's deadline for this wait (a checkpoint's save)."""
+        """Mark this rank as blocked in ``what`` (e.g. "all_gather over z (tag E10f)") meanwhile.
+        ``deadline_s`` replaces the phase's deadline for this wait and the waits inside it (a
+        checkpoint's save and its collectives), and lifts torch.distributed's timeout to match
+        while it lasts (after ``steady``)."""
         outer = self._wait
+        if deadline_s is None and outer is not None:
+            deadline_s = outer[2]
+        restore = self._groups_timeout_s  # lifted for a longer deadline of its own, then restored
+        if deadline_s is None or restore is None or self.pg_timeout_s(deadline_s) <= restore:
+            restore = None
+        elif self._set_group_timeouts(self.pg_timeout_s(deadline_s)):
+            self._groups_timeout_s = self.pg_timeout_s(deadline_s)
         self._wait = (time.monotonic(), what, deadline_s)
         try:
             yield
         finally:
             self._wait = outer
+            if restore is not None and self._set_group_timeouts(restore):
+                self._groups_timeout_s = restore
 
     def announce(self, error: BaseException) -> None:
         """Tell every rank that this one failed with ``error`` (first thing after it raised)."""
@@ -168,14 +235,26 @@ class Watchdog:
         return out
 
     def stalled_ranks(self) -> list[int] | None:
-        """Ranks whose heartbeat did not advance over ~2.5 beats (None: the store did not answer)."""
+        """Ranks whose heartbeat did not advance over ~2.5 beats, less those that said they are
+        ending or failed (None: the store did not answer). This rank beats on while it watches:
+        every rank blocked with a hung one reaches its deadline at about the same time and watches
+        from its heartbeat thread — were their beats silent meanwhile, each would name the others."""
         try:
             first = self._beats()
-            time.sleep(2.5 * self.beat_s)
+            end = time.monotonic() + 2.5 * self.beat_s
+            while (left := end - time.monotonic()) > 0:
+                time.sleep(min(self.beat_s, left))
+                self._beat()
             second = self._beats()
+            silent = [r for r in range(self.world) if r != self.rank and second[r] <= first[r]]
+            self._stalled = [r for r in silent if not self._ending(r)]
         except Exception:
             return None
-        return [r for r in range(self.world) if r != self.rank and second[r] <= first[r]]
+        return self._stalled
+
+    def _ending(self, rank: int) -> bool:
+        """Whether ``rank`` said it is ending on its own or failed (so its heartbeat stopped)."""
+        return any(self._store.check([f"{_PREFIX}{key}/{rank}"]) for key in ("ending", "failed"))
 
     def diagnose(self, waited: str | None = None, probe: bool = True) -> str:
         """One paragraph: what this rank waited for, who failed and why, and (``probe``: watching
@@ -214,11 +293,31 @@ class Watchdog:
             return self._seen_failures
 
     def _end(self, message: str, code: int) -> None:
+        """Say ``message``, tell the others this rank is ending (not hung), and end with ``code``."""
+        with contextlib.suppress(Exception):
+            self._store.set(f"{_PREFIX}ending/{self.rank}", str(code))
         print(message, file=self._out, flush=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
+        if self.rank == 0:
+            self._linger()
         self._stop.set()
         self._exit(code)
+
+    def _linger(self) -> None:
+        """Rank 0 hosts the job's store under plain and MPI launches: keep it up until every other
+        rank not found stopped said it is ending or failed (one more deadline at most), so that
+        those that reach their deadline after this one can still watch the heartbeats."""
+        until = time.monotonic() + self.deadline_s
+        others = [r for r in range(self.world) if r != self.rank and r not in self._stalled]
+        while others and time.monotonic() < until:
+            try:
+                others = [r for r in others if not self._ending(r)]
+            except Exception:
+                return
+            if others:
+                self._beat()
+                time.sleep(self.beat_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):

@@ -3,22 +3,34 @@ the forward, the backward or a checkpoint save, is SIGKILLed or SIGSTOPped, unde
 multi-process launch, torchrun and mpiexec. The job must end within its deadline, the failing
 rank's own error must be printed, and the ranks that were still running must name it.
 
-Each case runs ``tests/fault_check.py`` (the real ``axon4d train`` with a fault planted from
-outside the library) on 2 ranks with a tiny model.
+Each job case runs ``tests/fault_check.py`` (the real ``axon4d train`` with a fault planted from
+outside the library) on 2 ranks with a tiny model (4 for naming the hung rank among several
+survivors). The in-process cases check the watchdog's parts that a CPU job cannot reach: the
+host reads that block under NCCL (loss, gradient norm, device synchronize) end the rank at their
+deadline and are named, and torch.distributed's own timeout follows the watchdog's after the
+first step.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from axon4d import device as devices
+from axon4d import params, watchdog
 from axon4d.launch import free_port
+from axon4d.train import loop, optim
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fault_check.py")
@@ -29,7 +41,7 @@ TIMEOUT = 8  # --timeout: seconds a rank may wait in a collective after the firs
 BOUND_S = 90
 
 
-def _flags(out_dir) -> list[str]:
+def _flags(out_dir, grid: str = "1,2,1,1") -> list[str]:
     return [
         "--model",
         "tiny",
@@ -38,7 +50,7 @@ def _flags(out_dir) -> list[str]:
         "--batch-size",
         "4",
         "--grid",
-        "1,2,1,1",
+        grid,
         "--save-every",
         "2",
         "--timeout",
@@ -60,17 +72,19 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _plain(fault: str, rank: int, step: int, out_dir) -> tuple[list[int], list[str], float]:
-    """Start WORLD processes by hand (RANK/WORLD_SIZE/MASTER_* set, no agent); wait for them all
+def _plain(
+    fault: str, rank: int, step: int, out_dir, world: int = WORLD, grid: str = "1,2,1,1"
+) -> tuple[list[int], list[str], float]:
+    """Start ``world`` processes by hand (RANK/WORLD_SIZE/MASTER_* set, no agent); wait for them all
     (SIGKILLing one that stopped itself once the others are gone); (exit codes, outputs, seconds)."""
     port = str(free_port())
     procs = []
     start = time.monotonic()
-    for r in range(WORLD):
+    for r in range(world):
         env = dict(
-            _env(), RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            _env(), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
         )
-        cmd = [sys.executable, SCRIPT, fault, str(rank), str(step), *_flags(out_dir)]
+        cmd = [sys.executable, SCRIPT, fault, str(rank), str(step), *_flags(out_dir, grid)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     others = [p for r, p in enumerate(procs) if r != rank]
     try:
@@ -115,6 +129,18 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
     assert "waited" in outs[0] and " over " in outs[0]  # which collective, on which axis
 
 
+def test_every_survivor_names_only_the_hung_rank(tmp_path):
+    """4 ranks on a 1,2,1,2 grid; rank 2 stops at step 3. Its partners on y (rank 3) and on data
+    (rank 0) block in a collective with it first, rank 1 only once they do: the survivors reach
+    their deadlines at different times, and each must name rank 2 alone, not the others that are
+    ending on their own deadline at the same time."""
+    codes, outs, elapsed = _plain("stop", 2, 3, tmp_path, world=4, grid="1,2,1,2")
+    assert elapsed < BOUND_S
+    for r in (0, 1, 3):
+        assert codes[r] == 4, (r, codes, outs[r])  # watchdog.EXIT_TIMEOUT
+        assert "rank(s) 2 stopped answering" in outs[r], (r, outs[r])
+
+
 def test_under_torchrun_an_error_ends_the_job(tmp_path):
     torchrun = os.path.join(BIN, "torchrun")
     cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), SCRIPT, "forward", "1", "3"]
@@ -150,3 +176,169 @@ def test_under_mpiexec_a_failing_or_hung_rank_ends_the_job(tmp_path, fault):
         assert "PlantedError: planted forward failure" in out and "rank 1 failed with PlantedError" in out, out
     else:  # the MPI transport's waits poll: the watchdog's deadline ends them
         assert f"(deadline {TIMEOUT} s after the first step)" in out and "rank(s) 1 stopped answering" in out, out
+
+
+# ---- in-process: the watchdog's parts a CPU job cannot reach ------------------------------------
+
+
+class _Ended:
+    """The ``exit`` of a watchdog under test: records the code and releases a blocked read."""
+
+    def __init__(self) -> None:
+        self.code: int | None = None
+        self.event = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.code = code
+        self.event.set()
+
+
+def _dog(world: int = 1, rank: int = 0, store=None, **kwargs) -> tuple[watchdog.Watchdog, _Ended, io.StringIO]:
+    ended, out = _Ended(), io.StringIO()
+    kwargs = {"timeout_s": 0.3, "beat_s": 0.05, **kwargs}
+    store = store if store is not None else dist.HashStore()
+    return watchdog.Watchdog(rank, world, store, exit=ended, out=out, **kwargs), ended, out
+
+
+class _BlockedRead:
+    """A device value whose host read blocks (as under NCCL with a hung peer) until the watchdog ends the rank."""
+
+    def __init__(self, ended: _Ended):
+        self._ended = ended
+
+    def _block(self) -> float:
+        self._ended.event.wait(10)
+        return 1.0
+
+    __float__ = _block
+    item = _block
+
+
+def _grid(ended: _Ended) -> types.SimpleNamespace:
+    handle = types.SimpleNamespace(wait=lambda: _BlockedRead(ended))
+    comm = types.SimpleNamespace(all_reduce=lambda *args, **kwargs: handle)
+    return types.SimpleNamespace(device=devices.HOST, comm=comm, size=lambda axis: 1)
+
+
+NAMED = {
+    "loss": "the host read of the step's loss",
+    "gradient norm": "the host read of the gradient norm",
+    "synchronize": "the device synchronize at the end of step 3",
+}
+
+
+@pytest.mark.parametrize("where", sorted(NAMED))
+def test_a_host_read_blocked_past_its_deadline_ends_the_rank_and_is_named(monkeypatch, where):
+    dog, ended, out = _dog()
+    grid = _grid(ended)
+    monkeypatch.setattr(params, "grad_norm", lambda model, grid: _BlockedRead(ended))
+    monkeypatch.setattr(devices, "synchronize", lambda device: _BlockedRead(ended)._block())
+    reads = {
+        "loss": lambda: loop._global_mean(torch.ones(()), grid),
+        "gradient norm": lambda: optim.clip(torch.nn.Linear(1, 1), types.SimpleNamespace(grad_clip=0.0), grid),
+        "synchronize": lambda: loop._synchronize(grid, 3),
+    }
+    dog.start()
+    dog.steady()
+    try:
+        start = time.monotonic()
+        reads[where]()
+        assert time.monotonic() - start < 5
+    finally:
+        dog.stop()
+    assert ended.code == watchdog.EXIT_TIMEOUT, out.getvalue()
+    message = out.getvalue()
+    assert f"in {NAMED[where]}" in message and "(deadline 0.3 s after the first step)" in message, message
+
+
+def test_a_wait_inside_one_with_its_own_deadline_keeps_that_deadline():
+    dog, ended, out = _dog()
+    dog.start()
+    dog.steady()
+    try:
+        with watchdog.waiting("the checkpoint save of step 2", 5.0), watchdog.waiting("all_gather over world"):
+            time.sleep(0.8)  # past the steady deadline of 0.3 s, within the save's 5 s
+    finally:
+        dog.stop()
+    assert ended.code is None, out.getvalue()
+
+
+def test_ranks_watching_at_once_do_not_name_each_other():
+    """Every rank blocked with a hung one reaches its deadline at about the same time, and its
+    heartbeat thread watches the heartbeats: its own must go on meanwhile."""
+    store = dist.HashStore()
+    dogs = [_dog(3, r, store, beat_s=0.1)[0] for r in range(3)]
+    store.add("axon4d/beat/2", 1)  # rank 2 beat once, then stopped
+    found: dict[int, list[int] | None] = {}
+    watchers = [threading.Thread(target=lambda d=d: found.update({d.rank: d.stalled_ranks()})) for d in dogs[:2]]
+    for t in watchers:
+        t.start()
+    for t in watchers:
+        t.join()
+    assert found == {0: [2], 1: [2]}
+    store.set("axon4d/ending/1", "4")  # rank 1 ended on its own deadline: not hung
+    assert dogs[0].stalled_ranks() == [2]
+
+
+def test_the_groups_timeout_follows_the_deadline_after_the_first_step(monkeypatch):
+    calls: list[tuple[float, object]] = []
+    monkeypatch.setattr(
+        dist.distributed_c10d, "_set_pg_timeout", lambda t, g: calls.append((t.total_seconds(), g)), raising=False
+    )
+    dog, _, _ = _dog(timeout_s=7.0, beat_s=1.0)
+    x, y = object(), object()
+    dog.steady([x, y, x])
+    steady_s = 7.0 + watchdog.PG_MARGIN_S
+    assert calls == [(steady_s, x), (steady_s, y)]
+    calls.clear()
+    with dog.waiting("the checkpoint save of step 2", 100.0):
+        assert calls == [(100.0 + watchdog.PG_MARGIN_S, x), (100.0 + watchdog.PG_MARGIN_S, y)]
+        calls.clear()
+        with dog.waiting("all_gather over world (tag checkpoint)"):
+            assert calls == []  # the save's lifted timeout holds for the waits inside it
+    assert calls == [(steady_s, x), (steady_s, y)]  # back to the steady timeout
+    calls.clear()
+    with dog.waiting("all_reduce over y"), dog.waiting("a short save", 1.0):
+        assert calls == []  # no wait without a longer deadline of its own changes it
+
+
+def test_without_the_setter_the_timeout_stays_and_rank_0_says_so(monkeypatch):
+    monkeypatch.delattr(dist.distributed_c10d, "_set_pg_timeout", raising=False)
+    dog, _, out = _dog(timeout_s=7.0)
+    dog.steady([object()])
+    with dog.waiting("the checkpoint save of step 2", 100.0):
+        pass
+    assert out.getvalue().count("has no torch.distributed.distributed_c10d._set_pg_timeout") == 1, out.getvalue()
+
+
+def _group_timeouts(grid) -> list[float]:
+    """The timeout of the default group and of every group of ``grid``, read back from their gloo backends."""
+    groups = [dist.group.WORLD, *grid.groups.values()]
+    return [g._get_backend(devices.HOST).options._timeout.total_seconds() for g in groups]
+
+
+def _steady_on(grid) -> list[list[float]]:
+    """The groups' timeouts at start-up, after steady(), inside a save, after it, after stop()."""
+    default = dist.group.WORLD._get_backend(devices.HOST).options  # the pool's: restored afterwards
+    before = default._timeout
+    try:
+        dog = watchdog.Watchdog(grid.rank, grid.world_size, watchdog.default_store(), timeout_s=7.0, out=io.StringIO())
+        seen = [_group_timeouts(grid)]
+        dog.steady(grid.groups.values())
+        seen.append(_group_timeouts(grid))
+        with dog.waiting("the checkpoint save", 100.0):
+            seen.append(_group_timeouts(grid))
+        seen.append(_group_timeouts(grid))
+        dog.stop()
+        return [*seen, _group_timeouts(grid)]
+    finally:
+        dist.distributed_c10d._set_pg_timeout(before, dist.group.WORLD)
+
+
+def test_steady_sets_the_timeout_of_the_default_group_and_the_grids(pools):
+    for start, steady, lifted, after, stopped in pools(2).run((1, 2, 1, 1), _steady_on):
+        assert start[0] == 90.0  # the pool's start-up timeout
+        assert steady == [7.0 + watchdog.PG_MARGIN_S] * len(start), (start, steady)
+        assert lifted == [100.0 + watchdog.PG_MARGIN_S] * len(start)
+        assert after == steady
+        assert stopped == start  # the groups outlive the job: back as they were

@@ -145,11 +145,30 @@ def _nonfinite(
     return {"skipped": True, "nonfinite_param": first}
 
 
+# Under NCCL a collective's wait() only makes the device's stream wait: the host blocks where it
+# reads a result or synchronises the device, so those are the waits the watchdog times.
+#: the wait the host read of a step's loss is marked as (axon4d.watchdog)
+LOSS_READ = "the host read of the step's loss (the step's queued device work and the loss's all-reduce over batch)"
+
+
 def _global_mean(value: torch.Tensor, grid: Grid) -> float:
     """Mean over the batch axis of a per-rank scalar (each rank's loss is over its own tokens)."""
     local = devices.to_device(value.detach().float().reshape(1).clone(), grid.device)
     total = grid.comm.all_reduce(local, "batch", tag="log").wait()
-    return float(total) / grid.size("batch")
+    with watchdog.waiting(LOSS_READ):
+        return float(total) / grid.size("batch")
+
+
+def _first_nonfinite(model: Transformer, grid: Grid) -> str | None:
+    """``params.first_nonfinite_grad``, its host read marked as a wait (only on a non-finite step)."""
+    with watchdog.waiting("the host read of the non-finite gradients' flags (their all-reduce over world)"):
+        return params.first_nonfinite_grad(model, grid)
+
+
+def _synchronize(grid: Grid, step: int) -> None:
+    """Wait for the device's queued work of ``step`` (counted from 1), marked as a wait."""
+    with watchdog.waiting(f"the device synchronize at the end of step {step} (the step's queued work)"):
+        devices.synchronize(grid.device)
 
 
 def _train_on(
@@ -214,12 +233,12 @@ def _train_on(
         mean_loss = _global_mean(loss, grid)  # the same on every rank, as is the norm: one decision
         norm = clip(model, cfg, grid)
         finite = math.isfinite(mean_loss) and math.isfinite(norm)
-        first_bad = None if finite else params.first_nonfinite_grad(model, grid)
+        first_bad = None if finite else _first_nonfinite(model, grid)
         if finite:
             opt.step()
             in_a_row = 0
         opt.zero_grad(set_to_none=True)  # a skipped step's gradients are dropped with the rest
-        devices.synchronize(grid.device)  # an accelerator runs the step asynchronously
+        _synchronize(grid, step + 1)  # an accelerator runs the step asynchronously
         dt = time.perf_counter() - t0
         comm = grid.comm.log.summary()  # this step's collectives (with the loss's all-reduce)
         tps = tokens_per_step / dt
@@ -236,7 +255,7 @@ def _train_on(
         bar.set_postfix_str(report.progress_line(rec), refresh=False)
         bar.update()
         if dog is not None and step == start:
-            dog.steady()  # start-up is over: waits get --timeout from here on
+            dog.steady(grid.groups.values())  # start-up is over: waits and the groups get --timeout
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             save(step + 1)
     bar.close()

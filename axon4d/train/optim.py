@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from axon4d import params
+from axon4d import params, watchdog
 from axon4d.grid import Grid
 from axon4d.train.config import TrainConfig
 
@@ -46,8 +46,14 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
 
+#: the wait the host read of a step's gradient norm is marked as (axon4d.watchdog)
+NORM_READ = "the host read of the gradient norm (the backward's queued device work and the norm's all-reduce)"
+
+
 def clip(model: torch.nn.Module, cfg: TrainConfig, grid: Grid) -> float:
-    """Clip the gradients to ``cfg.grad_clip`` by their global norm (no clipping at 0); return the norm."""
-    if cfg.grad_clip > 0:
-        return params.clip_grad_norm_(model, cfg.grad_clip, grid)
-    return params.grad_norm(model, grid).item()
+    """Clip the gradients to ``cfg.grad_clip`` by their global norm (no clipping at 0); return the
+    norm. Reading it blocks the host (under NCCL, until the backward is done): a marked wait."""
+    with watchdog.waiting(NORM_READ):
+        if cfg.grad_clip > 0:
+            return params.clip_grad_norm_(model, cfg.grad_clip, grid)
+        return params.grad_norm(model, grid).item()

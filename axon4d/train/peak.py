@@ -20,6 +20,7 @@ from typing import TextIO
 import torch
 
 from axon4d import device as devices
+from axon4d import watchdog
 from axon4d.grid import Grid
 
 #: warn when the compute dtype's matmul is this many times slower than fp32's.
@@ -34,13 +35,15 @@ def measure_peak_tflops(grid: Grid, dtype: torch.dtype, seconds: float = 0.5) ->
     a = torch.randn(n, n, dtype=dtype, device=grid.device)
     b = torch.randn(n, n, dtype=dtype, device=grid.device)
     torch.matmul(a, b)
-    devices.synchronize(grid.device)
+    with watchdog.waiting("the device synchronize before the peak probe"):
+        devices.synchronize(grid.device)
     grid.comm.barrier()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         torch.matmul(a, b)
         count += 1
-    devices.synchronize(grid.device)  # an accelerator queues the matmuls: count them once they ran
+    with watchdog.waiting("the device synchronize after the peak probe"):
+        devices.synchronize(grid.device)  # an accelerator queues the matmuls: count them once they ran
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e12
 
 
@@ -48,7 +51,9 @@ def world_peak_tflops(grid: Grid, per_rank: float = 0.0) -> float:
     """Peak TFLOP/s of the whole grid: ``per_rank`` on every rank, or measured (at 0), summed over the world."""
     peak_rank = per_rank or measure_peak_tflops(grid, grid.precision.compute)
     total = torch.tensor([peak_rank], dtype=torch.float64, device=grid.device)
-    return grid.comm.all_reduce(total, "world", tag="peak").wait().item()
+    total = grid.comm.all_reduce(total, "world", tag="peak").wait()
+    with watchdog.waiting("the host read of the grid's peak TFLOP/s (its all-reduce over world)"):
+        return total.item()
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float) -> float:
@@ -81,7 +86,9 @@ def check_compute_dtype(
         return None
     timer = timer or (lambda device, dtype: devices.matmul_seconds(device, dtype, n=CHECK_N))
     name = str(compute).removeprefix("torch.")
-    warning = slow_dtype_warning(name, timer(grid.device, compute), timer(grid.device, torch.float32), grid.device)
+    with watchdog.waiting(f"the {name} and float32 matmul timings on rank 0 (device synchronize)"):
+        seconds, fp32_seconds = timer(grid.device, compute), timer(grid.device, torch.float32)
+    warning = slow_dtype_warning(name, seconds, fp32_seconds, grid.device)
     if warning is not None:
         print(warning, file=out or sys.stdout, flush=True)
     return warning
