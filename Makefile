@@ -7,7 +7,7 @@ NPROC ?= 8
 # same pin pulls the CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install lint test demo demo-mlp clean
+.PHONY: install lint test demo demo-mlp gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ demo: install
 # The drop-in example: an MLP of axon4d.Linear layers against the same MLP in one process.
 demo-mlp: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --master-port 29518 -m axon4d.demo
+
+# Everything one GPU can prove (bench/gpu_check.py): the distributed code on CUDA tensors against
+# the dense model, several ranks sharing the GPU through gloo, one rank on NCCL, no host sync in a
+# step, the GPU test suite. Runs with the machine's own torch (GPU_PYTHON, which must have CUDA), not
+# .venv's CPU build; writes bench/results/gpu_check_<gpu>.json. Without CUDA it says so and fails.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

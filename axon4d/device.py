@@ -109,6 +109,13 @@ def accelerator_kind() -> str:
     return "rocm" if getattr(torch.version, "hip", None) else "cuda"
 
 
+def device_name(device: torch.device) -> str:
+    """The product name of ``device`` (e.g. "NVIDIA H100 80GB HBM3"); "host" for host memory."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return "host" if is_host(device) else device.type
+
+
 def is_host(device: torch.device) -> bool:
     """True when ``device`` is host memory."""
     return device.type == HOST.type

@@ -1,8 +1,12 @@
 """MFU's denominator, and a start-up check that the compute dtype is fast here.
 
-``measure_peak_tflops`` times a square matmul on this rank after a barrier, so all ranks share the
-machine as they will while training; ``world_peak_tflops`` sums the per-rank peaks (or the
-``--peak-tflops`` a user gave) over the grid. ``mfu`` is achieved model FLOP/s over that peak.
+``rank_peak_tflops`` is one rank's peak: ``--peak-tflops`` when given; else, on an accelerator
+this module knows (``ACCELERATORS``: the vendors' published dense matrix peaks by dtype), the
+table's figure for the compute dtype — TF32's for fp32 when torch may use it; else a measured
+square matmul after a barrier, so all ranks share the machine as they will while training (512²
+on the host; 8192² on an unknown accelerator, where a small matmul is launch-bound and would make
+MFU read above 100%). ``world_peak_tflops`` sums it over the grid. ``mfu`` is achieved model
+FLOP/s over that peak.
 
 ``check_compute_dtype`` times a 512 × 512 matmul in the compute dtype and in fp32 on the grid's
 device (``axon4d.device.matmul_seconds``): where the compute dtype is more than ``SLOW_RATIO``
@@ -12,6 +16,7 @@ a warning naming both speeds and suggesting ``--precision fp32``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -29,9 +34,64 @@ SLOW_RATIO = 8.0
 CHECK_N = 512
 
 
-def measure_peak_tflops(grid: Grid, dtype: torch.dtype, seconds: float = 0.5) -> float:
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """Published dense (no sparsity) matrix peaks of one accelerator, TFLOP/s, by dtype."""
+
+    name: str  # matched against torch's device name, case-insensitively
+    bf16: float
+    tf32: float
+    fp32: float
+    source: str
+
+
+#: Known accelerators, most specific names first. Per device torch sees (an MI250X is two).
+ACCELERATORS = (
+    Accelerator("H100 PCIe", 756.0, 378.0, 51.2, "NVIDIA H100 datasheet (PCIe), dense"),
+    Accelerator("H100 NVL", 835.0, 417.5, 60.0, "NVIDIA H100 datasheet (NVL), dense"),
+    Accelerator("H100", 989.4, 494.7, 66.9, "NVIDIA H100 datasheet (SXM5), dense"),
+    Accelerator("GH200", 989.4, 494.7, 66.9, "NVIDIA GH200 datasheet (H100 SXM5 figures), dense"),
+    Accelerator("H200", 989.4, 494.7, 66.9, "NVIDIA H200 datasheet (SXM), dense"),
+    Accelerator("A100", 312.0, 156.0, 19.5, "NVIDIA A100 datasheet, dense"),
+    Accelerator("MI250X", 191.5, 47.9, 47.9, "AMD Instinct MI250X datasheet, per GCD (half the OAM)"),
+    Accelerator("MI300X", 1307.4, 653.7, 163.4, "AMD Instinct MI300X datasheet, dense"),
+)
+#: the matmul size that measures an unknown accelerator (a small one is launch-bound there)
+ACCELERATOR_PROBE_N = 8192
+HOST_PROBE_N = 512
+
+
+def known_peak(device_name: str, dtype: torch.dtype, tf32: bool) -> tuple[float, str] | None:
+    """(TFLOP/s, where from) for ``dtype`` on the accelerator called ``device_name`` from
+    ``ACCELERATORS`` (fp32 at TF32's peak when ``tf32``); None for one it does not know."""
+    lowered = device_name.lower()
+    for acc in ACCELERATORS:
+        if acc.name.lower() in lowered:
+            if dtype in (torch.bfloat16, torch.float16):
+                return acc.bf16, f"{acc.name} {str(dtype).removeprefix('torch.')}: {acc.source}"
+            if tf32:
+                return acc.tf32, f"{acc.name} tf32: {acc.source}"
+            return acc.fp32, f"{acc.name} float32: {acc.source}"
+    return None
+
+
+def rank_peak_tflops(grid: Grid, dtype: torch.dtype, given: float = 0.0) -> tuple[float, str]:
+    """One rank's peak TFLOP/s in ``dtype`` and where it came from (module docstring)."""
+    if given > 0:
+        return given, "--peak-tflops"
+    if not devices.is_host(grid.device):
+        tf32 = dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+        known = known_peak(devices.device_name(grid.device), dtype, tf32)
+        if known is not None:
+            return known
+        n = ACCELERATOR_PROBE_N
+    else:
+        n = HOST_PROBE_N
+    return measure_peak_tflops(grid, dtype, n=n), f"measured ({n}x{n} matmul)"
+
+
+def measure_peak_tflops(grid: Grid, dtype: torch.dtype, seconds: float = 0.5, n: int = HOST_PROBE_N) -> float:
     """Matmul TFLOP/s of this rank while every rank measures at once (the machine's shared peak)."""
-    n = 512
     a = torch.randn(n, n, dtype=dtype, device=grid.device)
     b = torch.randn(n, n, dtype=dtype, device=grid.device)
     torch.matmul(a, b)
@@ -48,8 +108,9 @@ def measure_peak_tflops(grid: Grid, dtype: torch.dtype, seconds: float = 0.5) ->
 
 
 def world_peak_tflops(grid: Grid, per_rank: float = 0.0) -> float:
-    """Peak TFLOP/s of the whole grid: ``per_rank`` on every rank, or measured (at 0), summed over the world."""
-    peak_rank = per_rank or measure_peak_tflops(grid, grid.precision.compute)
+    """Peak TFLOP/s of the whole grid: ``per_rank`` on every rank, or ``rank_peak_tflops`` (at 0),
+    summed over the world."""
+    peak_rank, _ = rank_peak_tflops(grid, grid.precision.compute, per_rank)
     total = torch.tensor([peak_rank], dtype=torch.float64, device=grid.device)
     total = grid.comm.all_reduce(total, "world", tag="peak").wait()
     with watchdog.waiting("the host read of the grid's peak TFLOP/s (its all-reduce over world)"):

@@ -1,0 +1,422 @@
+"""Everything one GPU can prove about the distributed code, in one command (``make gpu-check``).
+
+NCCL needs one GPU per rank, so on a machine with one GPU several ranks share it through gloo, which
+stages each collective through host memory: the layers, the overlap scheduler, context parallelism,
+recomputation and checkpoints then run on CUDA tensors, with every collective, against the plain
+single-process model (``axon4d.measure.spawn.run_local``). The cases:
+
+- ``exact``: a Llama (GQA) and a GPT, fp32, logits and every parameter gradient against
+  ``DenseTransformer`` on the same device (≤ 1e-4 relative), on grids (1,2,1,1), (1,1,2,1),
+  (2,1,1,1) and (1,2,2,1), with every overlap mechanism on and with all of them off;
+- ``context``: context parallelism (G_z = 2) in bf16 compute with fp32 master weights and
+  reductions against the fp32 dense model (≤ 5e-2), several local heads and GQA — the case whose
+  CUDA kernel contract a CPU run cannot check;
+- ``recompute``: selective, balanced and full recomputation on (1,2,2,1), fp32, against dense;
+- ``checkpoint``: a save on (1,1,2,1) (G_z > 1) loaded on (1,2,1,1): the same weights;
+- ``train``: the training job in ``bf16-fp32-reduce`` on (1,2,2,1) for a few steps, against the
+  single-process run of the same model (``--compare-single``);
+- ``nccl``: one rank on NCCL (the production backend), fp32 exact against dense;
+- ``sync``: a training step (forward, backward, optimizer step) under
+  ``torch.cuda.set_sync_debug_mode("error")``: no host synchronisation on the hot path;
+- ``suite``: the GPU test suite (``pytest tests/gpu``).
+
+With two or more GPUs the multi-rank cases also run on NCCL, one GPU per rank.
+
+    make gpu-check                              # python3 on PATH, which must have torch with CUDA
+    python bench/gpu_check.py --only context    # cases whose name starts with "context"
+    python bench/gpu_check.py --on-host --only exact   # the same code on the host: checks the check
+
+Without CUDA (and without ``--on-host``) it says so and exits 1. Saves
+``bench/results/gpu_check_<gpu>.json`` (every case: its grid, transport, metrics, verdict, seconds;
+the GPU, torch and CUDA versions, the commit, the date). The last line is
+``gpu-check: <gpu>: N passed, M failed, K skipped (<file>)``; the exit code is 1 when a case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import axon4d
+from axon4d import checkpoint, layout
+from axon4d import device as devices
+from axon4d.config import ModelConfig
+from axon4d.measure.spawn import run_local
+from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.train.config import TrainConfig
+from axon4d.train.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: head_dim 16: a multiple of 8, so CUDA runs attention in its fused kernels
+MODELS = {
+    "llama": ModelConfig(
+        n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, vocab_size=128, seq_len=16, arch="llama"
+    ),
+    "gpt": ModelConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=128, seq_len=16, arch="gpt"),
+}
+FP32_TOL = 1e-4  # fp32 on a GPU: other summation orders than the dense model's
+BF16_TOL = 5e-2  # bf16 compute against the fp32 model (tests/test_precision.py's bound)
+TRAIN_TOL = 5e-2  # bf16 training job against the single-process run, relative loss difference
+FLOOR = 1e-3  # gradients that vanish in theory are compared on this scale
+
+
+@dataclasses.dataclass
+class Case:
+    """One check: ``fn`` on every rank of a local world of ``world`` ranks on ``grid`` (None: ``fn``
+    builds its own grids), returning metrics that ``verdict`` judges (None: passed, else why not)."""
+
+    name: str
+    world: int
+    grid: tuple[int, int, int, int] | None
+    fn: Callable[..., dict[str, Any]]
+    args: tuple[Any, ...] = ()
+    init_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    verdict: Callable[[list[dict[str, Any]]], str | None] = lambda results: None
+    needs_cuda: bool = False
+
+
+# -- what every rank runs --------------------------------------------------------------------------
+def _highest_precision() -> None:
+    """fp32 matmuls in full fp32 (no TF32): the exactness cases compare to fp32 rounding."""
+    torch.set_float32_matmul_precision("highest")
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(FLOOR))
+
+
+def _batch(cfg: ModelConfig, device: torch.device, sequences: int = 4) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (sequences, cfg.seq_len + 1), generator=gen)
+    return devices.to_device(ids, device)
+
+
+def against_dense(grid: Any, arch: str, recompute: str = "none", context_parallel: bool = False) -> dict[str, Any]:
+    """Loss and every parameter gradient of ``Transformer`` against ``DenseTransformer`` (fp32,
+    same device, same batch); the model computes in the grid's precision."""
+    _highest_precision()
+    cfg = MODELS[arch]
+    torch.manual_seed(0)
+    dense = DenseTransformer(cfg, device=grid.device)
+    model = Transformer.from_dense(dense, recompute=recompute, context_parallel=context_parallel)
+    ids = _batch(cfg, grid.device)
+    shard = layout.shard_sequence if context_parallel else axon4d.shard_batch
+    loss = model.loss(shard(ids[:, :-1]), shard(ids[:, 1:]))
+    loss.backward()
+    ref_loss = dense.loss(ids[:, :-1], ids[:, 1:])
+    ref_loss.backward()
+    got = model.to_dense(grads=True)
+    ref = dict(dense.named_parameters())
+    errors = {name: _rel(p.grad, ref[name].grad) for name, p in got.named_parameters()}
+    worst = max(errors, key=errors.__getitem__)
+    total = grid.comm.all_reduce(loss.detach().float().reshape(1).clone(), "batch", tag="check").wait()
+    return {
+        "device": str(grid.device),
+        "loss_rel": abs(float(total) / grid.size("batch") - float(ref_loss.detach())) / abs(float(ref_loss.detach())),
+        "grad_rel": errors[worst],
+        "worst_param": worst,
+        "collectives": len(grid.comm.log.records),
+    }
+
+
+def checkpoint_across_grids(_: Any, directory: str) -> dict[str, Any]:
+    """Train a step on (1,1,2,1), save, load on (1,2,1,1): the weights must be the same."""
+    _highest_precision()
+    cfg = MODELS["llama"]
+    grid = axon4d.init(grid=(1, 1, 2, 1), seed=0)
+    model = Transformer(cfg, grid=grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = _batch(cfg, grid.device)
+    model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])).backward()
+    opt.step()
+    checkpoint.save(directory, model, grid, opt, step=1, overwrite=True)
+    saved = {k: devices.to_host(v) for k, v in model.to_dense().state_dict().items()}
+    axon4d.shutdown()
+    grid = axon4d.init(grid=(1, 2, 1, 1))
+    model = Transformer(cfg, grid=grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    meta = checkpoint.load(directory, model, grid, opt)
+    loaded = {k: devices.to_host(v) for k, v in model.to_dense().state_dict().items()}
+    axon4d.shutdown()
+    diff = max(float((saved[k] - loaded[k]).abs().max()) for k in saved)
+    return {"step": int(meta["step"]), "max_abs_diff": diff, "tensors": len(saved)}
+
+
+def train_job(_: Any, directory: str, grid: str) -> dict[str, Any]:
+    """The training job in bf16-fp32-reduce, compared with the single-process run on rank 0."""
+    cfg = TrainConfig(
+        grid=grid,
+        model="tiny",
+        steps=8,
+        batch_size=8,
+        warmup_steps=2,
+        precision="bf16-fp32-reduce",
+        out_dir=directory,
+        overwrite=True,
+        compare_single=True,
+        progress=False,
+    )
+    summary = train(cfg)
+    losses = [float(v) for v in summary["losses"]]
+    return {"losses": losses, "max_rel_diff": summary.get("max_rel_diff")}
+
+
+def no_host_sync(grid: Any) -> dict[str, Any]:
+    """A training step (forward, backward, AdamW) with CUDA's sync debug mode on "error"; the
+    loss is not read (that read is the step's one intended synchronisation)."""
+    cfg = MODELS["llama"]
+    torch.manual_seed(0)
+    model = Transformer(cfg, grid=grid)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = _batch(cfg, grid.device)
+    x, y = axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])
+
+    def step() -> None:
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # first: allocations, kernel choices, optimizer state
+    devices.synchronize(grid.device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        error = None
+    except RuntimeError:
+        error = traceback.format_exc(limit=12)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return {"error": error}
+
+
+# -- verdicts --------------------------------------------------------------------------------------
+def _within(key: str, tol: float) -> Callable[[list[dict[str, Any]]], str | None]:
+    def judge(results: list[dict[str, Any]]) -> str | None:
+        worst = max(r[key] for r in results)
+        return None if worst <= tol else f"{key} = {worst:.2e} > {tol:.0e}"
+
+    return judge
+
+
+def _exact(tol: float) -> Callable[[list[dict[str, Any]]], str | None]:
+    grads, loss = _within("grad_rel", tol), _within("loss_rel", tol)
+    return lambda results: grads(results) or loss(results)
+
+
+def _same_weights(results: list[dict[str, Any]]) -> str | None:
+    bad = [r for r in results if r["max_abs_diff"] != 0.0 or r["step"] != 1]
+    return None if not bad else f"loaded weights differ by {bad[0]['max_abs_diff']:.2e} (step {bad[0]['step']})"
+
+
+def _trains(results: list[dict[str, Any]]) -> str | None:
+    losses, diff = results[0]["losses"], results[0]["max_rel_diff"]
+    if not all(v == v and abs(v) != float("inf") for v in losses):
+        return f"non-finite loss: {losses}"
+    if not losses[-1] < losses[0]:
+        return f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}"
+    return None if diff is not None and diff <= TRAIN_TOL else f"max_rel_diff = {diff} > {TRAIN_TOL}"
+
+
+def _no_error(results: list[dict[str, Any]]) -> str | None:
+    errors = [r["error"] for r in results if r.get("error")]
+    return errors[0] if errors else None
+
+
+# -- the cases -------------------------------------------------------------------------------------
+GRIDS = [(1, 2, 1, 1), (1, 1, 2, 1), (2, 1, 1, 1), (1, 2, 2, 1)]
+
+
+def _world(grid: tuple[int, ...]) -> int:
+    return grid[0] * grid[1] * grid[2] * grid[3]
+
+
+def _label(grid: tuple[int, ...]) -> str:
+    return "x{}y{}z{}d{}".format(*grid)
+
+
+def cases(scratch: str) -> list[Case]:
+    """Every case of the module docstring, in order."""
+    out = []
+    for arch in MODELS:
+        for grid in GRIDS:
+            for overlap in (True, False):
+                name = f"exact {arch} {_label(grid)} overlap-{'on' if overlap else 'off'}"
+                kw = {"overlap": overlap}
+                out.append(Case(name, _world(grid), grid, against_dense, (arch,), kw, _exact(FP32_TOL)))
+    for grid in [(1, 1, 2, 1), (1, 2, 2, 1)]:
+        kw = {"precision": "bf16-fp32-reduce"}
+        args = ("llama", "none", True)
+        out.append(Case(f"context bf16 {_label(grid)}", _world(grid), grid, against_dense, args, kw, _exact(BF16_TOL)))
+    for mode in ("selective", "balanced", "full"):
+        grid = (1, 2, 2, 1)
+        out.append(
+            Case(f"recompute {mode} {_label(grid)}", 4, grid, against_dense, ("llama", mode), {}, _exact(FP32_TOL))
+        )
+    ckpt = os.path.join(scratch, "checkpoint")
+    out.append(Case("checkpoint z2 -> y2", 2, None, checkpoint_across_grids, (ckpt,), {}, _same_weights))
+    job = os.path.join(scratch, "train")
+    out.append(Case("train bf16-fp32-reduce x1y2z2d1", 4, None, train_job, (job, "1,2,2,1"), {}, _trains))
+    return out
+
+
+def single_gpu_cases() -> list[Case]:
+    """The cases of one rank on the production backend."""
+    exact = _exact(FP32_TOL)
+    return [
+        Case("nccl exact llama x1y1z1d1", 1, (1, 1, 1, 1), against_dense, ("llama",), {}, exact, needs_cuda=True),
+        Case("sync training step x1y1z1d1", 1, (1, 1, 1, 1), no_host_sync, (), {}, _no_error, needs_cuda=True),
+    ]
+
+
+# -- running them ----------------------------------------------------------------------------------
+def run_case(case: Case, transport: str, timeout: float) -> dict[str, Any]:
+    """Run ``case`` over ``transport`` ("staged": gloo on one shared device; "nccl": one device per
+    rank); its record: name, grid, transport, status, why, metrics, seconds."""
+    record: dict[str, Any] = {"name": case.name, "grid": case.grid, "world": case.world, "transport": transport}
+    nccl = transport == "nccl"
+    backend = devices.default_backend(devices.default_device(0)) if nccl else devices.default_backend(devices.HOST)
+    start = time.perf_counter()
+    try:
+        results = run_local(
+            case.world,
+            case.fn,
+            *case.args,
+            grid=case.grid,
+            init_kwargs=case.init_kwargs,
+            backend=backend,
+            device_per_rank=nccl,
+            every_rank=True,
+            timeout=timeout,
+        )
+        why = case.verdict(results)
+        record.update(status="passed" if why is None else "failed", why=why, metrics=results)
+    except Exception as e:  # a rank died or hung: the case failed, the others still run
+        record.update(status="failed", why=f"{type(e).__name__}: {e}", metrics=None)
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    return record
+
+
+def run_suite(timeout: float) -> dict[str, Any]:
+    """``pytest tests/gpu`` in a subprocess; its counts."""
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", "\n".join(tail[-1:]))}
+        ok = proc.returncode == 0 and counts.get("passed", 0) > 0
+        why = None if ok else f"pytest exit {proc.returncode}: {tail[-1] if tail else ''}"
+    except subprocess.TimeoutExpired:
+        tail, counts, ok, why = [], {}, False, f"pytest ran past {timeout:.0f} s"
+    return {
+        "name": "suite tests/gpu",
+        "transport": "default",
+        "status": "passed" if ok else "failed",
+        "why": why,
+        "metrics": {"counts": counts, "tail": tail},
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _device_name(on_host: bool) -> str:
+    return "host" if on_host else torch.cuda.get_device_name(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--only", default="", help="run only the cases whose name starts with one of these (comma-separated)"
+    )
+    p.add_argument("--on-host", action="store_true", help="run on the host without CUDA (checks the check itself)")
+    p.add_argument("--out", default=None, help="JSON file (default bench/results/gpu_check_<gpu>.json)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take before it counts as failed")
+    args = p.parse_args(argv)
+    if not (devices.accelerator_available() or args.on_host):
+        print(
+            "gpu-check: no CUDA device here (torch.cuda.is_available() is False, torch "
+            f"{torch.__version__}): run it on a GPU machine, with a torch that has CUDA; "
+            "--on-host runs the same cases on the host to check the check",
+            file=sys.stderr,
+        )
+        return 1
+    if args.on_host:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned ranks see no accelerator either
+    gpus = 0 if args.on_host else torch.cuda.device_count()
+    name = _device_name(args.on_host)
+    prefixes = [s.strip() for s in args.only.split(",") if s.strip()]
+
+    def chosen(case_name: str) -> bool:
+        return not prefixes or any(case_name.startswith(s) for s in prefixes)
+
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="axon4d-gpu-check-") as scratch:
+        runs = [(c, "staged") for c in cases(scratch)]
+        runs += [(c, "nccl") for c in cases(scratch) if 2 <= c.world <= gpus]
+        runs += [(c, "nccl" if c.needs_cuda else "staged") for c in single_gpu_cases()]
+        for case, transport in runs:
+            if not chosen(case.name):
+                continue
+            if case.needs_cuda and args.on_host:
+                records.append({"name": case.name, "transport": transport, "status": "skipped", "why": "needs CUDA"})
+            else:
+                records.append(run_case(case, transport, args.timeout))
+            r = records[-1]
+            print(f"{r['status']:>7}  {r['name']} [{transport}] {r.get('seconds', 0):.1f} s  {r.get('why') or ''}")
+            sys.stdout.flush()
+    if chosen("suite"):
+        if args.on_host:
+            records.append({"name": "suite tests/gpu", "status": "skipped", "why": "needs CUDA"})
+        else:
+            records.append(run_suite(args.timeout * 4))
+            print(f"{records[-1]['status']:>7}  suite tests/gpu  {records[-1].get('why') or ''}")
+    counts = {s: sum(1 for r in records if r["status"] == s) for s in ("passed", "failed", "skipped")}
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_check_{slug}.json")
+    result = {
+        "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv if argv is not None else sys.argv[1:])),
+        "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "device": name,
+        "gpus": gpus,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "counts": counts,
+        "cases": records,
+    }
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(
+        f"gpu-check: {name}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+        f"({os.path.relpath(out, ROOT)})"
+    )
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

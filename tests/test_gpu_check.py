@@ -1,0 +1,75 @@
+"""Protects ``make gpu-check`` (bench/gpu_check.py), which runs only where a GPU is: without CUDA it
+refuses with a clear message and exit 1; on the host (``--on-host``) its cases run the same code on
+CPU tensors and pass, its JSON and closing line are written; a case that errs on a rank or misses its
+tolerance is reported failed (exit 1) instead of hanging or passing. The GPU itself is never needed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
+sys.path.insert(0, os.path.dirname(SCRIPT))
+
+import gpu_check  # noqa: E402  (bench/ is not a package)
+
+
+def _run(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_without_cuda_it_says_so_and_fails():
+    proc = _run()
+    assert proc.returncode == 1
+    assert "gpu-check: no CUDA device here" in proc.stderr and "--on-host" in proc.stderr
+
+
+def test_on_the_host_the_cases_run_and_the_result_is_saved(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    only = "exact llama x1y1z2d1 overlap-on,checkpoint,sync"
+    proc = _run("--on-host", "--only", only, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("gpu-check: host: 2 passed, 0 failed, 1 skipped (")
+    saved = json.loads(out.read_text())
+    status = {c["name"]: c["status"] for c in saved["cases"]}
+    assert status == {
+        "exact llama x1y1z2d1 overlap-on": "passed",
+        "checkpoint z2 -> y2": "passed",
+        "sync training step x1y1z1d1": "skipped",
+    }
+    exact = next(c for c in saved["cases"] if c["name"].startswith("exact"))
+    assert len(exact["metrics"]) == 2 and all(m["grad_rel"] <= gpu_check.FP32_TOL for m in exact["metrics"])
+    assert all(m["collectives"] > 0 for m in exact["metrics"])  # the distributed code ran, not a short cut
+    assert saved["device"] == "host" and saved["counts"] == {"passed": 2, "failed": 0, "skipped": 1}
+
+
+def _raises_on_rank_one(grid):
+    if grid.rank == 1:
+        raise RuntimeError("broken on purpose")
+    grid.comm.barrier()  # rank 0 would wait here for ever
+    return {"grad_rel": 0.0, "loss_rel": 0.0}
+
+
+def test_a_case_that_errs_on_a_rank_fails_and_does_not_hang():
+    case = gpu_check.Case("broken", 2, (1, 2, 1, 1), _raises_on_rank_one, verdict=gpu_check._exact(1e-4))
+    record = gpu_check.run_case(case, "staged", timeout=60)
+    assert record["status"] == "failed" and "rank 1" in record["why"]
+
+
+@pytest.mark.parametrize(
+    "metrics,passes",
+    [
+        ({"grad_rel": 2e-5, "loss_rel": 0.0}, True),
+        ({"grad_rel": 0.9, "loss_rel": 0.0}, False),
+        ({"grad_rel": 0.0, "loss_rel": 1e-3}, False),
+    ],
+)
+def test_a_case_past_its_tolerance_fails(metrics, passes):
+    assert (gpu_check._exact(gpu_check.FP32_TOL)([metrics, metrics]) is None) == passes
