@@ -334,7 +334,7 @@ def start_world(info: LaunchInfo, backend: str, timeout_s: float = 600.0, device
         return
     options: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
     device_id = devices.process_group_device(device)
-    if device_id is not None:
+    if device_id is not None and backend == devices.default_backend(device_id):  # NCCL: not gloo staging
         options["device_id"] = device_id
     if info.launcher == "torchrun":
         dist.init_process_group(backend, init_method="env://", **options)

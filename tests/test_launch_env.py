@@ -212,6 +212,7 @@ def test_the_world_is_bound_to_an_accelerator_and_not_to_the_host(env, groups, a
     launch.start_world(LaunchInfo("single", 0, 1, 0), "nccl", device=accelerator)
     launch.start_world(LaunchInfo("single", 0, 1, 0), "gloo", device=devices.HOST)
     launch.start_world(LaunchInfo("single", 0, 1, 0), "gloo")
+    launch.start_world(LaunchInfo("single", 0, 1, 0), "gloo", device=accelerator)  # staged through the host
     assert groups[0][1]["device_id"] == accelerator
     assert all("device_id" not in kwargs for _, kwargs in groups[1:])
 
