@@ -99,6 +99,8 @@ SUMMARY_KEYS = {
     "single_process_losses",
     "max_rel_diff",
     "nonfinite_skipped",
+    "peak_tflops",
+    "peak_source",
 }
 PROGRESS = re.compile(r"loss (\d+\.\d{4}) \| ([\d,]+) tok/s \| MFU (\d+\.\d)% \| hidden (\d+)%")
 
@@ -228,6 +230,7 @@ def _check_outputs(out_dir, cfg_dict, losses, stdout, stderr):
     assert set(s) == SUMMARY_KEYS
     assert s["grid"] == "(x=2, y=2, z=2, data=1)" and s["steps"] == steps and s["final_loss"] == losses[-1]
     assert s["device"] == str(devices.default_device()) and s["recompute"] == "none"
+    assert (s["peak_tflops"], s["peak_source"]) == (8.0, "--peak-tflops")  # 1 TFLOP/s on each of 8 ranks
     steady = records[1:]  # the first step pays for warm-up
     median = lambda key: sorted(r[key] for r in steady)[len(steady) // 2]  # noqa: E731
     assert s["median_step_s"] == median("step_s") and s["median_tokens_per_s"] == median("tokens_per_s")

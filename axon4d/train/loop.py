@@ -191,9 +191,9 @@ def _train_on(
     elif cfg.overwrite and rank0:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     check_compute_dtype(grid)
-    peak_total = world_peak_tflops(grid, cfg.peak_tflops)
+    peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)
     if rank0:
-        print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute))
+        print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
     tokens_per_step = cfg.batch_size * cfg.micro_batches * mcfg.seq_len
     # every step is drawn (tqdm's defaults skip redraws less than 0.1 s apart): a step is the unit
@@ -265,6 +265,7 @@ def _train_on(
         [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
     )
     summary["nonfinite_skipped"] = skipped
+    summary["peak_tflops"], summary["peak_source"] = peak_total, peak_source  # MFU's denominator
     log.close()
     if rank0:
         print(report.format_summary(summary))

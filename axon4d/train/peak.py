@@ -107,14 +107,14 @@ def measure_peak_tflops(grid: Grid, dtype: torch.dtype, seconds: float = 0.5, n:
     return 2 * n**3 * count / (time.perf_counter() - start) / 1e12
 
 
-def world_peak_tflops(grid: Grid, per_rank: float = 0.0) -> float:
-    """Peak TFLOP/s of the whole grid: ``per_rank`` on every rank, or ``rank_peak_tflops`` (at 0),
-    summed over the world."""
-    peak_rank, _ = rank_peak_tflops(grid, grid.precision.compute, per_rank)
+def world_peak_tflops(grid: Grid, per_rank: float = 0.0) -> tuple[float, str]:
+    """Peak TFLOP/s of the whole grid — ``per_rank`` on every rank, or ``rank_peak_tflops`` (at 0),
+    summed over the world — and where rank 0's figure came from."""
+    peak_rank, source = rank_peak_tflops(grid, grid.precision.compute, per_rank)
     total = torch.tensor([peak_rank], dtype=torch.float64, device=grid.device)
     total = grid.comm.all_reduce(total, "world", tag="peak").wait()
     with watchdog.waiting("the host read of the grid's peak TFLOP/s (its all-reduce over world)"):
-        return total.item()
+        return total.item(), source
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float) -> float:

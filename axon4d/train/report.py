@@ -75,12 +75,22 @@ def progress_line(rec: dict[str, Any]) -> str:
     )
 
 
-def banner(grid: Grid, model: str, mcfg: ModelConfig, peak_tflops: float, start: int, recompute: str = "none") -> str:
-    """The start-up lines: the grid, the model, the peak MFU is measured against, recomputation, the resume step."""
+def banner(
+    grid: Grid,
+    model: str,
+    mcfg: ModelConfig,
+    peak_tflops: float,
+    start: int,
+    recompute: str = "none",
+    peak_source: str = "",
+) -> str:
+    """The start-up lines: the grid, the model, the peak MFU is measured against (and where it came
+    from), recomputation, the resume step."""
     return (
         f"{grid}\nmodel {mcfg.name or model} ({mcfg.arch}): {mcfg.n_params() / 1e6:.2f} M parameters, "
         f"{mcfg.n_layers} layers, hidden {mcfg.hidden}, seq {mcfg.seq_len}; "
         f"peak {peak_tflops:.3f} TFLOP/s over {grid.world_size} ranks"
+        + (f" ({peak_source})" if peak_source else "")
         + (f"; recompute {recompute}" if recompute != "none" else "")
         + (f"; resumed at step {start}" if start else "")
     )
