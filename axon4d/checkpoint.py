@@ -1,48 +1,46 @@
-"""Sharded checkpoints that load onto any grid, with ``torch.distributed.checkpoint``.
+"""Sharded checkpoints that load onto any grid, written and read piece by piece with DCP.
 
-Each parameter (and each AdamW moment) is saved as a DTensor describing *its piece of the global
-tensor* of the single-process model (``axon4d.params``): the piece's (x, y) block, gathered over
-z for flat Linear shards, with Shard/Replicate placements on the grid's DeviceMesh. Fused tensors
-(q|k|v, gate|up) are saved as their separate parts. A checkpoint is therefore independent of the
-grid that wrote it: loading builds the same description for the current grid and DCP reads the
-overlapping regions (resharding), and replicated pieces are written once.
-
-Layout of a checkpoint directory: DCP's files plus ``meta.json`` (step, grid, model config, the
-sha256 and size of every DCP file, data position, RNG states, free-form extras) written by rank 0.
-A save is written into a hidden sibling and published by one rename, with ``latest`` pointing at
-it (axon4d.ckptfiles). Loading reads DCP's index with a restricted unpickler, so a planted
-directory runs no code, and verifies the checksums first; every step whose failure one rank alone
-could see ends with one all-gather of the ranks' verdicts, so all ranks raise the same error
-instead of some waiting in a collective.
-
-Devices: the DTensors wrap the tensors where they live (``grid.device``), DCP writes their bytes,
-and loading reads the bytes into buffers made on the loading grid's device; a file records no
-device, so a checkpoint saved on GPUs loads on CPUs and the other way round. An optimizer's step
-count goes back where torch.optim keeps it (with the parameter for fused or capturable AdamW, in
-host memory otherwise). ``export_dense`` writes host tensors, which ``torch.load`` reads anywhere.
+Every parameter and AdamW moment is a piece of a *global* tensor of the single-process model
+(``axon4d.params``; fused q|k|v and gate|up are saved as their parts). A rank saves its piece as it
+stores it, cut into rectangles of the global tensors (``ParamLayout.boxes``), each written by
+``torch.distributed.checkpoint`` (DCP) from a view of the rank's storage, replicated ones once:
+nothing is gathered, and a save holds only DCP's copies of the one file it writes (``_Writer``). A
+load cuts this grid's pieces alike, and DCP reads into each, in place, the saved rectangles it
+overlaps, one at a time; so a checkpoint loads onto any grid. A directory holds DCP's files and
+``meta.json`` (step, grid, model config, each file's sha256 and size, data position, RNG states,
+extras), published by one rename (axon4d.ckptfiles). A load reads DCP's index with a restricted
+unpickler (a planted directory runs no code) and checks the checksums, and that the index covers
+every piece, first; a step whose failure one rank alone could see ends with one all-gather of the
+ranks' verdicts, so all raise the same error. Files record no device (DCP writes host copies), so
+checkpoints move between GPUs and CPUs; a step count goes back where torch.optim keeps it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import itertools
 import json
+import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from axon4d import ckptfiles, runtime
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
-from axon4d.params import ParamLayout, param_layouts
+from axon4d.params import Box, param_layouts
 
 # the file-level API, usable before any process group exists (axon4d.ckptfiles)
 CheckpointError = ckptfiles.CheckpointError
@@ -52,56 +50,137 @@ latest = ckptfiles.latest
 list_checkpoints = ckptfiles.list_checkpoints
 read_meta = ckptfiles.read_meta
 
-_MESH_AXES = ("data", "z", "y", "x")  # the DeviceMesh's dims, outermost first (grid.py)
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_FILES = 16  # a rank writes its pieces into about this many files (_Writer)
+_Piece = tuple[Box, torch.Tensor]  # a rectangle of a saved tensor, and the view of this rank's storage holding it
 
 
-def _placements(layout: ParamLayout) -> list:
-    split = dict(layout.split)
-    return [Shard(split[a]) if a in split else Replicate() for a in _MESH_AXES]
+def _chunk(box: Box) -> dcp.ChunkStorageMetadata:
+    return dcp.ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.sizes))
 
 
-def _to_dtensors(prefix: str, piece: torch.Tensor, layout: ParamLayout, grid: Grid) -> dict[str, DTensor]:
-    """DTensors (one per segment) for this rank's stored ``piece`` of a parameter-shaped tensor."""
-    return _block_dtensors(prefix, layout.to_block(piece, grid).contiguous(), layout, grid)
+class _State(NamedTuple):
+    """What a save writes or a load fills."""
+
+    parts: list[_Piece]  # of every parameter and AdamW moment: views of this rank's storage
+    steps: dict[str, torch.Tensor]  # the optimizer's step counts: DCP's own state dict
+    made: list[tuple[torch.Tensor, str, torch.Tensor]]  # (param, key, tensor) a load puts in optimizer.state
+    pads: list[torch.Tensor]  # the z padding past each flat shard's pieces: zeroed by a load
 
 
-def _block_dtensors(prefix: str, block: torch.Tensor, layout: ParamLayout, grid: Grid) -> dict[str, DTensor]:
-    """DTensors (one per segment) describing this rank's (x, y) ``block`` of the global tensor."""
-    out = {}
-    for seg, rows, shape, _ in layout.segment_views(block, grid):
-        key = f"{prefix}.{seg}" if seg else prefix
-        rows = rows.contiguous()
-        out[key] = DTensor.from_local(
-            rows,
-            grid.mesh,
-            _placements(layout),
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=_contiguous_stride(shape),
-        )
-    return out
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid, load: bool) -> _State:
+    """The pieces of ``model``'s parameters (model.<name>[.<segment>]) and ``optimizer``'s moments
+    (optim.<name>.<moment>[.<segment>]); a load makes those the optimizer lacks (zeros like the parameter)."""
+    layouts = param_layouts(model)
+    state = _State([], {}, [], [])
+    for name, p in model.named_parameters():
+        tensors: list[tuple[str, torch.Tensor]] = [(f"model.{name}", p)]
+        st = optimizer.state.get(p, {}) if optimizer is not None else {}
+        for moment in _MOMENTS if optimizer is not None else ():
+            t = st.get(moment)
+            if load and not (isinstance(t, torch.Tensor) and t.shape == p.shape and t.device == p.device):
+                t = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state.made.append((p, moment, t))
+            if isinstance(t, torch.Tensor):
+                tensors.append((f"optim.{name}.{moment}", t))
+        for prefix, t in tensors:
+            mine = layouts[name].views(prefix, t, grid)
+            state.parts.extend(mine)
+            state.pads.append(t.detach().view(-1)[sum(v.numel() for _, v in mine) :])
+        if optimizer is not None:
+            step = torch.zeros(()) if load else torch.as_tensor(st.get("step", 0.0), dtype=torch.float32)
+            state.steps[f"optim.{name}.step"] = step = step.to(_step_device(optimizer, p), copy=True)
+            state.made.extend([(p, "step", step)] if load else [])
+    return state
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
+class _SavePieces(dcp.DefaultSavePlanner):
+    """DCP's save planner, plus one write of each piece, straight from this rank's storage."""
+
+    def __init__(self, parts: list[_Piece]):
+        super().__init__()
+        self.parts = {(b.key, b.offsets): (b, view) for b, view in parts}
+
+    def create_local_plan(self) -> dcp.SavePlan:
+        plan = super().create_local_plan()
+        writes = [
+            dcp.WriteItem(
+                MetadataIndex(b.key, b.offsets),
+                WriteItemType.SHARD,
+                tensor_data=TensorWriteData(_chunk(b), TensorProperties.create_from_tensor(view), torch.Size(b.shape)),
+            )
+            for b, view in self.parts.values()
+        ]
+        return dataclasses.replace(plan, items=[*plan.items, *writes])
+
+    def resolve_data(self, write_item: dcp.WriteItem) -> torch.Tensor | io.BytesIO:
+        part = self.parts.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
+        return part[1] if part is not None else super().resolve_data(write_item)
 
 
-def _empty_dtensors(prefix: str, layout: ParamLayout, like: torch.Tensor, grid: Grid) -> dict[str, DTensor]:
-    """Zero DTensors with this grid's description of the tensor, for DCP to load into."""
-    block = torch.zeros(layout.block_shape(grid), dtype=like.dtype, device=like.device)
-    return _block_dtensors(prefix, block, layout, grid)
+class _LoadPieces(dcp.DefaultLoadPlanner):
+    """DCP's load planner, plus ``reads`` (``_reads``) straight into the pieces' views."""
+
+    def __init__(self, parts: list[_Piece], reads: list[dcp.ReadItem]):
+        super().__init__()
+        self.parts, self.reads, self.keys = parts, reads, {b.key for b, _ in parts}
+
+    def create_local_plan(self) -> dcp.LoadPlan:
+        plan = super().create_local_plan()
+        return dataclasses.replace(plan, items=[*plan.items, *self.reads])
+
+    def resolve_tensor(self, read_item: dcp.ReadItem) -> torch.Tensor:
+        if read_item.dest_index.fqn not in self.keys:
+            return super().resolve_tensor(read_item)
+        return self.transform_tensor(read_item, self.parts[read_item.dest_index.index or 0][1])
 
 
-def _from_dtensors(prefix: str, loaded: dict[str, Any], layout: ParamLayout, grid: Grid) -> torch.Tensor:
-    """This rank's stored piece rebuilt from loaded segment DTensors."""
-    keys = [f"{prefix}.{seg}" for seg, _ in layout.segments] or [prefix]
-    block = torch.cat([loaded[k].to_local() for k in keys], dim=0)
-    return layout.from_block(block, grid)
+def _reads(path: str, md: dcp.Metadata, parts: list[_Piece]) -> list[dcp.ReadItem]:
+    """DCP's reads filling every piece from the checkpoint at ``path`` whose index is ``md``; a
+    tensor absent, of another shape, or not wholly covered by the saved chunks is an error."""
+    reads: list[dcp.ReadItem] = []
+    for i, (b, _) in enumerate(parts):
+        entry = md.state_dict_metadata.get(b.key)
+        if not isinstance(entry, dcp.TensorStorageMetadata):
+            raise ValueError(
+                f"{path} holds no tensor {b.key}: it was saved from another model, or without optimizer state (then "
+                "load it with optimizer=None)"
+            )
+        if tuple(entry.size) != b.shape:
+            raise ValueError(
+                f"{path} holds {b.key} of shape {tuple(entry.size)}, this model's is {b.shape}: it is another model's "
+                "checkpoint; load it into a model of the configuration in its meta.json"
+            )
+        found = create_read_items_for_chunk_list(b.key, entry, [_chunk(b)])
+        if sum(math.prod(r.lengths) for r in found) != math.prod(b.sizes):
+            raise CheckpointError(
+                f"{path}/{ckptfiles.DCP_INDEX} does not cover {b.key} at {b.offsets} (sizes {b.sizes}) with its "
+                "chunks: the index is damaged; resume from another checkpoint"
+            )
+        reads += [dataclasses.replace(r, dest_index=MetadataIndex(b.key, b.offsets, i)) for r in found]
+    return reads
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, with this rank's items cut in order into files of about 1/``_FILES``
+    of its bytes (an item larger than that alone). DCP keeps each tensor it writes (a copy of a
+    view, a host copy of a device tensor) until its file is closed: a file bounds what a save holds."""
+
+    def write_data(self, plan: dcp.SavePlan, planner: dcp.SavePlanner) -> Future[list[WriteResult]]:
+        sizes = [
+            math.prod(d.chunk.sizes) * d.properties.dtype.itemsize if (d := i.tensor_data) else 0 for i in plan.items
+        ]
+        files: dict[int, list[dcp.WriteItem]] = {}
+        total = max(sum(sizes), 1)
+        for start, item in zip(itertools.accumulate(sizes, initial=0), plan.items):  # file j: those starting in
+            files.setdefault(start * _FILES // total, []).append(item)  # the j-th 1/_FILES of the bytes
+        results: list[WriteResult] = []
+        for k, items in files.items():  # file k of rank r: __<r>_<k>_0.distcp
+            prefix = dataclasses.replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}{k}_")
+            results += super().write_data(dataclasses.replace(plan, items=items, storage_data=prefix), planner).wait()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
 
 
 def _step_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.device:
@@ -112,31 +191,6 @@ def _step_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.dev
         return step.device
     group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), {})
     return p.device if group.get("fused") or group.get("capturable") else devices.HOST
-
-
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid, empty: bool) -> dict[str, Any]:
-    layouts = param_layouts(model)
-    make = (
-        (lambda pre, t, lay: _empty_dtensors(pre, lay, t, grid))
-        if empty
-        else (lambda pre, t, lay: _to_dtensors(pre, t, lay, grid))
-    )
-    state: dict[str, Any] = {}
-    for name, p in model.named_parameters():
-        state.update(make(f"model.{name}", p.detach(), layouts[name]))
-    if optimizer is not None:
-        for name, p in model.named_parameters():
-            st = optimizer.state.get(p, {})
-            for moment in _MOMENTS:
-                if empty or moment in st:
-                    state.update(make(f"optim.{name}.{moment}", st.get(moment, p.detach()), layouts[name]))
-            where = _step_device(optimizer, p)
-            state[f"optim.{name}.step"] = (
-                torch.zeros((), device=where)
-                if empty
-                else torch.as_tensor(st.get("step", 0.0), dtype=torch.float32, device=where).clone()
-            )
-    return state
 
 
 def save(
@@ -161,10 +215,11 @@ def save(
     all but the newest K ``step_<N>`` checkpoints beside ``path`` are deleted afterwards.
     """
     meta = _new_meta(model, grid, step, extra, keep_last, data_position, rng)
+    state = _state(model, optimizer, grid, load=False)  # views only; raises alike on every rank, before any collective
     path = os.path.abspath(path)
     _agree(grid, _on_rank0(grid, lambda: ckptfiles.prepare(path, overwrite)), f"preparing {path}")
     partial = ckptfiles.partial_path(path)
-    written = dcp.save(_state(model, optimizer, grid, empty=False), storage_writer=FileSystemWriter(partial))
+    written = dcp.save(state.steps, storage_writer=_Writer(partial), planner=_SavePieces(state.parts))
     meta["files"] = _digests(grid, partial, written)
     _agree(grid, _on_rank0(grid, lambda: ckptfiles.publish(path, meta, overwrite, keep_last)), f"publishing {path}")
 
@@ -249,7 +304,7 @@ def _agree(grid: Grid, err: BaseException | None, doing: str) -> None:
     _raise_first(_exchange(grid, _verdict(err)), err, doing)
 
 
-def _digests(grid: Grid, path: str, written: Metadata) -> dict[str, dict[str, Any]]:
+def _digests(grid: Grid, path: str, written: dcp.Metadata) -> dict[str, dict[str, Any]]:
     """sha256 and size of every file of the DCP index ``written`` (and the index itself), each
     file hashed by one rank, shared with all."""
     names = sorted({info.relative_path for info in written.storage_data.values()} | {ckptfiles.DCP_INDEX})
@@ -289,14 +344,15 @@ def load(
     """Load a checkpoint written on any grid into ``model`` (and ``optimizer``); return its meta
     (with ``data_position`` and ``rng`` when the save recorded them, for the caller to restore).
 
-    Before DCP reads anything, every rank checks meta.json, the model config, DCP's index (read
-    without running code from it) and the shards it names; the files' checksums are verified, each
-    file by one rank. All ranks agree on the outcome: a bad checkpoint raises the same error on every
-    rank (``CheckpointError``, ``FileNotFoundError``, or ``ValueError`` for another model; with
-    ``check_model=False`` the model config is not compared, and only the tensors' shapes must match).
+    Before DCP reads anything (straight into the parameters and moments), every rank checks
+    meta.json, the model config, DCP's index (read without running code from it; it must cover each
+    piece) and the shards it names, each file's checksum verified by one rank. All ranks agree: a bad
+    checkpoint raises the same error on every rank (``CheckpointError``, ``FileNotFoundError``, or
+    ``ValueError`` for another model; with ``check_model=False`` only the tensors' shapes must match).
     """
     err = None
     meta: dict[str, Any] = {}
+    state, reads = _State([], {}, [], []), []
     try:
         meta = read_meta(path)
         cfg = getattr(model, "cfg", None)
@@ -305,22 +361,21 @@ def load(
         files = meta.get("files")  # absent only in checkpoints written before checksums
         if files is not None:
             ckptfiles.verify(path, files, [ckptfiles.DCP_INDEX])
-        shards = ckptfiles.check_shards(path, ckptfiles.read_index(path), files)
+        index = ckptfiles.read_index(path)
+        shards = ckptfiles.check_shards(path, index, files)
         if files is not None:
             ckptfiles.verify(path, files, shards[grid.rank :: grid.size("world")])
+        state = _state(model, optimizer, grid, load=True)
+        reads = _reads(path, index, state.parts)
     except Exception as e:
         err = e
     _agree(grid, err, f"checking {path}")
-    state = _state(model, optimizer, grid, empty=True)
-    dcp.load(state, storage_reader=ckptfiles.SafeReader(path))
-    layouts = param_layouts(model)
-    for name, p in model.named_parameters():
-        p.copy_(_from_dtensors(f"model.{name}", state, layouts[name], grid))
-        if optimizer is not None:
-            st = optimizer.state[p]
-            for moment in _MOMENTS:
-                st[moment] = _from_dtensors(f"optim.{name}.{moment}", state, layouts[name], grid).clone()
-            st["step"] = state[f"optim.{name}.step"].clone()  # made where the optimizer keeps it
+    dcp.load(state.steps, storage_reader=ckptfiles.SafeReader(path), planner=_LoadPieces(state.parts, reads))
+    for pad in state.pads:
+        pad.zero_()
+    states = optimizer.state if optimizer is not None else {}
+    for p, key, t in state.made:  # the moments made and the step counts (made where the optimizer keeps them)
+        states[p][key] = t
     return meta
 
 

@@ -3,8 +3,9 @@
 Every parameter is a piece of a *global* tensor (the one the single-process model holds). A
 ``ParamLayout`` says which tensor dim each grid axis splits, whether the piece is stored as a flat
 z-shard of its (x, y) block (axon4d.Linear weights, docs/design.md §2), and over which axes the piece is
-replicated. Checkpoints use it to save pieces at their global offsets and to load them onto any
-other grid; gradient clipping uses it to count every element exactly once.
+replicated. Checkpoints use it to save each rank's piece as it is stored, as rectangles of the
+global tensors (``ParamLayout.boxes``), and to load them onto any other grid; gradient clipping
+uses it to count every element exactly once.
 """
 
 from __future__ import annotations
@@ -15,12 +16,28 @@ import math
 import torch
 from torch import nn
 
-from axon4d import geometry
+from axon4d import geometry, pieces
 from axon4d.grid import Grid
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import SplitFeatureNorm
 from axon4d.shape import AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """A rectangle of a tensor a checkpoint saves, held by one rank."""
+
+    key: str
+    """The saved tensor: a parameter-shaped tensor's prefix, or ``<prefix>.<segment>`` of fused rows."""
+    shape: tuple[int, ...]
+    """The saved tensor's (global) shape."""
+    offsets: tuple[int, ...]
+    """Where the rectangle lies in it (one offset per dim)."""
+    sizes: tuple[int, ...]
+    """The rectangle's shape."""
+    start: int
+    """Where the rectangle begins, row-major and contiguous, in the rank's flat stored piece."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,19 +117,74 @@ class ParamLayout:
         used = {a for a, _ in self.split} | ({"z"} if self.z_flat else set())
         return tuple(a for a in AXES if a not in used)
 
-    def to_block(self, local: torch.Tensor, grid: Grid) -> torch.Tensor:
-        """The (x, y) block from this rank's stored piece (all-gather over z for flat shards)."""
-        if not self.z_flat:
-            return local
-        block = self.block_shape(grid)
-        flat = grid.comm.all_gather(local.detach().contiguous(), "z", tag="sharding").wait()
-        return flat[: math.prod(block)].view(block)
+    def saved_tensors(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """{key: global shape} of the tensors a checkpoint stores this parameter as: ``prefix``, or
+        ``prefix.<segment>`` for each segment of fused rows."""
+        if not self.segments:
+            return {prefix: self.global_shape}
+        return {f"{prefix}.{name}": (rows, *self.global_shape[1:]) for name, rows in self.segments}
 
-    def from_block(self, block: torch.Tensor, grid: Grid) -> torch.Tensor:
-        """This rank's stored piece of an (x, y) block (its flat z-shard, zero-padded)."""
-        if not self.z_flat:
-            return block
-        return geometry.z_shard(block.reshape(-1), grid.coord("z"), grid.size("z"))
+    def boxes(self, prefix: str, numel: int, grid: Grid) -> list[Box]:
+        """The rectangles of the saved tensors (``saved_tensors(prefix)``) that this rank's stored
+        piece of ``numel`` elements holds, each contiguous in it (``pieces.pieces``, runs of whole
+        rows merged); z padding lies in none."""
+        block = self.block_shape(grid)
+        rows, cols = pieces.matrix_shape(block)
+        offsets = self.block_offsets(grid)
+        sources = [pieces.Rows(0, rows, prefix, pieces.matrix_shape(self.global_shape), offsets[0] if offsets else 0)]
+        if self.segments:  # fused rows: a run of rows of each segment's own tensor
+            sources, start = [], 0
+            for seg, part, shape, seg_offsets in self.segment_views(torch.empty(block, device="meta"), grid):
+                n = part.shape[0]
+                sources.append(pieces.Rows(start, n, f"{prefix}.{seg}", pieces.matrix_shape(shape), seg_offsets[0]))
+                start += n
+        start, stop = 0, rows * cols
+        if self.z_flat:  # this rank's flat z shard of the block; past the block's end it is padding
+            start = grid.coord("z") * numel
+            stop = min(start + numel, rows * cols)
+        merged: list[pieces.Piece] = []
+        for p in pieces.pieces(sources, offsets[1] if len(offsets) > 1 else 0, cols, start, stop):
+            last = merged[-1] if merged else None
+            if (  # whole rows of the same tensor, following on: one rectangle
+                last is not None
+                and last.name == p.name
+                and last.cols == p.cols == cols
+                and (last.row0 + last.rows, last.offset + last.numel) == (p.row0, p.offset)
+            ):
+                merged[-1] = dataclasses.replace(last, rows=last.rows + p.rows)
+            else:
+                merged.append(p)
+        shapes = self.saved_tensors(prefix)
+        return [_box(shapes[p.name], p) for p in merged]
+
+    def views(self, prefix: str, t: torch.Tensor, grid: Grid) -> list[tuple[Box, torch.Tensor]]:
+        """Each of ``boxes`` of this rank's stored ``t`` (the parameter, or a tensor of its shape such
+        as an AdamW moment) with the view of ``t`` that holds it: no copy."""
+        block = math.prod(self.block_shape(grid))
+        if not t.is_contiguous() or (not self.z_flat and t.numel() != block):
+            raise ValueError(
+                f"{prefix} is a {'' if t.is_contiguous() else 'non-contiguous '}tensor of {t.numel()} elements; this "
+                f"rank's piece is a contiguous block of {block} elements or a Linear's flat z shard: pass the module's "
+                "own parameter, or a tensor made like it (torch.zeros_like)"
+            )
+        flat = t.detach().view(-1)  # (numel,)
+        return [
+            (b, flat[b.start : b.start + math.prod(b.sizes)].view(b.sizes)) for b in self.boxes(prefix, t.numel(), grid)
+        ]
+
+
+def _box(shape: tuple[int, ...], p: pieces.Piece) -> Box:
+    """Matrix rectangle ``p`` of the saved tensor of ``shape``, in that tensor's dims."""
+    if len(shape) == 2:
+        return Box(p.name, shape, (p.row0, p.col0), (p.rows, p.cols), p.offset)
+    if len(shape) == 0:  # a scalar: one element
+        return Box(p.name, shape, (), (), p.offset)
+    if p.col0 != 0 or p.cols != math.prod(shape[1:]):
+        raise ValueError(
+            f"{p.name} of shape {shape}: its piece is columns {p.col0}..{p.col0 + p.cols} of the flattened trailing "
+            "dims; a layout may split only dims 0 and 1 of a tensor of more than two dims"
+        )
+    return Box(p.name, shape, (p.row0, *[0] * (len(shape) - 1)), (p.rows, *shape[1:]), p.offset)
 
 
 def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:

@@ -1,6 +1,7 @@
 """Protects checkpoints: a sharded save on one grid loads onto another grid (and onto one
-process) with every weight and both AdamW moments (exp_avg, exp_avg_sq) intact, and exports as a
-plain state dict of the single-process model."""
+process) with every weight and both AdamW moments (exp_avg, exp_avg_sq) intact — also when z
+shards end mid-row and z and data sizes change — and exports as a plain state dict of the
+single-process model."""
 
 import pytest
 import torch
@@ -77,6 +78,22 @@ def test_checkpoint_loads_onto_another_grid(pools, tmp_path, cfg, src, dst):
     world = dst[0] * dst[1] * dst[2] * dst[3]
     for meta, w, m, step in pools(world).run(dst, _load, cfg, path):
         assert meta["step"] == 2 and meta["grid"] == list(src) and meta["note"] == "test"
+        assert step == 2.0
+        for k in weights:
+            assert torch.equal(w[k], weights[k]), k
+            for moment in MOMENTS:
+                assert torch.equal(m[moment][k], moments[moment][k]), (moment, k)
+
+
+# on a (1,2,4,1) grid: a gate|up block is 42 rows of 32 (ffn 42), so each z shard is 10.5 rows and
+# ends mid-row; a q|k|v block is 16 + 4 + 4 rows (8 heads, 2 kv heads), so shards cross from q to k to v
+ODD_CFG = ModelConfig(n_layers=1, hidden=32, n_heads=8, n_kv_heads=2, ffn_hidden=42, vocab_size=64, seq_len=8)
+
+
+def test_shards_cut_mid_row_load_onto_another_z_and_data_size(pools, tmp_path):
+    path = str(tmp_path / "ckpt")
+    weights, moments = pools(8).run((1, 2, 4, 1), _save, ODD_CFG, path)[0]
+    for _, w, m, step in pools(8).run((2, 1, 2, 2), _load, ODD_CFG, path):  # z 4 -> 2, data 1 -> 2
         assert step == 2.0
         for k in weights:
             assert torch.equal(w[k], weights[k]), k
