@@ -171,6 +171,82 @@ def _synchronize(grid: Grid, step: int) -> None:
         devices.synchronize(grid.device)
 
 
+def _resume(
+    cfg: TrainConfig, resume_from: str | None, model: Transformer, grid: Grid, opt: torch.optim.Optimizer, ckpt_dir: str
+) -> tuple[int, int]:
+    """Load ``resume_from`` into the model and optimizer (restoring the random state it recorded),
+    or clear the old checkpoints under --overwrite; return (first step, non-finite steps so far)."""
+    if resume_from is None:
+        if cfg.overwrite and grid.rank == 0:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        return 0, 0
+    with watchdog.waiting("the checkpoint load", cfg.startup_timeout):
+        meta = checkpoint.load(resume_from, model, grid, opt)
+    if meta.get("rng"):
+        devices.restore_rng(meta["rng"], grid.device)
+    return int(meta["step"]), int(meta.get("nonfinite_skipped", 0))
+
+
+def _progress(cfg: TrainConfig, start: int, rank0: bool) -> tqdm:
+    """The progress bar. Every step is drawn (tqdm's defaults skip redraws less than 0.1 s apart):
+    a step is the unit the user watches, and its loss, tokens/s, MFU and hidden share must not go
+    unseen; the width follows the terminal (none in a log file), where a fixed one cut long runs'
+    lines short."""
+    return tqdm(
+        total=cfg.steps,
+        initial=start,
+        disable=not (rank0 and cfg.progress),
+        dynamic_ncols=True,
+        desc="train",
+        mininterval=0,
+        miniters=1,
+    )
+
+
+def _save(
+    cfg: TrainConfig, ckpt_dir: str, model: Transformer, grid: Grid, opt: torch.optim.Optimizer, step: int, skipped: int
+) -> None:
+    """Checkpoint ``step`` (with the run's config, data position and random state), marked as a wait."""
+    with watchdog.waiting(f"the checkpoint save of step {step}", cfg.startup_timeout):
+        checkpoint.save(
+            os.path.join(ckpt_dir, f"step_{step}"),
+            model,
+            grid,
+            opt,
+            step=step,
+            extra={"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped},
+            keep_last=cfg.keep_last,
+            data_position={"step": step, "batches_per_step": cfg.micro_batches},
+            rng=devices.rng_state(grid.device),
+        )
+
+
+def _step(
+    model: Transformer, opt: torch.optim.Optimizer, data: Any, grid: Grid, cfg: TrainConfig, step: int, peak: float
+) -> tuple[dict[str, Any], bool, str | None]:
+    """Train step ``step`` (counted from 0): its record, whether its loss and gradient norm were
+    finite (else the weights are left unchanged) and, if not, the first parameter whose gradient is
+    not finite (None when every gradient is)."""
+    mcfg = model.cfg
+    grid.comm.log.clear()
+    t0 = time.perf_counter()
+    lr = set_lr(opt, step, cfg)
+    loss = accumulate(model, step_batches(data, step, cfg), grid)
+    mean_loss = _global_mean(loss, grid)  # the same on every rank, as is the norm: one decision
+    norm = clip(model, cfg, grid)
+    finite = math.isfinite(mean_loss) and math.isfinite(norm)
+    first_bad = None if finite else _first_nonfinite(model, grid)
+    if finite:
+        opt.step()
+    opt.zero_grad(set_to_none=True)  # a skipped step's gradients are dropped with the rest
+    _synchronize(grid, step + 1)  # an accelerator runs the step asynchronously
+    dt = time.perf_counter() - t0
+    comm = grid.comm.log.summary()  # this step's collectives (with the loss's all-reduce)
+    tps = cfg.batch_size * cfg.micro_batches * mcfg.seq_len / dt
+    rec = report.step_record(step + 1, mean_loss, lr, norm, dt, tps, mfu(mcfg.flops_per_token(), tps, peak), comm)
+    return rec, finite, first_bad
+
+
 def _train_on(
     grid: Grid, cfg: TrainConfig, mcfg: ModelConfig, resume_from: str | None, dog: watchdog.Watchdog | None
 ) -> dict[str, Any]:
@@ -181,75 +257,24 @@ def _train_on(
     opt = make_optimizer(model, cfg)
     data = make_data(cfg, mcfg, grid)
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-    start = skipped = 0  # skipped: non-finite steps so far in the run, across resumptions
-    if resume_from is not None:
-        with watchdog.waiting("the checkpoint load", cfg.startup_timeout):
-            meta = checkpoint.load(resume_from, model, grid, opt)
-        start, skipped = int(meta["step"]), int(meta.get("nonfinite_skipped", 0))
-        if meta.get("rng"):
-            devices.restore_rng(meta["rng"], grid.device)
-    elif cfg.overwrite and rank0:
-        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    start, skipped = _resume(cfg, resume_from, model, grid, opt, ckpt_dir)  # skipped: non-finite steps so far
     check_compute_dtype(grid)
     peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)
     if rank0:
         print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
-    tokens_per_step = cfg.batch_size * cfg.micro_batches * mcfg.seq_len
-    # every step is drawn (tqdm's defaults skip redraws less than 0.1 s apart): a step is the unit
-    # the user watches, and its loss, tokens/s, MFU and hidden share must not go unseen; the width
-    # follows the terminal (none in a log file), where a fixed one cut long runs' lines short
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start,
-        disable=not (rank0 and cfg.progress),
-        dynamic_ncols=True,
-        desc="train",
-        mininterval=0,
-        miniters=1,
-    )
-    records, losses = [], []
+    bar = _progress(cfg, start, rank0)
+    records: list[dict[str, Any]] = []
+    losses: list[float] = []
     in_a_row = 0
-
-    def save(step: int) -> None:
-        with watchdog.waiting(f"the checkpoint save of step {step}", cfg.startup_timeout):
-            checkpoint.save(
-                os.path.join(ckpt_dir, f"step_{step}"),
-                model,
-                grid,
-                opt,
-                step=step,
-                extra={"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped},
-                keep_last=cfg.keep_last,
-                data_position={"step": step, "batches_per_step": cfg.micro_batches},
-                rng=devices.rng_state(grid.device),
-            )
-
     for step in range(start, cfg.steps):
-        grid.comm.log.clear()
-        t0 = time.perf_counter()
-        lr = set_lr(opt, step, cfg)
-        loss = accumulate(model, step_batches(data, step, cfg), grid)
-        mean_loss = _global_mean(loss, grid)  # the same on every rank, as is the norm: one decision
-        norm = clip(model, cfg, grid)
-        finite = math.isfinite(mean_loss) and math.isfinite(norm)
-        first_bad = None if finite else _first_nonfinite(model, grid)
-        if finite:
-            opt.step()
-            in_a_row = 0
-        opt.zero_grad(set_to_none=True)  # a skipped step's gradients are dropped with the rest
-        _synchronize(grid, step + 1)  # an accelerator runs the step asynchronously
-        dt = time.perf_counter() - t0
-        comm = grid.comm.log.summary()  # this step's collectives (with the loss's all-reduce)
-        tps = tokens_per_step / dt
-        rec = report.step_record(
-            step + 1, mean_loss, lr, norm, dt, tps, mfu(mcfg.flops_per_token(), tps, peak_total), comm
-        )
+        rec, finite, first_bad = _step(model, opt, data, grid, cfg, step, peak_total)
         if not finite:
             skipped, in_a_row = skipped + 1, in_a_row + 1
-            rec.update(_nonfinite(grid, cfg, step + 1, mean_loss, norm, first_bad, in_a_row))
+            rec.update(_nonfinite(grid, cfg, step + 1, rec["loss"], rec["grad_norm"], first_bad, in_a_row))
         else:
-            losses.append(mean_loss)
+            losses.append(rec["loss"])
+            in_a_row = 0
         records.append(rec)
         log.write(rec)
         bar.set_postfix_str(report.progress_line(rec), refresh=False)
@@ -257,10 +282,10 @@ def _train_on(
         if dog is not None and step == start:
             dog.steady(grid.groups.values())  # start-up is over: waits and the groups get --timeout
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            save(step + 1)
+            _save(cfg, ckpt_dir, model, grid, opt, step + 1, skipped)
     bar.close()
+    _save(cfg, ckpt_dir, model, grid, opt, cfg.steps, skipped)
     final = os.path.join(ckpt_dir, f"step_{cfg.steps}")
-    save(cfg.steps)
     summary = report.summarize(
         [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
     )
