@@ -1,7 +1,7 @@
 """Wall time and CPU time of each collective (docs/design.md §7).
 
 On one host the CPU that moves bytes is the CPU the ranks compute on, so a collective's CPU cost
-bounds what overlap can gain there (docs/overlap.md). For the z and x axes of ``--grid`` (default
+bounds what overlap can gain there (docs/results/overlap.md). For the z and x axes of ``--grid`` (default
 (2, 2, 2, 1), 8 ranks) and each collective (``axon4d.comm``: all-gather, reduce-scatter,
 all-reduce) of a ``--mib`` payload (the all-gather's output, the other two's input): the median
 wall time per call and the CPU seconds per call summed over all ranks (their processes' user +
@@ -14,9 +14,9 @@ which axon4d replaces by an exchange of chunks (docs/design.md §7).
     python bench/collective_cost.py --grid 1,2,4,1    # a z axis of 4 ranks
 
 Saves bench/results/collective_cost_<where>[_<grid>].json (the grid in the name unless it is the
-default); the second-last line is ``reduce_scatter: ranks on z = G, axon4d = A ms, gloo = B ms``,
-the last ``collectives: all_reduce = A ms / C s CPU, all_gather = ..., reduce_scatter = ...``
-(the z axis).
+default; with the result header of bench/common.py); the second-last line is
+``reduce_scatter: ranks on z = G, axon4d = A ms, gloo = B ms``, the last
+``collectives: all_reduce = A ms / C s CPU, all_gather = ..., reduce_scatter = ...`` (the z axis).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+
+import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -70,10 +71,7 @@ def worker(args: argparse.Namespace) -> None:
                 cpu = torch.tensor([c1.user + c1.system - c0.user - c0.system], dtype=torch.float64)
                 walls.append(wall)
                 cpus.append(float(grid.comm.all_reduce(cpu, "world").wait()))
-            out.setdefault(axis, {})[op] = {
-                "wall_s": statistics.median(walls),
-                "cpu_s_all_ranks": statistics.median(cpus),
-            }
+            out.setdefault(axis, {})[op] = {"wall_s": common.median(walls), "cpu_s_all_ranks": common.median(cpus)}
     if grid.rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
@@ -101,6 +99,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    head = common.header()
     out = f"/tmp/axon4d_collective_cost_{os.getpid()}.json"
     cmd = [
         sys.executable,
@@ -137,15 +136,8 @@ def main() -> int:
     if args.grid != (2, 2, 2, 1):
         tag += "_" + "x".join(map(str, args.grid))
     path = os.path.join(HERE, "results", f"collective_cost_{tag}.json")
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "setting": {**where, "grid": str(args.grid), "payload_mib": args.mib, "reps": args.reps},
-                "results": result,
-            },
-            f,
-            indent=1,
-        )
+    setting = {**where, "grid": str(args.grid), "payload_mib": args.mib, "reps": args.reps}
+    common.save(path, {"setting": setting, "results": result}, head)
     for axis, ops in result.items():
         for op, r in ops.items():
             print(

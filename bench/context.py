@@ -27,7 +27,8 @@ The planner (``axon4d.plan``, ``Workload(context_parallel=True)``) prices the sp
     python bench/context.py --seqs 4096,8192 --steps 2
     python bench/context.py --seqs 32768 --keep      # re-measure one length, keep the others' rows
 
-Saves ``bench/results/context.json``; the last line is
+Each world is spawned on this host (bench/common.py's ``spawn``). Saves
+``bench/results/context.json`` (with the result header of bench/common.py); the last line is
 ``context: seq = S, tokens/s = T, memory per rank = M GiB (unsplit U GiB), balance max/min = B (contiguous C)``
 for the longest S.
 """
@@ -38,15 +39,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
 from axon4d.config import ModelConfig  # noqa: E402
@@ -103,7 +103,7 @@ def _train_steps(grid: Any, cfg: ModelConfig, split: bool, warmup: int, steps: i
 
 def _slowest_median(per_rank: list[dict[str, Any]]) -> float:
     steps = len(per_rank[0]["times"])
-    return statistics.median(max(r["times"][i] for r in per_rank) for i in range(steps))
+    return common.median(max(r["times"][i] for r in per_rank) for i in range(steps))
 
 
 def attention_balance(
@@ -133,7 +133,7 @@ def attention_balance(
                 t = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - t)
-            out[name].append(statistics.median(samples))
+            out[name].append(common.median(samples))
     return out
 
 
@@ -166,8 +166,7 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-
-    from harness import RankPool
+    head = common.header()
 
     from axon4d.plan import Overlap, Workload, evaluate, load
     from axon4d.shape import GridShape
@@ -178,53 +177,65 @@ def main() -> int:
     machine = load(args.machine)
     seqs = [int(s) for s in args.seqs.split(",")]
     rows = []
-    split_pool, unsplit_pool = (
-        RankPool(shape.world_size, start_timeout=600),
-        RankPool(GridShape(*unsplit_grid).world_size, start_timeout=600),
-    )
-    try:
-        for seq in seqs:
-            cfg = model_config(args, seq)
-            wl = Workload(cfg, batch=shape.size("data"), dtype="float32", context_parallel=True)
-            cand = evaluate(wl, shape, machine, Overlap.parse("all"))
-            steps = max(args.steps, math.ceil(args.min_seconds / cand.time.step_s))
-            split = split_pool.run(split_grid, _train_steps, cfg, True, args.warmup, steps, timeout=3600)
-            whole = unsplit_pool.run(unsplit_grid, _train_steps, cfg, False, 0, args.unsplit_steps, timeout=3600)
-            step_s = _slowest_median(split)
-            balance = attention_balance(
-                seq, g_z, args.heads // g_y, args.kv_heads // g_y, args.hidden // args.heads, args.reps
-            )
-            row = {
-                "seq": seq,
-                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "steps": steps,
-                "step_s": step_s,
-                "tokens_per_s": seq * shape.size("data") / step_s,
-                "memory_per_rank_bytes": max(r["peak"] for r in split),
-                "unsplit_memory_per_rank_bytes": max(r["peak"] for r in whole),
-                "unsplit_step_s": _slowest_median(whole),
-                "attention_s": balance,
-                "balance": max(balance["head_tail"]) / min(balance["head_tail"]),
-                "contiguous_balance": max(balance["contiguous"]) / min(balance["contiguous"]),
-                "planner_step_s": cand.time.step_s,
-                "planner_memory_bytes": cand.mem.peak,
-            }
-            row["memory_ratio"] = row["memory_per_rank_bytes"] / row["unsplit_memory_per_rank_bytes"]
-            row["time_error"] = (row["planner_step_s"] - step_s) / step_s
-            row["memory_error"] = (row["planner_memory_bytes"] - row["memory_per_rank_bytes"]) / row[
-                "memory_per_rank_bytes"
-            ]
-            rows.append(row)
-            print(
-                f"S {seq:6d}: step {step_s:7.2f} s ({row['tokens_per_s']:7.0f} tokens/s; planner {cand.time.step_s:7.2f} s, "
-                f"{100 * row['time_error']:+.1f}%), memory/rank {row['memory_per_rank_bytes'] / 2**30:.3f} GiB (unsplit "
-                f"{row['unsplit_memory_per_rank_bytes'] / 2**30:.3f} GiB, ratio {row['memory_ratio']:.2f}; planner "
-                f"{100 * row['memory_error']:+.1f}%), balance {row['balance']:.2f} (contiguous {row['contiguous_balance']:.2f})",
-                flush=True,
-            )
-    finally:
-        split_pool.close()
-        unsplit_pool.close()
+    for seq in seqs:
+        cfg = model_config(args, seq)
+        wl = Workload(cfg, batch=shape.size("data"), dtype="float32", context_parallel=True)
+        cand = evaluate(wl, shape, machine, Overlap.parse("all"))
+        steps = max(args.steps, math.ceil(args.min_seconds / cand.time.step_s))
+        split = common.spawn(
+            shape.world_size,
+            _train_steps,
+            cfg,
+            True,
+            args.warmup,
+            steps,
+            grid=split_grid,
+            every_rank=True,
+            timeout=3600,
+        )
+        whole = common.spawn(
+            GridShape(*unsplit_grid).world_size,
+            _train_steps,
+            cfg,
+            False,
+            0,
+            args.unsplit_steps,
+            grid=unsplit_grid,
+            every_rank=True,
+            timeout=3600,
+        )
+        step_s = _slowest_median(split)
+        balance = attention_balance(
+            seq, g_z, args.heads // g_y, args.kv_heads // g_y, args.hidden // args.heads, args.reps
+        )
+        row = {
+            "seq": seq,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "steps": steps,
+            "step_s": step_s,
+            "tokens_per_s": seq * shape.size("data") / step_s,
+            "memory_per_rank_bytes": max(r["peak"] for r in split),
+            "unsplit_memory_per_rank_bytes": max(r["peak"] for r in whole),
+            "unsplit_step_s": _slowest_median(whole),
+            "attention_s": balance,
+            "balance": max(balance["head_tail"]) / min(balance["head_tail"]),
+            "contiguous_balance": max(balance["contiguous"]) / min(balance["contiguous"]),
+            "planner_step_s": cand.time.step_s,
+            "planner_memory_bytes": cand.mem.peak,
+        }
+        row["memory_ratio"] = row["memory_per_rank_bytes"] / row["unsplit_memory_per_rank_bytes"]
+        row["time_error"] = (row["planner_step_s"] - step_s) / step_s
+        row["memory_error"] = (row["planner_memory_bytes"] - row["memory_per_rank_bytes"]) / row[
+            "memory_per_rank_bytes"
+        ]
+        rows.append(row)
+        print(
+            f"S {seq:6d}: step {step_s:7.2f} s ({row['tokens_per_s']:7.0f} tokens/s; planner {cand.time.step_s:7.2f} s, "
+            f"{100 * row['time_error']:+.1f}%), memory/rank {row['memory_per_rank_bytes'] / 2**30:.3f} GiB (unsplit "
+            f"{row['unsplit_memory_per_rank_bytes'] / 2**30:.3f} GiB, ratio {row['memory_ratio']:.2f}; planner "
+            f"{100 * row['memory_error']:+.1f}%), balance {row['balance']:.2f} (contiguous {row['contiguous_balance']:.2f})",
+            flush=True,
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     if args.keep and os.path.exists(args.out):  # rows of other lengths from an earlier run of the same setting
         with open(args.out) as f:
@@ -233,8 +244,7 @@ def main() -> int:
         if not all(same.values()):
             raise SystemExit(f"--keep: {args.out} was measured with other settings ({same}); drop --keep")
         rows = sorted(rows + [r for r in old["rows"] if r["seq"] not in seqs], key=lambda r: r["seq"])
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}, f, indent=1)
+    common.save(args.out, {"args": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}, head)
     print(f"saved {args.out}")
     last = rows[-1]
     print(

@@ -15,14 +15,13 @@ collectives running beside them slow them down.
     python bench/gemm_in_step.py                                  # grids of 2 and 8 ranks
     python bench/gemm_in_step.py --grids "2,2,2,1;1,1,8,1"
 
-Saves bench/results/gemm_in_step.json; the last line is
+Saves bench/results/gemm_in_step.json (with the result header of bench/common.py); the last line is
 ``gemm_in_step: in-step/priced GEMM = R (median over grids), off/all GEMM = Q``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -75,12 +74,14 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+    import common
     from harness import RankPool
     from planner_accuracy import WORKLOAD, workload
 
     from axon4d.plan import Overlap, evaluate, load
     from axon4d.shape import GridShape
 
+    head = common.header()
     wl = workload(argparse.Namespace(**WORKLOAD))
     machine = load(args.machine)
     grids = [tuple(int(v) for v in g.split(",")) for g in args.grids.split(";")]
@@ -101,7 +102,7 @@ def main() -> int:
                             {k: statistics.fmean(r[k] for r in per_rank) for k in ("wall_s", "gemm_s", "other_s")}
                         )
                 for policy, got in rounds.items():
-                    median = {k: statistics.median(r[k] for r in got) for k in got[0]}
+                    median = common.medians(got)
                     pred = evaluate(wl, GridShape(*g), machine, Overlap.parse(policy)).time
                     row[policy] = dict(median, rounds=got, priced_gemm_s=pred.matmul_s, predicted_step_s=pred.step_s)
                 row["in_step_over_priced_gemm"] = row["all"]["gemm_s"] / row["all"]["priced_gemm_s"]
@@ -116,22 +117,16 @@ def main() -> int:
                 )
         finally:
             pool.close()
-    ratio = statistics.median(r["in_step_over_priced_gemm"] for r in rows)
-    off_all = statistics.median(r["off_over_all_gemm"] for r in rows)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "args": vars(args),
-                "machine": args.machine,
-                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "rows": rows,
-                "summary": {"in_step_over_priced_gemm_median": ratio, "off_over_all_gemm_median": off_all},
-            },
-            f,
-            indent=1,
-        )
-    print(f"saved {args.out}")
+    ratio = common.median(r["in_step_over_priced_gemm"] for r in rows)
+    off_all = common.median(r["off_over_all_gemm"] for r in rows)
+    result = {
+        "args": vars(args),
+        "machine": args.machine,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "rows": rows,
+        "summary": {"in_step_over_priced_gemm_median": ratio, "off_over_all_gemm_median": off_all},
+    }
+    print(f"saved {common.save(args.out, result, head)}")
     print(f"gemm_in_step: in-step/priced GEMM = {ratio:.2f} (median over grids), off/all GEMM = {off_all:.2f}")
     return 0
 

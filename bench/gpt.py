@@ -25,7 +25,8 @@ prices the same job — the reduced model, grid, batch, dtype, optimizer, recomp
 the machine file ``--machine`` (default: $AXON4D_MACHINE, else bench/results/planner_machine_local.json).
 ``--dtype bfloat16`` trains as ``axon4d train --precision bf16`` does (fp32 master weights, bf16
 compute), which the planner's memory model prices. Results go to stdout and to
-``bench/results/gpt_<model>[_reduced][_<recompute>].json``; the last line is
+``bench/results/gpt_<model>[_reduced][_<recompute>][_sgd].json`` (with the result header of
+bench/common.py); the last line is
 
     gpt: <model> width <h>, <L> layers, grid (x,y,z,d), recompute <mode>: step S s (planner P s, error E%), peak memory M GiB (planner Q GiB, error F%)
 
@@ -35,10 +36,8 @@ with errors as (planner − measured) / measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import statistics
 import sys
 import time
 from typing import Any
@@ -46,6 +45,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import common  # noqa: E402
 import torch  # noqa: E402
 
 import axon4d  # noqa: E402
@@ -198,6 +198,7 @@ def main() -> int:
         },
     )
     rank0 = grid.rank == 0
+    head = common.header() if rank0 else None
     shape = GridShape(*grid.shape.as_tuple())
     if rank0:
         print(
@@ -257,7 +258,7 @@ def main() -> int:
     if not rank0:
         return 0
 
-    measured = statistics.median(slowest)
+    measured = common.median(slowest)
     plan = predict(cfg, args, shape, machine_name)
     cand: Candidate | None = plan["candidate"]
     flops = cfg.flops_per_token() * args.batch * cfg.seq_len
@@ -303,15 +304,13 @@ def main() -> int:
         + (f"_{args.optimizer}" if args.optimizer != "adam" else "")
     )
     out = args.out or os.path.join(ROOT, "bench", "results", f"gpt_{args.model}{tag}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    common.save(out, result, head)
     for note in plan["notes"]:
         print(f"note: {note}")
     mfu = f", MFU {100 * result['mfu']:.1f}%" if result["mfu"] is not None else ""
     if usage:
-        faults = statistics.median(u["minor_faults"] for u in usage)
-        system = statistics.median(u["system_s"] / max(u["user_s"] + u["system_s"], 1e-9) for u in usage)
+        faults = common.median(u["minor_faults"] for u in usage)
+        system = common.median(u["system_s"] / max(u["user_s"] + u["system_s"], 1e-9) for u in usage)
         print(f"rank 0 per timed step: {faults:.0f} page faults, {100 * system:.0f}% of its CPU time in the kernel")
     print(
         f"{world} ranks: {result['tokens_per_s']:.0f} tokens/s, {tflops:.3g} TFLOP/s per device{mfu}; "

@@ -10,6 +10,8 @@ hidden is 1 − (time blocked in wait) / (time of the all-reduce alone). Modes:
 - ``gloo``: torch.distributed gloo (its own background threads).
 
     python bench/mpi_progress.py          # all four, 4 ranks, 16 MiB; saves bench/results/mpi_progress.json
+
+The JSON carries the result header of bench/common.py (command, commit, host, date).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+
+import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -52,10 +55,10 @@ def worker(args: argparse.Namespace) -> None:
         fn()
         return time.perf_counter() - t
 
-    comm_alone = statistics.median(timed(lambda: grid.comm.all_reduce(buf, "data").wait()) for _ in range(args.reps))
+    comm_alone = common.median(timed(lambda: grid.comm.all_reduce(buf, "data").wait()) for _ in range(args.reps))
     per_mm = timed(lambda: matmuls(50)) / 50
     n = max(1, int(comm_alone / per_mm))
-    compute_alone = statistics.median(timed(lambda: matmuls(n)) for _ in range(args.reps))
+    compute_alone = common.median(timed(lambda: matmuls(n)) for _ in range(args.reps))
     rows = []
     for _ in range(args.reps):
         grid.comm.barrier()
@@ -66,8 +69,8 @@ def worker(args: argparse.Namespace) -> None:
         h.wait()
         t2 = time.perf_counter()
         rows.append((t2 - t1, t2 - t0))
-    blocked = statistics.median(r[0] for r in rows)
-    total = statistics.median(r[1] for r in rows)
+    blocked = common.median(r[0] for r in rows)
+    total = common.median(r[1] for r in rows)
     if grid.rank == 0:
         print(
             "RESULT "
@@ -98,6 +101,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    head = common.header()
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     results = {}
     for mode in args.modes.split(","):
@@ -125,10 +129,8 @@ def main() -> int:
             f"{r['blocked_s'] * 1e3:7.1f} ms, hidden {r['hidden_pct']:5.1f}%, speedup vs serial {r['speedup_vs_serial']:.2f}",
             flush=True,
         )
-    path = os.path.join(HERE, "results", "mpi_progress.json")
-    with open(path, "w") as f:
-        json.dump({"ranks": args.ranks, "mb": args.mb, "reps": args.reps, "results": results}, f, indent=1)
-    print(f"saved {path}")
+    result = {"ranks": args.ranks, "mb": args.mb, "reps": args.reps, "results": results}
+    print(f"saved {common.save(os.path.join(HERE, 'results', 'mpi_progress.json'), result, head)}")
     print("mpi progress: hidden " + ", ".join(f"{m}={r['hidden_pct']:.0f}%" for m, r in results.items()))
     return 0
 

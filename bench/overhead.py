@@ -19,20 +19,18 @@ threads (default: every core this process may run on).
     python bench/overhead.py --quick            # 2 small points, a few steps (what the test runs)
     python bench/overhead.py --sizes 1024 --tokens 4096 --min-seconds 2
 
-Saves ``bench/results/overhead.json`` (``--quick``: only with ``--out``): the arguments, the date,
-the host (CPU model, AVX-512, cores, load average), torch's version and threads, and every point's
-samples, medians and ratio. Prints a table of the points; the last line is
+Saves ``bench/results/overhead.json`` (``--quick``: only with ``--out``): the result header
+(bench/common.py: command, commit, host, date), the arguments, the date, the host (CPU model,
+AVX-512, cores, load average), torch's version and threads, and every point's samples, medians and
+ratio. Prints a table of the points; the last line is
 ``overhead: worst = R× at (IN×OUT, T tokens), median = M×`` (M: the median of the points' ratios).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +39,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import common  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -49,31 +48,6 @@ from axon4d import device as devices  # noqa: E402
 
 #: --quick: two small points, five timed steps per layer and point
 QUICK = {"sizes": "512,1024", "tokens": "256", "min_seconds": 0.0, "min_reps": 5, "warmup": 1}
-
-
-def host_facts() -> dict[str, Any]:
-    """CPU model, whether it has AVX-512 (/proc/cpuinfo), cores, load average, torch version."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo") as f:  # the first processor's entries
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and not model:
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return {
-        "cpu_model": model or platform.processor() or "unknown",
-        "avx512": sorted(f for f in flags if f.startswith("avx512")),
-        "has_avx512": any(f.startswith("avx512f") for f in flags),
-        "cores_available": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def make_step(layer: nn.Module, x: torch.Tensor, v: torch.Tensor) -> Callable[[], None]:
@@ -135,7 +109,7 @@ def time_point(n_in: int, n_out: int, tokens: int, args: argparse.Namespace, dev
     for _ in range(reps):
         for name, step in steps.items():
             samples[name].append(timed(step))
-    medians = {name: statistics.median(s) for name, s in samples.items()}
+    medians = {name: common.median(s) for name, s in samples.items()}
     return {
         "in": n_in,
         "out": n_out,
@@ -166,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     grid = axon4d.init(grid=(1, 1, 1, 1), seed=0)
-    host = host_facts()
+    head = common.header()
+    host = dict(head["host"])  # CPU model, AVX-512, cores, load average, torch and Python versions
+    host["loadavg_start"] = host.pop("loadavg")
     print(
         f"host: {host['cpu_model']}, AVX-512 {'yes' if host['has_avx512'] else 'no'}, "
         f"{host['cores_available']} cores available, load {host['loadavg_start'][0]:.2f}; "
@@ -189,25 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         axon4d.shutdown()
     worst = max(points, key=lambda pt: pt["ratio"])
-    median = statistics.median(pt["ratio"] for pt in points)
+    median = common.median(pt["ratio"] for pt in points)
     host["loadavg_end"] = os.getloadavg()
     if out is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(
-                {
-                    "args": vars(args),
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "host": host,
-                    "threads": torch.get_num_threads(),
-                    "device": str(grid.device),
-                    "points": points,
-                    "summary": {"worst_ratio": worst["ratio"], "median_ratio": median},
-                },
-                f,
-                indent=1,
-            )
-        print(f"saved {out}")
+        result = {
+            "args": vars(args),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": host,
+            "threads": torch.get_num_threads(),
+            "device": str(grid.device),
+            "points": points,
+            "summary": {"worst_ratio": worst["ratio"], "median_ratio": median},
+        }
+        print(f"saved {common.save(out, result, head)}")
     print(
         f"overhead: worst = {worst['ratio']:.3f}× at ({worst['in']}×{worst['out']}, {worst['tokens']} tokens), "
         f"median = {median:.3f}×"

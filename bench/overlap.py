@@ -19,9 +19,10 @@ file of each setting is named in ``--help``). ``--knobs`` sets them by hand inst
     python bench/overlap.py --backend gloo   # loopback, gloo
     python bench/overlap.py --backend mpi    # loopback, MPI (mpiexec -n 8)
 
-Results go to ``bench/results/overlap_<where>.json``; ``--trace DIR`` also dumps one step with
-overlap off and one with all on (axon4d.trace) and draws ``--png``. The last line is
-``overlap: all-on/off = R, hidden = H%``.
+Loopback gloo ranks are spawned by bench/common.py's ``spawn``, MPI ranks by mpiexec, the emulated
+cluster's by bench/cluster.py. Results go to ``bench/results/overlap_<where>.json`` (with the result
+header of bench/common.py); ``--trace DIR`` also dumps one step with overlap off and one with all
+on (axon4d.trace) and draws ``--png``. The last line is ``overlap: all-on/off = R, hidden = H%``.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ import sys
 import threading
 import time
 
-from axon4d.launch import free_port
+import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
+#: what ``summarize`` reports as the median over a configuration's steps
+MEDIANS = ("comm_s", "blocked_s", "compute_s", "cpu_s_all_ranks", "main_cpu_s_all_ranks", "host_busy")
 
 
 # -- the worker: runs on every rank ---------------------------------------------------------------
@@ -202,6 +205,11 @@ def worker(args: argparse.Namespace) -> None:
     axon4d.shutdown()
 
 
+def _spawned(_grid: None, args: argparse.Namespace) -> None:
+    """A loopback gloo rank started by ``common.spawn`` (its world is up; ``worker`` builds the grid)."""
+    worker(args)
+
+
 # -- the driver: starts the ranks, collects, prints -----------------------------------------------
 def _worker_cmd(args: argparse.Namespace, out: str, comm: str) -> list[str]:
     cmd = [
@@ -256,23 +264,15 @@ def run_ranks(args: argparse.Namespace, out: str) -> dict:
         ).returncode
         where = {"where": "loopback", "backend": "mpi", "mpi_progress": args.mpi_progress}
     else:
-        port, procs = free_port(), []
-        for r in range(args.ranks):
-            procs.append(
-                subprocess.Popen(
-                    _worker_cmd(args, out, "torch"),
-                    env=dict(
-                        env,
-                        RANK=str(r),
-                        WORLD_SIZE=str(args.ranks),
-                        LOCAL_RANK=str(r),
-                        MASTER_ADDR="127.0.0.1",
-                        MASTER_PORT=str(port),
-                    ),
-                )
-            )
-        code = max(p.wait(timeout=args.timeout) for p in procs)
-        where = {"where": "loopback", "backend": "gloo"}
+        os.environ["OMP_NUM_THREADS"] = "1"
+        common.spawn(
+            args.ranks,
+            _spawned,
+            argparse.Namespace(**{**vars(args), "out": out, "comm": "torch"}),
+            grid=None,
+            timeout=args.timeout,
+        )
+        code, where = 0, {"where": "loopback", "backend": "gloo"}
     if code != 0:
         raise SystemExit(f"a rank failed (exit {code}); see the output above")
     return where
@@ -282,7 +282,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """Per configuration: median step time and its ratio to off's median; the median over
     repetitions of the ratio to off *within* each repetition (runs next to each other in time,
     so less exposed to the load of a shared machine); medians of hidden share and times."""
-    off = statistics.median(r["step_s"] for r in runs["off"])
+    off = common.median(r["step_s"] for r in runs["off"])
 
     def rep_means(rows: list[dict]) -> dict[int, float]:
         return {rep: statistics.mean(r["step_s"] for r in rows if r["rep"] == rep) for rep in {r["rep"] for r in rows}}
@@ -290,20 +290,15 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     off_reps = rep_means(runs["off"])
     out = {}
     for name, rows in runs.items():
-        med = statistics.median(r["step_s"] for r in rows)
+        med = common.median(r["step_s"] for r in rows)
         hidden = [100.0 * (1 - r["blocked_s"] / r["comm_s"]) if r["comm_s"] else 0.0 for r in rows]
-        paired = statistics.median(m / off_reps[rep] for rep, m in rep_means(rows).items())
+        paired = common.median(m / off_reps[rep] for rep, m in rep_means(rows).items())
         out[name] = {
             "median_step_s": med,
             "ratio_to_off": med / off,
             "paired_ratio_to_off": paired,
-            "hidden_pct": statistics.median(hidden),
-            "comm_s": statistics.median(r["comm_s"] for r in rows),
-            "blocked_s": statistics.median(r["blocked_s"] for r in rows),
-            "compute_s": statistics.median(r["compute_s"] for r in rows),
-            "cpu_s_all_ranks": statistics.median(r["cpu_s_all_ranks"] for r in rows),
-            "main_cpu_s_all_ranks": statistics.median(r["main_cpu_s_all_ranks"] for r in rows),
-            "host_busy": statistics.median(r["host_busy"] for r in rows),
+            "hidden_pct": common.median(hidden),
+            **common.medians(rows, MEDIANS),
             "steps_s": [r["step_s"] for r in rows],
         }
     return out
@@ -386,14 +381,14 @@ def main() -> int:
         )
         if not os.path.exists(args.machine):
             p.error(
-                f"no machine file {args.machine} for overlap='auto' on this setting: calibrate it (docs/overlap.md), "
+                f"no machine file {args.machine} for overlap='auto' on this setting: calibrate it (docs/planner.md), "
                 "give one with --machine, or set the knobs with --knobs"
             )
     tag = f"cluster_{args.link}" if args.link else args.backend
     if args.nodes > 1:
         tag += f"_{args.nodes}nodes"
     results_path = args.results or os.path.join(HERE, "results", f"overlap_{tag}.json")
-    os.makedirs(os.path.dirname(results_path), exist_ok=True)
+    head = common.header()
     out = os.path.join("/tmp", f"axon4d_overlap_{os.getpid()}.json")
     where = run_ranks(args, out)
     with open(out) as f:
@@ -442,9 +437,7 @@ def main() -> int:
         if args.png:
             trace.plot(runs, args.png, ranks=(0, 1))
             record["png"] = args.png
-    with open(results_path, "w") as f:
-        json.dump(record, f, indent=1)
-    print(f"saved {results_path}")
+    print(f"saved {common.save(results_path, record, head)}")
     print(f"overlap: all-on/off = {summary['all']['ratio_to_off']:.2f}, hidden = {summary['all']['hidden_pct']:.0f}%")
     return 0
 

@@ -52,9 +52,9 @@ steps, each after a barrier, each taking the slowest rank's time; per round the 
 result per implementation is the median over rounds. One thread per rank.
 
 Paired steps (``--pairs``, default 8): rounds minutes apart see the shared host at different
-speeds (in the 4-rank loopback run of docs/performance.md the one-process step moved by up to
-16% between rounds). So after the rounds, axon4d and the best
-peer by those medians are built at once and stepped alternately (A B, B A, A B, …); each pair's
+speeds (in the 4-rank loopback run of docs/results/performance.md the one-process step moved by
+up to 16% between rounds). So after the rounds, axon4d and the best peer by those medians are built
+at once and stepped alternately (A B, B A, A B, …); each pair's
 ratio axon4d / peer sees the host at one speed. The JSON records every pair and the median
 ratio (``paired``), and the driver prints it beside the headline.
 
@@ -62,11 +62,12 @@ ratio (``paired``), and the driver prints it beside the headline.
     .venv/bin/python bench/peers.py --link 1gbit --nodes 2 --intra 10gbit --ranks 8   # emulated cluster (root)
     .venv/bin/python bench/peers.py --quick --ranks 2                     # tiny sizes, checks the script
 
-Ranks are spawned by ``axon4d.measure.spawn.run_local`` on loopback and by bench/cluster.py's
+Ranks are spawned by bench/common.py's ``spawn`` (``run_local``) on loopback and by bench/cluster.py's
 ``Cluster`` on the emulated cluster. The planner prices the loopback runs with
 bench/results/planner_machine_local.json, the one-level cluster with planner_machine_cluster_1gbit.json
 and two nodes with planner_machine_cluster_2node_1gbit.json (``--machine`` to change). Results: ``bench/results/peers_<link>.json`` and ``.png``
-(``_<N>nodes`` added with --nodes N, ``_quick`` with --quick); the last lines, one per setting:
+(``_<N>nodes`` added with --nodes N, ``_quick`` with --quick; the JSON with the result header of
+bench/common.py); the last lines, one per setting:
 
     peers: ranks = R, link = L, workload = W, axon4d = A s, dtensor = D s, fsdp2 = F s, ddp = P s, dense = S s
 """
@@ -76,10 +77,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -90,6 +91,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+import common  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
@@ -422,10 +424,7 @@ def time_pair(peers: tuple[str, str], spec: dict, ctx: dict) -> dict[str, list[f
     for _ in range(spec["warmup"]):
         for p in peers:
             timed_step(built[p], opts[p])
-    times: dict[str, list[float]] = {p: [] for p in peers}
-    for i in range(spec["pairs"]):
-        for p in peers if i % 2 == 0 else peers[::-1]:
-            times[p].append(timed_step(built[p], opts[p]))
+    times = common.paired({p: functools.partial(timed_step, built[p], opts[p]) for p in peers}, spec["pairs"])
     for b in built.values():
         if b.close:
             b.close()
@@ -439,7 +438,7 @@ def pair(best: str, spec: dict, ctx: dict) -> dict[str, Any]:
     """``time_pair`` of axon4d and ``best``: every step, each pair's ratio and their median."""
     times = time_pair(("axon4d", best), spec, ctx)
     ratios = [a / b for a, b in zip(times["axon4d"], times[best])]
-    out = {"against": best, "steps_s": times, "ratios": ratios, "median_ratio": statistics.median(ratios)}
+    out = {"against": best, "steps_s": times, "ratios": ratios, "median_ratio": common.median(ratios)}
     if dist.get_rank() == 0:
         span = f"{min(ratios):.3f}-{max(ratios):.3f}"
         print(
@@ -525,12 +524,11 @@ def _rank_main(spec: dict) -> dict:
         errors[p] = max(errs.values(), default=0.0)
     runs: dict[str, list[list[float]]] = {p: [] for p in peers}
     for r in range(spec["rounds"]):
-        order = peers[r % len(peers) :] + peers[: r % len(peers)]
-        for p in order:
+        for p in common.rotated(peers, r):
             runs[p].append(time_peer(p, spec, ctx))
             if rank == 0:
                 print(f"  round {r} {p:16s} " + " ".join(f"{t:.3f}" for t in runs[p][-1]) + " s", flush=True)
-    medians = {p: statistics.median(statistics.median(t) for t in rounds) for p, rounds in runs.items()}
+    medians = {p: common.median_of_medians(rounds) for p, rounds in runs.items()}
     paired: dict[str, Any] = {}
     others = [p for p in peers if p in PEERS[1:-1]]  # DTensor, FSDP2, DDP: not the one-process reference
     if spec["pairs"] and "axon4d" in runs and others:
@@ -566,9 +564,7 @@ def worker_main(spec_json: str) -> int:
 def run_setting(spec: dict, ranks: int, args: argparse.Namespace) -> dict:
     """One world of ``ranks`` on loopback (run_local) or the emulated cluster; rank 0's record."""
     if not args.link:
-        from axon4d.measure.spawn import run_local
-
-        return run_local(ranks, rank_main, spec)
+        return common.spawn(ranks, rank_main, spec)
     from cluster import Cluster
 
     out = f"/tmp/axon4d_peers_{os.getpid()}.json"
@@ -641,6 +637,7 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         return worker_main(args.worker)
+    head = common.header()
     sys.path.insert(0, HERE)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.pairs = 1, 2, 1, min(args.pairs, 2)
@@ -717,8 +714,7 @@ def main() -> int:
         "quick": args.quick,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    with open(path, "w") as f:
-        json.dump({"setting": setting, "records": records}, f, indent=1)
+    common.save(path, {"setting": setting, "records": records}, head)
     png = path[: -len(".json")] + ".png"
     plot(records, png, f"step time, fp32, {link}")
     print(f"saved {path} and {png}")

@@ -28,7 +28,8 @@ the same rounds drift alike. Every grid compared is timed separately from its ca
 in its own job). The step-calibration grids are marked in the table; the JSON summary also gives
 the error on the other grids (held out) and of the model without the scale.
 
-Saves bench/results/planner_accuracy.json and docs/planner_accuracy.png and ends with
+Saves bench/results/planner_accuracy.json (with the result header of bench/common.py) and
+docs/planner_accuracy.png and ends with
 ``planner: median error = M%, worst = W%, top-1 gap = G%, memory error = E%``.
 """
 
@@ -48,6 +49,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import common  # noqa: E402
 
 from axon4d.plan import (  # noqa: E402
     Overlap,
@@ -253,6 +256,7 @@ def main() -> int:
     from axon4d import launch
 
     launched = launch.detect().launcher in ("torchrun", "mpi", "slurm")
+    head = common.header()
     if launched and not os.path.exists(args.machine):
         raise SystemExit(
             f"{args.machine} does not exist: calibrate first, in the same kind of job "
@@ -431,21 +435,16 @@ def main() -> int:
                 "calibration_vs_compared_worst": max(between),
             }
         )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "args": vars(args),
-                "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
-                "machine": args.machine,
-                "overlap": describe(overlap),
-                "summary": summary,
-                "rows": rows,
-                "measured_by": measured_by,
-            },
-            f,
-            indent=1,
-        )
+    result = {
+        "args": vars(args),
+        "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
+        "machine": args.machine,
+        "overlap": describe(overlap),
+        "summary": summary,
+        "rows": rows,
+        "measured_by": measured_by,
+    }
+    common.save(args.out, result, head)
     os.makedirs(os.path.dirname(args.plot), exist_ok=True)
     plot(args.plot, rows)
     for w, k in sorted(machine.step_scale.items(), key=lambda kv: int(kv[0])):

@@ -11,7 +11,7 @@ by then) to the last step, the thread count at both, the checkpoints written and
 
     python bench/soak.py                     # 1,000 steps on 4 ranks, checkpoints every 100
 
-Saves ``bench/results/soak.json``; the last line is
+Saves ``bench/results/soak.json`` (with the result header of bench/common.py); the last line is
 ``soak: steps = 1000, rss growth = G%, threads = T0 -> T1, checkpoints = K, nonfinite skipped = N``.
 """
 
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -84,6 +86,7 @@ def main() -> int:
     if args.rank_main:
         return _rank_main(args.nonfinite_at, _flags(args, os.environ["AXON4D_SOAK_DIR"]))
 
+    head = common.header()
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = os.path.join(tmp, "run")
         from axon4d.launch import free_port
@@ -136,10 +139,7 @@ def main() -> int:
         "summary": summary,
         "rss_by_step": [[r["step"], r["rss_bytes"]] for r in log[:: max(1, len(log) // 100)]],
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"saved {args.out} ({wall:.0f} s)")
+    print(f"saved {common.save(args.out, result, head)} ({wall:.0f} s)")
     print(
         f"soak: steps = {len(log)}, rss growth = {100 * growth:.2f}%, threads = {first['threads']} -> "
         f"{last['threads']}, checkpoints = {len(checkpoints)}, nonfinite skipped = {len(skipped)}"

@@ -18,7 +18,8 @@ transport runs the job.
     python bench/transport.py                    # 2, 4 and 8 ranks; a few minutes
     python bench/transport.py --ranks 4 --hidden 512
 
-Saves ``bench/results/transport.json``; one line per rank count:
+Saves ``bench/results/transport.json`` (with the result header of bench/common.py); one line per
+rank count:
 ``transport: ranks = R, chosen = X, probe cost = C s, step torch = T s, step mpi = M s, chosen is faster = yes|no``.
 """
 
@@ -28,10 +29,11 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+
+import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -73,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
             "probe_cost_s": t.cost_s,
             "grid": list(grid.shape.as_tuple()),
             "steps_s": steps,
-            "median_step_s": statistics.median(steps),
+            "median_step_s": common.median(steps),
         }
         print("RESULT " + json.dumps(result), flush=True)
     axon4d.shutdown()
@@ -117,6 +119,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    head = common.header()
     ranks = [int(r) for r in args.ranks.split(",")]
     for r in ranks:
         if r < 2 or r % 2:
@@ -151,10 +154,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "loadavg_end": os.getloadavg(),  # includes this bench's own ranks
     }
-    os.makedirs(os.path.dirname(args.results), exist_ok=True)
-    with open(args.results, "w") as f:
-        json.dump({"setting": setting, "records": records}, f, indent=1)
-    print(f"saved {args.results}")
+    print(f"saved {common.save(args.results, {'setting': setting, 'records': records}, head)}")
     for line in lines:
         print(line)
     return 0
