@@ -32,7 +32,7 @@ import torch.distributed as dist
 from axon4d import device as devices
 from axon4d import watchdog
 from axon4d.commlog import CommLog, CommRecord
-from axon4d.geometry import Op
+from axon4d.geometry import Op, Term
 from axon4d.mpi import MPIBackend
 from axon4d.shape import GridShape
 
@@ -328,7 +328,7 @@ class Communicator:
         with watchdog.waiting("a barrier of the world"):
             self.backend.barrier()
 
-    def _record(self, op: Op, axis: str, payload: torch.Tensor, tag: str) -> CommRecord:
+    def _record(self, op: Op, axis: str, payload: torch.Tensor, tag: Term | str) -> CommRecord:
         record = CommRecord(
             op=op,
             axis=axis,
@@ -342,7 +342,7 @@ class Communicator:
         self.log.add(record)
         return record
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str, tag: str = "") -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, axis: str, tag: Term | str = "") -> Handle:
         """Sum ``tensor`` over ``axis``, in place; the handle's result is ``tensor``."""
         if self.shape.size(axis) == 1:
             return Handle(None, tensor, None)
@@ -353,7 +353,7 @@ class Communicator:
         _stamp_completion(work, record, self.clock)
         return Handle(work, tensor, record, clock=self.clock)
 
-    def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
+    def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: Term | str = "") -> Handle:
         """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
         g = self.shape.size(axis)
         if g == 1:
@@ -367,7 +367,7 @@ class Communicator:
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
         return Handle(work, out, record, finish, source=inp, clock=self.clock)
 
-    def reduce_scatter(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: str = "") -> Handle:
+    def reduce_scatter(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: Term | str = "") -> Handle:
         """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index)."""
         g = self.shape.size(axis)
         if g == 1:

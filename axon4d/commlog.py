@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from axon4d.device import HOST, Clock, Mark
-from axon4d.geometry import Op
+from axon4d.geometry import Op, Term
 
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
@@ -64,7 +64,7 @@ class CommRecord:
     axis: str
     group_size: int
     payload_bytes: int
-    tag: str
+    tag: Term | str  # a Term for a collective with an equation or a fixed role, else a free label
     t_issue: float
     t_wait_start: float | None = None
     t_wait_end: float | None = None

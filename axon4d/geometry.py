@@ -29,6 +29,38 @@ class Op(str, enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
 
 
+class Term(str, enum.Enum):
+    """The one name of each collective with an equation or a fixed role: the tag it is issued and
+    logged under (``Communicator``, the comm log, trace JSON), the ``term`` of the ``Collective``
+    lists here and in ``axon4d.plan.workload``, and the key the planner prices it under. The value
+    is what the log prints; E8–E13 are docs/design.md §3's collectives (E10f/E10b: E10's forward
+    and backward gathers). One-off tags ("checkpoint", "log", …) stay free strings."""
+
+    E8 = "E8"  # forward all-reduce of Y over the layer's input axis (x; y when transposed)
+    E9 = "E9"  # backward all-reduce of dX over the output axis
+    E10F = "E10f"  # all-gather over z of the weight block in forward (a recomputed forward's too)
+    E10B = "E10b"  # the same gather in backward (not issued when the forward's block is kept)
+    E11 = "E11"  # reduce-scatter over z of dW
+    E12 = "E12"  # all-reduce over data of the dW shard
+    E13 = "E13"  # all-reduce over batch of db
+    CP_KV = "cp_kv"  # context parallelism: all-gather over z of the keys and values (docs/context.md)
+    CP_KV_GRAD = "cp_kv.grad"  # the reduce-scatter over z of their gradients
+    EMBEDDING = "embedding"  # the token embedding lookup's all-reduce over y
+    EMBEDDING_GRAD = "embedding.grad"  # the token table's gradient all-reduce over batch
+    POSITION_GRAD = "position.grad"  # the position table's gradient all-reduce over batch
+    NORM_GRAD = "norm.grad"  # a norm weight's or bias' gradient all-reduce over batch
+    REPLICATED_GRAD = "replicated_grad"  # any other replicated parameter's gradient over batch
+    CE_LSE = "ce.lse"  # the vocabulary-parallel loss: all-gather of the log-sum-exps over y
+    CE_TARGET = "ce.target"  # ... and all-reduce of the target logits over y
+    GATHER_BATCH = "gather_batch"  # axon4d.layout: whole batch from its shards (outside autograd)
+    GATHER_FEATURES = "gather_features"  # whole features from their shards over an axis
+    GATHER_SEQUENCE = "gather_sequence"  # whole sequences from their context-parallel chunks
+    DENSE = "dense"  # materialising a module's full parameters (``to_dense``)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective a layer issues per step: what, over which axis, how many payload bytes."""
@@ -37,7 +69,7 @@ class Collective:
     axis: str
     payload_bytes: int
     phase: str  # "forward" | "backward"
-    term: str  # the equation of docs/design.md it implements, e.g. "E8"
+    term: Term  # its name: the tag the comm log records it under, the planner's key
 
 
 def layer_axes(transpose: bool) -> tuple[str, str]:
@@ -63,8 +95,8 @@ def z_padded_numel(numel: int, parts: int) -> int:
 
 
 def z_padded(flat_block: torch.Tensor, parts: int) -> torch.Tensor:
-    """A flat weight block zero-padded to ``parts`` equal shards over z — the storage layout E2
-    gathers and E5 reduce-scatters (a new tensor, even where nothing is padded)."""
+    """A flat weight block zero-padded to ``parts`` equal shards over z — the storage layout E10
+    gathers and E11 reduce-scatters (a new tensor, even where nothing is padded)."""
     return F.pad(flat_block, (0, z_padded_numel(flat_block.numel(), parts) - flat_block.numel()))
 
 
@@ -94,7 +126,7 @@ def linear_collectives(
     ``tokens`` is this rank's token count b = B·S/(G_data·G_z). ``element_size`` is the bytes of
     the parameters and activations; ``grad_element_size`` those of the gradient reductions (E11,
     E12, E13; defaults to ``element_size``). With ``cache_weight`` the forward all-gather's result
-    is kept for backward and E10 is paid once. ``forward_chunks``/``min_chunk_bytes`` are the
+    is kept for backward and E10 is paid once (E10f, no E10b). ``forward_chunks``/``min_chunk_bytes`` are the
     overlap policy's token chunking of the forward all-reduce (E8; see ``forward_chunk_count``): the E8
     payload is then issued as that many all-reduces of ``chunk_sizes`` rows each.
     """
@@ -105,21 +137,21 @@ def linear_collectives(
     padded_block = shard * shape.z
     out: list[Collective] = []
 
-    def add(op: Op, axis: str, elems: int, elem: int, phase: str, term: str) -> None:
+    def add(op: Op, axis: str, elems: int, elem: int, phase: str, term: Term) -> None:
         if shape.size(axis) > 1:
             out.append(Collective(op, axis, elems * elem, phase, term))
 
-    add(Op.ALL_GATHER, "z", padded_block, element_size, "forward", "E10")
+    add(Op.ALL_GATHER, "z", padded_block, element_size, "forward", Term.E10F)
     k = forward_chunk_count(tokens, rows * element_size, forward_chunks, min_chunk_bytes, shape.size(in_axis))
     for part in chunk_sizes(tokens, k):
-        add(Op.ALL_REDUCE, in_axis, part * rows, element_size, "forward", "E8")
+        add(Op.ALL_REDUCE, in_axis, part * rows, element_size, "forward", Term.E8)
     if not cache_weight:
-        add(Op.ALL_GATHER, "z", padded_block, element_size, "backward", "E10")
-    add(Op.ALL_REDUCE, out_axis, tokens * cols, element_size, "backward", "E9")
-    add(Op.REDUCE_SCATTER, "z", padded_block, g_elem, "backward", "E11")
-    add(Op.ALL_REDUCE, "data", shard, g_elem, "backward", "E12")
+        add(Op.ALL_GATHER, "z", padded_block, element_size, "backward", Term.E10B)
+    add(Op.ALL_REDUCE, out_axis, tokens * cols, element_size, "backward", Term.E9)
+    add(Op.REDUCE_SCATTER, "z", padded_block, g_elem, "backward", Term.E11)
+    add(Op.ALL_REDUCE, "data", shard, g_elem, "backward", Term.E12)
     if bias:
-        add(Op.ALL_REDUCE, "batch", rows, g_elem, "backward", "E13")
+        add(Op.ALL_REDUCE, "batch", rows, g_elem, "backward", Term.E13)
     return out
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from axon4d import geometry, rules, runtime
+from axon4d.geometry import Term
 from axon4d.grid import Grid
 
 #: the attribute a layer sets on its output tensor: the axis that output's features are split over
@@ -48,7 +49,7 @@ def shard_batch(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
 def gather_batch(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
     """The full batch from every rank's dim-0 part (all-gather over batch = data × z)."""
     grid = runtime.resolve(grid)
-    return grid.comm.all_gather(x.detach().contiguous(), "batch", dim=0, tag="gather_batch").wait()
+    return grid.comm.all_gather(x.detach().contiguous(), "batch", dim=0, tag=Term.GATHER_BATCH).wait()
 
 
 def shard_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torch.Tensor:
@@ -61,7 +62,7 @@ def shard_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torc
 def gather_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torch.Tensor:
     """The full last dim from every rank's part (all-gather over ``axis``)."""
     grid = runtime.resolve(grid)
-    return grid.comm.all_gather(x.detach().contiguous(), axis, dim=-1, tag="gather_features").wait()
+    return grid.comm.all_gather(x.detach().contiguous(), axis, dim=-1, tag=Term.GATHER_FEATURES).wait()
 
 
 def shard_input(x: torch.Tensor, transpose: bool = False, grid: Grid | None = None) -> torch.Tensor:
@@ -155,6 +156,6 @@ def gather_sequence(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
     x = x.detach().contiguous()
     g_z = grid.size("z")
     if g_z > 1:
-        x = grid.comm.all_gather(x, "z", dim=1, tag="gather_sequence").wait()
+        x = grid.comm.all_gather(x, "z", dim=1, tag=Term.GATHER_SEQUENCE).wait()
         x = x.index_select(1, sequence_order(x.shape[1], g_z, x.device))
-    return grid.comm.all_gather(x.contiguous(), "data", dim=0, tag="gather_sequence").wait()
+    return grid.comm.all_gather(x.contiguous(), "data", dim=0, tag=Term.GATHER_SEQUENCE).wait()

@@ -5,19 +5,19 @@ according to an ``OverlapPolicy`` (axon4d.policy), set by ``axon4d.init(..., ove
 for a region of code, ``with axon4d.overlap.using(...)``. Layers ask it for their weight block and
 hand it their gradients; they hold no overlap flags.
 
-- **OAG** (E2/E10): ``gather_weight`` issues the all-gather over z of the *next* layers' weights
+- **OAG** (E10f/E10b): ``gather_weight`` issues the all-gather over z of the *next* layers' weights
   (``oag_depth`` of them) — next in forward order during forward, in reverse order during
   backward — so they run while the current layer computes. The order is learned from the previous
-  forward. ``oag_keep`` keeps the forward's gathered block for backward (memory for time: E10 is
-  then paid once, see ``geometry.linear_collectives(cache_weight=True)``).
-- **OAR** (E4/E9): the layer issues the dX all-reduce over its output axis before the dW matmul and
+  forward. ``oag_keep`` keeps the forward's gathered block for backward (memory for time: no
+  E10b, see ``geometry.linear_collectives(cache_weight=True)``).
+- **OAR** (E9): the layer issues the dX all-reduce over its output axis before the dW matmul and
   waits after it; off, it waits at once.
-- **ORS** (E5/E11): the dW reduce-scatter over z is not waited on in the layer; it is folded in at
+- **ORS** (E11): the dW reduce-scatter over z is not waited on in the layer; it is folded in at
   the next layer's backward or at the end of backward.
-- **ODP** (E6/E12, E7/E13): data-parallel all-reduces of the weight shards, in buckets of
+- **ODP** (E12, E13): data-parallel all-reduces of the weight shards, in buckets of
   ``bucket_mb`` (0: one bucket per layer), are launched as the shards arrive; the bias
   all-reduces over batch are issued asynchronously too.
-- **Chunked forward all-reduce** (E3/E8): the tokens are split into ``forward_chunks`` chunks and
+- **Chunked forward all-reduce** (E8): the tokens are split into ``forward_chunks`` chunks and
   chunk i is all-reduced over the input axis while chunk i+1 is multiplied (only where the input
   axis has more than one rank: otherwise there is no E8 and the GEMM stays whole).
 
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from axon4d.comm import Communicator, Handle
+from axon4d.geometry import Term
 from axon4d.policy import OverlapPolicy
 from axon4d.precision import Precision, compute_dtype, reduce_dtype
 
@@ -95,11 +96,11 @@ class Scheduler:
 
     # -- OAG: weights ---------------------------------------------------------------------------
     def gather_weight(self, layer: Any, weight: torch.Tensor, backward: bool) -> torch.Tensor:
-        """The (rows, cols) weight block of ``layer`` — E2, all-gather over z — and the OAG prefetch
+        """The (rows, cols) weight block of ``layer`` — E10f/E10b, all-gather over z — and the OAG prefetch
         of the layer that runs next (forward order, or reverse order when ``backward``)."""
         handle = self._take_prefetch(layer, weight)
         if handle is None:
-            handle = self._issue_gather(weight)
+            handle = self._issue_gather(weight, backward)
         if self.policy.oag:
             self._prefetch_after(layer, backward)
         rows, cols = layer.block_shape
@@ -121,16 +122,18 @@ class Scheduler:
             if not backward and self._recomputing is not None and layer not in self._recomputing:
                 return
             if layer not in self._prefetched:
-                self._prefetched[layer] = (self._issue_gather(layer.weight), layer.weight._version)
+                self._prefetched[layer] = (self._issue_gather(layer.weight, backward), layer.weight._version)
 
     def will_gather_in_backward(self, layer: Any, needed: bool) -> None:
         """Note (at forward) whether ``layer``'s backward will gather its weight block, so the
         backward prefetch never fetches a block nobody uses."""
         self._gathers_in_backward[layer] = needed
 
-    def _issue_gather(self, weight: torch.Tensor) -> Handle:
-        # mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes
-        return self.comm.all_gather(weight.detach().to(compute_dtype(self.precision, weight)), "z", tag="E10")
+    def _issue_gather(self, weight: torch.Tensor, backward: bool) -> Handle:
+        # mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes;
+        # a forward re-run under full recomputation gathers as a forward does (E10f)
+        term = Term.E10B if backward else Term.E10F
+        return self.comm.all_gather(weight.detach().to(compute_dtype(self.precision, weight)), "z", tag=term)
 
     def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> Handle | None:
         entry = self._prefetched.pop(layer, None)
@@ -191,10 +194,10 @@ class Scheduler:
         parameter's dtype) when the policy is fully synchronous; otherwise the result is written
         into ``param.grad`` before backward returns and None is returned."""
         dw = dw.to(reduce_dtype(self.precision, param))
-        rs = self.comm.reduce_scatter(dw, "z", tag="bwd.E11")
+        rs = self.comm.reduce_scatter(dw, "z", tag=Term.E11)
         if not (self.policy.ors or self.policy.odp):
             shard = rs.wait()
-            return _scaled(self.comm.all_reduce(shard, "data", tag="bwd.E12").wait(), scale).to(param.dtype)
+            return _scaled(self.comm.all_reduce(shard, "data", tag=Term.E12).wait(), scale).to(param.dtype)
         # fold the reduce-scatters of layers that ran before this one, all but the newest
         # ors_inflight - 1 (a count, not "whichever finished": every rank folds the same ones)
         self._advance(keep=self.policy.ors_inflight - 1)
@@ -206,7 +209,7 @@ class Scheduler:
     def reduce_bias_grad(self, param: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor | None:
         """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP."""
         db = db.to(reduce_dtype(self.precision, param))
-        handle = self.comm.all_reduce(db, "batch", tag="bwd.E13")
+        handle = self.comm.all_reduce(db, "batch", tag=Term.E13)
         if not self.policy.odp:
             return _scaled(handle.wait(), scale).to(param.dtype)
         self._reducing.append(([(param, db, scale)], handle, None))
@@ -230,7 +233,7 @@ class Scheduler:
             return
         items, self._bucket = self._bucket, []
         flat = items[0][1] if len(items) == 1 else torch.cat([s for _, s, _ in items])
-        handle = self.comm.all_reduce(flat, "data", tag="bwd.E12")
+        handle = self.comm.all_reduce(flat, "data", tag=Term.E12)
         if not self.policy.odp:
             handle.wait()
         self._reducing.append((items, handle, flat if len(items) > 1 else None))

@@ -54,7 +54,7 @@ def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -
             {
                 "op": r.op.value,
                 "axis": r.axis,
-                "tag": r.tag,
+                "tag": str(r.tag),  # a Term prints its value, e.g. "E10f"
                 "bytes": r.payload_bytes,
                 "issue": r.t_issue - t0,
                 "done": done - t0,

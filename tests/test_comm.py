@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.geometry import Op, linear_collectives
+from axon4d.geometry import Op, Term, linear_collectives
 
 
 def _primitives(grid):
@@ -214,16 +214,18 @@ def test_volume_terms_match_the_design_table():
     cs = linear_collectives(1024, 4096, 512, shape, transpose=False, bias=True, element_size=2)
     by_term = {(c.term, c.phase): c for c in cs}
     n_w = 4096 * 1024 // (2 * 4)
-    assert by_term[("E8", "forward")].payload_bytes == 512 * 4096 // 4 * 2 and by_term[("E8", "forward")].axis == "x"
-    assert by_term[("E9", "backward")].payload_bytes == 512 * 1024 // 2 * 2 and by_term[("E9", "backward")].axis == "y"
-    assert by_term[("E10", "forward")].payload_bytes == n_w * 2 == by_term[("E10", "backward")].payload_bytes
-    assert by_term[("E11", "backward")].payload_bytes == n_w * 2
-    assert by_term[("E12", "backward")].payload_bytes == n_w // 2 * 2 and by_term[("E12", "backward")].axis == "data"
-    assert by_term[("E13", "backward")].payload_bytes == 4096 // 4 * 2 and by_term[("E13", "backward")].axis == "batch"
+    e8, e9 = by_term[(Term.E8, "forward")], by_term[(Term.E9, "backward")]
+    assert e8.payload_bytes == 512 * 4096 // 4 * 2 and e8.axis == "x"
+    assert e9.payload_bytes == 512 * 1024 // 2 * 2 and e9.axis == "y"
+    assert by_term[(Term.E10F, "forward")].payload_bytes == n_w * 2 == by_term[(Term.E10B, "backward")].payload_bytes
+    assert by_term[(Term.E11, "backward")].payload_bytes == n_w * 2
+    e12, e13 = by_term[(Term.E12, "backward")], by_term[(Term.E13, "backward")]
+    assert e12.payload_bytes == n_w // 2 * 2 and e12.axis == "data"
+    assert e13.payload_bytes == 4096 // 4 * 2 and e13.axis == "batch"
     t = {(c.term, c.phase): c for c in linear_collectives(1024, 4096, 512, shape, transpose=True, element_size=2)}
-    assert t[("E8", "forward")].axis == "y" and t[("E8", "forward")].payload_bytes == 512 * 4096 // 2 * 2
+    assert t[(Term.E8, "forward")].axis == "y" and t[(Term.E8, "forward")].payload_bytes == 512 * 4096 // 2 * 2
     cached = linear_collectives(1024, 4096, 512, shape, cache_weight=True)
-    assert [c.phase for c in cached if c.term == "E10"] == ["forward"]
+    assert [c.phase for c in cached if c.term in (Term.E10F, Term.E10B)] == ["forward"]
 
 
 def test_the_probe_picks_the_transport_whose_slowest_rank_is_fastest():

@@ -21,10 +21,9 @@ from harness import value_errors
 from axon4d import device as devices
 from axon4d import layout
 from axon4d.config import ModelConfig
-from axon4d.geometry import Op
+from axon4d.geometry import Op, Term
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention
-from axon4d.nn.context import KV_TAG
 from axon4d.plan.memory import block_saved
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
@@ -82,7 +81,7 @@ def _check_model(grid, cfg, recompute):
     grid.comm.log.clear()
     loss = model.loss(layout.shard_sequence(ids), layout.shard_sequence(targets))
     loss.backward()
-    kv = [(r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records if r.tag.startswith(KV_TAG)]
+    kv = [(r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records if r.tag in (Term.CP_KV, Term.CP_KV_GRAD)]
     ref = dense.loss(ids, targets)
     ref.backward()
     logits = layout.gather_sequence(layout.gather_features(model(layout.shard_sequence(ids)), "y"))
@@ -208,7 +207,7 @@ def _events(grid):
     def watch(issue):
         def issued(tensor, axis, dim=0, tag=""):
             handle = issue(tensor, axis, dim=dim, tag=tag)
-            if not tag.startswith(KV_TAG):  # the layer's other collectives (E10, E11)
+            if tag not in (Term.CP_KV, Term.CP_KV_GRAD):  # the layer's other collectives (E10f, E10b, E11)
                 return handle
             events.append(("issue", tag))
             return Watched(handle, tag)
@@ -231,8 +230,8 @@ def test_the_key_value_collectives_overlap_the_diagonal_attention(pools):
     gathered K, V's gradient is issued, and both diagonals' backward run before it is waited on."""
     for rank, events in enumerate(pools(2).run((1, 1, 2, 1), _events)):
         prefixes = 1 if rank == 0 else 2  # rank 0 holds chunk 0, which has no prefix
-        gather = [("issue", KV_TAG)] + [("forward", "diagonal")] * 2 + [("wait", KV_TAG)]
-        scatter = [("issue", f"{KV_TAG}.grad")] + [("backward", "diagonal")] * 2 + [("wait", f"{KV_TAG}.grad")]
+        gather = [("issue", Term.CP_KV)] + [("forward", "diagonal")] * 2 + [("wait", Term.CP_KV)]
+        scatter = [("issue", Term.CP_KV_GRAD)] + [("backward", "diagonal")] * 2 + [("wait", Term.CP_KV_GRAD)]
         want = gather + [("forward", "prefix")] * prefixes + [("backward", "prefix")] * prefixes + scatter
         assert events == want, f"rank {rank}: {events}"
 

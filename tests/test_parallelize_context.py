@@ -13,6 +13,7 @@ import torch
 from test_parallelize import rel_err
 
 from axon4d import layout
+from axon4d.geometry import Term
 from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.parallelize.context import ATTENTION_NAME, inputs
 
@@ -53,7 +54,7 @@ def _compare(grid, kv_heads, recompute):
     # this rank's logits are its head–tail chunks of every sequence of its data rank: put them back
     full = layout.gather_sequence(out.logits.detach(), grid)
     errs = {"logits": rel_err(full, rout.logits)}
-    kv = [r for r in grid.comm.log.records if r.tag.startswith("cp_kv")]
+    kv = [r for r in grid.comm.log.records if r.tag in (Term.CP_KV, Term.CP_KV_GRAD)]
     dense = to_dense(par, grads=True)
     got = dict(dense.named_parameters())
     for name, p in ref.named_parameters():

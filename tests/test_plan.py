@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from axon4d.config import SIZES, ModelConfig
-from axon4d.geometry import chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
-from axon4d.plan.cost import axis_geometry, layer_cost
+from axon4d.plan.cost import axis_geometry, comm_field, layer_cost
 from axon4d.plan.machine import CommCurve, MatmulTable, available
 from axon4d.shape import GridShape, factorizations
 
@@ -318,7 +318,10 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     # activations: the forward (E8) and input-gradient (E9) all-reduces and the embedding lookup's
     assert t.layers["embedding"]["comm_embedding"] > 0
     assert t.activation_comm_s == pytest.approx(
-        sum(v["count"] * sum(v.get(f"comm_{k}", 0.0) for k in ("E8", "E9", "embedding")) for v in t.layers.values()),
+        sum(
+            v["count"] * sum(v.get(comm_field(k), 0.0) for k in (Term.E8, Term.E9, Term.EMBEDDING))
+            for v in t.layers.values()
+        ),
         rel=1e-12,
     )
     scaled = dataclasses.replace(m, step_scale={"2": [9.0, 9.0, 9.0, 9.0], "512": [1.25, 1.5, 0.5, 1e-3]})

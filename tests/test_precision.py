@@ -100,7 +100,7 @@ def _dw_relative_error(grid):
 def test_an_fp32_reduction_keeps_the_dW_gemm_sums_in_fp32(pools, grid):
     """Under bf16-fp32-reduce the dW GEMM writes fp32 (device.mm_widening): the gradient equals the
     exact dYᵀ X of the bf16 operands to fp32 precision, where a product rounded to bf16 before its
-    fp32 reduction is off by ~1e-3. Both the one-rank path and the 3D path (E11 over z, E5 over x)."""
+    fp32 reduction is off by ~1e-3. Both the one-rank path and the 3D path (E11 over z at G_z = 2; x split at G_x = 2)."""
     world = grid[0] * grid[1] * grid[2] * grid[3]
     for err in pools(world).run(grid, _dw_relative_error, precision="bf16-fp32-reduce"):
         assert err < 1e-5

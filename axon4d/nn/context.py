@@ -20,8 +20,9 @@ gradients summed back.
 
 The keys and values of the prefixes live on other z-ranks. Each rank all-gathers over z the keys
 (already rotated at their global positions) and values of its *own* key/value heads — n_kv/G_y
-heads, so GQA shrinks the traffic by n/n_kv — in one collective (tag ``cp_kv``), issued as soon as
-k and v exist and waited on only after the diagonals, which run while it is in flight::
+heads, so GQA shrinks the traffic by n/n_kv — in one collective (``Term.CP_KV``, tag ``cp_kv``),
+issued as soon as k and v exist and waited on only after the diagonals, which run while it is in
+flight::
 
     forward:   |-- all-gather K,V (z) --|
                |- diag c_r -|- diag c_t -|wait|- prefix c_r -|- prefix c_t -|- merge -|
@@ -30,9 +31,10 @@ k and v exist and waited on only after the diagonals, which run while it is in f
 
 Backward uses the standard identity of fused attention kernels: a part's backward, given the
 *merged* out and lse, yields exactly that part's dq, dk, dv. The prefixes' gradients of the gathered
-keys and values are reduce-scattered over z (tag ``cp_kv.grad``), so each rank receives, for its own
-tokens, the sum of what every rank's queries contributed; the diagonals' gradients, which stay on
-this rank, are computed while that reduce-scatter is in flight and added to its result.
+keys and values are reduce-scattered over z (``Term.CP_KV_GRAD``, tag ``cp_kv.grad``), so each rank
+receives, for its own tokens, the sum of what every rank's queries contributed; the diagonals'
+gradients, which stay on this rank, are computed while that reduce-scatter is in flight and added
+to its result.
 
 Bytes per layer and rank, each way (forward all-gather, backward reduce-scatter), for b sequences
 of S tokens, head_dim d and element size e:  2 · b · S · (n_kv/G_y) · d · e · (G_z−1)/G_z.
@@ -45,11 +47,9 @@ from typing import Any
 import torch
 
 from axon4d import device as devices
+from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.layout import sequence_chunks, sequence_order
-
-#: the tag of the key/value all-gather (and, with ``.grad``, of its reduce-scatter) in the comm log
-KV_TAG = "cp_kv"
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (out (b, hq, C, d), lse (b, hq, C))
 
@@ -128,7 +128,7 @@ class _SplitAttention(torch.autograd.Function):
             diagonal = _diagonals(qs, *_chunk_slices(k_full, v_full, chunks, c))
         else:
             kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # (2·C, 2, b, hkv, d): tokens first
-            gathering = grid.comm.all_gather(kv, "z", dim=0, tag=KV_TAG)  # in flight during the diagonals
+            gathering = grid.comm.all_gather(kv, "z", dim=0, tag=Term.CP_KV)  # in flight during the diagonals
             diagonal = _diagonals(qs, [k.narrow(2, 0, c), k.narrow(2, c, c)], [v.narrow(2, 0, c), v.narrow(2, c, c)])
             full = gathering.wait()  # (S, 2, b, hkv, d), z-rank order
             order = sequence_order(full.shape[0], grid.size("z"), full.device)
@@ -170,7 +170,7 @@ class _SplitAttention(torch.autograd.Function):
         if grid is not None:  # back to z-rank order, reduce-scattered over z during the diagonals
             order = sequence_order(k_full.shape[2], grid.size("z"), k_full.device)
             dkv = torch.stack([dk_full, dv_full]).index_select(3, torch.argsort(order)).permute(3, 0, 1, 2, 4)
-            scattering = grid.comm.reduce_scatter(dkv, "z", dim=0, tag=f"{KV_TAG}.grad")
+            scattering = grid.comm.reduce_scatter(dkv, "z", dim=0, tag=Term.CP_KV_GRAD)
         diagonal_grads = []
         for h in range(2):
             dq_d, dk, dv = _part_backward(grads[h], qs[h], ks[h], vs[h], merged[h], True)

@@ -14,6 +14,7 @@ from torch import nn
 
 from axon4d import device as devices
 from axon4d import pieces, rules, runtime
+from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
 from axon4d.precision import compute_dtype
@@ -79,7 +80,7 @@ class VocabParallelEmbedding(nn.Module):
         self.cols = (self.grid.coord("x") * h, (self.grid.coord("x") + 1) * h)
         device = device if device is not None else self.grid.device
         self.weight = nn.Parameter(torch.empty(v, h, device=device, dtype=dtype))
-        average_grad_over_batch(self.weight, self.grid)
+        average_grad_over_batch(self.weight, self.grid, Term.EMBEDDING_GRAD)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -105,8 +106,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def _assemble(self, block: torch.Tensor) -> torch.Tensor:
         comm = self.grid.comm
-        t = comm.all_gather(block.detach().contiguous(), "x", dim=1, tag="dense").wait()
-        return comm.all_gather(t.contiguous(), "y", dim=0, tag="dense").wait().clone()
+        t = comm.all_gather(block.detach().contiguous(), "x", dim=1, tag=Term.DENSE).wait()
+        return comm.all_gather(t.contiguous(), "y", dim=0, tag=Term.DENSE).wait().clone()
 
     def to_dense(self, grads: bool = False) -> nn.Embedding:
         dense = nn.Embedding(self.vocab_size, self.hidden, device=self.weight.device, dtype=self.weight.dtype)
@@ -127,7 +128,7 @@ class VocabParallelEmbedding(nn.Module):
         local = torch.where(mine, ids - lo, torch.zeros_like(ids))
         dtype = compute_dtype(self.grid.precision, self.weight)
         out = nn.functional.embedding(local, self.weight).to(dtype) * mine.unsqueeze(-1).to(dtype)
-        return sum_to_replicas(out, "y", self.grid)
+        return sum_to_replicas(out, "y", self.grid, Term.EMBEDDING)
 
 
 class PositionEmbedding(nn.Module):
@@ -150,7 +151,7 @@ class PositionEmbedding(nn.Module):
         self.cols = (self.grid.coord("x") * h, (self.grid.coord("x") + 1) * h)
         device = device if device is not None else self.grid.device
         self.weight = nn.Parameter(torch.zeros(seq_len, h, device=device, dtype=dtype))
-        average_grad_over_batch(self.weight, self.grid)
+        average_grad_over_batch(self.weight, self.grid, Term.POSITION_GRAD)
         if not self.weight.is_meta:  # N(0, 0.02²): this rank's columns of the full table, drawn tile by tile
             seed = int(torch.randint(0, 2**62, ()).item())
             pieces.fill_(self.weight, pieces.Init.normal(0.02), seed, "weight", (seq_len, hidden), 0, self.cols[0])
@@ -162,7 +163,7 @@ class PositionEmbedding(nn.Module):
 
     def to_dense(self, grads: bool = False) -> nn.Embedding:
         dense = nn.Embedding(self.seq_len, self.hidden, device=self.weight.device, dtype=self.weight.dtype)
-        gather = lambda t: self.grid.comm.all_gather(t.detach().contiguous(), "x", dim=1, tag="dense").wait().clone()  # noqa: E731
+        gather = lambda t: self.grid.comm.all_gather(t.detach().contiguous(), "x", dim=1, tag=Term.DENSE).wait().clone()  # noqa: E731
         with torch.no_grad():
             dense.weight.copy_(gather(self.weight))
         if grads and self.weight.grad is not None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.precision import reduce_dtype
 
@@ -56,12 +57,12 @@ class _SumToReplicas(torch.autograd.Function):
     """All-reduce over an axis forward; identity backward (the result is used replicated)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
-        return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=f"sum_to_replicas.{axis}").wait()
+    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid, tag: Term | str) -> torch.Tensor:
+        return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=tag).wait()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return g, None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return g, None, None, None
 
 
 def sum_partials(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
@@ -71,15 +72,17 @@ def sum_partials(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
     return _SumPartials.apply(x, axis, grid)
 
 
-def sum_to_replicas(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
-    """Σ over ``axis`` of every rank's ``x``, for a result every rank of ``axis`` uses identically."""
+def sum_to_replicas(x: torch.Tensor, axis: str, grid: Grid, tag: Term | None = None) -> torch.Tensor:
+    """Σ over ``axis`` of every rank's ``x``, for a result every rank of ``axis`` uses identically
+    (``tag``: the collective's name in the comm log, ``sum_to_replicas.<axis>`` when None)."""
     if grid.size(axis) == 1:
         return x
-    return _SumToReplicas.apply(x, axis, grid)
+    return _SumToReplicas.apply(x, axis, grid, f"sum_to_replicas.{axis}" if tag is None else tag)
 
 
-def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
-    """Make ``param``'s gradient the DDP average over batch = data × z (E6/E7 for replicated params).
+def average_grad_over_batch(param: nn.Parameter, grid: Grid, tag: Term = Term.REPLICATED_GRAD) -> None:
+    """Make ``param``'s gradient the DDP average over batch = data × z (as E13 does for a bias),
+    all-reduced under ``tag`` (the embedding's, a norm's: their own ``Term``).
 
     For a parameter every rank of the batch axis holds a copy of (norm weights, embeddings): each
     backward's gradient is all-reduced over batch and divided by G_batch before it is
@@ -93,7 +96,7 @@ def average_grad_over_batch(param: nn.Parameter, grid: Grid) -> None:
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         reduced = grid.comm.all_reduce(
-            grad.to(dtype, memory_format=torch.contiguous_format, copy=True), "batch", tag="replicated_grad"
+            grad.to(dtype, memory_format=torch.contiguous_format, copy=True), "batch", tag=tag
         ).wait()  # one copy: the incoming grad may be shared
         return reduced.div_(g_batch).to(grad.dtype)
 

@@ -1,4 +1,4 @@
-"""The 3D-parallel linear layer, Y = X Wᵀ + b, decomposed as in docs/design.md §2 (E2–E7).
+"""The 3D-parallel linear layer, Y = X Wᵀ + b, decomposed as in docs/design.md §2 (collectives E8–E13).
 
 A **normal** layer splits input features over x and output features over y; the weight block of
 position (y, x), shape (out/G_y, in/G_x), is flattened and split again over z, so a rank stores
@@ -9,7 +9,7 @@ Tokens are split over batch = data × z. Parameter gradients are averaged over t
 like DDP: if each rank's loss is the mean over its own tokens, ``.grad`` is the gradient of the
 mean over all tokens, complete on every rank when ``backward()`` returns.
 
-On a grid of one rank no axis has anything to communicate (every G of E2–E7 is 1): the layer
+On a grid of one rank no axis has anything to communicate (every G of E8–E13 is 1): the layer
 then runs ``_LocalLinear``, the ops ``torch.nn.Linear`` runs, in the grid's compute dtype, and
 involves neither the overlap scheduler nor the comm log (issue 18: ``bench/overhead.py``).
 """
@@ -25,13 +25,14 @@ from torch import nn
 
 from axon4d import device as devices
 from axon4d import geometry, pieces, rules, runtime
+from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.layout import mark_features
 from axon4d.precision import compute_dtype, reduce_dtype
 
 
 class _Linear3D(torch.autograd.Function):
-    """Forward E2–E3 and backward E4–E7 of one 3D linear layer.
+    """Forward (E10f, E8) and backward (E10b, E9, E11–E13) of one 3D linear layer.
 
     When each collective is issued and waited on is the grid's overlap scheduler's decision
     (axon4d.overlap): OAG prefetches weight blocks, OAR overlaps the dX all-reduce with the dW
@@ -44,13 +45,13 @@ class _Linear3D(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
     ) -> torch.Tensor:
         comm, sched = layer.grid.comm, layer.grid.scheduler
-        w = sched.gather_weight(layer, weight, backward=False)  # (out_l, in_l) — E2, all-gather over z
+        w = sched.gather_weight(layer, weight, backward=False)  # (out_l, in_l) — E10f, all-gather over z
         x = x.to(w.dtype)  # mixed precision: compute in the gathered block's dtype (axon4d.precision)
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         tokens, out_l = x2.shape[0], w.shape[0]
         y = x2.new_empty((tokens, out_l))  # (b, out_l)
         # the bias joins the partial sums of the input axis' first rank inside its GEMM (one addmm,
-        # no extra pass over y); E3's all-reduce then adds it to every rank's output exactly once
+        # no extra pass over y); E8's all-reduce then adds it to every rank's output exactly once
         b = bias.to(y.dtype) if bias is not None and layer.grid.coord(layer.in_axis) == 0 else None  # (out_l,)
         handles, start = [], 0
         chunks = sched.policy.chunk_count(tokens, out_l * y.element_size(), layer.grid.size(layer.in_axis))
@@ -61,14 +62,14 @@ class _Linear3D(torch.autograd.Function):
                     torch.matmul(x2[start : start + rows], w.t(), out=part)  # (rows, in_l) @ (in_l, out_l)
                 else:
                     torch.addmm(b, x2[start : start + rows], w.t(), out=part)  # the same, + bias
-            handles.append(comm.all_reduce(part, layer.in_axis, tag="fwd.E8"))  # E3: partial sums
+            handles.append(comm.all_reduce(part, layer.in_axis, tag=Term.E8))  # partial sums over the input axis
             start += rows
         for h in handles:
             h.wait()
         y = y.view(*x.shape[:-1], out_l)
         ctx.layer = layer
         ctx.has_bias = bias is not None
-        kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no second E10
+        kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no E10b
         sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and kept is None)
         if sched.checkpointed:  # full recomputation: the kept block is the recomputed forward's
             ctx.w_block = None
@@ -93,7 +94,7 @@ class _Linear3D(torch.autograd.Function):
             w = kept if kept is not None else sched.gather_weight(layer, weight, backward=True)
             with sched.compute("bwd.dX"):
                 dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
-            dx_handle = comm.all_reduce(dx, layer.out_axis, tag="bwd.E9")  # E4, issued before dW
+            dx_handle = comm.all_reduce(dx, layer.out_axis, tag=Term.E9)  # issued before dW
             if not sched.policy.oar:
                 dx_handle.wait()
         ctx.w_block = None
@@ -103,11 +104,11 @@ class _Linear3D(torch.autograd.Function):
             with sched.compute("bwd.dW"):
                 dtype = reduce_dtype(layer.grid.precision, layer.weight)  # fp32 sums stay fp32
                 dw = _dw_padded(dy2, x2, layer.grid.size("z"), dtype)  # (shard_numel·G_z,): E11's input
-            dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E5 over z, E6 over data
+            dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E11 over z, E12 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
             assert layer.bias is not None  # ctx.has_bias
-            dbias = sched.reduce_bias_grad(layer.bias, db, scale)  # E7 over batch
+            dbias = sched.reduce_bias_grad(layer.bias, db, scale)  # E13 over batch
         dx_out = None
         if dx_handle is not None:
             dx_out = dx_handle.wait().view(x.shape)
@@ -133,7 +134,7 @@ def _dw_padded(dy2: torch.Tensor, x2: torch.Tensor, g_z: int, dtype: torch.dtype
 
 
 class _LocalLinear(torch.autograd.Function):
-    """Y = X Wᵀ + b on a grid of one rank, where E2–E7 move nothing: the forward is one ``addmm``
+    """Y = X Wᵀ + b on a grid of one rank, where E8–E13 move nothing: the forward is one ``addmm``
     (``F.linear``) and the backward the two matmuls and the sum of ``torch.nn.Linear``'s, in the
     grid's compute dtype, with gradients cast to the reduction and then the parameter dtype as
     the 3D path does. No scheduler, no comm log, no collective."""
@@ -248,10 +249,11 @@ class Linear(nn.Module):
         return geometry.z_shard(flat_block, self.grid.coord("z"), self.grid.size("z"))
 
     def weight_block(self, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """The full (out/G_out, in/G_in) block of this (x, y) position — E2, all-gather over z."""
+        """The full (out/G_out, in/G_in) block of this (x, y) position: E10's all-gather over z, outside
+        a step (tag ``dense``)."""
         weight = self.weight if weight is None else weight
         rows, cols = self.block_shape
-        flat = self.grid.comm.all_gather(weight.detach(), "z", tag="E2").wait()
+        flat = self.grid.comm.all_gather(weight.detach(), "z", tag=Term.DENSE).wait()
         return flat[: rows * cols].view(rows, cols)
 
     # -- parameters -----------------------------------------------------------------------------
@@ -316,8 +318,8 @@ class Linear(nn.Module):
     def _assemble(self, flat_shard: torch.Tensor) -> torch.Tensor:
         """The full (out, in) matrix from every rank's flat shard (gathers over z, in, out axes)."""
         block = self.weight_block(flat_shard)
-        block = self.grid.comm.all_gather(block.contiguous(), self.in_axis, dim=1, tag="dense").wait()
-        return self.grid.comm.all_gather(block.contiguous(), self.out_axis, dim=0, tag="dense").wait()
+        block = self.grid.comm.all_gather(block.contiguous(), self.in_axis, dim=1, tag=Term.DENSE).wait()
+        return self.grid.comm.all_gather(block.contiguous(), self.out_axis, dim=0, tag=Term.DENSE).wait()
 
     @torch.no_grad()
     def to_dense(self, grads: bool = False) -> nn.Linear:
@@ -331,12 +333,14 @@ class Linear(nn.Module):
         )
         dense.weight.copy_(self._assemble(self.weight))
         if self.bias is not None:
-            dense.bias.copy_(self.grid.comm.all_gather(self.bias.detach(), self.out_axis, tag="dense").wait())
+            dense.bias.copy_(self.grid.comm.all_gather(self.bias.detach(), self.out_axis, tag=Term.DENSE).wait())
         if grads:
             if self.weight.grad is not None:
                 dense.weight.grad = self._assemble(self.weight.grad).clone()
             if self.bias is not None and self.bias.grad is not None:
-                dense.bias.grad = self.grid.comm.all_gather(self.bias.grad, self.out_axis, tag="dense").wait().clone()
+                dense.bias.grad = (
+                    self.grid.comm.all_gather(self.bias.grad, self.out_axis, tag=Term.DENSE).wait().clone()
+                )
         return dense
 
     # -- compute --------------------------------------------------------------------------------

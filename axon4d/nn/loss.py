@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.embedding import check_token_ids
 
@@ -32,13 +33,13 @@ class _VocabParallelCE(torch.autograd.Function):
         lo = grid.coord(axis) * v_local
         lf = logits.float()  # (n, v_local)
         lse_local = torch.logsumexp(lf, dim=-1)  # (n,)
-        lse_all = comm.all_gather(lse_local.unsqueeze(0).contiguous(), axis, dim=0, tag="ce.lse").wait()  # (G, n)
+        lse_all = comm.all_gather(lse_local.unsqueeze(0).contiguous(), axis, dim=0, tag=Term.CE_LSE).wait()  # (G, n)
         lse = torch.logsumexp(lse_all, dim=0)  # (n,)
         valid = targets != ignore_index
         mine = valid & (targets >= lo) & (targets < lo + v_local)
         idx = torch.where(mine, targets - lo, torch.zeros_like(targets))
         target_logit = lf.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * mine
-        target_logit = comm.all_reduce(target_logit.contiguous(), axis, tag="ce.target").wait()
+        target_logit = comm.all_reduce(target_logit.contiguous(), axis, tag=Term.CE_TARGET).wait()
         count = valid.sum().clamp_min(1)
         loss = ((lse - target_logit) * valid).sum() / count
         ctx.save_for_backward(logits, lse, idx, mine, valid)

@@ -22,6 +22,7 @@ from torch import nn
 
 from axon4d import rules, runtime
 from axon4d.config import ModelConfig
+from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch, sum_partials
 
@@ -52,7 +53,7 @@ class SplitFeatureNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(local, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(local, device=device, dtype=dtype)) if bias else None
         for p in self.parameters():
-            average_grad_over_batch(p, self.grid)
+            average_grad_over_batch(p, self.grid, Term.NORM_GRAD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.grid.size(self.axis) == 1:
@@ -115,7 +116,7 @@ class SplitFeatureNorm(nn.Module):
         return self
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return self.grid.comm.all_gather(t.detach().contiguous(), self.axis, tag="dense").wait().clone()
+        return self.grid.comm.all_gather(t.detach().contiguous(), self.axis, tag=Term.DENSE).wait().clone()
 
 
 class LayerNorm(SplitFeatureNorm):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from axon4d.geometry import Collective, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.geometry import Collective, Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan.machine import Machine, ring_traffic
 from axon4d.plan.memory import local_param_count
 from axon4d.plan.schedule import Window, credit
@@ -35,9 +35,10 @@ from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape
 
-#: Collectives that move activations on the critical path (their term keys); every other one
-#: moves weights or gradients.
-ACTIVATION_TERMS = frozenset({"E8", "E9", "embedding"})
+#: Collectives that move activations on the critical path; every other one moves weights or gradients.
+ACTIVATION_TERMS = frozenset({Term.E8, Term.E9, Term.EMBEDDING})
+#: The embedding layer's own collectives (priced with its layer; the other edge collectives apart).
+EMBEDDING_TERMS = frozenset({Term.EMBEDDING, Term.EMBEDDING_GRAD})
 #: Share of attention's forward + backward seconds that is forward (fwd:bwd ≈ 1:2.3 for flash-style kernels).
 ATTENTION_FORWARD = 0.3
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
@@ -79,8 +80,8 @@ class LayerCost:
     dw: float  # weight-gradient GEMM dYᵀ·X (the embedding: zero-fill and scatter-add)
     bwd_ew: float  # the layer's own elementwise backward work (gradient buffers, bias gradient)
     post_bwd: float  # backward of the non-GEMM work after the layer
-    comm: dict[str, float]  # term key ("E8", "E10f", "E10b", "E9", "E11", "E12", "E13") -> seconds
-    comm_axis: dict[str, str]
+    comm: dict[Term, float]  # term (E8, E10f, E10b, E9, E11, E12, E13; the embedding's) -> seconds
+    comm_axis: dict[Term, str]
     bytes_by_axis: dict[str, int]
     chunks: int = 1  # forward all-reduces E8 is issued as
     calls: int = 0  # collectives the layer issues per run
@@ -114,12 +115,17 @@ class LayerCost:
             "compute_s": self.compute_s,
             "comm_s": sum(c.values()),
             "fwd_s": self.fwd + self.post_fwd,
-            "fwd_comm_s": c.get("E8", 0.0) + c.get("E10f", 0.0),
+            "fwd_comm_s": c.get(Term.E8, 0.0) + c.get(Term.E10F, 0.0),
             "fwd_collectives": self.fwd_calls,
             "fwd_traffic_bytes": self.fwd_traffic,
             "hidden_s": hidden_s,
-            **{f"comm_{k}": v for k, v in c.items()},
+            **{comm_field(k): v for k, v in c.items()},
         }
+
+
+def comm_field(term: Term) -> str:
+    """The field of ``LayerCost.report`` (``TimeEstimate.layers``) holding ``term``'s seconds, e.g. "comm_E8"."""
+    return f"comm_{term.value}"
 
 
 def _priced(c: Collective, shape: GridShape, m: Machine) -> tuple[float, float]:
@@ -150,13 +156,13 @@ def layer_cost(
     # bias gradient's sum over tokens; dW itself is computed straight into E11's input (no copy)
     scaled = 2 * shard if shape.size("batch") > 1 else 0
     bwd_ew = ew((scaled + (b * out_l if spec.bias else 0)) * elem, world) + 8 * m.op_overhead_s
-    comm: dict[str, float] = {}
-    axes: dict[str, str] = {}
+    comm: dict[Term, float] = {}
+    axes: dict[Term, str] = {}
     by_axis: dict[str, int] = {}
     chunks = calls = fwd_calls = 0
     traffic = fwd_traffic = 0.0
     if spec.embedding:  # the lookup's all-reduce over y and the table's gradient all-reduce over batch
-        collectives = [c for c in wl.edge_collectives(shape) if c.term.startswith("embedding")]
+        collectives = [c for c in wl.edge_collectives(shape) if c.term in EMBEDDING_TERMS]
     else:
         collectives = linear_collectives(
             spec.in_features,
@@ -171,17 +177,16 @@ def layer_cost(
             min_chunk_bytes=int(ov.min_chunk_kb * 1024),
         )
     for c in collectives:
-        if c.term == "E9" and not spec.input_grad:
+        if c.term == Term.E9 and not spec.input_grad:
             continue
-        key = c.term + ("f" if c.term == "E10" and c.phase == "forward" else "b" if c.term == "E10" else "")
-        chunks += c.term == "E8"
+        chunks += c.term == Term.E8
         calls += 1
         fwd_calls += c.phase == "forward"
         seconds, moved = _priced(c, shape, m)
-        comm[key] = comm.get(key, 0.0) + seconds
+        comm[c.term] = comm.get(c.term, 0.0) + seconds
         traffic += moved
         fwd_traffic += moved if c.phase == "forward" else 0.0
-        axes[key] = c.axis
+        axes[c.term] = c.axis
         by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
     chunks = max(chunks, 1)
     if spec.embedding:
@@ -382,11 +387,11 @@ class _Totals:
         self.compute += n * lc.compute_s
         self.matmul += n * (lc.fwd_mm + lc.dx + lc.dw)
         self.comm += n * sum(c.values())
-        self.activation_comm += n * sum(t for key, t in c.items() if key in ACTIVATION_TERMS)
+        self.activation_comm += n * sum(t for term, t in c.items() if term in ACTIVATION_TERMS)
         self.calls += n * lc.calls
         self.traffic += n * lc.traffic
-        for key, t in c.items():
-            axis = lc.comm_axis[key]
+        for term, t in c.items():
+            axis = lc.comm_axis[term]
             self.comm_by_axis[axis] = self.comm_by_axis.get(axis, 0.0) + n * t
         for axis, nb in lc.bytes_by_axis.items():
             self.bytes_by_axis[axis] = self.bytes_by_axis.get(axis, 0) + n * nb
@@ -423,7 +428,7 @@ def step_time(
     for lc in layers:
         totals.add_layer(lc)
     for c in wl.edge_collectives(shape):  # replicated parameters' gradients: waited on in their hooks
-        if not c.term.startswith("embedding"):  # the embedding's are its layer's (``layer_cost``)
+        if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's (``layer_cost``)
             totals.add_collective(c, *_priced(c, shape, machine))
     if params_local is None:
         params_local = local_param_count(wl, shape)

@@ -7,13 +7,13 @@ this module only decides which collective hides behind which window, never more 
 in that window times the machine's overlap efficiency:
 
     forward window of layer i  = its GEMM + the non-GEMM work after it (attention, GELU, …)
-        hides: OAG — layer i+1's Z all-gather (E10) prefetched;
+        hides: OAG — layer i+1's Z all-gather (E10f) prefetched;
                chunked E8 — (k−1)/k of layer i's forward all-reduce, within (k−1)/k of its GEMM
                  (k the forward all-reduces E8 is issued as, ``geometry.forward_chunk_count``)
     backward window of layer i = the non-GEMM backward work after layer i + its dX and dW GEMMs
         hides: OAR — layer i's E9 all-reduce, within its dW GEMM;
                ORS — layer i+1's E11 reduce-scatter; ODP — layer i+1's E12 (and E13) all-reduce;
-               OAG — layer i−1's backward all-gather prefetched
+               OAG — layer i−1's backward all-gather (E10b) prefetched
     deeper overlap: with ``oag_depth`` d > 1 a gather is issued d layers ahead, so what of it the
         window before its layer could not hide may go into the spare of the d − 1 windows before
         that; with ``ors_inflight`` k > 1 a reduce-scatter may spill into the k − 1 backward
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+from axon4d.geometry import Term
 from axon4d.policy import OverlapPolicy
 
 #: the overlap mechanisms credited, in the order ``Credit.by_mechanism`` lists them
@@ -47,7 +48,7 @@ class Window:
     backward_s: float  # the backward window: the non-GEMM backward after the layer + its dX, dW and elementwise
     dw_s: float  # the dW GEMM (what OAR overlaps)
     chunks: int  # forward all-reduces E8 is issued as
-    comm: Mapping[str, float]  # term key ("E8", "E9", "E10f", "E10b", "E11", "E12", "E13") -> seconds
+    comm: Mapping[Term, float]  # term (E8, E9, E10f, E10b, E11, E12, E13) -> seconds
 
 
 @dataclasses.dataclass
@@ -86,40 +87,40 @@ def credit(windows: Sequence[Window], overlap: OverlapPolicy, efficiency: float)
         h_f = 0.0
         if w.chunks > 1:
             k = w.chunks
-            h = min(c["E8"] * (k - 1) / k, efficiency * w.forward_gemm_s * (k - 1) / k, cap)
+            h = min(c[Term.E8] * (k - 1) / k, efficiency * w.forward_gemm_s * (k - 1) / k, cap)
             hidden["chunks"] += n * h
             h_f += h
         nxt = neighbour(i, +1)
         if overlap.oag and nxt is not None:
-            h = min(nxt.comm.get("E10f", 0.0), cap - h_f)
+            h = min(nxt.comm.get(Term.E10F, 0.0), cap - h_f)
             hidden["oag"] += n * h
             h_f += h
-            short["oag_f"][i] = nxt.comm.get("E10f", 0.0) - h
+            short["oag_f"][i] = nxt.comm.get(Term.E10F, 0.0) - h
         spare_f[i] = cap - h_f
         # backward window
         cap = efficiency * w.backward_s
         h_b = 0.0
-        if overlap.oar and "E9" in c:
-            h = min(c["E9"], efficiency * w.dw_s, cap)
+        if overlap.oar and Term.E9 in c:
+            h = min(c[Term.E9], efficiency * w.dw_s, cap)
             hidden["oar"] += n * h
             h_b += h
         later = neighbour(i, +1)  # its backward ran just before this layer's
         if later is not None:
             if overlap.ors:
-                h = min(later.comm.get("E11", 0.0), cap - h_b)
+                h = min(later.comm.get(Term.E11, 0.0), cap - h_b)
                 hidden["ors"] += n * h
                 h_b += h
-                short["ors"][i] = later.comm.get("E11", 0.0) - h
+                short["ors"][i] = later.comm.get(Term.E11, 0.0) - h
             if overlap.odp:
-                h = min(later.comm.get("E12", 0.0) + later.comm.get("E13", 0.0), cap - h_b)
+                h = min(later.comm.get(Term.E12, 0.0) + later.comm.get(Term.E13, 0.0), cap - h_b)
                 hidden["odp"] += n * h
                 h_b += h
         earlier = neighbour(i, -1)
         if overlap.oag and earlier is not None and not overlap.oag_keep:
-            h = min(earlier.comm.get("E10b", 0.0), cap - h_b)
+            h = min(earlier.comm.get(Term.E10B, 0.0), cap - h_b)
             hidden["oag"] += n * h
             h_b += h
-            short["oag_b"][i] = earlier.comm.get("E10b", 0.0) - h
+            short["oag_b"][i] = earlier.comm.get(Term.E10B, 0.0) - h
         spare_b[i] = cap - h_b
         per_window.append(h_f + h_b)
     if block:

@@ -19,8 +19,9 @@ import numpy as np
 
 from axon4d import rules
 from axon4d.config import ModelConfig, get_config
+from axon4d.geometry import Term
 from axon4d.plan import stepfit
-from axon4d.plan.cost import TimeEstimate, describe, recomputed_seconds, step_time
+from axon4d.plan.cost import TimeEstimate, comm_field, describe, recomputed_seconds, step_time
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.workload import Workload
@@ -180,7 +181,7 @@ def evaluate(
         if recompute == "full":  # with its forward all-reduces (E8) and Z all-gathers (E10f)
             t.compute_s += sum(v["count"] * v["fwd_s"] for v in layers.values())
             t.comm_s += sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
-            t.activation_comm_s += sum(v["count"] * v.get("comm_E8", 0.0) for v in layers.values())
+            t.activation_comm_s += sum(v["count"] * v.get(comm_field(Term.E8), 0.0) for v in layers.values())
             # counts: ints in the float-valued layer report, so int() keeps the value
             t.collectives += int(sum(v["count"] * v["fwd_collectives"] for v in layers.values()))
             again = sum(v["count"] * v["fwd_traffic_bytes"] for v in layers.values())

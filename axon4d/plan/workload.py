@@ -29,7 +29,7 @@ import numbers
 from axon4d import rules as grid_rules
 from axon4d.config import ModelConfig
 from axon4d.device import DTYPES
-from axon4d.geometry import Collective, Op, layer_axes
+from axon4d.geometry import Collective, Op, Term, layer_axes
 from axon4d.shape import GridShape
 
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
@@ -123,8 +123,8 @@ class Workload:
             return []
         elems = self.local_tokens(shape) * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim
         payload = elems * self.element_size
-        return [Collective(Op.ALL_GATHER, "z", payload, "forward", "context.kv")] * m.n_layers + [
-            Collective(Op.REDUCE_SCATTER, "z", payload, "backward", "context.kv.grad")
+        return [Collective(Op.ALL_GATHER, "z", payload, "forward", Term.CP_KV)] * m.n_layers + [
+            Collective(Op.REDUCE_SCATTER, "z", payload, "backward", Term.CP_KV_GRAD)
         ] * m.n_layers
 
     def linears(self) -> list[LinearSpec]:
@@ -149,18 +149,18 @@ class Workload:
         h_x = m.hidden // shape.x
         out: list[Collective] = []
 
-        def add(op: Op, axis: str, elems: int, phase: str, term: str, count: int = 1) -> None:
+        def add(op: Op, axis: str, elems: int, phase: str, term: Term, count: int = 1) -> None:
             if shape.size(axis) > 1:
                 out.extend([Collective(op, axis, elems * elem, phase, term)] * count)
 
         if self.embedding:
-            add(Op.ALL_REDUCE, "y", self.local_tokens(shape) * h_x, "forward", "embedding")
-            add(Op.ALL_REDUCE, "batch", m.vocab_size // shape.y * h_x, "backward", "embedding.grad")
+            add(Op.ALL_REDUCE, "y", self.local_tokens(shape) * h_x, "forward", Term.EMBEDDING)
+            add(Op.ALL_REDUCE, "batch", m.vocab_size // shape.y * h_x, "backward", Term.EMBEDDING_GRAD)
             if m.arch == "gpt":
-                add(Op.ALL_REDUCE, "batch", m.seq_len * h_x, "backward", "position.grad")
+                add(Op.ALL_REDUCE, "batch", m.seq_len * h_x, "backward", Term.POSITION_GRAD)
         if self.norms:
             tensors = (2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1)
-            add(Op.ALL_REDUCE, "batch", h_x, "backward", "norm.grad", tensors)
+            add(Op.ALL_REDUCE, "batch", h_x, "backward", Term.NORM_GRAD, tensors)
         return out + self.context_collectives(shape)
 
     def flops(self) -> float:
