@@ -13,8 +13,9 @@ is addressable (``axon4d.pieces``): each global tensor is drawn tile by tile, ev
 own generator seeded from (seed, parameter name, tile), so a rank draws just the tiles its shard
 overlaps. Which rows and columns of which dense tensor a shard holds is the parameter's
 ``ParamLayout`` (axon4d.params): its block on the (x, y) plane, the flat z shard of a Linear weight
-(zero-padded), and the fused q|k|v and gate|up rows interleaved by y group (``segments``). A rank
-allocates its shards and one tile of scratch, nothing more.
+(zero-padded), and the fused q|k|v and gate|up rows interleaved by y group (``pieces.FusedRows``):
+the rectangles a checkpoint saves it as (``ParamLayout.rectangles``). A rank allocates its shards and
+one tile of scratch, nothing more.
 """
 
 from __future__ import annotations
@@ -72,25 +73,9 @@ def init_dense_(dense: DenseTransformer, seed: int, *, tiling: pieces.Tiling = p
 
 def shard_pieces(name: str, layout: ParamLayout, numel: int, grid: Grid) -> list[pieces.Piece]:
     """Where this rank's stored piece (``numel`` elements) of ``Transformer`` parameter ``name``
-    comes from: rectangles of dense parameters, by its ``layout``."""
-    block = layout.block_shape(grid)
-    offsets = layout.block_offsets(grid)
-    rows, cols = pieces.matrix_shape(block)
-    col0 = offsets[1] if len(offsets) > 1 else 0
-    if layout.segments:  # fused rows: a run of rows of each segment's own dense tensor
-        sources, start = [], 0
-        for seg, part, shape, seg_offsets in layout.segment_views(torch.empty(block, device="meta"), grid):
-            n = part.shape[0]
-            sources.append(pieces.Rows(start, n, dense_name(name, seg), pieces.matrix_shape(shape), seg_offsets[0]))
-            start += n
-    else:
-        shape = pieces.matrix_shape(layout.global_shape)
-        sources = [pieces.Rows(0, rows, dense_name(name), shape, offsets[0])]
-    start, stop = 0, numel
-    if layout.z_flat:  # this rank's flat z shard of the block; past the block's end it is padding
-        start = grid.coord("z") * numel
-        stop = min(start + numel, rows * cols)
-    return pieces.pieces(sources, col0, cols, start, stop)
+    comes from: rectangles of dense parameters — those a checkpoint saves it as
+    (``ParamLayout.rectangles``), named as the dense model names them."""
+    return layout.rectangles(numel, grid, lambda segment: dense_name(name, segment))
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -51,10 +52,10 @@ class ParamLayout:
     z_flat: bool = False
     """Stored as this rank's flat, zero-padded 1/G_z of the block: an axon4d.Linear weight, whose
     block and z shards are the layer's own (``geometry.weight_block_shape``, ``geometry.z_shard``)."""
-    segments: tuple[tuple[str, int], ...] = ()
+    fused: pieces.FusedRows | None = None
     """Dim 0 of the global tensor is really several tensors stacked (fused q|k|v, gate|up) whose
-    chunks are interleaved by the axis splitting dim 0: (name, global rows) of each. A checkpoint
-    stores each segment as its own tensor, so it does not depend on the grid that wrote it."""
+    chunks are interleaved by the axis splitting dim 0. A checkpoint stores each segment as its own
+    tensor, so it does not depend on the grid that wrote it."""
     transpose: bool = False
     """For an axon4d.Linear's weight or bias: the layer is transposed (``geometry.layer_axes``)."""
 
@@ -63,36 +64,16 @@ class ParamLayout:
         """The layout of ``layer``'s parameter ``name`` ("weight" or "bias"): output features
         split over the layer's output axis, input features over its input axis (docs/design.md §2)."""
         in_axis, out_axis = geometry.layer_axes(layer.transpose)
-        segments = tuple(getattr(layer, "row_segments", ()))
+        fused = layer.fused_rows
         if name == "weight":
             return cls(
                 (layer.out_features, layer.in_features),
                 ((out_axis, 0), (in_axis, 1)),
                 z_flat=True,
-                segments=segments,
+                fused=fused,
                 transpose=layer.transpose,
             )
-        return cls((layer.out_features,), ((out_axis, 0),), segments=segments, transpose=layer.transpose)
-
-    def segment_views(
-        self, block: torch.Tensor, grid: Grid
-    ) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
-        """(name, rows of ``block``, global shape, offsets) of every segment of this rank's block."""
-        offsets = self.block_offsets(grid)
-        if not self.segments:
-            return [("", block, self.global_shape, offsets)]
-        parts = 1
-        for axis, dim in self.split:
-            if dim == 0:
-                parts = grid.size(axis)
-        out, start = [], 0
-        for name, rows in self.segments:
-            local = rows // parts
-            shape = (rows, *self.global_shape[1:])
-            seg_offsets = (offsets[0] // self.block_shape(grid)[0] * local, *offsets[1:])
-            out.append((name, block[start : start + local], shape, seg_offsets))
-            start += local
-        return out
+        return cls((layer.out_features,), ((out_axis, 0),), fused=fused, transpose=layer.transpose)
 
     def block_shape(self, grid: Grid) -> tuple[int, ...]:
         """Shape of this rank's (x, y) block of the global tensor."""
@@ -120,24 +101,30 @@ class ParamLayout:
     def saved_tensors(self, prefix: str) -> dict[str, tuple[int, ...]]:
         """{key: global shape} of the tensors a checkpoint stores this parameter as: ``prefix``, or
         ``prefix.<segment>`` for each segment of fused rows."""
-        if not self.segments:
+        if self.fused is None:
             return {prefix: self.global_shape}
-        return {f"{prefix}.{name}": (rows, *self.global_shape[1:]) for name, rows in self.segments}
+        return {f"{prefix}.{name}": (rows, *self.global_shape[1:]) for name, rows in self.fused.segments}
 
     def boxes(self, prefix: str, numel: int, grid: Grid) -> list[Box]:
         """The rectangles of the saved tensors (``saved_tensors(prefix)``) that this rank's stored
-        piece of ``numel`` elements holds, each contiguous in it (``pieces.pieces``, runs of whole
-        rows merged); z padding lies in none."""
+        piece of ``numel`` elements holds, each contiguous in it; z padding lies in none."""
+        shapes = self.saved_tensors(prefix)
+        named = self.rectangles(numel, grid, lambda segment: f"{prefix}.{segment}" if segment else prefix)
+        return [_box(shapes[p.name], p) for p in named]
+
+    def rectangles(self, numel: int, grid: Grid, name: Callable[[str], str]) -> list[pieces.Piece]:
+        """This rank's stored piece of ``numel`` elements as rectangles of global matrices, each
+        contiguous in it (``pieces.pieces``, runs of whole rows merged); z padding lies in none. The
+        global tensor is named ``name("")``, or each segment's own ``name(segment)`` for fused rows:
+        ``boxes`` names them as a checkpoint saves them, axon4d.materialize as the dense model does."""
         block = self.block_shape(grid)
         rows, cols = pieces.matrix_shape(block)
         offsets = self.block_offsets(grid)
-        sources = [pieces.Rows(0, rows, prefix, pieces.matrix_shape(self.global_shape), offsets[0] if offsets else 0)]
-        if self.segments:  # fused rows: a run of rows of each segment's own tensor
-            sources, start = [], 0
-            for seg, part, shape, seg_offsets in self.segment_views(torch.empty(block, device="meta"), grid):
-                n = part.shape[0]
-                sources.append(pieces.Rows(start, n, f"{prefix}.{seg}", pieces.matrix_shape(shape), seg_offsets[0]))
-                start += n
+        row0, global_cols = offsets[0] if offsets else 0, pieces.matrix_shape(self.global_shape)[1]
+        if self.fused is None:
+            sources = [pieces.Rows(0, rows, name(""), pieces.matrix_shape(self.global_shape), row0)]
+        else:  # fused rows: a run of rows of each segment's own tensor
+            sources = self.fused.sources(row0 // rows, global_cols, name)
         start, stop = 0, rows * cols
         if self.z_flat:  # this rank's flat z shard of the block; past the block's end it is padding
             start = grid.coord("z") * numel
@@ -154,8 +141,7 @@ class ParamLayout:
                 merged[-1] = dataclasses.replace(last, rows=last.rows + p.rows)
             else:
                 merged.append(p)
-        shapes = self.saved_tensors(prefix)
-        return [_box(shapes[p.name], p) for p in merged]
+        return merged
 
     def views(self, prefix: str, t: torch.Tensor, grid: Grid) -> list[tuple[Box, torch.Tensor]]:
         """Each of ``boxes`` of this rank's stored ``t`` (the parameter, or a tensor of its shape such

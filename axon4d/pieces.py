@@ -12,6 +12,9 @@ holding the global tensor. This module holds the plain-data part of that (docs/d
   whole rows, a partial last row), each landing contiguously in the local tensor. The block's rows
   may come from several global tensors (``Rows``): the fused q|k|v and gate|up layers, or a row
   permutation (GPT-2's packed q|k|v), are runs of rows of their sources.
+- **Fused rows.** ``FusedRows`` is the one description of a fused layer's rows — q | k | v
+  (attention, GPT-2's packed c_attn) or gate | up (SwiGLU) interleaved by y group: the permutation,
+  fusing and splitting back, a rank's chunk per segment, and its rows in each segment's tensor.
 - **Addressable initialisation.** A global tensor of a seed is defined tile by tile: the matrix is
   cut into tiles of at most ``Tiling.elements`` elements (``Tiling.max_cols`` wide), and tile
   (i, j) is drawn from its own ``torch.Generator``, seeded from (seed, tensor name, i, j).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -135,6 +139,97 @@ class Rows:
     name: str
     shape: tuple[int, int]
     row0: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRows:
+    """The rows (dim 0) of a fused layer: several global tensors stacked — ``segments``, q | k | v or
+    gate | up — and permuted so that each of the ``groups`` equal chunks the splitting axis gives a
+    rank holds its chunk of every segment: [a_0 | b_0 | … | a_1 | b_1 | …] (docs/design.md §2).
+
+    Everything about such rows lives here: the permutation (``order``) and its inverse, fusing
+    the segments' dense tensors (``fuse``, ``fuse_dense``), splitting full fused rows back into
+    them (``split``, ``split_into_``: a layer's ``to_dense``), a rank's chunk seen per segment
+    (``local``), and where that chunk's rows lie in each segment's own tensor (``sources``: the
+    rectangles of checkpoints and sharded initialisation, axon4d.params)."""
+
+    segments: tuple[tuple[str, int], ...]
+    """(name, global rows) of each stacked tensor, in stacking order."""
+    groups: int
+    """Chunks dim 0 is split into (G_y of a normal layer); each segment's rows divide by it."""
+
+    def __post_init__(self) -> None:
+        uneven = [f"{name} ({rows} rows)" for name, rows in self.segments if self.groups < 1 or rows % self.groups]
+        if not self.segments or uneven:
+            raise ValueError(
+                f"fused rows {self.segments}: every segment must split into {self.groups} equal chunks; "
+                f"{', '.join(uneven) or 'no segment is given'}"
+            )
+
+    @property
+    def local_rows(self) -> list[int]:
+        """Rows of each segment in one chunk (a rank's block), in segment order."""
+        return [rows // self.groups for _, rows in self.segments]
+
+    def order(self) -> torch.Tensor:
+        """The permutation: fused row i is row ``order()[i]`` of the segments stacked (torch.cat)."""
+        starts = [0]
+        for _, rows in self.segments:
+            starts.append(starts[-1] + rows)
+        return torch.cat(
+            [
+                torch.arange(start + j * n, start + (j + 1) * n)
+                for j in range(self.groups)
+                for start, n in zip(starts, self.local_rows)
+            ]
+        )
+
+    def fuse(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The fused rows of ``stacked`` (the segments concatenated along dim 0, in order)."""
+        return stacked[self.order()]
+
+    def unfuse(self, fused: torch.Tensor) -> torch.Tensor:
+        """The segments concatenated along dim 0 from full ``fused`` rows (the inverse of ``fuse``)."""
+        return fused[torch.argsort(self.order())]
+
+    def split(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Full ``fused`` rows back as each segment's own tensor, in segment order."""
+        return self.unfuse(fused).split([rows for _, rows in self.segments])
+
+    def local(self, chunk: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, ...]:
+        """A rank's ``chunk`` of the fused rows (along ``dim``) as each segment's part: views, no copy."""
+        return chunk.split(self.local_rows, dim)
+
+    def fuse_dense(self, layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused (weight, bias) of the segments' dense linear layers (bias None where they have none)."""
+        weight = self.fuse(torch.cat([layer.weight for layer in layers]))
+        if layers[0].bias is None:
+            return weight, None
+        return weight, self.fuse(torch.cat([layer.bias for layer in layers]))
+
+    @torch.no_grad()
+    def split_into_(self, fused: nn.Module, layers: list[nn.Module], grads: bool = False) -> None:
+        """Copy the full fused linear layer ``fused`` into the segments' dense ``layers`` (in segment
+        order): weight and bias, and with ``grads`` their ``.grad``."""
+        for attr in ("weight", "bias"):
+            t = getattr(fused, attr)
+            if t is None:
+                continue
+            for part, layer in zip(self.split(t.detach()), layers):
+                getattr(layer, attr).copy_(part)
+            if grads and t.grad is not None:
+                for part, layer in zip(self.split(t.grad), layers):
+                    getattr(layer, attr).grad = part.clone()
+
+    def sources(self, group: int, cols: int, name: Callable[[str], str]) -> list[Rows]:
+        """Chunk ``group`` of the fused rows (the block of the rank at that index of the splitting
+        axis) as a run of rows of each segment's own global matrix (its rows, ``cols``), named
+        ``name(segment)``."""
+        out, start = [], 0
+        for (seg, rows), n in zip(self.segments, self.local_rows):
+            out.append(Rows(start, n, name(seg), (rows, cols), group * n))
+            start += n
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

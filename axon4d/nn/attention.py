@@ -4,8 +4,9 @@ The fused QKV projection is a normal Linear (hidden over x → q, k, v features 
 output projection a transposed one (features over y → hidden over x), so the block consumes and
 produces the residual-stream layout (b, s, hidden/G_x) with no redistribution. The QKV output
 features are ordered so that y-rank j's contiguous chunk holds whole heads:
-[q heads of group j | k heads of group j | v heads of group j]; attention then runs on this rank's
-n_heads/G_y query heads and n_kv_heads/G_y key/value heads with no communication.
+[q heads of group j | k heads of group j | v heads of group j] (``pieces.FusedRows``); attention
+then runs on this rank's n_heads/G_y query heads and n_kv_heads/G_y key/value heads with no
+communication.
 
 ``recompute_core`` (selective recomputation, axon4d.nn.recompute): core attention — rotary,
 scores, softmax, weighted sum — keeps only q, k, v and runs again in backward.
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import rules, runtime
+from axon4d import pieces, rules, runtime
 from axon4d.grid import Grid
 from axon4d.layout import sequence_positions
 from axon4d.nn.context import split_sequence_attention
@@ -106,18 +107,6 @@ class DenseAttention(nn.Module):
         return self.o_proj(causal_attention(q, k, v, self.rope_theta))
 
 
-def _qkv_order(n_heads: int, n_kv_heads: int, head_dim: int, groups: int) -> torch.Tensor:
-    """Row permutation taking cat(q, k, v) features to the grouped-by-y order described above."""
-    hq, hkv = n_heads // groups, n_kv_heads // groups
-    q_off, k_off, v_off = 0, n_heads * head_dim, (n_heads + n_kv_heads) * head_dim
-    parts = []
-    for j in range(groups):
-        parts.append(torch.arange(q_off + j * hq * head_dim, q_off + (j + 1) * hq * head_dim))
-        parts.append(torch.arange(k_off + j * hkv * head_dim, k_off + (j + 1) * hkv * head_dim))
-        parts.append(torch.arange(v_off + j * hkv * head_dim, v_off + (j + 1) * hkv * head_dim))
-    return torch.cat(parts)
-
-
 class Attention(nn.Module):
     """Causal GQA self-attention on (b, s, hidden/G_x) activations (replicated over y)."""
 
@@ -162,7 +151,7 @@ class Attention(nn.Module):
         self.out = Linear(hidden, hidden, bias=bias, transpose=True, **kw)
         # the fused output is q | k | v interleaved by y group: checkpoints store the three apart
         kv = n_kv_heads * self.head_dim
-        self.qkv.row_segments = (("q", hidden), ("k", kv), ("v", kv))
+        self.qkv.fused_rows = self.qkv_rows = pieces.FusedRows((("q", hidden), ("k", kv), ("v", kv)), grid.size("y"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(b, s, hidden/G_x) → (b, s, hidden/G_x), causal self-attention over the s positions."""
@@ -175,7 +164,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x)  # (b, s, (hq + 2 hkv)·d) of this y group's heads
         hq, hkv, d = self.local_heads, self.local_kv_heads, self.head_dim
-        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = self.qkv_rows.local(qkv, dim=-1)
         q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
         if self.context_parallel:
             return self.out(self._split_sequence_core(q, k, v))
@@ -200,12 +189,7 @@ class Attention(nn.Module):
 
     @torch.no_grad()
     def load_dense_(self, dense: DenseAttention) -> Attention:
-        order = _qkv_order(self.n_heads, self.n_kv_heads, self.head_dim, self.grid.size("y"))
-        w = torch.cat([dense.q_proj.weight, dense.k_proj.weight, dense.v_proj.weight])[order]
-        b = None
-        if dense.q_proj.bias is not None:
-            b = torch.cat([dense.q_proj.bias, dense.k_proj.bias, dense.v_proj.bias])[order]
-        self.qkv.load_dense_(w, b)
+        self.qkv.load_dense_(*self.qkv_rows.fuse_dense([dense.q_proj, dense.k_proj, dense.v_proj]))
         self.out.load_dense_(dense.o_proj.weight, dense.o_proj.bias)
         return self
 
@@ -220,19 +204,6 @@ class Attention(nn.Module):
             device=p.device,
             dtype=p.dtype,
         )
-        order = _qkv_order(self.n_heads, self.n_kv_heads, self.head_dim, self.grid.size("y"))
-        inverse = torch.argsort(order)
-        qkv = self.qkv.to_dense(grads)
-        splits = [self.hidden, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim]
-        targets = [dense.q_proj, dense.k_proj, dense.v_proj]
-        for attr in ("weight", "bias"):
-            t = getattr(qkv, attr)
-            if t is None:
-                continue
-            for part, tgt in zip(t.detach()[inverse].split(splits), targets):
-                getattr(tgt, attr).data.copy_(part)
-            if grads and t.grad is not None:
-                for part, tgt in zip(t.grad[inverse].split(splits), targets):
-                    getattr(tgt, attr).grad = part.clone()
+        self.qkv_rows.split_into_(self.qkv.to_dense(grads), [dense.q_proj, dense.k_proj, dense.v_proj], grads)
         dense.o_proj = self.out.to_dense(grads)
         return dense

@@ -204,9 +204,9 @@ class Linear(nn.Module):
     block's slice of the bias (out_features/G_out,), replicated over the other axes.
     """
 
-    #: fused outputs (q | k | v, gate | up) interleaved by y group: (name, global rows) of each, so a
-    #: checkpoint stores them apart (axon4d.params); empty for a plain layer
-    row_segments: tuple[tuple[str, int], ...] = ()
+    #: fused outputs (q | k | v, gate | up) interleaved by y group, so a checkpoint stores them apart
+    #: (axon4d.params); None for a plain layer
+    fused_rows: pieces.FusedRows | None = None
 
     def __init__(
         self,

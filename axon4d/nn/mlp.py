@@ -2,7 +2,7 @@
 
 GELU: up (hidden → ffn, ffn over y), GELU, down (ffn over y → hidden over x). SwiGLU: the gate
 and up projections are fused into one normal Linear whose output features are ordered so that
-y-rank j's chunk is [gate_j | up_j]; silu(gate)·up then needs no communication.
+y-rank j's chunk is [gate_j | up_j] (``pieces.FusedRows``); silu(gate)·up then needs no communication.
 
 ``recompute_activation`` (balanced recomputation, axon4d.nn.recompute): the down projection keeps
 the up projection's output instead of the activation's, and re-runs the activation in its backward.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import rules, runtime
+from axon4d import pieces, rules, runtime
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed_input
@@ -47,14 +47,6 @@ class DenseMLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
-def _gated_order(ffn: int, groups: int) -> torch.Tensor:
-    """Row permutation taking cat(gate, up) to [gate_0 | up_0 | gate_1 | up_1 | …] by y group."""
-    n = ffn // groups
-    return torch.cat(
-        [torch.cat([torch.arange(j * n, (j + 1) * n), ffn + torch.arange(j * n, (j + 1) * n)]) for j in range(groups)]
-    )
-
-
 class MLP(nn.Module):
     """GELU or SwiGLU MLP on (…, hidden/G_x) activations replicated over y."""
 
@@ -80,8 +72,9 @@ class MLP(nn.Module):
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.up = Linear(hidden, 2 * ffn if gated else ffn, bias=bias, transpose=False, **kw)
         self.down = Linear(ffn, hidden, bias=bias, transpose=True, **kw)
-        if gated:  # gate | up interleaved by y group: checkpoints store the two apart
-            self.up.row_segments = (("gate", ffn), ("up", ffn))
+        #: gate | up interleaved by y group (checkpoints store the two apart); None for GELU
+        self.up_rows = pieces.FusedRows((("gate", ffn), ("up", ffn)), grid.size("y")) if gated else None
+        self.up.fused_rows = self.up_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)  # (…, ffn/G_y) or (…, 2·ffn/G_y) = [gate_j | up_j]
@@ -92,19 +85,16 @@ class MLP(nn.Module):
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """GELU of the up projection's output, or silu(gate)·up of its [gate_j | up_j] halves (local)."""
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
+        if self.up_rows is not None:
+            gate, up = self.up_rows.local(h, dim=-1)
             return F.silu(gate) * up
         return F.gelu(h)
 
     @torch.no_grad()
     def load_dense_(self, dense: DenseMLP) -> MLP:
-        if self.gated:
+        if self.up_rows is not None:
             assert dense.gate is not None
-            order = _gated_order(self.ffn, self.grid.size("y"))
-            w = torch.cat([dense.gate.weight, dense.up.weight])[order]
-            b = torch.cat([dense.gate.bias, dense.up.bias])[order] if dense.up.bias is not None else None
-            self.up.load_dense_(w, b)
+            self.up.load_dense_(*self.up_rows.fuse_dense([dense.gate, dense.up]))
         else:
             self.up.load_dense_(dense.up.weight, dense.up.bias)
         self.down.load_dense_(dense.down.weight, dense.down.bias)
@@ -114,19 +104,9 @@ class MLP(nn.Module):
         p = self.down.weight
         dense = DenseMLP(self.hidden, self.ffn, self.gated, self.down.bias is not None, device=p.device, dtype=p.dtype)
         up = self.up.to_dense(grads)
-        if self.gated:
+        if self.up_rows is not None:
             assert dense.gate is not None
-            inverse = torch.argsort(_gated_order(self.ffn, self.grid.size("y")))
-            for attr in ("weight", "bias"):
-                t = getattr(up, attr)
-                if t is None:
-                    continue
-                gate_part, up_part = t.detach()[inverse].split(self.ffn)
-                getattr(dense.gate, attr).data.copy_(gate_part)
-                getattr(dense.up, attr).data.copy_(up_part)
-                if grads and t.grad is not None:
-                    g_gate, g_up = t.grad[inverse].split(self.ffn)
-                    getattr(dense.gate, attr).grad, getattr(dense.up, attr).grad = g_gate.clone(), g_up.clone()
+            self.up_rows.split_into_(up, [dense.gate, dense.up], grads)
         else:
             dense.up = up
         dense.down = self.down.to_dense(grads)

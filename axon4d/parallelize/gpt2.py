@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-import torch
 from torch import nn
 
 from axon4d.grid import Grid
@@ -26,6 +25,7 @@ from axon4d.parallelize.plan import (
     slice_hidden_states_hook,
     slice_output_hook,
 )
+from axon4d.pieces import FusedRows
 
 
 def attention_specs(name: str, m: nn.Module, grid: Grid, last: Spec) -> tuple[dict[str, Spec], dict[str, Any]] | None:
@@ -39,10 +39,9 @@ def attention_specs(name: str, m: nn.Module, grid: Grid, last: Spec) -> tuple[di
     attn = cast(Any, m)  # Hugging Face's GPT2Attention: duck-typed, its attributes are unknown to mypy
     require_heads(name, "num_heads", attn.num_heads, grid)
     h, g = attn.embed_dim, grid.size("y")
-    local = h // g
-    perm = torch.cat([torch.arange(y * local, (y + 1) * local) + j * h for y in range(g) for j in range(3)])
-    specs = {"c_attn": Spec(input_sharded=True, output_sharded=True, out_perm=perm), "c_proj": last}
-    return specs, {"split_size": local}
+    fused = FusedRows((("q", h), ("k", h), ("v", h)), g)
+    specs = {"c_attn": Spec(input_sharded=True, output_sharded=True, fused=fused), "c_proj": last}
+    return specs, {"split_size": h // g}
 
 
 def plan_attention(name: str, m: nn.Module, grid: Grid) -> BlockPlan | None:

@@ -21,6 +21,7 @@ from axon4d.nn.functional import gather_replicated, split_replicated
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import LayerNorm, RMSNorm
 from axon4d.nn.recompute import Recipes, checkpointed
+from axon4d.pieces import FusedRows
 
 
 def is_conv1d(m: nn.Module) -> bool:
@@ -72,11 +73,9 @@ class ShardedLinear(nn.Module):
 
     Input: (..., in) full features, or — ``input_sharded`` — this rank's chunk over the layer's
     input axis (x normal, y transposed). Output: (..., out) full, gathered over the output axis, or —
-    ``output_sharded`` — this rank's chunk. ``out_perm`` reorders output features before splitting
+    ``output_sharded`` — this rank's chunk. ``fused`` reorders output features before splitting
     (GPT-2's packed q|k|v so each rank gets whole heads of all three); ``to_dense`` undoes it.
     """
-
-    out_perm: torch.Tensor | None  # a buffer (registered in __init__)
 
     def __init__(
         self,
@@ -86,13 +85,13 @@ class ShardedLinear(nn.Module):
         transpose: bool = False,
         input_sharded: bool = False,
         output_sharded: bool = False,
-        out_perm: torch.Tensor | None = None,
+        fused: FusedRows | None = None,
     ):
         super().__init__()
         weight, bias = dense_params(dense)
         out_f, in_f = weight.shape
-        if out_perm is not None:
-            weight, bias = weight[out_perm], None if bias is None else bias[out_perm]
+        if fused is not None:
+            weight, bias = fused.fuse(weight), None if bias is None else fused.fuse(bias)
         self.inner = Linear(
             in_f, out_f, bias=bias is not None, transpose=transpose, grid=grid, device=weight.device, dtype=weight.dtype
         )
@@ -100,7 +99,13 @@ class ShardedLinear(nn.Module):
         self.grid = grid
         self.input_sharded, self.output_sharded = input_sharded, output_sharded
         self.conv1d_class = type(dense) if is_conv1d(dense) else None  # what to_dense gives back, if not nn.Linear
-        self.register_buffer("out_perm", out_perm, persistent=False)
+        self.fused = fused
+
+    @property
+    def out_perm(self) -> torch.Tensor | None:
+        """The output features' permutation (``fused.order()``): output row i is row out_perm[i] of
+        the layer it replaced; None when the rows are not fused."""
+        return None if self.fused is None else self.fused.order()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_sharded:
@@ -112,12 +117,11 @@ class ShardedLinear(nn.Module):
     def to_dense(self, grads: bool = False) -> nn.Module:
         """The layer it replaced (``nn.Linear`` or ``Conv1D``) with full weight, bias and ``.grad``."""
         lin = self.inner.to_dense(grads=grads)
-        if self.out_perm is not None:
-            inv = torch.argsort(self.out_perm)
+        if self.fused is not None:
             for p in lin.parameters():
-                p.data = p.data[inv]
+                p.data = self.fused.unfuse(p.data)
                 if p.grad is not None:
-                    p.grad = p.grad[inv]
+                    p.grad = self.fused.unfuse(p.grad)
         if self.conv1d_class is None:
             return lin
         # Conv1D(nf, nx): Hugging Face's class, duck-typed (its attributes are unknown to mypy)

@@ -20,12 +20,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, cast
 
-import torch
 from torch import nn
 
 from axon4d.grid import Grid
 from axon4d.nn.embedding import VocabParallelEmbedding
 from axon4d.nn.functional import gather_replicated, split_replicated
+from axon4d.pieces import FusedRows
 from axon4d.shape import factorizations, suggest
 
 #: attribute marking a forward hook installed by a plan (``to_dense`` strips them from its copy)
@@ -43,7 +43,7 @@ class Spec:
     transpose: bool = False
     input_sharded: bool = False
     output_sharded: bool = False
-    out_perm: torch.Tensor | None = None
+    fused: FusedRows | None = None
 
 
 #: normal layer of a chained pair: x-split input in, y-split output out

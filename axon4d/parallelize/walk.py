@@ -104,7 +104,7 @@ def auto_parallelize(
                 transpose=spec.transpose,
                 input_sharded=spec.input_sharded,
                 output_sharded=spec.output_sharded,
-                out_perm=spec.out_perm,
+                fused=spec.fused,
             ),
         )
     for block_name, plan in blocks:
