@@ -7,7 +7,7 @@ NPROC ?= 8
 # same pin pulls the CUDA build.
 TORCH := torch==2.13.0
 
-.PHONY: install lint test demo demo-mlp gpu-check clean
+.PHONY: install lint test check demo demo-mlp gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 install: $(VENV)/.installed
 
-# The layering (docs/design.md §9), lint and format, and the public API's types, then the suite.
+# The layering (docs/design.md §9), lint and format, and the public API's types, then the suite
+# (`make test`: every test, the 25 slowest listed at the end; what CI runs) or its fast tier
+# (`make check`: the tests not marked slow, under 3 minutes on a 2-core host; the edit-test loop).
 lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
@@ -25,7 +27,10 @@ lint: install
 	$(VENV)/bin/mypy axon4d
 
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=25 $(PYTEST_ARGS)
+
+check: lint
+	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
 # The main job: a small Llama trained for a couple of minutes on an 8-rank (2,2,2,1) grid on a
 # byte-level corpus made offline from Python's docstrings, then the same model in one process.

@@ -8,8 +8,9 @@ what a job makes on the host (token ids from a data loader) reaches its device b
 ``matmul_seconds`` times one square matmul, synchronising the device, for the start-up probes;
 ``reset_peak_memory``/``peak_memory_allocated``/``memory_allocated`` read an accelerator's allocator.
 
-Host memory in huge pages (``use_huge_pages``, called when axon4d is imported): torch's host
-allocator returns large blocks to the system when they are freed, so every step of a host job
+Host memory in huge pages (``use_huge_pages``, an explicit call: the training job's entry
+``python -m axon4d.train`` makes it; importing axon4d changes no environment variable): torch's
+host allocator returns large blocks to the system when they are freed, so every step of a host job
 touches its activations' memory afresh; in 4 KiB pages that is one page fault per 4 KiB (on a
 host, ``bench/gpt.py`` records a step's faults and its system CPU share). With
 ``THP_MEM_ALLOC_ENABLE=1`` torch aligns blocks of 2 MiB and more to 2 MiB and asks the kernel for
@@ -39,11 +40,13 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 def use_huge_pages() -> bool:
-    """Ask torch's host allocator for transparent huge pages (module docstring), unless the
-    environment already says (``THP_MEM_ALLOC_ENABLE=0`` turns it off). torch reads the setting at
-    its first host allocation, so this takes effect only when called before any tensor exists —
-    ``import axon4d`` does, first thing; a process that made tensors before importing axon4d sets
-    the variable in its environment instead. Returns whether huge pages were asked for."""
+    """Ask torch's host allocator for transparent huge pages (module docstring) by setting
+    ``THP_MEM_ALLOC_ENABLE=1`` in this process's environment, unless the environment already says
+    (``THP_MEM_ALLOC_ENABLE=0`` turns it off). Nothing calls it on import: a program opts in, as
+    the training job's entry does. torch reads the setting at its first host allocation, so this
+    takes effect only when called before the process makes any tensor (importing axon4d makes
+    none); a process that made tensors already sets the variable in its environment instead.
+    Returns whether huge pages were asked for."""
     os.environ.setdefault(HUGE_PAGES_ENV, "1")
     return os.environ[HUGE_PAGES_ENV] == "1"
 

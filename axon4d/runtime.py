@@ -55,8 +55,9 @@ def init(
     ``overlap`` is the overlap policy
     (axon4d.policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
     "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where
-    ``plan`` names the model and a machine description is known (``plan["machine"]``,
-    $AXON4D_MACHINE or ./local.json), else the default knobs (axon4d.plan.auto.choose_overlap).
+    ``plan`` names the model and a machine description is named (``plan["machine"]`` or
+    $AXON4D_MACHINE; no file is read unless named), else the default knobs
+    (axon4d.plan.auto.choose_overlap).
     ``seed``, if given, seeds torch's generator identically on every rank.
     ``grid="auto"`` lets the planner choose (axon4d.plan.auto.choose_grid) for ``plan`` =
     {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}.

@@ -111,9 +111,9 @@ ACTIVATION_CASES = [
     "world,grids",
     [
         (1, [(1, 1, 1, 1)]),
-        (2, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)]),
-        (4, [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2), (1, 1, 2, 2)]),
-        (8, [(2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2), (2, 1, 4, 1)]),
+        pytest.param(2, [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)], marks=pytest.mark.slow),
+        pytest.param(4, [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2), (1, 1, 2, 2)], marks=pytest.mark.slow),
+        pytest.param(8, [(2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2), (2, 1, 4, 1)], marks=pytest.mark.slow),
     ],
 )
 def test_blocks_match_single_process(pools, world, grids):
@@ -160,7 +160,14 @@ def _check_embedding_and_loss(grid):
 
 
 @pytest.mark.parametrize(
-    "world,grid", [(1, (1, 1, 1, 1)), (2, (1, 2, 1, 1)), (4, (2, 2, 1, 1)), (8, (2, 2, 2, 1)), (8, (1, 4, 1, 2))]
+    "world,grid",
+    [
+        (1, (1, 1, 1, 1)),
+        (2, (1, 2, 1, 1)),
+        (4, (2, 2, 1, 1)),
+        pytest.param(8, (2, 2, 2, 1), marks=pytest.mark.slow),
+        pytest.param(8, (1, 4, 1, 2), marks=pytest.mark.slow),
+    ],
 )
 def test_vocab_parallel_embedding_and_cross_entropy(pools, world, grid):
     _assert_small(pools(world).run(grid, _check_embedding_and_loss), TOL, f"embedding/ce on {grid}")
@@ -186,7 +193,14 @@ def _check_model(grid, cfg):
 
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
 @pytest.mark.parametrize(
-    "world,grid", [(1, (1, 1, 1, 1)), (2, (1, 1, 1, 2)), (4, (1, 2, 2, 1)), (8, (2, 2, 2, 1)), (8, (1, 2, 2, 2))]
+    "world,grid",
+    [
+        (1, (1, 1, 1, 1)),
+        (2, (1, 1, 1, 2)),
+        (4, (1, 2, 2, 1)),
+        pytest.param(8, (2, 2, 2, 1), marks=pytest.mark.slow),
+        pytest.param(8, (1, 2, 2, 2), marks=pytest.mark.slow),
+    ],
 )
 def test_whole_model_matches_single_process(pools, cfg, world, grid):
     _assert_small(pools(world).run(grid, _check_model, cfg), TOL, f"{cfg.arch} on {grid}")
@@ -227,6 +241,7 @@ def _train_reference(cfg, steps):
 
 
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2)])
+@pytest.mark.slow
 def test_training_follows_the_single_process_loss_curve(pools, grid):
     ref = _train_reference(LLAMA, 50)
     for curve in pools(8).run(grid, _train, LLAMA, 50):
@@ -245,6 +260,7 @@ def _head_errors(grid):
     )
 
 
+@pytest.mark.slow
 def test_heads_and_vocab_that_do_not_split_raise_clear_errors(pools):
     for msgs in pools(8).run((1, 8, 1, 1), _head_errors):
         assert "n_heads = 4 is not divisible by G_y = 8" in msgs["heads"]

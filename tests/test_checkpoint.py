@@ -11,6 +11,8 @@ from axon4d import checkpoint
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
 
+pytestmark = pytest.mark.slow  # every test saves on 8 ranks
+
 CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
 GPT_CFG = ModelConfig(n_layers=1, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="gpt")
 

@@ -32,6 +32,7 @@ def _primitives(grid):
     return out
 
 
+@pytest.mark.slow
 def test_collectives_return_correct_data_and_are_logged(pools):
     for res in pools(8).run((2, 2, 2, 1), _primitives):
         c = res["coords"]
@@ -169,6 +170,7 @@ def _reduce_scatter_routes(grid):
     return g, z, out, dict(calls)
 
 
+@pytest.mark.slow
 def test_reduce_scatter_exchanges_chunks_on_gloo(pools):
     # gloo's reduce-scatter moves the whole tensor like an all-reduce (and stages a copy of it);
     # axon4d sends each rank the chunk it keeps instead, in one all-to-all: over a pair only the
@@ -197,6 +199,7 @@ def _bytes_of_one_step(grid, dtype_name):
 
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 4, 1), (2, 2, 1, 2), (1, 1, 8, 1)])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_linear_moves_exactly_the_bytes_of_e8_to_e13(pools, grid, dtype_name):
     shape = axon4d.GridShape(*grid)
     tokens = 8 * 3 // shape.size("batch")

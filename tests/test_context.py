@@ -131,13 +131,29 @@ def _run_matrix(pools, cfg_name, grid, recompute="none"):
 
 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
-@pytest.mark.parametrize("grid", [(1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 1), (1, 1, 2, 2), (2, 1, 2, 1)], ids=grid_id)
+@pytest.mark.parametrize(
+    "grid",
+    [
+        (1, 1, 2, 1),
+        pytest.param((1, 2, 2, 1), marks=pytest.mark.slow),
+        pytest.param((1, 1, 4, 1), marks=pytest.mark.slow),
+        pytest.param((1, 1, 2, 2), marks=pytest.mark.slow),
+        pytest.param((2, 1, 2, 1), marks=pytest.mark.slow),
+    ],
+    ids=grid_id,
+)
 def test_split_sequence_equals_the_single_process_model(pools, cfg_name, grid):
     _run_matrix(pools, cfg_name, grid)
 
 
 @pytest.mark.parametrize(
-    "cfg_name,grid", [("llama_gqa4", (1, 2, 4, 1)), ("gpt", (2, 1, 2, 2)), ("llama_gqa4", (1, 1, 1, 2))], ids=grid_id
+    "cfg_name,grid",
+    [
+        pytest.param("llama_gqa4", (1, 2, 4, 1), marks=pytest.mark.slow),
+        pytest.param("gpt", (2, 1, 2, 2), marks=pytest.mark.slow),
+        ("llama_gqa4", (1, 1, 1, 2)),
+    ],
+    ids=grid_id,
 )
 def test_split_sequence_on_eight_ranks_and_without_z(pools, cfg_name, grid):
     _run_matrix(pools, cfg_name, grid)

@@ -102,6 +102,7 @@ def _plain(
 
 
 @pytest.mark.parametrize("fault", ["forward", "backward", "save"])
+@pytest.mark.slow
 def test_an_error_on_one_rank_ends_the_job_and_is_named(tmp_path, fault):
     codes, outs, elapsed = _plain(fault, 1, 3, tmp_path)
     assert elapsed < BOUND_S
@@ -113,6 +114,7 @@ def test_an_error_on_one_rank_ends_the_job_and_is_named(tmp_path, fault):
         assert not os.path.exists(tmp_path / "checkpoints" / "step_2" / "meta.json")
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
     codes, outs, elapsed = _plain("kill", 1, 3, tmp_path)
     assert elapsed < BOUND_S
@@ -120,6 +122,7 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
     assert "rank(s) 1 stopped answering" in outs[0], outs[0]
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
     codes, outs, elapsed = _plain("stop", 1, 3, tmp_path)
     assert elapsed < BOUND_S
@@ -129,6 +132,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
     assert "waited" in outs[0] and " over " in outs[0]  # which collective, on which axis
 
 
+@pytest.mark.slow
 def test_every_survivor_names_only_the_hung_rank(tmp_path):
     """4 ranks on a 1,2,1,2 grid; rank 2 stops at step 3. Its partners on y (rank 3) and on data
     (rank 0) block in a collective with it first, rank 1 only once they do: the survivors reach
@@ -141,6 +145,7 @@ def test_every_survivor_names_only_the_hung_rank(tmp_path):
         assert "rank(s) 2 stopped answering" in outs[r], (r, outs[r])
 
 
+@pytest.mark.slow
 def test_under_torchrun_an_error_ends_the_job(tmp_path):
     torchrun = os.path.join(BIN, "torchrun")
     cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), SCRIPT, "forward", "1", "3"]
@@ -160,6 +165,7 @@ def _mpiexec():
 
 @pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: install the [mpi] extra (make test does)")
 @pytest.mark.parametrize("fault", ["forward", "stop"])
+@pytest.mark.slow
 def test_under_mpiexec_a_failing_or_hung_rank_ends_the_job(tmp_path, fault):
     pytest.importorskip("mpi4py")
     cmd = [_mpiexec(), "-n", str(WORLD), sys.executable, SCRIPT, fault, "1", "3", *_flags(tmp_path)]

@@ -24,12 +24,14 @@ def _run(*args):
     )
 
 
+@pytest.mark.slow
 def test_without_cuda_it_says_so_and_fails():
     proc = _run()
     assert proc.returncode == 1
     assert "gpu-check: no CUDA device here" in proc.stderr and "--on-host" in proc.stderr
 
 
+@pytest.mark.slow
 def test_on_the_host_the_cases_run_and_the_result_is_saved(tmp_path):
     out = tmp_path / "gpu_check.json"
     only = "exact llama x1y1z2d1 overlap-on,checkpoint,sync"
@@ -57,6 +59,7 @@ def _raises_on_rank_one(grid):
     return {"grad_rel": 0.0, "loss_rel": 0.0}
 
 
+@pytest.mark.slow
 def test_a_case_that_errs_on_a_rank_fails_and_does_not_hang():
     case = gpu_check.Case("broken", 2, (1, 2, 1, 1), _raises_on_rank_one, verdict=gpu_check._exact(1e-4))
     record = gpu_check.run_case(case, "staged", timeout=60)

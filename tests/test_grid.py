@@ -61,7 +61,7 @@ def _coords_and_groups(grid):
     return grid.rank, dict(grid.coords), members, str(grid)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_coordinates_follow_e1_and_groups_span_one_axis(pools, world):
     for shape in grids_of(world):
         gx, gy, gz, gd = shape

@@ -37,6 +37,7 @@ def test_plain_python_is_a_world_of_one():
     assert len(lines) == 2 and all("LAUNCH single world=1" in line for line in lines) and _errors_ok(lines)
 
 
+@pytest.mark.slow
 def test_torchrun():
     torchrun = os.path.join(BIN, "torchrun")
     lines = _run([torchrun, "--nproc-per-node", "4", "--master-port", str(free_port()), SCRIPT, "2,1,2,1;1,1,2,2"])
@@ -51,6 +52,7 @@ def _mpiexec():
 
 
 @pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: install the [mpi] extra (make test does)")
+@pytest.mark.slow
 def test_mpiexec():
     pytest.importorskip("mpi4py")
     lines = _run([_mpiexec(), "-n", "4", sys.executable, SCRIPT, "1,2,1,2;4,1,1,1"])
@@ -105,6 +107,7 @@ def _srun(ntasks, spec, nodelist, timeout=240, **extra):
     return [line for out, _ in outs for line in out.splitlines() if line.startswith("LAUNCH")]
 
 
+@pytest.mark.slow
 def test_srun_tasks_form_one_world_from_slurm_variables():
     # the step's first host in compressed form; the port derived from SLURM_JOB_ID
     lines = _srun(4, "2,1,2,1;1,1,2,2", "localhost,nid[001-003]")
@@ -113,6 +116,7 @@ def test_srun_tasks_form_one_world_from_slurm_variables():
     assert sorted(int(line.split(" rank ")[1].split()[0]) for line in lines) == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
+@pytest.mark.slow
 def test_srun_tasks_meet_at_master_addr_and_port_when_the_script_exports_them():
     # the usual sbatch script: export MASTER_ADDR/MASTER_PORT, then srun — still SLURM's ranks
     lines = _srun(2, "1,1,2,1", "nid[007-008]", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -125,38 +129,6 @@ def test_a_process_told_the_world_is_larger_refuses_to_run_alone():
     )
     assert proc.returncode != 0 and "LAUNCH" not in proc.stdout
     assert "WORLD_SIZE=4" in proc.stderr and "MASTER_ADDR" in proc.stderr and "torchrun" in proc.stderr
-
-
-_FAULTS = """
-import os, resource
-import axon4d, torch
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(8):
-    x = torch.empty(64 << 20, dtype=torch.uint8); x.fill_(1); del x  # 64 MiB made and freed, as a step does
-print(os.environ.get("THP_MEM_ALLOC_ENABLE"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-def _faults(env_value):
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    if env_value is not None:
-        env["THP_MEM_ALLOC_ENABLE"] = env_value
-    out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    setting, faults = out.stdout.split()
-    return setting, int(faults)
-
-
-def test_importing_axon4d_puts_host_tensors_in_huge_pages_unless_told_not_to():
-    """Host memory freed by one step and made again by the next is touched afresh every step
-    (axon4d.device.use_huge_pages): in 4 KiB pages 512 MiB is 131072 page faults."""
-    default, faults = _faults(None)
-    off, faults_off = _faults("0")
-    assert (default, off) == ("1", "0")  # the user's own setting is kept
-    assert faults_off > 100_000
-    policy = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if os.path.exists(policy) and "[never]" not in open(policy).read():  # where the kernel gives huge pages
-        assert faults < faults_off / 10
 
 
 def _rank_pid_then_wait(grid, pid_dir, fail_rank):
@@ -189,6 +161,7 @@ def _alive(pid):
         return f.read().split(") ")[1][0] != "Z"
 
 
+@pytest.mark.slow
 def test_local_ranks_end_with_the_process_that_spawned_them(tmp_path):
     """axon4d.measure.spawn: killing the spawner leaves no rank behind; a rank that dies is reported."""
     import signal

@@ -116,13 +116,16 @@ def _assert_within(results, tol, grid):
                 assert err <= bound, f"grid {grid} rank {rank} {case}: {what} error {err:.2e} > {bound:.0e}"
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize(
+    "world", [1, 2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)]
+)
 def test_every_grid_matches_torch_linear_fp32(pools, world):
     for grid in grids_of(world):
         _assert_within(pools(world).run(grid, _all_cases, "float32"), FP32_TOL, grid)
 
 
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 1, 4), (1, 1, 8, 1)])
+@pytest.mark.slow
 def test_bf16_matches_within_documented_tolerance(pools, grid):
     results = pools(8).run(grid, _all_cases, "bfloat16")
     _assert_within(results, BF16_TOL, grid)
@@ -140,6 +143,7 @@ def _padded(grid):
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 8, 1), (1, 1, 4, 2)])
+@pytest.mark.slow
 def test_weight_blocks_that_do_not_split_over_z_are_padded(pools, grid):
     for errs, numel, padded in pools(8).run(grid, _padded):
         assert numel == -(-30 // grid[2]) and padded >= 30
@@ -152,6 +156,7 @@ def _replicas_agree(grid):
     return grid.coords, layer.weight.detach().clone(), layer.bias.detach().clone()
 
 
+@pytest.mark.slow
 def test_initialisation_is_consistent_across_replicas_and_independent_of_z(pools):
     by_block = {}
     for coords, w, b in pools(8).run((2, 2, 1, 2), _replicas_agree):
@@ -182,6 +187,7 @@ def _errors(grid):
     )
 
 
+@pytest.mark.slow
 def test_bad_shapes_raise_clear_value_errors_on_every_rank(pools):
     for msgs in pools(8).run((4, 1, 2, 1), _errors):
         assert "in_features = 6 is not divisible by G_x = 4" in msgs["in_features"]
@@ -369,6 +375,7 @@ def test_one_rank_grid_still_computes_in_the_compute_dtype(pools, precision):
         assert 1e-5 < err <= BF16_TOL[what.removesuffix("_no_grad")], f"{precision}: {what} error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_overhead_bench_quick_prints_its_headline(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "overhead.json"

@@ -83,8 +83,8 @@ def _materialize(grid, cfg, dtype):
         (1, (1, 1, 1, 1), set()),
         (3, (1, 1, 3, 1), {"llama"}),
         (4, (1, 2, 2, 1), set()),
-        (8, (2, 2, 2, 1), {"gpt"}),
-        (8, (1, 2, 4, 1), {"gpt"}),
+        pytest.param(8, (2, 2, 2, 1), {"gpt"}, marks=pytest.mark.slow),
+        pytest.param(8, (1, 2, 4, 1), {"gpt"}, marks=pytest.mark.slow),
     ],
 )
 def test_materialized_model_equals_the_dense_reference(pools, cfg, world, grid, pads):
@@ -185,6 +185,7 @@ print("RESULT", json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_materializing_allocates_only_this_ranks_shards():
     from axon4d.config import SIZES
     from axon4d.plan import Workload, local_param_count

@@ -23,6 +23,7 @@ def _mpiexec():
 
 
 pytestmark = [
+    pytest.mark.slow,  # mpiexec -n 8 jobs
     pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: install the [mpi] extra (make test does)"),
     pytest.mark.timeout(1500),  # one mpiexec job runs every check: ~1.5 min alone, far longer on a loaded machine
 ]

@@ -77,6 +77,7 @@ def _weights_equal(grid, path, a, b):
     return all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(pools, tmp_path):
     out = pools(4).run(None, _with_nan_steps, _cfg(tmp_path / "nan", save_every=1), (3,), 2)
     summaries = [s for s, _ in out]
@@ -106,12 +107,14 @@ def _checkpoint_is_finite(grid, path):
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_nan_steps_are_never_saved(pools, tmp_path):
     pools(4).run(None, _with_nan_steps, _cfg(tmp_path, save_every=1), (2, 4, 6))
     assert [r["step"] for r in _log(tmp_path) if r.get("skipped")] == [2, 4, 6]
     assert all(pools(4).run((1, 2, 1, 2), _checkpoint_is_finite, tmp_path))
 
 
+@pytest.mark.slow
 def test_too_many_in_a_row_end_the_run_on_every_rank(pools, tmp_path):
     out = pools(4).run(None, _with_nan_steps, _cfg(tmp_path, max_nonfinite=2), (2, 3))
     for message, rank in out:
@@ -119,6 +122,7 @@ def test_too_many_in_a_row_end_the_run_on_every_rank(pools, tmp_path):
         assert "2 non-finite steps in a row (--max-nonfinite 2)" in message and "step 3:" in message
 
 
+@pytest.mark.slow
 def test_stop_ends_the_run_at_the_first(pools, tmp_path):
     out = pools(4).run(None, _with_nan_steps, _cfg(tmp_path, on_nonfinite="stop"), (2,))
     for message, _ in out:
@@ -126,6 +130,7 @@ def test_stop_ends_the_run_at_the_first(pools, tmp_path):
     assert not os.path.exists(tmp_path / "checkpoints" / "step_6")
 
 
+@pytest.mark.slow
 def test_a_huge_learning_rate_is_stopped_not_trained_to_the_end(pools, tmp_path):
     out = pools(4).run(None, _with_nan_steps, _cfg(tmp_path, lr=1e6, min_lr=1e6, steps=12), ())
     for result, rank in out:  # the gradients overflow within a few steps; three in a row end the run

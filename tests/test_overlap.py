@@ -95,6 +95,7 @@ def _expected(shape, policy):
 
 
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2)])
+@pytest.mark.slow
 def test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_off(pools, grid):
     shape = axon4d.GridShape(*grid)
     for rank, res in enumerate(pools(8).run(grid, _all_policies, timeout=300)):
@@ -111,6 +112,7 @@ def test_every_mechanism_alone_and_all_together_give_the_gradients_of_overlap_of
                     assert torch.equal(g, r), f"{name} on grid {grid} rank {rank}: not bitwise equal"
 
 
+@pytest.mark.slow
 def test_oag_prefetches_the_next_layers_weight_from_the_second_step_on(pools):
     res = pools(8).run((2, 2, 2, 1), _all_policies, timeout=300)[0]
 
@@ -130,6 +132,7 @@ def _without_input_grad(grid):
     return {name: _train(grid, POLICIES[name], input_grad=False)["counted"] for name in ("off", "oag", "oag_deep")}
 
 
+@pytest.mark.slow
 def test_oag_prefetches_nothing_a_backward_does_not_use(pools):
     # the first layer's input needs no gradient: its backward gathers no weight, so none is prefetched
     for counted in pools(8).run((2, 2, 2, 1), _without_input_grad):

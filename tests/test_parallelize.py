@@ -169,7 +169,7 @@ def _world(grid):
     return grid[0] * grid[1] * grid[2] * grid[3]
 
 
-@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("grid", [*GRIDS[:2], *(pytest.param(g, marks=pytest.mark.slow) for g in GRIDS[2:])])
 @pytest.mark.parametrize(
     "family,attn,layout",
     [
@@ -186,7 +186,7 @@ def test_planned_layouts_match_the_unparallelized_model(pools, family, attn, lay
         assert dense_cls == par_cls
 
 
-@pytest.mark.parametrize("grid", [(2, 1, 1, 1), (2, 2, 1, 1), (2, 2, 1, 2)])
+@pytest.mark.parametrize("grid", [(2, 1, 1, 1), (2, 2, 1, 1), pytest.param((2, 2, 1, 2), marks=pytest.mark.slow)])
 def test_tied_llama_keeps_its_embedding_whole_and_matches(pools, grid):
     # tie_word_embeddings: the embedding's output is sliced over x and lm_head gathers its input
     results = pools(_world(grid)).run(grid, _compare, "llama_tied", "eager", "sharded")
@@ -194,7 +194,15 @@ def test_tied_llama_keeps_its_embedding_whole_and_matches(pools, grid):
     assert "lm_head (Linear: weight shared with model.embed_tokens (tied))" in results[0][1][0]
 
 
-@pytest.mark.parametrize("grid", [(2, 1, 1, 1), (1, 4, 1, 1), (2, 2, 2, 1), (1, 2, 1, 4)])
+@pytest.mark.parametrize(
+    "grid",
+    [
+        (2, 1, 1, 1),
+        pytest.param((1, 4, 1, 1), marks=pytest.mark.slow),
+        pytest.param((2, 2, 2, 1), marks=pytest.mark.slow),
+        pytest.param((1, 2, 1, 4), marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize(
     "family,attn,layout", [("llama", "sdpa", "general"), ("gpt2", "eager", "general"), ("qwen2", "sdpa", "sharded")]
 )
@@ -209,7 +217,7 @@ def _toy(grid):
     return errs, messages
 
 
-@pytest.mark.parametrize("grid", [(1, 2, 1, 2), (2, 2, 2, 1)])
+@pytest.mark.parametrize("grid", [(1, 2, 1, 2), pytest.param((2, 2, 2, 1), marks=pytest.mark.slow)])
 def test_layers_that_cannot_split_are_left_whole_listed_and_still_exact(pools, grid):
     # a model no plan knows, with gradient accumulation over two backward calls: `odd` (3 outputs)
     # cannot split over G_y = 2, `out` is tied to the embedding; both stay whole and correct
@@ -246,6 +254,7 @@ def _sgd_steps(grid, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.slow
 def test_optimizer_steps_need_no_extra_call(pools, family):
     grid = (2, 1, 2, 2)
     _assert_close([(r,) for r in pools(8).run(grid, _sgd_steps, family)], f"{family} sgd {grid}")
@@ -311,6 +320,7 @@ def _gathers(grid, family, layout):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.slow
 def test_chained_blocks_gather_once_per_block_and_sharded_ones_never(pools, family):
     per_layer = {"llama": 7, "gpt2": 4}[family]  # linear layers in one transformer block
     (general, general_el), (chained, chained_el), (sharded, _) = (
@@ -373,7 +383,7 @@ def _hf_recompute(grid, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("grid", [(1, 2, 2, 1), (2, 2, 1, 1)])
+@pytest.mark.parametrize("grid", [(1, 2, 2, 1), pytest.param((2, 2, 1, 1), marks=pytest.mark.slow)])
 def test_recompute_modes_match_none_on_hugging_face_models(pools, family, grid):
     for rank, errs in enumerate(pools(4).run(grid, _hf_recompute, family)):
         bad = {k: v for k, v in errs.items() if v > 1e-6}

@@ -68,10 +68,10 @@ def _compare(grid, kv_heads, recompute):
     "grid,kv_heads,recompute",
     [
         ((1, 1, 2, 1), 2, "none"),
-        ((1, 2, 2, 1), 8, "none"),
+        pytest.param((1, 2, 2, 1), 8, "none", marks=pytest.mark.slow),
         ((1, 1, 4, 1), 2, "selective"),
-        ((2, 1, 2, 1), 2, "full"),
-        ((1, 1, 2, 2), 2, "none"),
+        pytest.param((2, 1, 2, 1), 2, "full", marks=pytest.mark.slow),
+        pytest.param((1, 1, 2, 2), 2, "none", marks=pytest.mark.slow),
     ],
 )
 def test_context_parallel_llama_matches_the_unparallelized_model(pools, grid, kv_heads, recompute):

@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 def test_the_peers_bench_checks_times_and_pairs_every_implementation(tmp_path):
     out = tmp_path / "peers.json"
     bench = os.path.join(os.path.dirname(HERE), "bench", "peers.py")

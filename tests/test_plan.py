@@ -65,6 +65,7 @@ def _probe_step(grid, wl):
 
 
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (4, 1, 1, 2), (1, 1, 8, 1)])
+@pytest.mark.slow
 def test_logged_bytes_and_parameters_equal_the_planner(pools, grid):
     shape = GridShape(*grid)
     t = step_time(PROBE_WL, shape, load("perlmutter"))
@@ -101,9 +102,9 @@ def _fake_world_shapes(name, world, grid):
     "name,world,grid",
     [
         ("20B", 512, (8, 8, 8, 1)),
-        ("20B", 1024, (4, 8, 16, 2)),
-        ("80B", 1024, (8, 4, 32, 1)),
-        ("80B", 512, (2, 8, 8, 4)),
+        pytest.param("20B", 1024, (4, 8, 16, 2), marks=pytest.mark.slow),
+        pytest.param("80B", 1024, (8, 4, 32, 1), marks=pytest.mark.slow),
+        pytest.param("80B", 512, (2, 8, 8, 4), marks=pytest.mark.slow),
     ],
 )
 def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
@@ -230,6 +231,7 @@ KNOBS_WL = Workload(
 )
 
 
+@pytest.mark.slow
 def test_memory_follows_the_overlap_knobs(pools):
     # prefetched blocks in flight (oag_depth), reduce-scatters left running (ors_inflight, fewer at
     # the start of backward), kept blocks (oag_keep, each freed after its layer's backward)
@@ -539,6 +541,7 @@ def _auto_grid(cfg):
         axon4d.shutdown()
 
 
+@pytest.mark.slow
 def test_init_auto_builds_the_planners_choice_on_every_rank(pools):
     """grid="auto" with init's default overlap="auto": the planner's grid and its tuned knobs."""
     best = plan(PROBE, 8, "perlmutter", batch=8, dtype="float32", overlap="auto").best
@@ -590,6 +593,7 @@ def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():
     assert hidden_share(2e-3, 4e-3, 3.5e-3) == 1.0  # faster than the GEMMs alone: all of it hidden
 
 
+@pytest.mark.slow
 def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(pools):
     from axon4d.plan.machine import Machine
 
@@ -752,6 +756,7 @@ def _timed_in_lockstep(grid):
     return Timer(grid, reps=2).measure(lambda: time.sleep(pause))
 
 
+@pytest.mark.slow
 def test_long_work_is_timed_until_the_slowest_rank_is_done(pools):
     """Work of LOCKSTEP_S or more per call is timed with a barrier around each call: every rank
     gets the slowest rank's time, as in a step, not the mean of ranks that drifted apart."""

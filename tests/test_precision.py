@@ -39,6 +39,7 @@ def _mixed_vs_fp32(grid):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-fp32-reduce"])
+@pytest.mark.slow
 def test_mixed_precision_keeps_fp32_masters_and_tracks_the_fp32_gradients(pools, precision):
     for dtypes, logits_dtype, errs in pools(8).run((2, 2, 2, 1), _mixed_vs_fp32, precision=precision):
         assert dtypes == {torch.float32}  # parameters and .grad stay fp32 (master weights)
@@ -60,6 +61,7 @@ def _bytes(grid):
 
 
 @pytest.mark.parametrize("precision,grad_bytes", [("bf16", 2), ("bf16-fp32-reduce", 4)])
+@pytest.mark.slow
 def test_collectives_move_compute_and_reduction_dtype_bytes(pools, precision, grad_bytes):
     grid = (2, 2, 2, 1)
     shape = axon4d.GridShape(*grid)

@@ -62,9 +62,18 @@ def _compare_modes(grid, cfg, policy):
     return errs
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize(
+    "policy", [pytest.param(p, marks=[] if p == "default" else pytest.mark.slow) for p in POLICIES]
+)
 @pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
-@pytest.mark.parametrize("world,grid", [(4, (1, 2, 2, 1)), (8, (2, 2, 2, 1)), (8, (1, 2, 2, 2))])
+@pytest.mark.parametrize(
+    "world,grid",
+    [
+        (4, (1, 2, 2, 1)),
+        pytest.param(8, (2, 2, 2, 1), marks=pytest.mark.slow),
+        pytest.param(8, (1, 2, 2, 2), marks=pytest.mark.slow),
+    ],
+)
 def test_every_mode_gives_the_gradients_of_none(pools, world, grid, cfg, policy):
     for rank, errs in enumerate(pools(world).run(grid, _compare_modes, cfg, POLICIES[policy])):
         bad = {k: v for k, v in errs.items() if v > TOL}
@@ -110,7 +119,7 @@ def _peaks(grid, cfg, optimizer="adam", modes=RECOMPUTE_MODES):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
-@pytest.mark.parametrize("world,grid", [(1, (1, 1, 1, 1)), (4, (1, 2, 2, 1))])
+@pytest.mark.parametrize("world,grid", [(1, (1, 1, 1, 1)), pytest.param(4, (1, 2, 2, 1), marks=pytest.mark.slow)])
 def test_peak_memory_of_every_mode_is_the_planners(pools, world, grid, arch):
     """Measured peak per rank within 10% of the planner's prediction, and the modes ordered as predicted."""
     peaks = pools(world).run(grid, _peaks, MEM_CFG[arch])[0]
@@ -121,6 +130,7 @@ def test_peak_memory_of_every_mode_is_the_planners(pools, world, grid, arch):
     assert by_measured == by_predicted == list(RECOMPUTE_MODES), (peaks, by_measured, by_predicted)
 
 
+@pytest.mark.slow
 def test_peak_memory_with_sgd_is_the_planners(pools):
     """Without optimizer states (SGD, as bench/gpt.py runs the 80B width) the planner still predicts
     the peak within 10%, and it is below Adam's by about the two states."""

@@ -46,6 +46,7 @@ def _norms(grid, cfg):
 
 @pytest.mark.parametrize("cfg", [CFG, CFG.replace(arch="gpt", n_kv_heads=None)], ids=["llama", "gpt"])
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 1, 4)])
+@pytest.mark.slow
 def test_grad_norm_counts_each_element_once(pools, cfg, grid):
     for got, ref in pools(8).run(grid, _norms, cfg):
         assert abs(got - ref) / ref < 1e-5
@@ -147,6 +148,7 @@ def _base(tmp, **kw):
     return cfg
 
 
+@pytest.mark.slow
 def test_resume_of_an_interrupted_run_matches_exactly(pools, tmp_path):
     straight = pools(8).run(None, _run, _base(tmp_path / "a", steps=6, save_every=3))[0]
     assert straight == pools(8).run(None, _run, _base(tmp_path / "b", steps=6))[0]  # same seed, same run
@@ -180,6 +182,7 @@ def test_resume_of_an_interrupted_run_matches_exactly(pools, tmp_path):
     assert fresh == straight[:2] and checkpoint.list_checkpoints(str(ckpts)) == [str(ckpts / "step_2")]
 
 
+@pytest.mark.slow
 def test_context_parallel_training_follows_the_same_loss_curve(pools, tmp_path):
     """--context-parallel splits each sequence's tokens head–tail over z instead of whole sequences:
     the same batches, so the same losses (fp32, within 1e-5), with the K/V all-gather in the log."""
@@ -201,6 +204,7 @@ def _refused(cfg_dict):
     return str(e.value)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch(pools, tmp_path):
     # the big-batch run also shows its progress bar and compares with one process: its outputs are checked below
     big_cfg = _base(tmp_path / "a", batch_size=16, progress=True, compare_single=True)

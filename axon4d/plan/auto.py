@@ -20,19 +20,20 @@ from axon4d.plan.workload import Workload
 from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape
 
-LOCAL_MACHINE_FILE = "local.json"  # what ``axon4d calibrate`` writes by default
+#: the environment variable naming the planner's machine when ``plan`` gives none
+MACHINE_ENV = "AXON4D_MACHINE"
 
 
 def default_machine() -> str:
-    """$AXON4D_MACHINE, else ./local.json (from ``axon4d calibrate``); ValueError if neither exists."""
-    env = os.environ.get("AXON4D_MACHINE")
+    """The machine named by ``$AXON4D_MACHINE`` (a shipped name or a file's path); ValueError when it
+    is unset. No file is looked for implicitly: a machine file reaches the planner only by name."""
+    env = os.environ.get(MACHINE_ENV)
     if env:
         return env
-    if os.path.exists(LOCAL_MACHINE_FILE):
-        return LOCAL_MACHINE_FILE
     raise ValueError(
-        "grid='auto' needs a machine description: pass plan={'machine': NAME or PATH}, set AXON4D_MACHINE, "
-        f"or run `axon4d calibrate` here to write {LOCAL_MACHINE_FILE}; shipped machines: {', '.join(available())}"
+        f"grid='auto' needs a machine description: pass plan={{'machine': NAME or PATH}} (--machine), or set "
+        f"{MACHINE_ENV}=NAME or PATH (a file from `axon4d calibrate --out FILE`); shipped machines: "
+        f"{', '.join(available())}"
     )
 
 

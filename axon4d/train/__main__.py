@@ -1,16 +1,30 @@
 """``python -m axon4d.train`` and ``torchrun ... -m axon4d.train``: parse the flags, run the job.
 
 The help text is the package's docstring; the flags are ``TrainConfig``'s fields (``config``).
+Before the job makes a tensor, this entry puts host tensors in transparent huge pages
+(``axon4d.device.use_huge_pages``: sets ``THP_MEM_ALLOC_ENABLE=1`` unless the environment already
+sets it; ``THP_MEM_ALLOC_ENABLE=0`` turns it off). Importing axon4d does not.
 """
 
 import argparse
 
+from axon4d.device import HUGE_PAGES_ENV, use_huge_pages
 from axon4d.train import __doc__ as DESCRIPTION
 from axon4d.train import add_arguments, main
 
+EPILOG = (
+    f"Host memory: this entry sets {HUGE_PAGES_ENV}=1 (torch's host allocator asks for transparent\n"
+    f"huge pages; axon4d.device.use_huge_pages) unless the environment sets it; {HUGE_PAGES_ENV}=0\n"
+    "turns it off. Importing axon4d sets nothing."
+)
+
 if __name__ == "__main__":
+    use_huge_pages()  # before the job's first tensor: torch reads it at its first host allocation
     parser = argparse.ArgumentParser(
-        prog="python -m axon4d.train", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m axon4d.train",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     raise SystemExit(main(parser.parse_args()))

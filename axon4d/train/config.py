@@ -30,7 +30,7 @@ class TrainConfig:
     grid: str = "1,1,1,-1"
     """Grid sizes x,y,z,data (one may be -1: the rest), or auto (the planner chooses)."""
     machine: str = ""
-    """The planner's machine (a shipped name such as perlmutter, or a file from axon4d calibrate): for --grid auto, and for the overlap knobs the planner tunes (axon4d.init's overlap="auto"); default $AXON4D_MACHINE, else ./local.json, else the default knobs."""
+    """The planner's machine (a shipped name such as perlmutter, or a file from axon4d calibrate): for --grid auto, and for the overlap knobs the planner tunes (axon4d.init's overlap="auto"); default $AXON4D_MACHINE, else none (the default knobs; --grid auto then needs one)."""
     comm: str = "auto"
     """Communication transport: auto (MPI when launched by mpirun on CPUs, else torch.distributed: NCCL on GPUs, gloo on CPUs), torch, or mpi (GPU tensors go to a CUDA-aware MPI as they are, else through host memory)."""
     model: str = "small"
