@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
+
+from axon4d import counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,36 +45,24 @@ class ModelConfig:
         its value and a value that would work."""
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"arch {self.arch!r} is not supported; use 'gpt' or 'llama'")
-        _whole("n_layers", self.n_layers, 1, "blocks")
-        _whole("hidden", self.hidden, 1, "features")
-        _whole("n_heads", self.n_heads, 1, "heads")
+        counts.whole(self.n_layers, "n_layers", unit="blocks", example=24)
+        counts.whole(self.hidden, "hidden", unit="features", example=1024)
+        counts.whole(self.n_heads, "n_heads", unit="heads", example=8)
         if self.n_kv_heads is not None:
-            _whole("n_kv_heads", self.n_kv_heads, 1, "heads (or None: as many as n_heads)")
+            counts.whole(self.n_kv_heads, "n_kv_heads", unit="heads (or None: as many as n_heads)", example=8)
         if self.ffn_hidden is not None:
-            _whole("ffn_hidden", self.ffn_hidden, 1, "features (or None: the architecture's rule)")
-        _whole("vocab_size", self.vocab_size, 1, "token ids")
-        _whole("seq_len", self.seq_len, 1, "tokens")
+            unit = "features (or None: the architecture's rule)"
+            counts.whole(self.ffn_hidden, "ffn_hidden", unit=unit, example=4096)
+        counts.whole(self.vocab_size, "vocab_size", unit="token ids", example=50304)
+        counts.whole(self.seq_len, "seq_len", unit="tokens", example=2048)
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} = {value!r} ({type(value).__name__}) must be a number, e.g. {_DEFAULTS[name]}")
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} = {value} must be a finite number above 0, e.g. {_DEFAULTS[name]}")
-        if self.hidden % self.n_heads:
-            raise ValueError(
-                f"hidden = {self.hidden} is not divisible by n_heads = {self.n_heads} (each head gets "
-                f"hidden/n_heads features); n_heads that divide it: {_divisors(self.hidden)}"
-            )
-        if self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"n_heads = {self.n_heads} is not divisible by n_kv_heads = {self.kv_heads} (each key/value head "
-                f"serves n_heads/n_kv_heads query heads); n_kv_heads that divide it: {_divisors(self.n_heads)}"
-            )
-        if self.arch == "llama" and self.head_dim % 2:
-            raise ValueError(
-                f"head_dim = hidden/n_heads = {self.hidden}/{self.n_heads} = {self.head_dim} is odd, but llama's "
-                "rotary embedding rotates pairs of features; choose hidden and n_heads with an even quotient"
-            )
+        rotary = "llama's rotary embedding rotates pairs of features; choose hidden and n_heads with an even quotient"
+        counts.heads(self.hidden, self.n_heads, self.kv_heads, rotary=rotary if self.arch == "llama" else "")
 
     @property
     def kv_heads(self) -> int:
@@ -127,22 +116,6 @@ class ModelConfig:
 
 #: example values for error messages
 _DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5}
-
-
-def _whole(name: str, value: object, minimum: int, unit: str) -> None:
-    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``; the message names the
-    field, the value and what it counts (``unit``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} = {value!r} ({type(value).__name__}) must be a whole number of {unit}, e.g. 8")
-    if value < minimum:
-        raise ValueError(f"{name} = {value} must be at least {minimum} (a number of {unit})")
-
-
-def _divisors(n: int, limit: int = 12) -> str:
-    """The divisors of ``n`` as a list for a message (the first ``limit``, then the largest)."""
-    ds = [d for d in range(1, n + 1) if n % d == 0] if n <= 1 << 20 else [d for d in range(1, 4097) if n % d == 0]
-    shown = ", ".join(str(d) for d in ds[:limit])
-    return shown + (f", …, {ds[-1]}" if len(ds) > limit else "")
 
 
 def _table(name: str, layers: int, hidden: int, heads: int) -> ModelConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from axon4d import counts
 from axon4d.geometry import forward_chunk_count
 
 MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")
@@ -157,12 +158,14 @@ class OverlapPolicy:
         ]
 
     def __post_init__(self) -> None:
-        counts = (self.forward_chunks, self.ors_inflight, self.oag_depth)
-        if min(counts) < 1 or self.bucket_mb < 0 or self.min_chunk_kb < 0:
-            raise ValueError(
-                f"overlap policy {self}: forward_chunks, ors_inflight and oag_depth must be >= 1 and "
-                f"bucket_mb, min_chunk_kb >= 0"
-            )
+        rule = (
+            f"overlap policy {self}: forward_chunks, ors_inflight and oag_depth must be >= 1 and "
+            "bucket_mb, min_chunk_kb >= 0"
+        )
+        for name in ("forward_chunks", "ors_inflight", "oag_depth"):
+            counts.whole(getattr(self, name), name, hint=rule)
+        if self.bucket_mb < 0 or self.min_chunk_kb < 0:
+            raise ValueError(rule)
 
     def spec(self) -> str:
         """The mechanisms that are on and the knobs off their defaults that the planner prices, as

@@ -10,10 +10,10 @@ axis sizes) to know which grids are valid.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from axon4d import counts
 from axon4d.geometry import layer_axes
 from axon4d.shape import GridShape, factorizations, suggest
 
@@ -63,16 +63,10 @@ class Rule:
 
 
 def count(value: object, what: str, example: int = 8) -> int:
-    """``value`` if it is a count of things (a whole number, at least 1): ``TypeError`` for a
-    non-integer (bools included), ``ValueError`` for zero or a negative number, each naming
-    ``what``, the value and an ``example`` that works."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{what} = {value!r} ({type(value).__name__}) must be a whole number (int), for example {example}"
-        )
-    if value < 1:
-        raise ValueError(f"{what} = {value} must be at least 1 (it counts something), for example {example}")
-    return int(value)
+    """``value`` if it is a count of things (a whole number, at least 1; ``axon4d.counts.whole``):
+    ``TypeError`` for a non-integer (bools included), ``ValueError`` for zero or a negative number,
+    each naming ``what``, the value and an ``example`` that works."""
+    return counts.whole(value, what, example=example)
 
 
 def check(shape: GridShape, rules: Iterable[Rule]) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
+
+from axon4d import counts
 
 #: the grid's axes, fastest first (E1).
 AXES: tuple[str, ...] = ("x", "y", "z", "data")
@@ -120,7 +121,7 @@ def check_sizes(sizes: Sequence[object]) -> list[int]:
     shown = tuple(sizes)
     ints: list[int] = []
     for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, numbers.Integral):
+        if not counts.is_whole(s):
             raise TypeError(
                 f"grid {shown}: size {s!r} ({type(s).__name__}) is not a whole number; give each of "
                 "(x, y, z, data) as an int ≥ 1, or -1 for the rest, e.g. (1, 4, 1, 1)"

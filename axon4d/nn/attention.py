@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import pieces, rules, runtime
+from axon4d import counts, pieces, rules, runtime
 from axon4d.grid import Grid
 from axon4d.layout import sequence_positions
 from axon4d.nn.context import split_sequence_attention
@@ -131,16 +131,10 @@ class Attention(nn.Module):
         rules.count(hidden, "hidden", example=1024)
         rules.count(n_heads, "n_heads", example=8)
         n_kv_heads = rules.count(n_kv_heads, "n_kv_heads", example=n_heads) if n_kv_heads is not None else n_heads
-        if hidden % n_heads or n_heads % n_kv_heads:
-            raise ValueError(
-                f"hidden = {hidden}, n_heads = {n_heads}, n_kv_heads = {n_kv_heads}: need hidden % n_heads == 0 "
-                "and n_heads % n_kv_heads == 0"
-            )
-        if rope_theta is not None and (hidden // n_heads) % 2:
-            raise ValueError(
-                f"head_dim = hidden/n_heads = {hidden}/{n_heads} = {hidden // n_heads} is odd, but rotary embeddings "
-                "(rope_theta given) rotate pairs of features; choose an even head_dim or rope_theta=None"
-            )
+        rotary = (
+            "rotary embeddings (rope_theta given) rotate pairs of features; choose an even head_dim or rope_theta=None"
+        )
+        counts.heads(hidden, n_heads, n_kv_heads, rotary=rotary if rope_theta is not None else "")
         rules.check(grid.shape, rules.heads(n_heads, n_kv_heads))
         self.hidden, self.n_heads, self.n_kv_heads, self.head_dim = hidden, n_heads, n_kv_heads, hidden // n_heads
         self.rope_theta = rope_theta

@@ -16,6 +16,7 @@ import inspect
 import math
 from typing import Any
 
+from axon4d import counts
 from axon4d.config import ModelConfig, get_config
 from axon4d.data import check_token_file
 from axon4d.policy import RECOMPUTE_MODES, check_recompute
@@ -120,11 +121,7 @@ class TrainConfig:
         the model those flags describe must be valid; a --data file must exist and hold at least
         one sequence (its token ids are checked against the vocabulary when it is opened)."""
         for name, minimum in _MINIMUM.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{_flag(name)} {value!r} ({type(value).__name__}) must be a whole number")
-            if value < minimum:
-                raise ValueError(f"{_flag(name)} {value}: must be at least {minimum}; {_HINTS[name]}")
+            counts.whole(getattr(self, name), _flag(name), minimum=minimum, hint=_HINTS[name], flag=True)
         for name, (low, high, open_low) in _RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
