@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     parser.parse_args(argv[:1])  # an unknown subcommand exits here with argparse's message (status 2)
+    if argv[0] == "train":  # as python -m axon4d.train: host tensors in huge pages, before the first one
+        from axon4d.device import use_huge_pages
+
+        use_huge_pages()
     module = importlib.import_module(COMMANDS[argv[0]][0])
     sub_parser = argparse.ArgumentParser(
         prog=f"axon4d {argv[0]}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -348,4 +348,5 @@ def final_line(
 
 
 if __name__ == "__main__":
+    devices.use_huge_pages()  # as the training job: host tensors in huge pages (THP_MEM_ALLOC_ENABLE=0: off)
     raise SystemExit(main())
