@@ -21,7 +21,7 @@ from axon4d.comm import Communicator, make_backend
 from axon4d.policy import OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.scheduler import Scheduler
-from axon4d.shape import AXES, MESH_AXES, GridShape
+from axon4d.shape import AXES, BATCH_AXES, MESH_AXES, GridShape
 
 
 class Grid:
@@ -46,18 +46,14 @@ class Grid:
         self.precision = Precision.parse(precision)  # dtypes of parameters, compute and reductions
         self.rank = dist.get_rank()
         self.coords = shape.coordinates(self.rank)
-        mesh = init_device_mesh(
-            devices.mesh_device_type(device),
-            tuple(shape.size(a) for a in MESH_AXES),
-            mesh_dim_names=MESH_AXES,
-        )
+        mesh = init_device_mesh(devices.mesh_device_type(device), shape.mesh_shape(), mesh_dim_names=MESH_AXES)
         self._mesh: DeviceMesh | None = mesh  # None once destroyed
         self.groups: dict[str, dist.ProcessGroup] = {a: mesh[a].get_group() for a in AXES}
-        self.groups["batch"] = mesh["data", "z"]._flatten("batch").get_group()
+        self.groups["batch"] = mesh[BATCH_AXES]._flatten("batch").get_group()
         world = dist.group.WORLD
         assert world is not None  # dist.get_rank() above succeeded, so the default group exists
         self.groups["world"] = world
-        expected = tuple(self.coords[a] for a in MESH_AXES)
+        expected = shape.mesh_coordinate(self.rank)
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")
         clock = devices.Clock(device)  # collectives and compute timed where they run (axon4d.commlog)

@@ -6,7 +6,10 @@ Nothing here communicates. A rank has coordinates (d, z, y, x) with x varying fa
 
 The axes are named once, here: ``AXES`` (x, y, z, data, fastest first), the composite axes
 ``batch`` (data × z, over which tokens are split) and ``world``, and ``MESH_AXES``, the order
-DeviceMesh and checkpoints lay them out in (slowest first).
+DeviceMesh and checkpoints lay them out in (slowest first). E1 is written once too:
+``GridShape.stride`` (the rank distance between neighbours of an axis), from which come
+``coordinates`` and the DeviceMesh's shape and coordinate (``mesh_shape``, ``mesh_coordinate``,
+axon4d.grid).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ COMPOSITE_AXES: tuple[str, ...] = ("batch", "world")
 ALL_AXES: tuple[str, ...] = AXES + COMPOSITE_AXES
 #: the axes as DeviceMesh dims, slowest first (the reverse of E1's order).
 MESH_AXES: tuple[str, ...] = tuple(reversed(AXES))
+#: the DeviceMesh dims the composite ``batch`` axis is flattened from (data × z).
+BATCH_AXES: tuple[str, ...] = ("data", "z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,17 +61,30 @@ class GridShape:
     def __str__(self) -> str:
         return f"(x={self.x}, y={self.y}, z={self.z}, data={self.data})"
 
+    def stride(self, axis: str) -> int:
+        """The distance in rank numbers between consecutive members of an ``axis`` group (E1):
+        1 for x, G_x for y, G_x·G_y for z and batch (data × z), G_x·G_y·G_z for data, 1 for world."""
+        if axis == "world":
+            return 1
+        self.size(axis)  # a known axis
+        faster = AXES[: AXES.index("z" if axis == "batch" else axis)]
+        stride = 1
+        for a in faster:
+            stride *= self.size(a)
+        return stride
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` on every axis (E1); ``batch`` is d·G_z + z, ``world`` the rank."""
-        c = {
-            "x": rank % self.x,
-            "y": (rank // self.x) % self.y,
-            "z": (rank // (self.x * self.y)) % self.z,
-            "data": rank // (self.x * self.y * self.z),
-        }
-        c["batch"] = c["data"] * self.z + c["z"]
-        c["world"] = rank
-        return c
+        return {a: rank // self.stride(a) % self.size(a) for a in ALL_AXES}
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The sizes of the DeviceMesh dims (``MESH_AXES``: data, z, y, x)."""
+        return tuple(self.size(a) for a in MESH_AXES)
+
+    def mesh_coordinate(self, rank: int) -> tuple[int, ...]:
+        """Where E1 puts ``rank`` on the DeviceMesh (``MESH_AXES``: d, z, y, x)."""
+        c = self.coordinates(rank)
+        return tuple(c[a] for a in MESH_AXES)
 
     @classmethod
     def parse(cls, grid: GridShape | Sequence[int] | Mapping[str, int], world_size: int) -> GridShape:
