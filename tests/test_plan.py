@@ -15,8 +15,9 @@ import torch
 from axon4d.config import SIZES, ModelConfig
 from axon4d.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
-from axon4d.plan.cost import axis_geometry, comm_field, layer_cost
+from axon4d.plan.layers import axis_geometry, comm_field, layer_cost
 from axon4d.plan.machine import CommCurve, MatmulTable, available
+from axon4d.plan.scenario import Scenario
 from axon4d.shape import GridShape, factorizations
 
 PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
@@ -280,7 +281,7 @@ def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
     for grid, chunks in [((1, 4, 8, 4), 1), ((4, 4, 8, 2), 4)]:
         shape = GridShape(*grid)
         b, (in_l, out_l) = wl.local_tokens(shape), qkv.local(shape)
-        cost = layer_cost(qkv, wl, shape, m, chunked)
+        cost = layer_cost(qkv, Scenario(wl, shape, m, chunked))
         expected = sum(
             m.matmul_time("nt", rows, in_l, out_l, wl.dtype, shape.world_size) for rows in chunk_sizes(b, chunks)
         )
@@ -297,12 +298,13 @@ def test_the_backward_prices_no_copy_of_the_weight_gradient():
     head = next(s for s in wl.linears() if s.name == "head")  # no bias: no bias-gradient sum either
     # on each grid a rank holds 1/8 of the weight, while its block n_W = shard·G_z grows from 2 to 8 shards
     costs = [
-        layer_cost(head, wl, GridShape(*g), m, Overlap()).bwd_ew for g in [(4, 1, 2, 1), (2, 1, 4, 1), (1, 1, 8, 1)]
+        layer_cost(head, Scenario(wl, GridShape(*g), m, Overlap())).bwd_ew
+        for g in [(4, 1, 2, 1), (2, 1, 4, 1), (1, 1, 8, 1)]
     ]
     assert costs[1] == pytest.approx(costs[0], rel=1e-12) and costs[2] == pytest.approx(costs[0], rel=1e-12)
     assert costs[0] > 8 * m.op_overhead_s  # the shard's scaling is priced
     # G_batch = 1: no E11 and nothing to scale, only the ops' fixed costs
-    alone = layer_cost(head, wl, GridShape(8, 1, 1, 1), m, Overlap()).bwd_ew
+    alone = layer_cost(head, Scenario(wl, GridShape(8, 1, 1, 1), m, Overlap())).bwd_ew
     assert alone == pytest.approx(8 * m.op_overhead_s, rel=1e-12)
 
 
@@ -671,7 +673,7 @@ def test_context_parallel_attention_is_priced_as_the_rank_runs_it():
     (2·G_z−1)·C² pairs in all; the key/value all-gather hides behind the squares' forward."""
     import dataclasses
 
-    from axon4d.plan.cost import attention_seconds, context_hidden
+    from axon4d.plan.layers import attention_seconds, context_hidden
 
     cfg = ModelConfig(n_layers=2, hidden=256, n_heads=8, n_kv_heads=2, ffn_hidden=512, vocab_size=128, seq_len=4096)
     shape = GridShape(1, 2, 4, 1)
@@ -686,18 +688,18 @@ def test_context_parallel_attention_is_priced_as_the_rank_runs_it():
     wl = Workload(cfg, batch=2, dtype="float32", context_parallel=True)
     units = 2 * cfg.n_heads // shape.y  # both sequences, this rank's heads
     c = cfg.seq_len // (2 * shape.z)
-    local, prefix = attention_seconds(wl, shape, m)
+    local, prefix = attention_seconds(Scenario(wl, shape, m))
     overhead = 4 * m.op_overhead_s
     assert local == pytest.approx(2 * (units * per_pair * c * c / 2 + overhead))
     # the slowest z-rank: the last holds chunks 3 and 4 (3·C and 4·C keys before them); all hold 7·C² pairs
     assert prefix == pytest.approx(units * per_pair * (2 * shape.z - 1) * c * c + 2 * overhead)
-    whole = attention_seconds(dataclasses.replace(wl, context_parallel=False), GridShape(1, 2, 1, 1), m)
+    whole = attention_seconds(Scenario(dataclasses.replace(wl, context_parallel=False), GridShape(1, 2, 1, 1), m))
     assert whole == (pytest.approx(units * per_pair * cfg.seq_len**2 / 2 + overhead), 0.0)
     # hidden: each collective up to the squares' forward (0.3) or backward (0.7) share, at efficiency 0.5
     gather, scatter = wl.context_collectives(shape)[0], wl.context_collectives(shape)[-1]
     seconds = [m.comm_time(col.op.value, 4, 2, col.payload_bytes, 8) for col in (gather, scatter)]
     expect = cfg.n_layers * 0.5 * (min(seconds[0], 0.3 * local) + min(seconds[1], 0.7 * local))
-    assert context_hidden(wl, shape, m) == pytest.approx(expect)
+    assert context_hidden(Scenario(wl, shape, m)) == pytest.approx(expect)
     assert step_time(wl, shape, m).hidden_by_mechanism["context"] == pytest.approx(expect)
 
 
@@ -771,7 +773,8 @@ def test_norms_are_priced_as_the_kernel_that_runs():
     ~2 + 3 passes over the activations instead of the split chain's ~5 + 8; RMSNorm, a split norm
     and balanced recomputation (which keeps the statistics, so takes the chain) keep the chain —
     for balanced the recomputed work adds back what the step priced as the kernel."""
-    from axon4d.plan.cost import norm_passes, recomputed_seconds
+    from axon4d.plan.layers import norm_passes
+    from axon4d.plan.recompute import recomputed_seconds
 
     gpt = Workload(SIZES["5B"], batch=16, dtype="bfloat16")
     llama = Workload(dataclasses.replace(SIZES["5B"], arch="llama"), batch=16, dtype="bfloat16")
@@ -783,9 +786,10 @@ def test_norms_are_priced_as_the_kernel_that_runs():
     chain = 2 * m.elementwise_time(8 * b * h * gpt.element_size, 8)  # two norms, (5 + 8) − (2 + 3) passes
     act = m.activation_time(b * gpt.model.ffn // 4, 8)[0]
     normalize = m.elementwise_time(3 * b * h * gpt.element_size, 8)
-    assert recomputed_seconds(gpt, whole, m, "balanced") == pytest.approx(2 * (act + 2 * normalize) + chain)
+    balanced = Scenario(gpt, whole, m, recompute="balanced")
+    assert recomputed_seconds(balanced) == pytest.approx(2 * (act + 2 * normalize) + chain)
     # a workload whose norms are split has nothing to add back
     bs, hs = gpt.local_tokens(split), h // 2
     act_s = m.activation_time(bs * gpt.model.ffn // 2, 8)[0]
     norm_s = m.elementwise_time(3 * bs * hs * gpt.element_size, 8)
-    assert recomputed_seconds(gpt, split, m, "balanced") == pytest.approx(2 * (act_s + 2 * norm_s))
+    assert recomputed_seconds(Scenario(gpt, split, m, recompute="balanced")) == pytest.approx(2 * (act_s + 2 * norm_s))

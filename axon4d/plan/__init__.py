@@ -5,16 +5,20 @@
     print(result.table(10)); result.best.shape
 
 Modules: ``workload`` (the layers a step runs and the §1 rules they set), ``machine`` (measured
-or published rates), ``cost`` (step time: compute + E8–E13, §3), ``schedule`` (what overlap hides,
-§4), ``memory`` (bytes per rank, §5), ``stepfit`` (the in-step scale fitted to measured steps),
-``search`` (enumeration), ``auto`` (``grid="auto"``), ``cli`` (``axon4d plan``). Measuring a
-machine is ``axon4d.measure``'s; this package only reads the machine files it writes.
+or published rates), ``memory`` (bytes per rank, §5: ``BackwardWalk``), ``scenario`` (one price's
+inputs: workload, grid shape, machine, overlap, recompute), ``layers`` (each layer kind's GEMMs,
+collectives E8–E13 and non-GEMM work, §3), ``schedule`` (what overlap hides, §4), ``recompute``
+(what recomputation runs again, §5), ``cost`` (the step assembled from those), ``stepfit`` (the
+in-step scale fitted to measured steps), ``search`` (enumeration), ``auto`` (``grid="auto"``),
+``cli`` (``axon4d plan``). Measuring a machine is ``axon4d.measure``'s; this package only reads the
+machine files it writes.
 """
 
-from axon4d.plan.cost import Overlap, TimeEstimate, describe, step_time
+from axon4d.plan.cost import Overlap, TimeEstimate, describe, step_estimate, step_time
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
-from axon4d.plan.search import Candidate, PlanResult, evaluate, plan
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.search import Candidate, PlanResult, candidate, evaluate, plan
 from axon4d.plan.workload import LinearSpec, Workload
 
 __all__ = [
@@ -24,14 +28,17 @@ __all__ = [
     "MemoryEstimate",
     "Overlap",
     "PlanResult",
+    "Scenario",
     "TimeEstimate",
     "Workload",
     "available",
+    "candidate",
     "describe",
     "evaluate",
     "load",
     "local_param_count",
     "memory",
     "plan",
+    "step_estimate",
     "step_time",
 ]

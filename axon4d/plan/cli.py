@@ -20,7 +20,6 @@ from axon4d import rules
 from axon4d.config import SIZES, get_config
 from axon4d.device import DTYPES
 from axon4d.plan import stepfit
-from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan
 from axon4d.plan.workload import OPTIMIZERS
@@ -100,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
         f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
-        f"overlap {describe(result.overlap)}, recompute {result.recompute}"
+        f"overlap {result.overlap.spec()}, recompute {result.recompute}"
     )
     if result.machine.step_scale:
         used, steps = stepfit.samples_for(result.machine, args.gpus)

@@ -4,7 +4,7 @@ Persistent: parameters (each layer's Z shard ⌈n_W/G_z⌉ = ``geometry.weight_s
 bias slice; norms and position embeddings split over x), gradients of the same size, and Adam
 state (two fp32 moments, plus fp32 master weights when training in 16 bits).
 
-Transient: the peak is found by walking the backward pass in order (``_backward_peak``): at its
+Transient: the peak is found by walking the backward pass in order (``BackwardWalk``): at its
 start every activation saved under the recompute policy is live (plus the loss's temporaries);
 then each layer's backward allocates its input gradient, the gathered weight block (E10, when
 G_z > 1) and the dW block (computed into E11's zero-padded input, no copy), then issues E11: its
@@ -164,7 +164,7 @@ def memory(
     b = wl.local_tokens(shape)
     if wl.head:
         acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
-    live_peak = _backward_peak(wl, shape, recompute, overlap, acts, staged_reduce_scatter)
+    live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts).run()
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
         if s.embedding
@@ -177,130 +177,197 @@ def memory(
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
 
 
-def _backward_peak(
-    wl: Workload, shape: GridShape, recompute: str, overlap: OverlapPolicy, acts: float, staged_reduce_scatter: bool
-) -> float:
-    """Largest live bytes (activations, gradients, buffers) during forward end and backward."""
-    m, elem = wl.model, wl.element_size
-    b = wl.local_tokens(shape)
-    t = {k: v * elem for k, v in _block_tensors(wl, shape).items()}
-    specs = {s.name: s for s in wl.linears()}
-    live, peak = acts, acts
+#: the linear layer kinds in the order their backward runs (the block's four repeat n_layers times)
+BACKWARD_ORDER = ("head", "mlp_down", "mlp_up", "attn_out", "qkv")
 
-    def note(extra: float = 0.0) -> None:
-        nonlocal peak
-        peak = max(peak, live + extra)
 
-    transient: dict[str, float] = {}
-    order = ["head", "mlp_down", "mlp_up", "attn_out", "qkv"]  # backward order (blocks repeat)
+class BackwardWalk:
+    """Live bytes on one rank from the end of the forward through the backward pass, event by event
+    as the scheduler allocates and frees them; ``peak`` is the most seen. ``run`` walks the loss and
+    the head, the first block after it and the last block (blocks are alike: the extremes are the
+    ends; the blocks between add what the first one left).
 
-    def block_bytes(name: str) -> float:
-        s = specs.get(name)
-        return (
-            0.0 if s is None else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z * elem
-        )
+    What is live when (bytes on one rank; b tokens; a weight block is n_W = shard·G_z elements,
+    ``block``): "+" stays live after the event, "−" is freed by it, "~" is live only while it runs.
 
-    def blocks(first: list[str], repeated: list[str], n: int) -> float:
-        """Bytes of the first ``n`` blocks of ``first`` followed by ``repeated`` over and over."""
-        return sum(map(block_bytes, itertools.islice(itertools.chain(first, itertools.cycle(repeated)), n)))
+    ===========================  ======================================================================
+    event (method)               live
+    ===========================  ======================================================================
+    start                        + every saved activation, the logits and the head's input (``acts``)
+    loss backward (``head``)     ~ 4 fp32 logit-sized temporaries and the head's gathered block
+    a layer's backward           ~ the block gathered over z (E10b, ``gathered``; none with keep)
+    (``layer``)                  ~ dX and the dW block (computed into E11's padded input, ``dw``)
+                                 ~ OAG's blocks of the next ``oag_depth`` layers (``prefetched``)
+                                 ~ its own E11, issued: the shard and received chunks (``issued``)
+                                 ~ the newest earlier E11s still running — ``ors_inflight`` under
+                                 ORS, one under ODP alone — with their received chunks (``in_flight``)
+                                 ~ the input balanced recomputation re-makes
+    its E11 waited on (``done``) + its gradient shard and bias slice (``grad``); − the block kept for
+                                 it (``kept``); − the saved tensors and gradient its backward consumed
+    activation's, attention's    ~ their gradients (GELU: one (b, F/G_y), SwiGLU: two; attention: dq,
+    backward (``note``)          dk, dv and the assembled qkv gradient)
+    ``free``                     − saved tensors consumed
+    ``rebuild`` (full)           + the block's activations, re-made from its saved input
+    ===========================  ======================================================================
 
-    def prefetched(name: str) -> float:
+    In one block, in backward order: MLP down (its dX stays as the activation's incoming gradient;
+    frees the saved activation output), the activation's backward, MLP up (frees that gradient, the
+    up output, SwiGLU's silu(gate) and the norm's tensors), attention output, attention's backward
+    (q, k, v, rotated q, k and the LSE replaced by the qkv gradient), QKV (frees that gradient and
+    the first norm's tensors).
+    """
+
+    def __init__(
+        self,
+        wl: Workload,
+        shape: GridShape,
+        recompute: str,
+        overlap: OverlapPolicy,
+        staged_reduce_scatter: bool,
+        acts: float,
+    ) -> None:
+        self.wl, self.shape, self.recompute, self.overlap = wl, shape, recompute, overlap
+        self.elem = wl.element_size
+        self.specs = {s.name: s for s in wl.linears()}
+        self.t = {k: v * self.elem for k, v in _block_tensors(wl, shape).items()}  # one block's tensors, bytes
+        saved = block_saved(wl, shape, "none" if recompute == "full" else recompute)
+        self.saved = {k: v * (4 if k == "lse" else self.elem) for k, v in saved.items()}  # what a block keeps
+        self.rebuilt = block_activation_elements(wl, shape, "none")  # (16-bit, fp32) a rebuilt block keeps
+        self.live = self.peak = acts
+        z = shape.z
+        self.keep = overlap.oag_keep and z > 1  # every block gathered in forward is kept for backward
+        self.inflight = overlap.ors_inflight if overlap.ors and z > 1 else 1
+        self.reduces = (overlap.ors and z > 1) or (overlap.odp and shape.data > 1)
+        # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
+        # the input's size until it is waited on (axon4d.comm._ExchangedChunks) where the backend stages
+        self.received = 1.0 if z > 2 and staged_reduce_scatter else 0.0
+
+    # -- sizes, bytes -----------------------------------------------------------------------------------
+    def shard(self, name: str) -> int:
+        """Elements of ``name``'s weight shard on this rank (⌈n_W/G_z⌉)."""
+        s = self.specs[name]
+        return weight_shard_numel(s.in_features, s.out_features, self.shape, s.transpose)
+
+    def block(self, name: str) -> float:
+        """``name``'s whole weight block, n_W (0 for a layer kind the step lacks)."""
+        return 0.0 if name not in self.specs else self.shard(name) * self.shape.z * self.elem
+
+    def blocks(self, first: list[str], repeated: list[str] | tuple[str, ...], n: int) -> float:
+        """The first ``n`` blocks of ``first`` followed by ``repeated`` over and over."""
+        return sum(map(self.block, itertools.islice(itertools.chain(first, itertools.cycle(repeated)), n)))
+
+    def gathered(self, name: str) -> float:
+        """The block gathered over z for ``name``'s backward (E10b; none with keep-for-backward)."""
+        return self.block(name) if self.shape.z > 1 and not self.overlap.oag_keep else 0.0
+
+    def dw(self, name: str) -> float:
+        """The dW block, computed straight into E11's zero-padded input."""
+        return self.block(name)
+
+    def prefetched(self, name: str) -> float:
         """OAG's prefetched blocks of the next ``oag_depth`` layers, alive during ``name``'s backward."""
-        if not overlap.oag or shape.z == 1 or overlap.oag_keep:
+        if not self.overlap.oag or self.shape.z == 1 or self.overlap.oag_keep:
             return 0.0
-        return blocks(order[order.index(name) + 1 :], order[1:], overlap.oag_depth)  # blocks repeat
+        after = list(BACKWARD_ORDER[BACKWARD_ORDER.index(name) + 1 :])
+        return self.blocks(after, BACKWARD_ORDER[1:], self.overlap.oag_depth)  # blocks repeat
 
-    # the newest reduce-scatters left running while a layer's backward runs: ORS leaves
-    # ``ors_inflight``, ODP alone (an all-reduce over data) one
-    inflight = overlap.ors_inflight if overlap.ors and shape.z > 1 else 1
-    reduces = (overlap.ors and shape.z > 1) or (overlap.odp and shape.data > 1)
-    # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
-    # the input's size until it is waited on (axon4d.comm._ExchangedChunks) where the backend stages
-    received = 1.0 if shape.z > 2 and staged_reduce_scatter else 0.0
+    def issued(self, name: str) -> float:
+        """Once ``name``'s own E11 is issued: the shard it fills and the chunks it receives."""
+        shard = self.shard(name)
+        return (shard + self.received * shard * self.shape.z) * self.elem if self.shape.z > 1 else 0.0
 
-    def reducing(name: str, first: bool) -> float:
-        """Bytes the ``inflight`` newest reduce-scatters of layers whose backward ran before
-        ``name``'s still hold (their gradient blocks, and the received chunks). In the first block
-        after the head only the head's and this block's have run; in later blocks, the previous
-        block's too."""
-        if name == "head" or not reduces:
+    def in_flight(self, name: str, first: bool) -> float:
+        """What the ``inflight`` newest reduce-scatters of layers whose backward ran before ``name``'s
+        still hold (their gradient blocks, and the received chunks). In the first block after the
+        head only the head's and this block's have run; in later blocks, the previous block's too."""
+        if name == "head" or not self.reduces:
             return 0.0
-        earlier = order[1 : order.index(name)][::-1]
-        held = blocks(earlier + ["head"], [], inflight) if first else blocks(earlier, order[:0:-1], inflight)
-        return held * (1 + received)
+        earlier = list(BACKWARD_ORDER[1 : BACKWARD_ORDER.index(name)][::-1])
+        if first:
+            held = self.blocks(earlier + ["head"], [], self.inflight)
+        else:
+            held = self.blocks(earlier, BACKWARD_ORDER[:0:-1], self.inflight)
+        return held * (1 + self.received)
 
-    issued: dict[str, float] = {}
+    def grad(self, name: str) -> float:
+        """The gradient ``name`` keeps once its E11 is waited on: its shard, and its bias's slice."""
+        s = self.specs[name]
+        return (self.shard(name) + (s.local(self.shape)[1] if s.bias else 0)) * self.elem
 
-    def linear_bwd(name: str, dx_elems: float) -> float:
-        """Record one layer's backward transients; return the gradient bytes kept afterwards."""
-        s = specs[name]
-        shard = weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
-        n_w = shard * shape.z
-        gathered = n_w * elem if shape.z > 1 and not overlap.oag_keep else 0.0
-        # the gathered block, dX, the dW block (computed into E11's padded input) and the prefetches
-        transient[name] = gathered + dx_elems * elem + n_w * elem + prefetched(name)
-        # once its own E11 is issued: the shard it fills and the chunks it receives
-        issued[name] = (shard + received * n_w) * elem if shape.z > 1 else 0.0
-        return (shard + (s.local(shape)[1] if s.bias else 0)) * elem
-
-    def note_linear(name: str, first: bool = True, remade: float = 0.0) -> None:
-        """``name``'s backward at its peak: its own reduce-scatter just issued, the earlier ones
-        still running (the scheduler completes the older ones only after issuing the new one)."""
-        note(transient[name] + issued[name] + reducing(name, first) + remade)
-
-    def kept(name: str) -> float:
+    def kept(self, name: str) -> float:
         """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
-        return block_bytes(name) if overlap.oag_keep and shape.z > 1 else 0.0
+        return self.block(name) if self.keep else 0.0
 
-    if wl.head:
+    # -- events -----------------------------------------------------------------------------------------
+    def note(self, extra: float = 0.0) -> None:
+        """A moment at which ``extra`` bytes are live beside ``live``."""
+        self.peak = max(self.peak, self.live + extra)
+
+    def layer(self, name: str, dx: float, first: bool = True, remade: float = 0.0) -> None:
+        """``name``'s backward at its peak (``dx``: its input gradient's bytes; ``remade``: the input
+        balanced recomputation re-makes): its own reduce-scatter just issued, the earlier ones still
+        running (the scheduler completes the older ones only after issuing the new one)."""
+        held = self.gathered(name) + dx + self.dw(name) + self.prefetched(name)
+        self.note(held + self.issued(name) + self.in_flight(name, first) + remade)
+
+    def done(self, name: str, freed: float = 0.0, held: float = 0.0) -> None:
+        """``name``'s backward over: its gradient kept, its kept block freed, ``freed`` bytes freed
+        and ``held`` bytes (a gradient the next op consumes) still live."""
+        self.live += self.grad(name) + held - freed - self.kept(name)
+
+    def free(self, nbytes: float) -> None:
+        """Saved tensors a backward consumed, freed."""
+        self.live -= nbytes
+
+    def rebuild(self) -> None:
+        """Full recomputation: this block's activations re-made from its saved input."""
+        self.live += self.rebuilt[0] * self.elem + self.rebuilt[1] * 4 - self.t["x0"]
+
+    # -- the walk ---------------------------------------------------------------------------------------
+    def head(self) -> None:
+        """The loss's backward, then the head's; the head's input is freed and its dX, the same size,
+        is the incoming gradient of the last block's output."""
+        m, shape, b = self.wl.model, self.shape, self.wl.local_tokens(self.shape)
         logits = b * (m.vocab_size // shape.y) * 4
         # the loss's backward holds ~4 logit-sized fp32 temporaries at once (measured with the probe's
-        # mean-square loss: the mean's expanded gradient, pow's self·2 and its product, the result)
-        head_grad = linear_bwd("head", b * m.hidden // shape.x)
+        # mean-square loss: the mean's expanded gradient, pow's self·2 and its product, the result);
         # with G_z > 1 the head's forward-gathered block is still referenced then (measured on CPU/gloo)
         # (with keep-for-backward that block is the kept one, already counted in the activations)
-        note(4 * logits + (block_bytes("head") if shape.z > 1 and not overlap.oag_keep else 0.0))
-        note_linear("head")
-        live += head_grad - b * (m.hidden // shape.x) * elem - kept("head")
-        live -= logits
-        live += b * (m.hidden // shape.x) * elem  # incoming gradient of the last block's output
-    rebuilt = block_activation_elements(wl, shape, "none")
-    balanced = recompute == "balanced"
-    saved = {
-        k: v * (4 if k == "lse" else elem)
-        for k, v in block_saved(wl, shape, "none" if recompute == "full" else recompute).items()
-    }
-    mlp_down, mlp_up = linear_bwd("mlp_down", t["act"] / elem), linear_bwd("mlp_up", t["x1"] / elem)
-    attn_out, qkv = linear_bwd("attn_out", t["att"] / elem), linear_bwd("qkv", t["x0"] / elem)
+        self.note(4 * logits + self.gathered("head"))
+        self.layer("head", b * m.hidden // shape.x * self.elem)
+        x_in = b * (m.hidden // shape.x) * self.elem
+        self.done("head", freed=x_in + logits, held=x_in)
 
-    def block(start: float, first: bool) -> float:
-        """Walk one block's backward from ``start`` live bytes (``first``: the block right after
-        the head); return the live bytes after it."""
-        nonlocal live
-        live = start
-        if recompute == "full":  # rebuild this block's activations from its saved input
-            live += rebuilt[0] * elem + rebuilt[1] * 4 - t["x0"]
-        note()
+    def block_backward(self, first: bool) -> None:
+        """One block's backward (``first``: the block right after the head)."""
+        t, s, balanced = self.t, self.saved, self.recompute == "balanced"
+        if self.recompute == "full":
+            self.rebuild()
+        self.note()
         # dX (b, F/G_y), then the activation's backward, then MLP up; under balanced recomputation
         # each GEMM's backward first re-makes the input it did not keep (the activation, the norm output)
-        note_linear("mlp_down", first, remade=t["act"] if balanced else 0.0)
-        live += mlp_down + t["act"] - saved["act"] - kept("mlp_down")
+        self.layer("mlp_down", t["act"], first, remade=t["act"] if balanced else 0.0)
+        self.done("mlp_down", freed=s["act"], held=t["act"])
         # the activation's backward: GELU's gradient, or SwiGLU's d(gate) and d(up) ((b, F/G_y)
         # each); balanced recomputation re-made the activation's output too
-        note(t["act"] * ((2 if m.gated else 1) + (1 if balanced else 0)))
-        note_linear("mlp_up", first, remade=t["x1"] if balanced else 0.0)
+        self.note(t["act"] * ((2 if self.wl.model.gated else 1) + (1 if balanced else 0)))
+        self.layer("mlp_up", t["x1"], first, remade=t["x1"] if balanced else 0.0)
         # frees dX of MLP down, the up output, what the activation and the norm kept
-        live += mlp_up - t["act"] - saved["mid"] - saved["up"] - saved["norm2"] - kept("mlp_up")
-        note_linear("attn_out", first)  # then attention: dq, dk, dv and their assembled qkv gradient
-        live += attn_out - kept("attn_out")
-        note(t["att"] + 2 * t["qkv"])
-        live -= saved["attention"] - t["qkv"] + saved["lse"]  # q, k, v are replaced by their gradient
-        note_linear("qkv", first, remade=t["x0"] if balanced else 0.0)
-        live += qkv - t["qkv"] - saved["norm1"] - kept("qkv")
-        return live
+        self.done("mlp_up", freed=t["act"] + s["mid"] + s["up"] + s["norm2"])
+        self.layer("attn_out", t["att"], first)  # then attention: dq, dk, dv and their assembled qkv gradient
+        self.done("attn_out")
+        self.note(t["att"] + 2 * t["qkv"])
+        self.free(s["attention"] - t["qkv"] + s["lse"])  # q, k, v are replaced by their gradient
+        self.layer("qkv", t["x0"], first, remade=t["x0"] if balanced else 0.0)
+        self.done("qkv", freed=t["qkv"] + s["norm1"])
 
-    before_blocks = live
-    after_one = block(before_blocks, True)
-    # blocks are alike: the extremes are the ends
-    block(before_blocks + (m.n_layers - 1) * (after_one - before_blocks), m.n_layers == 1)
-    return peak
+    def run(self) -> float:
+        """The peak live bytes of the step's backward."""
+        if self.wl.head:
+            self.head()
+        start = self.live
+        self.block_backward(first=True)
+        n = self.wl.model.n_layers
+        self.live = start + (n - 1) * (self.live - start)
+        self.block_backward(first=n == 1)
+        return self.peak

@@ -3,7 +3,8 @@ fit in memory, rank them by predicted step time (docs/design.md §6).
 
 The divisibility rules (§1) — the workload's ``axon4d.rules`` objects, the ones the layers check —
 are evaluated on all factorisations at once with numpy (``valid_mask``); only valid grids are
-priced (``cost.step_time``, ``memory.memory``), each in well under a millisecond.
+priced, each as one ``Scenario`` (``cost.step_estimate``, ``memory.memory``), in well under a
+millisecond.
 Besides time and memory, each candidate reports its communication words against Agarwal's lower
 bound for its GEMMs, Σ 3·(M·K·N/P)^{2/3} per rank (§3).
 """
@@ -19,11 +20,11 @@ import numpy as np
 
 from axon4d import rules
 from axon4d.config import ModelConfig, get_config
-from axon4d.geometry import Term
 from axon4d.plan import stepfit
-from axon4d.plan.cost import TimeEstimate, comm_field, describe, recomputed_seconds, step_time
+from axon4d.plan.cost import TimeEstimate, step_estimate
 from axon4d.plan.machine import Machine, available, load
-from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
+from axon4d.plan.memory import MemoryEstimate, memory
+from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
 from axon4d.policy import AUTO, OverlapPolicy
 from axon4d.shape import ALL_AXES, AXES, GridShape, factorizations
@@ -53,7 +54,7 @@ class Candidate:
         return {
             "grid": list(self.shape.as_tuple()),
             "context_parallel": self.context_parallel,
-            "overlap": describe(self.overlap),
+            "overlap": self.overlap.spec(),
             "fits": self.fits,
             "step_s": t.step_s,
             "mfu": self.mfu,
@@ -111,7 +112,7 @@ class PlanResult:
             "dtype": wl.dtype,
             "world": self.world,
             "machine": self.machine.name,
-            "overlap": describe(self.overlap),
+            "overlap": self.overlap.spec(),
             "recompute": self.recompute,
             "memory_limit": self.memory_limit,
             "valid": len(self.candidates),
@@ -149,18 +150,19 @@ def valid_mask(wl: Workload, shapes: np.ndarray) -> np.ndarray:
     return ok
 
 
-def agarwal_ratio(wl: Workload, shape: GridShape, t: TimeEstimate) -> float:
+def agarwal_ratio(sc: Scenario, t: TimeEstimate) -> float:
     """Ring traffic words per rank ÷ Σ over the step's GEMMs of 3·(M·K·N/P)^{2/3} (§3)."""
-    p = shape.world_size
+    wl, shape = sc.workload, sc.shape
+    p = sc.world
     bound = sum(
         3 * s.count * 3 * (wl.tokens * s.in_features * s.out_features / p) ** (2 / 3)
-        for s in wl.linears()
+        for s in sc.linears
         if not s.embedding
     )
     words = 0.0
     for axis, nbytes in t.bytes_by_axis.items():
         g = shape.size(axis)
-        words += nbytes / wl.element_size * (g - 1) / g * 1.5  # ~ AR (2φ) and AG/RS (φ) mixed
+        words += nbytes / sc.element_size * (g - 1) / g * 1.5  # ~ AR (2φ) and AG/RS (φ) mixed
     return words / bound if bound else math.nan
 
 
@@ -172,26 +174,19 @@ def evaluate(
     recompute: str = "none",
     memory_limit: float | None = None,
 ) -> Candidate:
-    """Predicted time, memory and MFU of one valid grid."""
+    """Predicted time, memory and MFU of one valid grid: ``candidate`` of their ``Scenario``."""
+    return candidate(Scenario(wl, shape, machine, overlap, recompute), memory_limit)
+
+
+def candidate(sc: Scenario, memory_limit: float | None = None) -> Candidate:
+    """Predicted time (recomputation included), memory and MFU of ``sc``; it fits where its peak is
+    within ``memory_limit`` bytes (default: the machine's device memory)."""
+    wl, machine = sc.workload, sc.machine
     limit = machine.memory_per_device if memory_limit is None else memory_limit
-    params = local_param_count(wl, shape)
-    t = step_time(wl, shape, machine, overlap, params_local=params)
-    if recompute != "none":  # the recomputed forward: every block layer again ("full"), or part of it
-        layers = {k: v for k, v in t.layers.items() if v["count"] == wl.model.n_layers}
-        if recompute == "full":  # with its forward all-reduces (E8) and Z all-gathers (E10f)
-            t.compute_s += sum(v["count"] * v["fwd_s"] for v in layers.values())
-            t.comm_s += sum(v["count"] * v["fwd_comm_s"] for v in layers.values())
-            t.activation_comm_s += sum(v["count"] * v.get(comm_field(Term.E8), 0.0) for v in layers.values())
-            # counts: ints in the float-valued layer report, so int() keeps the value
-            t.collectives += int(sum(v["count"] * v["fwd_collectives"] for v in layers.values()))
-            again = sum(v["count"] * v["fwd_traffic_bytes"] for v in layers.values())
-            t.traffic_bytes += again
-            t.interference_s += machine.interference_time(again, shape.world_size)
-        else:
-            t.compute_s += wl.model.n_layers * recomputed_seconds(wl, shape, machine, recompute)
-    mem = memory(wl, shape, recompute, overlap, staged_reduce_scatter=machine.staged_reduce_scatter)
-    mfu = wl.flops() / (shape.world_size * machine.peak(wl.dtype) * t.step_s)
-    return Candidate(shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(wl, shape, t), wl.context_parallel, overlap)
+    t = step_estimate(sc)
+    mem = memory(wl, sc.shape, sc.recompute, sc.overlap, staged_reduce_scatter=machine.staged_reduce_scatter)
+    mfu = wl.flops() / (sc.world * machine.peak(wl.dtype) * t.step_s)
+    return Candidate(sc.shape, t, mem, mem.peak <= limit, mfu, agarwal_ratio(sc, t), wl.context_parallel, sc.overlap)
 
 
 def tune_overlap(

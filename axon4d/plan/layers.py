@@ -1,0 +1,287 @@
+"""Seconds of each linear layer kind of a step on one rank: its GEMMs, its collectives and the
+non-GEMM work after it (docs/design.md §3, §6).
+
+For every linear layer kind of the ``Workload`` the collectives are exactly the list
+``axon4d.geometry.linear_collectives`` returns (E8–E13, normal or transposed layout) — the same
+list the communication log is tested against — each priced by ``Machine.comm_time`` on its axis
+(group size and rank stride from E1, ``axis_geometry``) with the time model of §3. GEMMs are
+priced from the machine's measured throughput at the local shapes; attention, elementwise work and
+norms from their own calibrations. ``LayerCost`` is one layer kind's run; ``axon4d.plan.cost``
+adds the runs up into a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from axon4d.geometry import Collective, Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.plan.machine import ring_traffic
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.schedule import Window
+from axon4d.plan.workload import LinearSpec, Workload
+from axon4d.shape import GridShape
+
+#: The embedding layer's own collectives (priced with its layer; the other edge collectives apart).
+EMBEDDING_TERMS = frozenset({Term.EMBEDDING, Term.EMBEDDING_GRAD})
+#: Share of attention's forward + backward seconds that is forward (fwd:bwd ≈ 1:2.3 for flash-style kernels).
+ATTENTION_FORWARD = 0.3
+
+
+def axis_geometry(shape: GridShape, axis: str) -> tuple[int, int]:
+    """(ranks in one group of ``axis``, distance between consecutive members) — E1, x innermost."""
+    x, y, z, d = shape.as_tuple()
+    return {
+        "x": (x, 1),
+        "y": (y, x),
+        "z": (z, x * y),
+        "data": (d, x * y * z),
+        "batch": (z * d, x * y),
+        "world": (x * y * z * d, 1),
+    }[axis]
+
+
+def priced(c: Collective, sc: Scenario) -> tuple[float, float]:
+    """(seconds, ring traffic bytes) of one collective (§3's time model on its axis, E1)."""
+    group, stride = axis_geometry(sc.shape, c.axis)
+    return (
+        sc.machine.comm_time(c.op.value, group, stride, c.payload_bytes, sc.world),
+        ring_traffic(c.op.value, group, c.payload_bytes),
+    )
+
+
+def comm_field(term: Term) -> str:
+    """The field of ``LayerCost.report`` (``TimeEstimate.layers``) holding ``term``'s seconds, e.g. "comm_E8"."""
+    return f"comm_{term.value}"
+
+
+@dataclasses.dataclass
+class LayerCost:
+    """Seconds of one run of one linear layer kind (compute and each collective) on one rank."""
+
+    spec: LinearSpec
+    fwd: float  # forward GEMM + elementwise of the layer itself
+    post_fwd: float  # non-GEMM forward work after the layer (attention, GELU, residual, loss)
+    fwd_mm: float  # of which the forward GEMM (one per token chunk of E8)
+    dx: float  # input-gradient GEMM dY·W
+    dw: float  # weight-gradient GEMM dYᵀ·X (the embedding: zero-fill and scatter-add)
+    bwd_ew: float  # the layer's own elementwise backward work (gradient buffers, bias gradient)
+    post_bwd: float  # backward of the non-GEMM work after the layer
+    comm: dict[Term, float]  # term (E8, E10f, E10b, E9, E11, E12, E13; the embedding's) -> seconds
+    comm_axis: dict[Term, str]
+    bytes_by_axis: dict[str, int]
+    chunks: int = 1  # forward all-reduces E8 is issued as
+    calls: int = 0  # collectives the layer issues per run
+    fwd_calls: int = 0  # of which in the forward pass
+    traffic: float = 0.0  # ring traffic bytes of its collectives per run (machine.ring_traffic)
+    fwd_traffic: float = 0.0  # of which in the forward pass
+
+    @property
+    def compute_s(self) -> float:
+        """Compute seconds of one run: forward, the work after it, and their backward."""
+        return self.fwd + self.post_fwd + self.dx + self.dw + self.bwd_ew + self.post_bwd
+
+    @property
+    def fwd_s(self) -> float:
+        """The forward's compute: the layer and the non-GEMM work after it (what full recomputation runs again)."""
+        return self.fwd + self.post_fwd
+
+    @property
+    def fwd_comm_s(self) -> float:
+        """The forward's collectives: E8 and the Z all-gather E10f."""
+        return self.comm.get(Term.E8, 0.0) + self.comm.get(Term.E10F, 0.0)
+
+    def window(self, repeated: bool) -> Window:
+        """The layer as the overlap schedule sees it (``repeated``: one of the block's layers)."""
+        return Window(
+            self.spec.count,
+            repeated,
+            self.fwd_s,
+            self.fwd_mm,
+            self.post_bwd + self.dx + self.dw + self.bwd_ew,
+            self.dw,
+            self.chunks,
+            self.comm,
+        )
+
+    def report(self, hidden_s: float) -> dict[str, float]:
+        """One run's figures as ``TimeEstimate.layers`` gives them (``hidden_s``: what overlap hid)."""
+        c = self.comm
+        return {
+            "count": self.spec.count,
+            "compute_s": self.compute_s,
+            "comm_s": sum(c.values()),
+            "fwd_s": self.fwd_s,
+            "fwd_comm_s": self.fwd_comm_s,
+            "fwd_collectives": self.fwd_calls,
+            "fwd_traffic_bytes": self.fwd_traffic,
+            "hidden_s": hidden_s,
+            **{comm_field(k): v for k, v in c.items()},
+        }
+
+
+def _collectives(spec: LinearSpec, sc: Scenario) -> list[Collective]:
+    """The collectives of one run of ``spec``: the embedding's lookup all-reduce over y and its
+    table's gradient all-reduce over batch, or a linear layer's E8–E13 (no E9 without an input
+    gradient) as the overlap policy issues them (keep-for-backward, token chunks)."""
+    if spec.embedding:
+        return [c for c in sc.edge_collectives if c.term in EMBEDDING_TERMS]
+    ov = sc.overlap
+    collectives = linear_collectives(
+        spec.in_features,
+        spec.out_features,
+        sc.tokens,
+        sc.shape,
+        transpose=spec.transpose,
+        bias=spec.bias,
+        element_size=sc.element_size,
+        cache_weight=ov.oag_keep,
+        forward_chunks=ov.forward_chunks,
+        min_chunk_bytes=int(ov.min_chunk_kb * 1024),
+    )
+    return [c for c in collectives if spec.input_grad or c.term != Term.E9]
+
+
+def _gemms(spec: LinearSpec, sc: Scenario, chunks: int) -> tuple[float, float, float, float]:
+    """(forward, of which the forward GEMM, dX, dW) seconds of one run of ``spec``; the forward GEMM
+    runs as one GEMM per token chunk of E8 (axon4d.nn.linear)."""
+    m, world, dt, elem, b = sc.machine, sc.world, sc.workload.dtype, sc.element_size, sc.tokens
+    in_l, out_l = spec.local(sc.shape)
+    ew = m.elementwise_time
+    if spec.embedding:
+        table = (spec.in_features // sc.shape.y) * (spec.out_features // sc.shape.x)
+        fwd = ew(4 * b * out_l * elem, world)  # gather rows, mask
+        dw = ew((2 * table + 2 * b * out_l) * elem, world)  # zero-fill the table, scatter-add rows
+        return fwd, 0.0, 0.0, dw
+    fwd_mm = sum(m.matmul_time("nt", rows, in_l, out_l, dt, world) for rows in chunk_sizes(b, chunks))
+    fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
+    dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
+    dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
+    return fwd, fwd_mm, dx, dw
+
+
+def _backward_elementwise(spec: LinearSpec, sc: Scenario) -> float:
+    """The layer's own elementwise backward: the gradient shard scaled by 1/G_batch in place (read
+    and write; none when G_batch = 1) and the bias gradient's sum over tokens; dW itself is computed
+    straight into E11's input (no copy)."""
+    shape, m = sc.shape, sc.machine
+    shard = weight_shard_numel(spec.in_features, spec.out_features, shape, spec.transpose)
+    scaled = 2 * shard if shape.size("batch") > 1 else 0
+    out_l = spec.local(shape)[1]
+    return m.elementwise_time((scaled + (sc.tokens * out_l if spec.bias else 0)) * sc.element_size, sc.world) + (
+        8 * m.op_overhead_s
+    )
+
+
+def layer_cost(spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0, 0.0)) -> LayerCost:
+    """One run of ``spec`` on one rank; ``post``: the (forward, backward) seconds of the non-GEMM
+    work after it (``block_extras``)."""
+    comm: dict[Term, float] = {}
+    axes: dict[Term, str] = {}
+    by_axis: dict[str, int] = {}
+    chunks = calls = fwd_calls = 0
+    traffic = fwd_traffic = 0.0
+    for c in _collectives(spec, sc):
+        chunks += c.term == Term.E8
+        calls += 1
+        fwd_calls += c.phase == "forward"
+        seconds, moved = priced(c, sc)
+        comm[c.term] = comm.get(c.term, 0.0) + seconds
+        traffic += moved
+        fwd_traffic += moved if c.phase == "forward" else 0.0
+        axes[c.term] = c.axis
+        by_axis[c.axis] = by_axis.get(c.axis, 0) + c.payload_bytes
+    chunks = max(chunks, 1)
+    fwd, fwd_mm, dx, dw = _gemms(spec, sc, chunks)
+    bwd_ew = _backward_elementwise(spec, sc)
+    return LayerCost(
+        spec,
+        fwd=fwd,
+        post_fwd=post[0],
+        fwd_mm=fwd_mm,
+        dx=dx,
+        dw=dw,
+        bwd_ew=bwd_ew,
+        post_bwd=post[1],
+        comm=comm,
+        comm_axis=axes,
+        bytes_by_axis=by_axis,
+        chunks=chunks,
+        calls=calls,
+        fwd_calls=fwd_calls,
+        traffic=traffic,
+        fwd_traffic=fwd_traffic,
+    )
+
+
+def attention_seconds(sc: Scenario) -> tuple[float, float]:
+    """(local, prefix) seconds of one block's core attention, forward + backward, on one rank.
+
+    Whole sequences: every sequence's causal attention over this rank's heads (n/G_y), all local.
+    Context parallelism (docs/context.md): per sequence and head, each of the rank's two query chunks
+    of C = S/(2·G_z) tokens attends causally to its own chunk (a causal square of C, run while the
+    keys and values of the other chunks are gathered: "local") and, unmasked, to the chunks before
+    it — r·C and (2·G_z−1−r)·C keys on z-rank r ("prefix"); the slowest z-rank is priced."""
+    wl, shape, m, mod, world = sc.workload, sc.shape, sc.machine, sc.model, sc.world
+    heads = mod.n_heads // shape.y
+    if not (wl.context_parallel and shape.z > 1):
+        return m.attention_time(mod.seq_len, mod.head_dim, wl.local_sequences(shape) * heads, wl.dtype, world), 0.0
+    units = sc.tokens * shape.z // mod.seq_len * heads  # B/G_data sequences, this rank's heads
+    c = mod.seq_len // (2 * shape.z)
+    local = 2 * m.attention_time(c, mod.head_dim, units, wl.dtype, world)
+    prefix = max(
+        sum(m.prefix_attention_time(c, j * c, mod.head_dim, units, wl.dtype, world) for j in (r, 2 * shape.z - 1 - r))
+        for r in range(shape.z)
+    )
+    return local, prefix
+
+
+def context_hidden(sc: Scenario) -> float:
+    """Seconds of the context-parallel key/value collectives hidden per step: the all-gather runs
+    while the local causal squares' forward computes, the reduce-scatter of their gradients while
+    the squares' backward does (axon4d.nn.context), each hidden up to the machine's overlap
+    efficiency (§4)."""
+    if not sc.context_collectives:
+        return 0.0
+    local = attention_seconds(sc)[0]
+    fwd, bwd = ATTENTION_FORWARD * local, (1 - ATTENTION_FORWARD) * local
+    hidden = 0.0
+    for c in sc.context_collectives:
+        seconds = priced(c, sc)[0]
+        hidden += min(seconds, fwd if c.phase == "forward" else bwd)
+    return sc.machine.overlap_efficiency * hidden
+
+
+def norm_passes(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[int, int]:
+    """(forward, backward) passes over its activations of one norm (axon4d.nn.norm): ~5 and ~8 for
+    the elementwise chain around the statistics, ~2 and ~3 for LayerNorm with G_x = 1, which is
+    torch's fused kernel — except under balanced recomputation, which keeps the statistics and so
+    takes the chain."""
+    return (2, 3) if wl.fused_norms(shape, recompute) else (5, 8)
+
+
+def block_extras(sc: Scenario) -> dict[str, tuple[float, float]]:
+    """Non-GEMM (forward, backward) seconds following each layer kind in forward order, priced
+    without recomputation (what a mode runs again is ``axon4d.plan.recompute``'s)."""
+    wl, shape, m, mod = sc.workload, sc.shape, sc.machine, sc.model
+    world, elem, b = sc.world, sc.element_size, sc.tokens
+    ew = m.elementwise_time
+    h_x = mod.hidden // shape.x
+    ffn_y = mod.ffn // shape.y
+    out: dict[str, tuple[float, float]] = {}
+    if wl.attention:
+        att = sum(attention_seconds(sc))
+        out["qkv"] = (att * ATTENTION_FORWARD, att * (1 - ATTENTION_FORWARD))  # heads → features is a view
+    residual = (ew(3 * b * h_x * elem, world), ew(3 * b * h_x * elem, world))  # add; grad fan-out sum
+    out["attn_out"] = residual
+    out["mlp_down"] = residual
+    act = m.activation_time(b * ffn_y * (2 if mod.gated else 1), world)
+    out["mlp_up"] = (act[0], act[1])
+    if wl.norms:  # the norm before QKV and MLP-up, passes over (b, hidden/G_x) (``norm_passes``)
+        fwd, bwd = norm_passes(wl, shape)
+        norm = (ew(fwd * b * h_x * elem, world), ew(bwd * b * h_x * elem, world))
+        for k in ("attn_out", "mlp_down"):
+            out[k] = (out[k][0] + norm[0], out[k][1] + norm[1])
+    if wl.head:
+        vocab_y = mod.vocab_size // shape.y
+        out["head"] = (ew(3 * b * vocab_y * 4, world), ew(3 * b * vocab_y * 4, world))  # loss on fp32 logits
+    return out
