@@ -1,69 +1,23 @@
 """Runs a function on every rank of a real gloo world, many times, without respawning.
 
-``RankPool(world)`` spawns ``world`` processes once and joins them into one gloo world. Each
-``pool.run(grid, fn, *args)`` builds ``axon4d.init(grid)`` on every rank, calls
-``fn(grid, *args)``, shuts the grid down (destroying its process groups) and returns the
-per-rank results. If any rank fails, the others get a short grace period, the pool is torn down
-and the failing rank's traceback is raised here — a failing test never hangs the suite.
+``RankPool(world)`` keeps a local world of ``world`` gloo ranks (``axon4d.measure.spawn.LocalWorld``,
+the spawner of calibration and benches too). Each ``pool.run(grid, fn, *args)`` builds
+``axon4d.init(grid)`` on every rank, calls ``fn(grid, *args)``, shuts the grid down (destroying its
+process groups) and returns the per-rank results. If any rank fails, the others get a short grace
+period, the pool is torn down and the failing rank's traceback (or its exit code) is raised here as
+``RankFailure`` — a failing test never hangs the suite.
 """
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
 import os
-import queue
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-from axon4d.launch import free_port
+from axon4d.measure.spawn import LocalWorld, RankFailure
 
-_CTX = mp.get_context("spawn")
-_STOP = "stop"
-
-
-def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
-    import axon4d
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=90),
-    )
-    outbox.put((rank, "ready", None))
-    while True:
-        task = inbox.get()
-        if task == _STOP:
-            break
-        grid, fn, args, init_kwargs = task
-        try:
-            if grid is None:
-                result = fn(*args)
-            else:
-                g = axon4d.init(grid=grid, **init_kwargs)
-                try:
-                    result = fn(g, *args)
-                finally:
-                    axon4d.shutdown()
-            outbox.put((rank, "ok", result))
-        except BaseException:
-            outbox.put((rank, "error", traceback.format_exc()))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-class RankFailure(AssertionError):
-    """A function raised on at least one rank; the message holds the first traceback."""
+__all__ = ["Pools", "RankFailure", "RankPool", "grids_of", "value_errors"]
 
 
 class RankPool:
@@ -71,48 +25,11 @@ class RankPool:
 
     def __init__(self, world: int, start_timeout: float = 120.0):
         self.world = world
-        self.outbox = _CTX.Queue()
-        self.inboxes = [_CTX.Queue() for _ in range(world)]
-        port = free_port()
-        self.procs = [
-            _CTX.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
-            for r in range(world)
-        ]
-        for p in self.procs:
-            p.start()
-        self._collect(start_timeout, expect="ready")
+        self.ranks = LocalWorld(world, backend="gloo", timeout=90.0, start_timeout=start_timeout, daemon=True)
 
     @property
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
-
-    def _collect(self, timeout: float, expect: str = "ok") -> list[Any]:
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        while len(results) + len(errors) < self.world:
-            remaining = deadline - time.monotonic()
-            if errors:  # give the other ranks a moment to report, then stop waiting
-                remaining = min(remaining, 5.0)
-            try:
-                rank, status, payload = self.outbox.get(timeout=max(remaining, 0.01))
-            except queue.Empty:
-                break
-            if status == expect:
-                results[rank] = payload
-            else:
-                errors[rank] = payload
-        if errors or len(results) < self.world:
-            missing = sorted(set(range(self.world)) - set(results) - set(errors))
-            self.close(force=True)
-            if errors:
-                first = min(errors)
-                raise RankFailure(
-                    f"rank {first} of {self.world} failed:\n{errors[first]}"
-                    + (f"\n(ranks {missing} did not report)" if missing else "")
-                )
-            raise RankFailure(f"ranks {missing} of {self.world} did not finish within {timeout:.0f} s")
-        return [results[r] for r in range(self.world)]
+        return self.ranks.alive
 
     def run(
         self, grid: Any, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **init_kwargs: Any
@@ -121,20 +38,10 @@ class RankPool:
 
         With ``grid=None`` no grid is built and ``fn(*args)`` runs on the bare world.
         """
-        for inbox in self.inboxes:
-            inbox.put((grid, fn, args, init_kwargs))
-        return self._collect(timeout)
+        return self.ranks.run(grid, fn, args, init_kwargs, timeout=timeout)
 
     def close(self, force: bool = False) -> None:
-        if not force:
-            for inbox in self.inboxes:
-                inbox.put(_STOP)
-            for p in self.procs:
-                p.join(timeout=30)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        self.ranks.close(force)
 
 
 class Pools:

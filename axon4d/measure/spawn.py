@@ -1,18 +1,27 @@
-"""Local worlds: spawn ranks on this host and run one function on all of them (docs/design.md §7:
+"""Local worlds: spawn ranks on this host and run functions on all of them (docs/design.md §7:
 one host, ranks that share its cores — and its one accelerator, if it has one — one thread each).
 
-``run_local(world, fn, *args)`` starts ``world`` processes, joins them in a gloo process group over
-loopback, builds the pure data-parallel grid (1, 1, 1, world) with ``axon4d.runtime.init``, calls
-``fn(grid, *args)`` on every rank and returns rank 0's result. Options: another ``grid`` (or
-``grid=None``: ``fn(None, *args)`` on the bare world), ``init_kwargs`` for ``init``, another
-``backend`` (NCCL, with ``device_per_rank``: rank r on accelerator r), ``every_rank`` (every rank's
-result, in rank order) and a ``timeout``. With gloo on a host with an accelerator, every rank
-computes on that one device and gloo stages the collectives through host memory: the distributed
-code runs on device tensors with one GPU (bench/gpu_check.py). ``fn`` must be a module-level
-function (it is pickled by reference into the spawned processes) returning plain data. A rank ends
-when the process that spawned it is gone (a rank left behind, blocked in a collective, would hold
-its memory forever), and ``run_local`` raises when a rank ends with an error (killed for memory,
-say) instead of waiting for a result that will not come.
+The one spawner of local worlds: the tests' pool of ranks (tests/harness.py), the calibration
+(axon4d.measure.calibrate), bench/gpu_check.py and the benches start their ranks here.
+
+``LocalWorld(world)`` starts ``world`` processes that join one process group over loopback (gloo
+unless ``backend`` is given; NCCL with ``device_per_rank``: rank r on accelerator r) and then serve
+tasks until ``close()``: ``run(grid, fn, args)`` builds ``axon4d.init(grid)`` on every rank, calls
+``fn(grid, *args)`` (``fn(*args)`` with ``grid=None``), shuts the grid down and returns the results
+in rank order. A rank ends when the process that spawned it is gone (a rank left behind, blocked in
+a collective, would hold its memory forever). A failure is raised as ``RankFailure`` — a rank's
+function raised (its traceback; the others get a few seconds to report), a rank ended (its exit
+code: killed for memory, say) or results did not come in time — after the world is torn down,
+instead of waiting for a result that will not come.
+
+``run_local(world, fn, *args)`` runs one function on a fresh world and returns rank 0's result: on
+the pure data-parallel grid (1, 1, 1, world) built with ``axon4d.runtime.init``, or another
+``grid`` (or ``grid=None``: ``fn(None, *args)`` on the bare world), with ``init_kwargs`` for
+``init``, another ``backend``, ``device_per_rank``, ``every_rank`` (every rank's result, in rank
+order) and a ``timeout``. With gloo on a host with an accelerator, every rank computes on that one
+device and gloo stages the collectives through host memory: the distributed code runs on device
+tensors with one GPU (bench/gpu_check.py). ``fn`` must be a module-level function (it is pickled
+by reference into the spawned processes) returning plain data.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import os
 import queue as queues
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +42,15 @@ import torch.distributed as dist
 from axon4d import device as devices
 from axon4d import runtime
 from axon4d.launch import free_port
+
+#: seconds the other ranks get to report once one has failed
+GRACE_S = 5.0
+_READY, _OK, _ERROR, _STOP = "ready", "ok", "error", "stop"
+
+
+class RankFailure(RuntimeError):
+    """A rank of a local world failed: its function raised (the message holds the first
+    traceback), it ended, or the results did not come in time."""
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -45,37 +64,162 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="axon4d-parent-watch").start()
 
 
-def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    queue: Any,
-    parent: int,
-    how: dict[str, Any],
-) -> None:
+def _serve(rank: int, world: int, port: int, how: dict[str, Any], inbox: Any, outbox: Any, parent: int) -> None:
+    """One rank: join the world, then run the tasks from ``inbox`` until told to stop."""
     _exit_with_parent(parent)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if how["device_per_rank"]:
         os.environ["LOCAL_RANK"] = str(rank)  # runtime.init's default device: accelerator ``rank``
     torch.set_num_threads(1)
-    dist.init_process_group(
-        how["backend"],
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=how["timeout"]),
-    )
-    if how["grid"] is None:
-        result = fn(None, *args)
-    else:
-        grid = runtime.init(grid=how["grid"], **how["init_kwargs"])
-        result = fn(grid, *args)
-        runtime.shutdown()
-    if rank == 0 or how["every_rank"]:
-        queue.put((rank, result))
+    try:
+        dist.init_process_group(
+            how["backend"],
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=how["timeout"]),
+        )
+    except BaseException:
+        outbox.put((rank, _ERROR, traceback.format_exc()))
+        raise
+    outbox.put((rank, _READY, None))
+    while (task := inbox.get()) != _STOP:
+        grid, fn, args, init_kwargs, every_rank = task
+        try:
+            result = _call(grid, fn, args, init_kwargs)
+            outbox.put((rank, _OK, result if every_rank or rank == 0 else None))
+        except BaseException:
+            outbox.put((rank, _ERROR, traceback.format_exc()))
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def _call(grid: Any, fn: Callable[..., Any], args: tuple[Any, ...], init_kwargs: dict[str, Any]) -> Any:
+    """``fn(axon4d.init(grid), *args)``, the grid shut down afterwards; ``fn(*args)`` without a grid."""
+    if grid is None:
+        return fn(*args)
+    g = runtime.init(grid=grid, **init_kwargs)
+    try:
+        return fn(g, *args)
+    finally:
+        runtime.shutdown()
+
+
+class LocalWorld:
+    """``world`` ranks on this host, joined in one process group, serving tasks until closed.
+
+    ``timeout``: the process group's (a collective waits that long); ``start_timeout``: for every
+    rank to join; ``daemon``: ranks the spawning process ends when it exits (they can then start no
+    processes of their own)."""
+
+    def __init__(
+        self,
+        world: int,
+        *,
+        backend: str | None = None,
+        device_per_rank: bool = False,
+        timeout: float = 90.0,
+        start_timeout: float = 120.0,
+        daemon: bool = False,
+    ):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        how = {
+            "backend": backend or devices.default_backend(devices.HOST),
+            "device_per_rank": device_per_rank,
+            "timeout": timeout,
+        }
+        port, parent = free_port(), os.getpid()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, world, port, how, self.inboxes[r], self.outbox, parent), daemon=daemon)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect(_READY, start_timeout)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(
+        self,
+        grid: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        init_kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float = 120.0,
+        every_rank: bool = True,
+    ) -> list[Any]:
+        """``fn(axon4d.init(grid, **init_kwargs), *args)`` on every rank (``fn(*args)`` with
+        ``grid=None``); the results in rank order (without ``every_rank``, None but rank 0's).
+        Raises ``RankFailure`` when a rank fails or the results are not in after ``timeout`` seconds."""
+        for inbox in self.inboxes:
+            inbox.put((grid, fn, args, init_kwargs or {}, every_rank))
+        return self._collect(_OK, timeout)
+
+    def _collect(self, expect: str, timeout: float) -> list[Any]:
+        """Every rank's ``expect`` report, in rank order; else the world is torn down and the first
+        failure raised."""
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, status, payload = self.outbox.get(timeout=min(remaining, 1.0))
+            except queues.Empty:
+                if any(self.procs[r].exitcode is not None for r in self._missing(results, errors)):
+                    break  # a rank ended without reporting
+                continue
+            if status == expect:
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+                deadline = min(deadline, time.monotonic() + GRACE_S)  # the others may be stuck waiting for it
+        if len(results) == self.world:
+            return [results[r] for r in range(self.world)]
+        why = self._failure(results, errors, timeout)  # before the ranks are killed: their exit codes
+        self.close(force=True)
+        raise RankFailure(why)
+
+    def _missing(self, results: dict[int, Any], errors: dict[int, str]) -> list[int]:
+        return sorted(set(range(self.world)) - set(results) - set(errors))
+
+    def _failure(self, results: dict[int, Any], errors: dict[int, str], timeout: float) -> str:
+        """What went wrong: the first rank that ended (the others' collectives then fail too), the
+        first rank's traceback, and the ranks that did not report, or the lateness."""
+        where = f"of the local {self.world}-rank world"
+        missing = self._missing(results, errors)
+        ended = [(r, self.procs[r].exitcode) for r in missing if self.procs[r].exitcode is not None]
+        parts = []
+        if ended:
+            rank, code = ended[0]
+            why = " (killed: out of memory?)" if code == -9 else ""
+            parts.append(f"rank {rank} {where} ended with exit code {code}{why}")
+        if errors:
+            first = min(errors)
+            parts.append(f"rank {first} {where} failed:\n{errors[first]}")
+            if len(missing) > len(ended):
+                parts.append(f"(ranks {missing} did not report)")
+        return "\n".join(parts) or f"ranks {missing} {where} sent no result within {timeout:.0f} s"
+
+    def close(self, force: bool = False) -> None:
+        """Stop every rank (``force``: kill them, as after a failure, when some may be stuck)."""
+        if not force and self.alive:
+            for inbox in self.inboxes:
+                inbox.put(_STOP)
+            for p in self.procs:
+                p.join(timeout=30)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
 
 
 def run_local(
@@ -91,53 +235,22 @@ def run_local(
 ) -> Any:
     """Spawn ``world`` ranks on this host, run ``fn(grid, *args)`` on each, return rank 0's result
     (every rank's, in rank order, with ``every_rank``). ``grid``: "data" for (1, 1, 1, world), a
-    shape, or None for no grid; ``backend``: gloo unless given. Raises ``RuntimeError`` when a rank
-    ends with an error or the results are not in after ``timeout`` seconds."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    how = {
-        "grid": (1, 1, 1, world) if grid == "data" else grid,
-        "init_kwargs": init_kwargs or {},
-        "backend": backend or devices.default_backend(devices.HOST),
-        "device_per_rank": device_per_rank,
-        "every_rank": every_rank,
-        "timeout": timeout,
-    }
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, queue, os.getpid(), how)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    shape, or None for no grid; ``backend``: gloo unless given. Raises ``RankFailure`` (a
+    ``RuntimeError``) when a rank ends with an error or the results are not in after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    local = LocalWorld(world, backend=backend, device_per_rank=device_per_rank, timeout=timeout, start_timeout=timeout)
+    shape = (1, 1, 1, world) if grid == "data" else grid
     try:
-        results = _collect(procs, queue, world if every_rank else 1, time.monotonic() + timeout)
+        results = local.run(
+            shape,
+            fn,
+            args if shape is not None else (None, *args),
+            init_kwargs,
+            timeout=max(deadline - time.monotonic(), 1.0),
+            every_rank=every_rank,
+        )
     except BaseException:
-        for p in procs:
-            p.kill()
+        local.close(force=True)
         raise
-    for p in procs:
-        p.join()
-    return [results[r] for r in range(world)] if every_rank else results[0]
-
-
-def _collect(procs: list[Any], queue: Any, count: int, deadline: float) -> dict[int, Any]:
-    """``count`` (rank, result) pairs from ``queue``; raises when a rank failed or time ran out."""
-    results: dict[int, Any] = {}
-    while len(results) < count:
-        try:
-            rank, result = queue.get(timeout=1.0)
-            results[rank] = result
-        except queues.Empty:
-            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                why = " (killed: out of memory?)" if code == -9 else ""
-                raise RuntimeError(
-                    f"rank {rank} of the local {len(procs)}-rank world ended with exit code {code}{why}"
-                ) from None
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(len(procs))) - set(results))
-                raise RuntimeError(
-                    f"ranks {missing} of the local {len(procs)}-rank world sent no result in time"
-                ) from None
-    return results
+    local.close()
+    return results if every_rank else results[0]
