@@ -19,10 +19,8 @@ transparent huge pages, 512× fewer faults.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -300,19 +298,6 @@ def mm_widening(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch
         except (RuntimeError, TypeError):  # this torch's GEMM cannot write another dtype
             _MM_OUT_DTYPE[kind] = False
     return torch.mm(a.to(dtype), b.to(dtype), out=out)
-
-
-@contextlib.contextmanager
-def side_stream(device: torch.device) -> Iterator[None]:
-    """Run the enclosed work on a secondary stream of ``device`` (host work runs inline)."""
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            yield
-        torch.cuda.current_stream(device).wait_stream(stream)
-    else:
-        yield
 
 
 # Attention with its log-sum-exp: the fused kernel each device runs, for attention computed in parts
