@@ -14,10 +14,11 @@ import torch
 
 from axon4d.config import SIZES, ModelConfig
 from axon4d.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
-from axon4d.plan import Overlap, Workload, describe, evaluate, load, local_param_count, memory, plan, step_time
+from axon4d.plan import Workload, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.layers import axis_geometry, comm_field, layer_cost
 from axon4d.plan.machine import CommCurve, MatmulTable, available
 from axon4d.plan.scenario import Scenario
+from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape, factorizations
 
 PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
@@ -147,17 +148,17 @@ def test_overlap_credit_is_bounded_and_never_slows_a_step():
     wl = Workload(SIZES["20B"], batch=64)
     for grid in [(4, 2, 8, 8), (1, 4, 64, 2), (4, 4, 4, 8)]:
         shape = GridShape(*grid)
-        base = step_time(wl, shape, m, Overlap.off())
+        base = step_time(wl, shape, m, OverlapPolicy.off())
         assert base.hidden_s == 0
         previous = base.step_s
         for ov in ["oar", "oar,ors", "oar,ors,odp", "oag,oar,ors,odp", "oag,oar,ors,odp,chunks"]:
-            t = step_time(wl, shape, m, Overlap.parse(ov))
+            t = step_time(wl, shape, m, OverlapPolicy.parse(ov))
             assert t.hidden_s <= m.overlap_efficiency * t.compute_s + 1e-12
             assert t.hidden_s <= t.comm_s
             assert t.step_s <= previous + 1e-9 or ov.endswith("chunks")  # chunks pay k·α
             previous = t.step_s
-    assert describe(Overlap.parse("oag,odp,chunks")) == "oag,odp,chunks=4"
-    assert describe(Overlap.off()) == "off"
+    assert OverlapPolicy.parse("oag,odp,chunks").spec() == "oag,odp,chunks=4"
+    assert OverlapPolicy.off().spec() == "off"
 
 
 def test_deeper_overlap_hands_spare_windows_to_collectives_in_issue_order():
@@ -168,18 +169,18 @@ def test_deeper_overlap_hands_spare_windows_to_collectives_in_issue_order():
     # (oag_depth=2) the gather also overlaps window 0; deeper, window 1 of the block before (no spare)
     spare_f, spare_b = {0: 0.3, 1: 0.0}, {0: 0.0, 1: 0.4}
     short = {"oag_f": {0: 0.0, 1: 0.5}, "oag_b": {}, "ors": {0: 0.25, 1: 0.0}}
-    assert deeper_overlap([0, 1], spare_f, spare_b, short, Overlap(oag_depth=1, ors_inflight=1)) == []
+    assert deeper_overlap([0, 1], spare_f, spare_b, short, OverlapPolicy(oag_depth=1, ors_inflight=1)) == []
     for depth in (2, 3):
-        got = deeper_overlap([0, 1], spare_f, spare_b, dict(short, ors={}), Overlap(oag_depth=depth))
+        got = deeper_overlap([0, 1], spare_f, spare_b, dict(short, ors={}), OverlapPolicy(oag_depth=depth))
         assert got == [("oag", 0, pytest.approx(0.3))]
     # backward (order 1, 0): the reduce-scatter credited at window 0 left 0.25 s exposed; left running
     # (ors_inflight=2) it overlaps the next backward window, layer 1 of the block before, 0.4 s spare
-    assert deeper_overlap([0, 1], spare_f, spare_b, dict(short, oag_f={}), Overlap(ors_inflight=2)) == [
+    assert deeper_overlap([0, 1], spare_f, spare_b, dict(short, oag_f={}), OverlapPolicy(ors_inflight=2)) == [
         ("ors", 1, pytest.approx(0.25))
     ]
     # a spare window is given once: two collectives that both may use window 1 share its 0.4 s
     both = dict(short, oag_f={}, oag_b={0: 0.0, 1: 0.0}, ors={0: 0.25, 1: 0.3})
-    got = deeper_overlap([0, 1], spare_f, {0: 0.1, 1: 0.4}, both, Overlap(ors_inflight=3))
+    got = deeper_overlap([0, 1], spare_f, {0: 0.1, 1: 0.4}, both, OverlapPolicy(ors_inflight=3))
     assert sum(h for _, w, h in got if w == 1) <= 0.4 + 1e-12 and sum(h for _, w, h in got if w == 0) <= 0.1 + 1e-12
 
 
@@ -189,16 +190,16 @@ def test_deeper_prefetch_and_more_reduce_scatters_in_flight_hide_more_within_the
     gained = 0.0
     for grid in [(2, 2, 8, 1), (1, 1, 16, 1), (4, 1, 16, 1)]:
         shape = GridShape(*grid)
-        previous = step_time(wl, shape, m, Overlap())
+        previous = step_time(wl, shape, m, OverlapPolicy())
         for knobs in [dict(oag_depth=2), dict(oag_depth=4), dict(oag_depth=4, ors_inflight=3)]:
-            t = step_time(wl, shape, m, Overlap(**knobs))
+            t = step_time(wl, shape, m, OverlapPolicy(**knobs))
             assert t.comm_s == previous.comm_s and t.compute_s == previous.compute_s
             assert t.hidden_s >= previous.hidden_s - 1e-12 and t.hidden_s <= t.comm_s
             assert t.hidden_s <= m.overlap_efficiency * t.compute_s + 1e-12
             gained += t.hidden_s - previous.hidden_s
             previous = t
     assert gained > 0.3  # (2, 2, 8, 1): the short attention-output window leaves the MLP-up gather exposed
-    assert describe(Overlap(oag_depth=3, ors_inflight=2)) == "oag,oar,ors,odp,chunks=4,oag_depth=3,ors_inflight=2"
+    assert OverlapPolicy(oag_depth=3, ors_inflight=2).spec() == "oag,oar,ors,odp,chunks=4,oag_depth=3,ors_inflight=2"
 
 
 MEMORY_POLICIES = {
@@ -241,13 +242,13 @@ def test_memory_follows_the_overlap_knobs(pools):
     measured, staged = pools(4).run(shape.as_tuple(), _peaks_by_policy, wl)[0]
     assert staged  # gloo's reduce-scatter over 4 ranks receives the other ranks' chunks
     predicted = {
-        k: memory(wl, shape, "none", Overlap(**v), staged_reduce_scatter=staged).peak
+        k: memory(wl, shape, "none", OverlapPolicy(**v), staged_reduce_scatter=staged).peak
         for k, v in MEMORY_POLICIES.items()
     }
     for name in MEMORY_POLICIES:
         assert abs(predicted[name] - measured[name]) <= 0.05 * measured[name], (name, predicted, measured)
     # without the received chunks (what NCCL needs) the model falls short of what gloo holds
-    unstaged = memory(wl, shape, "none", Overlap(**MEMORY_POLICIES["default"]), staged_reduce_scatter=False).peak
+    unstaged = memory(wl, shape, "none", OverlapPolicy(**MEMORY_POLICIES["default"]), staged_reduce_scatter=False).peak
     assert unstaged < 0.95 * measured["default"], (unstaged, measured)
     grown, predicted_growth = measured["depth"] - measured["default"], predicted["depth"] - predicted["default"]
     assert grown > 0 and abs(predicted_growth - grown) <= 0.2 * grown, (grown, predicted_growth)
@@ -277,7 +278,7 @@ def test_forward_gemm_is_priced_chunk_by_chunk_where_the_layer_chunks():
     m = load("perlmutter")
     wl = Workload(SIZES["20B"], batch=64)
     qkv = next(s for s in wl.linears() if s.name == "qkv")  # normal layer: E8 over x
-    chunked = Overlap.parse({"forward_chunks": 4, "min_chunk_kb": 0})
+    chunked = OverlapPolicy.parse({"forward_chunks": 4, "min_chunk_kb": 0})
     for grid, chunks in [((1, 4, 8, 4), 1), ((4, 4, 8, 2), 4)]:
         shape = GridShape(*grid)
         b, (in_l, out_l) = wl.local_tokens(shape), qkv.local(shape)
@@ -298,13 +299,13 @@ def test_the_backward_prices_no_copy_of_the_weight_gradient():
     head = next(s for s in wl.linears() if s.name == "head")  # no bias: no bias-gradient sum either
     # on each grid a rank holds 1/8 of the weight, while its block n_W = shard·G_z grows from 2 to 8 shards
     costs = [
-        layer_cost(head, Scenario(wl, GridShape(*g), m, Overlap())).bwd_ew
+        layer_cost(head, Scenario(wl, GridShape(*g), m, OverlapPolicy())).bwd_ew
         for g in [(4, 1, 2, 1), (2, 1, 4, 1), (1, 1, 8, 1)]
     ]
     assert costs[1] == pytest.approx(costs[0], rel=1e-12) and costs[2] == pytest.approx(costs[0], rel=1e-12)
     assert costs[0] > 8 * m.op_overhead_s  # the shard's scaling is priced
     # G_batch = 1: no E11 and nothing to scale, only the ops' fixed costs
-    alone = layer_cost(head, Scenario(wl, GridShape(8, 1, 1, 1), m, Overlap())).bwd_ew
+    alone = layer_cost(head, Scenario(wl, GridShape(8, 1, 1, 1), m, OverlapPolicy())).bwd_ew
     assert alone == pytest.approx(8 * m.op_overhead_s, rel=1e-12)
 
 
@@ -728,7 +729,7 @@ def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
     auto = plan(SIZES["20B"], 128, m, 64, overlap="auto")
     default = plan(SIZES["20B"], 128, m, 64)
     assert auto.overlap == auto.best.overlap and auto.best.time.step_s <= default.best.time.step_s
-    assert auto.to_json(1)["candidates"][0]["overlap"] == describe(auto.best.overlap)
+    assert auto.to_json(1)["candidates"][0]["overlap"] == auto.best.overlap.spec()
 
 
 def test_overlap_auto_for_a_given_grid_uses_the_planners_knobs_where_it_can_price_the_job(monkeypatch, tmp_path):

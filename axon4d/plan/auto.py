@@ -13,7 +13,6 @@ import sys
 from typing import Any
 
 from axon4d.config import ModelConfig, get_config
-from axon4d.plan.cost import describe
 from axon4d.plan.machine import available
 from axon4d.plan.search import Candidate, load_machine, plan, tune_overlap
 from axon4d.plan.workload import Workload
@@ -74,7 +73,7 @@ def choose_overlap(
     best = tune_overlap(wl, shape, load_machine(name), OverlapPolicy(), recompute, limit)
     if rank == 0:
         print(
-            f"axon4d: overlap='auto' chose {describe(best.overlap)} on {shape.as_tuple()} (predicted "
+            f"axon4d: overlap='auto' chose {best.overlap.spec()} on {shape.as_tuple()} (predicted "
             f"{best.time.step_s * 1e3:.1f} ms/step, {best.time.hidden_pct:.0f}% of communication hidden)",
             file=sys.stderr,
             flush=True,
@@ -131,7 +130,7 @@ def choose(
             f"(batch {workload.batch} × {m.seq_len}, {workload.dtype}) on {world} × {result.machine.name}: predicted "
             f"{t.step_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}%, {best.mem.peak / 2**30:.2f} GiB per rank "
             f"(limit {result.memory_limit / 2**30:.1f}), communication {t.comm_s * 1e3:.1f} ms of which "
-            f"{t.hidden_pct:.0f}% hidden (overlap {describe(result.overlap)}); "
+            f"{t.hidden_pct:.0f}% hidden (overlap {result.overlap.spec()}); "
             f"{sum(c.fits for c in result.candidates)} of {len(result.candidates)} valid grids fit. Top {top}:",
             file=sys.stderr,
             flush=True,
