@@ -9,8 +9,8 @@ an explicit call (``axon4d.device.use_huge_pages``), which the training job's en
 """
 
 from axon4d import overlap, stepstats, trace
+from axon4d.activations import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input
 from axon4d.grid import Grid
-from axon4d.layout import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input
 from axon4d.nn import Linear
 from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.runtime import get_grid, init, shutdown

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from axon4d import layout, runtime
+from axon4d import activations, runtime
 from axon4d.grid import Grid
 from axon4d.nn import Linear
 
@@ -62,8 +62,8 @@ def train_parallel(model: nn.Module, args: argparse.Namespace, grid: Grid) -> li
     losses = []
     bar = tqdm(total=args.steps, desc="4D grid", disable=grid.rank != 0, ncols=90)
     for x_full, t_full in batches(args.steps, args.batch, args.width, args.seed):
-        x = layout.shard_input(x_full, grid=grid)
-        t = layout.shard_features(layout.shard_batch(t_full, grid), out_axis, grid)
+        x = activations.shard_input(x_full, grid=grid)
+        t = activations.shard_features(activations.shard_batch(t_full, grid), out_axis, grid)
         y = model(x)
         # each rank: its feature block's share of the mean over its own tokens (DDP convention)
         loss = (y - t).square().sum() / (y.shape[0] * args.width)

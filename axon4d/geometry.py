@@ -52,7 +52,7 @@ class Term(str, enum.Enum):
     REPLICATED_GRAD = "replicated_grad"  # any other replicated parameter's gradient over batch
     CE_LSE = "ce.lse"  # the vocabulary-parallel loss: all-gather of the log-sum-exps over y
     CE_TARGET = "ce.target"  # ... and all-reduce of the target logits over y
-    GATHER_BATCH = "gather_batch"  # axon4d.layout: whole batch from its shards (outside autograd)
+    GATHER_BATCH = "gather_batch"  # axon4d.activations: whole batch from its shards (outside autograd)
     GATHER_FEATURES = "gather_features"  # whole features from their shards over an axis
     GATHER_SEQUENCE = "gather_sequence"  # whole sequences from their context-parallel chunks
     DENSE = "dense"  # materialising a module's full parameters (``to_dense``)

@@ -49,8 +49,8 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import torch  # noqa: E402
 
+from axon4d.activations import sequence_chunks  # noqa: E402
 from axon4d.config import ModelConfig  # noqa: E402
-from axon4d.layout import sequence_chunks  # noqa: E402
 from axon4d.nn.context import prefix_attention  # noqa: E402
 
 #: the arguments rows kept by --keep must share
@@ -73,7 +73,7 @@ def model_config(args: argparse.Namespace, seq: int) -> ModelConfig:
 def _train_steps(grid: Any, cfg: ModelConfig, split: bool, warmup: int, steps: int) -> dict[str, Any]:
     """On every rank: steps of one sequence of cfg.seq_len tokens; (this rank's step times, peak bytes)."""
     import axon4d
-    from axon4d import layout
+    from axon4d import activations
     from axon4d.measure.probe import peak_bytes
     from axon4d.models.transformer import Transformer
 
@@ -83,7 +83,7 @@ def _train_steps(grid: Any, cfg: ModelConfig, split: bool, warmup: int, steps: i
     ids = torch.randint(
         0, cfg.vocab_size, (grid.size("data"), cfg.seq_len + 1), generator=torch.Generator().manual_seed(1)
     )
-    cut = layout.shard_sequence if split else axon4d.shard_batch
+    cut = activations.shard_sequence if split else axon4d.shard_batch
     inputs, targets = cut(ids[:, :-1], grid), cut(ids[:, 1:], grid)
 
     def step() -> None:
@@ -168,7 +168,8 @@ def main() -> int:
     torch.set_num_threads(1)
     head = common.header()
 
-    from axon4d.plan import Overlap, Workload, evaluate, load
+    from axon4d.plan import Workload, evaluate, load
+    from axon4d.policy import OverlapPolicy
     from axon4d.shape import GridShape
 
     split_grid = tuple(int(v) for v in args.grid.split(","))
@@ -180,7 +181,7 @@ def main() -> int:
     for seq in seqs:
         cfg = model_config(args, seq)
         wl = Workload(cfg, batch=shape.size("data"), dtype="float32", context_parallel=True)
-        cand = evaluate(wl, shape, machine, Overlap.parse("all"))
+        cand = evaluate(wl, shape, machine, OverlapPolicy.parse("all"))
         steps = max(args.steps, math.ceil(args.min_seconds / cand.time.step_s))
         split = common.spawn(
             shape.world_size,

@@ -78,7 +78,8 @@ def main() -> int:
     from harness import RankPool
     from planner_accuracy import WORKLOAD, workload
 
-    from axon4d.plan import Overlap, evaluate, load
+    from axon4d.plan import evaluate, load
+    from axon4d.policy import OverlapPolicy
     from axon4d.shape import GridShape
 
     head = common.header()
@@ -103,7 +104,7 @@ def main() -> int:
                         )
                 for policy, got in rounds.items():
                     median = common.medians(got)
-                    pred = evaluate(wl, GridShape(*g), machine, Overlap.parse(policy)).time
+                    pred = evaluate(wl, GridShape(*g), machine, OverlapPolicy.parse(policy)).time
                     row[policy] = dict(median, rounds=got, priced_gemm_s=pred.matmul_s, predicted_step_s=pred.step_s)
                 row["in_step_over_priced_gemm"] = row["all"]["gemm_s"] / row["all"]["priced_gemm_s"]
                 row["off_over_all_gemm"] = row["off"]["gemm_s"] / row["all"]["gemm_s"]

@@ -52,9 +52,9 @@ import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig, get_config  # noqa: E402
 from axon4d.measure.probe import peak_bytes  # noqa: E402
-from axon4d.plan import Candidate, Overlap, Workload, describe, evaluate, load  # noqa: E402
+from axon4d.plan import Candidate, Workload, evaluate, load  # noqa: E402
 from axon4d.plan.workload import OPTIMIZERS  # noqa: E402
-from axon4d.policy import RECOMPUTE_MODES  # noqa: E402
+from axon4d.policy import RECOMPUTE_MODES, OverlapPolicy  # noqa: E402
 from axon4d.shape import GridShape  # noqa: E402
 from axon4d.train.loop import build_model  # noqa: E402
 from axon4d.train.peak import check_compute_dtype  # noqa: E402
@@ -153,7 +153,7 @@ def predict(cfg: ModelConfig, args: argparse.Namespace, shape: GridShape, machin
         out["notes"].append(str(e))
     try:
         wl = Workload(cfg, args.batch, args.dtype, optimizer=args.optimizer)
-        out["candidate"] = evaluate(wl, shape, machine, Overlap.parse(args.overlap), args.recompute)
+        out["candidate"] = evaluate(wl, shape, machine, OverlapPolicy.parse(args.overlap), args.recompute)
     except (ValueError, KeyError) as e:
         out["notes"].append(f"the planner cannot price this job: {e}")
     return out
@@ -204,7 +204,7 @@ def main() -> int:
         print(
             f"{args.model}: width {cfg.hidden}, {cfg.n_layers} layers, seq {cfg.seq_len}, vocab {cfg.vocab_size}, "
             f"grid {shape.as_tuple()} on {grid.world_size} ranks ({grid.device}), dtype {args.dtype}, recompute {args.recompute}, "
-            f"overlap {describe(Overlap.parse(args.overlap))}",
+            f"overlap {OverlapPolicy.parse(args.overlap).spec()}",
             flush=True,
         )
         print(describe_reductions(red), flush=True)

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 import axon4d
-from axon4d import checkpoint, layout
+from axon4d import activations, checkpoint
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.measure.spawn import run_local
@@ -115,7 +115,7 @@ def against_dense(grid: Any, arch: str, recompute: str = "none", context_paralle
     dense = DenseTransformer(cfg, device=grid.device)
     model = Transformer.from_dense(dense, recompute=recompute, context_parallel=context_parallel)
     ids = _batch(cfg, grid.device)
-    shard = layout.shard_sequence if context_parallel else axon4d.shard_batch
+    shard = activations.shard_sequence if context_parallel else axon4d.shard_batch
     loss = model.loss(shard(ids[:, :-1]), shard(ids[:, 1:]))
     loss.backward()
     ref_loss = dense.loss(ids[:, :-1], ids[:, 1:])

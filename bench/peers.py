@@ -498,7 +498,6 @@ def _rank_main(spec: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import axon4d
-    from axon4d.plan.cost import describe
     from axon4d.policy import OverlapPolicy
 
     axon4d.shutdown()  # run_local's data-parallel grid: each axon4d implementation builds its own
@@ -538,7 +537,7 @@ def _rank_main(spec: dict) -> dict:
         paired = {"against": best, "skipped": f"axon4d and {best} at once {why}"} if why else pair(best, spec, ctx)
     return {
         "axon4d": {
-            p: {"grid": list(g), "overlap": describe(OverlapPolicy.parse(o))} for p, (g, o) in ctx["axon4d"].items()
+            p: {"grid": list(g), "overlap": OverlapPolicy.parse(o).spec()} for p, (g, o) in ctx["axon4d"].items()
         },
         "check_max_rel_err": errors,
         "skipped": skipped,

@@ -53,15 +53,14 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import common  # noqa: E402
 
 from axon4d.plan import (  # noqa: E402
-    Overlap,
     Workload,
-    describe,
     evaluate,
     load,
     stepfit,
 )
 from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
 from axon4d.plan.stepfit import describe as describe_scale  # noqa: E402
+from axon4d.policy import OverlapPolicy  # noqa: E402
 from axon4d.shape import GridShape, factorizations  # noqa: E402
 
 GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
@@ -106,7 +105,7 @@ def _peak_grid(grid, wl: Workload) -> int:
 
 
 #: the overlap policy the step calibration times (as ``axon4d calibrate --step-model`` does: the default)
-CALIBRATION_POLICY = Overlap().spec()
+CALIBRATION_POLICY = OverlapPolicy().spec()
 
 
 def _jobs(grids: list[tuple], calibration: list[tuple]) -> list[tuple[str, tuple]]:
@@ -283,7 +282,7 @@ def main() -> int:
         )
     machine = load(args.machine)
     wl = workload(args)
-    overlap = Overlap.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner
+    overlap = OverlapPolicy.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner
     world = int(os.environ.get("WORLD_SIZE", "8")) if launched else 8
     if args.only:
         grids = [tuple(int(v) for v in g.split(",")) for g in args.only.split(";")]
@@ -439,7 +438,7 @@ def main() -> int:
         "args": vars(args),
         "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
         "machine": args.machine,
-        "overlap": describe(overlap),
+        "overlap": overlap.spec(),
         "summary": summary,
         "rows": rows,
         "measured_by": measured_by,

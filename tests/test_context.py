@@ -18,9 +18,9 @@ import pytest
 import torch
 from harness import value_errors
 
-from axon4d import device as devices
-from axon4d import layout
+from axon4d import activations
 from axon4d.config import ModelConfig
+from axon4d.device import attention as kernels
 from axon4d.geometry import Op, Term
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention
@@ -55,21 +55,21 @@ def grid_id(value):
 
 def test_each_z_rank_holds_a_head_and_a_tail_chunk():
     # G_z = 2, S = 8: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    assert layout.sequence_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
-    assert layout.sequence_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert activations.sequence_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert activations.sequence_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
     # G_z = 4, S = 8: chunks of 1; rank r holds r and 7 − r
-    assert [layout.sequence_positions(8, z, 4).tolist() for z in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [activations.sequence_positions(8, z, 4).tolist() for z in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     for g_z in (1, 2, 4):
-        held = torch.cat([layout.sequence_positions(24, z, g_z) for z in range(g_z)])
-        assert torch.equal(held[layout.sequence_order(24, g_z)], torch.arange(24))
+        held = torch.cat([activations.sequence_positions(24, z, g_z) for z in range(g_z)])
+        assert torch.equal(held[activations.sequence_order(24, g_z)], torch.arange(24))
 
 
 def test_a_length_that_does_not_split_names_the_rule_and_the_lengths_that_work():
     with pytest.raises(ValueError) as e:
-        layout.sequence_chunk_len(10, 2)
+        activations.sequence_chunk_len(10, 2)
     msg = str(e.value)
     assert "S = 10" in msg and "G_z = 2" in msg and "multiple of 4" in msg and "8 or 12" in msg
-    assert layout.sequence_chunk_len(12, 2) == 3
+    assert activations.sequence_chunk_len(12, 2) == 3
 
 
 def _check_model(grid, cfg, recompute):
@@ -79,12 +79,12 @@ def _check_model(grid, cfg, recompute):
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
     targets = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
     grid.comm.log.clear()
-    loss = model.loss(layout.shard_sequence(ids), layout.shard_sequence(targets))
+    loss = model.loss(activations.shard_sequence(ids), activations.shard_sequence(targets))
     loss.backward()
     kv = [(r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records if r.tag in (Term.CP_KV, Term.CP_KV_GRAD)]
     ref = dense.loss(ids, targets)
     ref.backward()
-    logits = layout.gather_sequence(layout.gather_features(model(layout.shard_sequence(ids)), "y"))
+    logits = activations.gather_sequence(activations.gather_features(model(activations.shard_sequence(ids)), "y"))
     errs = {"logits": rel_err(logits, dense(ids))}
     mean_loss = grid.comm.all_reduce(loss.detach().reshape(1).clone(), "batch").wait() / grid.size("batch")
     errs["loss"] = rel_err(mean_loss, ref.detach().reshape(1))
@@ -167,24 +167,24 @@ def test_split_sequence_under_recomputation(pools, recompute):
 def _layer_input():
     torch.manual_seed(3)
     attn = Attention(32, 8, 2, bias=False, rope_theta=10000.0, context_parallel=True)
-    return attn, layout.shard_sequence(torch.randn(1, SEQ, 32, requires_grad=True))
+    return attn, activations.shard_sequence(torch.randn(1, SEQ, 32, requires_grad=True))
 
 
 def _keys_attended(grid):
     """The key lengths of every attention kernel call of one split-sequence attention layer on this rank."""
     attn, x = _layer_input()
     lengths = []
-    kernel = devices.attention_with_lse
+    kernel = kernels.attention_with_lse
 
     def counting(q, k, v, causal):
         lengths.append(k.shape[2])
         return kernel(q, k, v, causal)
 
-    devices.attention_with_lse = counting
+    kernels.attention_with_lse = counting
     try:
         attn(x)
     finally:
-        devices.attention_with_lse = kernel
+        kernels.attention_with_lse = kernel
     return lengths
 
 
@@ -202,15 +202,15 @@ def _events(grid):
     causal, prefix: not) in one forward and backward of a split-sequence attention layer."""
     attn, x = _layer_input()
     events = []
-    kernels = devices.attention_with_lse, devices.attention_with_lse_backward
+    originals = kernels.attention_with_lse, kernels.attention_with_lse_backward
 
     def forward(q, k, v, causal):
         events.append(("forward", "diagonal" if causal else "prefix"))
-        return kernels[0](q, k, v, causal)
+        return originals[0](q, k, v, causal)
 
     def backward(grad, q, k, v, out, lse, causal):
         events.append(("backward", "diagonal" if causal else "prefix"))
-        return kernels[1](grad, q, k, v, out, lse, causal)
+        return originals[1](grad, q, k, v, out, lse, causal)
 
     class Watched:
         def __init__(self, handle, tag):
@@ -230,12 +230,12 @@ def _events(grid):
 
         return issued
 
-    devices.attention_with_lse, devices.attention_with_lse_backward = forward, backward
+    kernels.attention_with_lse, kernels.attention_with_lse_backward = forward, backward
     grid.comm.all_gather, grid.comm.reduce_scatter = watch(grid.comm.all_gather), watch(grid.comm.reduce_scatter)
     try:
         attn(x).sum().backward()
     finally:
-        devices.attention_with_lse, devices.attention_with_lse_backward = kernels
+        kernels.attention_with_lse, kernels.attention_with_lse_backward = originals
         del grid.comm.all_gather, grid.comm.reduce_scatter  # the class's methods again
     return events
 
@@ -254,11 +254,11 @@ def test_the_key_value_collectives_overlap_the_diagonal_attention(pools):
 
 def _shard_and_gather(grid):
     x = torch.arange(4 * SEQ * 3, dtype=torch.float32).reshape(4, SEQ, 3)
-    part = layout.shard_sequence(x)
+    part = activations.shard_sequence(x)
     z, g_z = grid.coord("z"), grid.size("z")
     d, g_d = grid.coord("data"), grid.size("data")
-    want = x[d * 4 // g_d : (d + 1) * 4 // g_d].index_select(1, layout.sequence_positions(SEQ, z, g_z))
-    return torch.equal(part, want), torch.equal(layout.gather_sequence(part), x)
+    want = x[d * 4 // g_d : (d + 1) * 4 // g_d].index_select(1, activations.sequence_positions(SEQ, z, g_z))
+    return torch.equal(part, want), torch.equal(activations.gather_sequence(part), x)
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 2, 2), (1, 2, 2, 1), (1, 1, 4, 1)], ids=grid_id)
@@ -270,7 +270,7 @@ def _length_errors(grid):
     model = Transformer(LLAMA_GQA, context_parallel=True)
     return value_errors(
         {
-            "shard": lambda: layout.shard_sequence(torch.zeros(2, 10, dtype=torch.long)),
+            "shard": lambda: activations.shard_sequence(torch.zeros(2, 10, dtype=torch.long)),
             "forward": lambda: model(torch.zeros(1, 5, dtype=torch.long)),  # 5 tokens of S = 10 per rank
         }
     )
@@ -308,9 +308,9 @@ def _cuda_kernels_on_host(monkeypatch, layouts):
     does for fp16/bf16, and records whether ``out`` had that layout."""
 
     def forward(q, k, v, causal):
-        scores = devices._scores(q, k, causal)
+        scores = kernels._scores(q, k, causal)
         lse = scores.logsumexp(-1)
-        out = devices.kernel_layout((scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v)
+        out = kernels.kernel_layout((scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v)
         padded = lse.new_zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32)
         padded[..., : lse.shape[-1]] = lse
         return out, padded
@@ -319,15 +319,15 @@ def _cuda_kernels_on_host(monkeypatch, layouts):
         b, h, rows, d = out.shape
         layouts.append(out.transpose(1, 2).is_contiguous())
         read = torch.as_strided(out, (b, h, rows, d), (out.stride(0), d, h * d, 1), out.storage_offset())
-        p = (devices._scores(q, k, causal) - lse.unsqueeze(-1)).exp()
+        p = (kernels._scores(q, k, causal) - lse.unsqueeze(-1)).exp()
         g32 = grad.float()
         ds = p * (g32 @ v.float().transpose(-2, -1) - (g32 * read.float()).sum(-1, keepdim=True))
         scale = d**-0.5
         return (ds @ k.float()) * scale, (ds.transpose(-2, -1) @ q.float()) * scale, p.transpose(-2, -1) @ g32
 
-    monkeypatch.setattr(devices, "_fused_lse_kernel", lambda q: "cuda")
-    monkeypatch.setattr(devices, "_efficient_attention", forward)
-    monkeypatch.setattr(devices, "_efficient_attention_backward", backward)
+    monkeypatch.setattr(kernels, "_fused_lse_kernel", lambda q: "cuda")
+    monkeypatch.setattr(kernels, "_efficient_attention", forward)
+    monkeypatch.setattr(kernels, "_efficient_attention_backward", backward)
 
 
 @pytest.mark.parametrize("chunks", [(1, 2), (0, 3)])

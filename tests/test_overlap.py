@@ -188,15 +188,13 @@ def test_policy_parsing_and_errors():
     assert OverlapPolicy.parse("chunks=8") == OverlapPolicy.only("chunks", forward_chunks=8)
     assert OverlapPolicy.parse("oag,keep") == OverlapPolicy.only("oag", oag_keep=True)
     assert OverlapPolicy.parse("all,oag_keep=1").oag_keep is True
-    from axon4d.plan.cost import describe
-
     for policy in [
         OverlapPolicy(),
         OverlapPolicy.off(),
         OverlapPolicy.only("oag", oag_keep=True, oag_depth=2),
         OverlapPolicy(ors_inflight=3, forward_chunks=8),
     ]:
-        assert OverlapPolicy.parse(describe(policy)) == policy  # the planner's description reads back
+        assert OverlapPolicy.parse(policy.spec()) == policy  # the planner's description reads back
     for bad, message in [
         ("oag,depth=2", "'depth' is not a knob"),
         ("oag_depth=x", "oag_depth='x', expected an integer"),

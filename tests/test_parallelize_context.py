@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_parallelize import rel_err
 
-from axon4d import layout
+from axon4d import activations
 from axon4d.geometry import Term
 from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.parallelize.context import ATTENTION_NAME, inputs
@@ -52,7 +52,7 @@ def _compare(grid, kv_heads, recompute):
     rout = ref(input_ids=ids, labels=ids)
     rout.loss.backward()
     # this rank's logits are its head–tail chunks of every sequence of its data rank: put them back
-    full = layout.gather_sequence(out.logits.detach(), grid)
+    full = activations.gather_sequence(out.logits.detach(), grid)
     errs = {"logits": rel_err(full, rout.logits)}
     kv = [r for r in grid.comm.log.records if r.tag in (Term.CP_KV, Term.CP_KV_GRAD)]
     dense = to_dense(par, grads=True)

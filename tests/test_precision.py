@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import axon4d
-from axon4d import layout
+from axon4d import activations
 from axon4d.config import ModelConfig
 from axon4d.geometry import Op, linear_collectives
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -92,7 +92,7 @@ def _dw_relative_error(grid):
     x = torch.randn(16, 64).bfloat16().float()  # (tokens, in), exact in bf16
     g = torch.randn(16, 48).bfloat16().float()  # dY (tokens, out), exact in bf16
     y = layer(axon4d.shard_input(x))
-    y.backward(layout.shard_features(axon4d.shard_batch(g), "y").to(y.dtype))  # the output layout
+    y.backward(activations.shard_features(axon4d.shard_batch(g), "y").to(y.dtype))  # the output layout
     got = layer.to_dense(grads=True).weight.grad.double()
     exact = g.double().t() @ x.double() / grid.size("batch")  # DDP's average over the batch ranks
     return float((got - exact).abs().max() / exact.abs().max())

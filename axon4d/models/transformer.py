@@ -16,7 +16,7 @@ parameters without allocating; ``axon4d.materialize.materialize_(model, seed)`` 
 rank its shards, initialised as ``axon4d.materialize.init_dense_`` initialises the dense model.
 
 With ``context_parallel=True`` (docs/context.md) the tokens of each sequence are split over z
-instead of whole sequences: the model takes ``axon4d.layout.shard_sequence(ids)`` — (b, S/G_z) with
+instead of whole sequences: the model takes ``axon4d.activations.shard_sequence(ids)`` — (b, S/G_z) with
 b = B/G_data, this rank's head–tail chunks — returns logits for those tokens, and ``loss`` takes
 ``shard_sequence(targets)``. Positions (learned or rotary) are the tokens' global positions.
 """
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import pieces, runtime
+from axon4d.activations import sequence_chunk_len, sequence_positions
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
-from axon4d.layout import sequence_chunk_len, sequence_positions
 from axon4d.nn.block import DenseBlock, TransformerBlock
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
@@ -95,7 +95,7 @@ class Transformer(nn.Module):
     ``recompute`` is every block's activation recomputation: "none", "selective", "balanced" or
     "full" (axon4d.nn.recompute; the planner's ``--recompute`` prices the same modes).
     ``context_parallel`` splits each sequence's tokens head–tail over z (docs/context.md): give it
-    ``axon4d.layout.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones."""
+    ``axon4d.activations.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones."""
 
     def __init__(
         self,

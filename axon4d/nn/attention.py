@@ -12,7 +12,7 @@ communication.
 scores, softmax, weighted sum — keeps only q, k, v and runs again in backward.
 
 ``context_parallel`` (docs/context.md): the s rows of this rank are its two head–tail chunks of
-each sequence, split over z (``axon4d.layout.shard_sequence``); rotary tables are taken at the
+each sequence, split over z (``axon4d.activations.shard_sequence``); rotary tables are taken at the
 tokens' global positions and core attention runs across the split (``axon4d.nn.context``). Under
 selective recomputation the all-gathered keys and values are kept, so no collective runs twice.
 """
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import counts, pieces, rules, runtime
+from axon4d.activations import sequence_positions
 from axon4d.grid import Grid
-from axon4d.layout import sequence_positions
 from axon4d.nn.context import split_sequence_attention
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import checkpointed

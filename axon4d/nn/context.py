@@ -1,6 +1,6 @@
 """Causal attention across a sequence split over z: context parallelism (docs/context.md).
 
-Under context parallelism (``axon4d.layout.shard_sequence``) a sequence of S tokens is cut into
+Under context parallelism (``axon4d.activations.shard_sequence``) a sequence of S tokens is cut into
 2·G_z chunks of C = S/(2·G_z) and z-rank r holds chunks r and 2·G_z−1−r, head then tail. Every
 linear layer, norm and MLP works on those 2·C rows unchanged; only attention needs the keys and
 values of earlier positions, which live on other z-ranks.
@@ -15,7 +15,7 @@ Query chunk c attends to keys [0, (c+1)·C) in two parts, merged exactly by thei
 
 Rank r's parts read C + C + r·C + (2·G_z−1−r)·C = (2·G_z+1)·C keys: the causal balance. Neither
 part needs a mask tensor, so every device runs them in its fused kernel
-(``axon4d.device.attention_with_lse``); grouped-query heads are repeated for it and their
+(``axon4d.device.attention.attention_with_lse``); grouped-query heads are repeated for it and their
 gradients summed back.
 
 The keys and values of the prefixes live on other z-ranks. Each rank all-gathers over z the keys
@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
-from axon4d import device as devices
+from axon4d.activations import sequence_chunks, sequence_order
+from axon4d.device import attention as kernels
 from axon4d.geometry import Term
 from axon4d.grid import Grid
-from axon4d.layout import sequence_chunks, sequence_order
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (out (b, hq, C, d), lse (b, hq, C))
 
@@ -67,7 +67,7 @@ def _fold(g: torch.Tensor, groups: int) -> torch.Tensor:
 def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Part:
     """One part's attention and log-sum-exp, k and v of their own (fewer) heads."""
     groups = q.shape[1] // k.shape[1]
-    return devices.attention_with_lse(q, _repeat(k, groups), _repeat(v, groups), causal)
+    return kernels.attention_with_lse(q, _repeat(k, groups), _repeat(v, groups), causal)
 
 
 def _part_backward(
@@ -75,7 +75,7 @@ def _part_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This part's (dq, dk, dv) from the merged out and lse of its query chunk (module docstring)."""
     groups = q.shape[1] // k.shape[1]
-    dq, dk, dv = devices.attention_with_lse_backward(
+    dq, dk, dv = kernels.attention_with_lse_backward(
         grad, q, _repeat(k, groups), _repeat(v, groups), merged[0], merged[1], causal
     )
     return dq, _fold(dk, groups), _fold(dv, groups)
@@ -225,7 +225,7 @@ def split_sequence_attention(
     if q.shape[2] % 2:
         raise ValueError(
             f"a rank holds {q.shape[2]} tokens per sequence, but under context parallelism it holds two equal "
-            "chunks (an even count): shard the sequences with axon4d.layout.shard_sequence"
+            "chunks (an even count): shard the sequences with axon4d.activations.shard_sequence"
         )
     _check_heads(q, k)
     chunks = sequence_chunks(grid.coord("z"), grid.size("z"))

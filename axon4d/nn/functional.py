@@ -21,7 +21,7 @@ Naming follows the role of the result:
   reduce-scatter backward).
 
 ``split_replicated``/``gather_replicated`` are the differentiable counterparts of
-``axon4d.layout.shard_features``/``gather_features``, which move tensors outside autograd.
+``axon4d.activations.shard_features``/``gather_features``, which move tensors outside autograd.
 """
 
 from __future__ import annotations

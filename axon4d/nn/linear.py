@@ -25,9 +25,9 @@ from torch import nn
 
 from axon4d import device as devices
 from axon4d import geometry, pieces, rules, runtime
+from axon4d.activations import mark_features
 from axon4d.geometry import Term
 from axon4d.grid import Grid
-from axon4d.layout import mark_features
 from axon4d.precision import compute_dtype, reduce_dtype
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import layout, runtime
+from axon4d import activations, runtime
 from axon4d.grid import Grid
 from axon4d.nn.context import split_sequence_attention
 from axon4d.parallelize.plan import RESTORE_ATTR
@@ -126,13 +126,13 @@ def inputs(ids: torch.Tensor, grid: Grid | None = None, labels: bool = True) -> 
     grid = runtime.resolve(grid)
     if ids.dim() != 2:
         raise ValueError(f"inputs takes token ids of shape (batch, seq), got {tuple(ids.shape)}")
-    local = layout.shard_sequence(ids, grid)
-    positions = layout.sequence_positions(ids.shape[1], grid.coord("z"), grid.size("z"), ids.device)
+    local = activations.shard_sequence(ids, grid)
+    positions = activations.sequence_positions(ids.shape[1], grid.coord("z"), grid.size("z"), ids.device)
     out = {"input_ids": local, "position_ids": positions.unsqueeze(0).expand(local.shape[0], -1)}
     if labels:
         shifted = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)  # (B, S)
         out["labels"] = local
-        out["shift_labels"] = layout.shard_sequence(shifted, grid)
+        out["shift_labels"] = activations.shard_sequence(shifted, grid)
         counted = (shifted != IGNORE_INDEX).sum().to(torch.float32)
         out["num_items_in_batch"] = counted / grid.size("batch")  # see the module docstring
     return out

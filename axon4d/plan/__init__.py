@@ -14,7 +14,7 @@ in-step scale fitted to measured steps), ``search`` (enumeration), ``auto`` (``g
 machine files it writes.
 """
 
-from axon4d.plan.cost import Overlap, TimeEstimate, describe, step_estimate, step_time
+from axon4d.plan.cost import TimeEstimate, step_estimate, step_time
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
 from axon4d.plan.scenario import Scenario
@@ -26,14 +26,12 @@ __all__ = [
     "LinearSpec",
     "Machine",
     "MemoryEstimate",
-    "Overlap",
     "PlanResult",
     "Scenario",
     "TimeEstimate",
     "Workload",
     "available",
     "candidate",
-    "describe",
     "evaluate",
     "load",
     "local_param_count",

@@ -41,16 +41,6 @@ ACTIVATION_TERMS = frozenset({Term.E8, Term.E9, Term.EMBEDDING})
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})
 
 
-#: The planner is told which mechanisms are on with the library's own policy (axon4d.policy).
-Overlap = OverlapPolicy
-
-
-def describe(policy: OverlapPolicy) -> str:
-    """The mechanisms that are on, e.g. "oag,oar,ors,odp,chunks=4" ("off" when none): the policy's
-    own string form (``OverlapPolicy.spec``), which ``OverlapPolicy.parse`` reads back."""
-    return policy.spec()
-
-
 @dataclasses.dataclass
 class TimeEstimate:
     """Predicted seconds of one step on one rank, and where they go (recomputation included).

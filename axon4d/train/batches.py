@@ -3,9 +3,9 @@
 ``make_data`` opens the stream (``axon4d.data``): synthetic, the byte-level demo corpus (written
 once, by rank 0, to ``build/corpus.u16``), or a token file. A step's global batch is drawn from
 (seed, step), the same on every rank; ``accumulate`` runs forward and backward over its
-micro-batches, each rank on its own rows (``axon4d.layout.shard_batch``, tokens split over
+micro-batches, each rank on its own rows (``axon4d.activations.shard_batch``, tokens split over
 batch = data × z, docs/design.md §1; under ``--context-parallel`` each sequence's tokens split
-head–tail over z, ``axon4d.layout.shard_sequence``), so the gradients add up to those of the whole batch. The
+head–tail over z, ``axon4d.activations.shard_sequence``), so the gradients add up to those of the whole batch. The
 single-process reference run calls it with no grid and trains on all rows. Batches are made on the
 host (the same bits on every machine); a rank moves only its rows to the model's device
 (``axon4d.device.to_device``), where the loss is accumulated too.
@@ -17,8 +17,8 @@ import os
 
 import torch
 
+from axon4d import activations
 from axon4d import device as devices
-from axon4d import layout
 from axon4d.config import ModelConfig
 from axon4d.data import MemmapTokens, SyntheticTokens, demo_corpus
 from axon4d.grid import Grid
@@ -61,9 +61,9 @@ def accumulate(
     total = torch.zeros((), device=device)
     for full in batches:  # (B, S+1): inputs are the first S tokens of each row, targets the last S
         if split_sequences:  # tokens of each sequence split head–tail over z (docs/context.md)
-            inputs, targets = (layout.shard_sequence(t, grid) for t in (full[:, :-1], full[:, 1:]))
+            inputs, targets = (activations.shard_sequence(t, grid) for t in (full[:, :-1], full[:, 1:]))
         else:
-            rows = layout.shard_batch(full, grid) if grid is not None else full
+            rows = activations.shard_batch(full, grid) if grid is not None else full
             inputs, targets = rows[:, :-1], rows[:, 1:]
         inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
         loss = model.loss(inputs, targets) / len(batches)

@@ -1,4 +1,4 @@
-"""Moving between full tensors and the grid's layouts (docs/design.md §2).
+"""Moving activations between full tensors and the grid's shards: batch, features, sequence (docs/design.md §2).
 
 Tokens (dim 0: the batch, or the token count of a 2-D input) are split over batch = data × z,
 chunk index d·G_z + z. Features (the last dim) of a normal layer's input are split over x and its
