@@ -15,7 +15,7 @@ import torch
 from axon4d.config import SIZES, ModelConfig
 from axon4d.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan import Workload, evaluate, load, local_param_count, memory, plan, step_time
-from axon4d.plan.layers import axis_geometry, comm_field, layer_cost
+from axon4d.plan.layers import axis_group_and_stride, comm_field, layer_cost
 from axon4d.plan.machine import CommCurve, MatmulTable, available
 from axon4d.plan.scenario import Scenario
 from axon4d.policy import OverlapPolicy
@@ -162,7 +162,7 @@ def test_overlap_credit_is_bounded_and_never_slows_a_step():
 
 
 def test_deeper_overlap_hands_spare_windows_to_collectives_in_issue_order():
-    from axon4d.plan.schedule import deeper_overlap
+    from axon4d.plan.overlap_credit import deeper_overlap
 
     # a block of two layers, 0 then 1. Forward: window 1 credited the gather of layer 0 of the next
     # block and could not hide 0.5 s of it; window 0 has 0.3 s spare. Issued two windows ahead
@@ -408,9 +408,9 @@ def test_step_fit_recovers_scales_and_keeps_them_non_negative():
     assert calibration_grids(4, wl)[4:] == [(2, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 1)] and calibration_grids(1, wl) == []
 
 
-def test_axis_geometry_and_machine_levels_follow_e1():
+def test_axis_groups_and_machine_levels_follow_e1():
     shape = GridShape(4, 2, 8, 16)
-    assert [axis_geometry(shape, a) for a in ("x", "y", "z", "data", "batch")] == [
+    assert [axis_group_and_stride(shape, a) for a in ("x", "y", "z", "data", "batch")] == [
         (4, 1),
         (2, 4),
         (8, 8),
@@ -597,7 +597,7 @@ def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():
 
 
 @pytest.mark.slow
-def test_calibration_measures_every_axis_geometry_and_yields_a_usable_machine(pools):
+def test_calibration_measures_every_axis_and_yields_a_usable_machine(pools):
     from axon4d.plan.machine import Machine
 
     data, measured = pools(4).run((1, 1, 1, 4), _calibrate_small)[0]

@@ -7,7 +7,7 @@
 Modules: ``workload`` (the layers a step runs and the §1 rules they set), ``machine`` (measured
 or published rates), ``memory`` (bytes per rank, §5: ``BackwardWalk``), ``scenario`` (one price's
 inputs: workload, grid shape, machine, overlap, recompute), ``layers`` (each layer kind's GEMMs,
-collectives E8–E13 and non-GEMM work, §3), ``schedule`` (what overlap hides, §4), ``recompute``
+collectives E8–E13 and non-GEMM work, §3), ``overlap_credit`` (what overlap hides, §4), ``recompute``
 (what recomputation runs again, §5), ``cost`` (the step assembled from those), ``stepfit`` (the
 in-step scale fitted to measured steps), ``search`` (enumeration), ``auto`` (``grid="auto"``),
 ``cli`` (``axon4d plan``). Measuring a machine is ``axon4d.measure``'s; this package only reads the

@@ -2,7 +2,7 @@
 
 The step is assembled here from its parts, each priced elsewhere: every linear layer kind's run —
 its GEMMs, its collectives E8–E13 and the non-GEMM work after it — by ``axon4d.plan.layers``;
-what overlap hides (§4) by ``axon4d.plan.schedule``'s credit over the layers' windows (and the
+what overlap hides (§4) by ``axon4d.plan.overlap_credit``'s credit over the layers' windows (and the
 context-parallel key/value collectives behind attention, ``layers.context_hidden``); what
 recomputation runs again (§5) by ``axon4d.plan.recompute``; the collectives outside the layers
 (replicated parameters' gradients) and the optimizer step here.
@@ -28,9 +28,9 @@ import dataclasses
 from axon4d.geometry import Collective, Term
 from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, context_hidden, layer_cost, priced
 from axon4d.plan.machine import Machine
+from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.schedule import credit
 from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape

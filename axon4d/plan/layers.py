@@ -4,7 +4,7 @@ non-GEMM work after it (docs/design.md §3, §6).
 For every linear layer kind of the ``Workload`` the collectives are exactly the list
 ``axon4d.geometry.linear_collectives`` returns (E8–E13, normal or transposed layout) — the same
 list the communication log is tested against — each priced by ``Machine.comm_time`` on its axis
-(group size and rank stride from E1, ``axis_geometry``) with the time model of §3. GEMMs are
+(group size and rank stride from E1, ``axis_group_and_stride``) with the time model of §3. GEMMs are
 priced from the machine's measured throughput at the local shapes; attention, elementwise work and
 norms from their own calibrations. ``LayerCost`` is one layer kind's run; ``axon4d.plan.cost``
 adds the runs up into a step.
@@ -16,8 +16,8 @@ import dataclasses
 
 from axon4d.geometry import Collective, Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan.machine import ring_traffic
+from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.schedule import Window
 from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.shape import GridShape
 
@@ -27,22 +27,14 @@ EMBEDDING_TERMS = frozenset({Term.EMBEDDING, Term.EMBEDDING_GRAD})
 ATTENTION_FORWARD = 0.3
 
 
-def axis_geometry(shape: GridShape, axis: str) -> tuple[int, int]:
+def axis_group_and_stride(shape: GridShape, axis: str) -> tuple[int, int]:
     """(ranks in one group of ``axis``, distance between consecutive members) — E1, x innermost."""
-    x, y, z, d = shape.as_tuple()
-    return {
-        "x": (x, 1),
-        "y": (y, x),
-        "z": (z, x * y),
-        "data": (d, x * y * z),
-        "batch": (z * d, x * y),
-        "world": (x * y * z * d, 1),
-    }[axis]
+    return shape.size(axis), shape.stride(axis)
 
 
 def priced(c: Collective, sc: Scenario) -> tuple[float, float]:
     """(seconds, ring traffic bytes) of one collective (§3's time model on its axis, E1)."""
-    group, stride = axis_geometry(sc.shape, c.axis)
+    group, stride = axis_group_and_stride(sc.shape, c.axis)
     return (
         sc.machine.comm_time(c.op.value, group, stride, c.payload_bytes, sc.world),
         ring_traffic(c.op.value, group, c.payload_bytes),
