@@ -1,7 +1,7 @@
 """Sharded checkpoints that load onto any grid, written and read piece by piece with DCP.
 
 Every parameter and AdamW moment is a piece of a *global* tensor of the single-process model
-(``axon4d.params``; fused q|k|v and gate|up are saved as their parts). A rank saves its piece as it
+(``axon4d.param_layout``; fused q|k|v and gate|up are saved as their parts). A rank saves its piece as it
 stores it, cut into rectangles of the global tensors (``ParamLayout.boxes``), each written by
 ``torch.distributed.checkpoint`` (DCP) from a view of the rank's storage, replicated ones once:
 nothing is gathered, and a save holds only DCP's copies of the one file it writes (``_Writer``). A
@@ -40,7 +40,7 @@ from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
-from axon4d.params import Box, param_layouts
+from axon4d.param_layout import Box, param_layouts
 
 # the file-level API, usable before any process group exists (axon4d.ckptfiles)
 CheckpointError = ckptfiles.CheckpointError

@@ -12,7 +12,7 @@ reference holds the same tensors, bit for bit. This works because the reference'
 is addressable (``axon4d.pieces``): each global tensor is drawn tile by tile, every tile from its
 own generator seeded from (seed, parameter name, tile), so a rank draws just the tiles its shard
 overlaps. Which rows and columns of which dense tensor a shard holds is the parameter's
-``ParamLayout`` (axon4d.params): its block on the (x, y) plane, the flat z shard of a Linear weight
+``ParamLayout`` (axon4d.param_layout): its block on the (x, y) plane, the flat z shard of a Linear weight
 (zero-padded), and the fused q|k|v and gate|up rows interleaved by y group (``pieces.FusedRows``):
 the rectangles a checkpoint saves it as (``ParamLayout.rectangles``). A rank allocates its shards and
 one tile of scratch, nothing more.
@@ -26,7 +26,7 @@ from torch import nn
 from axon4d import pieces
 from axon4d.grid import Grid
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.params import ParamLayout, layout_of
+from axon4d.param_layout import ParamLayout, layout_of
 
 #: Transformer module → DenseTransformer module where the names differ (fused rows by segment;
 #: the same correspondence as the modules' ``load_dense_``)

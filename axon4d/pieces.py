@@ -1,7 +1,7 @@
 """A rank's piece of a global tensor: where it lies, and how it gets its values without the rest.
 
 Every parameter is a piece of a *global* tensor, the one the single-process model holds
-(axon4d.params). Building or loading a model that never fits on one host means filling each
+(axon4d.param_layout). Building or loading a model that never fits on one host means filling each
 rank's piece straight from its source — a seeded initialisation or a checkpoint — without ever
 holding the global tensor. This module holds the plain-data part of that (docs/design.md §2):
 
@@ -151,7 +151,7 @@ class FusedRows:
     the segments' dense tensors (``fuse``, ``fuse_dense``), splitting full fused rows back into
     them (``split``, ``split_into_``: a layer's ``to_dense``), a rank's chunk seen per segment
     (``local``), and where that chunk's rows lie in each segment's own tensor (``sources``: the
-    rectangles of checkpoints and sharded initialisation, axon4d.params)."""
+    rectangles of checkpoints and sharded initialisation, axon4d.param_layout)."""
 
     segments: tuple[tuple[str, int], ...]
     """(name, global rows) of each stacked tensor, in stacking order."""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d import params, watchdog
+from axon4d import grads, watchdog
 from axon4d.launch import free_port
 from axon4d.train import loop, optim
 
@@ -237,7 +237,7 @@ NAMED = {
 def test_a_host_read_blocked_past_its_deadline_ends_the_rank_and_is_named(monkeypatch, where):
     dog, ended, out = _dog()
     grid = _grid(ended)
-    monkeypatch.setattr(params, "grad_norm", lambda model, grid: _BlockedRead(ended))
+    monkeypatch.setattr(grads, "grad_norm", lambda model, grid: _BlockedRead(ended))
     monkeypatch.setattr(devices, "synchronize", lambda device: _BlockedRead(ended)._block())
     reads = {
         "loss": lambda: loop._global_mean(torch.ones(()), grid),

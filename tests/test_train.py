@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import axon4d
-from axon4d import checkpoint, commlog, params
+from axon4d import checkpoint, commlog, grads
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -41,7 +41,7 @@ def _norms(grid, cfg):
     model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])).backward()
     dense.loss(ids[:, :-1], ids[:, 1:]).backward()
     ref = torch.sqrt(sum(p.grad.double().square().sum() for p in dense.parameters())).item()
-    return params.grad_norm(model, grid).item(), ref
+    return grads.grad_norm(model, grid).item(), ref
 
 
 @pytest.mark.parametrize("cfg", [CFG, CFG.replace(arch="gpt", n_kv_heads=None)], ids=["llama", "gpt"])

@@ -205,7 +205,7 @@ class Linear(nn.Module):
     """
 
     #: fused outputs (q | k | v, gate | up) interleaved by y group, so a checkpoint stores them apart
-    #: (axon4d.params); None for a plain layer
+    #: (axon4d.param_layout); None for a plain layer
     fused_rows: pieces.FusedRows | None = None
 
     def __init__(

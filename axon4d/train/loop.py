@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from axon4d import checkpoint, params, runtime, watchdog
+from axon4d import checkpoint, grads, runtime, watchdog
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
@@ -160,9 +160,9 @@ def _global_mean(value: torch.Tensor, grid: Grid) -> float:
 
 
 def _first_nonfinite(model: Transformer, grid: Grid) -> str | None:
-    """``params.first_nonfinite_grad``, its host read marked as a wait (only on a non-finite step)."""
+    """``grads.first_nonfinite_grad``, its host read marked as a wait (only on a non-finite step)."""
     with watchdog.waiting("the host read of the non-finite gradients' flags (their all-reduce over world)"):
-        return params.first_nonfinite_grad(model, grid)
+        return grads.first_nonfinite_grad(model, grid)
 
 
 def _synchronize(grid: Grid, step: int) -> None:

@@ -2,9 +2,9 @@
 
 ``lr_at`` is linear warmup to ``lr`` followed by cosine decay to ``min_lr`` at the last step.
 ``make_optimizer`` is AdamW with weight decay on matrices and embeddings only, decided by each
-parameter's *global* shape (``axon4d.params``), so a flat Linear shard counts as the matrix it is
+parameter's *global* shape (``axon4d.param_layout``), so a flat Linear shard counts as the matrix it is
 part of. ``clip`` clips by the global gradient norm, which counts every element once however it
-is sharded or replicated over the grid (``axon4d.params.grad_norm``).
+is sharded or replicated over the grid (``axon4d.grads.grad_norm``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from axon4d import params, watchdog
+from axon4d import grads, param_layout, watchdog
 from axon4d.grid import Grid
 from axon4d.train.config import TrainConfig
 
@@ -39,7 +39,7 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
 
     Decided by the parameter's *global* shape, so flat Linear shards count as matrices; for a
     plain single-process model the global shape is the parameter's own."""
-    layouts = params.param_layouts(model)
+    layouts = param_layout.param_layouts(model)
     decay = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) >= 2]
     other = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
@@ -55,5 +55,5 @@ def clip(model: torch.nn.Module, cfg: TrainConfig, grid: Grid) -> float:
     norm. Reading it blocks the host (under NCCL, until the backward is done): a marked wait."""
     with watchdog.waiting(NORM_READ):
         if cfg.grad_clip > 0:
-            return params.clip_grad_norm_(model, cfg.grad_clip, grid)
-        return params.grad_norm(model, grid).item()
+            return grads.clip_grad_norm_(model, cfg.grad_clip, grid)
+        return grads.grad_norm(model, grid).item()
