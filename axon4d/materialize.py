@@ -9,11 +9,11 @@ An 80B model never fits on one host, so it is never built whole. It is built on 
 The values are exactly those of the dense reference initialised for the same seed,
 ``init_dense_(DenseTransformer(cfg), seed)``, on any grid: ``Transformer.from_dense`` of that
 reference holds the same tensors, bit for bit. This works because the reference's initialisation
-is addressable (``axon4d.pieces``): each global tensor is drawn tile by tile, every tile from its
+is addressable (``axon4d.tiled_init``): each global tensor is drawn tile by tile, every tile from its
 own generator seeded from (seed, parameter name, tile), so a rank draws just the tiles its shard
 overlaps. Which rows and columns of which dense tensor a shard holds is the parameter's
 ``ParamLayout`` (axon4d.param_layout): its block on the (x, y) plane, the flat z shard of a Linear weight
-(zero-padded), and the fused q|k|v and gate|up rows interleaved by y group (``pieces.FusedRows``):
+(zero-padded), and the fused q|k|v and gate|up rows interleaved by y group (``rectangles.FusedRows``):
 the rectangles a checkpoint saves it as (``ParamLayout.rectangles``). A rank allocates its shards and
 one tile of scratch, nothing more.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from axon4d import pieces
+from axon4d import rectangles, tiled_init
 from axon4d.grid import Grid
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.param_layout import ParamLayout, layout_of
@@ -54,7 +54,9 @@ def dense_name(name: str, segment: str = "") -> str:
 
 
 @torch.no_grad()
-def init_dense_(dense: DenseTransformer, seed: int, *, tiling: pieces.Tiling = pieces.TILING) -> DenseTransformer:
+def init_dense_(
+    dense: DenseTransformer, seed: int, *, tiling: tiled_init.Tiling = tiled_init.TILING
+) -> DenseTransformer:
     """Initialise every parameter of ``dense`` for ``seed``, tile by tile (the reference).
 
     Each parameter keeps the distribution the model's constructor uses
@@ -66,12 +68,12 @@ def init_dense_(dense: DenseTransformer, seed: int, *, tiling: pieces.Tiling = p
     for name, p in dense.named_parameters():
         if p.is_meta:
             raise ValueError(f"{name} is on the meta device; build the dense model on a real device")
-        shape = pieces.matrix_shape(p.shape)
-        pieces.fill_(p.view(shape), inits[name], seed, name, shape, 0, 0, tiling)
+        shape = rectangles.matrix_shape(p.shape)
+        tiled_init.fill_(p.view(shape), inits[name], seed, name, shape, 0, 0, tiling)
     return dense
 
 
-def shard_pieces(name: str, layout: ParamLayout, numel: int, grid: Grid) -> list[pieces.Piece]:
+def shard_pieces(name: str, layout: ParamLayout, numel: int, grid: Grid) -> list[rectangles.Piece]:
     """Where this rank's stored piece (``numel`` elements) of ``Transformer`` parameter ``name``
     comes from: rectangles of dense parameters — those a checkpoint saves it as
     (``ParamLayout.rectangles``), named as the dense model names them."""
@@ -84,7 +86,7 @@ def materialize_(
     seed: int,
     *,
     device: str | torch.device | None = None,
-    tiling: pieces.Tiling = pieces.TILING,
+    tiling: tiled_init.Tiling = tiled_init.TILING,
 ) -> Transformer:
     """Give every parameter of ``model`` (built with ``device="meta"``) this rank's values.
 
@@ -98,7 +100,7 @@ def materialize_(
     device = torch.device(device) if device is not None else grid.device
     dense = DenseTransformer(model.cfg, device="meta")  # names, shapes and distributions; no storage
     inits = dense.param_inits()
-    shapes = {n: pieces.matrix_shape(p.shape) for n, p in dense.named_parameters()}
+    shapes = {n: rectangles.matrix_shape(p.shape) for n, p in dense.named_parameters()}
     memo: dict[int, nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         for p_name, p in list(module.named_parameters(recurse=False)):
@@ -108,7 +110,7 @@ def materialize_(
                 if shapes.get(part.name) != part.shape:
                     raise ValueError(f"{name}: its piece of {part.name} {part.shape} does not match the dense model")
             local = torch.empty(p.shape, dtype=p.dtype, device=device) if p.is_meta else p.detach()
-            pieces.fill_pieces_(local, parts, inits, seed, tiling)
+            tiled_init.fill_pieces_(local, parts, inits, seed, tiling)
             if p.is_meta:
-                pieces.replace_parameter_(module, p_name, local, memo)
+                tiled_init.replace_parameter_(module, p_name, local, memo)
     return model

@@ -17,11 +17,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from axon4d import geometry, pieces
+from axon4d import geometry
 from axon4d.grid import Grid
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import SplitFeatureNorm
+from axon4d.rectangles import FusedRows, Piece, Rows, matrix_shape, pieces
 from axon4d.shape import AXES
 
 
@@ -52,7 +53,7 @@ class ParamLayout:
     z_flat: bool = False
     """Stored as this rank's flat, zero-padded 1/G_z of the block: an axon4d.Linear weight, whose
     block and z shards are the layer's own (``geometry.weight_block_shape``, ``geometry.z_shard``)."""
-    fused: pieces.FusedRows | None = None
+    fused: FusedRows | None = None
     """Dim 0 of the global tensor is really several tensors stacked (fused q|k|v, gate|up) whose
     chunks are interleaved by the axis splitting dim 0. A checkpoint stores each segment as its own
     tensor, so it does not depend on the grid that wrote it."""
@@ -112,25 +113,25 @@ class ParamLayout:
         named = self.rectangles(numel, grid, lambda segment: f"{prefix}.{segment}" if segment else prefix)
         return [_box(shapes[p.name], p) for p in named]
 
-    def rectangles(self, numel: int, grid: Grid, name: Callable[[str], str]) -> list[pieces.Piece]:
+    def rectangles(self, numel: int, grid: Grid, name: Callable[[str], str]) -> list[Piece]:
         """This rank's stored piece of ``numel`` elements as rectangles of global matrices, each
-        contiguous in it (``pieces.pieces``, runs of whole rows merged); z padding lies in none. The
+        contiguous in it (``axon4d.rectangles.pieces``, runs of whole rows merged); z padding lies in none. The
         global tensor is named ``name("")``, or each segment's own ``name(segment)`` for fused rows:
         ``boxes`` names them as a checkpoint saves them, axon4d.materialize as the dense model does."""
         block = self.block_shape(grid)
-        rows, cols = pieces.matrix_shape(block)
+        rows, cols = matrix_shape(block)
         offsets = self.block_offsets(grid)
-        row0, global_cols = offsets[0] if offsets else 0, pieces.matrix_shape(self.global_shape)[1]
+        row0, global_cols = offsets[0] if offsets else 0, matrix_shape(self.global_shape)[1]
         if self.fused is None:
-            sources = [pieces.Rows(0, rows, name(""), pieces.matrix_shape(self.global_shape), row0)]
+            sources = [Rows(0, rows, name(""), matrix_shape(self.global_shape), row0)]
         else:  # fused rows: a run of rows of each segment's own tensor
             sources = self.fused.sources(row0 // rows, global_cols, name)
         start, stop = 0, rows * cols
         if self.z_flat:  # this rank's flat z shard of the block; past the block's end it is padding
             start = grid.coord("z") * numel
             stop = min(start + numel, rows * cols)
-        merged: list[pieces.Piece] = []
-        for p in pieces.pieces(sources, offsets[1] if len(offsets) > 1 else 0, cols, start, stop):
+        merged: list[Piece] = []
+        for p in pieces(sources, offsets[1] if len(offsets) > 1 else 0, cols, start, stop):
             last = merged[-1] if merged else None
             if (  # whole rows of the same tensor, following on: one rectangle
                 last is not None
@@ -159,7 +160,7 @@ class ParamLayout:
         ]
 
 
-def _box(shape: tuple[int, ...], p: pieces.Piece) -> Box:
+def _box(shape: tuple[int, ...], p: Piece) -> Box:
     """Matrix rectangle ``p`` of the saved tensor of ``shape``, in that tensor's dims."""
     if len(shape) == 2:
         return Box(p.name, shape, (p.row0, p.col0), (p.rows, p.cols), p.offset)

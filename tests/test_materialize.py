@@ -27,7 +27,7 @@ import axon4d
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.linear import Linear
-from axon4d.pieces import Tiling
+from axon4d.tiled_init import Tiling
 
 GPT = ModelConfig(n_layers=2, hidden=18, n_heads=2, vocab_size=66, seq_len=8, arch="gpt")
 LLAMA = ModelConfig(
@@ -146,7 +146,7 @@ name, grid, rank = sys.argv[1], tuple(json.loads(sys.argv[2])), int(sys.argv[3])
 world = grid[0] * grid[1] * grid[2] * grid[3]
 dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 import axon4d
-from axon4d import pieces
+from axon4d import tiled_init
 from axon4d.config import SIZES
 from axon4d.materialize import materialize_
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -162,8 +162,8 @@ def peak_resident() -> int:
 
 # warm up the kernels materializing runs (their code pages count as resident)
 w = torch.empty(64, 64, dtype=torch.bfloat16)
-for init in (pieces.Init.uniform(1.0), pieces.Init.normal(1.0), pieces.Init.constant(1.0)):
-    pieces.fill_(w, init, 0, "warm-up", (64, 64), 0, 0)
+for init in (tiled_init.Init.uniform(1.0), tiled_init.Init.normal(1.0), tiled_init.Init.constant(1.0)):
+    tiled_init.fill_(w, init, 0, "warm-up", (64, 64), 0, 0)
 w.view(-1)[100:].zero_()
 DenseTransformer(SIZES["tiny"], device="meta")  # what materialize_ builds for names and shapes
 with open("/proc/self/clear_refs", "w") as f:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import pieces, runtime
+from axon4d import runtime, tiled_init
 from axon4d.activations import sequence_chunk_len, sequence_positions
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
@@ -56,22 +56,22 @@ class DenseTransformer(nn.Module):
         self.norm = dense_norm_for(cfg, device=device, dtype=dtype)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, device=device, dtype=dtype)
 
-    def param_inits(self) -> dict[str, pieces.Init]:
+    def param_inits(self) -> dict[str, tiled_init.Init]:
         """``{parameter name: distribution}`` of this model's initialisation — what the constructor
         draws: ``torch.nn.Linear``'s U(−1/√in, 1/√in) for weights and biases, N(0, 1) for the token
         embedding, N(0, 0.02²) for the positions, ones and zeros for the norms. With
         ``axon4d.materialize.init_dense_`` the same distributions are drawn tile by tile from a seed,
-        which makes the initialisation addressable (``axon4d.pieces``)."""
-        out: dict[str, pieces.Init] = {}
+        which makes the initialisation addressable (``axon4d.tiled_init``)."""
+        out: dict[str, tiled_init.Init] = {}
         for mod_name, m in self.named_modules():
             for p_name, _ in m.named_parameters(recurse=False):
                 name = f"{mod_name}.{p_name}" if mod_name else p_name
                 if isinstance(m, nn.Linear):
-                    out[name] = pieces.Init.uniform(1.0 / math.sqrt(m.in_features))
+                    out[name] = tiled_init.Init.uniform(1.0 / math.sqrt(m.in_features))
                 elif isinstance(m, nn.Embedding):
-                    out[name] = pieces.Init.normal(0.02 if m is self.pos_emb else 1.0)
+                    out[name] = tiled_init.Init.normal(0.02 if m is self.pos_emb else 1.0)
                 elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-                    out[name] = pieces.Init.constant(1.0 if p_name == "weight" else 0.0)
+                    out[name] = tiled_init.Init.constant(1.0 if p_name == "weight" else 0.0)
                 else:
                     raise TypeError(f"{name}: no initialisation is defined for {type(m).__name__}")
         return out

@@ -4,7 +4,7 @@ The fused QKV projection is a normal Linear (hidden over x → q, k, v features 
 output projection a transposed one (features over y → hidden over x), so the block consumes and
 produces the residual-stream layout (b, s, hidden/G_x) with no redistribution. The QKV output
 features are ordered so that y-rank j's contiguous chunk holds whole heads:
-[q heads of group j | k heads of group j | v heads of group j] (``pieces.FusedRows``); attention
+[q heads of group j | k heads of group j | v heads of group j] (``rectangles.FusedRows``); attention
 then runs on this rank's n_heads/G_y query heads and n_kv_heads/G_y key/value heads with no
 communication.
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import counts, pieces, rules, runtime
+from axon4d import counts, rectangles, rules, runtime
 from axon4d.activations import sequence_positions
 from axon4d.grid import Grid
 from axon4d.nn.context import split_sequence_attention
@@ -145,7 +145,9 @@ class Attention(nn.Module):
         self.out = Linear(hidden, hidden, bias=bias, transpose=True, **kw)
         # the fused output is q | k | v interleaved by y group: checkpoints store the three apart
         kv = n_kv_heads * self.head_dim
-        self.qkv.fused_rows = self.qkv_rows = pieces.FusedRows((("q", hidden), ("k", kv), ("v", kv)), grid.size("y"))
+        self.qkv.fused_rows = self.qkv_rows = rectangles.FusedRows(
+            (("q", hidden), ("k", kv), ("v", kv)), grid.size("y")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(b, s, hidden/G_x) → (b, s, hidden/G_x), causal self-attention over the s positions."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from axon4d import device as devices
-from axon4d import pieces, rules, runtime
+from axon4d import rules, runtime, tiled_init
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
@@ -86,13 +86,13 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """N(0, 1) like ``torch.nn.Embedding``: this rank's block of the full (vocab, hidden) table
-        initialised tile by tile (``axon4d.pieces``, tensor "weight") from one seed drawn from
+        initialised tile by tile (``axon4d.tiled_init``, tensor "weight") from one seed drawn from
         torch's default generator, so a block's values depend on the seed and its position only."""
         seed = int(torch.randint(0, 2**62, ()).item())
         if self.weight.is_meta:
             return
         shape = (self.vocab_size, self.hidden)
-        pieces.fill_(self.weight, pieces.Init.normal(1.0), seed, "weight", shape, self.rows[0], self.cols[0])
+        tiled_init.fill_(self.weight, tiled_init.Init.normal(1.0), seed, "weight", shape, self.rows[0], self.cols[0])
 
     @torch.no_grad()
     def load_dense_(self, weight: torch.Tensor) -> VocabParallelEmbedding:
@@ -154,7 +154,9 @@ class PositionEmbedding(nn.Module):
         average_grad_over_batch(self.weight, self.grid, Term.POSITION_GRAD)
         if not self.weight.is_meta:  # N(0, 0.02²): this rank's columns of the full table, drawn tile by tile
             seed = int(torch.randint(0, 2**62, ()).item())
-            pieces.fill_(self.weight, pieces.Init.normal(0.02), seed, "weight", (seq_len, hidden), 0, self.cols[0])
+            tiled_init.fill_(
+                self.weight, tiled_init.Init.normal(0.02), seed, "weight", (seq_len, hidden), 0, self.cols[0]
+            )
 
     @torch.no_grad()
     def load_dense_(self, weight: torch.Tensor) -> PositionEmbedding:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import device as devices
-from axon4d import geometry, pieces, rules, runtime
+from axon4d import geometry, rectangles, rules, runtime, tiled_init
 from axon4d.activations import mark_features
 from axon4d.geometry import Term
 from axon4d.grid import Grid
@@ -206,7 +206,7 @@ class Linear(nn.Module):
 
     #: fused outputs (q | k | v, gate | up) interleaved by y group, so a checkpoint stores them apart
     #: (axon4d.param_layout); None for a plain layer
-    fused_rows: pieces.FusedRows | None = None
+    fused_rows: rectangles.FusedRows | None = None
 
     def __init__(
         self,
@@ -263,24 +263,28 @@ class Linear(nn.Module):
 
         Every rank draws one seed from torch's default generator (so it stays in step across
         ranks). The layer then holds this rank's part of the full (out, in) weight and (out,) bias
-        initialised tile by tile from that seed (``axon4d.pieces``, tensors "weight" and "bias"),
+        initialised tile by tile from that seed (``axon4d.tiled_init``, tensors "weight" and "bias"),
         drawing only the tiles its shard overlaps: replicas agree, and the values of a block depend
         on neither G_z nor the other ranks.
         """
         seed = int(torch.randint(0, 2**62, (), generator=None).item())
         if self.weight.is_meta:
             return
-        init = pieces.Init.uniform(1.0 / math.sqrt(self.in_features))
+        init = tiled_init.Init.uniform(1.0 / math.sqrt(self.in_features))
         rows, cols = self.block_shape
         row, col = self.block_index
         start = self.grid.coord("z") * self.shard_numel
         stop = min(start + self.shard_numel, rows * cols)
         shape = (self.out_features, self.in_features)
-        weight = pieces.pieces([pieces.Rows(0, rows, "weight", shape, row * rows)], col * cols, cols, start, stop)
-        pieces.fill_pieces_(self.weight, weight, {"weight": init}, seed)
+        weight = rectangles.pieces(
+            [rectangles.Rows(0, rows, "weight", shape, row * rows)], col * cols, cols, start, stop
+        )
+        tiled_init.fill_pieces_(self.weight, weight, {"weight": init}, seed)
         if self.bias is not None:
-            bias = pieces.pieces([pieces.Rows(0, rows, "bias", (self.out_features, 1), row * rows)], 0, 1, 0, rows)
-            pieces.fill_pieces_(self.bias, bias, {"bias": init}, seed)
+            bias = rectangles.pieces(
+                [rectangles.Rows(0, rows, "bias", (self.out_features, 1), row * rows)], 0, 1, 0, rows
+            )
+            tiled_init.fill_pieces_(self.bias, bias, {"bias": init}, seed)
 
     @torch.no_grad()
     def load_dense_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:

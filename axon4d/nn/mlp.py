@@ -2,7 +2,7 @@
 
 GELU: up (hidden → ffn, ffn over y), GELU, down (ffn over y → hidden over x). SwiGLU: the gate
 and up projections are fused into one normal Linear whose output features are ordered so that
-y-rank j's chunk is [gate_j | up_j] (``pieces.FusedRows``); silu(gate)·up then needs no communication.
+y-rank j's chunk is [gate_j | up_j] (``rectangles.FusedRows``); silu(gate)·up then needs no communication.
 
 ``recompute_activation`` (balanced recomputation, axon4d.nn.recompute): the down projection keeps
 the up projection's output instead of the activation's, and re-runs the activation in its backward.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import pieces, rules, runtime
+from axon4d import rectangles, rules, runtime
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed_input
@@ -73,7 +73,7 @@ class MLP(nn.Module):
         self.up = Linear(hidden, 2 * ffn if gated else ffn, bias=bias, transpose=False, **kw)
         self.down = Linear(ffn, hidden, bias=bias, transpose=True, **kw)
         #: gate | up interleaved by y group (checkpoints store the two apart); None for GELU
-        self.up_rows = pieces.FusedRows((("gate", ffn), ("up", ffn)), grid.size("y")) if gated else None
+        self.up_rows = rectangles.FusedRows((("gate", ffn), ("up", ffn)), grid.size("y")) if gated else None
         self.up.fused_rows = self.up_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from axon4d.parallelize.plan import (
     slice_hidden_states_hook,
     slice_output_hook,
 )
-from axon4d.pieces import FusedRows
+from axon4d.rectangles import FusedRows
 
 
 def attention_specs(name: str, m: nn.Module, grid: Grid, last: Spec) -> tuple[dict[str, Spec], dict[str, Any]] | None:

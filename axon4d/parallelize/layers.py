@@ -21,7 +21,7 @@ from axon4d.nn.functional import gather_replicated, split_replicated
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import LayerNorm, RMSNorm
 from axon4d.nn.recompute import Recipes, checkpointed
-from axon4d.pieces import FusedRows
+from axon4d.rectangles import FusedRows
 
 
 def is_conv1d(m: nn.Module) -> bool:

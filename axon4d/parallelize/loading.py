@@ -11,7 +11,7 @@ ever holds the whole model.
 
 ``directory`` is what ``save_pretrained`` wrote: ``model.safetensors``, or several files listed in
 ``model.safetensors.index.json``. Each parameter is read with safetensors' ``get_slice`` as the
-rectangles of its global tensor that this rank's piece is (``axon4d.pieces``): a ``ShardedLinear``'s
+rectangles of its global tensor that this rank's piece is (``axon4d.rectangles``): a ``ShardedLinear``'s
 flat z shard of its (x, y) block — rows in the layer's ``out_perm`` order, from the transposed
 (in, out) tensor of a GPT-2 ``Conv1D`` — a ``ShardedNorm``'s features, a vocabulary-parallel
 embedding's block; parameters left whole (replicated) are read whole. Reads go in row chunks of at
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import pieces, runtime
+from axon4d import rectangles, runtime, tiled_init
 from axon4d.grid import Grid
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
@@ -83,7 +83,7 @@ class _Reader:
 
 def _linear_plan(
     name: str, layer: Linear, out_perm: torch.Tensor | None, grid: Grid
-) -> dict[str, tuple[str, tuple[int, ...], list[pieces.Piece]]]:
+) -> dict[str, tuple[str, tuple[int, ...], list[rectangles.Piece]]]:
     """{parameter: (checkpoint tensor, its shape, rectangles)} of a 3D layer whose dense layer was
     ``name``: the weight's flat z shard of this rank's block, the bias's rows (both in
     ``out_perm``'s row order)."""
@@ -92,30 +92,32 @@ def _linear_plan(
     order = list(range(r * rows, (r + 1) * rows))
     if out_perm is not None:
         order = [int(i) for i in out_perm[r * rows : (r + 1) * rows]]
-    out: dict[str, tuple[str, tuple[int, ...], list[pieces.Piece]]] = {}
+    out: dict[str, tuple[str, tuple[int, ...], list[rectangles.Piece]]] = {}
     for p_name, shape in (("weight", (layer.out_features, layer.in_features)), ("bias", (layer.out_features,))):
         if getattr(layer, p_name) is None:
             continue
-        tensor, matrix = f"{name}.{p_name}", pieces.matrix_shape(shape)
-        sources = [pieces.Rows(start, n, tensor, matrix, first) for start, n, first in pieces.runs(order)]
+        tensor, matrix = f"{name}.{p_name}", rectangles.matrix_shape(shape)
+        sources = [rectangles.Rows(start, n, tensor, matrix, first) for start, n, first in rectangles.runs(order)]
         if p_name == "weight":  # the flat z shard of the block; past the block's end it is padding
             start = grid.coord("z") * layer.shard_numel
-            parts = pieces.pieces(sources, c * cols, cols, start, min(start + layer.shard_numel, rows * cols))
+            parts = rectangles.pieces(sources, c * cols, cols, start, min(start + layer.shard_numel, rows * cols))
         else:
-            parts = pieces.pieces(sources, 0, 1, 0, rows)
+            parts = rectangles.pieces(sources, 0, 1, 0, rows)
         out[p_name] = (tensor, shape, parts)
     return out
 
 
-def _block(tensor: str, shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int]) -> list[pieces.Piece]:
+def _block(tensor: str, shape: tuple[int, ...], rows: tuple[int, int], cols: tuple[int, int]) -> list[rectangles.Piece]:
     """Rows [rows) × columns [cols) of ``tensor`` (seen as a matrix), stored whole in the local tensor."""
     n, width = rows[1] - rows[0], cols[1] - cols[0]
-    return pieces.pieces([pieces.Rows(0, n, tensor, pieces.matrix_shape(shape), rows[0])], cols[0], width, 0, n * width)
+    return rectangles.pieces(
+        [rectangles.Rows(0, n, tensor, rectangles.matrix_shape(shape), rows[0])], cols[0], width, 0, n * width
+    )
 
 
 #: what ``_plan`` yields per parameter: (module, parameter name, checkpoint tensor, that tensor's
 #: shape, the rectangles of it this rank holds, whether the checkpoint stores it transposed)
-Entry = tuple[nn.Module, str, str, tuple[int, ...], list[pieces.Piece], bool]
+Entry = tuple[nn.Module, str, str, tuple[int, ...], list[rectangles.Piece], bool]
 
 
 def _plan(model: nn.Module, grid: Grid) -> Iterator[Entry]:
@@ -149,7 +151,7 @@ def _plan(model: nn.Module, grid: Grid) -> Iterator[Entry]:
         else:  # left whole on every rank: read whole
             for p_name, p in params.items():
                 tensor, shape = (f"{dense}.{p_name}" if dense else p_name), tuple(p.shape)
-                n_rows, n_cols = pieces.matrix_shape(shape)
+                n_rows, n_cols = rectangles.matrix_shape(shape)
                 yield m, p_name, tensor, shape, _block(tensor, shape, (0, n_rows), (0, n_cols)), False
 
 
@@ -172,7 +174,7 @@ def _read_into(
     dest: torch.Tensor,
     reader: _Reader,
     tensor: str,
-    part: pieces.Piece,
+    part: rectangles.Piece,
     global_shape: tuple[int, ...],
     transposed: bool,
 ) -> None:
@@ -225,7 +227,7 @@ def load_pretrained_(
             p = module._parameters[p_name]
             assert p is not None
             if id(p) in memo:  # tied: already read under another name
-                pieces.replace_parameter_(module, p_name, p, memo)
+                tiled_init.replace_parameter_(module, p_name, p, memo)
                 continue
             candidates = [tensor] + [a for a in aliases.get(id(p), []) if a != tensor]
             found = _resolve(candidates, files, prefix)
@@ -237,7 +239,7 @@ def load_pretrained_(
                 end = max(end, part.offset + part.numel)
             flat[end:].zero_()  # z padding
             if p.is_meta:
-                pieces.replace_parameter_(module, p_name, local, memo)
+                tiled_init.replace_parameter_(module, p_name, local, memo)
             else:
                 memo[id(p)] = p
         _load_buffers(model, reader, files, prefix, device)
@@ -259,7 +261,7 @@ def _load_buffers(model: nn.Module, reader: _Reader, files: dict[str, str], pref
             except KeyError:
                 recompute.append((name, m))
                 continue
-            rows, cols = pieces.matrix_shape(buf.shape)
+            rows, cols = rectangles.matrix_shape(buf.shape)
             part = _block(found, tuple(buf.shape), (0, rows), (0, cols))[0]
             _read_into(m._buffers[b_name].view(rows, cols), reader, found, part, tuple(buf.shape), False)
     init_weights = getattr(model, "_init_weights", None)

@@ -25,7 +25,7 @@ from torch import nn
 from axon4d.grid import Grid
 from axon4d.nn.embedding import VocabParallelEmbedding
 from axon4d.nn.functional import gather_replicated, split_replicated
-from axon4d.pieces import FusedRows
+from axon4d.rectangles import FusedRows
 from axon4d.shape import factorizations, suggest
 
 #: attribute marking a forward hook installed by a plan (``to_dense`` strips them from its copy)

@@ -1,13 +1,14 @@
-"""A rank's piece of a global tensor: where it lies, and how it gets its values without the rest.
+"""Where a rank's part of a global tensor lies in it: rectangles of the global tensor.
 
 Every parameter is a piece of a *global* tensor, the one the single-process model holds
 (axon4d.param_layout). Building or loading a model that never fits on one host means filling each
-rank's piece straight from its source — a seeded initialisation or a checkpoint — without ever
-holding the global tensor. This module holds the plain-data part of that (docs/design.md §2):
+rank's piece straight from its source — a seeded initialisation (axon4d.tiled_init) or a
+checkpoint — without ever holding the global tensor. This module says which elements of the global
+tensor a piece holds, as plain data (docs/design.md §2):
 
-- **Rectangles.** A global tensor is seen as a matrix: dim 0 are its rows, the other dims
-  flattened its columns (a vector is one column). A rank's piece is the flat, row-major range
-  ``[start, stop)`` of its block (an axon4d.Linear's z shard, §2; the whole block otherwise);
+- **Rectangles.** A global tensor is seen as a matrix (``matrix_shape``): dim 0 are its rows, the
+  other dims flattened its columns (a vector is one column). A rank's piece is the flat, row-major
+  range ``[start, stop)`` of its block (an axon4d.Linear's z shard, §2; the whole block otherwise);
   ``pieces`` cuts that range into at most three rectangles per row source (a partial first row,
   whole rows, a partial last row), each landing contiguously in the local tensor. The block's rows
   may come from several global tensors (``Rows``): the fused q|k|v and gate|up layers, or a row
@@ -15,72 +16,16 @@ holding the global tensor. This module holds the plain-data part of that (docs/d
 - **Fused rows.** ``FusedRows`` is the one description of a fused layer's rows — q | k | v
   (attention, GPT-2's packed c_attn) or gate | up (SwiGLU) interleaved by y group: the permutation,
   fusing and splitting back, a rank's chunk per segment, and its rows in each segment's tensor.
-- **Addressable initialisation.** A global tensor of a seed is defined tile by tile: the matrix is
-  cut into tiles of at most ``Tiling.elements`` elements (``Tiling.max_cols`` wide), and tile
-  (i, j) is drawn from its own ``torch.Generator``, seeded from (seed, tensor name, i, j).
-  ``fill_`` draws any rectangle by drawing only the tiles it overlaps, one at a time, so a rank
-  can initialise its piece exactly as the dense model would be, on any grid, with one tile of
-  scratch. Draws are made in fp32 on the CPU and cast, so values do not depend on the device.
-- **Storage.** ``replace_parameter_`` gives a parameter built on the ``meta`` device real storage,
-  keeping what was attached to it (gradient hooks, marks) and ties between modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
-
-
-class Tiling(NamedTuple):
-    """How a global tensor is cut into tiles: at most ``elements`` per tile, ``max_cols`` wide."""
-
-    elements: int = 16384
-    max_cols: int = 512
-
-    def tile_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
-        """(rows, cols) of the tiles of a (rows, cols) matrix; the last tile of a dim may be smaller."""
-        cols = max(1, min(shape[1], self.max_cols))
-        return max(1, self.elements // cols), cols
-
-
-#: the tiling every initialisation uses unless told otherwise (changing it changes the values)
-TILING = Tiling()
-
-
-@dataclasses.dataclass(frozen=True)
-class Init:
-    """The distribution a global tensor is drawn from."""
-
-    kind: str
-    """"uniform" (U(−scale, scale)), "normal" (N(0, scale²)) or "constant" (every element = scale)."""
-    scale: float = 1.0
-
-    @classmethod
-    def uniform(cls, bound: float) -> Init:
-        return cls("uniform", bound)
-
-    @classmethod
-    def normal(cls, std: float = 1.0) -> Init:
-        return cls("normal", std)
-
-    @classmethod
-    def constant(cls, value: float) -> Init:
-        return cls("constant", value)
-
-    def draw(self, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
-        """A fresh fp32 CPU tensor of ``shape`` drawn with ``generator``."""
-        out = torch.empty(shape, dtype=torch.float32)
-        if self.kind == "uniform":
-            return out.uniform_(-self.scale, self.scale, generator=generator)
-        if self.kind == "normal":
-            return out.normal_(0.0, self.scale, generator=generator)
-        raise ValueError(f"Init kind {self.kind!r} is not drawn; use 'uniform', 'normal' or 'constant'")
 
 
 def matrix_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
@@ -89,45 +34,6 @@ def matrix_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
     if not shape:
         return 1, 1
     return shape[0], math.prod(shape[1:])
-
-
-def tile_seed(seed: int, name: str, i: int, j: int) -> int:
-    """The generator seed of tile (i, j) of global tensor ``name`` for ``seed`` (63 bits)."""
-    digest = hashlib.blake2b(f"{seed}\0{name}\0{i}\0{j}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-@torch.no_grad()
-def fill_(
-    out: torch.Tensor,
-    init: Init,
-    seed: int,
-    name: str,
-    shape: tuple[int, int],
-    row0: int,
-    col0: int,
-    tiling: Tiling = TILING,
-) -> torch.Tensor:
-    """Fill ``out`` (h, w) with rows [row0, row0 + h) × columns [col0, col0 + w) of the global
-    (rows, cols) matrix ``name`` initialised from ``seed``, drawing only the tiles they overlap."""
-    h, w = out.shape
-    if init.kind == "constant":
-        return out.fill_(init.scale)
-    rows, cols = shape
-    if row0 < 0 or col0 < 0 or row0 + h > rows or col0 + w > cols:
-        raise ValueError(f"rectangle rows {row0}+{h}, cols {col0}+{w} is outside {name} of shape {shape}")
-    tr, tc = tiling.tile_shape(shape)
-    for i in range(row0 // tr, -(-(row0 + h) // tr)):
-        t_r0, t_r1 = i * tr, min((i + 1) * tr, rows)
-        r_a, r_b = max(row0, t_r0), min(row0 + h, t_r1)
-        for j in range(col0 // tc, -(-(col0 + w) // tc)):
-            t_c0, t_c1 = j * tc, min((j + 1) * tc, cols)
-            c_a, c_b = max(col0, t_c0), min(col0 + w, t_c1)
-            tile = init.draw((t_r1 - t_r0, t_c1 - t_c0), torch.Generator().manual_seed(tile_seed(seed, name, i, j)))
-            out[r_a - row0 : r_b - row0, c_a - col0 : c_b - col0].copy_(
-                tile[r_a - t_r0 : r_b - t_r0, c_a - t_c0 : c_b - t_c0]
-            )
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,48 +195,3 @@ def pieces(sources: list[Rows], col0: int, width: int, start: int, stop: int) ->
     if covered != stop - start:
         raise ValueError(f"the row sources cover {covered} of the {stop - start} elements asked for")
     return out
-
-
-@torch.no_grad()
-def fill_pieces_(
-    flat: torch.Tensor,
-    parts: list[Piece],
-    inits: dict[str, Init],
-    seed: int,
-    tiling: Tiling = TILING,
-) -> torch.Tensor:
-    """Fill the flat local tensor ``flat`` with ``parts`` of seeded global tensors (``inits``: the
-    distribution of each); every element no piece covers (z padding) is zero."""
-    flat = flat.view(-1)
-    end = 0
-    for p in parts:
-        dest = flat[p.offset : p.offset + p.numel].view(p.rows, p.cols)
-        fill_(dest, inits[p.name], seed, p.name, p.shape, p.row0, p.col0, tiling)
-        end = max(end, p.offset + p.numel)
-    flat[end:].zero_()
-    return flat
-
-
-def replace_parameter_(
-    module: nn.Module, name: str, data: torch.Tensor, memo: dict[int, nn.Parameter] | None = None
-) -> nn.Parameter:
-    """Put a new ``nn.Parameter`` holding ``data`` in place of ``module``'s parameter ``name``
-    (one built on the meta device cannot take real storage in place), carrying over its gradient
-    hooks, the attributes set on it and ``requires_grad``. With ``memo`` (id of the old parameter →
-    new one), a parameter shared by several modules becomes one shared new parameter."""
-    old = module._parameters[name]
-    assert old is not None
-    if memo is not None and id(old) in memo:
-        new = memo[id(old)]
-    else:
-        new = nn.Parameter(data, requires_grad=old.requires_grad)
-        new.__dict__.update(old.__dict__)
-        if old._backward_hooks:
-            new._backward_hooks = old._backward_hooks
-        post = getattr(old, "_post_accumulate_grad_hooks", None)
-        if post:
-            new._post_accumulate_grad_hooks = post
-        if memo is not None:
-            memo[id(old)] = new
-    module._parameters[name] = new
-    return new
