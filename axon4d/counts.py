@@ -5,7 +5,7 @@ input with the same words. A count is a whole number — an int, never a bool; a
 refused, never truncated — of at least its least value (``is_whole``, ``whole``). Every field that
 counts something is checked here: a model's sizes (axon4d.config), a layer's features and heads
 (``axon4d.rules.count``), grid sizes (axon4d.shape, which also allows -1), the overlap policy's
-knobs (axon4d.policy) and the training job's flags (axon4d.train.config). ``heads`` holds the rules
+knobs (axon4d.overlap_policy) and the training job's flags (axon4d.train.config). ``heads`` holds the rules
 that tie hidden size, query heads and key/value heads together (and rotary's even head_dim),
 for the model config and the attention layer alike.
 """

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from axon4d import device as devices
 from axon4d.comm import Communicator, make_backend
-from axon4d.policy import OverlapPolicy
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.scheduler import Scheduler
 from axon4d.shape import AXES, BATCH_AXES, MESH_AXES, GridShape

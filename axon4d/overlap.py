@@ -4,7 +4,7 @@
     with axon4d.overlap.using("off"):                  # a region under another policy
         loss = model(batch); loss.backward()
 
-The policy itself is data (``axon4d.policy.OverlapPolicy``: mechanisms and knobs, parsed from the
+The policy itself is data (``axon4d.overlap_policy.OverlapPolicy``: mechanisms and knobs, parsed from the
 same strings); the scheduler that acts on it is ``axon4d.scheduler``. These functions take the
 grid explicitly or fall back to the one ``axon4d.init()`` built.
 """
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from axon4d.grid import Grid
-from axon4d.policy import MECHANISMS, OverlapPolicy
+from axon4d.overlap_policy import MECHANISMS, OverlapPolicy
 from axon4d.runtime import resolve
 from axon4d.scheduler import Scheduler
 

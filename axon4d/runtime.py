@@ -20,8 +20,8 @@ from axon4d import device as devices
 from axon4d import launch
 from axon4d.comm import TransportChoice
 from axon4d.grid import Grid
+from axon4d.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan.auto import choose, choose_overlap
-from axon4d.policy import AUTO, OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.shape import GridShape
 from axon4d.transport import PROBE, choose_transport, settle_transport
@@ -53,7 +53,7 @@ def init(
     else torch (axon4d.transport.choose_transport, settle_transport). The choice and the probe's
     figures are ``grid.comm.transport``, logged on rank 0 (logger "axon4d.transport", INFO).
     ``overlap`` is the overlap policy
-    (axon4d.policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
+    (axon4d.overlap_policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
     "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where
     ``plan`` names the model and a machine description is named (``plan["machine"]`` or
     $AXON4D_MACHINE; no file is read unless named), else the default knobs

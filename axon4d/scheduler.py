@@ -1,7 +1,7 @@
 """When collectives are issued and waited on: the overlap scheduler (docs/design.md §4).
 
 A ``Scheduler`` belongs to one grid (``grid.scheduler``) and acts on that grid's communicator
-according to an ``OverlapPolicy`` (axon4d.policy), set by ``axon4d.init(..., overlap=...)`` or,
+according to an ``OverlapPolicy`` (axon4d.overlap_policy), set by ``axon4d.init(..., overlap=...)`` or,
 for a region of code, ``with axon4d.overlap.using(...)``. Layers ask it for their weight block and
 hand it their gradients; they hold no overlap flags.
 
@@ -38,7 +38,7 @@ import torch
 
 from axon4d.comm import Communicator, Handle
 from axon4d.geometry import Term
-from axon4d.policy import OverlapPolicy
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.precision import Precision, compute_dtype, reduce_dtype
 
 

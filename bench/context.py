@@ -168,8 +168,8 @@ def main() -> int:
     torch.set_num_threads(1)
     head = common.header()
 
+    from axon4d.overlap_policy import OverlapPolicy
     from axon4d.plan import Workload, evaluate, load
-    from axon4d.policy import OverlapPolicy
     from axon4d.shape import GridShape
 
     split_grid = tuple(int(v) for v in args.grid.split(","))

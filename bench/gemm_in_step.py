@@ -78,8 +78,8 @@ def main() -> int:
     from harness import RankPool
     from planner_accuracy import WORKLOAD, workload
 
+    from axon4d.overlap_policy import OverlapPolicy
     from axon4d.plan import evaluate, load
-    from axon4d.policy import OverlapPolicy
     from axon4d.shape import GridShape
 
     head = common.header()

@@ -52,9 +52,10 @@ import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig, get_config  # noqa: E402
 from axon4d.measure.probe import peak_bytes  # noqa: E402
+from axon4d.overlap_policy import OverlapPolicy  # noqa: E402
 from axon4d.plan import Candidate, Workload, evaluate, load  # noqa: E402
 from axon4d.plan.workload import OPTIMIZERS  # noqa: E402
-from axon4d.policy import RECOMPUTE_MODES, OverlapPolicy  # noqa: E402
+from axon4d.recompute_mode import RECOMPUTE_MODES  # noqa: E402
 from axon4d.shape import GridShape  # noqa: E402
 from axon4d.train.loop import build_model  # noqa: E402
 from axon4d.train.peak import check_compute_dtype  # noqa: E402

@@ -498,7 +498,7 @@ def _rank_main(spec: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import axon4d
-    from axon4d.policy import OverlapPolicy
+    from axon4d.overlap_policy import OverlapPolicy
 
     axon4d.shutdown()  # run_local's data-parallel grid: each axon4d implementation builds its own
     torch.set_num_threads(1)

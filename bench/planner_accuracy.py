@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import common  # noqa: E402
 
+from axon4d.overlap_policy import OverlapPolicy  # noqa: E402
 from axon4d.plan import (  # noqa: E402
     Workload,
     evaluate,
@@ -60,7 +61,6 @@ from axon4d.plan import (  # noqa: E402
 )
 from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
 from axon4d.plan.stepfit import describe as describe_scale  # noqa: E402
-from axon4d.policy import OverlapPolicy  # noqa: E402
 from axon4d.shape import GridShape, factorizations  # noqa: E402
 
 GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]

@@ -12,7 +12,7 @@ import torch
 
 import axon4d
 from axon4d.geometry import Op, Term, linear_collectives
-from axon4d.policy import OverlapPolicy
+from axon4d.overlap_policy import OverlapPolicy
 
 # a transformer-shaped chain: normal → transposed → normal → transposed
 SPECS = [(32, 48, True, False), (48, 32, True, True), (32, 64, False, False), (64, 32, True, True)]

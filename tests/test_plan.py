@@ -14,11 +14,11 @@ import torch
 
 from axon4d.config import SIZES, ModelConfig
 from axon4d.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import Workload, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.layers import axis_group_and_stride, comm_field, layer_cost
 from axon4d.plan.machine import CommCurve, MatmulTable, available
 from axon4d.plan.scenario import Scenario
-from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape, factorizations
 
 PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
@@ -707,8 +707,8 @@ def test_context_parallel_attention_is_priced_as_the_rank_runs_it():
 def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
     """``overlap="auto"``: every knob variant of the all-on policy is priced and the fastest that
     fits is taken (never slower than the default knobs), for the grids the plan ranks first."""
+    from axon4d.overlap_policy import OverlapPolicy
     from axon4d.plan.search import tune_overlap
-    from axon4d.policy import OverlapPolicy
 
     variants = OverlapPolicy().knob_variants()
     assert len(variants) == 3 * 2 * 3 * 4 and OverlapPolicy() in variants
@@ -733,9 +733,9 @@ def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
 
 
 def test_overlap_auto_for_a_given_grid_uses_the_planners_knobs_where_it_can_price_the_job(monkeypatch, tmp_path):
+    from axon4d.overlap_policy import OverlapPolicy
     from axon4d.plan.auto import choose_overlap
     from axon4d.plan.search import tune_overlap
-    from axon4d.policy import OverlapPolicy
 
     monkeypatch.delenv("AXON4D_MACHINE", raising=False)
     monkeypatch.chdir(tmp_path)  # no ./local.json

@@ -25,8 +25,8 @@ from axon4d import checkpoint, commlog, grads
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.policy import RECOMPUTE_MODES
 from axon4d.precision import Precision
+from axon4d.recompute_mode import RECOMPUTE_MODES
 from axon4d.train import TrainConfig, add_arguments, train
 from axon4d.train.peak import SLOW_RATIO, check_compute_dtype
 

@@ -39,7 +39,7 @@ from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.norm import dense_norm_for, norm_for
-from axon4d.policy import check_recompute
+from axon4d.recompute_mode import check_recompute
 
 
 class DenseTransformer(nn.Module):

@@ -28,8 +28,8 @@ from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
 from axon4d.nn.norm import SplitFeatureNorm, dense_norm_for, norm_for
 from axon4d.nn.recompute import checkpoint_block, recomputed_input
-from axon4d.policy import check_recompute
 from axon4d.precision import compute_dtype
+from axon4d.recompute_mode import Recompute, check_recompute
 
 
 class DenseBlock(nn.Module):
@@ -80,7 +80,7 @@ class TransformerBlock(nn.Module):
             grid=grid,
             device=device,
             dtype=dtype,
-            recompute_core=recompute == "selective",
+            recompute_core=self.recompute == Recompute.SELECTIVE,
             context_parallel=context_parallel,
         )
         self.mlp = MLP(
@@ -91,11 +91,11 @@ class TransformerBlock(nn.Module):
             grid=grid,
             device=device,
             dtype=dtype,
-            recompute_activation=recompute == "balanced",
+            recompute_activation=self.recompute == Recompute.BALANCED,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute == "full":
+        if self.recompute == Recompute.FULL:
             return checkpoint_block(self._forward, x, scheduler=self.grid.scheduler, layers=self.linears())
         return self._forward(x)
 
@@ -110,7 +110,7 @@ class TransformerBlock(nn.Module):
     def _sublayer(self, norm: SplitFeatureNorm, body: nn.Module, first: Linear, x: torch.Tensor) -> torch.Tensor:
         """``body(norm(x))``; under balanced recomputation ``body``'s first GEMM (``first``) keeps
         ``x`` and the norm's statistics instead of the normalised activations."""
-        if self.recompute != "balanced":
+        if self.recompute != Recompute.BALANCED:
             return body(norm(x))
         dtype = compute_dtype(self.grid.precision, first.weight)  # what ``first`` multiplies in
 

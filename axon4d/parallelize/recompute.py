@@ -28,7 +28,7 @@ from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import Recipes, checkpoint_block, checkpointed
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
 from axon4d.parallelize.plan import RESTORE_ATTR, marked
-from axon4d.policy import check_recompute
+from axon4d.recompute_mode import Recompute, check_recompute
 
 #: prefix of the attention functions registered for selective recomputation
 SELECTIVE_PREFIX = "axon4d_selective:"
@@ -36,12 +36,12 @@ SELECTIVE_PREFIX = "axon4d_selective:"
 
 def apply(model: nn.Module, mode: str, grid: Grid) -> None:
     """Make ``model`` (already parallelized on ``grid``) recompute activations under ``mode``."""
-    check_recompute(mode)
-    if mode == "full":
+    mode = check_recompute(mode)
+    if mode == Recompute.FULL:
         _checkpoint_layers(model, grid)
-    elif mode == "selective":
+    elif mode == Recompute.SELECTIVE:
         _selective_attention(model)
-    elif mode == "balanced":
+    elif mode == Recompute.BALANCED:
         _balanced(model)
 
 

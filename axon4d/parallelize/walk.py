@@ -26,7 +26,7 @@ from axon4d.parallelize import recompute as recomputation
 from axon4d.parallelize.general import general_specs
 from axon4d.parallelize.layers import ShardedLinear, is_linear, linear_problem, owned_by_axon4d
 from axon4d.parallelize.plan import HOOK_MARK, RESTORE_ATTR, BlockPlan, PlanFn, Spec, within
-from axon4d.policy import check_recompute
+from axon4d.recompute_mode import check_recompute
 
 #: class name → plan for blocks whose forward code is known ("chained" layout; tested: docs/parallelize.md)
 FAMILY_PLANS: dict[str, PlanFn] = {**llama.CHAINED_PLANS, **gpt2.CHAINED_PLANS}

@@ -13,10 +13,10 @@ import sys
 from typing import Any
 
 from axon4d.config import ModelConfig, get_config
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.machine import available
 from axon4d.plan.search import Candidate, load_machine, plan, tune_overlap
 from axon4d.plan.workload import Workload
-from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape
 
 #: the environment variable naming the planner's machine when ``plan`` gives none

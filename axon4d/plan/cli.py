@@ -23,7 +23,7 @@ from axon4d.plan import stepfit
 from axon4d.plan.machine import available
 from axon4d.plan.search import plan
 from axon4d.plan.workload import OPTIMIZERS
-from axon4d.policy import RECOMPUTE_MODES
+from axon4d.recompute_mode import RECOMPUTE_MODES
 
 #: --context-parallel → plan(context_parallel=...)
 SPLIT_SEQUENCES: dict[str, bool | str] = {"off": False, "on": True, "auto": "auto"}

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 
 from axon4d.geometry import Collective, Term
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, context_hidden, layer_cost, priced
 from axon4d.plan.machine import Machine
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import LinearSpec, Workload
-from axon4d.policy import OverlapPolicy
 from axon4d.shape import GridShape
 
 #: Collectives that move activations on the critical path; every other one moves weights or gradients.

@@ -36,8 +36,9 @@ import dataclasses
 import itertools
 
 from axon4d.geometry import weight_shard_numel
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.workload import OPTIMIZERS, Workload
-from axon4d.policy import OverlapPolicy, check_recompute
+from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
 
 

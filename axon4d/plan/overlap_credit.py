@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from axon4d.geometry import Term
-from axon4d.policy import OverlapPolicy
+from axon4d.overlap_policy import OverlapPolicy
 
 #: the overlap mechanisms credited, in the order ``Credit.by_mechanism`` lists them
 MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")

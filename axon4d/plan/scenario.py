@@ -14,10 +14,11 @@ from functools import cached_property
 
 from axon4d.config import ModelConfig
 from axon4d.geometry import Collective
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_count
 from axon4d.plan.workload import LinearSpec, Workload
-from axon4d.policy import OverlapPolicy, check_recompute
+from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
 
 

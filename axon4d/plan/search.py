@@ -20,13 +20,13 @@ import numpy as np
 
 from axon4d import rules
 from axon4d.config import ModelConfig, get_config
+from axon4d.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan import stepfit
 from axon4d.plan.cost import TimeEstimate, step_estimate
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, memory
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
-from axon4d.policy import AUTO, OverlapPolicy
 from axon4d.shape import ALL_AXES, AXES, GridShape, factorizations
 
 #: the axes the table gives communication time for: every axis but "world", over which no

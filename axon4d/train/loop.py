@@ -33,8 +33,8 @@ from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
-from axon4d.policy import check_recompute
 from axon4d.precision import Precision
+from axon4d.recompute_mode import check_recompute
 from axon4d.train import reference, report
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args

@@ -1,5 +1,4 @@
-"""Policies as plain data: the overlap policy (docs/design.md §4: which mechanisms are on and their
-knobs) and the names of the activation recomputation modes (§5).
+"""The overlap policy as plain data (docs/design.md §4): which mechanisms are on and their knobs.
 
 ``OverlapPolicy`` is what ``axon4d.init(..., overlap=...)`` and ``axon4d plan --overlap`` accept
 (``OverlapPolicy.parse``) and what the planner prices; the scheduler (``axon4d.scheduler``) acts
@@ -186,15 +185,3 @@ class OverlapPolicy:
         """Chunks for a forward all-reduce of ``tokens`` rows of ``row_bytes`` over a group of
         ``group`` ranks (see forward_chunk_count)."""
         return forward_chunk_count(tokens, row_bytes, self.forward_chunks, int(self.min_chunk_kb * 1024), group)
-
-
-#: activation recomputation modes (docs/design.md §5), from the most memory kept to the least: what
-#: ``Transformer(cfg, recompute=...)``, ``axon4d train --recompute`` and ``axon4d plan --recompute`` take.
-RECOMPUTE_MODES = ("none", "selective", "balanced", "full")
-
-
-def check_recompute(mode: str) -> str:
-    """``mode`` if it names a recomputation mode; ``ValueError`` naming the modes otherwise."""
-    if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute={mode!r} is not a recomputation mode; choose one of {', '.join(RECOMPUTE_MODES)}")
-    return mode
