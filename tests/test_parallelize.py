@@ -3,7 +3,7 @@
 Hugging Face models built from tiny configs with random weights (no downloads) — Llama with
 grouped-query attention and GPT-2 with its packed Conv1D attention — are parallelized on grids of
 2, 4 and 8 ranks (data > 1 and z > 1 included) and must equal the unparallelized model: logits,
-loss, and the gradient of every parameter (gathered back with ``to_dense``), in each layout
+loss, and the gradient of every parameter (gathered back with ``to_dense``), in each style
 (sharded residual stream, chained blocks, general). Also checked: the warning that lists layers left as they are, layers
 that cannot split staying correct, gradient accumulation and an optimizer step, clear errors.
 
@@ -66,7 +66,7 @@ def _gpt2(attn: str = "eager"):
 
 
 def _qwen2(attn: str = "eager"):
-    """A family with no plan (q/k/v biases, GQA): the default layout falls back to the general path."""
+    """A family with no style (q/k/v biases, GQA): the default style falls back to the general path."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -84,7 +84,7 @@ def _qwen2(attn: str = "eager"):
 
 
 class _Toy(nn.Module):
-    """A model no family plan knows: an odd-sized head that cannot split, and a tied pair."""
+    """A model no family style knows: an odd-sized head that cannot split, and a tied pair."""
 
     def __init__(self):
         super().__init__()
@@ -113,7 +113,7 @@ BUILDERS = {
 }
 
 
-def _compare(grid, family, attn, layout, steps=1):
+def _compare(grid, family, attn, style, steps=1):
     """Run reference and parallel model on the same batch; return {what: relative error}, warnings."""
     torch.manual_seed(0)
     model = BUILDERS[family](attn) if family != "toy" else _Toy()
@@ -121,7 +121,7 @@ def _compare(grid, family, attn, layout, steps=1):
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        par = auto_parallelize(model, layout=layout)
+        par = auto_parallelize(model, style=style)
     local = axon4d.shard_batch(ids)
     for _ in range(steps):  # steps > 1: gradients accumulate over backward calls
         out = par(input_ids=local, labels=local)
@@ -171,7 +171,7 @@ def _world(grid):
 
 @pytest.mark.parametrize("grid", [*GRIDS[:2], *(pytest.param(g, marks=pytest.mark.slow) for g in GRIDS[2:])])
 @pytest.mark.parametrize(
-    "family,attn,layout",
+    "family,attn,style",
     [
         ("llama", "eager", "sharded"),
         ("llama", "sdpa", "chained"),
@@ -179,9 +179,9 @@ def _world(grid):
         ("gpt2", "eager", "chained"),
     ],
 )
-def test_planned_layouts_match_the_unparallelized_model(pools, family, attn, layout, grid):
-    results = pools(_world(grid)).run(grid, _compare, family, attn, layout)
-    _assert_close(results, f"{family} {layout} {grid}")
+def test_family_styles_match_the_unparallelized_model(pools, family, attn, style, grid):
+    results = pools(_world(grid)).run(grid, _compare, family, attn, style)
+    _assert_close(results, f"{family} {style} {grid}")
     for _errs, _msgs, dense_cls, par_cls in results:
         assert dense_cls == par_cls
 
@@ -204,12 +204,12 @@ def test_tied_llama_keeps_its_embedding_whole_and_matches(pools, grid):
     ],
 )
 @pytest.mark.parametrize(
-    "family,attn,layout", [("llama", "sdpa", "general"), ("gpt2", "eager", "general"), ("qwen2", "sdpa", "sharded")]
+    "family,attn,style", [("llama", "sdpa", "general"), ("gpt2", "eager", "general"), ("qwen2", "sdpa", "sharded")]
 )
-def test_general_layout_matches_the_unparallelized_model(pools, family, attn, layout, grid):
+def test_general_style_matches_the_unparallelized_model(pools, family, attn, style, grid):
     # (1, 4, 1, 1) splits features over y = 4 although the 2 KV heads could not be; Qwen2 has no
-    # plan, so even the default layout runs it on the general path
-    _assert_close(pools(_world(grid)).run(grid, _compare, family, attn, layout), f"{family} {grid}")
+    # family style, so even the default style runs it on the general path
+    _assert_close(pools(_world(grid)).run(grid, _compare, family, attn, style), f"{family} {grid}")
 
 
 def _toy(grid):
@@ -219,7 +219,7 @@ def _toy(grid):
 
 @pytest.mark.parametrize("grid", [(1, 2, 1, 2), pytest.param((2, 2, 2, 1), marks=pytest.mark.slow)])
 def test_layers_that_cannot_split_are_left_whole_listed_and_still_exact(pools, grid):
-    # a model no plan knows, with gradient accumulation over two backward calls: `odd` (3 outputs)
+    # a model no family style knows, with gradient accumulation over two backward calls: `odd` (3 outputs)
     # cannot split over G_y = 2, `out` is tied to the embedding; both stay whole and correct
     results = pools(_world(grid)).run(grid, _toy)
     _assert_close([(e,) for e, _ in results], f"toy {grid}")
@@ -285,11 +285,11 @@ def _value_error(fn) -> str:
 def _errors(grid):
     msgs = {
         "kv_heads": _value_error(lambda: auto_parallelize(_llama())),
-        "layout": _value_error(lambda: auto_parallelize(_llama(), layout="fast")),
+        "style": _value_error(lambda: auto_parallelize(_llama(), style="fast")),
     }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        general = auto_parallelize(_llama(), layout="general")  # the general path still splits every layer
+        general = auto_parallelize(_llama(), style="general")  # the general path still splits every layer
     msgs["general_layers"] = sum(isinstance(m, ShardedLinear) for m in general.modules())
     return msgs
 
@@ -297,17 +297,17 @@ def _errors(grid):
 def test_heads_that_do_not_divide_raise_a_clear_error_on_every_rank(pools):
     for msgs in pools(4).run((1, 4, 1, 1), _errors):
         assert "the model: num_key_value_heads = 2 is not divisible by G_y = 4" in msgs["kv_heads"]
-        assert "layout='general'" in msgs["kv_heads"] and "(4, 1, 1, 1)" in msgs["kv_heads"]
-        assert "layout 'fast' is not known" in msgs["layout"]
+        assert "style='general'" in msgs["kv_heads"] and "(4, 1, 1, 1)" in msgs["kv_heads"]
+        assert "style 'fast' is not known" in msgs["style"]
         assert msgs["general_layers"] == 2 * 7 + 1
 
 
-def _gathers(grid, family, layout):
+def _gathers(grid, family, style):
     """Feature all-gathers one forward and backward issue, by tag."""
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        par = auto_parallelize(BUILDERS[family]("eager"), layout=layout)
+        par = auto_parallelize(BUILDERS[family]("eager"), style=style)
     ids = axon4d.shard_batch(torch.randint(0, VOCAB, (BATCH, SEQ)))
     grid.comm.log.clear()
     par(input_ids=ids, labels=ids).loss.backward()

@@ -28,7 +28,7 @@ from torch import nn
 from axon4d import activations, runtime
 from axon4d.grid import Grid
 from axon4d.nn.context import split_sequence_attention
-from axon4d.parallelize.plan import RESTORE_ATTR
+from axon4d.parallelize.styles import RESTORE_ATTR
 
 #: the name the attention and mask functions are registered under
 ATTENTION_NAME = "axon4d_context"

@@ -1,5 +1,5 @@
 """The general path of ``auto_parallelize``: any ``nn.Linear`` or ``Conv1D`` of any model that no
-family plan took becomes a ``ShardedLinear`` that slices its full input features locally and
+family style took becomes a ``ShardedLinear`` that slices its full input features locally and
 all-gathers its output features (docs/design.md §2; docs/parallelize.md), so the code around it
 sees full tensors. Exact for any model, because everything outside the layer runs replicated over
 x and y. Layers it cannot split are left as they are, with the reason.
@@ -11,18 +11,18 @@ from torch import nn
 
 from axon4d.grid import Grid
 from axon4d.parallelize.layers import is_linear, linear_problem, owned_by_axon4d
-from axon4d.parallelize.plan import Spec, within
+from axon4d.parallelize.styles import LinearStyle, within
 
 
-def general_specs(
+def general_linears(
     model: nn.Module, grid: Grid, users: dict[int, list[str]], taken: set[str]
-) -> tuple[dict[str, Spec], dict[str, str]]:
-    """({name: Spec()} of every linear layer the general path replaces, {name: why} of the layers
-    it leaves as they are), for the modules of ``model`` not in ``taken`` (those a plan handles).
+) -> tuple[dict[str, LinearStyle], dict[str, str]]:
+    """({name: LinearStyle()} of every linear layer the general path replaces, {name: why} of the layers
+    it leaves as they are), for the modules of ``model`` not in ``taken`` (those a block style handles).
 
     ``users`` maps id(parameter) to the names of every module holding it (tied weights).
     """
-    specs: dict[str, Spec] = {}
+    linears: dict[str, LinearStyle] = {}
     skipped: dict[str, str] = {}
     whole: list[str] = []  # prefixes whose linear layers are left alone
     for name, m in model.named_modules():
@@ -33,10 +33,10 @@ def general_specs(
             if problem:
                 skipped[name] = f"{type(m).__name__}: {problem}"
             else:
-                specs[name] = Spec()
+                linears[name] = LinearStyle()
         elif isinstance(m, nn.Embedding):
             skipped[name] = "Embedding: kept whole on every rank"
         elif isinstance(m, nn.MultiheadAttention):
             skipped[name] = "MultiheadAttention: uses its projection weights directly"
             whole.append(name)
-    return specs, skipped
+    return linears, skipped

@@ -1,4 +1,4 @@
-"""Plans for Hugging Face's Llama (``LlamaAttention``, ``LlamaMLP``, ``LlamaForCausalLM``): which
+"""Parallelize styles for Hugging Face's Llama (``LlamaAttention``, ``LlamaMLP``, ``LlamaForCausalLM``): which
 linear layers become normal or transposed 3D layers (docs/design.md §2) so that the code between
 them needs no feature gathers. Tested against transformers' Llama, GQA and tied embeddings
 included (docs/parallelize.md).
@@ -12,38 +12,38 @@ from torch import nn
 
 from axon4d.grid import Grid
 from axon4d.parallelize.layers import norms_fit, sharded_norm_builder
-from axon4d.parallelize.plan import (
+from axon4d.parallelize.styles import (
     NORMAL_SPLIT,
     TRANSPOSED_GATHERED,
     TRANSPOSED_SPLIT,
-    BlockPlan,
-    PlanFn,
+    BlockStyle,
+    StyleFn,
     require_heads,
     sharded_edges,
     slice_hidden_states_hook,
 )
 
 
-def plan_attention(name: str, m: nn.Module, grid: Grid) -> BlockPlan:
+def attention_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle:
     """q, k, v normal with output split over y (whole heads; GQA needs kv heads to divide too), o transposed."""
     cfg = cast(Any, m).config  # Hugging Face's LlamaAttention: duck-typed, its attributes are unknown to mypy
     require_heads(name, "num_attention_heads", cfg.num_attention_heads, grid)
     require_heads(name, "num_key_value_heads", cfg.num_key_value_heads, grid)
-    return BlockPlan(
+    return BlockStyle(
         {"q_proj": NORMAL_SPLIT, "k_proj": NORMAL_SPLIT, "v_proj": NORMAL_SPLIT, "o_proj": TRANSPOSED_GATHERED},
         pre_hooks={"": slice_hidden_states_hook(grid)},
     )
 
 
-def plan_mlp(name: str, m: nn.Module, grid: Grid) -> BlockPlan:
+def mlp_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle:
     """gate and up normal with output split over y; the SiLU product is elementwise; down transposed."""
-    return BlockPlan(
+    return BlockStyle(
         {"gate_proj": NORMAL_SPLIT, "up_proj": NORMAL_SPLIT, "down_proj": TRANSPOSED_GATHERED},
         pre_hooks={"": slice_hidden_states_hook(grid)},
     )
 
 
-def plan_sharded(name: str, m: nn.Module, grid: Grid) -> BlockPlan | None:
+def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
     """LlamaForCausalLM with its residual stream split over x (norms on sharded features).
 
     Every block chains with no feature gather: input norm (RMSNorm over x) → q, k, v normal →
@@ -58,26 +58,26 @@ def plan_sharded(name: str, m: nn.Module, grid: Grid) -> BlockPlan | None:
         return None
     norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if not all(type(layer).__name__ == "LlamaDecoderLayer" for layer in body.layers) or not norms_fit(norms):
-        return None  # not the structure this plan was written for
+        return None  # not the structure this style was written for
     cfg = hf.config
     require_heads(name, "num_attention_heads", cfg.num_attention_heads, grid)
     require_heads(name, "num_key_value_heads", cfg.num_key_value_heads, grid)
     if cfg.hidden_size % grid.size("x"):
-        return None  # the chained plans still apply block by block
+        return None  # the chained styles still apply block by block
     norm = sharded_norm_builder(grid)
-    plan = BlockPlan({}, replace={"model.norm": norm})
+    style = BlockStyle({}, replace={"model.norm": norm})
     for i in range(len(body.layers)):
         p = f"model.layers.{i}"
-        plan.specs.update({f"{p}.self_attn.{c}": NORMAL_SPLIT for c in ("q_proj", "k_proj", "v_proj")})
-        plan.specs.update({f"{p}.mlp.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
-        plan.specs.update({f"{p}.self_attn.o_proj": TRANSPOSED_SPLIT, f"{p}.mlp.down_proj": TRANSPOSED_SPLIT})
-        plan.replace.update({f"{p}.input_layernorm": norm, f"{p}.post_attention_layernorm": norm})
-    sharded_edges(plan, grid, "model.embed_tokens", body.embed_tokens, "lm_head", hf.lm_head)
-    return plan
+        style.linears.update({f"{p}.self_attn.{c}": NORMAL_SPLIT for c in ("q_proj", "k_proj", "v_proj")})
+        style.linears.update({f"{p}.mlp.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
+        style.linears.update({f"{p}.self_attn.o_proj": TRANSPOSED_SPLIT, f"{p}.mlp.down_proj": TRANSPOSED_SPLIT})
+        style.replace.update({f"{p}.input_layernorm": norm, f"{p}.post_attention_layernorm": norm})
+    sharded_edges(style, grid, "model.embed_tokens", body.embed_tokens, "lm_head", hf.lm_head)
+    return style
 
 
-#: class name → plan of the "chained" layout (attention and MLP blocks)
-CHAINED_PLANS: dict[str, PlanFn] = {"LlamaAttention": plan_attention, "LlamaMLP": plan_mlp}
+#: class name → its block style under "chained" (attention and MLP blocks)
+CHAINED_STYLES: dict[str, StyleFn] = {"LlamaAttention": attention_style, "LlamaMLP": mlp_style}
 
-#: class name → plan of the "sharded" layout (the whole model, residual stream split over x)
-SHARDED_PLANS: dict[str, PlanFn] = {"LlamaForCausalLM": plan_sharded}
+#: class name → its whole-model style under "sharded" (residual stream split over x)
+SHARDED_STYLES: dict[str, StyleFn] = {"LlamaForCausalLM": sharded_style}

@@ -81,7 +81,7 @@ class _Reader:
         return self.handles[path].get_slice(name)
 
 
-def _linear_plan(
+def _linear_reads(
     name: str, layer: Linear, out_perm: torch.Tensor | None, grid: Grid
 ) -> dict[str, tuple[str, tuple[int, ...], list[rectangles.Piece]]]:
     """{parameter: (checkpoint tensor, its shape, rectangles)} of a 3D layer whose dense layer was
@@ -115,12 +115,12 @@ def _block(tensor: str, shape: tuple[int, ...], rows: tuple[int, int], cols: tup
     )
 
 
-#: what ``_plan`` yields per parameter: (module, parameter name, checkpoint tensor, that tensor's
+#: what ``_reads`` yields per parameter: (module, parameter name, checkpoint tensor, that tensor's
 #: shape, the rectangles of it this rank holds, whether the checkpoint stores it transposed)
 Entry = tuple[nn.Module, str, str, tuple[int, ...], list[rectangles.Piece], bool]
 
 
-def _plan(model: nn.Module, grid: Grid) -> Iterator[Entry]:
+def _reads(model: nn.Module, grid: Grid) -> Iterator[Entry]:
     """What this rank reads for every parameter of ``model``."""
     inner_of: dict[int, tuple[str, nn.Module]] = {}  # id(inner module) → (name of the dense module, wrapper)
     for name, m in model.named_modules():
@@ -134,7 +134,7 @@ def _plan(model: nn.Module, grid: Grid) -> Iterator[Entry]:
         if isinstance(m, Linear):
             perm = wrapper.out_perm if isinstance(wrapper, ShardedLinear) else None
             conv1d = isinstance(wrapper, ShardedLinear) and wrapper.conv1d_class is not None  # (in, out) on file
-            for p_name, (tensor, shape, parts) in _linear_plan(dense, m, perm, grid).items():
+            for p_name, (tensor, shape, parts) in _linear_reads(dense, m, perm, grid).items():
                 yield m, p_name, tensor, shape, parts, conv1d and p_name == "weight"
         elif isinstance(m, SplitFeatureNorm):
             n = m.hidden // grid.size(m.axis)
@@ -223,7 +223,7 @@ def load_pretrained_(
     memo: dict[int, nn.Parameter] = {}
     with contextlib.ExitStack() as stack:
         reader = _Reader(files, device, stack)
-        for module, p_name, tensor, shape, parts, transposed in _plan(model, grid):
+        for module, p_name, tensor, shape, parts, transposed in _reads(model, grid):
             p = module._parameters[p_name]
             assert p is not None
             if id(p) in memo:  # tied: already read under another name

@@ -27,7 +27,7 @@ from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import Recipes, checkpoint_block, checkpointed
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
-from axon4d.parallelize.plan import RESTORE_ATTR, marked
+from axon4d.parallelize.styles import RESTORE_ATTR, marked
 from axon4d.recompute_mode import Recompute, check_recompute
 
 #: prefix of the attention functions registered for selective recomputation
@@ -129,7 +129,7 @@ def _balanced(model: nn.Module) -> None:
     norms = [m for m in model.modules() if isinstance(m, ShardedNorm)]
     if not norms:
         raise ValueError(
-            "recompute='balanced' needs the sharded layout (auto_parallelize(..., layout='sharded')): its norms "
+            "recompute='balanced' needs the sharded style (auto_parallelize(..., style='sharded')): its norms "
             "run on split features and keep only their statistics"
         )
     for norm in norms:

@@ -2,10 +2,10 @@
 (docs/design.md §2; docs/parallelize.md).
 
 ``auto_parallelize`` walks a model twice. First it decides everything from sizes alone (no
-collective, the same on every rank): which blocks a family plan takes (the plan tables below,
+collective, the same on every rank): which blocks a family style takes (the style tables below,
 ``axon4d.parallelize.llama`` and ``.gpt2``), then which other linear layers the general path takes
 (``axon4d.parallelize.general``) and which it leaves as they are. Then it applies the decisions:
-replaces modules and layers, patches attributes, installs the plans' forward hooks, and hooks the
+replaces modules and layers, patches attributes, installs the styles' forward hooks, and hooks the
 gradient of every parameter left replicated so it is averaged over batch = data × z (E6/E7 for
 replicated parameters), which makes every ``.grad`` DDP-complete when ``backward()`` returns.
 """
@@ -23,18 +23,18 @@ from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch
 from axon4d.parallelize import context, gpt2, llama
 from axon4d.parallelize import recompute as recomputation
-from axon4d.parallelize.general import general_specs
+from axon4d.parallelize.general import general_linears
 from axon4d.parallelize.layers import ShardedLinear, is_linear, linear_problem, owned_by_axon4d
-from axon4d.parallelize.plan import HOOK_MARK, RESTORE_ATTR, BlockPlan, PlanFn, Spec, within
+from axon4d.parallelize.styles import HOOK_MARK, RESTORE_ATTR, BlockStyle, LinearStyle, StyleFn, within
 from axon4d.recompute_mode import check_recompute
 
-#: class name → plan for blocks whose forward code is known ("chained" layout; tested: docs/parallelize.md)
-FAMILY_PLANS: dict[str, PlanFn] = {**llama.CHAINED_PLANS, **gpt2.CHAINED_PLANS}
+#: class name → style for blocks whose forward code is known ("chained" style; tested: docs/parallelize.md)
+FAMILY_STYLES: dict[str, StyleFn] = {**llama.CHAINED_STYLES, **gpt2.CHAINED_STYLES}
 
-#: class name → plan of the "sharded" layout (the residual stream split over x)
-SHARDED_PLANS: dict[str, PlanFn] = {**llama.SHARDED_PLANS, **gpt2.SHARDED_PLANS}
+#: class name → its whole-model style under "sharded" (the residual stream split over x)
+SHARDED_STYLES: dict[str, StyleFn] = {**llama.SHARDED_STYLES, **gpt2.SHARDED_STYLES}
 
-LAYOUTS = ("sharded", "chained", "general")
+STYLES = ("sharded", "chained", "general")
 
 #: attribute set on a parameter whose gradient hook averages it over batch (set once per parameter)
 REPLICATED_MARK = "_axon4d_replicated"
@@ -44,7 +44,7 @@ def auto_parallelize(
     model: nn.Module,
     *,
     grid: Grid | None = None,
-    layout: str = "sharded",
+    style: str = "sharded",
     recompute: str = "none",
     context_parallel: bool = False,
 ) -> nn.Module:
@@ -52,14 +52,14 @@ def auto_parallelize(
 
     ``model`` must be identical on every rank (same seed or checkpoint) and already on the grid's
     device; afterwards it takes this rank's batch shard (``axon4d.shard_batch``) and its outputs
-    are this rank's shard (``axon4d.gather_batch`` reassembles them). ``layout``:
-    ``"sharded"`` (default) uses ``SHARDED_PLANS`` (the residual stream split over x), else
-    ``FAMILY_PLANS``, else the general path; ``"chained"`` skips the sharded plans; ``"general"``
+    are this rank's shard (``axon4d.gather_batch`` reassembles them). ``style``:
+    ``"sharded"`` (default) uses ``SHARDED_STYLES`` (the residual stream split over x), else
+    ``FAMILY_STYLES``, else the general path; ``"chained"`` skips the sharded styles; ``"general"``
     uses the general path for every layer. Layers left as they are (tied to another module, not
     divisible by the grid, embeddings) stay replicated with gradients averaged over batch =
     data × z and are listed in a ``UserWarning``. Raises ``ValueError`` on every rank, before any
-    collective, when a planned block's heads do not divide by G_y. ``recompute`` is the activation
-    recomputation of the model's decoder layers: "none", "selective", "balanced" (sharded layout)
+    collective, when a styled block's heads do not divide by G_y. ``recompute`` is the activation
+    recomputation of the model's decoder layers: "none", "selective", "balanced" (sharded style)
     or "full" (axon4d.parallelize.recompute, docs/design.md §5). ``context_parallel``: the tokens
     of each sequence are split head–tail over z and attention runs across the split through
     transformers' AttentionInterface (axon4d.parallelize.context, docs/context.md); feed the model
@@ -70,53 +70,53 @@ def auto_parallelize(
             f"auto_parallelize takes a torch.nn.Module (the model to parallelize in place), got {type(model).__name__}"
         )
     check_recompute(recompute)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not known; use one of {LAYOUTS}")
+    if style not in STYLES:
+        raise ValueError(f"style {style!r} is not known; use one of {STYLES}")
     grid = runtime.resolve(grid)
     users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
     for name, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             users.setdefault(id(p), []).append(name)
-    tables = {"sharded": [SHARDED_PLANS, FAMILY_PLANS], "chained": [FAMILY_PLANS], "general": []}[layout]
+    tables = {"sharded": [SHARDED_STYLES, FAMILY_STYLES], "chained": [FAMILY_STYLES], "general": []}[style]
 
     # 1. decide everything (sizes only: no collective, the same on every rank)
-    blocks = _planned_blocks(model, grid, tables, users)
-    specs: dict[str, Spec] = {}
-    handled: set[str] = set()  # modules a plan replaces
-    for name, plan in blocks:
-        specs.update({_join(name, rel): s for rel, s in plan.specs.items()})
-        handled.update(_join(name, rel) for rel in plan.replace)
-    general, skipped = general_specs(model, grid, users, taken=handled | set(specs))
-    specs.update(general)
+    blocks = _styled_blocks(model, grid, tables, users)
+    linears: dict[str, LinearStyle] = {}
+    handled: set[str] = set()  # modules a block style replaces
+    for name, block_style in blocks:
+        linears.update({_join(name, rel): s for rel, s in block_style.linears.items()})
+        handled.update(_join(name, rel) for rel in block_style.replace)
+    general, skipped = general_linears(model, grid, users, taken=handled | set(linears))
+    linears.update(general)
 
     # 2. apply: replace modules and layers, install patches and hooks, hook replicated gradients
-    for block_name, plan in blocks:
+    for block_name, block_style in blocks:
         block = model.get_submodule(block_name)
-        for rel, build in plan.replace.items():
+        for rel, build in block_style.replace.items():
             _swap(block, rel, build(block.get_submodule(rel)))
-    for name, spec in specs.items():
+    for name, linear in linears.items():
         _swap(
             model,
             name,
             ShardedLinear(
                 model.get_submodule(name),
                 grid=grid,
-                transpose=spec.transpose,
-                input_sharded=spec.input_sharded,
-                output_sharded=spec.output_sharded,
-                fused=spec.fused,
+                transpose=linear.transpose,
+                input_sharded=linear.input_sharded,
+                output_sharded=linear.output_sharded,
+                fused=linear.fused,
             ),
         )
-    for block_name, plan in blocks:
+    for block_name, block_style in blocks:
         block = model.get_submodule(block_name)
-        for rel, attrs in plan.patch.items():
+        for rel, attrs in block_style.patch.items():
             target = block.get_submodule(rel)
             setattr(target, RESTORE_ATTR, {k: getattr(target, k) for k in attrs})
             for k, v in attrs.items():
                 setattr(target, k, v)
-        for rel, hook in plan.pre_hooks.items():
+        for rel, hook in block_style.pre_hooks.items():
             block.get_submodule(rel).register_forward_pre_hook(hook, with_kwargs=True)
-        for rel, hook in plan.post_hooks.items():
+        for rel, hook in block_style.post_hooks.items():
             block.get_submodule(rel).register_forward_hook(hook)
     _hook_replicated_grads(model, grid)
     recomputation.apply(model, "none" if context_parallel and recompute == "selective" else recompute, grid)
@@ -133,25 +133,26 @@ def auto_parallelize(
     return model
 
 
-def _planned_blocks(
-    model: nn.Module, grid: Grid, tables: list[dict[str, PlanFn]], users: dict[int, list[str]]
-) -> list[tuple[str, BlockPlan]]:
-    """(block name, plan) of every module the first table that knows its class plans, outermost
-    first; a plan is dropped when one of its linear layers cannot be replaced as it says."""
-    blocks: list[tuple[str, BlockPlan]] = []
+def _styled_blocks(
+    model: nn.Module, grid: Grid, tables: list[dict[str, StyleFn]], users: dict[int, list[str]]
+) -> list[tuple[str, BlockStyle]]:
+    """(block name, block style) of every module the first table that knows its class styles,
+    outermost first; a block style is dropped when one of its linear layers cannot be replaced as
+    it says."""
+    blocks: list[tuple[str, BlockStyle]] = []
     for name, m in model.named_modules():
         if owned_by_axon4d(m) or within(name, [b for b, _ in blocks]):
             continue
         fn = next((table[type(m).__name__] for table in tables if type(m).__name__ in table), None)
-        plan = fn(name, m, grid) if fn else None
-        if plan is None:
+        block_style = fn(name, m, grid) if fn else None
+        if block_style is None:
             continue
         modules = dict(m.named_modules())
         if all(
             is_linear(modules.get(rel)) and not linear_problem(_join(name, rel), modules[rel], s.transpose, grid, users)
-            for rel, s in plan.specs.items()
+            for rel, s in block_style.linears.items()
         ):
-            blocks.append((name, plan))
+            blocks.append((name, block_style))
     return blocks
 
 

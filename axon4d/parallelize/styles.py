@@ -1,17 +1,18 @@
-"""What a family plan says, and the pieces the family plans share (docs/design.md §2; the layouts
-are described in docs/parallelize.md).
+"""Parallelize styles: how ``auto_parallelize`` splits a model's layers, and the pieces the family
+styles share (docs/design.md §2; the styles — sharded, chained, general — are described in
+docs/parallelize.md).
 
-A plan is a function ``(name, module, grid) -> BlockPlan | None`` that reads sizes only (no
-collective, the same on every rank) and says, for one block or one whole model: which linear
-layers become which 3D layer (``Spec``: normal or transposed, input/output kept split), which
-modules are replaced by sharded ones (norms, embeddings), which attributes are patched and which
-forward hooks are installed. A plan returns None when a module is not the structure it was
-written for; ``auto_parallelize`` then falls back to the next layout.
+A family style is a function ``(name, module, grid) -> BlockStyle | None`` that reads sizes only
+(no collective, the same on every rank) and says, for one block or one whole model: which linear
+layers become which 3D layer (``LinearStyle``: normal or transposed, input/output kept split),
+which modules are replaced by sharded ones (norms, embeddings), which attributes are patched and
+which forward hooks are installed. It returns None when a module is not the structure it was
+written for; ``auto_parallelize`` then falls back to the next style.
 
-Shared here: the specs of chained layers (``NORMAL_SPLIT``; ``TRANSPOSED_GATHERED`` closing a
-chained block, ``TRANSPOSED_SPLIT`` in the sharded layout), the forward hooks that move a block's
-input or a module's output between full and x-split features, the head count check, the name
-test ``within``, and the model edges of the sharded layout (``sharded_edges``).
+Shared here: the linear styles of chained layers (``NORMAL_SPLIT``; ``TRANSPOSED_GATHERED``
+closing a chained block, ``TRANSPOSED_SPLIT`` in the sharded style), the forward hooks that move a
+block's input or a module's output between full and x-split features, the head count check, the
+name test ``within``, and the model edges of the sharded style (``sharded_edges``).
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ from axon4d.nn.functional import gather_replicated, split_replicated
 from axon4d.rectangles import FusedRows
 from axon4d.shape import factorizations, suggest
 
-#: attribute marking a forward hook installed by a plan (``to_dense`` strips them from its copy)
+#: attribute marking a forward hook installed by a style (``to_dense`` strips them from its copy)
 HOOK_MARK = "__axon4d_hook__"
 
-#: attribute holding {name: original value} of module attributes a plan changed (``to_dense`` restores them)
+#: attribute holding {name: original value} of module attributes a style changed (``to_dense`` restores them)
 RESTORE_ATTR = "_axon4d_restore"
 
 
 @dataclasses.dataclass(frozen=True)
-class Spec:
+class LinearStyle:
     """How one linear layer is replaced (``ShardedLinear``'s arguments); frozen, so the shared
-    specs below cannot be changed through one plan."""
+    styles below cannot be changed through one block's style."""
 
     transpose: bool = False
     input_sharded: bool = False
@@ -47,20 +48,20 @@ class Spec:
 
 
 #: normal layer of a chained pair: x-split input in, y-split output out
-NORMAL_SPLIT = Spec(input_sharded=True, output_sharded=True)
-#: transposed layer of the sharded layout: y-split input in, x-split output out (no gather)
-TRANSPOSED_SPLIT = Spec(transpose=True, input_sharded=True, output_sharded=True)
+NORMAL_SPLIT = LinearStyle(input_sharded=True, output_sharded=True)
+#: transposed layer of the sharded style: y-split input in, x-split output out (no gather)
+TRANSPOSED_SPLIT = LinearStyle(transpose=True, input_sharded=True, output_sharded=True)
 #: transposed layer closing a chained block: y-split input in, output gathered over x
-TRANSPOSED_GATHERED = Spec(transpose=True, input_sharded=True)
+TRANSPOSED_GATHERED = LinearStyle(transpose=True, input_sharded=True)
 
 Hook = Callable[..., Any]
 
 
 @dataclasses.dataclass
-class BlockPlan:
-    """A family plan's decisions for one block; names are relative to the block ('' = the block)."""
+class BlockStyle:
+    """A family style's decisions for one block; names are relative to the block ('' = the block)."""
 
-    specs: dict[str, Spec]
+    linears: dict[str, LinearStyle]
     """linear layers and how each is replaced"""
     patch: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """module → {attribute: new value} to change (``to_dense`` restores the old values)"""
@@ -72,8 +73,8 @@ class BlockPlan:
     """forward hooks to install"""
 
 
-#: a family plan: (module name, module, grid) → its plan, or None when the module is not its structure
-PlanFn = Callable[[str, nn.Module, Grid], BlockPlan | None]
+#: a family style: (module name, module, grid) → its block style, or None when the module is not its structure
+StyleFn = Callable[[str, nn.Module, Grid], BlockStyle | None]
 
 
 def within(name: str, prefixes: list[str]) -> bool:
@@ -115,22 +116,22 @@ def gather_input_hook(grid: Grid) -> Hook:
 
 
 def require_heads(name: str, what: str, heads: int, grid: Grid) -> None:
-    """Attention runs on this rank's heads: ``heads`` must divide by G_y (chained layout)."""
+    """Attention runs on this rank's heads: ``heads`` must divide by G_y (chained style)."""
     g = grid.size("y")
     if heads % g == 0:
         return
     ok = [s for s in factorizations(grid.world_size) if heads % s.y == 0]
     raise ValueError(
         f"{name or 'the model'}: {what} = {heads} is not divisible by G_y = {g} on grid {grid.shape} "
-        f"(this layout splits attention heads over y); use layout='general', or "
+        f"(this style splits attention heads over y); use style='general', or "
         + suggest(grid.world_size, ok, near=grid.shape)
     )
 
 
 def sharded_edges(
-    plan: BlockPlan, grid: Grid, emb_name: str, emb: nn.Embedding, head_name: str, head: nn.Linear
+    style: BlockStyle, grid: Grid, emb_name: str, emb: nn.Embedding, head_name: str, head: nn.Linear
 ) -> None:
-    """Add the model's edges in the sharded layout to ``plan``: token embedding and output head.
+    """Add the model's edges in the sharded style to ``style``: token embedding and output head.
 
     The embedding becomes vocabulary-parallel (``VocabParallelEmbedding``: output split over x)
     when it is a plain lookup that the grid divides and is not tied to the head; otherwise it stays
@@ -148,10 +149,10 @@ def sharded_edges(
     tied = head.weight is emb.weight
     plain = emb.padding_idx is None and emb.max_norm is None and not emb.sparse and not emb.scale_grad_by_freq
     if tied or not plain or emb.num_embeddings % grid.size("y"):
-        plan.post_hooks[emb_name] = slice_output_hook(grid)
+        style.post_hooks[emb_name] = slice_output_hook(grid)
     else:
-        plan.replace[emb_name] = vocab_parallel
+        style.replace[emb_name] = vocab_parallel
     if tied:
-        plan.pre_hooks[head_name] = gather_input_hook(grid)
+        style.pre_hooks[head_name] = gather_input_hook(grid)
     else:
-        plan.specs[head_name] = Spec(input_sharded=True)
+        style.linears[head_name] = LinearStyle(input_sharded=True)
