@@ -11,12 +11,13 @@ defined in docs/design.md §3, so the log can be checked term by term against E8
 
 Collectives on an axis of size 1 are not issued and not recorded: they move nothing.
 
-The transport sits behind ``Backend``: ``TorchBackend`` uses torch.distributed process groups
-(gloo on CPU, NCCL on GPU); ``MPIBackend`` (``axon4d.mpi``) uses mpi4py's non-blocking collectives on
-per-axis sub-communicators. A backend only moves bytes; logging, reshaping and handles live here.
+The transport sits behind ``Transport``: ``TorchTransport`` uses torch.distributed process groups
+(its backend: gloo on CPU, NCCL on GPU); ``MPITransport`` (``axon4d.mpi``) uses mpi4py's
+non-blocking collectives on per-axis sub-communicators. A transport only moves bytes; logging,
+reshaping and handles live here.
 
 Which transport ``axon4d.init`` uses is decided by ``axon4d.transport``; the choice and why are
-``Communicator.transport`` (``grid.comm.transport``), a ``TransportChoice``.
+``Communicator.transport_choice`` (``grid.comm.transport_choice``), a ``TransportChoice``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from axon4d import device as devices
 from axon4d import watchdog
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op, Term
-from axon4d.mpi import MPIBackend
+from axon4d.mpi import MPITransport
 from axon4d.shape import GridShape
 
 
@@ -46,12 +47,12 @@ def _collective(name: str, before_2_12: str) -> Callable[..., Any]:
 
 
 class Work(Protocol):
-    """What a backend returns for an issued collective."""
+    """What a transport returns for an issued collective."""
 
     def wait(self) -> Any: ...
 
 
-class Backend(Protocol):
+class Transport(Protocol):
     """Moves bytes for one grid; every call is asynchronous and operates on contiguous tensors."""
 
     name: str
@@ -71,8 +72,8 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-class TorchBackend:
-    """Collectives through torch.distributed process groups (gloo, NCCL)."""
+class TorchTransport:
+    """Collectives through torch.distributed process groups (backends gloo, NCCL)."""
 
     name = "torch"
 
@@ -169,7 +170,7 @@ class _ExchangedChunks:
 
 @dataclasses.dataclass(frozen=True)
 class TransportChoice:
-    """The transport a grid's communication layer uses (``grid.comm.transport``) and why.
+    """The transport a grid's communication layer uses (``grid.comm.transport_choice``) and why.
 
     ``seconds``: when the probe chose, per transport, the slowest rank's total time for the probe's
     collectives (the figures compared); ``cost_s``: this rank's wall time for the whole probe, from
@@ -189,20 +190,20 @@ class TransportChoice:
         return f"{self.name} ({self.why}: {figures}{cost})"
 
 
-def make_backend(name: str, groups: dict[str, dist.ProcessGroup], shape: GridShape, rank: int) -> Backend:
+def make_transport(name: str, groups: dict[str, dist.ProcessGroup], shape: GridShape, rank: int) -> Transport:
     """The transport called ``name`` over a grid's per-axis ``groups`` (torch) or MPI
     sub-communicators mirroring them (``shape`` and ``rank`` place this rank, E1)."""
     if name == "torch":
-        return TorchBackend(groups)
+        return TorchTransport(groups)
     if name == "mpi":
-        return MPIBackend(shape, rank)
-    raise ValueError(f"unknown communication backend {name!r}; available: 'torch', 'mpi'")
+        return MPITransport(shape, rank)
+    raise ValueError(f"unknown communication transport {name!r}; available: 'torch', 'mpi'")
 
 
 class Handle:
     """An issued collective. ``wait()`` blocks until done and returns the result tensor.
 
-    Until then the handle also holds the collective's input (``source``), which the backend is
+    Until then the handle also holds the collective's input (``source``), which the transport is
     still reading: the memory stays accounted to torch — its allocator and memory trackers see
     it as live, which it is — however the caller drops its own references."""
 
@@ -265,7 +266,7 @@ class Handle:
 
 
 def _stamp_completion(work: Work, record: CommRecord, clock: devices.Clock) -> None:
-    """Record the time the backend finished ``work`` (when it can tell us). On an accelerator the
+    """Record the time the transport finished ``work`` (when it can tell us). On an accelerator the
     backend's future (NCCL's is complete as soon as the collective is queued) runs its callbacks on
     streams that wait for the collective's kernels, so a mark taken there happens when it is done."""
 
@@ -292,41 +293,41 @@ def _stamp_completion(work: Work, record: CommRecord, clock: devices.Clock) -> N
 
 
 class Communicator:
-    """Issues and records every collective of one grid of ``shape`` through ``backend``.
+    """Issues and records every collective of one grid of ``shape`` through ``transport``.
     Axes: x, y, z, data, batch, world (axon4d.shape).
 
     When the layers' collectives are issued and waited on is the grid's scheduler's decision
     (axon4d.scheduler), which calls this class.
     """
 
-    def __init__(self, shape: GridShape, backend: Backend, clock: devices.Clock | None = None):
+    def __init__(self, shape: GridShape, transport: Transport, clock: devices.Clock | None = None):
         self.shape = shape
-        self.backend = backend
+        self.transport = transport
         #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock)
         self.clock = clock if clock is not None else devices.Clock(devices.HOST)
         self.log = CommLog(self.clock)
         #: which transport and why; ``axon4d.init`` records its choice here (``settle_transport``)
-        self.transport = TransportChoice(backend.name, "given to the grid")
+        self.transport_choice = TransportChoice(transport.name, "given to the grid")
 
     @property
-    def backend_name(self) -> str:
-        return self.backend.name
+    def transport_name(self) -> str:
+        return self.transport.name
 
     def close(self) -> None:
-        self.backend.close()
+        self.transport.close()
 
     @property
     def abort(self) -> Callable[[], None] | None:
         """How to end every rank of the job at once after an error on this one: the MPI transport's
         ``MPI_Abort``; None for torch.distributed, whose ranks learn of it from the watchdog
         (axon4d.watchdog) or their launcher (torchrun's agent stops the others)."""
-        abort = getattr(self.backend, "abort", None)
+        abort = getattr(self.transport, "abort", None)
         return abort if callable(abort) else None
 
     def barrier(self) -> None:
         """Block until every rank of the world arrives here (not logged: it moves no data)."""
         with watchdog.waiting("a barrier of the world"):
-            self.backend.barrier()
+            self.transport.barrier()
 
     def _record(self, op: Op, axis: str, payload: torch.Tensor, tag: Term | str) -> CommRecord:
         record = CommRecord(
@@ -349,7 +350,7 @@ class Communicator:
         if not tensor.is_contiguous():
             raise ValueError("all_reduce works in place and needs a contiguous tensor")
         record = self._record(Op.ALL_REDUCE, axis, tensor, tag)
-        work = self.backend.all_reduce(tensor, axis)
+        work = self.transport.all_reduce(tensor, axis)
         _stamp_completion(work, record, self.clock)
         return Handle(work, tensor, record, clock=self.clock)
 
@@ -362,7 +363,7 @@ class Communicator:
         inp = tensor.movedim(dim, 0).contiguous()
         out = inp.new_empty((g * inp.shape[0], *inp.shape[1:]))
         record = self._record(Op.ALL_GATHER, axis, out, tag)
-        work = self.backend.all_gather(out, inp, axis)
+        work = self.transport.all_gather(out, inp, axis)
         _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
         return Handle(work, out, record, finish, source=inp, clock=self.clock)
@@ -380,7 +381,7 @@ class Communicator:
         inp = tensor.movedim(dim, 0).contiguous()
         out = inp.new_empty((inp.shape[0] // g, *inp.shape[1:]))
         record = self._record(Op.REDUCE_SCATTER, axis, inp, tag)
-        work = self.backend.reduce_scatter(out, inp, axis)
+        work = self.transport.reduce_scatter(out, inp, axis)
         _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
         return Handle(work, out, record, finish, source=inp, clock=self.clock)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from axon4d import device as devices
-from axon4d.comm import Communicator, make_backend
+from axon4d.comm import Communicator, make_transport
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.scheduler import Scheduler
@@ -35,7 +35,7 @@ class Grid:
         self,
         shape: GridShape,
         device: torch.device,
-        backend: str = "torch",
+        transport: str = "torch",
         launcher: str = "existing",
         precision: Precision | str | None = None,
         overlap: OverlapPolicy | None = None,
@@ -57,7 +57,7 @@ class Grid:
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")
         clock = devices.Clock(device)  # collectives and compute timed where they run (axon4d.commlog)
-        self.comm = Communicator(shape, make_backend(backend, self.groups, shape, self.rank), clock)
+        self.comm = Communicator(shape, make_transport(transport, self.groups, shape, self.rank), clock)
         self.scheduler = Scheduler(self.comm, self.precision, overlap)
 
     @property
@@ -83,7 +83,7 @@ class Grid:
         c = self.coords
         return (
             f"Grid{self.shape} rank {self.rank} at (x={c['x']}, y={c['y']}, z={c['z']}, "
-            f"data={c['data']}) on {self.device}, comm {self.comm.backend_name}"
+            f"data={c['data']}) on {self.device}, comm {self.comm.transport_name}"
         )
 
     def destroy(self, drain: bool = True) -> None:

@@ -1,9 +1,9 @@
 """The MPI transport of the communication layer (``axon4d.comm``): mpi4py's non-blocking
 collectives on per-axis sub-communicators that mirror the grid (docs/design.md §7).
 
-``axon4d.comm`` builds an ``MPIBackend`` for ``axon4d.init(..., backend="mpi")``, or under mpirun on
+``axon4d.comm`` builds an ``MPITransport`` for ``axon4d.init(..., backend="mpi")``, or under mpirun on
 the host when its transport probe finds MPI the faster (``axon4d.transport.probe_transports``); only
-its ``Communicator`` calls it. Like every backend, it only moves
+its ``Communicator`` calls it. Like every transport, it only moves
 bytes: logging, reshaping and handles live in ``axon4d.comm``.
 """
 
@@ -25,13 +25,13 @@ from axon4d.shape import GridShape
 class _MPIWork:
     """An MPI request plus what to copy back when it completes (for staged or upcast buffers)."""
 
-    def __init__(self, backend: MPIBackend, request: Any, finish: Callable[[], None] | None):
-        self.backend, self.request, self.finish = backend, request, finish
+    def __init__(self, transport: MPITransport, request: Any, finish: Callable[[], None] | None):
+        self.transport, self.request, self.finish = transport, request, finish
         self.done = False
         self.on_done: Callable[[], None] | None = None
 
     def test(self) -> bool:
-        """Progress MPI once; True when this request has completed (callers hold the backend lock)."""
+        """Progress MPI once; True when this request has completed (callers hold the transport lock)."""
         if not self.done and self.request.Test():
             self.done = True
             if self.on_done is not None:
@@ -40,7 +40,7 @@ class _MPIWork:
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` when the request completes (at once if it already has)."""
-        with self.backend.lock:
+        with self.transport.lock:
             self.on_done = fn
             if self.done:
                 fn()
@@ -48,7 +48,7 @@ class _MPIWork:
     def wait(self) -> None:
         polls = 0
         while True:  # poll Test under the lock so a progress thread never races for the request
-            with self.backend.lock:
+            with self.transport.lock:
                 if self.test():
                     break
             polls += 1  # ranks may share cores: yield, then back off so the peers we wait for run
@@ -61,7 +61,7 @@ class _MPIWork:
             self.finish = None
 
     def is_completed(self) -> bool:
-        with self.backend.lock:
+        with self.transport.lock:
             return self.test()
 
 
@@ -116,7 +116,7 @@ def _mpix_query(MPI: Any, kind: str) -> int | None:
     return int(fn())
 
 
-class MPIBackend:
+class MPITransport:
     """Non-blocking MPI collectives (mpi4py Iallreduce / Iallgather / Ireduce_scatter_block) on
     per-axis sub-communicators that mirror the grid (split of COMM_WORLD keyed by E1 coordinates).
 
@@ -154,7 +154,7 @@ class MPIBackend:
         world = MPI.COMM_WORLD
         if world.Get_size() != shape.world_size or world.Get_rank() != rank:
             raise ValueError(
-                f"the MPI backend needs MPI's world to be the grid's: MPI rank {world.Get_rank()} of "
+                f"the MPI transport needs MPI's world to be the grid's: MPI rank {world.Get_rank()} of "
                 f"{world.Get_size()}, grid rank {rank} of {shape.world_size}; launch with "
                 f"mpiexec -n {shape.world_size}, or use comm='torch'"
             )
@@ -279,7 +279,7 @@ class MPIBackend:
 
 
 def _other_sizes(s: GridShape, axis: str) -> tuple[int, ...]:
-    """Sizes of the axes whose coordinates colour ``axis``'s sub-communicator (see MPIBackend)."""
+    """Sizes of the axes whose coordinates colour ``axis``'s sub-communicator (see MPITransport)."""
     return {
         "x": (s.data, s.z, s.y),
         "y": (s.data, s.z, s.x),

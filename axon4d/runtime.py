@@ -51,7 +51,7 @@ def init(
     short probe on the world group (all-reduce, all-gather, reduce-scatter at 64 KiB and 4 MiB;
     every rank takes the same verdict; measured once per job, reused by later ``init`` calls);
     else torch (axon4d.transport.choose_transport, settle_transport). The choice and the probe's
-    figures are ``grid.comm.transport``, logged on rank 0 (logger "axon4d.transport", INFO).
+    figures are ``grid.comm.transport_choice``, logged on rank 0 (logger "axon4d.transport", INFO).
     ``overlap`` is the overlap policy
     (axon4d.overlap_policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
     "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where
@@ -99,7 +99,7 @@ def init(
         if choice.seconds is not None and _state["owns_world"]:
             _state["probed"] = choice
     new = Grid(shape, dev, choice.name, launcher=info.launcher, precision=mixed, overlap=policy)
-    new.comm.transport = choice
+    new.comm.transport_choice = choice
     _state["grid"] = new
     return new
 

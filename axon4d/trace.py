@@ -66,7 +66,7 @@ def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -
         "coords": dict(grid.coords),
         "grid": str(grid.shape),
         "label": label,
-        "backend": grid.comm.backend_name,
+        "backend": grid.comm.transport_name,
         "records": records,
         "spans": [[name, a - t0, b - t0] for name, a, b in log.spans],
     }

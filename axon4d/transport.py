@@ -6,7 +6,7 @@ runs ``probe_transports``, which times both transports' collectives on the world
 rank takes the one whose slowest rank finished first (``decide_transport``, a pure function of the
 gathered figures, so every rank reaches the same verdict). ``$AXON4D_COMM``, ``comm=`` or
 ``backend="mpi"`` decide without a probe; other launchers and accelerators use torch.distributed.
-The result is a ``TransportChoice`` (axon4d.comm), kept as ``grid.comm.transport``. The probe's
+The result is a ``TransportChoice`` (axon4d.comm), kept as ``grid.comm.transport_choice``. The probe's
 collectives go through ``axon4d.comm.Communicator``, like every other.
 """
 
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d.comm import Communicator, TorchBackend, TransportChoice
+from axon4d.comm import Communicator, TorchTransport, TransportChoice
 from axon4d.geometry import Op
-from axon4d.mpi import MPIBackend
+from axon4d.mpi import MPITransport
 from axon4d.shape import GridShape
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,10 @@ def probe_transports(
     shape = GridShape(1, 1, 1, world_size)  # "world" is the only axis the probe uses
     world = dist.group.WORLD
     assert world is not None, "probe_transports needs the default process group (axon4d.launch.start_world)"
-    torch_comm = Communicator(shape, TorchBackend({"world": world}))
+    torch_comm = Communicator(shape, TorchTransport({"world": world}))
     torch_comm.barrier()  # ranks arrive apart (imports, start-up); the wait is not the probe's cost
     start = time.perf_counter()
-    comms = {"mpi": Communicator(shape, MPIBackend(shape, rank, axes=("world",))), "torch": torch_comm}
+    comms = {"mpi": Communicator(shape, MPITransport(shape, rank, axes=("world",))), "torch": torch_comm}
     try:
         totals = _time_collectives(comms, device, world_size, sizes, reps)
         mine = torch.tensor([[totals[n] for n in TRANSPORTS]], dtype=torch.float64, device=device)  # (1, 2)

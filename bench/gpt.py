@@ -254,7 +254,7 @@ def main() -> int:
     per_rank = grid.comm.all_gather(torch.tensor(times, dtype=torch.float64, device=grid.device), "world").wait()
     slowest = per_rank.view(grid.world_size, -1).max(dim=0).values.tolist()
     measured_mem = peak_bytes(grid, model, opt, step)
-    world, device, comm = grid.world_size, str(grid.device), grid.comm.backend_name
+    world, device, comm = grid.world_size, str(grid.device), grid.comm.transport_name
     axon4d.shutdown()
     if not rank0:
         return 0

@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
             "RESULT "
             + json.dumps(
                 {
-                    "backend": grid.comm.backend_name,
+                    "backend": grid.comm.transport_name,
                     "comm_alone_s": comm_alone,
                     "compute_alone_s": compute_alone,
                     "overlapped_total_s": total,

@@ -200,7 +200,7 @@ def worker(args: argparse.Namespace) -> None:
     if grid.rank == 0:
         with open(args.out, "w") as f:
             json.dump(
-                {"grid": str(grid.shape), "comm": grid.comm.backend_name, "policy": chosen.spec(), "runs": results}, f
+                {"grid": str(grid.shape), "comm": grid.comm.transport_name, "policy": chosen.spec(), "runs": results}, f
             )
     axon4d.shutdown()
 

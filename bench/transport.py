@@ -6,7 +6,7 @@ rank count in ``--ranks`` this bench runs three jobs under ``mpiexec -n R``:
 
 - ``auto``: ``axon4d.init()`` as a user calls it; records the choice, each transport's probe
   figure (the slowest rank's seconds for the probe's collectives) and the probe's cost on rank 0
-  (``grid.comm.transport.cost_s``: wall time from the barrier before the probe to the verdict);
+  (``grid.comm.transport_choice.cost_s``: wall time from the barrier before the probe to the verdict);
 - ``torch`` and ``mpi``: the same job with ``AXON4D_COMM`` forcing the transport (no probe).
 
 Each job then steps the same workload: an MLP (Linear H→4H, GELU, Linear 4H→H, biases), fp32,
@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     step()  # warm-up: allocations, connections
     steps = [step() for _ in range(args.steps)]
     if grid.rank == 0:
-        t = grid.comm.transport
+        t = grid.comm.transport_choice
         result = {
             "transport": t.name,
             "why": t.why,

@@ -1,4 +1,4 @@
-"""Runs the gloo backend's own correctness tests on the MPI backend, under ``mpiexec -n 8``.
+"""Runs the gloo backend's own correctness tests on the MPI transport, under ``mpiexec -n 8``.
 
 Started by tests/test_mpi.py. Every rank joins one torch world (for group bookkeeping) and builds
 each grid with ``axon4d.init(..., comm="mpi")``, so every collective goes through mpi4py. The
@@ -39,8 +39,9 @@ class MPIPools:
     def run(self, grid, fn, *args, timeout=None, **init_kwargs):
         g = axon4d.init(grid=grid, comm="mpi", **init_kwargs)
         try:
-            assert g.comm.backend_name == "mpi"
-            assert (g.comm.transport.why, g.comm.transport.seconds) == ("comm='mpi'", None)  # given: no probe
+            assert g.comm.transport_name == "mpi"
+            choice = g.comm.transport_choice
+            assert (choice.why, choice.seconds) == ("comm='mpi'", None)  # given: no probe
             result = fn(g, *args)
         finally:
             axon4d.shutdown()

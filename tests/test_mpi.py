@@ -1,4 +1,4 @@
-"""Protects the MPI backend (axon4d/mpi.py MPIBackend): the same correctness tests as the gloo
+"""Protects the MPI transport (axon4d/mpi.py MPITransport): the same correctness tests as the gloo
 backend — collectives, byte log against axon4d.geometry, Linear against torch.nn.Linear on every grid
 of 8 ranks, overlap on = overlap off — run under ``mpiexec -n 8`` with every collective going
 through mpi4py's non-blocking collectives (tests/mpi_check.py); and, launched by mpiexec,
@@ -61,12 +61,12 @@ import json, os, torch, axon4d
 g = axon4d.init(grid=(2, 2, 2, 1))
 t = torch.full((4,), float(g.rank))
 s = g.comm.all_reduce(t, "x").wait()
-c = g.comm.transport
-line = {"backend": g.comm.backend_name, "launcher": g.launcher, "sum": s.tolist(), "name": c.name, "why": c.why,
+c = g.comm.transport_choice
+line = {"backend": g.comm.transport_name, "launcher": g.launcher, "sum": s.tolist(), "name": c.name, "why": c.why,
         "seconds": c.seconds, "cost_s": c.cost_s}
 axon4d.shutdown()
 again = axon4d.init(grid=(1, 1, 2, 4))  # a second grid in the same job: the probe is not run again
-line["again"] = again.comm.transport == c and again.comm.backend_name == c.name
+line["again"] = again.comm.transport_choice == c and again.comm.transport_name == c.name
 axon4d.shutdown()
 os.write(1, ("AUTO " + json.dumps(line) + "\n").encode())  # one write: ranks share stdout
 """

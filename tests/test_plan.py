@@ -220,7 +220,7 @@ def _peaks_by_policy(grid, wl):
         axon4d.overlap.configure(policy, grid)
         torch.manual_seed(0)
         out[name] = measure_peak(ProbeModel(wl, grid))
-    return out, grid.comm.backend.stages_reduce_scatter
+    return out, grid.comm.transport.stages_reduce_scatter
 
 
 #: two small blocks whose weights are split over z alone: the memory tests of the overlap knobs

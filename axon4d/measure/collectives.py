@@ -63,7 +63,7 @@ def _comm_sweep(timer: Timer, dtype: torch.dtype, payloads: Sequence[int]) -> li
     elem = dtype.itemsize
     for g, s in geometries(world):
         shape = GridShape(s, g, world // (g * s), 1)  # the y axis: g ranks, stride s = G_x
-        grid = Grid(shape, timer.device, timer.grid.comm.backend_name, launcher="existing")
+        grid = Grid(shape, timer.device, timer.grid.comm.transport_name, launcher="existing")
         try:
             for op in ("all_reduce", "all_gather", "reduce_scatter"):
                 secs = []

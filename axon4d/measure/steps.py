@@ -29,7 +29,7 @@ def measure(
     times: dict[tuple, list[float]] = {g: [] for g in grids}
     for _ in range(rounds):
         for g in grids:
-            grid = Grid(GridShape(*g), world_grid.device, world_grid.comm.backend_name, launcher="existing")
+            grid = Grid(GridShape(*g), world_grid.device, world_grid.comm.transport_name, launcher="existing")
             grid.scheduler.configure(OverlapPolicy())
             try:
                 torch.manual_seed(0)
