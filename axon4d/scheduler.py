@@ -75,8 +75,8 @@ class Scheduler:
         self._bucket: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (param, shard, scale)
         self._reducing: list[tuple[list[tuple[torch.Tensor, torch.Tensor, float]], Handle, torch.Tensor | None]] = []
         self._callback_queued = False
-        self._recomputing: weakref.WeakSet | None = None  # layers of the region being recomputed
-        self._checkpointed = 0  # depth of checkpointed regions (full recomputation) being run
+        self._rerunning: weakref.WeakSet | None = None  # layers of the recomputed region being re-run
+        self._recomputed_depth = 0  # depth of regions under full recomputation being run
 
     # -- policy ---------------------------------------------------------------------------------
     def configure(self, spec: Any) -> OverlapPolicy:
@@ -119,7 +119,7 @@ class Scheduler:
                 return
             if backward and not self._gathers_in_backward.get(layer, False):
                 continue
-            if not backward and self._recomputing is not None and layer not in self._recomputing:
+            if not backward and self._rerunning is not None and layer not in self._rerunning:
                 return
             if layer not in self._prefetched:
                 self._prefetched[layer] = (self._issue_gather(layer.weight, backward), layer.weight._version)
@@ -146,40 +146,40 @@ class Scheduler:
         return handle
 
     @property
-    def checkpointed(self) -> bool:
+    def recomputing(self) -> bool:
         """True inside a region under full recomputation (its forward or its re-run): layers then
         save what they keep for backward through autograd, so it is dropped and made again."""
-        return self._checkpointed > 0
+        return self._recomputed_depth > 0
 
     @contextlib.contextmanager
-    def checkpointing(self) -> Iterator[None]:
+    def recomputed_region(self) -> Iterator[None]:
         """The enclosed forward is a region under full recomputation (docs/design.md §5)."""
-        self._checkpointed += 1
+        self._recomputed_depth += 1
         try:
             yield
         finally:
-            self._checkpointed -= 1
+            self._recomputed_depth -= 1
 
     @contextlib.contextmanager
-    def recomputing(self, layers: Any) -> Iterator[None]:
-        """The enclosed forward re-runs a checkpointed region during backward (full recomputation,
+    def rerunning(self, layers: Any) -> Iterator[None]:
+        """The enclosed forward re-runs a recomputed region during backward (full recomputation,
         docs/design.md §5): it teaches OAG no order, and OAG prefetches only the region's own
         ``layers`` (the layer after the region already ran its backward)."""
-        previous = self._recomputing
-        self._recomputing = weakref.WeakSet(layers)
+        previous = self._rerunning
+        self._rerunning = weakref.WeakSet(layers)
         try:
-            with self.checkpointing():
+            with self.recomputed_region():
                 yield
         finally:
-            self._recomputing = previous
+            self._rerunning = previous
 
     def note_forward(self, layer: Any) -> None:
         """Learn the forward order of layers (for OAG) from a forward that will be differentiated.
 
         Layers call this before their forward when grad mode is on; the chain restarts after each
         backward, so the order never links the last layer of one step to the first of the next.
-        A recomputed forward (``recomputing``) teaches nothing: it runs in backward order."""
-        if self._recomputing is not None:
+        A recomputed forward (``rerunning``) teaches nothing: it runs in backward order."""
+        if self._rerunning is not None:
             return
         last = self._last_forward() if self._last_forward is not None else None
         if last is not None and last is not layer:

@@ -30,7 +30,7 @@ from axon4d.activations import sequence_positions
 from axon4d.grid import Grid
 from axon4d.nn.context import split_sequence_attention
 from axon4d.nn.linear import Linear
-from axon4d.nn.recompute import checkpointed
+from axon4d.nn.recompute import recomputed
 
 
 def rotary_tables(
@@ -165,7 +165,7 @@ class Attention(nn.Module):
         if self.context_parallel:
             return self.out(self._split_sequence_core(q, k, v))
         if self.recompute_core:
-            y = checkpointed(causal_attention, q, k, v, self.rope_theta)
+            y = recomputed(causal_attention, q, k, v, self.rope_theta)
         else:
             y = causal_attention(q, k, v, self.rope_theta)
         return self.out(y)  # (b, s, hidden/G_x)

@@ -27,7 +27,7 @@ from axon4d.nn.attention import Attention, DenseAttention
 from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
 from axon4d.nn.norm import SplitFeatureNorm, dense_norm_for, norm_for
-from axon4d.nn.recompute import checkpoint_block, recomputed_input
+from axon4d.nn.recompute import recompute_block, recomputed_input
 from axon4d.precision import compute_dtype
 from axon4d.recompute_mode import Recompute, check_recompute
 
@@ -96,7 +96,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute == Recompute.FULL:
-            return checkpoint_block(self._forward, x, scheduler=self.grid.scheduler, layers=self.linears())
+            return recompute_block(self._forward, x, scheduler=self.grid.scheduler, layers=self.linears())
         return self._forward(x)
 
     def linears(self) -> list[Linear]:

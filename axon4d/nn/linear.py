@@ -71,7 +71,7 @@ class _Linear3D(torch.autograd.Function):
         ctx.has_bias = bias is not None
         kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no E10b
         sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and kept is None)
-        if sched.checkpointed:  # full recomputation: the kept block is the recomputed forward's
+        if sched.recomputing:  # full recomputation: the kept block is the recomputed forward's
             ctx.w_block = None
             ctx.save_for_backward(x, weight, kept)
         else:  # held on ctx, so backward can free it before the dW matmul

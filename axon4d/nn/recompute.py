@@ -11,7 +11,7 @@ The modes mean exactly what the planner's ``--recompute`` prices (axon4d.plan.me
   the op inside its own backward (``recomputed_input``). The norms' statistics, which need an
   all-reduce over x, are kept, so no GEMM and no collective is ever run again.
 - ``full``: only the block's input is kept; the whole block forward, collectives included, runs
-  again in backward (``checkpoint_block``). The grid's scheduler is told (``Scheduler.recomputing``)
+  again in backward (``recompute_block``). The grid's scheduler is told (``Scheduler.rerunning``)
   so the recomputed forward teaches OAG no order and prefetches only the block's own layers.
 
 Every mode gives the same gradients as ``none``.
@@ -30,18 +30,18 @@ from torch.utils.checkpoint import checkpoint
 from axon4d.scheduler import Scheduler
 
 
-def checkpointed(fn: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
+def recomputed(fn: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
     """``fn(*inputs)`` keeping only its inputs; everything inside is recomputed in backward."""
     return checkpoint(fn, *inputs, use_reentrant=False)
 
 
-def checkpoint_block(fn: Callable[..., Any], *inputs: Any, scheduler: Scheduler, layers: Iterable[Any]) -> Any:
+def recompute_block(fn: Callable[..., Any], *inputs: Any, scheduler: Scheduler, layers: Iterable[Any]) -> Any:
     """``fn(*inputs)`` keeping only ``inputs``: the forward, collectives included, re-runs in backward
-    under ``scheduler.recomputing(layers)`` (``layers``: the 3D layers ``fn`` runs)."""
+    under ``scheduler.rerunning(layers)`` (``layers``: the 3D layers ``fn`` runs)."""
     own = list(layers)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return scheduler.checkpointing(), scheduler.recomputing(own)
+        return scheduler.recomputed_region(), scheduler.rerunning(own)
 
     return checkpoint(fn, *inputs, use_reentrant=False, context_fn=contexts)
 
@@ -72,7 +72,7 @@ def recomputed_input(fn: Callable[..., torch.Tensor], *inputs: Any) -> Iterator[
         with recomputed_input(norm.normalize, x, stats, norm.weight) as h:
             y = qkv(h)                        # qkv keeps a recipe for h, not h
     """
-    h = checkpointed(fn, *inputs)
+    h = recomputed(fn, *inputs)
 
     made = weakref.ref(h)  # autograd keeps the hooks as long as what they packed: never ``h`` itself
 

@@ -20,7 +20,7 @@ from axon4d.grid import Grid
 from axon4d.nn.functional import gather_replicated, split_replicated
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import LayerNorm, RMSNorm
-from axon4d.nn.recompute import Recipes, checkpointed
+from axon4d.nn.recompute import Recipes, recomputed
 from axon4d.rectangles import FusedRows
 
 
@@ -155,7 +155,7 @@ class ShardedNorm(nn.Module):
             return self.inner(x)  # (..., hidden/G_x) → (..., hidden/G_x)
         # balanced recomputation: keep the statistics; whoever keeps the output keeps a recipe
         stats = self.inner.statistics(x)
-        return self.recipes.keep(checkpointed(self.inner.normalize, x, stats), self.inner.normalize, x, stats)
+        return self.recipes.keep(recomputed(self.inner.normalize, x, stats), self.inner.normalize, x, stats)
 
     @torch.no_grad()
     def to_dense(self, grads: bool = False) -> nn.Module:

@@ -1,12 +1,12 @@
 """Activation recomputation for a parallelized Hugging Face model (docs/design.md §5), with the
 meanings of axon4d.nn.recompute, applied through the model's own mechanisms:
 
-- ``full``: every decoder layer (transformers' ``GradientCheckpointingLayer``) checkpoints its
-  forward with axon4d's checkpoint function (non-reentrant, the grid's scheduler told), so only the
-  layer's input is kept; the layer re-runs, collectives included, in backward. Active while the
+- ``full``: every decoder layer (transformers' ``GradientCheckpointingLayer``) recomputes its
+  forward through axon4d's ``recompute_block`` (non-reentrant, the grid's scheduler told), so only
+  the layer's input is kept; the layer re-runs, collectives included, in backward. Active while the
   model is in training mode, as transformers' own gradient checkpointing is.
 - ``selective``: core attention runs through an attention function registered with transformers'
-  ``AttentionInterface`` that wraps the model's own (sdpa, eager, …) in a checkpoint: q, k, v are
+  ``AttentionInterface`` that wraps the model's own (sdpa, eager, …) in ``recomputed``: q, k, v are
   kept, scores, softmax and the weighted sum re-run in backward.
 - ``balanced``: the sharded norms (``ShardedNorm``) keep their statistics, and the activation
   function's output is not kept: whoever saves either output saves a recipe instead
@@ -25,7 +25,7 @@ from torch import nn
 
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
-from axon4d.nn.recompute import Recipes, checkpoint_block, checkpointed
+from axon4d.nn.recompute import Recipes, recompute_block, recomputed
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
 from axon4d.parallelize.styles import RESTORE_ATTR, marked
 from axon4d.recompute_mode import Recompute, check_recompute
@@ -38,7 +38,7 @@ def apply(model: nn.Module, mode: str, grid: Grid) -> None:
     """Make ``model`` (already parallelized on ``grid``) recompute activations under ``mode``."""
     mode = check_recompute(mode)
     if mode == Recompute.FULL:
-        _checkpoint_layers(model, grid)
+        _recompute_layers(model, grid)
     elif mode == Recompute.SELECTIVE:
         _selective_attention(model)
     elif mode == Recompute.BALANCED:
@@ -49,7 +49,7 @@ def _layers_of(module: nn.Module) -> list[Linear]:
     return [m.inner for m in module.modules() if isinstance(m, ShardedLinear)]
 
 
-def _checkpoint_layers(model: nn.Module, grid: Grid) -> None:
+def _recompute_layers(model: nn.Module, grid: Grid) -> None:
     layers = [m for m in model.modules() if hasattr(type(m), "gradient_checkpointing") and _layers_of(m)]
     if not layers:
         raise ValueError(
@@ -60,7 +60,7 @@ def _checkpoint_layers(model: nn.Module, grid: Grid) -> None:
         own = _layers_of(layer)
 
         def run(fn: Callable[..., Any], *args: Any, _own: list[Linear] = own) -> Any:
-            return checkpoint_block(fn, *args, scheduler=grid.scheduler, layers=_own)
+            return recompute_block(fn, *args, scheduler=grid.scheduler, layers=_own)
 
         hf = cast(Any, layer)  # transformers' GradientCheckpointingLayer: its attributes are unknown to mypy
         _restore_in_dense_copy(layer, "gradient_checkpointing", hf.gradient_checkpointing)
@@ -94,7 +94,7 @@ def _selective_attention(model: nn.Module) -> None:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, Any]:
         fn = inner if inner is not None else _eager(module)
-        out = checkpointed(lambda q, k, v, m: fn(module, q, k, v, m, **kwargs)[0], query, key, value, attention_mask)
+        out = recomputed(lambda q, k, v, m: fn(module, q, k, v, m, **kwargs)[0], query, key, value, attention_mask)
         return out, None
 
     name = SELECTIVE_PREFIX + base
@@ -121,7 +121,7 @@ class _RecomputedActivation(nn.Module):
         self.act, self.recipes = act, recipes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.recipes.keep(checkpointed(self.act, x), self.act, x)
+        return self.recipes.keep(recomputed(self.act, x), self.act, x)
 
 
 def _balanced(model: nn.Module) -> None:
