@@ -20,13 +20,14 @@ import torch
 from axon4d import geometry, rules, runtime
 from axon4d.geometry import Term
 from axon4d.grid import Grid
+from axon4d.shape import Axis
 
 #: the attribute a layer sets on its output tensor: the axis that output's features are split over
 #: (``mark_features``); ``gather_output`` compares it with the layout it is asked to gather
 FEATURES_AXIS = "_axon4d_features_axis"
 
 
-def mark_features(y: torch.Tensor, axis: str) -> torch.Tensor:
+def mark_features(y: torch.Tensor, axis: Axis) -> torch.Tensor:
     """``y``, noted as a tensor whose last dim is split over ``axis`` (a layer's output)."""
     setattr(y, FEATURES_AXIS, axis)
     return y
@@ -52,14 +53,14 @@ def gather_batch(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
     return grid.comm.all_gather(x.detach().contiguous(), "batch", dim=0, tag=Term.GATHER_BATCH).wait()
 
 
-def shard_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torch.Tensor:
+def shard_features(x: torch.Tensor, axis: Axis, grid: Grid | None = None) -> torch.Tensor:
     """This rank's part of the last dim of ``x``, split over ``axis``."""
     grid = runtime.resolve(grid)
     rules.features(x.shape[-1], axis).check(grid.shape)
     return _chunk(x, x.dim() - 1, grid.size(axis), grid.coord(axis))
 
 
-def gather_features(x: torch.Tensor, axis: str, grid: Grid | None = None) -> torch.Tensor:
+def gather_features(x: torch.Tensor, axis: Axis, grid: Grid | None = None) -> torch.Tensor:
     """The full last dim from every rank's part (all-gather over ``axis``)."""
     grid = runtime.resolve(grid)
     return grid.comm.all_gather(x.detach().contiguous(), axis, dim=-1, tag=Term.GATHER_FEATURES).wait()

@@ -35,7 +35,7 @@ from axon4d import watchdog
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op, Term
 from axon4d.mpi import MPITransport
-from axon4d.shape import GridShape
+from axon4d.shape import Axis, GridShape
 
 
 def _collective(name: str, before_2_12: str) -> Callable[..., Any]:
@@ -61,11 +61,11 @@ class Transport(Protocol):
     #: prices it where the machine file says so (``Machine.staged_reduce_scatter``)
     stages_reduce_scatter: bool
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work: ...
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis) -> Work: ...
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work: ...
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work: ...
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work: ...
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work: ...
 
     def barrier(self) -> None: ...
 
@@ -85,15 +85,15 @@ class TorchTransport:
         # through its communicator's fixed buffers
         self.stages_reduce_scatter = any(index is not None for index in self.exchanged.values())
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis) -> Work:
         return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work:
         return _collective("all_gather_single", "all_gather_into_tensor")(
             out, inp, group=self.groups[axis], async_op=True
         )
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> Work:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work:
         group, index = self.groups[axis], self.exchanged[axis]
         if index is not None and devices.is_host(inp.device):
             if group.size() == 2:
@@ -329,7 +329,7 @@ class Communicator:
         with watchdog.waiting("a barrier of the world"):
             self.transport.barrier()
 
-    def _record(self, op: Op, axis: str, payload: torch.Tensor, tag: Term | str) -> CommRecord:
+    def _record(self, op: Op, axis: Axis, payload: torch.Tensor, tag: Term | str) -> CommRecord:
         record = CommRecord(
             op=op,
             axis=axis,
@@ -343,7 +343,7 @@ class Communicator:
         self.log.add(record)
         return record
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str, tag: Term | str = "") -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis, tag: Term | str = "") -> Handle:
         """Sum ``tensor`` over ``axis``, in place; the handle's result is ``tensor``."""
         if self.shape.size(axis) == 1:
             return Handle(None, tensor, None)
@@ -354,7 +354,7 @@ class Communicator:
         _stamp_completion(work, record, self.clock)
         return Handle(work, tensor, record, clock=self.clock)
 
-    def all_gather(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: Term | str = "") -> Handle:
+    def all_gather(self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "") -> Handle:
         """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
         g = self.shape.size(axis)
         if g == 1:
@@ -368,7 +368,7 @@ class Communicator:
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
         return Handle(work, out, record, finish, source=inp, clock=self.clock)
 
-    def reduce_scatter(self, tensor: torch.Tensor, axis: str, dim: int = 0, tag: Term | str = "") -> Handle:
+    def reduce_scatter(self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "") -> Handle:
         """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index)."""
         g = self.shape.size(axis)
         if g == 1:

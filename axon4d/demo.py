@@ -23,6 +23,7 @@ from tqdm import tqdm
 from axon4d import activations, runtime
 from axon4d.grid import Grid
 from axon4d.nn import Linear
+from axon4d.shape import Axis
 
 
 def build_dense(width: int, hidden: int, depth: int) -> nn.Sequential:
@@ -58,7 +59,7 @@ def batches(steps: int, batch: int, width: int, seed: int):
 def train_parallel(model: nn.Module, args: argparse.Namespace, grid: Grid) -> list[float]:
     """Train the sharded MLP; return the global mean-squared error of every step."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    out_axis = "x"  # the last layer is transposed: its output features are split over x
+    out_axis: Axis = "x"  # the last layer is transposed: its output features are split over x
     losses = []
     bar = tqdm(total=args.steps, desc="4D grid", disable=grid.rank != 0, ncols=90)
     for x_full, t_full in batches(args.steps, args.batch, args.width, args.seed):

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from axon4d.shape import GridShape
+from axon4d.shape import GridAxis, GridShape
 
 
 class Op(str, enum.Enum):
@@ -72,7 +72,7 @@ class Collective:
     term: Term  # its name: the tag the comm log records it under, the planner's key
 
 
-def layer_axes(transpose: bool) -> tuple[str, str]:
+def layer_axes(transpose: bool) -> tuple[GridAxis, GridAxis]:
     """(axis splitting input features, axis splitting output features) — §2."""
     return ("y", "x") if transpose else ("x", "y")
 

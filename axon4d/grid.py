@@ -21,7 +21,7 @@ from axon4d.comm import Communicator, make_transport
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.scheduler import Scheduler
-from axon4d.shape import AXES, BATCH_AXES, MESH_AXES, GridShape
+from axon4d.shape import AXES, BATCH_AXES, MESH_AXES, Axis, GridShape
 
 
 class Grid:
@@ -67,11 +67,11 @@ class Grid:
             raise RuntimeError(f"{self} was destroyed (axon4d.shutdown / Grid.destroy); it has no DeviceMesh")
         return self._mesh
 
-    def size(self, axis: str) -> int:
+    def size(self, axis: Axis) -> int:
         """Number of ranks along ``axis`` (x, y, z, data, batch = data·z, world)."""
         return self.shape.size(axis)
 
-    def coord(self, axis: str) -> int:
+    def coord(self, axis: Axis) -> int:
         """This rank's index along ``axis``; for ``batch`` it is d·G_z + z."""
         return self.coords[axis]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from axon4d import device as devices
-from axon4d.shape import GridShape
+from axon4d.shape import Axis, GridShape
 
 
 class _MPIWork:
@@ -147,7 +147,7 @@ class MPITransport:
         rank: int,
         progress: str | None = None,
         poll_us: float = 200.0,
-        axes: tuple[str, ...] | None = None,
+        axes: tuple[Axis, ...] | None = None,
     ):
         from mpi4py import MPI  # optional dependency (the "mpi" extra), needed only here
 
@@ -164,7 +164,7 @@ class MPITransport:
         self.MPI, self.progress, self.poll_s = MPI, progress, poll_us * 1e-6
         self.lock = threading.Lock()
         c = shape.coordinates(rank)
-        others = {
+        others: dict[Axis, tuple[int, ...]] = {
             "x": (c["data"], c["z"], c["y"]),
             "y": (c["data"], c["z"], c["x"]),
             "z": (c["data"], c["y"], c["x"]),
@@ -239,18 +239,18 @@ class MPITransport:
             return wide, narrow
         return t, None
 
-    def all_reduce(self, tensor: torch.Tensor, axis: str) -> _MPIWork:
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis) -> _MPIWork:
         wide, back = self._reducible(tensor)
         buf, staged = self._buffer(wide, writes=True)
         req = self.comms[axis].Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
         return self._start(req, [staged, back])
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> _MPIWork:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> _MPIWork:
         send, _ = self._buffer(inp.view(torch.uint8), writes=False)  # bytes: any dtype gathers as is
         recv, staged = self._buffer(out.view(torch.uint8), writes=True)
         return self._start(self.comms[axis].Iallgather(send, recv), [staged])
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: str) -> _MPIWork:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> _MPIWork:
         wide_in, _ = self._reducible(inp)
         wide_out, back = self._reducible(out)
         send, _ = self._buffer(wide_in, writes=False)
@@ -278,7 +278,7 @@ class MPITransport:
         self.comms = {}
 
 
-def _other_sizes(s: GridShape, axis: str) -> tuple[int, ...]:
+def _other_sizes(s: GridShape, axis: Axis) -> tuple[int, ...]:
     """Sizes of the axes whose coordinates colour ``axis``'s sub-communicator (see MPITransport)."""
     return {
         "x": (s.data, s.z, s.y),

@@ -23,7 +23,7 @@ from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import SplitFeatureNorm
 from axon4d.rectangles import FusedRows, Piece, Rows, matrix_shape, pieces
-from axon4d.shape import AXES
+from axon4d.shape import AXES, GridAxis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ParamLayout:
 
     global_shape: tuple[int, ...]
     """Shape of the full tensor of the single-process model."""
-    split: tuple[tuple[str, int], ...] = ()
+    split: tuple[tuple[GridAxis, int], ...] = ()
     """(axis, dim) pairs: the grid axis splits that tensor dim into equal contiguous chunks."""
     z_flat: bool = False
     """Stored as this rank's flat, zero-padded 1/G_z of the block: an axon4d.Linear weight, whose
@@ -94,7 +94,7 @@ class ParamLayout:
             offsets[dim] = grid.coord(axis) * block[dim]
         return tuple(offsets)
 
-    def replicated_over(self) -> tuple[str, ...]:
+    def replicated_over(self) -> tuple[GridAxis, ...]:
         """Axes over which every rank holds the same piece."""
         used = {a for a, _ in self.split} | ({"z"} if self.z_flat else set())
         return tuple(a for a in AXES if a not in used)

@@ -6,7 +6,8 @@ Nothing here communicates. A rank has coordinates (d, z, y, x) with x varying fa
 
 The axes are named once, here: ``AXES`` (x, y, z, data, fastest first), the composite axes
 ``batch`` (data × z, over which tokens are split) and ``world``, and ``MESH_AXES``, the order
-DeviceMesh and checkpoints lay them out in (slowest first). E1 is written once too:
+DeviceMesh and checkpoints lay them out in (slowest first); ``Axis`` (``GridAxis`` for the four) is
+their type, so mypy checks the axis a caller names. E1 is written once too:
 ``GridShape.stride`` (the rank distance between neighbours of an axis), from which come
 ``coordinates`` and the DeviceMesh's shape and coordinate (``mesh_shape``, ``mesh_coordinate``,
 axon4d.grid).
@@ -17,19 +18,26 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 from axon4d import counts
 
+#: one of the grid's four axes (``AXES``)
+GridAxis = Literal["x", "y", "z", "data"]
+#: an axis a collective runs over or a size is asked of: the grid's four, ``batch`` (data × z) and
+#: ``world`` (``ALL_AXES``). A type for mypy; ``GridShape.size`` checks a value at run time.
+Axis = Literal["x", "y", "z", "data", "batch", "world"]
+
 #: the grid's axes, fastest first (E1).
-AXES: tuple[str, ...] = ("x", "y", "z", "data")
+AXES: tuple[GridAxis, ...] = ("x", "y", "z", "data")
 #: axes made of others: "batch" is data × z, "world" is every rank.
-COMPOSITE_AXES: tuple[str, ...] = ("batch", "world")
+COMPOSITE_AXES: tuple[Axis, ...] = ("batch", "world")
 #: every axis a collective may run over, in the order reports list them.
-ALL_AXES: tuple[str, ...] = AXES + COMPOSITE_AXES
+ALL_AXES: tuple[Axis, ...] = AXES + COMPOSITE_AXES
 #: the axes as DeviceMesh dims, slowest first (the reverse of E1's order).
-MESH_AXES: tuple[str, ...] = tuple(reversed(AXES))
+MESH_AXES: tuple[GridAxis, ...] = tuple(reversed(AXES))
 #: the DeviceMesh dims the composite ``batch`` axis is flattened from (data × z).
-BATCH_AXES: tuple[str, ...] = ("data", "z")
+BATCH_AXES: tuple[GridAxis, ...] = ("data", "z")
 
 
 @dataclasses.dataclass(frozen=True)

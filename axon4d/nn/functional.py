@@ -34,13 +34,14 @@ from torch import nn
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.precision import reduce_dtype
+from axon4d.shape import Axis
 
 
 class _SumPartials(torch.autograd.Function):
     """All-reduce over an axis, forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
         ctx.axis, ctx.grid = axis, grid
         return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=f"sum_partials.{axis}").wait()
 
@@ -57,7 +58,7 @@ class _SumToReplicas(torch.autograd.Function):
     """All-reduce over an axis forward; identity backward (the result is used replicated)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid, tag: Term | str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | str) -> torch.Tensor:
         return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=tag).wait()
 
     @staticmethod
@@ -65,14 +66,14 @@ class _SumToReplicas(torch.autograd.Function):
         return g, None, None, None
 
 
-def sum_partials(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+def sum_partials(x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
     """Σ over ``axis`` of every rank's ``x``; gradients are summed over ``axis`` as well."""
     if grid.size(axis) == 1:
         return x
     return _SumPartials.apply(x, axis, grid)
 
 
-def sum_to_replicas(x: torch.Tensor, axis: str, grid: Grid, tag: Term | None = None) -> torch.Tensor:
+def sum_to_replicas(x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | None = None) -> torch.Tensor:
     """Σ over ``axis`` of every rank's ``x``, for a result every rank of ``axis`` uses identically
     (``tag``: the collective's name in the comm log, ``sum_to_replicas.<axis>`` when None)."""
     if grid.size(axis) == 1:
@@ -107,7 +108,7 @@ class _SplitReplicated(torch.autograd.Function):
     """Forward: this rank's chunk of the last dim over ``axis`` (local). Backward: all-gather over ``axis``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
         ctx.axis, ctx.grid = axis, grid
         n = x.shape[-1] // grid.size(axis)
         return x.narrow(-1, grid.coord(axis) * n, n).contiguous()  # (..., f/G_axis)
@@ -122,7 +123,7 @@ class _GatherReplicated(torch.autograd.Function):
     """Forward: all-gather the last dim over ``axis``. Backward: keep this rank's chunk (local)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
         ctx.axis, ctx.grid, ctx.n = axis, grid, x.shape[-1]
         return grid.comm.all_gather(x.contiguous(), axis, dim=-1, tag=f"gather_replicated.{axis}").wait()
 
@@ -131,13 +132,13 @@ class _GatherReplicated(torch.autograd.Function):
         return g.narrow(-1, ctx.grid.coord(ctx.axis) * ctx.n, ctx.n).contiguous(), None, None
 
 
-def split_replicated(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+def split_replicated(x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
     """This rank's chunk of ``x``'s last dim over ``axis`` (``x`` replicated over ``axis``); the
     backward all-gathers the gradient over ``axis``."""
     return x if grid.size(axis) == 1 else _SplitReplicated.apply(x, axis, grid)
 
 
-def gather_replicated(x: torch.Tensor, axis: str, grid: Grid) -> torch.Tensor:
+def gather_replicated(x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
     """The full last dim from every rank's chunk over ``axis``, used identically on every rank of
     ``axis``; the backward keeps this rank's chunk of the gradient."""
     return x if grid.size(axis) == 1 else _GatherReplicated.apply(x, axis, grid)
@@ -147,7 +148,7 @@ class _GatherShared(torch.autograd.Function):
     """Forward: all-gather ``dim`` over ``axis``. Backward: reduce-scatter (sum) ``dim`` over ``axis``."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: str, grid: Grid, dim: int, tag: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, dim: int, tag: str) -> torch.Tensor:
         ctx.axis, ctx.grid, ctx.dim, ctx.tag = axis, grid, dim, tag
         return grid.comm.all_gather(x.contiguous(), axis, dim=dim, tag=tag).wait()
 
@@ -157,7 +158,7 @@ class _GatherShared(torch.autograd.Function):
         return part, None, None, None, None
 
 
-def gather_shared(x: torch.Tensor, axis: str, grid: Grid, dim: int = 0, tag: str = "gather_shared") -> torch.Tensor:
+def gather_shared(x: torch.Tensor, axis: Axis, grid: Grid, dim: int = 0, tag: str = "gather_shared") -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` in ``axis`` order, for a whole that each rank of
     ``axis`` uses differently; the gradient of this rank's ``x`` is its part of the sum over ``axis``
     of the gradients of the whole (reduce-scatter). ``tag`` names both collectives in the comm log

@@ -21,12 +21,13 @@ import torch
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.embedding import check_token_ids
+from axon4d.shape import Axis
 
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, axis: str, grid: Grid, ignore_index: int
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, axis: Axis, grid: Grid, ignore_index: int
     ) -> torch.Tensor:
         comm = grid.comm
         v_local = logits.shape[-1]
@@ -56,7 +57,7 @@ class _VocabParallelCE(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, grid: Grid, axis: str = "y", ignore_index: int = -100
+    logits: torch.Tensor, targets: torch.Tensor, grid: Grid, axis: Axis = "y", ignore_index: int = -100
 ) -> torch.Tensor:
     """Mean cross-entropy over this rank's tokens of logits whose last dim is split over ``axis``.
 

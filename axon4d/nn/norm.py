@@ -25,6 +25,7 @@ from axon4d.config import ModelConfig
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch, sum_partials
+from axon4d.shape import GridAxis
 
 
 class SplitFeatureNorm(nn.Module):
@@ -36,7 +37,7 @@ class SplitFeatureNorm(nn.Module):
         hidden: int,
         eps: float,
         bias: bool,
-        axis: str,
+        axis: GridAxis,
         grid: Grid | None,
         device: str | torch.device | None,
         dtype: torch.dtype | None,
@@ -128,7 +129,7 @@ class LayerNorm(SplitFeatureNorm):
         eps: float = 1e-5,
         bias: bool = True,
         *,
-        axis: str = "x",
+        axis: GridAxis = "x",
         grid: Grid | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
@@ -186,7 +187,7 @@ class RMSNorm(SplitFeatureNorm):
         hidden: int,
         eps: float = 1e-6,
         *,
-        axis: str = "x",
+        axis: GridAxis = "x",
         grid: Grid | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
