@@ -22,7 +22,7 @@ in that window times the machine's overlap efficiency:
         (``deeper_overlap``)
 
 Block layers are repeated n_layers times and their neighbours wrap around the block. Which
-mechanisms are on is the library's own ``axon4d.policy.OverlapPolicy``.
+mechanisms are on is the library's own ``axon4d.overlap_policy.OverlapPolicy``.
 """
 
 from __future__ import annotations
