@@ -96,6 +96,9 @@ class ShardedLinear(nn.Module):
             in_f, out_f, bias=bias is not None, transpose=transpose, grid=grid, device=weight.device, dtype=weight.dtype
         )
         self.inner.load_dense_(weight, bias)
+        # checkpoints save fused rows as each segment's own tensor (param_layout): grid-independent,
+        # where the permuted order of one G_y would scramble q|k|v on a grid of another
+        self.inner.fused_rows = fused
         self.grid = grid
         self.input_sharded, self.output_sharded = input_sharded, output_sharded
         self.conv1d_class = type(dense) if is_conv1d(dense) else None  # what to_dense gives back, if not nn.Linear
