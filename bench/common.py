@@ -1,9 +1,5 @@
-"""What the benchmarks share: a local world, paired rounds, medians and the header of a result file.
+"""What the benchmarks share (a local world is ``axon4d.measure.spawn.run_local``): paired rounds, medians and the header of a result file.
 
-- ``spawn(world, fn, *args, ...)``: ``world`` gloo ranks on this host, each running
-  ``fn(grid, *args)`` (``axon4d.measure.spawn.run_local``: ``grid=`` a shape, "data" or None for
-  the bare world; ``init_kwargs=``, ``backend=``, ``every_rank=``, ``timeout=``); rank 0's result,
-  or every rank's in rank order.
 - ``paired(steps, pairs)``: implementations stepped alternately, A B, B A, A B, …, so that a drift
   in the shared host's speed lands on both sides of each pair's ratio alike; ``rotated(names, r)``:
   the order of round ``r`` of interleaved rounds (each round starts one later).
@@ -34,35 +30,6 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-
-
-# -- a local world -----------------------------------------------------------------------------------
-def spawn(
-    world: int,
-    fn: Callable[..., Any],
-    *args: Any,
-    grid: tuple[int, ...] | None | str = "data",
-    init_kwargs: dict[str, Any] | None = None,
-    backend: str | None = None,
-    every_rank: bool = False,
-    timeout: float = 600.0,
-) -> Any:
-    """``fn(grid, *args)`` on ``world`` ranks spawned on this host (``run_local``); rank 0's
-    result, every rank's with ``every_rank``. ``fn`` must be a module-level function."""
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
-    from axon4d.measure.spawn import run_local
-
-    return run_local(
-        world,
-        fn,
-        *args,
-        grid=grid,
-        init_kwargs=init_kwargs,
-        backend=backend,
-        every_rank=every_rank,
-        timeout=timeout,
-    )
 
 
 # -- rounds and pairs --------------------------------------------------------------------------------

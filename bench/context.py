@@ -51,6 +51,7 @@ import torch  # noqa: E402
 
 from axon4d.activations import sequence_chunks  # noqa: E402
 from axon4d.config import ModelConfig  # noqa: E402
+from axon4d.measure.spawn import run_local  # noqa: E402
 from axon4d.nn.context import prefix_attention  # noqa: E402
 
 #: the arguments rows kept by --keep must share
@@ -183,7 +184,7 @@ def main() -> int:
         wl = Workload(cfg, batch=shape.size("data"), dtype="float32", context_parallel=True)
         cand = evaluate(wl, shape, machine, OverlapPolicy.parse("all"))
         steps = max(args.steps, math.ceil(args.min_seconds / cand.time.step_s))
-        split = common.spawn(
+        split = run_local(
             shape.world_size,
             _train_steps,
             cfg,
@@ -194,7 +195,7 @@ def main() -> int:
             every_rank=True,
             timeout=3600,
         )
-        whole = common.spawn(
+        whole = run_local(
             GridShape(*unsplit_grid).world_size,
             _train_steps,
             cfg,

@@ -39,6 +39,8 @@ import time
 
 import common
 
+from axon4d.measure.spawn import run_local
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CONFIGS = ["off", "oag", "oar", "ors", "odp", "chunks", "all"]
@@ -206,7 +208,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _spawned(_grid: None, args: argparse.Namespace) -> None:
-    """A loopback gloo rank started by ``common.spawn`` (its world is up; ``worker`` builds the grid)."""
+    """A loopback gloo rank started by ``run_local`` (its world is up; ``worker`` builds the grid)."""
     worker(args)
 
 
@@ -265,7 +267,7 @@ def run_ranks(args: argparse.Namespace, out: str) -> dict:
         where = {"where": "loopback", "backend": "mpi", "mpi_progress": args.mpi_progress}
     else:
         os.environ["OMP_NUM_THREADS"] = "1"
-        common.spawn(
+        run_local(
             args.ranks,
             _spawned,
             argparse.Namespace(**{**vars(args), "out": out, "comm": "torch"}),

@@ -62,7 +62,7 @@ ratio (``paired``), and the driver prints it beside the headline.
     .venv/bin/python bench/peers.py --link 1gbit --nodes 2 --intra 10gbit --ranks 8   # emulated cluster (root)
     .venv/bin/python bench/peers.py --quick --ranks 2                     # tiny sizes, checks the script
 
-Ranks are spawned by bench/common.py's ``spawn`` (``run_local``) on loopback and by bench/cluster.py's
+Ranks are spawned by ``axon4d.measure.spawn.run_local`` on loopback and by bench/cluster.py's
 ``Cluster`` on the emulated cluster. The planner prices the loopback runs with
 bench/results/planner_machine_local.json, the one-level cluster with planner_machine_cluster_1gbit.json
 and two nodes with planner_machine_cluster_2node_1gbit.json (``--machine`` to change). Results: ``bench/results/peers_<link>.json`` and ``.png``
@@ -95,6 +95,8 @@ import common  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+
+from axon4d.measure.spawn import run_local  # noqa: E402
 
 PEERS = ["axon4d", "dtensor", "fsdp2", "ddp", "dense"]
 WORKLOADS = ["mlp", "llama", "20B"]
@@ -563,7 +565,7 @@ def worker_main(spec_json: str) -> int:
 def run_setting(spec: dict, ranks: int, args: argparse.Namespace) -> dict:
     """One world of ``ranks`` on loopback (run_local) or the emulated cluster; rank 0's record."""
     if not args.link:
-        return common.spawn(ranks, rank_main, spec)
+        return run_local(ranks, rank_main, spec)
     from cluster import Cluster
 
     out = f"/tmp/axon4d_peers_{os.getpid()}.json"
