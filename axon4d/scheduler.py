@@ -16,7 +16,14 @@ hand it their gradients; they hold no overlap flags.
   the next layer's backward or at the end of backward.
 - **ODP** (E12, E13): data-parallel all-reduces of the weight shards, in buckets of
   ``bucket_mb`` (0: one bucket per layer), are launched as the shards arrive; the bias
-  all-reduces over batch are issued asynchronously too.
+  all-reduces over batch are issued asynchronously too, and so are the gradients of replicated
+  parameters (norm weights, embedding tables: ``track_replicated``), bucketed by kind the same way
+  and folded into ``.grad`` in ``finish_gradients`` — never waited one by one in the backward.
+- **Accumulation** (``accumulating``): backward passes inside hold their data-axis reductions
+  (E12, E13, the replicated gradients) — each rank sums its micro-batches locally, reduced over z
+  where the z shard needs it (E11 still runs per micro-batch) — and the first backward outside
+  adds the sums to its own and reduces once, overlapped with itself: with M micro-batches the
+  data axis moves the bytes of one (DDP's ``no_sync``, docs/design.md §4).
 - **Chunked forward all-reduce** (E8): the tokens are split into ``forward_chunks`` chunks and
   chunk i is all-reduced over the input axis while chunk i+1 is multiplied (only where the input
   axis has more than one rank: otherwise there is no E8 and the GEMM stays whole).
@@ -40,16 +47,22 @@ from axon4d.comm import Communicator, Handle
 from axon4d.geometry import Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.precision import Precision, compute_dtype, reduce_dtype
+from axon4d.shape import Axis
 
 
 @dataclasses.dataclass
 class _PendingGrad:
-    """A gradient on its way into ``param.grad``: a handle, then what to do with its result."""
+    """A weight shard's reduce-scatter over z (E11) not folded yet, and whether its micro-batch
+    holds the data-axis reduction (``accumulating``)."""
 
     param: torch.Tensor
     handle: Handle
-    stage: str  # "rs": reduce-scatter over z still to fold; "ar": final all-reduce in flight
     scale: float
+    hold: bool
+
+
+#: a gradient waiting in a bucket: (parameter, flat gradient in the reduction dtype, scale)
+_Item = tuple[torch.Tensor, torch.Tensor, float]
 
 
 def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
@@ -72,8 +85,17 @@ class Scheduler:
         self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (gather, weight version)
         self._gathers_in_backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> bool
         self._scattering: list[_PendingGrad] = []  # ORS: reduce-scatters not yet folded
-        self._bucket: list[tuple[torch.Tensor, torch.Tensor, float]] = []  # (param, shard, scale)
-        self._reducing: list[tuple[list[tuple[torch.Tensor, torch.Tensor, float]], Handle, torch.Tensor | None]] = []
+        # ODP buckets, one per (axis, tag): E12's weight shards over data, each kind of replicated
+        # gradient over batch; insertion-ordered, so every rank flushes them in the same order
+        self._buckets: dict[tuple[Axis, Term], list[_Item]] = {}
+        self._reducing: list[tuple[list[_Item], Handle, torch.Tensor | None]] = []
+        self._holding = 0  # depth of ``accumulating`` regions: data-axis reductions are held
+        # held sums (accumulation), by parameter id in first-held order: (param, sum, axis, tag, scale)
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor, Axis, Term, float]] = {}
+        # replicated parameters whose .grad holds this window's local (unreduced) sum, and the
+        # reduced gradient each held before its window opened (restored under the reduction)
+        self._local: dict[int, tuple[weakref.ref, Term]] = {}
+        self._kept: dict[int, torch.Tensor] = {}
         self._callback_queued = False
         self._rerunning: weakref.WeakSet | None = None  # layers of the recomputed region being re-run
         self._recomputed_depth = 0  # depth of regions under full recomputation being run
@@ -188,52 +210,155 @@ class Scheduler:
         self._last_forward = weakref.ref(layer)
 
     # -- ORS / ODP: gradients -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside hold their data-axis reductions: E12 (weight shards over data),
+        E13 (biases over batch) and the replicated parameters' all-reduces over batch are not
+        issued; each rank sums its gradients locally (weight shards after E11, their reduce-scatter
+        over z, which still runs per backward). The first backward outside adds the held sums to
+        its own and reduces them once, overlapped with itself; until then ``.grad`` of a layer's
+        weight and bias stays as it was and a replicated parameter's holds its local sum.
+
+        The gradient-accumulation counterpart of DDP's ``no_sync`` (docs/design.md §4): over M
+        micro-batches the data axis moves the bytes of one. Zero the gradients before the first
+        micro-batch, never between."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+
+    @property
+    def holding(self) -> bool:
+        """True inside ``accumulating``: data-axis gradient reductions are held."""
+        return self._holding > 0
+
     def reduce_weight_grad(self, param: torch.Tensor, dw: torch.Tensor, scale: float) -> torch.Tensor | None:
         """Reduce a flat padded dW block: reduce-scatter over z (E11), all-reduce over data (E12),
         times ``scale``, in the grid's gradient-reduction dtype. Returns the shard (in the
-        parameter's dtype) when the policy is fully synchronous; otherwise the result is written
-        into ``param.grad`` before backward returns and None is returned."""
+        parameter's dtype) when the policy is fully synchronous; otherwise — or when the reduction
+        over data is held (``accumulating``) — the result is written into ``param.grad`` later
+        (before the backward that reduces returns) and None is returned."""
         dw = dw.to(reduce_dtype(self.precision, param))
         rs = self.comm.reduce_scatter(dw, "z", tag=Term.E11)
+        hold = self.holding
         if not (self.policy.ors or self.policy.odp):
             shard = rs.wait()
+            if hold:
+                self._hold(param, shard, "data", Term.E12, scale)
+                return None
+            shard = self._with_held(param, shard)
             return _scaled(self.comm.all_reduce(shard, "data", tag=Term.E12).wait(), scale).to(param.dtype)
         # fold the reduce-scatters of layers that ran before this one, all but the newest
         # ors_inflight - 1 (a count, not "whichever finished": every rank folds the same ones)
         self._advance(keep=self.policy.ors_inflight - 1)
-        self._scattering.append(_PendingGrad(param, rs, "rs", scale))
+        self._scattering.append(_PendingGrad(param, rs, scale, hold))
         if not self.policy.ors:
             self._advance()
         return None
 
     def reduce_bias_grad(self, param: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP."""
+        """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP,
+        held inside ``accumulating``."""
         db = db.to(reduce_dtype(self.precision, param))
+        if self.holding:
+            self._hold(param, db, "batch", Term.E13, scale)
+            return None
+        db = self._with_held(param, db)
         handle = self.comm.all_reduce(db, "batch", tag=Term.E13)
         if not self.policy.odp:
             return _scaled(handle.wait(), scale).to(param.dtype)
         self._reducing.append(([(param, db, scale)], handle, None))
         return None
 
+    def track_replicated(self, param: torch.Tensor, tag: Term) -> None:
+        """Average ``param``'s gradient over batch = data × z, as DDP does, for a parameter every
+        rank of batch holds a copy of (norm weights, embedding tables): each backward's gradient
+        is all-reduced over batch under ``tag`` — bucketed with the others of its kind, launched
+        as it arrives under ODP — divided by G_batch and added into ``.grad`` before the backward
+        returns (held over micro-batches inside ``accumulating``).
+
+        Autograd accumulates the backward's local gradient into ``.grad`` (a gradient already
+        there is set aside first and restored under the reduced one), and a hook after that
+        accumulation hands it to the scheduler: no zero-filled or extra copy per backward."""
+        g_batch = self.comm.shape.size("batch")
+        if g_batch == 1:
+            return
+        ref = weakref.ref(param)
+        param.register_hook(lambda grad: self._replicated_arrives(ref, tag))
+        param.register_post_accumulate_grad_hook(lambda p: self._replicated_accumulated(p, tag))
+
+    def _replicated_arrives(self, ref: weakref.ref, tag: Term) -> None:
+        """Before autograd accumulates a replicated parameter's gradient: on the first backward of
+        its window, set the (reduced) gradient it holds aside, so ``.grad`` becomes the local sum."""
+        param = ref()
+        if param is None or id(param) in self._local:
+            return
+        self._local[id(param)] = (ref, tag)
+        if param.grad is not None:
+            self._kept[id(param)] = param.grad
+            param.grad = None
+
+    def _replicated_accumulated(self, param: torch.Tensor, tag: Term) -> None:
+        """After autograd accumulated it: unless held, hand the local sum to its bucket."""
+        self.backward_started()
+        if not self.holding:
+            self._reduce_replicated(param, tag)
+
+    def _reduce_replicated(self, param: torch.Tensor, tag: Term) -> None:
+        """Put a replicated parameter's local sum (its ``.grad``) in its bucket, restoring the
+        gradient set aside when its window opened; the reduction is averaged over batch."""
+        self._local.pop(id(param), None)
+        scale = 1.0 / self.comm.shape.size("batch")
+        local, param.grad = param.grad, self._kept.pop(id(param), None)
+        if local is None:
+            return
+        flat = local.detach().reshape(-1).to(reduce_dtype(self.precision, param))  # (numel,)
+        self._add_to_bucket(("batch", tag), (param, flat, scale))
+
+    def _hold(self, param: torch.Tensor, grad: torch.Tensor, axis: Axis, tag: Term, scale: float) -> None:
+        """Add a micro-batch's gradient to ``param``'s held sum (accumulation)."""
+        held = self._held.get(id(param))
+        if held is None:
+            self._held[id(param)] = (param, grad, axis, tag, scale)
+        else:
+            held[1].add_(grad)
+
+    def _with_held(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus ``param``'s held sum, if any (which is then no longer held)."""
+        held = self._held.pop(id(param), None)
+        return grad if held is None else grad.add_(held[1])
+
     def _advance(self, keep: int = 0) -> None:
-        """Fold the due reduce-scatters — all but the newest ``keep`` — into the ODP bucket (in
+        """Fold the due reduce-scatters — all but the newest ``keep`` — into the E12 bucket (in
         issue order, the same on every rank), launching the bucket's all-reduce over data when it
-        is full."""
+        is full; a held one's shard is added to its sum instead."""
         while len(self._scattering) > keep:
             pending = self._scattering.pop(0)
             shard = pending.handle.wait()
-            self._bucket.append((pending.param, shard, pending.scale))
-            limit = self.policy.bucket_mb * 2**20
-            if sum(s.numel() * s.element_size() for _, s, _ in self._bucket) >= limit:
-                self._flush_bucket()
+            if pending.hold:
+                self._hold(pending.param, shard, "data", Term.E12, pending.scale)
+            else:
+                self._add_to_bucket(
+                    ("data", Term.E12), (pending.param, self._with_held(pending.param, shard), pending.scale)
+                )
 
-    def _flush_bucket(self) -> None:
-        """All-reduce the bucket over data (E12): one tensor as is, several through a flat buffer."""
-        if not self._bucket:
+    def _add_to_bucket(self, key: tuple[Axis, Term], item: _Item) -> None:
+        """Put a gradient in the bucket of its axis and tag; launch the bucket once it holds
+        ``bucket_mb`` (0: at once)."""
+        bucket = self._buckets.setdefault(key, [])
+        bucket.append(item)
+        if sum(g.numel() * g.element_size() for _, g, _ in bucket) >= self.policy.bucket_mb * 2**20:
+            self._flush(key)
+
+    def _flush(self, key: tuple[Axis, Term]) -> None:
+        """All-reduce one bucket over its axis: one tensor as is, several through a flat buffer
+        whose slices then become the gradients (no copy back)."""
+        items = self._buckets.pop(key, [])
+        if not items:
             return
-        items, self._bucket = self._bucket, []
-        flat = items[0][1] if len(items) == 1 else torch.cat([s for _, s, _ in items])
-        handle = self.comm.all_reduce(flat, "data", tag=Term.E12)
+        flat = items[0][1] if len(items) == 1 else torch.cat([g for _, g, _ in items])
+        handle = self.comm.all_reduce(flat, key[0], tag=key[1])
         if not self.policy.odp:
             handle.wait()
         self._reducing.append((items, handle, flat if len(items) > 1 else None))
@@ -242,26 +367,43 @@ class Scheduler:
         """Complete every pending gradient reduction and add the results into ``.grad``.
 
         Runs automatically at the end of each backward; call it yourself only if you drive
-        backward in a way that does not finish through the autograd engine."""
+        backward in a way that does not finish through the autograd engine. Inside
+        ``accumulating`` the held sums stay held; outside, sums still held (a parameter the last
+        backward did not reach) are reduced here too."""
         self._advance()
-        self._flush_bucket()
+        if not self.holding:
+            self._release_held()
+        for key in list(self._buckets):
+            self._flush(key)
         reducing, self._reducing = self._reducing, []
         for items, handle, flat in reducing:
             handle.wait()
             offset = 0
-            for param, shard, scale in items:
+            for param, grad, scale in items:
                 if flat is not None:
-                    shard = flat[offset : offset + shard.numel()]
-                    offset += shard.numel()
-                shard = _scaled(shard, scale).to(param.dtype)
+                    grad = flat[offset : offset + grad.numel()]
+                    offset += grad.numel()
+                grad = _scaled(grad, scale).to(param.dtype).view(param.shape)
                 if param.grad is None:
-                    param.grad = shard if flat is None or shard.dtype != flat.dtype else shard.clone()
+                    param.grad = grad  # a slice of the bucket, or the reduced tensor itself
                 else:
-                    param.grad.add_(shard)
+                    param.grad.add_(grad)
         for handle, _ in list(self._prefetched.values()):  # prefetches nobody asked for (control flow changed)
             handle.wait()
         self._prefetched.clear()
         self._last_forward = None
+
+    def _release_held(self) -> None:
+        """Reduce what accumulation still holds: weight shards' and biases' sums, and replicated
+        parameters' local sums in ``.grad`` (in the order they were first held: the same on every rank)."""
+        held, self._held = self._held, {}
+        for param, grad, axis, tag, scale in held.values():
+            self._add_to_bucket((axis, tag), (param, grad, scale))
+        for ref, tag in list(self._local.values()):
+            replicated = ref()
+            if replicated is not None:
+                self._reduce_replicated(replicated, tag)
+        self._local.clear()
 
     def backward_started(self) -> None:
         """Called by every layer's backward: makes sure ``finish_gradients`` runs when this

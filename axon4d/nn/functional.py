@@ -33,7 +33,6 @@ from torch import nn
 
 from axon4d.geometry import Term
 from axon4d.grid import Grid
-from axon4d.precision import reduce_dtype
 from axon4d.shape import Axis
 
 
@@ -85,23 +84,13 @@ def average_grad_over_batch(param: nn.Parameter, grid: Grid, tag: Term = Term.RE
     """Make ``param``'s gradient the DDP average over batch = data × z (as E13 does for a bias),
     all-reduced under ``tag`` (the embedding's, a norm's: their own ``Term``).
 
-    For a parameter every rank of the batch axis holds a copy of (norm weights, embeddings): each
-    backward's gradient is all-reduced over batch and divided by G_batch before it is
-    accumulated into ``.grad``, so gradient accumulation over micro-batches stays correct.
+    For a parameter every rank of the batch axis holds a copy of (norm weights, embeddings). The
+    grid's scheduler reduces it (``Scheduler.track_replicated``): bucketed with the gradients of its
+    kind and launched as they arrive under ODP, added into ``.grad`` divided by G_batch before the
+    backward returns, held over micro-batches inside ``Scheduler.accumulating`` — so gradient
+    accumulation stays correct and the data axis moves each gradient once per step.
     """
-    g_batch = grid.size("batch")
-    if g_batch == 1:
-        return
-
-    dtype = reduce_dtype(grid.precision, param)
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        reduced = grid.comm.all_reduce(
-            grad.to(dtype, memory_format=torch.contiguous_format, copy=True), "batch", tag=tag
-        ).wait()  # one copy: the incoming grad may be shared
-        return reduced.div_(g_batch).to(grad.dtype)
-
-    param.register_hook(hook)
+    grid.scheduler.track_replicated(param, tag)
 
 
 class _SplitReplicated(torch.autograd.Function):

@@ -13,6 +13,7 @@ host (the same bits on every machine); a rank moves only its rows to the model's
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -59,7 +60,7 @@ def accumulate(
     device = grid.device if grid is not None else next(model.parameters()).device
     split_sequences = grid is not None and getattr(model, "context_parallel", False)
     total = torch.zeros((), device=device)
-    for full in batches:  # (B, S+1): inputs are the first S tokens of each row, targets the last S
+    for i, full in enumerate(batches):  # (B, S+1): inputs are the first S tokens of each row, targets the last S
         if split_sequences:  # tokens of each sequence split head–tail over z (docs/context.md)
             inputs, targets = (activations.shard_sequence(t, grid) for t in (full[:, :-1], full[:, 1:]))
         else:
@@ -67,6 +68,10 @@ def accumulate(
             inputs, targets = rows[:, :-1], rows[:, 1:]
         inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
         loss = model.loss(inputs, targets) / len(batches)
-        loss.backward()
+        # every micro-batch but the last holds its data-axis reductions: the last one's backward
+        # reduces the step's sums once (axon4d.scheduler, accumulation)
+        hold = grid is not None and i < len(batches) - 1
+        with grid.scheduler.accumulating() if hold else contextlib.nullcontext():  # type: ignore[union-attr]
+            loss.backward()
         total += loss.detach()
     return total
