@@ -49,6 +49,8 @@ class Term(str, enum.Enum):
     EMBEDDING_GRAD = "embedding.grad"  # the token table's gradient all-reduce over batch
     POSITION_GRAD = "position.grad"  # the position table's gradient all-reduce over batch
     NORM_GRAD = "norm.grad"  # a norm weight's or bias' gradient all-reduce over batch
+    NORM_STATS = "norm.stats"  # a split norm: all-reduce over x of the per-token sums [Σx, Σx²] (axon4d.nn.norm)
+    NORM_STATS_GRAD = "norm.stats.grad"  # ... and in backward of the per-token sums its input gradient needs
     REPLICATED_GRAD = "replicated_grad"  # any other replicated parameter's gradient over batch
     CE_LSE = "ce.lse"  # the vocabulary-parallel loss: all-gather of the log-sum-exps over y
     CE_TARGET = "ce.target"  # ... and all-reduce of the target logits over y

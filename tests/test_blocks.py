@@ -173,6 +173,80 @@ def test_vocab_parallel_embedding_and_cross_entropy(pools, world, grid):
     _assert_small(pools(world).run(grid, _check_embedding_and_loss), TOL, f"embedding/ce on {grid}")
 
 
+def _chunked_loss(grid, dtype):
+    """The loss and its logits gradient in row chunks of 5 tokens (the last one short) with ignored
+    tokens, against F.cross_entropy on the full logits (fp32 from the same ``dtype`` values)."""
+    torch.manual_seed(5)
+    vocab = 64
+    logits_full = torch.randn(2, 12, vocab).to(dtype)
+    targets = torch.randint(0, vocab, (2, 12))
+    targets[0, :7] = -100  # more than a chunk of ignored tokens
+    targets[1, 3] = -100
+    logits = axon4d.shard_features(axon4d.shard_batch(logits_full), "y").detach().requires_grad_()
+    local_targets = axon4d.shard_batch(targets)
+    rows = 5
+    loss = vocab_parallel_cross_entropy(logits, local_targets, grid, chunk_bytes=rows * logits.shape[-1] * 4)
+    loss.backward()
+    lr = axon4d.shard_batch(logits_full).float().requires_grad_()
+    ref = F.cross_entropy(lr.reshape(-1, vocab), local_targets.reshape(-1))
+    ref.backward()
+    g = axon4d.gather_features(logits.grad, "y")
+    chunks = -(-local_targets.numel() // rows)
+    return {"loss": rel_err(loss, ref), "grad": rel_err(g, lr.grad)}, chunks, str(logits.grad.dtype)
+
+
+@pytest.mark.parametrize("world,grid", [(2, (1, 2, 1, 1)), pytest.param(4, (1, 2, 1, 2), marks=pytest.mark.slow)])
+def test_cross_entropy_in_chunks_equals_torchs(pools, world, grid):
+    """Several row chunks, ignore_index inside and across chunks, fp32 and bf16 logits: the loss
+    equals torch's on the same values (fp32 math), the gradient comes back in the logits' dtype
+    within one rounding of it."""
+    for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, {"loss": TOL, "grad": 1e-2})):
+        for rank, (errs, chunks, grad_dtype) in enumerate(pools(world).run(grid, _chunked_loss, dtype)):
+            assert chunks >= 3, chunks
+            assert grad_dtype == str(dtype), (rank, grad_dtype)
+            bound = tol if isinstance(tol, dict) else {k: tol for k in errs}
+            assert all(e <= bound[k] for k, e in errs.items()), f"{dtype} rank {rank}: {errs}"
+
+
+def _loss_memory(grid, dtype, chunk_bytes):
+    """Peak bytes torch allocates (MemTracker) in the loss's forward and in its backward, beyond the
+    logits (forward) and the logits plus their gradient (backward), which the tracker counts too."""
+    import warnings
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    n, v = 512, 256
+    logits = torch.randn(n, v, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, v, (n,))
+
+    def peak(fn):
+        tracker = MemTracker()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tracker:
+                out = fn()
+        return tracker.get_tracker_snapshot("peak")[logits.device]["Total"], out
+
+    forward, loss = peak(lambda: vocab_parallel_cross_entropy(logits, targets, grid, chunk_bytes=chunk_bytes))
+    backward, _ = peak(loss.backward)
+    size = logits.numel() * logits.element_size()
+    return forward - size, backward - 2 * size, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cross_entropy_temporaries_are_bounded_by_the_chunk(pools, dtype):
+    """Beyond the logits and their gradient the loss allocates at most two fp32 chunks (plus a few
+    per-token vectors), not the n·v fp32 copies (512 KiB here) a whole-tensor softmax makes."""
+    chunk = 16 * 1024  # 16 rows of 256 fp32 logits: 32 chunks
+    ((fwd, bwd, n),) = pools(1).run((1, 1, 1, 1), _loss_memory, dtype, chunk)
+    bound = 2 * chunk + 32 * n  # per-token vectors: lse, targets, masks, scale
+    assert fwd <= bound and bwd <= bound, (fwd, bwd, bound)
+    if dtype == torch.bfloat16:  # the check sees a full fp32 copy: one chunk widens all the bf16 logits at once
+        ((whole_fwd, whole_bwd, _),) = pools(1).run((1, 1, 1, 1), _loss_memory, dtype, 2**30)
+        assert min(whole_fwd, whole_bwd) >= 512 * 1024 > bound, (whole_fwd, whole_bwd)
+
+
 def _check_model(grid, cfg):
     torch.manual_seed(7)
     dense = DenseTransformer(cfg)
