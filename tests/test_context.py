@@ -17,6 +17,8 @@
 import pytest
 import torch
 from harness import value_errors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from axon4d import activations
 from axon4d.config import ModelConfig
@@ -24,6 +26,7 @@ from axon4d.device import attention as kernels
 from axon4d.geometry import Op, Term
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention
+from axon4d.nn.context import prefix_attention, split_sequence_attention
 from axon4d.plan.memory import block_saved
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
@@ -45,7 +48,8 @@ LLAMA_GQA = ModelConfig(
     n_layers=2, hidden=32, n_heads=8, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=SEQ, arch="llama"
 )  # GQA ratio 4
 LLAMA_MHA = LLAMA_GQA.replace(n_kv_heads=8)  # GQA ratio 1, rotary
-CONFIGS = {"gpt": GPT, "llama_gqa4": LLAMA_GQA, "llama_gqa1": LLAMA_MHA}
+LLAMA_GQA2 = LLAMA_GQA.replace(n_kv_heads=4)  # GQA ratio 2
+CONFIGS = {"gpt": GPT, "llama_gqa4": LLAMA_GQA, "llama_gqa1": LLAMA_MHA, "llama_gqa2": LLAMA_GQA2}
 
 
 def grid_id(value):
@@ -188,12 +192,20 @@ def _keys_attended(grid):
     return lengths
 
 
+def _prefix_pieces(r, g_z, c):
+    """The key lengths of z-rank r's prefix kernel calls, read in place from the gathered keys
+    (nn/context.py's module docstring): head chunk r, the heads of ranks before it (none on rank 0);
+    tail chunk 2·G_z−1−r, every head, then the tails of ranks after it (none on the last rank)."""
+    return ([r * c] if r else []) + [g_z * c] + ([(g_z - 1 - r) * c] if r < g_z - 1 else [])
+
+
 def test_every_z_rank_attends_to_the_same_number_of_keys(pools):
     """Causal balance: z-rank r's chunks r and 2·G_z−1−r read C keys each on the diagonal and r·C and
-    (2·G_z−1−r)·C in their prefixes (none for chunk 0): (2·G_z+1)·C on every rank."""
+    (2·G_z−1−r)·C in their prefixes (none for chunk 0; the tail's in two pieces, every head chunk
+    and the tails after r): (2·G_z+1)·C on every rank."""
     g_z, c = 4, SEQ // 8
     got = pools(4).run((1, 1, 4, 1), _keys_attended)
-    assert got == [[c, c] + ([r * c] if r else []) + [(2 * g_z - 1 - r) * c] for r in range(g_z)]
+    assert got == [[c, c] + _prefix_pieces(r, g_z, c) for r in range(g_z)]
     assert {sum(lengths) for lengths in got} == {(2 * g_z + 1) * c}
 
 
@@ -245,7 +257,7 @@ def test_the_key_value_collectives_overlap_the_diagonal_attention(pools):
     before any prefix. Backward: every prefix's backward runs first, then the reduce-scatter of the
     gathered K, V's gradient is issued, and both diagonals' backward run before it is waited on."""
     for rank, events in enumerate(pools(2).run((1, 1, 2, 1), _events)):
-        prefixes = 1 if rank == 0 else 2  # rank 0 holds chunk 0, which has no prefix
+        prefixes = len(_prefix_pieces(rank, 2, 1))  # rank 0: chunk 0 has none, chunk 3's in two pieces
         gather = [("issue", Term.CP_KV)] + [("forward", "diagonal")] * 2 + [("wait", Term.CP_KV)]
         scatter = [("issue", Term.CP_KV_GRAD)] + [("backward", "diagonal")] * 2 + [("wait", Term.CP_KV_GRAD)]
         want = gather + [("forward", "prefix")] * prefixes + [("backward", "prefix")] * prefixes + scatter
@@ -325,7 +337,7 @@ def _cuda_kernels_on_host(monkeypatch, layouts):
         scale = d**-0.5
         return (ds @ k.float()) * scale, (ds.transpose(-2, -1) @ q.float()) * scale, p.transpose(-2, -1) @ g32
 
-    monkeypatch.setattr(kernels, "_fused_lse_kernel", lambda q: "cuda")
+    monkeypatch.setattr(kernels, "kernel_for", lambda q, k, causal: kernels.EFFICIENT)
     monkeypatch.setattr(kernels, "_efficient_attention", forward)
     monkeypatch.setattr(kernels, "_efficient_attention_backward", backward)
 
@@ -337,7 +349,6 @@ def test_the_cuda_backward_kernel_receives_out_in_its_own_layout(monkeypatch, ch
     stand-ins that read it exactly so, every call gets that layout and the gradients equal the host
     kernel's — several local heads and GQA 4, where the (b, h, L, d)-contiguous output of a merge
     would be misread (or read past its end)."""
-    from axon4d.nn.context import prefix_attention
 
     torch.manual_seed(0)
     q = torch.randn(2, 8, 8, 16, dtype=torch.float64, requires_grad=True)  # (b, hq, 2·C, d), C = 4
@@ -351,3 +362,177 @@ def test_the_cuda_backward_kernel_receives_out_in_its_own_layout(monkeypatch, ch
     for g, e in zip(got, expected):
         assert rel_err(g, e) <= TOL
     assert layouts and all(layouts)
+
+
+# -- the kernel seam: which kernel runs, grouped-query heads without key/value copies ------------------
+
+
+def test_the_kernel_chooser_picks_by_device_dtype_and_head_dim():
+    """Flash where torch says it runs (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256), the
+    memory-efficient kernel on CUDA otherwise (fp32, flash unsupported or switched off), the host's
+    flash kernel on the host, fp32 matmuls elsewhere (another device, or a head_dim the CUDA kernels
+    cannot take)."""
+    choose = kernels.choose_kernel
+    for dtype in (torch.bfloat16, torch.float16):
+        assert choose("cuda", dtype, 64, True) == kernels.FLASH
+        assert choose("cuda", dtype, 256, True) == kernels.FLASH
+        assert choose("cuda", dtype, 64, False) == kernels.EFFICIENT  # old GPU, or enable_flash_sdp(False)
+        assert choose("cuda", dtype, 512, True) == kernels.EFFICIENT
+        assert choose("cuda", dtype, 12, True) == kernels.MATH
+    assert choose("cuda", torch.float32, 64, True) == kernels.EFFICIENT
+    assert choose("cpu", torch.bfloat16, 64, True) == kernels.HOST_KERNEL
+    assert choose("cpu", torch.float32, 12, False) == kernels.HOST_KERNEL
+    assert choose("xpu", torch.bfloat16, 64, False) == kernels.MATH
+    q = torch.zeros(1, 4, 8, 16)
+    assert kernels.kernel_for(q, q[:, :2], True) == kernels.HOST_KERNEL
+    meta = torch.zeros(1, 4, 8, 16, device="meta", dtype=torch.bfloat16)
+    assert kernels.kernel_for(meta, meta, False) == kernels.MATH
+    assert kernels.NATIVE_GQA == {kernels.FLASH}
+
+
+def _dense_causal(q, k, v):
+    """The reference: causal attention of the whole sequence, key/value heads repeated (b, hq, S, d)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _qkv(groups, seq=SEQ, kv_heads=2, d=16, batch=2, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(groups)
+    shapes = [(batch, kv_heads * groups, seq, d), (batch, kv_heads, seq, d), (batch, kv_heads, seq, d)]
+    return [torch.randn(s, generator=gen, dtype=dtype, requires_grad=True) for s in shapes]
+
+
+def _flash_on_host(monkeypatch, calls):
+    """Stand-ins for torch's CUDA flash ops (``aten._scaled_dot_product_flash_attention`` and its
+    backward) keeping their contract on the host: native grouped-query heads (k and v with fewer
+    heads), dense sequences (no cumulative lengths, max lengths the sequences'), lse (b, h, Lq) read
+    as contiguous by the backward. Records each call's (query heads, key/value heads, causal)."""
+    aten = torch.ops.aten
+
+    def forward(q, k, v, dropout, causal):
+        calls.append((q.shape[1], k.shape[1], causal))
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout, causal)
+        return out, lse, None, None, q.shape[2], k.shape[2], torch.empty(2), torch.empty(()), torch.empty(0)
+
+    def backward(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout, causal, seed, offset):
+        assert lse.is_contiguous(), "the flash backward reads lse without strides"
+        assert (cum_q, cum_k, max_q, max_k, dropout) == (None, None, q.shape[2], k.shape[2], 0.0)
+        calls.append((q.shape[1], k.shape[1], causal))
+        groups = q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, kk, vv, out, lse, 0.0, causal)
+        return dq, dk.unflatten(1, (-1, groups)).sum(2), dv.unflatten(1, (-1, groups)).sum(2)
+
+    monkeypatch.setattr(kernels, "kernel_for", lambda q, k, causal: kernels.FLASH)
+    monkeypatch.setattr(aten, "_scaled_dot_product_flash_attention", forward)
+    monkeypatch.setattr(aten, "_scaled_dot_product_flash_attention_backward", backward)
+
+
+@pytest.mark.parametrize("kernel", [kernels.HOST_KERNEL, kernels.MATH, kernels.FLASH])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("g_z", [2, 4])
+def test_split_attention_equals_causal_attention(monkeypatch, kernel, groups, g_z):
+    """Every z-rank's two query chunks against the whole sequence's keys (prefix_attention: the split
+    attention once the keys are gathered) equal causal attention of the whole sequence in out, dq, dk
+    and dv (fp64), for GQA ratios 1, 2 and 4 on each kernel path; on flash (stood in for on the host)
+    the causal squares get the key/value heads as they are, and the prefixes one query sequence per
+    key/value head."""
+    q, k, v = _qkv(groups)
+    grad = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(9))
+    ref = _dense_causal(q, k, v)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    calls: list[tuple[int, int, bool]] = []
+    if kernel == kernels.FLASH:
+        _flash_on_host(monkeypatch, calls)
+    else:
+        monkeypatch.setattr(kernels, "kernel_for", lambda q, k, causal: kernel)
+    got_grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for z in range(g_z):
+        chunks = activations.sequence_chunks(z, g_z)
+        at = activations.sequence_positions(SEQ, z, g_z)
+        out = prefix_attention(q.index_select(2, at), k, v, chunks)
+        assert rel_err(out, ref.index_select(2, at)) <= TOL, f"rank {z}: out"
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad.index_select(2, at))
+        for acc, g in zip(got_grads, (dq, dk, dv)):
+            acc += g
+    for name, got, want in zip("qkv", got_grads, ref_grads):
+        assert rel_err(got, want) <= TOL, f"d{name}"
+    if kernel == kernels.FLASH:
+        hq, hkv = q.shape[1], k.shape[1]
+        assert {c for c in calls if c[2]} == {(hq, hkv, True)}  # native grouped-query heads
+        assert {c for c in calls if not c[2]} == {(hkv, hkv, False)}  # a group's queries as one sequence
+
+
+class _Made(TorchDispatchMode):
+    """Records every tensor an aten op returns while active: (elements, storage address, storage bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[int, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.append((t.numel(), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return out
+
+    def largest(self) -> int:
+        return max(n for n, _, _ in self.made)
+
+    def storages(self, nbytes: int) -> set[int]:
+        """The addresses of the storages of at least ``nbytes`` that returned tensors live in."""
+        return {at for _, at, size in self.made if size >= nbytes}
+
+
+@pytest.mark.parametrize("kernel", [kernels.HOST_KERNEL, kernels.MATH])
+def test_grouped_query_heads_never_repeat_the_prefix_keys(monkeypatch, kernel):
+    """GQA ratio 4, G_z = 4, rank 0 (chunks 0 and 7: a prefix of 7 chunks): no tensor made in forward
+    or backward is larger than q or the whole sequence's keys — the prefix's keys and values
+    repeated for their query heads (or their gradients) would be 3.5 times that."""
+    monkeypatch.setattr(kernels, "kernel_for", lambda q, k, causal: kernel)
+    q, k, v = _qkv(4)
+    local = q.detach()[:, :, :4].clone().requires_grad_()  # (b, 8, 2·C, d), C = 2
+    bound = max(local.numel(), k.numel())
+    repeated_prefix = q.shape[0] * q.shape[1] * 14 * q.shape[3]
+    assert repeated_prefix > 3 * bound
+
+    with _Made() as made:
+        out = prefix_attention(local, k, v, (0, 7))
+        torch.autograd.grad(out, (local, k, v), torch.ones_like(out))
+    assert made.largest() <= bound
+
+
+def _storages_of_gathered_size(grid, groups):
+    """Distinct storages of at least the gathered keys' and values' size made by split attention's
+    forward and by its backward, and the largest tensor either makes, on this rank."""
+    b, hkv, c2, d = 2, 2, SEQ // grid.size("z"), 16
+    gen = torch.Generator().manual_seed(grid.coord("z"))
+    q = torch.randn(b, hkv * groups, c2, d, generator=gen, requires_grad=True)
+    k, v = (torch.randn(b, hkv, c2, d, generator=gen, requires_grad=True) for _ in range(2))
+    gathered = 2 * b * hkv * SEQ * d
+    with _Made() as fwd:
+        out = split_sequence_attention(q, k, v, grid)
+    with _Made() as bwd:
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    nbytes = gathered * q.element_size()
+    new_in_backward = bwd.storages(nbytes) - fwd.storages(nbytes)  # not views of the kept gathered buffer
+    largest = max(fwd.largest(), bwd.largest())
+    return len(fwd.storages(nbytes)), len(new_in_backward), largest, max(q.numel(), gathered)
+
+
+def test_the_key_value_gather_is_read_in_place(pools):
+    """On G_z = 2 (MHA): the forward makes one buffer of the gathered keys' and values' size (the
+    all-gather's) and reads every prefix from it in place, the backward one (the gradient buffer the
+    reduce-scatter reads as it is): no global-order copy, no permuted copy either way."""
+    for rank, (fwd, bwd, _, _) in enumerate(pools(2).run((1, 1, 2, 1), _storages_of_gathered_size, 1)):
+        assert (fwd, bwd) == (1, 1), f"rank {rank}: {fwd} forward and {bwd} backward buffers of the gathered size"
+
+
+def test_grouped_query_heads_repeat_no_gathered_keys(pools):
+    """GQA ratio 8 on G_z = 2: no tensor made in the split attention's forward or backward is larger
+    than q or the gathered keys and values (rank 0's tail chunk's prefix of 3 chunks, repeated for its
+    query heads, would be 1.5 times that)."""
+    for rank, (_, _, largest, bound) in enumerate(pools(2).run((1, 1, 2, 1), _storages_of_gathered_size, 8)):
+        assert largest <= bound, f"rank {rank}: a tensor of {largest} elements (bound {bound})"

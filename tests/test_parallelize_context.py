@@ -2,7 +2,8 @@
 (GQA) parallelized with ``auto_parallelize(model, context_parallel=True)`` on grids that split
 sequences over z, fed ``axon4d.parallelize.context.inputs(ids)``, equals the unparallelized model on
 the full sequences — logits, loss and every gradient — through transformers' AttentionInterface,
-with no model code patched."""
+with no model code patched; GQA ratios 1, 2 and 4 (8 query heads, 8, 4 or 2 key/value heads) with
+the heads split over y."""
 
 from __future__ import annotations
 
@@ -68,7 +69,9 @@ def _compare(grid, kv_heads, recompute):
     "grid,kv_heads,recompute",
     [
         ((1, 1, 2, 1), 2, "none"),
-        pytest.param((1, 2, 2, 1), 8, "none", marks=pytest.mark.slow),
+        pytest.param((1, 2, 2, 1), 8, "none", marks=pytest.mark.slow),  # GQA ratios 1, 2 and 4, kv heads over y
+        pytest.param((1, 2, 2, 1), 4, "none", marks=pytest.mark.slow),
+        pytest.param((1, 2, 2, 1), 2, "none", marks=pytest.mark.slow),
         ((1, 1, 4, 1), 2, "selective"),
         pytest.param((2, 1, 2, 1), 2, "full", marks=pytest.mark.slow),
         pytest.param((1, 1, 2, 2), 2, "none", marks=pytest.mark.slow),

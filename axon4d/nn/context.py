@@ -15,14 +15,23 @@ Query chunk c attends to keys [0, (c+1)·C) in two parts, merged exactly by thei
 
 Rank r's parts read C + C + r·C + (2·G_z−1−r)·C = (2·G_z+1)·C keys: the causal balance. Neither
 part needs a mask tensor, so every device runs them in its fused kernel
-(``axon4d.device.attention.attention_with_lse``); grouped-query heads are repeated for it and their
-gradients summed back.
+(``axon4d.device.attention.attention_with_lse``, which picks flash, memory-efficient, the host's or
+plain matmuls). Grouped-query heads are read from the shapes and never repeated for a prefix: the
+kernel seam runs a group's query heads as one longer query sequence against their shared key/value
+head (only a diagonal's C keys are repeated, on kernels without native grouped-query support).
+This is why query chunks are made contiguous when there are groups: the fold is then a view.
 
 The keys and values of the prefixes live on other z-ranks. Each rank all-gathers over z the keys
 (already rotated at their global positions) and values of its *own* key/value heads — n_kv/G_y
 heads, so GQA shrinks the traffic by n/n_kv — in one collective (``Term.CP_KV``, tag ``cp_kv``),
 issued as soon as k and v exist and waited on only after the diagonals, which run while it is in
-flight::
+flight. Each rank sends (C, 2, 2, b, n_kv/G_y, d): row l of its head and tail chunk, keys and values;
+the gathered buffer (G_z·C, 2, 2, b, n_kv/G_y, d) is read in place (``_GatheredKeys``): its head
+slots are chunks 0 … G_z−1 in order, its tail slots chunks 2·G_z−1 … G_z. A head chunk r's prefix
+is head rows [0, r·C), one view; a tail chunk 2·G_z−1−r's prefix is every head row plus the tail
+rows [(r+1)·C, G_z·C) — two views (unmasked attention does not care about key order; a gather that
+concatenates rank by rank cannot make every head and some tails one strided run), merged by their
+log-sum-exps like the diagonal. The only copy is the send buffer, of this rank's 2·C tokens::
 
     forward:   |-- all-gather K,V (z) --|
                |- diag c_r -|- diag c_t -|wait|- prefix c_r -|- prefix c_t -|- merge -|
@@ -31,8 +40,8 @@ flight::
 
 Backward uses the standard identity of fused attention kernels: a part's backward, given the
 *merged* out and lse, yields exactly that part's dq, dk, dv. The prefixes' gradients of the gathered
-keys and values are reduce-scattered over z (``Term.CP_KV_GRAD``, tag ``cp_kv.grad``), so each rank
-receives, for its own tokens, the sum of what every rank's queries contributed; the diagonals'
+keys and values are accumulated into one buffer of the gathered layout, which is reduce-scattered
+over z as it is (``Term.CP_KV_GRAD``, tag ``cp_kv.grad``), so each rank receives, for its own tokens, the sum of what every rank's queries contributed; the diagonals'
 gradients, which stay on this rank, are computed while that reduce-scatter is in flight and added
 to its result.
 
@@ -46,64 +55,102 @@ from typing import Any
 
 import torch
 
-from axon4d.activations import sequence_chunks, sequence_order
+from axon4d.activations import sequence_chunks
 from axon4d.device import attention as kernels
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (out (b, hq, C, d), lse (b, hq, C))
+Piece = tuple[torch.Tensor, torch.Tensor]  # keys and values (b, hkv, L, d): views of the held ones
 
 
-def _repeat(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key/value heads (b, hkv, L, d) repeated for their ``groups`` query heads each: (b, hkv·groups, L, d)."""
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+class _GlobalKeys:
+    """The whole sequence's keys and values (b, hkv, S, d) in global order; this rank's query chunks
+    are global chunks ``chunks`` of ``c`` tokens."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int], c: int):
+        self.k, self.v, self.chunks, self.c = k, v, chunks, c
+
+    def zeros(self) -> _GlobalKeys:
+        """Zero keys and values of the same layout: where their gradients are accumulated."""
+        return _GlobalKeys(torch.zeros_like(self.k), torch.zeros_like(self.v), self.chunks, self.c)
+
+    def own(self, h: int) -> Piece:
+        """The keys and values of query chunk ``h`` (0: head, 1: tail) itself: its diagonal."""
+        at = self.chunks[h] * self.c
+        return self.k.narrow(2, at, self.c), self.v.narrow(2, at, self.c)
+
+    def prefix(self, h: int) -> list[Piece]:
+        """The keys before query chunk ``h``: [0, chunk·C), one piece (none for chunk 0)."""
+        keys = self.chunks[h] * self.c
+        return [(self.k.narrow(2, 0, keys), self.v.narrow(2, 0, keys))] if keys else []
 
 
-def _fold(g: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of ``_repeat``: (b, hkv·groups, L, d) summed over each group → (b, hkv, L, d)."""
-    return g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
+class _GatheredKeys:
+    """Every z-rank's keys and values as the all-gather over z leaves them (module docstring):
+    ``buf`` (G_z·C, 2, 2, b, hkv, d), row r·C + l holding token l of z-rank r's head (slot 0) and
+    tail (slot 1) chunk, keys (0) and values (1). Everything is read through views."""
+
+    def __init__(self, buf: torch.Tensor, z: int, g_z: int):
+        self.buf, self.z, self.g_z, self.c = buf, z, g_z, buf.shape[0] // g_z
+
+    def zeros(self) -> _GatheredKeys:
+        return _GatheredKeys(torch.zeros_like(self.buf), self.z, self.g_z)
+
+    def _rows(self, slot: int, start: int, stop: int) -> Piece:
+        rows = self.buf[start:stop, slot]  # (n, 2, b, hkv, d)
+        return rows[:, 0].permute(1, 2, 0, 3), rows[:, 1].permute(1, 2, 0, 3)
+
+    def own(self, h: int) -> Piece:
+        return self._rows(h, self.z * self.c, (self.z + 1) * self.c)
+
+    def prefix(self, h: int) -> list[Piece]:
+        """Head chunk z: the heads of z-ranks 0 … z−1. Tail chunk 2·G_z−1−z: every head and the
+        tails of z-ranks z+1 … G_z−1 (chunks G_z … 2·G_z−2−z)."""
+        c, z, g_z = self.c, self.z, self.g_z
+        if h == 0:
+            spans = [(0, 0, z * c)] if z else []
+        else:
+            spans = [(0, 0, g_z * c)] + ([(1, (z + 1) * c, g_z * c)] if z + 1 < g_z else [])
+        return [self._rows(*span) for span in spans]
 
 
-def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Part:
-    """One part's attention and log-sum-exp, k and v of their own (fewer) heads."""
-    groups = q.shape[1] // k.shape[1]
-    return kernels.attention_with_lse(q, _repeat(k, groups), _repeat(v, groups), causal)
+Keys = _GlobalKeys | _GatheredKeys
 
 
-def _part_backward(
-    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, merged: Part, causal: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This part's (dq, dk, dv) from the merged out and lse of its query chunk (module docstring)."""
-    groups = q.shape[1] // k.shape[1]
-    dq, dk, dv = kernels.attention_with_lse_backward(
-        grad, q, _repeat(k, groups), _repeat(v, groups), merged[0], merged[1], causal
-    )
-    return dq, _fold(dk, groups), _fold(dv, groups)
+def _send_buffer(k: torch.Tensor, v: torch.Tensor, c: int) -> torch.Tensor:
+    """This rank's keys and values (b, hkv, 2·C, d) in the layout the all-gather over z concatenates:
+    (C, 2 chunks, 2 [k, v], b, hkv, d)."""
+    b, h, _, d = k.shape
+    buf = k.new_empty(c, 2, 2, b, h, d)
+    for i, t in enumerate((k, v)):
+        buf[:, :, i] = t.unflatten(2, (2, c)).permute(3, 2, 0, 1, 4)
+    return buf
 
 
-def _merge(diagonal: Part, prefix: Part | None) -> Part:
-    """The attention over both parts' keys, from each part's out and lse (module docstring)."""
-    if prefix is None:
-        return diagonal
-    (out_d, lse_d), (out_p, lse_p) = diagonal, prefix
-    lse = torch.logaddexp(lse_d, lse_p)
-    out = (lse_d - lse).exp().unsqueeze(-1) * out_d.float() + (lse_p - lse).exp().unsqueeze(-1) * out_p.float()
-    return out.to(out_d.dtype), lse
+def _chunks(t: torch.Tensor, c: int, contiguous: bool) -> list[torch.Tensor]:
+    """The head and tail chunks (b, h, C, …) of a rank's (b, h, 2·C, …); contiguous ones (each head's
+    C rows after the previous head's) when asked: what the kernel seam folds grouped-query heads of
+    with a view instead of a copy."""
+    parts = [t.narrow(2, 0, c), t.narrow(2, c, c)]
+    return [p.contiguous() for p in parts] if contiguous else parts
 
 
-def _prefixes(
-    q: list[torch.Tensor], k_full: torch.Tensor, v_full: torch.Tensor, chunks: tuple[int, int]
-) -> list[Part | None]:
-    """Each query chunk's prefix part (None for chunk 0), keys (b, hkv, S, d) in global order."""
-    c = q[0].shape[2]
-    return [
-        _part(qh, k_full.narrow(2, 0, chunk * c), v_full.narrow(2, 0, chunk * c), False) if chunk else None
-        for qh, chunk in zip(q, chunks)
-    ]
+def _merge(parts: list[Part]) -> Part:
+    """The attention over every part's keys, from each part's out and lse (module docstring)."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.stack([p[1] for p in parts]).logsumexp(0)
+    out = (parts[0][1] - lse).exp().unsqueeze(-1) * parts[0][0].float()
+    for part_out, part_lse in parts[1:]:
+        out += (part_lse - lse).exp().unsqueeze(-1) * part_out.float()
+    return out.to(parts[0][0].dtype), lse
 
 
-def _diagonals(q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor]) -> list[Part]:
-    return [_part(qh, kh, vh, True) for qh, kh, vh in zip(q, k, v)]
+def _attend(q: torch.Tensor, keys: Keys, h: int, diagonal: Part) -> Part:
+    """Query chunk ``h``'s attention: its ``diagonal`` merged with every prefix piece's."""
+    pieces = [kernels.attention_with_lse(q, k, v, False) for k, v in keys.prefix(h)]
+    return _merge([diagonal, *pieces])
 
 
 class _SplitAttention(torch.autograd.Function):
@@ -121,78 +168,71 @@ class _SplitAttention(torch.autograd.Function):
         chunks: tuple[int, int],
         recompute: bool,
     ) -> torch.Tensor:
-        c = q.shape[2] // 2
-        qs = [q.narrow(2, 0, c), q.narrow(2, c, c)]
+        c, grouped = q.shape[2] // 2, q.shape[1] > k.shape[1]
+        qs = _chunks(q, c, grouped)
+        keys: Keys
         if grid is None:
-            k_full, v_full = k, v
-            diagonal = _diagonals(qs, *_chunk_slices(k_full, v_full, chunks, c))
+            keys = _GlobalKeys(k, v, chunks, c)
+            diagonal = [kernels.attention_with_lse(qs[h], *keys.own(h), True) for h in range(2)]
         else:
-            kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # (2·C, 2, b, hkv, d): tokens first
-            gathering = grid.comm.all_gather(kv, "z", dim=0, tag=Term.CP_KV)  # in flight during the diagonals
-            diagonal = _diagonals(qs, [k.narrow(2, 0, c), k.narrow(2, c, c)], [v.narrow(2, 0, c), v.narrow(2, c, c)])
-            full = gathering.wait()  # (S, 2, b, hkv, d), z-rank order
-            order = sequence_order(full.shape[0], grid.size("z"), full.device)
-            k_full, v_full = full.permute(1, 2, 3, 0, 4).index_select(3, order).unbind(0)  # global order
-        merged = [_merge(d, p) for d, p in zip(diagonal, _prefixes(qs, k_full, v_full, chunks))]
+            gathering = grid.comm.all_gather(_send_buffer(k, v, c), "z", dim=0, tag=Term.CP_KV)
+            local = list(zip(_chunks(k, c, False), _chunks(v, c, False)))
+            diagonal = [kernels.attention_with_lse(qs[h], *local[h], True) for h in range(2)]  # while in flight
+            keys = _GatheredKeys(gathering.wait(), grid.coord("z"), grid.size("z"))
+        merged = [_attend(qs[h], keys, h, diagonal[h]) for h in range(2)]
         out = torch.cat([m[0] for m in merged], dim=2)
-        ctx.grid, ctx.chunks, ctx.recompute = grid, chunks, recompute
+        ctx.grid, ctx.chunks, ctx.recompute, ctx.c, ctx.grouped = grid, chunks, recompute, c, grouped
+        held = (keys.k, keys.v) if isinstance(keys, _GlobalKeys) else (keys.buf,)
         if recompute:  # selective recomputation: q and the gathered keys and values only
-            ctx.save_for_backward(q, k_full, v_full)
+            ctx.save_for_backward(*qs, *held)
         else:
-            ctx.save_for_backward(q, k_full, v_full, out, torch.cat([m[1] for m in merged], dim=2))
+            ctx.save_for_backward(*qs, *held, out, torch.cat([m[1] for m in merged], dim=2))
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k_full, v_full, *kept = ctx.saved_tensors
-        grid, chunks = ctx.grid, ctx.chunks
-        c = q.shape[2] // 2
-        qs = [q.narrow(2, 0, c), q.narrow(2, c, c)]
-        ks, vs = _chunk_slices(k_full, v_full, chunks, c)
-        if ctx.recompute:  # the forward's parts again, from the kept keys and values: no all-gather
-            diagonal = _diagonals(qs, ks, vs)
-            merged = [_merge(d, p) for d, p in zip(diagonal, _prefixes(qs, k_full, v_full, chunks))]
+        grid, chunks, c, grouped = ctx.grid, ctx.chunks, ctx.c, ctx.grouped
+        q_head, q_tail, *saved = ctx.saved_tensors
+        qs = [q_head, q_tail]
+        keys: Keys
+        if grid is None:
+            keys, kept = _GlobalKeys(saved[0], saved[1], chunks, c), saved[2:]
         else:
-            out, lse = kept
-            merged = [(out.narrow(2, h * c, c), lse.narrow(2, h * c, c)) for h in range(2)]
-        grads = [g.contiguous() for g in (grad.narrow(2, 0, c), grad.narrow(2, c, c))]
-        dq: list[torch.Tensor] = [torch.zeros_like(qh) for qh in qs]
-        dk_full, dv_full = torch.zeros_like(k_full), torch.zeros_like(v_full)  # the prefixes' share
-        for h, chunk in enumerate(chunks):
-            if chunk:
-                keys = chunk * c
-                dq_p, dk, dv = _part_backward(
-                    grads[h], qs[h], k_full.narrow(2, 0, keys), v_full.narrow(2, 0, keys), merged[h], False
-                )
+            keys, kept = _GatheredKeys(saved[0], grid.coord("z"), grid.size("z")), saved[1:]
+        if ctx.recompute:  # the forward's parts again, from the kept keys and values: no all-gather
+            merged = [_attend(qs[h], keys, h, kernels.attention_with_lse(qs[h], *keys.own(h), True)) for h in range(2)]
+        else:
+            merged = list(zip(_chunks(kept[0], c, grouped), _chunks(kept[1], c, grouped)))
+        grads = _chunks(grad, c, True)
+        dq = [torch.zeros_like(qh) for qh in qs]
+        dkeys = keys.zeros()  # the prefixes' share, in the layout of the held keys and values
+        for h in range(2):
+            for (k, v), (dk_at, dv_at) in zip(keys.prefix(h), dkeys.prefix(h)):
+                dq_p, dk, dv = kernels.attention_with_lse_backward(grads[h], qs[h], k, v, *merged[h], False)
                 dq[h] += dq_p
-                dk_full.narrow(2, 0, keys).add_(dk)
-                dv_full.narrow(2, 0, keys).add_(dv)
-        if grid is not None:  # back to z-rank order, reduce-scattered over z during the diagonals
-            order = sequence_order(k_full.shape[2], grid.size("z"), k_full.device)
-            dkv = torch.stack([dk_full, dv_full]).index_select(3, torch.argsort(order)).permute(3, 0, 1, 2, 4)
-            scattering = grid.comm.reduce_scatter(dkv, "z", dim=0, tag=Term.CP_KV_GRAD)
+                dk_at.add_(dk)
+                dv_at.add_(dv)
+        if isinstance(dkeys, _GatheredKeys):  # every rank's share of each rank's tokens: during the diagonals
+            assert grid is not None
+            scattering = grid.comm.reduce_scatter(dkeys.buf, "z", dim=0, tag=Term.CP_KV_GRAD)
         diagonal_grads = []
         for h in range(2):
-            dq_d, dk, dv = _part_backward(grads[h], qs[h], ks[h], vs[h], merged[h], True)
+            dq_d, dk, dv = kernels.attention_with_lse_backward(grads[h], qs[h], *keys.own(h), *merged[h], True)
             dq[h] += dq_d
             diagonal_grads.append((dk, dv))
         dq_all = torch.cat(dq, dim=2)
-        if grid is None:  # the whole sequence's keys and values: the diagonals' share at their chunks
-            for (dk, dv), chunk in zip(diagonal_grads, chunks):
-                dk_full.narrow(2, chunk * c, c).add_(dk)
-                dv_full.narrow(2, chunk * c, c).add_(dv)
-            return dq_all, dk_full, dv_full, None, None, None
-        mine = scattering.wait().permute(1, 2, 3, 0, 4)  # (2, b, hkv, 2·C, d): this rank's tokens
-        dk_local = mine[0] + torch.cat([g[0] for g in diagonal_grads], dim=2)
-        dv_local = mine[1] + torch.cat([g[1] for g in diagonal_grads], dim=2)
+        if isinstance(dkeys, _GlobalKeys):  # the whole sequence's keys and values: the diagonals' share
+            for h, (dk, dv) in enumerate(diagonal_grads):
+                dk_at, dv_at = dkeys.own(h)
+                dk_at.add_(dk)
+                dv_at.add_(dv)
+            return dq_all, dkeys.k, dkeys.v, None, None, None
+        mine = scattering.wait()  # (C, 2 chunks, 2 [k, v], b, hkv, d): this rank's tokens
+        dk_local = torch.cat([g[0] for g in diagonal_grads], dim=2)  # (b, hkv, 2·C, d)
+        dv_local = torch.cat([g[1] for g in diagonal_grads], dim=2)
+        dk_local.unflatten(2, (2, c)).add_(mine[:, :, 0].permute(2, 3, 1, 0, 4))
+        dv_local.unflatten(2, (2, c)).add_(mine[:, :, 1].permute(2, 3, 1, 0, 4))
         return dq_all, dk_local, dv_local, None, None, None
-
-
-def _chunk_slices(
-    k_full: torch.Tensor, v_full: torch.Tensor, chunks: tuple[int, int], c: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The keys and values of global chunks ``chunks`` (each ``c`` tokens) of the whole sequence's."""
-    return [k_full.narrow(2, ch * c, c) for ch in chunks], [v_full.narrow(2, ch * c, c) for ch in chunks]
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int]) -> torch.Tensor:
@@ -201,16 +241,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: 
     sees keys [0, (c+1)·C), its own causally — the split attention without its collectives (what one
     rank computes once the keys and values are gathered). Returns (b, hq, 2·C, d); grouped-query
     attention (hkv < hq) is read from the shapes."""
-    _check_heads(q, k)
+    kernels.query_groups(q, k)
     return _SplitAttention.apply(q, k, v, None, chunks, False)
-
-
-def _check_heads(q: torch.Tensor, k: torch.Tensor) -> None:
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"{q.shape[1]} query heads and {k.shape[1]} key/value heads: each key/value head serves a whole "
-            "group of query heads, so the query heads must be a multiple of the key/value heads"
-        )
 
 
 def split_sequence_attention(
@@ -227,6 +259,6 @@ def split_sequence_attention(
             f"a rank holds {q.shape[2]} tokens per sequence, but under context parallelism it holds two equal "
             "chunks (an even count): shard the sequences with axon4d.activations.shard_sequence"
         )
-    _check_heads(q, k)
+    kernels.query_groups(q, k)
     chunks = sequence_chunks(grid.coord("z"), grid.size("z"))
     return _SplitAttention.apply(q, k, v, grid, chunks, recompute_core)
