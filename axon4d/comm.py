@@ -35,7 +35,7 @@ from axon4d import watchdog
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op, Term
 from axon4d.mpi import MPITransport
-from axon4d.shape import Axis, GridShape
+from axon4d.shape import ALL_AXES, Axis, GridShape
 
 
 def _collective(name: str, before_2_12: str) -> Callable[..., Any]:
@@ -207,6 +207,8 @@ class Handle:
     still reading: the memory stays accounted to torch — its allocator and memory trackers see
     it as live, which it is — however the caller drops its own references."""
 
+    __slots__ = ("_work", "_clock", "_result", "_record", "_finish", "_done", "_source")
+
     def __init__(
         self,
         work: Work | None,
@@ -268,26 +270,21 @@ class Handle:
 def _stamp_completion(work: Work, record: CommRecord, clock: devices.Clock) -> None:
     """Record the time the transport finished ``work`` (when it can tell us). On an accelerator the
     backend's future (NCCL's is complete as soon as the collective is queued) runs its callbacks on
-    streams that wait for the collective's kernels, so a mark taken there happens when it is done."""
-
-    def done(_: Any = None) -> None:
-        if clock.on_device:
-            record.mark("t_done", clock.mark(), first=True)
-            return
-        now = time.perf_counter()
-        if record.t_done is None or record.t_done > now:
-            record.t_done = now
-
-    add_done_callback = getattr(work, "add_done_callback", None)  # the MPI transport's requests
-    if add_done_callback is not None:
-        add_done_callback(done)
-        return
+    streams that wait for the collective's kernels, so a mark taken there happens when it is done.
+    A collective already complete when it is issued (a transport that finished it synchronously)
+    is stamped at once, without a callback."""
     get_future = getattr(work, "get_future", None)
     if get_future is None:
+        add_done_callback = getattr(work, "add_done_callback", None)  # the MPI transport's requests
+        if add_done_callback is not None:
+            add_done_callback(record.completed_on(clock))
         return
-
     try:
-        get_future().add_done_callback(done)
+        future = get_future()
+        if not clock.on_device and future.done():
+            record.t_done = time.perf_counter()
+        else:
+            future.add_done_callback(record.completed_on(clock))
     except (RuntimeError, AttributeError):
         pass
 
@@ -302,12 +299,18 @@ class Communicator:
 
     def __init__(self, shape: GridShape, transport: Transport, clock: devices.Clock | None = None):
         self.shape = shape
+        self._sizes: dict[str, int] = {axis: shape.size(axis) for axis in ALL_AXES}  # looked up per collective
         self.transport = transport
         #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock)
         self.clock = clock if clock is not None else devices.Clock(devices.HOST)
         self.log = CommLog(self.clock)
         #: which transport and why; ``axon4d.init`` records its choice here (``settle_transport``)
         self.transport_choice = TransportChoice(transport.name, "given to the grid")
+
+    def _size(self, axis: Axis) -> int:
+        """G_axis (a dict lookup per collective; an unknown axis gets ``GridShape.size``'s error)."""
+        size = self._sizes.get(axis)
+        return size if size is not None else self.shape.size(axis)
 
     @property
     def transport_name(self) -> str:
@@ -331,12 +334,7 @@ class Communicator:
 
     def _record(self, op: Op, axis: Axis, payload: torch.Tensor, tag: Term | str) -> CommRecord:
         record = CommRecord(
-            op=op,
-            axis=axis,
-            group_size=self.shape.size(axis),
-            payload_bytes=payload.numel() * payload.element_size(),
-            tag=tag,
-            t_issue=time.perf_counter(),
+            op, axis, self._size(axis), payload.numel() * payload.element_size(), tag, time.perf_counter()
         )
         if self.clock.on_device:  # the compute stream's position: the collective cannot start before it
             record.mark("t_issue", self.clock.mark())
@@ -345,7 +343,7 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, axis: Axis, tag: Term | str = "") -> Handle:
         """Sum ``tensor`` over ``axis``, in place; the handle's result is ``tensor``."""
-        if self.shape.size(axis) == 1:
+        if self._size(axis) == 1:
             return Handle(None, tensor, None)
         if not tensor.is_contiguous():
             raise ValueError("all_reduce works in place and needs a contiguous tensor")
@@ -356,11 +354,11 @@ class Communicator:
 
     def all_gather(self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "") -> Handle:
         """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
-        g = self.shape.size(axis)
+        g = self._size(axis)
         if g == 1:
             return Handle(None, tensor, None)
         dim = dim % tensor.dim()
-        inp = tensor.movedim(dim, 0).contiguous()
+        inp = tensor if dim == 0 and tensor.is_contiguous() else tensor.movedim(dim, 0).contiguous()
         out = inp.new_empty((g * inp.shape[0], *inp.shape[1:]))
         record = self._record(Op.ALL_GATHER, axis, out, tag)
         work = self.transport.all_gather(out, inp, axis)
@@ -368,9 +366,13 @@ class Communicator:
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
         return Handle(work, out, record, finish, source=inp, clock=self.clock)
 
-    def reduce_scatter(self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "") -> Handle:
-        """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index)."""
-        g = self.shape.size(axis)
+    def reduce_scatter(
+        self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "", out: torch.Tensor | None = None
+    ) -> Handle:
+        """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index);
+        ``out``: a contiguous tensor of the chunk's shape (``dim`` first) to write it into, e.g. a
+        slice of a gradient bucket. On an axis of one rank the result is ``tensor`` itself."""
+        g = self._size(axis)
         if g == 1:
             return Handle(None, tensor, None)
         dim = dim % tensor.dim()
@@ -378,8 +380,15 @@ class Communicator:
             raise ValueError(
                 f"reduce_scatter over {axis}: dim {dim} has size {tensor.shape[dim]}, not divisible by G_{axis} = {g}"
             )
-        inp = tensor.movedim(dim, 0).contiguous()
-        out = inp.new_empty((inp.shape[0] // g, *inp.shape[1:]))
+        inp = tensor if dim == 0 and tensor.is_contiguous() else tensor.movedim(dim, 0).contiguous()
+        shape = (inp.shape[0] // g, *inp.shape[1:])
+        if out is None:
+            out = inp.new_empty(shape)
+        elif out.shape != shape or not out.is_contiguous() or out.dtype != inp.dtype:
+            raise ValueError(
+                f"reduce_scatter over {axis}: out is {tuple(out.shape)} {out.dtype}, the chunk is {shape} {inp.dtype}"
+                " (contiguous)"
+            )
         record = self._record(Op.REDUCE_SCATTER, axis, inp, tag)
         work = self.transport.reduce_scatter(out, inp, axis)
         _stamp_completion(work, record, self.clock)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from axon4d.device import HOST, Clock, Mark
@@ -56,7 +57,7 @@ def hidden_pct(comm_s: float, blocked_s: float) -> float:
     return 100.0 * (1.0 - blocked_s / comm_s) if comm_s > 0 else 0.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CommRecord:
     """One collective as it happened on this rank (times from ``time.perf_counter``)."""
 
@@ -71,6 +72,20 @@ class CommRecord:
     t_done: float | None = None
     #: device marks of the times above not read yet (an accelerator's clock); ``CommLog`` settles them
     marks: dict[str, Mark] | None = None
+
+    def completed_on(self, clock: Clock) -> Callable[[Any], None]:
+        """A callback for the transport's completion of this collective: stamps ``t_done`` on
+        ``clock`` (a device mark, read later, or the host's time; the earliest completion wins)."""
+
+        def done(_: Any = None) -> None:
+            if clock.on_device:
+                self.mark("t_done", clock.mark(), first=True)
+                return
+            now = time.perf_counter()
+            if self.t_done is None or self.t_done > now:
+                self.t_done = now
+
+        return done
 
     def mark(self, field: str, mark: Mark, first: bool = False) -> None:
         """Set time ``field`` to device ``mark`` (read later); with ``first``, only if not set yet."""
@@ -141,13 +156,11 @@ class CommLog:
             self._spans = [(name, self.clock.seconds(a), self.clock.seconds(b)) for name, a, b in self._spans]
 
     def add(self, record: CommRecord) -> None:
-        with self._lock:
-            self._records.append(record)
+        self._records.append(record)  # one list append: atomic, no lock per collective
 
     def add_span(self, name: str, start: Mark, end: Mark) -> None:
         """Record a stretch of compute between two marks of ``clock`` (``Scheduler.compute``)."""
-        with self._lock:
-            self._spans.append((name, start, end))
+        self._spans.append((name, start, end))
 
     def clear(self) -> None:
         with self._lock:

@@ -96,6 +96,13 @@ class Scheduler:
         # reduced gradient each held before its window opened (restored under the reduction)
         self._local: dict[int, tuple[weakref.ref, Term]] = {}
         self._kept: dict[int, torch.Tensor] = {}
+        # persistent E12 buckets (bucket_mb > 0): where each weight shard lands in its bucket's flat
+        # buffer — param id -> (bucket, offset, numel) and each bucket's size — learned from the
+        # previous reducing backward; the buffers of this backward, made as their first shard comes
+        self._layout: dict[int, tuple[int, int, int]] = {}
+        self._layout_sizes: list[int] = []
+        self._learning: list[list[tuple[int, int]]] = []
+        self._flats: dict[int, torch.Tensor] = {}
         self._callback_queued = False
         self._rerunning: weakref.WeakSet | None = None  # layers of the recomputed region being re-run
         self._recomputed_depth = 0  # depth of regions under full recomputation being run
@@ -240,7 +247,8 @@ class Scheduler:
         over data is held (``accumulating``) — the result is written into ``param.grad`` later
         (before the backward that reduces returns) and None is returned."""
         dw = dw.to(reduce_dtype(self.precision, param))
-        rs = self.comm.reduce_scatter(dw, "z", tag=Term.E11)
+        slot = self.weight_grad_slot(param, dw.numel() // self.comm.shape.size("z"), dw.dtype, dw.device)
+        rs = self.comm.reduce_scatter(dw, "z", tag=Term.E11, out=slot)  # into its bucket's buffer, if any
         hold = self.holding
         if not (self.policy.ors or self.policy.odp):
             shard = rs.wait()
@@ -256,6 +264,26 @@ class Scheduler:
         if not self.policy.ors:
             self._advance()
         return None
+
+    def weight_grad_slot(
+        self, param: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
+        """Where this backward's E12 bucket takes ``param``'s reduced shard of ``numel`` elements: a
+        slice of the bucket's flat buffer, so the reduce-scatter over z (or, with G_z = 1, the dW
+        GEMM) writes there and the bucket is all-reduced as it stands — no concatenation, and
+        its slices become the gradients. None where there is no such bucket: buckets off
+        (``bucket_mb`` 0), no ODP, a held backward, or a shard the layout learned from the
+        previous backward does not place (the first backward, changed control flow)."""
+        if self.holding or not self.policy.odp or self.policy.bucket_mb <= 0:
+            return None
+        where = self._layout.get(id(param))
+        if where is None or where[2] != numel:
+            return None
+        bucket, offset, _ = where
+        flat = self._flats.get(bucket)
+        if flat is None or flat.dtype != dtype or flat.device != device:
+            flat = self._flats[bucket] = torch.empty(self._layout_sizes[bucket], dtype=dtype, device=device)
+        return flat[offset : offset + numel]
 
     def reduce_bias_grad(self, param: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor | None:
         """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP,
@@ -353,15 +381,47 @@ class Scheduler:
 
     def _flush(self, key: tuple[Axis, Term]) -> None:
         """All-reduce one bucket over its axis: one tensor as is, several through a flat buffer
-        whose slices then become the gradients (no copy back)."""
+        whose slices then become the gradients (no copy back) — the E12 bucket's persistent buffer
+        when its shards were written in place (``weight_grad_slot``), else their concatenation."""
         items = self._buckets.pop(key, [])
         if not items:
             return
-        flat = items[0][1] if len(items) == 1 else torch.cat([g for _, g, _ in items])
+        if key == ("data", Term.E12) and self.policy.bucket_mb > 0:
+            self._learning.append([(id(p), g.numel()) for p, g, _ in items])
+        flat = items[0][1] if len(items) == 1 else self._in_place(items)
+        if flat is None:
+            flat = torch.cat([g for _, g, _ in items])
         handle = self.comm.all_reduce(flat, key[0], tag=key[1])
         if not self.policy.odp:
             handle.wait()
         self._reducing.append((items, handle, flat if len(items) > 1 else None))
+
+    def _in_place(self, items: list[_Item]) -> torch.Tensor | None:
+        """The flat buffer ``items`` fill exactly, in order (all written through ``weight_grad_slot``), or None."""
+        first = items[0][1]
+        flat = first._base
+        if flat is None or first.data_ptr() != flat.data_ptr() or sum(g.numel() for _, g, _ in items) != flat.numel():
+            return None
+        ptr, size = flat.data_ptr(), flat.element_size()
+        for _, g, _ in items:
+            if g._base is not flat or g.data_ptr() != ptr:
+                return None
+            ptr += g.numel() * size
+        return flat
+
+    def _relearn(self) -> None:
+        """After a reducing backward: the E12 buckets it flushed become the layout of the next one
+        (its buffers now belong to the gradients they became)."""
+        if self._learning:
+            self._layout, self._layout_sizes = {}, []
+            for b, members in enumerate(self._learning):
+                offset = 0
+                for pid, numel in members:
+                    self._layout[pid] = (b, offset, numel)
+                    offset += numel
+                self._layout_sizes.append(offset)
+        self._learning = []
+        self._flats = {}
 
     def finish_gradients(self) -> None:
         """Complete every pending gradient reduction and add the results into ``.grad``.
@@ -388,6 +448,8 @@ class Scheduler:
                     param.grad = grad  # a slice of the bucket, or the reduced tensor itself
                 else:
                     param.grad.add_(grad)
+        if not self.holding:
+            self._relearn()
         for handle, _ in list(self._prefetched.values()):  # prefetches nobody asked for (control flow changed)
             handle.wait()
         self._prefetched.clear()

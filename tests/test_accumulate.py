@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from axon4d.geometry import Term
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -110,3 +111,57 @@ def _twice(grid, cfg):
 @pytest.mark.parametrize("world,grid", [(2, (1, 1, 1, 2)), (4, (2, 1, 1, 2))])
 def test_gradients_already_in_grad_are_added_to(pools, world, grid):
     _assert_small(pools(world).run(grid, _twice, LLAMA), TOL, f"llama on {grid}")
+
+
+def _persistent_buckets(grid, cfg):
+    """Three steps under 64 MB buckets (the third of two micro-batches): per step, the errors
+    against the dense model, the number of distinct storages the weight shards' gradients are
+    slices of, the E12 all-reduces, and the concatenations of the shards into a bucket."""
+    grid.scheduler.configure("all,bucket_mb=64")
+    torch.manual_seed(7)
+    dense = DenseTransformer(cfg)
+    model = Transformer.from_dense(dense)
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for step in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=gen)
+        batches = ids.chunk(2 if step == 2 else 1)
+        for m in (model, dense):
+            m.zero_grad(set_to_none=True)
+        grid.comm.log.clear()
+        with _CountCats(sum(p.numel() for p in _shards(model))) as cats:
+            accumulate(model, batches, grid)
+        accumulate(dense, batches, None)
+        storages = {p.grad.untyped_storage().data_ptr() for p in _shards(model)}
+        e12 = sum(1 for r in grid.comm.log.records if r.tag == Term.E12)
+        out.append((_grad_errors(dense, model.to_dense(grads=True)), len(storages), e12, cats.count))
+    return out
+
+
+def _shards(model):
+    return [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 1 and "norm" not in n]
+
+
+class _CountCats(TorchDispatchMode):
+    """Counts the concatenations whose result has ``numel`` elements (the shards' bucket)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.cat.default and out.numel() == self.numel:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("world,grid", [(2, (1, 1, 1, 2)), (4, (1, 1, 2, 2))])
+def test_bucketed_shards_are_written_in_place_from_the_second_step(pools, world, grid):
+    for steps in pools(world).run(grid, _persistent_buckets, LLAMA):
+        _assert_small([errs for errs, _, _, _ in steps], TOL, f"llama on {grid}")
+        assert [e12 for _, _, e12, _ in steps] == [1, 1, 1]  # the tiny model's shards fill one bucket
+        assert [n for _, n, _, _ in steps] == [1, 1, 1]  # every shard's gradient a slice of it
+        # step 1 concatenates its shards; from step 2 the reduce-scatters (G_z > 1) or the dW GEMMs
+        # (G_z = 1) write into the buffer learned from the step before: no concatenation
+        assert [cats for _, _, _, cats in steps] == [1, 0, 0]

@@ -318,7 +318,7 @@ def _one_rank_work(grid):
             "equal_no_grad": _no_grad_equal(layer, ref, x),
             "records": len(grid.comm.log.records),
             "spans": len(grid.comm.log.spans),
-            "scheduler": [len(sched._scattering), len(sched._bucket), len(sched._reducing), len(sched._prefetched)],
+            "scheduler": [len(sched._scattering), len(sched._buckets), len(sched._reducing), len(sched._prefetched)],
             "order_learned": len(sched._next) + len(sched._prev),
         }
     return out

@@ -128,7 +128,7 @@ class VocabParallelEmbedding(nn.Module):
         local = torch.where(mine, ids - lo, torch.zeros_like(ids))
         dtype = compute_dtype(self.grid.precision, self.weight)
         out = nn.functional.embedding(local, self.weight).to(dtype) * mine.unsqueeze(-1).to(dtype)
-        return sum_to_replicas(out, "y", self.grid, Term.EMBEDDING)
+        return sum_to_replicas(out, "y", self.grid, Term.EMBEDDING, in_place=True)  # out: a temporary
 
 
 class PositionEmbedding(nn.Module):

@@ -36,48 +36,60 @@ from axon4d.grid import Grid
 from axon4d.shape import Axis
 
 
+def _summed(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | str, reuse: bool) -> torch.Tensor:
+    """Σ over ``axis`` of ``x``: in place when ``reuse`` says nothing else reads ``x`` (marked dirty
+    for autograd), else of a copy."""
+    if reuse and x.is_contiguous():
+        ctx.mark_dirty(x)
+        return grid.comm.all_reduce(x, axis, tag=tag).wait()
+    return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=tag).wait()
+
+
 class _SumPartials(torch.autograd.Function):
     """All-reduce over an axis, forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, reuse: bool) -> torch.Tensor:
         ctx.axis, ctx.grid = axis, grid
-        return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=f"sum_partials.{axis}").wait()
+        return _summed(ctx, x, axis, grid, f"sum_partials.{axis}", reuse)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return (
-            ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=f"sum_partials.bwd.{ctx.axis}").wait(),
-            None,
-            None,
-        )
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # the incoming gradient may be shared with other branches of the graph: reduce a copy
+        summed = ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=f"sum_partials.bwd.{ctx.axis}").wait()
+        return summed, None, None, None
 
 
 class _SumToReplicas(torch.autograd.Function):
     """All-reduce over an axis forward; identity backward (the result is used replicated)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | str) -> torch.Tensor:
-        return grid.comm.all_reduce(x.contiguous().clone(), axis, tag=tag).wait()
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | str, reuse: bool) -> torch.Tensor:
+        return _summed(ctx, x, axis, grid, tag, reuse)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        return g, None, None, None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        return g, None, None, None, None
 
 
-def sum_partials(x: torch.Tensor, axis: Axis, grid: Grid) -> torch.Tensor:
-    """Σ over ``axis`` of every rank's ``x``; gradients are summed over ``axis`` as well."""
+def sum_partials(x: torch.Tensor, axis: Axis, grid: Grid, in_place: bool = False) -> torch.Tensor:
+    """Σ over ``axis`` of every rank's ``x``; gradients are summed over ``axis`` as well.
+    ``in_place``: ``x`` is a temporary nothing else reads (not saved for backward, not used
+    again): it is summed in place, no copy."""
     if grid.size(axis) == 1:
         return x
-    return _SumPartials.apply(x, axis, grid)
+    return _SumPartials.apply(x, axis, grid, in_place)
 
 
-def sum_to_replicas(x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | None = None) -> torch.Tensor:
+def sum_to_replicas(
+    x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | None = None, in_place: bool = False
+) -> torch.Tensor:
     """Σ over ``axis`` of every rank's ``x``, for a result every rank of ``axis`` uses identically
-    (``tag``: the collective's name in the comm log, ``sum_to_replicas.<axis>`` when None)."""
+    (``tag``: the collective's name in the comm log, ``sum_to_replicas.<axis>`` when None;
+    ``in_place``: as for ``sum_partials``)."""
     if grid.size(axis) == 1:
         return x
-    return _SumToReplicas.apply(x, axis, grid, f"sum_to_replicas.{axis}" if tag is None else tag)
+    return _SumToReplicas.apply(x, axis, grid, f"sum_to_replicas.{axis}" if tag is None else tag, in_place)
 
 
 def average_grad_over_batch(param: nn.Parameter, grid: Grid, tag: Term = Term.REPLICATED_GRAD) -> None:

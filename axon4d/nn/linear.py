@@ -103,7 +103,14 @@ class _Linear3D(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             with sched.compute("bwd.dW"):
                 dtype = reduce_dtype(layer.grid.precision, layer.weight)  # fp32 sums stay fp32
-                dw = _dw_padded(dy2, x2, layer.grid.size("z"), dtype)  # (shard_numel·G_z,): E11's input
+                g_z = layer.grid.size("z")
+                # with G_z = 1 the GEMM writes into the layer's slice of its E12 bucket, if it has one
+                slot = (
+                    sched.weight_grad_slot(layer.weight, dy2.shape[1] * x2.shape[1], dtype, dy2.device)
+                    if g_z == 1
+                    else None
+                )
+                dw = _dw_padded(dy2, x2, g_z, dtype, out=slot)  # (shard_numel·G_z,): E11's input
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E11 over z, E12 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
@@ -115,18 +122,23 @@ class _Linear3D(torch.autograd.Function):
         return dx_out, dweight, dbias, None
 
 
-def _dw_padded(dy2: torch.Tensor, x2: torch.Tensor, g_z: int, dtype: torch.dtype) -> torch.Tensor:
+def _dw_padded(
+    dy2: torch.Tensor, x2: torch.Tensor, g_z: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """dW = dYᵀ X (out_l, b) @ (b, in_l), flat and zero-padded to ``g_z`` equal shards (the layout
     E11 reduce-scatters over z, ``geometry.z_padded``), in ``dtype``: the gradient-reduction dtype,
     so under ``bf16-fp32-reduce`` the GEMM's fp32 sums are reduced as they are, never rounded to
     bf16 first (``device.mm_widening``). The product is written straight into the padded buffer:
-    no copy of the block, and none at all when out_l·in_l divides by G_z."""
+    no copy of the block, and none at all when out_l·in_l divides by G_z. ``out``: a flat
+    (out_l·in_l,) tensor to write an unpadded product into (a slice of an E12 bucket,
+    ``Scheduler.weight_grad_slot``), used when its dtype is the product's."""
     rows, cols = dy2.shape[1], x2.shape[1]
     numel = rows * cols
     padded = geometry.z_padded_numel(numel, g_z)
     dtype = torch.promote_types(torch.promote_types(dy2.dtype, x2.dtype), dtype)
     if padded == numel:
-        return devices.mm_widening(dy2.t(), x2, dtype).view(-1)  # (out_l·in_l,)
+        into = out.view(rows, cols) if out is not None and out.dtype == dtype else None
+        return devices.mm_widening(dy2.t(), x2, dtype, out=into).view(-1)  # (out_l·in_l,)
     dw = torch.empty(padded, dtype=dtype, device=dy2.device)
     devices.mm_widening(dy2.t(), x2, dtype, out=dw[:numel].view(rows, cols))
     dw[numel:].zero_()
