@@ -9,8 +9,10 @@ single-process model (``axon4d.measure.spawn.run_local``). The cases:
   ``DenseTransformer`` on the same device (≤ 1e-4 relative), on grids (1,2,1,1), (1,1,2,1),
   (2,1,1,1) and (1,2,2,1), with every overlap mechanism on and with all of them off;
 - ``context``: context parallelism (G_z = 2) in bf16 compute with fp32 master weights and
-  reductions against the fp32 dense model (≤ 5e-2), several local heads and GQA — the case whose
-  CUDA kernel contract a CPU run cannot check;
+  reductions against the fp32 dense model (≤ 5e-2), several local heads and GQA — the cases whose
+  CUDA kernel contracts a CPU run cannot check: on torch's flash kernel (where the GPU has it: the
+  case fails if another kernel ran), on the memory-efficient kernel (flash SDPA switched off), and
+  in fp32 (the memory-efficient kernel, ≤ 1e-4); each records the attention kernels that ran;
 - ``recompute``: selective, balanced and full recomputation on (1,2,2,1), fp32, against dense;
 - ``checkpoint``: a save on (1,1,2,1) (G_z > 1) loaded on (1,2,1,1): the same weights;
 - ``train``: the training job in ``bf16-fp32-reduce`` on (1,2,2,1) for a few steps, against the
@@ -136,6 +138,30 @@ def against_dense(grid: Any, arch: str, recompute: str = "none", context_paralle
     }
 
 
+def context_against_dense(grid: Any, flash: bool) -> dict[str, Any]:
+    """``against_dense`` for the Llama (GQA) under context parallelism, with torch's flash SDPA
+    switched on or off for this process, adding the attention kernels that ran
+    (``axon4d.device.attention.kernel_for``'s choices)."""
+    from axon4d.device import attention as kernels
+
+    choose, ran = kernels.kernel_for, set()
+
+    def recording(q: torch.Tensor, k: torch.Tensor, causal: bool) -> str:
+        kernel = choose(q, k, causal)
+        ran.add(kernel)
+        return kernel
+
+    flash_before = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(flash)
+    kernels.kernel_for = recording
+    try:
+        result = against_dense(grid, "llama", "none", True)
+    finally:
+        kernels.kernel_for = choose
+        torch.backends.cuda.enable_flash_sdp(flash_before)
+    return {**result, "kernels": sorted(ran)}
+
+
 def checkpoint_across_grids(_: Any, directory: str) -> dict[str, Any]:
     """Train a step on (1,1,2,1), save, load on (1,2,1,1): the weights must be the same."""
     _highest_precision()
@@ -220,6 +246,22 @@ def _exact(tol: float) -> Callable[[list[dict[str, Any]]], str | None]:
     return lambda results: grads(results) or loss(results)
 
 
+def _context(tol: float, kernel: str) -> Callable[[list[dict[str, Any]]], str | None]:
+    """``_exact(tol)``, and on a GPU ``kernel`` ran the attention (``flash`` only where torch has it
+    for this GPU: an older one runs the memory-efficient kernel, which is then what must have run)."""
+    exact = _exact(tol)
+
+    def judge(results: list[dict[str, Any]]) -> str | None:
+        on_gpu = [r for r in results if str(r["device"]).startswith("cuda")]
+        want = kernel
+        if want == "flash" and on_gpu and torch.cuda.get_device_capability() < (8, 0):
+            want = "efficient"  # torch's flash kernel needs sm80 or newer
+        wrong = [r["kernels"] for r in on_gpu if r["kernels"] != [want]]
+        return exact(results) or (f"attention ran on {wrong[0]}, not [{want!r}]" if wrong else None)
+
+    return judge
+
+
 def _same_weights(results: list[dict[str, Any]]) -> str | None:
     bad = [r for r in results if r["max_abs_diff"] != 0.0 or r["step"] != 1]
     return None if not bad else f"loaded weights differ by {bad[0]['max_abs_diff']:.2e} (step {bad[0]['step']})"
@@ -260,10 +302,15 @@ def cases(scratch: str) -> list[Case]:
                 name = f"exact {arch} {_label(grid)} overlap-{'on' if overlap else 'off'}"
                 kw = {"overlap": overlap}
                 out.append(Case(name, _world(grid), grid, against_dense, (arch,), kw, _exact(FP32_TOL)))
+    bf16 = {"precision": "bf16-fp32-reduce"}
     for grid in [(1, 1, 2, 1), (1, 2, 2, 1)]:
-        kw = {"precision": "bf16-fp32-reduce"}
-        args = ("llama", "none", True)
-        out.append(Case(f"context bf16 {_label(grid)}", _world(grid), grid, against_dense, args, kw, _exact(BF16_TOL)))
+        name, world = f"context bf16 flash {_label(grid)}", _world(grid)
+        out.append(Case(name, world, grid, context_against_dense, (True,), bf16, _context(BF16_TOL, "flash")))
+    grid = (1, 2, 2, 1)
+    name = f"context bf16 efficient {_label(grid)}"
+    out.append(Case(name, 4, grid, context_against_dense, (False,), bf16, _context(BF16_TOL, "efficient")))
+    name = f"context fp32 {_label(grid)}"
+    out.append(Case(name, 4, grid, context_against_dense, (True,), {}, _context(FP32_TOL, "efficient")))
     for mode in ("selective", "balanced", "full"):
         grid = (1, 2, 2, 1)
         out.append(
