@@ -54,7 +54,9 @@ def _attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q (b, hq, s, d), k and v (b, hkv, s, d) of this
-    rank's heads and head–tail tokens → ((b, s, hq, d), no weights)."""
+    rank's heads and head–tail tokens → ((b, s, hq, d), no weights). k and v come with the model's
+    own key/value heads (transformers repeats them only inside its attention functions), and the
+    split attention reads grouped-query heads from the shapes without repeating them."""
     grid = getattr(module, GRID_ATTR, None)
     if grid is None:  # the unparallelized copy (axon4d.to_dense): whole sequences, the model's own attention
         from transformers import AttentionInterface
