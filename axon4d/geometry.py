@@ -122,15 +122,16 @@ def linear_collectives(
     cache_weight: bool = False,
     forward_chunks: int = 1,
     min_chunk_bytes: int = 0,
+    chunk_rows: int = 1,
 ) -> list[Collective]:
     """Every collective one forward + backward of a 3D linear layer issues on one rank.
 
     ``tokens`` is this rank's token count b = B·S/(G_data·G_z). ``element_size`` is the bytes of
     the parameters and activations; ``grad_element_size`` those of the gradient reductions (E11,
     E12, E13; defaults to ``element_size``). With ``cache_weight`` the forward all-gather's result
-    is kept for backward and E10 is paid once (E10f, no E10b). ``forward_chunks``/``min_chunk_bytes`` are the
-    overlap policy's token chunking of the forward all-reduce (E8; see ``forward_chunk_count``): the E8
-    payload is then issued as that many all-reduces of ``chunk_sizes`` rows each.
+    is kept for backward and E10 is paid once (E10f, no E10b). ``forward_chunks``/``min_chunk_bytes``/
+    ``chunk_rows`` are the overlap policy's token chunking of the forward all-reduce (E8; see
+    ``forward_chunk_count``): the E8 payload is then issued as that many all-reduces of ``chunk_sizes`` rows each.
     """
     g_elem = element_size if grad_element_size is None else grad_element_size
     in_axis, out_axis = layer_axes(transpose)
@@ -144,8 +145,10 @@ def linear_collectives(
             out.append(Collective(op, axis, elems * elem, phase, term))
 
     add(Op.ALL_GATHER, "z", padded_block, element_size, "forward", Term.E10F)
-    k = forward_chunk_count(tokens, rows * element_size, forward_chunks, min_chunk_bytes, shape.size(in_axis))
-    for part in chunk_sizes(tokens, k):
+    k = forward_chunk_count(
+        tokens, rows * element_size, forward_chunks, min_chunk_bytes, shape.size(in_axis), chunk_rows
+    )
+    for part in chunk_sizes(tokens, k, chunk_rows):
         add(Op.ALL_REDUCE, in_axis, part * rows, element_size, "forward", Term.E8)
     if not cache_weight:
         add(Op.ALL_GATHER, "z", padded_block, element_size, "backward", Term.E10B)
@@ -157,20 +160,36 @@ def linear_collectives(
     return out
 
 
-def forward_chunk_count(tokens: int, row_bytes: int, chunks: int, min_chunk_bytes: int, group: int) -> int:
+def forward_chunk_count(
+    tokens: int, row_bytes: int, chunks: int, min_chunk_bytes: int, group: int, row_multiple: int = 1
+) -> int:
     """How many token chunks the forward all-reduce (E8) of ``tokens`` rows of ``row_bytes`` is
-    split into when ``chunks`` are asked for: never more than the rows, never so many that a
-    chunk falls below ``min_chunk_bytes`` (small messages only pay latency for being split), and
-    one when the all-reduce's ``group`` has a single rank (nothing to overlap: the GEMM stays whole)."""
+    split into when ``chunks`` are asked for: never more than the rows (than the blocks of
+    ``row_multiple`` rows), never so many that a chunk falls below ``min_chunk_bytes`` (small
+    messages only pay latency for being split), and one when the all-reduce's ``group`` has a
+    single rank (nothing to overlap: the GEMM stays whole)."""
     if group <= 1:
         return 1
-    k = max(1, min(chunks, tokens))
+    k = max(1, min(chunks, tokens // max(1, row_multiple)))
     if min_chunk_bytes > 0:
         k = max(1, min(k, tokens * row_bytes // min_chunk_bytes))
     return k
 
 
-def chunk_sizes(tokens: int, chunks: int) -> list[int]:
-    """Rows of each of ``chunks`` token chunks (the first ``tokens % chunks`` get one more)."""
-    base, extra = divmod(tokens, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
+def chunk_sizes(tokens: int, chunks: int, row_multiple: int = 1) -> list[int]:
+    """Rows of each of ``chunks`` token chunks: whole blocks of ``row_multiple`` rows spread evenly
+    (the first get one block more), the rows left over added to the last chunk — so every chunk's
+    GEMM but the last has a multiple of ``row_multiple`` rows (GPU GEMM tiles: 128)."""
+    m = max(1, row_multiple)
+    blocks = tokens // m
+    if chunks <= 1 or blocks < chunks:
+        return [tokens] if chunks <= 1 or m > 1 else _even(tokens, chunks)
+    sizes = [b * m for b in _even(blocks, chunks)]
+    sizes[-1] += tokens - blocks * m
+    return sizes
+
+
+def _even(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` as evenly as possible, the first ``n % parts`` one larger."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]

@@ -58,7 +58,7 @@ class Grid:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")
         clock = devices.Clock(device)  # collectives and compute timed where they run (axon4d.commlog)
         self.comm = Communicator(shape, make_transport(transport, self.groups, shape, self.rank), clock)
-        self.scheduler = Scheduler(self.comm, self.precision, overlap)
+        self.scheduler = Scheduler(self.comm, self.precision, overlap, accelerator=not devices.is_host(device))
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -14,7 +14,13 @@ import dataclasses
 from typing import Any
 
 from axon4d import counts
-from axon4d.geometry import forward_chunk_count
+from axon4d.geometry import chunk_sizes, forward_chunk_count
+
+#: forward chunking where the policy leaves it to the device — (smallest chunk in KiB, row
+#: multiple): on the host, chunks as small as 256 KiB pay off and any row count is as good as
+#: another; on an accelerator a collective below ~1 MiB is latency-bound (NCCL's ring start-up) and
+#: a GEMM whose rows are not a multiple of 128 runs partial tiles (docs/design.md §4)
+DEVICE_CHUNKING: dict[str, tuple[float, int]] = {"host": (256.0, 1), "accelerator": (1024.0, 128)}
 
 MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")
 #: the overlap spec by which the planner chooses the knobs for the job (``axon4d.plan.search.tune_overlap``)
@@ -46,8 +52,13 @@ class OverlapPolicy:
     """ODP bucket size in MiB; 0 makes every layer's weight shard its own bucket."""
     forward_chunks: int = 4
     """Split the forward all-reduce (E8) into this many token chunks (1 = one all-reduce)."""
-    min_chunk_kb: float = 256.0
-    """Never make a forward chunk smaller than this (tiny messages gain nothing from chunking)."""
+    min_chunk_kb: float | None = None
+    """Never make a forward chunk smaller than this (tiny messages gain nothing from chunking);
+    None: the device's floor (``DEVICE_CHUNKING``: 256 KiB on the host, 1 MiB on accelerators)."""
+    chunk_rows: int | None = None
+    """Forward chunks hold whole blocks of this many token rows (the last takes the rows left
+    over), so each chunk's GEMM keeps the device's tile shape; None: the device's (1 on the host,
+    128 on accelerators)."""
 
     @classmethod
     def off(cls) -> OverlapPolicy:
@@ -163,8 +174,12 @@ class OverlapPolicy:
         )
         for name in ("forward_chunks", "ors_inflight", "oag_depth"):
             counts.whole(getattr(self, name), name, hint=rule)
-        if self.bucket_mb < 0 or self.min_chunk_kb < 0:
+        if self.bucket_mb < 0 or (self.min_chunk_kb is not None and self.min_chunk_kb < 0):
             raise ValueError(rule)
+        if self.chunk_rows is not None:
+            counts.whole(
+                self.chunk_rows, "chunk_rows", hint=f"overlap policy {self}: chunk_rows must be >= 1, e.g. 128"
+            )
 
     def spec(self) -> str:
         """The mechanisms that are on and the knobs off their defaults that the planner prices, as
@@ -181,7 +196,20 @@ class OverlapPolicy:
             on.append(f"ors_inflight={self.ors_inflight}")
         return ",".join(on) or "off"
 
-    def chunk_count(self, tokens: int, row_bytes: int, group: int) -> int:
-        """Chunks for a forward all-reduce of ``tokens`` rows of ``row_bytes`` over a group of
-        ``group`` ranks (see forward_chunk_count)."""
-        return forward_chunk_count(tokens, row_bytes, self.forward_chunks, int(self.min_chunk_kb * 1024), group)
+    def chunking(self, accelerator: bool) -> tuple[int, int]:
+        """(smallest forward chunk in bytes, rows a chunk is a multiple of) on a device that is an
+        accelerator or not: the policy's knobs where set, else the device's (``DEVICE_CHUNKING``)."""
+        floor_kb, rows = DEVICE_CHUNKING["accelerator" if accelerator else "host"]
+        floor_kb = floor_kb if self.min_chunk_kb is None else self.min_chunk_kb
+        return int(floor_kb * 1024), rows if self.chunk_rows is None else self.chunk_rows
+
+    def chunk_count(self, tokens: int, row_bytes: int, group: int, accelerator: bool = False) -> int:
+        """How many chunks ``chunk_sizes`` makes."""
+        return len(self.chunk_sizes(tokens, row_bytes, group, accelerator))
+
+    def chunk_sizes(self, tokens: int, row_bytes: int, group: int, accelerator: bool = False) -> list[int]:
+        """Rows of each chunk a forward all-reduce of ``tokens`` rows of ``row_bytes`` over a group of
+        ``group`` ranks is issued in (``geometry.forward_chunk_count`` and ``chunk_sizes``)."""
+        floor, rows = self.chunking(accelerator)
+        k = forward_chunk_count(tokens, row_bytes, self.forward_chunks, floor, group, rows)
+        return chunk_sizes(tokens, k, rows)

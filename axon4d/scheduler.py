@@ -73,10 +73,13 @@ def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
 class Scheduler:
     """Issues and completes the overlapped collectives of one grid according to its policy."""
 
-    def __init__(self, comm: Communicator, precision: Precision, policy: OverlapPolicy | None = None):
+    def __init__(
+        self, comm: Communicator, precision: Precision, policy: OverlapPolicy | None = None, accelerator: bool = False
+    ):
         self.comm = comm
         self.precision = precision  # the grid's dtypes: what gathers move and reductions sum in
         self.policy = policy or OverlapPolicy()
+        self.accelerator = accelerator  # the grid's device: its forward chunking (OverlapPolicy.chunking)
         # per layer object, held weakly: a freed layer's entries go with it (keyed by id(), a new
         # layer that reused the id would inherit its successor and its prefetched block)
         self._next: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> weakref of the next in forward
@@ -134,6 +137,12 @@ class Scheduler:
             self._prefetch_after(layer, backward)
         rows, cols = layer.block_shape
         return handle.wait()[: rows * cols].view(rows, cols)
+
+    def forward_chunks(self, tokens: int, row_bytes: int, group: int) -> list[int]:
+        """Rows of the token chunks a layer's forward all-reduce (E8) of ``tokens`` rows of
+        ``row_bytes`` over ``group`` ranks runs in, chunk i on the wire while chunk i+1 is
+        multiplied: the policy's chunking on this grid's device (``OverlapPolicy.chunk_sizes``)."""
+        return self.policy.chunk_sizes(tokens, row_bytes, group, self.accelerator)
 
     def _prefetch_after(self, layer: Any, backward: bool) -> None:
         """OAG: issue the gathers of the ``oag_depth`` layers that run after ``layer`` (in forward

@@ -83,7 +83,7 @@ def _expected(shape, policy):
             bias=b,
             cache_weight=policy.oag_keep,
             forward_chunks=policy.forward_chunks,
-            min_chunk_bytes=int(policy.min_chunk_kb * 1024),
+            min_chunk_bytes=policy.chunking(accelerator=False)[0],
         ):
             expected[(c.op, c.axis, c.payload_bytes)] += 1
     if policy.bucket_mb > 0 and shape.data > 1:  # every shard fits one bucket: one all-reduce per step
@@ -209,6 +209,46 @@ def test_policy_parsing_and_errors():
     assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40, 2) == 1
     assert OverlapPolicy(forward_chunks=4, min_chunk_kb=0).chunk_count(3, 40, 2) == 3
     assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 1) == 1
+
+
+def test_forward_chunks_follow_the_device():
+    """Where the policy leaves it to the device: on the host 256 KiB chunks of any rows; on an
+    accelerator at least 1 MiB and whole blocks of 128 rows (GEMM tiles), the rest in the last
+    chunk; the policy's own knobs win; the planner prices the chunks its machine's device makes."""
+    policy = OverlapPolicy(forward_chunks=4)
+    assert policy.chunking(accelerator=False) == (256 * 1024, 1)
+    assert policy.chunking(accelerator=True) == (1024 * 1024, 128)
+    assert OverlapPolicy(min_chunk_kb=64, chunk_rows=8).chunking(accelerator=True) == (64 * 1024, 8)
+    row = 7168 * 2  # a 20B-wide bf16 row
+    assert policy.chunk_sizes(4096, row, 2, accelerator=True) == [1024] * 4
+    uneven = policy.chunk_sizes(1000, row, 2, accelerator=True)  # 7 blocks of 128 and 104 rows
+    assert uneven == [256, 256, 256, 232] and sum(uneven) == 1000
+    assert policy.chunk_sizes(1000, row, 2, accelerator=False) == [250] * 4
+    assert policy.chunk_sizes(200, row, 2, accelerator=True) == [200]  # one block: no split
+    assert policy.chunk_sizes(4096, 64, 2, accelerator=True) == [4096]  # 256 KiB in all: under 1 MiB
+    for tokens in (1, 127, 128, 129, 1000, 4095, 8192):
+        for accelerator in (False, True):
+            sizes = policy.chunk_sizes(tokens, row, 2, accelerator)
+            assert sum(sizes) == tokens and all(n > 0 for n in sizes)
+            assert not accelerator or all(n % 128 == 0 for n in sizes[:-1])
+    with pytest.raises(ValueError, match="chunk_rows"):
+        OverlapPolicy(chunk_rows=0)
+    # the planner: a GPU machine's E8 chunks are whole blocks of 128 rows
+    from axon4d.config import get_config
+    from axon4d.geometry import Term as T
+    from axon4d.geometry import weight_block_shape
+    from axon4d.plan import Workload, load
+    from axon4d.plan.layers import _collectives
+    from axon4d.plan.scenario import Scenario
+
+    wl = Workload(get_config("20B"), batch=1, dtype="bfloat16")
+    shape = axon4d.GridShape(4, 2, 1, 1)
+    sc = Scenario(wl, shape, load("h100"), policy)
+    spec = next(s for s in wl.linears() if not s.embedding)
+    e8 = [c.payload_bytes for c in _collectives(spec, sc) if c.term == T.E8]
+    row_bytes = 2 * weight_block_shape(spec.in_features, spec.out_features, shape, spec.transpose)[0]
+    tokens = [b // row_bytes for b in e8]
+    assert len(tokens) == 4 and sum(tokens) == sc.tokens and all(t % 128 == 0 for t in tokens[:-1])
 
 
 def _records_after_a_layer_dies(grid):

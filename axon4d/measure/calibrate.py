@@ -123,6 +123,7 @@ def _measure_network(timer: Timer, passes: int, payloads: Sequence[int], log: Ca
     out: dict[str, Any] = {}
     out["comm"] = collectives.comm_curves(timer, torch.float32, passes, payloads) if world > 1 else []
     out["staged_reduce_scatter"] = timer.grid.comm.transport.stages_reduce_scatter
+    out["accelerator"] = timer.grid.scheduler.accelerator
     out["overlap_efficiency"] = statistics.median(
         collectives.overlap_efficiency(timer, torch.float32) for _ in range(max(passes, 1))
     )

@@ -54,8 +54,7 @@ class _Linear3D(torch.autograd.Function):
         # no extra pass over y); E8's all-reduce then adds it to every rank's output exactly once
         b = bias.to(y.dtype) if bias is not None and layer.grid.coord(layer.in_axis) == 0 else None  # (out_l,)
         handles, start = [], 0
-        chunks = sched.policy.chunk_count(tokens, out_l * y.element_size(), layer.grid.size(layer.in_axis))
-        for rows in geometry.chunk_sizes(tokens, chunks):
+        for rows in sched.forward_chunks(tokens, out_l * y.element_size(), layer.grid.size(layer.in_axis)):
             part = y[start : start + rows]  # a contiguous row block of y
             with sched.compute("fwd.matmul"):
                 if b is None:

@@ -118,6 +118,7 @@ def _collectives(spec: LinearSpec, sc: Scenario) -> list[Collective]:
     if spec.embedding:
         return [c for c in sc.edge_collectives if c.term in EMBEDDING_TERMS]
     ov = sc.overlap
+    floor, rows = ov.chunking(sc.machine.accelerator)  # the device's chunk floor and row multiple
     collectives = linear_collectives(
         spec.in_features,
         spec.out_features,
@@ -128,7 +129,8 @@ def _collectives(spec: LinearSpec, sc: Scenario) -> list[Collective]:
         element_size=sc.element_size,
         cache_weight=ov.oag_keep,
         forward_chunks=ov.forward_chunks,
-        min_chunk_bytes=int(ov.min_chunk_kb * 1024),
+        min_chunk_bytes=floor,
+        chunk_rows=rows,
     )
     return [c for c in collectives if spec.input_grad or c.term != Term.E9]
 
@@ -144,7 +146,8 @@ def _gemms(spec: LinearSpec, sc: Scenario, chunks: int) -> tuple[float, float, f
         fwd = ew(4 * b * out_l * elem, world)  # gather rows, mask
         dw = ew((2 * table + 2 * b * out_l) * elem, world)  # zero-fill the table, scatter-add rows
         return fwd, 0.0, 0.0, dw
-    fwd_mm = sum(m.matmul_time("nt", rows, in_l, out_l, dt, world) for rows in chunk_sizes(b, chunks))
+    multiple = sc.overlap.chunking(m.accelerator)[1]
+    fwd_mm = sum(m.matmul_time("nt", rows, in_l, out_l, dt, world) for rows in chunk_sizes(b, chunks, multiple))
     fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
     dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
     dw = m.matmul_time("tn", out_l, b, in_l, dt, world)

@@ -137,6 +137,9 @@ class Machine:
     # waited on (axon4d.comm's exchange under gloo; calibrate records the backend's answer);
     # false for NCCL/RCCL (their communicators' buffers are fixed); unknown (an older file): true,
     # the larger estimate
+    accelerator: bool = False
+    # whether the ranks compute on accelerators (GPUs): the forward chunking a policy that leaves it
+    # to the device gets (``OverlapPolicy.chunking``); calibrate records the grid's device
     comm_interference_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
     # concurrency -> seconds of compute lost per byte of ring traffic (``ring_traffic``); none: 0
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)
