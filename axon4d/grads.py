@@ -17,17 +17,29 @@ from axon4d.param_layout import param_layouts
 
 
 def grad_norm(model: nn.Module, grid: Grid) -> torch.Tensor:
-    """The global L2 norm of all gradients, each element counted once however it is sharded."""
+    """The global L2 norm of all gradients, each element counted once however it is sharded: a
+    0-dim fp32 tensor on the gradients' device, the same on every rank; nothing is read on the host.
+
+    The gradients are grouped by how many ranks hold each element (the product of the grid sizes
+    of ``ParamLayout.replicated_over``) and by device and dtype; each group's per-tensor norms come
+    from one ``torch._foreach_norm`` computed in fp32, and the sum over groups of (squared norms /
+    copies) is all-reduced once over the world (docs/design.md §8, equal to the dense model:
+    ``torch.nn.utils.clip_grad_norm_``'s norm of the single-process model's gradients)."""
     layouts = param_layouts(model)
-    device = next(model.parameters()).device
-    total = torch.zeros(1, dtype=torch.float64, device=device)
+    groups: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
         copies = math.prod(grid.size(a) for a in layouts[name].replicated_over())
-        total += p.grad.detach().double().square().sum() / copies
+        groups.setdefault((copies, p.grad.device, p.grad.dtype), []).append(p.grad.detach())
+    device = next(model.parameters()).device
+    squares = [
+        torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum().div(copies).to(device)
+        for (copies, _, _), tensors in groups.items()
+    ]
+    total = (torch.stack(squares).sum() if squares else torch.zeros((), device=device)).reshape(1)  # (1,)
     total = grid.comm.all_reduce(total, "world", tag="grad_norm").wait()
-    return total.sqrt().float()
+    return total.sqrt().reshape(())
 
 
 def first_nonfinite_grad(model: nn.Module, grid: Grid) -> str | None:
@@ -48,16 +60,26 @@ def first_nonfinite_grad(model: nn.Module, grid: Grid) -> str | None:
     return named[int(bad[0])][0] if len(bad) else None
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> float:
-    """Scale every gradient so the global norm is at most ``max_norm``; return the norm before.
-    A non-finite norm (a NaN or inf gradient somewhere) is returned with the gradients untouched:
-    the caller decides about that step (the training job skips it)."""
+#: added to the norm before dividing max_norm by it (as ``torch.nn.utils.clip_grad_norm_``)
+CLIP_EPS = 1e-6
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, grid: Grid) -> torch.Tensor:
+    """Scale every gradient so the global norm is at most ``max_norm``; return the norm before
+    (``grad_norm``: a 0-dim fp32 tensor on the device, not read on the host).
+
+    The scale min(1, max_norm / (norm + ``CLIP_EPS``)) is computed on the device and applied to
+    every gradient unconditionally with ``torch._foreach_mul_`` (a factor of exactly 1 changes no
+    bit), so the host never waits for the norm here. A non-finite norm (a NaN or inf gradient
+    somewhere) gives the scale 1: the gradients are left as they are and the caller decides about
+    the step once it reads the norm (the training job skips it)."""
     norm = grad_norm(model, grid)
-    if not math.isfinite(float(norm)):
-        return float(norm)
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if scale.item() < 1.0:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
-    return float(norm)
+    scale = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+    scale = torch.where(torch.isfinite(norm), scale, torch.ones_like(scale))
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for (device, dtype), tensors in groups.items():
+        torch._foreach_mul_(tensors, scale.to(device=device, dtype=dtype))
+    return norm

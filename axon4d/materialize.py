@@ -54,15 +54,14 @@ def dense_name(name: str, segment: str = "") -> str:
 
 
 @torch.no_grad()
-def init_dense_(
-    dense: DenseTransformer, seed: int, *, tiling: tiled_init.Tiling = tiled_init.TILING
-) -> DenseTransformer:
+def init_dense_(dense: DenseTransformer, seed: int, *, tiling: tiled_init.Tiling | None = None) -> DenseTransformer:
     """Initialise every parameter of ``dense`` for ``seed``, tile by tile (the reference).
 
     Each parameter keeps the distribution the model's constructor uses
     (``DenseTransformer.param_inits``); its values are drawn tile by tile from generators seeded
     from (``seed``, parameter name, tile), so any piece of it can be drawn alone
-    (``materialize_``). Returns ``dense``.
+    (``materialize_``), on the parameters' device in that device's tiling
+    (``tiled_init.tiling_for``) unless ``tiling`` is given. Returns ``dense``.
     """
     inits = dense.param_inits()
     for name, p in dense.named_parameters():
@@ -86,14 +85,15 @@ def materialize_(
     seed: int,
     *,
     device: str | torch.device | None = None,
-    tiling: tiled_init.Tiling = tiled_init.TILING,
+    tiling: tiled_init.Tiling | None = None,
 ) -> Transformer:
     """Give every parameter of ``model`` (built with ``device="meta"``) this rank's values.
 
     Each meta parameter gets storage of its own shape and dtype on ``device`` (default: the grid's
     device) and is filled with its shard of ``init_dense_(DenseTransformer(model.cfg), seed)``;
     parameters that already have storage are overwritten in place. A rank allocates its shards
-    and one tile of scratch (``tiling``), never a whole tensor; no collective is issued. Gradient
+    and one tile of scratch (``tiling``; default: the device's, ``tiled_init.tiling_for``), never a
+    whole tensor, and draws the tiles on ``device``; no collective is issued. Gradient
     hooks stay attached. Build the optimizer afterwards. Returns ``model``.
     """
     grid = model.grid

@@ -10,6 +10,10 @@ Names: ``fp32`` (everything fp32), ``bf16`` (bf16 compute, bf16 gradient reducti
 ``bf16-fp32-reduce`` (bf16 compute, fp32 gradient reductions: the dW GEMMs write their fp32 sums,
 which are reduced without a round trip through bf16).
 
+``auto`` (the training job's default, ``resolve``) is ``bf16-fp32-reduce`` on an accelerator —
+bf16 tensor cores, fp32 master weights and fp32 gradient sums — and ``fp32`` on the host, where
+bf16 matmuls are slow without AVX-512 BF16 (docs/design.md §7).
+
 fp16 is refused (``device.check_dtype``): without dynamic loss scaling, which axon4d does not do,
 its gradients underflow; bf16 has the same bytes and fp32's range.
 """
@@ -56,6 +60,25 @@ NAMED = {
     "bf16": Precision(compute=torch.bfloat16, reduce=torch.bfloat16),
     "bf16-fp32-reduce": Precision(compute=torch.bfloat16, reduce=torch.float32),
 }
+
+
+#: the name that picks a precision by device (``resolve``)
+AUTO = "auto"
+#: what ``AUTO`` becomes on an accelerator and on the host
+AUTO_ACCELERATOR, AUTO_HOST = "bf16-fp32-reduce", "fp32"
+#: every name a configuration may give: ``AUTO`` and the precisions themselves
+NAMES = (AUTO, *NAMED)
+
+
+def resolve(spec: str, accelerator: bool) -> str:
+    """The precision name ``spec`` means on a grid whose device is an accelerator (``accelerator``)
+    or the host: ``AUTO`` becomes ``AUTO_ACCELERATOR`` or ``AUTO_HOST``; any name of ``NAMED``
+    stays itself; anything else raises ``ValueError`` naming the choices."""
+    if spec == AUTO:
+        return AUTO_ACCELERATOR if accelerator else AUTO_HOST
+    if spec not in NAMED:
+        raise ValueError(f"precision {spec!r} is not supported; use one of {', '.join(NAMES)}")
+    return spec
 
 
 def compute_dtype(precision: Precision, param: torch.Tensor) -> torch.dtype:

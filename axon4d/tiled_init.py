@@ -9,8 +9,14 @@ gives them their values without the rest of the tensor (docs/design.md §2):
   (``Tiling.max_cols`` wide), and tile (i, j) is drawn from its own ``torch.Generator``, seeded
   from (seed, tensor name, i, j). ``fill_`` draws any rectangle by drawing only the tiles it
   overlaps, one at a time, and ``fill_pieces_`` a rank's pieces, so a rank can initialise its piece
-  exactly as the dense model would be, on any grid, with one tile of scratch. Draws are made in
-  fp32 on the CPU and cast, so values do not depend on the device.
+  exactly as the dense model would be, on any grid, with one tile of scratch. Tiles are drawn in
+  fp32 where the filled tensor lives (``axon4d.device.draw_device``) and cast: on the host with
+  the host's generator and ``TILING`` (values fixed since the first release: checkpoints and tests
+  rest on them); on an accelerator with that device's own generator, seeded alike, in tiles of
+  ``axon4d.device.init_tile_bytes`` (16 MiB, 2048 × 2048: few launches, no host-to-device copies)
+  — ``tiling_for``. An accelerator's generator (Philox) draws other values than the host's
+  (Mersenne Twister), so "equal to the dense reference" holds between tensors on the same kind of
+  device: the dense reference built on the accelerator draws the same tiles as the sharded model.
 - **Storage.** ``replace_parameter_`` gives a parameter built on the ``meta`` device real storage,
   keeping what was attached to it (gradient hooks, marks) and ties between modules.
 """
@@ -19,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from axon4d import device as devices
 from axon4d.rectangles import Piece
 
 
@@ -39,8 +47,17 @@ class Tiling(NamedTuple):
         return max(1, self.elements // cols), cols
 
 
-#: the tiling every initialisation uses unless told otherwise (changing it changes the values)
+#: the tiling of every initialisation on the host unless told otherwise (changing it changes the values)
 TILING = Tiling()
+FP32_BYTES = torch.float32.itemsize
+
+
+def tiling_for(device: torch.device) -> Tiling:
+    """The tiling of a tensor on ``device``: tiles of ``axon4d.device.init_tile_bytes(device)`` of
+    fp32, at least ``TILING.max_cols`` wide and otherwise square — ``TILING`` itself on the host
+    (16384 elements, 512 wide), 2048 × 2048 on an accelerator."""
+    elements = devices.init_tile_bytes(device) // FP32_BYTES
+    return Tiling(elements, max(TILING.max_cols, math.isqrt(elements)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +81,8 @@ class Init:
         return cls("constant", value)
 
     def draw(self, shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
-        """A fresh fp32 CPU tensor of ``shape`` drawn with ``generator``."""
-        out = torch.empty(shape, dtype=torch.float32)
+        """A fresh fp32 tensor of ``shape`` drawn with ``generator``, on the generator's device."""
+        out = torch.empty(shape, dtype=torch.float32, device=generator.device)
         if self.kind == "uniform":
             return out.uniform_(-self.scale, self.scale, generator=generator)
         if self.kind == "normal":
@@ -88,13 +105,17 @@ def fill_(
     shape: tuple[int, int],
     row0: int,
     col0: int,
-    tiling: Tiling = TILING,
+    tiling: Tiling | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` (h, w) with rows [row0, row0 + h) × columns [col0, col0 + w) of the global
-    (rows, cols) matrix ``name`` initialised from ``seed``, drawing only the tiles they overlap."""
+    (rows, cols) matrix ``name`` initialised from ``seed``, drawing only the tiles they overlap,
+    each on ``out``'s device (``axon4d.device.draw_device``) in ``tiling`` (default: ``tiling_for``
+    that device)."""
     h, w = out.shape
     if init.kind == "constant":
         return out.fill_(init.scale)
+    tiling = tiling or tiling_for(out.device)
+    where = devices.draw_device(out.device)
     rows, cols = shape
     if row0 < 0 or col0 < 0 or row0 + h > rows or col0 + w > cols:
         raise ValueError(f"rectangle rows {row0}+{h}, cols {col0}+{w} is outside {name} of shape {shape}")
@@ -105,7 +126,8 @@ def fill_(
         for j in range(col0 // tc, -(-(col0 + w) // tc)):
             t_c0, t_c1 = j * tc, min((j + 1) * tc, cols)
             c_a, c_b = max(col0, t_c0), min(col0 + w, t_c1)
-            tile = init.draw((t_r1 - t_r0, t_c1 - t_c0), torch.Generator().manual_seed(tile_seed(seed, name, i, j)))
+            generator = torch.Generator(device=where).manual_seed(tile_seed(seed, name, i, j))
+            tile = init.draw((t_r1 - t_r0, t_c1 - t_c0), generator)
             out[r_a - row0 : r_b - row0, c_a - col0 : c_b - col0].copy_(
                 tile[r_a - t_r0 : r_b - t_r0, c_a - t_c0 : c_b - t_c0]
             )
@@ -118,10 +140,10 @@ def fill_pieces_(
     parts: list[Piece],
     inits: dict[str, Init],
     seed: int,
-    tiling: Tiling = TILING,
+    tiling: Tiling | None = None,
 ) -> torch.Tensor:
     """Fill the flat local tensor ``flat`` with ``parts`` of seeded global tensors (``inits``: the
-    distribution of each); every element no piece covers (z padding) is zero."""
+    distribution of each; ``tiling``: as ``fill_``); every element no piece covers (z padding) is zero."""
     flat = flat.view(-1)
     end = 0
     for p in parts:

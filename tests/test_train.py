@@ -34,6 +34,9 @@ CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48,
 
 
 def _norms(grid, cfg):
+    """(grad_norm, clip_grad_norm_'s norm, the dense model's norm in fp64 and by torch's
+    clip_grad_norm_, the largest difference of the clipped gradients from the dense model's clipped
+    by torch relative to the largest gradient, the norm after clipping, the clipping bound)."""
     torch.manual_seed(4)
     dense = DenseTransformer(cfg)
     model = Transformer.from_dense(dense)
@@ -41,15 +44,27 @@ def _norms(grid, cfg):
     model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])).backward()
     dense.loss(ids[:, :-1], ids[:, 1:]).backward()
     ref = torch.sqrt(sum(p.grad.double().square().sum() for p in dense.parameters())).item()
-    return grads.grad_norm(model, grid).item(), ref
+    norm = grads.grad_norm(model, grid)
+    assert norm.shape == () and norm.dtype == torch.float32 and norm.device == grid.device
+    bound = ref / 3  # clipping scales every gradient by about 1/3
+    clipped = grads.clip_grad_norm_(model, bound, grid).item()
+    torch_norm = torch.nn.utils.clip_grad_norm_(dense.parameters(), bound).item()
+    got = dict(model.to_dense(grads=True).named_parameters())
+    largest = max(float(p.grad.abs().max()) for p in dense.parameters())  # k_proj.bias's gradient is 0 but for rounding
+    rel = max(float((got[n].grad - p.grad).abs().max()) for n, p in dense.named_parameters()) / largest
+    return norm.item(), clipped, ref, torch_norm, rel, grads.grad_norm(model, grid).item(), bound
 
 
 @pytest.mark.parametrize("cfg", [CFG, CFG.replace(arch="gpt", n_kv_heads=None)], ids=["llama", "gpt"])
 @pytest.mark.parametrize("grid", [(2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 1, 4)])
 @pytest.mark.slow
 def test_grad_norm_counts_each_element_once(pools, cfg, grid):
-    for got, ref in pools(8).run(grid, _norms, cfg):
-        assert abs(got - ref) / ref < 1e-5
+    """The fp32 foreach norm equals the dense model's (fp64 sums, and torch.nn.utils.clip_grad_norm_)
+    on every rank, and clipping on the device scales the gradients as torch clips the dense model's."""
+    for norm, clipped, ref, torch_norm, rel, after, bound in pools(8).run(grid, _norms, cfg):
+        assert abs(norm - ref) / ref < 2e-6 and abs(norm - torch_norm) / torch_norm < 2e-6
+        assert clipped == norm  # the norm before clipping
+        assert rel < 1e-5 and after == pytest.approx(bound, rel=1e-5)
 
 
 def _run(cfg_dict):
@@ -102,6 +117,9 @@ SUMMARY_KEYS = {
     "nonfinite_skipped",
     "peak_tflops",
     "peak_source",
+    "precision",
+    "tf32",
+    "optimizer",
 }
 PROGRESS = re.compile(r"loss (\d+\.\d{4}) \| ([\d,]+) tok/s \| MFU (\d+\.\d)% \| hidden (\d+)%")
 
@@ -234,6 +252,9 @@ def _check_outputs(out_dir, cfg_dict, losses, stdout, stderr):
     assert set(s) == SUMMARY_KEYS
     assert s["grid"] == "(x=2, y=2, z=2, data=1)" and s["steps"] == steps and s["final_loss"] == losses[-1]
     assert s["device"] == str(devices.default_device()) and s["recompute"] == "none"
+    # --precision auto on the host: fp32, no TF32, AdamW's multi-tensor implementation; the banner says so too
+    assert (s["precision"], s["tf32"], s["optimizer"]) == ("fp32", False, "foreach")
+    assert "precision fp32; fp32 matmuls fp32; AdamW foreach" in stdout and re.search(r"\noptimizer +foreach\n", stdout)
     assert (s["peak_tflops"], s["peak_source"]) == (8.0, "--peak-tflops")  # 1 TFLOP/s on each of 8 ranks
     steady = records[1:]  # the first step pays for warm-up
     median = lambda key: sorted(r[key] for r in steady)[len(steady) // 2]  # noqa: E731
@@ -273,6 +294,8 @@ def test_every_config_field_is_a_documented_flag():
     assert args.grid == "2,1,2,2" and args.steps == 7 and args.progress is False and args.lr == 0.5
     assert "Peak learning rate" in text
     assert parser.parse_args([]).recompute == "none"
+    assert parser.parse_args([]).precision == "auto" and "(default: auto)" in text  # bf16-fp32-reduce on GPUs
+    assert parser.parse_args([]).tf32 is True and parser.parse_args(["--no-tf32"]).tf32 is False
     for mode in RECOMPUTE_MODES:
         assert parser.parse_args(["--recompute", mode]).recompute == mode
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
@@ -315,5 +338,5 @@ def test_slow_compute_dtype_warns_on_rank_0():
 
 
 def test_unknown_precision_is_rejected():
-    with pytest.raises(ValueError, match="precision 'fp8' is not supported; use one of fp32, bf16"):
+    with pytest.raises(ValueError, match="precision 'fp8' is not supported; use one of auto, fp32, bf16"):
         train(TrainConfig(precision="fp8"))

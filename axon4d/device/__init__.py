@@ -10,6 +10,13 @@ what a job makes on the host (token ids from a data loader) reaches its device b
 ``Clock`` times work where it runs (an accelerator's timing events); ``mm_widening`` is a GEMM
 that keeps its fp32 sums. Attention on each device's fused kernel is ``axon4d.device.attention``.
 
+What an accelerator run gets by default (the training job asks for each; docs/training.md, "The
+defaults a GPU user gets"): ``allow_tf32`` (fp32 matmuls on TF32 tensor cores),
+``use_expandable_segments`` (the allocator's expandable segments unless the user configured it),
+``adamw_kernel`` (torch's fused AdamW; the multi-tensor one on the host), and seeded
+initialisation drawn on the device in large tiles (``draw_device``, ``init_tile_bytes``).
+``is_accelerator`` is the one test of "an accelerator" those decisions use.
+
 Host memory in huge pages (``use_huge_pages``, an explicit call: the training job's entry
 ``python -m axon4d.train`` makes it; importing axon4d changes no environment variable): torch's
 host allocator returns large blocks to the system when they are freed, so every step of a host job
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -58,6 +66,101 @@ HOST = torch.device("cpu")
 def accelerator_available() -> bool:
     """True when a CUDA (or ROCm, which torch exposes as cuda) device is present."""
     return torch.cuda.is_available()
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """True when ``device`` is an accelerator (CUDA, or ROCm, which torch exposes as cuda); False
+    for host memory and the meta device."""
+    return device.type == "cuda"
+
+
+#: the allocator settings an accelerator run gets unless the user gives their own (``expandable_segments_env``)
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+#: the variable the training job sets, and every variable by which a user configures torch's
+#: accelerator allocator (the newer generic name, and ROCm's): any of them set means "leave it"
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+_ALLOC_CONF_VARS = (ALLOC_CONF_ENV, "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def expandable_segments_env(environ: Mapping[str, str], accelerator: bool) -> dict[str, str]:
+    """The environment variables to set so torch's accelerator allocator grows its segments in
+    place (``expandable_segments:True``: blocks of changing sizes — activations, gathered weights —
+    reuse mapped memory instead of fragmenting it into cached segments of fixed sizes): {} on the
+    host, and {} when ``environ`` already configures the allocator (``PYTORCH_CUDA_ALLOC_CONF``,
+    ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_HIP_ALLOC_CONF``, whatever it says); else
+    ``{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}``."""
+    if not accelerator or any(v in environ for v in _ALLOC_CONF_VARS):
+        return {}
+    return {ALLOC_CONF_ENV: EXPANDABLE_SEGMENTS}
+
+
+def use_expandable_segments() -> dict[str, str]:
+    """Set ``expandable_segments_env``'s variables in this process's environment when it has an
+    accelerator (the training job calls it before it builds the grid). torch reads the allocator's
+    settings when it first initialises the accelerator, so nothing is set once that has happened
+    (a program that already made accelerator tensors sets the variable itself, before it starts).
+    Returns what was set."""
+    if torch.cuda.is_initialized():
+        return {}
+    updates = expandable_segments_env(os.environ, accelerator_available())
+    os.environ.update(updates)
+    return updates
+
+
+def allow_tf32(device: torch.device, allow: bool = True) -> bool:
+    """Let fp32 matmuls on accelerator ``device`` use TF32 tensor cores (10-bit mantissa inputs,
+    fp32 sums: some 7x the fp32 rate on an H100's datasheet) by
+    ``torch.set_float32_matmul_precision("high")`` — or, with ``allow=False``, keep them in full
+    fp32 ("highest"). That is the setting torch 2.11 and 2.13 both take; 2.13's per-backend
+    ``fp32_precision`` flags follow it, and a process that set those flags itself in a way the
+    setting cannot express (torch then refuses to read it back) is left as it is. A precision
+    below TF32 the process chose ("medium") is kept when TF32 is allowed. Nothing is set for the
+    host (where "high" would also let oneDNN lower CPU matmuls' precision). Returns whether fp32
+    matmuls on ``device`` may use TF32 now (``fp32_matmul_uses_tf32``)."""
+    if not is_accelerator(device):
+        return False
+    try:
+        chosen = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the two APIs were mixed: the process chose, leave them
+        return fp32_matmul_uses_tf32(device)
+    if not allow:
+        torch.set_float32_matmul_precision("highest")
+    elif chosen == "highest":
+        torch.set_float32_matmul_precision("high")
+    return fp32_matmul_uses_tf32(device)
+
+
+def fp32_matmul_uses_tf32(device: torch.device) -> bool:
+    """Whether torch may run fp32 matmuls on ``device`` in TF32 (False on the host)."""
+    if not is_accelerator(device):
+        return False
+    try:
+        return torch.get_float32_matmul_precision() != "highest"  # as axon4d.train.peak reads it
+    except RuntimeError:  # the per-backend flags were set (torch 2.9 and later): read cuBLAS's
+        return getattr(torch.backends.cuda.matmul, "fp32_precision", "") == "tf32"
+
+
+def adamw_kernel(device: torch.device) -> str:
+    """Which of ``torch.optim.AdamW``'s implementations to use for parameters on ``device``:
+    "fused" (one kernel per parameter group and dtype) on an accelerator, "foreach" (one
+    multi-tensor op per update term instead of one op per parameter) on the host."""
+    return "fused" if is_accelerator(device) else "foreach"
+
+
+def draw_device(device: torch.device) -> torch.device:
+    """Where seeded random values for a tensor on ``device`` are drawn: on the accelerator itself
+    (its own generator), else in host memory (the host's generator; also for the meta device)."""
+    return device if is_accelerator(device) else HOST
+
+
+#: bytes of scratch a seeded initialisation tile may take (``axon4d.tiled_init``): small on the
+#: host (whose values are fixed by it), large on an accelerator, where each tile is a kernel launch
+INIT_TILE_BYTES = {"host": 64 << 10, "accelerator": 16 << 20}
+
+
+def init_tile_bytes(device: torch.device) -> int:
+    """The scratch bytes of one seeded initialisation tile for a tensor on ``device``."""
+    return INIT_TILE_BYTES["accelerator" if is_accelerator(device) else "host"]
 
 
 #: the variables by which a process is shown a subset of the node's accelerators (CUDA, ROCm)

@@ -19,7 +19,7 @@ from typing import Any
 from axon4d import counts
 from axon4d.config import ModelConfig, get_config
 from axon4d.data import check_token_file
-from axon4d.precision import Precision
+from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import RECOMPUTE_MODES, check_recompute
 from axon4d.shape import check_sizes
 
@@ -70,8 +70,10 @@ class TrainConfig:
     """AdamW β2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
-    precision: str = "fp32"
-    """fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (fp32 reductions)."""
+    precision: str = "auto"
+    """auto (bf16-fp32-reduce on GPUs, fp32 on CPUs; a resumed run keeps its checkpoint's; the banner and summary.json say which); fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (bf16 compute, fp32 reductions)."""
+    tf32: bool = True
+    """On GPUs, let fp32 matmuls use TF32 tensor cores (axon4d.device.allow_tf32; --no-tf32: full fp32). No effect on CPUs."""
     context_parallel: bool = False
     """Split the tokens of each sequence over z (head–tail chunks, causal balance; sequences split over data only) for sequences too long for one rank (docs/context.md); the sequence length must be a multiple of 2·G_z."""
     recompute: str = "none"
@@ -147,7 +149,7 @@ class TrainConfig:
                 raise TypeError(
                     f"{_flag(f.name)} {value!r} ({type(value).__name__}) must be a string, e.g. {f.default!r}"
                 )
-        Precision.parse(self.precision)  # names the precisions that exist
+        resolve_precision(self.precision, accelerator=False)  # names the precisions that exist
         check_recompute(self.recompute)  # names the modes
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:

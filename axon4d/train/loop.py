@@ -11,8 +11,15 @@ the same model in one process (``reference``).
 
 Everything the job computes lives on the grid's device (``grid.device``: a GPU under NCCL, the
 host under gloo or MPI): the model, each rank's rows of a batch, the loss and its all-reduce, the
-gradient norm, the peak probe. Step times are taken after synchronising that device. At start-up
-rank 0 warns when the compute dtype's matmuls are much slower than fp32's (``peak``).
+gradient norm, the peak probe. A step reads the device on the host once, for its loss and
+gradient norm together (``STEP_READ``), after clipping on the device; step times are taken after
+synchronising that device. At start-up rank 0 warns when the compute dtype's matmuls are much
+slower than fp32's (``peak``).
+
+The defaults a GPU user gets (docs/training.md#gpu-defaults), all chosen through
+``axon4d.device``: ``--precision auto`` resolved by whether there is an accelerator, TF32 for fp32
+matmuls, the allocator's expandable segments, fused AdamW; the banner and summary.json say what was
+chosen (``precision``, ``tf32``, ``optimizer``).
 """
 
 from __future__ import annotations
@@ -33,12 +40,13 @@ from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
-from axon4d.precision import Precision
+from axon4d.precision import AUTO, NAMED
+from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import check_recompute
 from axon4d.train import reference, report
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
-from axon4d.train.optim import clip, make_optimizer, set_lr
+from axon4d.train.optim import clip, make_optimizer, optimizer_kernel, set_lr
 from axon4d.train.peak import check_compute_dtype, mfu, world_peak_tflops
 
 
@@ -51,7 +59,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     training settings, and a step below --steps). The run itself is watched (axon4d.watchdog): an
     error on one rank is printed and announced, and the other ranks end within ``cfg.timeout``
     seconds (``cfg.startup_timeout`` until the first step is done), naming it."""
-    Precision.parse(cfg.precision)  # a bad name fails here, on every rank, before any communication
+    devices.use_expandable_segments()  # before the accelerator is initialised; only where there is one
+    # a bad name fails here, on every rank, before any communication; the resolved name is the
+    # run's from here on: the checkpoints, a resume's check and the reference run see it
+    cfg = dataclasses.replace(cfg, precision=_resolve_precision(cfg))
     check_recompute(cfg.recompute)  # likewise
     mcfg = cfg.model_config()
     resume_from = _check_out_dir(cfg, mcfg)
@@ -75,6 +86,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return _train_on(grid, cfg, mcfg, resume_from, dog)
     finally:
         runtime.shutdown()
+
+
+def _resolve_precision(cfg: TrainConfig) -> str:
+    """The precision ``cfg.precision`` names for this run: a name of ``axon4d.precision.NAMED`` as
+    it is; ``auto`` under --resume the precision of the checkpoint it resumes (the run goes on as it
+    began, on any device), else by the device the grid will have (``axon4d.init``'s default: an
+    accelerator when there is one, ``axon4d.device.accelerator_available``)."""
+    if cfg.precision == AUTO and cfg.resume:
+        found = checkpoint.latest(os.path.join(cfg.out_dir, "checkpoints"))
+        saved = checkpoint.read_meta(found).get("train_config", {}).get("precision") if found else None
+        if saved in NAMED:
+            return str(saved)
+    return resolve_precision(cfg.precision, devices.accelerator_available())
+
+
+#: training settings a resume may change besides the checkpoint module's: TF32 changes how fp32
+#: matmuls round, as the device or the transport do, not what the run computes
+RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32"}
 
 
 def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
@@ -103,7 +132,7 @@ def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
             f"--out-dir {cfg.out_dir!r} holds checkpoints of another run (newest: {found}, step {meta['step']}); "
             "pass --resume to continue it, --overwrite to delete them and start afresh, or another --out-dir"
         )
-    checkpoint.check_compatible(meta, model_config=mcfg, train_config=dataclasses.asdict(cfg))
+    checkpoint.check_compatible(meta, mcfg, dataclasses.asdict(cfg), RESUMABLE_CHANGES)
     if int(meta["step"]) >= cfg.steps:
         raise ValueError(
             f"--resume from {found} at step {meta['step']} with --steps {cfg.steps}: the run is already "
@@ -147,16 +176,28 @@ def _nonfinite(
 
 # Under NCCL a collective's wait() only makes the device's stream wait: the host blocks where it
 # reads a result or synchronises the device, so those are the waits the watchdog times.
-#: the wait the host read of a step's loss is marked as (axon4d.watchdog)
-LOSS_READ = "the host read of the step's loss (the step's queued device work and the loss's all-reduce over batch)"
+#: the wait the one host read of a step's loss and gradient norm is marked as (axon4d.watchdog)
+STEP_READ = (
+    "the host read of the step's loss and gradient norm (the step's queued device work, the loss's "
+    "all-reduce over batch and the norm's over world)"
+)
 
 
-def _global_mean(value: torch.Tensor, grid: Grid) -> float:
-    """Mean over the batch axis of a per-rank scalar (each rank's loss is over its own tokens)."""
+def _batch_sum(value: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """The sum over the batch axis of a per-rank scalar (each rank's loss is over its own tokens):
+    a (1,) fp32 tensor on the grid's device, not read on the host."""
     local = devices.to_device(value.detach().float().reshape(1).clone(), grid.device)
-    total = grid.comm.all_reduce(local, "batch", tag="log").wait()
-    with watchdog.waiting(LOSS_READ):
-        return float(total) / grid.size("batch")
+    return grid.comm.all_reduce(local, "batch", tag="log").wait()
+
+
+def _read_step(loss_sum: torch.Tensor, norm: torch.Tensor, grid: Grid) -> tuple[float, float]:
+    """(mean loss over the batch axis, gradient norm) of a step from their device tensors, read on
+    the host together: the step's one host read, a marked wait (under NCCL it waits for the
+    backward, the clipping and both all-reduces)."""
+    both = torch.cat([loss_sum.reshape(1).float(), norm.reshape(1).float()])  # (2,) on the device
+    with watchdog.waiting(STEP_READ):
+        total, norm_value = both.tolist()
+    return total / grid.size("batch"), norm_value
 
 
 def _first_nonfinite(model: Transformer, grid: Grid) -> str | None:
@@ -232,8 +273,10 @@ def _step(
     t0 = time.perf_counter()
     lr = set_lr(opt, step, cfg)
     loss = accumulate(model, step_batches(data, step, cfg), grid)
-    mean_loss = _global_mean(loss, grid)  # the same on every rank, as is the norm: one decision
-    norm = clip(model, cfg, grid)
+    loss_sum = _batch_sum(loss, grid)
+    # clipped on the device (a non-finite norm leaves the gradients as they are); then one host
+    # read of the loss and the norm, the same on every rank: one decision
+    mean_loss, norm = _read_step(loss_sum, clip(model, cfg, grid), grid)
     finite = math.isfinite(mean_loss) and math.isfinite(norm)
     first_bad = None if finite else _first_nonfinite(model, grid)
     if finite:
@@ -252,6 +295,7 @@ def _train_on(
 ) -> dict[str, Any]:
     """The run on a built grid: resume, train, checkpoint, report; the summary plus every step's loss."""
     rank0 = grid.rank == 0
+    tf32 = devices.allow_tf32(grid.device, cfg.tf32)  # fp32 matmuls on TF32 tensor cores (an accelerator only)
     model = build_model(mcfg, grid, cfg.recompute, cfg.context_parallel)
     initial_dense = model.to_dense() if cfg.compare_single else None
     opt = make_optimizer(model, cfg)
@@ -259,9 +303,10 @@ def _train_on(
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
     start, skipped = _resume(cfg, resume_from, model, grid, opt, ckpt_dir)  # skipped: non-finite steps so far
     check_compute_dtype(grid)
-    peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)
+    peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)  # after allow_tf32: fp32 at TF32's peak
+    chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": optimizer_kernel(opt)}  # the defaults taken
     if rank0:
-        print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source))
+        print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source, chosen))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
     bar = _progress(cfg, start, rank0)
     records: list[dict[str, Any]] = []
@@ -290,6 +335,7 @@ def _train_on(
         [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
     )
     summary["nonfinite_skipped"] = skipped
+    summary.update(chosen)
     summary["peak_tflops"], summary["peak_source"] = peak_total, peak_source  # MFU's denominator
     log.close()
     if rank0:

@@ -3,8 +3,11 @@
 ``lr_at`` is linear warmup to ``lr`` followed by cosine decay to ``min_lr`` at the last step.
 ``make_optimizer`` is AdamW with weight decay on matrices and embeddings only, decided by each
 parameter's *global* shape (``axon4d.param_layout``), so a flat Linear shard counts as the matrix it is
-part of. ``clip`` clips by the global gradient norm, which counts every element once however it
-is sharded or replicated over the grid (``axon4d.grads.grad_norm``).
+part of; its implementation is torch's fused kernel on an accelerator and the multi-tensor
+("foreach") one on the host (``axon4d.device.adamw_kernel``). ``clip`` clips by the global
+gradient norm, which counts every element once however it is sharded or replicated over the grid
+(``axon4d.grads.grad_norm``), on the device: the norm is returned as a tensor, which the loop
+reads with the loss in one host read.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import math
 
 import torch
 
-from axon4d import grads, param_layout, watchdog
+from axon4d import device as devices
+from axon4d import grads, param_layout
 from axon4d.grid import Grid
 from axon4d.train.config import TrainConfig
 
@@ -43,17 +47,20 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     decay = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) >= 2]
     other = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    kernel = devices.adamw_kernel(next(model.parameters()).device)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **{kernel: True})
 
 
-#: the wait the host read of a step's gradient norm is marked as (axon4d.watchdog)
-NORM_READ = "the host read of the gradient norm (the backward's queued device work and the norm's all-reduce)"
+def optimizer_kernel(opt: torch.optim.Optimizer) -> str:
+    """Which implementation ``opt`` runs (``make_optimizer``'s choice): "fused", "foreach" or "for-loop"."""
+    defaults = opt.defaults
+    return "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
 
 
-def clip(model: torch.nn.Module, cfg: TrainConfig, grid: Grid) -> float:
+def clip(model: torch.nn.Module, cfg: TrainConfig, grid: Grid) -> torch.Tensor:
     """Clip the gradients to ``cfg.grad_clip`` by their global norm (no clipping at 0); return the
-    norm. Reading it blocks the host (under NCCL, until the backward is done): a marked wait."""
-    with watchdog.waiting(NORM_READ):
-        if cfg.grad_clip > 0:
-            return grads.clip_grad_norm_(model, cfg.grad_clip, grid)
-        return grads.grad_norm(model, grid).item()
+    norm as a 0-dim tensor on the device (``axon4d.grads``): nothing here waits for the device, and
+    the training loop reads the norm together with the step's loss, once."""
+    if cfg.grad_clip > 0:
+        return grads.clip_grad_norm_(model, cfg.grad_clip, grid)
+    return grads.grad_norm(model, grid)

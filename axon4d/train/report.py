@@ -9,7 +9,8 @@ a non-finite loss or gradient adds ``skipped`` and ``nonfinite_param``. The run 
 the steady steps up (every step but the first, which pays for warm-up allocations): medians of
 time, tokens/s and MFU, mean bytes per axis, and the hidden share of the summed communication and
 blocked time (``commlog.hidden_pct``), the device the run trained on and its activation
-recomputation mode. Rank 0 writes ``log.jsonl`` (one record per logged step; a resumed run keeps
+recomputation mode; the training loop adds the defaults it took (``CHOSEN_KEYS``: the precision
+``auto`` resolved to, TF32, the AdamW implementation), which the banner shows too. Rank 0 writes ``log.jsonl`` (one record per logged step; a resumed run keeps
 the records up to its checkpoint's step and writes on from there), ``summary.json`` and, with
 ``--compare-single``, ``loss.png``.
 """
@@ -83,9 +84,11 @@ def banner(
     start: int,
     recompute: str = "none",
     peak_source: str = "",
+    chosen: dict[str, Any] | None = None,
 ) -> str:
     """The start-up lines: the grid, the model, the peak MFU is measured against (and where it came
-    from), recomputation, the resume step."""
+    from), recomputation, the resume step and, from ``chosen``, the defaults the run took
+    (``chosen_line``)."""
     return (
         f"{grid}\nmodel {mcfg.name or model} ({mcfg.arch}): {mcfg.n_params() / 1e6:.2f} M parameters, "
         f"{mcfg.n_layers} layers, hidden {mcfg.hidden}, seq {mcfg.seq_len}; "
@@ -93,6 +96,16 @@ def banner(
         + (f" ({peak_source})" if peak_source else "")
         + (f"; recompute {recompute}" if recompute != "none" else "")
         + (f"; resumed at step {start}" if start else "")
+        + (f"\n{chosen_line(chosen)}" if chosen else "")
+    )
+
+
+def chosen_line(chosen: dict[str, Any]) -> str:
+    """The defaults a run took, as the banner shows them: the resolved precision, whether fp32
+    matmuls may use TF32, and the AdamW implementation."""
+    return (
+        f"precision {chosen['precision']}; fp32 matmuls {'TF32' if chosen['tf32'] else 'fp32'}; "
+        f"AdamW {chosen['optimizer']}"
     )
 
 
@@ -159,6 +172,11 @@ def summarize(
     }
 
 
+#: the summary's record of the defaults a run took (axon4d.train.loop): the resolved --precision,
+#: whether fp32 matmuls may use TF32, the AdamW implementation
+CHOSEN_KEYS = ("precision", "tf32", "optimizer")
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The end-of-run table."""
     rows = [
@@ -172,6 +190,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("MFU (median)", f"{100 * s['median_mfu']:.2f}%"),
         ("communication hidden", f"{s['hidden_pct']:.0f}%"),
     ]
+    rows += [(key, s[key]) for key in CHOSEN_KEYS if key in s]
     rows += [(f"bytes/step on {a}", f"{b / 2**20:.2f} MiB") for a, b in sorted(s["comm_bytes_per_step"].items())]
     rows.append(("checkpoint", s["checkpoint"]))
     width = max(len(k) for k, _ in rows)
