@@ -770,10 +770,11 @@ def test_long_work_is_timed_until_the_slowest_rank_is_done(pools):
 
 
 def test_norms_are_priced_as_the_kernel_that_runs():
-    """LayerNorm with G_x = 1 runs torch's fused kernel (axon4d.nn.norm.whole): the planner prices
-    ~2 + 3 passes over the activations instead of the split chain's ~5 + 8; RMSNorm, a split norm
-    and balanced recomputation (which keeps the statistics, so takes the chain) keep the chain —
-    for balanced the recomputed work adds back what the step priced as the kernel."""
+    """LayerNorm with G_x = 1 runs torch's fused kernel (axon4d.nn.norm.whole): ~2 + 3 passes over
+    the activations; split over x both norms run axon4d's fused Function (LayerNorm ~4 + 7, RMSNorm
+    ~2 + 6); RMSNorm with G_x = 1 (``F.rms_norm``) and balanced recomputation (which keeps the
+    statistics and re-runs ``normalize``) take the elementwise chain's ~5 + 8 — for balanced the
+    recomputed work adds back the difference from what the step priced."""
     from axon4d.plan.layers import norm_passes
     from axon4d.plan.recompute import recomputed_seconds
 
@@ -781,7 +782,9 @@ def test_norms_are_priced_as_the_kernel_that_runs():
     llama = Workload(dataclasses.replace(SIZES["5B"], arch="llama"), batch=16, dtype="bfloat16")
     whole, split = GridShape.parse((1, 4, 2, 1), 8), GridShape.parse((2, 2, 2, 1), 8)
     assert norm_passes(gpt, whole) == (2, 3)
-    assert norm_passes(gpt, split) == norm_passes(llama, whole) == norm_passes(gpt, whole, "balanced") == (5, 8)
+    assert norm_passes(gpt, split) == (4, 7) and norm_passes(llama, split) == (2, 6)
+    assert norm_passes(llama, whole) == norm_passes(gpt, whole, "balanced") == norm_passes(gpt, split, "balanced")
+    assert norm_passes(llama, whole) == (5, 8)
     m = load("perlmutter")
     b, h = gpt.local_tokens(whole), gpt.model.hidden
     chain = 2 * m.elementwise_time(8 * b * h * gpt.element_size, 8)  # two norms, (5 + 8) − (2 + 3) passes
@@ -789,8 +792,20 @@ def test_norms_are_priced_as_the_kernel_that_runs():
     normalize = m.elementwise_time(3 * b * h * gpt.element_size, 8)
     balanced = Scenario(gpt, whole, m, recompute="balanced")
     assert recomputed_seconds(balanced) == pytest.approx(2 * (act + 2 * normalize) + chain)
-    # a workload whose norms are split has nothing to add back
+    # split norms: balanced adds back (5 + 8) − (4 + 7) passes of the chain over the fused Function
     bs, hs = gpt.local_tokens(split), h // 2
     act_s = m.activation_time(bs * gpt.model.ffn // 2, 8)[0]
     norm_s = m.elementwise_time(3 * bs * hs * gpt.element_size, 8)
-    assert recomputed_seconds(Scenario(gpt, split, m, recompute="balanced")) == pytest.approx(2 * (act_s + 2 * norm_s))
+    chain_s = 2 * m.elementwise_time(2 * bs * hs * gpt.element_size, 8)
+    assert recomputed_seconds(Scenario(gpt, split, m, recompute="balanced")) == pytest.approx(
+        2 * (act_s + 2 * norm_s) + chain_s
+    )
+
+
+def test_the_loss_chunk_the_planner_prices_is_the_loss_s():
+    """The planner may not import the layers: its copy of the vocabulary-parallel loss's row chunk
+    (fp32 bytes, bounding the loss's temporaries in ``BackwardWalk.head``) must be the loss's own."""
+    from axon4d.nn.loss import CHUNK_BYTES
+    from axon4d.plan.memory import CE_CHUNK_BYTES
+
+    assert CE_CHUNK_BYTES == CHUNK_BYTES

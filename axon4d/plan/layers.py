@@ -247,11 +247,18 @@ def context_hidden(sc: Scenario) -> float:
 
 
 def norm_passes(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[int, int]:
-    """(forward, backward) passes over its activations of one norm (axon4d.nn.norm): ~5 and ~8 for
-    the elementwise chain around the statistics, ~2 and ~3 for LayerNorm with G_x = 1, which is
-    torch's fused kernel — except under balanced recomputation, which keeps the statistics and so
-    takes the chain."""
-    return (2, 3) if wl.fused_norms(shape, recompute) else (5, 8)
+    """(forward, backward) passes over its (b, hidden/G_x) activations of one norm
+    (axon4d.nn.norm, ``Workload.norm_kernel``): ~2 and ~3 for torch's fused LayerNorm (G_x = 1);
+    ~5 and ~8 for the elementwise chain (RMSNorm with G_x = 1, and both under balanced
+    recomputation, which keeps the statistics); the fused split norm (G_x > 1) scaled from the
+    chain's by the kernels torch's profiler counts over the activations — LayerNorm 7 and 12
+    against the chain's 9 and 14: ~4 and ~7; RMSNorm 3 and 8 against 7 and 10: ~2 and ~6."""
+    kind = wl.norm_kernel(shape, recompute)
+    if kind == "torch":
+        return (2, 3)
+    if kind == "split":
+        return (2, 6) if wl.model.arch == "llama" else (4, 7)
+    return (5, 8)
 
 
 def block_extras(sc: Scenario) -> dict[str, tuple[float, float]]:

@@ -5,17 +5,22 @@ bias slice; norms and position embeddings split over x), gradients of the same s
 state (two fp32 moments, plus fp32 master weights when training in 16 bits).
 
 Transient: the peak is found by walking the backward pass in order (``BackwardWalk``): at its
-start every activation saved under the recompute policy is live (plus the loss's temporaries);
-then each layer's backward allocates its input gradient, the gathered weight block (E10, when
-G_z > 1) and the dW block (computed into E11's zero-padded input, no copy), then issues E11: its
-gradient shard and, over more than two ranks, the chunks the host's exchange receives
-(axon4d.comm), held with the earlier layers' still-running reduce-scatters until the scheduler
-waits on them; it frees what it had saved. The optimizer step adds its per-tensor temporaries.
+start every activation saved under the recompute policy is live, with the logits (in the step's
+dtype) and what the final norm keeps; the loss's backward adds the logits' gradient (same dtype)
+and at most two fp32 row chunks of ``CE_CHUNK_BYTES`` (axon4d.nn.loss; none for fp32 logits), the
+final norm's backward its temporaries (``NORM_BACKWARD_TEMPORARIES``); then each layer's backward
+allocates its input gradient, the gathered weight block (E10, when G_z > 1) and the dW block
+(computed into E11's zero-padded input, no copy), then issues E11: its gradient shard and, over
+more than two ranks, the chunks the host's exchange receives (axon4d.comm), held with the earlier
+layers' still-running reduce-scatters until the scheduler waits on them; it frees what it had
+saved. The optimizer step adds its per-tensor temporaries.
 
 Activations saved per block and rank (b tokens; ``block_saved``), as axon4d's blocks keep them
-(measured with torch's memory tracker): each norm keeps three (b, H/G_x) tensors (its input or the
-centred input, the normalised input, its output, which the next GEMM keeps), but LayerNorm with
-G_x = 1, torch's fused kernel, two (its input and output: per-token statistics instead of x̂); attention keeps the
+(measured with torch's memory tracker): each norm keeps its input and the per-token fp32
+statistics (b·2 for LayerNorm's mean and 1/std, b for RMSNorm's 1/rms), and its output, which the
+next GEMM keeps — two (b, H/G_x) tensors where the norm is fused (axon4d's split norm, G_x > 1;
+torch's LayerNorm kernel, G_x = 1), three for ``F.rms_norm``'s elementwise chain (RMSNorm with
+G_x = 1: x̂ too); attention keeps the
 QKV output (as q, k, v), the rotated q and k (Llama), its output (b·H/G_y, which the output
 projection keeps too) and the log-sum-exp (b·heads/G_y fp32); the MLP keeps the up output and the
 activation output (SwiGLU: silu(gate) and the product). With context parallelism attention also
@@ -23,11 +28,11 @@ keeps the keys and values of its kv heads gathered over z for the whole sequence
 docs/context.md); the rest is the same per token, and a rank holds b = B·S/(G_data·G_z) tokens
 either way, so splitting a sequence over z lowers memory per rank like splitting the batch.
 Recomputation (§5, axon4d.nn.recompute): "selective" drops the rotated q, k and the log-sum-exp (core attention re-runs from q, k, v);
-"balanced" drops the norms' outputs and normalised inputs (a norm keeps its input, and LayerNorm
-its centred input too) and the activation outputs, which the consuming GEMM re-makes in its
-backward; "full" keeps only block inputs and rebuilds one block at a time. A workload without norms
-(``norms=False``) describes the planner probe's blocks (axon4d.measure.probe): no norms, no rotary,
-GELU.
+"balanced" drops the norms' outputs (a norm keeps its input and its statistics) and the
+activation outputs, which the consuming GEMM re-makes in its backward; "full" keeps only block
+inputs and rebuilds one block at a time. A workload without norms (``norms=False``) describes the
+planner probe's blocks (axon4d.measure.probe): no norms, no rotary, GELU, and a mean-square loss
+on the logits instead of the cross-entropy.
 """
 
 from __future__ import annotations
@@ -86,24 +91,46 @@ def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict
     if recompute == "full":
         return {"norm1": t["x0"], "attention": 0.0, "lse": 0.0, "norm2": 0.0, "up": 0.0, "mid": 0.0, "act": 0.0}
     real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
-    kept_per_norm = 1.0
+    kept_per_norm, stats = 1.0, 0.0
     if real:
-        if recompute in ("none", "selective"):  # torch's fused LayerNorm keeps no x̂
+        # the norm's input, and its output, which the next GEMM keeps; the elementwise chain also
+        # x̂; balanced recomputation keeps the input alone (the output is re-made from the statistics)
+        if recompute in ("none", "selective"):
             kept_per_norm = 2.0 if wl.fused_norms(shape, recompute) else 3.0
-        else:
-            kept_per_norm = 1.0 if wl.model.arch == "llama" else 2.0
+        # the per-token fp32 statistics, counted in elements of the step's dtype
+        stats = wl.local_tokens(shape) * wl.norm_statistics() * 4 / wl.element_size
     rot = t["rot"] if real and recompute != "selective" else 0.0
     gated = real and wl.model.gated
     dropped_act = recompute == "balanced"
     return {
-        "norm1": kept_per_norm * t["x0"],
+        "norm1": kept_per_norm * t["x0"] + stats,
         "attention": t["qkv"] + rot + t["att"] + t["kv_all"],
         "lse": 0.0 if recompute == "selective" else t["lse"],
-        "norm2": kept_per_norm * t["x1"],
+        "norm2": kept_per_norm * t["x1"] + stats,
         "up": t["up"],
         "mid": t["act"] if gated and not dropped_act else 0.0,
         "act": 0.0 if dropped_act else t["act"],
     }
+
+
+#: fp32 (b, hidden/G_x) temporaries a norm's backward holds at its peak, its input gradient included,
+#: by ``Workload.norm_kernel`` (measured with torch's MemTracker: torch's fused LayerNorm makes only
+#: dx; axon4d's split norm x̂, ĝ and one product; ``F.rms_norm``'s chain about four)
+NORM_BACKWARD_TEMPORARIES = {"torch": 1, "split": 3, "chain": 4, "none": 0}
+
+
+def final_norm_saved(wl: Workload, shape: GridShape) -> float:
+    """Bytes the norm before the head keeps for backward beyond its output (the head's input, counted
+    with the head): its input — in the step's dtype for the split norm, an fp32 copy for torch's
+    norms (``whole`` widens it first), with x̂ too for ``F.rms_norm``'s chain — and the per-token
+    fp32 statistics."""
+    kind = wl.norm_kernel(shape)
+    if kind == "none" or not wl.head:
+        return 0.0
+    b = wl.local_tokens(shape)
+    u = b * (wl.model.hidden // shape.x)
+    x = u * wl.element_size if kind == "split" else u * 4 * (2 if kind == "chain" else 1)
+    return x + b * wl.norm_statistics() * 4
 
 
 def block_activation_elements(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[float, float]:
@@ -165,6 +192,7 @@ def memory(
     b = wl.local_tokens(shape)
     if wl.head:
         acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
+        acts += final_norm_saved(wl, shape)
     live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts).run()
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
@@ -177,6 +205,10 @@ def memory(
     peak = params + optimizer + max(live_peak, optimizer_step)
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
 
+
+#: fp32 bytes of one row chunk of the vocabulary-parallel loss (``axon4d.nn.loss.CHUNK_BYTES``: the
+#: planner may not import the layers; tests/test_plan.py checks the two agree)
+CE_CHUNK_BYTES = 32 * 2**20
 
 #: the linear layer kinds in the order their backward runs (the block's four repeat n_layers times)
 BACKWARD_ORDER = ("head", "mlp_down", "mlp_up", "attn_out", "qkv")
@@ -194,8 +226,12 @@ class BackwardWalk:
     ===========================  ======================================================================
     event (method)               live
     ===========================  ======================================================================
-    start                        + every saved activation, the logits and the head's input (``acts``)
-    loss backward (``head``)     ~ 4 fp32 logit-sized temporaries and the head's gathered block
+    start                        + every saved activation, the logits, the head's input and what the
+                                 final norm keeps (``acts``; ``final_norm_saved``)
+    loss backward (``head``)     ~ the logits' gradient (their dtype) and ≤ 2 fp32 row chunks, the head's
+                                 gathered block (the probe's mean-square loss: ~4 fp32 logit-sized
+                                 temporaries); − the logits
+    final norm's backward        ~ its temporaries, after the head's backward; − what it saved
     a layer's backward           ~ the block gathered over z (E10b, ``gathered``; none with keep)
     (``layer``)                  ~ dX and the dW block (computed into E11's padded input, ``dw``)
                                  ~ OAG's blocks of the next ``oag_depth`` layers (``prefetched``)
@@ -329,15 +365,31 @@ class BackwardWalk:
         """The loss's backward, then the head's; the head's input is freed and its dX, the same size,
         is the incoming gradient of the last block's output."""
         m, shape, b = self.wl.model, self.shape, self.wl.local_tokens(self.shape)
-        logits = b * (m.vocab_size // shape.y) * 4
-        # the loss's backward holds ~4 logit-sized fp32 temporaries at once (measured with the probe's
-        # mean-square loss: the mean's expanded gradient, pow's self·2 and its product, the result);
-        # with G_z > 1 the head's forward-gathered block is still referenced then (measured on CPU/gloo)
-        # (with keep-for-backward that block is the kept one, already counted in the activations)
-        self.note(4 * logits + self.gathered("head"))
-        self.layer("head", b * m.hidden // shape.x * self.elem)
+        n_v = b * (m.vocab_size // shape.y)  # this rank's logits, (b, vocab/G_y)
         x_in = b * (m.hidden // shape.x) * self.elem
-        self.done("head", freed=x_in + logits, held=x_in)
+        # with G_z > 1 the head's forward-gathered block is still referenced during the loss's backward
+        # (measured on CPU/gloo; with keep-for-backward it is the kept one, counted in the activations)
+        if not self.wl.norms:
+            # the probe's mean-square loss holds ~4 logit-sized fp32 temporaries at once (measured: the
+            # mean's expanded gradient, pow's self·2 and its product, the result); they go with the logits
+            self.note(4 * n_v * 4 + self.gathered("head"))
+            self.layer("head", x_in)
+            self.done("head", freed=x_in + n_v * 4, held=x_in)
+            return
+        # axon4d's vocabulary-parallel cross-entropy (axon4d.nn.loss): the logits' gradient in their
+        # dtype, made one row chunk at a time through at most two fp32 chunks (none for fp32 logits,
+        # computed in place); then the saved logits are freed and the gradient is the head's dY
+        dlogits = n_v * self.elem
+        chunks = 0 if self.wl.dtype == "float32" else 2 * min(n_v * 4, CE_CHUNK_BYTES)
+        self.note(dlogits + chunks + self.gathered("head"))
+        self.live += dlogits - n_v * self.elem
+        self.layer("head", x_in)
+        self.done("head", freed=x_in + dlogits, held=x_in)
+        # the final norm's backward, its input gradient (the head's dX) live: its temporaries, then
+        # what it saved is freed
+        kind = self.wl.norm_kernel(shape)
+        self.note(NORM_BACKWARD_TEMPORARIES[kind] * b * (m.hidden // shape.x) * 4)
+        self.free(final_norm_saved(self.wl, shape))
 
     def block_backward(self, first: bool) -> None:
         """One block's backward (``first``: the block right after the head)."""
@@ -350,8 +402,10 @@ class BackwardWalk:
         self.layer("mlp_down", t["act"], first, remade=t["act"] if balanced else 0.0)
         self.done("mlp_down", freed=s["act"], held=t["act"])
         # the activation's backward: GELU's gradient, or SwiGLU's d(gate) and d(up) ((b, F/G_y)
-        # each); balanced recomputation re-made the activation's output too
-        self.note(t["act"] * ((2 if self.wl.model.gated else 1) + (1 if balanced else 0)))
+        # each); under balanced recomputation SwiGLU's product needs silu(gate) re-made (GELU's
+        # backward needs only its input, which the up projection's output is)
+        gated = self.wl.model.gated
+        self.note(t["act"] * ((2 if gated else 1) + (1 if balanced and gated else 0)))
         self.layer("mlp_up", t["x1"], first, remade=t["x1"] if balanced else 0.0)
         # frees dX of MLP down, the up output, what the activation and the norm kept
         self.done("mlp_up", freed=t["act"] + s["mid"] + s["up"] + s["norm2"])

@@ -94,11 +94,29 @@ class Workload:
     def tokens(self) -> int:
         return self.batch * self.model.seq_len
 
+    def norm_kernel(self, shape: GridShape, recompute: str = "none") -> str:
+        """How the blocks' norms run on ``shape`` (axon4d.nn.norm): "torch" — torch's fused LayerNorm
+        kernel (GPT, features whole on a rank: G_x = 1); "split" — axon4d's fused split norm, one
+        autograd Function around one all-reduce over x each way (G_x > 1); "chain" — elementwise ops
+        (RMSNorm with G_x = 1 is torch's ``F.rms_norm``, a chain on the host; balanced recomputation
+        keeps the statistics and re-runs ``normalize``). "none" without norms."""
+        if not self.norms:
+            return "none"
+        if recompute == "balanced":
+            return "chain"
+        if shape.x > 1:
+            return "split"
+        return "chain" if self.model.arch == "llama" else "torch"
+
     def fused_norms(self, shape: GridShape, recompute: str = "none") -> bool:
-        """Whether the blocks' norms run torch's fused LayerNorm kernel on ``shape``
-        (axon4d.nn.norm ``whole``): GPT's LayerNorm with its features whole on a rank (G_x = 1),
-        but not under balanced recomputation, which keeps the statistics and takes the split chain."""
-        return self.norms and self.model.arch != "llama" and shape.x == 1 and recompute != "balanced"
+        """Whether each norm keeps only its input and its per-token statistics for backward (the
+        next GEMM keeps its output): torch's fused LayerNorm and axon4d's split norm
+        (``norm_kernel``), not the elementwise chain."""
+        return self.norm_kernel(shape, recompute) in ("torch", "split")
+
+    def norm_statistics(self) -> int:
+        """Per-token fp32 statistics one norm keeps: mean and 1/std (LayerNorm), 1/rms (RMSNorm)."""
+        return 1 if self.model.arch == "llama" else 2
 
     def local_tokens(self, shape: GridShape) -> int:
         """b = B·S/(G_data·G_z): tokens on one rank (whole sequences split over batch, or, with
