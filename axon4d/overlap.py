@@ -3,6 +3,8 @@
     axon4d.overlap.configure("all,oag_depth=3")       # the current grid's policy from now on
     with axon4d.overlap.using("off"):                  # a region under another policy
         loss = model(batch); loss.backward()
+    with axon4d.overlap.accumulating():                # a micro-batch whose data-axis reductions wait
+        loss = model(batch); loss.backward()           # for the last one's backward
 
 The policy itself is data (``axon4d.overlap_policy.OverlapPolicy``: mechanisms and knobs, parsed from the
 same strings); the scheduler that acts on it is ``axon4d.scheduler``. These functions take the
@@ -20,7 +22,7 @@ from axon4d.overlap_policy import MECHANISMS, OverlapPolicy
 from axon4d.runtime import resolve
 from axon4d.scheduler import Scheduler
 
-__all__ = ["MECHANISMS", "OverlapPolicy", "configure", "scheduler", "using"]
+__all__ = ["MECHANISMS", "OverlapPolicy", "accumulating", "configure", "scheduler", "using"]
 
 
 def scheduler(grid: Grid | None = None) -> Scheduler:
@@ -38,3 +40,12 @@ def using(spec: Any, grid: Grid | None = None) -> Iterator[OverlapPolicy]:
     """``with axon4d.overlap.using("off"): ...`` runs a region under another overlap policy."""
     with scheduler(grid).using(spec) as policy:
         yield policy
+
+
+@contextlib.contextmanager
+def accumulating(grid: Grid | None = None) -> Iterator[None]:
+    """``with axon4d.overlap.accumulating(): loss.backward()`` for every micro-batch but the last:
+    the data-axis gradient reductions are held and the next backward outside reduces the step's
+    sums once (``Scheduler.accumulating``, docs/design.md §4)."""
+    with scheduler(grid).accumulating():
+        yield

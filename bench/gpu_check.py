@@ -20,7 +20,11 @@ single-process model (``axon4d.measure.spawn.run_local``). The cases:
 - ``nccl``: one rank on NCCL (the production backend), fp32 exact against dense;
 - ``sync``: a training step (forward, backward, optimizer step) under
   ``torch.cuda.set_sync_debug_mode("error")``: no host synchronisation on the hot path;
-- ``suite``: the GPU test suite (``pytest tests/gpu``).
+- ``suite``: the GPU test suite (``pytest tests/gpu``);
+- ``speed``: ``bench/gpu_block.py`` — one block of the 20B width on one GPU in bf16, axon4d's step
+  against plain PyTorch's, and its MFU (its own JSON, ``bench/results/gpu_block_<gpu>.json``, and
+  its line ``gpu: 20B width 7168, 1 rank, bf16: …``); it fails only if the bench does not run, and
+  records whether the step is within 1.05× of plain PyTorch's (issue 30's target).
 
 With two or more GPUs the multi-rank cases also run on NCCL, one GPU per rank.
 
@@ -383,6 +387,31 @@ def run_suite(timeout: float) -> dict[str, Any]:
     }
 
 
+def run_speed(timeout: float) -> dict[str, Any]:
+    """``bench/gpu_block.py`` in a subprocess: its headline and whether it met the 1.05× target."""
+    start = time.perf_counter()
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_block.py")]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-10:]
+        line = next((t for t in reversed(tail) if t.startswith("gpu: ")), "")
+        ratio = re.search(r"\(ratio ([0-9.]+)\)", line)
+        ok = proc.returncode == 0 and ratio is not None
+        why = None if ok else f"bench/gpu_block.py exit {proc.returncode}: {tail[-1] if tail else ''}"
+        metrics = {"line": line, "within_1.05": ratio is not None and float(ratio.group(1)) <= 1.05, "tail": tail}
+    except subprocess.TimeoutExpired:
+        ok, why, metrics = False, f"bench/gpu_block.py ran past {timeout:.0f} s", {}
+    return {
+        "name": "speed 20B block",
+        "transport": "none",
+        "status": "passed" if ok else "failed",
+        "why": why,
+        "metrics": metrics,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+
+
 def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -442,6 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             records.append(run_suite(args.timeout * 4))
             print(f"{records[-1]['status']:>7}  suite tests/gpu  {records[-1].get('why') or ''}")
+    if chosen("speed"):
+        if args.on_host:
+            records.append({"name": "speed 20B block", "status": "skipped", "why": "needs CUDA"})
+        else:
+            records.append(run_speed(args.timeout))
+            r = records[-1]
+            print(f"{r['status']:>7}  speed 20B block  {r.get('why') or r['metrics'].get('line', '')}")
     counts = {s: sum(1 for r in records if r["status"] == s) for s in ("passed", "failed", "skipped")}
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_check_{slug}.json")
