@@ -377,8 +377,9 @@ def _norm_work(grid):
 )
 def test_a_norm_whose_features_are_whole_runs_torchs_kernel(pools, world, grid, whole):
     """G_x = 1: the norm is torch.nn's own (bitwise equal, no more ops besides casts that return
-    their input; for LayerNorm one fused kernel each way); split over x it is the elementwise chain
-    around the statistics' all-reduce (more ops; exact to TOL by test_blocks_match_single_process).
+    their input; for LayerNorm one fused kernel each way); split over x it is axon4d's own Function
+    around the statistics' all-reduce (more ops; exact to TOL by test_blocks_match_single_process
+    and tests/test_norms.py).
     Either way bf16 activations come back in bf16."""
     for rank, res in enumerate(pools(world).run(grid, _norm_work)):
         for kind, r in res.items():
