@@ -283,3 +283,13 @@ def test_oag_records_go_with_their_layer(pools):
         assert freed  # the scheduler keeps no layer alive
         assert kept == [True]  # only b's own record is left
         assert gathers == 2  # b's forward and backward gathers; no prefetch from a's old links
+
+
+def test_accelerator_jobs_get_one_hardware_queue_unless_the_user_says_otherwise():
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 where there is an accelerator (collectives start in issue order
+    beside the GEMMs); nothing on the host; a value the user set is kept."""
+    from axon4d import device as devices
+
+    assert devices.overlap_connections_env({}, accelerator=True) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert devices.overlap_connections_env({}, accelerator=False) == {}
+    assert devices.overlap_connections_env({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, accelerator=True) == {}

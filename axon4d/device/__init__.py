@@ -13,6 +13,8 @@ that keeps its fp32 sums. Attention on each device's fused kernel is ``axon4d.de
 What an accelerator run gets by default (the training job asks for each; docs/training.md, "The
 defaults a GPU user gets"): ``allow_tf32`` (fp32 matmuls on TF32 tensor cores),
 ``use_expandable_segments`` (the allocator's expandable segments unless the user configured it),
+``use_overlap_connections`` (one hardware queue, ``CUDA_DEVICE_MAX_CONNECTIONS=1``, so collectives
+start before the GEMMs issued after them),
 ``adamw_kernel`` (torch's fused AdamW; the multi-tensor one on the host), and seeded
 initialisation drawn on the device in large tiles (``draw_device``, ``init_tile_bytes``).
 ``is_accelerator`` is the one test of "an accelerator" those decisions use.
@@ -103,6 +105,33 @@ def use_expandable_segments() -> dict[str, str]:
     if torch.cuda.is_initialized():
         return {}
     updates = expandable_segments_env(os.environ, accelerator_available())
+    os.environ.update(updates)
+    return updates
+
+
+#: how many hardware work queues CUDA spreads one process's streams over (default 8)
+MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def overlap_connections_env(environ: Mapping[str, str], accelerator: bool) -> dict[str, str]:
+    """The environment the overlap scheduler wants on an accelerator: ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+    one hardware queue, so kernels start in the order the host issued them — a collective issued
+    before a GEMM (E8's chunk i before chunk i+1's GEMM, an OAG prefetch before the layer's GEMM)
+    gets its few SMs first instead of queueing behind a GEMM that fills the device, and overlaps
+    it (docs/design.md §4). {} on the host and where ``environ`` already sets the variable."""
+    if not accelerator or MAX_CONNECTIONS_ENV in environ:
+        return {}
+    return {MAX_CONNECTIONS_ENV: "1"}
+
+
+def use_overlap_connections() -> dict[str, str]:
+    """Set ``overlap_connections_env``'s variable in this process's environment when it has an
+    accelerator and CUDA has not made its context yet (the variable is read then: the training job
+    calls this before it builds the grid; a program that already made accelerator tensors sets it
+    itself, before it starts). Returns what was set."""
+    if torch.cuda.is_initialized():
+        return {}
+    updates = overlap_connections_env(os.environ, accelerator_available())
     os.environ.update(updates)
     return updates
 

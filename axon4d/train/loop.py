@@ -60,6 +60,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     error on one rank is printed and announced, and the other ranks end within ``cfg.timeout``
     seconds (``cfg.startup_timeout`` until the first step is done), naming it."""
     devices.use_expandable_segments()  # before the accelerator is initialised; only where there is one
+    devices.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
     # a bad name fails here, on every rank, before any communication; the resolved name is the
     # run's from here on: the checkpoints, a resume's check and the reference run see it
     cfg = dataclasses.replace(cfg, precision=_resolve_precision(cfg))
