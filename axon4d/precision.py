@@ -66,8 +66,8 @@ NAMED = {
 AUTO = "auto"
 #: what ``AUTO`` becomes on an accelerator and on the host
 AUTO_ACCELERATOR, AUTO_HOST = "bf16-fp32-reduce", "fp32"
-#: every name a configuration may give: ``AUTO`` and the precisions themselves
-NAMES = (AUTO, *NAMED)
+#: every name a configuration may give: the precisions themselves and ``AUTO``
+NAMES = (*NAMED, AUTO)
 
 
 def resolve(spec: str, accelerator: bool) -> str:

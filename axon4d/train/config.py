@@ -3,8 +3,7 @@
 Every field of ``TrainConfig`` is a flag (``--micro-batches`` for ``micro_batches``) whose help is
 the string literal written under the field, so a field is documented once, here, and ``axon4d
 train --help`` can never fall behind the dataclass; a field with a fixed set of values takes them
-from where they are defined (``CHOICES``: ``--precision`` from ``axon4d.precision.NAMES``,
-``--recompute`` from ``axon4d.recompute_mode.RECOMPUTE_MODES``, ``--comm``'s transports). ``model_config`` turns the size name and the
+from where they are defined (``CHOICES``: ``--recompute`` from ``axon4d.recompute_mode.RECOMPUTE_MODES``, ``--comm``'s transports). ``model_config`` turns the size name and the
 overrides into the ``ModelConfig`` of the size table (docs/design.md §6).
 """
 
@@ -20,7 +19,6 @@ from typing import Any
 from axon4d import counts
 from axon4d.config import ModelConfig, get_config
 from axon4d.data import check_token_file
-from axon4d.precision import NAMES as PRECISION_NAMES
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import RECOMPUTE_MODES, check_recompute
 from axon4d.shape import check_sizes
@@ -266,7 +264,6 @@ DATA_NAMES = ("synthetic", "corpus")
 
 #: fields whose flag accepts only these values.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "precision": PRECISION_NAMES,
     "recompute": RECOMPUTE_MODES,
     "comm": ("auto", "torch", "mpi"),
     "on_nonfinite": ("skip", "stop"),
