@@ -233,8 +233,8 @@ def _events(grid):
             return self.handle.wait()
 
     def watch(issue):
-        def issued(tensor, axis, dim=0, tag=""):
-            handle = issue(tensor, axis, dim=dim, tag=tag)
+        def issued(tensor, axis, dim=0, tag="", **kwargs):
+            handle = issue(tensor, axis, dim=dim, tag=tag, **kwargs)
             if tag not in (Term.CP_KV, Term.CP_KV_GRAD):  # the layer's other collectives (E10f, E10b, E11)
                 return handle
             events.append(("issue", tag))
