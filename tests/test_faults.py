@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d import grads, watchdog
+from axon4d import watchdog
 from axon4d.launch import free_port
-from axon4d.train import loop, optim
+from axon4d.train import loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "fault_check.py")
@@ -227,8 +227,7 @@ def _grid(ended: _Ended) -> types.SimpleNamespace:
 
 
 NAMED = {
-    "loss": "the host read of the step's loss",
-    "gradient norm": "the host read of the gradient norm",
+    "loss and gradient norm": "the host read of the step's loss and gradient norm",
     "synchronize": "the device synchronize at the end of step 3",
 }
 
@@ -237,11 +236,10 @@ NAMED = {
 def test_a_host_read_blocked_past_its_deadline_ends_the_rank_and_is_named(monkeypatch, where):
     dog, ended, out = _dog()
     grid = _grid(ended)
-    monkeypatch.setattr(grads, "grad_norm", lambda model, grid: _BlockedRead(ended))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: [_BlockedRead(ended)._block()] * t.numel())
     monkeypatch.setattr(devices, "synchronize", lambda device: _BlockedRead(ended)._block())
     reads = {
-        "loss": lambda: loop._global_mean(torch.ones(()), grid),
-        "gradient norm": lambda: optim.clip(torch.nn.Linear(1, 1), types.SimpleNamespace(grad_clip=0.0), grid),
+        "loss and gradient norm": lambda: loop._read_step(torch.ones(1), torch.ones(()), grid),
         "synchronize": lambda: loop._synchronize(grid, 3),
     }
     dog.start()

@@ -80,7 +80,7 @@ def rank_peak_tflops(grid: Grid, dtype: torch.dtype, given: float = 0.0) -> tupl
     if given > 0:
         return given, "--peak-tflops"
     if not devices.is_host(grid.device):
-        tf32 = dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+        tf32 = dtype == torch.float32 and devices.fp32_matmul_uses_tf32(grid.device)
         known = known_peak(devices.device_name(grid.device), dtype, tf32)
         if known is not None:
             return known
