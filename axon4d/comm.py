@@ -46,6 +46,10 @@ def _collective(name: str, before_2_12: str) -> Callable[..., Any]:
     return getattr(dist, name, None) or getattr(dist, before_2_12)
 
 
+_ALL_GATHER = _collective("all_gather_single", "all_gather_into_tensor")
+_REDUCE_SCATTER = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+
+
 class Work(Protocol):
     """What a transport returns for an issued collective."""
 
@@ -89,9 +93,7 @@ class TorchTransport:
         return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work:
-        return _collective("all_gather_single", "all_gather_into_tensor")(
-            out, inp, group=self.groups[axis], async_op=True
-        )
+        return _ALL_GATHER(out, inp, group=self.groups[axis], async_op=True)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work:
         group, index = self.groups[axis], self.exchanged[axis]
@@ -99,7 +101,7 @@ class TorchTransport:
             if group.size() == 2:
                 return _ExchangedHalves(out, inp, index, group)
             return _ExchangedChunks(out, inp, group)
-        return _collective("reduce_scatter_single", "reduce_scatter_tensor")(out, inp, group=group, async_op=True)
+        return _REDUCE_SCATTER(out, inp, group=group, async_op=True)
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups["world"])
@@ -216,10 +218,10 @@ class Handle:
         record: CommRecord | None,
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         source: torch.Tensor | None = None,
-        clock: devices.Clock | None = None,
+        clock: devices.Clock | None = None,  # an accelerator's (Communicator.device_clock); None on the host
     ):
         self._work = work
-        self._clock = clock if clock is not None and clock.on_device else None  # device marks to take
+        self._clock = clock  # an accelerator's clock, whose marks the wait takes; None: the host's time
         self._result = result
         self._record = record
         self._finish = finish
@@ -227,33 +229,39 @@ class Handle:
         self._source = source if work is not None else None
 
     def wait(self) -> torch.Tensor:
-        if not self._done:
+        if self._done:
+            return self._result
+        record, work = self._record, self._work
+        assert record is not None and work is not None  # a handle with work always has its record
+        if self._clock is not None:  # an accelerator: where the compute stream waits, and resumes
+            record.mark("t_wait_start", self._clock.mark())
+            self._wait_on(work)
+            record.mark("t_wait_end", self._clock.mark())
+        else:  # the host: its own clock
             start = time.perf_counter()
-            if self._clock is not None and self._record is not None:  # where the compute stream waits
-                self._record.mark("t_wait_start", self._clock.mark())
-            assert self._work is not None
-            dog = watchdog.current()
-            if dog is None:  # the common case: nothing to tell, nothing to set up per wait
-                self._work.wait()
-            else:
-                with dog.waiting(self._describe()):
-                    try:
-                        self._work.wait()
-                    except RuntimeError as e:  # a peer died or the transport timed out: say who
-                        raise RuntimeError(dog.diagnose(f"{self._describe()} failed ({e})")) from e
-            end = time.perf_counter()
-            if self._clock is not None and self._record is not None:  # where it resumes: after completion
-                self._record.mark("t_wait_end", self._clock.mark())
-            elif self._record is not None:
-                self._record.t_wait_start, self._record.t_wait_end = start, end
-                if self._record.t_done is None or self._record.t_done > end:
-                    self._record.t_done = end
-            self._done = True
-            self._work = self._source = None
-            if self._finish is not None:
-                self._result = self._finish(self._result)
-                self._finish = None
+            self._wait_on(work)
+            record.t_wait_start = start
+            record.t_wait_end = end = time.perf_counter()
+            if record.t_done is None or record.t_done > end:
+                record.t_done = end
+        self._done = True
+        self._work = self._source = None
+        if self._finish is not None:
+            self._result = self._finish(self._result)
+            self._finish = None
         return self._result
+
+    def _wait_on(self, work: Work) -> None:
+        """Block until ``work`` is done; under a watchdog, marked as a wait that names the collective."""
+        dog = watchdog._current
+        if dog is None:  # the common case: nothing to tell, nothing to set up per wait
+            work.wait()
+            return
+        with dog.waiting(self._describe()):
+            try:
+                work.wait()
+            except RuntimeError as e:  # a peer died or the transport timed out: say who
+                raise RuntimeError(dog.diagnose(f"{self._describe()} failed ({e})")) from e
 
     @property
     def done(self) -> bool:
@@ -273,19 +281,17 @@ def _stamp_completion(work: Work, record: CommRecord, clock: devices.Clock) -> N
     streams that wait for the collective's kernels, so a mark taken there happens when it is done.
     A collective already complete when it is issued (a transport that finished it synchronously)
     is stamped at once, without a callback."""
-    get_future = getattr(work, "get_future", None)
-    if get_future is None:
-        add_done_callback = getattr(work, "add_done_callback", None)  # the MPI transport's requests
-        if add_done_callback is not None:
-            add_done_callback(record.completed_on(clock))
-        return
     try:
-        future = get_future()
+        future = work.get_future()  # type: ignore[attr-defined]
         if not clock.on_device and future.done():
             record.t_done = time.perf_counter()
         else:
             future.add_done_callback(record.completed_on(clock))
-    except (RuntimeError, AttributeError):
+    except AttributeError:  # no future: the MPI transport's requests take a callback themselves
+        add_done_callback = getattr(work, "add_done_callback", None)
+        if add_done_callback is not None:
+            add_done_callback(record.completed_on(clock))
+    except RuntimeError:  # a backend without futures
         pass
 
 
@@ -303,6 +309,9 @@ class Communicator:
         self.transport = transport
         #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock)
         self.clock = clock if clock is not None else devices.Clock(devices.HOST)
+        self._on_device = self.clock.on_device
+        #: the clock whose marks handles take (an accelerator's), or None: host times are read directly
+        self.device_clock = self.clock if self._on_device else None
         self.log = CommLog(self.clock)
         #: which transport and why; ``axon4d.init`` records its choice here (``settle_transport``)
         self.transport_choice = TransportChoice(transport.name, "given to the grid")
@@ -332,25 +341,24 @@ class Communicator:
         with watchdog.waiting("a barrier of the world"):
             self.transport.barrier()
 
-    def _record(self, op: Op, axis: Axis, payload: torch.Tensor, tag: Term | str) -> CommRecord:
-        record = CommRecord(
-            op, axis, self._size(axis), payload.numel() * payload.element_size(), tag, time.perf_counter()
-        )
-        if self.clock.on_device:  # the compute stream's position: the collective cannot start before it
+    def _record(self, op: Op, axis: Axis, group: int, payload_bytes: int, tag: Term | str) -> CommRecord:
+        record = CommRecord(op, axis, group, payload_bytes, tag, time.perf_counter())
+        if self._on_device:  # the compute stream's position: the collective cannot start before it
             record.mark("t_issue", self.clock.mark())
         self.log.add(record)
         return record
 
     def all_reduce(self, tensor: torch.Tensor, axis: Axis, tag: Term | str = "") -> Handle:
         """Sum ``tensor`` over ``axis``, in place; the handle's result is ``tensor``."""
-        if self._size(axis) == 1:
+        g = self._size(axis)
+        if g == 1:
             return Handle(None, tensor, None)
         if not tensor.is_contiguous():
             raise ValueError("all_reduce works in place and needs a contiguous tensor")
-        record = self._record(Op.ALL_REDUCE, axis, tensor, tag)
+        record = self._record(Op.ALL_REDUCE, axis, g, tensor.nbytes, tag)
         work = self.transport.all_reduce(tensor, axis)
         _stamp_completion(work, record, self.clock)
-        return Handle(work, tensor, record, clock=self.clock)
+        return Handle(work, tensor, record, None, None, self.device_clock)
 
     def all_gather(self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "") -> Handle:
         """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
@@ -359,12 +367,14 @@ class Communicator:
             return Handle(None, tensor, None)
         dim = dim % tensor.dim()
         inp = tensor if dim == 0 and tensor.is_contiguous() else tensor.movedim(dim, 0).contiguous()
-        out = inp.new_empty((g * inp.shape[0], *inp.shape[1:]))
-        record = self._record(Op.ALL_GATHER, axis, out, tag)
+        out = inp.new_empty(g * inp.numel())  # (G·n,): flat, then shaped (the cheaper allocation)
+        if inp.dim() > 1:
+            out = out.view(g * inp.shape[0], *inp.shape[1:])
+        record = self._record(Op.ALL_GATHER, axis, g, g * inp.nbytes, tag)
         work = self.transport.all_gather(out, inp, axis)
         _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish, source=inp, clock=self.clock)
+        return Handle(work, out, record, finish, inp, self.device_clock)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "", out: torch.Tensor | None = None
@@ -381,16 +391,19 @@ class Communicator:
                 f"reduce_scatter over {axis}: dim {dim} has size {tensor.shape[dim]}, not divisible by G_{axis} = {g}"
             )
         inp = tensor if dim == 0 and tensor.is_contiguous() else tensor.movedim(dim, 0).contiguous()
-        shape = (inp.shape[0] // g, *inp.shape[1:])
         if out is None:
-            out = inp.new_empty(shape)
-        elif out.shape != shape or not out.is_contiguous() or out.dtype != inp.dtype:
-            raise ValueError(
-                f"reduce_scatter over {axis}: out is {tuple(out.shape)} {out.dtype}, the chunk is {shape} {inp.dtype}"
-                " (contiguous)"
-            )
-        record = self._record(Op.REDUCE_SCATTER, axis, inp, tag)
+            out = inp.new_empty(inp.numel() // g)  # (n/G,): flat, then shaped (the cheaper allocation)
+            if inp.dim() > 1:
+                out = out.view(inp.shape[0] // g, *inp.shape[1:])
+        else:
+            shape = (inp.shape[0] // g, *inp.shape[1:])
+            if out.shape != shape or not out.is_contiguous() or out.dtype != inp.dtype:
+                raise ValueError(
+                    f"reduce_scatter over {axis}: out is {tuple(out.shape)} {out.dtype}, the chunk is {shape} "
+                    f"{inp.dtype} (contiguous)"
+                )
+        record = self._record(Op.REDUCE_SCATTER, axis, g, inp.nbytes, tag)
         work = self.transport.reduce_scatter(out, inp, axis)
         _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish, source=inp, clock=self.clock)
+        return Handle(work, out, record, finish, inp, self.device_clock)
