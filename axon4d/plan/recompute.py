@@ -5,8 +5,10 @@ priced here and only here (``rerun``); ``axon4d.plan.cost`` adds it to the step 
 - ``selective``: core attention's forward runs again in each block's backward (its
   ``ATTENTION_FORWARD`` share of attention's forward + backward).
 - ``balanced``: the MLP activation and the two norms' normalisation run again, each twice — once
-  when the consuming GEMM's backward re-makes its input, once in the op's own backward — and where
-  LayerNorm would otherwise be torch's fused kernel (G_x = 1), the norms take the elementwise chain.
+  when the consuming GEMM's backward re-makes its input, once in the op's own backward — and the
+  norms take the elementwise chain (statistics kept, normalisation re-run) where they would
+  otherwise be a fused kernel: torch's (G_x = 1) or the fused split norm (G_x > 1); the difference
+  in passes is ``layers.norm_passes``'.
 - ``full``: every block's whole forward runs again in backward — the compute of its layers'
   forwards and their forward collectives (E8, E10f), issued again: counted, with their ring
   traffic and the interference it costs.
