@@ -30,7 +30,9 @@ hand it their gradients; they hold no overlap flags.
 
 Gradient contract: pending gradient reductions are completed and written into ``.grad`` by a
 callback queued on the autograd engine, which runs before ``loss.backward()`` returns. Code
-that drives backward without the engine (``torch.autograd.grad``) calls ``finish_gradients()``.
+that drives backward without the engine (``torch.autograd.grad``) calls ``finish_gradients()``;
+the reduced gradients of the layers' and the replicated parameters then land in ``.grad``, never in
+what ``torch.autograd.grad`` returns for them (a replicated parameter's there is its local one).
 """
 
 from __future__ import annotations
