@@ -31,8 +31,9 @@ hand it their gradients; they hold no overlap flags.
 Gradient contract: pending gradient reductions are completed and written into ``.grad`` by a
 callback queued on the autograd engine, which runs before ``loss.backward()`` returns. Code
 that drives backward without the engine (``torch.autograd.grad``) calls ``finish_gradients()``;
-the reduced gradients of the layers' and the replicated parameters then land in ``.grad``, never in
-what ``torch.autograd.grad`` returns for them (a replicated parameter's there is its local one).
+the layers' reduced weight and bias gradients then land in ``.grad``, not in what it returns. A
+replicated parameter's gradient is reduced only by ``backward()`` (its hooks run after autograd
+accumulates into ``.grad``): ``torch.autograd.grad`` returns its local gradient.
 """
 
 from __future__ import annotations
