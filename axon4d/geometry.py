@@ -181,9 +181,11 @@ def chunk_sizes(tokens: int, chunks: int, row_multiple: int = 1) -> list[int]:
     (the first get one block more), the rows left over added to the last chunk — so every chunk's
     GEMM but the last has a multiple of ``row_multiple`` rows (GPU GEMM tiles: 128)."""
     m = max(1, row_multiple)
+    if m == 1:
+        return _even(tokens, chunks)
     blocks = tokens // m
-    if chunks <= 1 or blocks < chunks:
-        return [tokens] if chunks <= 1 or m > 1 else _even(tokens, chunks)
+    if chunks <= 1 or blocks < chunks:  # too few whole blocks to split (forward_chunk_count never asks)
+        return [tokens]
     sizes = [b * m for b in _even(blocks, chunks)]
     sizes[-1] += tokens - blocks * m
     return sizes

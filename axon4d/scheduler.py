@@ -259,7 +259,8 @@ class Scheduler:
         over data is held (``accumulating``) — the result is written into ``param.grad`` later
         (before the backward that reduces returns) and None is returned."""
         dw = dw.to(reduce_dtype(self.precision, param))
-        slot = self.weight_grad_slot(param, dw.numel() // self.comm.shape.size("z"), dw.dtype, dw.device)
+        g_z = self.comm.shape.size("z")  # with G_z = 1 there is no E11: the dW GEMM wrote into the slot
+        slot = self.weight_grad_slot(param, dw.numel() // g_z, dw.dtype, dw.device) if g_z > 1 else None
         rs = self.comm.reduce_scatter(dw, "z", tag=Term.E11, out=slot)  # into its bucket's buffer, if any
         hold = self.holding
         if not (self.policy.ors or self.policy.odp):

@@ -9,8 +9,8 @@ tokens as one sequence. Both blocks hold the same weights; their outputs are com
 (bf16: within 5e-2 of the output's scale). One step is forward and backward of the input's
 ``(y · v).sum()``, the gradients set to None after. The two blocks' steps are timed alternately
 (A B, B A, …: ``bench/common.paired``), each step ending on a device synchronize; the figures are
-the medians. MFU is the model FLOPs of a step (6 per matmul parameter per token plus causal
-attention, as the planner counts them) over the step time and the accelerator's dense bf16 peak
+the medians. MFU is the model FLOPs of a step (``axon4d.plan.Workload.flops``: 6 per matmul
+parameter per token plus causal attention) over the step time and the accelerator's dense bf16 peak
 from axon4d.train.peak's table (a measured matmul peak for a device it does not list).
 
     python bench/gpu_block.py                        # on the GPU machine (make gpu-check runs it)
@@ -41,6 +41,7 @@ import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES  # noqa: E402
 from axon4d.nn.block import DenseBlock, TransformerBlock  # noqa: E402
+from axon4d.plan import Workload  # noqa: E402
 from axon4d.train import peak  # noqa: E402
 
 
@@ -59,13 +60,6 @@ def step_of(block: nn.Module, x: torch.Tensor, v: torch.Tensor, device: torch.de
         return seconds
 
     return step
-
-
-def step_flops(hidden: int, ffn: int, tokens: int) -> float:
-    """Model FLOPs of one forward + backward of a GPT block on ``tokens`` tokens of one sequence."""
-    matmul = 4 * hidden * hidden + 2 * hidden * ffn
-    attention = 2 * 2 * tokens * hidden / 2  # causal: half of QKᵀ and PV, per token
-    return tokens * (6.0 * matmul + 3.0 * attention)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         peak_tflops, source = known if known is not None else (peak.measure_peak_tflops(grid, dtype), "measured")
     finally:
         axon4d.shutdown()
-    flops = step_flops(cfg.hidden, cfg.ffn, args.tokens)
+    # the model FLOPs as the planner counts them: the block's matmuls and causal attention
+    flops = Workload(dataclasses.replace(cfg, seq_len=args.tokens), batch=1, embedding=False, head=False).flops()
     mfu = flops / med["axon4d"] / (peak_tflops * 1e12)
     ratio = med["axon4d"] / med["torch"]
     label = "host" if args.on_host else name.replace(" ", "_")

@@ -11,8 +11,13 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.geometry import Op, Term, linear_collectives
+from axon4d import device as devices
+from axon4d.config import get_config
+from axon4d.geometry import Op, Term, linear_collectives, weight_block_shape
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan import Workload, load
+from axon4d.plan.layers import _collectives
+from axon4d.plan.scenario import Scenario
 
 # a transformer-shaped chain: normal → transposed → normal → transposed
 SPECS = [(32, 48, True, False), (48, 32, True, True), (32, 64, False, False), (64, 32, True, True)]
@@ -234,18 +239,11 @@ def test_forward_chunks_follow_the_device():
     with pytest.raises(ValueError, match="chunk_rows"):
         OverlapPolicy(chunk_rows=0)
     # the planner: a GPU machine's E8 chunks are whole blocks of 128 rows
-    from axon4d.config import get_config
-    from axon4d.geometry import Term as T
-    from axon4d.geometry import weight_block_shape
-    from axon4d.plan import Workload, load
-    from axon4d.plan.layers import _collectives
-    from axon4d.plan.scenario import Scenario
-
     wl = Workload(get_config("20B"), batch=1, dtype="bfloat16")
     shape = axon4d.GridShape(4, 2, 1, 1)
     sc = Scenario(wl, shape, load("h100"), policy)
     spec = next(s for s in wl.linears() if not s.embedding)
-    e8 = [c.payload_bytes for c in _collectives(spec, sc) if c.term == T.E8]
+    e8 = [c.payload_bytes for c in _collectives(spec, sc) if c.term == Term.E8]
     row_bytes = 2 * weight_block_shape(spec.in_features, spec.out_features, shape, spec.transpose)[0]
     tokens = [b // row_bytes for b in e8]
     assert len(tokens) == 4 and sum(tokens) == sc.tokens and all(t % 128 == 0 for t in tokens[:-1])
@@ -288,8 +286,6 @@ def test_oag_records_go_with_their_layer(pools):
 def test_accelerator_jobs_get_one_hardware_queue_unless_the_user_says_otherwise():
     """CUDA_DEVICE_MAX_CONNECTIONS=1 where there is an accelerator (collectives start in issue order
     beside the GEMMs); nothing on the host; a value the user set is kept."""
-    from axon4d import device as devices
-
     assert devices.overlap_connections_env({}, accelerator=True) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert devices.overlap_connections_env({}, accelerator=False) == {}
     assert devices.overlap_connections_env({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, accelerator=True) == {}
