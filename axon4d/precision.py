@@ -8,7 +8,10 @@ E10, which then move half the bytes) and reduce gradients (E11–E13 and replica
 
 Names: ``fp32`` (everything fp32), ``bf16`` (bf16 compute, bf16 gradient reductions),
 ``bf16-fp32-reduce`` (bf16 compute, fp32 gradient reductions: the dW GEMMs write their fp32 sums,
-which are reduced without a round trip through bf16).
+which are reduced without a round trip through bf16), ``bf16-fp8-gather`` (``bf16-fp32-reduce``
+whose weight all-gathers over z, E10f/E10b, move float8 e4m3 shards with one fp32 scale each —
+``fp8_pack``/``fp8_unpack``, docs/design.md §3 — restored to bf16 before the GEMM; with G_z = 1
+there is no gather and it computes exactly what ``bf16-fp32-reduce`` does).
 
 ``auto`` (the training job's default, ``resolve``) is ``bf16-fp32-reduce`` on an accelerator —
 bf16 tensor cores, fp32 master weights and fp32 gradient sums — and ``fp32`` on the host, where
@@ -29,15 +32,23 @@ from axon4d import device as devices
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """Dtypes of parameters (master weights), compute, and gradient reductions."""
+    """Dtypes of parameters (master weights), compute, gradient reductions and weight gathers."""
 
     param: torch.dtype = torch.float32
     compute: torch.dtype = torch.float32
     reduce: torch.dtype = torch.float32
+    #: what E10 moves a weight shard in: None (the compute dtype) or ``FP8`` (scaled per shard,
+    #: ``fp8_pack``, and restored to the compute dtype before the GEMM, ``fp8_unpack``)
+    gather: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for d in (self.param, self.compute, self.reduce):
             devices.check_dtype(d)
+        if self.gather not in (None, FP8):
+            raise ValueError(
+                f"Precision(gather={self.gather}): weight gathers move the compute dtype (gather=None) or "
+                f"{FP8} with a per-shard scale (gather=torch.float8_e4m3fn, the bf16-fp8-gather precision)"
+            )
 
     @property
     def mixed(self) -> bool:
@@ -55,10 +66,14 @@ class Precision:
         return NAMED[spec]
 
 
+#: the 8-bit float E10 can move (``Precision.gather``): e4m3, 3 mantissa bits, largest finite 448
+FP8 = torch.float8_e4m3fn
+
 NAMED = {
     "fp32": Precision(),
     "bf16": Precision(compute=torch.bfloat16, reduce=torch.bfloat16),
     "bf16-fp32-reduce": Precision(compute=torch.bfloat16, reduce=torch.float32),
+    "bf16-fp8-gather": Precision(compute=torch.bfloat16, reduce=torch.float32, gather=FP8),
 }
 
 
@@ -89,3 +104,60 @@ def compute_dtype(precision: Precision, param: torch.Tensor) -> torch.dtype:
 def reduce_dtype(precision: Precision, param: torch.Tensor) -> torch.dtype:
     """The dtype ``param``'s gradient is reduced in (its own dtype unless precision is mixed)."""
     return precision.reduce if precision.mixed else param.dtype
+
+
+# -- FP8 weight gathers (E10 under ``gather=FP8``, docs/design.md §3) ------------------------------------
+#: the largest finite e4m3 value: a shard is scaled so that its largest magnitude lands here
+FP8_MAX = float(torch.finfo(FP8).max)
+#: the bytes of a shard's scale, an fp32 that rides at the end of its uint8 chunk
+SCALE_BYTES = 4
+
+
+def gathers_fp8(precision: Precision, g_z: int) -> bool:
+    """Whether E10 over a z axis of ``g_z`` ranks moves fp8: ``precision.gather`` is ``FP8`` and
+    there is a gather at all (with G_z = 1 the shard is the block and nothing is cast)."""
+    return precision.gather == FP8 and g_z > 1
+
+
+def fp8_pack(shard: torch.Tensor) -> torch.Tensor:
+    """One rank's chunk of an fp8 E10: the flat z shard (n,) cast to e4m3 with the per-shard
+    scale s = amax(|shard|)/448 (s = 1 for an all-zero shard), as raw bytes, followed by s's 4
+    bytes (fp32): a (n + 4,) uint8 tensor on the shard's device. The scale is computed there; no
+    value is read back to the host. Each element is q = round_e4m3(w/s), so |q·s − w| ≤ 2⁻⁴·|w|
+    in e4m3's normal range and ≤ 2⁻¹⁰·s below it (its subnormals, spaced 2⁻⁹)."""
+    n = shard.numel()
+    w = shard.detach().reshape(-1).float()  # (n,) fp32
+    amax = w.abs().amax()  # () fp32, on the device
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # () fp32
+    packed = torch.empty(n + SCALE_BYTES, dtype=torch.uint8, device=shard.device)  # (n + 4,)
+    # w may be the master shard itself (fp32): divide into a new tensor, never in place
+    packed[:n].view(FP8).copy_(torch.div(w, scale).clamp_(-FP8_MAX, FP8_MAX))  # (n,) e4m3 bytes
+    packed[n:].copy_(scale.reshape(1).view(torch.uint8))  # (4,): the scale's bytes
+    return packed
+
+
+def fp8_unpack(gathered: torch.Tensor, parts: int, dtype: torch.dtype) -> torch.Tensor:
+    """The flat padded weight block in ``dtype`` from E10's fp8 result: ``gathered`` is ``parts``
+    chunks of ``fp8_pack`` in z order, (parts·(n + 4),) uint8; chunk i is restored as
+    fp32(q_i)·s_i and rounded once to ``dtype``. Returns (parts·n,)."""
+    chunks = gathered.view(parts, -1)  # (G_z, n + 4)
+    n = chunks.shape[1] - SCALE_BYTES
+    scale_bytes = torch.empty(parts, SCALE_BYTES, dtype=torch.uint8, device=gathered.device)  # aligned
+    scales = scale_bytes.copy_(chunks[:, n:]).view(torch.float32)  # (G_z, 1) fp32
+    block = chunks[:, :n].view(FP8).to(dtype)  # (G_z, n): exact (e4m3 values are bf16 and fp32 values)
+    # q·s is computed in fp32 (bf16 × fp32 promotes) and rounded once into the block: no fp32 copy
+    torch.mul(block, scales, out=block)
+    return block.view(-1)  # (G_z·n,)
+
+
+def gather_payload_bytes(precision: Precision, shard_numel: int, g_z: int, param_dtype: torch.dtype) -> int:
+    """E10's payload (one E10f or E10b, the gathered result's bytes) on a z axis of ``g_z`` ranks
+    for a z shard of ``shard_numel`` elements of a parameter of ``param_dtype``: under fp8 gathers
+    G_z·(n + 4) — one byte per element and each rank's 4-byte scale — else G_z·n elements of the
+    compute dtype; 0 when G_z = 1 (no gather)."""
+    if g_z == 1:
+        return 0
+    if gathers_fp8(precision, g_z):
+        return g_z * (shard_numel + SCALE_BYTES)
+    dtype = precision.compute if precision.mixed else param_dtype
+    return g_z * shard_numel * dtype.itemsize
