@@ -52,6 +52,7 @@ class Term(str, enum.Enum):
     NORM_STATS = "norm.stats"  # a split norm: all-reduce over x of the per-token sums [Σx, Σx²] (axon4d.nn.norm)
     NORM_STATS_GRAD = "norm.stats.grad"  # ... and in backward of the per-token sums its input gradient needs
     REPLICATED_GRAD = "replicated_grad"  # any other replicated parameter's gradient over batch
+    ZERO_GATHER = "zero.gather"  # ZeRO: the updated parameters' all-gather over data after the optimizer step
     CE_LSE = "ce.lse"  # the vocabulary-parallel loss: all-gather of the log-sum-exps over y
     CE_TARGET = "ce.target"  # ... and all-reduce of the target logits over y
     GATHER_BATCH = "gather_batch"  # axon4d.activations: whole batch from its shards (outside autograd)

@@ -8,6 +8,7 @@ and the runners-up.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -57,11 +58,18 @@ def choose_overlap(
     memory_gib: float | None = None,
     workload: Workload | None = None,
     rank: int = 0,
+    micro_batches: int | str = 1,
+    zero: int | str = 0,
+    offload: int | str = 0,
+    fp8_gather: bool | str = False,
+    context_parallel: bool | str = False,
 ) -> OverlapPolicy:
     """The overlap policy ``overlap="auto"`` gives a job on the given grid: all mechanisms on, with
     the knobs the planner predicts fastest among those that fit (``search.tune_overlap``), where the
     model and a machine description are known; else all mechanisms at the default knobs. Rank 0
-    prints the choice."""
+    prints the choice. The step options (``choose``'s) are priced as given; one left "auto" is
+    priced at its default (1 micro-batch, no ZeRO, no offload, bf16 gathers, whole sequences): on a
+    named grid nothing chooses them."""
     if workload is None and model is None:
         return OverlapPolicy()
     try:
@@ -70,7 +78,13 @@ def choose_overlap(
         return OverlapPolicy()
     wl = workload or _workload(shape.world_size, model, batch, dtype, optimizer, "overlap='auto'")
     limit = memory_gib * 2**30 if memory_gib is not None else None
-    best = tune_overlap(wl, shape, load_machine(name), OverlapPolicy(), recompute, limit)
+    if context_parallel is True and not wl.context_parallel:
+        wl = dataclasses.replace(wl, context_parallel=True)
+    given = {"micro_batches": micro_batches, "zero": zero, "offload": offload, "fp8_gather": fp8_gather}
+    defaults = {"micro_batches": 1, "zero": 0, "offload": 0, "fp8_gather": False}
+    options = {k: defaults[k] if v == "auto" else v for k, v in given.items()}
+    rc = "none" if recompute == "auto" else recompute
+    best = tune_overlap(wl, shape, load_machine(name), OverlapPolicy(), rc, limit, **options)
     if rank == 0:
         print(
             f"axon4d: overlap='auto' chose {best.overlap.spec()} on {shape.as_tuple()} (predicted "
@@ -85,10 +99,13 @@ def choose_grid(world: int, **options: Any) -> GridShape:
     """The fastest grid of ``world`` ranks that fits, by the planner; rank 0 prints why.
 
     ``options`` are ``choose``'s: ``model`` (a ModelConfig or a size name), ``batch`` (the global
-    batch in sequences; default one per rank), ``machine``, ``dtype``, ``overlap`` (a policy, or
-    "auto": the knobs tuned too, ``search.plan``), ``recompute``, ``optimizer`` ("adam" or "sgd"),
-    ``memory_gib``, ``workload``, ``rank``, ``top``. Raises ``ValueError`` (on every rank alike)
-    when no grid fits."""
+    batch in sequences per step; default one per rank), ``machine``, ``dtype``, ``overlap`` (a
+    policy, or "auto": the knobs tuned too, ``search.plan``), ``recompute``, ``optimizer`` ("adam"
+    or "sgd"), ``memory_gib``, ``workload``, ``rank``, ``top``, and the step options
+    ``micro_batches``, ``zero``, ``offload``, ``fp8_gather``, ``context_parallel`` (each pinned by
+    default to what a model built without them runs; "auto" lets the search choose, and the choice
+    is the returned candidate's ``options``). Raises ``ValueError`` (on every rank alike) when no
+    grid fits."""
     return choose(world, **options).shape
 
 
@@ -106,9 +123,15 @@ def choose(
     workload: Workload | None = None,
     rank: int = 0,
     top: int = 3,
+    micro_batches: int | str = 1,
+    zero: int | str = 0,
+    offload: int | str = 0,
+    fp8_gather: bool | str = False,
+    context_parallel: bool | str = False,
 ) -> Candidate:
-    """``choose_grid``'s whole choice: the best candidate, with the overlap policy it was priced with.
-    Raises ``ValueError`` (on every rank alike) when no grid fits."""
+    """``choose_grid``'s whole choice: the best candidate, with the overlap policy and the step
+    options (``Candidate.options``; "auto" ones chosen by the search) it was priced with. Raises
+    ``ValueError`` (on every rank alike) when no grid fits."""
     if workload is None:
         workload = _workload(world, model, batch, dtype, optimizer, "grid='auto'")
     result = plan(
@@ -120,6 +143,12 @@ def choose(
         recompute=recompute,
         memory_limit=memory_gib * 2**30 if memory_gib is not None else None,
         workload=workload,
+        micro_batches=micro_batches,
+        zero=zero,
+        offload=offload,
+        fp8_gather=fp8_gather,
+        context_parallel=context_parallel,
+        top=max(top, 1),
     )
     best = result.best
     if rank == 0:
@@ -128,10 +157,11 @@ def choose(
         print(
             f"axon4d: grid='auto' chose {best.shape.as_tuple()} (x, y, z, data) for {m.name or 'the model'} "
             f"(batch {workload.batch} × {m.seq_len}, {workload.dtype}) on {world} × {result.machine.name}: predicted "
-            f"{t.step_s * 1e3:.1f} ms/step, MFU {100 * best.mfu:.1f}%, {best.mem.peak / 2**30:.2f} GiB per rank "
+            f"{t.step_s * 1e3:.1f} ms/step with {best.options_spec()}, MFU {100 * best.mfu:.1f}%, "
+            f"{best.mem.peak / 2**30:.2f} GiB per rank "
             f"(limit {result.memory_limit / 2**30:.1f}), communication {t.comm_s * 1e3:.1f} ms of which "
             f"{t.hidden_pct:.0f}% hidden (overlap {result.overlap.spec()}); "
-            f"{sum(c.fits for c in result.candidates)} of {len(result.candidates)} valid grids fit. Top {top}:",
+            f"{sum(c.fits for c in result.candidates)} of the {result.searched} searched grids fit. Top {top}:",
             file=sys.stderr,
             flush=True,
         )

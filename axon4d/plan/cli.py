@@ -1,12 +1,16 @@
-"""Choose a grid: price every (x, y, z, data) factorisation of the job and print the best.
+"""Choose a plan: search every (x, y, z, data) factorisation of the job with every step option and
+print the best.
 
     axon4d plan --model 80B --gpus 1024 --machine perlmutter --batch 2048
-    axon4d plan --model 20B --gpus 512 --machine frontier --batch 1024 --overlap all --recompute full --json -
+    axon4d plan --model 20B --gpus 512 --machine frontier --batch 1024 --recompute full --zero 1 --json -
 
-For each valid grid the planner predicts the step time (compute + communication of docs/design.md
-E8–E13 − what the chosen overlap hides), MFU, peak memory per rank, communication time per axis,
-the share hidden by overlap and the communication volume against Agarwal's bound; grids that do
-not fit in the device memory are listed after the ones that do.
+By default every option is searched (``auto``): recomputation, micro-batches, ZeRO stage,
+activation offload, FP8 weight gathers and context parallelism; a flag pins one. For each grid the
+planner finds its fastest options that fit and predicts the step time (compute + communication of
+docs/design.md E8–E13 − what the chosen overlap hides), MFU, peak memory per rank, communication
+time per axis, the share hidden by overlap and the communication volume against Agarwal's bound.
+When no grid fits, it prints no table: it says what the smallest plan needs and what would make
+one fit, and exits with status 1.
 """
 
 from __future__ import annotations
@@ -15,18 +19,37 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from axon4d import rules
 from axon4d.config import SIZES, get_config
 from axon4d.device import DTYPES
 from axon4d.plan import stepfit
 from axon4d.plan.machine import available
-from axon4d.plan.search import plan
+from axon4d.plan.search import AUTO_OPTION, plan
 from axon4d.plan.workload import OPTIMIZERS
 from axon4d.recompute_mode import RECOMPUTE_MODES
 
 #: --context-parallel → plan(context_parallel=...)
 SPLIT_SEQUENCES: dict[str, bool | str] = {"off": False, "on": True, "auto": "auto"}
+#: --fp8-gather → plan(fp8_gather=...)
+FP8_GATHER: dict[str, bool | str] = {"off": False, "on": True, AUTO_OPTION: AUTO_OPTION}
+
+
+def _auto_or(kind: type) -> Callable[[str], Any]:
+    """An argparse type: "auto" as it is, else ``kind(text)`` (a bad value: argparse's clear error)."""
+
+    def parse(text: str) -> Any:
+        if text == AUTO_OPTION:
+            return text
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give auto or a {kind.__name__}") from None
+
+    parse.__name__ = f"auto or {kind.__name__}"
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,11 +68,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--recompute",
-        default="none",
-        choices=RECOMPUTE_MODES,
+        default=AUTO_OPTION,
+        choices=(AUTO_OPTION, *RECOMPUTE_MODES),
         help="activation recomputation, as the runtime does it (Transformer(cfg, recompute=...), axon4d train --recompute): "
-        "none | selective (core attention) | balanced (norms and MLP activation, inside the consuming GEMM's backward) "
-        "| full (whole blocks)",
+        "auto (searched, default) | none | selective (core attention) | balanced (norms and MLP activation, inside the "
+        "consuming GEMM's backward) | full (whole blocks)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        default=AUTO_OPTION,
+        type=_auto_or(int),
+        help="micro-batches the step's batch is accumulated over: auto (searched, default) or a count, e.g. 4",
+    )
+    p.add_argument(
+        "--zero",
+        default=AUTO_OPTION,
+        type=_auto_or(int),
+        help="optimizer sharding over data: auto (searched, default) | 0 | 1 (optimizer state and master weights) | "
+        "2 (and gradients)",
+    )
+    p.add_argument(
+        "--offload",
+        default=AUTO_OPTION,
+        type=_auto_or(int),
+        help="blocks whose saved activations go to host memory: auto (searched where the machine gives its host link, "
+        "default) or a number of blocks, e.g. 0",
+    )
+    p.add_argument(
+        "--fp8-gather",
+        default=AUTO_OPTION,
+        choices=(AUTO_OPTION, "on", "off"),
+        help="gather weights over z in FP8 (e4m3 with a scale per shard; bf16 only): auto (searched, default) | on | off",
     )
     p.add_argument(
         "--optimizer",
@@ -59,9 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--context-parallel",
-        default="off",
+        default="auto",
         choices=("off", "on", "auto"),
-        help="split each sequence's tokens over z (docs/context.md): off, on, or auto (price both for every grid)",
+        help="split each sequence's tokens over z (docs/context.md): auto (both searched, default), off or on",
     )
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
@@ -89,6 +138,11 @@ def main(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         context_parallel=SPLIT_SEQUENCES[args.context_parallel],
         memory_limit=args.memory_gib * 2**30 if args.memory_gib is not None else None,
+        micro_batches=args.micro_batches,
+        zero=args.zero,
+        offload=args.offload,
+        fp8_gather=FP8_GATHER[args.fp8_gather],
+        top=args.top,
     )
     elapsed = time.perf_counter() - start
     if args.json == "-":
@@ -99,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
         f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
-        f"overlap {result.overlap.spec()}, recompute {result.recompute}"
+        f"overlap {result.overlap.spec()}; {searched_options(result)}"
     )
     if result.machine.step_scale:
         used, steps = stepfit.samples_for(result.machine, args.gpus)
@@ -109,11 +163,18 @@ def main(args: argparse.Namespace) -> int:
         )
     if result.caveat:
         print(f"warning: {result.caveat}")
+    fitting = [c for c in result.candidates if c.fits]
     print(
-        f"{len(result.candidates)} valid grids ({result.invalid} factorisations break a divisibility rule), "
-        f"{sum(c.fits for c in result.candidates)} fit in memory; priced in {elapsed * 1e3:.0f} ms\n"
+        f"{result.valid} valid grids ({result.invalid} factorisations break a divisibility rule); "
+        f"{result.searched} searched (the rest cannot beat the top {args.top}), {len(fitting)} of them fit; "
+        f"searched in {elapsed * 1e3:.0f} ms\n"
     )
-    print(result.table(args.top))
+    if not fitting:
+        print(f"no plan fits: {result.no_fit_advice()}")
+        return 1
+    best = fitting[0]
+    print(f"best: {best.shape.as_tuple()} with {best.options_spec()}\n")
+    print(result.table(min(args.top, len(fitting))))
     print(
         "\ncolumns: t_<axis> = communication seconds per step on that axis before overlap; hidden = share of "
         "communication overlap hides; ×bound = communication words / Agarwal's lower bound"
@@ -122,7 +183,21 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result.to_json(args.top), f, indent=1)
         print(f"wrote {args.json}")
-    return 0 if any(c.fits for c in result.candidates) else 1
+    return 0
+
+
+def searched_options(result: Any) -> str:
+    """What the search varied and what was pinned, in one line."""
+    ch = result.choices
+    if ch is None:
+        return f"recompute {result.recompute}"
+    parts = []
+    for name, values in ch.spec().items():
+        if values == AUTO_OPTION or (isinstance(values, list) and len(values) > 1):
+            parts.append(f"{name} searched")
+        else:
+            parts.append(f"{name} {values[0] if isinstance(values, list) else values}")
+    return ", ".join(parts)
 
 
 if __name__ == "__main__":

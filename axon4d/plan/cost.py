@@ -24,11 +24,14 @@ measured steps; 1, 1, 1, 0 for a machine without step calibration):
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
-from axon4d.geometry import Collective, Term
+from axon4d.geometry import Collective, Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, context_hidden, layer_cost, priced
 from axon4d.plan.machine import Machine
+from axon4d.plan.memory import block_bytes
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
@@ -63,6 +66,8 @@ class TimeEstimate:
     traffic_bytes: float = 0.0  # ring traffic of those collectives (machine.ring_traffic)
     interference_s: float = 0.0  # compute lost to that traffic (Machine.interference_time)
     scale: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 0.0)  # (k_c, k_a, k_w, k_n s per collective)
+    offload_s: float = 0.0  # of compute_s, the activation offload copies exposed (``offload_seconds``)
+    micro_batches: int = 1  # passes the step's batch ran as (``layers`` holds one pass's)
 
     @property
     def parts(self) -> tuple[float, float, float]:
@@ -96,23 +101,27 @@ class _Totals:
     activation_comm: float = 0.0  # the part of comm in ACTIVATION_TERMS
     traffic: float = 0.0
     calls: int = 0
+    interference: float = 0.0  # compute lost to ``traffic`` (set by the caller: Machine.interference_time)
     comm_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def add_layer(self, lc: LayerCost) -> None:
-        """Every run of one layer kind: its compute, GEMMs and collectives."""
-        n, c = lc.spec.count, lc.comm
-        self.compute += n * lc.compute_s
-        self.matmul += n * (lc.fwd_mm + lc.dx + lc.dw)
-        self.comm += n * sum(c.values())
-        self.activation_comm += n * sum(t for term, t in c.items() if term in ACTIVATION_TERMS)
-        self.calls += n * lc.calls
-        self.traffic += n * lc.traffic
-        for term, t in c.items():
+    def add_layer(self, lc: LayerCost, terms: frozenset[Term] | None = None) -> None:
+        """Every run of one layer kind: its compute, GEMMs and collectives; with ``terms``, only
+        the collectives of those terms (no compute)."""
+        n = lc.spec.count
+        if terms is None:
+            self.compute += n * lc.compute_s
+            self.matmul += n * (lc.fwd_mm + lc.dx + lc.dw)
+        for term, t in lc.comm.items():
+            if terms is not None and term not in terms:
+                continue
             axis = lc.comm_axis[term]
+            self.comm += n * t
+            self.activation_comm += n * t if term in ACTIVATION_TERMS else 0.0
+            self.calls += n * lc.term_calls[term]
+            self.traffic += n * lc.term_traffic[term]
             self.comm_by_axis[axis] = self.comm_by_axis.get(axis, 0.0) + n * t
-        for axis, nb in lc.bytes_by_axis.items():
-            self.bytes_by_axis[axis] = self.bytes_by_axis.get(axis, 0) + n * nb
+            self.bytes_by_axis[axis] = self.bytes_by_axis.get(axis, 0) + n * lc.term_bytes[term]
 
     def add_collective(self, c: Collective, seconds: float, traffic: float) -> None:
         """One collective outside the layers, priced (``layers.priced``) and never hidden."""
@@ -141,33 +150,137 @@ def step_time(
 
 
 def step_estimate(sc: Scenario) -> TimeEstimate:
-    """Predicted seconds of one forward + backward + optimizer step of ``sc`` on one rank."""
+    """Predicted seconds of one forward + backward + optimizer step of ``sc`` on one rank: one pass
+    of a micro-batch (``_one_pass``; the whole batch when ``micro_batches`` is 1) repeated k times,
+    with the once-per-step parts — the data-axis gradient reductions (``ONCE_PER_STEP``) and what
+    ODP hides of them, the optimizer, ZeRO's parameter all-gather — counted once (``_accumulated``)."""
+    k = sc.micro_batches
+    one, once = _one_pass(sc.micro())
+    return one if k == 1 else _accumulated(one, once, k)
+
+
+#: the gradient reductions accumulation issues once per step however many micro-batches it runs
+#: (``axon4d.overlap.accumulating``: E12, E13 and the replicated parameters' gradients, docs/design.md §4)
+ONCE_PER_STEP = frozenset(
+    {Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD}
+)
+#: the overlap mechanism that hides the once-per-step reductions, and the one that hides ZeRO's all-gather
+ONCE_MECHANISMS = ("odp", "zero")
+
+
+def _one_pass(sc: Scenario) -> tuple[TimeEstimate, _Totals]:
+    """One forward + backward of ``sc`` (micro-batches aside) with the optimizer step, and the
+    once-per-step collectives among its collectives (priced, as ``_Totals``)."""
     m, world = sc.machine, sc.world
     extras = block_extras(sc)
     layers = [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0))) for s in sc.linears]
     hidden = credit([lc.window(_repeated(lc.spec, sc)) for lc in layers], sc.overlap, m.overlap_efficiency)
     hidden_cp = context_hidden(sc)
-    totals = _Totals()
+    totals, once = _Totals(), _Totals()
     for lc in layers:
         totals.add_layer(lc)
+        once.add_layer(lc, ONCE_PER_STEP)
     for c in sc.edge_collectives:  # replicated parameters' gradients: waited on in their hooks
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's (``layers.layer_cost``)
-            totals.add_collective(c, *priced(c, sc))
-    opt = m.optimizer_time(sc.params, world, sc.workload.optimizer)
+            seconds, traffic = priced(c, sc)
+            totals.add_collective(c, seconds, traffic)
+            if c.term in ONCE_PER_STEP:
+                once.add_collective(c, seconds, traffic)
+    once.interference = m.interference_time(once.traffic, world)
+    opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
+    by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
+    hidden_s = hidden.total + hidden_cp
+    gather = zero_gather(sc)
+    if gather is not None:  # ZeRO: the updated parameters all-gathered over data, behind the optimizer
+        seconds, traffic = priced(gather, sc)
+        totals.add_collective(gather, seconds, traffic)
+        once.add_collective(gather, seconds, traffic)
+        once.interference = m.interference_time(once.traffic, world)
+        by_mechanism["zero"] = min(seconds, opt) * m.overlap_efficiency
+        hidden_s += by_mechanism["zero"]
+    offload = offload_seconds(sc, layers)
     again = rerun(sc, layers)  # what recomputation runs again (0 without it)
-    return TimeEstimate(
-        compute_s=totals.compute + opt + again.compute_s,
-        matmul_s=totals.matmul,
-        optimizer_s=opt,
-        comm_s=totals.comm + again.comm_s,
-        hidden_s=hidden.total + hidden_cp,
-        comm_by_axis=totals.comm_by_axis,
-        bytes_by_axis=totals.bytes_by_axis,
-        hidden_by_mechanism={**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})},
-        layers={lc.spec.name: lc.report(h) for lc, h in zip(layers, hidden.per_window)},
-        activation_comm_s=totals.activation_comm + again.activation_comm_s,
-        collectives=totals.calls + again.collectives,
-        traffic_bytes=totals.traffic + again.traffic_bytes,
-        interference_s=m.interference_time(totals.traffic, world) + again.interference_s,
-        scale=m.step_scale_for(world),
+    return (
+        TimeEstimate(
+            compute_s=totals.compute + opt + again.compute_s + offload,
+            matmul_s=totals.matmul,
+            optimizer_s=opt,
+            comm_s=totals.comm + again.comm_s,
+            hidden_s=hidden_s,
+            comm_by_axis=totals.comm_by_axis,
+            bytes_by_axis=totals.bytes_by_axis,
+            hidden_by_mechanism=by_mechanism,
+            layers={lc.spec.name: lc.report(h) for lc, h in zip(layers, hidden.per_window)},
+            activation_comm_s=totals.activation_comm + again.activation_comm_s,
+            collectives=totals.calls + again.collectives,
+            traffic_bytes=totals.traffic + again.traffic_bytes,
+            interference_s=m.interference_time(totals.traffic, world) + again.interference_s,
+            scale=m.step_scale_for(world),
+            offload_s=offload,
+        ),
+        once,
     )
+
+
+def _accumulated(one: TimeEstimate, once: _Totals, k: int) -> TimeEstimate:
+    """A step of ``k`` micro-batches from one pass ``one``: everything k times but the optimizer,
+    the once-per-step collectives ``once`` and what ``ONCE_MECHANISMS`` hide of them. ``layers``
+    stays one micro-batch's."""
+
+    def times(per_pass: dict[str, Any], per_step: dict[str, Any]) -> dict[str, Any]:
+        return {a: k * v - (k - 1) * per_step.get(a, 0) for a, v in per_pass.items()}
+
+    hidden_once = sum(one.hidden_by_mechanism.get(mech, 0.0) for mech in ONCE_MECHANISMS)
+    return dataclasses.replace(
+        one,
+        compute_s=k * (one.compute_s - one.optimizer_s) + one.optimizer_s,
+        matmul_s=k * one.matmul_s,
+        comm_s=k * one.comm_s - (k - 1) * once.comm,
+        hidden_s=k * one.hidden_s - (k - 1) * hidden_once,
+        comm_by_axis=times(one.comm_by_axis, once.comm_by_axis),
+        bytes_by_axis=times(one.bytes_by_axis, once.bytes_by_axis),
+        hidden_by_mechanism={
+            mech: v if mech in ONCE_MECHANISMS else k * v for mech, v in one.hidden_by_mechanism.items()
+        },
+        activation_comm_s=k * one.activation_comm_s,
+        collectives=k * one.collectives - (k - 1) * once.calls,
+        traffic_bytes=k * one.traffic_bytes - (k - 1) * once.traffic,
+        interference_s=k * one.interference_s - (k - 1) * once.interference,
+        offload_s=k * one.offload_s,
+        micro_batches=k,
+    )
+
+
+def _owned(sc: Scenario) -> float:
+    """Parameter elements whose optimizer step runs on this rank: all of its own, or with ZeRO
+    ⌈N/G_data⌉ of them."""
+    return math.ceil(sc.params / sc.shape.data) if sc.zero else sc.params
+
+
+def zero_gather(sc: Scenario) -> Collective | None:
+    """ZeRO's all-gather over data of the updated parameters (each rank's ⌈N/G_data⌉ elements, in the
+    parameters' dtype), once per step; None without ZeRO or with G_data = 1."""
+    if not sc.zero or sc.shape.data == 1:
+        return None
+    payload = math.ceil(sc.params / sc.shape.data) * sc.shape.data * sc.element_size
+    return Collective(Op.ALL_GATHER, "data", payload, "backward", Term.ZERO_GATHER)
+
+
+def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
+    """Seconds activation offload adds to one pass: each of the ``offload`` blocks sends what it saved
+    for backward to host memory while the next block's forward computes, and fetches it back while
+    the block after it in backward computes; what a copy takes beyond that window (times the
+    machine's overlap efficiency) is exposed. On a host without accelerators the copies are memory
+    copies on the compute cores: nothing is hidden (``Machine.host_copy_time``)."""
+    if not sc.offload:
+        return 0.0
+    m = sc.machine
+    saved = block_bytes(sc.workload, sc.shape, sc.recompute)
+    copy = m.host_copy_time(saved, sc.world)
+    if not m.accelerator:
+        return 2 * sc.offload * copy
+    block = [lc for lc in layers if _repeated(lc.spec, sc)]
+    fwd = sum(lc.fwd_s for lc in block)
+    bwd = sum(lc.compute_s - lc.fwd_s for lc in block) + (fwd if sc.recompute == "full" else 0.0)
+    eff = m.overlap_efficiency
+    return sc.offload * (max(0.0, copy - eff * fwd) + max(0.0, copy - eff * bwd))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from axon4d.geometry import Collective, Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.geometry import Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan.machine import ring_traffic
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
@@ -66,6 +66,9 @@ class LayerCost:
     fwd_calls: int = 0  # of which in the forward pass
     traffic: float = 0.0  # ring traffic bytes of its collectives per run (machine.ring_traffic)
     fwd_traffic: float = 0.0  # of which in the forward pass
+    term_calls: dict[Term, int] = dataclasses.field(default_factory=dict)  # calls, payload bytes and
+    term_bytes: dict[Term, int] = dataclasses.field(default_factory=dict)  # ring traffic of each term
+    term_traffic: dict[Term, float] = dataclasses.field(default_factory=dict)
 
     @property
     def compute_s(self) -> float:
@@ -132,7 +135,32 @@ def _collectives(spec: LinearSpec, sc: Scenario) -> list[Collective]:
         min_chunk_bytes=floor,
         chunk_rows=rows,
     )
-    return [c for c in collectives if spec.input_grad or c.term != Term.E9]
+    return [_as_issued(c, sc) for c in collectives if spec.input_grad or c.term != Term.E9]
+
+
+#: bytes of the scale each rank's FP8 chunk of an E10 gather carries (one fp32)
+FP8_SCALE_BYTES = 4
+
+
+def _as_issued(c: Collective, sc: Scenario) -> Collective:
+    """``c`` as the scenario's options issue it: with ``fp8_gather`` E10 moves one byte per weight
+    element and a scale per rank's chunk; with ZeRO-2 E12 is a reduce-scatter over data."""
+    if sc.fp8_gather and c.term in (Term.E10F, Term.E10B):
+        elements = c.payload_bytes // sc.element_size
+        return dataclasses.replace(c, payload_bytes=elements + FP8_SCALE_BYTES * sc.shape.z)
+    if sc.zero == 2 and c.term == Term.E12:
+        return dataclasses.replace(c, op=Op.REDUCE_SCATTER)
+    return c
+
+
+def fp8_cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
+    """Seconds of one FP8 E10 gather's casts on one rank: the shard to e4m3 with its scale (read
+    the 16-bit shard twice — amax, then cast — write bytes), the gathered block back to 16 bits."""
+    if not sc.fp8_gather or sc.shape.z == 1 or spec.embedding:
+        return 0.0
+    shard = weight_shard_numel(spec.in_features, spec.out_features, sc.shape, spec.transpose)
+    elem = sc.element_size
+    return sc.machine.elementwise_time(shard * (2 * elem + 1) + shard * sc.shape.z * (1 + elem), sc.world)
 
 
 def _gemms(spec: LinearSpec, sc: Scenario, chunks: int) -> tuple[float, float, float, float]:
@@ -175,11 +203,17 @@ def layer_cost(spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0,
     by_axis: dict[str, int] = {}
     chunks = calls = fwd_calls = 0
     traffic = fwd_traffic = 0.0
+    term_calls: dict[Term, int] = {}
+    term_bytes: dict[Term, int] = {}
+    term_traffic: dict[Term, float] = {}
     for c in _collectives(spec, sc):
         chunks += c.term == Term.E8
         calls += 1
         fwd_calls += c.phase == "forward"
         seconds, moved = priced(c, sc)
+        term_calls[c.term] = term_calls.get(c.term, 0) + 1
+        term_bytes[c.term] = term_bytes.get(c.term, 0) + c.payload_bytes
+        term_traffic[c.term] = term_traffic.get(c.term, 0.0) + moved
         comm[c.term] = comm.get(c.term, 0.0) + seconds
         traffic += moved
         fwd_traffic += moved if c.phase == "forward" else 0.0
@@ -188,6 +222,9 @@ def layer_cost(spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0,
     chunks = max(chunks, 1)
     fwd, fwd_mm, dx, dw = _gemms(spec, sc, chunks)
     bwd_ew = _backward_elementwise(spec, sc)
+    cast = fp8_cast_seconds(spec, sc)
+    fwd += term_calls.get(Term.E10F, 0) * cast
+    bwd_ew += term_calls.get(Term.E10B, 0) * cast
     return LayerCost(
         spec,
         fwd=fwd,
@@ -205,6 +242,9 @@ def layer_cost(spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0,
         fwd_calls=fwd_calls,
         traffic=traffic,
         fwd_traffic=fwd_traffic,
+        term_calls=term_calls,
+        term_bytes=term_bytes,
+        term_traffic=term_traffic,
     )
 
 

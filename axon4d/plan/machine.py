@@ -140,6 +140,12 @@ class Machine:
     accelerator: bool = False
     # whether the ranks compute on accelerators (GPUs): the forward chunking a policy that leaves it
     # to the device gets (``OverlapPolicy.chunking``); calibrate records the grid's device
+    host_link_Bps: float = 0.0
+    # bytes/s one device moves to or from host memory in each direction at once (PCIe, Infinity
+    # Fabric): what activation offload's copies run at (0: unknown, offload is not priced). On a
+    # host without accelerators the "copy" is a memory copy, priced by ``elementwise_time``
+    host_memory_per_device: float = 0.0
+    # host memory offloaded activations may take per device (bytes; 0: unknown, offload not priced)
     comm_interference_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
     # concurrency -> seconds of compute lost per byte of ring traffic (``ring_traffic``); none: 0
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -238,6 +244,24 @@ class Machine:
         if self.adam_s:
             return params * self._nearest(self.adam_s, self.concurrency(world))
         return self.elementwise_time(40 * params, world)  # p, g, m, v in; p, m, v out, fp32
+
+    def host_copy_time(self, nbytes: float, world: int = 1) -> float:
+        """Seconds to move ``nbytes`` between the device and host memory in one direction (activation
+        offload): over the host link on an accelerator, a memory copy (read + write) on the host."""
+        if not self.accelerator:
+            return self.elementwise_time(2 * nbytes, world)
+        if self.host_link_Bps <= 0:
+            raise ValueError(
+                f"machine {self.name!r} gives no host_link_Bps (device-to-host bandwidth): activation offload "
+                "cannot be priced on it; add the field (bytes/s per device and direction) to its file"
+            )
+        return nbytes / self.host_link_Bps
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether activation offload can be priced here: a host (the copy is a memory copy) or an
+        accelerator whose file gives its host link and host memory."""
+        return not self.accelerator or (self.host_link_Bps > 0 and self.host_memory_per_device > 0)
 
     def interference_time(self, traffic_bytes: float, world: int = 1) -> float:
         """Seconds the compute of a rank loses to ``traffic_bytes`` of its collectives' ring traffic

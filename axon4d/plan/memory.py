@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from axon4d.geometry import weight_shard_numel
 from axon4d.overlap_policy import OverlapPolicy
@@ -75,6 +76,7 @@ class MemoryEstimate:
     activations: float  # saved for backward, all blocks, at the start of backward
     buffers: float  # transient buffers at the peak (gathered weights, dW blocks, logits gradient)
     peak: float
+    host: float = 0.0  # offloaded activations held in host memory (``offload`` blocks)
 
     def to_json(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -139,6 +141,12 @@ def block_activation_elements(wl: Workload, shape: GridShape, recompute: str = "
     return sum(v for k, v in saved.items() if k != "lse"), saved["lse"]
 
 
+def block_bytes(wl: Workload, shape: GridShape, recompute: str = "none") -> float:
+    """Bytes one block keeps for backward on one rank under ``recompute`` (what offload moves)."""
+    a16, a32 = block_activation_elements(wl, shape, recompute)
+    return a16 * wl.element_size + a32 * 4
+
+
 def _block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
     """Elements of the tensors one block creates on one rank (b tokens)."""
     m = wl.model
@@ -168,19 +176,36 @@ def memory(
     overlap: OverlapPolicy = OverlapPolicy(),
     master_weights: bool | None = None,
     staged_reduce_scatter: bool = True,
+    *,
+    micro_batches: int = 1,
+    zero: int = 0,
+    offload: int = 0,
 ) -> MemoryEstimate:
     """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (with ``wl.optimizer``'s states).
 
     ``staged_reduce_scatter``: whether a reduce-scatter over more than two ranks holds the chunks it
     receives, a buffer of its input's size, until waited on (the host's exchange under gloo; not
-    NCCL: ``Machine.staged_reduce_scatter``)."""
+    NCCL: ``Machine.staged_reduce_scatter``).
+
+    The step's options (``axon4d.plan.scenario``): with ``micro_batches`` k the activations are one
+    micro-batch's (batch/k sequences); with ``zero`` ≥ 1 the optimizer state and master weights are
+    ⌈N/G_data⌉ elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
+    accumulation the local sums of the whole shards are held to the last micro-batch, so the
+    gradients stay whole); with ``offload`` n the saved activations of n blocks leave the device —
+    one block's worth stays (the block whose copy is in flight, or the one fetched back ahead of its
+    backward) — and take n blocks' worth of host memory (``MemoryEstimate.host``)."""
     m, elem = wl.model, wl.element_size
+    if micro_batches > 1:
+        wl = dataclasses.replace(wl, batch=wl.batch // micro_batches)
     n_params = local_param_count(wl, shape)
+    owned = math.ceil(n_params / shape.data) if zero else n_params  # elements whose optimizer state is here
     master = wl.dtype != "float32" if master_weights is None else master_weights
-    params = grads = n_params * elem
-    optimizer = n_params * (OPTIMIZERS[wl.optimizer] + (4 if master else 0))
-    a16, a32 = block_activation_elements(wl, shape, recompute)
-    acts = m.n_layers * (a16 * elem + a32 * 4)
+    params = n_params * elem
+    grads = (owned if zero == 2 and micro_batches == 1 else n_params) * elem
+    optimizer = owned * (OPTIMIZERS[wl.optimizer] + (4 if master else 0))
+    per_block = block_bytes(wl, shape, recompute)
+    resident = m.n_layers - offload + min(offload, 1)
+    acts = resident * per_block
     if overlap.oag_keep and shape.z > 1:  # every gathered block kept from forward to backward
         acts += (
             sum(
@@ -193,17 +218,23 @@ def memory(
     if wl.head:
         acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
         acts += final_norm_saved(wl, shape)
-    live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts).run()
+    # under accumulation the earlier micro-batches' gradient sums are live through the whole backward
+    # and each layer's new gradient is added into them; ZeRO-2 (k = 1) keeps 1/G_data of each
+    held = n_params * elem if micro_batches > 1 else 0.0
+    share = 0.0 if micro_batches > 1 else 1 / shape.data if zero == 2 else 1.0
+    live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share).run()
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
         if s.embedding
         else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         for s in wl.linears()
     )
+    if zero:
+        largest_shard = math.ceil(largest_shard / shape.data)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
     optimizer_step = grads + (2 * largest_shard * 4 if wl.optimizer == "adam" else 0)
     peak = params + optimizer + max(live_peak, optimizer_step)
-    return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak)
+    return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak, offload * per_block)
 
 
 #: fp32 bytes of one row chunk of the vocabulary-parallel loss (``axon4d.nn.loss.CHUNK_BYTES``: the
@@ -262,8 +293,10 @@ class BackwardWalk:
         overlap: OverlapPolicy,
         staged_reduce_scatter: bool,
         acts: float,
+        grad_share: float = 1.0,
     ) -> None:
         self.wl, self.shape, self.recompute, self.overlap = wl, shape, recompute, overlap
+        self.grad_share = grad_share  # of a layer's gradient, what stays once reduced (ZeRO-2: 1/G_data)
         self.elem = wl.element_size
         self.specs = {s.name: s for s in wl.linears()}
         self.t = {k: v * self.elem for k, v in _block_tensors(wl, shape).items()}  # one block's tensors, bytes
@@ -329,7 +362,7 @@ class BackwardWalk:
     def grad(self, name: str) -> float:
         """The gradient ``name`` keeps once its E11 is waited on: its shard, and its bias's slice."""
         s = self.specs[name]
-        return (self.shard(name) + (s.local(self.shape)[1] if s.bias else 0)) * self.elem
+        return self.grad_share * (self.shard(name) + (s.local(self.shape)[1] if s.bias else 0)) * self.elem
 
     def kept(self, name: str) -> float:
         """The weight block keep-for-backward held for ``name``: freed once its backward ran."""

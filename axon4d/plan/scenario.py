@@ -1,5 +1,20 @@
-"""What one price is of: a workload on one grid shape of one machine, with an overlap policy and a
-recomputation mode (docs/design.md §6).
+"""What one price is of: a workload on one grid shape of one machine, with an overlap policy, a
+recomputation mode and the memory options of a step (docs/design.md §6).
+
+The options besides the grid, each priced where its cost lands:
+
+- ``micro_batches`` k: the step's batch runs as k micro-batches accumulated into one update (the
+  training job's ``--micro-batches``; ``axon4d.overlap.accumulating``): activations of one
+  micro-batch are live at a time; every collective of the layers and context parallelism runs once
+  per micro-batch except the data-axis gradient reductions (``cost.ONCE_PER_STEP``), which run
+  once per step, as does the optimizer (``cost``; ``memory``).
+- ``zero``: the optimizer sharded over data (``axon4d.shard_optimizer``, ``--zero``): 1 shards
+  the optimizer state and fp32 master weights; 2 also the gradients, reduce-scattered over data
+  instead of all-reduced; both all-gather the updated parameters over data once per step.
+- ``offload``: how many blocks' saved activations move to host memory during the forward and
+  come back for their backward (``Transformer(offload=)``, ``--offload``).
+- ``fp8_gather``: the weight all-gathers over z (E10) move e4m3 bytes and a scale per shard
+  (``precision="bf16-fp8-gather"``).
 
 A ``Scenario`` is built once per candidate grid (``search.evaluate``) and every pricing function
 takes it (``layers``, ``recompute``, ``cost``) instead of the five values it is made of. It also
@@ -12,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
+from axon4d import rules
 from axon4d.config import ModelConfig
 from axon4d.geometry import Collective
 from axon4d.overlap_policy import OverlapPolicy
@@ -20,6 +36,29 @@ from axon4d.plan.memory import local_param_count
 from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
+
+#: ZeRO stages the planner prices (``Scenario.zero``)
+ZERO_STAGES = (0, 1, 2)
+
+
+def check_options(wl: Workload, micro_batches: int, zero: int, offload: int, fp8_gather: bool) -> None:
+    """Refuse options no step of ``wl`` can take, naming the value and what would work."""
+    rules.count(micro_batches, "micro_batches", example=4)
+    if wl.batch % micro_batches:
+        raise ValueError(
+            f"micro_batches = {micro_batches} does not divide the batch of {wl.batch} sequences; use a divisor "
+            f"of it, e.g. {max(d for d in range(1, micro_batches + 1) if wl.batch % d == 0)}"
+        )
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero = {zero!r}: use one of {ZERO_STAGES} (0: the optimizer unsharded)")
+    if isinstance(offload, bool) or not isinstance(offload, int) or not 0 <= offload <= wl.model.n_layers:
+        raise ValueError(
+            f"offload = {offload!r} blocks: give a whole number of blocks from 0 to n_layers = {wl.model.n_layers}"
+        )
+    if fp8_gather and wl.element_size != 2:
+        raise ValueError(
+            f"fp8_gather with dtype {wl.dtype}: FP8 weight gathers restore 16-bit weights; use dtype bfloat16"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +71,32 @@ class Scenario:
     machine: Machine
     overlap: OverlapPolicy = OverlapPolicy()
     recompute: str = "none"
+    micro_batches: int = 1
+    zero: int = 0
+    offload: int = 0  # blocks whose saved activations live in host memory
+    fp8_gather: bool = False
 
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
+        check_options(self.workload, self.micro_batches, self.zero, self.offload, self.fp8_gather)
+
+    def micro(self) -> Scenario:
+        """One micro-batch of this step as a step of its own: the workload's batch divided by
+        ``micro_batches`` (which the validity rules then see), every other input the same."""
+        if self.micro_batches == 1:
+            return self
+        wl = dataclasses.replace(self.workload, batch=self.workload.batch // self.micro_batches)
+        return dataclasses.replace(self, workload=wl, micro_batches=1)
+
+    def options(self) -> dict[str, object]:
+        """The step's options as the planner shows them (``search.Candidate.to_json``)."""
+        return {
+            "recompute": self.recompute,
+            "micro_batches": self.micro_batches,
+            "zero": self.zero,
+            "offload": self.offload,
+            "fp8_gather": self.fp8_gather,
+        }
 
     @property
     def model(self) -> ModelConfig:
