@@ -8,7 +8,10 @@ what a job makes on the host (token ids from a data loader) reaches its device b
 ``matmul_seconds`` times one square matmul, synchronising the device, for the start-up probes;
 ``reset_peak_memory``/``peak_memory_allocated``/``memory_allocated`` read an accelerator's allocator.
 ``Clock`` times work where it runs (an accelerator's timing events); ``mm_widening`` is a GEMM
-that keeps its fp32 sums. Attention on each device's fused kernel is ``axon4d.device.attention``.
+that keeps its fp32 sums. Copies beside the compute (activation offload, ``axon4d.offload``) use
+``side_stream``/``on_stream``/``current_stream``/``wait_stream``, ``record_event``/``wait_event``,
+``keep_until_done`` and ``pinned_empty_like``: streams and events on an accelerator, nothing (or a
+plain host tensor) on the host, where every copy is done when it returns. Attention on each device's fused kernel is ``axon4d.device.attention``.
 
 What an accelerator run gets by default (the training job asks for each; docs/training.md, "The
 defaults a GPU user gets"): ``allow_tf32`` (fp32 matmuls on TF32 tensor cores),
@@ -30,6 +33,7 @@ transparent huge pages, 512× fewer faults.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping
@@ -290,6 +294,63 @@ def staging_copy(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, device=HOST, pin_memory=t.device.type == "cuda")
     host.copy_(t.detach())
     return host
+
+
+#: a stream or an event of an accelerator; None on the host, where work is done when it is issued
+Stream = Any
+Event = Any
+
+
+def side_stream(device: torch.device) -> Stream:
+    """A new stream on accelerator ``device`` for copies that run beside the compute (activation
+    offload); None on the host."""
+    return torch.cuda.Stream(device) if is_accelerator(device) else None
+
+
+def current_stream(device: torch.device) -> Stream:
+    """The stream work on ``device`` is issued to now (the compute stream); None on the host."""
+    return torch.cuda.current_stream(device) if is_accelerator(device) else None
+
+
+def on_stream(stream: Stream) -> contextlib.AbstractContextManager[Any]:
+    """A context in which work is issued to ``stream`` (a no-op for None, the host)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def wait_stream(stream: Stream, other: Stream) -> None:
+    """Work issued to ``stream`` from now on starts after what ``other`` holds now (no-op on the host)."""
+    if stream is not None and other is not None:
+        stream.wait_stream(other)
+
+
+def record_event(stream: Stream) -> Event:
+    """An event marking the point ``stream`` has reached in its queue (None on the host: done)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def wait_event(event: Event, stream: Stream) -> None:
+    """Work issued to ``stream`` from now on starts after ``event`` (no host wait; no-op on the host)."""
+    if event is not None and stream is not None:
+        stream.wait_event(event)
+
+
+def keep_until_done(t: torch.Tensor, stream: Stream) -> None:
+    """Tell the accelerator's allocator that ``stream`` uses ``t``: its memory is not given to other
+    work until what ``stream`` holds now is done, even when ``t`` is freed before (``record_stream``;
+    no-op on the host)."""
+    if stream is not None and is_accelerator(t.device):
+        t.record_stream(stream)
+
+
+def pinned_empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised host tensor of ``t``'s shape, dtype and strides (dense ones; else contiguous):
+    page-locked when ``t`` is on an accelerator, so copies to and from it run asynchronously at the
+    link's full speed; a plain host tensor otherwise."""
+    return torch.empty_like(t, device=HOST, pin_memory=is_accelerator(t.device))
 
 
 def default_backend(device: torch.device) -> str:

@@ -19,6 +19,10 @@ With ``context_parallel=True`` (docs/context.md) the tokens of each sequence are
 instead of whole sequences: the model takes ``axon4d.activations.shard_sequence(ids)`` — (b, S/G_z) with
 b = B/G_data, this rank's head–tail chunks — returns logits for those tokens, and ``loss`` takes
 ``shard_sequence(targets)``. Positions (learned or rotary) are the tokens' global positions.
+
+With ``offload=`` (a fraction of the blocks, or block indices; ``axon4d.offload``) the tensors the
+chosen blocks save for backward move to host memory during the forward and come back one block
+ahead of their backward; ``model.offloader.stats()`` counts the bytes moved and held.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.norm import dense_norm_for, norm_for
+from axon4d.offload import Offloader, OffloadSpec, offload_blocks
 from axon4d.recompute_mode import check_recompute
 
 
@@ -95,7 +100,9 @@ class Transformer(nn.Module):
     ``recompute`` is every block's activation recomputation: "none", "selective", "balanced" or
     "full" (axon4d.nn.recompute; the planner's ``--recompute`` prices the same modes).
     ``context_parallel`` splits each sequence's tokens head–tail over z (docs/context.md): give it
-    ``axon4d.activations.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones."""
+    ``axon4d.activations.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones.
+    ``offload`` moves what chosen blocks save for backward to host memory (``axon4d.offload``): a
+    fraction of the blocks (0.5: the first half, rounded), block indices ([0, 1]), or None."""
 
     def __init__(
         self,
@@ -106,6 +113,7 @@ class Transformer(nn.Module):
         dtype: torch.dtype | None = None,
         recompute: str = "none",
         context_parallel: bool = False,
+        offload: OffloadSpec = None,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
@@ -117,6 +125,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.recompute = check_recompute(recompute)
         self.context_parallel = bool(context_parallel)
+        self.offload = offload_blocks(offload, cfg.n_layers)  # the offloaded blocks' indices
+        self.offloader = Offloader(self.offload) if self.offload else None
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **kw)
         self.pos_emb = PositionEmbedding(cfg.seq_len, cfg.hidden, **kw) if cfg.arch == "gpt" else None
@@ -148,8 +158,8 @@ class Transformer(nn.Module):
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
             x = x + self._positions(seq, ids.device)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if self.offloader is None else self.offloader.forward(i, block, x)
         return self.head(self.norm(x))
 
     def _positions(self, seq: int, device: torch.device) -> torch.Tensor:
@@ -187,9 +197,17 @@ class Transformer(nn.Module):
         grid: Grid | None = None,
         recompute: str = "none",
         context_parallel: bool = False,
+        offload: OffloadSpec = None,
     ) -> Transformer:
         p = dense.head.weight
-        model = cls(dense.cfg, grid=grid, dtype=p.dtype, recompute=recompute, context_parallel=context_parallel)
+        model = cls(
+            dense.cfg,
+            grid=grid,
+            dtype=p.dtype,
+            recompute=recompute,
+            context_parallel=context_parallel,
+            offload=offload,
+        )
         return model.load_dense_(dense)
 
     def to_dense(self, grads: bool = False) -> DenseTransformer:

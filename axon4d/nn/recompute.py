@@ -14,7 +14,10 @@ The modes mean exactly what the planner's ``--recompute`` prices (axon4d.plan.me
   again in backward (``recompute_block``). The grid's scheduler is told (``Scheduler.rerunning``)
   so the recomputed forward teaches OAG no order and prefetches only the block's own layers.
 
-Every mode gives the same gradients as ``none``.
+Every mode gives the same gradients as ``none``. The saved-tensor hooks here pass what they do not
+turn into recipes to an offloaded block's hooks (``axon4d.offload.pack``; they are innermost, so
+torch would not call the offloader's), and a recipe made inside an offloaded block keeps its inputs
+offloaded too.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from axon4d import offload
 from axon4d.scheduler import Scheduler
 
 
@@ -56,7 +60,7 @@ class _Recipe:
 
     def make(self) -> torch.Tensor:
         with torch.no_grad():
-            return self.fn(*self.inputs)
+            return self.fn(*(offload.unpack(i) for i in self.inputs))
 
 
 @contextlib.contextmanager
@@ -75,9 +79,12 @@ def recomputed_input(fn: Callable[..., torch.Tensor], *inputs: Any) -> Iterator[
     h = recomputed(fn, *inputs)
 
     made = weakref.ref(h)  # autograd keeps the hooks as long as what they packed: never ``h`` itself
+    # what a recipe holds: the inputs, or in an offloaded block their host copies (the hooks, which
+    # autograd keeps, hold this and not ``inputs``, so the device tensors are not kept alive here)
+    kept = tuple(offload.pack(i) if isinstance(i, torch.Tensor) else i for i in inputs)
 
     def pack(t: torch.Tensor) -> Any:
-        return _Recipe(fn, inputs) if t is made() else t
+        return _Recipe(fn, kept) if t is made() else offload.pack(t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         yield h
@@ -103,7 +110,7 @@ class Recipes:
         entry = self._noted.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
-        return t
+        return offload.pack(t)
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
@@ -116,4 +123,4 @@ class Recipes:
 
 
 def _unpack(saved: Any) -> torch.Tensor:
-    return saved.make() if isinstance(saved, _Recipe) else saved
+    return saved.make() if isinstance(saved, _Recipe) else offload.unpack(saved)
