@@ -8,7 +8,7 @@ restores it to bf16 before the GEMM. What must hold:
   scale 1, and the master shard is left untouched;
 - one layer against the same layer with bf16 gathers, on grids with G_z = 2 and 4 (x and y split
   too, padded shards, normal and transposed): the Frobenius-norm relative error of Y and of dX is
-  below 2⁻⁴ (measured ≈ 2⁻⁵·⁵, and above bf16's own rounding, so fp8 did move), dW is bitwise the
+  below 2⁻⁴ (measured 0.024–0.028 ≈ 2⁻⁵·³, and above bf16's own rounding, so fp8 did move), dW is bitwise the
   same for the same dY (gradients are not touched), and the log holds E10 at G_z·(n + 4) bytes —
   half of bf16's 2·G_z·n plus one 4-byte scale per rank — with every other collective unchanged;
 - G_z = 1: no gather, nothing cast: bitwise the bf16-fp32-reduce results and log;
@@ -182,11 +182,16 @@ VARIANTS = [
     ("oag", "oag", "none", False),
     ("all, depth 2", "all,oag_depth=2", "none", False),
     ("keep", "all,keep", "none", False),
-    ("chunks", "chunks=4,min_chunk_kb=0", "none", False),
+    ("chunks", {"forward_chunks": 4, "min_chunk_kb": 0.0}, "none", False),
     ("full recompute", "all", "full", False),
     ("balanced recompute", "all,keep", "balanced", False),
     ("context parallel", "all", "none", True),
 ]
+
+
+#: variants that compute otherwise than "off" even with bf16 gathers (balanced fuses the norms into
+#: the GEMMs; context parallelism splits sequences, not the batch): compared with bf16 gathers only
+ARITHMETIC_CHANGES = ("balanced recompute", "context parallel")
 
 
 def _model_run(grid):
@@ -216,7 +221,7 @@ def test_fp8_gathers_compose_with_prefetch_keep_chunks_recomputation_and_context
         loss0, grads0, _ = a["off"]
         for name, *_ in VARIANTS:
             loss, grads, e10 = a[name]
-            if name != "context parallel":  # same tokens per rank: overlap and recomputation change no value
+            if name not in ARITHMETIC_CHANGES:  # overlap and full recomputation change no value
                 assert loss == loss0 and torch.equal(grads, grads0), name
             ref_loss, ref_grads, ref_e10 = b[name]
             assert abs(loss - ref_loss) / ref_loss < 1e-2, (name, loss, ref_loss)
@@ -229,7 +234,7 @@ def test_fp8_gathers_compose_with_prefetch_keep_chunks_recomputation_and_context
 def test_200_steps_with_fp8_gathers_track_the_bf16_loss_curve_within_1_percent(tmp_path):
     """bench/fp8_gather.py: a small llama on (1,1,2,1), 200 steps, the same seed and data with
     bf16-fp8-gather and bf16-fp32-reduce; the mean of the last 20 losses and every step's loss agree
-    within 1%."""
+    within 1% (measured: 0.03% and 0.42%)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import fp8_gather
 
@@ -238,4 +243,7 @@ def test_200_steps_with_fp8_gathers_track_the_bf16_loss_curve_within_1_percent(t
     assert result["final_rel_diff"] < 0.01
     assert result["max_rel_diff"] < 0.01
     assert result["losses"][FP8_NAME] != result["losses"][BF16_NAME]  # fp8 did act
-    assert result["e10_bytes_ratio"] < 0.55  # the run's z axis moved about half of bf16's E10 bytes
+    # on (1,1,2,1) the z axis carries E10f, E10b (2 + 2 bytes per block element in bf16, 1 + 1 in fp8)
+    # and E11 (4, fp32 reductions): fp8 moves 6/8 of bf16's z bytes, plus the scales
+    z = result["z_bytes_per_step"]
+    assert abs(z[FP8_NAME] / z[BF16_NAME] - 0.75) < 0.01, z
