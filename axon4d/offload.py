@@ -84,30 +84,30 @@ def parse_offload(text: str) -> OffloadSpec:
         raise ValueError(hint) from None
 
 
-def offload_blocks(spec: OffloadSpec, n_layers: int) -> tuple[int, ...]:
+def offload_blocks(spec: OffloadSpec, n_layers: int, hint: str = _EXAMPLES) -> tuple[int, ...]:
     """The indices, ascending, of the blocks whose saved tensors are offloaded, of ``n_layers``:
     none for None; for a fraction f in [0, 1] the first ⌊f·n_layers + ½⌋ blocks; a sequence of
     indices as given (each in [0, n_layers), no repeats). Raises ``ValueError``/``TypeError`` naming
-    the value, the rule and what works."""
+    the value, the rule and what works (``hint``: the examples that end the message)."""
     if spec is None:
         return ()
     if isinstance(spec, bool) or isinstance(spec, int):
         raise TypeError(
             f"offload={spec!r}: an int is ambiguous; give a float fraction ({float(spec)!r}) "
-            f"or a list of block indices ([{spec}]); {_EXAMPLES}"
+            f"or a list of block indices ([{spec}]); {hint}"
         )
     if isinstance(spec, float):
         if not (math.isfinite(spec) and 0.0 <= spec <= 1.0):
-            raise ValueError(f"offload fraction {spec}: must be within [0, 1]; {_EXAMPLES}")
+            raise ValueError(f"offload fraction {spec}: must be within [0, 1]; {hint}")
         return tuple(range(math.floor(spec * n_layers + 0.5)))
     if isinstance(spec, str) or not isinstance(spec, Iterable):
-        raise TypeError(f"offload={spec!r} ({type(spec).__name__}): {_EXAMPLES}")
+        raise TypeError(f"offload={spec!r} ({type(spec).__name__}): {hint}")
     blocks = list(spec)
     bad = [b for b in blocks if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < n_layers]
     if bad:
         raise ValueError(
             f"offload blocks {blocks}: {bad[0]!r} is not a block index; the model has {n_layers} blocks, "
-            f"indices 0…{n_layers - 1}; {_EXAMPLES}"
+            f"indices 0…{n_layers - 1}; {hint}"
         )
     if len(set(blocks)) != len(blocks):
         raise ValueError(f"offload blocks {blocks}: an index appears twice; give each block once")

@@ -244,3 +244,56 @@ def test_offloaded_blocks_leave_the_device_and_come_back_two_at_a_time(pools, ar
     if mode != "full":
         drop = none["device_peak"] - off["device_peak"]
         assert drop >= PEAK_SHARE * off["held"], (drop, off["held"])
+
+
+# -- the training job ------------------------------------------------------------------------------
+def test_the_flag_takes_a_fraction_or_indices_and_refuses_what_no_model_can_use():
+    import argparse
+
+    from axon4d.train.config import TrainConfig, add_arguments, from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert from_args(p.parse_args(["--offload", "0.5"])).offload == "0.5"
+    assert TrainConfig(model="tiny", layers=4, offload="0,3").offload == "0,3"
+    for value, words in [("1.5", "within [0, 1]"), ("0,4", "4 blocks, indices 0…3"), ("half", "decimal point")]:
+        with pytest.raises(ValueError) as e:
+            TrainConfig(model="tiny", layers=4, offload=value)
+        assert str(e.value).startswith(f"--offload {value!r}") and words in str(e.value), str(e.value)
+
+
+def _train(cfg_dict):
+    """The training job's losses, and how many storages its model offloaded."""
+    from axon4d.train import TrainConfig, loop, train
+
+    built, build = [], loop.build_model
+    loop.build_model = lambda *a, **kw: built.append(build(*a, **kw)) or built[-1]  # type: ignore[assignment]
+    try:
+        summary = train(TrainConfig(**cfg_dict))
+    finally:
+        loop.build_model = build
+    offloader = built[0].offloader
+    return summary["losses"], offloader.stats().copies_out if offloader is not None else 0
+
+
+@pytest.mark.slow
+def test_the_training_job_with_offload_has_the_losses_of_the_job_without(pools, tmp_path):
+    base = dict(
+        grid="1,1,1,1",
+        model="tiny",
+        layers=2,
+        hidden=128,
+        heads=4,
+        vocab_size=64,
+        seq_len=64,
+        batch_size=8,
+        steps=3,
+        warmup_steps=1,
+        progress=False,
+        peak_tflops=1.0,
+        precision="fp32",
+    )
+    plain, moved = pools(1).run(None, _train, {**base, "out_dir": str(tmp_path / "a")})[0]
+    assert moved == 0
+    offloaded, moved = pools(1).run(None, _train, {**base, "out_dir": str(tmp_path / "b"), "offload": "0.5"})[0]
+    assert moved > 0 and offloaded == plain

@@ -19,6 +19,7 @@ from typing import Any
 from axon4d import counts
 from axon4d.config import ModelConfig, get_config
 from axon4d.data import check_token_file
+from axon4d.offload import offload_blocks, parse_offload
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import RECOMPUTE_MODES, check_recompute
 from axon4d.shape import check_sizes
@@ -78,6 +79,8 @@ class TrainConfig:
     """Split the tokens of each sequence over z (head–tail chunks, causal balance; sequences split over data only) for sequences too long for one rank (docs/context.md); the sequence length must be a multiple of 2·G_z."""
     recompute: str = "none"
     """Activation recomputation in every block (docs/design.md §5): none keeps every activation; selective recomputes core attention; balanced re-makes the norms' and the MLP activation's outputs inside the GEMMs that read them; full keeps only each block's input."""
+    offload: str = ""
+    """Move what some blocks save for backward to host memory during the forward and back ahead of their backward (docs/design.md §5): a fraction of the blocks with a decimal point (0.5: the first half), block indices (0,1,2), or none (default)."""
     data: str = "synthetic"
     """synthetic, corpus (a byte-level corpus of Python's stdlib docstrings, made offline), or a token file path (.u16/.u32 memmap)."""
     seed: int = 0
@@ -158,6 +161,11 @@ class TrainConfig:
         if not self.out_dir:
             raise ValueError("--out-dir '': give the directory for the log and checkpoints, e.g. runs/train")
         mcfg = self.model_config()  # the size name, the arch and the overrides, checked by ModelConfig
+        hint = "give e.g. 0.5 (the first half of the blocks), 1.0 (all), 0,1,2 (blocks 0–2) or none"
+        try:  # the value, the rule and what works
+            offload_blocks(parse_offload(self.offload), mcfg.n_layers, hint=hint)
+        except ValueError as e:
+            raise ValueError(str(e) if str(e).startswith("--offload") else f"--offload {self.offload!r}: {e}") from None
         if self.data == "corpus" and mcfg.vocab_size < 256:
             raise ValueError(
                 f"--data corpus holds byte ids 0…255 but --vocab-size is {mcfg.vocab_size}; "

@@ -40,6 +40,7 @@ from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
+from axon4d.offload import parse_offload
 from axon4d.precision import AUTO, NAMED
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import check_recompute
@@ -103,8 +104,9 @@ def _resolve_precision(cfg: TrainConfig) -> str:
 
 
 #: training settings a resume may change besides the checkpoint module's: TF32 changes how fp32
-#: matmuls round, as the device or the transport do, not what the run computes
-RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32"}
+#: matmuls round, as the device or the transport do, not what the run computes; offload changes
+#: where saved activations wait for their backward, not what is computed (bit-identical)
+RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload"}
 
 
 def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
@@ -149,10 +151,16 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_model(mcfg: ModelConfig, grid: Grid, recompute: str = "none", context_parallel: bool = False) -> Transformer:
-    """The run's model on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute)
-    and, with ``context_parallel``, each sequence's tokens split over z (docs/context.md)."""
-    return Transformer(mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel)
+def build_model(
+    mcfg: ModelConfig, grid: Grid, recompute: str = "none", context_parallel: bool = False, offload: str = ""
+) -> Transformer:
+    """The run's model on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute),
+    with ``context_parallel`` each sequence's tokens split over z (docs/context.md), and the blocks
+    ``offload`` names (--offload's text: a fraction or indices; axon4d.offload) offloading what they
+    save for backward to host memory."""
+    return Transformer(
+        mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel, offload=parse_offload(offload)
+    )
 
 
 def _nonfinite(
@@ -297,7 +305,7 @@ def _train_on(
     """The run on a built grid: resume, train, checkpoint, report; the summary plus every step's loss."""
     rank0 = grid.rank == 0
     tf32 = devices.allow_tf32(grid.device, cfg.tf32)  # fp32 matmuls on TF32 tensor cores (an accelerator only)
-    model = build_model(mcfg, grid, cfg.recompute, cfg.context_parallel)
+    model = build_model(mcfg, grid, cfg.recompute, cfg.context_parallel, cfg.offload)
     initial_dense = model.to_dense() if cfg.compare_single else None
     opt = make_optimizer(model, cfg)
     data = make_data(cfg, mcfg, grid)
