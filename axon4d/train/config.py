@@ -72,7 +72,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
     precision: str = "auto"
-    """auto (bf16-fp32-reduce on GPUs, fp32 on CPUs; a resumed run keeps its checkpoint's; the banner and summary.json say which); fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (bf16 compute, fp32 reductions)."""
+    """auto (bf16-fp32-reduce on GPUs, fp32 on CPUs; a resumed run keeps its checkpoint's; the banner and summary.json say which); fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (bf16 compute, fp32 reductions); bf16-fp8-gather (bf16-fp32-reduce with the weight all-gathers over z in FP8, half their bytes)."""
     tf32: bool = True
     """On GPUs, let fp32 matmuls use TF32 tensor cores (axon4d.device.allow_tf32; --no-tf32: full fp32). No effect on CPUs."""
     context_parallel: bool = False
