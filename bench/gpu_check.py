@@ -14,6 +14,14 @@ single-process model (``axon4d.measure.spawn.run_local``). The cases:
   case fails if another kernel ran), on the memory-efficient kernel (flash SDPA switched off), and
   in fp32 (the memory-efficient kernel, ≤ 1e-4); each records the attention kernels that ran;
 - ``recompute``: selective, balanced and full recomputation on (1,2,2,1), fp32, against dense;
+- ``offload``: activation offload (``Transformer(offload=)``, axon4d/offload.py) against the same
+  model without it — fp32, every recompute mode, GPT and Llama, on (1,2,2,1) (and with context
+  parallelism), every saved tensor but the weights moved (size threshold 0): loss and gradients
+  within 1e-4 (bitwise is recorded; CUDA kernels need not be deterministic), every copy back
+  prefetched; and on one rank a Llama with activations large enough to matter (8 blocks of width
+  1024, 16384 tokens, bf16-fp32-reduce; a small one on the host) with half its blocks offloaded:
+  median step time and peak device memory (``torch.cuda.max_memory_allocated``) with and without,
+  and the bytes moved — the case fails if the peak with offload is not below the peak without;
 - ``checkpoint``: a save on (1,1,2,1) (G_z > 1) loaded on (1,2,1,1): the same weights;
 - ``train``: the training job in ``bf16-fp32-reduce`` on (1,2,2,1) for a few steps, against the
   single-process run of the same model (``--compare-single``);
@@ -166,6 +174,131 @@ def context_against_dense(grid: Any, flash: bool) -> dict[str, Any]:
     return {**result, "kernels": sorted(ran)}
 
 
+def _offload_steps(
+    grid: Any, arch: str, mode: str, context_parallel: bool, offload: Any
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]], Any]:
+    """Two SGD steps of ``MODELS[arch]``: losses, gradients, the offloader's counters (None without)."""
+    cfg = MODELS[arch]
+    torch.manual_seed(0)
+    dense = DenseTransformer(cfg, device=grid.device)
+    model = Transformer.from_dense(dense, recompute=mode, context_parallel=context_parallel, offload=offload)
+    if model.offloader is not None:
+        model.offloader.min_bytes = 0  # every saved tensor but the weights goes to the host and back
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    shard = activations.shard_sequence if context_parallel else axon4d.shard_batch
+    ids = _batch(cfg, grid.device)
+    losses, grads = [], []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model.loss(shard(ids[:, :-1]), shard(ids[:, 1:]))
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+    return losses, grads, model.offloader.stats() if model.offloader is not None else None
+
+
+def offload_against_plain(grid: Any, context_parallel: bool) -> dict[str, Any]:
+    """Every arch and recompute mode with all blocks offloaded against the same model without
+    offload: the worst relative loss and gradient differences, whether all were bitwise equal, the
+    storages moved and the copies back that were not prefetched."""
+    _highest_precision()
+    from axon4d.recompute_mode import RECOMPUTE_MODES
+
+    grad_rel = loss_rel = 0.0
+    bitwise, moved, late = True, 0, 0
+    for arch in MODELS:
+        for mode in RECOMPUTE_MODES:
+            ref_losses, ref_grads, _ = _offload_steps(grid, arch, mode, context_parallel, None)
+            losses, grads, stats = _offload_steps(grid, arch, mode, context_parallel, 1.0)
+            loss_rel = max([loss_rel] + [_rel(a, b) for a, b in zip(losses, ref_losses)])
+            grad_rel = max([grad_rel] + [_rel(g[n], r[n]) for g, r in zip(grads, ref_grads) for n in r])
+            bitwise = bitwise and all(torch.equal(g[n], r[n]) for g, r in zip(grads, ref_grads) for n in r)
+            moved, late = moved + stats.copies_out, late + stats.late_fetches
+    return {
+        "device": str(grid.device),
+        "loss_rel": loss_rel,
+        "grad_rel": grad_rel,
+        "bitwise": bitwise,
+        "copies_out": moved,
+        "late_fetches": late,
+    }
+
+
+#: the step-time model of the offload case: on a GPU one whose saved activations are GiBs, on the
+#: host a tiny one (it only checks the check)
+OFFLOAD_SPEED = {
+    "accelerator": (
+        ModelConfig(
+            n_layers=8,
+            hidden=1024,
+            n_heads=8,
+            n_kv_heads=2,
+            ffn_hidden=2816,
+            vocab_size=32000,
+            seq_len=2048,
+            arch="llama",
+        ),
+        8,
+    ),
+    "host": (MODELS["llama"].replace(n_layers=4, hidden=128, ffn_hidden=256, seq_len=64), 8),
+}
+
+
+def offload_speed(grid: Any, fraction: float, steps: int = 5) -> dict[str, Any]:
+    """Median step time (SGD; after two warm-up steps) and peak device memory of one training step
+    with and without ``fraction`` of the blocks offloaded, and what the offloader moved."""
+    cfg, sequences = OFFLOAD_SPEED["accelerator" if devices.is_accelerator(grid.device) else "host"]
+    ids = _batch(cfg, grid.device, sequences)
+    x, y = axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])
+
+    def measure(offload: float | None) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = Transformer(cfg, offload=offload)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            model.loss(x, y).backward()
+            opt.step()
+
+        step(), step()
+        devices.synchronize(grid.device)
+        devices.reset_peak_memory(grid.device)
+        if model.offloader is not None:
+            model.offloader.reset_peaks()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            devices.synchronize(grid.device)
+            times.append(time.perf_counter() - start)
+        out: dict[str, Any] = {
+            "step_s": sorted(times)[len(times) // 2],
+            "peak_bytes": devices.peak_memory_allocated(grid.device),
+        }
+        if model.offloader is not None:
+            stats = model.offloader.stats()
+            out.update(
+                offloaded_bytes=stats.peak_host_bytes,
+                block_bytes=stats.peak_block_bytes,
+                resident_peak_bytes=stats.peak_resident_bytes,
+                late_fetches=stats.late_fetches // steps,
+            )
+        return out
+
+    plain = measure(None)
+    offloaded = measure(fraction)
+    return {
+        "device": str(grid.device),
+        "model": f"{cfg.arch} {cfg.n_layers}x{cfg.hidden}, {sequences}x{cfg.seq_len} tokens",
+        "offload": fraction,
+        "plain": plain,
+        "offloaded": offloaded,
+        "step_ratio": offloaded["step_s"] / plain["step_s"],
+    }
+
+
 def checkpoint_across_grids(_: Any, directory: str) -> dict[str, Any]:
     """Train a step on (1,1,2,1), save, load on (1,2,1,1): the weights must be the same."""
     _highest_precision()
@@ -266,6 +399,28 @@ def _context(tol: float, kernel: str) -> Callable[[list[dict[str, Any]]], str | 
     return judge
 
 
+def _offload_exact(results: list[dict[str, Any]]) -> str | None:
+    """``_exact(FP32_TOL)``, something moved, and every copy back was prefetched."""
+    why = _exact(FP32_TOL)(results)
+    if why is None and not all(r["copies_out"] > 0 for r in results):
+        why = "nothing was offloaded: the comparison proves nothing"
+    late = max(r["late_fetches"] for r in results)
+    return why or (f"{late} copies back were not prefetched" if late else None)
+
+
+def _offload_saves(results: list[dict[str, Any]]) -> str | None:
+    """The offloaded run moved bytes, prefetched them, and (where the device counts memory) peaked lower."""
+    r = results[0]
+    plain, offloaded = r["plain"], r["offloaded"]
+    if not offloaded.get("offloaded_bytes"):
+        return "nothing was offloaded"
+    if offloaded["late_fetches"]:
+        return f"{offloaded['late_fetches']} copies back per step were not prefetched"
+    if plain["peak_bytes"] is not None and not offloaded["peak_bytes"] < plain["peak_bytes"]:
+        return f"peak memory {offloaded['peak_bytes']} B with offload is not below {plain['peak_bytes']} B without"
+    return None
+
+
 def _same_weights(results: list[dict[str, Any]]) -> str | None:
     bad = [r for r in results if r["max_abs_diff"] != 0.0 or r["step"] != 1]
     return None if not bad else f"loaded weights differ by {bad[0]['max_abs_diff']:.2e} (step {bad[0]['step']})"
@@ -320,6 +475,11 @@ def cases(scratch: str) -> list[Case]:
         out.append(
             Case(f"recompute {mode} {_label(grid)}", 4, grid, against_dense, ("llama", mode), {}, _exact(FP32_TOL))
         )
+    for grid, context_parallel in [((1, 2, 2, 1), False), ((1, 2, 2, 1), True)]:
+        name = f"offload exact {_label(grid)}{' context' if context_parallel else ''}"
+        out.append(Case(name, 4, grid, offload_against_plain, (context_parallel,), {}, _offload_exact))
+    speed = {"precision": "bf16-fp32-reduce"}
+    out.append(Case("offload speed x1y1z1d1", 1, (1, 1, 1, 1), offload_speed, (0.5,), speed, _offload_saves))
     ckpt = os.path.join(scratch, "checkpoint")
     out.append(Case("checkpoint z2 -> y2", 2, None, checkpoint_across_grids, (ckpt,), {}, _same_weights))
     job = os.path.join(scratch, "train")

@@ -99,3 +99,41 @@ def test_the_block_speed_bench_runs_on_the_host_and_prints_its_line(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["agreement"] <= 5e-2 and len(saved["samples_s"]["axon4d"]) == 2
     assert saved["ratio"] == saved["median_s"]["axon4d"] / saved["median_s"]["torch"] and saved["mfu"] > 0
+
+
+@pytest.mark.slow
+def test_the_offload_cases_run_on_the_host_and_record_time_and_memory(tmp_path):
+    """The offload cases (exactness against no offload on (1,2,2,1) with and without context
+    parallelism; step time and peak memory with and without on one rank) pass on the host and
+    write what a GPU run reports: bitwise equality there, bytes moved, both step times and peaks."""
+    out = tmp_path / "gpu_check.json"
+    proc = _run("--on-host", "--only", "offload", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved = json.loads(out.read_text())
+    status = {c["name"]: c["status"] for c in saved["cases"]}
+    assert status == {
+        "offload exact x1y2z2d1": "passed",
+        "offload exact x1y2z2d1 context": "passed",
+        "offload speed x1y1z1d1": "passed",
+    }
+    for case in saved["cases"][:2]:
+        assert len(case["metrics"]) == 4
+        assert all(m["bitwise"] and m["copies_out"] > 0 and m["late_fetches"] == 0 for m in case["metrics"])
+    speed = saved["cases"][2]["metrics"][0]
+    assert speed["plain"]["step_s"] > 0 and speed["offloaded"]["step_s"] > 0 and speed["step_ratio"] > 0
+    assert speed["plain"]["peak_bytes"] is None  # the host keeps no allocator peak; a GPU's is compared
+    assert speed["offloaded"]["offloaded_bytes"] > 0 and sorted(speed["offloaded"]["block_bytes"]) == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "plain_peak,offload_peak,moved,late,passes",
+    [(100, 60, 40, 0, True), (100, 100, 40, 0, False), (100, 60, 0, 0, False), (100, 60, 40, 2, False)],
+)
+def test_the_offload_speed_case_fails_when_nothing_moved_or_the_peak_did_not_fall(
+    plain_peak, offload_peak, moved, late, passes
+):
+    metrics = {
+        "plain": {"step_s": 1.0, "peak_bytes": plain_peak},
+        "offloaded": {"step_s": 1.2, "peak_bytes": offload_peak, "offloaded_bytes": moved, "late_fetches": late},
+    }
+    assert (gpu_check._offload_saves([metrics]) is None) == passes
