@@ -38,6 +38,10 @@ class _Linear3D(torch.autograd.Function):
     (axon4d.overlap): OAG prefetches weight blocks, OAR overlaps the dX all-reduce with the dW
     matmul, ORS/ODP leave the gradient reductions running, and the forward all-reduce runs in
     token chunks, chunk i on the wire while chunk i+1 is multiplied.
+
+    Under FP8 gathers (``bf16-fp8-gather``) E10 moves e4m3 shards with their scales and
+    ``gather_weight`` hands back the block restored to the compute dtype (docs/design.md §3): the
+    GEMMs, the kept block and the gradients are those of bf16 gathers.
     """
 
     @staticmethod
