@@ -1,0 +1,314 @@
+"""Protects the optimizer sharded over data (axon4d.zero, ZeRO-1 and ZeRO-2; docs/design.md §4):
+after 20 AdamW steps with clipping active the parameters equal those of the unsharded optimizer
+(fp32, ≤ 1e-6 relative) on four grids with data > 1, GPT and Llama, micro-batches > 1 on some;
+the data axis moves a reduce-scatter and an all-gather where ZeRO-0 all-reduced; optimizer state
+per rank shrinks by G_data (torch's MemTracker); checkpoints load across data sizes and with or
+without sharding; bad stages, optimizers and --zero values are refused."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import axon4d
+from axon4d import checkpoint, grads
+from axon4d.config import ModelConfig
+from axon4d.geometry import Op, Term
+from axon4d.models.transformer import Transformer
+from axon4d.train.batches import accumulate
+from axon4d.zero import GATHER_TAG, ShardedOptimizer, shard_optimizer
+
+LLAMA = ModelConfig(
+    n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama"
+)
+GPT = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="gpt")
+CLIP = 0.05  # below the gradients' norm on every step: clipping is active
+# AdamW's eps 1e-5 (not 1e-8): a gradient that is rounding noise (the key bias's, whose true value
+# is 0) is not scaled up to a full step, so a one-ulp change of the clipped norm stays one ulp
+
+
+def _model_and_opt(cfg, stage, grid, seed=0):
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5, foreach=True)
+    return model, (opt if stage == 0 else shard_optimizer(opt, model, grid, stage=stage))
+
+
+def _step(model, opt, grid, step, micro):
+    gen = torch.Generator().manual_seed(100 + step)
+    batches = torch.randint(0, model.cfg.vocab_size, (8 * micro, model.cfg.seq_len + 1), generator=gen).chunk(micro)
+    accumulate(model, batches, grid)
+    norm = grads.clip_grad_norm_(model, CLIP, grid)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def _exactness(grid, cfg, micro, steps):
+    """Train ZeRO-0, -1 and -2 models side by side; for each sharded one, the relative difference
+    of all its parameters from the unsharded one's (‖p − r‖ / ‖r‖ over the whole model) and the
+    worst of any one tensor (max |p − r| / max |r|); the gradient norms of every step."""
+    runs = {stage: _model_and_opt(cfg, stage, grid) for stage in (0, 1, 2)}
+    norms = {stage: [] for stage in runs}
+    for step in range(steps):
+        for stage, (model, opt) in runs.items():
+            norms[stage].append(_step(model, opt, grid, step, micro))
+    with torch.no_grad():
+        ref = list(runs[0][0].parameters())
+        whole, worst = {}, {}
+        for stage in (1, 2):
+            pairs = list(zip(runs[stage][0].parameters(), ref))
+            whole[stage] = math.sqrt(
+                sum(float((p - r).square().sum()) for p, r in pairs) / sum(float(r.square().sum()) for r in ref)
+            )
+            worst[stage] = max(float((p - r).abs().max() / r.abs().max().clamp_min(1e-30)) for p, r in pairs)
+        moved = max(float((p - q).abs().max()) for p, q in zip(ref, _model_and_opt(cfg, 0, grid)[0].parameters()))
+    return whole, worst, norms, moved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "grid,cfg,micro",
+    [
+        ((1, 1, 1, 2), LLAMA, 2),
+        ((2, 1, 1, 2), GPT, 1),
+        ((1, 2, 2, 2), LLAMA, 1),
+        ((1, 1, 2, 4), GPT, 2),
+    ],
+    ids=["1x1x1x2-llama-mb2", "2x1x1x2-gpt", "1x2x2x2-llama", "1x1x2x4-gpt-mb2"],
+)
+def test_zero_1_and_2_equal_the_unsharded_optimizer_after_20_clipped_steps(pools, grid, cfg, micro):
+    results = pools(math.prod(grid)).run(grid, _exactness, cfg, micro, 20, timeout=300)
+    for rank, (whole, worst, norms, moved) in enumerate(results):
+        assert moved > 1e-3, "the weights did not move: the comparison would prove nothing"
+        assert min(norms[0]) > CLIP, "clipping was not active on every step"
+        for stage in (1, 2):
+            where = f"ZeRO-{stage} rank {rank} on {grid}"
+            assert whole[stage] <= 1e-6, f"{where}: parameters differ by {whole[stage]:.3g} relative"
+            # the key bias's true gradient is 0 (softmax ignores it): Adam scales its rounding
+            # noise, so its last bits follow the order of the sums; a bound 10x looser per tensor
+            assert worst[stage] <= 1e-5, f"{where}: a tensor differs by {worst[stage]:.3g} relative"
+            assert norms[stage] == pytest.approx(norms[0], rel=1e-6)
+
+
+def _data_bytes(grid, cfg):
+    """Per stage: the payload bytes of one step's collectives over data, by (op, tag); and the
+    sizes of the Linear weight shards and of every parameter, for the expected figures."""
+    out = {}
+    for stage in (0, 2):
+        model, opt = _model_and_opt(cfg, stage, grid)
+        _step(model, opt, grid, 0, 2)  # the first step learns the bucket layout
+        grid.comm.log.clear()
+        _step(model, opt, grid, 1, 2)
+        counted = {}
+        for r in grid.comm.log.records:
+            if r.axis == "data":
+                counted[(r.op.value, str(r.tag))] = counted.get((r.op.value, str(r.tag)), 0) + r.payload_bytes
+        out[stage] = counted
+        if stage == 2:
+            opt.release()
+    weights = _linear_weights(model)
+    every = [p.numel() for p in model.parameters()]
+    return out, weights, every
+
+
+def _linear_weights(model):
+    """Elements of every axon4d.Linear weight shard of ``model`` on this rank (E12's gradients)."""
+    return [m.weight.numel() for m in model.modules() if isinstance(m, axon4d.Linear)]
+
+
+@pytest.mark.slow
+def test_zero_2_reduce_scatters_and_all_gathers_over_data_where_zero_0_all_reduces(pools):
+    grid = (2, 1, 1, 2)
+    res, weights, every = pools(4).run(grid, _data_bytes, GPT)[0]
+    g = grid[3]
+    padded = lambda sizes: sum(g * math.ceil(n / g) * 4 for n in sizes)  # noqa: E731  fp32, each padded to G·c
+    assert res[0] == {(Op.ALL_REDUCE.value, str(Term.E12)): sum(n * 4 for n in weights)}
+    assert res[2] == {
+        (Op.REDUCE_SCATTER.value, str(Term.E12)): padded(weights),
+        (Op.ALL_GATHER.value, GATHER_TAG): padded(every),
+    }
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def _optimizer_state_bytes(grid, stage):
+    """Bytes of optimizer state on this rank after one step (torch's MemTracker, category
+    Optstate), and of the gradients held after a backward: ``.grad`` plus ZeRO-2's parts
+    (distinct storages)."""
+    model, opt = _model_and_opt(LLAMA, stage, grid)
+    tracker = MemTracker()
+    with warnings.catch_warnings():  # it warns of parameters without gradients
+        warnings.simplefilter("ignore", UserWarning)
+        tracker.track_external(model, opt)
+        with tracker:
+            gen = torch.Generator().manual_seed(1)
+            accumulate(model, (torch.randint(0, 64, (8, 9), generator=gen),), grid)
+            held = [p.grad for p in model.parameters() if p.grad is not None]
+            if stage:
+                held += [m.grad for g in opt.param_groups for m in g["params"] if m.grad is not None]
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            state = tracker.get_tracker_snapshot("current")[grid.device]
+    if stage == 2:
+        opt.release()
+    opt_bytes = next(v for k, v in state.items() if getattr(k, "value", k) == "Optstate")
+    sizes = [p.numel() for p in model.parameters()]
+    return opt_bytes, sum(storages.values()), sizes, _linear_weights(model)
+
+
+@pytest.mark.slow
+def test_optimizer_state_per_rank_shrinks_by_g_data(pools):
+    grid = (1, 1, 1, 4)
+    g = grid[3]
+    for stages in zip(*[pools(4).run(grid, _optimizer_state_bytes, s) for s in (0, 1, 2)]):
+        (full, full_grads, sizes, weights), (one, _, _, _), (two, two_grads, _, _) = stages
+        n, k = sum(sizes), len(sizes)
+        # AdamW's exp_avg and exp_avg_sq, fp32: 8·n bytes whole; in parts of ⌈n_i / G⌉ elements
+        # each, at most 8 bytes more per parameter, and its step count (4 bytes) is not split
+        assert full >= 8 * n
+        assert one == two and full / g <= one <= full / g + 12 * k, (full, one, k)
+        assert full_grads == 4 * n  # every parameter's .grad, whole
+        # ZeRO-2: the Linear weights' gradients in parts of ⌈n / G⌉, the rest (embedding, norms) whole
+        assert two_grads == full_grads - 4 * sum(weights) + 4 * sum(math.ceil(w / g) for w in weights)
+        assert two_grads < 0.4 * full_grads
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def _dense(model):
+    return {k: v.clone() for k, v in model.to_dense().state_dict().items()}
+
+
+def _moments(model, opt, grid):
+    """{moment: the dense model's tensors of it}: a ZeRO optimizer's parts are summed over data
+    into whole local tensors first (every other rank's part is zero there)."""
+    saved = [p.detach().clone() for p in model.parameters()]
+    out = {}
+    with torch.no_grad():
+        for moment in ("exp_avg", "exp_avg_sq"):
+            for p in model.parameters():
+                if isinstance(opt, ShardedOptimizer):
+                    start, master = opt.owned(p)
+                    whole = torch.zeros(p.numel())
+                    whole[start : start + master.numel()] = opt.state[master][moment]
+                    p.copy_(grid.comm.all_reduce(whole, "data").wait().view(p.shape))
+                else:
+                    p.copy_(opt.state[p][moment])
+            out[moment] = _dense(model)
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+    return out
+
+
+def _steps_of(opt, model):
+    key = next(model.parameters())
+    key = opt.owned(key)[1] if isinstance(opt, ShardedOptimizer) else key
+    return float(opt.state[key]["step"])
+
+
+def _save_sharded(grid, path, stage):
+    """Two steps of a ZeRO model and of an unsharded one side by side; save the sharded one."""
+    (model, opt), (ref, ref_opt) = _model_and_opt(LLAMA, stage, grid), _model_and_opt(LLAMA, 0, grid)
+    for step in range(2):
+        _step(model, opt, grid, step, 1)
+        _step(ref, ref_opt, grid, step, 1)
+    checkpoint.save(path, model, grid, opt, step=2)
+    if stage == 2:
+        opt.release()
+    return _dense(ref), _moments(ref, ref_opt, grid)
+
+
+def _load_into(grid, path, stage, save_to=None):
+    """Load ``path`` into a fresh model and (ZeRO ``stage``) optimizer; its dense weights and
+    moments and step count; with ``save_to``, save it again there (unsharded)."""
+    model, opt = _model_and_opt(LLAMA, stage, grid, seed=7)
+    checkpoint.load(path, model, grid, opt)
+    if save_to:
+        checkpoint.save(save_to, model, grid, opt, step=2)
+    out = _dense(model), _moments(model, opt, grid), _steps_of(opt, model)
+    if stage == 2:
+        opt.release()
+    return out
+
+
+def _close(got, expected, what):
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-7, msg=f"{what}: {k}")
+
+
+@pytest.mark.slow
+def test_checkpoints_load_across_data_sizes_with_or_without_zero(pools, tmp_path):
+    zero_ckpt, plain_ckpt = str(tmp_path / "zero"), str(tmp_path / "plain")
+    weights, moments = pools(8).run((1, 1, 2, 4), _save_sharded, zero_ckpt, 2)[0]
+    # a ZeRO-2 checkpoint of data 4: into no sharding on data 2 (and saved again), into ZeRO-1 on data 8
+    for grid, stage, save_to in (((2, 1, 2, 2), 0, plain_ckpt), ((1, 1, 1, 8), 1, None)):
+        for rank, (w, m, steps) in enumerate(pools(8).run(grid, _load_into, zero_ckpt, stage, save_to)):
+            what = f"ZeRO-2 data 4 -> ZeRO-{stage} on {grid}, rank {rank}"
+            _close(w, weights, what)
+            for moment in m:
+                _close(m[moment], moments[moment], f"{what}, {moment}")
+            assert steps == 2.0
+    # an unsharded checkpoint into ZeRO-2 on data 4 (z 2)
+    for rank, (w, m, steps) in enumerate(pools(8).run((1, 1, 2, 4), _load_into, plain_ckpt, 2)):
+        _close(w, weights, f"unsharded -> ZeRO-2, rank {rank}")
+        for moment in m:
+            _close(m[moment], moments[moment], f"unsharded -> ZeRO-2, rank {rank}, {moment}")
+        assert steps == 2.0
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+
+def _refusals(grid):
+    model = Transformer(LLAMA)
+    adamw = lambda: torch.optim.AdamW(model.parameters())  # noqa: E731
+    stepped = adamw()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    stepped.step()
+    cases = {
+        "stage 3": lambda: shard_optimizer(adamw(), model, grid, stage=3),
+        "lbfgs": lambda: shard_optimizer(torch.optim.LBFGS(model.parameters()), model, grid),
+        "unknown": lambda: shard_optimizer(_Custom(model.parameters()), model, grid),
+        "stepped": lambda: shard_optimizer(stepped, model, grid),
+        "foreign": lambda: shard_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))]), model, grid),
+    }
+    out = {}
+    for name, case in cases.items():
+        try:
+            case()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    vouched = shard_optimizer(_Custom(model.parameters()), model, grid, elementwise=True)
+    out["vouched"] = type(vouched.inner).__name__
+    return out
+
+
+class _Custom(torch.optim.Optimizer):
+    """A user's optimizer axon4d cannot know to be elementwise (signSGD)."""
+
+    def __init__(self, params, lr=1.0):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def test_bad_stages_and_optimizers_are_refused_naming_what_works(pools):
+    msgs = pools(2).run((1, 1, 1, 2), _refusals)[0]
+    assert "ZeRO stage 3" in msgs["stage 3"] and "give 1" in msgs["stage 3"]
+    assert "LBFGS cannot be sharded" in msgs["lbfgs"] and "AdamW" in msgs["lbfgs"]
+    assert "_Custom is not known to be elementwise" in msgs["unknown"] and "elementwise=True" in msgs["unknown"]
+    assert "already stepped" in msgs["stepped"] and "checkpoint" in msgs["stepped"]
+    assert "not one of the model's" in msgs["foreign"]
+    assert msgs["vouched"] == "_Custom"
