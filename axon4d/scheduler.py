@@ -49,7 +49,7 @@ import torch
 from axon4d.comm import Communicator, Handle
 from axon4d.geometry import Term
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.precision import Precision, compute_dtype, reduce_dtype
+from axon4d.precision import Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8, reduce_dtype
 from axon4d.shape import Axis
 
 
@@ -139,7 +139,11 @@ class Scheduler:
         if self.policy.oag:
             self._prefetch_after(layer, backward)
         rows, cols = layer.block_shape
-        return handle.wait()[: rows * cols].view(rows, cols)
+        flat = handle.wait()  # (G_z·n,) in the compute dtype, or (G_z·(n + 4),) uint8 under fp8 gathers
+        g_z = self.comm.shape.size("z")
+        if gathers_fp8(self.precision, g_z):  # restored to the compute dtype for the GEMM
+            flat = fp8_unpack(flat, g_z, compute_dtype(self.precision, weight))
+        return flat[: rows * cols].view(rows, cols)
 
     def forward_chunks(self, tokens: int, row_bytes: int, group: int) -> list[int]:
         """Rows of the token chunks a layer's forward all-reduce (E8) of ``tokens`` rows of
@@ -171,9 +175,15 @@ class Scheduler:
         self._gathers_in_backward[layer] = needed
 
     def _issue_gather(self, weight: torch.Tensor, backward: bool) -> Handle:
-        # mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes;
-        # a forward re-run under full recomputation gathers as a forward does (E10f)
+        """Issue E10 (E10b when ``backward``, else E10f), the all-gather over z of ``weight``'s shard.
+
+        Mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes;
+        under fp8 gathers (``precision.gather``) it moves the shard's e4m3 bytes and its scale, one
+        uint8 chunk per rank (``fp8_pack``), which ``gather_weight`` restores. A forward re-run under
+        full recomputation gathers as a forward does (E10f)."""
         term = Term.E10B if backward else Term.E10F
+        if gathers_fp8(self.precision, self.comm.shape.size("z")):
+            return self.comm.all_gather(fp8_pack(weight), "z", tag=term)  # (n + 4,) uint8 per rank
         return self.comm.all_gather(weight.detach().to(compute_dtype(self.precision, weight)), "z", tag=term)
 
     def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> Handle | None:
