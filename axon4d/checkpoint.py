@@ -40,7 +40,8 @@ from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
-from axon4d.param_layout import Box, param_layouts
+from axon4d.param_layout import Box, ParamLayout, param_layouts
+from axon4d.zero import ShardedOptimizer
 
 # the file-level API, usable before any process group exists (axon4d.ckptfiles)
 CheckpointError = ckptfiles.CheckpointError
@@ -64,34 +65,94 @@ class _State(NamedTuple):
 
     parts: list[_Piece]  # of every parameter and AdamW moment: views of this rank's storage
     steps: dict[str, torch.Tensor]  # the optimizer's step counts: DCP's own state dict
-    made: list[tuple[torch.Tensor, str, torch.Tensor]]  # (param, key, tensor) a load puts in optimizer.state
+    made: list[tuple[torch.Tensor, str, torch.Tensor]]  # (state key, key, tensor) a load puts in optimizer.state
     pads: list[torch.Tensor]  # the z padding past each flat shard's pieces: zeroed by a load
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid, load: bool) -> _State:
     """The pieces of ``model``'s parameters (model.<name>[.<segment>]) and ``optimizer``'s moments
-    (optim.<name>.<moment>[.<segment>]); a load makes those the optimizer lacks (zeros like the parameter)."""
+    (optim.<name>.<moment>[.<segment>]); a load makes those the optimizer lacks (zeros like the parameter).
+    A ZeRO optimizer (``axon4d.zero``) holds the moments of this data rank's part of each parameter
+    only: its pieces are that part's rectangles of the global tensors (``_owned_views``)."""
     layouts = param_layouts(model)
     state = _State([], {}, [], [])
+    sharded = optimizer if isinstance(optimizer, ShardedOptimizer) else None
     for name, p in model.named_parameters():
+        owned = sharded.owned(p) if sharded is not None else None
+        key = owned[1] if owned is not None else p  # what the optimizer keeps p's state under: p, or its part
         tensors: list[tuple[str, torch.Tensor]] = [(f"model.{name}", p)]
-        st = optimizer.state.get(p, {}) if optimizer is not None else {}
+        st = optimizer.state.get(key, {}) if optimizer is not None else {}
         for moment in _MOMENTS if optimizer is not None else ():
             t = st.get(moment)
-            if load and not (isinstance(t, torch.Tensor) and t.shape == p.shape and t.device == p.device):
-                t = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state.made.append((p, moment, t))
+            if load and not (isinstance(t, torch.Tensor) and t.shape == key.shape and t.device == key.device):
+                t = torch.zeros_like(key, memory_format=torch.contiguous_format)
+                state.made.append((key, moment, t))
             if isinstance(t, torch.Tensor):
                 tensors.append((f"optim.{name}.{moment}", t))
         for prefix, t in tensors:
-            mine = layouts[name].views(prefix, t, grid)
+            if owned is not None and t is not p:  # a moment of this rank's part [start, start + t.numel())
+                mine, covered = _owned_views(layouts[name], prefix, p.numel(), owned[0], t, grid)
+            else:
+                mine = layouts[name].views(prefix, t, grid)
+                covered = sum(v.numel() for _, v in mine)
             state.parts.extend(mine)
-            state.pads.append(t.detach().view(-1)[sum(v.numel() for _, v in mine) :])
+            state.pads.append(t.detach().view(-1)[covered:])
         if optimizer is not None:
             step = torch.zeros(()) if load else torch.as_tensor(st.get("step", 0.0), dtype=torch.float32)
-            state.steps[f"optim.{name}.step"] = step = step.to(_step_device(optimizer, p), copy=True)
-            state.made.extend([(p, "step", step)] if load else [])
+            state.steps[f"optim.{name}.step"] = step = step.to(_step_device(optimizer, key), copy=True)
+            state.made.extend([(key, "step", step)] if load else [])
     return state
+
+
+def _owned_views(
+    layout: ParamLayout, prefix: str, numel: int, start: int, t: torch.Tensor, grid: Grid
+) -> tuple[list[_Piece], int]:
+    """The pieces of ``t``, which holds elements [start, start + t.numel()) of this rank's flat
+    stored piece of ``numel`` elements (a ZeRO part): each box of the piece (``ParamLayout.boxes``)
+    cut to that range — a run of whole rows, and partial rows at either end — with views of ``t``;
+    and how many of ``t``'s elements they cover (the rest is z padding)."""
+    stop = start + t.numel()
+    flat = t.detach().view(-1)  # (stop - start,)
+    out: list[_Piece] = []
+    covered = 0
+    for b in layout.boxes(prefix, numel, grid):
+        for offsets, sizes, at in _cut(b.offsets, b.sizes, start - b.start, stop - b.start):
+            first = b.start + at - start  # where the rectangle begins in t
+            size = math.prod(sizes)
+            box = Box(b.key, b.shape, offsets, sizes, first)
+            out.append((box, flat[first : first + size].view(sizes)))
+            covered = max(covered, first + size)
+    return out, covered
+
+
+_Rect = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, where it begins in the flat rectangle it cuts)
+
+
+def _cut(offsets: tuple[int, ...], sizes: tuple[int, ...], lo: int, hi: int) -> list[_Rect]:
+    """Rectangles covering the elements [lo, hi) of a row-major rectangle of ``sizes`` at
+    ``offsets``: (offsets, sizes, where each begins in it, row-major) — whole rows in one, a partial
+    row at either end cut the same way over the remaining dims."""
+    total = math.prod(sizes)
+    lo, hi = max(lo, 0), min(hi, total)
+    if lo >= hi:
+        return []
+    if (lo, hi) == (0, total):
+        return [(offsets, sizes, 0)]
+    row = math.prod(sizes[1:])
+
+    def in_row(r: int, a: int, b: int) -> list[_Rect]:
+        inner = _cut(offsets[1:], sizes[1:], a, b)
+        return [((offsets[0] + r, *o), (1, *s), r * row + at) for o, s, at in inner]
+
+    first, end = -(-lo // row), hi // row  # the whole rows [first, end)
+    if first > end:  # lo and hi inside one row
+        return in_row(lo // row, lo % row, hi - lo // row * row)
+    out = in_row(first - 1, lo - (first - 1) * row, row) if lo < first * row else []
+    if end > first:
+        out.append(((offsets[0] + first, *offsets[1:]), (end - first, *sizes[1:]), first * row))
+    if hi > end * row:
+        out += in_row(end, 0, hi - end * row)
+    return out
 
 
 class _SavePieces(dcp.DefaultSavePlanner):

@@ -24,6 +24,9 @@ hand it their gradients; they hold no overlap flags.
   where the z shard needs it (E11 still runs per micro-batch) — and the first backward outside
   adds the sums to its own and reduces once, overlapped with itself: with M micro-batches the
   data axis moves the bytes of one (DDP's ``no_sync``, docs/design.md §4).
+- **ZeRO-2** (``scatter_over_data``): the E12 buckets are reduce-scattered over data instead of
+  all-reduced — each rank receives only the sum of the parts of the weight shards it owns, which
+  go to the ``DataSharding`` (axon4d.zero) instead of ``.grad`` (docs/design.md §4).
 - **Chunked forward all-reduce** (E8): the tokens are split into ``forward_chunks`` chunks and
   chunk i is all-reduced over the input axis while chunk i+1 is multiplied (only where the input
   axis has more than one rank: otherwise there is no E8 and the GEMM stays whole).
@@ -42,7 +45,7 @@ import contextlib
 import dataclasses
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -66,6 +69,20 @@ class _PendingGrad:
 
 #: a gradient waiting in a bucket: (parameter, flat gradient in the reduction dtype, scale)
 _Item = tuple[torch.Tensor, torch.Tensor, float]
+
+
+class DataSharding(Protocol):
+    """Who owns which part of a weight shard's gradient over data (ZeRO-2, axon4d.zero): each
+    flat shard of n elements is split into G_data parts of ``part_numel`` (the last zero-padded),
+    data rank d owning part d (docs/design.md §4)."""
+
+    def part_numel(self, param: torch.Tensor) -> int | None:
+        """Elements per data rank's part of ``param``'s flat gradient; None: not sharded (all-reduced)."""
+        ...
+
+    def take_grad(self, param: torch.Tensor, part: torch.Tensor) -> None:
+        """This rank's reduced, scaled part of ``param``'s gradient, (part_numel,) in its dtype."""
+        ...
 
 
 def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
@@ -95,6 +112,8 @@ class Scheduler:
         # gradient over batch; insertion-ordered, so every rank flushes them in the same order
         self._buckets: dict[tuple[Axis, Term], list[_Item]] = {}
         self._reducing: list[tuple[list[_Item], Handle, torch.Tensor | None]] = []
+        # ZeRO-2's E12 reduce-scatters in flight: (items, each one's part size, handle, the sharding)
+        self._reducing_parts: list[tuple[list[_Item], list[int], Handle, DataSharding]] = []
         self._holding = 0  # depth of ``accumulating`` regions: data-axis reductions are held
         # held sums (accumulation), by parameter id in first-held order: (param, sum, axis, tag, scale)
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor, Axis, Term, float]] = {}
@@ -110,6 +129,7 @@ class Scheduler:
         self._learning: list[list[tuple[int, int]]] = []
         self._flats: dict[int, torch.Tensor] = {}
         self._callback_queued = False
+        self._sharding: DataSharding | None = None  # ZeRO-2: E12 reduce-scattered over data
         self._rerunning: weakref.WeakSet | None = None  # layers of the recomputed region being re-run
         self._recomputed_depth = 0  # depth of regions under full recomputation being run
 
@@ -239,6 +259,19 @@ class Scheduler:
         self._last_forward = weakref.ref(layer)
 
     # -- ORS / ODP: gradients -------------------------------------------------------------------
+    def scatter_over_data(self, sharding: DataSharding | None) -> None:
+        """ZeRO-2 (docs/design.md §4): from now on reduce-scatter the weight shards' gradients over
+        data (E12) instead of all-reducing them, for the parameters ``sharding`` owns parts of;
+        each rank's part goes to ``sharding.take_grad``, never to ``.grad``. None: all-reduce
+        again. Pending reductions are finished first."""
+        self.finish_gradients()
+        self._sharding = sharding
+
+    @property
+    def data_sharding(self) -> DataSharding | None:
+        """The ``DataSharding`` the E12 gradients are reduce-scattered for (ZeRO-2), or None."""
+        return self._sharding
+
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
         """Backward passes inside hold their data-axis reductions: E12 (weight shards over data),
@@ -279,6 +312,10 @@ class Scheduler:
                 self._hold(param, shard, "data", Term.E12, scale)
                 return None
             shard = self._with_held(param, shard)
+            if self._scattered(param):  # ZeRO-2: reduce-scattered, the part lands in the sharding
+                self._buckets.setdefault(("data", Term.E12), []).append((param, shard, scale))
+                self._flush(("data", Term.E12))
+                return None
             return _scaled(self.comm.all_reduce(shard, "data", tag=Term.E12).wait(), scale).to(param.dtype)
         # fold the reduce-scatters of layers that ran before this one, all but the newest
         # ors_inflight - 1 (a count, not "whichever finished": every rank folds the same ones)
@@ -411,6 +448,11 @@ class Scheduler:
             return
         if key == ("data", Term.E12) and self.policy.bucket_mb > 0:
             self._learning.append([(id(p), g.numel()) for p, g, _ in items])
+        if key == ("data", Term.E12) and self._sharding is not None:
+            self._scatter([item for item in items if self._scattered(item[0])], self._sharding)
+            items = [item for item in items if not self._scattered(item[0])]
+            if not items:
+                return
         flat = items[0][1] if len(items) == 1 else self._in_place(items)
         if flat is None:
             flat = torch.cat([g for _, g, _ in items])
@@ -418,6 +460,34 @@ class Scheduler:
         if not self.policy.odp:
             handle.wait()
         self._reducing.append((items, handle, flat if len(items) > 1 else None))
+
+    def _scattered(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s E12 is a reduce-scatter over data (ZeRO-2 owns parts of it)."""
+        return self._sharding is not None and self._sharding.part_numel(param) is not None
+
+    def _scatter(self, items: list[_Item], sharding: DataSharding) -> None:
+        """ZeRO-2's E12 for one bucket: reduce-scatter its weight shards over data so that each rank
+        receives the sum of its own part of each (docs/design.md §4). The input is rank-major —
+        (G_data, S), row d holding data rank d's part of every shard in turn, the last part of a
+        shard zero-padded — so a single shard that G_data divides is reduced as it stands, and
+        several are laid side by side (one copy of the bucket)."""
+        if not items:
+            return
+        g = self.comm.shape.size("data")
+        parts: list[int] = []
+        columns: list[torch.Tensor] = []
+        for param, grad, _ in items:
+            c = sharding.part_numel(param)
+            assert c is not None and g * c >= grad.numel()  # _scattered
+            if grad.numel() != g * c:
+                grad = torch.nn.functional.pad(grad, (0, g * c - grad.numel()))  # (G·c,)
+            parts.append(c)
+            columns.append(grad.view(g, c))  # (G, c): row d is data rank d's part
+        flat = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)  # (G, S), S = Σ c
+        handle = self.comm.reduce_scatter(flat, "data", tag=Term.E12)  # (1, S): this rank's parts
+        if not self.policy.odp:
+            handle.wait()
+        self._reducing_parts.append((items, parts, handle, sharding))
 
     def _in_place(self, items: list[_Item]) -> torch.Tensor | None:
         """The flat buffer ``items`` fill exactly, in order (all written through ``weight_grad_slot``), or None."""
@@ -471,6 +541,13 @@ class Scheduler:
                     param.grad = grad  # a slice of the bucket, or the reduced tensor itself
                 else:
                     param.grad.add_(grad)
+        reducing_parts, self._reducing_parts = self._reducing_parts, []
+        for items, parts, handle, sharding in reducing_parts:  # ZeRO-2: each rank's parts
+            row = handle.wait().view(-1)  # (S,)
+            offset = 0
+            for (param, _, scale), c in zip(items, parts):
+                sharding.take_grad(param, _scaled(row[offset : offset + c], scale).to(param.dtype))
+                offset += c
         if not self.holding:
             self._relearn()
         for handle, _ in list(self._prefetched.values()):  # prefetches nobody asked for (control flow changed)

@@ -5,7 +5,10 @@ the data axis moves a reduce-scatter and an all-gather where ZeRO-0 all-reduced;
 per rank shrinks by G_data (torch's MemTracker); checkpoints load across data sizes and with or
 without sharding; bad stages, optimizers and --zero values are refused."""
 
+import contextlib
+import io
 import math
+import shutil
 import warnings
 
 import pytest
@@ -18,6 +21,8 @@ from axon4d.config import ModelConfig
 from axon4d.geometry import Op, Term
 from axon4d.models.transformer import Transformer
 from axon4d.train.batches import accumulate
+from axon4d.train.config import TrainConfig
+from axon4d.train.loop import train
 from axon4d.zero import GATHER_TAG, ShardedOptimizer, shard_optimizer
 
 LLAMA = ModelConfig(
@@ -312,3 +317,57 @@ def test_bad_stages_and_optimizers_are_refused_naming_what_works(pools):
     assert "already stepped" in msgs["stepped"] and "checkpoint" in msgs["stepped"]
     assert "not one of the model's" in msgs["foreign"]
     assert msgs["vouched"] == "_Custom"
+
+
+# -- the training job ---------------------------------------------------------------------------
+
+
+def _job(tmp, **kw):
+    cfg = dict(
+        grid="1,1,2,2",
+        model="tiny",
+        layers=1,
+        hidden=32,
+        heads=4,
+        kv_heads=2,
+        vocab_size=64,
+        seq_len=8,
+        batch_size=8,
+        micro_batches=2,
+        steps=4,
+        warmup_steps=2,
+        out_dir=str(tmp),
+        progress=False,
+        peak_tflops=1.0,
+    )
+    cfg.update(kw)
+    return cfg
+
+
+def _train(cfg):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary = train(TrainConfig(**cfg))
+    return summary["losses"], summary["optimizer"], summary["zero"], out.getvalue()
+
+
+@pytest.mark.slow
+def test_the_training_job_with_zero_follows_the_unsharded_curve_and_resumes_across_stages(pools, tmp_path):
+    plain, kernel, stage, _ = pools(4).run(None, _train, _job(tmp_path / "plain"))[0]
+    assert (kernel, stage) == ("foreach", 0)
+    sharded, kernel, stage, banner = pools(4).run(None, _train, _job(tmp_path / "z", zero=2, save_every=2))[0]
+    assert (kernel, stage) == ("foreach, ZeRO-2 over 2 data ranks", 2) and "AdamW foreach, ZeRO-2" in banner
+    assert sharded == pytest.approx(plain, rel=1e-5)
+    # resume the ZeRO-2 run's step-2 checkpoint without sharding on data 4, and with ZeRO-1 on data 1
+    shutil.rmtree(tmp_path / "z" / "checkpoints" / "step_4")
+    for grid, zero in (("1,1,1,4", 0), ("1,1,4,1", 1)):
+        resumed, kernel, _, _ = pools(4).run(None, _train, _job(tmp_path / "z", grid=grid, zero=zero, resume=True))[0]
+        assert resumed == pytest.approx(plain[2:], rel=1e-5), (grid, zero)
+        shutil.rmtree(tmp_path / "z" / "checkpoints" / "step_4")
+    assert kernel == "foreach, ZeRO-1 (a no-op: data 1)"
+
+
+def test_a_bad_zero_value_is_refused_naming_the_stages():
+    for bad in (3, -1, True):
+        with pytest.raises(ValueError, match=r"--zero .*: choose 0 \(no sharding\), 1 .* or 2"):
+            TrainConfig(zero=bad)

@@ -71,6 +71,8 @@ class TrainConfig:
     """AdamW β2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    zero: int = 0
+    """Shard the optimizer over the data axis (docs/training.md#sharding-the-optimizer): 0 off; 1 (ZeRO-1) AdamW's moments and master weights, 1/G_data per rank, the updated weights all-gathered over data; 2 (ZeRO-2) also the weights' gradients, reduce-scattered over data instead of all-reduced. Same results; with data 1 a no-op."""
     precision: str = "auto"
     """auto (bf16-fp32-reduce on GPUs, fp32 on CPUs; a resumed run keeps its checkpoint's; the banner and summary.json say which); fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (bf16 compute, fp32 reductions); bf16-fp8-gather (bf16-fp32-reduce with the weight all-gathers over z in FP8, half their bytes)."""
     tf32: bool = True
@@ -140,6 +142,11 @@ class TrainConfig:
         if self.beta1 >= 1 or self.beta2 >= 1:
             raise ValueError(
                 f"--beta1 {self.beta1} / --beta2 {self.beta2}: AdamW's betas must be below 1, e.g. 0.9 and 0.95"
+            )
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
+            raise ValueError(
+                f"--zero {self.zero!r}: choose 0 (no sharding), 1 (optimizer state and master weights sharded over "
+                "data) or 2 (also the weights' gradients)"
             )
         if self.min_lr > self.lr:
             raise ValueError(
@@ -267,6 +274,8 @@ _HINTS: dict[str, str] = {
     "startup_timeout": "seconds, e.g. --startup-timeout 300",
     "peak_tflops": "e.g. --peak-tflops 0 (0: measure it)",
 }
+#: --zero's stages: 0 (off) and axon4d.zero's
+ZERO_STAGES = (0, 1, 2)
 #: --data names that are not files
 DATA_NAMES = ("synthetic", "corpus")
 

@@ -47,7 +47,7 @@ from axon4d.recompute_mode import check_recompute
 from axon4d.train import reference, report
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
-from axon4d.train.optim import clip, make_optimizer, optimizer_kernel, set_lr
+from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
 from axon4d.train.peak import check_compute_dtype, mfu, world_peak_tflops
 
 
@@ -105,8 +105,9 @@ def _resolve_precision(cfg: TrainConfig) -> str:
 
 #: training settings a resume may change besides the checkpoint module's: TF32 changes how fp32
 #: matmuls round, as the device or the transport do, not what the run computes; offload changes
-#: where saved activations wait for their backward, not what is computed (bit-identical)
-RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload"}
+#: where saved activations wait for their backward, not what is computed (bit-identical); --zero
+#: where the optimizer's state lives (its checkpoints load with or without it, on any data size)
+RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload", "zero"}
 
 
 def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
@@ -307,13 +308,13 @@ def _train_on(
     tf32 = devices.allow_tf32(grid.device, cfg.tf32)  # fp32 matmuls on TF32 tensor cores (an accelerator only)
     model = build_model(mcfg, grid, cfg.recompute, cfg.context_parallel, cfg.offload)
     initial_dense = model.to_dense() if cfg.compare_single else None
-    opt = make_optimizer(model, cfg)
+    opt = make_optimizer(model, cfg, grid)  # --zero 1|2: sharded over data (axon4d.zero)
     data = make_data(cfg, mcfg, grid)
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
     start, skipped = _resume(cfg, resume_from, model, grid, opt, ckpt_dir)  # skipped: non-finite steps so far
     check_compute_dtype(grid)
     peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)  # after allow_tf32: fp32 at TF32's peak
-    chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": optimizer_kernel(opt)}  # the defaults taken
+    chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": describe_optimizer(opt), "zero": cfg.zero}
     if rank0:
         print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source, chosen))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)

@@ -7,7 +7,8 @@ part of; its implementation is torch's fused kernel on an accelerator and the mu
 ("foreach") one on the host (``axon4d.device.adamw_kernel``). ``clip`` clips by the global
 gradient norm, which counts every element once however it is sharded or replicated over the grid
 (``axon4d.grads.grad_norm``), on the device: the norm is returned as a tensor, which the loop
-reads with the loss in one host read.
+reads with the loss in one host read. With ``--zero 1|2`` the AdamW is sharded over the data axis
+(``axon4d.zero.shard_optimizer``): the same param groups, so ``set_lr`` works unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import torch
 
 from axon4d import device as devices
-from axon4d import grads, param_layout
+from axon4d import grads, param_layout, zero
 from axon4d.grid import Grid
 from axon4d.train.config import TrainConfig
 
@@ -38,8 +39,11 @@ def set_lr(opt: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> float:
     return lr
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (norm weights and biases excluded).
+def make_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, grid: Grid | None = None
+) -> torch.optim.AdamW | zero.ShardedOptimizer:
+    """AdamW with weight decay on matrices and embeddings only (norm weights and biases excluded);
+    under ``cfg.zero`` 1 or 2 sharded over ``grid``'s data axis (``axon4d.zero``).
 
     Decided by the parameter's *global* shape, so flat Linear shards count as matrices; for a
     plain single-process model the global shape is the parameter's own."""
@@ -48,13 +52,29 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     other = [p for n, p in model.named_parameters() if len(layouts[n].global_shape) < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
     kernel = devices.adamw_kernel(next(model.parameters()).device)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **{kernel: True})
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **{kernel: True})
+    if not cfg.zero:
+        return opt
+    if grid is None:
+        raise ValueError(f"--zero {cfg.zero} shards the optimizer over a grid's data axis: pass the grid")
+    return zero.shard_optimizer(opt, model, grid, stage=cfg.zero)
 
 
 def optimizer_kernel(opt: torch.optim.Optimizer) -> str:
     """Which implementation ``opt`` runs (``make_optimizer``'s choice): "fused", "foreach" or "for-loop"."""
     defaults = opt.defaults
     return "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
+
+
+def describe_optimizer(opt: torch.optim.Optimizer) -> str:
+    """``optimizer_kernel``, and the ZeRO stage where the optimizer is sharded: "foreach",
+    "foreach, ZeRO-2 over 4 data ranks", "fused, ZeRO-1 (a no-op: data 1)"."""
+    kernel = optimizer_kernel(opt)
+    if not isinstance(opt, zero.ShardedOptimizer):
+        return kernel
+    if opt.data_size == 1:
+        return f"{kernel}, ZeRO-{opt.stage} (a no-op: data 1)"
+    return f"{kernel}, ZeRO-{opt.stage} over {opt.data_size} data ranks"
 
 
 def clip(model: torch.nn.Module, cfg: TrainConfig, grid: Grid) -> torch.Tensor:
