@@ -141,24 +141,29 @@ def measure_peak(model: ProbeModel, warmup: int = 2) -> int:
     return peak_bytes(model.grid, model, opt, lambda: train_step(model, opt))
 
 
-def peak_bytes(grid: Grid, model: nn.Module, opt: torch.optim.Optimizer, step: Callable[[], Any]) -> int:
+def peak_bytes(grid: Grid, model: nn.Module, opt: Any, step: Callable[..., Any], *, passes: bool = False) -> int:
     """Peak bytes of torch tensors on this rank over one ``step()``, maximum over ranks (all ranks
     call it): torch's ``MemTracker`` on the host (see ``measure_peak``), the allocator's peak on an
-    accelerator. The communication log is cleared afterwards."""
+    accelerator. The communication log is cleared afterwards.
+
+    ``passes``: the step runs the model's forward more than once (micro-batches) and is called as
+    ``step(next_pass)``, calling ``next_pass()`` before each forward after the first: the tracker
+    follows one module call per iteration, so its per-module records are cleared there (its peak
+    is kept)."""
     device = grid.device
     grid.comm.barrier()
     if devices.is_host(device):
         tracker = MemTracker()
         with warnings.catch_warnings():  # it warns of the gradients zero_grad set to None
             warnings.simplefilter("ignore", UserWarning)
-            tracker.track_external(model, opt)
+            tracker.track_external(model, *([opt] if isinstance(opt, torch.optim.Optimizer) else []))
             with tracker:
-                step()
+                step(tracker.reset_mod_stats) if passes else step()
         peak = float(tracker.get_tracker_snapshot("peak")[device]["Total"])
     else:
         devices.synchronize(device)
         devices.reset_peak_memory(device)
-        step()
+        step(lambda: None) if passes else step()
         devices.synchronize(device)
         peak = float(devices.peak_memory_allocated(device) or 0)
     grid.comm.log.clear()

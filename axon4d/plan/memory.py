@@ -191,9 +191,10 @@ def memory(
     micro-batch's (batch/k sequences); with ``zero`` ≥ 1 the optimizer state and master weights are
     ⌈N/G_data⌉ elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
     accumulation the local sums of the whole shards are held to the last micro-batch, so the
-    gradients stay whole); with ``offload`` n the saved activations of n blocks leave the device —
-    one block's worth stays (the block whose copy is in flight, or the one fetched back ahead of its
-    backward) — and take n blocks' worth of host memory (``MemoryEstimate.host``)."""
+    gradients stay whole); with ``offload`` n the saved activations of the first n blocks leave the
+    device — the backward starts with the other L − n blocks' and, from the last of those on, two are
+    on the device at a time (the block running, the one fetched back ahead of it): max(L − n,
+    min(L, 2)) blocks' worth — and take n blocks' worth of host memory (``MemoryEstimate.host``)."""
     m, elem = wl.model, wl.element_size
     if micro_batches > 1:
         wl = dataclasses.replace(wl, batch=wl.batch // micro_batches)
@@ -204,25 +205,36 @@ def memory(
     grads = (owned if zero == 2 and micro_batches == 1 else n_params) * elem
     optimizer = owned * (OPTIMIZERS[wl.optimizer] + (4 if master else 0))
     per_block = block_bytes(wl, shape, recompute)
-    resident = m.n_layers - offload + min(offload, 1)
-    acts = resident * per_block
+    # offloaded: the first ``offload`` blocks (axon4d.offload), whose backward comes last: the backward
+    # starts with the others' activations
+    acts = (m.n_layers - offload) * per_block
+    kept = 0.0
     if overlap.oag_keep and shape.z > 1:  # every gathered block kept from forward to backward
-        acts += (
+        kept = (
             sum(
                 s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
                 for s in wl.linears()
             )
             * elem
         )
+    edge = 0.0
     b = wl.local_tokens(shape)
     if wl.head:
-        acts += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
-        acts += final_norm_saved(wl, shape)
+        edge += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
+        edge += final_norm_saved(wl, shape)
+    acts += kept + edge
     # under accumulation the earlier micro-batches' gradient sums are live through the whole backward
     # and each layer's new gradient is added into them; ZeRO-2 (k = 1) keeps 1/G_data of each
     held = n_params * elem if micro_batches > 1 else 0.0
     share = 0.0 if micro_batches > 1 else 1 / shape.data if zero == 2 else 1.0
     live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share).run()
+    if offload:
+        # from the last block kept on the device on, two blocks are there at a time (the block running,
+        # the one fetched back ahead of it), with the gradients of the blocks above and the head
+        above = (m.n_layers - offload) / m.n_layers * n_params * elem * share
+        two = min(m.n_layers, 2) * per_block + kept
+        walk = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, two + held + above, share)
+        live_peak = max(live_peak, walk.one_block())
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
         if s.embedding
@@ -448,6 +460,11 @@ class BackwardWalk:
         self.free(s["attention"] - t["qkv"] + s["lse"])  # q, k, v are replaced by their gradient
         self.layer("qkv", t["x0"], first, remade=t["x0"] if balanced else 0.0)
         self.done("qkv", freed=t["qkv"] + s["norm1"])
+
+    def one_block(self) -> float:
+        """The peak live bytes of one block's backward in the middle of the pass, from what is live now."""
+        self.block_backward(first=False)
+        return self.peak
 
     def run(self) -> float:
         """The peak live bytes of the step's backward."""

@@ -57,21 +57,34 @@ def accumulate(
 
     With a grid each rank trains on its rows of each micro-batch; with ``grid=None`` (one
     process) on all of them. The rows go to the device of the model's parameters (the grid's)."""
-    device = grid.device if grid is not None else next(model.parameters()).device
-    split_sequences = grid is not None and getattr(model, "context_parallel", False)
-    total = torch.zeros((), device=device)
-    for i, full in enumerate(batches):  # (B, S+1): inputs are the first S tokens of each row, targets the last S
-        if split_sequences:  # tokens of each sequence split head–tail over z (docs/context.md)
-            inputs, targets = (activations.shard_sequence(t, grid) for t in (full[:, :-1], full[:, 1:]))
-        else:
-            rows = activations.shard_batch(full, grid) if grid is not None else full
-            inputs, targets = rows[:, :-1], rows[:, 1:]
-        inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
-        loss = model.loss(inputs, targets) / len(batches)
-        # every micro-batch but the last holds its data-axis reductions: the last one's backward
-        # reduces the step's sums once (axon4d.scheduler, accumulation)
-        hold = grid is not None and i < len(batches) - 1
-        with grid.scheduler.accumulating() if hold else contextlib.nullcontext():  # type: ignore[union-attr]
-            loss.backward()
-        total += loss.detach()
+    total = torch.zeros((), device=_device(model, grid))
+    for i, full in enumerate(batches):
+        total += accumulate_one(model, full, grid, last=i == len(batches) - 1, parts=len(batches))
     return total
+
+
+def _device(model: Transformer | DenseTransformer, grid: Grid | None) -> torch.device:
+    return grid.device if grid is not None else next(model.parameters()).device
+
+
+def accumulate_one(
+    model: Transformer | DenseTransformer, full: torch.Tensor, grid: Grid | None, last: bool, parts: int
+) -> torch.Tensor:
+    """Forward and backward of one micro-batch ``full`` (B, S+1) — inputs are the first S tokens of
+    each row, targets the last S — its loss divided by ``parts`` (the step's micro-batches); returns that
+    loss, detached. Unless it is the ``last`` of its step, its backward holds the data-axis
+    reductions (axon4d.scheduler, accumulation): the last one's reduces the step's sums once."""
+    device = _device(model, grid)
+    if grid is not None and getattr(
+        model, "context_parallel", False
+    ):  # tokens split head–tail over z (docs/context.md)
+        inputs, targets = (activations.shard_sequence(t, grid) for t in (full[:, :-1], full[:, 1:]))
+    else:
+        rows = activations.shard_batch(full, grid) if grid is not None else full
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+    inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
+    loss = model.loss(inputs, targets) / parts
+    hold = grid is not None and not last
+    with grid.scheduler.accumulating() if hold else contextlib.nullcontext():  # type: ignore[union-attr]
+        loss.backward()
+    return loss.detach()
