@@ -2,7 +2,8 @@
 
 Start with ``axon4d.init(grid=(x, y, z, data))``, replace ``torch.nn.Linear`` with
 ``axon4d.Linear``, and move tensors in and out of the grid's layouts with ``shard_input`` /
-``gather_output``. docs/design.md explains the algorithm; docs/ the user guide.
+``gather_output``. ``shard_optimizer`` shards an optimizer's state over the data axis (ZeRO-1/2).
+docs/design.md explains the algorithm; docs/ the user guide.
 
 Importing axon4d changes no environment variable and reads no file; host memory in huge pages is
 an explicit call (``axon4d.device.use_huge_pages``), which the training job's entry makes.
@@ -15,6 +16,7 @@ from axon4d.nn import Linear
 from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.runtime import get_grid, init, shutdown
 from axon4d.shape import GridShape, factorizations
+from axon4d.zero import ShardedOptimizer, shard_optimizer
 
 __version__ = "0.1.0"
 
@@ -22,6 +24,7 @@ __all__ = [
     "Grid",
     "GridShape",
     "Linear",
+    "ShardedOptimizer",
     "auto_parallelize",
     "factorizations",
     "gather_batch",
@@ -33,6 +36,7 @@ __all__ = [
     "shard_batch",
     "shard_features",
     "shard_input",
+    "shard_optimizer",
     "shutdown",
     "stepstats",
     "to_dense",

@@ -300,7 +300,9 @@ class Scheduler:
         times ``scale``, in the grid's gradient-reduction dtype. Returns the shard (in the
         parameter's dtype) when the policy is fully synchronous; otherwise — or when the reduction
         over data is held (``accumulating``) — the result is written into ``param.grad`` later
-        (before the backward that reduces returns) and None is returned."""
+        (before the backward that reduces returns) and None is returned. Under ZeRO-2
+        (``scatter_over_data``) E12 is a reduce-scatter over data whose part goes to the
+        ``DataSharding``, not ``.grad``: None is returned."""
         dw = dw.to(reduce_dtype(self.precision, param))
         g_z = self.comm.shape.size("z")  # with G_z = 1 there is no E11: the dW GEMM wrote into the slot
         slot = self.weight_grad_slot(param, dw.numel() // g_z, dw.dtype, dw.device) if g_z > 1 else None
@@ -522,7 +524,8 @@ class Scheduler:
         Runs automatically at the end of each backward; call it yourself only if you drive
         backward in a way that does not finish through the autograd engine. Inside
         ``accumulating`` the held sums stay held; outside, sums still held (a parameter the last
-        backward did not reach) are reduced here too."""
+        backward did not reach) are reduced here too. ZeRO-2's reduce-scattered parts are handed
+        to their ``DataSharding`` (``take_grad``) instead."""
         self._advance()
         if not self.holding:
             self._release_held()
