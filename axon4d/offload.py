@@ -136,6 +136,8 @@ class OffloadStats:
     """copies back issued only when backward asked for the tensor (not prefetched: the compute waited)"""
     skipped: dict[str, int] = dataclasses.field(default_factory=lambda: {"small": 0, "parameter": 0, "other": 0})
     """saved tensors left alone, by reason: under MIN_BYTES, parameters or buffers, another device or layout"""
+    small_bytes: int = 0
+    """bytes of the saved tensors left alone for being under MIN_BYTES (counted at each save)"""
 
 
 class _Saved:
@@ -235,6 +237,7 @@ class _Group:
             return t
         if storage.nbytes() < self.owner.min_bytes:
             stats.skipped["small"] += 1
+            stats.small_bytes += t.numel() * t.element_size()
             return t
         hit = self.seen.get(storage.data_ptr())
         # the same memory packed before, still alive (so not reused) and not written since
@@ -325,7 +328,7 @@ class Offloader:
         s = self._stats
         s.peak_host_bytes, s.peak_resident_bytes = s.host_bytes, s.resident_bytes
         s.peak_block_bytes = dict(s.block_bytes)
-        s.copies_out = s.copies_in = s.late_fetches = 0
+        s.copies_out = s.copies_in = s.late_fetches = s.small_bytes = 0
         s.skipped = {k: 0 for k in s.skipped}
 
     def _moved(self, saved: _Saved, out: bool) -> None:

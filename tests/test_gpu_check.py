@@ -18,6 +18,12 @@ sys.path.insert(0, os.path.dirname(SCRIPT))
 import gpu_check  # noqa: E402  (bench/ is not a package)
 
 
+def _saved(out):
+    """The JSON gpu_check wrote, and each case's status by name."""
+    saved = json.loads(out.read_text())
+    return saved, {c["name"]: c["status"] for c in saved["cases"]}
+
+
 def _run(*args):
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
@@ -40,8 +46,7 @@ def test_on_the_host_the_cases_run_and_the_result_is_saved(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("gpu-check: host: 2 passed, 0 failed, 1 skipped (")
-    saved = json.loads(out.read_text())
-    status = {c["name"]: c["status"] for c in saved["cases"]}
+    saved, status = _saved(out)
     assert status == {
         "exact llama x1y1z2d1 overlap-on": "passed",
         "checkpoint z2 -> y2": "passed",
@@ -109,8 +114,7 @@ def test_the_offload_cases_run_on_the_host_and_record_time_and_memory(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = _run("--on-host", "--only", "offload", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    saved = json.loads(out.read_text())
-    status = {c["name"]: c["status"] for c in saved["cases"]}
+    saved, status = _saved(out)
     assert status == {
         "offload exact x1y2z2d1": "passed",
         "offload exact x1y2z2d1 context": "passed",
