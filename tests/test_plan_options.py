@@ -64,16 +64,16 @@ def test_micro_batch_counts_must_split_the_batch_on_the_grid():
 def test_zero_shards_the_optimizer_and_gathers_the_parameters_over_data():
     n = local_param_count(WL_20B, SHAPE)
     m0, m1, m2 = (memory(WL_20B, SHAPE, "none", ALL, zero=z) for z in (0, 1, 2))
-    assert m0.optimizer == n * (8 + 4)  # two fp32 moments and the fp32 master weights (bf16 training)
-    assert m1.optimizer == m2.optimizer == math.ceil(n / 4) * 12
-    assert m1.grads == m0.grads and m2.grads == math.ceil(n / 4) * 2
+    assert m0.optimizer == n * 8  # two fp32 moments (the parameters are the fp32 master weights)
+    assert m1.optimizer == m2.optimizer == math.ceil(n / 4) * 8
+    assert m0.params == m0.grads == n * 4 and m1.grads == m0.grads and m2.grads == math.ceil(n / 4) * 4
     assert m2.peak <= m1.peak < m0.peak
     # under accumulation the held sums are whole: ZeRO-2's gradients as ZeRO-1's
     assert memory(WL_20B, SHAPE, "none", ALL, zero=2, micro_batches=2).grads == m0.grads
     t0, t1, t2 = (step_estimate(_sc(zero=z)) for z in (0, 1, 2))
     gather = zero_gather(_sc(zero=1))
     assert gather is not None and (gather.op, gather.axis) == (Op.ALL_GATHER, "data")
-    assert gather.payload_bytes == math.ceil(n / 4) * 4 * 2
+    assert gather.payload_bytes == math.ceil(n / 4) * 4 * 4  # fp32 parameters
     assert t1.bytes_by_axis["data"] == t0.bytes_by_axis["data"] + gather.payload_bytes
     assert t1.optimizer_s == pytest.approx(t0.optimizer_s / 4, rel=1e-3)
     # ZeRO-2: E12 is a reduce-scatter (half an all-reduce's ring traffic)

@@ -31,7 +31,7 @@ from axon4d.geometry import Collective, Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, context_hidden, layer_cost, priced
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import block_bytes
+from axon4d.plan.memory import block_bytes, param_bytes
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
@@ -259,10 +259,11 @@ def _owned(sc: Scenario) -> float:
 
 def zero_gather(sc: Scenario) -> Collective | None:
     """ZeRO's all-gather over data of the updated parameters (each rank's ⌈N/G_data⌉ elements, in the
-    parameters' dtype), once per step; None without ZeRO or with G_data = 1."""
+    parameters' dtype: fp32 masters when training in 16 bits, ``memory.param_bytes``), once per
+    step; None without ZeRO or with G_data = 1."""
     if not sc.zero or sc.shape.data == 1:
         return None
-    payload = math.ceil(sc.params / sc.shape.data) * sc.shape.data * sc.element_size
+    payload = math.ceil(sc.params / sc.shape.data) * sc.shape.data * param_bytes(sc.workload)
     return Collective(Op.ALL_GATHER, "data", payload, "backward", Term.ZERO_GATHER)
 
 

@@ -2,7 +2,9 @@
 
 Persistent: parameters (each layer's Z shard ⌈n_W/G_z⌉ = ``geometry.weight_shard_numel`` plus its
 bias slice; norms and position embeddings split over x), gradients of the same size, and Adam
-state (two fp32 moments, plus fp32 master weights when training in 16 bits).
+state (two fp32 moments). Training in 16 bits the parameters and their gradients are the fp32
+master weights (``param_bytes``), cast for the GEMMs; ZeRO shards only the moments and, at
+stage 2, the gradients (its masters are views of the parameters).
 
 Transient: the peak is found by walking the backward pass in order (``BackwardWalk``): at its
 start every activation saved under the recompute policy is live, with the logits (in the step's
@@ -46,6 +48,14 @@ from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.workload import OPTIMIZERS, Workload
 from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
+
+
+def param_bytes(wl: Workload, master_weights: bool | None = None) -> int:
+    """Bytes of one parameter element, and of its gradient: 4 when training in 16 bits with fp32
+    master weights (the library's parameters are those masters, ``axon4d.precision``; the default
+    for a 16-bit ``wl``), else the workload's element size."""
+    master = wl.dtype != "float32" if master_weights is None else master_weights
+    return 4 if master else wl.element_size
 
 
 def local_param_count(wl: Workload, shape: GridShape) -> int:
@@ -188,8 +198,8 @@ def memory(
     NCCL: ``Machine.staged_reduce_scatter``).
 
     The step's options (``axon4d.plan.scenario``): with ``micro_batches`` k the activations are one
-    micro-batch's (batch/k sequences); with ``zero`` ≥ 1 the optimizer state and master weights are
-    ⌈N/G_data⌉ elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
+    micro-batch's (batch/k sequences); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
+    elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
     accumulation the local sums of the whole shards are held to the last micro-batch, so the
     gradients stay whole); with ``offload`` n the saved activations of the first n blocks leave the
     device — the backward starts with the other L − n blocks' and, from the last of those on, two are
@@ -200,10 +210,12 @@ def memory(
         wl = dataclasses.replace(wl, batch=wl.batch // micro_batches)
     n_params = local_param_count(wl, shape)
     owned = math.ceil(n_params / shape.data) if zero else n_params  # elements whose optimizer state is here
-    master = wl.dtype != "float32" if master_weights is None else master_weights
-    params = n_params * elem
-    grads = (owned if zero == 2 and micro_batches == 1 else n_params) * elem
-    optimizer = owned * (OPTIMIZERS[wl.optimizer] + (4 if master else 0))
+    # training in 16 bits, the parameters are the fp32 master weights (axon4d.precision: the layers
+    # cast them for the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them
+    p_bytes = param_bytes(wl, master_weights)
+    params = n_params * p_bytes
+    grads = (owned if zero == 2 and micro_batches == 1 else n_params) * p_bytes
+    optimizer = owned * OPTIMIZERS[wl.optimizer]
     per_block = block_bytes(wl, shape, recompute)
     # offloaded: the first ``offload`` blocks (axon4d.offload), whose backward comes last: the backward
     # starts with the others' activations
@@ -225,15 +237,15 @@ def memory(
     acts += kept + edge
     # under accumulation the earlier micro-batches' gradient sums are live through the whole backward
     # and each layer's new gradient is added into them; ZeRO-2 (k = 1) keeps 1/G_data of each
-    held = n_params * elem if micro_batches > 1 else 0.0
+    held = n_params * p_bytes if micro_batches > 1 else 0.0
     share = 0.0 if micro_batches > 1 else 1 / shape.data if zero == 2 else 1.0
-    live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share).run()
+    live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share, p_bytes).run()
     if offload:
         # from the last block kept on the device on, two blocks are there at a time (the block running,
         # the one fetched back ahead of it), with the gradients of the blocks above and the head
-        above = (m.n_layers - offload) / m.n_layers * n_params * elem * share
+        above = (m.n_layers - offload) / m.n_layers * n_params * p_bytes * share
         two = min(m.n_layers, 2) * per_block + kept
-        walk = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, two + held + above, share)
+        walk = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, two + held + above, share, p_bytes)
         live_peak = max(live_peak, walk.one_block())
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
@@ -306,9 +318,11 @@ class BackwardWalk:
         staged_reduce_scatter: bool,
         acts: float,
         grad_share: float = 1.0,
+        grad_bytes: int | None = None,
     ) -> None:
         self.wl, self.shape, self.recompute, self.overlap = wl, shape, recompute, overlap
         self.grad_share = grad_share  # of a layer's gradient, what stays once reduced (ZeRO-2: 1/G_data)
+        self.grad_bytes = wl.element_size if grad_bytes is None else grad_bytes  # per gradient element
         self.elem = wl.element_size
         self.specs = {s.name: s for s in wl.linears()}
         self.t = {k: v * self.elem for k, v in _block_tensors(wl, shape).items()}  # one block's tensors, bytes
@@ -374,7 +388,7 @@ class BackwardWalk:
     def grad(self, name: str) -> float:
         """The gradient ``name`` keeps once its E11 is waited on: its shard, and its bias's slice."""
         s = self.specs[name]
-        return self.grad_share * (self.shard(name) + (s.local(self.shape)[1] if s.bias else 0)) * self.elem
+        return self.grad_share * (self.shard(name) + (s.local(self.shape)[1] if s.bias else 0)) * self.grad_bytes
 
     def kept(self, name: str) -> float:
         """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
