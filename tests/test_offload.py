@@ -258,6 +258,16 @@ def test_offloaded_blocks_leave_the_device_and_come_back_two_at_a_time(pools, ar
         assert drop >= PEAK_SHARE * off["held"], (drop, off["held"])
 
 
+def test_with_every_block_offloaded_two_blocks_at_most_are_back_at_once(pools):
+    """All 4 blocks offloaded: each block comes back while the block above it runs its backward, not
+    sooner — at most two blocks' copies on the device at once — and never later than asked for."""
+    off = pools(1).run((1, 1, 1, 1), _memory, MEM_CFG["llama"], "none", 1.0)[0]
+    stats = off["stats"]
+    per_block = stats.peak_block_bytes[0]
+    assert sorted(stats.peak_block_bytes) == [0, 1, 2, 3] and off["held"] == 4 * per_block
+    assert stats.peak_resident_bytes == 2 * per_block and stats.late_fetches == 0
+
+
 #: how far one block's offloaded bytes may lie from the planner's ``block_saved`` under context
 #: parallelism: measured −6% (Llama) to +8% (GPT) on (1,2,2,1) and (2,1,2,1); without it ≤ 1.2%.
 #: The attention of a context-parallel block keeps its output twice, (b, n_h/G_y, s, d) and
