@@ -20,6 +20,7 @@ from axon4d import checkpoint, grads
 from axon4d.config import ModelConfig
 from axon4d.geometry import Op, Term
 from axon4d.models.transformer import Transformer
+from axon4d.overlap_policy import OverlapPolicy
 from axon4d.train.batches import accumulate
 from axon4d.train.config import TrainConfig
 from axon4d.train.loop import train
@@ -95,6 +96,22 @@ def test_zero_1_and_2_equal_the_unsharded_optimizer_after_20_clipped_steps(pools
             # the key bias's true gradient is 0 (softmax ignores it): Adam scales its rounding
             # noise, so its last bits follow the order of the sums; a bound 10x looser per tensor
             assert worst[stage] <= 1e-5, f"{where}: a tensor differs by {worst[stage]:.3g} relative"
+            assert norms[stage] == pytest.approx(norms[0], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "policy",
+    [OverlapPolicy.off(), OverlapPolicy(bucket_mb=1.0)],
+    ids=["overlap-off", "all-1MB-buckets"],
+)
+def test_zero_2_is_exact_without_overlap_and_with_buckets_of_several_shards(pools, policy):
+    """Overlap off reduces each shard at once (the scheduler's synchronous path); 1 MB buckets hold
+    every shard (laid side by side for the reduce-scatter) and every parameter (one all-gather)."""
+    grid = (1, 1, 2, 2)
+    for rank, (whole, worst, norms, _) in enumerate(pools(4).run(grid, _exactness, GPT, 2, 10, overlap=policy)):
+        for stage in (1, 2):
+            assert whole[stage] <= 1e-6 and worst[stage] <= 1e-5, (stage, rank, whole, worst)
             assert norms[stage] == pytest.approx(norms[0], rel=1e-6)
 
 
