@@ -1,5 +1,6 @@
 """Peak memory per rank of the step options, measured with torch's memory tracker against the
-planner's prediction (issue 31, item 6): micro-batches, activation offload and ZeRO, on 1–8 ranks.
+planner's prediction (issue 31, item 6): micro-batches, activation offload and ZeRO (the optimizer
+sharded over data, ``axon4d.shard_optimizer``), on 1–8 ranks.
 
 Each case trains the same small model (tests/test_recompute.py's) for two warm-up steps and
 measures the third (``axon4d.measure.probe.peak_bytes``: torch's ``MemTracker`` on the host, the
@@ -49,7 +50,8 @@ def _measure(grid, cfg, recompute="none", micro_batches=1, offload=None, zero=0)
     step(), step()
     if model.offloader is not None:
         model.offloader.reset_peaks()
-    measured = peak_bytes(grid, model, opt, step, passes=True)
+    tracked = getattr(opt, "inner", opt)  # a sharded optimizer's state lives in its inner optimizer
+    measured = peak_bytes(grid, model, tracked, step, passes=True)
     host = model.offloader.stats().peak_host_bytes if model.offloader is not None else 0
     hosts = grid.comm.all_gather(torch.tensor([float(host)]), "world").wait()
     return measured, int(hosts.max())
@@ -111,6 +113,9 @@ def _check(result, what):
         pytest.param(4, (2, 1, 1, 2), {"micro_batches": 4, "recompute": "balanced"}, marks=pytest.mark.slow),
         pytest.param(4, (1, 2, 2, 1), {"offload": 1.0}, marks=pytest.mark.slow),
         pytest.param(8, (2, 2, 2, 1), {"offload": 0.5, "recompute": "balanced"}, marks=pytest.mark.slow),
+        (2, (1, 1, 1, 2), {"zero": 1}),
+        pytest.param(4, (1, 2, 1, 2), {"zero": 1, "micro_batches": 2}, marks=pytest.mark.slow),
+        pytest.param(8, (1, 1, 2, 4), {"zero": 1, "recompute": "full"}, marks=pytest.mark.slow),
     ],
 )
 def test_peak_memory_of_micro_batches_and_offload_is_the_planners(pools, world, grid, options):

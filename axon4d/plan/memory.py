@@ -253,10 +253,16 @@ def memory(
         else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         for s in wl.linears()
     )
-    if zero:
+    gathers = 0.0
+    if zero and shape.data > 1:
+        # ZeRO's all-gathers of the updated parameters: two buckets at a time (one unpacked while the
+        # next is in flight), each its parts sent and every rank's received (the grid's bucket_mb;
+        # 0: one parameter per bucket, the largest bounding it)
+        bucket = max(largest_shard * p_bytes, overlap.bucket_mb * 2**20)
+        gathers = 2 * bucket * (1 + 1 / shape.data)
         largest_shard = math.ceil(largest_shard / shape.data)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
-    optimizer_step = grads + (2 * largest_shard * 4 if wl.optimizer == "adam" else 0)
+    optimizer_step = grads + gathers + (2 * largest_shard * 4 if wl.optimizer == "adam" else 0)
     peak = params + optimizer + max(live_peak, optimizer_step)
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak, offload * per_block)
 
