@@ -13,6 +13,8 @@ import warnings
 
 import pytest
 import torch
+from harness import value_errors
+from test_train import _base
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import axon4d
@@ -301,13 +303,7 @@ def _refusals(grid):
         "stepped": lambda: shard_optimizer(stepped, model, grid),
         "foreign": lambda: shard_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))]), model, grid),
     }
-    out = {}
-    for name, case in cases.items():
-        try:
-            case()
-            out[name] = None
-        except ValueError as e:
-            out[name] = str(e)
+    out = value_errors(cases)
     vouched = shard_optimizer(_Custom(model.parameters()), model, grid, elementwise=True)
     out["vouched"] = type(vouched.inner).__name__
     return out
@@ -340,25 +336,8 @@ def test_bad_stages_and_optimizers_are_refused_naming_what_works(pools):
 
 
 def _job(tmp, **kw):
-    cfg = dict(
-        grid="1,1,2,2",
-        model="tiny",
-        layers=1,
-        hidden=32,
-        heads=4,
-        kv_heads=2,
-        vocab_size=64,
-        seq_len=8,
-        batch_size=8,
-        micro_batches=2,
-        steps=4,
-        warmup_steps=2,
-        out_dir=str(tmp),
-        progress=False,
-        peak_tflops=1.0,
-    )
-    cfg.update(kw)
-    return cfg
+    """test_train's small job, on (1,1,2,2) with two micro-batches per step."""
+    return _base(tmp, **{"grid": "1,1,2,2", "micro_batches": 2, **kw})
 
 
 def _train(cfg):
