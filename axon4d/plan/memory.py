@@ -201,7 +201,8 @@ def memory(
     micro-batch's (batch/k sequences); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
     elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
     accumulation the local sums of the whole shards are held to the last micro-batch, so the
-    gradients stay whole); with ``offload`` n the saved activations of the first n blocks leave the
+    gradients stay whole; in the backward the shards stay whole until their reduce-scatters over
+    data are waited at its end); with ``offload`` n the saved activations of the first n blocks leave the
     device — the backward starts with the other L − n blocks' and, from the last of those on, two are
     on the device at a time (the block running, the one fetched back ahead of it): max(L − n,
     min(L, 2)) blocks' worth — and take n blocks' worth of host memory (``MemoryEstimate.host``)."""
@@ -238,7 +239,12 @@ def memory(
     # under accumulation the earlier micro-batches' gradient sums are live through the whole backward
     # and each layer's new gradient is added into them; ZeRO-2 (k = 1) keeps 1/G_data of each
     held = n_params * p_bytes if micro_batches > 1 else 0.0
-    share = 0.0 if micro_batches > 1 else 1 / shape.data if zero == 2 else 1.0
+    # ZeRO-2: E12 is a reduce-scatter over data; ODP waits for every bucket at the end of the backward
+    # (Scheduler.finish_gradients), so each shard stays whole until then, with the chunks a staged
+    # reduce-scatter over more than two ranks receives; only the step after it holds the parts
+    staged = 1.0 if zero == 2 and shape.data > 2 and staged_reduce_scatter else 0.0
+    share = 0.0 if micro_batches > 1 else 1.0 + staged
+    held *= 1.0 + staged
     live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share, p_bytes).run()
     if offload:
         # from the last block kept on the device on, two blocks are there at a time (the block running,
@@ -327,7 +333,7 @@ class BackwardWalk:
         grad_bytes: int | None = None,
     ) -> None:
         self.wl, self.shape, self.recompute, self.overlap = wl, shape, recompute, overlap
-        self.grad_share = grad_share  # of a layer's gradient, what stays once reduced (ZeRO-2: 1/G_data)
+        self.grad_share = grad_share  # a layer's gradient bytes live after its backward, per gradient byte
         self.grad_bytes = wl.element_size if grad_bytes is None else grad_bytes  # per gradient element
         self.elem = wl.element_size
         self.specs = {s.name: s for s in wl.linears()}
@@ -382,19 +388,18 @@ class BackwardWalk:
         """What the ``inflight`` newest reduce-scatters of layers whose backward ran before ``name``'s
         still hold (their gradient blocks, and the received chunks). In the first block after the
         head only the head's and this block's have run; in later blocks, the previous block's too."""
-        if name == "head" or not self.reduces:
+        if name == "head" or not self.reduces or self.shape.z == 1:
+            # without z there is no E11: E12 reduces the gradient shard itself, counted by ``grad``
             return 0.0
         earlier = list(BACKWARD_ORDER[1 : BACKWARD_ORDER.index(name)][::-1])
-        if first:
-            held = self.blocks(earlier + ["head"], [], self.inflight)
-        else:
-            held = self.blocks(earlier, BACKWARD_ORDER[:0:-1], self.inflight)
-        return held * (1 + self.received)
+        first_names, repeated = (earlier + ["head"], []) if first else (earlier, list(BACKWARD_ORDER[:0:-1]))
+        return self.blocks(first_names, repeated, self.inflight) * (1 + self.received)
 
     def grad(self, name: str) -> float:
         """The gradient ``name`` keeps once its E11 is waited on: its shard, and its bias's slice."""
         s = self.specs[name]
-        return self.grad_share * (self.shard(name) + (s.local(self.shape)[1] if s.bias else 0)) * self.grad_bytes
+        bias = s.local(self.shape)[1] if s.bias else 0  # all-reduced over batch, never staged
+        return (self.grad_share * self.shard(name) + min(self.grad_share, 1.0) * bias) * self.grad_bytes
 
     def kept(self, name: str) -> float:
         """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
