@@ -669,7 +669,7 @@ def test_network_only_calibration_replaces_the_links_and_keeps_the_compute(pools
     missing = str(tmp_path / "none.json")
     with pytest.raises(SystemExit, match="does not exist to take it from"):
         calibrate.main(p.parse_args(["--parts", "network", "--out", missing]))
-    with pytest.raises(SystemExit, match="choose some of compute, network"):
+    with pytest.raises(SystemExit, match="choose some of compute, kernels, network"):
         calibrate.main(p.parse_args(["--parts", "links", "--out", missing]))
 
 

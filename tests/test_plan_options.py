@@ -222,3 +222,19 @@ def test_a_model_without_an_even_sequence_is_searched_whole():
     cfg = ModelConfig(n_layers=2, hidden=256, n_heads=4, vocab_size=512, seq_len=127)
     result = plan(cfg, 8, "perlmutter", 16, top=2)
     assert result.best.fits and not any(c.context_parallel for c in result.candidates)
+
+
+def test_elementwise_work_is_priced_at_the_rate_measured_for_its_size():
+    """A host's elementwise rate falls with the op's size (caches; outputs too large for the
+    allocator to reuse are faulted in afresh): calibrate's curve prices each op at its size."""
+    flat = dataclasses.replace(load("perlmutter"), accelerator=False, elementwise_Bps={"8": 6e9})
+    curve = dataclasses.replace(flat, elementwise_curve={"8": [[12e6, 12e9], [50e6, 6e9], [200e6, 1.5e9]]})
+    assert flat.elementwise_time(200e6, 8) == pytest.approx(200e6 / 6e9)
+    assert curve.elementwise_time(200e6, 8) == pytest.approx(200e6 / 1.5e9)  # at a measured size
+    assert curve.elementwise_time(1e6, 8) == pytest.approx(1e6 / 12e9)  # flat beyond the ends
+    assert 200e6 / 1.5e9 > curve.elementwise_time(100e6, 8) > 100e6 / 6e9  # log-linear between
+    act = dict(activation_s={"8": [1e-9, 2e-9]})
+    f0, b0 = dataclasses.replace(flat, **act).activation_time(1e6, 8)
+    f1, b1 = dataclasses.replace(curve, **act).activation_time(200e6 / 12, 8)  # 200 MB streamed
+    assert (f1, b1) == pytest.approx((200e6 / 12 * 1e-9 * 4, 200e6 / 12 * 2e-9 * 4))  # 4× slower than the flat rate
+    assert (f0, b0) == pytest.approx((1e-3, 2e-3))

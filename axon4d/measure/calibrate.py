@@ -52,7 +52,7 @@ from axon4d.plan import stepfit
 from axon4d.plan.machine import FORMS, Machine, load
 
 #: What a calibration can measure (``--parts``).
-PARTS = ("compute", "network")
+PARTS = ("compute", "kernels", "network")
 
 
 def measure_world(
@@ -77,7 +77,8 @@ def measure_world(
     ``dims``, ``payloads``, ``attention_seqs``, ``prefix_keys``: the GEMM lattice, the collective
     payloads, the causal attention's sequence lengths and the prefix attention's key lengths;
     ``parts``: which of ``PARTS`` to measure ("compute": GEMMs, attention, elementwise work and the
-    optimizer; "network": the collectives, their overlap and interference)."""
+    optimizer; "kernels": the elementwise work and the optimizer alone; "network": the collectives,
+    their overlap and interference)."""
     step_wl = stepfit.parse_model(step_model) if step_model else None  # a bad spec fails before measuring
     if step_wl is not None:
         stepfit.check_grids(grid.world_size, step_wl)
@@ -86,6 +87,9 @@ def measure_world(
     out: dict[str, Any] = {"world": world}
     if "compute" in parts:
         out.update(_measure_compute(timer, dtypes, attention_seqs, prefix_keys, dims, log))
+    elif "kernels" in parts:
+        out.update(_measure_kernels(timer))
+        log(f"[{world} ranks] elementwise, activation, optimizer done")
     if "network" in parts:
         out.update(_measure_network(timer, passes, payloads, log))
     samples = step_probe.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []
@@ -110,11 +114,22 @@ def _measure_compute(
         log(f"[{world} ranks] {name} GEMM tables done")
         out["attention"][name] = kernels.attention_rows(timer, dt, attention_seqs)
         out["attention_prefix"][name] = kernels.prefix_rows(timer, dt, prefix_keys)
-    bps, act, adam = kernels.elementwise(timer, torch.float32)
-    out.update(elementwise_Bps=bps, activation_s=act, adam_s=adam)
-    out["op_overhead_s"] = kernels.op_overhead(timer)
+    out.update(_measure_kernels(timer))
     log(f"[{world} ranks] attention, elementwise, optimizer done")
     return out
+
+
+def _measure_kernels(timer: Timer) -> dict[str, Any]:
+    """Elementwise streaming (at one size, and as a curve over sizes), the MLP activation, one Adam
+    step per element and a framework op's cost (the "kernels" part; "compute" includes it)."""
+    bps, act, adam = kernels.elementwise(timer, torch.float32)
+    return {
+        "elementwise_Bps": bps,
+        "activation_s": act,
+        "adam_s": adam,
+        "elementwise_curve": kernels.elementwise_curve(timer),
+        "op_overhead_s": kernels.op_overhead(timer),
+    }
 
 
 def _measure_network(timer: Timer, passes: int, payloads: Sequence[int], log: Callable[[str], None]) -> dict[str, Any]:
@@ -182,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
     parts = [s.strip() for s in args.parts.split(",") if s.strip()]
     if not parts or set(parts) - set(PARTS):
         raise SystemExit(f"--parts {args.parts}: choose some of {', '.join(PARTS)}")
-    if "compute" not in parts and not os.path.exists(args.out):
+    if "compute" not in parts and not os.path.exists(args.out):  # "kernels" or "network" alone: the rest from --out
         raise SystemExit(
             f"--parts {args.parts} measures no compute, and --out {args.out} does not exist to take it from: "
             "calibrate with --parts compute,network, or copy a machine file of this host to --out first"

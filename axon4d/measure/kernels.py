@@ -107,6 +107,27 @@ def elementwise(timer: Timer, dtype: torch.dtype) -> tuple[float, list[float], f
     return bps, [t_f / n, max(t_fb - t_f, 0.0) / n], t_adam / n
 
 
+#: elements of the fp32 adds ``elementwise_curve`` times: 4, 16 and 64 MiB per operand (the largest
+#: above the C library's largest heap block, so its output is fresh memory, faulted in each time)
+ELEMENTWISE_SIZES = (1 << 20, 1 << 22, 1 << 24)
+
+
+def elementwise_curve(timer: Timer, sizes: Sequence[int] = ELEMENTWISE_SIZES) -> list[list[float]]:
+    """[[bytes streamed, bytes/s], ...] of an fp32 add ``a + b`` (two reads and a fresh output) at
+    each of ``sizes`` elements: how an elementwise op's rate changes with its size on this machine
+    (caches, and on a host the page faults of outputs too large for the allocator to reuse)."""
+    rows = []
+    for n in sizes:
+        a, b = torch.randn(n, device=timer.device), torch.randn(n, device=timer.device)
+        streamed = 3 * n * a.element_size()
+
+        def add(a: torch.Tensor = a, b: torch.Tensor = b) -> torch.Tensor:
+            return a + b
+
+        rows.append([float(streamed), streamed / timer.measure(add)])
+    return rows
+
+
 def op_overhead(timer: Timer) -> float:
     """Seconds of one tiny framework op (dispatch, not work)."""
     return timer.measure(lambda: torch.add(torch.ones(1), 1))

@@ -44,11 +44,13 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
         machine.elementwise_Bps[key] = result["elementwise_Bps"]
         machine.activation_s[key] = result["activation_s"]
         machine.adam_s[key] = result["adam_s"]
+        if "elementwise_curve" in result:
+            machine.elementwise_curve[key] = result["elementwise_curve"]
         machine.op_overhead_s = result["op_overhead_s"] if world == 1 else machine.op_overhead_s
     if "comm" not in result:  # no network part
         machine.devices_per_node = max(machine.devices_per_node, world)
         return _with_steps(machine, world, result)
-    if "matmul" not in result:  # the network alone: the compute came from elsewhere, the name is this one's
+    if "matmul" not in result and "elementwise_Bps" not in result:  # the network alone: the name is this one's
         machine.name = name
         machine.sources["network"] = f"re-measured on {world} ranks by `axon4d calibrate --parts network`"
     if world > 1:

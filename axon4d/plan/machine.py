@@ -126,6 +126,9 @@ class Machine:
     # dtype -> concurrency -> rows [keys, head_dim, seconds per (query·key) pair of unmasked fwd+bwd]
     elementwise_Bps: dict[str, float] = dataclasses.field(default_factory=lambda: {"1": 1e12})
     # concurrency -> bytes/s an elementwise op streams (read + write)
+    elementwise_curve: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    # concurrency -> [[bytes streamed, bytes/s], ...] of an add at several sizes (calibrate): the rate
+    # ``elementwise_time`` and ``activation_time`` take by size; none: ``elementwise_Bps`` at every size
     activation_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # concurrency -> [forward, backward] seconds per element of the MLP activation (GELU)
     adam_s: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -226,14 +229,32 @@ class Machine:
         return flops / (self.matmul_efficiency * self.peak(dtype)) + 4 * self.op_overhead_s
 
     def elementwise_time(self, nbytes: float, world: int = 1) -> float:
-        """Seconds to stream ``nbytes`` (reads + writes) through elementwise ops on one rank."""
-        return nbytes / self._nearest(self.elementwise_Bps, self.concurrency(world))
+        """Seconds to stream ``nbytes`` (reads + writes) through elementwise ops on one rank: at the
+        rate measured for ops of that size (``elementwise_curve``, log-linear between its sizes,
+        flat beyond), else ``elementwise_Bps``."""
+        return nbytes / self._stream_rate(nbytes, world)
+
+    def _stream_rate(self, nbytes: float, world: int) -> float:
+        """Bytes/s an elementwise op streaming ``nbytes`` reaches while ``world`` ranks run."""
+        flat = float(self._nearest(self.elementwise_Bps, self.concurrency(world)))
+        if not self.elementwise_curve:
+            return flat
+        rows = self._nearest(self.elementwise_curve, self.concurrency(world))
+        sizes, rates = [math.log(r[0]) for r in rows], [math.log(r[1]) for r in rows]
+        return float(math.exp(np.interp(math.log(max(nbytes, 1.0)), sizes, rates)))
+
+    def _size_factor(self, nbytes: float, world: int) -> float:
+        """How much slower than ``elementwise_Bps`` an op streaming ``nbytes`` runs (1 without a curve)."""
+        return float(self._nearest(self.elementwise_Bps, self.concurrency(world))) / self._stream_rate(nbytes, world)
 
     def activation_time(self, elements: float, world: int = 1) -> tuple[float, float]:
-        """(forward, backward) seconds of the MLP activation over ``elements`` elements."""
+        """(forward, backward) seconds of the MLP activation over ``elements`` elements: the measured
+        per-element cost, scaled by the elementwise rate at this size against the one it was
+        measured with (``elementwise_curve``; fp32, an input read and an output written)."""
         if self.activation_s:
             f, b = self._nearest(self.activation_s, self.concurrency(world))
-            return elements * f, elements * b
+            k = self._size_factor(3 * 4 * elements, world)
+            return elements * f * k, elements * b * k
         return self.elementwise_time(2 * 2 * elements, world), self.elementwise_time(3 * 2 * elements, world)
 
     def optimizer_time(self, params: float, world: int = 1, optimizer: str = "adam") -> float:

@@ -33,6 +33,8 @@ class TrainConfig:
     """Grid sizes x,y,z,data (one may be -1: the rest), or auto (the planner chooses)."""
     machine: str = ""
     """The planner's machine (a shipped name such as perlmutter, or a file from axon4d calibrate): for --grid auto, and for the overlap knobs the planner tunes (axon4d.init's overlap="auto"); default $AXON4D_MACHINE, else none (the default knobs; --grid auto then needs one)."""
+    pin: str = ""
+    """With --grid auto, step options the planner may not choose although they are at their defaults, comma-separated: recompute, micro_batches, zero, offload, context_parallel, fp8_gather (an option given another value than its default is pinned anyway; docs/planner.md)."""
     comm: str = "auto"
     """Communication transport: auto (MPI when launched by mpirun on CPUs, else torch.distributed: NCCL on GPUs, gloo on CPUs), torch, or mpi (GPU tensors go to a CUDA-aware MPI as they are, else through host memory)."""
     model: str = "small"
@@ -147,6 +149,11 @@ class TrainConfig:
             raise ValueError(
                 f"--zero {self.zero!r}: choose 0 (no sharding), 1 (optimizer state and master weights sharded over "
                 "data) or 2 (also the weights' gradients)"
+            )
+        unknown = [n for n in (v.strip().replace("-", "_") for v in self.pin.split(",")) if n and n not in PLANNED]
+        if unknown:
+            raise ValueError(
+                f"--pin {self.pin!r}: {', '.join(unknown)} is not a planned option; name some of {', '.join(PLANNED)}"
             )
         if self.min_lr > self.lr:
             raise ValueError(
@@ -278,6 +285,8 @@ _HINTS: dict[str, str] = {
 ZERO_STAGES = (0, 1, 2)
 #: --data names that are not files
 DATA_NAMES = ("synthetic", "corpus")
+#: the step options ``--grid auto`` lets the planner choose (axon4d.train.planned), as --pin names them
+PLANNED = ("recompute", "micro_batches", "zero", "offload", "context_parallel", "fp8_gather")
 
 #: fields whose flag accepts only these values.
 CHOICES: dict[str, tuple[str, ...]] = {

@@ -44,7 +44,7 @@ from axon4d.offload import parse_offload
 from axon4d.precision import AUTO, NAMED
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import check_recompute
-from axon4d.train import reference, report
+from axon4d.train import planned, reference, report
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
 from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
@@ -62,6 +62,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     seconds (``cfg.startup_timeout`` until the first step is done), naming it."""
     devices.use_expandable_segments()  # before the accelerator is initialised; only where there is one
     devices.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
+    overlap: Any = "auto"  # the knobs the planner tunes for the grid (axon4d.init's default)
+    if cfg.grid == "auto":  # the planner's grid and step options, applied (every rank alike)
+        cfg, best = planned.plan_run(cfg, devices.accelerator_available())
+        overlap = best.overlap
     # a bad name fails here, on every rank, before any communication; the resolved name is the
     # run's from here on: the checkpoints, a resume's check and the reference run see it
     cfg = dataclasses.replace(cfg, precision=_resolve_precision(cfg))
@@ -74,6 +78,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         seed=cfg.seed,
         precision=cfg.precision,
         comm=cfg.comm,
+        overlap=overlap,
         plan={
             "model": mcfg,
             "batch": cfg.batch_size,
@@ -107,7 +112,7 @@ def _resolve_precision(cfg: TrainConfig) -> str:
 #: matmuls round, as the device or the transport do, not what the run computes; offload changes
 #: where saved activations wait for their backward, not what is computed (bit-identical); --zero
 #: where the optimizer's state lives (its checkpoints load with or without it, on any data size)
-RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload", "zero"}
+RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload", "zero", "pin"}
 
 
 def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:

@@ -1,0 +1,110 @@
+"""``axon4d train --grid auto``: the planner's whole plan, applied to the run (docs/planner.md).
+
+The planner searches the grid and the step options together (``axon4d.plan.search.plan``):
+recomputation, micro-batches, ZeRO stage, activation offload, FP8 weight gathers and context
+parallelism. With ``--grid auto`` every rank asks it the same question before any process group
+exists (``axon4d.plan.auto.choose``: a deterministic search, the same answer everywhere; rank 0
+prints it) and the run takes the answer:
+
+- an option left at its default is the planner's to choose; one given on the command line with
+  another value is pinned, and ``--pin`` pins named options at whatever value they have, defaults
+  included (``--pin recompute,zero`` keeps ``none`` and 0);
+- the step's batch is ``--batch-size`` × ``--micro-batches``; when the planner chooses k
+  micro-batches, the run accumulates k micro-batches of batch/k sequences (the same batch per step);
+- offloading n blocks offloads the first n (``axon4d.offload``: their backward comes last);
+- FP8 gathers are chosen only under ``--precision auto`` on an accelerator (they need 16-bit
+  weights; the run's precision becomes ``bf16-fp8-gather``);
+- the grid and the overlap knobs the planner priced the plan with are the ones built.
+
+On a named grid nothing is chosen: the options are the flags' values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from axon4d import launch
+from axon4d.plan.auto import choose
+from axon4d.plan.search import AUTO_OPTION, Candidate
+from axon4d.precision import AUTO, resolve
+from axon4d.train.config import PLANNED, TrainConfig
+
+#: what a field holds when the user gave nothing (TrainConfig's defaults)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def pinned(cfg: TrainConfig) -> set[str]:
+    """The options the planner may not choose: those named by ``--pin`` and those given a value
+    other than their default (fp8 gathers: pinned unless --precision is auto)."""
+    out = {name.strip().replace("-", "_") for name in cfg.pin.split(",") if name.strip()}
+    for name in PLANNED:
+        if name == "fp8_gather":
+            if cfg.precision != AUTO:
+                out.add(name)
+        elif getattr(cfg, name) != _DEFAULTS[name]:
+            out.add(name)
+    return out
+
+
+def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
+    """``choose``'s step options for this run: ``AUTO_OPTION`` for the planner's, else the pinned value."""
+    free = set(PLANNED) - pinned(cfg)
+    if not accelerator:
+        free.discard("fp8_gather")  # on the host the run computes in fp32: no 16-bit weights to gather in FP8
+
+    def ask(name: str, value: Any) -> Any:
+        return AUTO_OPTION if name in free else value
+
+    offload = len(_offload_indices(cfg)) if cfg.offload else 0
+    fp8 = cfg.precision == "bf16-fp8-gather"
+    return {
+        "recompute": ask("recompute", cfg.recompute),
+        "micro_batches": ask("micro_batches", cfg.micro_batches),
+        "zero": ask("zero", cfg.zero),
+        "offload": ask("offload", offload),
+        "context_parallel": ask("context_parallel", cfg.context_parallel),
+        "fp8_gather": ask("fp8_gather", fp8),
+    }
+
+
+def _offload_indices(cfg: TrainConfig) -> tuple[int, ...]:
+    from axon4d.offload import offload_blocks, parse_offload
+
+    return offload_blocks(parse_offload(cfg.offload), cfg.model_config().n_layers)
+
+
+def plan_run(cfg: TrainConfig, accelerator: bool) -> tuple[TrainConfig, Candidate]:
+    """Ask the planner for this run's grid and options (every rank alike; rank 0 prints the
+    choice) and return the run's config with the chosen options applied, and the choice (its
+    ``shape`` and ``overlap`` are the grid to build). ``ValueError`` when no plan fits."""
+    info = launch.detect()
+    mcfg = cfg.model_config()
+    asked = question(cfg, accelerator)
+    planned_micro = asked["micro_batches"] == AUTO_OPTION
+    step_batch = cfg.batch_size * cfg.micro_batches
+    precision = resolve(cfg.precision, accelerator)  # what --precision auto becomes on this device
+    best = choose(
+        info.world_size,
+        model=mcfg,
+        batch=step_batch,
+        machine=cfg.machine or None,
+        dtype="float32" if precision == "fp32" else "bfloat16",
+        overlap="auto",
+        rank=info.rank,
+        **asked,
+    )
+    k = int(best.option("micro_batches"))
+    blocks = int(best.option("offload"))
+    changes: dict[str, Any] = {
+        "recompute": best.recompute,
+        "zero": int(best.option("zero")),
+        "offload": ",".join(str(i) for i in range(blocks)) if blocks else "",
+        "context_parallel": bool(best.context_parallel),
+        "grid": ",".join(str(s) for s in best.shape.as_tuple()),
+    }
+    if planned_micro:
+        changes.update(micro_batches=k, batch_size=step_batch // k)
+    if asked["fp8_gather"] == AUTO_OPTION and best.option("fp8_gather"):  # only a free --precision auto
+        changes["precision"] = "bf16-fp8-gather"
+    return dataclasses.replace(cfg, **changes), best

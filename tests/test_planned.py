@@ -1,0 +1,103 @@
+"""``axon4d train --grid auto`` runs the planner's whole plan (axon4d.train.planned): the grid and
+the overlap knobs it priced, and the step options it chose — those left at their defaults — while
+options given on the command line, or named by ``--pin``, stay as given."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+
+import pytest
+
+from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan.search import AUTO_OPTION
+from axon4d.shape import GridShape
+from axon4d.train import TrainConfig, planned, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: a machine file measured on a CPU host (no accelerator): the planner's choice there is a host's
+HOST_MACHINE = os.path.join(ROOT, "bench", "results", "planner_machine_local.json")
+TINY = dict(model="tiny", layers=2, hidden=64, heads=4, kv_heads=2, vocab_size=128, seq_len=16, progress=False)
+
+
+def test_options_left_at_their_defaults_are_the_planner_s():
+    cfg = TrainConfig(grid="auto")
+    asked = planned.question(cfg, accelerator=True)
+    assert asked == {name: AUTO_OPTION for name in planned.PLANNED}
+    # on the host the run computes in fp32: no FP8 gathers to choose
+    assert planned.question(cfg, accelerator=False)["fp8_gather"] is False
+    # a flag given another value pins it; --pin pins one at its default
+    cfg = TrainConfig(grid="auto", recompute="full", micro_batches=2, offload="0,1", pin="zero,context-parallel")
+    asked = planned.question(cfg, accelerator=True)
+    assert asked["recompute"] == "full" and asked["micro_batches"] == 2 and asked["offload"] == 2
+    assert asked["zero"] == 0 and asked["context_parallel"] is False and asked["fp8_gather"] == AUTO_OPTION
+    assert planned.question(TrainConfig(precision="bf16"), accelerator=True)["fp8_gather"] is False
+    with pytest.raises(ValueError, match="--pin 'zero,speed': speed is not a planned option; name some of recompute"):
+        TrainConfig(pin="zero,speed")
+
+
+def test_the_chosen_options_are_applied_to_the_run(monkeypatch):
+    """The planner's answer (a stand-in here) becomes the run's config: the grid, recomputation,
+    k micro-batches of batch/k sequences, ZeRO, the first n blocks offloaded, the sequences split,
+    FP8 gathers as the precision."""
+    asked = {}
+
+    def choose(world, **kw):
+        asked.update(kw, world=world)
+        options = {"recompute": "balanced", "micro_batches": 4, "zero": 1, "offload": 2, "fp8_gather": True}
+        return types.SimpleNamespace(
+            shape=GridShape(1, 2, 2, 2),
+            overlap=OverlapPolicy(),
+            options=options,
+            context_parallel=True,
+            recompute="balanced",
+            option=options.__getitem__,
+        )
+
+    monkeypatch.setattr(planned, "choose", choose)
+    cfg = TrainConfig(grid="auto", batch_size=32, **TINY)
+    run, best = planned.plan_run(cfg, accelerator=True)
+    assert asked["batch"] == 32 and asked["micro_batches"] == AUTO_OPTION and asked["dtype"] == "bfloat16"
+    assert (run.grid, run.recompute, run.micro_batches, run.batch_size) == ("1,2,2,2", "balanced", 4, 8)
+    assert (run.zero, run.offload, run.context_parallel, run.precision) == (1, "0,1", True, "bf16-fp8-gather")
+    # pinned micro-batches keep the batch per micro-batch as given
+    run, _ = planned.plan_run(dataclasses.replace(cfg, micro_batches=2, precision="fp32"), accelerator=True)
+    assert (run.micro_batches, run.batch_size, run.precision) == (2, 32, "fp32")
+    assert asked["micro_batches"] == 2 and asked["batch"] == 64 and asked["dtype"] == "float32"
+
+
+def _auto_job(cfg_dict):
+    from axon4d.plan.auto import choose
+
+    cfg = TrainConfig(**cfg_dict)
+    expected = choose(
+        4,
+        model=cfg.model_config(),
+        batch=cfg.batch_size,
+        machine=cfg.machine,
+        dtype="float32",
+        overlap="auto",
+        rank=1,
+        recompute=AUTO_OPTION,
+        micro_batches=AUTO_OPTION,
+        zero=AUTO_OPTION,
+        offload=AUTO_OPTION,
+        context_parallel=AUTO_OPTION,
+        fp8_gather=False,
+    )
+    summary = train(cfg)
+    return summary, expected.shape.as_tuple(), expected.options, expected.context_parallel
+
+
+@pytest.mark.slow
+def test_train_grid_auto_builds_and_runs_the_planner_s_plan(pools, tmp_path):
+    base = dict(grid="auto", machine=HOST_MACHINE, steps=2, batch_size=8, out_dir=str(tmp_path / "run"), **TINY)
+    summary, shape, options, split = pools(4).run(None, _auto_job, base)[0]
+    assert summary["grid"] == str(GridShape(*shape)) and summary["recompute"] == options["recompute"]
+    assert summary["zero"] == options["zero"] and len(summary["losses"]) == 2
+    # a pinned option is kept: full recomputation asked for, full recomputation run
+    summary, _, options, _ = pools(4).run(
+        None, _auto_job, {**base, "recompute": "full", "out_dir": str(tmp_path / "b")}
+    )[0]
+    assert summary["recompute"] == "full"
