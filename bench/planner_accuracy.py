@@ -31,6 +31,12 @@ the error on the other grids (held out) and of the model without the scale.
 Saves bench/results/planner_accuracy.json (with the result header of bench/common.py) and
 docs/planner_accuracy.png and ends with
 ``planner: median error = M%, worst = W%, top-1 gap = G%, memory error = E%``.
+
+``--options`` prices the step options instead (``options_accuracy``): micro-batches and ZeRO-1/2
+on six 8-rank grids with a data axis, each beside its plain step in the same rounds; the in-step
+scale is refitted to the plain steps alone, and the option steps are predicted with it. Saves
+bench/results/planner_accuracy_options.json; the last line is
+``planner options: median error = M%, worst = W% over N steps with micro-batches or ZeRO ...``.
 """
 
 from __future__ import annotations
@@ -91,6 +97,93 @@ def _time_grid(grid, wl: Workload, steps: int) -> dict:
 
     torch.manual_seed(0)
     return measure_step(ProbeModel(wl, grid), steps=steps)
+
+
+def _time_options(grid, wl: Workload, steps: int, options: dict) -> dict:
+    """``_time_grid`` with step options: ``micro_batches`` passes of batch/k, Adam sharded over data
+    at ZeRO stage ``zero``."""
+    import torch
+
+    from axon4d.measure.probe import ProbeModel, measure_step
+
+    k = options.get("micro_batches", 1)
+    torch.manual_seed(0)
+    micro = dataclasses.replace(wl, batch=wl.batch // k)
+    return measure_step(ProbeModel(micro, grid), steps=steps, micro_batches=k, zero=options.get("zero", 0))
+
+
+#: the step options ``--options`` times on ``OPTION_GRIDS`` (beside each grid's plain step)
+OPTION_SETS = {"micro_batches=2": {"micro_batches": 2}, "zero=1": {"zero": 1}, "zero=2": {"zero": 2}}
+#: 8-rank grids with a data axis (for ZeRO) and two sequences per rank (for micro-batches)
+OPTION_GRIDS = [(2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 2, 2), (1, 4, 1, 2), (4, 1, 1, 2), (2, 1, 1, 4)]
+
+
+def options_accuracy(args: argparse.Namespace, machine_path: str, head: dict) -> int:
+    """``--options``: the step options priced against measured steps. In ``--rounds`` interleaved
+    rounds each of ``OPTION_GRIDS`` runs its plain step and each option of ``OPTION_SETS``; the
+    machine's in-step scale is refitted to the plain steps of this run (the same grids), and the
+    option steps — work it was not fitted to — are predicted with it."""
+    from harness import RankPool
+
+    machine = load(machine_path)
+    wl = workload(args)
+    overlap = OverlapPolicy.parse(args.overlap)
+    jobs = [(g, name) for g in OPTION_GRIDS for name in ("plain", *OPTION_SETS)]
+    times: dict[tuple, list[float]] = {j: [] for j in jobs}
+    start = time.perf_counter()
+    pool = RankPool(8, start_timeout=900)
+    try:
+        for r in range(args.rounds):
+            for g, name in jobs if r % 2 == 0 else jobs[::-1]:
+                got = pool.run(
+                    g, _time_options, wl, args.steps, OPTION_SETS.get(name, {}), timeout=600, overlap=args.overlap
+                )
+                times[(g, name)].append(got[0]["step_s"])
+                print(f"round {r + 1}/{args.rounds} {g} {name}: {got[0]['step_s'] * 1e3:.0f} ms", flush=True)
+    finally:
+        pool.close()
+    samples = [dataclasses.asdict(Sample.of(g, wl, times[(g, "plain")])) for g in OPTION_GRIDS]
+    stepfit.store(machine, {8}, samples, "fitted to the plain steps of bench/planner_accuracy.py --options")
+    rows = []
+    for (g, name), got in times.items():
+        options = OPTION_SETS.get(name, {})
+        cand = evaluate(wl, GridShape(*g), machine, overlap, **options)
+        step = statistics.median(got)
+        rows.append(
+            {
+                "grid": list(g),
+                "options": name,
+                "measured_step": step,
+                "rounds_step": got,
+                "predicted_step": cand.time.step_s,
+                "time_error": (cand.time.step_s - step) / step,
+                "fitted": name == "plain",
+            }
+        )
+        print(
+            f"{str(g):<14} {name:<16} {step * 1e3:>8.0f} ms measured {cand.time.step_s * 1e3:>8.0f} ms "
+            f"planned {100 * (cand.time.step_s - step) / step:>+6.1f}%"
+        )
+    held = [abs(r["time_error"]) for r in rows if not r["fitted"]]
+    summary = {
+        "median_time_error_options": statistics.median(held),
+        "worst_time_error_options": max(held),
+        "option_steps": len(held),
+        "step_scale": machine.step_scale.get("8"),
+        "seconds": time.perf_counter() - start,
+    }
+    out = (
+        args.out
+        if args.out != os.path.join(ROOT, "bench/results/planner_accuracy.json")
+        else os.path.join(ROOT, "bench/results/planner_accuracy_options.json")
+    )
+    common.save(out, {"args": vars(args), "machine": machine_path, "rows": rows, "summary": summary}, head)
+    print(
+        f"planner options: median error = {100 * summary['median_time_error_options']:.1f}%, worst = "
+        f"{100 * summary['worst_time_error_options']:.1f}% over {len(held)} steps with micro-batches or ZeRO "
+        "(scale fitted to the plain steps only)"
+    )
+    return 0
 
 
 def _peak_grid(grid, wl: Workload) -> int:
@@ -246,6 +339,12 @@ def main() -> int:
         "--overlap", default="all", help="overlap policy for the run and the planner (all, off, oag,oar,...)"
     )
     p.add_argument("--only", default="", help="semicolon-separated grids x,y,z,d to run instead of the default set")
+    p.add_argument(
+        "--options",
+        action="store_true",
+        help="price the step options (micro-batches, ZeRO-1/2) against measured steps on 8-rank grids instead "
+        "(bench/results/planner_accuracy_options.json)",
+    )
     p.add_argument("--from-json", default=None, help="recompute predictions for the measurements saved in this JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner_accuracy.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs/planner_accuracy.png"))
@@ -280,6 +379,8 @@ def main() -> int:
             ],
             check=True,
         )
+    if args.options:
+        return options_accuracy(args, args.machine, head)
     machine = load(args.machine)
     wl = workload(args)
     overlap = OverlapPolicy.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner

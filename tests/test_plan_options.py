@@ -124,6 +124,11 @@ def test_fp8_gathers_move_a_byte_per_weight_and_a_scale_per_rank():
         assert b.term_bytes[Term.E11] == a.term_bytes[Term.E11]  # gradients unchanged
         assert b.fwd > a.fwd  # the casts
     assert step_estimate(fp8).step_s < step_estimate(bf16).step_s
+    # memory: a gathered block is restored beside its e4m3 bytes (one byte per element)
+    m16, m8 = memory(WL_20B, SHAPE, "none", ALL), memory(WL_20B, SHAPE, "none", ALL, fp8_gather=True)
+    assert m8.peak > m16.peak and m8.peak - m16.peak <= max(
+        s.in_features * s.out_features // (SHAPE.x * SHAPE.y) for s in WL_20B.linears()
+    ) * (1 + ALL.oag_depth)
     with pytest.raises(ValueError, match="fp8_gather with dtype float32"):
         Scenario(dataclasses.replace(WL_20B, dtype="float32"), SHAPE, PERLMUTTER, fp8_gather=True)
 

@@ -120,6 +120,7 @@ SUMMARY_KEYS = {
     "precision",
     "tf32",
     "optimizer",
+    "zero",
 }
 PROGRESS = re.compile(r"loss (\d+\.\d{4}) \| ([\d,]+) tok/s \| MFU (\d+\.\d)% \| hidden (\d+)%")
 

@@ -11,6 +11,7 @@ benchmark needs nothing beyond the 3D linear layer. ``measure_step`` times steps
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.nn import Linear
 from axon4d.plan.workload import Workload
+from axon4d.zero import shard_optimizer
 
 
 class ProbeModel(nn.Module):
@@ -79,14 +81,20 @@ class ProbeModel(nn.Module):
         return self.head(x).float().square().mean()  # logits (b, vocab/G_y)
 
 
-def train_step(model: ProbeModel, opt: torch.optim.Optimizer) -> None:
-    """One forward, backward and Adam step."""
+def train_step(model: ProbeModel, opt: torch.optim.Optimizer, micro_batches: int = 1) -> None:
+    """One step: ``micro_batches`` forwards and backwards of ``model``'s input (a micro-batch each;
+    all but the last hold their data-axis reductions, as the training job does), then the optimizer."""
     opt.zero_grad(set_to_none=True)
-    model(model.input()).backward()
+    for i in range(micro_batches):
+        last = i == micro_batches - 1
+        with contextlib.nullcontext() if last else model.grid.scheduler.accumulating():
+            model(model.input()).backward()
     opt.step()
 
 
-def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2) -> dict[str, Any]:
+def measure_step(
+    model: ProbeModel, steps: int = 4, warmup: int = 2, micro_batches: int = 1, zero: int = 0
+) -> dict[str, Any]:
     """Seconds per training step, as a training run sees them.
 
     The ``steps`` steps run back to back, as in training (no barrier between them: ranks drift
@@ -94,16 +102,20 @@ def measure_step(model: ProbeModel, steps: int = 4, warmup: int = 2) -> dict[str
     one barrier before and one after. The step time is the slowest rank's span divided by
     ``steps``. ``steps_s`` lists this rank's own duration of each step, for the record;
     ``bytes_by_axis`` and ``collectives`` are what the communication log counted per step.
+    ``micro_batches`` and ``zero``: the step accumulates that many passes of ``model`` (built for
+    one micro-batch) and shards Adam over data at that ZeRO stage (``axon4d.shard_optimizer``).
     """
     grid = model.grid
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
+    if zero:  # the optimizer sharded over data (axon4d.zero)
+        opt = shard_optimizer(opt, model, grid, stage=zero)
     for _ in range(warmup):
-        train_step(model, opt)
+        train_step(model, opt, micro_batches)
     grid.comm.log.clear()
     grid.comm.barrier()
     marks = [time.perf_counter()]
     for _ in range(steps):
-        train_step(model, opt)
+        train_step(model, opt, micro_batches)
         devices.synchronize(grid.device)
         marks.append(time.perf_counter())
     log_bytes = {a: v // steps for a, v in grid.comm.log.bytes_by_axis().items()}

@@ -190,6 +190,7 @@ def memory(
     micro_batches: int = 1,
     zero: int = 0,
     offload: int = 0,
+    fp8_gather: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (with ``wl.optimizer``'s states).
 
@@ -245,13 +246,17 @@ def memory(
     staged = 1.0 if zero == 2 and shape.data > 2 and staged_reduce_scatter else 0.0
     share = 0.0 if micro_batches > 1 else 1.0 + staged
     held *= 1.0 + staged
-    live_peak = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share, p_bytes).run()
+    live_peak = BackwardWalk(
+        wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share, p_bytes, fp8_gather
+    ).run()
     if offload:
         # from the last block kept on the device on, two blocks are there at a time (the block running,
         # the one fetched back ahead of it), with the gradients of the blocks above and the head
         above = (m.n_layers - offload) / m.n_layers * n_params * p_bytes * share
         two = min(m.n_layers, 2) * per_block + kept
-        walk = BackwardWalk(wl, shape, recompute, overlap, staged_reduce_scatter, two + held + above, share, p_bytes)
+        walk = BackwardWalk(
+            wl, shape, recompute, overlap, staged_reduce_scatter, two + held + above, share, p_bytes, fp8_gather
+        )
         live_peak = max(live_peak, walk.one_block())
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
@@ -331,10 +336,12 @@ class BackwardWalk:
         acts: float,
         grad_share: float = 1.0,
         grad_bytes: int | None = None,
+        fp8_gather: bool = False,
     ) -> None:
         self.wl, self.shape, self.recompute, self.overlap = wl, shape, recompute, overlap
         self.grad_share = grad_share  # a layer's gradient bytes live after its backward, per gradient byte
         self.grad_bytes = wl.element_size if grad_bytes is None else grad_bytes  # per gradient element
+        self.fp8 = fp8_gather and shape.z > 1  # a gathered block arrives as bytes, restored beside them
         self.elem = wl.element_size
         self.specs = {s.name: s for s in wl.linears()}
         self.t = {k: v * self.elem for k, v in _block_tensors(wl, shape).items()}  # one block's tensors, bytes
@@ -366,7 +373,9 @@ class BackwardWalk:
 
     def gathered(self, name: str) -> float:
         """The block gathered over z for ``name``'s backward (E10b; none with keep-for-backward)."""
-        return self.block(name) if self.shape.z > 1 and not self.overlap.oag_keep else 0.0
+        if self.shape.z == 1 or self.overlap.oag_keep:
+            return 0.0
+        return self.block(name) * (1 + 1 / self.elem if self.fp8 else 1)
 
     def dw(self, name: str) -> float:
         """The dW block, computed straight into E11's zero-padded input."""

@@ -250,6 +250,7 @@ def scenario_memory(sc: Scenario) -> MemoryEstimate:
         micro_batches=sc.micro_batches,
         zero=sc.zero,
         offload=sc.offload,
+        fp8_gather=sc.fp8_gather,
     )
 
 

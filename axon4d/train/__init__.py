@@ -9,6 +9,8 @@ gradient clipping whose norm counts each element once (``axon4d.grads``) → Ada
 and cosine decay. Rank 0 shows a progress bar (loss, tokens/s, MFU, hidden communication) and
 writes ``log.jsonl``; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and
 at the end, and ``--resume`` continues from the newest one on the same loss curve. With
+``--grid auto`` the planner chooses the grid and the step options (recomputation, micro-batches,
+ZeRO, offload, FP8 gathers, split sequences) and the run takes them. With
 ``--compare-single`` rank 0 afterwards trains the same model in one process with plain PyTorch
 from the same initial weights and plots both loss curves.
 """
@@ -20,6 +22,7 @@ from the same initial weights and plots both loss curves.
 #   optim      learning-rate schedule, AdamW, clipping by the global gradient norm
 #   peak       the peak TFLOP/s that MFU is measured against
 #   loop       train(cfg) on the grid, and main(args)
+#   planned    --grid auto: the planner's grid and step options applied to the run
 #   reference  the single-process run of --compare-single
 #   report     step records, progress line, log.jsonl, summary.json, loss.png
 
