@@ -16,10 +16,10 @@ from axon4d.config import SIZES, ModelConfig
 from axon4d.geometry import Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import cli
-from axon4d.plan.cost import ONCE_PER_STEP, step_estimate, zero_gather
+from axon4d.plan.cost import ONCE_PER_STEP, step_estimate, zero_gathers
 from axon4d.plan.layers import FP8_SCALE_BYTES, layer_cost
 from axon4d.plan.machine import load
-from axon4d.plan.memory import block_bytes, local_param_count, memory
+from axon4d.plan.memory import block_bytes, local_param_count, local_param_tensors, memory
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import Choices, best_options, lower_bound, plan
 from axon4d.plan.workload import Workload
@@ -71,16 +71,19 @@ def test_zero_shards_the_optimizer_and_gathers_the_parameters_over_data():
     # under accumulation the held sums are whole: ZeRO-2's gradients as ZeRO-1's
     assert memory(WL_20B, SHAPE, "none", ALL, zero=2, micro_batches=2).grads == m0.grads
     t0, t1, t2 = (step_estimate(_sc(zero=z)) for z in (0, 1, 2))
-    gather = zero_gather(_sc(zero=1))
-    assert gather is not None and (gather.op, gather.axis) == (Op.ALL_GATHER, "data")
-    assert gather.payload_bytes == math.ceil(n / 4) * 4 * 4  # fp32 parameters
-    assert t1.bytes_by_axis["data"] == t0.bytes_by_axis["data"] + gather.payload_bytes
-    assert t1.optimizer_s == pytest.approx(t0.optimizer_s / 4, rel=1e-3)
+    gathers = zero_gathers(_sc(zero=1))  # one per parameter (bucket_mb 0), as axon4d.zero issues them
+    assert len(gathers) == len(local_param_tensors(WL_20B, SHAPE))
+    assert all((g.op, g.axis) == (Op.ALL_GATHER, "data") for g in gathers)
+    assert n * 4 <= sum(g.payload_bytes for g in gathers) <= (n + 4 * len(gathers)) * 4  # fp32, parts padded
+    assert t1.bytes_by_axis["data"] == t0.bytes_by_axis["data"] + sum(g.payload_bytes for g in gathers)
+    one = dataclasses.replace(ALL, bucket_mb=1e6)  # a bucket big enough for every parameter: one gather
+    assert len(zero_gathers(Scenario(WL_20B, SHAPE, PERLMUTTER, one, zero=1))) == 1
+    assert t0.optimizer_s / 4 < t1.optimizer_s < t0.optimizer_s  # a quarter of the step, and the copies of the gathers
     # ZeRO-2: E12 is a reduce-scatter (half an all-reduce's ring traffic)
     e12 = [lc for lc in (layer_cost(s, _sc(zero=2)) for s in _sc().linears) if Term.E12 in lc.comm]
     assert e12 and all(lc.comm[Term.E12] < layer_cost(lc.spec, _sc()).comm[Term.E12] for lc in e12)
     assert t2.traffic_bytes < t1.traffic_bytes
-    assert zero_gather(Scenario(WL_20B, GridShape(2, 2, 16, 1), PERLMUTTER, ALL, zero=1)) is None  # G_data = 1
+    assert zero_gathers(Scenario(WL_20B, GridShape(2, 2, 16, 1), PERLMUTTER, ALL, zero=1)) == []  # G_data = 1
 
 
 def test_offload_moves_blocks_to_host_memory_and_prices_the_copies():

@@ -31,7 +31,7 @@ from axon4d.geometry import Collective, Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, context_hidden, layer_cost, priced
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import block_bytes, param_bytes
+from axon4d.plan.memory import block_bytes, local_param_tensors, param_bytes
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
@@ -190,12 +190,18 @@ def _one_pass(sc: Scenario) -> tuple[TimeEstimate, _Totals]:
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
     hidden_s = hidden.total + hidden_cp
-    gather = zero_gather(sc)
-    if gather is not None:  # ZeRO: the updated parameters all-gathered over data, behind the optimizer
-        seconds, traffic = priced(gather, sc)
-        totals.add_collective(gather, seconds, traffic)
-        once.add_collective(gather, seconds, traffic)
+    gathers = zero_gathers(sc)
+    if gathers:  # ZeRO: the updated parameters all-gathered over data, bucket by bucket, behind the optimizer
+        seconds = 0.0
+        for gather in gathers:
+            t, traffic = priced(gather, sc)
+            totals.add_collective(gather, t, traffic)
+            once.add_collective(gather, t, traffic)
+            seconds += t
         once.interference = m.interference_time(once.traffic, world)
+        # each bucket's parts are copied into the send buffer and every rank's back into the parameters
+        copies = m.elementwise_time(2 * (1 + 1 / sc.shape.data) * sc.params * param_bytes(sc.workload), world)
+        opt += copies
         by_mechanism["zero"] = min(seconds, opt) * m.overlap_efficiency
         hidden_s += by_mechanism["zero"]
     offload = offload_seconds(sc, layers)
@@ -257,14 +263,25 @@ def _owned(sc: Scenario) -> float:
     return math.ceil(sc.params / sc.shape.data) if sc.zero else sc.params
 
 
-def zero_gather(sc: Scenario) -> Collective | None:
-    """ZeRO's all-gather over data of the updated parameters (each rank's ⌈N/G_data⌉ elements, in the
-    parameters' dtype: fp32 masters when training in 16 bits, ``memory.param_bytes``), once per
-    step; None without ZeRO or with G_data = 1."""
+def zero_gathers(sc: Scenario) -> list[Collective]:
+    """ZeRO's all-gathers over data of the updated parameters, once per step, one per bucket as
+    ``axon4d.zero`` issues them: parameters in order, a bucket closed once it holds the policy's
+    ``bucket_mb`` (0: one parameter each); each moves every rank's part of ⌈n/G_data⌉ elements of
+    each of its parameters, in the parameters' dtype (fp32 masters when training in 16 bits,
+    ``memory.param_bytes``). None without ZeRO or with G_data = 1."""
     if not sc.zero or sc.shape.data == 1:
-        return None
-    payload = math.ceil(sc.params / sc.shape.data) * sc.shape.data * param_bytes(sc.workload)
-    return Collective(Op.ALL_GATHER, "data", payload, "backward", Term.ZERO_GATHER)
+        return []
+    d, elem = sc.shape.data, param_bytes(sc.workload)
+    limit = sc.overlap.bucket_mb * 2**20
+    buckets: list[int] = []  # elements gathered per bucket
+    held = 0.0
+    for n in local_param_tensors(sc.workload, sc.shape):
+        if not buckets or held >= limit:
+            buckets.append(0)
+            held = 0.0
+        buckets[-1] += math.ceil(n / d) * d
+        held += n * elem
+    return [Collective(Op.ALL_GATHER, "data", n * elem, "backward", Term.ZERO_GATHER) for n in buckets]
 
 
 def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:

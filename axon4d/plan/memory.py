@@ -60,20 +60,26 @@ def param_bytes(wl: Workload, master_weights: bool | None = None) -> int:
 
 def local_param_count(wl: Workload, shape: GridShape) -> int:
     """Parameter elements one rank holds: linear shards + bias slices + norms + position embedding."""
+    return sum(local_param_tensors(wl, shape))
+
+
+def local_param_tensors(wl: Workload, shape: GridShape) -> list[int]:
+    """Elements of each parameter tensor one rank holds: per linear layer its weight shard and bias
+    slice, the token table (vocab/G_y, hidden/G_x), each norm's weight (and bias) over x, the
+    position table."""
     m = wl.model
-    n = 0
+    out: list[int] = []
     for s in wl.linears():
         if s.embedding:  # (vocab/G_y, hidden/G_x), replicated over z and data
-            n += (s.in_features // shape.y) * (s.out_features // shape.x)
+            out.append((s.in_features // shape.y) * (s.out_features // shape.x))
             continue
-        rows = s.local(shape)[1]
-        n += s.count * (weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) + (rows if s.bias else 0))
+        shard = weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
+        out += [shard] * s.count + ([s.local(shape)[1]] * s.count if s.bias else [])
     if wl.norms:
-        per_norm = (2 if m.arch == "gpt" else 1) * m.hidden // shape.x
-        n += per_norm * (2 * m.n_layers + 1)
+        out += [m.hidden // shape.x] * ((2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1))
     if wl.embedding and m.arch == "gpt":
-        n += m.seq_len * m.hidden // shape.x
-    return n
+        out.append(m.seq_len * m.hidden // shape.x)
+    return out
 
 
 @dataclasses.dataclass
