@@ -19,7 +19,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from axon4d import rules
@@ -37,19 +36,14 @@ SPLIT_SEQUENCES: dict[str, bool | str] = {"off": False, "on": True, "auto": "aut
 FP8_GATHER: dict[str, bool | str] = {"off": False, "on": True, AUTO_OPTION: AUTO_OPTION}
 
 
-def _auto_or(kind: type) -> Callable[[str], Any]:
-    """An argparse type: "auto" as it is, else ``kind(text)`` (a bad value: argparse's clear error)."""
-
-    def parse(text: str) -> Any:
-        if text == AUTO_OPTION:
-            return text
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: give auto or a {kind.__name__}") from None
-
-    parse.__name__ = f"auto or {kind.__name__}"
-    return parse
+def _auto_or_int(text: str) -> Any:
+    """An argparse type: "auto" as it is, else a whole number (a bad value: argparse's clear error)."""
+    if text == AUTO_OPTION:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a whole number, e.g. 2") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,20 +71,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batches",
         default=AUTO_OPTION,
-        type=_auto_or(int),
+        type=_auto_or_int,
         help="micro-batches the step's batch is accumulated over: auto (searched, default) or a count, e.g. 4",
     )
     p.add_argument(
         "--zero",
         default=AUTO_OPTION,
-        type=_auto_or(int),
+        type=_auto_or_int,
         help="optimizer sharding over data: auto (searched, default) | 0 | 1 (optimizer state and master weights) | "
         "2 (and gradients)",
     )
     p.add_argument(
         "--offload",
         default=AUTO_OPTION,
-        type=_auto_or(int),
+        type=_auto_or_int,
         help="blocks whose saved activations go to host memory: auto (searched where the machine gives its host link, "
         "default) or a number of blocks, e.g. 0",
     )
