@@ -53,24 +53,31 @@ ABLATION = {
 JOBS = (("80B", 1024, 2048), ("20B", 512, 1024))
 
 
+#: the fields of ``Candidate.to_json`` the result file keeps for each plan (with its options and memory)
+ROW_FIELDS = (
+    "grid",
+    "context_parallel",
+    "overlap",
+    "fits",
+    "step_s",
+    "mfu",
+    "compute_s",
+    "optimizer_s",
+    "offload_s",
+    "comm_s",
+    "hidden_s",
+    "comm_by_axis_s",
+)
+
+
 def _row(c: Candidate) -> dict[str, Any]:
-    """One candidate as the result file keeps it: its grid and options, time parts and memory."""
-    t = c.time
+    """One candidate as the result file keeps it: its grid and options, time parts and memory (GiB)."""
+    j = c.to_json()
     return {
-        "grid": list(c.shape.as_tuple()),
-        "context_parallel": c.context_parallel,
+        **{k: j[k] for k in ROW_FIELDS[:2]},
         **c.options,
-        "overlap": c.overlap.spec(),
-        "fits": c.fits,
-        "step_s": t.step_s,
-        "mfu": c.mfu,
-        "compute_s": t.compute_s,
-        "optimizer_s": t.optimizer_s,
-        "offload_s": t.offload_s,
-        "comm_s": t.comm_s,
-        "hidden_s": t.hidden_s,
-        "comm_by_axis_s": t.comm_by_axis,
-        "memory_gib": {k: v / 2**30 for k, v in c.mem.to_json().items()},
+        **{k: j[k] for k in ROW_FIELDS[2:]},
+        "memory_gib": {k: v / 2**30 for k, v in j["memory"].items()},
     }
 
 

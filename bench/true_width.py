@@ -11,8 +11,10 @@ under-prices, and by how much.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/true_width.py --machine bench/results/planner_machine_host_2026-11-24.json
 
-Saves ``bench/results/true_width.json`` (per part: shape, measured seconds — median over
-``--reps`` on the slowest rank — and priced seconds, with the header of bench/common.py); the last
+It also prints the whole step's price on the machine file (``--recompute``, overlap "all"), to set
+beside `bench/gpt.py`'s measured step. Saves ``bench/results/true_width.json`` (per part: shape,
+measured seconds — median over ``--reps`` on the slowest rank — and priced seconds; the step's
+price; with the header of bench/common.py); the last
 line is ``true_width: GEMMs measured/priced = R (median over shapes; worst W at SHAPE), elementwise = E``.
 """
 
@@ -32,7 +34,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import common  # noqa: E402
 
 from axon4d.config import get_config  # noqa: E402
-from axon4d.plan import Workload, load  # noqa: E402
+from axon4d.overlap_policy import OverlapPolicy  # noqa: E402
+from axon4d.plan import Workload, evaluate, load  # noqa: E402
 from axon4d.shape import GridShape  # noqa: E402
 
 
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--grid", default="2,2,2,1")
+    p.add_argument("--recompute", default="full", help="the step's recomputation (for its whole price)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/true_width.json"))
     args = p.parse_args(argv)
@@ -126,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         got = measured[f"add/{size}"]
         rows.append({"part": f"add/{size}", "elements": size, "measured_s": got, "priced_s": priced})
         print(f"      add {size} elements: {got:8.4f} s measured, {priced:8.4f} s priced, ×{got / priced:.2f}")
+    step = evaluate(wl, shape, machine, OverlapPolicy.parse("all"), args.recompute).time
+    print(
+        f"the whole step priced on this machine (recompute {args.recompute}, overlap all): {step.step_s:.1f} s "
+        f"(GEMMs {step.matmul_s:.1f} s, compute {step.compute_s:.1f} s, collectives {step.comm_s:.1f} s)"
+    )
     gemm = [r for r in rows if "m" in r]
     ratios = [r["measured_s"] / r["priced_s"] for r in gemm]
     worst = max(gemm, key=lambda r: r["measured_s"] / r["priced_s"])

@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any
 
 from axon4d import launch
+from axon4d.offload import offload_blocks, parse_offload
 from axon4d.plan.auto import choose
 from axon4d.plan.search import AUTO_OPTION, Candidate
 from axon4d.precision import AUTO, resolve
@@ -69,8 +70,7 @@ def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
 
 
 def _offload_indices(cfg: TrainConfig) -> tuple[int, ...]:
-    from axon4d.offload import offload_blocks, parse_offload
-
+    """The blocks ``--offload`` names (``axon4d.offload``)."""
     return offload_blocks(parse_offload(cfg.offload), cfg.model_config().n_layers)
 
 
