@@ -48,6 +48,8 @@ demo-mlp: install
 # step, the GPU test suite. Runs with the machine's own torch (GPU_PYTHON, which must have CUDA), not
 # .venv's CPU build; writes bench/results/gpu_check_<gpu>.json. Without CUDA it says so and fails.
 GPU_PYTHON ?= python3
+# cases side by side on the one GPU; the timings run alone, last
+GPU_CHECK_ARGS ?= --jobs 6
 gpu-check:
 	PYTHONPATH=. $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 

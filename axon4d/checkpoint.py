@@ -280,8 +280,8 @@ def save(
     path = os.path.abspath(path)
     _agree(grid, _on_rank0(grid, lambda: ckptfiles.prepare(path, overwrite)), f"preparing {path}")
     partial = ckptfiles.partial_path(path)
-    written = dcp.save(state.steps, storage_writer=_Writer(partial), planner=_SavePieces(state.parts))
-    meta["files"] = _digests(grid, partial, written)
+    dcp.save(state.steps, storage_writer=_Writer(partial), planner=_SavePieces(state.parts))
+    meta["files"] = _digests(grid, partial)
     _agree(grid, _on_rank0(grid, lambda: ckptfiles.publish(path, meta, overwrite, keep_last)), f"publishing {path}")
 
 
@@ -365,13 +365,22 @@ def _agree(grid: Grid, err: BaseException | None, doing: str) -> None:
     _raise_first(_exchange(grid, _verdict(err)), err, doing)
 
 
-def _digests(grid: Grid, path: str, written: dcp.Metadata) -> dict[str, dict[str, Any]]:
-    """sha256 and size of every file of the DCP index ``written`` (and the index itself), each
-    file hashed by one rank, shared with all."""
-    names = sorted({info.relative_path for info in written.storage_data.values()} | {ckptfiles.DCP_INDEX})
+def _digests(grid: Grid, path: str) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file that the DCP index at ``path`` names (and the index itself),
+    each file hashed by one rank, shared with all.
+
+    The index is read back from ``path``: the metadata that ``dcp.save`` returns does not carry the
+    file names on every torch (2.11's has ``storage_data = None``)."""
+    index, err = None, None
+    try:
+        index = ckptfiles.read_index(path)
+    except Exception as e:  # every rank learns of it: no rank goes on to an exchange the others skip
+        err = e
+    _agree(grid, err, f"reading the DCP index {path}")
+    assert index is not None  # _agree raised otherwise
+    names = sorted({info.relative_path for info in index.storage_data.values()} | {ckptfiles.DCP_INDEX})
     world = grid.size("world")
     mine: dict[str, Any] = {}
-    err = None
     try:
         for name in names[grid.rank :: world]:
             sha, size = ckptfiles.digest(os.path.join(path, name))

@@ -21,7 +21,12 @@ single-process model (``axon4d.measure.spawn.run_local``). The cases:
   prefetched; and on one rank a Llama with activations large enough to matter (8 blocks of width
   1024, 16384 tokens, bf16-fp32-reduce; a small one on the host) with half its blocks offloaded:
   median step time and peak device memory (``torch.cuda.max_memory_allocated``) with and without,
-  and the bytes moved — the case fails if the peak with offload is not below the peak without;
+  and the bytes moved — the case fails if the peak with offload is not below the peak without —
+  again at the 7B's width (4 blocks of 4096), and the pinned copy rate each way at a block's size;
+- ``fp8``: ``bf16-fp8-gather`` against ``bf16-fp32-reduce`` on (1,1,2,1) and (1,2,2,1): loss within
+  1e-2, the whole gradient within e4m3's unit roundoff 2⁻⁴ (Frobenius), E10's bytes halved;
+- ``zero``: ZeRO-1 and ZeRO-2 against the unsharded AdamW after 5 clipped steps, fp32, on (1,1,1,2)
+  and (1,2,1,2): the parameters within 1e-5;
 - ``checkpoint``: a save on (1,1,2,1) (G_z > 1) loaded on (1,2,1,1): the same weights;
 - ``train``: the training job in ``bf16-fp32-reduce`` on (1,2,2,1) for a few steps, against the
   single-process run of the same model (``--compare-single``);
@@ -36,19 +41,22 @@ single-process model (``axon4d.measure.spawn.run_local``). The cases:
 
 With two or more GPUs the multi-rank cases also run on NCCL, one GPU per rank.
 
-    make gpu-check                              # python3 on PATH, which must have torch with CUDA
+    make gpu-check                              # python3 on PATH, which must have torch with CUDA; --jobs 6
     python bench/gpu_check.py --only context    # cases whose name starts with "context"
     python bench/gpu_check.py --on-host --only exact   # the same code on the host: checks the check
 
-Without CUDA (and without ``--on-host``) it says so and exits 1. Saves
-``bench/results/gpu_check_<gpu>.json`` (every case: its grid, transport, metrics, verdict, seconds;
-the GPU, torch and CUDA versions, the commit, the date). The last line is
+``--jobs N`` runs N cases side by side on the one GPU (each its own processes); the timed cases
+(offload speed, speed) run afterwards, alone. Without CUDA (and without ``--on-host``) it says so
+and exits 1. Saves ``bench/results/gpu_check_<gpu>.json``, rewritten after every case (every
+case: its grid, transport, metrics, verdict, seconds; the GPU, torch and CUDA versions, the commit
+and whether tracked files differed from it, the date). The last line is
 ``gpu-check: <gpu>: N passed, M failed, K skipped (<file>)``; the exit code is 1 when a case failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -58,6 +66,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -85,6 +94,8 @@ MODELS = {
 FP32_TOL = 1e-4  # fp32 on a GPU: other summation orders than the dense model's
 BF16_TOL = 5e-2  # bf16 compute against the fp32 model (tests/test_precision.py's bound)
 TRAIN_TOL = 5e-2  # bf16 training job against the single-process run, relative loss difference
+FP8_TOL = 2.0**-4  # bf16-fp8-gather against bf16-fp32-reduce: e4m3's unit roundoff (tests/test_fp8.py)
+ZERO_TOL = 1e-5  # ZeRO against unsharded AdamW, fp32: summation order only (CPU: 1e-6)
 FLOOR = 1e-3  # gradients that vanish in theory are compared on this scale
 
 
@@ -101,6 +112,8 @@ class Case:
     init_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     verdict: Callable[[list[dict[str, Any]]], str | None] = lambda results: None
     needs_cuda: bool = False
+    #: a timing: runs alone, after every other case (``--jobs`` runs the others side by side)
+    timed: bool = False
 
 
 # -- what every rank runs --------------------------------------------------------------------------
@@ -243,12 +256,22 @@ OFFLOAD_SPEED = {
     ),
     "host": (MODELS["llama"].replace(n_layers=4, hidden=128, ffn_hidden=256, seq_len=64), 8),
 }
+#: a width where a block's compute is long against its activations' copies (the 7B's)
+OFFLOAD_WIDE = {
+    "accelerator": (
+        OFFLOAD_SPEED["accelerator"][0].replace(n_layers=4, hidden=4096, n_heads=32, n_kv_heads=8, ffn_hidden=11008),
+        4,
+    ),
+    "host": OFFLOAD_SPEED["host"],
+}
 
 
-def offload_speed(grid: Any, fraction: float, steps: int = 5) -> dict[str, Any]:
+def offload_speed(grid: Any, fraction: float, wide: bool = False, steps: int = 5) -> dict[str, Any]:
     """Median step time (SGD; after two warm-up steps) and peak device memory of one training step
-    with and without ``fraction`` of the blocks offloaded, and what the offloader moved."""
-    cfg, sequences = OFFLOAD_SPEED["accelerator" if devices.is_accelerator(grid.device) else "host"]
+    with and without ``fraction`` of the blocks offloaded, and what the offloader moved
+    (``OFFLOAD_SPEED``'s model, or with ``wide`` ``OFFLOAD_WIDE``'s)."""
+    table = OFFLOAD_WIDE if wide else OFFLOAD_SPEED
+    cfg, sequences = table["accelerator" if devices.is_accelerator(grid.device) else "host"]
     ids = _batch(cfg, grid.device, sequences)
     x, y = axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])
 
@@ -296,7 +319,24 @@ def offload_speed(grid: Any, fraction: float, steps: int = 5) -> dict[str, Any]:
         "plain": plain,
         "offloaded": offloaded,
         "step_ratio": offloaded["step_s"] / plain["step_s"],
+        "host_link": host_link(grid.device, max(offloaded.get("block_bytes", {}).values(), default=1 << 20)),
     }
+
+
+def host_link(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, float]:
+    """Copy rates between the device and pinned host memory (the offloader's copies), median of
+    ``reps`` copies of ``nbytes`` each way, in bytes per second."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = devices.pinned_empty_like(dev)
+    rates: dict[str, list[float]] = {"device_to_host_Bps": [], "host_to_device_Bps": []}
+    for _ in range(reps):
+        for key, dst, src in (("device_to_host_Bps", host, dev), ("host_to_device_Bps", dev, host)):
+            devices.synchronize(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            devices.synchronize(device)
+            rates[key].append(nbytes / (time.perf_counter() - start))
+    return {key: sorted(v)[len(v) // 2] for key, v in rates.items()} | {"bytes": nbytes}
 
 
 def checkpoint_across_grids(_: Any, directory: str) -> dict[str, Any]:
@@ -369,6 +409,73 @@ def no_host_sync(grid: Any) -> dict[str, Any]:
     return {"error": error}
 
 
+def _flat_run(cfg: ModelConfig, grid: Any, ids: torch.Tensor) -> tuple[float, torch.Tensor, int]:
+    """One forward and backward of ``Transformer(cfg)`` (seed 0): the mean loss over the batch, the
+    whole model's flat gradient and the bytes E10 moved."""
+    torch.manual_seed(0)
+    model = Transformer.from_dense(DenseTransformer(cfg, device=grid.device))
+    grid.comm.log.clear()
+    loss = model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:]))
+    loss.backward()
+    e10 = sum(r.payload_bytes for r in grid.comm.log.records if str(r.tag).startswith("E10"))
+    mean = grid.comm.all_reduce(loss.detach().float().reshape(1).clone(), "batch", tag="check").wait()
+    flat = torch.cat([p.grad.reshape(-1) for p in model.to_dense(grads=True).parameters()])
+    return float(mean) / grid.size("batch"), devices.to_host(flat).double(), e10
+
+
+def fp8_against_bf16(_: Any, grid: tuple[int, int, int, int]) -> dict[str, Any]:
+    """The Llama on ``grid`` with ``bf16-fp8-gather`` against ``bf16-fp32-reduce`` (E10 in e4m3
+    with a per-shard scale, docs/design.md §3): relative loss difference, the whole gradient's
+    relative Frobenius difference, and the E10 bytes of each."""
+    cfg = MODELS["llama"]
+    out: dict[str, Any] = {}
+    for name in ("bf16-fp32-reduce", "bf16-fp8-gather"):
+        g = axon4d.init(grid=grid, precision=name, seed=0)
+        out[name] = _flat_run(cfg, g, _batch(cfg, g.device))
+        device = str(g.device)
+        axon4d.shutdown()
+    (ref_loss, ref, ref_e10), (loss, got, e10) = out["bf16-fp32-reduce"], out["bf16-fp8-gather"]
+    return {
+        "device": device,
+        "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+        "grad_fro": float((got - ref).norm() / ref.norm()),
+        "e10_bytes": e10,
+        "e10_bytes_bf16": ref_e10,
+    }
+
+
+def zero_against_unsharded(grid: Any, steps: int = 5) -> dict[str, Any]:
+    """ZeRO-1 and ZeRO-2 (axon4d.zero) against the unsharded AdamW, fp32, ``steps`` clipped steps
+    of the GPT side by side: the whole model's relative parameter difference for each stage."""
+    from axon4d import grads
+    from axon4d.train.batches import accumulate
+    from axon4d.zero import shard_optimizer
+
+    _highest_precision()
+    cfg = MODELS["gpt"]
+    runs = {}
+    for stage in (0, 1, 2):
+        torch.manual_seed(0)
+        model = Transformer(cfg, grid=grid)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5)
+        runs[stage] = (model, opt if stage == 0 else shard_optimizer(opt, model, grid, stage=stage))
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=gen)
+        for model, opt in runs.values():
+            accumulate(model, (ids,), grid)
+            grads.clip_grad_norm_(model, 0.05, grid)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    out: dict[str, Any] = {"device": str(grid.device)}
+    with torch.no_grad():
+        ref = [p.double() for p in runs[0][0].parameters()]
+        for stage in (1, 2):
+            diff = sum(float((p.double() - r).square().sum()) for p, r in zip(runs[stage][0].parameters(), ref))
+            out[f"zero{stage}_rel"] = (diff / sum(float(r.square().sum()) for r in ref)) ** 0.5
+    return out
+
+
 # -- verdicts --------------------------------------------------------------------------------------
 def _within(key: str, tol: float) -> Callable[[list[dict[str, Any]]], str | None]:
     def judge(results: list[dict[str, Any]]) -> str | None:
@@ -419,6 +526,21 @@ def _offload_saves(results: list[dict[str, Any]]) -> str | None:
     if plain["peak_bytes"] is not None and not offloaded["peak_bytes"] < plain["peak_bytes"]:
         return f"peak memory {offloaded['peak_bytes']} B with offload is not below {plain['peak_bytes']} B without"
     return None
+
+
+def _fp8_close(results: list[dict[str, Any]]) -> str | None:
+    """Within e4m3 rounding of the bf16 gathers (tests/test_fp8.py's bound), half E10's bytes."""
+    r = max(results, key=lambda r: r["grad_fro"])
+    if r["loss_rel"] > 1e-2 or r["grad_fro"] > FP8_TOL:
+        return f"loss_rel = {r['loss_rel']:.2e} (bound 1e-2), grad_fro = {r['grad_fro']:.2e} (bound {FP8_TOL:.2e})"
+    if not 0 < r["e10_bytes"] <= r["e10_bytes_bf16"] / 2 + 1024:
+        return f"E10 moved {r['e10_bytes']} B with fp8 gathers, {r['e10_bytes_bf16']} B with bf16"
+    return None
+
+
+def _zero_exact(results: list[dict[str, Any]]) -> str | None:
+    worst = max(max(r["zero1_rel"], r["zero2_rel"]) for r in results)
+    return None if worst <= ZERO_TOL else f"parameters differ from unsharded AdamW by {worst:.2e} > {ZERO_TOL:.0e}"
 
 
 def _same_weights(results: list[dict[str, Any]]) -> str | None:
@@ -478,8 +600,16 @@ def cases(scratch: str) -> list[Case]:
     for grid, context_parallel in [((1, 2, 2, 1), False), ((1, 2, 2, 1), True)]:
         name = f"offload exact {_label(grid)}{' context' if context_parallel else ''}"
         out.append(Case(name, 4, grid, offload_against_plain, (context_parallel,), {}, _offload_exact))
+    for grid in [(1, 1, 2, 1), (1, 2, 2, 1)]:
+        out.append(Case(f"fp8 gather {_label(grid)}", _world(grid), None, fp8_against_bf16, (grid,), {}, _fp8_close))
+    for grid in [(1, 1, 1, 2), (1, 2, 1, 2)]:
+        out.append(
+            Case(f"zero 1 and 2 {_label(grid)}", _world(grid), grid, zero_against_unsharded, (), {}, _zero_exact)
+        )
     speed = {"precision": "bf16-fp32-reduce"}
-    out.append(Case("offload speed x1y1z1d1", 1, (1, 1, 1, 1), offload_speed, (0.5,), speed, _offload_saves))
+    for label, wide in (("", False), (" wide", True)):
+        name = f"offload speed{label} x1y1z1d1"
+        out.append(Case(name, 1, (1, 1, 1, 1), offload_speed, (0.5, wide), speed, _offload_saves, timed=True))
     ckpt = os.path.join(scratch, "checkpoint")
     out.append(Case("checkpoint z2 -> y2", 2, None, checkpoint_across_grids, (ckpt,), {}, _same_weights))
     job = os.path.join(scratch, "train")
@@ -580,6 +710,15 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _tracked_changes() -> bool | None:
+    """Whether tracked files differ from the commit (None: not a git checkout)."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True)
+        return bool(out.stdout.strip()) if out.returncode == 0 else None
+    except OSError:
+        return None
+
+
 def _device_name(on_host: bool) -> str:
     return "host" if on_host else torch.cuda.get_device_name(0)
 
@@ -592,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--on-host", action="store_true", help="run on the host without CUDA (checks the check itself)")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/gpu_check_<gpu>.json)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a case may take before it counts as failed")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="cases run side by side on the one device (timings still run alone, last)"
+    )
     args = p.parse_args(argv)
     if not (devices.accelerator_available() or args.on_host):
         print(
@@ -610,57 +752,73 @@ def main(argv: list[str] | None = None) -> int:
     def chosen(case_name: str) -> bool:
         return not prefixes or any(case_name.startswith(s) for s in prefixes)
 
-    records: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="axon4d-gpu-check-") as scratch:
-        runs = [(c, "staged") for c in cases(scratch)]
-        runs += [(c, "nccl") for c in cases(scratch) if 2 <= c.world <= gpus]
-        runs += [(c, "nccl" if c.needs_cuda else "staged") for c in single_gpu_cases()]
-        for case, transport in runs:
-            if not chosen(case.name):
-                continue
-            if case.needs_cuda and args.on_host:
-                records.append({"name": case.name, "transport": transport, "status": "skipped", "why": "needs CUDA"})
-            else:
-                records.append(run_case(case, transport, args.timeout))
-            r = records[-1]
-            print(f"{r['status']:>7}  {r['name']} [{transport}] {r.get('seconds', 0):.1f} s  {r.get('why') or ''}")
-            sys.stdout.flush()
-    if chosen("suite"):
-        if args.on_host:
-            records.append({"name": "suite tests/gpu", "status": "skipped", "why": "needs CUDA"})
-        else:
-            records.append(run_suite(args.timeout * 4))
-            print(f"{records[-1]['status']:>7}  suite tests/gpu  {records[-1].get('why') or ''}")
-    if chosen("speed"):
-        if args.on_host:
-            records.append({"name": "speed 20B block", "status": "skipped", "why": "needs CUDA"})
-        else:
-            records.append(run_speed(args.timeout))
-            r = records[-1]
-            print(f"{r['status']:>7}  speed 20B block  {r.get('why') or r['metrics'].get('line', '')}")
-    counts = {s: sum(1 for r in records if r["status"] == s) for s in ("passed", "failed", "skipped")}
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
     out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_check_{slug}.json")
-    result = {
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    header = {
         "command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + (argv if argv is not None else sys.argv[1:])),
         "commit": _git_commit(),
+        "tracked_files_changed": _tracked_changes(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "device": name,
         "gpus": gpus,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "counts": counts,
-        "cases": records,
     }
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+
+    def counts() -> dict[str, int]:
+        return {s: sum(1 for r in records if r["status"] == s) for s in ("passed", "failed", "skipped")}
+
+    def record(r: dict[str, Any]) -> None:
+        """Keep ``r``, print its line, and rewrite the JSON: a run cut short keeps what it finished."""
+        with lock:
+            records.append(r)
+            print(
+                f"{r['status']:>7}  {r['name']} [{r.get('transport', '-')}] {r.get('seconds', 0):.1f} s  {r.get('why') or ''}"
+            )
+            sys.stdout.flush()
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            with open(out, "w") as f:
+                json.dump({**header, "counts": counts(), "cases": records}, f, indent=1, default=str)
+
+    def one(case: Case, transport: str) -> None:
+        if case.needs_cuda and args.on_host:
+            record({"name": case.name, "transport": transport, "status": "skipped", "why": "needs CUDA"})
+        else:
+            record(run_case(case, transport, args.timeout))
+
+    with tempfile.TemporaryDirectory(prefix="axon4d-gpu-check-") as scratch:
+        runs = [(c, "staged") for c in cases(scratch)]
+        runs += [(c, "nccl") for c in cases(scratch) if 2 <= c.world <= gpus]
+        runs += [(c, "nccl" if c.needs_cuda else "staged") for c in single_gpu_cases()]
+        runs = [(c, t) for c, t in runs if chosen(c.name)]
+        side_by_side = [(c, t) for c, t in runs if not c.timed]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            futures = [pool.submit(one, c, t) for c, t in side_by_side]
+            if chosen("suite"):
+                if args.on_host:
+                    record({"name": "suite tests/gpu", "status": "skipped", "why": "needs CUDA"})
+                else:
+                    futures.append(pool.submit(lambda: record(run_suite(args.timeout * 4))))
+            for f in futures:
+                f.result()
+        for c, t in runs:  # the timings, alone on the device
+            if c.timed:
+                one(c, t)
+    if chosen("speed"):
+        if args.on_host:
+            record({"name": "speed 20B block", "status": "skipped", "why": "needs CUDA"})
+        else:
+            r = run_speed(args.timeout)
+            r["why"] = r.get("why") or r["metrics"].get("line", "")
+            record(r)
+    c = counts()
     print(
-        f"gpu-check: {name}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
-        f"({os.path.relpath(out, ROOT)})"
+        f"gpu-check: {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped ({os.path.relpath(out, ROOT)})"
     )
-    return 1 if counts["failed"] else 0
+    return 1 if c["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -119,6 +119,7 @@ def test_the_offload_cases_run_on_the_host_and_record_time_and_memory(tmp_path):
         "offload exact x1y2z2d1": "passed",
         "offload exact x1y2z2d1 context": "passed",
         "offload speed x1y1z1d1": "passed",
+        "offload speed wide x1y1z1d1": "passed",
     }
     for case in saved["cases"][:2]:
         assert len(case["metrics"]) == 4
@@ -127,6 +128,29 @@ def test_the_offload_cases_run_on_the_host_and_record_time_and_memory(tmp_path):
     assert speed["plain"]["step_s"] > 0 and speed["offloaded"]["step_s"] > 0 and speed["step_ratio"] > 0
     assert speed["plain"]["peak_bytes"] is None  # the host keeps no allocator peak; a GPU's is compared
     assert speed["offloaded"]["offloaded_bytes"] > 0 and sorted(speed["offloaded"]["block_bytes"]) == ["0", "1"]
+    link = speed["host_link"]
+    assert link["device_to_host_Bps"] > 0 and link["host_to_device_Bps"] > 0
+    assert link["bytes"] == max(speed["offloaded"]["block_bytes"].values())  # a block's copy
+
+
+@pytest.mark.slow
+def test_the_fp8_and_zero_cases_run_side_by_side_on_the_host(tmp_path):
+    """--jobs 2: the FP8-gather and ZeRO cases pass on the host, each recording what it compared,
+    and the JSON holds every case once (rewritten after each)."""
+    out = tmp_path / "gpu_check.json"
+    proc = _run("--on-host", "--only", "fp8,zero", "--jobs", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    saved, status = _saved(out)
+    assert status == dict.fromkeys(
+        ["fp8 gather x1y1z2d1", "fp8 gather x1y2z2d1", "zero 1 and 2 x1y1z1d2", "zero 1 and 2 x1y2z1d2"], "passed"
+    )
+    for case in saved["cases"]:
+        for m in case["metrics"]:
+            if case["name"].startswith("fp8"):
+                assert 0 < m["grad_fro"] < 2.0**-4 and 0 < m["e10_bytes"] < m["e10_bytes_bf16"]
+            else:
+                assert 0 <= m["zero1_rel"] <= 1e-5 and 0 <= m["zero2_rel"] <= 1e-5
+    assert saved["tracked_files_changed"] in (True, False)
 
 
 @pytest.mark.parametrize(
