@@ -78,7 +78,9 @@ import axon4d
 from axon4d import activations, checkpoint
 from axon4d import device as devices
 from axon4d.config import ModelConfig
+from axon4d.measure import kernels
 from axon4d.measure.spawn import run_local
+from axon4d.measure.timing import Timer
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.train.config import TrainConfig
 from axon4d.train.loop import train
@@ -312,6 +314,7 @@ def offload_speed(grid: Any, fraction: float, wide: bool = False, steps: int = 5
 
     plain = measure(None)
     offloaded = measure(fraction)
+    nbytes = max(offloaded.get("block_bytes", {}).values(), default=1 << 20)
     return {
         "device": str(grid.device),
         "model": f"{cfg.arch} {cfg.n_layers}x{cfg.hidden}, {sequences}x{cfg.seq_len} tokens",
@@ -319,24 +322,12 @@ def offload_speed(grid: Any, fraction: float, wide: bool = False, steps: int = 5
         "plain": plain,
         "offloaded": offloaded,
         "step_ratio": offloaded["step_s"] / plain["step_s"],
-        "host_link": host_link(grid.device, max(offloaded.get("block_bytes", {}).values(), default=1 << 20)),
+        # the copy rate each way at one block's size (axon4d.measure.kernels.host_link)
+        "host_link": {
+            **kernels.host_link(Timer(grid, reps=5), nbytes),
+            "bytes": nbytes,
+        },
     }
-
-
-def host_link(device: torch.device, nbytes: int, reps: int = 5) -> dict[str, float]:
-    """Copy rates between the device and pinned host memory (the offloader's copies), median of
-    ``reps`` copies of ``nbytes`` each way, in bytes per second."""
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = devices.pinned_empty_like(dev)
-    rates: dict[str, list[float]] = {"device_to_host_Bps": [], "host_to_device_Bps": []}
-    for _ in range(reps):
-        for key, dst, src in (("device_to_host_Bps", host, dev), ("host_to_device_Bps", dev, host)):
-            devices.synchronize(device)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            devices.synchronize(device)
-            rates[key].append(nbytes / (time.perf_counter() - start))
-    return {key: sorted(v)[len(v) // 2] for key, v in rates.items()} | {"bytes": nbytes}
 
 
 def checkpoint_across_grids(_: Any, directory: str) -> dict[str, Any]:

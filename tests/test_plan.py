@@ -586,6 +586,49 @@ def _calibrate_small(grid):
     return calibrate.merge(None, result, "test-host", 2**30).to_json(), measured
 
 
+def test_a_calibration_on_an_accelerator_yields_a_file_that_prices_offload():
+    """What the compute ran on is the file's ``accelerator``, and an accelerator's measured host link
+    (``kernels.host_link``) lets the planner price offload; a network-only merge keeps both."""
+    import copy
+
+    from axon4d.measure import calibrate
+
+    result = {
+        "world": 1,
+        "accelerator": True,
+        "elementwise_Bps": 3e12,
+        "activation_s": [1e-12, 2e-12],
+        "adam_s": 5e-11,
+        "op_overhead_s": 1e-5,
+        "host_link_Bps": 5.5e10,
+        "step_samples": [],
+    }
+    m = calibrate.merge(None, result, "gpu-host", 2**30)
+    assert m.accelerator and m.host_link_Bps == 5.5e10 and m.can_offload and m.host_memory_per_device > 0
+    host = calibrate.merge(None, {**result, "accelerator": False} | {"host_link_Bps": 0.0}, "cpu-host", 2**30)
+    assert not host.accelerator
+    network = {"world": 2, "accelerator": False, "comm": [], "staged_reduce_scatter": True, "step_samples": []}
+    network |= {"overlap_efficiency": 0.5, "comm_interference_s_per_byte": 0.0}
+    kept = calibrate.merge(copy.deepcopy(m), network, "gpu-host", 2**30)
+    assert kept.accelerator and kept.host_link_Bps == 5.5e10  # the links re-measured through gloo on a host
+
+
+def test_attention_is_measured_on_enough_heads_to_fill_an_accelerator():
+    """kernels._units: on a host one measurement is ~2²² elements of work; on an accelerator 64 times
+    that (one head of a long sequence leaves most multiprocessors idle), within 2²⁸ elements per tensor
+    and 4096 units."""
+    import types
+
+    from axon4d.measure import kernels
+
+    host, gpu = types.SimpleNamespace(device=torch.device("cpu")), types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert kernels._units(host, 2**22, 2048 * 2048, 2048 * 128) == 1
+    assert kernels._units(gpu, 2**22, 2048 * 2048, 2048 * 128) == 64
+    assert kernels._units(gpu, 2**22, 64 * 64, 64 * 128) == kernels.MAX_UNITS  # 65536 failed in cuDNN
+    assert kernels._units(gpu, 2**22, 2**10, 2**20) == 2**28 // 2**20  # the memory cap
+    assert kernels._units(gpu, 2**24, 512 * 65536, 65536 * 128) == 32
+
+
 def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():
     from axon4d.measure.collectives import hidden_share, interference_per_byte
 

@@ -16,7 +16,7 @@ from axon4d.config import SIZES, ModelConfig
 from axon4d.geometry import Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import cli
-from axon4d.plan.cost import ONCE_PER_STEP, step_estimate, zero_gathers
+from axon4d.plan.cost import ONCE_PER_STEP, copy_queue, step_estimate, zero_gathers
 from axon4d.plan.layers import FP8_SCALE_BYTES, layer_cost
 from axon4d.plan.machine import load
 from axon4d.plan.memory import block_bytes, local_param_count, local_param_tensors, memory
@@ -84,6 +84,24 @@ def test_zero_shards_the_optimizer_and_gathers_the_parameters_over_data():
     assert e12 and all(lc.comm[Term.E12] < layer_cost(lc.spec, _sc()).comm[Term.E12] for lc in e12)
     assert t2.traffic_bytes < t1.traffic_bytes
     assert zero_gathers(Scenario(WL_20B, GridShape(2, 2, 16, 1), PERLMUTTER, ALL, zero=1)) == []  # G_data = 1
+
+
+def test_the_copy_queue_exposes_what_the_side_stream_cannot_fit_behind_the_compute():
+    """cost.copy_queue, worked by hand: 4 blocks, the first 2 offloaded, forward 1, backward 2, head 1,
+    copy 3 — the second block's copy out queues behind the first (ends at 6), block 1's fetch is issued
+    when block 2's gradient arrives (7, ready 10), block 0's at 9 (after block 1's fetch: ready 13); the
+    backward ends at 15 instead of 13."""
+    assert copy_queue(3.0, 2, 4, 1.0, 2.0, 1.0) == pytest.approx(2.0)
+    assert copy_queue(0.0, 4, 4, 1.0, 2.0, 1.0) == 0.0  # an infinitely fast link hides everything
+    assert copy_queue(0.5, 2, 4, 1.0, 2.0, 1.0) == 0.0  # each copy fits its window
+    exposed = [copy_queue(c, 2, 8, 1.0, 2.0, 1.0) for c in (1.0, 2.0, 4.0, 8.0)]
+    assert exposed == sorted(exposed) and exposed[-1] > exposed[0]  # a slower link exposes more
+    assert copy_queue(4.0, 4, 8, 1.0, 2.0, 1.0) > copy_queue(4.0, 2, 8, 1.0, 2.0, 1.0)  # more blocks, more
+    # a link far slower than the compute: all 2k copies in a row, less the compute they overlap
+    big = copy_queue(100.0, 3, 8, 1.0, 2.0, 1.0)
+    assert 2 * 3 * 100.0 - (8 * 3.0 + 1.0) <= big <= 2 * 3 * 100.0
+    # every block offloaded: the last one fetches its own activations when its backward starts
+    assert copy_queue(3.0, 4, 4, 1.0, 2.0, 1.0) > copy_queue(3.0, 3, 4, 1.0, 2.0, 1.0)
 
 
 def test_offload_moves_blocks_to_host_memory_and_prices_the_copies():

@@ -84,7 +84,9 @@ def measure_world(
         stepfit.check_grids(grid.world_size, step_wl)
     timer = Timer(grid, reps, window_s)
     world = grid.world_size
-    out: dict[str, Any] = {"world": world}
+    # the grid's device: on an accelerator the planner leaves forward chunking to the device and
+    # prices offload's copies over the host link (whatever part is measured)
+    out: dict[str, Any] = {"world": world, "accelerator": timer.grid.scheduler.accelerator}
     if "compute" in parts:
         out.update(_measure_compute(timer, dtypes, attention_seqs, prefix_keys, dims, log))
     elif "kernels" in parts:
@@ -123,13 +125,16 @@ def _measure_kernels(timer: Timer) -> dict[str, Any]:
     """Elementwise streaming (at one size, and as a curve over sizes), the MLP activation, one Adam
     step per element and a framework op's cost (the "kernels" part; "compute" includes it)."""
     bps, act, adam = kernels.elementwise(timer, torch.float32)
-    return {
+    out = {
         "elementwise_Bps": bps,
         "activation_s": act,
         "adam_s": adam,
         "elementwise_curve": kernels.elementwise_curve(timer),
         "op_overhead_s": kernels.op_overhead(timer),
     }
+    if timer.grid.scheduler.accelerator:  # offload's copies: the slower direction of the host link
+        out["host_link_Bps"] = min(kernels.host_link(timer).values())
+    return out
 
 
 def _measure_network(timer: Timer, passes: int, payloads: Sequence[int], log: Callable[[str], None]) -> dict[str, Any]:
@@ -138,7 +143,6 @@ def _measure_network(timer: Timer, passes: int, payloads: Sequence[int], log: Ca
     out: dict[str, Any] = {}
     out["comm"] = collectives.comm_curves(timer, torch.float32, passes, payloads) if world > 1 else []
     out["staged_reduce_scatter"] = timer.grid.comm.transport.stages_reduce_scatter
-    out["accelerator"] = timer.grid.scheduler.accelerator
     out["overlap_efficiency"] = statistics.median(
         collectives.overlap_efficiency(timer, torch.float32) for _ in range(max(passes, 1))
     )

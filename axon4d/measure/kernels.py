@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from axon4d import device as devices
 from axon4d.measure.timing import Timer
 from axon4d.plan.machine import MatmulTable
 
@@ -34,6 +35,23 @@ HEAD_DIMS = [32, 64, 128]
 #: key lengths of the unmasked prefix rows (queries: ``PREFIX_QUERIES`` or as many as keys)
 PREFIX_KEYS = [256, 1024, 4096, 16384, 65536]
 PREFIX_QUERIES = 512
+#: how much larger an attention measurement is on an accelerator than on a host: one sequence's
+#: head at a time leaves most of a GPU's multiprocessors idle (one head of 2048 tokens is 16 row
+#: blocks for 132 of them), so its rows would price attention many times too slow
+ACCELERATOR_WORK = 64
+#: the most elements one of q, k, v may hold in an accelerator's attention measurement
+ACCELERATOR_ELEMENTS = 1 << 28
+#: the most (sequence, head) units at once: cuDNN's attention backward failed on an H200 at 65536
+MAX_UNITS = 4096
+
+
+def _units(timer: Timer, work: int, per_unit: int, elements_per_unit: int) -> int:
+    """How many (sequence, head) units one attention measurement runs at once: ``work`` over
+    ``per_unit`` on a host; on an accelerator ``ACCELERATOR_WORK`` times that, while one tensor
+    (``elements_per_unit`` per unit) stays within ``ACCELERATOR_ELEMENTS``."""
+    if not devices.is_accelerator(timer.device):
+        return max(1, work // per_unit)
+    return max(1, min(ACCELERATOR_WORK * work // per_unit, ACCELERATOR_ELEMENTS // elements_per_unit, MAX_UNITS))
 
 
 def matmul_table(timer: Timer, dtype: torch.dtype, form: str, dims: Sequence[int] = DIMS) -> MatmulTable:
@@ -56,7 +74,7 @@ def attention_rows(timer: Timer, dtype: torch.dtype, seqs: Sequence[int] = ATTEN
     """Rows [sequence, head_dim, seconds per (sequence·head)] of causal attention forward + backward."""
     rows = []
     for seq, hd in itertools.product(seqs, HEAD_DIMS):
-        units = max(1, 2**22 // (seq * seq))  # similar work per measurement
+        units = _units(timer, 2**22, seq * seq, seq * hd)  # similar work per measurement
         q, k, v = (
             torch.randn(1, units, seq, hd, dtype=dtype, device=timer.device, requires_grad=True) for _ in range(3)
         )
@@ -76,7 +94,7 @@ def prefix_rows(timer: Timer, dtype: torch.dtype, keys_list: Sequence[int] = PRE
     rows = []
     for keys, hd in itertools.product(keys_list, HEAD_DIMS):
         queries = min(PREFIX_QUERIES, keys)
-        units = max(1, 2**24 // (queries * keys))  # similar work per measurement
+        units = _units(timer, 2**24, queries * keys, keys * hd)  # similar work per measurement
         q = torch.randn(1, units, queries, hd, dtype=dtype, device=timer.device, requires_grad=True)
         k, v = (torch.randn(1, units, keys, hd, dtype=dtype, device=timer.device, requires_grad=True) for _ in range(2))
 
@@ -126,6 +144,17 @@ def elementwise_curve(timer: Timer, sizes: Sequence[int] = ELEMENTWISE_SIZES) ->
 
         rows.append([float(streamed), streamed / timer.measure(add)])
     return rows
+
+
+def host_link(timer: Timer, nbytes: int = 1 << 28) -> dict[str, float]:
+    """Bytes per second of a copy of ``nbytes`` between the device and page-locked host memory, each
+    way (activation offload's copies, axon4d.offload); on a host both are memory copies."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
+    host = devices.pinned_empty_like(dev)
+    return {
+        "device_to_host_Bps": nbytes / timer.measure(lambda: host.copy_(dev, non_blocking=True)),
+        "host_to_device_Bps": nbytes / timer.measure(lambda: dev.copy_(host, non_blocking=True)),
+    }
 
 
 def op_overhead(timer: Timer) -> float:

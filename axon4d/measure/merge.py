@@ -41,6 +41,14 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
     for dt, rows in result.get("attention_prefix", {}).items():
         machine.attention_prefix.setdefault(dt, {})[key] = rows
     if "elementwise_Bps" in result:  # the compute part (calibrate --parts)
+        machine.accelerator = bool(result.get("accelerator", machine.accelerator))  # what the compute ran on
+        if "host_link_Bps" in result:  # an accelerator's link to host memory, each rank copying at once
+            machine.host_link_Bps = float(result["host_link_Bps"])
+            machine.host_memory_per_device = host_memory() / world
+            machine.sources["host_link_Bps"] = (
+                "measured by `axon4d calibrate`: pinned copies of 256 MiB, the slower way"
+            )
+            machine.sources["host_memory_per_device"] = "this host's memory over the ranks that calibrated"
         machine.elementwise_Bps[key] = result["elementwise_Bps"]
         machine.activation_s[key] = result["activation_s"]
         machine.adam_s[key] = result["adam_s"]
