@@ -1,7 +1,9 @@
 """The ``axon4d`` command: one subcommand per tool, each implemented in its own module.
 
 A subcommand module provides ``add_arguments(parser)`` and ``main(args) -> int``; it is imported
-only when its subcommand runs, so ``axon4d plan`` never pays for what ``axon4d train`` imports.
+only when its subcommand runs, so ``axon4d plan`` never pays for what ``axon4d train`` imports. A
+refused input ends a command with its one message and exit code 2; ``--debug`` anywhere on the
+line shows the traceback (``axon4d.errors``).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from axon4d import errors
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,7 +25,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The ``axon4d`` command: ``run_command``, where bad input ends the command with its one
+    message and exit code 2 (``axon4d.errors``; ``--debug`` anywhere for the traceback)."""
+    argv = errors.take_debug_flag(sys.argv[1:] if argv is None else argv)
+    name = argv[0] if argv and argv[0] in COMMANDS else ""
+    return errors.run(lambda: run_command(argv), f"axon4d {name}".strip())
+
+
+def run_command(argv: list[str]) -> int:
+    """Parse ``argv`` (a subcommand and its flags) and run the subcommand; its errors propagate."""
     parser = argparse.ArgumentParser(prog="axon4d", description="4D hybrid-parallel transformer training")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():

@@ -34,12 +34,13 @@ import os
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from axon4d import errors
 
 #: exit code of a rank ended because another rank failed
 EXIT_PEER_FAILED = 3
@@ -363,8 +364,9 @@ def report(error: BaseException, rank: int) -> None:
     dog = _current
     if dog is not None:
         dog.announce(error)
-    tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    print(f"axon4d: rank {rank} failed:\n{tb}", file=sys.stderr, flush=True)
+    # a refusal (bad input) as its one message, anything else with its traceback (axon4d.errors)
+    print(errors.format_error(error, "axon4d", rank), file=sys.stderr, flush=True)
+    errors.mark_reported(error)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ type, FileNotFoundError for a missing file; the regex is searched in the message
 rows run here. Multi-rank rows (grids, layers, tensors, training runs) run on every rank of a real
 4-rank gloo world (``pools``, tests/harness.py), one pool call per table, and must raise the same
 way on every rank within seconds — before any collective, or a rank would be left waiting.
-Training flags go through ``axon4d train``'s real parser (``axon4d.cli.main``) and must fail
+Training flags go through ``axon4d train``'s real parser (``axon4d.cli.run_command``) and must fail
 before any process group or file exists; planner flags through ``axon4d plan``'s.
 """
 
@@ -202,7 +202,7 @@ def test_training_flag_is_refused_before_anything_starts(case, tmp_path):
     argv = ["train", *case.call] + ([] if "--out-dir" in case.call else ["--out-dir", str(out_dir)])
     world_before = dist.is_initialized()
     with pytest.raises(case.exc, match=case.regex):
-        cli.main(argv)
+        cli.run_command(argv)
     assert not out_dir.exists(), "a refused run created its output directory"
     assert dist.is_initialized() == world_before, "a refused run started a process group"
     with pytest.raises(RuntimeError):  # no grid was built
@@ -217,7 +217,7 @@ PLAN = ["plan", "--model", "5B", "--gpus", "8", "--batch", "8"]
 def _plan(*flags: str, base: list[str] = PLAN) -> Callable[[str], int]:
     """`axon4d plan` with ``flags`` overriding the base command (a flag given twice: the last wins);
     "{dir}" in a flag is the test's directory of machine files."""
-    return lambda d: cli.main([*base, *(f.replace("{dir}", d) for f in flags)])
+    return lambda d: cli.run_command([*base, *(f.replace("{dir}", d) for f in flags)])
 
 
 PLAN_CASES = [

@@ -7,6 +7,7 @@ or memory model."""
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from axon4d.plan.layers import axis_group_and_stride, comm_field, layer_cost
 from axon4d.plan.machine import CommCurve, MatmulTable, available
 from axon4d.plan.scenario import Scenario
 from axon4d.shape import GridShape, factorizations
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PROBE = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=256, vocab_size=128, seq_len=16, name="probe")
 PROBE_WL = Workload(PROBE, batch=8, dtype="float32", embedding=False, norms=False)
@@ -627,6 +630,41 @@ def test_attention_is_measured_on_enough_heads_to_fill_an_accelerator():
     assert kernels._units(gpu, 2**22, 64 * 64, 64 * 128) == kernels.MAX_UNITS  # 65536 failed in cuDNN
     assert kernels._units(gpu, 2**22, 2**10, 2**20) == 2**28 // 2**20  # the memory cap
     assert kernels._units(gpu, 2**24, 512 * 65536, 65536 * 128) == 32
+
+
+def test_calibrate_shows_each_stage_as_it_measures(tmp_path):
+    """`axon4d calibrate` draws a bar per stage on rank 0 (``Timer.stage``: named, counted, with an
+    estimate where the count is known) and a line when each is done — not minutes of silence."""
+    import shutil
+    import subprocess
+    import sys
+
+    out = tmp_path / "host.json"
+    shutil.copy(os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-26.json"), out)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "axon4d.cli",
+            "calibrate",
+            "--ranks",
+            "1",
+            "--parts",
+            "kernels",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = (proc.stdout + proc.stderr).replace("\r", "\n")
+    assert "[1 ranks] elementwise, activation, optimizer: " in text and "point" in text  # the bar
+    assert "[1 ranks] elementwise, activation, optimizer done" in text  # the stage's line
 
 
 def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():

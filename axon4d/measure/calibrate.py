@@ -112,10 +112,12 @@ def _measure_compute(
     out: dict[str, Any] = {"matmul": {}, "attention": {}, "attention_prefix": {}}
     for name in dtypes:
         dt = DTYPES[name]
-        out["matmul"][name] = {f: kernels.matmul_table(timer, dt, f, dims) for f in FORMS}
+        with timer.stage(f"{name} GEMMs", len(FORMS) * len(dims) ** 3):
+            out["matmul"][name] = {f: kernels.matmul_table(timer, dt, f, dims) for f in FORMS}
         log(f"[{world} ranks] {name} GEMM tables done")
-        out["attention"][name] = kernels.attention_rows(timer, dt, attention_seqs)
-        out["attention_prefix"][name] = kernels.prefix_rows(timer, dt, prefix_keys)
+        with timer.stage(f"{name} attention", (len(attention_seqs) + len(prefix_keys)) * len(kernels.HEAD_DIMS)):
+            out["attention"][name] = kernels.attention_rows(timer, dt, attention_seqs)
+            out["attention_prefix"][name] = kernels.prefix_rows(timer, dt, prefix_keys)
     out.update(_measure_kernels(timer))
     log(f"[{world} ranks] attention, elementwise, optimizer done")
     return out
@@ -124,6 +126,11 @@ def _measure_compute(
 def _measure_kernels(timer: Timer) -> dict[str, Any]:
     """Elementwise streaming (at one size, and as a curve over sizes), the MLP activation, one Adam
     step per element and a framework op's cost (the "kernels" part; "compute" includes it)."""
+    with timer.stage("elementwise, activation, optimizer"):
+        return _kernels(timer)
+
+
+def _kernels(timer: Timer) -> dict[str, Any]:
     bps, act, adam = kernels.elementwise(timer, torch.float32)
     out = {
         "elementwise_Bps": bps,
@@ -141,14 +148,17 @@ def _measure_network(timer: Timer, passes: int, payloads: Sequence[int], log: Ca
     """Collective curves, overlap efficiency and interference (``measure_world``)."""
     world = timer.grid.world_size
     out: dict[str, Any] = {}
-    out["comm"] = collectives.comm_curves(timer, torch.float32, passes, payloads) if world > 1 else []
+    points = max(passes, 1) * len(collectives.geometries(world)) * 3 * len(payloads)  # 3 ops: ``_comm_sweep``
+    with timer.stage("collectives", points):
+        out["comm"] = collectives.comm_curves(timer, torch.float32, passes, payloads) if world > 1 else []
     out["staged_reduce_scatter"] = timer.grid.comm.transport.stages_reduce_scatter
-    out["overlap_efficiency"] = statistics.median(
-        collectives.overlap_efficiency(timer, torch.float32) for _ in range(max(passes, 1))
-    )
-    out["comm_interference_s_per_byte"] = statistics.median(
-        collectives.interference(timer, torch.float32) for _ in range(max(passes, 1))
-    )
+    with timer.stage("overlap and interference"):
+        out["overlap_efficiency"] = statistics.median(
+            collectives.overlap_efficiency(timer, torch.float32) for _ in range(max(passes, 1))
+        )
+        out["comm_interference_s_per_byte"] = statistics.median(
+            collectives.interference(timer, torch.float32) for _ in range(max(passes, 1))
+        )
     log(
         f"[{world} ranks] collectives done; overlap efficiency {out['overlap_efficiency']:.2f}, "
         f"interference {out['comm_interference_s_per_byte'] * 1e9:.2f} s per GB of collective traffic"

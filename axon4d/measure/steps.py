@@ -26,6 +26,7 @@ def measure(
     the same samples): ``rounds`` interleaved rounds of ``steps`` back-to-back steps
     (``axon4d.measure.probe.measure_step``), the median over rounds."""
     grids = calibration_grids(world_grid.world_size, wl)
+    log(f"[{world_grid.world_size} ranks] timing whole steps: {len(grids)} grids × {rounds} rounds of {steps} steps")
     times: dict[tuple, list[float]] = {g: [] for g in grids}
     for _ in range(rounds):
         for g in grids:

@@ -5,18 +5,22 @@ back-to-back calls (where ranks share cores, §7: a single short call is either 
 preempted for several time slices). ``Timer`` runs it on every rank of a grid between barriers and
 averages the result over the ranks through ``axon4d.comm``, so every rank gets the same figure;
 work of ``LOCKSTEP_S`` or more per call is timed again with a barrier around every call
-(``Timer.lockstep``: the contention a step sees).
+(``Timer.lockstep``: the contention a step sees). ``Timer.stage`` draws a progress bar on rank 0 for
+a stage of measurements (each ``measure`` and ``measure_collective`` advances it: calibration takes
+minutes, and says where it is).
 The measurements themselves are in ``axon4d.measure.kernels`` and ``axon4d.measure.collectives``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from axon4d import device as devices
 from axon4d.grid import Grid
@@ -64,6 +68,29 @@ class Timer:
     def __init__(self, grid: Grid, reps: int, window_s: float = 0.0):
         self.grid, self.reps, self.window_s = grid, reps, window_s
         self.device = grid.device
+        self._bar: tqdm | None = None
+
+    @contextlib.contextmanager
+    def stage(self, what: str, total: int | None = None) -> Iterator[None]:
+        """A progress bar on rank 0 for a stage of ``total`` measurements (None: a count without an
+        end), named ``[N ranks] what``, with tqdm's rate and estimate of the time left."""
+        bar = tqdm(
+            total=total,
+            desc=f"[{self.grid.world_size} ranks] {what}",
+            disable=self.grid.rank != 0,
+            unit="point",
+            dynamic_ncols=True,
+        )
+        self._bar = bar
+        try:
+            yield
+        finally:
+            self._bar = None
+            bar.close()
+
+    def _advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update()
 
     def sync(self) -> None:
         """Wait for the work queued on this rank's device."""
@@ -79,9 +106,10 @@ class Timer:
         work of ``LOCKSTEP_S`` or more per call, in lockstep (``lockstep``)."""
         self.grid.comm.barrier()
         t = self.mean(timeit(fn, self.reps, self.sync, budget_s, self.window_s))
-        if t < LOCKSTEP_S or self.grid.world_size == 1:
-            return t
-        return self.lockstep(fn)
+        if t >= LOCKSTEP_S and self.grid.world_size > 1:
+            t = self.lockstep(fn)
+        self._advance()
+        return t
 
     def lockstep(self, fn: Callable[[], Any], samples: int = 2) -> float:
         """Seconds per call of long local work ``fn`` run by every rank at once, as a step runs it:
@@ -103,4 +131,6 @@ class Timer:
     def measure_collective(self, fn: Callable[[], Any]) -> float:
         """Seconds of one collective ``fn`` that every rank runs the same number of times."""
         self.grid.comm.barrier()
-        return self.mean(timeit(fn, self.reps, self.sync, None))
+        t = self.mean(timeit(fn, self.reps, self.sync, None))
+        self._advance()
+        return t
