@@ -136,13 +136,17 @@ class OverlapPolicy:
             if key not in fields or key in MECHANISMS:
                 knob_names = sorted(n for n in fields if n not in MECHANISMS)
                 raise ValueError(f"overlap {spec!r}: {key!r} is not a knob; knobs are {knob_names} (and chunks=K)")
-            default = getattr(cls, key)
+            kind, optional = _knob_type(cls, key)
             try:
-                is_bool = isinstance(default, bool)
-                knobs[key] = value.lower() in ("1", "true", "yes") if is_bool else type(default)(value)
+                if optional and value.lower() == "none":
+                    knobs[key] = None  # the knob's automatic choice
+                elif kind is bool:
+                    knobs[key] = value.lower() in ("1", "true", "yes")
+                else:
+                    knobs[key] = kind(value)
             except ValueError:
-                kind = {int: "an integer", float: "a number"}[type(default)]
-                raise ValueError(f"overlap {spec!r}: {key}={value!r}, expected {kind}") from None
+                what = {int: "an integer", float: "a number"}[kind] + (" or none" if optional else "")
+                raise ValueError(f"overlap {spec!r}: {key}={value!r}, expected {what}") from None
         if mechanisms and base is None:
             return cls.only(*mechanisms, **knobs)
         if base == "off":
@@ -213,3 +217,12 @@ class OverlapPolicy:
         floor, rows = self.chunking(accelerator)
         k = forward_chunk_count(tokens, row_bytes, self.forward_chunks, floor, group, rows)
         return chunk_sizes(tokens, k, rows)
+
+
+def _knob_type(cls: type[OverlapPolicy], name: str) -> tuple[type, bool]:
+    """The type of the knob ``name`` of ``cls`` (int, float or bool) and whether it may be None (the
+    automatic choice), read from the field's annotation."""
+    annotation = str(next(f.type for f in dataclasses.fields(cls) if f.name == name))
+    parts = [p.strip() for p in annotation.split("|")]
+    kinds = {"int": int, "float": float, "bool": bool}
+    return kinds[next(p for p in parts if p in kinds)], "None" in parts

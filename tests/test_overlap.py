@@ -193,6 +193,11 @@ def test_policy_parsing_and_errors():
     assert OverlapPolicy.parse("chunks=8") == OverlapPolicy.only("chunks", forward_chunks=8)
     assert OverlapPolicy.parse("oag,keep") == OverlapPolicy.only("oag", oag_keep=True)
     assert OverlapPolicy.parse("all,oag_keep=1").oag_keep is True
+    # knobs whose default is the automatic choice (None) take a value or "none"
+    assert OverlapPolicy.parse("all,min_chunk_kb=0") == OverlapPolicy(min_chunk_kb=0.0)
+    assert OverlapPolicy.parse("all,chunk_rows=64,min_chunk_kb=none") == OverlapPolicy(chunk_rows=64)
+    with pytest.raises(ValueError, match=r"min_chunk_kb='x', expected a number or none"):
+        OverlapPolicy.parse("all,min_chunk_kb=x")
     for policy in [
         OverlapPolicy(),
         OverlapPolicy.off(),
