@@ -63,6 +63,6 @@ def save_gpt2(directory: str, vocab: int = 320, seed: int = 0) -> str:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
     GPT2LMHeadModel(cfg).save_pretrained(directory)
     return directory
