@@ -63,7 +63,6 @@ def _transformers_loss(path, batch):
         return model(input_ids=batch, labels=batch).loss.item()
 
 
-@pytest.mark.slow
 def test_a_fine_tune_resumes_on_the_same_curve(pools, saved, tmp_path):
     straight = pools(4).run(None, _train, _base(saved["llama"], tmp_path / "a", save_every=2))[0]["losses"]
     first = SyntheticTokens(VOCAB, SEQ, seed=0).batch(0, 4)
@@ -156,12 +155,14 @@ def test_the_saved_configuration_is_the_run_s_model(saved):
 
 
 def test_flags_that_cannot_apply_are_refused(saved, tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, ViTConfig
 
     qwen = str(tmp_path / "qwen")
     Qwen2ForCausalLM(
         Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
     ).save_pretrained(qwen)
+    vit = str(tmp_path / "vit")
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64).save_pretrained(vit)
     llama = saved["llama"]
     cases = {
         "offload": (dict(offload="0.5"), "--offload 0.5: the saved model's configuration gives"),
@@ -172,6 +173,7 @@ def test_flags_that_cannot_apply_are_refused(saved, tmp_path):
         "corpus": (dict(data="corpus"), "--data corpus: the corpus holds byte ids"),
         "missing": (dict(hf=str(tmp_path / "none")), "is not a directory with a config.json"),
         "no config": (dict(hf=str(tmp_path)), "holds no config.json"),
+        "not a causal LM": (dict(hf=vit), "a 'vit' model has no causal LM class in transformers"),
         "auto": (dict(hf=qwen, grid="auto"), "model type 'qwen2'.*prices the parallel styles of llama, gpt2"),
     }
     for kw, says in cases.values():

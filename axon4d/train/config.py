@@ -131,7 +131,9 @@ class TrainConfig:
         off); rates and bounds are finite, --lr above 0 and --min-lr within [0, --lr]; --grid is
         four sizes or auto; names come from their lists (``CHOICES``, precisions, the size table);
         the model those flags describe must be valid; a --data file must exist and hold at least
-        one sequence (its token ids are checked against the vocabulary when it is opened)."""
+        one sequence (its token ids are checked against the vocabulary when it is opened). With
+        --hf the saved model's configuration must be readable and the sequence fit its positions,
+        and the flags that describe axon4d's own models are refused (``_check_hf``)."""
         for name, minimum in _MINIMUM.items():
             counts.whole(getattr(self, name), _flag(name), minimum=minimum, hint=_HINTS[name], flag=True)
         for name, (low, high, open_low) in _RANGES.items():

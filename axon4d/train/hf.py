@@ -56,12 +56,18 @@ def read_config(path: str) -> Any:
             f"--hf {path!r} {what} {CONFIG_FILE}; give the directory a Hugging Face causal LM was saved to "
             "with save_pretrained (config.json and model.safetensors)"
         )
-    from transformers import AutoConfig  # an optional dependency: only --hf runs need it
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig  # optional: only --hf runs need it
 
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"--hf {path!r}: transformers cannot read its {CONFIG_FILE} ({e})") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"--hf {path!r}: transformers cannot read its {CONFIG_FILE} ({first})") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"--hf {path!r}: a {config.model_type!r} model has no causal LM class in transformers "
+            "(AutoModelForCausalLM); give a causal LM such as a Llama or a GPT-2"
+        )
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
