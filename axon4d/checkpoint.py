@@ -51,6 +51,9 @@ latest = ckptfiles.latest
 list_checkpoints = ckptfiles.list_checkpoints
 read_meta = ckptfiles.read_meta
 
+#: the meta.json key (an extra of ``save``) holding the absolute path of the Hugging Face model a
+#: checkpoint fine-tunes (``axon4d train --hf``): a resume checks it, an export reads its config there
+HF_PATH = "hf_path"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _FILES = 16  # a rank writes its pieces into about this many files (_Writer)
 _Piece = tuple[Box, torch.Tensor]  # a rectangle of a saved tensor, and the view of this rank's storage holding it
@@ -459,6 +462,11 @@ def export_dense(path: str, out_file: str) -> str:
     meta = read_meta(path)
     if "model_config" not in meta:
         raise ValueError(f"{path} has no model_config in meta.json; only axon4d models can be exported")
+    if HF_PATH in meta:
+        raise ValueError(
+            f"{path} fine-tunes the Hugging Face model in {meta[HF_PATH]!r} (axon4d train --hf), not one of "
+            "axon4d's own models; export it in that model's format (axon4d export-hf)"
+        )
     grid = runtime.init(grid=(1, 1, 1, 1))
     try:
         model = Transformer(ModelConfig(**meta["model_config"]), grid=grid)

@@ -16,7 +16,8 @@ from axon4d import errors
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("axon4d.train", "train a GPT or Llama model on the 4D grid"),
+    "train": ("axon4d.train", "train a GPT or Llama model on the 4D grid, or fine-tune a saved Hugging Face one"),
+    "prepare-data": ("axon4d.prepare", "tokenize .txt or .jsonl text with a Hugging Face tokenizer into a token file"),
     "plan": ("axon4d.plan.cli", "price every (x, y, z, data) grid of a job and print the fastest that fit in memory"),
     "calibrate": ("axon4d.measure.calibrate", "measure this machine's compute and communication rates for the planner"),
     "trace": ("axon4d.trace", "merge per-rank timeline dumps into a Chrome/Perfetto trace JSON and a PNG"),

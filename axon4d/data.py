@@ -47,13 +47,16 @@ class SyntheticTokens:
 
 #: the element types a token file may hold
 TOKEN_DTYPES = ("uint16", "uint32")
+#: the file name endings that say a token file's element type
+TOKEN_SUFFIXES = {".u16": "uint16", ".uint16": "uint16", ".u32": "uint32", ".uint32": "uint32"}
 
 
 def token_dtype(path: str, dtype: str | None = None) -> str:
-    """The element type of token file ``path``: ``dtype`` if given, else uint32 for a .u32/.uint32
-    name and uint16 otherwise; ``ValueError`` for a type token files do not use."""
+    """The element type of token file ``path``: ``dtype`` if given, else the one its name's ending
+    says (``TOKEN_SUFFIXES``: uint32 for .u32/.uint32) and uint16 otherwise; ``ValueError`` for a
+    type token files do not use."""
     if dtype is None:
-        dtype = "uint32" if path.endswith(".u32") or path.endswith(".uint32") else "uint16"
+        dtype = TOKEN_SUFFIXES.get(os.path.splitext(path)[1], "uint16")
     if dtype not in TOKEN_DTYPES:
         raise ValueError(f"token file dtype {dtype!r} is not supported; use one of {', '.join(TOKEN_DTYPES)}")
     return dtype
@@ -98,7 +101,8 @@ class MemmapTokens:
         if top >= vocab_size:
             raise ValueError(
                 f"token file {path!r} contains token id {top}, but the model's vocab_size is {vocab_size}; "
-                f"give --vocab-size {top + 1} or more, or a file tokenized for this vocabulary"
+                f"give --vocab-size {top + 1} or more (the job's own models), or a file tokenized for this vocabulary "
+                "(axon4d prepare-data --tokenizer with the model's own tokenizer)"
             )
 
     def batch(self, step: int, batch_size: int) -> torch.Tensor:

@@ -120,6 +120,13 @@ def enable(model: nn.Module, grid: Grid, recompute_core: bool = False) -> None:
         )
 
 
+def position_ids(rows: int, seq_len: int, grid: Grid, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``position_ids`` (rows, S/G_z) of the tokens this rank holds of ``rows`` sequences of
+    ``seq_len`` tokens split head–tail over z: their global positions, chunk z then chunk 2·G_z−1−z."""
+    positions = activations.sequence_positions(seq_len, grid.coord("z"), grid.size("z"), device)  # (S/G_z,)
+    return positions.unsqueeze(0).expand(rows, -1)
+
+
 def inputs(ids: torch.Tensor, grid: Grid | None = None, labels: bool = True) -> dict[str, torch.Tensor]:
     """Keyword arguments of one forward of a context-parallel Hugging Face causal LM on full
     sequences ``ids`` (B, S), the same on every rank: this rank's ``input_ids`` and global
@@ -129,8 +136,7 @@ def inputs(ids: torch.Tensor, grid: Grid | None = None, labels: bool = True) -> 
     if ids.dim() != 2:
         raise ValueError(f"inputs takes token ids of shape (batch, seq), got {tuple(ids.shape)}")
     local = activations.shard_sequence(ids, grid)
-    positions = activations.sequence_positions(ids.shape[1], grid.coord("z"), grid.size("z"), ids.device)
-    out = {"input_ids": local, "position_ids": positions.unsqueeze(0).expand(local.shape[0], -1)}
+    out = {"input_ids": local, "position_ids": position_ids(local.shape[0], ids.shape[1], grid, ids.device)}
     if labels:
         shifted = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)  # (B, S)
         out["labels"] = local

@@ -164,6 +164,8 @@ class ShardedNorm(nn.Module):
     def to_dense(self, grads: bool = False) -> nn.Module:
         full = self.inner.to_dense(grads=grads)
         dense = copy.deepcopy(self.template[0])
+        if any(p.is_meta for p in dense.parameters()):  # the model was built on meta (loaded by slices)
+            dense.to_empty(device=full.weight.device)
         for name, p in dense.named_parameters():
             src = full.get_parameter(name)
             p.copy_(src)

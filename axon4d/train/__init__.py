@@ -12,7 +12,10 @@ at the end, and ``--resume`` continues from the newest one on the same loss curv
 ``--grid auto`` the planner chooses the grid and the step options (recomputation, micro-batches,
 ZeRO, offload, FP8 gathers, split sequences) and the run takes them. With
 ``--compare-single`` rank 0 afterwards trains the same model in one process with plain PyTorch
-from the same initial weights and plots both loss curves.
+from the same initial weights and plots both loss curves. With ``--hf PATH`` the model is a saved
+Hugging Face causal LM (``save_pretrained``'s directory), fine-tuned by the same loop:
+
+    torchrun --nproc-per-node 8 -m axon4d.train --hf llama-dir --grid 2,2,2,1 --data tokens.u32 --lr 3e-5
 """
 
 # This docstring is the help text of `axon4d train` and `python -m axon4d.train`. The package sits
@@ -22,6 +25,7 @@ from the same initial weights and plots both loss curves.
 #   optim      learning-rate schedule, AdamW, clipping by the global gradient norm
 #   peak       the peak TFLOP/s that MFU is measured against
 #   loop       train(cfg) on the grid, and main(args)
+#   hf         --hf: a saved Hugging Face causal LM, parallelized and loaded by slices, as the model
 #   planned    --grid auto: the planner's grid and step options applied to the run
 #   reference  the single-process run of --compare-single
 #   report     step records, progress line, log.jsonl, summary.json, loss.png

@@ -25,6 +25,10 @@ from axon4d.data import MemmapTokens, SyntheticTokens, demo_corpus
 from axon4d.grid import Grid
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.train.config import TrainConfig
+from axon4d.train.hf import HFCausalLM
+
+#: what ``accumulate`` trains: axon4d's models, or a Hugging Face one (``axon4d.train.hf``)
+Trained = Transformer | DenseTransformer | HFCausalLM
 
 CORPUS_PATH = os.path.join("build", "corpus.u16")
 
@@ -50,9 +54,7 @@ def step_batches(data: SyntheticTokens | MemmapTokens, step: int, cfg: TrainConf
     return data.batch(step, cfg.batch_size * cfg.micro_batches).chunk(cfg.micro_batches)
 
 
-def accumulate(
-    model: Transformer | DenseTransformer, batches: tuple[torch.Tensor, ...], grid: Grid | None
-) -> torch.Tensor:
+def accumulate(model: Trained, batches: tuple[torch.Tensor, ...], grid: Grid | None) -> torch.Tensor:
     """Forward and backward of every micro-batch; returns the mean loss (this rank's tokens).
 
     With a grid each rank trains on its rows of each micro-batch; with ``grid=None`` (one
@@ -63,13 +65,11 @@ def accumulate(
     return total
 
 
-def _device(model: Transformer | DenseTransformer, grid: Grid | None) -> torch.device:
+def _device(model: Trained, grid: Grid | None) -> torch.device:
     return grid.device if grid is not None else next(model.parameters()).device
 
 
-def accumulate_one(
-    model: Transformer | DenseTransformer, full: torch.Tensor, grid: Grid | None, last: bool, parts: int
-) -> torch.Tensor:
+def accumulate_one(model: Trained, full: torch.Tensor, grid: Grid | None, last: bool, parts: int) -> torch.Tensor:
     """Forward and backward of one micro-batch ``full`` (B, S+1) — inputs are the first S tokens of
     each row, targets the last S — its loss divided by ``parts`` (the step's micro-batches); returns that
     loss, detached. Unless it is the ``last`` of its step, its backward holds the data-axis

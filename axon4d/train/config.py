@@ -23,6 +23,7 @@ from axon4d.offload import offload_blocks, parse_offload
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import RECOMPUTE_MODES, check_recompute
 from axon4d.shape import check_sizes
+from axon4d.train import hf
 
 
 @dataclasses.dataclass
@@ -37,6 +38,8 @@ class TrainConfig:
     """With --grid auto, step options the planner may not choose although they are at their defaults, comma-separated: recompute, micro_batches, zero, offload, context_parallel, fp8_gather (an option given another value than its default is pinned anyway; docs/planner.md)."""
     comm: str = "auto"
     """Communication transport: auto (MPI when launched by mpirun on CPUs, else torch.distributed: NCCL on GPUs, gloo on CPUs), torch, or mpi (GPU tensors go to a CUDA-aware MPI as they are, else through host memory)."""
+    hf: str = ""
+    """Fine-tune a saved Hugging Face causal LM: the directory save_pretrained wrote (config.json, safetensors). Built on the meta device, parallelized, each rank loading its slices; dropout off. Not with --model, --arch, the model-shape overrides or --offload (docs/training.md#fine-tuning-a-hugging-face-model)."""
     model: str = "small"
     """Model size from the table: tiny, small, 5B, 10B, 20B, 40B, 80B, 320B, 640B."""
     arch: str = "llama"
@@ -52,7 +55,7 @@ class TrainConfig:
     vocab_size: int = 0
     """Override the vocabulary size (0: the table's; 256 for the byte-level text corpus)."""
     seq_len: int = 0
-    """Override the sequence length (0: the size table's)."""
+    """Override the sequence length (0: the size table's; with --hf the model's max positions, at most 2048)."""
     steps: int = 100
     """Optimizer steps to run (in total, counting steps done before a resume)."""
     batch_size: int = 16
@@ -128,7 +131,9 @@ class TrainConfig:
         off); rates and bounds are finite, --lr above 0 and --min-lr within [0, --lr]; --grid is
         four sizes or auto; names come from their lists (``CHOICES``, precisions, the size table);
         the model those flags describe must be valid; a --data file must exist and hold at least
-        one sequence (its token ids are checked against the vocabulary when it is opened)."""
+        one sequence (its token ids are checked against the vocabulary when it is opened). With
+        --hf the saved model's configuration must be readable and the sequence fit its positions,
+        and the flags that describe axon4d's own models are refused (``_check_hf``)."""
         for name, minimum in _MINIMUM.items():
             counts.whole(getattr(self, name), _flag(name), minimum=minimum, hint=_HINTS[name], flag=True)
         for name, (low, high, open_low) in _RANGES.items():
@@ -172,6 +177,8 @@ class TrainConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
         self.grid_spec()
+        if self.hf:
+            self._check_hf()
         if not self.out_dir:
             raise ValueError("--out-dir '': give the directory for the log and checkpoints, e.g. runs/train")
         mcfg = self.model_config()  # the size name, the arch and the overrides, checked by ModelConfig
@@ -188,6 +195,30 @@ class TrainConfig:
         if self.data not in DATA_NAMES:
             check_token_file(self.data, mcfg.seq_len)
 
+    def _check_hf(self) -> None:
+        """Refuse with --hf the flags that describe axon4d's own models or need their blocks, and
+        --grid auto for a family the planner does not price."""
+        given = [
+            f"{_flag(f.name)} {getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.name in _HF_REFUSED and getattr(self, f.name) != f.default
+        ]
+        if given:
+            raise ValueError(
+                f"--hf {self.hf!r} with {', '.join(given)}: the saved model's configuration gives its family and "
+                "shape, and --offload needs axon4d's own blocks; drop these flags (--seq-len may be given)"
+            )
+        if self.data == "corpus":
+            raise ValueError(
+                f"--hf {self.hf!r} with --data corpus: the corpus holds byte ids, not the model's tokens; give a "
+                "token file made with the model's tokenizer (axon4d prepare-data --tokenizer ...) or synthetic"
+            )
+        if self.grid == "auto" and hf.model_type(self.hf) not in hf.PLANNED_TYPES:
+            raise ValueError(
+                f"--grid auto with --hf {self.hf!r} (model type {hf.model_type(self.hf)!r}): the planner prices "
+                f"the parallel styles of {', '.join(hf.PLANNED_TYPES)} models only; give --grid x,y,z,data"
+            )
+
     def grid_spec(self) -> str | tuple[int, ...]:
         """--grid as ``axon4d.init`` takes it: "auto", or the four sizes (one may be -1), checked."""
         if self.grid == "auto":
@@ -203,7 +234,10 @@ class TrainConfig:
         return tuple(check_sizes(sizes))
 
     def model_config(self) -> ModelConfig:
-        """The size table's model with this run's overrides (vocabulary 256 for the byte-level corpus)."""
+        """The size table's model with this run's overrides (vocabulary 256 for the byte-level corpus);
+        with --hf the saved model's (``axon4d.train.hf.model_config``)."""
+        if self.hf:
+            return hf.model_config(self.hf, self.seq_len)
         overrides: dict[str, Any] = {"arch": self.arch}
         for field, key in (
             ("layers", "n_layers"),
@@ -281,6 +315,8 @@ _HINTS: dict[str, str] = {
     "startup_timeout": "seconds, e.g. --startup-timeout 300",
     "peak_tflops": "e.g. --peak-tflops 0 (0: measure it)",
 }
+#: the flags --hf refuses at other values than their defaults
+_HF_REFUSED = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "vocab_size", "offload")
 #: --zero's stages: 0 (off) and axon4d.zero's
 ZERO_STAGES = (0, 1, 2)
 #: --data names that are not files

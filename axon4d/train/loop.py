@@ -7,7 +7,8 @@ clipping and AdamW on the schedule (``optim``) → the step record, with the com
 grid's ``CommLog`` saw during the step (``report``). Rank 0 shows the progress bar and writes the
 log; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and at the end, and a
 resumed run continues on the same loss curve. With ``--compare-single`` rank 0 afterwards trains
-the same model in one process (``reference``).
+the same model in one process (``reference``). With ``--hf`` the model is a saved Hugging Face causal
+LM, parallelized and loaded by slices (``hf``), trained by the same loop.
 
 Everything the job computes lives on the grid's device (``grid.device``: a GPU under NCCL, the
 host under gloo or MPI): the model, each rank's rows of a batch, the loss and its all-reduce, the
@@ -44,11 +45,14 @@ from axon4d.offload import parse_offload
 from axon4d.precision import AUTO, NAMED
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import check_recompute
-from axon4d.train import planned, reference, report
+from axon4d.train import hf, planned, reference, report
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
 from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
 from axon4d.train.peak import check_compute_dtype, mfu, world_peak_tflops
+
+#: the models the loop trains: axon4d's own, or a saved Hugging Face one (--hf)
+Model = Transformer | hf.HFCausalLM
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -111,8 +115,9 @@ def _resolve_precision(cfg: TrainConfig) -> str:
 #: training settings a resume may change besides the checkpoint module's: TF32 changes how fp32
 #: matmuls round, as the device or the transport do, not what the run computes; offload changes
 #: where saved activations wait for their backward, not what is computed (bit-identical); --zero
-#: where the optimizer's state lives (its checkpoints load with or without it, on any data size)
-RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload", "zero", "pin"}
+#: where the optimizer's state lives (its checkpoints load with or without it, on any data size);
+#: --hf is checked as the directory it names (``checkpoint.HF_PATH``), however the path is written
+RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload", "zero", "pin", "hf"}
 
 
 def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
@@ -141,6 +146,7 @@ def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
             f"--out-dir {cfg.out_dir!r} holds checkpoints of another run (newest: {found}, step {meta['step']}); "
             "pass --resume to continue it, --overwrite to delete them and start afresh, or another --out-dir"
         )
+    _check_hf_path(cfg, meta, found)
     checkpoint.check_compatible(meta, mcfg, dataclasses.asdict(cfg), RESUMABLE_CHANGES)
     if int(meta["step"]) >= cfg.steps:
         raise ValueError(
@@ -149,6 +155,21 @@ def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
             "to train further"
         )
     return found
+
+
+def _check_hf_path(cfg: TrainConfig, meta: dict[str, Any], found: str) -> None:
+    """Refuse to resume checkpoint ``found`` (meta.json ``meta``) of another model than --hf names:
+    another Hugging Face directory, one of axon4d's own models, or the other way round."""
+    saved = meta.get(checkpoint.HF_PATH)
+    here = os.path.realpath(cfg.hf) if cfg.hf else None
+    if saved == here or (saved and here and os.path.realpath(saved) == here):
+        return
+    was = f"fine-tunes the Hugging Face model in {saved!r}" if saved else "trains one of axon4d's own models"
+    now = f"--hf {cfg.hf!r}" if cfg.hf else "no --hf"
+    hint = f"--hf {saved}" if saved else "without --hf"
+    raise ValueError(
+        f"--resume from {found}: that run {was}, this one has {now}; resume {hint}, or use another --out-dir"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -167,6 +188,14 @@ def build_model(
     return Transformer(
         mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel, offload=parse_offload(offload)
     )
+
+
+def _model(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid) -> Model:
+    """The run's model on ``grid``: the saved Hugging Face model --hf names (``hf.build``), else
+    axon4d's ``Transformer`` (``build_model``)."""
+    if cfg.hf:
+        return hf.build(cfg.hf, mcfg, grid, cfg.recompute, cfg.context_parallel)
+    return build_model(mcfg, grid, cfg.recompute, cfg.context_parallel, cfg.offload)
 
 
 def _nonfinite(
@@ -215,7 +244,7 @@ def _read_step(loss_sum: torch.Tensor, norm: torch.Tensor, grid: Grid) -> tuple[
     return total / grid.size("batch"), norm_value
 
 
-def _first_nonfinite(model: Transformer, grid: Grid) -> str | None:
+def _first_nonfinite(model: Model, grid: Grid) -> str | None:
     """``grads.first_nonfinite_grad``, its host read marked as a wait (only on a non-finite step)."""
     with watchdog.waiting("the host read of the non-finite gradients' flags (their all-reduce over world)"):
         return grads.first_nonfinite_grad(model, grid)
@@ -228,7 +257,7 @@ def _synchronize(grid: Grid, step: int) -> None:
 
 
 def _resume(
-    cfg: TrainConfig, resume_from: str | None, model: Transformer, grid: Grid, opt: torch.optim.Optimizer, ckpt_dir: str
+    cfg: TrainConfig, resume_from: str | None, model: Model, grid: Grid, opt: torch.optim.Optimizer, ckpt_dir: str
 ) -> tuple[int, int]:
     """Load ``resume_from`` into the model and optimizer (restoring the random state it recorded),
     or clear the old checkpoints under --overwrite; return (first step, non-finite steps so far)."""
@@ -260,9 +289,13 @@ def _progress(cfg: TrainConfig, start: int, rank0: bool) -> tqdm:
 
 
 def _save(
-    cfg: TrainConfig, ckpt_dir: str, model: Transformer, grid: Grid, opt: torch.optim.Optimizer, step: int, skipped: int
+    cfg: TrainConfig, ckpt_dir: str, model: Model, grid: Grid, opt: torch.optim.Optimizer, step: int, skipped: int
 ) -> None:
-    """Checkpoint ``step`` (with the run's config, data position and random state), marked as a wait."""
+    """Checkpoint ``step`` (with the run's config, data position and random state, and the --hf
+    model's directory), marked as a wait."""
+    extra: dict[str, Any] = {"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped}
+    if cfg.hf:
+        extra[checkpoint.HF_PATH] = os.path.realpath(cfg.hf)
     with watchdog.waiting(f"the checkpoint save of step {step}", cfg.startup_timeout):
         checkpoint.save(
             os.path.join(ckpt_dir, f"step_{step}"),
@@ -270,7 +303,7 @@ def _save(
             grid,
             opt,
             step=step,
-            extra={"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped},
+            extra=extra,
             keep_last=cfg.keep_last,
             data_position={"step": step, "batches_per_step": cfg.micro_batches},
             rng=devices.rng_state(grid.device),
@@ -278,7 +311,7 @@ def _save(
 
 
 def _step(
-    model: Transformer, opt: torch.optim.Optimizer, data: Any, grid: Grid, cfg: TrainConfig, step: int, peak: float
+    model: Model, opt: torch.optim.Optimizer, data: Any, grid: Grid, cfg: TrainConfig, step: int, peak: float
 ) -> tuple[dict[str, Any], bool, str | None]:
     """Train step ``step`` (counted from 0): its record, whether its loss and gradient norm were
     finite (else the weights are left unchanged) and, if not, the first parameter whose gradient is
@@ -311,7 +344,7 @@ def _train_on(
     """The run on a built grid: resume, train, checkpoint, report; the summary plus every step's loss."""
     rank0 = grid.rank == 0
     tf32 = devices.allow_tf32(grid.device, cfg.tf32)  # fp32 matmuls on TF32 tensor cores (an accelerator only)
-    model = build_model(mcfg, grid, cfg.recompute, cfg.context_parallel, cfg.offload)
+    model = _model(cfg, mcfg, grid)
     initial_dense = model.to_dense() if cfg.compare_single else None
     opt = make_optimizer(model, cfg, grid)  # --zero 1|2: sharded over data (axon4d.zero)
     data = make_data(cfg, mcfg, grid)

@@ -51,6 +51,8 @@ def pinned(cfg: TrainConfig) -> set[str]:
 def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
     """``choose``'s step options for this run: ``AUTO_OPTION`` for the planner's, else the pinned value."""
     free = set(PLANNED) - pinned(cfg)
+    if cfg.hf:
+        free.discard("offload")  # a Hugging Face model has no axon4d blocks to offload from
     if not accelerator:
         free.discard("fp8_gather")  # on the host the run computes in fp32: no 16-bit weights to gather in FP8
 

@@ -1,8 +1,9 @@
 """The single-process reference run: the same model trained in one process with plain PyTorch.
 
 With ``--compare-single``, rank 0 takes the model's initial weights as a ``DenseTransformer``
-(``Transformer.to_dense``) and trains it on the same batches with the same schedule, optimizer
-and clipping (``torch.nn.utils.clip_grad_norm_``) — no grid, no axon4d layers — so its loss curve
+(``Transformer.to_dense``; with ``--hf`` the unparallelized Hugging Face model,
+``HFCausalLM.to_dense``) and trains it on the same batches with the same schedule, optimizer and
+clipping (``torch.nn.utils.clip_grad_norm_``) — no grid, no axon4d layers — so its loss curve
 is what the 4D-parallel run must reproduce (docs/design.md §8, "equal to the dense model"). Mixed
 precision uses ``torch.autocast``, the usual single-process way. ``compare`` then adds the
 reference curve and the largest relative difference to the run summary and plots both curves.
@@ -10,6 +11,7 @@ reference curve and the largest relative difference to the run summary and plots
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -22,12 +24,13 @@ from axon4d.precision import Precision
 from axon4d.train import report
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig
+from axon4d.train.hf import HFCausalLM
 from axon4d.train.optim import make_optimizer, set_lr
 
 
-def train_single(dense: DenseTransformer, cfg: TrainConfig, mcfg: ModelConfig) -> list[float]:
+def train_single(dense: DenseTransformer | HFCausalLM, cfg: TrainConfig, mcfg: ModelConfig) -> list[float]:
     """The same run in one process with plain PyTorch; returns the loss of every step."""
-    opt = make_optimizer(dense, cfg)
+    opt = make_optimizer(dense, dataclasses.replace(cfg, zero=0))  # one process: no data axis to shard over
     data = make_data(cfg, mcfg)
     precision, p0 = Precision.parse(cfg.precision), next(dense.parameters())  # mixed: autocast, the usual way
     losses = []
@@ -45,7 +48,11 @@ def train_single(dense: DenseTransformer, cfg: TrainConfig, mcfg: ModelConfig) -
 
 
 def compare(
-    dense: DenseTransformer, cfg: TrainConfig, mcfg: ModelConfig, losses: list[float], summary: dict[str, Any]
+    dense: DenseTransformer | HFCausalLM,
+    cfg: TrainConfig,
+    mcfg: ModelConfig,
+    losses: list[float],
+    summary: dict[str, Any],
 ) -> None:
     """Train ``dense`` (the initial weights) in one process, then report both curves (rank 0).
 

@@ -1,0 +1,68 @@
+"""Small Hugging Face models and tokenizers made on the spot (no downloads), saved with
+``save_pretrained`` for the tests of ``axon4d prepare-data`` and ``axon4d train --hf``."""
+
+from __future__ import annotations
+
+import torch
+
+#: the text a byte-level BPE tokenizer is trained on (non-ASCII included: bytes must round-trip)
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Grids split tokens over data and z.\n"
+    "Héllo wörld — naïve café, 4D hybrid parallelism!\n"
+)
+
+
+def bpe_tokenizer(directory: str, vocab: int = 300) -> str:
+    """A byte-level BPE tokenizer of ``vocab`` ids with EOS ``<eos>``, trained on ``TEXT``; saved to ``directory``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TEXT] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(directory)
+    return directory
+
+
+def word_tokenizer(directory: str, words: int) -> str:
+    """A whitespace word-level tokenizer of ``words`` + 2 ids (``<unk>`` 0, ``<eos>`` 1, ``w<i>`` i + 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>").save_pretrained(directory)
+    return directory
+
+
+def save_llama(directory: str, vocab: int = 320, seed: int = 0) -> str:
+    """A 2-layer Llama with grouped-query attention (4 heads, 2 key/value heads), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(directory)
+    return directory
+
+
+def save_gpt2(directory: str, vocab: int = 320, seed: int = 0) -> str:
+    """A 2-layer GPT-2 (tied head, packed q|k|v, dropout as GPT-2's defaults), random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(directory)
+    return directory
