@@ -74,20 +74,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Prepare the token file; a refused input ends with its one message on stderr and status 2."""
-    try:
-        done = prepare(
-            args.input,
-            args.output,
-            args.tokenizer,
-            field=args.field,
-            split=args.split,
-            overwrite=args.overwrite,
-            progress=args.progress,
-        )
-    except (ValueError, OSError) as e:
-        print(f"axon4d prepare-data: error: {e}", file=sys.stderr)
-        return 2
+    """Prepare the token file (a refused input raises: the ``axon4d`` command prints its one message
+    and exits with status 2, ``axon4d.errors``)."""
+    done = prepare(
+        args.input,
+        args.output,
+        args.tokenizer,
+        field=args.field,
+        split=args.split,
+        overwrite=args.overwrite,
+        progress=args.progress,
+    )
     print(f"prepare-data: {done.documents:,} documents, {done.tokens:,} tokens ({done.dtype}) -> {done.path}")
     return 0
 
