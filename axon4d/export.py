@@ -1,0 +1,439 @@
+"""Export to Hugging Face format by slices: ``save_pretrained_`` and ``axon4d export-hf``.
+
+What ``save_pretrained`` writes — ``config.json``, ``model.safetensors`` (or shards of at most
+``max_shard_size`` and ``model.safetensors.index.json``) and the tokenizer's files — from a model
+no process holds whole (docs/parallelize.md, "Exporting"):
+
+- **A live model** (``save_pretrained_(model, out_dir)``, every rank calls it): axon4d's
+  ``Transformer`` exports as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (``axon4d.models.hf``), a
+  model ``auto_parallelize`` parallelized under its own names (GPT-2's ``Conv1D`` weights
+  transposed back, packed q | k | v stacked back). One tensor at a time, every rank writes the
+  pieces it holds (``axon4d.param_layout``; one replica of each) into a zeroed buffer of the whole
+  tensor and one all-reduce over the world fills it (each element comes from one rank: the sum is
+  exact); rank 0 appends its bytes to the file (``axon4d.safetensors_files``) and the buffer goes.
+  A tensor left whole on every rank is written from rank 0's copy, with no collective. So a
+  process holds the model's shards plus one whole tensor.
+- **A checkpoint** (``export_checkpoint(path, out_dir)``; ``axon4d export-hf CHECKPOINT OUT``): one
+  process, no process group. After the checks a load makes (meta.json, checksums, DCP's index read
+  without running code from it), DCP reads each tensor whole, one at a time, straight into the
+  buffer it is written from.
+
+The export is written into a hidden sibling directory and renamed into place at the end: an
+interrupted export leaves no half-written model at ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from axon4d import ckptfiles, runtime
+from axon4d.checkpoint import _agree, _on_rank0
+from axon4d.config import ModelConfig
+from axon4d.grid import Grid
+from axon4d.models.hf import Exported, Source, hf_config, hf_tensors
+from axon4d.models.transformer import Transformer
+from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
+from axon4d.param_layout import ParamLayout, param_layouts
+from axon4d.safetensors_files import ShardedWriter, TensorSpec, parse_size
+from axon4d.shape import AXES
+
+#: transformers' default shard size
+MAX_SHARD_SIZE = "5GB"
+
+#: the files a Hugging Face tokenizer is saved as (whichever of them a directory holds are copied)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+# --- the plan: which tensors, from which pieces ---------------------------------------------------
+
+
+def _stacked(name: str, layout: ParamLayout, key: str, transposed: bool) -> Exported:
+    """The exported tensor ``name`` of a parameter of ``layout`` saved as ``key`` (its segments,
+    when its rows are fused, stacked back in order); (in, out) when ``transposed``."""
+    sources, row = [], 0
+    for part, shape in layout.saved_tensors(key).items():
+        sources.append(Source(part, shape, row))
+        row += shape[0] if shape else 0
+    shape = layout.global_shape
+    return Exported(name, tuple(reversed(shape)) if transposed else shape, tuple(sources), transposed)
+
+
+def _parallelized_tensors(model: nn.Module) -> list[Exported]:
+    """The tensors of a model ``auto_parallelize`` parallelized, under the names the model had:
+    a ``ShardedLinear``'s and ``ShardedNorm``'s parameters under the module they replaced."""
+    layouts = param_layouts(model)
+    replaced: dict[int, tuple[str, nn.Module]] = {}  # id(inner module) → (the replaced module's name, wrapper)
+    for name, m in model.named_modules():
+        if isinstance(m, (ShardedLinear, ShardedNorm)):
+            replaced[id(m.inner)] = (name, m)
+    out = []
+    for name, _ in model.named_parameters():  # a tied parameter once, under its first name
+        mod_name, _, p_name = name.rpartition(".")
+        module = model.get_submodule(mod_name)
+        dense, wrapper = replaced.get(id(module), (mod_name, None))
+        conv1d = isinstance(wrapper, ShardedLinear) and wrapper.conv1d_class is not None and p_name == "weight"
+        out.append(_stacked(f"{dense}.{p_name}" if dense else p_name, layouts[name], name, conv1d))
+    for name, buf in _persistent_buffers(model):
+        out.append(_stacked(name, ParamLayout(tuple(buf.shape)), name, False))
+    return out
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, buffer) of every buffer ``state_dict`` holds (not a non-persistent one)."""
+    for mod_name, m in model.named_modules():
+        for b_name, buf in m._buffers.items():
+            if buf is not None and b_name not in m._non_persistent_buffers_set:
+                yield (f"{mod_name}.{b_name}" if mod_name else b_name), buf
+
+
+def _plan(model: nn.Module) -> tuple[Any, list[Exported]]:
+    """(transformers config, exported tensors) of a live model."""
+    if isinstance(model, Transformer):
+        dtype = model.head.weight.dtype
+        return hf_config(model.cfg, dtype), hf_tensors(model.cfg)
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+        return config, _parallelized_tensors(model)
+    raise TypeError(
+        f"save_pretrained_ exports axon4d's Transformer (GPT, Llama) or a Hugging Face model parallelized by "
+        f"auto_parallelize (one with a transformers config); got a {type(model).__name__}"
+    )
+
+
+# --- gathering one tensor at a time ---------------------------------------------------------------
+
+
+def _place(
+    buffer: torch.Tensor, entry: Exported, source: Source, offsets: tuple[int, ...], piece: torch.Tensor
+) -> None:
+    """Copy ``piece``, the rectangle at ``offsets`` of ``source``, where it lies in ``buffer`` (the
+    exported tensor: sources stacked along dim 0, (in, out) if ``entry.transposed``)."""
+    index = [slice(o, o + n) for o, n in zip(offsets, piece.shape)]
+    if index:
+        index[0] = slice(index[0].start + source.row0, index[0].stop + source.row0)
+    if entry.transposed:
+        buffer[index[1], index[0]] = piece.t()
+    else:
+        buffer[tuple(index)] = piece
+
+
+def _gathered(
+    entry: Exported, found: dict[str, tuple[str, torch.Tensor, ParamLayout]], grid: Grid
+) -> torch.Tensor | None:
+    """The whole tensor ``entry`` on rank 0 (None elsewhere): a view of rank 0's own copy when one
+    parameter holds it whole on every rank (no collective), else a buffer that every rank fills
+    with its pieces (one replica of each) and one all-reduce over the world sums."""
+    parts = [found[s.key] for s in entry.sources]
+    if len(parts) == 1 and not entry.transposed and parts[0][2].replicated_over() == AXES:
+        return parts[0][1].detach().view(entry.shape) if grid.rank == 0 else None
+    dtypes = {t.dtype for _, t, _ in parts}
+    if len(dtypes) != 1:
+        raise ValueError(f"{entry.name} stacks tensors of dtypes {sorted(map(str, dtypes))}; they must share one")
+    buffer = torch.zeros(entry.shape, dtype=parts[0][1].dtype, device=parts[0][1].device)
+    for source, (name, t, layout) in zip(entry.sources, parts):
+        if any(grid.coord(a) for a in layout.replicated_over()):
+            continue  # another rank holds the same piece
+        for box, view in layout.views(name, t, grid):
+            if box.key == source.key:
+                _place(buffer, entry, source, box.offsets, view)
+    if any(layout.replicated_over() != AXES for _, _, layout in parts):
+        grid.comm.all_reduce(buffer, "world", tag="export").wait()
+    return buffer if grid.rank == 0 else None
+
+
+def _lookup(model: nn.Module, plan: list[Exported]) -> dict[str, tuple[str, torch.Tensor, ParamLayout]]:
+    """{source key: (parameter or buffer name, the tensor, its layout)} for every source of ``plan``."""
+    layouts = param_layouts(model)
+    out: dict[str, tuple[str, torch.Tensor, ParamLayout]] = {}
+    for name, p in model.named_parameters():
+        for key in layouts[name].saved_tensors(name):
+            out[key] = (name, p, layouts[name])
+    for name, buf in _persistent_buffers(model):
+        out[name] = (name, buf, ParamLayout(tuple(buf.shape)))
+    missing = [s.key for e in plan for s in e.sources if s.key not in out]
+    if missing:
+        raise ValueError(f"the model has no tensor {missing[0]!r} that the export needs ({len(missing)} missing)")
+    return out
+
+
+# --- the output directory -------------------------------------------------------------------------
+
+
+def _check_out(out_dir: str, overwrite: bool) -> None:
+    """Refuse an ``out_dir`` that is a file, or a directory that is not empty without ``overwrite``."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not a directory; give a directory to export into")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty ({len(os.listdir(out_dir))} entries); an export never mixes with "
+            "other files: give a new or empty directory, or pass --overwrite (overwrite=True) to replace it"
+        )
+
+
+def _start(out_dir: str, overwrite: bool) -> str:
+    """Check ``out_dir`` and create the empty hidden directory the export is written into."""
+    _check_out(out_dir, overwrite)
+    partial = ckptfiles.partial_path(out_dir)
+    shutil.rmtree(partial, ignore_errors=True)  # the leftovers of an interrupted export
+    os.makedirs(partial)
+    return partial
+
+
+def _publish(partial: str, out_dir: str) -> None:
+    """Put the finished export at ``out_dir`` in one rename (replacing what was there)."""
+    out_dir = os.path.abspath(out_dir)
+    ckptfiles.fsync_dir(partial)
+    replaced = None
+    if os.path.exists(out_dir):
+        replaced = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(out_dir, replaced)
+    os.rename(partial, out_dir)
+    ckptfiles.fsync_dir(os.path.dirname(out_dir))
+    if replaced is not None:
+        shutil.rmtree(replaced)
+
+
+def copy_tokenizer(source: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files (``TOKENIZER_FILES``) that directory ``source`` holds into
+    ``out_dir``; the names copied."""
+    if not os.path.isdir(source):
+        raise FileNotFoundError(
+            f"tokenizer directory {source} does not exist; give the directory a tokenizer was saved to "
+            "(tokenizer.save_pretrained), or none"
+        )
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
+    for name in names:
+        shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
+    return names
+
+
+def _write_config(config: Any, out_dir: str, dtype: torch.dtype) -> None:
+    """``config.json`` (weights of ``dtype``) and, for a model that generates, ``generation_config.json``."""
+    config.dtype = dtype
+    config.save_pretrained(out_dir)
+    with contextlib.suppress(Exception):  # a config without generation defaults has none to write
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+
+
+# --- the two entry points -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def save_pretrained_(
+    model: nn.Module,
+    out_dir: str,
+    grid: Grid | None = None,
+    *,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    tokenizer: str | None = None,
+    overwrite: bool = False,
+) -> list[str]:
+    """Write ``model`` to ``out_dir`` in Hugging Face's format, one whole tensor at a time; every
+    rank calls it (all-reduces over the world) and rank 0 writes. Returns the files written.
+
+    ``model`` is axon4d's ``Transformer`` (exported as ``GPT2LMHeadModel`` / ``LlamaForCausalLM``)
+    or a Hugging Face model parallelized by ``auto_parallelize`` (exported under its own names).
+    Shards hold at most ``max_shard_size`` (bytes, or "5GB"); ``tokenizer``: a directory whose
+    tokenizer files are copied along. A non-empty ``out_dir`` is refused unless ``overwrite``; a
+    refusal or a failed write raises the same error on every rank.
+    """
+    grid = runtime.resolve(grid)
+    err: BaseException | None = None
+    plan: list[Exported] = []
+    found: dict[str, tuple[str, torch.Tensor, ParamLayout]] = {}
+    try:
+        config, plan = _plan(model)
+        limit = parse_size(max_shard_size)
+        found = _lookup(model, plan)
+        specs = [TensorSpec(e.name, e.shape, found[e.sources[0].key][1].dtype) for e in plan]
+    except Exception as e:  # the same on every rank: every rank raises it, before any collective
+        err = e
+    _agree(grid, err, f"planning the export to {out_dir}")
+    partial = ""
+
+    def start() -> None:
+        nonlocal partial
+        partial = _start(out_dir, overwrite)
+
+    _agree(grid, _on_rank0(grid, start), f"preparing {out_dir}")
+    writer = ShardedWriter(partial, specs, limit) if grid.rank == 0 else None
+    for entry in plan:  # every rank gathers every tensor, so a failed write on rank 0 cannot hang the others
+        t = _gathered(entry, found, grid)
+        if writer is not None and t is not None and err is None:
+            try:
+                writer.write(entry.name, t)
+            except Exception as e:
+                err = e
+        del t
+    written: list[str] = []
+
+    def finish() -> None:
+        if err is not None:
+            raise err
+        assert writer is not None
+        written.extend(writer.close())
+        _write_config(config, partial, specs[0].dtype if specs else torch.float32)
+        if tokenizer is not None:
+            written.extend(copy_tokenizer(tokenizer, partial))
+        _publish(partial, out_dir)
+
+    _agree(grid, _on_rank0(grid, finish), f"writing {out_dir}")
+    return written
+
+
+def _checked_index(path: str) -> dcp.Metadata:
+    """DCP's index of the checkpoint at ``path`` after a load's checks: meta.json, the index read
+    without running code from it, its shards present, every file's checksum."""
+    meta = ckptfiles.read_meta(path)
+    files = meta.get("files")
+    if files is not None:
+        ckptfiles.verify(path, files, [ckptfiles.DCP_INDEX])
+    index = ckptfiles.read_index(path)
+    shards = ckptfiles.check_shards(path, index, files)
+    if files is not None:
+        ckptfiles.verify(path, files, shards)
+    return index
+
+
+def tokenizer_source(meta: dict[str, Any]) -> str | None:
+    """The Hugging Face directory a run recorded in its checkpoint's meta.json (``hf_path``: the
+    model ``axon4d train --hf`` fine-tuned), whose tokenizer files an export copies; None if none."""
+    for where in (meta, meta.get("train_config") or {}):
+        value = where.get("hf_path") if isinstance(where, dict) else None
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def export_checkpoint(
+    path: str,
+    out_dir: str,
+    *,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+    tokenizer: str | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write the model of axon4d checkpoint ``path`` to ``out_dir`` in Hugging Face's format, in
+    this process alone (no process group): each tensor is read whole from the checkpoint (DCP),
+    written, and dropped before the next. ``tokenizer``: a directory whose tokenizer files are
+    copied along (default: the ``hf_path`` the run recorded, if it still exists). ``progress`` is
+    called with the bytes of each tensor written. Returns the files written."""
+    meta = ckptfiles.read_meta(path)
+    if not isinstance(meta.get("model_config"), dict):
+        raise ValueError(
+            f"{path}/meta.json records no model_config: it is not a checkpoint of axon4d's Transformer; a model "
+            "parallelized from Hugging Face exports from the running job with axon4d.export.save_pretrained_"
+        )
+    cfg = ModelConfig(**meta["model_config"])
+    plan = hf_tensors(cfg)
+    parse_size(max_shard_size)
+    if tokenizer is None:
+        recorded = tokenizer_source(meta)
+        tokenizer = recorded if recorded is not None and os.path.isdir(recorded) else None
+    elif not os.path.isdir(tokenizer):
+        copy_tokenizer(tokenizer, out_dir)  # raises its FileNotFoundError, before anything is written
+    index = _checked_index(path)
+    entries = index.state_dict_metadata
+    specs = []
+    for e in plan:
+        dtypes = set()
+        for s in e.sources:
+            md = entries.get(f"model.{s.key}")
+            if not isinstance(md, dcp.TensorStorageMetadata) or tuple(md.size) != s.shape:
+                got = "no such tensor" if md is None else f"shape {tuple(getattr(md, 'size', ()))}"
+                raise ValueError(
+                    f"{path} holds model.{s.key} with {got}, its model_config needs {s.shape}: the checkpoint does "
+                    "not match its meta.json"
+                )
+            dtypes.add(md.properties.dtype)
+        if len(dtypes) != 1:
+            raise ValueError(f"{e.name} stacks tensors of dtypes {sorted(map(str, dtypes))} in {path}")
+        specs.append(TensorSpec(e.name, e.shape, dtypes.pop()))
+    partial = _start(out_dir, overwrite)
+    writer = ShardedWriter(partial, specs, parse_size(max_shard_size))
+    for entry, spec in zip(plan, specs):
+        buffer = torch.empty(spec.shape, dtype=spec.dtype)
+        for s in entry.sources:
+            rows = (
+                buffer[:, s.row0 : s.row0 + s.shape[0]].t()
+                if entry.transposed
+                else buffer[s.row0 : s.row0 + s.shape[0]]
+            )
+            dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)
+        writer.write(entry.name, buffer)
+        if progress is not None:
+            progress(spec.nbytes)
+        del buffer
+    written = writer.close()
+    _write_config(hf_config(cfg, specs[0].dtype), partial, specs[0].dtype)
+    if tokenizer is not None:
+        written.extend(copy_tokenizer(tokenizer, partial))
+    _publish(partial, out_dir)
+    return written
+
+
+# --- axon4d export-hf -----------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="an axon4d checkpoint directory (step_<N>, with meta.json)")
+    parser.add_argument("out", help="the directory to write the Hugging Face model into (new or empty)")
+    parser.add_argument(
+        "--max-shard-size", default=MAX_SHARD_SIZE, help="largest safetensors file (default %(default)s; e.g. 500MB)"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="a directory whose tokenizer files to copy (default: the run's --hf model's)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a refused input")
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    try:
+        meta = ckptfiles.read_meta(args.checkpoint)
+        print(f"checking {args.checkpoint} (step {meta['step']}): meta.json, DCP's index, every file's checksum")
+        with tqdm(unit="B", unit_scale=True, desc="writing tensors", file=sys.stdout, mininterval=1.0) as bar:
+            written = export_checkpoint(
+                args.checkpoint,
+                args.out,
+                max_shard_size=args.max_shard_size,
+                tokenizer=args.tokenizer,
+                overwrite=args.overwrite,
+                progress=bar.update,
+            )
+    except (ValueError, TypeError, OSError, ckptfiles.CheckpointError) as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"axon4d export-hf: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: {', '.join(written)} and config.json")
+    return 0
