@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shutil
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,19 +142,28 @@ def _place(
         buffer[tuple(index)] = piece
 
 
+def _held_whole(entry: Exported, found: dict[str, tuple[str, torch.Tensor, ParamLayout]]) -> bool:
+    """Whether ``entry`` is one parameter (or buffer) as it is, held whole on every rank."""
+    source = found[entry.sources[0].key]
+    return len(entry.sources) == 1 and not entry.transposed and source[2].replicated_over() == AXES
+
+
+def _on(scratch: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` on the first bytes of the byte buffer ``scratch``."""
+    return scratch[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
 def _gathered(
-    entry: Exported, found: dict[str, tuple[str, torch.Tensor, ParamLayout]], grid: Grid
+    entry: Exported, found: dict[str, tuple[str, torch.Tensor, ParamLayout]], grid: Grid, scratch: torch.Tensor
 ) -> torch.Tensor | None:
     """The whole tensor ``entry`` on rank 0 (None elsewhere): a view of rank 0's own copy when one
-    parameter holds it whole on every rank (no collective), else a buffer that every rank fills
-    with its pieces (one replica of each) and one all-reduce over the world sums."""
+    parameter holds it whole on every rank (no collective), else ``scratch`` (bytes enough for the
+    largest tensor, the one buffer of the export) zeroed, filled by every rank with its pieces (one
+    replica of each) and summed by one all-reduce over the world."""
     parts = [found[s.key] for s in entry.sources]
-    if len(parts) == 1 and not entry.transposed and parts[0][2].replicated_over() == AXES:
+    if _held_whole(entry, found):
         return parts[0][1].detach().view(entry.shape) if grid.rank == 0 else None
-    dtypes = {t.dtype for _, t, _ in parts}
-    if len(dtypes) != 1:
-        raise ValueError(f"{entry.name} stacks tensors of dtypes {sorted(map(str, dtypes))}; they must share one")
-    buffer = torch.zeros(entry.shape, dtype=parts[0][1].dtype, device=parts[0][1].device)
+    buffer = _on(scratch, entry.shape, parts[0][1].dtype).zero_()
     for source, (name, t, layout) in zip(entry.sources, parts):
         if any(grid.coord(a) for a in layout.replicated_over()):
             continue  # another rank holds the same piece
@@ -176,6 +187,10 @@ def _lookup(model: nn.Module, plan: list[Exported]) -> dict[str, tuple[str, torc
     missing = [s.key for e in plan for s in e.sources if s.key not in out]
     if missing:
         raise ValueError(f"the model has no tensor {missing[0]!r} that the export needs ({len(missing)} missing)")
+    for e in plan:
+        dtypes = {out[s.key][1].dtype for s in e.sources}
+        if len(dtypes) != 1:
+            raise ValueError(f"{e.name} stacks tensors of dtypes {sorted(map(str, dtypes))}; they must share one")
     return out
 
 
@@ -217,14 +232,18 @@ def _publish(partial: str, out_dir: str) -> None:
         shutil.rmtree(replaced)
 
 
-def copy_tokenizer(source: str, out_dir: str) -> list[str]:
-    """Copy the tokenizer files (``TOKENIZER_FILES``) that directory ``source`` holds into
-    ``out_dir``; the names copied."""
+def _check_tokenizer(source: str) -> None:
     if not os.path.isdir(source):
         raise FileNotFoundError(
             f"tokenizer directory {source} does not exist; give the directory a tokenizer was saved to "
             "(tokenizer.save_pretrained), or none"
         )
+
+
+def copy_tokenizer(source: str, out_dir: str) -> list[str]:
+    """Copy the tokenizer files (``TOKENIZER_FILES``) that directory ``source`` holds into
+    ``out_dir``; the names copied."""
+    _check_tokenizer(source)
     names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
     for name in names:
         shutil.copyfile(os.path.join(source, name), os.path.join(out_dir, name))
@@ -268,6 +287,7 @@ def save_pretrained_(
     plan: list[Exported] = []
     found: dict[str, tuple[str, torch.Tensor, ParamLayout]] = {}
     try:
+        _check_tokenizer(tokenizer) if tokenizer is not None else None
         config, plan = _plan(model)
         limit = parse_size(max_shard_size)
         found = _lookup(model, plan)
@@ -283,14 +303,16 @@ def save_pretrained_(
 
     _agree(grid, _on_rank0(grid, start), f"preparing {out_dir}")
     writer = ShardedWriter(partial, specs, limit) if grid.rank == 0 else None
+    gathered = [spec.nbytes for e, spec in zip(plan, specs) if not _held_whole(e, found)]
+    device = next(iter(found.values()))[1].device if found else grid.device
+    scratch = torch.empty(max(gathered, default=0), dtype=torch.uint8, device=device)  # the one buffer of the export
     for entry in plan:  # every rank gathers every tensor, so a failed write on rank 0 cannot hang the others
-        t = _gathered(entry, found, grid)
+        t = _gathered(entry, found, grid, scratch)
         if writer is not None and t is not None and err is None:
             try:
                 writer.write(entry.name, t)
             except Exception as e:
                 err = e
-        del t
     written: list[str] = []
 
     def finish() -> None:
@@ -345,6 +367,7 @@ def export_checkpoint(
     written, and dropped before the next. ``tokenizer``: a directory whose tokenizer files are
     copied along (default: the ``hf_path`` the run recorded, if it still exists). ``progress`` is
     called with the bytes of each tensor written. Returns the files written."""
+    _check_out(out_dir, overwrite)
     meta = ckptfiles.read_meta(path)
     if not isinstance(meta.get("model_config"), dict):
         raise ValueError(
@@ -357,8 +380,8 @@ def export_checkpoint(
     if tokenizer is None:
         recorded = tokenizer_source(meta)
         tokenizer = recorded if recorded is not None and os.path.isdir(recorded) else None
-    elif not os.path.isdir(tokenizer):
-        copy_tokenizer(tokenizer, out_dir)  # raises its FileNotFoundError, before anything is written
+    else:
+        _check_tokenizer(tokenizer)  # before anything is written
     index = _checked_index(path)
     entries = index.state_dict_metadata
     specs = []
@@ -378,19 +401,21 @@ def export_checkpoint(
         specs.append(TensorSpec(e.name, e.shape, dtypes.pop()))
     partial = _start(out_dir, overwrite)
     writer = ShardedWriter(partial, specs, parse_size(max_shard_size))
+    scratch = torch.empty(max(spec.nbytes for spec in specs), dtype=torch.uint8)  # the one buffer of the export
     for entry, spec in zip(plan, specs):
-        buffer = torch.empty(spec.shape, dtype=spec.dtype)
+        buffer = _on(scratch, spec.shape, spec.dtype)
         for s in entry.sources:
             rows = (
                 buffer[:, s.row0 : s.row0 + s.shape[0]].t()
                 if entry.transposed
                 else buffer[s.row0 : s.row0 + s.shape[0]]
             )
-            dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)
+            with warnings.catch_warnings():  # that it loads in one process, as asked
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)
         writer.write(entry.name, buffer)
         if progress is not None:
             progress(spec.nbytes)
-        del buffer
     written = writer.close()
     _write_config(hf_config(cfg, specs[0].dtype), partial, specs[0].dtype)
     if tokenizer is not None:
