@@ -43,9 +43,9 @@ from axon4d import ckptfiles, runtime
 from axon4d.checkpoint import _agree, _on_rank0
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
-from axon4d.models.hf import Exported, Source, hf_config, hf_tensors
+from axon4d.models.hf import Exported, Source, hf_config, hf_tensors, stacked
 from axon4d.models.transformer import Transformer
-from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
+from axon4d.parallelize.layers import ShardedLinear, ShardedNorm, is_conv1d
 from axon4d.param_layout import ParamLayout, param_layouts
 from axon4d.safetensors_files import ShardedWriter, TensorSpec, parse_size
 from axon4d.shape import AXES
@@ -72,17 +72,6 @@ TOKENIZER_FILES = (
 # --- the plan: which tensors, from which pieces ---------------------------------------------------
 
 
-def _stacked(name: str, layout: ParamLayout, key: str, transposed: bool) -> Exported:
-    """The exported tensor ``name`` of a parameter of ``layout`` saved as ``key`` (its segments,
-    when its rows are fused, stacked back in order); (in, out) when ``transposed``."""
-    sources, row = [], 0
-    for part, shape in layout.saved_tensors(key).items():
-        sources.append(Source(part, shape, row))
-        row += shape[0] if shape else 0
-    shape = layout.global_shape
-    return Exported(name, tuple(reversed(shape)) if transposed else shape, tuple(sources), transposed)
-
-
 def _parallelized_tensors(model: nn.Module) -> list[Exported]:
     """The tensors of a model ``auto_parallelize`` parallelized, under the names the model had:
     a ``ShardedLinear``'s and ``ShardedNorm``'s parameters under the module they replaced."""
@@ -97,9 +86,10 @@ def _parallelized_tensors(model: nn.Module) -> list[Exported]:
         module = model.get_submodule(mod_name)
         dense, wrapper = replaced.get(id(module), (mod_name, None))
         conv1d = isinstance(wrapper, ShardedLinear) and wrapper.conv1d_class is not None and p_name == "weight"
-        out.append(_stacked(f"{dense}.{p_name}" if dense else p_name, layouts[name], name, conv1d))
+        parts = list(layouts[name].saved_tensors(name).items())
+        out.append(stacked(f"{dense}.{p_name}" if dense else p_name, parts, conv1d))
     for name, buf in _persistent_buffers(model):
-        out.append(_stacked(name, ParamLayout(tuple(buf.shape)), name, False))
+        out.append(stacked(name, [(name, tuple(buf.shape))], False))
     return out
 
 
@@ -114,8 +104,7 @@ def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def _plan(model: nn.Module) -> tuple[Any, list[Exported]]:
     """(transformers config, exported tensors) of a live model."""
     if isinstance(model, Transformer):
-        dtype = model.head.weight.dtype
-        return hf_config(model.cfg, dtype), hf_tensors(model.cfg)
+        return hf_config(model.cfg), hf_tensors(model.cfg)
     config = getattr(model, "config", None)
     if callable(getattr(config, "save_pretrained", None)):
         return config, _parallelized_tensors(model)
@@ -329,10 +318,9 @@ def save_pretrained_(
     return written
 
 
-def _checked_index(path: str) -> dcp.Metadata:
-    """DCP's index of the checkpoint at ``path`` after a load's checks: meta.json, the index read
-    without running code from it, its shards present, every file's checksum."""
-    meta = ckptfiles.read_meta(path)
+def _checked_index(path: str, meta: dict[str, Any]) -> dcp.Metadata:
+    """DCP's index of the checkpoint at ``path`` (whose meta.json is ``meta``) after a load's checks:
+    the index read without running code from it, its shards present, every file's checksum."""
     files = meta.get("files")
     if files is not None:
         ckptfiles.verify(path, files, [ckptfiles.DCP_INDEX])
@@ -353,6 +341,68 @@ def tokenizer_source(meta: dict[str, Any]) -> str | None:
     return None
 
 
+#: the stacking order of fused rows' segments (``rectangles.FusedRows``) in axon4d: attention's and
+#: GPT-2's packed q | k | v, SwiGLU's gate | up
+SEGMENTS = ("q", "k", "v", "gate", "up")
+
+
+def _hf_checkpoint_tensors(path: str, hf_path: str, saved: dict[str, tuple[int, ...]]) -> tuple[Any, list[Exported]]:
+    """(config, exported tensors) of the checkpoint at ``path`` of the Hugging Face model in
+    ``hf_path`` parallelized by ``auto_parallelize``, whose checkpoint holds ``saved`` ({name: global
+    shape}): each parameter of the model (built on the meta device) under its own name, or under
+    ``<module>.inner.<name>`` where a ``ShardedLinear`` or ``ShardedNorm`` replaced its module (its
+    fused segments stacked back; a ``Conv1D`` weight transposed back)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # an optional dependency
+
+    config = AutoConfig.from_pretrained(hf_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    out = []
+    for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        mod_name, _, p_name = name.rpartition(".")
+        wrapped = f"{mod_name}.inner.{p_name}"
+        segments = [k for k in saved if k.startswith(f"{wrapped}.")]
+        if name in saved or wrapped in saved:
+            keys = [name if name in saved else wrapped]
+        elif segments and all(k.rpartition(".")[2] in SEGMENTS for k in segments):
+            keys = sorted(segments, key=lambda k: SEGMENTS.index(k.rpartition(".")[2]))
+        else:
+            raise ValueError(
+                f"{path} holds no tensor for {name} of the model in {hf_path} (neither model.{name} nor "
+                f"model.{wrapped}): the checkpoint is not of that model"
+            )
+        transposed = keys[0] != name and is_conv1d(model.get_submodule(mod_name)) and p_name == "weight"
+        entry = stacked(name, [(k, saved[k]) for k in keys], transposed)
+        if entry.shape != tuple(p.shape):
+            raise ValueError(
+                f"{path} holds {name} as {[saved[k] for k in keys]}, which make {entry.shape}; the model in {hf_path} "
+                f"has {tuple(p.shape)}: the checkpoint is not of that model"
+            )
+        out.append(entry)
+    return config, out
+
+
+def _checkpoint_plan(path: str, meta: dict[str, Any], saved: dict[str, tuple[int, ...]]) -> tuple[Any, list[Exported]]:
+    """(transformers config, exported tensors) of the checkpoint at ``path``: of axon4d's
+    Transformer (meta.json's model_config), or of the Hugging Face model the run fine-tuned (its
+    ``hf_path``)."""
+    if isinstance(meta.get("model_config"), dict):
+        cfg = ModelConfig(**meta["model_config"])
+        return hf_config(cfg), hf_tensors(cfg)
+    hf_path = tokenizer_source(meta)
+    if hf_path is None:
+        raise ValueError(
+            f"{path}/meta.json records neither a model_config (axon4d's Transformer) nor an hf_path (a Hugging Face "
+            "model fine-tuned by axon4d train --hf): there is no model to export"
+        )
+    if not os.path.isdir(hf_path):
+        raise FileNotFoundError(
+            f"{path} is a fine-tune of the Hugging Face model in {hf_path}, which is gone: its config.json says what "
+            "the model is; restore the directory"
+        )
+    return _hf_checkpoint_tensors(path, hf_path, saved)
+
+
 def export_checkpoint(
     path: str,
     out_dir: str,
@@ -363,53 +413,51 @@ def export_checkpoint(
     progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Write the model of axon4d checkpoint ``path`` to ``out_dir`` in Hugging Face's format, in
-    this process alone (no process group): each tensor is read whole from the checkpoint (DCP),
-    written, and dropped before the next. ``tokenizer``: a directory whose tokenizer files are
-    copied along (default: the ``hf_path`` the run recorded, if it still exists). ``progress`` is
-    called with the bytes of each tensor written. Returns the files written."""
+    this process alone (no process group): each tensor is read whole from the checkpoint (DCP)
+    into the export's one buffer, written, and overwritten by the next. The checkpoint is of axon4d's
+    Transformer, or of a Hugging Face model ``axon4d train --hf`` fine-tuned (meta.json's
+    ``hf_path``). ``tokenizer``: a directory whose tokenizer files are copied along (default: the
+    ``hf_path`` the run recorded, if it still exists). ``progress`` is called with the bytes of
+    each tensor written. Returns the files written."""
     _check_out(out_dir, overwrite)
+    limit = parse_size(max_shard_size)
     meta = ckptfiles.read_meta(path)
-    if not isinstance(meta.get("model_config"), dict):
-        raise ValueError(
-            f"{path}/meta.json records no model_config: it is not a checkpoint of axon4d's Transformer; a model "
-            "parallelized from Hugging Face exports from the running job with axon4d.export.save_pretrained_"
-        )
-    cfg = ModelConfig(**meta["model_config"])
-    plan = hf_tensors(cfg)
-    parse_size(max_shard_size)
     if tokenizer is None:
         recorded = tokenizer_source(meta)
         tokenizer = recorded if recorded is not None and os.path.isdir(recorded) else None
     else:
         _check_tokenizer(tokenizer)  # before anything is written
-    index = _checked_index(path)
-    entries = index.state_dict_metadata
+    if isinstance(meta.get("model_config"), dict):  # a shape no export has is refused before the checksums
+        hf_tensors(ModelConfig(**meta["model_config"]))
+    index = _checked_index(path, meta)
+    entries = {  # the model's tensors (read_index admits only tensors)
+        k[len("model.") :]: md
+        for k, md in index.state_dict_metadata.items()
+        if k.startswith("model.") and isinstance(md, dcp.TensorStorageMetadata)
+    }
+    saved = {k: tuple(md.size) for k, md in entries.items()}
+    config, plan = _checkpoint_plan(path, meta, saved)
     specs = []
     for e in plan:
-        dtypes = set()
         for s in e.sources:
-            md = entries.get(f"model.{s.key}")
-            if not isinstance(md, dcp.TensorStorageMetadata) or tuple(md.size) != s.shape:
-                got = "no such tensor" if md is None else f"shape {tuple(getattr(md, 'size', ()))}"
+            if saved.get(s.key) != s.shape:
+                got = "no such tensor" if s.key not in saved else f"shape {saved[s.key]}"
                 raise ValueError(
                     f"{path} holds model.{s.key} with {got}, its model_config needs {s.shape}: the checkpoint does "
                     "not match its meta.json"
                 )
-            dtypes.add(md.properties.dtype)
+        dtypes = {entries[s.key].properties.dtype for s in e.sources}
         if len(dtypes) != 1:
             raise ValueError(f"{e.name} stacks tensors of dtypes {sorted(map(str, dtypes))} in {path}")
         specs.append(TensorSpec(e.name, e.shape, dtypes.pop()))
     partial = _start(out_dir, overwrite)
-    writer = ShardedWriter(partial, specs, parse_size(max_shard_size))
+    writer = ShardedWriter(partial, specs, limit)
     scratch = torch.empty(max(spec.nbytes for spec in specs), dtype=torch.uint8)  # the one buffer of the export
     for entry, spec in zip(plan, specs):
         buffer = _on(scratch, spec.shape, spec.dtype)
         for s in entry.sources:
-            rows = (
-                buffer[:, s.row0 : s.row0 + s.shape[0]].t()
-                if entry.transposed
-                else buffer[s.row0 : s.row0 + s.shape[0]]
-            )
+            end = s.row0 + s.shape[0]
+            rows = buffer[:, s.row0 : end].t() if entry.transposed else buffer[s.row0 : end]  # s's global shape
             with warnings.catch_warnings():  # that it loads in one process, as asked
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)
@@ -417,7 +465,7 @@ def export_checkpoint(
         if progress is not None:
             progress(spec.nbytes)
     written = writer.close()
-    _write_config(hf_config(cfg, specs[0].dtype), partial, specs[0].dtype)
+    _write_config(config, partial, specs[0].dtype)
     if tokenizer is not None:
         written.extend(copy_tokenizer(tokenizer, partial))
     _publish(partial, out_dir)

@@ -118,16 +118,18 @@ def test_trained_transformer_round_trips_live_and_from_its_checkpoint(pools, tmp
         assert torch.equal(*tensors)
 
 
-def _parallelized_export(grid, family, out):
-    """A Hugging Face model parallelized and trained a step; its export, then a second export into
-    the same directory (refused); returns to_dense's state dict and the refusal."""
+def _parallelized_export(grid, family, out, ckpt, hf_path):
+    """A Hugging Face model parallelized and trained a step; its export and its checkpoint (as
+    ``axon4d train --hf`` saves one), then exports the model cannot make (refused); returns
+    to_dense's state dict and the refusals."""
     torch.manual_seed(0)
     model = _hf_model(family)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # GPT-2's tied head is left whole, with a warning
         model = axon4d.auto_parallelize(model, grid=grid)
-    _step(model, lambda ids, targets: model(input_ids=ids, labels=ids).loss, grid)
+    opt = _step(model, lambda ids, targets: model(input_ids=ids, labels=ids).loss, grid)
     save_pretrained_(model, out)
+    checkpoint.save(ckpt, model, grid, opt, step=1, extra={"hf_path": hf_path})
     refused = []
     for what in (model, torch.nn.Linear(2, 2)):
         try:
@@ -142,20 +144,24 @@ def _parallelized_export(grid, family, out):
 def test_parallelized_hf_model_exports_under_its_names(pools, tmp_path, family):
     from safetensors import safe_open
 
-    out = str(tmp_path / "out")
-    original = str(tmp_path / "original")
+    out, ckpt, from_ckpt = (str(tmp_path / n) for n in ("out", "ckpt", "from_ckpt"))
+    original = str(tmp_path / "original")  # the saved model a fine-tune starts from, with its tokenizer
     _hf_model(family).save_pretrained(original)
-    results = pools(4).run(GRID, _parallelized_export, family, out)
+    _tokenizer(original)
+    results = pools(4).run(GRID, _parallelized_export, family, out, ckpt, original)
     dense, _ = results[0]
     for rank, (_, (exists, not_a_model)) in enumerate(results):  # every rank raises the same error
         assert "not empty" in exists and "overwrite" in exists, (rank, exists)
         assert "got a Linear" in not_a_model, (rank, not_a_model)
+    written = export_checkpoint(ckpt, from_ckpt)  # one process: the model from hf_path's config
+    assert "tokenizer.json" in written
     with safe_open(os.path.join(original, "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
-    with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
-        assert set(f.keys()) == names  # the original's names (a tied head once)
-        for name in names:
-            assert torch.equal(f.get_tensor(name), dense[name]), name
+    for directory in (out, from_ckpt):
+        with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as f:
+            assert set(f.keys()) == names  # the original's names (a tied head once)
+            for name in names:
+                assert torch.equal(f.get_tensor(name), dense[name]), (directory, name)
 
 
 def _export_memory(grid, out):

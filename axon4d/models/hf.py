@@ -21,8 +21,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from axon4d.config import ModelConfig
 
 #: the Hugging Face class each arch exports as
@@ -58,13 +56,12 @@ def _special_id(value: int, vocab_size: int) -> int | None:
     return value if value < vocab_size else None
 
 
-def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> Any:
-    """The transformers config of the model ``cfg`` describes (``GPT2Config`` or ``LlamaConfig``), for
-    weights of ``dtype``."""
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config of the model ``cfg`` describes (``GPT2Config`` or ``LlamaConfig``)."""
     from transformers import GPT2Config, LlamaConfig  # an optional dependency
 
     check_exportable(cfg)
-    common: dict[str, Any] = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=False, dtype=dtype)
+    common: dict[str, Any] = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=False)
     config: Any
     if cfg.arch == "llama":
         config = LlamaConfig(
@@ -115,13 +112,14 @@ def check_exportable(cfg: ModelConfig) -> None:
         )
 
 
-def _stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False) -> Exported:
-    """``parts`` (key, shape) stacked along dim 0 into tensor ``name``."""
+def stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False) -> Exported:
+    """The exported tensor ``name`` made of the saved tensors ``parts`` ((key, global shape), in
+    order) stacked along dim 0; (in, out) when ``transposed``."""
     sources, row = [], 0
     for key, shape in parts:
         sources.append(Source(key, shape, row))
-        row += shape[0]
-    shape = (row, *parts[0][1][1:])
+        row += shape[0] if shape else 0
+    shape = (row, *parts[0][1][1:]) if parts[0][1] else ()
     return Exported(name, tuple(reversed(shape)) if transposed else shape, tuple(sources), transposed)
 
 
@@ -129,7 +127,7 @@ def hf_tensors(cfg: ModelConfig) -> list[Exported]:
     """Every tensor of the exported model, in the order transformers' ``state_dict`` lists them."""
     check_exportable(cfg)
     h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_heads * cfg.head_dim
-    one = _stacked
+    one = stacked
     if cfg.arch == "llama":
         out = [one("model.embed_tokens.weight", [("tok_emb.weight", (cfg.vocab_size, h))])]
         for i in range(cfg.n_layers):
