@@ -8,15 +8,17 @@ no process holds whole (docs/parallelize.md, "Exporting"):
   ``Transformer`` exports as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (``axon4d.models.hf``), a
   model ``auto_parallelize`` parallelized under its own names (GPT-2's ``Conv1D`` weights
   transposed back, packed q | k | v stacked back). One tensor at a time, every rank writes the
-  pieces it holds (``axon4d.param_layout``; one replica of each) into a zeroed buffer of the whole
-  tensor and one all-reduce over the world fills it (each element comes from one rank: the sum is
-  exact); rank 0 appends its bytes to the file (``axon4d.safetensors_files``) and the buffer goes.
-  A tensor left whole on every rank is written from rank 0's copy, with no collective. So a
-  process holds the model's shards plus one whole tensor.
+  pieces it holds (``axon4d.param_layout``; one replica of each) into the zeroed buffer and one
+  all-reduce over the world fills it (each element comes from one rank: the sum is exact); rank 0
+  appends its bytes to the file (``axon4d.safetensors_files``). The buffer is one, allocated once
+  for the largest tensor and reused, so a process holds its shards plus one whole tensor. A
+  tensor left whole on every rank is written from rank 0's copy, with no collective.
 - **A checkpoint** (``export_checkpoint(path, out_dir)``; ``axon4d export-hf CHECKPOINT OUT``): one
   process, no process group. After the checks a load makes (meta.json, checksums, DCP's index read
   without running code from it), DCP reads each tensor whole, one at a time, straight into the
-  buffer it is written from.
+  one buffer it is written from. The model is axon4d's Transformer (meta.json's model_config) or
+  the Hugging Face model ``axon4d train --hf`` fine-tuned (its ``hf_path``: the model is built on the
+  meta device from its config, and its tokenizer files come along).
 
 The export is written into a hidden sibling directory and renamed into place at the end: an
 interrupted export leaves no half-written model at ``out_dir``.
@@ -25,7 +27,7 @@ interrupted export leaves no half-written model at ``out_dir``.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import math
 import os
 import shutil
@@ -239,14 +241,16 @@ def copy_tokenizer(source: str, out_dir: str) -> list[str]:
     return names
 
 
-def _write_config(config: Any, out_dir: str, dtype: torch.dtype) -> None:
-    """``config.json`` (weights of ``dtype``) and, for a model that generates, ``generation_config.json``."""
+def _write_config(config: Any, out_dir: str, dtype: torch.dtype) -> list[str]:
+    """Write ``config.json`` (a copy of ``config``, for weights of ``dtype``) and the generation
+    defaults it implies (``generation_config.json``, as ``save_pretrained`` writes for a causal LM)."""
+    from transformers import GenerationConfig  # an optional dependency
+
+    config = copy.deepcopy(config)
     config.dtype = dtype
     config.save_pretrained(out_dir)
-    with contextlib.suppress(Exception):  # a config without generation defaults has none to write
-        from transformers import GenerationConfig
-
-        GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    return ["config.json", "generation_config.json"]
 
 
 # --- the two entry points -------------------------------------------------------------------------
@@ -263,7 +267,8 @@ def save_pretrained_(
     overwrite: bool = False,
 ) -> list[str]:
     """Write ``model`` to ``out_dir`` in Hugging Face's format, one whole tensor at a time; every
-    rank calls it (all-reduces over the world) and rank 0 writes. Returns the files written.
+    rank calls it (all-reduces over the world) and rank 0 writes. Returns the files written (on
+    rank 0; [] elsewhere).
 
     ``model`` is axon4d's ``Transformer`` (exported as ``GPT2LMHeadModel`` / ``LlamaForCausalLM``)
     or a Hugging Face model parallelized by ``auto_parallelize`` (exported under its own names).
@@ -276,28 +281,22 @@ def save_pretrained_(
     plan: list[Exported] = []
     found: dict[str, tuple[str, torch.Tensor, ParamLayout]] = {}
     try:
-        _check_tokenizer(tokenizer) if tokenizer is not None else None
+        if tokenizer is not None:
+            _check_tokenizer(tokenizer)
         config, plan = _plan(model)
-        limit = parse_size(max_shard_size)
         found = _lookup(model, plan)
         specs = [TensorSpec(e.name, e.shape, found[e.sources[0].key][1].dtype) for e in plan]
+        writer = ShardedWriter(ckptfiles.partial_path(out_dir), specs, parse_size(max_shard_size))  # rank 0 writes
     except Exception as e:  # the same on every rank: every rank raises it, before any collective
         err = e
     _agree(grid, err, f"planning the export to {out_dir}")
-    partial = ""
-
-    def start() -> None:
-        nonlocal partial
-        partial = _start(out_dir, overwrite)
-
-    _agree(grid, _on_rank0(grid, start), f"preparing {out_dir}")
-    writer = ShardedWriter(partial, specs, limit) if grid.rank == 0 else None
+    _agree(grid, _on_rank0(grid, lambda: _start(out_dir, overwrite)), f"preparing {out_dir}")
     gathered = [spec.nbytes for e, spec in zip(plan, specs) if not _held_whole(e, found)]
     device = next(iter(found.values()))[1].device if found else grid.device
     scratch = torch.empty(max(gathered, default=0), dtype=torch.uint8, device=device)  # the one buffer of the export
     for entry in plan:  # every rank gathers every tensor, so a failed write on rank 0 cannot hang the others
         t = _gathered(entry, found, grid, scratch)
-        if writer is not None and t is not None and err is None:
+        if t is not None and err is None:  # rank 0
             try:
                 writer.write(entry.name, t)
             except Exception as e:
@@ -306,13 +305,13 @@ def save_pretrained_(
 
     def finish() -> None:
         if err is not None:
+            writer.discard()
             raise err
-        assert writer is not None
         written.extend(writer.close())
-        _write_config(config, partial, specs[0].dtype if specs else torch.float32)
+        written.extend(_write_config(config, writer.directory, specs[0].dtype if specs else torch.float32))
         if tokenizer is not None:
-            written.extend(copy_tokenizer(tokenizer, partial))
-        _publish(partial, out_dir)
+            written.extend(copy_tokenizer(tokenizer, writer.directory))
+        _publish(writer.directory, out_dir)
 
     _agree(grid, _on_rank0(grid, finish), f"writing {out_dir}")
     return written
@@ -331,11 +330,13 @@ def _checked_index(path: str, meta: dict[str, Any]) -> dcp.Metadata:
     return index
 
 
-def tokenizer_source(meta: dict[str, Any]) -> str | None:
+def recorded_hf_path(meta: dict[str, Any]) -> str | None:
     """The Hugging Face directory a run recorded in its checkpoint's meta.json (``hf_path``: the
-    model ``axon4d train --hf`` fine-tuned), whose tokenizer files an export copies; None if none."""
-    for where in (meta, meta.get("train_config") or {}):
-        value = where.get("hf_path") if isinstance(where, dict) else None
+    model ``axon4d train --hf`` fine-tuned: its config, and the tokenizer an export copies); None
+    if none."""
+    train = meta.get("train_config")
+    train = train if isinstance(train, dict) else {}
+    for value in (meta.get("hf_path"), train.get("hf_path"), train.get("hf")):  # the extra, or the --hf flag
         if isinstance(value, str) and value:
             return value
     return None
@@ -389,7 +390,7 @@ def _checkpoint_plan(path: str, meta: dict[str, Any], saved: dict[str, tuple[int
     if isinstance(meta.get("model_config"), dict):
         cfg = ModelConfig(**meta["model_config"])
         return hf_config(cfg), hf_tensors(cfg)
-    hf_path = tokenizer_source(meta)
+    hf_path = recorded_hf_path(meta)
     if hf_path is None:
         raise ValueError(
             f"{path}/meta.json records neither a model_config (axon4d's Transformer) nor an hf_path (a Hugging Face "
@@ -423,7 +424,7 @@ def export_checkpoint(
     limit = parse_size(max_shard_size)
     meta = ckptfiles.read_meta(path)
     if tokenizer is None:
-        recorded = tokenizer_source(meta)
+        recorded = recorded_hf_path(meta)
         tokenizer = recorded if recorded is not None and os.path.isdir(recorded) else None
     else:
         _check_tokenizer(tokenizer)  # before anything is written
@@ -465,7 +466,7 @@ def export_checkpoint(
         if progress is not None:
             progress(spec.nbytes)
     written = writer.close()
-    _write_config(config, partial, specs[0].dtype)
+    written.extend(_write_config(config, partial, specs[0].dtype))
     if tokenizer is not None:
         written.extend(copy_tokenizer(tokenizer, partial))
     _publish(partial, out_dir)
@@ -508,5 +509,5 @@ def main(args: argparse.Namespace) -> int:
             traceback.print_exc()
         print(f"axon4d export-hf: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {', '.join(written)} and config.json")
+    print(f"wrote {args.out}: {', '.join(written)}")
     return 0

@@ -175,6 +175,12 @@ class ShardedWriter:
             self.handle.close()
             self.handle = None
 
+    def discard(self) -> None:
+        """Close the file being written, after a failure (what was written stays incomplete)."""
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
     def close(self) -> list[str]:
         """Finish the last file and write the index; the names of the files written."""
         self._close_file()
