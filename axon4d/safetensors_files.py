@@ -102,11 +102,6 @@ def _header(specs: list[TensorSpec]) -> bytes:
     entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for spec in specs:
-        if spec.dtype not in DTYPES:
-            raise ValueError(
-                f"{spec.name} has dtype {spec.dtype}, which safetensors cannot store; "
-                f"cast it to one of {', '.join(str(d) for d in DTYPES)}"
-            )
         entries[spec.name] = {
             "dtype": DTYPES[spec.dtype],
             "shape": list(spec.shape),
@@ -140,6 +135,12 @@ class ShardedWriter:
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"tensor {dup!r} is planned twice; every tensor of a checkpoint has one name")
+        for spec in specs:
+            if spec.dtype not in DTYPES:
+                raise ValueError(
+                    f"{spec.name} has dtype {spec.dtype}, which safetensors cannot store; "
+                    f"cast it to one of {', '.join(str(d) for d in DTYPES)}"
+                )
         self.directory = directory
         self.files = layout(specs, max_shard_bytes)
         n = len(self.files)

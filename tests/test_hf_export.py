@@ -62,22 +62,24 @@ def _step(model, loss_of, grid):
     return opt
 
 
-def _train_and_export(grid, cfg, out, ckpt, hf_path):
-    """A Transformer trained a step, exported live and checkpointed; its dense logits of IDS."""
+def _train_and_export(grid, cfg, dtype, out, ckpt, hf_path):
+    """A Transformer trained a step, exported live and checkpointed; its dense logits of IDS (fp32)."""
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = Transformer(cfg, dtype=dtype)
     opt = _step(model, model.loss, grid)
     written = save_pretrained_(model, out, max_shard_size="40KB")
     checkpoint.save(ckpt, model, grid, opt, step=1, extra={"hf_path": hf_path})
     with torch.no_grad():
-        return written, model.to_dense()(IDS)
+        return written, model.to_dense().float()(IDS)
 
 
-def _logits(directory):
+def _logits(directory, dtype):
+    """Logits of IDS of the model saved in ``directory`` (weights of ``dtype``), computed in fp32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory).eval()
-    assert model.dtype == torch.float32
+    with open(os.path.join(directory, "config.json")) as f:
+        assert json.load(f)["dtype"] == str(dtype).removeprefix("torch.")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids=IDS).logits
 
@@ -86,17 +88,21 @@ def _close(got, ref):
     return float((got - ref).abs().max() / ref.abs().max())
 
 
-@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
-def test_trained_transformer_round_trips_live_and_from_its_checkpoint(pools, tmp_path, cfg, capsys):
+@pytest.mark.parametrize(
+    "cfg,dtype",
+    [(LLAMA, torch.float32), (GPT, torch.float32), (LLAMA, torch.bfloat16)],
+    ids=["llama", "gpt", "llama-bf16"],
+)
+def test_trained_transformer_round_trips_live_and_from_its_checkpoint(pools, tmp_path, cfg, dtype, capsys):
     from transformers import AutoTokenizer
 
     live, ckpt, from_ckpt = (str(tmp_path / n) for n in ("live", "ckpt", "from_ckpt"))
     hf_path = _tokenizer(str(tmp_path / "hf"))
-    written, ref = pools(4).run(GRID, _train_and_export, cfg, live, ckpt, hf_path)[0]
+    written, ref = pools(4).run(GRID, _train_and_export, cfg, dtype, live, ckpt, hf_path)[0]
     assert "model.safetensors.index.json" in written and len(written) > 3  # sharded, with an index
-    assert _close(_logits(live), ref) <= 1e-5
+    assert _close(_logits(live, dtype), ref) <= 1e-5  # bf16: the same bf16 weights, both computed in fp32
     assert cli.main(["export-hf", ckpt, from_ckpt, "--max-shard-size", "40KB"]) == 0
-    assert _close(_logits(from_ckpt), ref) <= 1e-5
+    assert _close(_logits(from_ckpt, dtype), ref) <= 1e-5
     assert "checking" in capsys.readouterr().out
     assert cli.main(["export-hf", ckpt, from_ckpt]) == 2  # OUT is not empty: refused, left as it was
     err = capsys.readouterr().err
