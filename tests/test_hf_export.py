@@ -4,12 +4,15 @@ model that was trained, and no process ever holds more than one whole tensor of 
 - Round trip: axon4d's Llama (GQA) and GPT, trained a step on a (1,2,2,1) grid, exported live
   (``save_pretrained_``, sharded files with an index) and from their checkpoint (``axon4d
   export-hf``, in this process, with no process group): ``from_pretrained`` gives the trained
-  model's logits (≤ 1e-5 relative, fp32), and the run's tokenizer comes along.
+  model's logits (≤ 1e-5 relative, fp32; a bf16 Llama's export holds its bf16 weights, config
+  dtype bfloat16, and gives its logits computed in fp32), and the run's tokenizer comes along.
 - A Hugging Face Llama and GPT-2 parallelized by ``auto_parallelize`` and trained a step export
+  live and from their checkpoint (as ``axon4d train --hf`` saves one: meta.json's ``hf_path``)
   under their own names, every tensor equal to ``to_dense``'s (GPT-2's Conv1D and packed q|k|v).
 - Memory (torch's MemTracker): on a (1,2,2,1) grid the export's peak beyond the rank's model is
-  at most the largest tensor (plus 64 KiB), where the whole model is several times that; from a
-  checkpoint, one tensor plus the largest piece DCP reads at once.
+  the largest tensor plus the exchange of the ranks' verdicts at the end (4 KiB a rank), where
+  the whole model is many times that; from a checkpoint, the buffer plus DCP's reads of saved
+  pieces (at most one more tensor).
 - Refusals: a non-empty OUT without --overwrite (on every rank, and by the command), a directory
   that is no checkpoint, a model with no Hugging Face counterpart: one clear message.
 """
