@@ -411,15 +411,15 @@ def export_checkpoint(
     max_shard_size: int | str = MAX_SHARD_SIZE,
     tokenizer: str | None = None,
     overwrite: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Write the model of axon4d checkpoint ``path`` to ``out_dir`` in Hugging Face's format, in
     this process alone (no process group): each tensor is read whole from the checkpoint (DCP)
     into the export's one buffer, written, and overwritten by the next. The checkpoint is of axon4d's
     Transformer, or of a Hugging Face model ``axon4d train --hf`` fine-tuned (meta.json's
     ``hf_path``). ``tokenizer``: a directory whose tokenizer files are copied along (default: the
-    ``hf_path`` the run recorded, if it still exists). ``progress`` is called with the bytes of
-    each tensor written. Returns the files written."""
+    ``hf_path`` the run recorded, if it still exists). ``progress`` is called after each tensor
+    with its bytes and the bytes of them all. Returns the files written."""
     _check_out(out_dir, overwrite)
     limit = parse_size(max_shard_size)
     meta = ckptfiles.read_meta(path)
@@ -453,6 +453,7 @@ def export_checkpoint(
         specs.append(TensorSpec(e.name, e.shape, dtypes.pop()))
     partial = _start(out_dir, overwrite)
     writer = ShardedWriter(partial, specs, limit)
+    total = sum(spec.nbytes for spec in specs)
     scratch = torch.empty(max(spec.nbytes for spec in specs), dtype=torch.uint8)  # the one buffer of the export
     for entry, spec in zip(plan, specs):
         buffer = _on(scratch, spec.shape, spec.dtype)
@@ -464,7 +465,7 @@ def export_checkpoint(
                 dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)
         writer.write(entry.name, buffer)
         if progress is not None:
-            progress(spec.nbytes)
+            progress(spec.nbytes, total)
     written = writer.close()
     written.extend(_write_config(config, partial, specs[0].dtype))
     if tokenizer is not None:
@@ -495,19 +496,26 @@ def main(args: argparse.Namespace) -> int:
     try:
         meta = ckptfiles.read_meta(args.checkpoint)
         print(f"checking {args.checkpoint} (step {meta['step']}): meta.json, DCP's index, every file's checksum")
-        with tqdm(unit="B", unit_scale=True, desc="writing tensors", file=sys.stdout, mininterval=1.0) as bar:
+        with tqdm(unit="B", unit_scale=True, desc=f"writing {args.out}", file=sys.stdout, mininterval=1.0) as bar:
+
+            def advance(nbytes: int, total: int) -> None:
+                bar.total = total
+                bar.update(nbytes)
+
             written = export_checkpoint(
                 args.checkpoint,
                 args.out,
                 max_shard_size=args.max_shard_size,
                 tokenizer=args.tokenizer,
                 overwrite=args.overwrite,
-                progress=bar.update,
+                progress=advance,
             )
     except (ValueError, TypeError, OSError, ckptfiles.CheckpointError) as e:
         if args.debug:
             traceback.print_exc()
         print(f"axon4d export-hf: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {', '.join(written)}")
+    shards = [n for n in written if n.endswith(".safetensors")]
+    rest = [n for n in written if n not in shards]
+    print(f"wrote {args.out}: {len(shards)} safetensors file{'s' * (len(shards) > 1)}, {', '.join(rest)}")
     return 0
