@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("axon4d.prepare", "tokenize .txt or .jsonl text with a Hugging Face tokenizer into a token file"),
     "plan": ("axon4d.plan.cli", "price every (x, y, z, data) grid of a job and print the fastest that fit in memory"),
     "calibrate": ("axon4d.measure.calibrate", "measure this machine's compute and communication rates for the planner"),
+    "export-hf": (
+        "axon4d.export.cli",
+        "write a checkpoint's model in Hugging Face format (safetensors shards, config)",
+    ),
     "trace": ("axon4d.trace", "merge per-rank timeline dumps into a Chrome/Perfetto trace JSON and a PNG"),
     "demo": ("axon4d.demo", "train an MLP of axon4d.Linear layers and compare it with one process"),
 }

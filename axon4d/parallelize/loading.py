@@ -35,12 +35,10 @@ from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import SplitFeatureNorm
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
+from axon4d.safetensors_files import INDEX_FILE, SINGLE_FILE
 
 #: the most elements one slice read returns (reads are cut into row chunks of at most this)
 CHUNK = 1 << 20
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def checkpoint_files(directory: str) -> dict[str, str]:

@@ -1,0 +1,177 @@
+"""axon4d's Transformer in Hugging Face's terms: the config and the name and layout of every tensor.
+
+A GPT exports as ``GPT2LMHeadModel`` and a Llama as ``LlamaForCausalLM`` (axon4d.export writes
+them). Each exported tensor (``Exported``) is made of tensors as a checkpoint saves them
+(``axon4d.param_layout``: a parameter's name, or ``<name>.<segment>`` for the fused q | k | v and
+gate | up rows), stacked along the output features (dim 0 of an (out, in) weight):
+
+- Llama: q, k, v (GQA: k and v have n_kv_heads·head_dim rows) become ``q_proj``, ``k_proj``,
+  ``v_proj``; gate and up ``gate_proj`` and ``up_proj``. Rotary embeddings need no permutation:
+  axon4d rotates the two halves of each head (``axon4d.nn.attention.apply_rotary``), as
+  transformers' Llama does (``rotate_half``), with the same frequencies θ^(−2i/d). The head is its
+  own tensor (``tie_word_embeddings=False``); no biases.
+- GPT-2: its ``Conv1D`` stores a weight as (in, out): every linear weight is written transposed;
+  q, k, v are stacked into ``c_attn``, weight and bias. Exact GELU (``activation_function="gelu"``,
+  not GPT-2's tanh approximation), no dropout, an untied ``lm_head``; GPT-2 has no grouped-query
+  attention, so a GPT with n_kv_heads ≠ n_heads has no export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from axon4d.config import ModelConfig
+
+#: the Hugging Face class each arch exports as
+ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A tensor as a checkpoint saves it, and where it lies in an exported tensor."""
+
+    key: str
+    """Its name: a parameter's (``blocks.0.attn.out.weight``), or ``<name>.<segment>`` of fused rows."""
+    shape: tuple[int, ...]
+    """Its global shape: (out, in) for a weight, (out,) for a bias."""
+    row0: int = 0
+    """The first of its rows (dim 0) among the exported tensor's output features."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """One tensor of the exported checkpoint: its sources stacked along dim 0, transposed if it is
+    a ``Conv1D``'s (in, out) weight."""
+
+    name: str
+    shape: tuple[int, ...]
+    """Its shape in the file."""
+    sources: tuple[Source, ...]
+    transposed: bool = False
+
+
+def _special_id(value: int, vocab_size: int) -> int | None:
+    """A default special token id, or None where the vocabulary has no such id."""
+    return value if value < vocab_size else None
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config of the model ``cfg`` describes (``GPT2Config`` or ``LlamaConfig``)."""
+    from transformers import GPT2Config, LlamaConfig  # an optional dependency
+
+    check_exportable(cfg)
+    common: dict[str, Any] = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=False)
+    config: Any
+    if cfg.arch == "llama":
+        config = LlamaConfig(
+            hidden_size=cfg.hidden,
+            intermediate_size=cfg.ffn,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            bos_token_id=_special_id(1, cfg.vocab_size),
+            eos_token_id=_special_id(2, cfg.vocab_size),
+            **common,
+        )
+    else:
+        config = GPT2Config(
+            n_embd=cfg.hidden,
+            n_inner=cfg.ffn,
+            n_layer=cfg.n_layers,
+            n_head=cfg.n_heads,
+            n_positions=cfg.seq_len,
+            layer_norm_epsilon=cfg.norm_eps,
+            activation_function="gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=_special_id(50256, cfg.vocab_size),
+            eos_token_id=_special_id(50256, cfg.vocab_size),
+            **common,
+        )
+    config.architectures = [ARCHITECTURES[cfg.arch]]
+    return config
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise ``ValueError`` if ``cfg`` has no Hugging Face counterpart (a GPT with grouped-query attention)."""
+    if cfg.arch not in ARCHITECTURES:
+        raise ValueError(f"arch {cfg.arch!r} has no Hugging Face export; axon4d exports {sorted(ARCHITECTURES)}")
+    if cfg.arch == "gpt" and cfg.kv_heads != cfg.n_heads:
+        raise ValueError(
+            f"a GPT with n_kv_heads = {cfg.kv_heads} ≠ n_heads = {cfg.n_heads} has no Hugging Face export: "
+            "GPT2LMHeadModel has no grouped-query attention; use arch 'llama' for GQA"
+        )
+
+
+def stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False) -> Exported:
+    """The exported tensor ``name`` made of the saved tensors ``parts`` ((key, global shape), in
+    order) stacked along dim 0; (in, out) when ``transposed``."""
+    sources, row = [], 0
+    for key, shape in parts:
+        sources.append(Source(key, shape, row))
+        row += shape[0] if shape else 0
+    shape = (row, *parts[0][1][1:]) if parts[0][1] else ()
+    return Exported(name, tuple(reversed(shape)) if transposed else shape, tuple(sources), transposed)
+
+
+def hf_tensors(cfg: ModelConfig) -> list[Exported]:
+    """Every tensor of the exported model, in the order transformers' ``state_dict`` lists them."""
+    check_exportable(cfg)
+    h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_heads * cfg.head_dim
+    one = stacked
+    if cfg.arch == "llama":
+        out = [one("model.embed_tokens.weight", [("tok_emb.weight", (cfg.vocab_size, h))])]
+        for i in range(cfg.n_layers):
+            b, t = f"blocks.{i}", f"model.layers.{i}"
+            out += [
+                one(f"{t}.self_attn.q_proj.weight", [(f"{b}.attn.qkv.weight.q", (h, h))]),
+                one(f"{t}.self_attn.k_proj.weight", [(f"{b}.attn.qkv.weight.k", (kv, h))]),
+                one(f"{t}.self_attn.v_proj.weight", [(f"{b}.attn.qkv.weight.v", (kv, h))]),
+                one(f"{t}.self_attn.o_proj.weight", [(f"{b}.attn.out.weight", (h, h))]),
+                one(f"{t}.mlp.gate_proj.weight", [(f"{b}.mlp.up.weight.gate", (f, h))]),
+                one(f"{t}.mlp.up_proj.weight", [(f"{b}.mlp.up.weight.up", (f, h))]),
+                one(f"{t}.mlp.down_proj.weight", [(f"{b}.mlp.down.weight", (h, f))]),
+                one(f"{t}.input_layernorm.weight", [(f"{b}.norm1.weight", (h,))]),
+                one(f"{t}.post_attention_layernorm.weight", [(f"{b}.norm2.weight", (h,))]),
+            ]
+        return [
+            *out,
+            one("model.norm.weight", [("norm.weight", (h,))]),
+            one("lm_head.weight", [("head.weight", (cfg.vocab_size, h))]),
+        ]
+    out = [
+        one("transformer.wte.weight", [("tok_emb.weight", (cfg.vocab_size, h))]),
+        one("transformer.wpe.weight", [("pos_emb.weight", (cfg.seq_len, h))]),
+    ]
+    for i in range(cfg.n_layers):
+        b, t = f"blocks.{i}", f"transformer.h.{i}"
+        qkv = [(f"{b}.attn.qkv.{{}}.{s}", (h,)) for s in "qkv"]
+        out += [
+            one(f"{t}.ln_1.weight", [(f"{b}.norm1.weight", (h,))]),
+            one(f"{t}.ln_1.bias", [(f"{b}.norm1.bias", (h,))]),
+            one(f"{t}.attn.c_attn.weight", [(k.format("weight"), (*s, h)) for k, s in qkv], transposed=True),
+            one(f"{t}.attn.c_attn.bias", [(k.format("bias"), s) for k, s in qkv]),
+            one(f"{t}.attn.c_proj.weight", [(f"{b}.attn.out.weight", (h, h))], transposed=True),
+            one(f"{t}.attn.c_proj.bias", [(f"{b}.attn.out.bias", (h,))]),
+            one(f"{t}.ln_2.weight", [(f"{b}.norm2.weight", (h,))]),
+            one(f"{t}.ln_2.bias", [(f"{b}.norm2.bias", (h,))]),
+            one(f"{t}.mlp.c_fc.weight", [(f"{b}.mlp.up.weight", (f, h))], transposed=True),
+            one(f"{t}.mlp.c_fc.bias", [(f"{b}.mlp.up.bias", (f,))]),
+            one(f"{t}.mlp.c_proj.weight", [(f"{b}.mlp.down.weight", (h, f))], transposed=True),
+            one(f"{t}.mlp.c_proj.bias", [(f"{b}.mlp.down.bias", (h,))]),
+        ]
+    return [
+        *out,
+        one("transformer.ln_f.weight", [("norm.weight", (h,))]),
+        one("transformer.ln_f.bias", [("norm.bias", (h,))]),
+        one("lm_head.weight", [("head.weight", (cfg.vocab_size, h))]),
+    ]
