@@ -18,8 +18,9 @@ from hf_models import bpe_tokenizer, save_gpt2, save_llama
 from axon4d import checkpoint
 from axon4d.config import ModelConfig
 from axon4d.data import MemmapTokens, SyntheticTokens
+from axon4d.export.from_checkpoint import export_checkpoint
 from axon4d.prepare import prepare
-from axon4d.train import TrainConfig, planned, train
+from axon4d.train import TrainConfig, hf, planned, train
 from axon4d.train.batches import make_data
 
 VOCAB, SEQ = 320, 16
@@ -85,6 +86,23 @@ def test_a_fine_tune_resumes_on_the_same_curve(pools, saved, tmp_path):
             train(TrainConfig(**cfg))
     with pytest.raises(ValueError, match=r"axon4d export-hf"):
         checkpoint.export_dense(str(ckpts / "step_4"), str(tmp_path / "dense.pt"))
+    # the fine-tuned checkpoint exports to Hugging Face format (axon4d export-hf) as the weights it holds
+    export_checkpoint(str(ckpts / "step_4"), str(tmp_path / "exported"))
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32).state_dict()
+    trained = pools(4).run((1, 2, 2, 1), _dense_after, saved["llama"], str(ckpts / "step_4"))[0]
+    assert sorted(trained) == sorted(k for k in exported if k in trained) and len(trained) >= len(exported) - 1
+    for name, value in trained.items():
+        assert torch.equal(exported[name], value), name
+
+
+def _dense_after(grid, path, ckpt):
+    """The dense Hugging Face model of ``path`` with the weights of the job's checkpoint ``ckpt``."""
+    warnings.simplefilter("ignore")
+    model = hf.build(path, hf.model_config(path, SEQ), grid)
+    checkpoint.load(ckpt, model, grid, check_model=False)
+    return {k: v.detach().clone() for k, v in model.to_dense().module.state_dict().items()}
 
 
 @pytest.fixture(scope="module")

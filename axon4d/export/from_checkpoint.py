@@ -64,12 +64,19 @@ def recorded_hf_path(meta: dict[str, Any]) -> str | None:
 SEGMENTS = ("q", "k", "v", "gate", "up")
 
 
-def _hf_checkpoint_tensors(path: str, hf_path: str, saved: dict[str, tuple[int, ...]]) -> tuple[Any, list[Exported]]:
+#: where ``axon4d train --hf`` keeps the model in its checkpoints: model.module.<name>
+JOB_PREFIX = "module."
+
+
+def _hf_checkpoint_tensors(
+    path: str, hf_path: str, saved: dict[str, tuple[int, ...]], prefix: str = ""
+) -> tuple[Any, list[Exported]]:
     """(config, exported tensors) of the checkpoint at ``path`` of the Hugging Face model in
     ``hf_path`` parallelized by ``auto_parallelize``, whose checkpoint holds ``saved`` ({name: global
     shape}): each parameter of the model (built on the meta device) under its own name, or under
     ``<module>.inner.<name>`` where a ``ShardedLinear`` or ``ShardedNorm`` replaced its module (its
-    fused segments stacked back; a ``Conv1D`` weight transposed back)."""
+    fused segments stacked back; a ``Conv1D`` weight transposed back); ``prefix``: what the saved names
+    carry before the model's own (``JOB_PREFIX`` for the training job's checkpoints)."""
     from transformers import AutoConfig, AutoModelForCausalLM  # an optional dependency
 
     config = AutoConfig.from_pretrained(hf_path)
@@ -90,7 +97,7 @@ def _hf_checkpoint_tensors(path: str, hf_path: str, saved: dict[str, tuple[int, 
                 f"model.{wrapped}): the checkpoint is not of that model"
             )
         transposed = keys[0] != name and is_conv1d(model.get_submodule(mod_name)) and p_name == "weight"
-        entry = stacked(name, [(k, saved[k]) for k in keys], transposed)
+        entry = stacked(name, [(prefix + k, saved[k]) for k in keys], transposed)
         if entry.shape != tuple(p.shape):
             raise ValueError(
                 f"{path} holds {name} as {[saved[k] for k in keys]}, which make {entry.shape}; the model in {hf_path} "
@@ -103,11 +110,11 @@ def _hf_checkpoint_tensors(path: str, hf_path: str, saved: dict[str, tuple[int, 
 def _checkpoint_plan(path: str, meta: dict[str, Any], saved: dict[str, tuple[int, ...]]) -> tuple[Any, list[Exported]]:
     """(transformers config, exported tensors) of the checkpoint at ``path``: of axon4d's
     Transformer (meta.json's model_config), or of the Hugging Face model the run fine-tuned (its
-    ``hf_path``)."""
-    if isinstance(meta.get("model_config"), dict):
+    ``hf_path``, which wins: such a run records a model_config too, for its FLOPs and checks)."""
+    hf_path = recorded_hf_path(meta)
+    if hf_path is None and isinstance(meta.get("model_config"), dict):
         cfg = ModelConfig(**meta["model_config"])
         return hf_config(cfg), hf_tensors(cfg)
-    hf_path = recorded_hf_path(meta)
     if hf_path is None:
         raise ValueError(
             f"{path}/meta.json records neither a model_config (axon4d's Transformer) nor an hf_path (a Hugging Face "
@@ -118,6 +125,9 @@ def _checkpoint_plan(path: str, meta: dict[str, Any], saved: dict[str, tuple[int
             f"{path} is a fine-tune of the Hugging Face model in {hf_path}, which is gone: its config.json says what "
             "the model is; restore the directory"
         )
+    # the training job keeps the Hugging Face model as the .module of its wrapper (axon4d.train.hf)
+    if saved and all(k.startswith(JOB_PREFIX) for k in saved):
+        return _hf_checkpoint_tensors(path, hf_path, {k[len(JOB_PREFIX) :]: v for k, v in saved.items()}, JOB_PREFIX)
     return _hf_checkpoint_tensors(path, hf_path, saved)
 
 
