@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 from axon4d import ckptfiles
 from axon4d.export.from_checkpoint import export_checkpoint
@@ -29,34 +28,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer", default=None, help="a directory whose tokenizer files to copy (default: the run's --hf model's)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of a refused input")
 
 
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    try:
-        meta = ckptfiles.read_meta(args.checkpoint)
-        print(f"checking {args.checkpoint} (step {meta['step']}): meta.json, DCP's index, every file's checksum")
-        with tqdm(unit="B", unit_scale=True, desc=f"writing {args.out}", file=sys.stdout, mininterval=1.0) as bar:
+    # a refused input raises: the axon4d command prints its one message, status 2 (axon4d.errors)
+    meta = ckptfiles.read_meta(args.checkpoint)
+    print(f"checking {args.checkpoint} (step {meta['step']}): meta.json, DCP's index, every file's checksum")
+    with tqdm(unit="B", unit_scale=True, desc=f"writing {args.out}", file=sys.stdout, mininterval=1.0) as bar:
 
-            def advance(nbytes: int, total: int) -> None:
-                bar.total = total
-                bar.update(nbytes)
+        def advance(nbytes: int, total: int) -> None:
+            bar.total = total
+            bar.update(nbytes)
 
-            written = export_checkpoint(
-                args.checkpoint,
-                args.out,
-                max_shard_size=args.max_shard_size,
-                tokenizer=args.tokenizer,
-                overwrite=args.overwrite,
-                progress=advance,
-            )
-    except (ValueError, TypeError, OSError, ckptfiles.CheckpointError) as e:
-        if args.debug:
-            traceback.print_exc()
-        print(f"axon4d export-hf: error: {e}", file=sys.stderr)
-        return 2
+        written = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            max_shard_size=args.max_shard_size,
+            tokenizer=args.tokenizer,
+            overwrite=args.overwrite,
+            progress=advance,
+        )
     shards = [n for n in written if n.endswith(".safetensors")]
     rest = [n for n in written if n not in shards]
     print(f"wrote {args.out}: {len(shards)} safetensors file{'s' * (len(shards) > 1)}, {', '.join(rest)}")

@@ -110,9 +110,11 @@ def _hf_checkpoint_tensors(
 def _checkpoint_plan(path: str, meta: dict[str, Any], saved: dict[str, tuple[int, ...]]) -> tuple[Any, list[Exported]]:
     """(transformers config, exported tensors) of the checkpoint at ``path``: of axon4d's
     Transformer (meta.json's model_config), or of the Hugging Face model the run fine-tuned (its
-    ``hf_path``, which wins: such a run records a model_config too, for its FLOPs and checks)."""
+    ``hf_path``; such a run records a model_config too, for its FLOPs and checks, and keeps the model
+    under ``JOB_PREFIX``)."""
     hf_path = recorded_hf_path(meta)
-    if hf_path is None and isinstance(meta.get("model_config"), dict):
+    job = bool(saved) and all(k.startswith(JOB_PREFIX) for k in saved)  # axon4d train --hf's checkpoint
+    if not job and isinstance(meta.get("model_config"), dict):
         cfg = ModelConfig(**meta["model_config"])
         return hf_config(cfg), hf_tensors(cfg)
     if hf_path is None:
@@ -126,7 +128,7 @@ def _checkpoint_plan(path: str, meta: dict[str, Any], saved: dict[str, tuple[int
             "the model is; restore the directory"
         )
     # the training job keeps the Hugging Face model as the .module of its wrapper (axon4d.train.hf)
-    if saved and all(k.startswith(JOB_PREFIX) for k in saved):
+    if job:
         return _hf_checkpoint_tensors(path, hf_path, {k[len(JOB_PREFIX) :]: v for k, v in saved.items()}, JOB_PREFIX)
     return _hf_checkpoint_tensors(path, hf_path, saved)
 
