@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from axon4d import launch
+
 #: exit code of a rank ended because another rank failed
 EXIT_PEER_FAILED = 3
 #: exit code of a rank ended because a wait passed its deadline
@@ -61,19 +63,20 @@ def current() -> Watchdog | None:
 
 
 def _client(store: Any, timeout_s: float) -> Any:
-    """A store client of its own with a short timeout (TCPStore), else ``store`` itself."""
+    """A store client of its own with a short timeout (TCPStore), else ``store`` itself, seen
+    through this launch attempt's keys (``axon4d.launch.attempt_store``)."""
     inner = store
     while hasattr(inner, "underlying_store"):  # PrefixStore layers of the default group
         inner = inner.underlying_store
     if isinstance(inner, dist.TCPStore):
-        return dist.TCPStore(
+        inner = dist.TCPStore(
             inner.host,
             inner.port,
             is_master=False,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
-    return inner
+    return launch.attempt_store(inner)
 
 
 def _timeout_of(group: Any) -> datetime.timedelta | None:
