@@ -5,7 +5,8 @@ collective it was waiting in, on which axis.
 One ``Watchdog`` per process, started by the training job (``axon4d.train``; ``guard`` for a loop
 of one's own). It keeps a daemon thread and a client of the job's key-value store (the
 rendezvous store of torch.distributed: torchrun's agent, or rank 0 for mpirun and plain
-launches), and works with three facts:
+launches; after a torchrun restart, that attempt's keys: ``axon4d.launch.attempt_store``), and
+works with three facts:
 
 - **heartbeats**: the thread adds 1 to ``axon4d/beat/<rank>`` every ``beat_s`` seconds. A rank
   whose count stops is hung (stopped, swapping, deadlocked) or dead. A rank that ends on its own

@@ -2,14 +2,15 @@
 
 ``train`` builds the grid (``axon4d.runtime.init``; ``--grid auto`` asks the planner), the model
 (``axon4d.models.transformer.Transformer``) on it and the optimizer, resumes from the newest
-checkpoint if asked (``--resume always``, or ``auto``: when there is one), and runs the steps: this step's micro-batches (``batches``) → gradient
-clipping and AdamW on the schedule (``optim``) → the step record, with the communication the
-grid's ``CommLog`` saw during the step (``report``). Rank 0 shows the progress bar and writes the
-log; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and at the end, and a
-resumed run continues on the same loss curve: a job that a launcher restarts after a failure
-(``--resume auto`` under ``torchrun --max-restarts`` or ``sbatch --requeue``) runs the steps after
-its last checkpoint again, on the same data and random state, and logs each step once. With ``--compare-single`` rank 0 afterwards trains
-the same model in one process (``reference``).
+checkpoint if asked (``--resume always``, or ``auto``: when there is one), and runs the steps:
+this step's micro-batches (``batches``) → gradient clipping and AdamW on the schedule (``optim``)
+→ the step record, with the communication the grid's ``CommLog`` saw during the step
+(``report``). Rank 0 shows the progress bar and writes the log; checkpoints
+(``axon4d.checkpoint``) are saved every ``save_every`` steps and at the end, and a resumed run
+continues on the same loss curve: a job that a launcher restarts after a failure (``--resume
+auto`` under ``torchrun --max-restarts`` or ``sbatch --requeue``) runs the steps after its last
+checkpoint again, on the same data and random state, and logs each step once. With
+``--compare-single`` rank 0 afterwards trains the same model in one process (``reference``).
 
 Everything the job computes lives on the grid's device (``grid.device``: a GPU under NCCL, the
 host under gloo or MPI): the model, each rank's rows of a batch, the loss and its all-reduce, the
@@ -61,9 +62,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     the flags, the model, the output directory (writable by every rank; holding another run's
     checkpoints only with --resume or --overwrite), and a checkpoint to resume (its model and
     training settings, and a step below --steps; under --resume auto a checkpoint at --steps is a
-    finished run, whose summary is returned without building anything). The run itself is watched (axon4d.watchdog): an
-    error on one rank is printed and announced, and the other ranks end within ``cfg.timeout``
-    seconds (``cfg.startup_timeout`` until the first step is done), naming it."""
+    finished run, whose summary is returned without building anything). The run itself is watched
+    (axon4d.watchdog): an error on one rank is printed and announced, and the other ranks end
+    within ``cfg.timeout`` seconds (``cfg.startup_timeout`` until the first step is done), naming
+    it."""
     devices.use_expandable_segments()  # before the accelerator is initialised; only where there is one
     devices.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
     overlap: Any = "auto"  # the knobs the planner tunes for the grid (axon4d.init's default)
