@@ -356,7 +356,8 @@ def start_world(info: LaunchInfo, backend: str, timeout_s: float = 600.0, device
         options["device_id"] = device_id
     if info.launcher == "torchrun":
         store, rank, world = next(dist.rendezvous("env://", timeout=options["timeout"]))
-        dist.init_process_group(backend, store=attempt_store(store), rank=rank, world_size=world, **options)
+        store = dist.PrefixStore("default_pg", attempt_store(store))  # as init_process_group's env:// names it
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
         return
     if info.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)

@@ -232,20 +232,19 @@ def test_a_restarted_torchrun_attempt_keeps_its_keys_apart_from_the_earlier_ones
     """torchrun's agent keeps one store across its restarts: the attempt after a restart must not
     read the ranks' addresses or the watchdog's failures that the attempt before it left there."""
     agent = dist.HashStore()
-    agent.set("default_pg/0//cpu/rank_0", "the first attempt's address")  # as gloo's would be
+    agent.set("default_pg/0//cpu/rank_0", "the first attempt's address")  # as gloo's key would be
     agent.set("axon4d/failures", "1")
     monkeypatch.setattr(launch.dist, "rendezvous", lambda url, **kwargs: iter([(agent, 1, 2)]))
     env(RANK=1, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
     launch.start_world(detect(), "gloo")
-    assert groups[0][1]["store"] is agent and launch.restart_count() == 0  # the first attempt: as it is
+    assert groups[0][1]["store"].check(["0//cpu/rank_0"]) and launch.restart_count() == 0  # as env:// names it
+    assert watchdog._client(agent, 1).check(["axon4d/failures"])  # the first attempt's keys as they are
     env(TORCHELASTIC_RESTART_COUNT=1)
     launch.start_world(detect(), "gloo")
     _, kwargs = groups[1]
     assert (kwargs["rank"], kwargs["world_size"]) == (1, 2)
-    assert not kwargs["store"].check(["default_pg/0//cpu/rank_0"]) and not watchdog._client(agent, 1).check(
-        ["axon4d/failures"]
-    )
-    kwargs["store"].set("default_pg/0//cpu/rank_0", "the second attempt's")
+    assert not kwargs["store"].check(["0//cpu/rank_0"]) and not watchdog._client(agent, 1).check(["axon4d/failures"])
+    kwargs["store"].set("0//cpu/rank_0", "the second attempt's")
     assert agent.check(["attempt_1/default_pg/0//cpu/rank_0"])  # (a get of a missing key would wait for it)
     assert agent.get("attempt_1/default_pg/0//cpu/rank_0") == b"the second attempt's"
     env(TORCHELASTIC_RESTART_COUNT="x")
