@@ -92,6 +92,11 @@ def test_resume_auto_starts_afresh_without_checkpoints_and_continues_with_them(p
     again, printed = pools(2).run(None, _train, _job(run, steps=4, save_every=2, resume="auto"))[0]
     assert again == straight[2:] and "resumed at step 2" in printed
     assert [(r["step"], r["loss"]) for r in _log(run)] == list(zip(range(1, 5), straight))
+    # killed between publishing step 4 and pointing latest at it: resumed at step 2, step 4 replaced
+    (run / "checkpoints" / "latest").write_text("step_2\n")
+    again, printed = pools(2).run(None, _train, _job(run, steps=4, save_every=2, resume="auto"))[0]
+    assert again == straight[2:] and "resumed at step 2" in printed
+    assert [(r["step"], r["loss"]) for r in _log(run)] == list(zip(range(1, 5), straight))
     # a relaunch of the finished run trains nothing and leaves its outputs as they are
     before = (run / "log.jsonl").read_text(), (run / "summary.json").read_text()
     done, printed = pools(2).run(None, _train, _job(run, steps=4, save_every=2, resume="auto"))[0]
