@@ -6,6 +6,8 @@ has one.
 
 - torchrun: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``). A task that
   srun or an sbatch script started *running torchrun* is torchrun's: its variables come first.
+  Under ``--max-restarts`` the agent keeps one store across its restarts of the job: each attempt
+  (``TORCHELASTIC_RESTART_COUNT``, ``restart_count``) keeps its keys apart (``attempt_store``).
 - ``mpirun``/``mpiexec`` (inside a SLURM allocation too): rank and size from mpi4py; rank 0
   publishes the rendezvous with an MPI broadcast: ``MASTER_ADDR`` if set, else an address of its
   host that is not loopback (``rendezvous_address``), and a free port. A job spanning several nodes
@@ -251,6 +253,22 @@ def slurm_rendezvous(rank: int) -> tuple[str, int]:
     return host, port
 
 
+def restart_count() -> int:
+    """How many times the launcher has restarted this job's processes: torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` (0 at the first launch, N after N restarts under
+    ``--max-restarts``); 0 for the other launchers, whose relaunch is a new job."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT") or 0
+
+
+def attempt_store(store: Any) -> Any:
+    """``store`` (the job's key-value store) seen through this attempt's keys: after a restart,
+    under the prefix ``attempt_<N>/``, so that keys an earlier attempt left in torchrun's agent
+    store (the ranks' addresses, the watchdog's failures) are not read as this attempt's; the first
+    attempt's store as it is."""
+    n = restart_count()
+    return dist.PrefixStore(f"attempt_{n}", store) if n else store
+
+
 def free_port() -> int:
     """A TCP port that is free on this host now (for a rendezvous address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -337,7 +355,9 @@ def start_world(info: LaunchInfo, backend: str, timeout_s: float = 600.0, device
     if device_id is not None and backend == devices.default_backend(device_id):  # NCCL: not gloo staging
         options["device_id"] = device_id
     if info.launcher == "torchrun":
-        dist.init_process_group(backend, init_method="env://", **options)
+        store, rank, world = next(dist.rendezvous("env://", timeout=options["timeout"]))
+        store = dist.PrefixStore("default_pg", attempt_store(store))  # as init_process_group's env:// names it
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, **options)
         return
     if info.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)

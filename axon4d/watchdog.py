@@ -5,7 +5,8 @@ collective it was waiting in, on which axis.
 One ``Watchdog`` per process, started by the training job (``axon4d.train``; ``guard`` for a loop
 of one's own). It keeps a daemon thread and a client of the job's key-value store (the
 rendezvous store of torch.distributed: torchrun's agent, or rank 0 for mpirun and plain
-launches), and works with three facts:
+launches; after a torchrun restart, that attempt's keys: ``axon4d.launch.attempt_store``), and
+works with three facts:
 
 - **heartbeats**: the thread adds 1 to ``axon4d/beat/<rank>`` every ``beat_s`` seconds. A rank
   whose count stops is hung (stopped, swapping, deadlocked) or dead. A rank that ends on its own
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from axon4d import errors
+from axon4d import errors, launch
 
 #: exit code of a rank ended because another rank failed
 EXIT_PEER_FAILED = 3
@@ -62,19 +63,20 @@ def current() -> Watchdog | None:
 
 
 def _client(store: Any, timeout_s: float) -> Any:
-    """A store client of its own with a short timeout (TCPStore), else ``store`` itself."""
+    """A store client of its own with a short timeout (TCPStore), else ``store`` itself, seen
+    through this launch attempt's keys (``axon4d.launch.attempt_store``)."""
     inner = store
     while hasattr(inner, "underlying_store"):  # PrefixStore layers of the default group
         inner = inner.underlying_store
     if isinstance(inner, dist.TCPStore):
-        return dist.TCPStore(
+        inner = dist.TCPStore(
             inner.host,
             inner.port,
             is_master=False,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
         )
-    return inner
+    return launch.attempt_store(inner)
 
 
 def _timeout_of(group: Any) -> datetime.timedelta | None:

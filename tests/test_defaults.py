@@ -272,7 +272,7 @@ def test_a_host_training_step_reads_the_device_once_and_the_run_records_its_defa
     meta = checkpoint.read_meta(str(tmp_path / "checkpoints" / "step_3"))
     assert meta["train_config"]["precision"] == "fp32"  # the resolved name: a resume compares it
     monkeypatch.setattr(devices, "accelerator_available", lambda: True)
-    assert loop._resolve_precision(TrainConfig(**{**cfg, "resume": True})) == "fp32"
-    assert loop._resolve_precision(TrainConfig(**{**cfg, "resume": True, "precision": "bf16"})) == "bf16"
+    assert loop._resolve_precision(TrainConfig(**{**cfg, "resume": "always"})) == "fp32"
+    assert loop._resolve_precision(TrainConfig(**{**cfg, "resume": "always", "precision": "bf16"})) == "bf16"
     assert loop._resolve_precision(TrainConfig(**{**cfg, "overwrite": True})) == "bf16-fp32-reduce"
     assert "tf32" in loop.RESUMABLE_CHANGES  # --no-tf32 may be given to a resumed run

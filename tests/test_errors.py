@@ -720,15 +720,27 @@ RUN_CASES = [
     ),
     Case(
         "resume at --steps",
-        lambda root, done: _run_case(done, resume=True),
+        lambda root, done: _run_case(done, resume="always"),
         ValueError,
         r"--resume from .* at step 1 with --steps 1: the run is already at its last step; give --steps above 1",
     ),
     Case(
         "resume another model",
-        lambda root, done: _run_case(done, resume=True, steps=3, hidden=128),
+        lambda root, done: _run_case(done, resume="always", steps=3, hidden=128),
         ValueError,
         r"configuration differs in 'hidden': saved 64, this run 128; resume with the same hidden",
+    ),
+    Case(
+        "resume auto another model",
+        lambda root, done: _run_case(done, resume="auto", steps=3, hidden=128),
+        ValueError,
+        r"--resume auto found another run's checkpoint, .*step_1: .*differs in 'hidden'.*or pass --overwrite",
+    ),
+    Case(
+        "resume always without a checkpoint",
+        lambda root, done: _run_case(os.path.join(root, "empty"), resume="always"),
+        ValueError,
+        r"--resume always: '.*empty/checkpoints' holds no complete checkpoint.*or --resume auto to start afresh",
     ),
 ]
 

@@ -1,16 +1,18 @@
 """Protects axon4d.launch's reading of the launcher's environment, in one process: which launcher
 a set of variables means (srun, an sbatch script running torchrun, mpirun), the refusal to run
 alone when the environment names a larger world, SLURM's compressed node lists, the rendezvous
-address rank 0 publishes under mpirun, ``device_id`` for ``init_process_group``, and one
+address rank 0 publishes under mpirun, ``device_id`` for ``init_process_group``, the keys of a
+torchrun attempt kept apart from the earlier attempts' after a restart, and one
 accelerator per local rank (axon4d.device.default_device). Started as real processes:
 tests/test_launch.py."""
 
 import sys
 
 import pytest
+import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d import launch
+from axon4d import launch, watchdog
 from axon4d.launch import LaunchInfo, detect, expand_nodelist, rendezvous_address, slurm_port, slurm_rendezvous
 
 _VARS = (
@@ -30,6 +32,7 @@ _VARS = (
     "SLURM_JOBID",
     "SLURMD_NODENAME",
     "CUDA_VISIBLE_DEVICES",
+    "TORCHELASTIC_RESTART_COUNT",
 )
 
 
@@ -223,6 +226,30 @@ def test_srun_tasks_start_the_world_at_the_slurm_rendezvous(env, groups):
     (backend,), kwargs = groups[0]
     assert backend == "gloo" and kwargs["init_method"] == "tcp://nid002:20001"
     assert (kwargs["rank"], kwargs["world_size"], kwargs["timeout"].total_seconds()) == (1, 2, 30)
+
+
+def test_a_restarted_torchrun_attempt_keeps_its_keys_apart_from_the_earlier_ones(env, groups, monkeypatch):
+    """torchrun's agent keeps one store across its restarts: the attempt after a restart must not
+    read the ranks' addresses or the watchdog's failures that the attempt before it left there."""
+    agent = dist.HashStore()
+    agent.set("default_pg/0//cpu/rank_0", "the first attempt's address")  # as gloo's key would be
+    agent.set("axon4d/failures", "1")
+    monkeypatch.setattr(launch.dist, "rendezvous", lambda url, **kwargs: iter([(agent, 1, 2)]))
+    env(RANK=1, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500)
+    launch.start_world(detect(), "gloo")
+    assert groups[0][1]["store"].check(["0//cpu/rank_0"]) and launch.restart_count() == 0  # as env:// names it
+    assert watchdog._client(agent, 1).check(["axon4d/failures"])  # the first attempt's keys as they are
+    env(TORCHELASTIC_RESTART_COUNT=1)
+    launch.start_world(detect(), "gloo")
+    _, kwargs = groups[1]
+    assert (kwargs["rank"], kwargs["world_size"]) == (1, 2)
+    assert not kwargs["store"].check(["0//cpu/rank_0"]) and not watchdog._client(agent, 1).check(["axon4d/failures"])
+    kwargs["store"].set("0//cpu/rank_0", "the second attempt's")
+    assert agent.check(["attempt_1/default_pg/0//cpu/rank_0"])  # (a get of a missing key would wait for it)
+    assert agent.get("attempt_1/default_pg/0//cpu/rank_0") == b"the second attempt's"
+    env(TORCHELASTIC_RESTART_COUNT="x")
+    with pytest.raises(RuntimeError, match="TORCHELASTIC_RESTART_COUNT='x'"):
+        launch.restart_count()
 
 
 @pytest.fixture

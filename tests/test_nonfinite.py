@@ -94,7 +94,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(pools, tmp_path):
     assert not any(pools(4).run((1, 2, 1, 2), _weights_equal, tmp_path / "nan", 3, 4))
     assert checkpoint.read_meta(str(tmp_path / "nan" / "checkpoints" / "step_3"))["nonfinite_skipped"] == 1
     # a resumed run counts the steps skipped before it: two more finite steps, still one skipped
-    cfg = _cfg(tmp_path / "nan", save_every=1, steps=8, resume=True)
+    cfg = _cfg(tmp_path / "nan", save_every=1, steps=8, resume="always")
     resumed = [s for s, _ in pools(4).run(None, _with_nan_steps, cfg, ())]
     assert {s["nonfinite_skipped"] for s in resumed} == {1}, resumed
     assert checkpoint.read_meta(str(tmp_path / "nan" / "checkpoints" / "step_8"))["nonfinite_skipped"] == 1

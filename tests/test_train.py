@@ -174,7 +174,7 @@ def test_resume_of_an_interrupted_run_matches_exactly(pools, tmp_path):
     # simulate an interruption after step 3: keep only the step-3 checkpoint, then resume
     ckpts = tmp_path / "a" / "checkpoints"
     shutil.rmtree(ckpts / "step_6")
-    resumed = pools(8).run(None, _run, _base(tmp_path / "a", steps=6, save_every=3, resume=True))[0]
+    resumed = pools(8).run(None, _run, _base(tmp_path / "a", steps=6, save_every=3, resume="always"))[0]
     assert resumed == straight[3:]
     # the resumed run keeps the log up to its checkpoint's step and writes on: each step once
     log = _log(tmp_path / "a")
@@ -184,15 +184,15 @@ def test_resume_of_an_interrupted_run_matches_exactly(pools, tmp_path):
     assert meta["train_config"]["recompute"] == "none" and meta["step"] == 6
     # on another grid (and with another transport layout): the same curve within 1e-5
     shutil.rmtree(ckpts / "step_6")
-    other = pools(8).run(None, _run, _base(tmp_path / "a", grid="1,2,1,4", steps=6, save_every=3, resume=True))[0]
+    other = pools(8).run(None, _run, _base(tmp_path / "a", grid="1,2,1,4", steps=6, save_every=3, resume="always"))[0]
     assert max(abs(a - b) / b for a, b in zip(other, straight[3:])) < 1e-5
     # a fresh run refuses the directory; resuming at or past --steps, or with another model, is refused
     for kw, says in (
         ({}, "holds checkpoints of another run"),
-        ({"resume": True, "steps": 6}, "already at its last step"),
-        ({"resume": True, "steps": 5}, "already past its last step"),
-        ({"resume": True, "hidden": 64}, "differs in 'hidden'"),
-        ({"resume": True, "lr": 1.0}, "differs in 'lr'"),
+        ({"resume": "always", "steps": 6}, "already at its last step"),
+        ({"resume": "always", "steps": 5}, "already past its last step"),
+        ({"resume": "always", "hidden": 64}, "differs in 'hidden'"),
+        ({"resume": "always", "lr": 1.0}, "differs in 'lr'"),
     ):
         errors = pools(8).run(None, _refused, _base(tmp_path / "a", **{"steps": 8, **kw}))
         assert all(says in e for e in errors), (kw, errors)
@@ -210,7 +210,7 @@ def test_context_parallel_training_follows_the_same_loss_curve(pools, tmp_path):
     assert max(abs(a - b) / b for a, b in zip(split, plain)) < 1e-5
     # resuming a context-parallel run without it (or the other way round) continues the same curve
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_4")
-    resumed = pools(8).run(None, _run, _base(tmp_path / "b", resume=True))[0]
+    resumed = pools(8).run(None, _run, _base(tmp_path / "b", resume="always"))[0]
     assert max(abs(a - b) / b for a, b in zip(resumed, plain[2:])) < 1e-5
     # a sequence that does not split is refused on every rank: S = 8 cannot be cut into 2·G_z = 16 chunks
     errors = pools(8).run(None, _refused, _base(tmp_path / "c", grid="1,1,8,1", batch_size=8, context_parallel=True))

@@ -72,13 +72,13 @@ def test_a_fine_tune_resumes_on_the_same_curve(pools, saved, tmp_path):
     meta = checkpoint.read_meta(str(ckpts / "step_4"))
     assert meta["hf_path"] == os.path.realpath(saved["llama"]) and meta["model_config"]["n_kv_heads"] == 2
     shutil.rmtree(ckpts / "step_4")  # interrupted after step 2
-    resumed = pools(4).run(None, _train, _base(saved["llama"], tmp_path / "a", save_every=2, resume=True))[0]
+    resumed = pools(4).run(None, _train, _base(saved["llama"], tmp_path / "a", save_every=2, resume="always"))[0]
     assert resumed["losses"] == straight[2:]
     # a resume of another model is refused before anything starts
     for cfg, says in (
-        (_base(saved["gpt2"], tmp_path / "a", steps=6, resume=True), "fine-tunes the Hugging Face model in"),
+        (_base(saved["gpt2"], tmp_path / "a", steps=6, resume="always"), "fine-tunes the Hugging Face model in"),
         (
-            dict(model="tiny", grid="1,1,1,1", out_dir=str(tmp_path / "a"), steps=6, resume=True),
+            dict(model="tiny", grid="1,1,1,1", out_dir=str(tmp_path / "a"), steps=6, resume="always"),
             "this one has no --hf; resume --hf",
         ),
     ):

@@ -8,7 +8,9 @@ Every field of ``TrainConfig`` is a command-line flag. The loop: deterministic g
 gradient clipping whose norm counts each element once (``axon4d.grads``) → AdamW with warmup
 and cosine decay. Rank 0 shows a progress bar (loss, tokens/s, MFU, hidden communication) and
 writes ``log.jsonl``; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and
-at the end, and ``--resume`` continues from the newest one on the same loss curve. With
+at the end, and ``--resume`` continues from the newest one on the same loss curve (``--resume
+auto``: when there is one, else afresh — one command for every relaunch under ``torchrun
+--max-restarts`` or ``sbatch --requeue``). With
 ``--grid auto`` the planner chooses the grid and the step options (recomputation, micro-batches,
 ZeRO, offload, FP8 gathers, split sequences) and the run takes them. With
 ``--compare-single`` rank 0 afterwards trains the same model in one process with plain PyTorch

@@ -3,8 +3,11 @@
 Every field of ``TrainConfig`` is a flag (``--micro-batches`` for ``micro_batches``) whose help is
 the string literal written under the field, so a field is documented once, here, and ``axon4d
 train --help`` can never fall behind the dataclass; a field with a fixed set of values takes them
-from where they are defined (``CHOICES``: ``--recompute`` from ``axon4d.recompute_mode.RECOMPUTE_MODES``, ``--comm``'s transports). ``model_config`` turns the size name and the
-overrides into the ``ModelConfig`` of the size table (docs/design.md §6).
+from where they are defined (``CHOICES``: ``--recompute`` from
+``axon4d.recompute_mode.RECOMPUTE_MODES``, ``--comm``'s transports), and a flag that may be given
+alone says what it then means (``ALONE``: ``--resume`` is ``--resume always``). ``model_config``
+turns the size name and the overrides into the ``ModelConfig`` of the size table (docs/design.md
+§6).
 """
 
 from __future__ import annotations
@@ -98,8 +101,8 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int = 0
     """Keep only the newest K checkpoints (0: keep all)."""
-    resume: bool = False
-    """Continue from the newest checkpoint in out_dir/checkpoints (its model and training settings must match this run's)."""
+    resume: str = "never"
+    """never: start afresh (an out_dir holding checkpoints is refused unless --overwrite); always (--resume alone): continue from the newest complete checkpoint in out_dir/checkpoints, which must exist; auto: continue from it when there is one, else start afresh, so the same command serves the first launch and every relaunch (torchrun --max-restarts, sbatch --requeue; docs/reliability.md). A checkpoint resumed must match this run's model and training settings."""
     overwrite: bool = False
     """Start afresh in an out_dir that holds another run's checkpoints, deleting them (without it such a directory is refused)."""
     on_nonfinite: str = "skip"
@@ -329,7 +332,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "recompute": RECOMPUTE_MODES,
     "comm": ("auto", "torch", "mpi"),
     "on_nonfinite": ("skip", "stop"),
+    "resume": ("never", "always", "auto"),
 }
+#: fields whose flag may be given alone, meaning this value (``--resume`` is ``--resume always``)
+ALONE: dict[str, str] = {"resume": "always"}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -352,12 +358,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=docs.get(f.name))
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            alone: dict[str, Any] = {"nargs": "?", "const": ALONE[f.name]} if f.name in ALONE else {}
             p.add_argument(
                 flag,
                 type=kind,
                 default=f.default,
                 choices=CHOICES.get(f.name),
                 help=f"{docs.get(f.name, '')} (default: {f.default})",
+                **alone,
             )
 
 

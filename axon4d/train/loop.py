@@ -2,13 +2,17 @@
 
 ``train`` builds the grid (``axon4d.runtime.init``; ``--grid auto`` asks the planner), the model
 (``axon4d.models.transformer.Transformer``) on it and the optimizer, resumes from the newest
-checkpoint if asked, and runs the steps: this step's micro-batches (``batches``) → gradient
-clipping and AdamW on the schedule (``optim``) → the step record, with the communication the
-grid's ``CommLog`` saw during the step (``report``). Rank 0 shows the progress bar and writes the
-log; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and at the end, and a
-resumed run continues on the same loss curve. With ``--compare-single`` rank 0 afterwards trains
-the same model in one process (``reference``). With ``--hf`` the model is a saved Hugging Face causal
-LM, parallelized and loaded by slices (``hf``), trained by the same loop.
+checkpoint if asked (``--resume always``, or ``auto``: when there is one), and runs the steps:
+this step's micro-batches (``batches``) → gradient clipping and AdamW on the schedule (``optim``)
+→ the step record, with the communication the grid's ``CommLog`` saw during the step
+(``report``). Rank 0 shows the progress bar and writes the log; checkpoints
+(``axon4d.checkpoint``) are saved every ``save_every`` steps and at the end, and a resumed run
+continues on the same loss curve: a job that a launcher restarts after a failure (``--resume
+auto`` under ``torchrun --max-restarts`` or ``sbatch --requeue``) runs the steps after its last
+checkpoint again, on the same data and random state, and logs each step once. With
+``--compare-single`` rank 0 afterwards trains the same model in one process (``reference``). With
+``--hf`` the model is a saved Hugging Face causal LM, parallelized and loaded by slices (``hf``),
+trained by the same loop.
 
 Everything the job computes lives on the grid's device (``grid.device``: a GPU under NCCL, the
 host under gloo or MPI): the model, each rank's rows of a batch, the loss and its all-reduce, the
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -36,7 +41,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from axon4d import checkpoint, grads, runtime, watchdog
+from axon4d import checkpoint, grads, launch, runtime, watchdog
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
@@ -61,9 +66,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     Everything that can be refused is refused before the first collective, on every rank alike:
     the flags, the model, the output directory (writable by every rank; holding another run's
     checkpoints only with --resume or --overwrite), and a checkpoint to resume (its model and
-    training settings, and a step below --steps). The run itself is watched (axon4d.watchdog): an
-    error on one rank is printed and announced, and the other ranks end within ``cfg.timeout``
-    seconds (``cfg.startup_timeout`` until the first step is done), naming it."""
+    training settings, and a step below --steps; under --resume auto a checkpoint at --steps is a
+    finished run, whose summary is returned without building anything). The run itself is watched
+    (axon4d.watchdog): an error on one rank is printed and announced, and the other ranks end
+    within ``cfg.timeout`` seconds (``cfg.startup_timeout`` until the first step is done), naming
+    it."""
     devices.use_expandable_segments()  # before the accelerator is initialised; only where there is one
     devices.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
     overlap: Any = "auto"  # the knobs the planner tunes for the grid (axon4d.init's default)
@@ -76,6 +83,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     check_recompute(cfg.recompute)  # likewise
     mcfg = cfg.model_config()
     resume_from = _check_out_dir(cfg, mcfg)
+    if resume_from is not None and checkpoint.read_meta(resume_from)["step"] == cfg.steps:
+        return _finished(cfg, resume_from)  # --resume auto relaunched after the run's last save
     grid_spec = cfg.grid_spec()
     grid = runtime.init(
         grid=grid_spec,
@@ -104,7 +113,7 @@ def _resolve_precision(cfg: TrainConfig) -> str:
     it is; ``auto`` under --resume the precision of the checkpoint it resumes (the run goes on as it
     began, on any device), else by the device the grid will have (``axon4d.init``'s default: an
     accelerator when there is one, ``axon4d.device.accelerator_available``)."""
-    if cfg.precision == AUTO and cfg.resume:
+    if cfg.precision == AUTO and cfg.resume != "never":
         found = checkpoint.latest(os.path.join(cfg.out_dir, "checkpoints"))
         saved = checkpoint.read_meta(found).get("train_config", {}).get("precision") if found else None
         if saved in NAMED:
@@ -122,7 +131,12 @@ RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload", "zero", "
 
 def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
     """Refuse an output directory this run cannot use, on every rank before any collective; return
-    the checkpoint to resume from (None: start at step 0)."""
+    the checkpoint to resume from (None: start at step 0).
+
+    By ``cfg.resume``: ``never`` refuses checkpoints (unless --overwrite); ``always`` needs one;
+    ``auto`` takes the newest when there is one, and a checkpoint of another run (another model or
+    training settings) only with --overwrite, which starts afresh. The checkpoint must match the run
+    and lie below --steps; under ``auto`` one at --steps is returned (the run is complete)."""
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         probe = os.path.join(cfg.out_dir, f".write-probe-{os.getpid()}")
@@ -137,9 +151,14 @@ def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
     found = checkpoint.latest(ckpt_dir)
     if found is None:
+        if cfg.resume == "always":
+            raise ValueError(
+                f"--resume always: {ckpt_dir!r} holds no complete checkpoint to continue from; give the --out-dir "
+                "of the run to continue, or --resume auto to start afresh when there is none"
+            )
         return None
     meta = checkpoint.read_meta(found)
-    if not cfg.resume:
+    if cfg.resume == "never":
         if cfg.overwrite:
             return None
         raise ValueError(
@@ -147,7 +166,19 @@ def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
             "pass --resume to continue it, --overwrite to delete them and start afresh, or another --out-dir"
         )
     _check_hf_path(cfg, meta, found)
-    checkpoint.check_compatible(meta, mcfg, dataclasses.asdict(cfg), RESUMABLE_CHANGES)
+    try:
+        checkpoint.check_compatible(meta, mcfg, dataclasses.asdict(cfg), RESUMABLE_CHANGES)
+    except ValueError as e:
+        if cfg.resume == "auto" and cfg.overwrite:
+            return None  # another run's: --overwrite deletes them (_resume) and this run starts afresh
+        if cfg.resume == "auto":
+            raise ValueError(
+                f"--resume auto found another run's checkpoint, {found}: {e}, or pass --overwrite to delete its "
+                "checkpoints and start afresh"
+            ) from e
+        raise
+    if int(meta["step"]) == cfg.steps and cfg.resume == "auto":
+        return found  # the run is complete (train returns its summary)
     if int(meta["step"]) >= cfg.steps:
         raise ValueError(
             f"--resume from {found} at step {meta['step']} with --steps {cfg.steps}: the run is already "
@@ -170,6 +201,21 @@ def _check_hf_path(cfg: TrainConfig, meta: dict[str, Any], found: str) -> None:
     raise ValueError(
         f"--resume from {found}: that run {was}, this one has {now}; resume {hint}, or use another --out-dir"
     )
+
+
+def _finished(cfg: TrainConfig, final: str) -> dict[str, Any]:
+    """The run of ``cfg`` whose checkpoint ``final`` is at its last step (relaunched with --resume
+    auto after its last save): say so, train nothing, and return its summary.json (without one, as
+    when it was ended before writing it, the step and checkpoint) with no losses of this launch."""
+    if launch.detect().rank == 0:
+        print(f"axon4d: {final} is at --steps {cfg.steps}: the run is complete, nothing to train (--resume auto)")
+    try:
+        with open(os.path.join(cfg.out_dir, "summary.json")) as f:
+            summary = dict(json.load(f))
+    except (OSError, ValueError):
+        summary = {"steps": cfg.steps, "checkpoint": final}
+    summary["losses"] = []
+    return summary
 
 
 def main(args: argparse.Namespace) -> int:
@@ -292,7 +338,9 @@ def _save(
     cfg: TrainConfig, ckpt_dir: str, model: Model, grid: Grid, opt: torch.optim.Optimizer, step: int, skipped: int
 ) -> None:
     """Checkpoint ``step`` (with the run's config, data position and random state, and the --hf
-    model's directory), marked as a wait."""
+    model's directory), marked as a wait. A checkpoint already at ``step`` is replaced: a resumed
+    run's steps lie beyond its checkpoint, and one found there is of the continuation it replays
+    (published by a run ended before it pointed ``latest`` at it)."""
     extra: dict[str, Any] = {"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped}
     if cfg.hf:
         extra[checkpoint.HF_PATH] = os.path.realpath(cfg.hf)
@@ -307,6 +355,7 @@ def _save(
             keep_last=cfg.keep_last,
             data_position={"step": step, "batches_per_step": cfg.micro_batches},
             rng=devices.rng_state(grid.device),
+            overwrite=True,
         )
 
 

@@ -57,7 +57,7 @@ def test_train_saves_and_resumes_bit_for_bit(shared_dir, deterministic):
         shutil.rmtree(shared_dir / "a" / "checkpoints" / "step_3")
     if dist.is_initialized():
         dist.barrier()  # no rank looks for the newest checkpoint before it is gone
-    resumed = train(_cfg(shared_dir / "a", save_every=2, resume=True))
+    resumed = train(_cfg(shared_dir / "a", save_every=2, resume="always"))
     assert resumed["losses"] == straight["losses"][2:]
 
 
@@ -111,7 +111,7 @@ def test_checkpoints_move_between_gpu_and_host(tmp_path):
     assert devices.is_host(torch.device(host["device"]))
     shutil.rmtree(host_dir / "checkpoints" / "step_3")
     # fp32 as on the host (TF32 off): the comparison is of the devices' rounding, not of TF32's
-    resumed = train(_cfg(host_dir, grid="1,1,1,1", save_every=2, resume=True, tf32=False))
+    resumed = train(_cfg(host_dir, grid="1,1,1,1", save_every=2, resume="always", tf32=False))
     if torch.cuda.is_available():
         assert resumed["device"] != host["device"]
     assert resumed["losses"] == pytest.approx(host["losses"][2:], rel=1e-4)
