@@ -402,8 +402,8 @@ class AsyncSaver:
         if self._group is None:
             self._group = comm.host_group(self.timeout_s)
         writer = _Writer(ckptfiles.partial_path(path))
-        written = dcp.async_save(steps, storage_writer=writer, planner=_SavePieces(parts), process_group=self._group)
-        self._pending = _InFlight(written, path, meta, writer, overwrite, keep_last)
+        future = dcp.async_save(steps, storage_writer=writer, planner=_SavePieces(parts), process_group=self._group)
+        self._pending = _InFlight(future, path, meta, writer, overwrite, keep_last)
 
     def _snapshot(self, state: _State) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
         """Host copies of ``state``'s pieces and step counts, in the buffers of the previous save
@@ -421,8 +421,13 @@ class AsyncSaver:
 
     @property
     def in_flight(self) -> str | None:
-        """The path of the save being written, or None."""
+        """The path of the save in flight (written, or waiting to be published), or None."""
         return self._pending.path if self._pending is not None else None
+
+    @property
+    def written(self) -> bool:
+        """Whether the write in flight has ended (``wait`` then only publishes it); True if none is."""
+        return self._pending is None or self._pending.future.done()
 
     def wait(self) -> None:
         """Wait for the save in flight, if any, and publish it (every rank must call this at the
@@ -432,7 +437,7 @@ class AsyncSaver:
             return
         err: BaseException | None = None
         try:
-            pending.written.result()
+            pending.future.result()
         except dcp.CheckpointException as e:  # raised alike on every rank
             err = _own_failure(e, self.grid.rank)
         except Exception as e:
@@ -465,7 +470,7 @@ class AsyncSaver:
 class _InFlight(NamedTuple):
     """A save being written in the background, and what publishing it needs."""
 
-    written: Any  # DCP's future of the write
+    future: Any  # DCP's future of the write
     path: str
     meta: dict[str, Any]
     writer: _Writer
