@@ -193,6 +193,21 @@ def test_a_failed_background_write_is_raised_everywhere_and_keeps_the_previous_c
     assert checkpoint.latest(out) == os.path.join(out, "step_6")
 
 
+def _abandoned(grid, out):
+    """An error inside the saver's block while a save is in flight: the block ends at once,
+    publishing nothing; the checkpoints complete afterwards."""
+    model, opt = _model()
+    with pytest.raises(RuntimeError, match="training failed"):
+        with checkpoint.AsyncSaver(grid) as saver:
+            saver.save(os.path.join(out, "step_1"), model, opt, step=1)
+            raise RuntimeError("training failed")
+    return checkpoint.list_checkpoints(out)
+
+
+def test_an_error_with_a_save_in_flight_publishes_nothing_and_does_not_wait(pools, tmp_path):
+    assert pools(2).run((2, 1, 1, 1), _abandoned, str(tmp_path)) == [[], []]
+
+
 def _bad_timeout(grid):
     with pytest.raises(ValueError, match="timeout_s 0 must be a number of seconds above 0"):
         checkpoint.AsyncSaver(grid, timeout_s=0)
