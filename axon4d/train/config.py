@@ -127,9 +127,9 @@ class TrainConfig:
         Each error names the flag, the value given and what would work: counts (--steps,
         --batch-size, --micro-batches, --log-every, --max-nonfinite) are whole numbers ≥ 1; the
         model overrides, --warmup-steps, --save-every and --keep-last are ≥ 0 (0: the default or
-        off); switches (--resume, --async-save, …) are True or False; rates and bounds are finite, --lr
-        above 0 and --min-lr within [0, --lr]; --grid is
-        four sizes or auto; names come from their lists (``CHOICES``, precisions, the size table);
+        off); switches (--resume, --async-save, …) are True or False; rates and bounds are finite,
+        --lr above 0 and --min-lr within [0, --lr]; --grid is four sizes or auto; names come from
+        their lists (``CHOICES``, precisions, the size table);
         the model those flags describe must be valid; a --data file must exist and hold at least
         one sequence (its token ids are checked against the vocabulary when it is opened)."""
         for name, minimum in _MINIMUM.items():
