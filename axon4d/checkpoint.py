@@ -13,6 +13,10 @@ unpickler (a planted directory runs no code) and checks the checksums, and that 
 every piece, first; a step whose failure one rank alone could see ends with one all-gather of the
 ranks' verdicts, so all raise the same error. Files record no device (DCP writes host copies), so
 checkpoints move between GPUs and CPUs; a step count goes back where torch.optim keeps it.
+
+``AsyncSaver`` saves while training goes on: it snapshots a rank's pieces into host memory and
+DCP's ``async_save`` writes the snapshot from a background thread; the next save (or the end)
+publishes it as ``save`` does, with the same checksums and the same agreement of every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from axon4d import ckptfiles, runtime
+from axon4d import ckptfiles, comm, runtime
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
@@ -228,7 +232,18 @@ def _reads(path: str, md: dcp.Metadata, parts: list[_Piece]) -> list[dcp.ReadIte
 class _Writer(dcp.FileSystemWriter):
     """DCP's file writer, with this rank's items cut in order into files of about 1/``_FILES``
     of its bytes (an item larger than that alone). DCP keeps each tensor it writes (a copy of a
-    view, a host copy of a device tensor) until its file is closed: a file bounds what a save holds."""
+    view, a host copy of a device tensor) until its file is closed: a file bounds what a save holds.
+    Each file is hashed as soon as it is written and synced, by the rank that wrote it, and DCP's
+    index by the coordinator (rank 0) once written and read back as a load reads it (``digests``:
+    name -> {"sha256", "bytes"}); a background save hashes in the background too."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.digests: dict[str, dict[str, Any]] = {}
+
+    def _hash(self, name: str) -> None:
+        sha, size = ckptfiles.digest(os.path.join(str(self.path), name))
+        self.digests[name] = {"sha256": sha, "bytes": size}
 
     def write_data(self, plan: dcp.SavePlan, planner: dcp.SavePlanner) -> Future[list[WriteResult]]:
         sizes = [
@@ -241,10 +256,18 @@ class _Writer(dcp.FileSystemWriter):
         results: list[WriteResult] = []
         for k, items in files.items():  # file k of rank r: __<r>_<k>_0.distcp
             prefix = dataclasses.replace(plan.storage_data, prefix=f"{plan.storage_data.prefix}{k}_")
-            results += super().write_data(dataclasses.replace(plan, items=items, storage_data=prefix), planner).wait()
+            written = super().write_data(dataclasses.replace(plan, items=items, storage_data=prefix), planner).wait()
+            for name in sorted({r.storage_data.relative_path for r in written}):
+                self._hash(name)
+            results += written
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
+
+    def finish(self, metadata: dcp.Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        ckptfiles.read_index(str(self.path))  # what a load will read: no class it refuses, files inside
+        self._hash(ckptfiles.DCP_INDEX)
 
 
 def _step_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.device:
@@ -278,14 +301,184 @@ def save(
     keys of ``extra``. An existing ``path`` is an error unless ``overwrite``. With ``keep_last`` K > 0
     all but the newest K ``step_<N>`` checkpoints beside ``path`` are deleted afterwards.
     """
-    meta = _new_meta(model, grid, step, extra, keep_last, data_position, rng)
+    path, meta, state = _begin(path, model, grid, optimizer, step, extra, keep_last, data_position, rng, overwrite)
+    writer, err = _Writer(ckptfiles.partial_path(path)), None
+    try:
+        dcp.save(state.steps, storage_writer=writer, planner=_SavePieces(state.parts))
+    except dcp.CheckpointException as e:  # raised alike on every rank
+        err = _own_failure(e, grid.rank)
+    _publish(grid, path, meta, writer, err, overwrite, keep_last)
+
+
+def _begin(
+    path: str,
+    model: nn.Module,
+    grid: Grid,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    extra: dict[str, Any] | None,
+    keep_last: int,
+    position: Any,
+    rng: Any,
+    overwrite: bool,
+) -> tuple[str, dict[str, Any], _State]:
+    """The start of a save to ``path``: its meta.json content and the pieces it writes, checked on
+    every rank before any collective; then the empty partial directory, made by rank 0 (every rank
+    raises its error alike). Returns the absolute path, the meta and the pieces."""
+    meta = _new_meta(model, grid, step, extra, keep_last, position, rng)
     state = _state(model, optimizer, grid, load=False)  # views only; raises alike on every rank, before any collective
     path = os.path.abspath(path)
     _agree(grid, _on_rank0(grid, lambda: ckptfiles.prepare(path, overwrite)), f"preparing {path}")
-    partial = ckptfiles.partial_path(path)
-    dcp.save(state.steps, storage_writer=_Writer(partial), planner=_SavePieces(state.parts))
-    meta["files"] = _digests(grid, partial)
+    return path, meta, state
+
+
+def _publish(
+    grid: Grid,
+    path: str,
+    meta: dict[str, Any],
+    writer: _Writer,
+    err: BaseException | None,
+    overwrite: bool,
+    keep_last: int,
+) -> None:
+    """The end of a save to ``path`` whose files ``writer`` wrote and hashed (``err``: this rank's
+    failure in the write, None if it had none): every rank's digests or error shared (``_digests``),
+    then meta.json with them written and the directory published by rank 0; on every rank the same
+    error if any rank failed, and then nothing is published."""
+    meta["files"] = _digests(grid, path, writer.digests, err)
     _agree(grid, _on_rank0(grid, lambda: ckptfiles.publish(path, meta, overwrite, keep_last)), f"publishing {path}")
+
+
+def _own_failure(e: dcp.CheckpointException, rank: int) -> BaseException | None:
+    """This rank's own error in the failure DCP raised alike on every rank (None if it had none):
+    each rank reports what it raised, and the lowest failing rank's error is raised (``_raise_first``)."""
+    return e.failures[rank][0] if rank in e.failures else None
+
+
+class AsyncSaver:
+    """Checkpoints written in the background while training goes on, one at a time, on ``grid``.
+
+    ``save`` takes the same arguments as ``save`` above (the grid aside) and blocks only while it
+    snapshots the state: host copies of this rank's pieces and step counts (page-locked when they
+    live on an accelerator, so the copies run at the link's speed), kept for the next save. DCP's
+    ``async_save`` then writes the snapshot from a background thread into the partial directory,
+    each file hashed as it is written (``_Writer``); its coordination (DCP's gathers of plans and
+    results) runs on a process group of its own on the host backend (``axon4d.comm.host_group``),
+    so it never interleaves with the collectives training issues meanwhile. ``wait`` — called by
+    the next ``save``, by ``close`` and at the end of a ``with`` block — waits for the write and
+    publishes it on the calling thread, as ``save`` does: every rank agrees on the outcome, meta.json
+    records the checksums, one rename publishes. A write that failed on any rank is raised there,
+    the same error on every rank, and nothing is published: the previous checkpoint stays the newest
+    (its leftovers are removed by the next save). At most one save is in flight.
+
+    The snapshot costs host memory of this rank's parameters and AdamW moments (the sync ``save``
+    holds one file's worth at a time); ``timeout_s`` bounds each of the write's collectives.
+    """
+
+    def __init__(self, grid: Grid, timeout_s: float = 600.0):
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"AsyncSaver: timeout_s {timeout_s!r} must be a number of seconds above 0, e.g. 600")
+        self.grid, self.timeout_s = grid, float(timeout_s)
+        self._group: Any = None  # made by the first save, on every rank at once
+        self._buffers: list[torch.Tensor] = []  # the snapshot, reused while the shapes stay
+        self._pending: _InFlight | None = None
+
+    def save(
+        self,
+        path: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int = 0,
+        extra: dict[str, Any] | None = None,
+        keep_last: int = 0,
+        *,
+        data_position: Any = None,
+        rng: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        """Wait for the save in flight (``wait``), then snapshot ``model`` and ``optimizer`` and
+        start writing them to ``path`` in the background; the arguments are ``save``'s."""
+        self.wait()
+        grid = self.grid
+        path, meta, state = _begin(path, model, grid, optimizer, step, extra, keep_last, data_position, rng, overwrite)
+        parts, steps = self._snapshot(state)
+        if self._group is None:
+            self._group = comm.host_group(self.timeout_s)
+        writer = _Writer(ckptfiles.partial_path(path))
+        future = dcp.async_save(steps, storage_writer=writer, planner=_SavePieces(parts), process_group=self._group)
+        self._pending = _InFlight(future, path, meta, writer, overwrite, keep_last)
+
+    def _snapshot(self, state: _State) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
+        """Host copies of ``state``'s pieces and step counts, in the buffers of the previous save
+        where every shape and dtype is the same; returns once they hold the values."""
+        sources = [view for _, view in state.parts] + list(state.steps.values())
+        if [(b.shape, b.dtype) for b in self._buffers] != [(t.shape, t.dtype) for t in sources]:
+            self._buffers = [devices.pinned_empty_like(t) for t in sources]
+        for buf, t in zip(self._buffers, sources):
+            buf.copy_(t.detach(), non_blocking=True)  # from an accelerator: queued, awaited below
+        devices.synchronize(self.grid.device)
+        n = len(state.parts)
+        return [(box, buf) for (box, _), buf in zip(state.parts, self._buffers)], dict(
+            zip(state.steps, self._buffers[n:])
+        )
+
+    @property
+    def in_flight(self) -> str | None:
+        """The path of the save in flight (written, or waiting to be published), or None."""
+        return self._pending.path if self._pending is not None else None
+
+    @property
+    def written(self) -> bool:
+        """Whether the write in flight has ended (``wait`` then only publishes it); True if none is."""
+        return self._pending is None or self._pending.future.done()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any, and publish it (every rank must call this at the
+        same point; ``save`` does); raise its error, the same on every rank, if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        err: BaseException | None = None
+        try:
+            pending.future.result()
+        except dcp.CheckpointException as e:  # raised alike on every rank
+            err = _own_failure(e, self.grid.rank)
+        except Exception as e:
+            err = e
+        _publish(self.grid, pending.path, pending.meta, pending.writer, err, pending.overwrite, pending.keep_last)
+
+    def close(self, abandon: bool = False) -> None:
+        """Publish the save in flight (``wait``) and release the saver's process group. With
+        ``abandon`` (after an error, when other ranks may never reach the same point) a save in
+        flight is left unpublished and nothing waits: its write ends on its own, and the group
+        goes with the process."""
+        if abandon and self._pending is not None:
+            self._pending = None
+            return
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                comm.close_group(self._group)
+                self._group = None
+            self._buffers = []
+
+    def __enter__(self) -> AsyncSaver:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.close(abandon=kind is not None)
+
+
+class _InFlight(NamedTuple):
+    """A save being written in the background, and what publishing it needs."""
+
+    future: Any  # DCP's future of the write
+    path: str
+    meta: dict[str, Any]
+    writer: _Writer
+    overwrite: bool
+    keep_last: int
 
 
 _RESERVED = ("step", "grid", "model_config", "files", "data_position", "rng")
@@ -368,32 +561,20 @@ def _agree(grid: Grid, err: BaseException | None, doing: str) -> None:
     _raise_first(_exchange(grid, _verdict(err)), err, doing)
 
 
-def _digests(grid: Grid, path: str) -> dict[str, dict[str, Any]]:
-    """sha256 and size of every file that the DCP index at ``path`` names (and the index itself),
-    each file hashed by one rank, shared with all.
-
-    The index is read back from ``path``: the metadata that ``dcp.save`` returns does not carry the
-    file names on every torch (2.11's has ``storage_data = None``)."""
-    index, err = None, None
-    try:
-        index = ckptfiles.read_index(path)
-    except Exception as e:  # every rank learns of it: no rank goes on to an exchange the others skip
-        err = e
-    _agree(grid, err, f"reading the DCP index {path}")
-    assert index is not None  # _agree raised otherwise
-    names = sorted({info.relative_path for info in index.storage_data.values()} | {ckptfiles.DCP_INDEX})
-    world = grid.size("world")
-    mine: dict[str, Any] = {}
-    try:
-        for name in names[grid.rank :: world]:
-            sha, size = ckptfiles.digest(os.path.join(path, name))
-            mine[name] = {"sha256": sha, "bytes": size}
-    except Exception as e:
-        err = e
-    width = _SLOT + -(-len(names) // world) * (160 + max(len(n) for n in names))
-    verdicts = _exchange(grid, {"files": mine} if err is None else _verdict(err), width)
-    _raise_first(verdicts, err, f"hashing the files of {path}")
+def _digests(
+    grid: Grid, path: str, mine: dict[str, dict[str, Any]], err: BaseException | None
+) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file of the save at ``path`` (DCP's shards and index): ``mine``,
+    those this rank wrote and hashed (``_Writer.digests``), shared with all in one all-gather
+    over world; if any rank failed (``err`` here), raise the lowest such rank's error on every rank."""
+    verdicts = _exchange(grid, {"files": mine} if err is None else _verdict(err), _DIGESTS_SLOT)
+    _raise_first(verdicts, err, f"writing {path}")
     return {name: rec for v in verdicts for name, rec in v["files"].items()}
+
+
+#: bytes each rank contributes to ``_digests``: a verdict, or the records of its files (at most
+#: _FILES + 1 shards and the index, each name, sha256 and size well within 256 bytes of JSON)
+_DIGESTS_SLOT = _SLOT + (_FILES + 2) * 256
 
 
 def _raise_first(verdicts: list[dict[str, Any]], err: BaseException | None, doing: str) -> None:

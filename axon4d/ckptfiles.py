@@ -35,7 +35,7 @@ _SCRATCH = (".partial", ".replaced", ".deleting")  # suffixes of hidden siblings
 
 #: training-config fields that may differ between a checkpoint's run and the run resuming it
 RESUMABLE_CHANGES = frozenset(
-    "steps save_every keep_last resume overwrite progress log_every out_dir grid comm machine timeout "
+    "steps save_every keep_last async_save resume overwrite progress log_every out_dir grid comm machine timeout "
     "startup_timeout on_nonfinite max_nonfinite compare_single peak_tflops context_parallel".split()
 )
 

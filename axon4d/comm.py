@@ -23,6 +23,7 @@ Which transport ``axon4d.init`` uses is decided by ``axon4d.transport``; the cho
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -168,6 +169,20 @@ class _ExchangedChunks:
 
     def get_future(self) -> Any:
         return self._work.get_future()
+
+
+def host_group(timeout_s: float) -> dist.ProcessGroup:
+    """A new process group of every rank on the host backend (gloo), for collectives issued from a
+    background thread: those of a checkpoint written in the background (DCP's gathers of its plans
+    and results, ``axon4d.checkpoint.AsyncSaver``) run on it and never interleave with the ones the
+    grid's groups carry meanwhile. Every rank creates it at the same point (a collective); each of
+    its collectives fails after ``timeout_s`` seconds. ``close_group`` releases it."""
+    return dist.new_group(backend=devices.default_backend(devices.HOST), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def close_group(group: dist.ProcessGroup) -> None:
+    """Release a group made by ``host_group`` (its connections and threads)."""
+    dist.destroy_process_group(group)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,9 @@
 FAULT is where rank RANK fails once the job reaches step STEP (counted from 1):
 ``forward`` (raises inside the model's forward), ``backward`` (raises inside the backward at that
 step), ``save`` (raises inside the first checkpoint save, whatever STEP says), ``kill`` (SIGKILLs
-itself in the forward), ``stop`` (SIGSTOPs itself in the forward: a hung rank), or ``none``. The fault is
+itself in the forward), ``stop`` (SIGSTOPs itself in the forward: a hung rank), ``write-kill``
+(SIGKILLs itself inside the write of the STEP-th checkpoint save, in the background under
+--async-save), or ``none``. The fault is
 planted from outside the library (patching, hooks, signals), then ``axon4d.train.main`` runs with
 the remaining flags. Every rank prints ``FAULT-CHECK pid=<pid> rank=<rank>`` first.
 """
@@ -63,6 +65,17 @@ def plant(fault: str, rank: int, step: int) -> None:
             raise PlantedError("planted failure inside the first checkpoint save")
 
         checkpoint.dcp.save = failing_save  # type: ignore[assignment]
+    if fault == "write-kill":
+        write = checkpoint._Writer.write_data
+        saves = {"n": 0}
+
+        def killing_write(self, *args, **kwargs):
+            saves["n"] += 1  # one write per save on each rank
+            if saves["n"] == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(self, *args, **kwargs)
+
+        checkpoint._Writer.write_data = killing_write  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

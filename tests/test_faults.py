@@ -1,6 +1,7 @@
 """Bounded failure of the training job (axon4d.watchdog, docs/reliability.md): one rank raises in
 the forward, the backward or a checkpoint save, is SIGKILLed or SIGSTOPped, under a plain
-multi-process launch, torchrun and mpiexec. The job must end within its deadline, the failing
+multi-process launch, torchrun and mpiexec; or is SIGKILLed while it writes a checkpoint in the
+background (--async-save), which leaves the previous checkpoint published and intact. The job must end within its deadline, the failing
 rank's own error must be printed, and the ranks that were still running must name it.
 
 Each job case runs ``tests/fault_check.py`` (the real ``axon4d train`` with a fault planted from
@@ -27,8 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from axon4d import checkpoint, ckptfiles, watchdog
 from axon4d import device as devices
-from axon4d import watchdog
 from axon4d.launch import free_port
 from axon4d.train import loop
 
@@ -73,10 +74,11 @@ def _env() -> dict[str, str]:
 
 
 def _plain(
-    fault: str, rank: int, step: int, out_dir, world: int = WORLD, grid: str = "1,2,1,1"
+    fault: str, rank: int, step: int, out_dir, world: int = WORLD, grid: str = "1,2,1,1", extra: tuple[str, ...] = ()
 ) -> tuple[list[int], list[str], float]:
-    """Start ``world`` processes by hand (RANK/WORLD_SIZE/MASTER_* set, no agent); wait for them all
-    (SIGKILLing one that stopped itself once the others are gone); (exit codes, outputs, seconds)."""
+    """Start ``world`` processes by hand (RANK/WORLD_SIZE/MASTER_* set, no agent) with the flags
+    and ``extra``; wait for them all (SIGKILLing one that stopped itself once the others are gone);
+    (exit codes, outputs, seconds)."""
     port = str(free_port())
     procs = []
     start = time.monotonic()
@@ -84,7 +86,7 @@ def _plain(
         env = dict(
             _env(), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
         )
-        cmd = [sys.executable, SCRIPT, fault, str(rank), str(step), *_flags(out_dir, grid)]
+        cmd = [sys.executable, SCRIPT, fault, str(rank), str(step), *_flags(out_dir, grid), *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     others = [p for r, p in enumerate(procs) if r != rank]
     try:
@@ -120,6 +122,18 @@ def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
     assert elapsed < BOUND_S
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
     assert "rank(s) 1 stopped answering" in outs[0], outs[0]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous_checkpoint(tmp_path):
+    codes, outs, elapsed = _plain("write-kill", 1, 2, tmp_path, extra=("--async-save",))  # in step_4's write
+    assert elapsed < BOUND_S
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
+    assert "rank(s) 1 stopped answering" in outs[0], outs[0]
+    ckpts = str(tmp_path / "checkpoints")
+    assert checkpoint.list_checkpoints(ckpts) == [os.path.join(ckpts, "step_2")], outs[0]
+    meta = checkpoint.read_meta(checkpoint.latest(ckpts))
+    ckptfiles.verify(os.path.join(ckpts, "step_2"), meta["files"], meta["files"])  # every file as it was saved
 
 
 @pytest.mark.slow

@@ -101,6 +101,8 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_last: int = 0
     """Keep only the newest K checkpoints (0: keep all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on: a save blocks only to copy the state to host memory (page-locked on GPUs; the copy is kept for the next save), at most one is written at a time, and each is published with checksums like a blocking save (docs/training.md#checkpoints); the summary gives the seconds each save blocked."""
     resume: str = "never"
     """never: start afresh (an out_dir holding checkpoints is refused unless --overwrite); always (--resume alone): continue from the newest complete checkpoint in out_dir/checkpoints, which must exist; auto: continue from it when there is one, else start afresh, so the same command serves the first launch and every relaunch (torchrun --max-restarts, sbatch --requeue; docs/reliability.md). A checkpoint resumed must match this run's model and training settings."""
     overwrite: bool = False
@@ -131,8 +133,9 @@ class TrainConfig:
         Each error names the flag, the value given and what would work: counts (--steps,
         --batch-size, --micro-batches, --log-every, --max-nonfinite) are whole numbers ≥ 1; the
         model overrides, --warmup-steps, --save-every and --keep-last are ≥ 0 (0: the default or
-        off); rates and bounds are finite, --lr above 0 and --min-lr within [0, --lr]; --grid is
-        four sizes or auto; names come from their lists (``CHOICES``, precisions, the size table);
+        off); switches (--async-save, --overwrite, …) are True or False; rates and bounds are finite,
+        --lr above 0 and --min-lr within [0, --lr]; --grid is four sizes or auto; names come from
+        their lists (``CHOICES``, precisions, the size table);
         the model those flags describe must be valid; a --data file must exist and hold at least
         one sequence (its token ids are checked against the vocabulary when it is opened). With
         --hf the saved model's configuration must be readable and the sequence fit its positions,
@@ -173,6 +176,11 @@ class TrainConfig:
             if f.type in ("str", str) and not isinstance(value, str):
                 raise TypeError(
                     f"{_flag(f.name)} {value!r} ({type(value).__name__}) must be a string, e.g. {f.default!r}"
+                )
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise TypeError(
+                    f"{_flag(f.name)} {value!r} ({type(value).__name__}) must be True or False (the flag "
+                    f"{_flag(f.name)} or --no-{_flag(f.name)[2:]})"
                 )
         resolve_precision(self.precision, accelerator=False)  # names the precisions that exist
         check_recompute(self.recompute)  # names the modes

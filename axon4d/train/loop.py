@@ -10,6 +10,8 @@ this step's micro-batches (``batches``) → gradient clipping and AdamW on the s
 continues on the same loss curve: a job that a launcher restarts after a failure (``--resume
 auto`` under ``torchrun --max-restarts`` or ``sbatch --requeue``) runs the steps after its last
 checkpoint again, on the same data and random state, and logs each step once. With
+``--async-save`` the checkpoints are written in the background while training goes on
+(``checkpoint.AsyncSaver``; the summary reports the seconds each save blocked training). With
 ``--compare-single`` rank 0 afterwards trains the same model in one process (``reference``). With
 ``--hf`` the model is a saved Hugging Face causal LM, parallelized and loaded by slices (``hf``),
 trained by the same loop.
@@ -30,6 +32,7 @@ chosen (``precision``, ``tf32``, ``optimizer``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -102,8 +105,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         timeout_s=cfg.startup_timeout,
     )
     try:
-        with watchdog.guard(grid.rank, grid.world_size, cfg.timeout, cfg.startup_timeout, abort=grid.comm.abort) as dog:
-            return _train_on(grid, cfg, mcfg, resume_from, dog)
+        with (
+            watchdog.guard(grid.rank, grid.world_size, cfg.timeout, cfg.startup_timeout, abort=grid.comm.abort) as dog,
+            _saver(grid, cfg) as saver,
+        ):
+            return _train_on(grid, cfg, mcfg, resume_from, dog, saver)
     finally:
         runtime.shutdown()
 
@@ -334,29 +340,51 @@ def _progress(cfg: TrainConfig, start: int, rank0: bool) -> tqdm:
     )
 
 
+def _saver(grid: Grid, cfg: TrainConfig) -> contextlib.AbstractContextManager[checkpoint.AsyncSaver | None]:
+    """With --async-save the run's background saver (``checkpoint.AsyncSaver``; its writes' collectives
+    time out as the saves' waits do), released when the run ends; else nothing (saves block)."""
+    return checkpoint.AsyncSaver(grid, cfg.startup_timeout) if cfg.async_save else contextlib.nullcontext()
+
+
 def _save(
-    cfg: TrainConfig, ckpt_dir: str, model: Model, grid: Grid, opt: torch.optim.Optimizer, step: int, skipped: int
-) -> None:
+    cfg: TrainConfig,
+    ckpt_dir: str,
+    model: Model,
+    grid: Grid,
+    opt: torch.optim.Optimizer,
+    step: int,
+    skipped: int,
+    saver: checkpoint.AsyncSaver | None,
+) -> float:
     """Checkpoint ``step`` (with the run's config, data position and random state, and the --hf
-    model's directory), marked as a wait. A checkpoint already at ``step`` is replaced: a resumed
-    run's steps lie beyond its checkpoint, and one found there is of the continuation it replays
-    (published by a run ended before it pointed ``latest`` at it)."""
+    model's directory), marked as a wait; return the seconds training was blocked. With ``saver``
+    (--async-save) that is the wait for the previous save's write and this one's snapshot, and the
+    write goes on in the background; the last step's save is waited for (the run ends with it
+    published). A checkpoint already at ``step`` is replaced: a resumed run's steps lie beyond its
+    checkpoint, and one found there is of the continuation it replays (published by a run ended
+    before it pointed ``latest`` at it)."""
     extra: dict[str, Any] = {"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped}
     if cfg.hf:
         extra[checkpoint.HF_PATH] = os.path.realpath(cfg.hf)
-    with watchdog.waiting(f"the checkpoint save of step {step}", cfg.startup_timeout):
-        checkpoint.save(
-            os.path.join(ckpt_dir, f"step_{step}"),
-            model,
-            grid,
-            opt,
-            step=step,
-            extra=extra,
-            keep_last=cfg.keep_last,
-            data_position={"step": step, "batches_per_step": cfg.micro_batches},
-            rng=devices.rng_state(grid.device),
-            overwrite=True,
-        )
+    t0 = time.perf_counter()
+    doing = "the background write of the previous checkpoint and " if saver and saver.in_flight else ""
+    with watchdog.waiting(f"{doing}the checkpoint save of step {step}", cfg.startup_timeout):
+        args: dict[str, Any] = {
+            "step": step,
+            "extra": extra,
+            "keep_last": cfg.keep_last,
+            "data_position": {"step": step, "batches_per_step": cfg.micro_batches},
+            "rng": devices.rng_state(grid.device),
+            "overwrite": True,
+        }
+        path = os.path.join(ckpt_dir, f"step_{step}")
+        if saver is None:
+            checkpoint.save(path, model, grid, opt, **args)
+        else:
+            saver.save(path, model, opt, **args)
+            if step == cfg.steps:
+                saver.wait()
+    return time.perf_counter() - t0
 
 
 def _step(
@@ -388,9 +416,15 @@ def _step(
 
 
 def _train_on(
-    grid: Grid, cfg: TrainConfig, mcfg: ModelConfig, resume_from: str | None, dog: watchdog.Watchdog | None
+    grid: Grid,
+    cfg: TrainConfig,
+    mcfg: ModelConfig,
+    resume_from: str | None,
+    dog: watchdog.Watchdog | None,
+    saver: checkpoint.AsyncSaver | None = None,
 ) -> dict[str, Any]:
-    """The run on a built grid: resume, train, checkpoint, report; the summary plus every step's loss."""
+    """The run on a built grid: resume, train, checkpoint (in the background with ``saver``), report;
+    the summary plus every step's loss."""
     rank0 = grid.rank == 0
     tf32 = devices.allow_tf32(grid.device, cfg.tf32)  # fp32 matmuls on TF32 tensor cores (an accelerator only)
     model = _model(cfg, mcfg, grid)
@@ -409,6 +443,7 @@ def _train_on(
     records: list[dict[str, Any]] = []
     losses: list[float] = []
     in_a_row = 0
+    blocked: list[float] = []  # seconds each checkpoint save stopped training
     for step in range(start, cfg.steps):
         rec, finite, first_bad = _step(model, opt, data, grid, cfg, step, peak_total)
         if not finite:
@@ -424,14 +459,15 @@ def _train_on(
         if dog is not None and step == start:
             dog.steady(grid.groups.values())  # start-up is over: waits and the groups get --timeout
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            _save(cfg, ckpt_dir, model, grid, opt, step + 1, skipped)
+            blocked.append(_save(cfg, ckpt_dir, model, grid, opt, step + 1, skipped, saver))
     bar.close()
-    _save(cfg, ckpt_dir, model, grid, opt, cfg.steps, skipped)
+    blocked.append(_save(cfg, ckpt_dir, model, grid, opt, cfg.steps, skipped, saver))
     final = os.path.join(ckpt_dir, f"step_{cfg.steps}")
     summary = report.summarize(
         [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
     )
     summary["nonfinite_skipped"] = skipped
+    summary.update(report.save_summary(blocked, cfg.async_save))
     summary.update(chosen)
     summary["peak_tflops"], summary["peak_source"] = peak_total, peak_source  # MFU's denominator
     log.close()

@@ -9,7 +9,8 @@ a non-finite loss or gradient adds ``skipped`` and ``nonfinite_param``. The run 
 the steady steps up (every step but the first, which pays for warm-up allocations): medians of
 time, tokens/s and MFU, mean bytes per axis, and the hidden share of the summed communication and
 blocked time (``commlog.hidden_pct``), the device the run trained on and its activation
-recomputation mode; the training loop adds the defaults it took (``CHOSEN_KEYS``: the precision
+recomputation mode; the training loop adds the seconds each checkpoint save blocked training
+(``save_summary``) and the defaults it took (``CHOSEN_KEYS``: the precision
 ``auto`` resolved to, TF32, the AdamW implementation), which the banner shows too. Rank 0 writes ``log.jsonl`` (one record per logged step; a resumed run keeps
 the records up to its checkpoint's step and writes on from there), ``summary.json`` and, with
 ``--compare-single``, ``loss.png``.
@@ -172,6 +173,25 @@ def summarize(
     }
 
 
+def save_summary(blocked_s: list[float], background: bool) -> dict[str, Any]:
+    """The summary's record of a run's checkpoint saves: whether they were written in the
+    background (--async-save) and the seconds each one blocked training, in order (the last, at the
+    end of the run, waits for its write to be published)."""
+    return {"async_save": background, "save_blocked_s": blocked_s}
+
+
+def save_line(s: dict[str, Any]) -> str:
+    """The summary table's line for the saves, e.g. "3 in the background: blocked 0.012 s per save
+    during the run (median), 0.84 s for the last"."""
+    blocked = s["save_blocked_s"]
+    kind = "in the background" if s["async_save"] else "synchronous"
+    during = sorted(blocked[:-1])
+    if not during:
+        return f"1 {kind}: blocked {blocked[-1]:.3g} s at the end"
+    median = during[len(during) // 2]
+    return f"{len(blocked)} {kind}: blocked {median:.3g} s per save during the run (median), {blocked[-1]:.3g} s for the last"
+
+
 #: the summary's record of the defaults a run took (axon4d.train.loop): the resolved --precision,
 #: whether fp32 matmuls may use TF32, the AdamW implementation
 CHOSEN_KEYS = ("precision", "tf32", "optimizer")
@@ -193,6 +213,8 @@ def format_summary(s: dict[str, Any]) -> str:
     rows += [(key, s[key]) for key in CHOSEN_KEYS if key in s]
     rows += [(f"bytes/step on {a}", f"{b / 2**20:.2f} MiB") for a, b in sorted(s["comm_bytes_per_step"].items())]
     rows.append(("checkpoint", s["checkpoint"]))
+    if s.get("save_blocked_s"):
+        rows.append(("checkpoint saves", save_line(s)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(["", "run summary", "-" * (width + 30)] + [f"{k:<{width}}  {v}" for k, v in rows])
 
