@@ -116,7 +116,7 @@ def test_training_with_async_saves_resumes_on_the_same_losses(pools, tmp_path):
     assert checkpoint.latest(str(ckpts)) == str(ckpts / "step_4")
     # resume from the step-2 checkpoint written in the background, saving blocking now (a resumable change)
     shutil.rmtree(ckpts / "step_4")  # as if the run had died before publishing step 4
-    resumed = pools(4).run(None, _run, _cfg(tmp_path / "b", resume=True))[0][0]
+    resumed = pools(4).run(None, _run, _cfg(tmp_path / "b", resume="always"))[0][0]
     assert resumed == blocking[2:]
 
 
