@@ -112,6 +112,8 @@ SUMMARY_KEYS = {
     "comm_bytes_per_step",
     "hidden_pct",
     "checkpoint",
+    "async_save",
+    "save_blocked_s",
     "single_process_losses",
     "max_rel_diff",
     "nonfinite_skipped",
