@@ -75,15 +75,17 @@ from typing import Any
 import torch
 
 import axon4d
-from axon4d import activations, checkpoint
+from axon4d import activations, checkpoint, grads
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.measure import kernels
 from axon4d.measure.spawn import run_local
 from axon4d.measure.timing import Timer
 from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.train.batches import accumulate
 from axon4d.train.config import TrainConfig
 from axon4d.train.loop import train
+from axon4d.zero import shard_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: head_dim 16: a multiple of 8, so CUDA runs attention in its fused kernels
@@ -438,10 +440,6 @@ def fp8_against_bf16(_: Any, grid: tuple[int, int, int, int]) -> dict[str, Any]:
 def zero_against_unsharded(grid: Any, steps: int = 5) -> dict[str, Any]:
     """ZeRO-1 and ZeRO-2 (axon4d.zero) against the unsharded AdamW, fp32, ``steps`` clipped steps
     of the GPT side by side: the whole model's relative parameter difference for each stage."""
-    from axon4d import grads
-    from axon4d.train.batches import accumulate
-    from axon4d.zero import shard_optimizer
-
     _highest_precision()
     cfg = MODELS["gpt"]
     runs = {}

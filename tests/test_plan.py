@@ -8,6 +8,9 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -635,10 +638,6 @@ def test_attention_is_measured_on_enough_heads_to_fill_an_accelerator():
 def test_calibrate_shows_each_stage_as_it_measures(tmp_path):
     """`axon4d calibrate` draws a bar per stage on rank 0 (``Timer.stage``: named, counted, with an
     estimate where the count is known) and a line when each is done — not minutes of silence."""
-    import shutil
-    import subprocess
-    import sys
-
     out = tmp_path / "host.json"
     shutil.copy(os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-26.json"), out)
     proc = subprocess.run(
