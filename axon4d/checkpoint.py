@@ -80,14 +80,17 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: Grid
     """The pieces of ``model``'s parameters (model.<name>[.<segment>]) and ``optimizer``'s moments
     (optim.<name>.<moment>[.<segment>]); a load makes those the optimizer lacks (zeros like the parameter).
     A ZeRO optimizer (``axon4d.zero``) holds the moments of this data rank's part of each parameter
-    only: its pieces are that part's rectangles of the global tensors (``_owned_views``)."""
+    only: its pieces are that part's rectangles of the global tensors (``_owned_views``); so are the
+    model's pieces of a parameter whose fp32 master is a copy (a 16-bit weight,
+    ``ShardedOptimizer.master_copy``): the master, not the rounded parameter, is saved and loaded."""
     layouts = param_layouts(model)
     state = _State([], {}, [], [])
     sharded = optimizer if isinstance(optimizer, ShardedOptimizer) else None
     for name, p in model.named_parameters():
         owned = sharded.owned(p) if sharded is not None else None
         key = owned[1] if owned is not None else p  # what the optimizer keeps p's state under: p, or its part
-        tensors: list[tuple[str, torch.Tensor]] = [(f"model.{name}", p)]
+        master = sharded.master_copy(p) if sharded is not None else None
+        tensors: list[tuple[str, torch.Tensor]] = [(f"model.{name}", p if master is None else master)]
         st = optimizer.state.get(key, {}) if optimizer is not None else {}
         for moment in _MOMENTS if optimizer is not None else ():
             t = st.get(moment)
@@ -630,6 +633,8 @@ def load(
     states = optimizer.state if optimizer is not None else {}
     for p, key, t in state.made:  # the moments made and the step counts (made where the optimizer keeps them)
         states[p][key] = t
+    if isinstance(optimizer, ShardedOptimizer):  # 16-bit weights: DCP filled their masters; round them back
+        optimizer.refresh_params()
     return meta
 
 

@@ -24,9 +24,11 @@ hand it their gradients; they hold no overlap flags.
   where the z shard needs it (E11 still runs per micro-batch) — and the first backward outside
   adds the sums to its own and reduces once, overlapped with itself: with M micro-batches the
   data axis moves the bytes of one (DDP's ``no_sync``, docs/design.md §4).
-- **ZeRO-2** (``scatter_over_data``): the E12 buckets are reduce-scattered over data instead of
-  all-reduced — each rank receives only the sum of the parts of the weight shards it owns, which
-  go to the ``DataSharding`` (axon4d.zero) instead of ``.grad`` (docs/design.md §4).
+- **ZeRO** (``shard_over_data``): under ZeRO-2 the E12 buckets are reduce-scattered over data
+  instead of all-reduced — each rank receives only the sum of the parts of the weight shards it
+  owns, which go to the ``DataSharding`` (axon4d.zero) instead of ``.grad``; under ZeRO-1 training
+  in 16 bits the all-reduced gradients of the 16-bit weights go to it whole, in the reduction dtype,
+  never rounded into a 16-bit ``.grad`` (docs/design.md §4).
 - **Chunked forward all-reduce** (E8): the tokens are split into ``forward_chunks`` chunks and
   chunk i is all-reduced over the input axis while chunk i+1 is multiplied (only where the input
   axis has more than one rank: otherwise there is no E8 and the GEMM stays whole).
@@ -72,16 +74,25 @@ _Item = tuple[torch.Tensor, torch.Tensor, float]
 
 
 class DataSharding(Protocol):
-    """Who owns which part of a weight shard's gradient over data (ZeRO-2, axon4d.zero): each
-    flat shard of n elements is split into G_data parts of ``part_numel`` (the last zero-padded),
-    data rank d owning part d (docs/design.md §4)."""
+    """Who owns which part of a weight shard's gradient over data (ZeRO, axon4d.zero): each flat
+    shard of n elements is split into G_data parts of ``part_numel`` (the last zero-padded), data
+    rank d owning part d (docs/design.md §4)."""
+
+    #: True: E12 is reduce-scattered and each rank's part handed over (``take_grad``, ZeRO-2);
+    #: False: E12 is all-reduced and the whole gradient handed over (``take_whole_grad``, ZeRO-1)
+    scatters: bool
 
     def part_numel(self, param: torch.Tensor) -> int | None:
-        """Elements per data rank's part of ``param``'s flat gradient; None: not sharded (all-reduced)."""
+        """Elements per data rank's part of ``param``'s flat gradient; None: not the sharding's
+        (all-reduced into ``.grad``)."""
         ...
 
     def take_grad(self, param: torch.Tensor, part: torch.Tensor) -> None:
-        """This rank's reduced, scaled part of ``param``'s gradient, (part_numel,) in its dtype."""
+        """This rank's reduced, scaled part of ``param``'s gradient, (part_numel,) in the reduction dtype."""
+        ...
+
+    def take_whole_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """``param``'s all-reduced, scaled gradient, flat (numel,) in the reduction dtype."""
         ...
 
 
@@ -112,8 +123,8 @@ class Scheduler:
         # gradient over batch; insertion-ordered, so every rank flushes them in the same order
         self._buckets: dict[tuple[Axis, Term], list[_Item]] = {}
         self._reducing: list[tuple[list[_Item], Handle, torch.Tensor | None]] = []
-        # ZeRO-2's E12 reduce-scatters in flight: (items, each one's part size, handle, the sharding)
-        self._reducing_parts: list[tuple[list[_Item], list[int], Handle, DataSharding]] = []
+        # ZeRO-2's E12 reduce-scatters in flight: (items, each one's part size and sharding, handle)
+        self._reducing_parts: list[tuple[list[_Item], list[tuple[int, DataSharding]], Handle]] = []
         self._holding = 0  # depth of ``accumulating`` regions: data-axis reductions are held
         # held sums (accumulation), by parameter id in first-held order: (param, sum, axis, tag, scale)
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor, Axis, Term, float]] = {}
@@ -129,7 +140,7 @@ class Scheduler:
         self._learning: list[list[tuple[int, int]]] = []
         self._flats: dict[int, torch.Tensor] = {}
         self._callback_queued = False
-        self._sharding: DataSharding | None = None  # ZeRO-2: E12 reduce-scattered over data
+        self._shardings: list[DataSharding] = []  # ZeRO: who take E12's gradients instead of .grad
         self._rerunning: weakref.WeakSet | None = None  # layers of the recomputed region being re-run
         self._recomputed_depth = 0  # depth of regions under full recomputation being run
 
@@ -259,18 +270,28 @@ class Scheduler:
         self._last_forward = weakref.ref(layer)
 
     # -- ORS / ODP: gradients -------------------------------------------------------------------
-    def scatter_over_data(self, sharding: DataSharding | None) -> None:
-        """ZeRO-2 (docs/design.md §4): from now on reduce-scatter the weight shards' gradients over
-        data (E12) instead of all-reducing them, for the parameters ``sharding`` owns parts of;
-        each rank's part goes to ``sharding.take_grad``, never to ``.grad``. None: all-reduce
-        again. Pending reductions are finished first."""
+    def shard_over_data(self, sharding: DataSharding, on: bool = True) -> None:
+        """ZeRO (docs/design.md §4): from now on the weight shards' gradients (E12) of the
+        parameters ``sharding`` owns parts of go to it, never to ``.grad`` — reduce-scattered over
+        data, each rank's part to ``sharding.take_grad``, when ``sharding.scatters`` (ZeRO-2); else
+        all-reduced as before and handed whole to ``sharding.take_whole_grad`` (ZeRO-1 training in
+        16 bits). ``on=False``: its parameters' are all-reduced into ``.grad`` again. A grid takes
+        any number (one per optimizer, over parameters of its own). Pending reductions are
+        finished first."""
         self.finish_gradients()
-        self._sharding = sharding
+        self._shardings = [s for s in self._shardings if s is not sharding] + ([sharding] if on else [])
 
     @property
-    def data_sharding(self) -> DataSharding | None:
-        """The ``DataSharding`` the E12 gradients are reduce-scattered for (ZeRO-2), or None."""
-        return self._sharding
+    def data_shardings(self) -> tuple[DataSharding, ...]:
+        """The ``DataSharding`` s that take E12 gradients (ZeRO), in the order they came."""
+        return tuple(self._shardings)
+
+    def sharding_of(self, param: torch.Tensor) -> DataSharding | None:
+        """The ``DataSharding`` that takes ``param``'s gradient, or None (it goes to ``.grad``)."""
+        for sharding in self._shardings:
+            if sharding.part_numel(param) is not None:
+                return sharding
+        return None
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -300,9 +321,9 @@ class Scheduler:
         times ``scale``, in the grid's gradient-reduction dtype. Returns the shard (in the
         parameter's dtype) when the policy is fully synchronous; otherwise — or when the reduction
         over data is held (``accumulating``) — the result is written into ``param.grad`` later
-        (before the backward that reduces returns) and None is returned. Under ZeRO-2
-        (``scatter_over_data``) E12 is a reduce-scatter over data whose part goes to the
-        ``DataSharding``, not ``.grad``: None is returned."""
+        (before the backward that reduces returns) and None is returned. Under ZeRO
+        (``shard_over_data``) the result goes to the ``DataSharding``, not ``.grad`` — under ZeRO-2
+        E12 is a reduce-scatter over data: None is returned."""
         dw = dw.to(reduce_dtype(self.precision, param))
         g_z = self.comm.shape.size("z")  # with G_z = 1 there is no E11: the dW GEMM wrote into the slot
         slot = self.weight_grad_slot(param, dw.numel() // g_z, dw.dtype, dw.device) if g_z > 1 else None
@@ -318,7 +339,12 @@ class Scheduler:
                 self._buckets.setdefault(("data", Term.E12), []).append((param, shard, scale))
                 self._flush(("data", Term.E12))
                 return None
-            return _scaled(self.comm.all_reduce(shard, "data", tag=Term.E12).wait(), scale).to(param.dtype)
+            reduced = _scaled(self.comm.all_reduce(shard, "data", tag=Term.E12).wait(), scale)
+            taker = self._whole_taker(param)
+            if taker is not None:  # ZeRO-1 in 16 bits: the gradient goes to the master, never rounded
+                taker.take_whole_grad(param, reduced)
+                return None
+            return reduced.to(param.dtype)
         # fold the reduce-scatters of layers that ran before this one, all but the newest
         # ors_inflight - 1 (a count, not "whichever finished": every rank folds the same ones)
         self._advance(keep=self.policy.ors_inflight - 1)
@@ -450,8 +476,8 @@ class Scheduler:
             return
         if key == ("data", Term.E12) and self.policy.bucket_mb > 0:
             self._learning.append([(id(p), g.numel()) for p, g, _ in items])
-        if key == ("data", Term.E12) and self._sharding is not None:
-            self._scatter([item for item in items if self._scattered(item[0])], self._sharding)
+        if key == ("data", Term.E12) and self._shardings:
+            self._scatter([item for item in items if self._scattered(item[0])])
             items = [item for item in items if not self._scattered(item[0])]
             if not items:
                 return
@@ -465,9 +491,15 @@ class Scheduler:
 
     def _scattered(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s E12 is a reduce-scatter over data (ZeRO-2 owns parts of it)."""
-        return self._sharding is not None and self._sharding.part_numel(param) is not None
+        sharding = self.sharding_of(param) if self._shardings else None
+        return sharding is not None and sharding.scatters
 
-    def _scatter(self, items: list[_Item], sharding: DataSharding) -> None:
+    def _whole_taker(self, param: torch.Tensor) -> DataSharding | None:
+        """The ``DataSharding`` that takes ``param``'s all-reduced gradient whole (ZeRO-1 in 16 bits), or None."""
+        sharding = self.sharding_of(param) if self._shardings else None
+        return None if sharding is None or sharding.scatters else sharding
+
+    def _scatter(self, items: list[_Item]) -> None:
         """ZeRO-2's E12 for one bucket: reduce-scatter its weight shards over data so that each rank
         receives the sum of its own part of each (docs/design.md §4). The input is rank-major —
         (G_data, S), row d holding data rank d's part of every shard in turn, the last part of a
@@ -476,20 +508,21 @@ class Scheduler:
         if not items:
             return
         g = self.comm.shape.size("data")
-        parts: list[int] = []
+        parts: list[tuple[int, DataSharding]] = []
         columns: list[torch.Tensor] = []
         for param, grad, _ in items:
-            c = sharding.part_numel(param)
-            assert c is not None and g * c >= grad.numel()  # _scattered
+            sharding = self.sharding_of(param)
+            c = sharding.part_numel(param) if sharding is not None else None
+            assert sharding is not None and c is not None and g * c >= grad.numel()  # _scattered
             if grad.numel() != g * c:
                 grad = torch.nn.functional.pad(grad, (0, g * c - grad.numel()))  # (G·c,)
-            parts.append(c)
+            parts.append((c, sharding))
             columns.append(grad.view(g, c))  # (G, c): row d is data rank d's part
         flat = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)  # (G, S), S = Σ c
         handle = self.comm.reduce_scatter(flat, "data", tag=Term.E12)  # (1, S): this rank's parts
         if not self.policy.odp:
             handle.wait()
-        self._reducing_parts.append((items, parts, handle, sharding))
+        self._reducing_parts.append((items, parts, handle))
 
     def _in_place(self, items: list[_Item]) -> torch.Tensor | None:
         """The flat buffer ``items`` fill exactly, in order (all written through ``weight_grad_slot``), or None."""
@@ -539,17 +572,21 @@ class Scheduler:
                 if flat is not None:
                     grad = flat[offset : offset + grad.numel()]
                     offset += grad.numel()
+                taker = self._whole_taker(param)
+                if taker is not None:  # ZeRO-1 in 16 bits: to the master, never rounded into .grad
+                    taker.take_whole_grad(param, _scaled(grad, scale))
+                    continue
                 grad = _scaled(grad, scale).to(param.dtype).view(param.shape)
                 if param.grad is None:
                     param.grad = grad  # a slice of the bucket, or the reduced tensor itself
                 else:
                     param.grad.add_(grad)
         reducing_parts, self._reducing_parts = self._reducing_parts, []
-        for items, parts, handle, sharding in reducing_parts:  # ZeRO-2: each rank's parts
+        for items, parts, handle in reducing_parts:  # ZeRO-2: each rank's parts
             row = handle.wait().view(-1)  # (S,)
             offset = 0
-            for (param, _, scale), c in zip(items, parts):
-                sharding.take_grad(param, _scaled(row[offset : offset + c], scale).to(param.dtype))
+            for (param, _, scale), (c, sharding) in zip(items, parts):
+                sharding.take_grad(param, _scaled(row[offset : offset + c], scale))
                 offset += c
         if not self.holding:
             self._relearn()

@@ -1,35 +1,45 @@
 """The optimizer sharded over the data axis: ZeRO-1 and ZeRO-2 (docs/design.md §4, "ZeRO").
 
 x, y and z already split the weights; the data axis replicates them, and with them the optimizer's
-state. ``shard_optimizer`` wraps an elementwise ``torch.optim`` optimizer so that each data rank
-keeps the state of one part of every parameter only:
+state and the fp32 master weights. ``shard_optimizer`` wraps an elementwise ``torch.optim``
+optimizer so that each data rank keeps the masters and the state of one part of every parameter:
 
 - each parameter's local tensor, flattened (n elements), is split into G_data contiguous parts of
   c = ⌈n / G_data⌉ elements (the last ones shorter, or empty); data rank d owns part d;
 - the inner optimizer (the same class, param groups and hyperparameters, fused/foreach included)
-  steps fp32 master copies of the owned parts, each with its own ``.grad``: a *view* of the
-  parameter when it is fp32 (the library's parameters always are, ``axon4d.precision``), else an
-  fp32 copy. Its state (Adam's moments) is 1/G_data of the unsharded optimizer's;
+  steps fp32 master copies of the owned parts, each with its own ``.grad``. Its state (Adam's
+  moments) is 1/G_data of the unsharded optimizer's;
+- **the masters.** Training in 16 bits (a mixed ``axon4d.precision``) with G_data > 1, the 3D
+  Linear layers' weight shards — nearly all of a transformer's parameters — are stored in the
+  compute dtype (bf16), and each data rank keeps the fp32 master of its part only: 2 + 4/G_data
+  bytes per element where the unsharded optimizer keeps 4 (``sixteen_bit``). The GEMMs and the
+  weight gathers over z use the same bf16 values as before (each was the fp32 master rounded), so
+  training follows the unsharded optimizer's. Every other parameter (biases, norm weights,
+  embedding tables: small), and every parameter in fp32 training, stays fp32 and its master part
+  is a *view* of it;
 - ``step`` then all-gathers the updated parts over data back into the parameters, bucket by bucket
-  (the grid's ``bucket_mb``; 0: one parameter per bucket), each gather in flight while the next
-  bucket steps; the last is waited at the end of ``step``, so the parameters are whole when it
-  returns;
-- stage 1 takes each owned part of ``.grad``, reduced over data as without sharding (E12, E13 and
-  the replicated gradients are all-reduces); stage 2 also turns the weight shards' E12 all-reduce
-  into a reduce-scatter over data (``Scheduler.scatter_over_data``): a rank receives only the sum
-  of its parts, which go straight to the masters' ``.grad`` — the layers' weights never hold a
-  ``.grad``. Biases, norm weights and embedding tables (E13 and the replicated gradients, all-reduced
-  over batch) are reduced and held whole as in stage 1.
+  (the grid's ``bucket_mb``; 0: one parameter per bucket) in the parameters' dtype — half the bytes
+  for the 16-bit weights — each gather in flight while the next bucket steps; the last is waited
+  at the end of ``step``, so the parameters are whole when it returns;
+- the gradients. Stage 1 takes each owned part of ``.grad``, reduced over data as without
+  sharding (E12, E13 and the replicated gradients are all-reduces); a 16-bit weight's reduced
+  gradient (fp32 under ``bf16-fp32-reduce``) never becomes a bf16 ``.grad``: the scheduler hands it
+  whole to this optimizer (``Scheduler.shard_over_data``), which keeps its part in the master's
+  ``.grad``. Stage 2 also turns the weight shards' E12 all-reduce into a reduce-scatter over data:
+  a rank receives only the sum of its parts, which go straight to the masters' ``.grad`` — the
+  layers' weights never hold a ``.grad``. Biases, norm weights and embedding tables (E13 and the
+  replicated gradients, all-reduced over batch) are reduced and held whole as in stage 1.
 
 Only elementwise optimizers can be split this way — each element's update reads only that
 element's gradient and state: SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop,
 Rprop, ASGD, and a user's own such as Lion (pass ``elementwise=True``). LBFGS, Adafactor (factored
 second moments), Muon (orthogonalised updates) and SparseAdam are refused.
 
-``axon4d.grads`` (the global norm, clipping, the non-finite check) sees ZeRO-2's gradient parts,
-each element counted once, and ``axon4d.checkpoint`` saves each rank's parts of the moments as
-their own pieces of the global tensors, so a checkpoint loads onto another data size, or without
-sharding, and back. With G_data = 1 the wrapper is a no-op in effect (one part: the whole tensor).
+``axon4d.grads`` (the global norm, clipping, the non-finite check) sees the gradient parts, each
+element counted once, and ``axon4d.checkpoint`` saves each rank's parts of the moments — and of the
+fp32 masters of 16-bit weights, which are the model's saved values — as their own pieces of the
+global tensors, so a checkpoint loads onto another data size, or without sharding, and back. With
+G_data = 1 the wrapper is a no-op in effect (one part: the whole tensor; nothing is stored in 16 bits).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from torch import nn
 
 from axon4d.comm import Handle
 from axon4d.grid import Grid
+from axon4d.nn.linear import Linear
 
 #: torch.optim classes whose update is elementwise (shardable); a subclass counts as its base
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -80,14 +91,18 @@ class _Part:
     start: int  # the owned elements [start, stop) of the flattened parameter
     stop: int
     master: torch.Tensor  # (stop - start,) fp32: a view of the parameter, or a copy
-    scattered: bool = False  # ZeRO-2 delivers its gradient part (take_grad), never .grad
+    sixteen: bool = False  # stored in the compute dtype: its reduced gradient comes to the master, never .grad
+    scattered: bool = False  # its gradient part is delivered (take_grad, take_whole_grad), never .grad
 
 
 class _GradSink:
-    """The ``DataSharding`` a ZeRO-2 optimizer gives its grid's scheduler; holds it weakly."""
+    """The ``DataSharding`` a sharded optimizer gives its grid's scheduler; holds it weakly. ZeRO-2
+    takes the parts of every parameter's E12 reduce-scatter; ZeRO-1 the whole all-reduced gradients
+    of its 16-bit weights only."""
 
     def __init__(self, optimizer: ShardedOptimizer):
         self._ref = weakref.ref(optimizer)
+        self.scatters = optimizer.stage == 2
 
     @property
     def optimizer(self) -> ShardedOptimizer | None:
@@ -96,12 +111,20 @@ class _GradSink:
     def part_numel(self, param: torch.Tensor) -> int | None:
         opt = self._ref()
         part = opt._parts.get(id(param)) if opt is not None else None
-        return part.chunk if part is not None else None
+        if part is None or not (self.scatters or part.sixteen):
+            return None
+        return part.chunk
 
     def take_grad(self, param: torch.Tensor, part: torch.Tensor) -> None:
         opt = self._ref()
         if opt is not None:
             opt._take_grad(param, part)
+
+    def take_whole_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        opt = self._ref()
+        if opt is not None:
+            owner = opt._parts[id(param)]
+            opt._take_grad(param, grad[owner.start : owner.stop], copy=True)  # not a view: the rest is freed
 
 
 def shard_optimizer(
@@ -118,7 +141,11 @@ def shard_optimizer(
     ``optimizer`` must be a fresh (never stepped) elementwise optimizer over parameters of
     ``model`` (any subset; the others are left alone): its class is built again over this rank's
     parts with the same param groups and defaults. ``elementwise=True`` vouches for a class not in
-    ``ELEMENTWISE`` (e.g. a Lion); ``False`` refuses any."""
+    ``ELEMENTWISE`` (e.g. a Lion); ``False`` refuses any.
+
+    Training in mixed precision with G_data > 1 this changes ``model``: its 3D Linear weights
+    (``sixteen_bit``) become the compute dtype, their fp32 masters this optimizer's parts. Save and
+    load them with ``axon4d.checkpoint`` (which saves the masters), not the model's ``state_dict``."""
     return ShardedOptimizer(optimizer, model, grid, stage, elementwise=elementwise)
 
 
@@ -148,11 +175,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grid, self.stage = grid, stage
         self.data_size, self.data_rank = grid.size("data"), grid.coord("data")
         names = {id(p): n for n, p in model.named_parameters()}
+        #: the dtype the 3D Linear weights are stored in (``sixteen_bit``), or None: all stay as they are
+        self.weight_dtype = grid.precision.compute if grid.precision.mixed and self.data_size > 1 else None
+        sixteen = sixteen_bit(model) if self.weight_dtype is not None else set()
         self._parts: dict[int, _Part] = {}
         groups = []
         for group in optimizer.param_groups:
-            masters = [self._part(p, names).master for p in group["params"]]
+            masters = [self._part(p, names, id(p) in sixteen).master for p in group["params"]]
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+        takes = stage == 2 or any(part.sixteen for part in self._parts.values())  # gradients come to us
+        for part in self._parts.values() if takes else ():
+            if grid.scheduler.sharding_of(part.param) is not None:
+                raise ValueError(
+                    f"another sharded optimizer already takes the gradient of {part.name}; call its release() "
+                    "first (one sharded optimizer per parameter)"
+                )
+        for part in self._parts.values():  # the masters are copied: now store the weights in 16 bits
+            if part.sixteen:
+                part.param.grad = None
+                part.param.data = part.param.data.to(self.weight_dtype)
         cls = type(optimizer)
         accepted = inspect.signature(cls.__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
@@ -166,19 +207,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state
         self._buckets = self._make_buckets(grid.scheduler.policy.bucket_mb)
         self._sink: _GradSink | None = None
-        if stage == 2:
+        if takes:
             self._sink = _GradSink(self)
-            current = grid.scheduler.data_sharding
-            if isinstance(current, _GradSink) and current.optimizer is not None:
-                raise ValueError(
-                    "a ZeRO-2 optimizer already reduce-scatters this grid's gradients; call its release() "
-                    "first (one ZeRO-2 optimizer per grid)"
-                )
-            grid.scheduler.scatter_over_data(self._sink)
+            grid.scheduler.shard_over_data(self._sink)
 
     # -- layout ---------------------------------------------------------------------------------
-    def _part(self, p: torch.Tensor, names: dict[int, str]) -> _Part:
-        """Make this rank's part of ``p`` (data rank d owns elements [d·c, (d+1)·c) ∩ [0, n))."""
+    def _part(self, p: torch.Tensor, names: dict[int, str], sixteen: bool) -> _Part:
+        """Make this rank's part of ``p`` (data rank d owns elements [d·c, (d+1)·c) ∩ [0, n)); its
+        master is a copy where ``p`` is not fp32 or will be stored in 16 bits (``sixteen``)."""
         if id(p) not in names:
             raise ValueError(
                 f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of the model's: "
@@ -193,26 +229,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         start = min(n, self.data_rank * chunk)
         stop = min(n, start + chunk)
         flat = p.detach().view(-1)  # (n,)
-        if p.dtype == torch.float32:
+        if p.dtype == torch.float32 and not sixteen:
             master = flat[start:stop]  # a view: the step updates the parameter's own part in place
         else:
             master = flat[start:stop].to(torch.float32, copy=True)
-        part = self._parts[id(p)] = _Part(p, names[id(p)], chunk, start, stop, master)
+        part = self._parts[id(p)] = _Part(p, names[id(p)], chunk, start, stop, master, sixteen)
         return part
 
     def _make_buckets(self, bucket_mb: float) -> list[list[_Part]]:
-        """The all-gather buckets: parameters in order, a bucket closed once it holds ``bucket_mb``
-        of parameter bytes (0: one parameter each) or the dtype or device changes."""
+        """The all-gather buckets: parameters in order, one open bucket per dtype and device (the
+        16-bit weights and the fp32 rest fill their own), closed once it holds ``bucket_mb`` of
+        parameter bytes (0: one parameter each); in the order they close, the same on every rank."""
         buckets: list[list[_Part]] = []
-        size = 0.0
+        open_: dict[tuple[torch.dtype, torch.device], tuple[list[_Part], float]] = {}
         for part in self._parts.values():
             p = part.param
-            last = buckets[-1][-1].param if buckets else None
-            if last is None or size >= bucket_mb * 2**20 or (last.dtype, last.device) != (p.dtype, p.device):
-                buckets.append([])
-                size = 0.0
-            buckets[-1].append(part)
-            size += p.numel() * p.element_size()
+            key = (p.dtype, p.device)
+            bucket, size = open_.get(key, ([], 0.0))
+            if bucket and size >= bucket_mb * 2**20:
+                buckets.append(bucket)
+                bucket, size = [], 0.0
+            bucket.append(part)
+            open_[key] = (bucket, size + p.numel() * p.element_size())
+        buckets += [bucket for bucket, _ in open_.values()]
         return buckets
 
     def owned(self, param: torch.Tensor) -> tuple[int, torch.Tensor] | None:
@@ -221,17 +260,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         part = self._parts.get(id(param))
         return None if part is None else (part.start, part.master)
 
+    def master_copy(self, param: torch.Tensor) -> torch.Tensor | None:
+        """This rank's fp32 master part of ``param`` (elements ``owned(param)[0]`` on) where it is a
+        copy — ``param`` is stored in 16 bits or is not fp32 — so the master, not ``param``, holds
+        its exact value (what a checkpoint saves); None where the master is a view of ``param``."""
+        part = self._parts.get(id(param))
+        return None if part is None or part.param.dtype == torch.float32 else part.master
+
+    @torch.no_grad()
+    def refresh_params(self) -> None:
+        """Make every parameter its masters again: all-gather the parts over data (as ``step``
+        ends), rounded to the parameter's dtype; after a load wrote the masters (``axon4d.checkpoint``).
+        Buckets of fp32 parameters, whose masters are views of them, are whole already: skipped."""
+        for bucket in self._buckets:
+            if bucket[0].param.dtype != torch.float32:  # a bucket holds one dtype (_make_buckets)
+                self._unpack(bucket, self._gather(bucket))
+
     def scattered_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, this rank's gradient part) of every parameter whose gradient ZeRO-2 delivers
         in parts (its ``.grad`` stays None): what ``axon4d.grads`` counts besides ``.grad``."""
         return [(p.param, p.master.grad) for p in self._parts.values() if p.scattered and p.master.grad is not None]
 
     # -- gradients ------------------------------------------------------------------------------
-    def _take_grad(self, param: torch.Tensor, part: torch.Tensor) -> None:
-        """ZeRO-2: this rank's reduced part (c,) of ``param``'s gradient; added to the master's."""
+    def _take_grad(self, param: torch.Tensor, part: torch.Tensor, copy: bool = False) -> None:
+        """This rank's reduced part (≥ its own elements) of ``param``'s gradient, in the reduction
+        dtype; added to the master's ``.grad`` (fp32), a copy with ``copy``."""
         owner = self._parts[id(param)]
         owner.scattered = True
-        grad = part[: owner.stop - owner.start].to(owner.master.dtype)
+        grad = part[: owner.stop - owner.start].to(owner.master.dtype, copy=copy)
         if owner.master.grad is None:
             owner.master.grad = grad
         else:
@@ -305,23 +361,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
             offset += c
 
     def release(self) -> None:
-        """Stop reduce-scattering the grid's gradients for this optimizer (ZeRO-2): from the next
-        backward they are all-reduced into ``.grad`` again."""
-        if self._sink is not None and self.grid.scheduler.data_sharding is self._sink:
-            self.grid.scheduler.scatter_over_data(None)
+        """Stop taking the grid's gradients for this optimizer (ZeRO-2, or ZeRO-1 in 16 bits): from
+        the next backward they are all-reduced into ``.grad`` again."""
+        if self._sink is not None:
+            self.grid.scheduler.shard_over_data(self._sink, on=False)
         self._sink = None
 
 
+def sixteen_bit(model: nn.Module) -> set[int]:
+    """ids of the parameters a sharded optimizer stores in 16 bits when training in mixed precision
+    with G_data > 1: the weight shards of ``model``'s 3D Linear layers (``axon4d.Linear``) — whose
+    gradients the scheduler reduces over data as E12 — held by no other kind of module."""
+    linear: set[int] = set()
+    other: set[int] = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            (linear if isinstance(module, Linear) and name == "weight" else other).add(id(p))
+    return linear - other
+
+
 def sharded_grads(model: nn.Module, grid: Grid) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(parameter of ``model``, this rank's gradient part) for every gradient ZeRO-2 holds in parts
-    on ``grid`` (none without a ZeRO-2 optimizer): each element is on one data rank only."""
+    """(parameter of ``model``, this rank's gradient part) for every gradient a sharded optimizer
+    holds in parts on ``grid`` (ZeRO-2's, ZeRO-1's 16-bit weights'; none without one): each element
+    is on one data rank only."""
     scheduler = getattr(grid, "scheduler", None)  # a stand-in grid (tests, one process) may have none
-    sink = scheduler.data_sharding if scheduler is not None else None
-    opt = sink.optimizer if isinstance(sink, _GradSink) else None
-    if opt is None:
-        return []
+    sinks = scheduler.data_shardings if scheduler is not None else ()
     ours = {id(p) for p in model.parameters()}
-    return [(p, g) for p, g in opt.scattered_grads() if id(p) in ours]
+    out = []
+    for sink in sinks:
+        opt = sink.optimizer if isinstance(sink, _GradSink) else None
+        if opt is not None:
+            out += [(p, g) for p, g in opt.scattered_grads() if id(p) in ours]
+    return out
 
 
 def _check_elementwise(optimizer: torch.optim.Optimizer, elementwise: bool | None) -> None:

@@ -19,7 +19,7 @@ from axon4d.plan import cli
 from axon4d.plan.cost import ONCE_PER_STEP, copy_queue, step_estimate, zero_gathers
 from axon4d.plan.layers import FP8_SCALE_BYTES, layer_cost
 from axon4d.plan.machine import load
-from axon4d.plan.memory import block_bytes, local_param_count, local_param_tensors, memory
+from axon4d.plan.memory import block_bytes, local_param_count, local_param_tensors, memory, sixteen_bit_weights
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import Choices, best_options, lower_bound, plan
 from axon4d.plan.workload import Workload
@@ -66,18 +66,31 @@ def test_zero_shards_the_optimizer_and_gathers_the_parameters_over_data():
     m0, m1, m2 = (memory(WL_20B, SHAPE, "none", ALL, zero=z) for z in (0, 1, 2))
     assert m0.optimizer == n * 8  # two fp32 moments (the parameters are the fp32 master weights)
     assert m1.optimizer == m2.optimizer == math.ceil(n / 4) * 8
-    assert m0.params == m0.grads == n * 4 and m1.grads == m0.grads and m2.grads == math.ceil(n / 4) * 4
+    # training in bf16 with data 4: the Linear weights (w of the n; not the token table) in bf16, 1/4
+    # of their fp32 masters
+    weights = sixteen_bit_weights(WL_20B, SHAPE, zero=1)
+    w, parts = sum(weights), sum(math.ceil(k / 4) for k in weights)
+    assert 0.9 * n < w < n and sixteen_bit_weights(WL_20B, SHAPE, zero=0) == []
+    assert m0.params == m0.grads == n * 4
+    assert m1.params == m2.params == (n - w) * 4 + w * 2 + parts * 4 < 0.8 * m0.params
+    assert m1.grads == (n - w) * 4 + parts * 4 and m2.grads == math.ceil(n / 4) * 4  # the masters' parts
     assert m2.peak <= m1.peak < m0.peak
-    # under accumulation the held sums are whole: ZeRO-2's gradients as ZeRO-1's
-    assert memory(WL_20B, SHAPE, "none", ALL, zero=2, micro_batches=2).grads == m0.grads
+    # under accumulation the held sums are whole, but the step sees the masters' parts
+    assert memory(WL_20B, SHAPE, "none", ALL, zero=2, micro_batches=2).grads == m1.grads
+    fp32 = dataclasses.replace(WL_20B, dtype="float32")  # fp32 training: the parameters are the masters
+    assert sixteen_bit_weights(fp32, SHAPE, zero=1) == []
+    assert memory(fp32, SHAPE, "none", ALL, zero=1).params == memory(fp32, SHAPE, "none", ALL).params == n * 4
     t0, t1, t2 = (step_estimate(_sc(zero=z)) for z in (0, 1, 2))
     gathers = zero_gathers(_sc(zero=1))  # one per parameter (bucket_mb 0), as axon4d.zero issues them
     assert len(gathers) == len(local_param_tensors(WL_20B, SHAPE))
     assert all((g.op, g.axis) == (Op.ALL_GATHER, "data") for g in gathers)
-    assert n * 4 <= sum(g.payload_bytes for g in gathers) <= (n + 4 * len(gathers)) * 4  # fp32, parts padded
+    # the bf16 weights' parts and the fp32 rest, padded to 4 parts each
+    gathered = sum(g.payload_bytes for g in gathers)
+    assert w * 2 + (n - w) * 4 <= gathered <= w * 2 + (n - w) * 4 + 4 * 4 * len(gathers)
     assert t1.bytes_by_axis["data"] == t0.bytes_by_axis["data"] + sum(g.payload_bytes for g in gathers)
-    one = dataclasses.replace(ALL, bucket_mb=1e6)  # a bucket big enough for every parameter: one gather
-    assert len(zero_gathers(Scenario(WL_20B, SHAPE, PERLMUTTER, one, zero=1))) == 1
+    one = dataclasses.replace(ALL, bucket_mb=1e6)  # a bucket big enough for every parameter: one gather per dtype
+    assert len(zero_gathers(Scenario(WL_20B, SHAPE, PERLMUTTER, one, zero=1))) == 2
+    assert len(zero_gathers(Scenario(fp32, SHAPE, PERLMUTTER, one, zero=1))) == 1
     assert t0.optimizer_s / 4 < t1.optimizer_s < t0.optimizer_s  # a quarter of the step, and the copies of the gathers
     # ZeRO-2: E12 is a reduce-scatter (half an all-reduce's ring traffic)
     e12 = [lc for lc in (layer_cost(s, _sc(zero=2)) for s in _sc().linears) if Term.E12 in lc.comm]

@@ -117,11 +117,11 @@ def test_zero_2_is_exact_without_overlap_and_with_buckets_of_several_shards(pool
             assert norms[stage] == pytest.approx(norms[0], rel=1e-6)
 
 
-def _data_bytes(grid, cfg):
+def _data_bytes(grid, cfg, stages=(0, 2)):
     """Per stage: the payload bytes of one step's collectives over data, by (op, tag); and the
     sizes of the Linear weight shards and of every parameter, for the expected figures."""
     out = {}
-    for stage in (0, 2):
+    for stage in stages:
         model, opt = _model_and_opt(cfg, stage, grid)
         _step(model, opt, grid, 0, 2)  # the first step learns the bucket layout
         grid.comm.log.clear()
@@ -131,7 +131,7 @@ def _data_bytes(grid, cfg):
             if r.axis == "data":
                 counted[(r.op.value, str(r.tag))] = counted.get((r.op.value, str(r.tag)), 0) + r.payload_bytes
         out[stage] = counted
-        if stage == 2:
+        if stage:
             opt.release()
     weights = _linear_weights(model)
     every = [p.numel() for p in model.parameters()]
@@ -369,3 +369,124 @@ def test_a_bad_zero_value_is_refused_naming_the_stages():
     for bad in (3, -1, True):
         with pytest.raises(ValueError, match=r"--zero .*: choose 0 \(no sharding\), 1 .* or 2"):
             TrainConfig(zero=bad)
+
+
+# -- training in 16 bits: the Linear weights stored in bf16, their fp32 masters sharded ---------
+
+
+def _sixteen_bit_exactness(grid, cfg, micro, steps):
+    """ZeRO-0, -1 and -2 side by side under ``bf16-fp32-reduce``: per sharded stage, the dtypes of
+    the Linear weights and of the rest; the masters' relative difference from the unsharded fp32
+    parameters (this rank's parts, over the whole model) and the largest difference of a weight
+    from the unsharded parameter rounded to bf16, in bf16 ulps; every step's gradient norm."""
+    runs = {stage: _model_and_opt(cfg, stage, grid) for stage in (0, 1, 2)}
+    norms = {stage: [] for stage in runs}
+    for step in range(steps):
+        for stage, (model, opt) in runs.items():
+            norms[stage].append(_step(model, opt, grid, step, micro))
+    ref = dict(runs[0][0].named_parameters())
+    out = {}
+    with torch.no_grad():
+        for stage in (1, 2):
+            model, opt = runs[stage]
+            linear = {id(m.weight) for m in model.modules() if isinstance(m, axon4d.Linear)}
+            dtypes = {
+                "linear": {str(p.dtype) for p in model.parameters() if id(p) in linear},
+                "other": {str(p.dtype) for p in model.parameters() if id(p) not in linear},
+            }
+            num = den = 0.0
+            ulps = 0.0
+            for name, p in model.named_parameters():
+                r = ref[name].detach().reshape(-1)
+                start, master = opt.owned(p)
+                part = r[start : start + master.numel()]
+                num += float((master - part).square().sum())
+                den += float(part.square().sum())
+                if id(p) in linear:
+                    rounded = r.to(p.dtype).float()
+                    ulp = rounded.abs().clamp_min(1e-30) * 2**-7  # one bf16 ulp of each element (≤)
+                    ulps = max(ulps, float(((p.reshape(-1).float() - rounded).abs() / ulp).max()))
+            out[stage] = (dtypes, math.sqrt(num / den), ulps)
+            opt.release()
+    return out, norms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "grid,cfg,micro",
+    [((1, 1, 1, 2), LLAMA, 2), ((1, 1, 2, 2), GPT, 1), ((2, 1, 1, 4), LLAMA, 1)],
+    ids=["1x1x1x2-llama-mb2", "1x1x2x2-gpt", "2x1x1x4-llama"],
+)
+def test_in_16_bits_zero_stores_linear_weights_in_bf16_and_follows_the_unsharded_masters(pools, grid, cfg, micro):
+    # 4 steps: a bf16 weight rounded the other way (one ulp) moves the later steps' gradients, and
+    # Adam then amplifies the gap chaotically, sharded or not; the fp32 test above runs 20
+    results = pools(math.prod(grid)).run(grid, _sixteen_bit_exactness, cfg, micro, 4, precision="bf16-fp32-reduce")
+    for rank, (out, norms) in enumerate(results):
+        for stage, (dtypes, whole, ulps) in out.items():
+            where = f"ZeRO-{stage} rank {rank} on {grid}"
+            assert dtypes == {"linear": {"torch.bfloat16"}, "other": {"torch.float32"}}, (where, dtypes)
+            assert whole <= 1e-6, f"{where}: masters differ from the unsharded parameters by {whole:.3g}"
+            assert ulps <= 1.0, f"{where}: a weight is {ulps:.2f} bf16 ulps from the unsharded one rounded"
+            assert norms[stage] == pytest.approx(norms[0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_in_16_bits_zero_gathers_bf16_weights_and_reduces_fp32_gradients(pools):
+    grid = (2, 1, 1, 2)
+    res, weights, every = pools(4).run(grid, _data_bytes, GPT, (0, 1, 2), precision="bf16-fp32-reduce")[0]
+    g = grid[3]
+    padded = lambda sizes, size: sum(g * math.ceil(n / g) * size for n in sizes)  # noqa: E731
+    assert res[0] == {(Op.ALL_REDUCE.value, str(Term.E12)): 4 * sum(weights)}  # fp32 sums
+    # bf16 weights, fp32 biases, norms and tables
+    gathered = padded(weights, 2) + padded(every, 4) - padded(weights, 4)
+    assert res[1] == {
+        (Op.ALL_REDUCE.value, str(Term.E12)): 4 * sum(weights),
+        (Op.ALL_GATHER.value, GATHER_TAG): gathered,
+    }
+    assert res[2] == {
+        (Op.REDUCE_SCATTER.value, str(Term.E12)): padded(weights, 4),
+        (Op.ALL_GATHER.value, GATHER_TAG): gathered,
+    }
+
+
+def _save_sixteen_bit(grid, path):
+    """Two steps of a ZeRO-2 model in 16 bits and of an unsharded one side by side; save the first.
+    The unsharded one's fp32 weights and moments (what the masters equal, to rounding)."""
+    (model, opt), (ref, ref_opt) = _model_and_opt(LLAMA, 2, grid), _model_and_opt(LLAMA, 0, grid)
+    for step in range(2):
+        _step(model, opt, grid, step, 1)
+        _step(ref, ref_opt, grid, step, 1)
+    checkpoint.save(path, model, grid, opt, step=2)
+    opt.release()
+    return _dense(ref), _moments(ref, ref_opt, grid)
+
+
+def _reload_sixteen_bit(grid, path, save_to):
+    """Load ``path`` into a fresh ZeRO-1 model in 16 bits and save it again at ``save_to``; the
+    largest gap between a bf16 weight and its master part rounded (0: the load rounded the masters in)."""
+    model, opt = _model_and_opt(LLAMA, 1, grid, seed=7)
+    checkpoint.load(path, model, grid, opt)
+    gap = 0.0
+    with torch.no_grad():
+        for p in model.parameters():
+            start, master = opt.owned(p)
+            mine = p.reshape(-1)[start : start + master.numel()].float()
+            if master.numel():
+                gap = max(gap, float((mine - master.to(p.dtype).float()).abs().max()))
+    checkpoint.save(save_to, model, grid, opt, step=2)
+    opt.release()
+    return gap
+
+
+@pytest.mark.slow
+def test_in_16_bits_checkpoints_hold_the_fp32_masters_across_data_sizes(pools, tmp_path):
+    first, second = str(tmp_path / "data2"), str(tmp_path / "data4")
+    weights, moments = pools(4).run((1, 1, 2, 2), _save_sixteen_bit, first, precision="bf16-fp32-reduce")[0]
+    gaps = pools(4).run((1, 1, 1, 4), _reload_sixteen_bit, first, second, precision="bf16-fp32-reduce")
+    assert gaps == [0.0] * 4
+    # the twice-saved masters, loaded unsharded in fp32, are the unsharded run's fp32 weights
+    for rank, (w, m, steps) in enumerate(pools(4).run((2, 1, 1, 2), _load_into, second, 0)):
+        _close(w, weights, f"16-bit ZeRO-2 -> 16-bit ZeRO-1 -> fp32, rank {rank}")
+        for moment in m:
+            _close(m[moment], moments[moment], f"16-bit ZeRO -> fp32, rank {rank}, {moment}")
+        assert steps == 2.0

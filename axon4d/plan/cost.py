@@ -31,7 +31,7 @@ from axon4d.geometry import Collective, Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, context_hidden, layer_cost, priced
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import block_bytes, local_param_tensors, param_bytes
+from axon4d.plan.memory import block_bytes, local_param_tensors, param_bytes, sixteen_bit_weights
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
@@ -200,7 +200,8 @@ def _one_pass(sc: Scenario) -> tuple[TimeEstimate, _Totals]:
             seconds += t
         once.interference = m.interference_time(once.traffic, world)
         # each bucket's parts are copied into the send buffer and every rank's back into the parameters
-        copies = m.elementwise_time(2 * (1 + 1 / sc.shape.data) * sc.params * param_bytes(sc.workload), world)
+        stored = sum(sum(tensors) * size for tensors, size in _stored(sc))
+        copies = m.elementwise_time(2 * (1 + 1 / sc.shape.data) * stored, world)
         opt += copies
         by_mechanism["zero"] = min(seconds, opt) * m.overlap_efficiency
         hidden_s += by_mechanism["zero"]
@@ -267,21 +268,39 @@ def zero_gathers(sc: Scenario) -> list[Collective]:
     """ZeRO's all-gathers over data of the updated parameters, once per step, one per bucket as
     ``axon4d.zero`` issues them: parameters in order, a bucket closed once it holds the policy's
     ``bucket_mb`` (0: one parameter each); each moves every rank's part of ⌈n/G_data⌉ elements of
-    each of its parameters, in the parameters' dtype (fp32 masters when training in 16 bits,
-    ``memory.param_bytes``). None without ZeRO or with G_data = 1."""
+    each of its parameters, in the parameters' dtype as stored (``_stored``), one dtype per bucket.
+    None without ZeRO or with G_data = 1."""
     if not sc.zero or sc.shape.data == 1:
         return []
-    d, elem = sc.shape.data, param_bytes(sc.workload)
+    d = sc.shape.data
     limit = sc.overlap.bucket_mb * 2**20
-    buckets: list[int] = []  # elements gathered per bucket
-    held = 0.0
-    for n in local_param_tensors(sc.workload, sc.shape):
-        if not buckets or held >= limit:
-            buckets.append(0)
-            held = 0.0
-        buckets[-1] += math.ceil(n / d) * d
-        held += n * elem
-    return [Collective(Op.ALL_GATHER, "data", n * elem, "backward", Term.ZERO_GATHER) for n in buckets]
+    out = []
+    for tensors, elem in _stored(sc):
+        buckets: list[int] = []  # elements gathered per bucket
+        held = 0.0
+        for n in tensors:
+            if not buckets or held >= limit:
+                buckets.append(0)
+                held = 0.0
+            buckets[-1] += math.ceil(n / d) * d
+            held += n * elem
+        out += [Collective(Op.ALL_GATHER, "data", n * elem, "backward", Term.ZERO_GATHER) for n in buckets]
+    return out
+
+
+def _stored(sc: Scenario) -> list[tuple[list[int], int]]:
+    """The rank's parameter tensors (elements of each) by the bytes per element they are stored in:
+    the 3D Linear weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``) at the step's
+    element size, the others at ``memory.param_bytes`` (fp32 masters when training in 16 bits)."""
+    wl, shape = sc.workload, sc.shape
+    tensors = local_param_tensors(wl, shape)
+    sixteen = sixteen_bit_weights(wl, shape, sc.zero)
+    if not sixteen:
+        return [(tensors, param_bytes(wl))]
+    rest = list(tensors)
+    for n in sixteen:
+        rest.remove(n)
+    return [(sixteen, wl.element_size), (rest, param_bytes(wl))]
 
 
 def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:

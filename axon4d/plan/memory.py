@@ -3,8 +3,10 @@
 Persistent: parameters (each layer's Z shard ⌈n_W/G_z⌉ = ``geometry.weight_shard_numel`` plus its
 bias slice; norms and position embeddings split over x), gradients of the same size, and Adam
 state (two fp32 moments). Training in 16 bits the parameters and their gradients are the fp32
-master weights (``param_bytes``), cast for the GEMMs; ZeRO shards only the moments and, at
-stage 2, the gradients (its masters are views of the parameters).
+master weights (``param_bytes``), cast for the GEMMs. ZeRO shards the moments and, at stage 2,
+the gradients; training in 16 bits with G_data > 1 it also stores the 3D Linear weights in 16 bits
+and shards their fp32 masters (``sixteen_bit_weights``): 2 + 4/G_data bytes per weight element, and
+their gradients reach the step as the masters' parts (the other parameters' masters are views).
 
 Transient: the peak is found by walking the backward pass in order (``BackwardWalk``): at its
 start every activation saved under the recompute policy is live, with the logits (in the step's
@@ -56,6 +58,20 @@ def param_bytes(wl: Workload, master_weights: bool | None = None) -> int:
     for a 16-bit ``wl``), else the workload's element size."""
     master = wl.dtype != "float32" if master_weights is None else master_weights
     return 4 if master else wl.element_size
+
+
+def sixteen_bit_weights(wl: Workload, shape: GridShape, zero: int, master_weights: bool | None = None) -> list[int]:
+    """Elements of each weight shard ZeRO stores in 16 bits with its fp32 master sharded over data
+    (``axon4d.zero.sixteen_bit``: the 3D Linear weights, not the token table), training in 16 bits
+    with fp32 masters, ``zero`` ≥ 1 and G_data > 1; else none."""
+    if not zero or shape.data == 1 or param_bytes(wl, master_weights) == wl.element_size:
+        return []
+    return [
+        weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
+        for s in wl.linears()
+        if not s.embedding
+        for _ in range(s.count)
+    ]
 
 
 def local_param_count(wl: Workload, shape: GridShape) -> int:
@@ -219,10 +235,15 @@ def memory(
     n_params = local_param_count(wl, shape)
     owned = math.ceil(n_params / shape.data) if zero else n_params  # elements whose optimizer state is here
     # training in 16 bits, the parameters are the fp32 master weights (axon4d.precision: the layers
-    # cast them for the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them
+    # cast them for the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them,
+    # but those of the Linear weights it stores in 16 bits (G_data > 1), which are fp32 parts
     p_bytes = param_bytes(wl, master_weights)
-    params = n_params * p_bytes
+    sixteen = sixteen_bit_weights(wl, shape, zero, master_weights)
+    n_sixteen, master_parts = sum(sixteen), sum(math.ceil(n / shape.data) for n in sixteen)
+    params = (n_params - n_sixteen) * p_bytes + n_sixteen * elem + master_parts * 4
     grads = (owned if zero == 2 and micro_batches == 1 else n_params) * p_bytes
+    if sixteen and not (zero == 2 and micro_batches == 1):  # the 16-bit weights' gradients: the masters' parts
+        grads = (n_params - n_sixteen) * p_bytes + master_parts * 4
     optimizer = owned * OPTIMIZERS[wl.optimizer]
     per_block = block_bytes(wl, shape, recompute)
     # offloaded: the first ``offload`` blocks (axon4d.offload), whose backward comes last: the backward
@@ -275,7 +296,7 @@ def memory(
         # ZeRO's all-gathers of the updated parameters: two buckets at a time (one unpacked while the
         # next is in flight), each its parts sent and every rank's received (the grid's bucket_mb;
         # 0: one parameter per bucket, the largest bounding it)
-        bucket = max(largest_shard * p_bytes, overlap.bucket_mb * 2**20)
+        bucket = max(largest_shard * (elem if sixteen else p_bytes), overlap.bucket_mb * 2**20)
         gathers = 2 * bucket * (1 + 1 / shape.data)
         largest_shard = math.ceil(largest_shard / shape.data)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
