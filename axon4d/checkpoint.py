@@ -11,8 +11,9 @@ overlaps, one at a time; so a checkpoint loads onto any grid. A directory holds 
 extras), published by one rename (axon4d.ckptfiles). A load reads DCP's index with a restricted
 unpickler (a planted directory runs no code) and checks the checksums, and that the index covers
 every piece, first; a step whose failure one rank alone could see ends with one all-gather of the
-ranks' verdicts, so all raise the same error. Files record no device (DCP writes host copies), so
-checkpoints move between GPUs and CPUs; a step count goes back where torch.optim keeps it.
+ranks' verdicts, so all raise the same error (``axon4d.agreement``). Files record no device (DCP
+writes host copies), so checkpoints move between GPUs and CPUs; a step count goes back where
+torch.optim keeps it.
 
 ``AsyncSaver`` saves while training goes on: it snapshots a rank's pieces into host memory and
 DCP's ``async_save`` writes the snapshot from a background thread; the next save (or the end)
@@ -27,7 +28,6 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -41,6 +41,7 @@ from torch.futures import Future
 
 from axon4d import ckptfiles, comm, runtime
 from axon4d import device as devices
+from axon4d.agreement import SLOT, agree, exchange, on_rank0, raise_first, verdict
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
@@ -331,7 +332,7 @@ def _begin(
     meta = _new_meta(model, grid, step, extra, keep_last, position, rng)
     state = _state(model, optimizer, grid, load=False)  # views only; raises alike on every rank, before any collective
     path = os.path.abspath(path)
-    _agree(grid, _on_rank0(grid, lambda: ckptfiles.prepare(path, overwrite)), f"preparing {path}")
+    agree(grid, on_rank0(grid, lambda: ckptfiles.prepare(path, overwrite)), f"preparing {path}")
     return path, meta, state
 
 
@@ -349,12 +350,12 @@ def _publish(
     then meta.json with them written and the directory published by rank 0; on every rank the same
     error if any rank failed, and then nothing is published."""
     meta["files"] = _digests(grid, path, writer.digests, err)
-    _agree(grid, _on_rank0(grid, lambda: ckptfiles.publish(path, meta, overwrite, keep_last)), f"publishing {path}")
+    agree(grid, on_rank0(grid, lambda: ckptfiles.publish(path, meta, overwrite, keep_last)), f"publishing {path}")
 
 
 def _own_failure(e: dcp.CheckpointException, rank: int) -> BaseException | None:
     """This rank's own error in the failure DCP raised alike on every rank (None if it had none):
-    each rank reports what it raised, and the lowest failing rank's error is raised (``_raise_first``)."""
+    each rank reports what it raised, and the lowest failing rank's error is raised (``raise_first``)."""
     return e.failures[rank][0] if rank in e.failures else None
 
 
@@ -517,76 +518,20 @@ def _new_meta(
     return meta
 
 
-def _on_rank0(grid: Grid, work: Callable[[], object]) -> BaseException | None:
-    """Run ``work`` on rank 0 only; the exception it raised, if any."""
-    if grid.rank != 0:
-        return None
-    try:
-        work()
-    except Exception as e:
-        return e
-    return None
-
-
-_KINDS: dict[str, type[Exception]] = {
-    k.__name__: k
-    for k in (CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError, PermissionError, OSError)
-}
-_KINDS["ValueError"] = ValueError
-_SLOT = 4096  # bytes each rank contributes to an exchange: a verdict, or a few file digests
-
-
-def _exchange(grid: Grid, payload: dict[str, Any], width: int = _SLOT) -> list[dict[str, Any]]:
-    """Every rank's JSON ``payload``, in rank order (one all-gather over the world)."""
-    data = json.dumps(payload).encode()
-    if len(data) > width:
-        raise AssertionError(f"checkpoint exchange payload of {len(data)} bytes exceeds its {width}-byte slot")
-    mine = torch.zeros((1, width), dtype=torch.uint8)
-    mine[0, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = grid.comm.all_gather(mine.to(grid.device), "world", tag="checkpoint").wait()
-    return [json.loads(row.cpu().numpy().tobytes().rstrip(b"\0")) for row in rows]
-
-
-def _verdict(err: BaseException | None) -> dict[str, Any]:
-    """A rank's outcome as JSON: {} for success, else the error's type name and message."""
-    if err is None:
-        return {}
-    kind = next((k.__name__ for k in type(err).__mro__ if k.__name__ in _KINDS), "RuntimeError")
-    message = str(err) if kind != "RuntimeError" else f"{type(err).__name__}: {err}"
-    while len(json.dumps([kind, message])) > _SLOT - 64:  # a message fits its slot, cut if it must
-        message = message[: len(message) * 3 // 4]
-    return {"error": [kind, message]}
-
-
-def _agree(grid: Grid, err: BaseException | None, doing: str) -> None:
-    """Share each rank's outcome of a step (``err``: None if it succeeded); if any rank failed,
-    raise the lowest such rank's error, with the same type and message on every rank."""
-    _raise_first(_exchange(grid, _verdict(err)), err, doing)
-
-
 def _digests(
     grid: Grid, path: str, mine: dict[str, dict[str, Any]], err: BaseException | None
 ) -> dict[str, dict[str, Any]]:
     """sha256 and size of every file of the save at ``path`` (DCP's shards and index): ``mine``,
     those this rank wrote and hashed (``_Writer.digests``), shared with all in one all-gather
     over world; if any rank failed (``err`` here), raise the lowest such rank's error on every rank."""
-    verdicts = _exchange(grid, {"files": mine} if err is None else _verdict(err), _DIGESTS_SLOT)
-    _raise_first(verdicts, err, f"writing {path}")
+    verdicts = exchange(grid, {"files": mine} if err is None else verdict(err), _DIGESTS_SLOT)
+    raise_first(verdicts, err, f"writing {path}")
     return {name: rec for v in verdicts for name, rec in v["files"].items()}
 
 
 #: bytes each rank contributes to ``_digests``: a verdict, or the records of its files (at most
 #: _FILES + 1 shards and the index, each name, sha256 and size well within 256 bytes of JSON)
-_DIGESTS_SLOT = _SLOT + (_FILES + 2) * 256
-
-
-def _raise_first(verdicts: list[dict[str, Any]], err: BaseException | None, doing: str) -> None:
-    """Raise the error of the lowest rank whose verdict holds one (nothing if none does)."""
-    for r, v in enumerate(verdicts):
-        if "error" in v:
-            kind, message = v["error"]
-            where = f" (rank {r} of {len(verdicts)}, {doing})" if len(verdicts) > 1 else ""
-            raise _KINDS.get(kind, RuntimeError)(message + where) from err
+_DIGESTS_SLOT = SLOT + (_FILES + 2) * 256
 
 
 @torch.no_grad()
@@ -626,7 +571,7 @@ def load(
         reads = _reads(path, index, state.parts)
     except Exception as e:
         err = e
-    _agree(grid, err, f"checking {path}")
+    agree(grid, err, f"checking {path}")
     dcp.load(state.steps, storage_reader=ckptfiles.SafeReader(path), planner=_LoadPieces(state.parts, reads))
     for pad in state.pads:
         pad.zero_()

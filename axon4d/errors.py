@@ -18,6 +18,8 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from axon4d.launch_env import env_rank
+
 #: the environment variable ``--debug`` sets: refusals print their traceback
 DEBUG_ENV = "AXON4D_DEBUG"
 #: the flag, accepted anywhere on the command line
@@ -77,22 +79,6 @@ def format_error(error: BaseException, prog: str, rank: int | None = None) -> st
     return f"{where} failed:\n{tb}".rstrip()
 
 
-def _env_rank() -> int | None:
-    """This process's rank in a job of several (torchrun, mpirun, srun), else None."""
-    for rank_var, size_var in (
-        ("RANK", "WORLD_SIZE"),
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        ("PMI_RANK", "PMI_SIZE"),
-        ("SLURM_PROCID", "SLURM_NTASKS"),
-    ):
-        try:
-            if int(os.environ.get(size_var, "1")) > 1:
-                return int(os.environ[rank_var])
-        except (KeyError, ValueError):
-            continue
-    return None
-
-
 def run(main: Callable[[], int | None], prog: str) -> int:
     """Run a command's ``main``; a refusal ends it with its message on stderr (once per rank: not
     again if the watchdog printed it) and ``EXIT_REFUSED``, an interrupt with ``EXIT_INTERRUPTED``;
@@ -106,5 +92,5 @@ def run(main: Callable[[], int | None], prog: str) -> int:
         if not is_refusal(e):
             raise
         if not getattr(e, _REPORTED, False):
-            print(format_error(e, prog, _env_rank()), file=sys.stderr, flush=True)
+            print(format_error(e, prog, env_rank()), file=sys.stderr, flush=True)
         return EXIT_REFUSED

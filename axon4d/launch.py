@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
+from axon4d.launch_env import MPI, MPI_LOCAL, SLURM, SLURM_LOCAL, TORCHRUN, TORCHRUN_LOCAL
 
 #: environment variables by which MPI launchers announce a world size.
-_MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
-_MPI_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+_MPI_SIZE_VARS = tuple(v.size for v in MPI)
 #: torchrun's variables (all four present: launched by torchrun or an equivalent).
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_TORCHRUN_VARS = (TORCHRUN.rank, TORCHRUN.size, "MASTER_ADDR", "MASTER_PORT")
 #: set by srun for the tasks of a job step, never in an sbatch script's own environment.
 _SLURM_STEP_VARS = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST")
 #: the node lists of a step and of its job, most specific first.
@@ -79,14 +79,14 @@ def detect() -> LaunchInfo:
     Raises ``RuntimeError`` when the environment says this process is one of several but not
     enough to tell which (module docstring)."""
     if dist.is_available() and dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = int(os.environ.get(TORCHRUN_LOCAL, "0"))
         return LaunchInfo("existing", dist.get_rank(), dist.get_world_size(), local)
     if all(v in os.environ for v in _TORCHRUN_VARS):
         return LaunchInfo(
             "torchrun",
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ[TORCHRUN.rank]),
+            int(os.environ[TORCHRUN.size]),
+            int(os.environ.get(TORCHRUN_LOCAL, "0")),
         )
     found = _detect_mpi() or _detect_slurm()
     if found is not None:
@@ -120,7 +120,7 @@ def _detect_mpi() -> LaunchInfo | None:
             "than the launcher's. Launch with the mpirun of the MPI mpi4py uses (python -c 'import "
             "mpi4py; print(mpi4py.get_config())'), or rebuild mpi4py for the launcher's MPI"
         )
-    named = next((int(os.environ[v]) for v in _MPI_LOCAL_RANK_VARS if v in os.environ), None)
+    named = next((int(os.environ[v]) for v in MPI_LOCAL if v in os.environ), None)
     if named is None:
         node = world.Split_type(MPI.COMM_TYPE_SHARED)
         local = node.Get_rank()
@@ -133,7 +133,7 @@ def _detect_mpi() -> LaunchInfo | None:
 def _detect_slurm() -> LaunchInfo | None:
     """The world of an srun job step; None outside one. An sbatch script's own process (it has
     ``SLURM_PROCID`` and ``SLURM_NTASKS`` but no step variable) of a job with several tasks raises."""
-    rank, ntasks = _env_int("SLURM_PROCID"), _env_int("SLURM_NTASKS")
+    rank, ntasks = _env_int(SLURM.rank), _env_int(SLURM.size)
     if rank is None or ntasks is None:
         return None
     if not any(v in os.environ for v in _SLURM_STEP_VARS):
@@ -146,10 +146,10 @@ def _detect_slurm() -> LaunchInfo | None:
             )
         return None
     world = _env_int("SLURM_STEP_NUM_TASKS") or ntasks
-    local = _env_int("SLURM_LOCALID") or 0
+    local = _env_int(SLURM_LOCAL) or 0
     if not 0 <= rank < world:
         raise RuntimeError(f"SLURM_PROCID={rank} is outside a step of {world} tasks (SLURM_NTASKS)")
-    for name, want in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", local)):
+    for name, want in ((TORCHRUN.rank, rank), (TORCHRUN.size, world), (TORCHRUN_LOCAL, local)):
         seen = _env_int(name)
         if seen is not None and seen != want:
             raise RuntimeError(
@@ -162,8 +162,8 @@ def _detect_slurm() -> LaunchInfo | None:
 
 def _refuse_lone_process() -> None:
     """Raise ``RuntimeError`` when the environment says the world is larger than this one process."""
-    seen = {v: os.environ[v] for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_NTASKS") if v in os.environ}
-    world, rank = _env_int("WORLD_SIZE") or 1, _env_int("RANK") or 0
+    seen = {v: os.environ[v] for v in (*TORCHRUN, TORCHRUN_LOCAL, SLURM.size) if v in os.environ}
+    world, rank = _env_int(TORCHRUN.size) or 1, _env_int(TORCHRUN.rank) or 0
     if world > 1 or rank > 0:
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
         raise RuntimeError(
@@ -171,7 +171,7 @@ def _refuse_lone_process() -> None:
             f"{'is' if len(missing) == 1 else 'are'} not set, so it cannot join them. Launch with torchrun, "
             f"or set all of {', '.join(_TORCHRUN_VARS)}; to run alone, unset WORLD_SIZE and RANK"
         )
-    if (_env_int("SLURM_NTASKS") or 1) > 1:
+    if (_env_int(SLURM.size) or 1) > 1:
         raise RuntimeError(
             f"SLURM_NTASKS={os.environ['SLURM_NTASKS']} but SLURM_PROCID is not set: this process is not "
             "one of the job's tasks (an salloc shell or a batch script). Start the ranks with srun "

@@ -21,6 +21,7 @@ import sys
 import torch
 
 from axon4d import checkpoint
+from axon4d.launch_env import env_rank
 from axon4d.models.transformer import Transformer
 from axon4d.train import add_arguments, main
 
@@ -30,10 +31,7 @@ class PlantedError(RuntimeError):
 
 
 def _rank() -> int:
-    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
+    return env_rank() or 0
 
 
 def plant(fault: str, rank: int, step: int) -> None:

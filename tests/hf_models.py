@@ -1,7 +1,10 @@
 """Small Hugging Face models and tokenizers made on the spot (no downloads), saved with
-``save_pretrained`` for the tests of ``axon4d prepare-data`` and ``axon4d train --hf``."""
+``save_pretrained`` for the tests of ``axon4d prepare-data`` and ``axon4d train --hf``, or built in
+memory (``llama_config``) for the tests of ``auto_parallelize``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -40,21 +43,35 @@ def word_tokenizer(directory: str, words: int) -> str:
     return directory
 
 
-def save_llama(directory: str, vocab: int = 320, seed: int = 0) -> str:
-    """A 2-layer Llama with grouped-query attention (4 heads, 2 key/value heads), random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(
+    vocab: int = 320, tied: bool = False, attn: str | None = None, heads: int = 4, kv_heads: int = 2
+) -> Any:
+    """The tests' Llama: 2 layers, hidden 64, FFN 128, grouped-query attention (``heads`` heads,
+    ``kv_heads`` key/value heads), 64 positions; ``tied``: the head shares the embedding; ``attn``:
+    the attention implementation (e.g. "eager", the plain reference; None: transformers' default)."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
-    LlamaForCausalLM(cfg).save_pretrained(directory)
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return cfg
+
+
+def save_llama(directory: str, vocab: int = 320, seed: int = 0) -> str:
+    """The tests' Llama (``llama_config``) with random weights, saved to ``directory``."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(llama_config(vocab)).save_pretrained(directory)
     return directory
 
 

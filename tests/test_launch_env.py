@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d import launch, watchdog
+from axon4d import errors, launch, launch_env, watchdog
 from axon4d.launch import LaunchInfo, detect, expand_nodelist, rendezvous_address, slurm_port, slurm_rendezvous
 
 _VARS = (
@@ -21,8 +21,8 @@ _VARS = (
     "LOCAL_RANK",
     "MASTER_ADDR",
     "MASTER_PORT",
-    *launch._MPI_SIZE_VARS,
-    *launch._MPI_LOCAL_RANK_VARS,
+    *(v for launcher in launch_env.MPI for v in launcher),
+    *launch_env.MPI_LOCAL,
     *launch._SLURM_STEP_VARS,
     *launch._SLURM_NODELIST_VARS,
     "SLURM_PROCID",
@@ -123,6 +123,34 @@ def test_a_world_of_one_runs_alone(env, monkeypatch, variables):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     env(**variables)
     assert detect() == LaunchInfo("single", 0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "variables, rank",
+    [
+        ({}, None),
+        ({"RANK": 3, "WORLD_SIZE": 1}, None),  # a world of one: no rank to name
+        ({"RANK": 3, "WORLD_SIZE": 8}, 3),
+        ({"OMPI_COMM_WORLD_RANK": 5, "OMPI_COMM_WORLD_SIZE": 8}, 5),
+        ({"PMI_RANK": 2, "PMI_SIZE": 4}, 2),
+        ({"MV2_COMM_WORLD_RANK": 1, "MV2_COMM_WORLD_SIZE": 2}, 1),
+        ({"SLURM_PROCID": 6, "SLURM_NTASKS": 8}, 6),
+        ({"RANK": 1, "WORLD_SIZE": 2, "SLURM_PROCID": 0, "SLURM_NTASKS": 2}, 1),  # torchrun under an sbatch script
+        ({"WORLD_SIZE": 4, "PMI_RANK": 2, "PMI_SIZE": 4}, 2),  # a world size without its rank: the next launcher
+        ({"RANK": "x", "WORLD_SIZE": 4}, None),
+    ],
+)
+def test_the_rank_a_message_names_comes_from_the_launcher(env, monkeypatch, variables, rank, capsys):
+    monkeypatch.delenv(errors.DEBUG_ENV, raising=False)  # the one-line message, not a traceback
+    env(**variables)
+    assert launch_env.env_rank() == rank
+
+    def refuse() -> None:
+        raise ValueError("--steps 0: must be at least 1")
+
+    assert errors.run(refuse, "axon4d train") == errors.EXIT_REFUSED
+    where = f"axon4d train: rank {rank}" if rank is not None else "axon4d train"
+    assert capsys.readouterr().err == f"{where}: error: --steps 0: must be at least 1\n"
 
 
 def test_srun_meets_at_the_first_host_on_the_port_of_its_job(env):

@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+from hf_models import llama_config
 from torch import nn
 
 import axon4d
@@ -33,20 +34,9 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _llama(attn: str = "eager", tied: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
-    cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(llama_config(VOCAB, tied=tied, attn=attn))
 
 
 def _gpt2(attn: str = "eager"):

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from hf_models import llama_config
 from test_parallelize import rel_err
 
 from axon4d import activations
@@ -25,19 +26,9 @@ VOCAB, BATCH, SEQ = 128, 4, 16
 
 
 def _llama(kv_heads: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=64,
-    )
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(llama_config(VOCAB, attn="sdpa", heads=8, kv_heads=kv_heads))
 
 
 def _compare(grid, kv_heads, recompute):

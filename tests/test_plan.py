@@ -8,6 +8,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -446,6 +447,72 @@ def test_calibration_tables_interpolate():
     assert curve.time(1500) == pytest.approx(1.5) and curve.time(8000) == pytest.approx(5.0)
     alpha, beta = CommCurve("all_gather", 2, 1, 2, [0, 1000], [1e-3, 2e-3]).alpha_beta()
     assert alpha == pytest.approx(1e-3) and beta == pytest.approx(1e6)
+
+
+def test_calibration_measures_the_longer_gemm_lattice_on_an_accelerator(monkeypatch):
+    """kernels.gemm_dims: a host keeps the 5-point lattice up to 4096 (minutes of GEMMs already);
+    an accelerator (injected: a grid whose device is cuda, no GPU needed) adds 2048, 8192 and
+    16384, past a true-width block's GEMMs; ``measure_world`` measures the device's unless given
+    ``dims``."""
+    import types
+
+    from axon4d.measure import calibrate, kernels
+
+    host, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert kernels.gemm_dims(host) == kernels.DIMS == [16, 64, 256, 1024, 4096]
+    assert kernels.gemm_dims(gpu) == [16, 64, 256, 1024, 2048, 4096, 8192, 16384]
+    assert set(kernels.DIMS) < set(kernels.gemm_dims(gpu))  # the host's points, and more
+    measured = []
+    monkeypatch.setattr(
+        calibrate, "_measure_compute", lambda timer, dtypes, seqs, keys, dims, log: measured.append(dims) or {}
+    )
+    for device, dims in ((host, None), (gpu, None), (gpu, [16, 64])):
+        grid = types.SimpleNamespace(
+            world_size=1, rank=0, device=device, scheduler=types.SimpleNamespace(accelerator=False)
+        )
+        calibrate.measure_world(grid, ["float32"], reps=1, log=lambda s: None, dims=dims, parts=["compute"])
+    assert measured == [kernels.DIMS, kernels.ACCELERATOR_DIMS, [16, 64]]
+
+
+def _power_rate(m, k, n):
+    """A GEMM rate linear in log2 dims (1e9 · m^0.3 · k^0.2 · n^0.1): a table of it interpolates exactly."""
+    return 1e9 * m**0.3 * k**0.2 * n**0.1
+
+
+def _power_table(dims: list[int]) -> MatmulTable:
+    return MatmulTable(list(dims), _power_rate(*np.meshgrid(*[np.asarray(dims, float)] * 3, indexing="ij")))
+
+
+def test_machine_files_of_either_gemm_lattice_load_and_price(tmp_path):
+    """A machine file calibrated on an accelerator (lattice to 16384) prices a true-width GEMM from
+    measured points; one of the host's lattice (every file written before, e.g. the H200's) still
+    loads and prices it at its 4096 edge; a table whose dims or rates do not form a lattice is refused."""
+    from axon4d.measure import kernels
+
+    true_width = (2048, 7168, 12288)  # tokens × hidden × a 20B FFN slice
+    h200 = load(os.path.join(ROOT, "bench", "results", "machine_h200_one_gpu.json"))  # calibrated on the 5 points
+    edge = h200.matmul["bfloat16"]["1"]["nt"]
+    assert edge.dims == kernels.DIMS  # clamped at 4096: why an accelerator now measures more
+    assert edge.rate(*true_width) == pytest.approx(edge.rate(2048, 4096, 4096))
+    base = h200.to_json()
+    for dims, priced_at in ((kernels.ACCELERATOR_DIMS, true_width), (kernels.DIMS, (2048, 4096, 4096))):
+        table = _power_table(dims).to_json()
+        base["matmul"] = {"bfloat16": {"1": {f: table for f in ("nt", "nn", "tn")}}}
+        path = tmp_path / f"machine_{len(dims)}.json"
+        path.write_text(json.dumps(base))
+        m = load(str(path))
+        assert m.matmul["bfloat16"]["1"]["nt"].dims == list(dims)
+        flops = 2.0 * np.prod(true_width)
+        assert m.matmul_time("nt", *true_width, "bfloat16") == pytest.approx(
+            flops / _power_rate(*priced_at) + m.op_overhead_s
+        )
+    for bad, said in (
+        ({"dims": [16, 4096, 1024], "rates": np.ones((3, 3, 3)).tolist()}, "ascending"),
+        ({"dims": [16, 64], "rates": np.ones((3, 3, 3)).tolist()}, "must be (2, 2, 2)"),
+        ({"dims": [16, 64], "rates": np.zeros((2, 2, 2)).tolist()}, "above 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            MatmulTable.from_json(bad)
 
 
 def test_shipped_machines_state_their_sources():

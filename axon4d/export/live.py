@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from axon4d import ckptfiles, runtime
-from axon4d.checkpoint import _agree, _on_rank0
+from axon4d.agreement import agree, on_rank0
 from axon4d.export.output import (
     MAX_SHARD_SIZE,
     buffer_view,
@@ -179,8 +179,8 @@ def save_pretrained_(
         writer = ShardedWriter(ckptfiles.partial_path(out_dir), specs, parse_size(max_shard_size))  # rank 0 writes
     except Exception as e:  # the same on every rank: every rank raises it, before any collective
         err = e
-    _agree(grid, err, f"planning the export to {out_dir}")
-    _agree(grid, _on_rank0(grid, lambda: make_partial(out_dir, overwrite)), f"preparing {out_dir}")
+    agree(grid, err, f"planning the export to {out_dir}")
+    agree(grid, on_rank0(grid, lambda: make_partial(out_dir, overwrite)), f"preparing {out_dir}")
     gathered = [spec.nbytes for e, spec in zip(plan, specs) if not _held_whole(e, found)]
     device = next(iter(found.values()))[1].device if found else grid.device
     scratch = torch.empty(max(gathered, default=0), dtype=torch.uint8, device=device)  # the one buffer of the export
@@ -203,5 +203,5 @@ def save_pretrained_(
             written.extend(copy_tokenizer(tokenizer, writer.directory))
         publish(writer.directory, out_dir)
 
-    _agree(grid, _on_rank0(grid, finish), f"writing {out_dir}")
+    agree(grid, on_rank0(grid, finish), f"writing {out_dir}")
     return written

@@ -7,8 +7,8 @@
 Every rank measures at the same time as the others, so the numbers include the contention of a
 real step (on a CPU host the ranks share cores; on a GPU node each has its own device):
 
-- GEMM throughput of the three forms a linear layer runs (X·Wᵀ, dY·W, dYᵀ·X) on a log2 lattice of
-  (m, k, n), per dtype;
+- GEMM throughput of the three forms a linear layer runs (X·Wᵀ, dY·W, dYᵀ·X) on a lattice of
+  (m, k, n), per dtype: 16 … 4096 on a host, 16 … 16384 on an accelerator (``kernels.gemm_dims``);
 - causal attention forward + backward per (sequence, head), unmasked attention per (query, key)
   pair at long key runs (context parallelism's prefix), elementwise streaming bandwidth, the
   MLP activation forward/backward per element, one Adam step per parameter, a framework op
@@ -64,7 +64,7 @@ def measure_world(
     window_s: float = 0.03,
     step_model: str | None = None,
     step_rounds: int = 3,
-    dims: Sequence[int] = kernels.DIMS,
+    dims: Sequence[int] | None = None,
     payloads: Sequence[int] = collectives.PAYLOADS,
     attention_seqs: Sequence[int] = kernels.ATTENTION_SEQS,
     prefix_keys: Sequence[int] = kernels.PREFIX_KEYS,
@@ -74,8 +74,8 @@ def measure_world(
     ``window_s``: each sample of local work is a mean over this long (``axon4d.measure.timing``);
     ``step_model``: a ``stepfit.parse_model`` spec whose steps the in-step scale is fitted to
     (``step_rounds`` rounds on ``stepfit.calibration_grids``; None: no step calibration);
-    ``dims``, ``payloads``, ``attention_seqs``, ``prefix_keys``: the GEMM lattice, the collective
-    payloads, the causal attention's sequence lengths and the prefix attention's key lengths;
+    ``dims``, ``payloads``, ``attention_seqs``, ``prefix_keys``: the GEMM lattice (None: the
+    device's, ``kernels.gemm_dims``), the collective payloads, the causal attention's sequence lengths and the prefix attention's key lengths;
     ``parts``: which of ``PARTS`` to measure ("compute": GEMMs, attention, elementwise work and the
     optimizer; "kernels": the elementwise work and the optimizer alone; "network": the collectives,
     their overlap and interference)."""
@@ -88,7 +88,8 @@ def measure_world(
     # prices offload's copies over the host link (whatever part is measured)
     out: dict[str, Any] = {"world": world, "accelerator": timer.grid.scheduler.accelerator}
     if "compute" in parts:
-        out.update(_measure_compute(timer, dtypes, attention_seqs, prefix_keys, dims, log))
+        lattice = kernels.gemm_dims(timer.device) if dims is None else dims
+        out.update(_measure_compute(timer, dtypes, attention_seqs, prefix_keys, lattice, log))
     elif "kernels" in parts:
         out.update(_measure_kernels(timer))
         log(f"[{world} ranks] elementwise, activation, optimizer done")

@@ -1,7 +1,8 @@
 """The compute rates calibration measures on every rank at once (docs/design.md §6, §7).
 
 - GEMM throughput of the three forms a linear layer runs (X·Wᵀ, dY·W, dYᵀ·X; ``FORMS``) on a
-  log2 lattice of (m, k, n), per dtype (``matmul_table``);
+  lattice of (m, k, n), longer on an accelerator than on a host (``gemm_dims``), per dtype
+  (``matmul_table``);
 - causal attention forward + backward per (sequence, head) (``attention_rows``), and unmasked
   attention of a block of queries against a longer run of keys per (query, key) pair
   (``prefix_rows``: what a context-parallel rank computes against the keys of earlier chunks);
@@ -24,10 +25,17 @@ from axon4d import device as devices
 from axon4d.measure.timing import Timer
 from axon4d.plan.machine import MatmulTable
 
-#: the GEMM lattice: every (m, k, n) of these is run. The large points matter: on a host a
-#: 4096-wide GEMM runs well above the rate of a 1024-wide one, and a true-width layer's GEMMs are
+#: the GEMM lattice on a host: every (m, k, n) of these is run. The large points matter: on a host
+#: a 4096-wide GEMM runs well above the rate of a 1024-wide one, and a true-width layer's GEMMs are
 #: larger still (the planner clamps beyond the lattice).
 DIMS = [16, 64, 256, 1024, 4096]
+#: the GEMM lattice on an accelerator (``gemm_dims``): the host's, up to the GEMMs of a true-width
+#: 20B or 80B block (hidden 7168–12288, FFN slices and tokens per rank of thousands to 16384),
+#: which the host's would price at its 4096 edge — on an H200 a 7168-wide block 25% too slow —
+#: and 2048, where an accelerator's rate still climbs steeply (an H200's bf16 rate at k = n = 4096:
+#: 544 TFLOP/s for m = 1024, 657 for m = 4096). 8³ points per form: seconds each on an
+#: accelerator, where on a host the 5³ of ``DIMS`` already take minutes.
+ACCELERATOR_DIMS = [16, 64, 256, 1024, 2048, 4096, 8192, 16384]
 #: sequence lengths of the causal attention rows; the planner grows the last quadratically beyond
 ATTENTION_SEQS = [64, 128, 256, 512, 1024, 2048, 4096]
 #: head dimensions of the attention rows
@@ -54,7 +62,13 @@ def _units(timer: Timer, work: int, per_unit: int, elements_per_unit: int) -> in
     return max(1, min(ACCELERATOR_WORK * work // per_unit, ACCELERATOR_ELEMENTS // elements_per_unit, MAX_UNITS))
 
 
-def matmul_table(timer: Timer, dtype: torch.dtype, form: str, dims: Sequence[int] = DIMS) -> MatmulTable:
+def gemm_dims(device: torch.device) -> list[int]:
+    """The GEMM lattice calibration measures on ``device``: ``ACCELERATOR_DIMS`` on an
+    accelerator, ``DIMS`` on a host."""
+    return list(ACCELERATOR_DIMS if devices.is_accelerator(device) else DIMS)
+
+
+def matmul_table(timer: Timer, dtype: torch.dtype, form: str, dims: Sequence[int]) -> MatmulTable:
     """FLOP/s of GEMMs of ``form`` ("nt", "nn", "tn") at every lattice point of ``dims``."""
     rates = torch.zeros(len(dims), len(dims), len(dims), dtype=torch.float64)
     for (i, m), (j, k), (l, n) in itertools.product(enumerate(dims), repeat=3):

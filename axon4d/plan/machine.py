@@ -50,7 +50,9 @@ class Level:
 
 @dataclasses.dataclass
 class MatmulTable:
-    """Measured GEMM throughput (FLOP/s) on the lattice dims × dims × dims of (m, k, n)."""
+    """Measured GEMM throughput (FLOP/s) on the lattice dims × dims × dims of (m, k, n): any
+    ascending dims (``axon4d calibrate`` measures 16 … 4096 on a host, 16 … 16384 on an
+    accelerator; a file records each table's own)."""
 
     dims: list[int]
     rates: np.ndarray  # (len(dims),)*3, FLOP/s
@@ -79,7 +81,20 @@ class MatmulTable:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> MatmulTable:
-        return cls(list(d["dims"]), np.asarray(d["rates"], dtype=float))
+        """A table as a machine file holds it; ``ValueError`` unless its dims are two or more
+        ascending sizes and its rates a positive (len(dims),)*3 cube."""
+        dims, rates = list(d["dims"]), np.asarray(d["rates"], dtype=float)
+        if len(dims) < 2 or any(not (isinstance(v, int) and v >= 1) for v in dims) or dims != sorted(set(dims)):
+            raise ValueError(
+                f"machine file: a GEMM table's dims {dims} must be two or more whole numbers >= 1 in ascending "
+                "order, e.g. [16, 64, 256, 1024, 4096]; calibrate again (axon4d calibrate)"
+            )
+        if rates.shape != (len(dims),) * 3 or not bool(np.all(np.isfinite(rates) & (rates > 0))):
+            raise ValueError(
+                f"machine file: a GEMM table on dims {dims} has rates of shape {rates.shape}; they must be "
+                f"{(len(dims),) * 3} FLOP/s, all finite and above 0; calibrate again (axon4d calibrate)"
+            )
+        return cls(dims, rates)
 
 
 @dataclasses.dataclass
