@@ -128,9 +128,14 @@ def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict
     kept_per_norm, stats = 1.0, 0.0
     if real:
         # the norm's input, and its output, which the next GEMM keeps; the elementwise chain also
-        # x̂; balanced recomputation keeps the input alone (the output is re-made from the statistics)
+        # x̂; balanced recomputation keeps the input alone (the output is re-made from the statistics).
+        # torch's norms (G_x = 1) widen the input first (``SplitFeatureNorm.whole``): training in 16
+        # bits they keep an fp32 copy of it (and the chain an fp32 x̂), as ``final_norm_saved`` counts
         if recompute in ("none", "selective"):
-            kept_per_norm = 2.0 if wl.fused_norms(shape, recompute) else 3.0
+            wide = 4 / wl.element_size  # an fp32 tensor, in elements of the step's dtype
+            kept_per_norm = {"split": 2.0, "torch": wide + 1.0, "chain": 2 * wide + 1.0}[
+                wl.norm_kernel(shape, recompute)
+            ]
         # the per-token fp32 statistics, counted in elements of the step's dtype
         stats = wl.local_tokens(shape) * wl.norm_statistics() * 4 / wl.element_size
     rot = t["rot"] if real and recompute != "selective" else 0.0
@@ -405,8 +410,9 @@ class BackwardWalk:
         return self.block(name) * (1 + 1 / self.elem if self.fp8 else 1)
 
     def dw(self, name: str) -> float:
-        """The dW block, computed straight into E11's zero-padded input."""
-        return self.block(name)
+        """The dW block, computed straight into E11's zero-padded input, in the gradients' dtype
+        (fp32 sums when training in 16 bits: ``grad_bytes``)."""
+        return self.block(name) / self.elem * self.grad_bytes
 
     def prefetched(self, name: str) -> float:
         """OAG's prefetched blocks of the next ``oag_depth`` layers, alive during ``name``'s backward."""
@@ -418,7 +424,7 @@ class BackwardWalk:
     def issued(self, name: str) -> float:
         """Once ``name``'s own E11 is issued: the shard it fills and the chunks it receives."""
         shard = self.shard(name)
-        return (shard + self.received * shard * self.shape.z) * self.elem if self.shape.z > 1 else 0.0
+        return (shard + self.received * shard * self.shape.z) * self.grad_bytes if self.shape.z > 1 else 0.0
 
     def in_flight(self, name: str, first: bool) -> float:
         """What the ``inflight`` newest reduce-scatters of layers whose backward ran before ``name``'s
@@ -429,7 +435,8 @@ class BackwardWalk:
             return 0.0
         earlier = list(BACKWARD_ORDER[1 : BACKWARD_ORDER.index(name)][::-1])
         first_names, repeated = (earlier + ["head"], []) if first else (earlier, list(BACKWARD_ORDER[:0:-1]))
-        return self.blocks(first_names, repeated, self.inflight) * (1 + self.received)
+        blocks = self.blocks(first_names, repeated, self.inflight) / self.elem * self.grad_bytes  # gradient blocks
+        return blocks * (1 + self.received)
 
     def grad(self, name: str) -> float:
         """The gradient ``name`` keeps once its E11 is waited on: its shard, and its bias's slice."""
