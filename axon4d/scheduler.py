@@ -255,6 +255,12 @@ class Scheduler:
         else:
             self._carried.pop(layer, None)
 
+    @property
+    def carried_blocks(self) -> int:
+        """How many layers' weight blocks are carried to the next micro-batch now (``carry_block``;
+        none once a step's last backward has run)."""
+        return len(self._carried)
+
     def _carried_block(self, layer: Any, weight: torch.Tensor) -> torch.Tensor | None:
         """The block carried for ``layer`` if ``weight`` is unchanged since (same version, same
         storage) under ``oag_keep``; a stale one is dropped (an optimizer step or a load between

@@ -47,7 +47,7 @@ def _steps(grid, cfg, policy, micro, recompute="none"):
         grid.comm.log.clear()
         loss = accumulate(model, batches, grid)
         tags = Counter(str(r.tag) for r in grid.comm.log.records)
-        carried = len(grid.scheduler._carried)
+        carried = grid.scheduler.carried_blocks
         accumulate(dense, batches, None)
         got = model.to_dense(grads=True)
         grads = {n: p.grad.clone() for n, p in got.named_parameters()}
@@ -133,7 +133,7 @@ def _written_between(grid, cfg):
                         p.mul_(0.9)
         for m, g in ((model, grid), (dense, None)):
             accumulate_one(m, batch, g, last=i == 2, parts=3)
-        carried.append(len(grid.scheduler._carried))
+        carried.append(grid.scheduler.carried_blocks)
     e10f = sum(r.tag == Term.E10F for r in grid.comm.log.records)
     return _grad_errors(dense, model.to_dense(grads=True)), e10f, carried, _layers(model)
 

@@ -205,7 +205,8 @@ def memory(
     NCCL: ``Machine.staged_reduce_scatter``).
 
     The step's options (``axon4d.plan.scenario``): with ``micro_batches`` k the activations are one
-    micro-batch's (batch/k sequences); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
+    micro-batch's (batch/k sequences), and under keep-for-backward the held backward passes keep the
+    weight blocks they carry to the next micro-batch to their end (``BackwardWalk.released``); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
     elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
     accumulation the local sums of the whole shards are held to the last micro-batch, so the
     gradients stay whole; in the backward the shards stay whole until their reduce-scatters over
