@@ -9,7 +9,9 @@ hand it their gradients; they hold no overlap flags.
   (``oag_depth`` of them) — next in forward order during forward, in reverse order during
   backward — so they run while the current layer computes. The order is learned from the previous
   forward. ``oag_keep`` keeps the forward's gathered block for backward (memory for time: no
-  E10b, see ``geometry.linear_collectives(cache_weight=True)``).
+  E10b, see ``geometry.linear_collectives(cache_weight=True)``) and, inside ``accumulating``, on
+  for the next micro-batch's forward (``carry_block``): E10f runs once per step, not once per
+  micro-batch.
 - **OAR** (E9): the layer issues the dX all-reduce over its output axis before the dW matmul and
   waits after it; off, it waits at once.
 - **ORS** (E11): the dW reduce-scatter over z is not waited on in the layer; it is folded in at
@@ -23,7 +25,10 @@ hand it their gradients; they hold no overlap flags.
   (E12, E13, the replicated gradients) — each rank sums its micro-batches locally, reduced over z
   where the z shard needs it (E11 still runs per micro-batch) — and the first backward outside
   adds the sums to its own and reduces once, overlapped with itself: with M micro-batches the
-  data axis moves the bytes of one (DDP's ``no_sync``, docs/design.md §4).
+  data axis moves the bytes of one (DDP's ``no_sync``, docs/design.md §4). Under ``oag_keep`` a
+  held backward keeps each layer's weight block (outside full recomputation) for the next
+  micro-batch's forward, which gathers nothing while the weight is unchanged; the backward outside
+  frees the blocks as it would without accumulation.
 - **ZeRO** (``shard_over_data``): under ZeRO-2 the E12 buckets are reduce-scattered over data
   instead of all-reduced — each rank receives only the sum of the parts of the weight shards it
   owns, which go to the ``DataSharding`` (axon4d.zero) instead of ``.grad``; under ZeRO-1 training
@@ -96,6 +101,14 @@ class DataSharding(Protocol):
         ...
 
 
+def _stamp(weight: torch.Tensor) -> tuple[int, int]:
+    """What changes when ``weight``'s values may have: its version (an in-place write through the
+    tensor or a ``detach()`` of it: ``torch.optim``'s for-loop and foreach steps, a load's ``copy_``,
+    ZeRO's gather) and its storage (``.data =``). Writes through ``.data`` or a fused optimizer's
+    kernel leave both as they were: the step's last backward drops every carried block for them."""
+    return weight._version, weight.data_ptr()
+
+
 def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
     """``grad`` times ``scale``, in place; no pass over it when ``scale`` is 1 (G_batch = 1)."""
     return grad if scale == 1.0 else grad.mul_(scale)
@@ -117,6 +130,9 @@ class Scheduler:
         self._prev: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last_forward: Any = None
         self._prefetched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (gather, weight version)
+        # oag_keep under accumulation: layer -> ((rows, cols) block, _stamp of its weight), carried
+        # from a held backward to the next micro-batch's forward (``carry_block``)
+        self._carried: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._gathers_in_backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> bool
         self._scattering: list[_PendingGrad] = []  # ORS: reduce-scatters not yet folded
         # ODP buckets, one per (axis, tag): E12's weight shards over data, each kind of replicated
@@ -163,7 +179,14 @@ class Scheduler:
     # -- OAG: weights ---------------------------------------------------------------------------
     def gather_weight(self, layer: Any, weight: torch.Tensor, backward: bool) -> torch.Tensor:
         """The (rows, cols) weight block of ``layer`` — E10f/E10b, all-gather over z — and the OAG prefetch
-        of the layer that runs next (forward order, or reverse order when ``backward``)."""
+        of the layer that runs next (forward order, or reverse order when ``backward``). A forward
+        outside full recomputation takes the block a held backward carried (``carry_block``) while
+        ``weight`` is unchanged since: no E10f."""
+        carried = None if backward or self.recomputing else self._carried_block(layer, weight)
+        if carried is not None:
+            if self.policy.oag:
+                self._prefetch_after(layer, backward)
+            return carried
         handle = self._take_prefetch(layer, weight)
         if handle is None:
             handle = self._issue_gather(weight, backward)
@@ -184,9 +207,9 @@ class Scheduler:
 
     def _prefetch_after(self, layer: Any, backward: bool) -> None:
         """OAG: issue the gathers of the ``oag_depth`` layers that run after ``layer`` (in forward
-        order, or reverse order in backward) unless already in flight; in backward, a layer whose
-        backward needs no weight block (no input gradient, or kept) is passed over but still counts
-        towards the depth."""
+        order, or reverse order in backward) unless already in flight; a layer that needs no gather —
+        in backward no input gradient or a kept block, in forward a carried block (``carry_block``) —
+        is passed over but still counts towards the depth."""
         links = self._prev if backward else self._next
         for _ in range(self.policy.oag_depth):
             ref = links.get(layer)
@@ -197,6 +220,8 @@ class Scheduler:
                 continue
             if not backward and self._rerunning is not None and layer not in self._rerunning:
                 return
+            if not backward and self._carried_block(layer, layer.weight) is not None:
+                continue
             if layer not in self._prefetched:
                 self._prefetched[layer] = (self._issue_gather(layer.weight, backward), layer.weight._version)
 
@@ -226,6 +251,39 @@ class Scheduler:
             handle.wait()
             return None
         return handle
+
+    def carry_block(self, layer: Any, block: torch.Tensor | None) -> None:
+        """``layer``'s backward is done with ``block``, the weight block its forward kept
+        (``oag_keep``; None: none kept). Inside ``accumulating`` the block is carried to the next
+        micro-batch's forward of ``layer`` (``gather_weight``), so over k micro-batches E10f runs
+        once per step; outside (the step's last backward) the layer's carried block is dropped, so
+        the block is freed as it is without accumulation (docs/design.md §4).
+
+        The weight's stamp is read here: autograd refuses a weight written in place between its
+        forward and backward, so it is the one the block was gathered from."""
+        if block is not None and self.holding and self.policy.oag_keep:
+            self._carried[layer] = (block, _stamp(layer.weight))
+        else:
+            self._carried.pop(layer, None)
+
+    @property
+    def carried_blocks(self) -> int:
+        """How many layers' weight blocks are carried to the next micro-batch now (``carry_block``;
+        none once a step's last backward has run)."""
+        return len(self._carried)
+
+    def _carried_block(self, layer: Any, weight: torch.Tensor) -> torch.Tensor | None:
+        """The block carried for ``layer`` if ``weight`` is unchanged since (same version, same
+        storage) under ``oag_keep``; a stale one is dropped (an optimizer step or a load between
+        micro-batches: the next forward gathers again)."""
+        entry = self._carried.get(layer)
+        if entry is None:
+            return None
+        block, stamp = entry
+        if not self.policy.oag_keep or stamp != _stamp(weight):
+            del self._carried[layer]
+            return None
+        return block
 
     @property
     def recomputing(self) -> bool:
@@ -594,6 +652,8 @@ class Scheduler:
             handle.wait()
         self._prefetched.clear()
         self._last_forward = None
+        if not self.holding:  # carried blocks of layers the step's last backward did not reach
+            self._carried.clear()
 
     def _release_held(self) -> None:
         """Reduce what accumulation still holds: weight shards' and biases' sums, and replicated

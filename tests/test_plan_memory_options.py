@@ -1,6 +1,6 @@
 """Peak memory per rank of the step options, measured with torch's memory tracker against the
-planner's prediction (issue 31, item 6): micro-batches, activation offload and ZeRO (the optimizer
-sharded over data, ``axon4d.shard_optimizer``), on 1–8 ranks.
+planner's prediction (issue 31, item 6): micro-batches (with keep-for-backward too), activation
+offload and ZeRO (the optimizer sharded over data, ``axon4d.shard_optimizer``), on 1–8 ranks.
 
 Each case trains the same small model (tests/test_recompute.py's) for two warm-up steps and
 measures the third (``axon4d.measure.probe.peak_bytes``: torch's ``MemTracker`` on the host, the
@@ -74,6 +74,8 @@ def _predicted(grid, cfg, recompute="none", micro_batches=1, offload_blocks=0, z
 
 
 def _case(grid, cfg, options):
+    options = dict(options)
+    axon4d.overlap.configure(options.pop("overlap", None), grid)  # None: every mechanism on, the default
     offload = options.get("offload")
     blocks = 0 if not offload else round(offload * cfg.n_layers + 1e-9)
     measured, host = _measure(grid, cfg, **options)
@@ -119,6 +121,10 @@ def _check(result, what):
         pytest.param(8, (1, 1, 2, 4), {"zero": 2, "recompute": "full"}, marks=pytest.mark.slow),
         pytest.param(8, (1, 1, 1, 8), {"zero": 2, "recompute": "full"}, marks=pytest.mark.slow),
         pytest.param(4, (1, 2, 1, 2), {"zero": 1, "micro_batches": 2}, marks=pytest.mark.slow),
+        # keep-for-backward: the blocks carried over the held backward passes, a re-run's own blocks
+        (2, (1, 1, 2, 1), {"micro_batches": 3, "overlap": "all,keep"}),
+        (2, (1, 1, 2, 1), {"micro_batches": 3, "recompute": "full", "overlap": "all,keep"}),
+        pytest.param(4, (2, 1, 2, 1), {"micro_batches": 2, "overlap": "all,keep"}, marks=pytest.mark.slow),
         pytest.param(8, (1, 1, 2, 4), {"zero": 1, "recompute": "full"}, marks=pytest.mark.slow),
     ],
 )

@@ -17,7 +17,7 @@ from axon4d.geometry import Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import cli
 from axon4d.plan.cost import ONCE_PER_STEP, copy_queue, step_estimate, zero_gathers
-from axon4d.plan.layers import FP8_SCALE_BYTES, layer_cost
+from axon4d.plan.layers import FP8_SCALE_BYTES, in_block, layer_cost
 from axon4d.plan.machine import load
 from axon4d.plan.memory import block_bytes, local_param_count, local_param_tensors, memory, sixteen_bit_weights
 from axon4d.plan.scenario import Scenario
@@ -52,6 +52,41 @@ def test_micro_batches_repeat_the_passes_and_reduce_over_data_once():
     m1, m4 = memory(WL_20B, SHAPE, "none", ALL), memory(WL_20B, SHAPE, "none", ALL, micro_batches=4)
     assert m4.activations == pytest.approx(m1.activations / 4, rel=0.01) and m4.peak < m1.peak
     assert ONCE_PER_STEP >= {Term.E12, Term.E13, Term.NORM_GRAD, Term.EMBEDDING_GRAD}
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_kept_weight_blocks_are_gathered_once_per_step(recompute):
+    keep = OverlapPolicy.parse("all,keep")
+    for policy in (ALL, keep):
+        sc = Scenario(WL_20B, SHAPE, PERLMUTTER, policy, recompute, micro_batches=4)
+        four, one = step_estimate(sc), step_estimate(sc.micro())
+        layers = [layer_cost(s, sc.micro()) for s in sc.linears]
+        # one pass's E10f (bytes, seconds) over every layer and over the blocks' layers
+        every = [sum(lc.spec.count * f(lc) for lc in layers) for f in (_e10f_bytes, _e10f_seconds)]
+        blocks = [
+            sum(lc.spec.count * f(lc) for lc in layers if in_block(lc.spec, sc)) for f in (_e10f_bytes, _e10f_seconds)
+        ]
+        # the step's E10f: its z collectives less four passes' others (E10b, E11)
+        step = [
+            four.bytes_by_axis["z"] - 4 * (one.bytes_by_axis["z"] - every[0]),
+            four.comm_by_axis["z"] - 4 * (one.comm_by_axis["z"] - every[1]),
+        ]
+        if policy is ALL:  # gathered by every micro-batch
+            expected = [4 * e for e in every]
+        elif recompute == "full":  # carried, but for the blocks' layers, which gather in every micro-batch
+            expected = [e + 3 * b for e, b in zip(every, blocks)]
+        else:  # carried from the first micro-batch to the others: once per step
+            expected = every
+        assert step == pytest.approx(expected, rel=1e-9), (policy.spec(), recompute)
+        assert 0 < blocks[0] < every[0]
+
+
+def _e10f_bytes(lc):
+    return lc.term_bytes.get(Term.E10F, 0)
+
+
+def _e10f_seconds(lc):
+    return lc.comm.get(Term.E10F, 0.0)
 
 
 def test_micro_batch_counts_must_split_the_batch_on_the_grid():

@@ -100,6 +100,7 @@ class _Linear3D(torch.autograd.Function):
             dx_handle = comm.all_reduce(dx, layer.out_axis, tag=Term.E9)  # issued before dW
             if not sched.policy.oar:
                 dx_handle.wait()
+        sched.carry_block(layer, ctx.w_block)  # kept for the next micro-batch inside accumulating, else freed
         ctx.w_block = None
         dweight = dbias = None
         scale = 1.0 / layer.grid.size("batch")

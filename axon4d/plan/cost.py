@@ -29,13 +29,22 @@ from typing import Any
 
 from axon4d.geometry import Collective, Op, Term
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, context_hidden, layer_cost, priced
+from axon4d.plan.layers import (
+    EMBEDDING_TERMS,
+    LayerCost,
+    block_extras,
+    carried,
+    context_hidden,
+    in_block,
+    layer_cost,
+    priced,
+)
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import block_bytes, local_param_tensors, param_bytes, sixteen_bit_weights
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.workload import LinearSpec, Workload
+from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
 
 #: Collectives that move activations on the critical path; every other one moves weights or gradients.
@@ -132,11 +141,6 @@ class _Totals:
         self.bytes_by_axis[c.axis] = self.bytes_by_axis.get(c.axis, 0) + c.payload_bytes
 
 
-def _repeated(spec: LinearSpec, sc: Scenario) -> bool:
-    """Whether ``spec`` is one of the block's layers, repeated n_layers times."""
-    return spec.count == sc.model.n_layers and not spec.embedding and spec.name != "head"
-
-
 def step_time(
     wl: Workload,
     shape: GridShape,
@@ -153,10 +157,15 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
     """Predicted seconds of one forward + backward + optimizer step of ``sc`` on one rank: one pass
     of a micro-batch (``_one_pass``; the whole batch when ``micro_batches`` is 1) repeated k times,
     with the once-per-step parts — the data-axis gradient reductions (``ONCE_PER_STEP``) and what
-    ODP hides of them, the optimizer, ZeRO's parameter all-gather — counted once (``_accumulated``)."""
+    ODP hides of them, the optimizer, ZeRO's parameter all-gather — counted once (``_accumulated``).
+    Under keep-for-backward the k − 1 passes after the first gather no weight block that the first
+    carried over (``layers.carried``): they are priced as such a pass."""
     k = sc.micro_batches
-    one, once = _one_pass(sc.micro())
-    return one if k == 1 else _accumulated(one, once, k)
+    micro = sc.micro()
+    first = _one_pass(micro)
+    if k == 1:
+        return first[0]
+    return _accumulated(first, _one_pass(micro, reuse=True) if sc.overlap.oag_keep else first, k)
 
 
 #: the gradient reductions accumulation issues once per step however many micro-batches it runs
@@ -168,13 +177,16 @@ ONCE_PER_STEP = frozenset(
 ONCE_MECHANISMS = ("odp", "zero")
 
 
-def _one_pass(sc: Scenario) -> tuple[TimeEstimate, _Totals]:
+def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]:
     """One forward + backward of ``sc`` (micro-batches aside) with the optimizer step, and the
-    once-per-step collectives among its collectives (priced, as ``_Totals``)."""
+    once-per-step collectives among its collectives (priced, as ``_Totals``); ``reuse``: a
+    micro-batch after the step's first, whose carried weight blocks are not gathered (``carried``)."""
     m, world = sc.machine, sc.world
     extras = block_extras(sc)
-    layers = [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0))) for s in sc.linears]
-    hidden = credit([lc.window(_repeated(lc.spec, sc)) for lc in layers], sc.overlap, m.overlap_efficiency)
+    layers = [
+        layer_cost(s, sc, extras.get(s.name, (0.0, 0.0)), gathers=not (reuse and carried(s, sc))) for s in sc.linears
+    ]
+    hidden = credit([lc.window(in_block(lc.spec, sc)) for lc in layers], sc.overlap, m.overlap_efficiency)
     hidden_cp = context_hidden(sc)
     totals, once = _Totals(), _Totals()
     for lc in layers:
@@ -229,31 +241,38 @@ def _one_pass(sc: Scenario) -> tuple[TimeEstimate, _Totals]:
     )
 
 
-def _accumulated(one: TimeEstimate, once: _Totals, k: int) -> TimeEstimate:
-    """A step of ``k`` micro-batches from one pass ``one``: everything k times but the optimizer,
-    the once-per-step collectives ``once`` and what ``ONCE_MECHANISMS`` hide of them. ``layers``
-    stays one micro-batch's."""
+def _accumulated(first: tuple[TimeEstimate, _Totals], later: tuple[TimeEstimate, _Totals], k: int) -> TimeEstimate:
+    """A step of ``k`` micro-batches: the first pass and k − 1 ``later`` ones (each a pass and its
+    once-per-step collectives, ``_one_pass``; the same pass unless keep-for-backward carries weight
+    blocks over), the later ones without the optimizer, the once-per-step collectives and what
+    ``ONCE_MECHANISMS`` hide of them. ``layers`` stays the first micro-batch's."""
+    one, _ = first
+    again, once = later
+    n = k - 1
 
-    def times(per_pass: dict[str, Any], per_step: dict[str, Any]) -> dict[str, Any]:
-        return {a: k * v - (k - 1) * per_step.get(a, 0) for a, v in per_pass.items()}
+    def more(field: str, per_step: dict[str, Any]) -> dict[str, Any]:
+        """A per-axis ``field`` of the first pass plus the later ones' less their once-per-step part."""
+        per_pass = getattr(again, field)
+        return {a: v + n * (per_pass.get(a, 0) - per_step.get(a, 0)) for a, v in getattr(one, field).items()}
 
-    hidden_once = sum(one.hidden_by_mechanism.get(mech, 0.0) for mech in ONCE_MECHANISMS)
+    hidden_once = sum(again.hidden_by_mechanism.get(mech, 0.0) for mech in ONCE_MECHANISMS)
     return dataclasses.replace(
         one,
-        compute_s=k * (one.compute_s - one.optimizer_s) + one.optimizer_s,
-        matmul_s=k * one.matmul_s,
-        comm_s=k * one.comm_s - (k - 1) * once.comm,
-        hidden_s=k * one.hidden_s - (k - 1) * hidden_once,
-        comm_by_axis=times(one.comm_by_axis, once.comm_by_axis),
-        bytes_by_axis=times(one.bytes_by_axis, once.bytes_by_axis),
+        compute_s=one.compute_s + n * (again.compute_s - again.optimizer_s),
+        matmul_s=one.matmul_s + n * again.matmul_s,
+        comm_s=one.comm_s + n * (again.comm_s - once.comm),
+        hidden_s=one.hidden_s + n * (again.hidden_s - hidden_once),
+        comm_by_axis=more("comm_by_axis", once.comm_by_axis),
+        bytes_by_axis=more("bytes_by_axis", once.bytes_by_axis),
         hidden_by_mechanism={
-            mech: v if mech in ONCE_MECHANISMS else k * v for mech, v in one.hidden_by_mechanism.items()
+            mech: v if mech in ONCE_MECHANISMS else v + n * again.hidden_by_mechanism.get(mech, 0.0)
+            for mech, v in one.hidden_by_mechanism.items()
         },
-        activation_comm_s=k * one.activation_comm_s,
-        collectives=k * one.collectives - (k - 1) * once.calls,
-        traffic_bytes=k * one.traffic_bytes - (k - 1) * once.traffic,
-        interference_s=k * one.interference_s - (k - 1) * once.interference,
-        offload_s=k * one.offload_s,
+        activation_comm_s=one.activation_comm_s + n * again.activation_comm_s,
+        collectives=one.collectives + n * (again.collectives - once.calls),
+        traffic_bytes=one.traffic_bytes + n * (again.traffic_bytes - once.traffic),
+        interference_s=one.interference_s + n * (again.interference_s - once.interference),
+        offload_s=one.offload_s + n * again.offload_s,
         micro_batches=k,
     )
 
@@ -328,10 +347,10 @@ def offload_windows(sc: Scenario) -> tuple[float, float, float, float]:
 
 def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float, float, float]:
     copy = sc.machine.host_copy_time(block_bytes(sc.workload, sc.shape, sc.recompute), sc.world)
-    block = [lc for lc in layers if _repeated(lc.spec, sc)]
+    block = [lc for lc in layers if in_block(lc.spec, sc)]
     fwd = sum(lc.fwd_s for lc in block)
     bwd = sum(lc.compute_s - lc.fwd_s for lc in block) + (fwd if sc.recompute == "full" else 0.0)
-    between = sum(lc.compute_s for lc in layers if not _repeated(lc.spec, sc) and not lc.spec.embedding)
+    between = sum(lc.compute_s for lc in layers if not in_block(lc.spec, sc) and not lc.spec.embedding)
     return copy, fwd, bwd, between
 
 

@@ -114,10 +114,24 @@ class LayerCost:
         }
 
 
-def _collectives(spec: LinearSpec, sc: Scenario) -> list[Collective]:
+def in_block(spec: LinearSpec, sc: Scenario) -> bool:
+    """Whether ``spec`` is one of the block's layers, repeated n_layers times."""
+    return spec.count == sc.model.n_layers and not spec.embedding and spec.name != "head"
+
+
+def carried(spec: LinearSpec, sc: Scenario) -> bool:
+    """Whether the micro-batches after a step's first reuse ``spec``'s weight block instead of
+    gathering it (E10f): keep-for-backward carries each layer's block over the held backward passes
+    (``axon4d.scheduler.Scheduler.carry_block``), except the blocks' layers under full
+    recomputation, which gather in every forward and again in its re-run (docs/design.md §4)."""
+    return sc.overlap.oag_keep and not spec.embedding and not (sc.recompute == "full" and in_block(spec, sc))
+
+
+def _collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Collective]:
     """The collectives of one run of ``spec``: the embedding's lookup all-reduce over y and its
     table's gradient all-reduce over batch, or a linear layer's E8–E13 (no E9 without an input
-    gradient) as the overlap policy issues them (keep-for-backward, token chunks)."""
+    gradient) as the overlap policy issues them (keep-for-backward, token chunks); no E10f unless
+    ``gathers`` (a micro-batch that reuses the block, ``carried``)."""
     if spec.embedding:
         return [c for c in sc.edge_collectives if c.term in EMBEDDING_TERMS]
     ov = sc.overlap
@@ -135,7 +149,11 @@ def _collectives(spec: LinearSpec, sc: Scenario) -> list[Collective]:
         min_chunk_bytes=floor,
         chunk_rows=rows,
     )
-    return [_as_issued(c, sc) for c in collectives if spec.input_grad or c.term != Term.E9]
+    return [
+        _as_issued(c, sc)
+        for c in collectives
+        if (spec.input_grad or c.term != Term.E9) and (gathers or c.term != Term.E10F)
+    ]
 
 
 #: bytes of the scale each rank's FP8 chunk of an E10 gather carries (one fp32)
@@ -195,9 +213,12 @@ def _backward_elementwise(spec: LinearSpec, sc: Scenario) -> float:
     )
 
 
-def layer_cost(spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0, 0.0)) -> LayerCost:
+def layer_cost(
+    spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0, 0.0), gathers: bool = True
+) -> LayerCost:
     """One run of ``spec`` on one rank; ``post``: the (forward, backward) seconds of the non-GEMM
-    work after it (``block_extras``)."""
+    work after it (``block_extras``); ``gathers``: False for a run that reuses the weight block the
+    step's first micro-batch gathered (no E10f nor its FP8 casts, ``carried``)."""
     comm: dict[Term, float] = {}
     axes: dict[Term, str] = {}
     by_axis: dict[str, int] = {}
@@ -206,7 +227,7 @@ def layer_cost(spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0,
     term_calls: dict[Term, int] = {}
     term_bytes: dict[Term, int] = {}
     term_traffic: dict[Term, float] = {}
-    for c in _collectives(spec, sc):
+    for c in _collectives(spec, sc, gathers):
         chunks += c.term == Term.E8
         calls += 1
         fwd_calls += c.phase == "forward"

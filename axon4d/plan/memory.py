@@ -226,7 +226,8 @@ def memory(
     NCCL: ``Machine.staged_reduce_scatter``).
 
     The step's options (``axon4d.plan.scenario``): with ``micro_batches`` k the activations are one
-    micro-batch's (batch/k sequences); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
+    micro-batch's (batch/k sequences), and under keep-for-backward the held backward passes keep the
+    weight blocks they carry to the next micro-batch to their end (``BackwardWalk.released``); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
     elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
     accumulation the local sums of the whole shards are held to the last micro-batch, so the
     gradients stay whole; in the backward the shards stay whole until their reduce-scatters over
@@ -255,11 +256,14 @@ def memory(
     # starts with the others' activations
     acts = (m.n_layers - offload) * per_block
     kept = 0.0
-    if overlap.oag_keep and shape.z > 1:  # every gathered block kept from forward to backward
+    if overlap.oag_keep and shape.z > 1:
+        # every block gathered in forward kept for backward: the embedding gathers none, and under full
+        # recomputation a block's layers keep theirs only from its re-run on (``BackwardWalk.rebuild``)
         kept = (
             sum(
                 s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
                 for s in wl.linears()
+                if not s.embedding and not (recompute == "full" and s.name in BACKWARD_ORDER[1:])
             )
             * elem
         )
@@ -278,8 +282,9 @@ def memory(
     staged = 1.0 if zero == 2 and shape.data > 2 and staged_reduce_scatter else 0.0
     share = 0.0 if micro_batches > 1 else 1.0 + staged
     held *= 1.0 + staged
+    carried = micro_batches > 1  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
     live_peak = BackwardWalk(
-        wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share, p_bytes, fp8_gather
+        wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share, p_bytes, fp8_gather, carried
     ).run()
     if offload:
         # from the last block kept on the device on, two blocks are there at a time (the block running,
@@ -287,7 +292,16 @@ def memory(
         above = (m.n_layers - offload) / m.n_layers * n_params * p_bytes * share
         two = min(m.n_layers, 2) * per_block + kept
         walk = BackwardWalk(
-            wl, shape, recompute, overlap, staged_reduce_scatter, two + held + above, share, p_bytes, fp8_gather
+            wl,
+            shape,
+            recompute,
+            overlap,
+            staged_reduce_scatter,
+            two + held + above,
+            share,
+            p_bytes,
+            fp8_gather,
+            carried,
         )
         live_peak = max(live_peak, walk.one_block())
     largest_shard = max(
@@ -344,11 +358,13 @@ class BackwardWalk:
                                  ORS, one under ODP alone — with their received chunks (``in_flight``)
                                  ~ the input balanced recomputation re-makes
     its E11 waited on (``done``) + its gradient shard and bias slice (``grad``); − the block kept for
-                                 it (``kept``); − the saved tensors and gradient its backward consumed
+                                 it (``kept``; not in a held backward that carries it, ``released``);
+                                 − the saved tensors and gradient its backward consumed
     activation's, attention's    ~ their gradients (GELU: one (b, F/G_y), SwiGLU: two; attention: dq,
     backward (``note``)          dk, dv and the assembled qkv gradient)
     ``free``                     − saved tensors consumed
-    ``rebuild`` (full)           + the block's activations, re-made from its saved input
+    ``rebuild`` (full)           + the block's activations, re-made from its saved input, and the
+                                 blocks its re-run keeps (keep-for-backward)
     ===========================  ======================================================================
 
     In one block, in backward order: MLP down (its dX stays as the activation's incoming gradient;
@@ -369,8 +385,10 @@ class BackwardWalk:
         grad_share: float = 1.0,
         grad_bytes: int | None = None,
         fp8_gather: bool = False,
+        carried: bool = False,
     ) -> None:
         self.wl, self.shape, self.recompute, self.overlap = wl, shape, recompute, overlap
+        self.carried = carried  # a held backward under accumulation: kept blocks stay for the next micro-batch
         self.grad_share = grad_share  # a layer's gradient bytes live after its backward, per gradient byte
         self.grad_bytes = wl.element_size if grad_bytes is None else grad_bytes  # per gradient element
         self.fp8 = fp8_gather and shape.z > 1  # a gathered block arrives as bytes, restored beside them
@@ -448,6 +466,14 @@ class BackwardWalk:
         """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
         return self.block(name) if self.keep else 0.0
 
+    def released(self, name: str) -> float:
+        """The kept block ``name``'s backward frees: none in a held backward (``carried``) where the
+        block is carried to the next micro-batch — every layer's but a block's under full
+        recomputation, which its next forward gathers again (``axon4d.plan.layers.carried``)."""
+        if self.carried and (name == "head" or self.recompute != "full"):
+            return 0.0
+        return self.kept(name)
+
     # -- events -----------------------------------------------------------------------------------------
     def note(self, extra: float = 0.0) -> None:
         """A moment at which ``extra`` bytes are live beside ``live``."""
@@ -463,15 +489,17 @@ class BackwardWalk:
     def done(self, name: str, freed: float = 0.0, held: float = 0.0) -> None:
         """``name``'s backward over: its gradient kept, its kept block freed, ``freed`` bytes freed
         and ``held`` bytes (a gradient the next op consumes) still live."""
-        self.live += self.grad(name) + held - freed - self.kept(name)
+        self.live += self.grad(name) + held - freed - self.released(name)
 
     def free(self, nbytes: float) -> None:
         """Saved tensors a backward consumed, freed."""
         self.live -= nbytes
 
     def rebuild(self) -> None:
-        """Full recomputation: this block's activations re-made from its saved input."""
-        self.live += self.rebuilt[0] * self.elem + self.rebuilt[1] * 4 - self.t["x0"]
+        """Full recomputation: this block's activations re-made from its saved input, with the blocks
+        its re-run gathers and keeps for backward."""
+        kept = sum(map(self.kept, BACKWARD_ORDER[1:]))
+        self.live += self.rebuilt[0] * self.elem + self.rebuilt[1] * 4 - self.t["x0"] + kept
 
     # -- the walk ---------------------------------------------------------------------------------------
     def head(self) -> None:

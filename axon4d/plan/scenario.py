@@ -7,7 +7,9 @@ The options besides the grid, each priced where its cost lands:
   training job's ``--micro-batches``; ``axon4d.overlap.accumulating``): activations of one
   micro-batch are live at a time; every collective of the layers and context parallelism runs once
   per micro-batch except the data-axis gradient reductions (``cost.ONCE_PER_STEP``), which run
-  once per step, as does the optimizer (``cost``; ``memory``).
+  once per step, as does the optimizer (``cost``; ``memory``), and, under keep-for-backward, the
+  weight all-gathers over z (E10f) of the layers outside blocks under full recomputation: the
+  first micro-batch's blocks are carried to the others (``layers.carried``).
 - ``zero``: the optimizer sharded over data (``axon4d.shard_optimizer``, ``--zero``): 1 shards
   the optimizer state and fp32 master weights; 2 also the gradients, reduce-scattered over data
   instead of all-reduced; both all-gather the updated parameters over data once per step.
