@@ -25,6 +25,11 @@ from tests.test_recompute import MEM_BATCH, MEM_CFG
 
 #: the planner's error allowed on each option's peak ((predicted − measured) / measured)
 TOLERANCE = 0.05
+#: the mixed precision the bf16 cases train in (the default on an accelerator)
+BF16 = "bf16-fp32-reduce"
+#: ... and the error allowed there: Llama's steps at data 4 in bf16 on the host measured +7.0% and
+#: +7.7% (the planner high: the safe side), the rest within 5% (docs/planner.md, "Known limits")
+TOLERANCE_BF16 = 0.08
 
 
 def _measure(grid, cfg, recompute="none", micro_batches=1, offload=None, zero=0):
@@ -50,8 +55,7 @@ def _measure(grid, cfg, recompute="none", micro_batches=1, offload=None, zero=0)
     step(), step()
     if model.offloader is not None:
         model.offloader.reset_peaks()
-    tracked = getattr(opt, "inner", opt)  # a sharded optimizer's state lives in its inner optimizer
-    measured = peak_bytes(grid, model, tracked, step, passes=True)
+    measured = peak_bytes(grid, model, opt, step, passes=True)
     host = model.offloader.stats().peak_host_bytes if model.offloader is not None else 0
     hosts = grid.comm.all_gather(torch.tensor([float(host)]), "world").wait()
     return measured, int(hosts.max())
@@ -61,7 +65,8 @@ def _predicted(grid, cfg, recompute="none", micro_batches=1, offload_blocks=0, z
     from axon4d.plan.memory import memory
     from axon4d.plan.workload import Workload
 
-    wl = Workload(cfg, MEM_BATCH * micro_batches, "float32")
+    dtype = "float32" if grid.precision.compute == torch.float32 else "bfloat16"
+    wl = Workload(cfg, MEM_BATCH * micro_batches, dtype)
     return memory(
         wl,
         grid.shape,
@@ -70,11 +75,13 @@ def _predicted(grid, cfg, recompute="none", micro_batches=1, offload_blocks=0, z
         micro_batches=micro_batches,
         zero=zero,
         offload=offload_blocks,
+        widened_gemms=True,  # the host's dW GEMMs (axon4d.device.mm_widening)
     )
 
 
 def _case(grid, cfg, options):
     options = dict(options)
+    options.pop("precision", None)  # the grid's (``pools(...).run(..., precision=)``)
     axon4d.overlap.configure(options.pop("overlap", None), grid)  # None: every mechanism on, the default
     offload = options.get("offload")
     blocks = 0 if not offload else round(offload * cfg.n_layers + 1e-9)
@@ -90,11 +97,11 @@ def _case(grid, cfg, options):
     return measured, host, predicted.peak, predicted.host
 
 
-def _check(result, what):
+def _check(result, what, tolerance=TOLERANCE):
     measured, host, peak, planned_host = result
     device = measured - host
     error = (peak - device) / device
-    assert abs(error) <= TOLERANCE, (
+    assert abs(error) <= tolerance, (
         f"{what}: planner {peak / 2**20:.2f} MiB vs measured {device / 2**20:.2f} MiB ({error:+.1%})"
     )
     if planned_host:
@@ -126,9 +133,13 @@ def _check(result, what):
         (2, (1, 1, 2, 1), {"micro_batches": 3, "recompute": "full", "overlap": "all,keep"}),
         pytest.param(4, (2, 1, 2, 1), {"micro_batches": 2, "overlap": "all,keep"}, marks=pytest.mark.slow),
         pytest.param(8, (1, 1, 2, 4), {"zero": 1, "recompute": "full"}, marks=pytest.mark.slow),
+        # training in bf16: ZeRO stores the Linear weights in bf16 and shards their fp32 masters
+        (2, (1, 1, 1, 2), {"zero": 1, "precision": BF16}),
+        pytest.param(4, (1, 1, 1, 4), {"zero": 2, "precision": BF16}, marks=pytest.mark.slow),
+        pytest.param(4, (1, 1, 2, 2), {"zero": 1, "precision": BF16}, marks=pytest.mark.slow),
     ],
 )
 def test_peak_memory_of_micro_batches_and_offload_is_the_planners(pools, world, grid, options):
     for arch in ("llama", "gpt"):
-        result = pools(world).run(grid, _case, MEM_CFG[arch], options)[0]
-        _check(result, f"{arch} on {grid} with {options}")
+        result = pools(world).run(grid, _case, MEM_CFG[arch], options, precision=options.get("precision", "fp32"))[0]
+        _check(result, f"{arch} on {grid} with {options}", TOLERANCE_BF16 if "precision" in options else TOLERANCE)

@@ -26,7 +26,7 @@ from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.nn import Linear
 from axon4d.plan.workload import Workload
-from axon4d.zero import shard_optimizer
+from axon4d.zero import ShardedOptimizer, shard_optimizer
 
 
 class ProbeModel(nn.Module):
@@ -161,14 +161,21 @@ def peak_bytes(grid: Grid, model: nn.Module, opt: Any, step: Callable[..., Any],
     ``passes``: the step runs the model's forward more than once (micro-batches) and is called as
     ``step(next_pass)``, calling ``next_pass()`` before each forward after the first: the tracker
     follows one module call per iteration, so its per-module records are cleared there (its peak
-    is kept)."""
+    is kept).
+
+    A ZeRO optimizer (``axon4d.zero``) is tracked as its inner optimizer (where the state lives)
+    and its master parts: copies where the weights are stored in 16 bits, views of the
+    parameters (counted once) otherwise."""
     device = grid.device
     grid.comm.barrier()
     if devices.is_host(device):
         tracker = MemTracker()
+        external: list[Any] = [opt] if isinstance(opt, torch.optim.Optimizer) else []
+        if isinstance(opt, ShardedOptimizer):
+            external = [opt.inner, *(m for group in opt.param_groups for m in group["params"])]
         with warnings.catch_warnings():  # it warns of the gradients zero_grad set to None
             warnings.simplefilter("ignore", UserWarning)
-            tracker.track_external(model, *([opt] if isinstance(opt, torch.optim.Optimizer) else []))
+            tracker.track_external(model, *external)
             with tracker:
                 step(tracker.reset_mod_stats) if passes else step()
         peak = float(tracker.get_tracker_snapshot("peak")[device]["Total"])

@@ -253,6 +253,7 @@ def scenario_memory(sc: Scenario) -> MemoryEstimate:
         zero=sc.zero,
         offload=sc.offload,
         fp8_gather=sc.fp8_gather,
+        widened_gemms=not sc.machine.accelerator,
     )
 
 
