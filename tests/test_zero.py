@@ -490,3 +490,17 @@ def test_in_16_bits_checkpoints_hold_the_fp32_masters_across_data_sizes(pools, t
         for moment in m:
             _close(m[moment], moments[moment], f"16-bit ZeRO -> fp32, rank {rank}, {moment}")
         assert steps == 2.0
+
+
+@pytest.mark.slow
+def test_the_training_job_in_bf16_with_zero_follows_the_unsharded_curve_and_resumes_without_it(pools, tmp_path):
+    """--precision bf16-fp32-reduce: ZeRO-2 stores the Linear weights in bf16 with sharded fp32
+    masters; its checkpoint (the masters) resumes with --zero 0, where the weights are fp32 again."""
+    bf16 = {"precision": "bf16-fp32-reduce"}
+    plain = pools(4).run(None, _train, _job(tmp_path / "plain", **bf16))[0][0]
+    sharded, kernel, _, _ = pools(4).run(None, _train, _job(tmp_path / "z", zero=2, save_every=2, **bf16))[0]
+    assert kernel == "foreach, ZeRO-2 over 2 data ranks"
+    assert sharded == pytest.approx(plain, rel=1e-4)
+    shutil.rmtree(tmp_path / "z" / "checkpoints" / "step_4")
+    resumed = pools(4).run(None, _train, _job(tmp_path / "z", zero=0, resume="always", **bf16))[0][0]
+    assert resumed == pytest.approx(plain[2:], rel=1e-4)
