@@ -190,10 +190,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     f"another sharded optimizer already takes the gradient of {part.name}; call its release() "
                     "first (one sharded optimizer per parameter)"
                 )
-        for part in self._parts.values():  # the masters are copied: now store the weights in 16 bits
-            if part.sixteen:
-                part.param.grad = None
-                part.param.data = part.param.data.to(self.weight_dtype)
         cls = type(optimizer)
         accepted = inspect.signature(cls.__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
@@ -202,6 +198,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: the optimizer that steps this rank's parts
         self.inner = cls(groups, **kwargs)
         self.inner.defaults = dict(optimizer.defaults)
+        for part in self._parts.values():  # the masters are copied and stepped: store the weights in 16 bits
+            if part.sixteen:
+                part.param.grad = None
+                part.param.data = part.param.data.to(self.weight_dtype)
         super().__init__([p.master for p in self._parts.values()], dict(optimizer.defaults))
         self.param_groups = self.inner.param_groups  # one list: set_lr and schedulers reach the inner's
         self.state = self.inner.state

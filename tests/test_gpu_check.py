@@ -141,15 +141,17 @@ def test_the_fp8_and_zero_cases_run_side_by_side_on_the_host(tmp_path):
     proc = _run("--on-host", "--only", "fp8,zero", "--jobs", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved, status = _saved(out)
-    assert status == dict.fromkeys(
-        ["fp8 gather x1y1z2d1", "fp8 gather x1y2z2d1", "zero 1 and 2 x1y1z1d2", "zero 1 and 2 x1y2z1d2"], "passed"
-    )
+    zero = ["zero 1 and 2 x1y1z1d2", "zero 1 and 2 x1y2z1d2", "zero bf16 x1y1z1d2"]
+    assert status == dict.fromkeys(["fp8 gather x1y1z2d1", "fp8 gather x1y2z2d1", *zero], "passed")
     for case in saved["cases"]:
         for m in case["metrics"]:
             if case["name"].startswith("fp8"):
                 assert 0 < m["grad_fro"] < 2.0**-4 and 0 < m["e10_bytes"] < m["e10_bytes_bf16"]
             else:
                 assert 0 <= m["zero1_rel"] <= 1e-5 and 0 <= m["zero2_rel"] <= 1e-5
+                # in bf16 ZeRO stores the Linear weights in bf16 (sharded fp32 masters), in fp32 not
+                stored = ["torch.bfloat16" if "bf16" in case["name"] else "torch.float32"]
+                assert m["zero1_linear_dtypes"] == m["zero2_linear_dtypes"] == stored
     assert saved["tracked_files_changed"] in (True, False)
 
 
