@@ -46,7 +46,7 @@ from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
 from axon4d.param_layout import Box, ParamLayout, param_layouts
-from axon4d.zero import ShardedOptimizer
+from axon4d.zero import ShardedOptimizer, masters_holder
 
 # the file-level API, usable before any process group exists (axon4d.ckptfiles)
 CheckpointError = ckptfiles.CheckpointError
@@ -567,6 +567,13 @@ def load(
         shards = ckptfiles.check_shards(path, index, files)
         if files is not None:
             ckptfiles.verify(path, files, shards[grid.rank :: grid.size("world")])
+        holder = masters_holder(model, grid)
+        if holder is not None and optimizer is not holder:
+            raise ValueError(
+                "the model's Linear weights are stored in bf16 and their fp32 master weights belong to a sharded "
+                "optimizer (axon4d.shard_optimizer, training in 16 bits): pass it, load(path, model, grid, "
+                "optimizer), or its next step would overwrite what this load wrote"
+            )
         state = _state(model, optimizer, grid, load=True)
         reads = _reads(path, index, state.parts)
     except Exception as e:

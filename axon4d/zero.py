@@ -380,6 +380,18 @@ def sixteen_bit(model: nn.Module) -> set[int]:
     return linear - other
 
 
+def masters_holder(model: nn.Module, grid: Grid) -> ShardedOptimizer | None:
+    """The sharded optimizer on ``grid`` whose fp32 masters hold the exact values of parameters of
+    ``model`` it stores in 16 bits (``sixteen_bit``), or None: a load must write those masters."""
+    scheduler = getattr(grid, "scheduler", None)
+    ours = {id(p) for p in model.parameters()}
+    for sink in scheduler.data_shardings if scheduler is not None else ():
+        opt = sink.optimizer if isinstance(sink, _GradSink) else None
+        if opt is not None and any(part.sixteen and pid in ours for pid, part in opt._parts.items()):
+            return opt
+    return None
+
+
 def sharded_grads(model: nn.Module, grid: Grid) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(parameter of ``model``, this rank's gradient part) for every gradient a sharded optimizer
     holds in parts on ``grid`` (ZeRO-2's, ZeRO-1's 16-bit weights'; none without one): each element

@@ -463,8 +463,10 @@ def _save_sixteen_bit(grid, path):
 
 def _reload_sixteen_bit(grid, path, save_to):
     """Load ``path`` into a fresh ZeRO-1 model in 16 bits and save it again at ``save_to``; the
-    largest gap between a bf16 weight and its master part rounded (0: the load rounded the masters in)."""
+    largest gap between a bf16 weight and its master part rounded (0: the load rounded the masters
+    in), and the refusal of a load without the optimizer."""
     model, opt = _model_and_opt(LLAMA, 1, grid, seed=7)
+    refused = value_errors({"no optimizer": lambda: checkpoint.load(path, model, grid)})["no optimizer"]
     checkpoint.load(path, model, grid, opt)
     gap = 0.0
     with torch.no_grad():
@@ -475,15 +477,17 @@ def _reload_sixteen_bit(grid, path, save_to):
                 gap = max(gap, float((mine - master.to(p.dtype).float()).abs().max()))
     checkpoint.save(save_to, model, grid, opt, step=2)
     opt.release()
-    return gap
+    return gap, refused
 
 
 @pytest.mark.slow
 def test_in_16_bits_checkpoints_hold_the_fp32_masters_across_data_sizes(pools, tmp_path):
     first, second = str(tmp_path / "data2"), str(tmp_path / "data4")
     weights, moments = pools(4).run((1, 1, 2, 2), _save_sixteen_bit, first, precision="bf16-fp32-reduce")[0]
-    gaps = pools(4).run((1, 1, 1, 4), _reload_sixteen_bit, first, second, precision="bf16-fp32-reduce")
-    assert gaps == [0.0] * 4
+    reloaded = pools(4).run((1, 1, 1, 4), _reload_sixteen_bit, first, second, precision="bf16-fp32-reduce")
+    assert [gap for gap, _ in reloaded] == [0.0] * 4
+    # a load without the optimizer that holds the masters is refused on every rank, naming the fix
+    assert all("pass it, load(path, model, grid, optimizer)" in refused for _, refused in reloaded)
     # the twice-saved masters, loaded unsharded in fp32, are the unsharded run's fp32 weights
     for rank, (w, m, steps) in enumerate(pools(4).run((2, 1, 1, 2), _load_into, second, 0)):
         _close(w, weights, f"16-bit ZeRO-2 -> 16-bit ZeRO-1 -> fp32, rank {rank}")
