@@ -508,3 +508,37 @@ def test_the_training_job_in_bf16_with_zero_follows_the_unsharded_curve_and_resu
     shutil.rmtree(tmp_path / "z" / "checkpoints" / "step_4")
     resumed = pools(4).run(None, _train, _job(tmp_path / "z", zero=0, resume="always", **bf16))[0][0]
     assert resumed == pytest.approx(plain[2:], rel=1e-4)
+
+
+def _export_sixteen_bit(grid, out):
+    """A ZeRO-2 model in 16 bits, one step, exported live (``save_pretrained_``): the dtypes of the
+    exported tensors and the dense model's logits of a fixed batch."""
+    from safetensors import safe_open
+
+    from axon4d.export import save_pretrained_
+
+    model, opt = _model_and_opt(LLAMA, 2, grid)
+    _step(model, opt, grid, 0, 1)
+    save_pretrained_(model, out)
+    ids = torch.arange(16).remainder(LLAMA.vocab_size).view(2, 8)
+    with torch.no_grad():
+        logits = model.to_dense().float()(ids)
+    opt.release()
+    dtypes = set()
+    if grid.rank == 0:
+        with safe_open(f"{out}/model.safetensors", "pt") as f:
+            dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    return ids, logits, dtypes
+
+
+@pytest.mark.slow
+def test_in_16_bits_a_live_export_writes_the_bf16_weights_the_model_computes_with(pools, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "hf")
+    ids, logits, dtypes = pools(4).run((1, 1, 2, 2), _export_sixteen_bit, out, precision="bf16-fp32-reduce")[0]
+    assert dtypes == {"BF16", "F32"}  # the Linear weights bf16, the norms and the token table fp32
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf(input_ids=ids).logits
+    assert float((got - logits).abs().max() / logits.abs().max()) <= 1e-5
