@@ -413,14 +413,24 @@ def _sixteen_bit_exactness(grid, cfg, micro, steps):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "grid,cfg,micro",
-    [((1, 1, 1, 2), LLAMA, 2), ((1, 1, 2, 2), GPT, 1), ((2, 1, 1, 4), LLAMA, 1)],
-    ids=["1x1x1x2-llama-mb2", "1x1x2x2-gpt", "2x1x1x4-llama"],
+    "grid,cfg,micro,policy",
+    [
+        ((1, 1, 1, 2), LLAMA, 2, None),
+        ((1, 1, 2, 2), GPT, 1, None),
+        ((2, 1, 1, 4), LLAMA, 1, None),
+        ((1, 1, 2, 2), GPT, 2, OverlapPolicy.off()),
+        ((1, 1, 2, 2), LLAMA, 1, OverlapPolicy(bucket_mb=1.0)),
+    ],
+    ids=["1x1x1x2-llama-mb2", "1x1x2x2-gpt", "2x1x1x4-llama", "1x1x2x2-gpt-mb2-overlap-off", "1x1x2x2-llama-1MB"],
 )
-def test_in_16_bits_zero_stores_linear_weights_in_bf16_and_follows_the_unsharded_masters(pools, grid, cfg, micro):
+def test_in_16_bits_zero_stores_linear_weights_in_bf16_and_follows_the_unsharded_masters(
+    pools, grid, cfg, micro, policy
+):
     # 4 steps: a bf16 weight rounded the other way (one ulp) moves the later steps' gradients, and
     # Adam then amplifies the gap chaotically, sharded or not; the fp32 test above runs 20
-    results = pools(math.prod(grid)).run(grid, _sixteen_bit_exactness, cfg, micro, 4, precision="bf16-fp32-reduce")
+    results = pools(math.prod(grid)).run(
+        grid, _sixteen_bit_exactness, cfg, micro, 4, precision="bf16-fp32-reduce", overlap=policy
+    )
     for rank, (out, norms) in enumerate(results):
         for stage, (dtypes, whole, ulps) in out.items():
             where = f"ZeRO-{stage} rank {rank} on {grid}"
