@@ -339,6 +339,11 @@ class Scheduler:
         self.finish_gradients()
         self._shardings = [s for s in self._shardings if s is not sharding] + ([sharding] if on else [])
 
+    def forget_sharding(self, sharding: DataSharding) -> None:
+        """Drop ``sharding`` without finishing pending reductions (its optimizer is gone: what it
+        would take has nowhere to go; the next backward's gradients land in ``.grad``)."""
+        self._shardings = [s for s in self._shardings if s is not sharding]
+
     @property
     def data_shardings(self) -> tuple[DataSharding, ...]:
         """The ``DataSharding`` s that take E12 gradients (ZeRO), in the order they came."""

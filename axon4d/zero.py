@@ -210,6 +210,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if takes:
             self._sink = _GradSink(self)
             grid.scheduler.shard_over_data(self._sink)
+            # an optimizer dropped without release(): its sink leaves the scheduler with it
+            weakref.finalize(self, grid.scheduler.forget_sharding, self._sink)
 
     # -- layout ---------------------------------------------------------------------------------
     def _part(self, p: torch.Tensor, names: dict[int, str], sixteen: bool) -> _Part:

@@ -552,3 +552,22 @@ def test_in_16_bits_a_live_export_writes_the_bf16_weights_the_model_computes_wit
     with torch.no_grad():
         got = hf(input_ids=ids).logits
     assert float((got - logits).abs().max() / logits.abs().max()) <= 1e-5
+
+
+def _dropped(grid):
+    """A ZeRO-2 optimizer dropped without release(): how many shardings the scheduler holds before
+    and after, and whether the next backward's weight gradients land in ``.grad`` again."""
+    import gc
+
+    model, opt = _model_and_opt(GPT, 2, grid)
+    before = len(grid.scheduler.data_shardings)
+    del opt
+    gc.collect()
+    after = len(grid.scheduler.data_shardings)
+    accumulate(model, (torch.randint(0, GPT.vocab_size, (8, GPT.seq_len + 1)),), grid)
+    linear = [m.weight.grad is not None for m in model.modules() if isinstance(m, axon4d.Linear)]
+    return before, after, all(linear)
+
+
+def test_a_sharded_optimizer_dropped_without_release_leaves_the_scheduler(pools):
+    assert pools(2).run((1, 1, 1, 2), _dropped) == [(1, 0, True)] * 2
