@@ -382,14 +382,20 @@ def sixteen_bit(model: nn.Module) -> set[int]:
     return linear - other
 
 
+def _optimizers(grid: Grid) -> list[ShardedOptimizer]:
+    """The live sharded optimizers whose sinks ``grid``'s scheduler holds (a stand-in grid — tests,
+    one process — may have no scheduler: none)."""
+    scheduler = getattr(grid, "scheduler", None)
+    sinks = scheduler.data_shardings if scheduler is not None else ()
+    return [opt for sink in sinks if isinstance(sink, _GradSink) and (opt := sink.optimizer) is not None]
+
+
 def masters_holder(model: nn.Module, grid: Grid) -> ShardedOptimizer | None:
     """The sharded optimizer on ``grid`` whose fp32 masters hold the exact values of parameters of
     ``model`` it stores in 16 bits (``sixteen_bit``), or None: a load must write those masters."""
-    scheduler = getattr(grid, "scheduler", None)
     ours = {id(p) for p in model.parameters()}
-    for sink in scheduler.data_shardings if scheduler is not None else ():
-        opt = sink.optimizer if isinstance(sink, _GradSink) else None
-        if opt is not None and any(part.sixteen and pid in ours for pid, part in opt._parts.items()):
+    for opt in _optimizers(grid):
+        if any(part.sixteen and pid in ours for pid, part in opt._parts.items()):
             return opt
     return None
 
@@ -398,15 +404,8 @@ def sharded_grads(model: nn.Module, grid: Grid) -> list[tuple[torch.Tensor, torc
     """(parameter of ``model``, this rank's gradient part) for every gradient a sharded optimizer
     holds in parts on ``grid`` (ZeRO-2's, ZeRO-1's 16-bit weights'; none without one): each element
     is on one data rank only."""
-    scheduler = getattr(grid, "scheduler", None)  # a stand-in grid (tests, one process) may have none
-    sinks = scheduler.data_shardings if scheduler is not None else ()
     ours = {id(p) for p in model.parameters()}
-    out = []
-    for sink in sinks:
-        opt = sink.optimizer if isinstance(sink, _GradSink) else None
-        if opt is not None:
-            out += [(p, g) for p, g in opt.scattered_grads() if id(p) in ours]
-    return out
+    return [(p, g) for opt in _optimizers(grid) for p, g in opt.scattered_grads() if id(p) in ours]
 
 
 def _check_elementwise(optimizer: torch.optim.Optimizer, elementwise: bool | None) -> None:

@@ -30,7 +30,7 @@ single-process model (``axon4d.measure.spawn.run_local``). The cases:
   stores the Linear weights in bf16 with sharded fp32 masters, after 1 step: the masters within
   1e-5 of the unsharded fp32 parameters and every Linear weight bf16 (one step: the clipping
   norm's other summation order moves it by an ulp, and the steps after it amplify that through
-  the bf16 weights that round the other way — 2e-5 after 2 steps on the host);
+  the bf16 weights that round the other way);
 - ``checkpoint``: a save on (1,1,2,1) (G_z > 1) loaded on (1,2,1,1): the same weights;
 - ``train``: the training job in ``bf16-fp32-reduce`` on (1,2,2,1) for a few steps, against the
   single-process run of the same model (``--compare-single``);

@@ -6,6 +6,7 @@ per rank shrinks by G_data (torch's MemTracker); checkpoints load across data si
 without sharding; bad stages, optimizers and --zero values are refused."""
 
 import contextlib
+import gc
 import io
 import math
 import shutil
@@ -14,12 +15,14 @@ import warnings
 import pytest
 import torch
 from harness import value_errors
+from safetensors import safe_open
 from test_train import _base
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import axon4d
 from axon4d import checkpoint, grads
 from axon4d.config import ModelConfig
+from axon4d.export import save_pretrained_
 from axon4d.geometry import Op, Term
 from axon4d.models.transformer import Transformer
 from axon4d.overlap_policy import OverlapPolicy
@@ -523,10 +526,6 @@ def test_the_training_job_in_bf16_with_zero_follows_the_unsharded_curve_and_resu
 def _export_sixteen_bit(grid, out):
     """A ZeRO-2 model in 16 bits, one step, exported live (``save_pretrained_``): the dtypes of the
     exported tensors and the dense model's logits of a fixed batch."""
-    from safetensors import safe_open
-
-    from axon4d.export import save_pretrained_
-
     model, opt = _model_and_opt(LLAMA, 2, grid)
     _step(model, opt, grid, 0, 1)
     save_pretrained_(model, out)
@@ -557,8 +556,6 @@ def test_in_16_bits_a_live_export_writes_the_bf16_weights_the_model_computes_wit
 def _dropped(grid):
     """A ZeRO-2 optimizer dropped without release(): how many shardings the scheduler holds before
     and after, and whether the next backward's weight gradients land in ``.grad`` again."""
-    import gc
-
     model, opt = _model_and_opt(GPT, 2, grid)
     before = len(grid.scheduler.data_shardings)
     del opt

@@ -42,6 +42,7 @@ on the logits instead of the cross-entropy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -286,26 +287,27 @@ def memory(
     held *= 1.0 + staged
     carried = micro_batches > 1  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
     cast = p_bytes != elem and not sixteen  # fp32 masters, cast per use (not the 16-bit weights ZeRO stores)
-    walk_options = (p_bytes, fp8_gather, carried, cast, widened_gemms)
-    live_peak = BackwardWalk(
-        wl, shape, recompute, overlap, staged_reduce_scatter, acts + held, share, *walk_options
-    ).run()
+    # the walk of this step from a given start (live bytes, gradient share)
+    walk = functools.partial(
+        BackwardWalk,
+        wl,
+        shape,
+        recompute,
+        overlap,
+        staged_reduce_scatter,
+        grad_bytes=p_bytes,
+        fp8_gather=fp8_gather,
+        carried=carried,
+        cast_weights=cast,
+        widened_gemms=widened_gemms,
+    )
+    live_peak = walk(acts + held, share).run()
     if offload:
         # from the last block kept on the device on, two blocks are there at a time (the block running,
         # the one fetched back ahead of it), with the gradients of the blocks above and the head
         above = (m.n_layers - offload) / m.n_layers * n_params * p_bytes * share
         two = min(m.n_layers, 2) * per_block + kept
-        walk = BackwardWalk(
-            wl,
-            shape,
-            recompute,
-            overlap,
-            staged_reduce_scatter,
-            two + held + above,
-            share,
-            *walk_options,
-        )
-        live_peak = max(live_peak, walk.one_block((m.n_layers - offload) / m.n_layers))
+        live_peak = max(live_peak, walk(two + held + above, share).one_block())
     largest_shard = max(
         (s.in_features // shape.y) * (s.out_features // shape.x)
         if s.embedding
@@ -396,12 +398,12 @@ class BackwardWalk:
         # fp32 master weights cast to the 16-bit compute dtype at each use: with G_z = 1 there is no
         # gather, but a layer's block (and OAG's next ones) is still a cast copy of its weight
         self.cast = cast_weights
-        # the host's dW GEMM of 16-bit inputs into fp32 sums widens both first (axon4d.device.mm_widening)
-        self.widened = widened_gemms and wl.element_size != (wl.element_size if grad_bytes is None else grad_bytes)
         self.grad_share = grad_share  # a layer's gradient bytes live after its backward, per gradient byte
         self.grad_bytes = wl.element_size if grad_bytes is None else grad_bytes  # per gradient element
         self.fp8 = fp8_gather and shape.z > 1  # a gathered block arrives as bytes, restored beside them
         self.elem = wl.element_size
+        # the host's dW GEMM of 16-bit inputs into fp32 sums widens both first (axon4d.device.mm_widening)
+        self.widened = widened_gemms and self.elem != self.grad_bytes
         self.specs = {s.name: s for s in wl.linears()}
         self.t = {k: v * self.elem for k, v in _block_tensors(wl, shape).items()}  # one block's tensors, bytes
         saved = block_saved(wl, shape, "none" if recompute == "full" else recompute)
@@ -412,12 +414,6 @@ class BackwardWalk:
         self.keep = overlap.oag_keep and z > 1  # every block gathered in forward is kept for backward
         self.inflight = overlap.ors_inflight if overlap.ors and z > 1 else 1
         self.reduces = (overlap.ors and z > 1) or (overlap.odp and shape.data > 1)
-        # the persistent E12 buckets (Scheduler.weight_grad_slot): a bucket's whole flat buffer of
-        # gradient shards is made when its first shard arrives, not shard by shard; where each ends,
-        # in gradient bytes in backward order, and how many of those bytes have arrived
-        self.bucket_ends = self._bucket_ends() if grad_share > 0 and overlap.odp and overlap.bucket_mb > 0 else []
-        self.filled = 0.0
-        self.slot = 0.0  # the bytes of the running layer's own slot (counted by ``dw`` or ``issued``)
         # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
         # the input's size until it is waited on (axon4d.comm._ExchangedChunks) where the backend stages
         self.received = 1.0 if z > 2 and staged_reduce_scatter else 0.0
@@ -500,48 +496,20 @@ class BackwardWalk:
 
     # -- events -----------------------------------------------------------------------------------------
     def note(self, extra: float = 0.0) -> None:
-        """A moment at which ``extra`` bytes are live beside ``live`` (and the open bucket's rest)."""
-        self.peak = max(self.peak, self.live + extra + self.ahead())
-
-    def _bucket_ends(self) -> list[float]:
-        """Where each E12 bucket ends, in cumulative gradient bytes in backward order (the head, then
-        each block's layers): a bucket closes with the shard that brings it to ``bucket_mb``."""
-        names = [n for n in BACKWARD_ORDER[1:] if n in self.specs] * self.wl.model.n_layers
-        order = (["head"] if "head" in self.specs else []) + names
-        limit = self.overlap.bucket_mb * 2**20
-        ends: list[float] = []
-        total = size = 0.0
-        for name in order:
-            grad = self.shard(name) * self.grad_bytes
-            total, size = total + grad, size + grad
-            if size >= limit:
-                ends.append(total)
-                size = 0.0
-        return ends + ([total] if size else [])
-
-    def ahead(self) -> float:
-        """The open bucket's bytes no shard has filled yet (beside the running layer's own slot):
-        none between buckets, before the next one's first shard arrives."""
-        pos = self.filled
-        end = next((e for e in self.bucket_ends if e > pos), None)
-        if end is None or (not self.slot and (pos == 0 or pos in self.bucket_ends)):
-            return 0.0
-        return end - pos - self.slot
+        """A moment at which ``extra`` bytes are live beside ``live``."""
+        self.peak = max(self.peak, self.live + extra)
 
     def layer(self, name: str, dx: float, first: bool = True, remade: float = 0.0) -> None:
         """``name``'s backward at its peak (``dx``: its input gradient's bytes; ``remade``: the input
         balanced recomputation re-makes): its own reduce-scatter just issued, the earlier ones still
         running (the scheduler completes the older ones only after issuing the new one)."""
         held = self.gathered(name) + dx + self.dw(name) + self.prefetched(name) + self.widening(name)
-        self.slot = self.shard(name) * self.grad_bytes if self.bucket_ends else 0.0
         self.note(held + self.issued(name) + self.in_flight(name, first) + remade)
-        self.slot = 0.0
 
     def done(self, name: str, freed: float = 0.0, held: float = 0.0) -> None:
         """``name``'s backward over: its gradient kept, its kept block freed, ``freed`` bytes freed
         and ``held`` bytes (a gradient the next op consumes) still live."""
         self.live += self.grad(name) + held - freed - self.released(name)
-        self.filled += self.shard(name) * self.grad_bytes
 
     def free(self, nbytes: float) -> None:
         """Saved tensors a backward consumed, freed."""
@@ -609,10 +577,8 @@ class BackwardWalk:
         self.layer("qkv", t["x0"], first, remade=t["x0"] if balanced else 0.0)
         self.done("qkv", freed=t["qkv"] + s["norm1"])
 
-    def one_block(self, done: float = 0.0) -> float:
-        """The peak live bytes of one block's backward in the middle of the pass, from what is live
-        now, once the share ``done`` of the gradient shards has arrived."""
-        self.filled = done * self.bucket_ends[-1] if self.bucket_ends else 0.0
+    def one_block(self) -> float:
+        """The peak live bytes of one block's backward in the middle of the pass, from what is live now."""
         self.block_backward(first=False)
         return self.peak
 
@@ -620,10 +586,9 @@ class BackwardWalk:
         """The peak live bytes of the step's backward."""
         if self.wl.head:
             self.head()
-        start, filled = self.live, self.filled
+        start = self.live
         self.block_backward(first=True)
         n = self.wl.model.n_layers
         self.live = start + (n - 1) * (self.live - start)
-        self.filled = filled + (n - 1) * (self.filled - filled)
         self.block_backward(first=n == 1)
         return self.peak
