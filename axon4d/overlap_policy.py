@@ -23,7 +23,7 @@ from axon4d.geometry import chunk_sizes, forward_chunk_count
 DEVICE_CHUNKING: dict[str, tuple[float, int]] = {"host": (256.0, 1), "accelerator": (1024.0, 128)}
 
 MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")
-#: the overlap spec by which the planner chooses the knobs for the job (``axon4d.plan.search.tune_overlap``)
+#: the overlap spec by which the planner chooses the knobs for the job (``axon4d.plan.candidate.tune_overlap``)
 AUTO = "auto"
 
 

@@ -27,7 +27,7 @@ from axon4d.geometry import Op, Term
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention
 from axon4d.nn.context import prefix_attention, split_sequence_attention
-from axon4d.plan.memory import block_saved
+from axon4d.plan.saved import block_saved
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
 

@@ -10,7 +10,7 @@
 - memory, measured with torch's MemTracker: after the forward, the bytes left on the "device"
   (live bytes minus the offloader's host copies) drop by exactly what the offloaded blocks hold on
   the host, each offloaded block moves the same bytes, which are the planner's per-block saved
-  activations (``axon4d.plan.memory.block_saved``, less the tensors under 64 KiB), and during the
+  activations (``axon4d.plan.saved.block_saved``, less the tensors under 64 KiB), and during the
   backward at most two blocks' copies are back on the device at once (the block being computed and
   the prefetched one), every one prefetched before it was needed.
 """
@@ -210,7 +210,7 @@ def _memory(grid, cfg, mode, offload, context_parallel=False):
 
 def _planned_block_bytes(arch, mode, shape, context_parallel=False):
     """The planner's bytes of one block's saved activations (fp32: every element 4 bytes)."""
-    from axon4d.plan.memory import block_saved
+    from axon4d.plan.saved import block_saved
     from axon4d.plan.workload import Workload
     from axon4d.shape import GridShape
 

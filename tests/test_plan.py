@@ -860,7 +860,7 @@ def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
     """``overlap="auto"``: every knob variant of the all-on policy is priced and the fastest that
     fits is taken (never slower than the default knobs), for the grids the plan ranks first."""
     from axon4d.overlap_policy import OverlapPolicy
-    from axon4d.plan.search import tune_overlap
+    from axon4d.plan.candidate import tune_overlap
 
     variants = OverlapPolicy().knob_variants()
     assert len(variants) == 3 * 2 * 3 * 4 and OverlapPolicy() in variants
@@ -887,7 +887,7 @@ def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
 def test_overlap_auto_for_a_given_grid_uses_the_planners_knobs_where_it_can_price_the_job(monkeypatch, tmp_path):
     from axon4d.overlap_policy import OverlapPolicy
     from axon4d.plan.auto import choose_overlap
-    from axon4d.plan.search import tune_overlap
+    from axon4d.plan.candidate import tune_overlap
 
     monkeypatch.delenv("AXON4D_MACHINE", raising=False)
     monkeypatch.chdir(tmp_path)  # no ./local.json
@@ -958,6 +958,6 @@ def test_the_loss_chunk_the_planner_prices_is_the_loss_s():
     """The planner may not import the layers: its copy of the vocabulary-parallel loss's row chunk
     (fp32 bytes, bounding the loss's temporaries in ``BackwardWalk.head``) must be the loss's own."""
     from axon4d.nn.loss import CHUNK_BYTES
-    from axon4d.plan.memory import CE_CHUNK_BYTES
+    from axon4d.plan.backward_walk import CE_CHUNK_BYTES
 
     assert CE_CHUNK_BYTES == CHUNK_BYTES

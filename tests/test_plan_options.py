@@ -19,9 +19,11 @@ from axon4d.plan import cli
 from axon4d.plan.cost import ONCE_PER_STEP, copy_queue, step_estimate, zero_gathers
 from axon4d.plan.layers import FP8_SCALE_BYTES, in_block, layer_cost
 from axon4d.plan.machine import load
-from axon4d.plan.memory import block_bytes, local_param_count, local_param_tensors, memory, sixteen_bit_weights
+from axon4d.plan.memory import local_param_count, local_param_tensors, memory, sixteen_bit_weights
+from axon4d.plan.options import Choices, best_options, lower_bound
+from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.search import Choices, best_options, lower_bound, plan
+from axon4d.plan.search import plan
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
 

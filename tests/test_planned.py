@@ -11,7 +11,7 @@ import types
 import pytest
 
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.plan.search import AUTO_OPTION
+from axon4d.plan.options import AUTO_OPTION
 from axon4d.shape import GridShape
 from axon4d.train import TrainConfig, planned, train
 

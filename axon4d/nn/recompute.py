@@ -1,6 +1,6 @@
 """Activation recomputation inside a transformer block (docs/design.md §5), by mode name.
 
-The modes mean exactly what the planner's ``--recompute`` prices (axon4d.plan.memory):
+The modes mean exactly what the planner's ``--recompute`` prices (axon4d.plan.saved, axon4d.plan.memory):
 
 - ``none``: every activation autograd needs is kept from forward to backward.
 - ``selective``: core attention (scores, softmax, weighted sum, rotary) is recomputed in backward

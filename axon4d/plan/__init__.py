@@ -5,20 +5,25 @@
     print(result.table(10)); result.best.shape
 
 Modules: ``workload`` (the layers a step runs and the §1 rules they set), ``machine`` (measured
-or published rates), ``memory`` (bytes per rank, §5: ``BackwardWalk``), ``scenario`` (one price's
-inputs: workload, grid shape, machine, overlap, recompute), ``layers`` (each layer kind's GEMMs,
-collectives E8–E13 and non-GEMM work, §3), ``overlap_credit`` (what overlap hides, §4), ``recompute``
-(what recomputation runs again, §5), ``cost`` (the step assembled from those), ``stepfit`` (the
-in-step scale fitted to measured steps), ``search`` (enumeration), ``auto`` (``grid="auto"``),
-``cli`` (``axon4d plan``). Measuring a machine is ``axon4d.measure``'s; this package only reads the
-machine files it writes.
+or published rates), ``saved`` (what a block keeps for backward, §5), ``backward_walk`` (the
+backward pass's live bytes), ``memory`` (bytes per rank), ``scenario`` (one price's inputs:
+workload, grid shape, machine, overlap, recompute, step options), ``layers`` (each layer kind's
+GEMMs, collectives E8–E13 and non-GEMM work, §3), ``overlap_credit`` (what overlap hides, §4),
+``recompute`` (what recomputation runs again, §5), ``cost`` (the step assembled from those),
+``stepfit`` (the in-step scale fitted to measured steps), ``candidate`` (one plan priced, and
+whether it fits), ``options`` (the step options searched per grid), ``result`` (the table and the
+advice when nothing fits), ``search`` (enumeration), ``auto`` (``grid="auto"``), ``cli`` (``axon4d
+plan``). Measuring a machine is ``axon4d.measure``'s; this package only reads the machine files
+it writes.
 """
 
+from axon4d.plan.candidate import Candidate, candidate, evaluate
 from axon4d.plan.cost import TimeEstimate, step_estimate, step_time
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
+from axon4d.plan.result import PlanResult
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.search import Candidate, PlanResult, candidate, evaluate, plan
+from axon4d.plan.search import plan
 from axon4d.plan.workload import LinearSpec, Workload
 
 __all__ = [

@@ -15,8 +15,9 @@ from typing import Any
 
 from axon4d.config import ModelConfig, get_config
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan.candidate import Candidate, tune_overlap
 from axon4d.plan.machine import available
-from axon4d.plan.search import Candidate, load_machine, plan, tune_overlap
+from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
 
@@ -65,7 +66,7 @@ def choose_overlap(
     context_parallel: bool | str = False,
 ) -> OverlapPolicy:
     """The overlap policy ``overlap="auto"`` gives a job on the given grid: all mechanisms on, with
-    the knobs the planner predicts fastest among those that fit (``search.tune_overlap``), where the
+    the knobs the planner predicts fastest among those that fit (``candidate.tune_overlap``), where the
     model and a machine description are known; else all mechanisms at the default knobs. Rank 0
     prints the choice. The step options (``choose``'s) are priced as given; one left "auto" is
     priced at its default (1 micro-batch, no ZeRO, no offload, bf16 gathers, whole sequences): on a

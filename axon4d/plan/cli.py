@@ -26,7 +26,8 @@ from axon4d.config import SIZES, get_config
 from axon4d.device import DTYPES
 from axon4d.plan import stepfit
 from axon4d.plan.machine import available
-from axon4d.plan.search import AUTO_OPTION, plan
+from axon4d.plan.options import AUTO_OPTION
+from axon4d.plan.search import plan
 from axon4d.plan.workload import OPTIMIZERS
 from axon4d.recompute_mode import RECOMPUTE_MODES
 

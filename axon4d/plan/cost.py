@@ -40,9 +40,10 @@ from axon4d.plan.layers import (
     priced,
 )
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import block_bytes, local_param_tensors, param_bytes, sixteen_bit_weights
+from axon4d.plan.memory import local_param_tensors, param_bytes, sixteen_bit_weights
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
+from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape

@@ -13,7 +13,7 @@ priced here and only here (``rerun``); ``axon4d.plan.cost`` adds it to the step 
   forwards and their forward collectives (E8, E10f), issued again: counted, with their ring
   traffic and the interference it costs.
 
-What each mode keeps for backward is the memory model's (``axon4d.plan.memory.block_saved``).
+What each mode keeps for backward is the memory model's (``axon4d.plan.saved.block_saved``).
 """
 
 from __future__ import annotations

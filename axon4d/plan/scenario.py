@@ -18,7 +18,7 @@ The options besides the grid, each priced where its cost lands:
 - ``fp8_gather``: the weight all-gathers over z (E10) move e4m3 bytes and a scale per shard
   (``precision="bf16-fp8-gather"``).
 
-A ``Scenario`` is built once per candidate grid (``search.evaluate``) and every pricing function
+A ``Scenario`` is built once per candidate grid (``candidate.evaluate``) and every pricing function
 takes it (``layers``, ``recompute``, ``cost``) instead of the five values it is made of. It also
 holds what every price of it needs from the workload — the tokens on a rank, the layer kinds, the
 collectives outside them, the rank's parameter count — computed on first use and kept.
@@ -91,7 +91,7 @@ class Scenario:
         return dataclasses.replace(self, workload=wl, micro_batches=1)
 
     def options(self) -> dict[str, object]:
-        """The step's options as the planner shows them (``search.Candidate.to_json``)."""
+        """The step's options as the planner shows them (``candidate.Candidate.to_json``)."""
         return {
             "recompute": self.recompute,
             "micro_batches": self.micro_batches,

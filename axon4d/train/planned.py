@@ -27,7 +27,8 @@ from typing import Any
 from axon4d import launch
 from axon4d.offload import offload_blocks, parse_offload
 from axon4d.plan.auto import choose
-from axon4d.plan.search import AUTO_OPTION, Candidate
+from axon4d.plan.candidate import Candidate
+from axon4d.plan.options import AUTO_OPTION
 from axon4d.precision import AUTO, resolve
 from axon4d.train.config import PLANNED, TrainConfig
 

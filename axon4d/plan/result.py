@@ -1,0 +1,115 @@
+"""The outcome of one search: every candidate priced, best first, as a table, as JSON, and — when
+nothing fits — what would (docs/design.md §6)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan.candidate import Candidate
+from axon4d.plan.machine import Machine
+from axon4d.plan.options import Choices
+from axon4d.plan.workload import Workload
+from axon4d.shape import ALL_AXES
+
+#: the axes the table gives communication time for: every axis but "world", over which no
+#: collective of a step runs
+TABLE_AXES = tuple(a for a in ALL_AXES if a != "world")
+
+
+@dataclasses.dataclass
+class PlanResult:
+    """All candidates of one planning run, best first, and what was asked."""
+
+    workload: Workload
+    machine: Machine
+    world: int
+    overlap: OverlapPolicy
+    recompute: str
+    memory_limit: float
+    candidates: list[Candidate]  # valid grids, sorted: fitting ones by time, then the others
+    invalid: int  # factorisations that break a divisibility rule
+    caveat: str | None = None  # why the machine's in-step scale may not fit this job (stepfit.caveat)
+    choices: Choices | None = None  # the step options searched (None: only the given ones)
+    searched: int = 0  # grids priced (the rest: bounded out, ``plan``)
+    valid: int = 0  # valid (grid, sequence split) pairs
+
+    @property
+    def best(self) -> Candidate:
+        """The fastest fitting candidate; ``ValueError`` saying what would make one fit when none does."""
+        fitting = [c for c in self.candidates if c.fits]
+        if not fitting:
+            raise ValueError(f"no plan of {self.world} ranks fits: {self.no_fit_advice()}")
+        return fitting[0]
+
+    def no_fit_advice(self) -> str:
+        """Why nothing fits and what would: the smallest plan found, where its memory goes, and the
+        limit, rank count or options that would hold it."""
+        model = self.workload.model.name or "the model"
+        limit = self.memory_limit / 2**30
+        if not self.candidates:
+            return (
+                f"no grid of {self.world} ranks can split {model}'s batch of {self.workload.batch} sequences and layers "
+                "(every grid breaks a divisibility rule, or no micro-batch count divides the batch per rank); "
+                "try another rank count or batch"
+            )
+        least = min(self.candidates, key=lambda c: c.mem.peak)
+        m = least.mem
+        state = (m.params + m.grads + m.optimizer) / 2**30
+        host = ""
+        if self.machine.accelerator and m.host > self.machine.host_memory_per_device:
+            host = (
+                f"; its offloaded activations, {m.host / 2**30:.1f} GiB, exceed the host memory per device "
+                f"({self.machine.host_memory_per_device / 2**30:.0f} GiB)"
+            )
+        searched = "" if self.choices is None else " (every searched option at its most frugal)"
+        return (
+            f"{model} needs at least {m.peak / 2**30:.1f} GiB per device{searched}, on {least.shape.as_tuple()} with "
+            f"{least.options_spec()} — {state:.1f} GiB of parameters, gradients and optimizer state, "
+            f"{m.activations / 2**30:.1f} GiB of saved activations — against {limit:.1f} GiB{host}. It would fit with "
+            f"--memory-gib {math.ceil(m.peak / 2**30)} (a device with that much memory), with more ranks (the state "
+            f"shrinks with each), or with a pinned option left to the search"
+        )
+
+    def to_json(self, top: int | None = None) -> dict[str, Any]:
+        wl = self.workload
+        return {
+            "model": dataclasses.asdict(wl.model),
+            "batch": wl.batch,
+            "dtype": wl.dtype,
+            "world": self.world,
+            "machine": self.machine.name,
+            "overlap": self.overlap.spec(),
+            "recompute": self.recompute,
+            "memory_limit": self.memory_limit,
+            "valid": self.valid or len(self.candidates),
+            "searched": self.searched,
+            "options_searched": self.choices.spec() if self.choices is not None else None,
+            "invalid": self.invalid,
+            "step_scale_caveat": self.caveat,
+            "candidates": [c.to_json() for c in self.candidates[:top]],
+        }
+
+    def table(self, top: int = 10) -> str:
+        """The top-k candidates as a text table, with the step options each was priced with."""
+        head = (
+            f"{'grid (x,y,z,d)':<18} {'seq':>5} {'recompute':>9} {'mb':>3} {'zero':>4} {'offl':>4} {'fp8':>3} "
+            f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':>4} "
+            + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES)
+            + f" {'hidden':>7} {'×bound':>7}"
+        )
+        lines = [head, "-" * len(head)]
+        for c in self.candidates[:top]:
+            t, o = c.time, c.options
+            axes = " ".join(f"{t.comm_by_axis.get(a, 0.0):>8.3g}" for a in TABLE_AXES)
+            lines.append(
+                f"{str(c.shape.as_tuple()):<18} {'split' if c.context_parallel else 'whole':>5} "
+                f"{o.get('recompute', 'none'):>9} {o.get('micro_batches', 1):>3} {o.get('zero', 0):>4} "
+                f"{o.get('offload', 0):>4} {'yes' if o.get('fp8_gather') else 'no':>3} "
+                f"{t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
+                f"{c.mem.peak / 2**30:>8.2f} {'yes' if c.fits else 'NO':>4} {axes} "
+                f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"
+            )
+        return "\n".join(lines)

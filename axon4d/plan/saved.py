@@ -1,0 +1,119 @@
+"""What one block keeps for backward on one rank, by recomputation mode (docs/design.md §2, §5).
+
+Activations saved per block and rank (b tokens; ``block_saved``), as axon4d's blocks keep them
+(measured with torch's memory tracker): each norm keeps its input and the per-token fp32
+statistics (b·2 for LayerNorm's mean and 1/std, b for RMSNorm's 1/rms), and its output, which the
+next GEMM keeps — two (b, H/G_x) tensors where the norm is fused (axon4d's split norm, G_x > 1;
+torch's LayerNorm kernel, G_x = 1), three for ``F.rms_norm``'s elementwise chain (RMSNorm with
+G_x = 1: x̂ too); attention keeps the
+QKV output (as q, k, v), the rotated q and k (Llama), its output (b·H/G_y, which the output
+projection keeps too) and the log-sum-exp (b·heads/G_y fp32); the MLP keeps the up output and the
+activation output (SwiGLU: silu(gate) and the product). With context parallelism attention also
+keeps the keys and values of its kv heads gathered over z for the whole sequences (b·G_z tokens;
+docs/context.md); the rest is the same per token, and a rank holds b = B·S/(G_data·G_z) tokens
+either way, so splitting a sequence over z lowers memory per rank like splitting the batch.
+Recomputation (§5, axon4d.nn.recompute): "selective" drops the rotated q, k and the log-sum-exp (core attention re-runs from q, k, v);
+"balanced" drops the norms' outputs (a norm keeps its input and its statistics) and the
+activation outputs, which the consuming GEMM re-makes in its backward; "full" keeps only block
+inputs and rebuilds one block at a time. A workload without norms (``norms=False``) describes the
+planner probe's blocks (axon4d.measure.probe): no norms, no rotary, GELU, and a mean-square loss
+on the logits instead of the cross-entropy.
+"""
+
+from __future__ import annotations
+
+from axon4d.plan.workload import Workload
+from axon4d.recompute_mode import check_recompute
+from axon4d.shape import GridShape
+
+
+def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict[str, float]:
+    """Elements one block keeps for backward on one rank under ``recompute``, by the part of the
+    backward that frees them: ``norm1`` (the attention's norm, or the QKV input), ``attention``
+    (q, k, v, rotated q and k, output; with context parallelism also the keys and values gathered
+    over z), ``lse`` (fp32), ``norm2`` (the MLP's norm, or the up
+    input), ``up`` (the up output), ``mid`` (SwiGLU's silu(gate)) and ``act`` (the down input)."""
+    check_recompute(recompute)
+    t = block_tensors(wl, shape)
+    if recompute == "full":
+        return {"norm1": t["x0"], "attention": 0.0, "lse": 0.0, "norm2": 0.0, "up": 0.0, "mid": 0.0, "act": 0.0}
+    real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
+    kept_per_norm, stats = 1.0, 0.0
+    if real:
+        # the norm's input, and its output, which the next GEMM keeps; the elementwise chain also
+        # x̂; balanced recomputation keeps the input alone (the output is re-made from the statistics).
+        # torch's norms (G_x = 1) widen the input first (``SplitFeatureNorm.whole``): training in 16
+        # bits they keep an fp32 copy of it (and the chain an fp32 x̂), as ``final_norm_saved`` counts
+        if recompute in ("none", "selective"):
+            wide = 4 / wl.element_size  # an fp32 tensor, in elements of the step's dtype
+            kept_per_norm = {"split": 2.0, "torch": wide + 1.0, "chain": 2 * wide + 1.0}[
+                wl.norm_kernel(shape, recompute)
+            ]
+        # the per-token fp32 statistics, counted in elements of the step's dtype
+        stats = wl.local_tokens(shape) * wl.norm_statistics() * 4 / wl.element_size
+    rot = t["rot"] if real and recompute != "selective" else 0.0
+    gated = real and wl.model.gated
+    dropped_act = recompute == "balanced"
+    return {
+        "norm1": kept_per_norm * t["x0"] + stats,
+        "attention": t["qkv"] + rot + t["att"] + t["kv_all"],
+        "lse": 0.0 if recompute == "selective" else t["lse"],
+        "norm2": kept_per_norm * t["x1"] + stats,
+        "up": t["up"],
+        "mid": t["act"] if gated and not dropped_act else 0.0,
+        "act": 0.0 if dropped_act else t["act"],
+    }
+
+
+#: fp32 (b, hidden/G_x) temporaries a norm's backward holds at its peak, its input gradient included,
+#: by ``Workload.norm_kernel`` (measured with torch's MemTracker: torch's fused LayerNorm makes only
+#: dx; axon4d's split norm x̂, ĝ and one product; ``F.rms_norm``'s chain about four)
+NORM_BACKWARD_TEMPORARIES = {"torch": 1, "split": 3, "chain": 4, "none": 0}
+
+
+def final_norm_saved(wl: Workload, shape: GridShape) -> float:
+    """Bytes the norm before the head keeps for backward beyond its output (the head's input, counted
+    with the head): its input — in the step's dtype for the split norm, an fp32 copy for torch's
+    norms (``whole`` widens it first), with x̂ too for ``F.rms_norm``'s chain — and the per-token
+    fp32 statistics."""
+    kind = wl.norm_kernel(shape)
+    if kind == "none" or not wl.head:
+        return 0.0
+    b = wl.local_tokens(shape)
+    u = b * (wl.model.hidden // shape.x)
+    x = u * wl.element_size if kind == "split" else u * 4 * (2 if kind == "chain" else 1)
+    return x + b * wl.norm_statistics() * 4
+
+
+def block_activation_elements(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[float, float]:
+    """(elements in the step's dtype, fp32 elements) one block saves for backward on one rank."""
+    saved = block_saved(wl, shape, recompute)
+    return sum(v for k, v in saved.items() if k != "lse"), saved["lse"]
+
+
+def block_bytes(wl: Workload, shape: GridShape, recompute: str = "none") -> float:
+    """Bytes one block keeps for backward on one rank under ``recompute`` (what offload moves)."""
+    a16, a32 = block_activation_elements(wl, shape, recompute)
+    return a16 * wl.element_size + a32 * 4
+
+
+def block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
+    """Elements of the tensors one block creates on one rank (b tokens)."""
+    m = wl.model
+    b = wl.local_tokens(shape)
+    h_x, h_y = m.hidden // shape.x, m.hidden // shape.y
+    qkv_y = (m.n_heads + 2 * m.kv_heads) * m.head_dim // shape.y
+    up_y = (2 if m.gated else 1) * m.ffn // shape.y
+    att = wl.attention
+    return {
+        "x0": b * h_x,
+        "qkv": b * qkv_y if att else 0,
+        "rot": b * (m.n_heads + m.kv_heads) * m.head_dim // shape.y if att and m.arch == "llama" else 0,
+        "att": b * h_y,
+        "lse": b * (m.n_heads // shape.y) if att else 0,
+        # context parallelism: the whole sequences' keys and values of this rank's kv heads, gathered over z
+        "kv_all": b * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim if att and wl.context_parallel else 0,
+        "x1": b * h_x,
+        "up": b * up_y,
+        "act": b * (m.ffn // shape.y),
+    }
