@@ -44,6 +44,7 @@ from axon4d import device as devices
 from axon4d.agreement import SLOT, agree, exchange, on_rank0, raise_first, verdict
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
+from axon4d.host_snapshot import HostSnapshot
 from axon4d.models.transformer import Transformer
 from axon4d.param_layout import Box, ParamLayout, param_layouts
 from axon4d.zero import ShardedOptimizer, masters_holder
@@ -375,8 +376,8 @@ class AsyncSaver:
     the same error on every rank, and nothing is published: the previous checkpoint stays the newest
     (its leftovers are removed by the next save). At most one save is in flight.
 
-    The snapshot costs host memory of this rank's parameters and AdamW moments (the sync ``save``
-    holds one file's worth at a time); ``timeout_s`` bounds each of the write's collectives.
+    The snapshot costs host memory of this rank's parameters and AdamW moments, one page-locked
+    buffer per tensor (``axon4d.host_snapshot``; the sync ``save`` holds one file's worth at a time); ``timeout_s`` bounds each of the write's collectives.
     """
 
     def __init__(self, grid: Grid, timeout_s: float = 600.0):
@@ -384,7 +385,7 @@ class AsyncSaver:
             raise ValueError(f"AsyncSaver: timeout_s {timeout_s!r} must be a number of seconds above 0, e.g. 600")
         self.grid, self.timeout_s = grid, float(timeout_s)
         self._group: Any = None  # made by the first save, on every rank at once
-        self._buffers: list[torch.Tensor] = []  # the snapshot, reused while the shapes stay
+        self._snapshots = HostSnapshot()  # the snapshot's host buffers, reused while the sizes stay
         self._pending: _InFlight | None = None
 
     def save(
@@ -413,18 +414,13 @@ class AsyncSaver:
         self._pending = _InFlight(future, path, meta, writer, overwrite, keep_last)
 
     def _snapshot(self, state: _State) -> tuple[list[_Piece], dict[str, torch.Tensor]]:
-        """Host copies of ``state``'s pieces and step counts, in the buffers of the previous save
-        where every shape and dtype is the same; returns once they hold the values."""
+        """Host copies of ``state``'s pieces and step counts (``HostSnapshot``: one page-locked buffer
+        per storage, reused from the previous save while the sizes stay); returns once they hold the
+        values."""
         sources = [view for _, view in state.parts] + list(state.steps.values())
-        if [(b.shape, b.dtype) for b in self._buffers] != [(t.shape, t.dtype) for t in sources]:
-            self._buffers = [devices.pinned_empty_like(t) for t in sources]
-        for buf, t in zip(self._buffers, sources):
-            buf.copy_(t.detach(), non_blocking=True)  # from an accelerator: queued, awaited below
-        devices.synchronize(self.grid.device)
+        copies = self._snapshots.take(sources)
         n = len(state.parts)
-        return [(box, buf) for (box, _), buf in zip(state.parts, self._buffers)], dict(
-            zip(state.steps, self._buffers[n:])
-        )
+        return [(box, buf) for (box, _), buf in zip(state.parts, copies)], dict(zip(state.steps, copies[n:]))
 
     @property
     def in_flight(self) -> str | None:
@@ -465,7 +461,7 @@ class AsyncSaver:
             if self._group is not None:
                 comm.close_group(self._group)
                 self._group = None
-            self._buffers = []
+            self._snapshots.clear()
 
     def __enter__(self) -> AsyncSaver:
         return self

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from axon4d import device as devices
+from axon4d.device.pinned import pinned_footprint
 
 #: saved tensors smaller than this stay where they are
 MIN_BYTES = 64 << 10
@@ -122,6 +123,12 @@ class OffloadStats:
     """host copies held now (device memory they freed)"""
     peak_host_bytes: int = 0
     """the most held at once since ``reset_peaks``"""
+    pinned_bytes: int = 0
+    """host memory the buffers of those copies take now: each is page-locked on an accelerator and
+    takes ``axon4d.device.pinned.pinned_footprint`` of its bytes (the caching host allocator keeps
+    its blocks for the run); equal to ``host_bytes`` on the host"""
+    peak_pinned_bytes: int = 0
+    """the most ``pinned_bytes`` at once since ``reset_peaks`` (what the planner's host budget prices)"""
     block_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     """host copies held now, by block"""
     peak_block_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -146,12 +153,13 @@ class _Saved:
     strides and offset, bit for bit the layout the backward kernels saw without offload, and views
     of one storage (q, k and v of the QKV output) move once."""
 
-    __slots__ = ("__weakref__", "_copy", "_owner", "_ready", "block", "device", "host", "nbytes")
+    __slots__ = ("__weakref__", "_copy", "_owner", "_ready", "block", "device", "footprint", "host", "nbytes")
 
     def __init__(self, owner: Offloader, t: torch.Tensor, block: int):
         self._owner, self.block, self.device = owner, block, t.device
         data = _bytes_of(t)  # (storage bytes,) uint8
         self.nbytes = data.numel()
+        self.footprint = pinned_footprint(self.nbytes, devices.is_accelerator(t.device))  # what its buffer holds
         self._copy: torch.Tensor | None = None
         self._ready: devices.Event = None
         owner._moved(self, out=True)  # counted before the host buffer exists: never less than it
@@ -327,6 +335,7 @@ class Offloader:
         """Start the peaks afresh from what is held now; zero the copy and skip counts."""
         s = self._stats
         s.peak_host_bytes, s.peak_resident_bytes = s.host_bytes, s.resident_bytes
+        s.peak_pinned_bytes = s.pinned_bytes
         s.peak_block_bytes = dict(s.block_bytes)
         s.copies_out = s.copies_in = s.late_fetches = s.small_bytes = 0
         s.skipped = {k: 0 for k in s.skipped}
@@ -337,6 +346,8 @@ class Offloader:
             s.copies_out += 1
             s.host_bytes += saved.nbytes
             s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
+            s.pinned_bytes += saved.footprint
+            s.peak_pinned_bytes = max(s.peak_pinned_bytes, s.pinned_bytes)
             now = s.block_bytes[saved.block] = s.block_bytes.get(saved.block, 0) + saved.nbytes
             s.peak_block_bytes[saved.block] = max(s.peak_block_bytes.get(saved.block, 0), now)
         else:
@@ -347,6 +358,7 @@ class Offloader:
     def _released(self, saved: _Saved, fetched: bool) -> None:
         s = self._stats
         s.host_bytes -= saved.nbytes
+        s.pinned_bytes -= saved.footprint
         s.block_bytes[saved.block] -= saved.nbytes
         if fetched:
             s.resident_bytes -= saved.nbytes

@@ -8,7 +8,7 @@ GPU measured a machine file (``bench/results/machine_h200_one_gpu.json``: its GE
 elementwise work and host link). This bench prices the same steps with the planner, on that file
 and on the shipped datasheet file ``h100`` (the H200's compute is the H100's), and prints each
 beside the measurement: the step without offload, and what offload adds
-(``TimeEstimate.offload_s``, ``axon4d.plan.cost.copy_queue``).
+(``TimeEstimate.offload_s``, ``axon4d.plan.offload_cost.copy_queue``).
 
     .venv/bin/python bench/gpu_price.py
 

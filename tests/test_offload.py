@@ -15,6 +15,7 @@
   the prefetched one), every one prefetched before it was needed.
 """
 
+import dataclasses
 import gc
 
 import pytest
@@ -232,10 +233,29 @@ def _measure(grid, arch, mode, offload, context_parallel=False):
     return _memory(grid, cfg, mode, None, context_parallel), _memory(grid, cfg, mode, offload, context_parallel)
 
 
-def _check_memory(none, off, planned, planner_tol):
-    """The memory contract for half of 4 blocks offloaded (see the tests' docstrings)."""
+def _planned_pinned(arch, mode, shape, context_parallel=False, blocks=2):
+    """The host memory the planner prices for ``blocks`` offloaded blocks on a host machine (no
+    page-locking: each buffer its own bytes), ``axon4d.plan.host_memory.offload_pinned``."""
+    from axon4d.plan.host_memory import offload_pinned
+    from axon4d.plan.machine import load
+    from axon4d.plan.scenario import Scenario
+    from axon4d.plan.workload import Workload
+    from axon4d.shape import GridShape
+
+    host = dataclasses.replace(load("perlmutter"), accelerator=False)
+    wl = Workload(MEM_CFG[arch], MEM_BATCH, "float32", context_parallel=context_parallel)
+    return offload_pinned(Scenario(wl, GridShape(*shape), host, recompute=mode, offload=blocks))
+
+
+def _check_memory(none, off, planned, planner_tol, pinned=None):
+    """The memory contract for half of 4 blocks offloaded (see the tests' docstrings); ``pinned``:
+    the host memory the planner prices for the two blocks' buffers (none: not compared)."""
     stats = off["stats"]
     assert sorted(stats.peak_block_bytes) == [0, 1]
+    # on the host every buffer takes its own bytes (axon4d.device.pinned.pinned_footprint)
+    assert stats.peak_pinned_bytes == stats.peak_host_bytes == off["held"]
+    if pinned is not None:
+        assert (1 - planner_tol) * pinned <= stats.peak_pinned_bytes <= (1 + planner_tol) * pinned
     per_block = stats.peak_block_bytes[0]
     assert stats.peak_block_bytes[1] == per_block > MIN_BYTES
     assert off["held"] == 2 * per_block and stats.host_bytes == 0  # all released after the backward
@@ -262,7 +282,8 @@ def test_offloaded_blocks_leave_the_device_and_come_back_two_at_a_time(pools, ar
     model's peak is its recomputation and gradients: not asserted); during the backward at most two
     blocks' copies are on the device at once, each prefetched."""
     none, off = pools(1).run((1, 1, 1, 1), _measure, arch, mode, 0.5)[0]
-    drop = _check_memory(none, off, _planned_block_bytes(arch, mode, (1, 1, 1, 1)), 0.02)
+    planned = _planned_block_bytes(arch, mode, (1, 1, 1, 1))
+    drop = _check_memory(none, off, planned, 0.02, _planned_pinned(arch, mode, (1, 1, 1, 1)))
     if mode != "full":
         assert drop >= PEAK_SHARE * off["held"], (drop, off["held"])
 
@@ -295,7 +316,8 @@ def test_offloaded_bytes_follow_the_grid(pools, grid, context_parallel, mode, ar
     planner's block_saved says (within 2%; within CP_PLANNER_TOL under context parallelism)."""
     for none, off in pools(4).run(grid, _measure, arch, mode, 0.5, context_parallel):
         tol = CP_PLANNER_TOL if context_parallel else 0.02
-        drop = _check_memory(none, off, _planned_block_bytes(arch, mode, grid, context_parallel), tol)
+        planned = _planned_block_bytes(arch, mode, grid, context_parallel)
+        drop = _check_memory(none, off, planned, tol, _planned_pinned(arch, mode, grid, context_parallel))
         assert drop >= PEAK_SHARE * off["held"], (drop, off["held"])
 
 

@@ -16,10 +16,11 @@ from axon4d.config import SIZES, ModelConfig
 from axon4d.geometry import Op, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import cli
-from axon4d.plan.cost import ONCE_PER_STEP, copy_queue, step_estimate, zero_gathers
+from axon4d.plan.cost import ONCE_PER_STEP, step_estimate, zero_gathers
 from axon4d.plan.layers import FP8_SCALE_BYTES, in_block, layer_cost
 from axon4d.plan.machine import load
 from axon4d.plan.memory import local_param_count, local_param_tensors, memory, sixteen_bit_weights
+from axon4d.plan.offload_cost import copy_queue
 from axon4d.plan.options import Choices, best_options, lower_bound
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
@@ -137,7 +138,7 @@ def test_zero_shards_the_optimizer_and_gathers_the_parameters_over_data():
 
 
 def test_the_copy_queue_exposes_what_the_side_stream_cannot_fit_behind_the_compute():
-    """cost.copy_queue, worked by hand: 4 blocks, the first 2 offloaded, forward 1, backward 2, head 1,
+    """offload_cost.copy_queue, worked by hand: 4 blocks, the first 2 offloaded, forward 1, backward 2, head 1,
     copy 3 — the second block's copy out queues behind the first (ends at 6), block 1's fetch is issued
     when block 2's gradient arrives (7, ready 10), block 0's at 9 (after block 1's fetch: ready 13); the
     backward ends at 15 instead of 13."""

@@ -105,7 +105,8 @@ def choose_grid(world: int, **options: Any) -> GridShape:
     or "sgd"), ``memory_gib``, ``workload``, ``rank``, ``top``, and the step options
     ``micro_batches``, ``zero``, ``offload``, ``fp8_gather``, ``context_parallel`` (each pinned by
     default to what a model built without them runs; "auto" lets the search choose, and the choice
-    is the returned candidate's ``options``). Raises ``ValueError`` (on every rank alike) when no
+    is the returned candidate's ``options``), and ``async_save`` (the job keeps a pinned host snapshot
+    for asynchronous checkpoints: it counts against the node's host memory). Raises ``ValueError`` (on every rank alike) when no
     grid fits."""
     return choose(world, **options).shape
 
@@ -129,6 +130,7 @@ def choose(
     offload: int | str = 0,
     fp8_gather: bool | str = False,
     context_parallel: bool | str = False,
+    async_save: bool = False,
 ) -> Candidate:
     """``choose_grid``'s whole choice: the best candidate, with the overlap policy and the step
     options (``Candidate.options``; "auto" ones chosen by the search) it was priced with. Raises
@@ -149,6 +151,7 @@ def choose(
         offload=offload,
         fp8_gather=fp8_gather,
         context_parallel=context_parallel,
+        async_save=async_save,
         top=max(top, 1),
     )
     best = result.best

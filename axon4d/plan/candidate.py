@@ -15,6 +15,7 @@ from typing import Any
 
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.cost import TimeEstimate, step_estimate
+from axon4d.plan.host_memory import pinned_per_node, pinned_per_rank
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import MemoryEstimate, memory
 from axon4d.plan.scenario import Scenario
@@ -121,8 +122,9 @@ def evaluate(
 
 
 def scenario_memory(sc: Scenario) -> MemoryEstimate:
-    """``memory.memory`` of ``sc``: its workload, grid, recomputation, overlap and options."""
-    return memory(
+    """``memory.memory`` of ``sc``: its workload, grid, recomputation, overlap and options, with the
+    host memory its buffers pin per rank and per node (``host_memory``)."""
+    mem = memory(
         sc.workload,
         sc.shape,
         sc.recompute,
@@ -134,6 +136,7 @@ def scenario_memory(sc: Scenario) -> MemoryEstimate:
         fp8_gather=sc.fp8_gather,
         widened_gemms=not sc.machine.accelerator,
     )
+    return dataclasses.replace(mem, pinned=pinned_per_rank(sc), pinned_node=pinned_per_node(sc))
 
 
 def fits(mem: MemoryEstimate, machine: Machine, memory_limit: float | None = None) -> bool:

@@ -107,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("off", "on", "auto"),
         help="split each sequence's tokens over z (docs/context.md): auto (both searched, default), off or on",
     )
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="the job checkpoints with --async-save: its pinned host snapshot counts against the node's host memory",
+    )
     p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the candidates as JSON ('-' for stdout)")
@@ -137,6 +142,7 @@ def main(args: argparse.Namespace) -> int:
         zero=args.zero,
         offload=args.offload,
         fp8_gather=FP8_GATHER[args.fp8_gather],
+        async_save=args.async_save,
         top=args.top,
     )
     elapsed = time.perf_counter() - start

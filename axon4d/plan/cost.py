@@ -41,9 +41,9 @@ from axon4d.plan.layers import (
 )
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_tensors, param_bytes, sixteen_bit_weights
+from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
-from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
@@ -321,59 +321,3 @@ def _stored(sc: Scenario) -> list[tuple[list[int], int]]:
     for n in sixteen:
         rest.remove(n)
     return [(sixteen, wl.element_size), (rest, param_bytes(wl))]
-
-
-def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
-    """Seconds activation offload adds to one pass (docs/design.md §5): what the copies of the first
-    ``offload`` blocks' saved activations over the host link leave exposed (``copy_queue``), the
-    block's forward and backward from ``layers`` and the head's compute between the two passes. The
-    copies run on the accelerator's copy engines, not its cores, so no overlap efficiency applies.
-    On a host without accelerators the copies are memory copies on the compute cores: nothing is
-    hidden (``Machine.host_copy_time``)."""
-    if not sc.offload:
-        return 0.0
-    copy, fwd, bwd, between = _offload_windows(sc, layers)
-    if not sc.machine.accelerator:
-        return 2 * sc.offload * copy
-    return copy_queue(copy, sc.offload, sc.model.n_layers, fwd, bwd, between)
-
-
-def offload_windows(sc: Scenario) -> tuple[float, float, float, float]:
-    """What ``offload_seconds`` prices ``sc``'s offload from, in seconds: one block's copy one way,
-    one block's forward and backward (with what recomputation runs again), the head's forward and
-    backward between the two passes."""
-    extras = block_extras(sc)
-    return _offload_windows(sc, [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0))) for s in sc.linears])
-
-
-def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float, float, float]:
-    copy = sc.machine.host_copy_time(block_bytes(sc.workload, sc.shape, sc.recompute), sc.world)
-    block = [lc for lc in layers if in_block(lc.spec, sc)]
-    fwd = sum(lc.fwd_s for lc in block)
-    bwd = sum(lc.compute_s - lc.fwd_s for lc in block) + (fwd if sc.recompute == "full" else 0.0)
-    between = sum(lc.compute_s for lc in layers if not in_block(lc.spec, sc) and not lc.spec.embedding)
-    return copy, fwd, bwd, between
-
-
-def copy_queue(copy: float, offloaded: int, n_layers: int, fwd: float, bwd: float, between: float) -> float:
-    """Seconds the offload copies expose in one pass, as the runtime issues them (axon4d.offload):
-    one side stream runs every copy in order. Block i < ``offloaded`` sends its activations out from
-    the start of its forward (each is copied as it is saved), the copy ending no sooner than that
-    forward; the forward does not wait for them. In the backward, when block j's output gradient
-    arrives, block j−1's activations are fetched (one block ahead; the last block fetches its own),
-    and block j's backward waits for its fetch. ``copy``: seconds of one block's copy one way;
-    ``fwd``/``bwd``: one block's forward/backward; ``between``: the head's forward and backward."""
-    t = free = 0.0  # compute stream's time; when the side stream is next free
-    for i in range(n_layers):
-        if i < offloaded:
-            free = max(max(free, t) + copy, t + fwd)
-        t += fwd
-    t += between
-    ready: dict[int, float] = {}
-    for j in reversed(range(n_layers)):
-        for i in (j, j - 1):  # block j (if nobody fetched it) and, one ahead, block j − 1
-            if 0 <= i < offloaded and i not in ready:
-                free = max(free, t) + copy
-                ready[i] = free
-        t = max(t, ready.get(j, 0.0)) + bwd
-    return max(0.0, t - n_layers * (fwd + bwd) - between)  # no negative rounding residue

@@ -83,6 +83,8 @@ class MemoryEstimate:
     buffers: float  # transient buffers at the peak (gathered weights, dW blocks, logits gradient)
     peak: float
     host: float = 0.0  # offloaded activations held in host memory (``offload`` blocks)
+    pinned: float = 0.0  # host memory one rank's buffers take (offload, snapshot; ``plan.host_memory``)
+    pinned_node: float = 0.0  # ... and all the ranks of one node together
 
     def to_json(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -27,42 +27,71 @@ from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
 
 
-def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict[str, float]:
-    """Elements one block keeps for backward on one rank under ``recompute``, by the part of the
-    backward that frees them: ``norm1`` (the attention's norm, or the QKV input), ``attention``
-    (q, k, v, rotated q and k, output; with context parallelism also the keys and values gathered
-    over z), ``lse`` (fp32), ``norm2`` (the MLP's norm, or the up
-    input), ``up`` (the up output), ``mid`` (SwiGLU's silu(gate)) and ``act`` (the down input)."""
+def saved_tensors(wl: Workload, shape: GridShape, recompute: str = "none") -> dict[str, list[tuple[float, int]]]:
+    """The tensors one block keeps for backward on one rank under ``recompute``, as (elements, bytes
+    per element) each, by the part of the backward that frees them (``block_saved``'s parts). Each
+    is one storage, as activation offload moves them: q, k and v are views of the QKV output's,
+    SwiGLU's gate and up of the up projection's."""
     check_recompute(recompute)
     t = block_tensors(wl, shape)
+    elem = wl.element_size
+    empty: dict[str, list[tuple[float, int]]] = {k: [] for k in ("attention", "lse", "norm2", "up", "mid", "act")}
     if recompute == "full":
-        return {"norm1": t["x0"], "attention": 0.0, "lse": 0.0, "norm2": 0.0, "up": 0.0, "mid": 0.0, "act": 0.0}
+        return {"norm1": [(t["x0"], elem)], **empty}
     real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
-    kept_per_norm, stats = 1.0, 0.0
-    if real:
-        # the norm's input, and its output, which the next GEMM keeps; the elementwise chain also
-        # x̂; balanced recomputation keeps the input alone (the output is re-made from the statistics).
-        # torch's norms (G_x = 1) widen the input first (``SplitFeatureNorm.whole``): training in 16
-        # bits they keep an fp32 copy of it (and the chain an fp32 x̂), as ``final_norm_saved`` counts
-        if recompute in ("none", "selective"):
-            wide = 4 / wl.element_size  # an fp32 tensor, in elements of the step's dtype
-            kept_per_norm = {"split": 2.0, "torch": wide + 1.0, "chain": 2 * wide + 1.0}[
-                wl.norm_kernel(shape, recompute)
-            ]
-        # the per-token fp32 statistics, counted in elements of the step's dtype
-        stats = wl.local_tokens(shape) * wl.norm_statistics() * 4 / wl.element_size
-    rot = t["rot"] if real and recompute != "selective" else 0.0
-    gated = real and wl.model.gated
+
+    def norm(x: float) -> list[tuple[float, int]]:
+        """One norm's tensors: without recomputation the input and the output, which the next GEMM
+        keeps — torch's norms (G_x = 1) widen the input first (``SplitFeatureNorm.whole``), so
+        they keep an fp32 copy of it instead (the elementwise chain an fp32 x̂ too); balanced
+        recomputation keeps the input alone (the output is re-made from the statistics); and the
+        per-token fp32 statistics. The probe's blocks (no norms): the GEMM's input."""
+        if not real:
+            return [(x, elem)]
+        kernel = wl.norm_kernel(shape, recompute)
+        if recompute == "balanced":
+            kept = [(x, elem)]
+        else:
+            kept = {"split": [(x, elem)], "torch": [(x, 4)], "chain": [(x, 4), (x, 4)]}[kernel] + [(x, elem)]
+        return kept + [(wl.local_tokens(shape) * wl.norm_statistics(), 4)]
+
+    rotated = real and wl.model.arch == "llama" and recompute != "selective" and wl.attention
+    m = wl.model
+    q_rot = t["rot"] * m.n_heads / (m.n_heads + m.kv_heads) if rotated else 0.0
+    gated = real and m.gated
     dropped_act = recompute == "balanced"
-    return {
-        "norm1": kept_per_norm * t["x0"] + stats,
-        "attention": t["qkv"] + rot + t["att"] + t["kv_all"],
-        "lse": 0.0 if recompute == "selective" else t["lse"],
-        "norm2": kept_per_norm * t["x1"] + stats,
-        "up": t["up"],
-        "mid": t["act"] if gated and not dropped_act else 0.0,
-        "act": 0.0 if dropped_act else t["act"],
+    parts = {
+        "norm1": norm(t["x0"]),
+        "attention": [(t["qkv"], elem), (q_rot, elem), (t["rot"] - q_rot if rotated else 0.0, elem)]
+        + [(t["att"], elem), (t["kv_all"], elem)],
+        "lse": [] if recompute == "selective" else [(t["lse"], 4)],
+        "norm2": norm(t["x1"]),
+        "up": [(t["up"], elem)],
+        "mid": [(t["act"], elem)] if gated and not dropped_act else [],
+        "act": [] if dropped_act else [(t["act"], elem)],
     }
+    return {k: [(n, b) for n, b in v if n > 0] for k, v in parts.items()}
+
+
+def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict[str, float]:
+    """Elements one block keeps for backward on one rank under ``recompute``, in the step's dtype
+    (the log-sum-exp's in fp32), by the part of the backward that frees them: ``norm1`` (the
+    attention's norm, or the QKV input), ``attention`` (q, k, v, rotated q and k, output; with
+    context parallelism also the keys and values gathered over z), ``lse`` (fp32), ``norm2`` (the
+    MLP's norm, or the up input), ``up`` (the up output), ``mid`` (SwiGLU's silu(gate)) and ``act``
+    (the down input): ``saved_tensors`` summed, fp32 tensors counted in the step's elements."""
+    elem = wl.element_size
+    return {
+        k: sum(n * (1 if k == "lse" else b / elem) for n, b in tensors)
+        for k, tensors in saved_tensors(wl, shape, recompute).items()
+    }
+
+
+def block_storages(wl: Workload, shape: GridShape, recompute: str = "none") -> list[float]:
+    """Bytes of each storage one block keeps for backward on one rank under ``recompute``
+    (``saved_tensors``): what activation offload copies, one host buffer each. They sum to
+    ``block_bytes``."""
+    return [n * b for tensors in saved_tensors(wl, shape, recompute).values() for n, b in tensors]
 
 
 #: fp32 (b, hidden/G_x) temporaries a norm's backward holds at its peak, its input gradient included,

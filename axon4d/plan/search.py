@@ -76,6 +76,7 @@ def plan(
     zero: int | str = AUTO_OPTION,
     offload: int | str = AUTO_OPTION,
     fp8_gather: bool | str = AUTO_OPTION,
+    async_save: bool = False,
     top: int | None = 10,
 ) -> PlanResult:
     """Search every valid grid of ``world`` ranks for ``model`` on ``machine`` with every step
@@ -86,7 +87,8 @@ def plan(
     ``memory_limit`` (bytes per device) defaults to the machine's device memory. Each option is
     ``AUTO_OPTION`` (searched; the default) or pinned: ``recompute`` a mode, ``micro_batches`` a
     count, ``zero`` 0/1/2, ``offload`` a number of blocks, ``fp8_gather`` True/False,
-    ``context_parallel`` True/False. ``optimizer``: "adam" or "sgd" (``Workload``). ``overlap``: a
+    ``context_parallel`` True/False. ``optimizer``: "adam" or "sgd" (``Workload``). ``async_save``: the
+    job checkpoints asynchronously, and its host snapshot counts against the node's host memory. ``overlap``: a
     policy (``OverlapPolicy.parse``), or "auto": the knobs tuned (``tune_overlap``) for the
     ``TUNE_TOP`` fastest; the result's ``overlap`` is the best candidate's policy.
 
@@ -114,6 +116,8 @@ def plan(
         workload = Workload(cfg, batch, dtype, optimizer=optimizer)
     if cp is True and not workload.context_parallel:
         workload = dataclasses.replace(workload, context_parallel=True)
+    if async_save and not workload.async_save:
+        workload = dataclasses.replace(workload, async_save=True)
     if choices.offload is not None:
         offload_levels(workload, mach, choices.offload)  # refused here when above n_layers
     auto = overlap == AUTO

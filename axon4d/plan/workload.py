@@ -58,7 +58,8 @@ class LinearSpec:
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A model, a global batch (sequences per step), the training precision and the optimizer
-    (``OPTIMIZERS``: "adam", two fp32 states per parameter; "sgd", plain SGD without momentum, none)."""
+    (``OPTIMIZERS``: "adam", two fp32 states per parameter; "sgd", plain SGD without momentum, none);
+    ``async_save``: the job keeps a host snapshot of its state for asynchronous checkpoints."""
 
     model: ModelConfig
     batch: int
@@ -69,6 +70,7 @@ class Workload:
     norms: bool = True
     optimizer: str = "adam"
     context_parallel: bool = False
+    async_save: bool = False  # the job checkpoints with --async-save: a pinned snapshot (plan.host_memory)
 
     def __post_init__(self) -> None:
         if self.context_parallel and self.model.seq_len % 2:

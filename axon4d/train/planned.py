@@ -95,6 +95,7 @@ def plan_run(cfg: TrainConfig, accelerator: bool) -> tuple[TrainConfig, Candidat
         dtype="float32" if precision == "fp32" else "bfloat16",
         overlap="auto",
         rank=info.rank,
+        async_save=cfg.async_save,
         **asked,
     )
     k = int(best.option("micro_batches"))

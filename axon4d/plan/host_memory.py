@@ -1,0 +1,89 @@
+"""What a plan pins in host memory, per rank and per node (docs/design.md §5, §6).
+
+A node's host memory is shared by its ranks (``Machine.devices_per_node`` of them, or the whole
+world when it is smaller), the operating system and the job's own processes. What a plan pins
+there, per rank, in the bytes the runtime's buffers really take (``axon4d.device.pinned``: on an
+accelerator torch's caching host allocator rounds every page-locked buffer up to a power of two and
+keeps it for the run):
+
+- activation offload (``axon4d.offload``): every storage the first ``offload`` blocks save for
+  backward (``axon4d.plan.saved.block_storages``) except those under ``axon4d.offload.MIN_BYTES``,
+  which stay on the device — one buffer each, all held at the end of the forward;
+- the asynchronous checkpoint's snapshot (``--async-save``, ``Workload.async_save``): a host copy
+  of each stored tensor of the model and its optimizer state (``snapshot_tensors``), one buffer
+  per tensor, kept from one save to the next.
+
+The plan fits the node when the node's ranks together pin no more than its host memory less its
+reserve (``candidate.fits``). On a host without accelerators nothing is page-locked: offload's
+copies are plain host tensors that take the bytes they hold, and host memory is the device's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+from axon4d.device.pinned import pinned_footprint
+from axon4d.offload import MIN_BYTES
+from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
+from axon4d.plan.saved import block_storages
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.workload import OPTIMIZERS
+
+
+def offload_pinned(sc: Scenario) -> float:
+    """Host bytes one rank's offload buffers take: ``offload`` blocks × the footprint of each
+    storage of a block at or above ``MIN_BYTES``."""
+    if not sc.offload:
+        return 0.0
+    accel = sc.machine.accelerator
+    per_block = sum(
+        pinned_footprint(math.ceil(s), accel)
+        for s in block_storages(sc.workload, sc.shape, sc.recompute)
+        if s >= MIN_BYTES
+    )
+    return sc.offload * float(per_block)
+
+
+def snapshot_tensors(sc: Scenario) -> list[int]:
+    """Bytes of each tensor the asynchronous checkpoint copies to the host on one rank
+    (``axon4d.checkpoint``: the model's parameters as saved — the fp32 masters, of which a ZeRO
+    optimizer that stores the Linear weights in 16 bits keeps this data rank's part — and each
+    parameter's optimizer moments, fp32, the whole tensor's or under ZeRO this rank's part)."""
+    wl, shape = sc.workload, sc.shape
+    tensors = local_param_tensors(wl, shape)
+    sixteen = list(sixteen_bit_weights(wl, shape, sc.zero))
+    moments = OPTIMIZERS[wl.optimizer] // 4  # fp32 states per parameter element
+    out: list[int] = []
+    for n in tensors:
+        part = math.ceil(n / shape.data) if sc.zero else n  # what this rank's optimizer holds of it
+        if n in sixteen:
+            sixteen.remove(n)
+            out.append(part * 4)  # the master part, not the 16-bit weight
+        else:
+            out.append(n * 4)
+        out += [part * 4] * moments + [4]  # the moments, the step count
+    return out
+
+
+def snapshot_pinned(sc: Scenario) -> float:
+    """Host bytes one rank's asynchronous-checkpoint snapshot takes (``Workload.async_save``; 0
+    without it): the footprint of one buffer per ``snapshot_tensors`` tensor."""
+    if not sc.workload.async_save:
+        return 0.0
+    accel = sc.machine.accelerator
+    return float(sum(pinned_footprint(n, accel) for n in snapshot_tensors(sc)))
+
+
+def ranks_per_node(sc: Scenario) -> int:
+    """Ranks of the job on one node: the machine's devices per node, or the whole world if smaller."""
+    return min(sc.world, sc.machine.devices_per_node)
+
+
+def pinned_per_rank(sc: Scenario) -> float:
+    """Host bytes one rank of ``sc`` pins: its offload buffers and its checkpoint snapshot."""
+    return offload_pinned(sc) + snapshot_pinned(sc)
+
+
+def pinned_per_node(sc: Scenario) -> float:
+    """Host bytes the ranks of one node pin together (every rank of a plan pins alike)."""
+    return ranks_per_node(sc) * pinned_per_rank(sc)

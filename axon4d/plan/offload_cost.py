@@ -1,0 +1,126 @@
+"""Seconds activation offload adds to a pass, with the host link shared (docs/design.md §5, §6).
+
+Offload (``axon4d.offload``) copies the first n blocks' saved activations to host memory during the
+forward and back ahead of their backward, on one side stream (``copy_queue``). On an accelerator
+those copies cross the device's one host link (PCIe) — and so does every byte the device's
+collectives send to or receive from other nodes: with GPUDirect RDMA the network card reads and
+writes device memory across the same link. The link runs both ways at once at
+``Machine.host_link_Bps`` each; in each direction one pass moves the offload copies (out in the
+forward, back in the backward) and the network traffic of its collectives (``link_traffic``).
+
+The copies are priced at the share of the link the network leaves them: with N bytes of network
+traffic per direction spread over a pass of T seconds of compute, a copy runs at
+β_link·(1 − N/(β_link·T)) (the share capped at ``MAX_NETWORK_SHARE``), and the pass can never be
+shorter than all its link bytes at the full link rate: the exposed time is at least
+(N + copies)/β_link − max(T, N/β_link) — what the copies add beyond what the network alone needs.
+On a host without accelerators the copies are memory copies on the compute cores: nothing is
+hidden and no network shares a link (``Machine.host_copy_time``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, in_block, layer_cost
+from axon4d.plan.machine import ring_traffic
+from axon4d.plan.saved import block_bytes
+from axon4d.plan.scenario import Scenario
+
+#: the most of the host link the network may be taken to use while copies run beside it: beyond it
+#: the link-bound floor of ``offload_seconds`` prices the pass
+MAX_NETWORK_SHARE = 0.95
+
+
+def network_share(sc: Scenario, axis: str) -> float:
+    """The share of a rank's ring traffic on ``axis`` that leaves its node (and so crosses its host
+    link): 0 for a group inside one node; else 1/p for a group of p ranks per node — a ring over
+    the group crosses each node boundary once, and the node's ranks carry those crossings between
+    them (NCCL spreads its channels over the node's network cards)."""
+    shape, per_node = sc.shape, sc.machine.devices_per_node
+    group, stride = shape.size(axis), shape.stride(axis)
+    if group <= 1 or (group - 1) * stride + 1 <= per_node:
+        return 0.0
+    on_node = max(1, min(group, math.ceil(per_node / stride)))
+    return 1.0 / on_node
+
+
+def link_traffic(sc: Scenario, layers: list[LayerCost]) -> float:
+    """Bytes one pass's collectives move across a rank's host link in each direction (sent and
+    received alike): the ring traffic of every collective of ``layers`` and of the edge collectives
+    (replicated parameters' gradients), times its ``network_share``. 0 on a host."""
+    if not sc.machine.accelerator:
+        return 0.0
+    total = 0.0
+    for lc in layers:
+        for term, traffic in lc.term_traffic.items():
+            total += lc.spec.count * traffic * network_share(sc, lc.comm_axis[term])
+    for c in sc.edge_collectives:
+        if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's
+            group = sc.shape.size(c.axis)
+            total += ring_traffic(c.op.value, group, c.payload_bytes) * network_share(sc, c.axis)
+    return total
+
+
+def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
+    """Seconds activation offload adds to one pass (docs/design.md §5): what the copies of the first
+    ``offload`` blocks' saved activations leave exposed (``copy_queue``) at the share of the host
+    link the pass's network traffic leaves them, and at least what the link's whole load in one
+    direction takes beyond the pass (module docstring). The copies run on the accelerator's copy
+    engines, not its cores, so no overlap efficiency applies. On a host the copies are memory
+    copies on the compute cores: nothing is hidden."""
+    if not sc.offload:
+        return 0.0
+    moved, fwd, bwd, between = _offload_windows(sc, layers)
+    m = sc.machine
+    if not m.accelerator:
+        return 2 * sc.offload * m.host_copy_time(moved, sc.world)
+    alone = m.host_copy_time(moved, sc.world)  # the link to itself (refused without host_link_Bps)
+    compute = sc.model.n_layers * (fwd + bwd) + between
+    network = link_traffic(sc, layers)
+    link = m.host_link_Bps
+    share = min(network / (link * compute), MAX_NETWORK_SHARE) if compute > 0 else MAX_NETWORK_SHARE
+    copy = alone / (1.0 - share)
+    exposed = copy_queue(copy, sc.offload, sc.model.n_layers, fwd, bwd, between)
+    floor = (network + sc.offload * moved) / link - max(compute, network / link)
+    return max(exposed, floor, 0.0)
+
+
+def offload_windows(sc: Scenario) -> tuple[float, float, float, float]:
+    """What ``offload_seconds`` prices ``sc``'s offload from: the bytes of one block's copy one way,
+    and in seconds one block's forward and backward (with what recomputation runs again) and the
+    head's forward and backward between the two passes."""
+    extras = block_extras(sc)
+    return _offload_windows(sc, [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0))) for s in sc.linears])
+
+
+def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float, float, float]:
+    moved = block_bytes(sc.workload, sc.shape, sc.recompute)
+    block = [lc for lc in layers if in_block(lc.spec, sc)]
+    fwd = sum(lc.fwd_s for lc in block)
+    bwd = sum(lc.compute_s - lc.fwd_s for lc in block) + (fwd if sc.recompute == "full" else 0.0)
+    between = sum(lc.compute_s for lc in layers if not in_block(lc.spec, sc) and not lc.spec.embedding)
+    return moved, fwd, bwd, between
+
+
+def copy_queue(copy: float, offloaded: int, n_layers: int, fwd: float, bwd: float, between: float) -> float:
+    """Seconds the offload copies expose in one pass, as the runtime issues them (axon4d.offload):
+    one side stream runs every copy in order. Block i < ``offloaded`` sends its activations out from
+    the start of its forward (each is copied as it is saved), the copy ending no sooner than that
+    forward; the forward does not wait for them. In the backward, when block j's output gradient
+    arrives, block j−1's activations are fetched (one block ahead; the last block fetches its own),
+    and block j's backward waits for its fetch. ``copy``: seconds of one block's copy one way;
+    ``fwd``/``bwd``: one block's forward/backward; ``between``: the head's forward and backward."""
+    t = free = 0.0  # compute stream's time; when the side stream is next free
+    for i in range(n_layers):
+        if i < offloaded:
+            free = max(max(free, t) + copy, t + fwd)
+        t += fwd
+    t += between
+    ready: dict[int, float] = {}
+    for j in reversed(range(n_layers)):
+        for i in (j, j - 1):  # block j (if nobody fetched it) and, one ahead, block j − 1
+            if 0 <= i < offloaded and i not in ready:
+                free = max(free, t) + copy
+                ready[i] = free
+        t = max(t, ready.get(j, 0.0)) + bwd
+    return max(0.0, t - n_layers * (fwd + bwd) - between)  # no negative rounding residue

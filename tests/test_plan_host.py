@@ -1,0 +1,183 @@
+"""Protects what the planner prices on the host side of a GPU (axon4d/plan/host_memory.py,
+axon4d/plan/offload_cost.py, docs/planner.md "A node, not a device"): page-locked buffers at the
+size torch's host allocator really takes, the host memory a plan pins per node (offload and the
+asynchronous checkpoint's snapshot), and the host link shared by offload's copies and the network
+traffic that crosses it."""
+
+import dataclasses
+import math
+
+import pytest
+
+from axon4d.config import SIZES, ModelConfig
+from axon4d.device.pinned import pinned_footprint
+from axon4d.offload import MIN_BYTES
+from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan.cost import step_estimate
+from axon4d.plan.host_memory import offload_pinned, pinned_per_node, snapshot_pinned, snapshot_tensors
+from axon4d.plan.layers import block_extras, layer_cost
+from axon4d.plan.machine import load
+from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
+from axon4d.plan.offload_cost import link_traffic, network_share, offload_seconds
+from axon4d.plan.saved import block_bytes, block_storages
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.workload import Workload
+from axon4d.recompute_mode import RECOMPUTE_MODES
+from axon4d.shape import GridShape
+
+PERLMUTTER = load("perlmutter")
+ALL = OverlapPolicy()
+
+
+def test_a_page_locked_buffer_takes_the_next_power_of_two():
+    assert pinned_footprint(0) == 0
+    assert pinned_footprint(1) == 1 and pinned_footprint(4096) == 4096
+    assert pinned_footprint(4097) == 8192
+    assert pinned_footprint(201 * 10**6) == 256 * 2**20  # a 201 MB activation holds 256 MiB
+    assert pinned_footprint(201 * 10**6, accelerator=False) == 201 * 10**6  # a plain host tensor: its bytes
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("context_parallel", [False, True])
+def test_a_blocks_storages_are_its_saved_bytes_one_by_one(arch, context_parallel):
+    cfg = ModelConfig(
+        n_layers=2,
+        hidden=256,
+        n_heads=8,
+        n_kv_heads=4 if arch == "llama" else None,
+        vocab_size=512,
+        seq_len=64,
+        arch=arch,
+    )
+    for dtype in ("float32", "bfloat16"):
+        wl = Workload(cfg, 8, dtype, context_parallel=context_parallel)
+        for grid in [(1, 1, 1, 1), (2, 2, 2, 1), (1, 2, 4, 1)]:
+            for mode in RECOMPUTE_MODES:
+                shape = GridShape(*grid)
+                storages = block_storages(wl, shape, mode)
+                assert sum(storages) == pytest.approx(block_bytes(wl, shape, mode), rel=1e-12)
+                assert all(s > 0 for s in storages)
+                if mode == "full":
+                    assert storages == [block_bytes(wl, shape, mode)]  # the block input alone
+
+
+def test_offload_pins_each_storage_rounded_up_and_leaves_small_ones_on_the_device():
+    wl = Workload(SIZES["80B"], 256)  # 2048 tokens per rank: the per-token statistics are under MIN_BYTES
+    shape = GridShape(2, 2, 256, 1)
+    sc = Scenario(wl, shape, PERLMUTTER, ALL, "balanced", offload=32)
+    storages = block_storages(wl, shape, "balanced")
+    big = [s for s in storages if s >= MIN_BYTES]
+    assert len(big) < len(storages)  # the per-token statistics stay on the device
+    expect = 32 * sum(2 ** math.ceil(math.log2(s)) for s in big)
+    assert offload_pinned(sc) == expect
+    # more than the bytes moved (rounding), never twice as much
+    assert 32 * sum(big) < offload_pinned(sc) < 2 * 32 * sum(big)
+    assert pinned_per_node(sc) == PERLMUTTER.devices_per_node * offload_pinned(sc)
+    # on a host nothing is page-locked: the buffers take the bytes they hold
+    host = Scenario(wl, shape, dataclasses.replace(PERLMUTTER, accelerator=False), ALL, "balanced", offload=32)
+    assert offload_pinned(host) == pytest.approx(32 * sum(big))
+    # a world smaller than a node pins only its own ranks' share
+    small = Scenario(Workload(SIZES["small"], 2), GridShape(1, 1, 2, 1), PERLMUTTER, ALL, offload=1)
+    assert pinned_per_node(small) == 2 * offload_pinned(small)
+
+
+def test_the_async_snapshot_copies_the_state_as_saved():
+    wl = Workload(SIZES["small"], 8, async_save=True)
+    shape = GridShape(1, 2, 1, 4)
+    params = local_param_tensors(wl, shape)
+    plain = Scenario(wl, shape, PERLMUTTER, ALL)
+    # each parameter's fp32 master and Adam's two moments, one buffer per tensor
+    assert sorted(snapshot_tensors(plain)) == sorted([4 * n for n in params] * 3 + [4] * len(params))
+    assert snapshot_pinned(plain) == sum(pinned_footprint(4 * n) for n in params) * 3 + 4 * len(params)
+    # ZeRO-1 in bf16 on 4 data ranks: moments and the Linear weights' masters are this rank's part
+    zero = Scenario(wl, shape, PERLMUTTER, ALL, zero=1)
+    assert sum(snapshot_tensors(zero)) < sum(snapshot_tensors(plain)) / 2
+    sixteen = list(sixteen_bit_weights(wl, shape, 1))
+    assert sixteen  # the Linear weights are stored in bf16, their fp32 masters sharded
+    expect = []
+    for n in params:
+        part = math.ceil(n / 4) * 4  # bytes of this rank's part, fp32
+        expect += [part if n in sixteen and not sixteen.remove(n) else 4 * n, part, part, 4]
+    assert sorted(snapshot_tensors(zero)) == sorted(expect)
+    # only where the job asks for it
+    assert snapshot_pinned(dataclasses.replace(plain, workload=dataclasses.replace(wl, async_save=False))) == 0.0
+    assert step_estimate(plain).step_s > 0
+
+
+def test_the_network_share_of_an_axis_is_what_leaves_the_node():
+    wl = Workload(SIZES["80B"], 2048)
+    sc = Scenario(wl, GridShape(2, 2, 256, 1), PERLMUTTER, ALL)  # 4 GPUs per node: x·y one node
+    assert network_share(sc, "x") == network_share(sc, "y") == 0.0
+    assert network_share(sc, "z") == 1.0  # one rank of each z group per node: every byte leaves
+    sc2 = Scenario(wl, GridShape(1, 2, 512, 1), PERLMUTTER, ALL)
+    assert network_share(sc2, "z") == 0.5  # two of a z group on each node: half of the ring crosses
+    # a host: nothing crosses a host link
+    host = dataclasses.replace(PERLMUTTER, accelerator=False)
+    layers = [layer_cost(s, Scenario(wl, sc.shape, host, ALL)) for s in sc.linears]
+    assert link_traffic(Scenario(wl, sc.shape, host, ALL), layers) == 0.0
+
+
+def test_offload_shares_the_host_link_with_the_network():
+    """The copies run at the share of the link the network leaves them, and the pass is never shorter
+    than all its link bytes at the full rate."""
+    wl = Workload(SIZES["80B"], 2048)
+    shape = GridShape(2, 2, 256, 1)
+    sc = Scenario(wl, shape, PERLMUTTER, ALL, "balanced", offload=32)
+    extras = block_extras(sc)
+    layers = [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0))) for s in sc.linears]
+    network = link_traffic(sc, layers)
+    assert network > 0
+    shared = offload_seconds(sc, layers)
+    # the same copies on a link the network does not use (a machine whose nodes hold the whole job)
+    alone = dataclasses.replace(PERLMUTTER, devices_per_node=1024)
+    sc_alone = dataclasses.replace(sc, machine=alone)
+    layers_alone = [layer_cost(s, sc_alone, extras.get(s.name, (0.0, 0.0))) for s in sc.linears]
+    assert link_traffic(sc_alone, layers_alone) == 0.0
+    free = offload_seconds(sc_alone, layers_alone)
+    assert shared > free
+    # the floor: all the link's bytes in one direction at its full rate, beyond the pass's compute
+    moved = block_bytes(wl, shape, "balanced")
+    compute = sum(lc.spec.count * lc.compute_s for lc in layers if not lc.spec.embedding)
+    floor = (network + 32 * moved) / PERLMUTTER.host_link_Bps - max(compute, network / PERLMUTTER.host_link_Bps)
+    assert shared >= floor - 1e-9
+    # no offload, nothing added
+    assert offload_seconds(dataclasses.replace(sc, offload=0), layers) == 0.0
+
+
+def _snapshot_footprint(grid, cfg, stage, batch, out):
+    """Host memory the asynchronous checkpoint's snapshot takes on this rank after one AdamW step
+    (ZeRO ``stage``), and the planner's price of it (a host machine: no page-locking)."""
+    import os
+
+    import torch
+
+    from axon4d import checkpoint
+    from axon4d.models.transformer import Transformer
+    from axon4d.train.batches import accumulate
+    from axon4d.zero import shard_optimizer
+
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if stage:
+        opt = shard_optimizer(opt, model, grid, stage=stage)
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    accumulate(model, [ids], grid)
+    opt.step()
+    with checkpoint.AsyncSaver(grid) as saver:
+        saver.save(os.path.join(out, "ckpt"), model, opt, step=1)
+        saver.wait()
+        measured = saver._snapshots.footprint()
+    host = dataclasses.replace(PERLMUTTER, accelerator=False)
+    wl = Workload(cfg, batch, "float32", async_save=True)
+    return measured, snapshot_pinned(Scenario(wl, grid.shape, host, ALL, zero=stage))
+
+
+@pytest.mark.parametrize("grid,stage", [((1, 1, 1, 1), 0), ((2, 1, 1, 2), 1), ((1, 2, 1, 2), 2)])
+def test_the_snapshot_the_runtime_pins_is_the_planners(pools, tmp_path, grid, stage):
+    cfg = ModelConfig(
+        n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama"
+    )
+    world = math.prod(grid)
+    for measured, priced in pools(world).run(grid, _snapshot_footprint, cfg, stage, 8, str(tmp_path)):
+        assert measured == priced
