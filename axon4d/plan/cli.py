@@ -177,7 +177,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"best: {best.shape.as_tuple()} with {best.options_spec()}\n")
     print(result.table(min(args.top, len(fitting))))
     print(
-        "\ncolumns: t_<axis> = communication seconds per step on that axis before overlap; hidden = share of "
+        "\ncolumns: mem = peak device memory per rank; pin = host memory the node's ranks pin (offload, async "
+        "snapshot); t_<axis> = communication seconds per step on that axis before overlap; hidden = share of "
         "communication overlap hides; ×bound = communication words / Agarwal's lower bound"
     )
     if args.json:

@@ -96,7 +96,7 @@ class PlanResult:
         """The top-k candidates as a text table, with the step options each was priced with."""
         head = (
             f"{'grid (x,y,z,d)':<18} {'seq':>5} {'recompute':>9} {'mb':>3} {'zero':>4} {'offl':>4} {'fp8':>3} "
-            f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':>4} "
+            f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'pin GiB':>7} {'fits':>4} "
             + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES)
             + f" {'hidden':>7} {'×bound':>7}"
         )
@@ -109,7 +109,7 @@ class PlanResult:
                 f"{o.get('recompute', 'none'):>9} {o.get('micro_batches', 1):>3} {o.get('zero', 0):>4} "
                 f"{o.get('offload', 0):>4} {'yes' if o.get('fp8_gather') else 'no':>3} "
                 f"{t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
-                f"{c.mem.peak / 2**30:>8.2f} {'yes' if c.fits else 'NO':>4} {axes} "
+                f"{c.mem.peak / 2**30:>8.2f} {c.mem.pinned_node / 2**30:>7.1f} {'yes' if c.fits else 'NO':>4} {axes} "
                 f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"
             )
         return "\n".join(lines)
