@@ -3,21 +3,29 @@
 A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file written by
 ``axon4d calibrate``). It answers three questions for the cost model:
 
-- ``matmul_time(form, m, k, n, dtype)``: seconds of one GEMM on one rank, from a measured table of
-  throughput on a log2 lattice of (m, k, n), interpolated (trilinear in log space, clamped at the
-  lattice edges); without a table, ``matmul_efficiency × peak``.
+- ``matmul_time(form, m, k, n, dtype)``: seconds of one GEMM on one rank, from a table of
+  throughput on a log2 lattice of (m, k, n) (``axon4d.plan.tables``; measured, or derived for the
+  shipped GPU files), interpolated (trilinear in log space, clamped at the lattice edges); without
+  a table, ``matmul_efficiency × peak``.
 - ``comm_time(op, group, stride, payload, world)``: seconds of one collective on an axis whose
   ``group`` ranks sit ``stride`` apart (E1: x has stride 1, y stride G_x, …). Measured entries
   (op, group, stride, world) are interpolated piecewise linearly in the payload — in each size
-  segment that is t = α + bytes/β. Otherwise the model t = α·steps + traffic/β (ring traffic; steps = the fewer of ring and tree) of the first
-  hierarchy level (e.g. "node", then "network") that contains the whole group.
+  segment that is t = α + bytes/β. Otherwise, on an accelerator, the algorithm NCCL's tuner picks
+  (ring, tree or PAT, the cheapest: ``axon4d.plan.collective_model``) with the per-step latency and
+  bandwidth of the levels the group spans (``collective_algorithm``); on a host α·steps +
+  traffic/β (ring traffic; steps = the fewer of ring and tree) of the first hierarchy level (e.g.
+  "node", then "network") that contains the whole group.
 - elementwise, attention and per-op costs for the work that is not a GEMM;
 - ``interference_time(traffic, world)``: step time the ranks' compute loses to the collectives
   running beside it, per byte of ring traffic (measured by ``axon4d calibrate``: on a host whose
   ranks share CPU cores, moving bytes through gloo takes cycles from the GEMMs however well the
-  collective overlaps them; 0 where nothing was measured);
+  collective overlaps them; in the shipped GPU files the SMs NCCL's channels hold,
+  ``bench/machine_tables.py``; 0 where nothing was given);
 - ``step_scale_for(world)``: how the parts of a priced step compare with steps measured on this
   machine (``axon4d.plan.stepfit``; 1, 1, 1 without step calibration).
+- memory that is not the job's (``axon4d.plan.device_memory``): ``usable_device_memory(communicators)``
+  and ``fragmentation`` for the device, ``pinned_host_per_node`` for the node's host memory; an
+  accelerator's file must give ``host_memory_per_node`` and ``host_reserve_per_node``.
 
 Every figure in a shipped machine file carries its source in the file's "sources" field.
 """
