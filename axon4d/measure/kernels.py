@@ -31,9 +31,10 @@ from axon4d.plan.machine import MatmulTable
 DIMS = [16, 64, 256, 1024, 4096]
 #: the GEMM lattice on an accelerator (``gemm_dims``): the host's, up to the GEMMs of a true-width
 #: 20B or 80B block (hidden 7168–12288, FFN slices and tokens per rank of thousands to 16384),
-#: which the host's would price at its 4096 edge — on an H200 a 7168-wide block 25% too slow —
-#: and 2048, where an accelerator's rate still climbs steeply (an H200's bf16 rate at k = n = 4096:
-#: 544 TFLOP/s for m = 1024, 657 for m = 4096). 8³ points per form: seconds each on an
+#: which the host's would price at its 4096 edge, and 2048, where an accelerator's rate still climbs
+#: (an H200's bf16 rate at k = n = 4096: 544 TFLOP/s for m = 1024, 657 for m = 4096, both timed with
+#: a synchronize after every call, which depressed them: docs/planner.md, Known limits). 8³ points
+#: per form: seconds each on an
 #: accelerator, where on a host the 5³ of ``DIMS`` already take minutes.
 ACCELERATOR_DIMS = [16, 64, 256, 1024, 2048, 4096, 8192, 16384]
 #: sequence lengths of the causal attention rows; the planner grows the last quadratically beyond

@@ -44,11 +44,18 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
         machine.accelerator = bool(result.get("accelerator", machine.accelerator))  # what the compute ran on
         if "host_link_Bps" in result:  # an accelerator's link to host memory, each rank copying at once
             machine.host_link_Bps = float(result["host_link_Bps"])
-            machine.host_memory_per_device = host_memory() / world
             machine.sources["host_link_Bps"] = (
                 "measured by `axon4d calibrate`: pinned copies of 256 MiB, the slower way"
             )
-            machine.sources["host_memory_per_device"] = "this host's memory over the ranks that calibrated"
+        if machine.accelerator:  # the node's host memory, and what others held of it as it calibrated
+            total = host_memory()
+            machine.host_memory_per_node = total
+            machine.host_reserve_per_node = min(max(total - host_available(total), 0.0), 0.9 * total)
+            machine.sources["host_memory_per_node"] = "this host's memory (sysconf)"
+            machine.sources["host_reserve_per_node"] = (
+                "this host's memory less /proc/meminfo's MemAvailable while `axon4d calibrate` ran (the OS, "
+                "other processes and the calibrating ranks themselves), at most 90% of it"
+            )
         machine.elementwise_Bps[key] = result["elementwise_Bps"]
         machine.activation_s[key] = result["activation_s"]
         machine.adam_s[key] = result["adam_s"]
@@ -97,3 +104,16 @@ def host_memory() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError):
         return 16 * 2**30
+
+
+def host_available(total: float, meminfo: str = "/proc/meminfo") -> float:
+    """Bytes of this host's memory the kernel says a new process could take (MemAvailable); 90% of
+    ``total`` where the system does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.9 * total

@@ -15,6 +15,7 @@ from typing import Any
 
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.cost import TimeEstimate, step_estimate
+from axon4d.plan.device_memory import grid_communicators
 from axon4d.plan.host_memory import pinned_per_node, pinned_per_rank
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import MemoryEstimate, memory
@@ -123,7 +124,9 @@ def evaluate(
 
 def scenario_memory(sc: Scenario) -> MemoryEstimate:
     """``memory.memory`` of ``sc``: its workload, grid, recomputation, overlap and options, with the
-    host memory its buffers pin per rank and per node (``host_memory``)."""
+    host memory its buffers pin per rank and per node (``host_memory``) and the device memory its
+    grid's communicators, the CUDA context and the libraries' workspaces take before the first
+    tensor (``Machine.usable_device_memory``, ``device_memory.grid_communicators``)."""
     mem = memory(
         sc.workload,
         sc.shape,
@@ -136,15 +139,29 @@ def scenario_memory(sc: Scenario) -> MemoryEstimate:
         fp8_gather=sc.fp8_gather,
         widened_gemms=not sc.machine.accelerator,
     )
-    return dataclasses.replace(mem, pinned=pinned_per_rank(sc), pinned_node=pinned_per_node(sc))
+    m = sc.machine
+    return dataclasses.replace(
+        mem,
+        pinned=pinned_per_rank(sc),
+        pinned_node=pinned_per_node(sc),
+        reserved=m.memory_per_device - m.usable_device_memory(grid_communicators(sc.shape)),
+    )
+
+
+def device_need(mem: MemoryEstimate, machine: Machine) -> float:
+    """Bytes of device memory a step of ``mem`` needs: its peak with the allocator's fragmentation
+    (``Machine.fragmentation``) and what is taken before the first tensor (``mem.reserved``)."""
+    return mem.peak * (1 + machine.fragmentation) + mem.reserved
 
 
 def fits(mem: MemoryEstimate, machine: Machine, memory_limit: float | None = None) -> bool:
-    """Whether a step of peak ``mem`` fits: its peak within ``memory_limit`` bytes per device (default
-    the machine's) and, on an accelerator, its offloaded activations within the host memory per device."""
+    """Whether a step of ``mem`` fits: on the device, its peak with fragmentation and the memory
+    taken before the first tensor within ``memory_limit`` bytes (default: the machine's device
+    memory; ``device_need``); on an accelerator, the host memory its node's ranks pin within the
+    node's memory less its reserve (``Machine.pinned_host_per_node``)."""
     limit = machine.memory_per_device if memory_limit is None else memory_limit
-    host_ok = not machine.accelerator or mem.host <= machine.host_memory_per_device
-    return mem.peak <= limit and host_ok
+    host_ok = not machine.accelerator or mem.pinned_node <= machine.pinned_host_per_node
+    return device_need(mem, machine) <= limit and host_ok
 
 
 def candidate(sc: Scenario, memory_limit: float | None = None, mem: MemoryEstimate | None = None) -> Candidate:

@@ -3,28 +3,35 @@
 A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file written by
 ``axon4d calibrate``). It answers three questions for the cost model:
 
-- ``matmul_time(form, m, k, n, dtype)``: seconds of one GEMM on one rank, from a measured table of
-  throughput on a log2 lattice of (m, k, n), interpolated (trilinear in log space, clamped at the
-  lattice edges); without a table, ``matmul_efficiency × peak``.
+- ``matmul_time(form, m, k, n, dtype)``: seconds of one GEMM on one rank, from a table of
+  throughput on a log2 lattice of (m, k, n) (``axon4d.plan.tables``; measured, or derived for the
+  shipped GPU files), interpolated (trilinear in log space, clamped at the lattice edges); without
+  a table, ``matmul_efficiency × peak``.
 - ``comm_time(op, group, stride, payload, world)``: seconds of one collective on an axis whose
   ``group`` ranks sit ``stride`` apart (E1: x has stride 1, y stride G_x, …). Measured entries
   (op, group, stride, world) are interpolated piecewise linearly in the payload — in each size
-  segment that is t = α + bytes/β. Otherwise the model t = α·steps + traffic/β (ring traffic; steps = the fewer of ring and tree) of the first
-  hierarchy level (e.g. "node", then "network") that contains the whole group.
+  segment that is t = α + bytes/β. Otherwise, on an accelerator, the algorithm NCCL's tuner picks
+  (ring, tree or PAT, the cheapest: ``axon4d.plan.collective_model``) with the per-step latency and
+  bandwidth of the levels the group spans (``collective_algorithm``); on a host α·steps +
+  traffic/β (ring traffic; steps = the fewer of ring and tree) of the first hierarchy level (e.g.
+  "node", then "network") that contains the whole group.
 - elementwise, attention and per-op costs for the work that is not a GEMM;
 - ``interference_time(traffic, world)``: step time the ranks' compute loses to the collectives
   running beside it, per byte of ring traffic (measured by ``axon4d calibrate``: on a host whose
   ranks share CPU cores, moving bytes through gloo takes cycles from the GEMMs however well the
-  collective overlaps them; 0 where nothing was measured);
+  collective overlaps them; in the shipped GPU files the SMs NCCL's channels hold,
+  ``bench/machine_tables.py``; 0 where nothing was given);
 - ``step_scale_for(world)``: how the parts of a priced step compare with steps measured on this
   machine (``axon4d.plan.stepfit``; 1, 1, 1 without step calibration).
+- memory that is not the job's (``axon4d.plan.device_memory``): ``usable_device_memory(communicators)``
+  and ``fragmentation`` for the device, ``pinned_host_per_node`` for the node's host memory; an
+  accelerator's file must give ``host_memory_per_node`` and ``host_reserve_per_node``.
 
 Every figure in a shipped machine file carries its source in the file's "sources" field.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 import math
@@ -32,6 +39,13 @@ import os
 from typing import Any
 
 import numpy as np
+
+from axon4d.plan import collective_model
+from axon4d.plan.collective_model import Link, ring_traffic
+from axon4d.plan.device_memory import check_memory_fields
+from axon4d.plan.tables import CommCurve, MatmulTable
+
+__all__ = ["FORMS", "MACHINE_DIR", "CommCurve", "Level", "Machine", "MatmulTable", "available", "load", "ring_traffic"]
 
 MACHINE_DIR = os.path.join(os.path.dirname(__file__), "machines")
 #: GEMM forms: forward X·Wᵀ ("nt"), input gradient dY·W ("nn"), weight gradient dYᵀ·X ("tn").
@@ -47,79 +61,9 @@ class Level:
     alpha_s: float  # latency per ring step
     beta_Bps: float  # per-rank bandwidth (bytes/s) for ring traffic
 
-
-@dataclasses.dataclass
-class MatmulTable:
-    """Measured GEMM throughput (FLOP/s) on the lattice dims × dims × dims of (m, k, n): any
-    ascending dims (``axon4d calibrate`` measures 16 … 4096 on a host, 16 … 16384 on an
-    accelerator; a file records each table's own)."""
-
-    dims: list[int]
-    rates: np.ndarray  # (len(dims),)*3, FLOP/s
-
-    def rate(self, m: float, k: float, n: float) -> float:
-        """Throughput at (m, k, n): trilinear interpolation of log rate over log2 dims, clamped."""
-        lg = np.log2(np.asarray(self.dims, dtype=float))
-        idx, wts = [], []
-        for v in (m, k, n):
-            p = float(np.clip(math.log2(max(v, 1)), lg[0], lg[-1]))
-            i = min(int(np.searchsorted(lg, p, side="right")) - 1, len(lg) - 2)
-            idx.append(i)
-            wts.append((p - lg[i]) / (lg[i + 1] - lg[i]))
-        logr = np.log(self.rates)
-        acc = 0.0
-        for a in (0, 1):
-            for b in (0, 1):
-                for c in (0, 1):
-                    w = (wts[0] if a else 1 - wts[0]) * (wts[1] if b else 1 - wts[1]) * (wts[2] if c else 1 - wts[2])
-                    if w:
-                        acc += w * logr[idx[0] + a, idx[1] + b, idx[2] + c]
-        return float(math.exp(acc))
-
-    def to_json(self) -> dict[str, Any]:
-        return {"dims": self.dims, "rates": self.rates.tolist()}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> MatmulTable:
-        """A table as a machine file holds it; ``ValueError`` unless its dims are two or more
-        ascending sizes and its rates a positive (len(dims),)*3 cube."""
-        dims, rates = list(d["dims"]), np.asarray(d["rates"], dtype=float)
-        if len(dims) < 2 or any(not (isinstance(v, int) and v >= 1) for v in dims) or dims != sorted(set(dims)):
-            raise ValueError(
-                f"machine file: a GEMM table's dims {dims} must be two or more whole numbers >= 1 in ascending "
-                "order, e.g. [16, 64, 256, 1024, 4096]; calibrate again (axon4d calibrate)"
-            )
-        if rates.shape != (len(dims),) * 3 or not bool(np.all(np.isfinite(rates) & (rates > 0))):
-            raise ValueError(
-                f"machine file: a GEMM table on dims {dims} has rates of shape {rates.shape}; they must be "
-                f"{(len(dims),) * 3} FLOP/s, all finite and above 0; calibrate again (axon4d calibrate)"
-            )
-        return cls(dims, rates)
-
-
-@dataclasses.dataclass
-class CommCurve:
-    """Measured time of one collective (op over ``group`` ranks at ``stride``, ``world`` ranks busy)."""
-
-    op: str
-    group: int
-    stride: int
-    world: int
-    payload: list[int]  # bytes, increasing
-    seconds: list[float]
-
-    def time(self, payload: float) -> float:
-        """Piecewise-linear in payload (t = α + bytes/β per segment), extrapolated with the end segments."""
-        xs, ys = self.payload, self.seconds
-        i = min(max(bisect.bisect_right(xs, payload) - 1, 0), len(xs) - 2)
-        slope = max((ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]), 0.0)
-        return max(ys[i] + slope * (payload - xs[i]), 0.0) if payload >= xs[0] else ys[0]
-
-    def alpha_beta(self) -> tuple[float, float]:
-        """Least-squares α (s) and β (bytes/s of payload) over all points, for display."""
-        a = np.vstack([np.ones(len(self.payload)), np.asarray(self.payload, float)]).T
-        (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.asarray(self.seconds), rcond=None)
-        return float(alpha), float(1.0 / inv_beta) if inv_beta > 0 else float("inf")
+    @property
+    def link(self) -> Link:
+        return Link(self.alpha_s, self.beta_Bps)
 
 
 @dataclasses.dataclass
@@ -162,8 +106,13 @@ class Machine:
     # bytes/s one device moves to or from host memory in each direction at once (PCIe, Infinity
     # Fabric): what activation offload's copies run at (0: unknown, offload is not priced). On a
     # host without accelerators the "copy" is a memory copy, priced by ``elementwise_time``
-    host_memory_per_device: float = 0.0
-    # host memory offloaded activations may take per device (bytes; 0: unknown, offload not priced)
+    host_memory_per_node: float = 0.0  # bytes of host memory in one node (0: unknown, offload not priced)
+    host_reserve_per_node: float = 0.0  # bytes of it the OS, batch system and the job's processes keep
+    cuda_context_bytes: float = 0.0  # device memory the CUDA context takes before any tensor
+    device_workspace_bytes: float = 0.0  # cuBLAS / attention workspaces held through a step
+    nccl_buffer_bytes: float = 0.0  # device memory of one NCCL communicator's connected buffers
+    fragmentation: float = 0.0  # share of the peak the caching allocator loses (fits: peak·(1+f) ≤ usable)
+    nccl_channels: int = 1  # channels NCCL runs a collective on (one CTA, i.e. one SM, each)
     comm_interference_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
     # concurrency -> seconds of compute lost per byte of ring traffic (``ring_traffic``); none: 0
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -296,8 +245,23 @@ class Machine:
     @property
     def can_offload(self) -> bool:
         """Whether activation offload can be priced here: a host (the copy is a memory copy) or an
-        accelerator whose file gives its host link and host memory."""
-        return not self.accelerator or (self.host_link_Bps > 0 and self.host_memory_per_device > 0)
+        accelerator whose file gives its host link and a node's pinnable host memory."""
+        return not self.accelerator or (self.host_link_Bps > 0 and self.pinned_host_per_node > 0)
+
+    @property
+    def pinned_host_per_node(self) -> float:
+        """Bytes of one node's host memory the job's ranks may pin together (offloaded activations,
+        the asynchronous checkpoint's snapshot: ``axon4d.plan.host_memory``): the node's memory less
+        its reserve (0 where the file gives none)."""
+        return max(self.host_memory_per_node - self.host_reserve_per_node, 0.0)
+
+    def usable_device_memory(self, communicators: int) -> float:
+        """Bytes of one device a rank's tensors may take: its memory less the CUDA context, the
+        libraries' workspaces and ``communicators`` NCCL communicators' buffers
+        (``axon4d.plan.device_memory.grid_communicators``); a step fits where its peak ·
+        (1 + ``fragmentation``) is within it. A host's file gives none of these: all of it."""
+        taken = self.cuda_context_bytes + self.device_workspace_bytes + communicators * self.nccl_buffer_bytes
+        return self.memory_per_device - taken
 
     def interference_time(self, traffic_bytes: float, world: int = 1) -> float:
         """Seconds the compute of a rank loses to ``traffic_bytes`` of its collectives' ring traffic
@@ -329,16 +293,26 @@ class Machine:
         return self.levels[-1]
 
     def comm_time(self, op: str, group: int, stride: int, payload: float, world: int) -> float:
-        """Seconds of one collective of ``payload`` bytes over ``group`` ranks ``stride`` apart."""
+        """Seconds of one collective of ``payload`` bytes over ``group`` ranks ``stride`` apart: a
+        measured curve where there is one; on an accelerator NCCL's choice of algorithm
+        (``collective_algorithm``); on a host α·steps + ring traffic/β of the group's level."""
         if group <= 1:
             return 0.0
         curve = self._comm_curve(op, group, stride, world)
         if curve is not None:
             return curve.time(payload)
-        level = self.level_of(group, stride)
-        tree = math.ceil(math.log2(group))  # latency-bound sizes: collective libraries switch to trees
-        steps = min(2 * (group - 1), 2 * tree) if op == "all_reduce" else min(group - 1, tree)
-        return level.alpha_s * steps + ring_traffic(op, group, payload) / level.beta_Bps
+        if self.accelerator:
+            return self.collective_algorithm(op, group, stride, payload).seconds
+        return collective_model.host_time(op, group, payload, self.level_of(group, stride).link)
+
+    def collective_algorithm(self, op: str, group: int, stride: int, payload: float) -> collective_model.Priced:
+        """The algorithm NCCL's tuner picks for the collective and its price (``axon4d.plan.
+        collective_model``): the steps inside a node at the level holding one node's share of the
+        group, the steps between nodes at the network level (the last)."""
+        span = collective_model.span_of(group, stride, self.devices_per_node)
+        intra = self.level_of(span.per_node, stride) if span.nodes > 1 else self.level_of(group, stride)
+        net = self.levels[-1] if span.nodes > 1 else intra
+        return collective_model.nccl_time(op, payload, span, intra.link, net.link, self.nccl_channels)
 
     def _comm_curve(self, op: str, group: int, stride: int, world: int) -> CommCurve | None:
         best, best_key = None, None
@@ -363,8 +337,11 @@ class Machine:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Machine:
+        """A machine from its file's dict; ``ValueError`` for an unknown field or memory fields that
+        cannot be used (``axon4d.plan.device_memory.check_memory_fields``)."""
         d = dict(d)
         d.pop("comment", None)
+        check_memory_fields(d, str(d.get("name", "?")))
         d["levels"] = [Level(**lv) for lv in d["levels"]]
         d["matmul"] = {
             dt: {c: {f: MatmulTable.from_json(t) for f, t in forms.items()} for c, forms in per.items()}
@@ -380,16 +357,6 @@ class Machine:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
-
-
-def ring_traffic(op: str, group: int, payload: float) -> float:
-    """Bytes one rank sends (and receives) in a ring ``op`` over ``group`` ranks of ``payload``
-    bytes (the whole buffer: an all-reduce's, an all-gather's output, a reduce-scatter's input):
-    2(g−1)/g · payload for an all-reduce, (g−1)/g · payload for the other two."""
-    if group <= 1:
-        return 0.0
-    share = (group - 1) / group * payload
-    return 2 * share if op == "all_reduce" else share
 
 
 def available() -> list[str]:

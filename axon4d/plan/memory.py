@@ -85,6 +85,7 @@ class MemoryEstimate:
     host: float = 0.0  # offloaded activations held in host memory (``offload`` blocks)
     pinned: float = 0.0  # host memory one rank's buffers take (offload, snapshot; ``plan.host_memory``)
     pinned_node: float = 0.0  # ... and all the ranks of one node together
+    reserved: float = 0.0  # device memory taken before the first tensor (context, workspaces, NCCL buffers)
 
     def to_json(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.plan.candidate import Candidate
+from axon4d.plan.candidate import Candidate, device_need
 from axon4d.plan.machine import Machine
 from axon4d.plan.options import Choices
 from axon4d.plan.workload import Workload
@@ -55,21 +55,29 @@ class PlanResult:
                 "(every grid breaks a divisibility rule, or no micro-batch count divides the batch per rank); "
                 "try another rank count or batch"
             )
-        least = min(self.candidates, key=lambda c: c.mem.peak)
-        m = least.mem
+        least = min(self.candidates, key=lambda c: (c.mem.pinned_node > self.machine.pinned_host_per_node, c.mem.peak))
+        m, mach = least.mem, self.machine
         state = (m.params + m.grads + m.optimizer) / 2**30
+        need = device_need(m, mach) / 2**30
+        taken = ""
+        if m.reserved or mach.fragmentation:
+            taken = (
+                f" ({m.peak / 2**30:.1f} GiB of tensors, {100 * mach.fragmentation:.0f}% for fragmentation and "
+                f"{m.reserved / 2**30:.1f} GiB taken by the CUDA context, workspaces and NCCL buffers)"
+            )
         host = ""
-        if self.machine.accelerator and m.host > self.machine.host_memory_per_device:
+        if mach.accelerator and m.pinned_node > mach.pinned_host_per_node:
             host = (
-                f"; its offloaded activations, {m.host / 2**30:.1f} GiB, exceed the host memory per device "
-                f"({self.machine.host_memory_per_device / 2**30:.0f} GiB)"
+                f"; its node's ranks pin {m.pinned_node / 2**30:.1f} GiB of host memory, more than the node's "
+                f"{mach.pinned_host_per_node / 2**30:.1f} GiB less its reserve (host_memory_per_node − "
+                "host_reserve_per_node)"
             )
         searched = "" if self.choices is None else " (every searched option at its most frugal)"
         return (
-            f"{model} needs at least {m.peak / 2**30:.1f} GiB per device{searched}, on {least.shape.as_tuple()} with "
+            f"{model} needs at least {need:.1f} GiB per device{taken}{searched}, on {least.shape.as_tuple()} with "
             f"{least.options_spec()} — {state:.1f} GiB of parameters, gradients and optimizer state, "
             f"{m.activations / 2**30:.1f} GiB of saved activations — against {limit:.1f} GiB{host}. It would fit with "
-            f"--memory-gib {math.ceil(m.peak / 2**30)} (a device with that much memory), with more ranks (the state "
+            f"--memory-gib {math.ceil(need)} (a device with that much memory), with more ranks (the state "
             f"shrinks with each), or with a pinned option left to the search"
         )
 

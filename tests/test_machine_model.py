@@ -1,0 +1,185 @@
+"""The machine side of the planner (issue 39): NCCL's choice of algorithm, a node's memory, the
+memory a device leaves to the job, and the shipped GPU files' GEMM tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from axon4d.plan import collective_model as cm
+from axon4d.plan import load
+from axon4d.plan.device_memory import grid_communicators
+from axon4d.plan.machine import Machine, available
+from axon4d.shape import GridShape
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MB = 1e6
+
+
+def test_a_256_rank_z_all_gather_runs_as_a_ring_of_g_minus_1_steps():
+    """z of (2, 2, 256, 1): 256 ranks 4 apart. On H100 nodes of 8 two share a node (no PAT): a ring of
+    255 steps, 127 of them across the network at 14 µs; on Perlmutter (4 per node) every rank has a
+    node of its own, and a large all-gather still runs as the ring."""
+    h100 = load("h100")
+    span = cm.span_of(256, 4, 8)
+    assert span == cm.Span(256, 128, 2)
+    for payload in (38 * MB, 302 * MB):
+        choice = h100.collective_algorithm("all_gather", 256, 4, payload)
+        assert choice.algorithm == "ring" and choice.steps == 255
+        latency = cm.BASE_LATENCY_S + 128 * 3.4e-6 + 127 * 14e-6
+        assert choice.seconds == pytest.approx(latency + 255 / 256 * payload / 40e9, rel=1e-9)
+        assert h100.comm_time("all_gather", 256, 4, payload, 1024) == choice.seconds
+    perlmutter = load("perlmutter")
+    ring = perlmutter.collective_algorithm("reduce_scatter", 256, 4, 302 * MB)
+    assert ring.algorithm == "ring" and ring.steps == 255
+    assert ring.seconds == pytest.approx(cm.BASE_LATENCY_S + 255 * 14e-6 + 255 / 256 * 302 * MB / 20e9, rel=1e-9)
+    assert 255 * 14e-6 == pytest.approx(3.57e-3)  # the latency alone: 3.6 ms per z collective
+
+
+def test_pat_where_nccl_would_take_it_one_rank_per_node_and_smaller_payloads():
+    """PAT (NCCL ≥ 2.23) for all-gather and reduce-scatter only where every rank has its own node,
+    and only while its log-latency beats the ring's g − 1 network steps: its bandwidth is 0.75."""
+    m = load("perlmutter")
+    small = m.collective_algorithm("all_gather", 256, 4, 38 * MB)
+    assert small.algorithm == "pat" and small.steps == 8  # ⌊log2 256⌋
+    pat_latency = cm.PAT_BASE_S + 8 * 14e-6 / cm.PAT_LOG_DIVISOR + 256 * cm.PAT_PER_RANK_S
+    assert small.seconds == pytest.approx(pat_latency + 38 * MB / (0.75 * 20e9), rel=1e-9)
+    priced = {p.algorithm: p.seconds for p in cm.candidates("all_gather", 38 * MB, cm.span_of(256, 4, 4), *_links(m))}
+    assert set(priced) == {"ring", "pat"} and priced["pat"] < priced["ring"]
+    # never with two ranks on a node, never for an all-reduce, never inside one node
+    assert all(p.algorithm != "pat" for p in cm.candidates("all_gather", 1e3, cm.Span(256, 128, 2), *_links(m)))
+    assert all(p.algorithm != "pat" for p in cm.candidates("all_reduce", 1e3, cm.Span(256, 256, 1), *_links(m)))
+    assert m.collective_algorithm("all_gather", 4, 1, 1e3).algorithm == "ring"
+
+
+def _links(m: Machine) -> tuple[cm.Link, cm.Link]:
+    return m.levels[0].link, m.levels[-1].link
+
+
+def test_all_reduce_is_a_tree_when_latency_rules_and_a_ring_when_bandwidth_does():
+    """The tuner's choice for all-reduce: a tree of 2·((per node − 1) + log2 nodes) steps for small
+    payloads over many nodes; a ring of 2(g − 1) steps for large ones and inside a node."""
+    m = load("h100")
+    small = m.collective_algorithm("all_reduce", 512, 8, 64e3)  # data axis: 512 ranks, one per node
+    assert small.algorithm == "tree" and small.steps == 2 * (0 + 9)
+    large = m.collective_algorithm("all_reduce", 8, 1, 512 * MB)  # a node's x axis
+    assert large.algorithm == "ring" and large.steps == 14
+    assert large.seconds == pytest.approx(cm.BASE_LATENCY_S + 14 * 3.4e-6 + 2 * 7 / 8 * 512 * MB / 360e9)
+    big_net = m.collective_algorithm("all_reduce", 16, 8, 1e9)  # 16 nodes, 1 GB: bandwidth-bound, ring
+    assert big_net.algorithm == "ring" and big_net.steps == 30
+    # the cheapest of the candidates, whatever they are
+    for op, g, s, p in (("all_reduce", 64, 8, 1e6), ("all_gather", 64, 8, 1e6), ("reduce_scatter", 32, 1, 1e8)):
+        span = cm.span_of(g, s, m.devices_per_node)
+        intra = m.level_of(span.per_node, s) if span.nodes > 1 else m.level_of(g, s)
+        best = min(cm.candidates(op, p, span, intra.link, m.levels[-1].link, m.nccl_channels), key=lambda c: c.seconds)
+        assert m.collective_algorithm(op, g, s, p) == best
+
+
+def test_host_files_keep_the_fewer_of_ring_and_tree_steps():
+    """A host file (gloo, MPI; ``accelerator`` false) without a measured curve keeps its model: α per
+    step, the fewer of a ring's and a tree's steps, the ring traffic at β."""
+    m = load(os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-26.json"))
+    assert not m.accelerator
+    lv = dataclasses.replace(m, comm=[]).levels[0]
+    t = dataclasses.replace(m, comm=[]).comm_time("all_gather", 8, 1, 1e6, 8)
+    assert t == pytest.approx(lv.alpha_s * 3 + 7 / 8 * 1e6 / lv.beta_Bps)
+
+
+def _gpu_file(**changes) -> dict:
+    d = load("h100").to_json()
+    d.update(changes)
+    return d
+
+
+def test_a_node_s_memory_and_its_reserve_are_checked_by_name():
+    m = load("perlmutter")
+    assert m.host_memory_per_node == 256e9 and m.host_reserve_per_node == 24 * 2**30
+    assert m.pinned_host_per_node == pytest.approx(256e9 - 24 * 2**30)
+    assert m.can_offload
+    for name in available():  # every shipped accelerator file gives both, with a reserve below the memory
+        g = load(name)
+        assert g.accelerator and 0 < g.host_reserve_per_node < g.host_memory_per_node
+    d = _gpu_file()
+    del d["host_reserve_per_node"]
+    with pytest.raises(ValueError, match="gives no host_reserve_per_node"):
+        Machine.from_json(d)
+    with pytest.raises(ValueError, match=r"host_reserve_per_node is 2e\+12 bytes .* must be at least 0 and below"):
+        Machine.from_json(_gpu_file(host_reserve_per_node=2e12))
+    old = _gpu_file(host_memory_per_device=2**38)
+    del old["host_memory_per_node"], old["host_reserve_per_node"]
+    with pytest.raises(ValueError, match="host_memory_per_device .* replaced: give host_memory_per_node"):
+        Machine.from_json(old)
+    with pytest.raises(ValueError, match="fragmentation is 1.5"):
+        Machine.from_json(_gpu_file(fragmentation=1.5))
+    # a host's file needs none of them (an old one's host_memory_per_device of 0 is dropped)
+    host = load(os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-26.json"))
+    assert host.pinned_host_per_node == 0 and host.can_offload and host.fragmentation == 0
+    assert host.usable_device_memory(6) == host.memory_per_device
+
+
+def test_usable_device_memory_is_what_context_workspace_and_communicators_leave():
+    m = load("h100")
+    taken = m.cuda_context_bytes + m.device_workspace_bytes
+    assert m.usable_device_memory(0) == m.memory_per_device - taken
+    assert m.usable_device_memory(5) == pytest.approx(m.memory_per_device - taken - 5 * m.nccl_buffer_bytes)
+    # NCCL 2.27's defaults: LL 512 KiB + LL128 4.69 MiB + Simple 4 MiB per connection, two per channel
+    assert m.nccl_buffer_bytes == m.nccl_channels * 2 * (524288 + 4915200 + 4 * 2**20)
+    assert 0 < m.fragmentation < 0.2
+    one = dataclasses.replace(m, cuda_context_bytes=2**29, device_workspace_bytes=2**25, nccl_buffer_bytes=2**28)
+    assert one.usable_device_memory(3) == m.memory_per_device - 2**29 - 2**25 - 3 * 2**28
+
+
+def test_grid_communicators_on_named_grids():
+    assert grid_communicators(GridShape(2, 2, 2, 1)) == 5  # world, x, y, z, batch (z's ranks, its own group)
+    assert grid_communicators(GridShape(4, 2, 8, 16)) == 6
+    assert grid_communicators(GridShape(1, 1, 4, 2)) == 3  # world, z, data; batch is the world
+    assert grid_communicators(GridShape(2, 1, 4, 1)) == 4  # world, x, z, batch (z's ranks, its own group)
+    assert grid_communicators(GridShape(1, 1, 1, 1)) == 0 and grid_communicators(GridShape(8, 1, 1, 1)) == 1
+
+
+def test_the_shipped_gemm_tables_load_and_rate_small_shapes_below_large():
+    """bench/machine_tables.py's tables: on calibrate's accelerator lattice, below the large-GEMM rate
+    for small and skinny shapes (memory-bound, too few tiles), near it for large ones; rewriting the
+    files from the script changes nothing."""
+    from axon4d.measure.kernels import ACCELERATOR_DIMS
+
+    for name in available():
+        m = load(name)
+        peak = m.peak("bfloat16")
+        table = m.matmul["bfloat16"][str(m.devices_per_node)]["nt"]
+        assert table.dims == ACCELERATOR_DIMS
+        large, skinny, small = table.rate(8192, 8192, 8192), table.rate(16, 8192, 8192), table.rate(256, 256, 256)
+        assert 0.5 * peak < large < peak and skinny < 0.2 * large and small < 0.5 * large
+        assert m.matmul_time("nt", 64, 64, 64, "bfloat16") > 2 * 64**3 / large  # slower than the large rate
+        assert m.comm_interference_s_per_byte[str(m.devices_per_node)] > 0
+    with open(os.path.join(ROOT, "axon4d", "plan", "machines", "h100.json")) as f:
+        raw = json.load(f)
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import machine_tables
+
+    assert machine_tables.dumps(machine_tables.derived(raw, "h100")) == machine_tables.dumps(raw)
+
+
+def test_calibration_times_queued_calls_not_one_synchronize_per_call():
+    """``timing.timeit`` synchronizes once per batch of calls, not after each: on an accelerator a
+    synchronize's round trip (here 2 ms, faked) added to every call priced an H200's GEMMs as if
+    each ran alone (the 25% of docs/planner.md's Known limits). Work longer than the window is still
+    timed call by call; collectives (no window) one call per sample."""
+    import time
+
+    from axon4d.measure.timing import timeit
+
+    calls = []
+    syncs = []
+    t = timeit(lambda: calls.append(1), reps=3, sync=lambda: syncs.append(time.sleep(2e-3)), window_s=0.05)
+    assert t < 2e-4 and len(syncs) < len(calls) / 20  # the 2 ms of each synchronize shared by many calls
+    slow = timeit(lambda: time.sleep(3e-3), reps=3, sync=lambda: None, window_s=1e-3)
+    assert 3e-3 <= slow < 6e-3
+    calls.clear()
+    timeit(lambda: calls.append(1), reps=4, sync=lambda: None, budget_s=None, window_s=0.0)
+    assert len(calls) == 5  # the warm-up and one per sample
