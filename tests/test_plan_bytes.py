@@ -215,3 +215,42 @@ def test_each_term_moves_what_the_precision_says():
         assert wire_dtype(NAMED["fp32"], Term.E11, b16) == b16
     with pytest.raises(ValueError, match="'dense' moves its tensor in the tensor's own dtype"):
         wire_dtype(NAMED["fp32"], Term.DENSE)
+
+
+def test_a_workload_s_precision_follows_its_dtype_and_contradictions_are_refused():
+    cfg = CONFIGS["gpt"]
+    assert (Workload(cfg, 8, "bfloat16").preset, Workload(cfg, 8, "float32").preset) == ("bf16-fp32-reduce", "fp32")
+    assert (Workload(cfg, 8).dtype, Workload(cfg, 8).preset) == ("bfloat16", "bf16-fp32-reduce")
+    assert Workload(cfg, 8, precision="fp32").dtype == "float32"  # the precision alone sets the dtype
+    assert Workload(cfg, 8, precision="bf16").dtypes == NAMED["bf16"]
+    wl = Workload(cfg, 8, "bfloat16")
+    assert dataclasses.replace(wl, dtype="float32").preset == "fp32"  # a precision by dtype follows it
+    with pytest.raises(ValueError, match="precision 'fp32' computes in float32, not dtype 'bfloat16'"):
+        Workload(cfg, 8, "bfloat16", precision="fp32")
+    with pytest.raises(ValueError, match="precision 'fp16' is not supported; use one of fp32, bf16"):
+        Workload(cfg, 8, precision="fp16")
+    with pytest.raises(ValueError, match="dtype 'float16' is not supported"):
+        Workload(cfg, 8, "float16")
+    shape = GridShape(1, 1, 2, 1)
+    # FP8 gathers: bf16-fp32-reduce becomes bf16-fp8-gather; bf16-fp8-gather has them whatever is asked on G_z > 1
+    assert Scenario(wl, shape, _host(), fp8_gather=True).precision == NAMED["bf16-fp8-gather"]
+    fp8 = Scenario(Workload(cfg, 8, precision="bf16-fp8-gather"), shape, _host())
+    assert fp8.fp8_gather and fp8.precision == NAMED["bf16-fp8-gather"]
+    assert not Scenario(Workload(cfg, 8, precision="bf16-fp8-gather"), GridShape(1, 1, 1, 2), _host()).fp8_gather
+    with pytest.raises(ValueError, match="fp8_gather with dtype float32"):
+        Scenario(Workload(cfg, 8, "float32"), shape, _host(), fp8_gather=True)
+
+
+def test_the_plan_command_takes_a_precision():
+    from axon4d.plan import cli
+
+    p = cli.argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--gpus", "8", "--batch", "8", "--precision", "bf16"])
+    assert (args.precision, args.dtype) == ("bf16", "")
+    assert cli.fp8_option("bf16-fp32-reduce", "auto") == "auto" and cli.fp8_option("bf16-fp8-gather", "auto") is True
+    assert cli.fp8_option("bf16", "auto") is False
+    with pytest.raises(ValueError, match="--fp8-gather off with --precision bf16-fp8-gather"):
+        cli.fp8_option("bf16-fp8-gather", "off")
+    with pytest.raises(ValueError, match="--fp8-gather on with --precision bf16: "):
+        cli.fp8_option("bf16", "on")
