@@ -1,5 +1,5 @@
 """The geometry of a 3D-parallel linear layer: its block shapes, z shards, and the collectives it
-issues with their payloads (docs/design.md §2, §3, E8–E13).
+issues with their payloads (docs/design.md §2, §3, E8–E13); and what every collective moves.
 
 This is the single source of truth for layer shapes and communication volume: the layers size
 their blocks and buffers with ``weight_block_shape``/``weight_shard_numel`` and the planner prices
@@ -7,6 +7,17 @@ the ``Collective`` list returned by ``linear_collectives``; tests check that lis
 ``axon4d.comm`` logged at run time.
 Payload = the full tensor a collective produces (all-reduce: the buffer; all-gather: the
 gathered result; reduce-scatter: the input). Axes of size 1 issue nothing and are omitted.
+
+**What each collective moves** (``wire_dtype``, ``wire_element_size``): one function maps a
+``Precision`` and a ``Term`` to the dtype on the wire — the compute dtype for activations and
+weight gathers (E8–E10, the embedding lookup, context parallelism's keys and values and their
+gradients), uint8 for E10 under FP8 gathers (``precision.gather_payload_bytes``), the reduction
+dtype for every gradient reduction (E11–E13, the replicated parameters' gradients), fp32 for the
+per-token statistics (split norms, the vocabulary-parallel loss) and, for ZeRO's parameter
+all-gather over data, the dtype the parameter is stored in (``zero_stored_dtype``). The runtime
+casts to it before it issues the collective (``axon4d.scheduler``, ``axon4d.nn``, ``axon4d.zero``)
+and the planner prices it (``linear_collectives(precision=...)``, ``axon4d.plan.workload``): one
+answer for both. ZeRO's split of a flat tensor over data is ``data_part_numel``.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from axon4d.precision import Precision, gather_payload_bytes, gathers_fp8
 from axon4d.shape import GridAxis, GridShape
 
 
@@ -75,6 +87,83 @@ class Collective:
     term: Term  # its name: the tag the comm log records it under, the planner's key
 
 
+#: collectives of activations and of the weights a GEMM uses: they move the compute dtype
+COMPUTE_TERMS = frozenset({Term.E8, Term.E9, Term.E10F, Term.E10B, Term.EMBEDDING, Term.CP_KV, Term.CP_KV_GRAD})
+#: gradient reductions: they move the reduction dtype (fp32 sums under ``bf16-fp32-reduce``)
+GRADIENT_TERMS = frozenset(
+    {Term.E11, Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD}
+)
+#: per-token statistics (split norms, the vocabulary-parallel loss): always fp32
+STATISTIC_TERMS = frozenset({Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET})
+
+
+def zero_stored_dtype(precision: Precision, param_dtype: torch.dtype, linear_weight: bool, g_data: int) -> torch.dtype:
+    """The dtype a sharded optimizer (``axon4d.zero``) stores a parameter of ``param_dtype`` in:
+    a 3D Linear layer's weight shard (``linear_weight``) in the compute dtype when training in
+    mixed precision with G_data > 1 (its fp32 master split over data), every other parameter as it
+    is. ZeRO's all-gather over data (``Term.ZERO_GATHER``) moves this dtype."""
+    if linear_weight and precision.mixed and g_data > 1:
+        return precision.compute
+    return param_dtype
+
+
+def wire_dtype(
+    precision: Precision,
+    term: Term,
+    param_dtype: torch.dtype = torch.float32,
+    *,
+    g_z: int = 1,
+    g_data: int = 1,
+    linear_weight: bool = False,
+) -> torch.dtype:
+    """The dtype the collective ``term`` moves under ``precision``, for a layer or parameter whose
+    parameters are stored in ``param_dtype`` (the library's: fp32 master weights; a bf16 model's
+    own bf16): the dtype the runtime casts to before issuing it and the planner prices.
+
+    - ``COMPUTE_TERMS``: the compute dtype under mixed precision, else ``param_dtype``; E10f/E10b
+      over a z axis of ``g_z`` > 1 ranks under FP8 gathers: uint8 (e4m3 bytes and each rank's fp32
+      scale, ``precision.fp8_pack``; the payload is ``precision.gather_payload_bytes``);
+    - ``GRADIENT_TERMS``: the reduction dtype under mixed precision, else ``param_dtype``;
+    - ``STATISTIC_TERMS``: fp32;
+    - ``Term.ZERO_GATHER``: the stored dtype (``zero_stored_dtype``: ``linear_weight`` on a data
+      axis of ``g_data`` ranks).
+
+    Other terms (``DENSE``, the activation gathers outside autograd) move their tensor as it is:
+    ValueError."""
+    if term in (Term.E10F, Term.E10B) and gathers_fp8(precision, g_z):
+        return torch.uint8
+    if term in COMPUTE_TERMS:
+        return precision.compute if precision.mixed else param_dtype
+    if term in GRADIENT_TERMS:
+        return precision.reduce if precision.mixed else param_dtype
+    if term in STATISTIC_TERMS:
+        return torch.float32
+    if term == Term.ZERO_GATHER:
+        return zero_stored_dtype(precision, param_dtype, linear_weight, g_data)
+    raise ValueError(f"collective {term.value!r} moves its tensor in the tensor's own dtype: it has no wire dtype")
+
+
+def wire_element_size(
+    precision: Precision,
+    term: Term,
+    param_dtype: torch.dtype = torch.float32,
+    *,
+    g_data: int = 1,
+    linear_weight: bool = False,
+) -> int:
+    """Bytes per element of the collective ``term`` under ``precision`` (``wire_dtype``'s size);
+    E10 counts its compute dtype here — its FP8 payload, scales included, is
+    ``precision.gather_payload_bytes``."""
+    return wire_dtype(precision, term, param_dtype, g_data=g_data, linear_weight=linear_weight).itemsize
+
+
+def data_part_numel(numel: int, parts: int) -> int:
+    """Elements of each data rank's part of a flat tensor of ``numel`` split into ``parts`` parts
+    by ZeRO (``axon4d.zero``): c = max(1, ⌈numel/parts⌉), the last parts shorter or empty. ZeRO-2's
+    E12 reduce-scatters and ZeRO's all-gather over data move ``parts``·c elements."""
+    return max(1, math.ceil(numel / parts))
+
+
 def layer_axes(transpose: bool) -> tuple[GridAxis, GridAxis]:
     """(axis splitting input features, axis splitting output features) — §2."""
     return ("y", "x") if transpose else ("x", "y")
@@ -120,6 +209,8 @@ def linear_collectives(
     bias: bool = True,
     element_size: int = 4,
     grad_element_size: int | None = None,
+    precision: Precision | None = None,
+    zero: int = 0,
     cache_weight: bool = False,
     forward_chunks: int = 1,
     min_chunk_bytes: int = 0,
@@ -127,35 +218,49 @@ def linear_collectives(
 ) -> list[Collective]:
     """Every collective one forward + backward of a 3D linear layer issues on one rank.
 
-    ``tokens`` is this rank's token count b = B·S/(G_data·G_z). ``element_size`` is the bytes of
-    the parameters and activations; ``grad_element_size`` those of the gradient reductions (E11,
-    E12, E13; defaults to ``element_size``). With ``cache_weight`` the forward all-gather's result
-    is kept for backward and E10 is paid once (E10f, no E10b). ``forward_chunks``/``min_chunk_bytes``/
+    ``tokens`` is this rank's token count b = B·S/(G_data·G_z). With ``precision`` (the grid's:
+    fp32 master weights) each collective moves what ``wire_dtype`` says — E8, E9 and E10 the
+    compute dtype, E10 under FP8 gathers ``gather_payload_bytes``, E11–E13 the reduction dtype —
+    and ``element_size``/``grad_element_size`` are ignored; without it ``element_size`` is the
+    bytes of the parameters and activations and ``grad_element_size`` those of the gradient
+    reductions (E11, E12, E13; defaults to ``element_size``). ``zero`` is the ZeRO stage
+    (``axon4d.zero``): at 2, E12 is a reduce-scatter over data of the shard zero-padded to G_data
+    parts (``data_part_numel``). With ``cache_weight`` the forward all-gather's result is kept for
+    backward and E10 is paid once (E10f, no E10b). ``forward_chunks``/``min_chunk_bytes``/
     ``chunk_rows`` are the overlap policy's token chunking of the forward all-reduce (E8; see
     ``forward_chunk_count``): the E8 payload is then issued as that many all-reduces of ``chunk_sizes`` rows each.
     """
-    g_elem = element_size if grad_element_size is None else grad_element_size
     in_axis, out_axis = layer_axes(transpose)
     rows, cols = weight_block_shape(in_features, out_features, shape, transpose)
     shard = weight_shard_numel(in_features, out_features, shape, transpose)
     padded_block = shard * shape.z
+    if precision is not None:
+        element_size = wire_element_size(precision, Term.E8, precision.param)
+        g_elem = wire_element_size(precision, Term.E11, precision.param)
+        gathered = gather_payload_bytes(precision, shard, shape.z, precision.param)  # E10's bytes (0: G_z = 1)
+    else:
+        g_elem = element_size if grad_element_size is None else grad_element_size
+        gathered = padded_block * element_size
     out: list[Collective] = []
 
     def add(op: Op, axis: str, elems: int, elem: int, phase: str, term: Term) -> None:
         if shape.size(axis) > 1:
             out.append(Collective(op, axis, elems * elem, phase, term))
 
-    add(Op.ALL_GATHER, "z", padded_block, element_size, "forward", Term.E10F)
+    add(Op.ALL_GATHER, "z", gathered, 1, "forward", Term.E10F)
     k = forward_chunk_count(
         tokens, rows * element_size, forward_chunks, min_chunk_bytes, shape.size(in_axis), chunk_rows
     )
     for part in chunk_sizes(tokens, k, chunk_rows):
         add(Op.ALL_REDUCE, in_axis, part * rows, element_size, "forward", Term.E8)
     if not cache_weight:
-        add(Op.ALL_GATHER, "z", padded_block, element_size, "backward", Term.E10B)
+        add(Op.ALL_GATHER, "z", gathered, 1, "backward", Term.E10B)
     add(Op.ALL_REDUCE, out_axis, tokens * cols, element_size, "backward", Term.E9)
     add(Op.REDUCE_SCATTER, "z", padded_block, g_elem, "backward", Term.E11)
-    add(Op.ALL_REDUCE, "data", shard, g_elem, "backward", Term.E12)
+    if zero == 2:  # ZeRO-2: each data rank receives the sum of its part (axon4d.scheduler._scatter)
+        add(Op.REDUCE_SCATTER, "data", data_part_numel(shard, shape.data) * shape.data, g_elem, "backward", Term.E12)
+    else:
+        add(Op.ALL_REDUCE, "data", shard, g_elem, "backward", Term.E12)
     if bias:
         add(Op.ALL_REDUCE, "batch", rows, g_elem, "backward", Term.E13)
     return out

@@ -62,7 +62,8 @@ def init(
     ``grid="auto"`` lets the planner choose (axon4d.plan.auto.choose_grid) for ``plan`` =
     {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}.
     ``precision`` sets the dtypes of master weights, compute and gradient reductions for every
-    layer on the grid (axon4d.precision: "fp32", "bf16", "bf16-fp32-reduce").
+    layer on the grid (axon4d.precision: "fp32", "bf16", "bf16-fp32-reduce", "bf16-fp8-gather");
+    a name given here is the planner's too (``plan["precision"]``) unless ``plan`` names one.
     Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
     A default process group that exists already (the caller's, or one an earlier ``init()`` in this
     job created; see ``shutdown``) is used as it is.
@@ -75,6 +76,8 @@ def init(
     info = launch.detect()
     if _state["owns_world"] and dist.is_initialized():
         info = _state["launch"]  # type: ignore[assignment]  # the world an earlier init() created
+    if plan is not None and isinstance(precision, str) and "precision" not in plan and "workload" not in plan:
+        plan = {**plan, "precision": precision}  # the planner prices what this grid's collectives move
     if isinstance(grid, str):
         if grid != "auto":
             raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")

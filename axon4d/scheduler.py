@@ -57,9 +57,9 @@ from typing import Any, Protocol
 import torch
 
 from axon4d.comm import Communicator, Handle
-from axon4d.geometry import Term
+from axon4d.geometry import Term, wire_dtype
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.precision import Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8, reduce_dtype
+from axon4d.precision import Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
 from axon4d.shape import Axis
 
 
@@ -238,9 +238,10 @@ class Scheduler:
         uint8 chunk per rank (``fp8_pack``), which ``gather_weight`` restores. A forward re-run under
         full recomputation gathers as a forward does (E10f)."""
         term = Term.E10B if backward else Term.E10F
-        if gathers_fp8(self.precision, self.comm.shape.size("z")):
+        dtype = wire_dtype(self.precision, term, weight.dtype, g_z=self.comm.shape.size("z"))
+        if dtype == torch.uint8:  # FP8 gathers
             return self.comm.all_gather(fp8_pack(weight), "z", tag=term)  # (n + 4,) uint8 per rank
-        return self.comm.all_gather(weight.detach().to(compute_dtype(self.precision, weight)), "z", tag=term)
+        return self.comm.all_gather(weight.detach().to(dtype), "z", tag=term)
 
     def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> Handle | None:
         entry = self._prefetched.pop(layer, None)
@@ -387,7 +388,7 @@ class Scheduler:
         (before the backward that reduces returns) and None is returned. Under ZeRO
         (``shard_over_data``) the result goes to the ``DataSharding``, not ``.grad`` — under ZeRO-2
         E12 is a reduce-scatter over data: None is returned."""
-        dw = dw.to(reduce_dtype(self.precision, param))
+        dw = dw.to(wire_dtype(self.precision, Term.E11, param.dtype))
         g_z = self.comm.shape.size("z")  # with G_z = 1 there is no E11: the dW GEMM wrote into the slot
         slot = self.weight_grad_slot(param, dw.numel() // g_z, dw.dtype, dw.device) if g_z > 1 else None
         rs = self.comm.reduce_scatter(dw, "z", tag=Term.E11, out=slot)  # into its bucket's buffer, if any
@@ -439,7 +440,7 @@ class Scheduler:
     def reduce_bias_grad(self, param: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor | None:
         """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP,
         held inside ``accumulating``."""
-        db = db.to(reduce_dtype(self.precision, param))
+        db = db.to(wire_dtype(self.precision, Term.E13, param.dtype))
         if self.holding:
             self._hold(param, db, "batch", Term.E13, scale)
             return None
@@ -492,7 +493,7 @@ class Scheduler:
         local, param.grad = param.grad, self._kept.pop(id(param), None)
         if local is None:
             return
-        flat = local.detach().reshape(-1).to(reduce_dtype(self.precision, param))  # (numel,)
+        flat = local.detach().reshape(-1).to(wire_dtype(self.precision, tag, param.dtype))  # (numel,)
         self._add_to_bucket(("batch", tag), (param, flat, scale))
 
     def _hold(self, param: torch.Tensor, grad: torch.Tensor, axis: Axis, tag: Term, scale: float) -> None:

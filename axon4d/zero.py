@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import weakref
 from typing import Any
 
@@ -54,6 +53,7 @@ import torch
 from torch import nn
 
 from axon4d.comm import Handle
+from axon4d.geometry import Term, data_part_numel, zero_stored_dtype
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
 
@@ -77,8 +77,8 @@ NOT_ELEMENTWISE = tuple(
 )
 #: ZeRO stages ``shard_optimizer`` takes (0, no sharding, is the training job's ``--zero 0``)
 STAGES = (1, 2)
-#: the log's tag of the parameters' all-gather over data (docs/design.md §4)
-GATHER_TAG = "zero.params"
+#: the log's tag of the parameters' all-gather over data (docs/design.md §4): the planner's term
+GATHER_TAG = Term.ZERO_GATHER
 
 
 @dataclasses.dataclass
@@ -176,7 +176,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.data_size, self.data_rank = grid.size("data"), grid.coord("data")
         names = {id(p): n for n, p in model.named_parameters()}
         #: the dtype the 3D Linear weights are stored in (``sixteen_bit``), or None: all stay as they are
-        self.weight_dtype = grid.precision.compute if grid.precision.mixed and self.data_size > 1 else None
+        stored = zero_stored_dtype(grid.precision, torch.float32, linear_weight=True, g_data=self.data_size)
+        self.weight_dtype = stored if stored != torch.float32 else None
         sixteen = sixteen_bit(model) if self.weight_dtype is not None else set()
         self._parts: dict[int, _Part] = {}
         groups = []
@@ -227,7 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not p.is_contiguous():
             raise ValueError(f"parameter {names[id(p)]} is not contiguous; its flat parts must be views of it")
         n = p.numel()
-        chunk = max(1, math.ceil(n / self.data_size))
+        chunk = data_part_numel(n, self.data_size)
         start = min(n, self.data_rank * chunk)
         stop = min(n, start + chunk)
         flat = p.detach().view(-1)  # (n,)

@@ -153,7 +153,7 @@ def predict(cfg: ModelConfig, args: argparse.Namespace, shape: GridShape, machin
     except ValueError as e:
         out["notes"].append(str(e))
     try:
-        wl = Workload(cfg, args.batch, args.dtype, optimizer=args.optimizer)
+        wl = Workload(cfg, args.batch, args.dtype, optimizer=args.optimizer, precision=PRECISION[args.dtype])
         out["candidate"] = evaluate(wl, shape, machine, OverlapPolicy.parse(args.overlap), args.recompute)
     except (ValueError, KeyError) as e:
         out["notes"].append(f"the planner cannot price this job: {e}")

@@ -16,7 +16,7 @@ from axon4d.config import get_config
 from axon4d.geometry import Op, Term, linear_collectives, weight_block_shape
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import Workload, load
-from axon4d.plan.layers import _collectives
+from axon4d.plan.layers import collectives
 from axon4d.plan.scenario import Scenario
 
 # a transformer-shaped chain: normal → transposed → normal → transposed
@@ -248,7 +248,7 @@ def test_forward_chunks_follow_the_device():
     shape = axon4d.GridShape(4, 2, 1, 1)
     sc = Scenario(wl, shape, load("h100"), policy)
     spec = next(s for s in wl.linears() if not s.embedding)
-    e8 = [c.payload_bytes for c in _collectives(spec, sc) if c.term == Term.E8]
+    e8 = [c.payload_bytes for c in collectives(spec, sc) if c.term == Term.E8]
     row_bytes = 2 * weight_block_shape(spec.in_features, spec.out_features, shape, spec.transpose)[0]
     tokens = [b // row_bytes for b in e8]
     assert len(tokens) == 4 and sum(tokens) == sc.tokens and all(t % 128 == 0 for t in tokens[:-1])

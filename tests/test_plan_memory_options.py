@@ -64,9 +64,10 @@ def _measure(grid, cfg, recompute="none", micro_batches=1, offload=None, zero=0)
 def _predicted(grid, cfg, recompute="none", micro_batches=1, offload_blocks=0, zero=0):
     from axon4d.plan.memory import memory
     from axon4d.plan.workload import Workload
+    from axon4d.precision import NAMED
 
-    dtype = "float32" if grid.precision.compute == torch.float32 else "bfloat16"
-    wl = Workload(cfg, MEM_BATCH * micro_batches, dtype)
+    preset = next(name for name, p in NAMED.items() if p == grid.precision)  # the grid's, by name
+    wl = Workload(cfg, MEM_BATCH * micro_batches, precision=preset)
     return memory(
         wl,
         grid.shape,
@@ -137,6 +138,9 @@ def _check(result, what, tolerance=TOLERANCE):
         (2, (1, 1, 1, 2), {"zero": 1, "precision": BF16}),
         pytest.param(4, (1, 1, 1, 4), {"zero": 2, "precision": BF16}, marks=pytest.mark.slow),
         pytest.param(4, (1, 1, 2, 2), {"zero": 1, "precision": BF16}, marks=pytest.mark.slow),
+        # bf16 gradient reductions: the dW blocks and their reduce-scatters over z in bf16
+        (2, (1, 1, 2, 1), {"precision": "bf16"}),
+        pytest.param(4, (2, 1, 2, 1), {"precision": "bf16", "recompute": "balanced"}, marks=pytest.mark.slow),
     ],
 )
 def test_peak_memory_of_micro_batches_and_offload_is_the_planners(pools, world, grid, options):

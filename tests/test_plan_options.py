@@ -297,7 +297,7 @@ def test_the_80B_showcase_plan_fits_and_beats_AxoNN_s_result():
         fp8_gather=False,
         context_parallel=False,
     ).best
-    assert old.mfu == pytest.approx(0.392, abs=0.002) and best.mfu > old.mfu
+    assert old.mfu == pytest.approx(0.371, abs=0.002) and best.mfu > old.mfu
 
 
 def test_a_model_without_an_even_sequence_is_searched_whole():

@@ -58,13 +58,13 @@ def test_the_chosen_options_are_applied_to_the_run(monkeypatch):
     monkeypatch.setattr(planned, "choose", choose)
     cfg = TrainConfig(grid="auto", batch_size=32, **TINY)
     run, best = planned.plan_run(cfg, accelerator=True)
-    assert asked["batch"] == 32 and asked["micro_batches"] == AUTO_OPTION and asked["dtype"] == "bfloat16"
+    assert asked["batch"] == 32 and asked["micro_batches"] == AUTO_OPTION and asked["precision"] == "bf16-fp32-reduce"
     assert (run.grid, run.recompute, run.micro_batches, run.batch_size) == ("1,2,2,2", "balanced", 4, 8)
     assert (run.zero, run.offload, run.context_parallel, run.precision) == (1, "0,1", True, "bf16-fp8-gather")
     # pinned micro-batches keep the batch per micro-batch as given
     run, _ = planned.plan_run(dataclasses.replace(cfg, micro_batches=2, precision="fp32"), accelerator=True)
     assert (run.micro_batches, run.batch_size, run.precision) == (2, 32, "fp32")
-    assert asked["micro_batches"] == 2 and asked["batch"] == 64 and asked["dtype"] == "float32"
+    assert asked["micro_batches"] == 2 and asked["batch"] == 64 and asked["precision"] == "fp32"
 
 
 def _auto_job(cfg_dict):

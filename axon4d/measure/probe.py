@@ -3,7 +3,8 @@
 ``ProbeModel`` runs exactly the work ``Workload`` prices: per block QKV (normal) → causal
 attention on this rank's heads (split over y) → attention output (transposed) + residual → MLP up
 (normal) → GELU → MLP down (transposed) + residual; then the vocab-parallel head (normal, logits
-split over y) and a mean-square loss on the logits. It has no norms and no embedding (its
+split over y) and a mean-square loss on the logits, its parameters in the workload's dtype on a
+grid without mixed precision (precision "fp32" or "bf16", ``unmixed_precision``). It has no norms and no embedding (its
 input is a random activation that requires grad, as an embedding's output would), so the
 benchmark needs nothing beyond the 3D linear layer. ``measure_step`` times steps;
 ``measure_peak`` measures the peak of torch allocations.
@@ -25,7 +26,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.nn import Linear
-from axon4d.plan.workload import Workload
+from axon4d.plan.workload import Workload, unmixed_precision
 from axon4d.zero import ShardedOptimizer, shard_optimizer
 
 
@@ -37,6 +38,13 @@ class ProbeModel(nn.Module):
         if wl.embedding or wl.norms:
             raise ValueError(
                 "ProbeModel has no embedding and no norms: use Workload(..., embedding=False, norms=False)"
+            )
+        runs = unmixed_precision(wl.dtype)  # its parameters are wl.dtype itself, reduced in it
+        if grid.precision.mixed or wl.preset != runs:
+            raise ValueError(
+                f"ProbeModel holds {wl.dtype} parameters on a grid without mixed precision, so its collectives move "
+                f"what precision {runs!r} says; give Workload(..., precision={runs!r}) (not {wl.preset!r}) and a grid "
+                "without mixed precision (axon4d.init's default)"
             )
         problems = wl.grid_problems(grid.shape)
         if problems:

@@ -14,7 +14,7 @@ from torch import nn
 
 from axon4d import device as devices
 from axon4d import rules, runtime, tiled_init
-from axon4d.geometry import Term
+from axon4d.geometry import Term, wire_dtype
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
 from axon4d.precision import compute_dtype
@@ -126,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
         lo, hi = self.rows
         mine = (ids >= lo) & (ids < hi)
         local = torch.where(mine, ids - lo, torch.zeros_like(ids))
-        dtype = compute_dtype(self.grid.precision, self.weight)
+        dtype = wire_dtype(self.grid.precision, Term.EMBEDDING, self.weight.dtype)  # what the all-reduce moves
         out = nn.functional.embedding(local, self.weight).to(dtype) * mine.unsqueeze(-1).to(dtype)
         return sum_to_replicas(out, "y", self.grid, Term.EMBEDDING, in_place=True)  # out: a temporary
 

@@ -106,7 +106,8 @@ class _Linear3D(torch.autograd.Function):
         scale = 1.0 / layer.grid.size("batch")
         if ctx.needs_input_grad[1]:
             with sched.compute("bwd.dW"):
-                dtype = reduce_dtype(layer.grid.precision, layer.weight)  # fp32 sums stay fp32
+                # E11's dtype (geometry.wire_dtype): fp32 sums stay fp32 under bf16-fp32-reduce
+                dtype = geometry.wire_dtype(layer.grid.precision, Term.E11, layer.weight.dtype)
                 g_z = layer.grid.size("z")
                 # with G_z = 1 the GEMM writes into the layer's slice of its E12 bucket, if it has one
                 slot = (

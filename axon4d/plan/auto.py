@@ -39,12 +39,20 @@ def default_machine() -> str:
 
 
 def _workload(
-    world: int, model: ModelConfig | str | None, batch: int | None, dtype: str, optimizer: str, what: str
+    world: int,
+    model: ModelConfig | str | None,
+    batch: int | None,
+    dtype: str,
+    optimizer: str,
+    what: str,
+    precision: str = "",
 ) -> Workload:
+    """The workload of ``model`` (a batch of one sequence per rank by default) in ``precision`` (a
+    preset name; "": by ``dtype``, ``Workload``)."""
     if model is None:
         raise ValueError(f"{what} needs the model: axon4d.init({what}, plan={{'model': cfg_or_name, 'batch': B}})")
     cfg = get_config(model) if isinstance(model, str) else model
-    return Workload(cfg, batch if batch is not None else world, dtype, optimizer=optimizer)
+    return Workload(cfg, batch if batch is not None else world, dtype, optimizer=optimizer, precision=precision)
 
 
 def choose_overlap(
@@ -53,7 +61,8 @@ def choose_overlap(
     model: ModelConfig | str | None = None,
     batch: int | None = None,
     machine: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = "",
+    precision: str = "",
     recompute: str = "none",
     optimizer: str = "adam",
     memory_gib: float | None = None,
@@ -77,7 +86,7 @@ def choose_overlap(
         name = machine or default_machine()
     except ValueError:
         return OverlapPolicy()
-    wl = workload or _workload(shape.world_size, model, batch, dtype, optimizer, "overlap='auto'")
+    wl = workload or _workload(shape.world_size, model, batch, dtype, optimizer, "overlap='auto'", precision)
     limit = memory_gib * 2**30 if memory_gib is not None else None
     if context_parallel is True and not wl.context_parallel:
         wl = dataclasses.replace(wl, context_parallel=True)
@@ -100,7 +109,9 @@ def choose_grid(world: int, **options: Any) -> GridShape:
     """The fastest grid of ``world`` ranks that fits, by the planner; rank 0 prints why.
 
     ``options`` are ``choose``'s: ``model`` (a ModelConfig or a size name), ``batch`` (the global
-    batch in sequences per step; default one per rank), ``machine``, ``dtype``, ``overlap`` (a
+    batch in sequences per step; default one per rank), ``machine``, ``dtype`` and ``precision``
+    (the compute dtype and the precision preset, ``Workload``: by default bfloat16 and
+    "bf16-fp32-reduce"; either alone sets the other), ``overlap`` (a
     policy, or "auto": the knobs tuned too, ``search.plan``), ``recompute``, ``optimizer`` ("adam"
     or "sgd"), ``memory_gib``, ``workload``, ``rank``, ``top``, and the step options
     ``micro_batches``, ``zero``, ``offload``, ``fp8_gather``, ``context_parallel`` (each pinned by
@@ -117,7 +128,8 @@ def choose(
     model: ModelConfig | str | None = None,
     batch: int | None = None,
     machine: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = "",
+    precision: str = "",
     overlap: Any = None,
     recompute: str = "none",
     optimizer: str = "adam",
@@ -136,7 +148,7 @@ def choose(
     options (``Candidate.options``; "auto" ones chosen by the search) it was priced with. Raises
     ``ValueError`` (on every rank alike) when no grid fits."""
     if workload is None:
-        workload = _workload(world, model, batch, dtype, optimizer, "grid='auto'")
+        workload = _workload(world, model, batch, dtype, optimizer, "grid='auto'", precision)
     result = plan(
         workload.model,
         world,
@@ -160,7 +172,7 @@ def choose(
         m = workload.model
         print(
             f"axon4d: grid='auto' chose {best.shape.as_tuple()} (x, y, z, data) for {m.name or 'the model'} "
-            f"(batch {workload.batch} × {m.seq_len}, {workload.dtype}) on {world} × {result.machine.name}: predicted "
+            f"(batch {workload.batch} × {m.seq_len}, {workload.preset}) on {world} × {result.machine.name}: predicted "
             f"{t.step_s * 1e3:.1f} ms/step with {best.options_spec()}, MFU {100 * best.mfu:.1f}%, "
             f"{best.mem.peak / 2**30:.2f} GiB per rank "
             f"(limit {result.memory_limit / 2**30:.1f}), communication {t.comm_s * 1e3:.1f} ms of which "

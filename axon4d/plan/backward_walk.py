@@ -88,6 +88,7 @@ class BackwardWalk:
         acts: float,
         grad_share: float = 1.0,
         grad_bytes: int | None = None,
+        wire_bytes: int | None = None,
         fp8_gather: bool = False,
         carried: bool = False,
         cast_weights: bool = False,
@@ -100,10 +101,12 @@ class BackwardWalk:
         self.cast = cast_weights
         self.grad_share = grad_share  # a layer's gradient bytes live after its backward, per gradient byte
         self.grad_bytes = wl.element_size if grad_bytes is None else grad_bytes  # per gradient element
+        # per element of a dW block and of its reduce-scatter over z (E11: ``geometry.wire_dtype``)
+        self.wire_bytes = self.grad_bytes if wire_bytes is None else wire_bytes
         self.fp8 = fp8_gather and shape.z > 1  # a gathered block arrives as bytes, restored beside them
         self.elem = wl.element_size
         # the host's dW GEMM of 16-bit inputs into fp32 sums widens both first (axon4d.device.mm_widening)
-        self.widened = widened_gemms and self.elem != self.grad_bytes
+        self.widened = widened_gemms and self.elem != self.wire_bytes
         self.specs = {s.name: s for s in wl.linears()}
         self.t = {k: v * self.elem for k, v in block_tensors(wl, shape).items()}  # one block's tensors, bytes
         saved = block_saved(wl, shape, "none" if recompute == "full" else recompute)
@@ -140,8 +143,8 @@ class BackwardWalk:
 
     def dw(self, name: str) -> float:
         """The dW block, computed straight into E11's zero-padded input, in the gradients' dtype
-        (fp32 sums when training in 16 bits: ``grad_bytes``)."""
-        return self.block(name) / self.elem * self.grad_bytes
+        (fp32 sums when training in 16 bits with fp32 reductions: ``wire_bytes``)."""
+        return self.block(name) / self.elem * self.wire_bytes
 
     def prefetched(self, name: str) -> float:
         """OAG's prefetched blocks of the next ``oag_depth`` layers, alive during ``name``'s backward."""
@@ -155,7 +158,7 @@ class BackwardWalk:
     def issued(self, name: str) -> float:
         """Once ``name``'s own E11 is issued: the shard it fills and the chunks it receives."""
         shard = self.shard(name)
-        return (shard + self.received * shard * self.shape.z) * self.grad_bytes if self.shape.z > 1 else 0.0
+        return (shard + self.received * shard * self.shape.z) * self.wire_bytes if self.shape.z > 1 else 0.0
 
     def in_flight(self, name: str, first: bool) -> float:
         """What the ``inflight`` newest reduce-scatters of layers whose backward ran before ``name``'s
@@ -166,7 +169,7 @@ class BackwardWalk:
             return 0.0
         earlier = list(BACKWARD_ORDER[1 : BACKWARD_ORDER.index(name)][::-1])
         first_names, repeated = (earlier + ["head"], []) if first else (earlier, list(BACKWARD_ORDER[:0:-1]))
-        blocks = self.blocks(first_names, repeated, self.inflight) / self.elem * self.grad_bytes  # gradient blocks
+        blocks = self.blocks(first_names, repeated, self.inflight) / self.elem * self.wire_bytes  # gradient blocks
         return blocks * (1 + self.received)
 
     def grad(self, name: str) -> float:

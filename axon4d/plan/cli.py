@@ -23,12 +23,12 @@ from typing import Any
 
 from axon4d import rules
 from axon4d.config import SIZES, get_config
-from axon4d.device import DTYPES
 from axon4d.plan import stepfit
 from axon4d.plan.machine import available
 from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.search import plan
-from axon4d.plan.workload import OPTIMIZERS
+from axon4d.plan.workload import DEFAULT_PRECISION, OPTIMIZERS, Workload
+from axon4d.precision import NAMED
 from axon4d.recompute_mode import RECOMPUTE_MODES
 
 #: --context-parallel → plan(context_parallel=...)
@@ -53,7 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--machine", default="perlmutter", help=f"shipped machine ({', '.join(available())}) or a JSON file")
     p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
     p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument(
+        "--dtype",
+        default="",
+        choices=sorted(DEFAULT_PRECISION),
+        help="compute dtype (default: --precision's; bfloat16 when neither is given)",
+    )
+    p.add_argument(
+        "--precision",
+        default="",
+        choices=tuple(NAMED),
+        help="what the collectives move (axon4d train --precision): default by --dtype — bf16-fp32-reduce for "
+        "bfloat16 (the training job's on GPUs), fp32 for float32; bf16-fp8-gather pins --fp8-gather on",
+    )
     p.add_argument(
         "--overlap",
         default="all",
@@ -126,13 +138,14 @@ def main(args: argparse.Namespace) -> int:
             "e.g. --memory-gib 80, or leave it out for the machine's own"
         )
     cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len is not None else {}))
+    wl = Workload(cfg, args.batch, args.dtype, optimizer=args.optimizer, precision=args.precision)
     start = time.perf_counter()
     result = plan(
         cfg,
         args.gpus,
         args.machine,
         args.batch,
-        dtype=args.dtype,
+        workload=wl,
         overlap=args.overlap,
         recompute=args.recompute,
         optimizer=args.optimizer,
@@ -141,7 +154,7 @@ def main(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         zero=args.zero,
         offload=args.offload,
-        fp8_gather=FP8_GATHER[args.fp8_gather],
+        fp8_gather=fp8_option(wl.preset, args.fp8_gather),
         async_save=args.async_save,
         top=args.top,
     )
@@ -153,7 +166,7 @@ def main(args: argparse.Namespace) -> int:
     wl = result.workload
     print(
         f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
-        f"{wl.dtype}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
+        f"precision {wl.preset}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
         f"overlap {result.overlap.spec()}; {searched_options(result)}"
     )
     if result.machine.step_scale:
@@ -186,6 +199,28 @@ def main(args: argparse.Namespace) -> int:
             json.dump(result.to_json(args.top), f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def fp8_option(precision: str, flag: str) -> bool | str:
+    """``plan``'s ``fp8_gather`` for ``--fp8-gather flag`` under ``--precision precision``: FP8
+    gathers turn bf16-fp32-reduce into bf16-fp8-gather (``scenario.step_precision``), so
+    bf16-fp8-gather pins them on (``off`` contradicts it: ValueError), and bf16, which reduces
+    gradients in bf16 — no preset gathers FP8 with it — pins them off (``on``: ValueError)."""
+    if precision == "bf16-fp8-gather":
+        if flag == "off":
+            raise ValueError(
+                "--fp8-gather off with --precision bf16-fp8-gather: that precision gathers weights in FP8; "
+                "use --precision bf16-fp32-reduce for bf16 gathers"
+            )
+        return True
+    if precision == "bf16":
+        if flag == "on":
+            raise ValueError(
+                "--fp8-gather on with --precision bf16: FP8 gathers are the preset bf16-fp8-gather, which reduces "
+                "gradients in fp32; use --precision bf16-fp32-reduce (FP8 searched) or bf16-fp8-gather"
+            )
+        return False
+    return FP8_GATHER[flag]
 
 
 def searched_options(result: Any) -> str:

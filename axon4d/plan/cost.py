@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Any
 
-from axon4d.geometry import Collective, Op, Term
+from axon4d.geometry import Collective, Op, Term, data_part_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.layers import (
     EMBEDDING_TERMS,
@@ -40,7 +40,7 @@ from axon4d.plan.layers import (
     priced,
 )
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import local_param_tensors, param_bytes, sixteen_bit_weights
+from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
@@ -302,22 +302,29 @@ def zero_gathers(sc: Scenario) -> list[Collective]:
             if not buckets or held >= limit:
                 buckets.append(0)
                 held = 0.0
-            buckets[-1] += math.ceil(n / d) * d
+            buckets[-1] += data_part_numel(n, d) * d
             held += n * elem
         out += [Collective(Op.ALL_GATHER, "data", n * elem, "backward", Term.ZERO_GATHER) for n in buckets]
     return out
 
 
 def _stored(sc: Scenario) -> list[tuple[list[int], int]]:
-    """The rank's parameter tensors (elements of each) by the bytes per element they are stored in:
-    the 3D Linear weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``) at the step's
-    element size, the others at ``memory.param_bytes`` (fp32 masters when training in 16 bits)."""
-    wl, shape = sc.workload, sc.shape
+    """The rank's parameter tensors (elements of each) by the bytes per element they are stored in,
+    which ZeRO's all-gather moves (``geometry.wire_dtype`` of ``Term.ZERO_GATHER``): the 3D Linear
+    weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``: mixed precision, G_data > 1) in
+    the compute dtype, the others as the parameters are (fp32 master weights)."""
+    wl, shape, precision = sc.workload, sc.shape, sc.precision
     tensors = local_param_tensors(wl, shape)
     sixteen = sixteen_bit_weights(wl, shape, sc.zero)
+
+    def size(linear_weight: bool) -> int:
+        return wire_element_size(
+            precision, Term.ZERO_GATHER, precision.param, g_data=shape.data, linear_weight=linear_weight
+        )
+
     if not sixteen:
-        return [(tensors, param_bytes(wl))]
+        return [(tensors, size(False))]
     rest = list(tensors)
     for n in sixteen:
         rest.remove(n)
-    return [(sixteen, wl.element_size), (rest, param_bytes(wl))]
+    return [(sixteen, size(True)), (rest, size(False))]

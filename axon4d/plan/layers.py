@@ -2,8 +2,10 @@
 non-GEMM work after it (docs/design.md §3, §6).
 
 For every linear layer kind of the ``Workload`` the collectives are exactly the list
-``axon4d.geometry.linear_collectives`` returns (E8–E13, normal or transposed layout) — the same
-list the communication log is tested against — each priced by ``Machine.comm_time`` on its axis
+``axon4d.geometry.linear_collectives`` returns (E8–E13, normal or transposed layout) under the
+step's precision and ZeRO stage (``collectives``: each collective's dtype from
+``geometry.wire_dtype``, as the runtime casts it) — the same list the communication log is tested
+against (tests/test_plan_bytes.py) — each priced by ``Machine.comm_time`` on its axis
 (group size and rank stride from E1, ``axis_group_and_stride``) with the time model of §3. GEMMs are
 priced from the machine's measured throughput at the local shapes; attention, elementwise work and
 norms from their own calibrations. ``LayerCost`` is one layer kind's run; ``axon4d.plan.cost``
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from axon4d.geometry import Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.geometry import Collective, Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan.machine import ring_traffic
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import LinearSpec, Workload
+from axon4d.precision import SCALE_BYTES
 from axon4d.shape import GridShape
 
 #: The embedding layer's own collectives (priced with its layer; the other edge collectives apart).
@@ -127,48 +130,37 @@ def carried(spec: LinearSpec, sc: Scenario) -> bool:
     return sc.overlap.oag_keep and not spec.embedding and not (sc.recompute == "full" and in_block(spec, sc))
 
 
-def _collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Collective]:
-    """The collectives of one run of ``spec``: the embedding's lookup all-reduce over y and its
-    table's gradient all-reduce over batch, or a linear layer's E8–E13 (no E9 without an input
-    gradient) as the overlap policy issues them (keep-for-backward, token chunks); no E10f unless
-    ``gathers`` (a micro-batch that reuses the block, ``carried``)."""
+def collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Collective]:
+    """The collectives of one run of ``spec`` on one rank: the embedding's lookup all-reduce over y
+    and its table's gradient all-reduce over batch, or a linear layer's E8–E13 (no E9 without an
+    input gradient) as the step issues them — their bytes from ``geometry.linear_collectives``
+    under the step's precision (``Scenario.precision``: E10 in FP8 with its scales, E11–E13 in the
+    reduction dtype) and ZeRO stage (ZeRO-2: E12 a reduce-scatter over data), as the overlap
+    policy issues them (keep-for-backward, token chunks); no E10f unless ``gathers`` (a
+    micro-batch that reuses the block, ``carried``)."""
     if spec.embedding:
         return [c for c in sc.edge_collectives if c.term in EMBEDDING_TERMS]
     ov = sc.overlap
     floor, rows = ov.chunking(sc.machine.accelerator)  # the device's chunk floor and row multiple
-    collectives = linear_collectives(
+    out = linear_collectives(
         spec.in_features,
         spec.out_features,
         sc.tokens,
         sc.shape,
         transpose=spec.transpose,
         bias=spec.bias,
-        element_size=sc.element_size,
+        precision=sc.precision,
+        zero=sc.zero,
         cache_weight=ov.oag_keep,
         forward_chunks=ov.forward_chunks,
         min_chunk_bytes=floor,
         chunk_rows=rows,
     )
-    return [
-        _as_issued(c, sc)
-        for c in collectives
-        if (spec.input_grad or c.term != Term.E9) and (gathers or c.term != Term.E10F)
-    ]
+    return [c for c in out if (spec.input_grad or c.term != Term.E9) and (gathers or c.term != Term.E10F)]
 
 
-#: bytes of the scale each rank's FP8 chunk of an E10 gather carries (one fp32)
-FP8_SCALE_BYTES = 4
-
-
-def _as_issued(c: Collective, sc: Scenario) -> Collective:
-    """``c`` as the scenario's options issue it: with ``fp8_gather`` E10 moves one byte per weight
-    element and a scale per rank's chunk; with ZeRO-2 E12 is a reduce-scatter over data."""
-    if sc.fp8_gather and c.term in (Term.E10F, Term.E10B):
-        elements = c.payload_bytes // sc.element_size
-        return dataclasses.replace(c, payload_bytes=elements + FP8_SCALE_BYTES * sc.shape.z)
-    if sc.zero == 2 and c.term == Term.E12:
-        return dataclasses.replace(c, op=Op.REDUCE_SCATTER)
-    return c
+#: bytes of the scale each rank's FP8 chunk of an E10 gather carries (one fp32: ``precision.SCALE_BYTES``)
+FP8_SCALE_BYTES = SCALE_BYTES
 
 
 def fp8_cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
@@ -227,7 +219,7 @@ def layer_cost(
     term_calls: dict[Term, int] = {}
     term_bytes: dict[Term, int] = {}
     term_traffic: dict[Term, float] = {}
-    for c in _collectives(spec, sc, gathers):
+    for c in collectives(spec, sc, gathers):
         chunks += c.term == Term.E8
         calls += 1
         fwd_calls += c.phase == "forward"

@@ -18,7 +18,10 @@ import dataclasses
 import functools
 import math
 
-from axon4d.geometry import weight_shard_numel
+import torch
+
+from axon4d.device import DTYPES
+from axon4d.geometry import Term, weight_shard_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk
 from axon4d.plan.saved import block_bytes, final_norm_saved
@@ -180,6 +183,7 @@ def memory(
         overlap,
         staged_reduce_scatter,
         grad_bytes=p_bytes,
+        wire_bytes=wire_element_size(wl.dtypes, Term.E11, torch.float32 if p_bytes == 4 else DTYPES[wl.dtype]),
         fp8_gather=fp8_gather,
         carried=carried,
         cast_weights=cast,

@@ -87,6 +87,7 @@ class PlanResult:
             "model": dataclasses.asdict(wl.model),
             "batch": wl.batch,
             "dtype": wl.dtype,
+            "precision": wl.preset,
             "world": self.world,
             "machine": self.machine.name,
             "overlap": self.overlap.spec(),

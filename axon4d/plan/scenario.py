@@ -16,7 +16,13 @@ The options besides the grid, each priced where its cost lands:
 - ``offload``: how many blocks' saved activations move to host memory during the forward and
   come back for their backward (``Transformer(offload=)``, ``--offload``).
 - ``fp8_gather``: the weight all-gathers over z (E10) move e4m3 bytes and a scale per shard
-  (``precision="bf16-fp8-gather"``).
+  (``precision="bf16-fp8-gather"``). The step's precision is the workload's with FP8 gathers
+  (``step_precision``): "bf16-fp32-reduce" becomes "bf16-fp8-gather", "bf16" gathers FP8 and
+  reduces in bf16 (no preset is that; ``axon4d.init(precision=Precision(...))`` runs it); a
+  float32 workload has no 16-bit weights to gather (ValueError). A workload whose precision is
+  "bf16-fp8-gather" gathers FP8 already: its scenarios on G_z > 1 have ``fp8_gather`` True
+  whatever was given (False is the default, not a request; ``axon4d plan`` refuses
+  ``--fp8-gather off`` with it).
 
 A ``Scenario`` is built once per candidate grid (``candidate.evaluate``) and every pricing function
 takes it (``layers``, ``recompute``, ``cost``) instead of the five values it is made of. It also
@@ -36,6 +42,7 @@ from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_count
 from axon4d.plan.workload import LinearSpec, Workload
+from axon4d.precision import FP8, NAMED, Precision
 from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
 
@@ -63,6 +70,18 @@ def check_options(wl: Workload, micro_batches: int, zero: int, offload: int, fp8
         )
 
 
+def step_precision(wl: Workload, fp8_gather: bool) -> Precision:
+    """The precision a step of ``wl`` runs in (what its collectives move): the workload's, with FP8
+    weight gathers where ``fp8_gather`` (module docstring: "bf16-fp32-reduce" becomes
+    "bf16-fp8-gather"); FP8 gathers in a precision that computes in fp32 are a ValueError naming it."""
+    precision = wl.dtypes
+    if not fp8_gather:
+        return precision
+    if not precision.mixed:  # check_options refuses it first, naming the dtype
+        raise ValueError(f"fp8_gather with precision {wl.preset!r}: FP8 gathers restore 16-bit weights")
+    return dataclasses.replace(precision, gather=FP8)
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     """One price's inputs: ``workload`` on ``shape`` of ``machine``, with the ``overlap`` policy the
@@ -81,6 +100,19 @@ class Scenario:
     def __post_init__(self) -> None:
         check_recompute(self.recompute)
         check_options(self.workload, self.micro_batches, self.zero, self.offload, self.fp8_gather)
+        if self.workload.dtypes.gather == FP8 and self.shape.z > 1:  # the precision gathers in FP8
+            object.__setattr__(self, "fp8_gather", True)  # frozen: set once, here
+
+    @cached_property
+    def precision(self) -> Precision:
+        """What the step's collectives move (``step_precision``: the workload's, FP8 gathers or not)."""
+        return step_precision(self.workload, self.fp8_gather)
+
+    @property
+    def precision_name(self) -> str:
+        """``precision``'s name in ``axon4d.precision.NAMED``; "bf16 + fp8 gathers" for the one
+        combination without a name (bf16 reductions with FP8 gathers)."""
+        return next((n for n, p in NAMED.items() if p == self.precision), "bf16 + fp8 gathers")
 
     def micro(self) -> Scenario:
         """One micro-batch of this step as a step of its own: the workload's batch divided by

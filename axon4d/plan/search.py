@@ -65,7 +65,8 @@ def plan(
     machine: Machine | str,
     batch: int,
     *,
-    dtype: str = "bfloat16",
+    dtype: str = "",
+    precision: str = "",
     overlap: OverlapPolicy | str | None = None,
     recompute: str = AUTO_OPTION,
     memory_limit: float | None = None,
@@ -83,7 +84,9 @@ def plan(
     option — recomputation, micro-batches, ZeRO stage, activation offload, FP8 weight gathers,
     context parallelism — and return the best ``top`` (at least) candidates, fastest fitting first.
 
-    ``batch`` is the global batch in sequences per step (the micro-batches split it).
+    ``batch`` is the global batch in sequences per step (the micro-batches split it). ``dtype`` and
+    ``precision`` are the workload's (``Workload``: the compute dtype and the precision preset, which
+    sets what each collective moves; neither given: bfloat16 with "bf16-fp32-reduce").
     ``memory_limit`` (bytes per device) defaults to the machine's device memory. Each option is
     ``AUTO_OPTION`` (searched; the default) or pinned: ``recompute`` a mode, ``micro_batches`` a
     count, ``zero`` 0/1/2, ``offload`` a number of blocks, ``fp8_gather`` True/False,
@@ -113,7 +116,7 @@ def plan(
     mach = load_machine(machine)
     if workload is None:
         cfg = get_config(model) if isinstance(model, str) else model
-        workload = Workload(cfg, batch, dtype, optimizer=optimizer)
+        workload = Workload(cfg, batch, dtype, optimizer=optimizer, precision=precision)
     if cp is True and not workload.context_parallel:
         workload = dataclasses.replace(workload, context_parallel=True)
     if async_save and not workload.async_save:

@@ -44,7 +44,7 @@ from axon4d.config import ModelConfig
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.cost import step_time
 from axon4d.plan.machine import Machine
-from axon4d.plan.workload import Workload
+from axon4d.plan.workload import Workload, unmixed_precision
 from axon4d.shape import GridShape
 
 #: grids over several axes ``calibration_grids`` adds to the single-axis ones
@@ -109,7 +109,14 @@ class Sample:
         )
 
     def workload(self) -> Workload:
-        return Workload(self.config(), self.batch, self.dtype, embedding=False, norms=False)
+        return Workload(
+            self.config(),
+            self.batch,
+            self.dtype,
+            embedding=False,
+            norms=False,
+            precision=unmixed_precision(self.dtype),
+        )
 
 
 def model_fields(cfg: ModelConfig) -> dict[str, Any]:
@@ -200,7 +207,15 @@ def parse_model(spec: str, name: str = "stepfit") -> Workload:
             f"step model {spec!r} lacks {missing + ([] if batch else ['batch'])}; "
             "e.g. layers=2,hidden=512,heads=8,vocab=2048,seq=128,batch=8"
         )
-    return Workload(ModelConfig(name=name, **fields), batch, dtype, embedding=False, norms=False)  # type: ignore[arg-type]
+    # the probe's parameters are ``dtype`` itself on a grid without mixed precision: its gradients reduce in it
+    return Workload(
+        ModelConfig(name=name, **fields),  # type: ignore[arg-type]
+        batch,
+        dtype,
+        embedding=False,
+        norms=False,
+        precision=unmixed_precision(dtype),
+    )
 
 
 def calibration_grids(world: int, wl: Workload) -> list[tuple[int, int, int, int]]:

@@ -1,6 +1,10 @@
 """What one training step of a transformer asks of one rank, as the planner sees it (docs/design.md §2, §6).
 
-A ``Workload`` is a model (``ModelConfig``), a global batch of sequences and a dtype. Its linear
+A ``Workload`` is a model (``ModelConfig``), a global batch of sequences and a precision: the
+compute ``dtype`` and the precision preset (``precision``, a name of ``axon4d.precision.NAMED``)
+that says what every collective moves (``axon4d.geometry.wire_dtype``) — by default "fp32" for
+float32 and "bf16-fp32-reduce" for bfloat16 (the training job's ``--precision auto`` on an
+accelerator: bf16 compute, fp32 master weights and gradient reductions). Its linear
 layers are the block's layers in the layouts the block really uses — QKV normal, attention output
 transposed, MLP up normal, MLP down transposed (``ModelConfig.linear_shapes()``) — repeated
 ``n_layers`` times, plus at the edges:
@@ -29,11 +33,27 @@ import numbers
 from axon4d import rules as grid_rules
 from axon4d.config import ModelConfig
 from axon4d.device import DTYPES
-from axon4d.geometry import Collective, Op, Term, layer_axes
+from axon4d.geometry import Collective, Op, Term, layer_axes, wire_element_size
+from axon4d.precision import NAMED, Precision
 from axon4d.shape import GridShape
 
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
 OPTIMIZERS = {"adam": 8, "sgd": 0}
+#: the precision a workload of each compute dtype trains in when none is named: fp32 on the host,
+#: the training job's default on an accelerator (``axon4d.precision.AUTO_ACCELERATOR``) for bfloat16
+DEFAULT_PRECISION = {"float32": "fp32", "bfloat16": "bf16-fp32-reduce"}
+
+
+def dtype_name(dtype: object) -> str:
+    """The name ``DTYPES`` gives ``dtype`` (e.g. "bfloat16")."""
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def unmixed_precision(dtype: str) -> str:
+    """The preset whose collectives move what a model whose parameters are ``dtype`` itself moves
+    on a grid without mixed precision (``axon4d.measure.probe.ProbeModel``: no fp32 masters, its
+    gradients reduced in ``dtype``): "fp32" for float32, "bf16" for bfloat16."""
+    return "fp32" if dtype == "float32" else "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +78,21 @@ class LinearSpec:
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A model, a global batch (sequences per step), the training precision and the optimizer
-    (``OPTIMIZERS``: "adam", two fp32 states per parameter; "sgd", plain SGD without momentum, none);
-    ``async_save``: the job keeps a host snapshot of its state for asynchronous checkpoints."""
+    (``OPTIMIZERS``: "adam", two fp32 states per parameter; "sgd", plain SGD without momentum, none).
+
+    ``dtype`` is the compute dtype and ``precision`` the preset (``axon4d.precision.NAMED``) — what
+    the collectives move; give either, or both when they agree: ``dtype`` alone takes
+    ``DEFAULT_PRECISION`` ("fp32", "bf16-fp32-reduce"), ``precision`` alone its compute dtype,
+    neither bfloat16 with "bf16-fp32-reduce". A precision whose compute dtype is not ``dtype``
+    (e.g. "fp32" with dtype bfloat16) is a ValueError. ``dtype`` is filled in when left out;
+    ``precision`` stays as given ("": by ``dtype``, so ``dataclasses.replace(wl, dtype="float32")``
+    trains in fp32) and ``preset`` is its resolved name. ``Scenario.fp8_gather`` turns
+    "bf16-fp32-reduce" into "bf16-fp8-gather" (``scenario.step_precision``). ``async_save``: the job
+    keeps a host snapshot of its state for asynchronous checkpoints (``axon4d.plan.host_memory``)."""
 
     model: ModelConfig
     batch: int
-    dtype: str = "bfloat16"
+    dtype: str = ""  # "": the precision's compute dtype (bfloat16 when neither is given)
     embedding: bool = True
     head: bool = True
     attention: bool = True
@@ -71,16 +100,16 @@ class Workload:
     optimizer: str = "adam"
     context_parallel: bool = False
     async_save: bool = False  # the job checkpoints with --async-save: a pinned snapshot (plan.host_memory)
+    precision: str = ""  # as given; "": DEFAULT_PRECISION of dtype (``preset``)
 
     def __post_init__(self) -> None:
+        self._resolve_precision()
         if self.context_parallel and self.model.seq_len % 2:
             raise ValueError(
                 f"seq_len = {self.model.seq_len} is odd, but context parallelism cuts each sequence into 2·G_z equal "
                 f"chunks (an even count for any G_z); use seq_len = {self.model.seq_len - 1} or "
                 f"{self.model.seq_len + 1}, or context_parallel=False"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not priced; use one of {list(OPTIMIZERS)}")
         if isinstance(self.batch, bool) or not isinstance(self.batch, numbers.Integral):
@@ -88,9 +117,41 @@ class Workload:
         if self.batch < 1:
             raise ValueError(f"batch = {self.batch}: need at least one sequence per step, e.g. --batch 8")
 
+    def _resolve_precision(self) -> None:
+        """Fill in ``dtype`` and ``precision`` from each other (class docstring); refuse a dtype no
+        precision computes in and a precision that contradicts the dtype, naming the value."""
+        if self.precision and self.precision not in NAMED:
+            raise ValueError(f"precision {self.precision!r} is not supported; use one of {', '.join(NAMED)}")
+        dtype = self.dtype or (dtype_name(NAMED[self.precision].compute) if self.precision else "bfloat16")
+        if dtype not in DEFAULT_PRECISION:
+            raise ValueError(
+                f"dtype {dtype!r} is not supported; use one of {sorted(DEFAULT_PRECISION)} (no precision computes "
+                "in float16: without loss scaling its gradients underflow)"
+            )
+        precision = self.precision or DEFAULT_PRECISION[dtype]
+        compute = dtype_name(NAMED[precision].compute)
+        if compute != dtype:
+            raise ValueError(
+                f"precision {precision!r} computes in {compute}, not dtype {dtype!r}: give dtype={compute!r} or leave "
+                f"dtype out (presets computing in {dtype}: "
+                f"{', '.join(n for n, p in NAMED.items() if dtype_name(p.compute) == dtype)})"
+            )
+        object.__setattr__(self, "dtype", dtype)  # frozen: set once, here
+
     @property
     def element_size(self) -> int:
+        """Bytes of one element of the compute dtype (activations, the weights a GEMM uses)."""
         return DTYPES[self.dtype].itemsize
+
+    @property
+    def preset(self) -> str:
+        """The precision's name: ``precision``, or by ``dtype`` where none was given (``DEFAULT_PRECISION``)."""
+        return self.precision or DEFAULT_PRECISION[self.dtype]
+
+    @property
+    def dtypes(self) -> Precision:
+        """The ``Precision`` of ``preset``: what each collective moves (``geometry.wire_dtype``)."""
+        return NAMED[self.preset]
 
     @property
     def tokens(self) -> int:
@@ -136,15 +197,18 @@ class Workload:
     def context_collectives(self, shape: GridShape) -> list[Collective]:
         """With ``context_parallel``, per layer on one rank: the all-gather over z of the keys and
         values of the rank's n_kv/G_y key/value heads for its B/G_data whole sequences (forward,
-        payload B/G_data · S · 2 · n_kv/G_y · head_dim · e bytes) and the reduce-scatter of their
-        gradients (backward, the same payload); each moves φ(G_z) of it (docs/context.md)."""
+        payload B/G_data · S · 2 · n_kv/G_y · head_dim · e bytes, e of the compute dtype:
+        ``geometry.wire_dtype``) and the reduce-scatter of their gradients (backward, the same
+        payload: the attention backward's dK, dV are in the compute dtype); each moves φ(G_z) of
+        it (docs/context.md)."""
         m = self.model
         if not self.context_parallel or shape.z == 1:
             return []
         elems = self.local_tokens(shape) * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim
-        payload = elems * self.element_size
-        return [Collective(Op.ALL_GATHER, "z", payload, "forward", Term.CP_KV)] * m.n_layers + [
-            Collective(Op.REDUCE_SCATTER, "z", payload, "backward", Term.CP_KV_GRAD)
+        keys = elems * wire_element_size(self.dtypes, Term.CP_KV)  # the compute dtype, as their gradients
+        grads = elems * wire_element_size(self.dtypes, Term.CP_KV_GRAD)
+        return [Collective(Op.ALL_GATHER, "z", keys, "forward", Term.CP_KV)] * m.n_layers + [
+            Collective(Op.REDUCE_SCATTER, "z", grads, "backward", Term.CP_KV_GRAD)
         ] * m.n_layers
 
     def linears(self) -> list[LinearSpec]:
@@ -162,15 +226,18 @@ class Workload:
 
     def edge_collectives(self, shape: GridShape) -> list[Collective]:
         """Collectives of one step outside the linear layers, on one rank: the embedding's forward
-        all-reduce over y and its table's gradient all-reduce over batch; one gradient all-reduce
-        over batch per replicated tensor (norm weights and biases, position embedding); with
-        ``context_parallel``, attention's key/value collectives (``context_collectives``)."""
-        m, elem = self.model, self.element_size
+        all-reduce over y (compute dtype) and its table's gradient all-reduce over batch; one
+        gradient all-reduce over batch per replicated tensor (norm weights and biases, position
+        embedding) — the gradients in the reduction dtype (fp32 masters' gradients: fp32 under
+        "bf16-fp32-reduce", bf16 under "bf16"; ``geometry.wire_dtype``); with ``context_parallel``,
+        attention's key/value collectives (``context_collectives``)."""
+        m = self.model
         h_x = m.hidden // shape.x
         out: list[Collective] = []
 
         def add(op: Op, axis: str, elems: int, phase: str, term: Term, count: int = 1) -> None:
             if shape.size(axis) > 1:
+                elem = wire_element_size(self.dtypes, term)
                 out.extend([Collective(op, axis, elems * elem, phase, term)] * count)
 
         if self.embedding:

@@ -92,7 +92,7 @@ def plan_run(cfg: TrainConfig, accelerator: bool) -> tuple[TrainConfig, Candidat
         model=mcfg,
         batch=step_batch,
         machine=cfg.machine or None,
-        dtype="float32" if precision == "fp32" else "bfloat16",
+        precision=precision,  # the run's: what its collectives move (the planner's Workload.precision)
         overlap="auto",
         rank=info.rank,
         async_save=cfg.async_save,

@@ -1,0 +1,62 @@
+"""What one training step sends, collective by collective, as the planner prices it (docs/planner.md,
+rule 1): the calls and payload bytes per (axis, term) on one rank (``step_collectives``).
+
+The list is assembled from the same pieces ``axon4d.plan.cost`` prices a step from — every layer
+kind's collectives (``layers.collectives``: ``geometry.linear_collectives`` under the step's
+precision and ZeRO stage), the collectives outside the layers (``Workload.edge_collectives``:
+the embedding lookup, the replicated parameters' gradients, context parallelism's keys and
+values) and ZeRO's parameter all-gathers (``cost.zero_gathers``) — and counted as a step of k
+micro-batches issues them: every pass the layers' and context parallelism's collectives, the
+passes after the first without the weight gathers keep-for-backward carries over
+(``layers.carried``), the data-axis reductions (``cost.ONCE_PER_STEP``) and ZeRO's gathers once.
+Its sum over terms is ``TimeEstimate.bytes_by_axis`` and its calls ``TimeEstimate.collectives``
+(tests/test_plan_bytes.py checks both, and this list against the communication log). The forward
+collectives a recomputed block issues again (``recompute.rerun``) are not in it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from axon4d.geometry import Collective, Term
+from axon4d.plan.cost import ONCE_PER_STEP, zero_gathers
+from axon4d.plan.layers import EMBEDDING_TERMS, carried, collectives
+from axon4d.plan.scenario import Scenario
+
+#: (axis, term) → a count of one step's collectives or of their payload bytes on one rank
+Tally = Counter[tuple[str, Term]]
+
+
+def _pass(sc: Scenario, reuse: bool) -> tuple[Tally, Tally]:
+    """(calls, payload bytes) per (axis, term) of one forward + backward of ``sc`` (one micro-batch);
+    ``reuse``: a micro-batch after the first, whose carried weight blocks are not gathered."""
+    calls: Tally = Counter()
+    sent: Tally = Counter()
+
+    def add(c: Collective, n: int = 1) -> None:
+        calls[(c.axis, c.term)] += n
+        sent[(c.axis, c.term)] += n * c.payload_bytes
+
+    for spec in sc.linears:
+        for c in collectives(spec, sc, gathers=not (reuse and carried(spec, sc))):
+            add(c, spec.count)
+    for c in sc.edge_collectives:
+        if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's
+            add(c)
+    return calls, sent
+
+
+def step_collectives(sc: Scenario) -> tuple[Tally, Tally]:
+    """(calls, payload bytes) per (axis, term) of one step of ``sc`` on one rank: ``micro_batches``
+    passes of a micro-batch, the data-axis reductions and ZeRO's all-gathers once (module docstring)."""
+    micro, k = sc.micro(), sc.micro_batches
+    calls, sent = _pass(micro, reuse=False)
+    later_calls, later_sent = _pass(micro, reuse=True) if sc.overlap.oag_keep else (calls, sent)
+    for key in later_calls:
+        if key[1] not in ONCE_PER_STEP:
+            calls[key] += (k - 1) * later_calls[key]
+            sent[key] += (k - 1) * later_sent[key]
+    for c in zero_gathers(sc):
+        calls[(c.axis, c.term)] += 1
+        sent[(c.axis, c.term)] += c.payload_bytes
+    return calls, sent

@@ -1,0 +1,256 @@
+"""Protects one source for what is sent (docs/planner.md rule 1; ``axon4d.geometry.wire_dtype``):
+the planner prices exactly the bytes the runtime sends.
+
+A real ``Transformer`` (GPT and Llama, tiny) trains a step on a real gloo grid and the
+communication log's calls and payload bytes per (axis, term) must equal the planner's
+(``axon4d.plan.sent.step_collectives``) exactly, and their sums per axis the step estimate's
+``bytes_by_axis`` and ``collectives``, for every precision preset (fp32, bf16, bf16-fp32-reduce,
+bf16-fp8-gather — FP8 gathers given to the planner as the preset or as ``fp8_gather`` on
+bf16-fp32-reduce), ZeRO 0, 1 and 2, micro-batches 1 and 4 with and without keep-for-backward, and
+context parallelism on and off, on four grids of 8 ranks: pairwise (``CASES``: every pair of two
+options' values in some case, checked by ``test_the_cases_cover_every_pair_of_option_values``),
+not the whole product. A few cases on 4 ranks run in the fast tier.
+
+The runtime's collectives the planner does not price are named (``UNPRICED``: the split norms'
+statistics over x and the vocabulary-parallel loss's over y); any other logged term must be priced.
+"""
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+
+from axon4d.config import ModelConfig
+from axon4d.geometry import Term, wire_dtype
+from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan import load
+from axon4d.plan.cost import step_estimate
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.sent import step_collectives
+from axon4d.plan.workload import Workload
+from axon4d.precision import NAMED
+from axon4d.shape import GridShape
+
+SEQ = 16  # 2·G_z chunks of whole tokens for G_z up to 4 (context parallelism)
+CONFIGS = {
+    "gpt": ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=SEQ, arch="gpt"),
+    "llama": ModelConfig(
+        n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=SEQ, arch="llama"
+    ),
+}
+#: logged collectives the planner does not price: the split norms' per-token sums over x and the
+#: vocabulary-parallel loss's log-sum-exps and target logits over y (fp32, ``geometry.STATISTIC_TERMS``)
+UNPRICED = {str(t) for t in (Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET)}
+
+GRIDS = {"g1": (2, 1, 2, 2), "g2": (1, 2, 2, 2), "g3": (2, 2, 2, 1), "g4": (1, 1, 4, 2)}
+#: the options each case sets: the run's precision; how the planner is told of FP8 gathers ("preset":
+#: precision bf16-fp8-gather; "option": bf16-fp32-reduce with fp8_gather=True; "-" none)
+OPTIONS = {
+    "precision": tuple(NAMED),
+    "grid": tuple(GRIDS),
+    "zero": (0, 1, 2),
+    "micro": (1, 4),
+    "keep": (False, True),
+    "cp": (False, True),
+    "arch": ("gpt", "llama"),
+}
+#: pairwise over OPTIONS (a greedy cover: 16 cases where the product has 768)
+CASES = [
+    ("bf16-fp32-reduce", "g2", 1, 1, False, False, "llama", "-"),
+    ("bf16", "g3", 2, 4, True, True, "gpt", "-"),
+    ("fp32", "g1", 0, 4, False, False, "gpt", "-"),
+    ("fp32", "g4", 0, 1, True, True, "llama", "-"),
+    ("bf16-fp8-gather", "g4", 1, 4, True, False, "gpt", "option"),
+    ("bf16-fp8-gather", "g3", 2, 1, False, True, "llama", "preset"),
+    ("bf16-fp32-reduce", "g1", 1, 1, True, True, "gpt", "-"),
+    ("bf16", "g2", 0, 4, True, True, "llama", "-"),
+    ("bf16", "g1", 1, 1, False, False, "llama", "-"),
+    ("bf16-fp32-reduce", "g4", 2, 4, False, False, "gpt", "-"),
+    ("fp32", "g3", 1, 1, False, False, "gpt", "-"),
+    ("fp32", "g2", 2, 4, False, True, "gpt", "-"),
+    ("bf16-fp32-reduce", "g3", 0, 1, False, True, "llama", "-"),
+    ("bf16-fp8-gather", "g2", 0, 4, False, True, "llama", "option"),
+    ("bf16-fp8-gather", "g1", 2, 1, False, False, "gpt", "preset"),
+    ("bf16", "g4", 2, 1, False, True, "gpt", "-"),
+]
+#: the fast tier: 4 ranks, the options that changed the priced bytes (fp32 E11–E13 and replicated
+#: gradients under bf16-fp32-reduce, FP8 E10, ZeRO-2's padded reduce-scatter, ZeRO's 16-bit gathers)
+FAST = [
+    ((1, 1, 2, 2), "bf16-fp32-reduce", 2, 4, True, True, "llama", "-"),
+    ((1, 2, 2, 1), "bf16-fp8-gather", 0, 1, False, False, "gpt", "option"),
+    ((2, 1, 1, 2), "bf16", 1, 4, False, False, "gpt", "-"),
+]
+
+
+def case_id(case):
+    grid, precision, zero, micro, keep, cp, arch, fp8 = case
+    grid = "x{}y{}z{}d{}".format(*grid)
+    parts = [grid, precision, f"zero{zero}", f"mb{micro}", "keep" if keep else "", "cp" if cp else "", arch]
+    return "-".join(p for p in parts if p) + ("" if fp8 == "-" else f"-fp8{fp8}")
+
+
+def _host():
+    """A machine whose ranks compute on the host, as the test's do (the host's forward chunking of E8)."""
+    return dataclasses.replace(load("perlmutter"), accelerator=False, name="host")
+
+
+def _logged(grid, arch, cp, micro, zero):
+    """One step of a tiny ``arch`` Transformer (after one that warms it up): Adam (sharded over data
+    at ``zero``), ``micro`` micro-batches of G_data·G_z sequences. The communication log's
+    {(axis, tag): [calls, payload bytes]}."""
+    from axon4d.models.transformer import Transformer
+    from axon4d.train.batches import accumulate
+    from axon4d.zero import shard_optimizer
+
+    cfg = CONFIGS[arch]
+    torch.manual_seed(0)
+    model = Transformer(cfg, context_parallel=cp)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    if zero:
+        opt = shard_optimizer(opt, model, grid, stage=zero)
+    gen = torch.Generator().manual_seed(1)
+    seqs = grid.size("data") * grid.size("z")
+
+    def step():
+        batch = torch.randint(0, cfg.vocab_size, (seqs * micro, SEQ + 1), generator=gen)
+        accumulate(model, batch.chunk(micro), grid)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    grid.comm.log.clear()
+    step()
+    out: dict = {}
+    for r in grid.comm.log.records:
+        calls, sent = out.get((r.axis, str(r.tag)), (0, 0))
+        out[(r.axis, str(r.tag))] = (calls + 1, sent + r.payload_bytes)
+    if zero:
+        opt.release()
+    return out
+
+
+def _priced(grid, precision, zero, micro, keep, cp, arch, fp8):
+    """The planner's {(axis, term): (calls, payload bytes)} of the same step, and the step estimate."""
+    shape = GridShape(*grid)
+    seqs = shape.data * shape.z
+    wl_precision = "bf16-fp32-reduce" if fp8 == "option" else precision
+    wl = Workload(CONFIGS[arch], seqs * micro, precision=wl_precision, context_parallel=cp)
+    sc = Scenario(
+        wl, shape, _host(), OverlapPolicy(oag_keep=keep), micro_batches=micro, zero=zero, fp8_gather=fp8 == "option"
+    )
+    assert sc.precision == NAMED[precision]  # the option and the preset are the same precision
+    calls, sent = step_collectives(sc)
+    return {(axis, str(term)): (calls[(axis, term)], sent[(axis, term)]) for axis, term in calls}, step_estimate(sc)
+
+
+def _check(pools, case):
+    grid, precision, zero, micro, keep, cp, arch, fp8 = case
+    priced, estimate = _priced(grid, precision, zero, micro, keep, cp, arch, fp8)
+    by_axis: dict = {}
+    for (axis, _), (_, sent) in priced.items():
+        by_axis[axis] = by_axis.get(axis, 0) + sent
+    assert by_axis == estimate.bytes_by_axis  # the list is the one the step's time is priced from
+    assert sum(calls for calls, _ in priced.values()) == estimate.collectives
+    results = pools(math.prod(grid)).run(
+        grid, _logged, arch, cp, micro, zero, precision=precision, overlap=OverlapPolicy(oag_keep=keep)
+    )
+    for rank, logged in enumerate(results):
+        assert {tag for _, tag in logged} - {tag for _, tag in priced} <= UNPRICED, (rank, sorted(logged))
+        seen = {key: v for key, v in logged.items() if key[1] not in UNPRICED}
+        differ = {k: (seen.get(k), priced.get(k)) for k in seen.keys() | priced.keys() if seen.get(k) != priced.get(k)}
+        assert not differ, f"rank {rank}: (axis, term): (logged, priced) (calls, bytes) differ: {differ}"
+
+
+@pytest.mark.parametrize("case", FAST, ids=case_id)
+def test_logged_bytes_per_axis_and_term_equal_the_planner_s(pools, case):
+    _check(pools, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [(GRIDS[c[1]], c[0], *c[2:]) for c in CASES], ids=case_id)
+def test_logged_bytes_per_axis_and_term_equal_the_planner_s_pairwise(pools, case):
+    _check(pools, case)
+
+
+def test_the_cases_cover_every_pair_of_option_values():
+    names = list(OPTIONS)
+    seen = {
+        (a, case[i], b, case[j]) for case in CASES for (i, a), (j, b) in itertools.combinations(enumerate(names), 2)
+    }
+    every = {
+        (a, va, b, vb)
+        for (i, a), (j, b) in itertools.combinations(enumerate(names), 2)
+        for va in OPTIONS[a]
+        for vb in OPTIONS[b]
+    }
+    assert every <= seen, sorted(every - seen)
+    fp8 = {c[-1] for c in CASES if c[0] == "bf16-fp8-gather"}
+    assert fp8 == {"preset", "option"} and all(c[-1] == "-" for c in CASES if c[0] != "bf16-fp8-gather")
+
+
+def test_each_term_moves_what_the_precision_says():
+    """geometry.wire_dtype, the one answer the runtime casts to and the planner prices."""
+    f32, b16 = torch.float32, torch.bfloat16
+    for name, compute, reduce in [
+        ("fp32", f32, f32),
+        ("bf16", b16, b16),
+        ("bf16-fp32-reduce", b16, f32),
+        ("bf16-fp8-gather", b16, f32),
+    ]:
+        p = NAMED[name]
+        for term in (Term.E8, Term.E9, Term.EMBEDDING, Term.CP_KV, Term.CP_KV_GRAD):
+            assert wire_dtype(p, term) == compute, (name, term)
+        for term in (Term.E11, Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD):
+            assert wire_dtype(p, term) == reduce, (name, term)
+        assert wire_dtype(p, Term.E10F, g_z=2) == (torch.uint8 if name == "bf16-fp8-gather" else compute)
+        assert wire_dtype(p, Term.E10B, g_z=1) == compute  # no gather on G_z = 1: nothing cast to fp8
+        assert wire_dtype(p, Term.CE_LSE) == f32
+        # ZeRO's all-gather: the 16-bit Linear weights it stores (mixed precision, G_data > 1), the rest as they are
+        assert wire_dtype(p, Term.ZERO_GATHER, linear_weight=True, g_data=2) == compute
+        assert wire_dtype(p, Term.ZERO_GATHER, linear_weight=True, g_data=1) == f32
+        assert wire_dtype(p, Term.ZERO_GATHER, linear_weight=False, g_data=2) == f32
+        # a model whose parameters are bf16 without mixed precision moves bf16 throughout
+        assert wire_dtype(NAMED["fp32"], Term.E11, b16) == b16
+    with pytest.raises(ValueError, match="'dense' moves its tensor in the tensor's own dtype"):
+        wire_dtype(NAMED["fp32"], Term.DENSE)
+
+
+def test_a_workload_s_precision_follows_its_dtype_and_contradictions_are_refused():
+    cfg = CONFIGS["gpt"]
+    assert (Workload(cfg, 8, "bfloat16").preset, Workload(cfg, 8, "float32").preset) == ("bf16-fp32-reduce", "fp32")
+    assert (Workload(cfg, 8).dtype, Workload(cfg, 8).preset) == ("bfloat16", "bf16-fp32-reduce")
+    assert Workload(cfg, 8, precision="fp32").dtype == "float32"  # the precision alone sets the dtype
+    assert Workload(cfg, 8, precision="bf16").dtypes == NAMED["bf16"]
+    wl = Workload(cfg, 8, "bfloat16")
+    assert dataclasses.replace(wl, dtype="float32").preset == "fp32"  # a precision by dtype follows it
+    with pytest.raises(ValueError, match="precision 'fp32' computes in float32, not dtype 'bfloat16'"):
+        Workload(cfg, 8, "bfloat16", precision="fp32")
+    with pytest.raises(ValueError, match="precision 'fp16' is not supported; use one of fp32, bf16"):
+        Workload(cfg, 8, precision="fp16")
+    with pytest.raises(ValueError, match="dtype 'float16' is not supported"):
+        Workload(cfg, 8, "float16")
+    shape = GridShape(1, 1, 2, 1)
+    # FP8 gathers: bf16-fp32-reduce becomes bf16-fp8-gather; bf16-fp8-gather has them whatever is asked on G_z > 1
+    assert Scenario(wl, shape, _host(), fp8_gather=True).precision == NAMED["bf16-fp8-gather"]
+    fp8 = Scenario(Workload(cfg, 8, precision="bf16-fp8-gather"), shape, _host())
+    assert fp8.fp8_gather and fp8.precision == NAMED["bf16-fp8-gather"]
+    assert not Scenario(Workload(cfg, 8, precision="bf16-fp8-gather"), GridShape(1, 1, 1, 2), _host()).fp8_gather
+    with pytest.raises(ValueError, match="fp8_gather with dtype float32"):
+        Scenario(Workload(cfg, 8, "float32"), shape, _host(), fp8_gather=True)
+
+
+def test_the_plan_command_takes_a_precision():
+    from axon4d.plan import cli
+
+    p = cli.argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--gpus", "8", "--batch", "8", "--precision", "bf16"])
+    assert (args.precision, args.dtype) == ("bf16", "")
+    assert cli.fp8_option("bf16-fp32-reduce", "auto") == "auto" and cli.fp8_option("bf16-fp8-gather", "auto") is True
+    assert cli.fp8_option("bf16", "auto") is False
+    with pytest.raises(ValueError, match="--fp8-gather off with --precision bf16-fp8-gather"):
+        cli.fp8_option("bf16-fp8-gather", "off")
+    with pytest.raises(ValueError, match="--fp8-gather on with --precision bf16: "):
+        cli.fp8_option("bf16", "on")
