@@ -254,3 +254,17 @@ def test_the_plan_command_takes_a_precision():
         cli.fp8_option("bf16-fp8-gather", "off")
     with pytest.raises(ValueError, match="--fp8-gather on with --precision bf16: "):
         cli.fp8_option("bf16", "on")
+
+
+def test_the_search_never_plans_fp8_gathers_no_preset_runs():
+    """FP8 gathers exist only as bf16-fp8-gather (fp32 reductions): a bf16-preset workload is never
+    planned with them, and a scenario asking for them is refused naming the presets that work."""
+    from axon4d.plan.search import plan
+
+    cfg = ModelConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=128, seq_len=16)
+    result = plan(cfg, 8, _host(), 16, precision="bf16", top=None)
+    assert result.candidates and not any(c.option("fp8_gather") for c in result.candidates)
+    with_fp8 = plan(cfg, 8, _host(), 16, precision="bf16-fp32-reduce", top=None)
+    assert any(c.option("fp8_gather") for c in with_fp8.candidates if c.shape.z > 1)
+    with pytest.raises(ValueError, match="no preset gathers in FP8 beside bf16 reductions"):
+        Scenario(Workload(cfg, 16, precision="bf16"), GridShape(1, 1, 2, 1), _host(), fp8_gather=True)

@@ -13,7 +13,7 @@ from axon4d.plan.candidate import Candidate, candidate, fits, scenario_memory
 from axon4d.plan.cost import step_estimate
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import MemoryEstimate
-from axon4d.plan.scenario import ZERO_STAGES, Scenario
+from axon4d.plan.scenario import ZERO_STAGES, Scenario, fp8_gathers_allowed
 from axon4d.plan.workload import Workload
 from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
@@ -119,12 +119,13 @@ def best_options(
     Dominance keeps the search small: of the offload levels (fewest first) only the first that fits
     is priced — more offload only adds copies; micro-batch counts are tried from 1 up until one fits
     without offload (more micro-batches repeat the weight collectives on smaller GEMMs); FP8 gathers,
-    where allowed (G_z > 1, 16-bit weights), move fewer bytes for the same memory, so under auto
+    where allowed (G_z > 1, a precision that becomes bf16-fp8-gather with them:
+    ``scenario.fp8_gathers_allowed``), move fewer bytes for the same memory, so under auto
     only they are priced; ZeRO stages beyond 0 only where G_data > 1."""
     ks = micro_counts(wl, shape, choices.micro_batches)
     if not ks:
         return None
-    fp8_ok = shape.z > 1 and wl.element_size == 2
+    fp8_ok = shape.z > 1 and fp8_gathers_allowed(wl)
     fp8s = [f for f in choices.fp8_gather if fp8_ok or not f] or [False]
     if len(fp8s) == 2:
         fp8s = [True]
@@ -164,7 +165,7 @@ def lower_bound(wl: Workload, shape: GridShape, machine: Machine, overlap: Overl
     if not ks:
         return math.inf
     rc = min(choices.recompute, key=RECOMPUTE_ORDER.index)
-    fp8 = any(choices.fp8_gather) and shape.z > 1 and wl.element_size == 2
+    fp8 = any(choices.fp8_gather) and shape.z > 1 and fp8_gathers_allowed(wl)
     off = min(offload_levels(wl, machine, choices.offload))
     t = step_estimate(Scenario(wl, shape, machine, overlap, rc, ks[0], 0, off, fp8))
     k_c, _, k_w, _ = t.scale

@@ -68,6 +68,8 @@ def check_options(wl: Workload, micro_batches: int, zero: int, offload: int, fp8
         raise ValueError(
             f"fp8_gather with dtype {wl.dtype}: FP8 weight gathers restore 16-bit weights; use dtype bfloat16"
         )
+    if fp8_gather:
+        step_precision(wl, fp8_gather)  # refuses a preset no FP8-gathering preset is made from
 
 
 def step_precision(wl: Workload, fp8_gather: bool) -> Precision:
@@ -79,7 +81,24 @@ def step_precision(wl: Workload, fp8_gather: bool) -> Precision:
         return precision
     if not precision.mixed:  # check_options refuses it first, naming the dtype
         raise ValueError(f"fp8_gather with precision {wl.preset!r}: FP8 gathers restore 16-bit weights")
+    if not fp8_gathers_allowed(wl):
+        raise ValueError(
+            f"fp8_gather with precision {wl.preset!r}: FP8 weight gathers are the preset bf16-fp8-gather, which "
+            "reduces gradients in fp32; no preset gathers in FP8 beside bf16 reductions. Use precision "
+            "bf16-fp32-reduce (FP8 gathers searched) or bf16-fp8-gather, or fp8_gather=False"
+        )
     return dataclasses.replace(precision, gather=FP8)
+
+
+#: the presets a step may run with FP8 weight gathers (what they become: "bf16-fp8-gather")
+FP8_GATHER_PRESETS = ("bf16-fp32-reduce", "bf16-fp8-gather")
+
+
+def fp8_gathers_allowed(wl: Workload) -> bool:
+    """Whether a step of ``wl`` may gather its weights in FP8: its preset becomes the runnable
+    ``bf16-fp8-gather`` with them (``FP8_GATHER_PRESETS``); not fp32 (nothing to restore to 16
+    bits) nor bf16 (its gradient reductions are bf16: no preset joins them with FP8 gathers)."""
+    return wl.preset in FP8_GATHER_PRESETS
 
 
 @dataclasses.dataclass(frozen=True)
