@@ -30,6 +30,7 @@ NVSwitch systems with NVLS somewhat slow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 #: the NCCL releases whose tuner constants this module reproduces
@@ -79,9 +80,11 @@ class Priced:
     seconds: float
 
 
+@functools.lru_cache(maxsize=4096)
 def span_of(group: int, stride: int, devices_per_node: int) -> Span:
     """The span of a group of ``group`` ranks ``stride`` apart (E1) on nodes of ``devices_per_node``
-    consecutive ranks, counted for the group that starts at rank 0."""
+    consecutive ranks, counted for the group that starts at rank 0 (cached: the search asks for
+    the same few spans of a grid hundreds of thousands of times)."""
     nodes = len({i * stride // max(devices_per_node, 1) for i in range(group)})
     return Span(group, nodes, math.ceil(group / nodes))
 
