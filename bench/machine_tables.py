@@ -1,4 +1,4 @@
-"""Write the shipped GPU machine files' GEMM tables and interference from stated assumptions (docs/planner.md).
+"""Write the shipped GPU machine files' GEMM tables and SM counts from stated assumptions (docs/planner.md).
 
 The files in ``axon4d/plan/machines/`` give published figures, not measurements. Two of their
 parts are derived here rather than typed in, so that the assumptions are in one place and the
@@ -13,9 +13,10 @@ tables can be written again when one changes:
   their fp32 partial sums written and read once more. No GEMM runs faster than its operands and
   output stream through HBM at 80% of the datasheet bandwidth (the roofline of small and skinny
   shapes).
-- ``comm_interference_s_per_byte``: an NCCL kernel holds one SM per channel while it runs, so compute
-  beside it loses channels/SMs of its rate for the collective's duration, traffic/β: κ =
-  (channels/SMs)/β of the network level, the level the large collectives (z, data) cross.
+- ``compute_units``: the device's SMs (CUs). An NCCL kernel holds one SM per channel while it runs,
+  so the GEMMs overlapped with it run at (1 − channels/SMs) of their rate for the overlapped time
+  (``Machine.overlap_slowdown``; the planner charges it on the time overlap hides, not on
+  collectives left exposed, beside which nothing computes).
 
     .venv/bin/python bench/machine_tables.py            # rewrites the four shipped files' tables
     .venv/bin/python bench/machine_tables.py --check    # exit 1 if a file differs from what it would write
@@ -120,9 +121,8 @@ def derived(d: dict[str, Any], name: str) -> dict[str, Any]:
     key = str(d["devices_per_node"])
     d = dict(d)
     d["matmul"] = {dt: {key: {f: table(peak, gpu, ELEMENT[dt]) for f in FORMS}} for dt, peak in d["peak_flops"].items()}
-    net = d["levels"][-1]
-    kappa = d["nccl_channels"] / gpu["sms"] / net["beta_Bps"]
-    d["comm_interference_s_per_byte"] = {key: float(f"{kappa:.4g}")}
+    d["compute_units"] = gpu["sms"]
+    d.pop("comm_interference_s_per_byte", None)  # a host's measure; a GPU's is compute_units (below)
     sources = dict(d["sources"])
     sources["matmul"] = (
         f"derived by bench/machine_tables.py on calibrate's accelerator lattice {ACCELERATOR_DIMS}, the same "
@@ -133,12 +133,13 @@ def derived(d: dict[str, Any], name: str) -> dict[str, Any]:
         "Assumptions: one tile shape, no per-kernel fixed cost beyond op_overhead_s, the planner interpolates "
         "between lattice points (the quantization of sizes between them is smoothed)"
     )
-    sources["comm_interference_s_per_byte"] = (
-        f"derived by bench/machine_tables.py: an NCCL kernel holds one SM per channel ({d['nccl_channels']} of "
-        f"{gpu['sms']}) for traffic/beta seconds, beta = the network level's {net['beta_Bps'] / 1e9:.0f} GB/s per "
-        f"rank: kappa = channels/SMs/beta = {kappa:.3g} s per byte of ring traffic. Assumptions: the GEMMs beside "
-        "it slow by the share of SMs taken; intra-node traffic (faster links, shorter kernels) is charged at the "
-        "network's rate, which over-prices it"
+    sources.pop("comm_interference_s_per_byte", None)
+    sources["compute_units"] = (
+        f"{gpu['sms']} SMs ({gpu['source']}). With nccl_channels, what the GEMMs beside a collective lose: an NCCL "
+        f"kernel holds one SM per channel ({d['nccl_channels']} of {gpu['sms']}) while it runs, so compute "
+        "overlapped with it runs at (1 - channels/SMs) of its rate for the overlapped time "
+        "(Machine.overlap_slowdown; a collective left exposed slows nothing). Assumption: GEMM time scales with "
+        "the SMs left to it"
     )
     d["sources"] = sources
     return d

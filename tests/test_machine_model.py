@@ -154,7 +154,7 @@ def test_the_shipped_gemm_tables_load_and_rate_small_shapes_below_large():
         large, skinny, small = table.rate(8192, 8192, 8192), table.rate(16, 8192, 8192), table.rate(256, 256, 256)
         assert 0.5 * peak < large < peak and skinny < 0.2 * large and small < 0.5 * large
         assert m.matmul_time("nt", 64, 64, 64, "bfloat16") > 2 * 64**3 / large  # slower than the large rate
-        assert m.comm_interference_s_per_byte[str(m.devices_per_node)] > 0
+        assert 0 < m.overlap_slowdown < 0.25 and not m.comm_interference_s_per_byte  # SMs, not a host κ
     with open(os.path.join(ROOT, "axon4d", "plan", "machines", "h100.json")) as f:
         raw = json.load(f)
     import sys

@@ -369,9 +369,15 @@ def test_interference_charges_every_byte_of_ring_traffic_to_compute():
     assert ring_traffic("all_reduce", 4, 1000) == 1500 and ring_traffic("all_gather", 4, 1000) == 750
     assert ring_traffic("reduce_scatter", 2, 1000) == 500 and ring_traffic("all_reduce", 1, 1000) == 0
     m = load("perlmutter")
-    # the shipped GPU files derive κ: NCCL's channels hold their SMs for traffic/β (bench/machine_tables.py)
-    assert m.interference_time(1e9, 8) == pytest.approx(1e9 * m.nccl_channels / 108 / m.levels[-1].beta_Bps, rel=1e-3)
-    m = dataclasses.replace(m, comm_interference_s_per_byte={})  # the baseline below: none
+    # a GPU file gives its SMs: NCCL's channels take channels/SMs of the compute overlapped with them,
+    # for the time overlap hides; an exposed collective slows nothing (bench/machine_tables.py)
+    assert m.overlap_slowdown == pytest.approx(m.nccl_channels / 108) and m.interference_time(1e9, 8) == 0.0
+    gpu = step_time(PROBE_WL, GridShape(2, 2, 2, 1), m)
+    assert gpu.hidden_s > 0 and gpu.interference_s == pytest.approx(m.overlap_slowdown * gpu.hidden_s, rel=1e-12)
+    off = step_time(PROBE_WL, GridShape(2, 2, 2, 1), m, overlap=OverlapPolicy.parse("off"))
+    assert off.hidden_s == 0.0 and off.interference_s == 0.0
+    # the host's model: κ per byte of ring traffic, hidden or not
+    m = dataclasses.replace(m, comm_interference_s_per_byte={}, compute_units=0)  # the baseline below: none
     kappa = 2e-9
     host = dataclasses.replace(
         m, comm_interference_s_per_byte={"4": kappa, "2": 1.0}, step_scale={"8": [1.25, 1.5, 0.5, 1e-3]}

@@ -9,7 +9,10 @@ recomputation runs again (§5) by ``axon4d.plan.recompute``; the collectives out
 
 Interference: where the machine measured it (``Machine.interference_time``; a host whose ranks
 share CPU cores), every collective also costs the compute its ring traffic's bytes take, hidden
-or not: interference = κ · Σ ``machine.ring_traffic`` over the step's collectives.
+or not: interference = κ · Σ ``machine.ring_traffic`` over the step's collectives. On an
+accelerator whose file gives its SM count (``Machine.overlap_slowdown``: NCCL's channels hold
+channels/SMs of it), the compute overlapped with collectives runs that much slower for the time
+overlap hides: interference = (channels/SMs) · hidden; an exposed collective slows nothing.
 
 The step is then the sum of three parts and a per-collective cost, weighted by the machine's
 in-step scale for the world size (``Machine.step_scale``, fitted by ``axon4d.plan.stepfit`` from
@@ -220,6 +223,11 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         hidden_s += by_mechanism["zero"]
     offload = offload_seconds(sc, layers)
     again = rerun(sc, layers)  # what recomputation runs again (0 without it)
+    interference = m.interference_time(totals.traffic, world) + again.interference_s
+    slowdown = m.overlap_slowdown
+    if slowdown:  # an accelerator: the compute overlapped with a collective runs on the SMs it leaves
+        interference = slowdown * hidden_s
+        once.interference = slowdown * sum(by_mechanism.get(mech, 0.0) for mech in ONCE_MECHANISMS)
     return (
         TimeEstimate(
             compute_s=totals.compute + opt + again.compute_s + offload,
@@ -234,7 +242,7 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
             activation_comm_s=totals.activation_comm + again.activation_comm_s,
             collectives=totals.calls + again.collectives,
             traffic_bytes=totals.traffic + again.traffic_bytes,
-            interference_s=m.interference_time(totals.traffic, world) + again.interference_s,
+            interference_s=interference,
             scale=m.step_scale_for(world),
             offload_s=offload,
         ),

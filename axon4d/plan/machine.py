@@ -19,8 +19,9 @@ A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file wri
 - ``interference_time(traffic, world)``: step time the ranks' compute loses to the collectives
   running beside it, per byte of ring traffic (measured by ``axon4d calibrate``: on a host whose
   ranks share CPU cores, moving bytes through gloo takes cycles from the GEMMs however well the
-  collective overlaps them; in the shipped GPU files the SMs NCCL's channels hold,
-  ``bench/machine_tables.py``; 0 where nothing was given);
+  collective overlaps them; 0 where nothing was given); on an accelerator whose file gives its SM
+  count, ``overlap_slowdown`` instead: the share of the SMs NCCL's channels hold while a collective
+  runs, charged on the time overlap hides (``axon4d.plan.cost``);
 - ``step_scale_for(world)``: how the parts of a priced step compare with steps measured on this
   machine (``axon4d.plan.stepfit``; 1, 1, 1 without step calibration).
 - memory that is not the job's (``axon4d.plan.device_memory``): ``usable_device_memory(communicators)``
@@ -114,6 +115,7 @@ class Machine:
     fragmentation: float = 0.0  # share of the peak the caching allocator loses (fits: peak·(1+f) ≤ usable)
     nccl_channels: int = 1  # channels NCCL runs a collective on (one CTA, i.e. one SM, each)
     comm_interference_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
+    compute_units: int = 0  # an accelerator's SMs (CUs): with nccl_channels, ``overlap_slowdown``; 0: unknown
     # concurrency -> seconds of compute lost per byte of ring traffic (``ring_traffic``); none: 0
     step_scale: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # world size (str) -> [k_compute, k_activation_comm, k_weight_comm, seconds per collective] (stepfit)
@@ -262,6 +264,16 @@ class Machine:
         (1 + ``fragmentation``) is within it. A host's file gives none of these: all of it."""
         taken = self.cuda_context_bytes + self.device_workspace_bytes + communicators * self.nccl_buffer_bytes
         return self.memory_per_device - taken
+
+    @property
+    def overlap_slowdown(self) -> float:
+        """The share of an accelerator's compute rate a collective running beside it takes: its NCCL
+        kernel holds one SM per channel (``nccl_channels`` of ``compute_units``), so overlapped compute
+        runs that much slower for the time overlap hides (``axon4d.plan.cost``); 0 where the file
+        gives no SM count (then ``interference_time``'s per-byte κ, a host's measure, applies)."""
+        if not self.accelerator or self.compute_units <= 0:
+            return 0.0
+        return min(self.nccl_channels / self.compute_units, 1.0)
 
     def interference_time(self, traffic_bytes: float, world: int = 1) -> float:
         """Seconds the compute of a rank loses to ``traffic_bytes`` of its collectives' ring traffic
