@@ -272,32 +272,42 @@ def test_nothing_that_does_not_fit_is_shown_as_a_result(capsys):
     assert "best: (" in out and "recompute searched" in out and "grid (x,y,z,d)" in out
 
 
-@pytest.mark.xfail(
-    reason="being retired (issue 39): the shipped perlmutter file now prices NCCL's algorithms, a GEMM table and "
-    "interference, so the 'before' plan (full recomputation alone) is no longer 39.2%; the 47% bound still holds",
-    strict=False,
-)
-def test_the_80B_showcase_plan_fits_and_beats_AxoNN_s_result():
-    """Issue 31's target with the shipped Perlmutter figures: ≥ 47% model-FLOPs MFU in 40 GiB
-    (the planner's prediction; AxoNN's published 80B result is ≈ 42.7%), and above what the
-    planner could choose with full recomputation alone."""
+def test_the_80B_showcase_plan_is_one_perlmutter_can_run():
+    """AxoNN's showcase job as the planner now chooses it must be one a Perlmutter node can run: its
+    device need (peak, fragmentation, the CUDA context, workspaces and its grid's NCCL buffers)
+    within 40 GiB, the host memory its node's ranks pin within 256 GB less the reserve, dW's
+    reduce-scatters priced in the fp32 the runtime sends, the z collectives as NCCL's tuner runs
+    them (a ring of G_z − 1 steps where a z group holds two ranks of a node). Its MFU is whatever
+    the model gives (bench/plan_showcase.py; docs/planner.md): no bound is asserted on it."""
+    from axon4d.geometry import Term, weight_shard_numel
+    from axon4d.plan.device_memory import grid_communicators
+
     result = plan("80B", 1024, "perlmutter", 2048)
-    best = result.best
-    assert best.fits and best.mem.peak <= 40 * 2**30 and best.mfu >= 0.47
-    assert best.mem.host <= PERLMUTTER.host_memory_per_device
-    old = plan(
-        "80B",
-        1024,
-        "perlmutter",
-        2048,
-        recompute="full",
-        micro_batches=1,
-        zero=0,
-        offload=0,
-        fp8_gather=False,
-        context_parallel=False,
-    ).best
-    assert old.mfu == pytest.approx(0.371, abs=0.002) and best.mfu > old.mfu
+    best, m = result.best, result.machine
+    assert best.fits and result.workload.preset == "bf16-fp32-reduce"
+    assert device_need(best.mem, m) <= 40 * 2**30
+    assert best.mem.reserved == pytest.approx(
+        m.cuda_context_bytes + m.device_workspace_bytes + grid_communicators(best.shape) * m.nccl_buffer_bytes
+    )
+    assert best.mem.pinned_node <= m.host_memory_per_node - m.host_reserve_per_node < 256e9
+    shape = best.shape
+    sc = Scenario(
+        result.workload,
+        shape,
+        m,
+        best.overlap,
+        best.recompute,
+        **{k: v for k, v in best.options.items() if k != "recompute"},
+    )
+    qkv = next(s for s in sc.linears if s.name == "qkv")
+    lc = layer_cost(qkv, sc)
+    shard = weight_shard_numel(qkv.in_features, qkv.out_features, shape, qkv.transpose)
+    assert lc.term_bytes[Term.E11] == shard * shape.z * 4  # fp32 dW blocks, as the scheduler sends them
+    algorithm = m.collective_algorithm("reduce_scatter", shape.z, shape.stride("z"), lc.term_bytes[Term.E11])
+    if shape.stride("z") < m.devices_per_node:  # two or more of a z group on a node: no PAT, a ring
+        assert algorithm.algorithm == "ring" and algorithm.steps == shape.z - 1
+    assert lc.comm[Term.E11] == pytest.approx(algorithm.seconds)
+    assert 0.2 < best.mfu < 0.75  # a figure a GPU can reach, reported as it comes out
 
 
 def test_a_model_without_an_even_sequence_is_searched_whole():
