@@ -181,3 +181,31 @@ def test_the_snapshot_the_runtime_pins_is_the_planners(pools, tmp_path, grid, st
     world = math.prod(grid)
     for measured, priced in pools(world).run(grid, _snapshot_footprint, cfg, stage, 8, str(tmp_path)):
         assert measured == priced
+
+
+def test_an_accelerators_rms_norm_keeps_what_one_h200_offloaded():
+    """On an accelerator ``F.rms_norm`` is torch's fused kernel (its widened input and 1/rms kept), on
+    the host an elementwise chain (an fp32 x̂ too): a Scenario takes the kernel from its machine, and
+    the planner's storages per block then match what one H200 offloaded per block
+    (bench/results/gpu_check_nvidia_h200.json, gpu_check's OFFLOAD_SPEED and OFFLOAD_WIDE Llamas) to
+    within 0.2% (the planner leaves out ~1 MiB of small tensors)."""
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "bench", "results", "gpu_check_nvidia_h200.json")) as f:
+        cases = {c["name"]: c["metrics"] for c in json.load(f)["cases"] if "offload speed" in c["name"]}
+    llama = ModelConfig(
+        n_layers=8, hidden=1024, n_heads=8, n_kv_heads=2, ffn_hidden=2816, vocab_size=32000, seq_len=2048, arch="llama"
+    )
+    wide = dataclasses.replace(llama, n_layers=4, hidden=4096, n_heads=32, n_kv_heads=8, ffn_hidden=11008)
+    for name, cfg, seqs in (("offload speed x1y1z1d1", llama, 8), ("offload speed wide x1y1z1d1", wide, 4)):
+        measured = cases[name][0]["offloaded"]["block_bytes"]["0"]
+        sc = Scenario(Workload(cfg, seqs, optimizer="sgd"), GridShape(1, 1, 1, 1), PERLMUTTER, ALL, offload=1)
+        assert sc.workload.accelerator and sc.workload.norm_kernel(sc.shape) == "torch"
+        planned = sum(s for s in block_storages(sc.workload, sc.shape) if s >= MIN_BYTES)
+        assert planned == pytest.approx(measured, rel=2e-3), (name, planned, measured)
+        host = dataclasses.replace(PERLMUTTER, accelerator=False)
+        chain = Scenario(Workload(cfg, seqs, optimizer="sgd"), GridShape(1, 1, 1, 1), host, ALL)
+        assert chain.workload.norm_kernel(chain.shape) == "chain"
+        assert block_bytes(chain.workload, chain.shape) > 1.15 * measured  # the host's chain keeps x̂ too

@@ -117,6 +117,10 @@ class Scenario:
     fp8_gather: bool = False
 
     def __post_init__(self) -> None:
+        if self.workload.accelerator != self.machine.accelerator:  # torch's kernels are the machine's device's
+            object.__setattr__(
+                self, "workload", dataclasses.replace(self.workload, accelerator=self.machine.accelerator)
+            )
         check_recompute(self.recompute)
         check_options(self.workload, self.micro_batches, self.zero, self.offload, self.fp8_gather)
         if self.workload.dtypes.gather == FP8 and self.shape.z > 1:  # the precision gathers in FP8

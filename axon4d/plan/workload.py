@@ -100,6 +100,7 @@ class Workload:
     optimizer: str = "adam"
     context_parallel: bool = False
     async_save: bool = False  # the job checkpoints with --async-save: a pinned snapshot (plan.host_memory)
+    accelerator: bool = False  # the step runs on accelerators (a Scenario sets it from its machine): ``norm_kernel``
     precision: str = ""  # as given; "": DEFAULT_PRECISION of dtype (``preset``)
 
     def __post_init__(self) -> None:
@@ -158,18 +159,20 @@ class Workload:
         return self.batch * self.model.seq_len
 
     def norm_kernel(self, shape: GridShape, recompute: str = "none") -> str:
-        """How the blocks' norms run on ``shape`` (axon4d.nn.norm): "torch" — torch's fused LayerNorm
-        kernel (GPT, features whole on a rank: G_x = 1); "split" — axon4d's fused split norm, one
-        autograd Function around one all-reduce over x each way (G_x > 1); "chain" — elementwise ops
-        (RMSNorm with G_x = 1 is torch's ``F.rms_norm``, a chain on the host; balanced recomputation
-        keeps the statistics and re-runs ``normalize``). "none" without norms."""
+        """How the blocks' norms run on ``shape`` (axon4d.nn.norm): "torch" — a torch kernel that
+        keeps its (widened) input and per-token statistics: LayerNorm (GPT) with the features whole
+        on a rank (G_x = 1), and RMSNorm's ``F.rms_norm`` on an accelerator (``accelerator``; one
+        H200's offloaded bytes per block, bench/results/gpu_check_nvidia_h200.json, are this to the
+        byte); "split" — axon4d's fused split norm, one autograd Function around one all-reduce over
+        x each way (G_x > 1); "chain" — elementwise ops (``F.rms_norm`` on the host; balanced
+        recomputation keeps the statistics and re-runs ``normalize``). "none" without norms."""
         if not self.norms:
             return "none"
         if recompute == "balanced":
             return "chain"
         if shape.x > 1:
             return "split"
-        return "chain" if self.model.arch == "llama" else "torch"
+        return "chain" if self.model.arch == "llama" and not self.accelerator else "torch"
 
     def fused_norms(self, shape: GridShape, recompute: str = "none") -> bool:
         """Whether each norm keeps only its input and its per-token statistics for backward (the
