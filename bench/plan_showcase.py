@@ -1,5 +1,5 @@
 """AxoNN's showcase job priced by the planner: before (the options it had) and after (one search over
-every option), with an ablation (issue 31).
+every option), with an ablation (issues 31 and 39).
 
 For each job — 80B on 1024 Perlmutter GPUs with a batch of 2048, 20B on 512 with 1024 by default —
 three searches of ``axon4d.plan.search.plan`` with the shipped machine file's figures:
@@ -10,7 +10,15 @@ three searches of ``axon4d.plan.search.plan`` with the shipped machine file's fi
 - **after**: the defaults of ``axon4d plan`` — every option searched;
 - **ablation**: the after search again with one option pinned to its before value at a time
   (recomputation to ``full``, the one mode that fit the 80B job before; micro-batches 1; ZeRO 0;
-  no offload; no FP8 gathers; whole sequences), and the MFU lost.
+  no offload; no FP8 gathers; whole sequences), and the MFU lost;
+- **precision**: the after search in each precision preset a GPU job can train in — the default
+  ``bf16-fp32-reduce`` (fp32 gradient reductions: dW's reduce-scatters move 4 bytes per element;
+  FP8 gathers searched, ``bf16-fp8-gather``) and ``bf16`` (bf16 reductions, as AxoNN reduces;
+  no FP8 gathers: no preset joins them).
+
+Every plan is held to what the machine file says a node has: device memory less the CUDA
+context, workspaces, NCCL buffers and fragmentation, and host memory per node less its reserve
+for what the node's ranks pin (docs/planner.md).
 
 These are predictions of the cost model (its GPU figures are published peaks derated by the stated
 assumptions of ``axon4d/plan/machines/perlmutter.json``; the model itself is measured on CPUs,
@@ -50,6 +58,8 @@ ABLATION = {
     "fp8_gather": False,
     "context_parallel": False,
 }
+#: the precision presets the after search is repeated in (the first is the default, ``after``)
+PRESETS = ("bf16-fp32-reduce", "bf16")
 #: the jobs: (model, GPUs, batch)
 JOBS = (("80B", 1024, 2048), ("20B", 512, 1024))
 
@@ -110,11 +120,21 @@ def job(model: str, gpus: int, machine: str, batch: int, top: int) -> dict[str, 
             "mfu": fitting[0].mfu if fitting else None,
             "mfu_lost": new.mfu - fitting[0].mfu if fitting else None,
         }
+    presets = {}
+    for preset in PRESETS[1:]:
+        other = plan(model, gpus, machine, batch, overlap="all", top=top, precision=preset)
+        fitting = [c for c in other.candidates if c.fits]
+        presets[preset] = {
+            "best": _row(fitting[0]) if fitting else None,
+            "options": fitting[0].options_spec() if fitting else None,
+        }
     return {
         "model": model,
         "gpus": gpus,
         "machine": machine,
         "batch": batch,
+        "precision": after.workload.preset,
+        "other_precisions": presets,
         "before": {"best": _row(old) if old else None, "per_recompute_mode": per_mode},
         "after": {
             "best": _row(new),
@@ -151,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             mfu = f"{100 * a['mfu']:.1f}%" if a["mfu"] is not None else "nothing fits"
             lost = f"{100 * a['mfu_lost']:+.1f} points" if a["mfu_lost"] is not None else ""
             print(f"  {option} = {a['pinned_to']}: {mfu} {lost}")
+        for preset, o in r["other_precisions"].items():
+            b = o["best"]
+            what = f"{100 * b['mfu']:.1f}% on {tuple(b['grid'])}, {o['options']}" if b else "nothing fits"
+            print(f"  in precision {preset} instead of {r['precision']}: {what}")
     common.save(args.out, {"jobs": results}, head)
     print()
     for r in results:
