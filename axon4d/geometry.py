@@ -93,8 +93,24 @@ COMPUTE_TERMS = frozenset({Term.E8, Term.E9, Term.E10F, Term.E10B, Term.EMBEDDIN
 GRADIENT_TERMS = frozenset(
     {Term.E11, Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD}
 )
-#: per-token statistics (split norms, the vocabulary-parallel loss): always fp32
-STATISTIC_TERMS = frozenset({Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET})
+#: per-token statistics of the vocabulary-parallel loss: always fp32 (a split norm's: ``norm_statistics_wire``)
+STATISTIC_TERMS = frozenset({Term.CE_LSE, Term.CE_TARGET})
+
+
+def norm_statistics_wire(term: Term, centred: bool) -> tuple[int, torch.dtype]:
+    """(values per token, dtype) of a split norm's all-reduce over x (``axon4d.nn.norm``): in forward
+    (``Term.NORM_STATS``) LayerNorm's (``centred``) sums [Σx, Σx²] in fp64 — formed about the rank's
+    own mean so that E[x²] − E[x]² does not cancel — and RMSNorm's [Σx²] in fp32; in backward
+    (``Term.NORM_STATS_GRAD``) [Σĝ, Σĝ·x̂] (RMSNorm: [Σĝ·x̂]) in fp32. The norm forms its sums in
+    these dtypes; the planner prices them."""
+    values = 2 if centred else 1
+    if term == Term.NORM_STATS:
+        return values, torch.float64 if centred else torch.float32
+    if term == Term.NORM_STATS_GRAD:
+        return values, torch.float32
+    raise ValueError(
+        f"{term.value!r} is not a split norm's all-reduce: use {Term.NORM_STATS.value!r} or its gradient's"
+    )
 
 
 def zero_stored_dtype(precision: Precision, param_dtype: torch.dtype, linear_weight: bool, g_data: int) -> torch.dtype:
@@ -124,7 +140,7 @@ def wire_dtype(
       over a z axis of ``g_z`` > 1 ranks under FP8 gathers: uint8 (e4m3 bytes and each rank's fp32
       scale, ``precision.fp8_pack``; the payload is ``precision.gather_payload_bytes``);
     - ``GRADIENT_TERMS``: the reduction dtype under mixed precision, else ``param_dtype``;
-    - ``STATISTIC_TERMS``: fp32;
+    - ``STATISTIC_TERMS`` (the loss's): fp32; a split norm's sums: ``norm_statistics_wire``;
     - ``Term.ZERO_GATHER``: the stored dtype (``zero_stored_dtype``: ``linear_weight`` on a data
       axis of ``g_data`` ranks).
 

@@ -340,13 +340,20 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     assert t.step_s == pytest.approx(t.compute_s + t.interference_s + t.comm_s - t.hidden_s, rel=1e-12)
     compute, activation, weight = t.parts
     assert activation > 0 and weight > 0 and activation + weight == pytest.approx(t.comm_s - t.hidden_s)
-    # activations: the forward (E8) and input-gradient (E9) all-reduces and the embedding lookup's
+    # activations: the forward (E8) and input-gradient (E9) all-reduces and the embedding lookup's,
+    # the split norms' sums over x and the loss's collectives over y (each waited on where issued)
     assert t.layers["embedding"]["comm_embedding"] > 0
+    sc = Scenario(wl, shape, m)
+    edge = [
+        c for c in sc.edge_collectives if c.term in (Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET)
+    ]
+    assert {c.term for c in edge} == {Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET}
     assert t.activation_comm_s == pytest.approx(
         sum(
             v["count"] * sum(v.get(comm_field(k), 0.0) for k in (Term.E8, Term.E9, Term.EMBEDDING))
             for v in t.layers.values()
-        ),
+        )
+        + sum(m.comm_time(c.op.value, shape.size(c.axis), shape.stride(c.axis), c.payload_bytes, 512) for c in edge),
         rel=1e-12,
     )
     scaled = dataclasses.replace(m, step_scale={"2": [9.0, 9.0, 9.0, 9.0], "512": [1.25, 1.5, 0.5, 1e-3]})
@@ -358,7 +365,8 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
     full = evaluate(wl, shape, scaled, recompute="full").time
     assert full.parts[0] > s.parts[0] and full.parts[1] > s.parts[1] and full.step_s > s.step_s
     again = sum(v["count"] * v["fwd_collectives"] for v in s.layers.values() if v["count"] == wl.model.n_layers)
-    assert again > 0 and full.collectives == s.collectives + again  # its forward collectives are issued again
+    norms = 2 * wl.model.n_layers  # the blocks' norms' forward sums over x (G_x = 4), issued again too
+    assert again > 0 and full.collectives == s.collectives + again + norms  # its forward collectives again
 
 
 def test_interference_charges_every_byte_of_ring_traffic_to_compute():

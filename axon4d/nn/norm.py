@@ -37,7 +37,7 @@ from torch import nn
 
 from axon4d import rules, runtime
 from axon4d.config import ModelConfig
-from axon4d.geometry import Term
+from axon4d.geometry import Term, norm_statistics_wire
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch
 from axon4d.shape import GridAxis
@@ -52,14 +52,15 @@ def _local_sums(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Ten
     with d = x − c (fp32), Σx = h·c + Σd and Σx² = Σd² + 2c·Σd + h·c², the large terms exact in
     fp64. Returns (sums, d, c): d (n, h) fp32 and c (n,) fp32 for LayerNorm's forward to reuse
     (None for RMSNorm)."""
+    _, wide = norm_statistics_wire(Term.NORM_STATS, centred)  # what the all-reduce moves: fp32, fp64
     if not centred:
-        return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square().unsqueeze(-1), None, None
+        return torch.linalg.vector_norm(x, dim=-1, dtype=wide).square().unsqueeze(-1), None, None
     h = x.shape[-1]
     c = x.sum(-1, dtype=torch.float32) / h  # (n,)
     d = torch.sub(x, c.unsqueeze(-1))  # (n, h) fp32, transient
-    d_sum = d.sum(-1).double()
-    d_squares = torch.linalg.vector_norm(d, dim=-1).square().double()
-    c64 = c.double()
+    d_sum = d.sum(-1).to(wide)
+    d_squares = torch.linalg.vector_norm(d, dim=-1).square().to(wide)
+    c64 = c.to(wide)
     sums = torch.stack([h * c64 + d_sum, d_squares + 2 * c64 * d_sum + h * c64.square()], dim=-1)  # (n, 2) fp64
     return sums, d, c
 
@@ -164,7 +165,11 @@ class _Statistics(torch.autograd.Function):
         norm: SplitFeatureNorm = ctx.norm
         x2 = x.reshape(-1, x.shape[-1])
         d = norm.grid.comm.all_reduce(
-            d_stats.reshape(x2.shape[0], -1).float().contiguous().clone(), norm.axis, tag=Term.NORM_STATS_GRAD
+            d_stats.reshape(x2.shape[0], -1)
+            .to(norm_statistics_wire(Term.NORM_STATS_GRAD, norm.centred)[1])
+            .contiguous(),
+            norm.axis,
+            tag=Term.NORM_STATS_GRAD,
         ).wait()  # (n, k): the gradient of every token's statistics, summed over the axis
         mean = stats[:, 0] if norm.centred else None
         rstd = stats[:, -1]

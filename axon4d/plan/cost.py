@@ -33,6 +33,7 @@ from typing import Any
 from axon4d.geometry import Collective, Op, Term, data_part_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.layers import (
+    ACTIVATION_TERMS,
     EMBEDDING_TERMS,
     LayerCost,
     block_extras,
@@ -51,8 +52,6 @@ from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
 
-#: Collectives that move activations on the critical path; every other one moves weights or gradients.
-ACTIVATION_TERMS = frozenset({Term.E8, Term.E9, Term.EMBEDDING})
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})
 
@@ -139,6 +138,7 @@ class _Totals:
     def add_collective(self, c: Collective, seconds: float, traffic: float) -> None:
         """One collective outside the layers, priced (``layers.priced``) and never hidden."""
         self.comm += seconds
+        self.activation_comm += seconds if c.term in ACTIVATION_TERMS else 0.0
         self.calls += 1
         self.traffic += traffic
         self.comm_by_axis[c.axis] = self.comm_by_axis.get(c.axis, 0.0) + seconds
@@ -235,8 +235,8 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
             optimizer_s=opt,
             comm_s=totals.comm + again.comm_s,
             hidden_s=hidden_s,
-            comm_by_axis=totals.comm_by_axis,
-            bytes_by_axis=totals.bytes_by_axis,
+            comm_by_axis=_merged(totals.comm_by_axis, again.comm_by_axis),
+            bytes_by_axis=_merged(totals.bytes_by_axis, again.bytes_by_axis),
             hidden_by_mechanism=by_mechanism,
             layers={lc.spec.name: lc.report(h) for lc, h in zip(layers, hidden.per_window)},
             activation_comm_s=totals.activation_comm + again.activation_comm_s,
@@ -248,6 +248,11 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         ),
         once,
     )
+
+
+def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Per-axis sums of ``a`` and ``b``."""
+    return {axis: a.get(axis, 0) + b.get(axis, 0) for axis in a.keys() | b.keys()}
 
 
 def _accumulated(first: tuple[TimeEstimate, _Totals], later: tuple[TimeEstimate, _Totals], k: int) -> TimeEstimate:

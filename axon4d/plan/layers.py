@@ -24,6 +24,11 @@ from axon4d.plan.workload import LinearSpec, Workload
 from axon4d.precision import SCALE_BYTES
 from axon4d.shape import GridShape
 
+#: Collectives that move activations on the critical path (each waited on at once: E8's chunks aside,
+#: nothing hides them but what ``overlap_credit`` credits); every other one moves weights or gradients.
+ACTIVATION_TERMS = frozenset(
+    {Term.E8, Term.E9, Term.EMBEDDING, Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET}
+)
 #: The embedding layer's own collectives (priced with its layer; the other edge collectives apart).
 EMBEDDING_TERMS = frozenset({Term.EMBEDDING, Term.EMBEDDING_GRAD})
 #: Share of attention's forward + backward seconds that is forward (fwd:bwd ≈ 1:2.3 for flash-style kernels).

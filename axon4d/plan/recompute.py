@@ -10,8 +10,9 @@ priced here and only here (``rerun``); ``axon4d.plan.cost`` adds it to the step 
   otherwise be a fused kernel: torch's (G_x = 1) or the fused split norm (G_x > 1); the difference
   in passes is ``layers.norm_passes``'.
 - ``full``: every block's whole forward runs again in backward — the compute of its layers'
-  forwards and their forward collectives (E8, E10f), issued again: counted, with their ring
-  traffic and the interference it costs.
+  forwards and every collective of the block's forward issued again (``rerun_collectives``: the
+  layers' E8 and E10f, the norms' sums over x, context parallelism's key/value all-gather):
+  counted, with their bytes per axis, ring traffic and the interference it costs.
 
 What each mode keeps for backward is the memory model's (``axon4d.plan.saved.block_saved``).
 """
@@ -21,8 +22,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from axon4d.geometry import Term
-from axon4d.plan.layers import ATTENTION_FORWARD, LayerCost, attention_seconds, norm_passes
+from axon4d.geometry import Collective, Term
+from axon4d.plan.layers import (
+    ACTIVATION_TERMS,
+    ATTENTION_FORWARD,
+    LayerCost,
+    attention_seconds,
+    collectives,
+    in_block,
+    norm_passes,
+    priced,
+)
 from axon4d.plan.scenario import Scenario
 
 
@@ -33,10 +43,12 @@ class Rerun:
 
     compute_s: float = 0.0
     comm_s: float = 0.0
-    activation_comm_s: float = 0.0  # of which activation collectives (E8)
+    activation_comm_s: float = 0.0  # of which activation collectives (``layers.ACTIVATION_TERMS``)
     collectives: int = 0
     traffic_bytes: float = 0.0
     interference_s: float = 0.0  # compute lost to that traffic (Machine.interference_time)
+    comm_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
+    bytes_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def recomputed_seconds(sc: Scenario) -> float:
@@ -68,17 +80,54 @@ def rerun(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
     return Rerun()
 
 
+def rerun_collectives(sc: Scenario) -> list[tuple[Collective, int]]:
+    """The collectives recomputation issues again in one pass on one rank, each with how many times:
+    under full recomputation every block's forward again — each block layer's forward collectives
+    (E8 in its chunks, E10f: ``layers.collectives``) n_layers times, and the norms' sums over x and
+    the key/value all-gather of context parallelism (``Workload.block_forward_collectives``);
+    nothing under the other modes (no collective runs twice). The gathers of a block's last
+    ``oag_depth`` layers are those OAG's backward prefetch issued (tagged E10b, as the runtime logs
+    them): the same bytes on the same axis."""
+    if sc.recompute != "full":
+        return []
+    block = [spec for spec in sc.linears if in_block(spec, sc)]  # forward order
+    ov = sc.overlap
+    # OAG's backward prefetch runs ahead into the block below (reverse order, ``oag_depth`` layers, those
+    # whose backward gathers: not under keep-for-backward) before that block's forward is re-run: the
+    # re-run takes those blocks, gathered in backward (E10b), for its last layers (``Scheduler._prefetch_after``)
+    early = min(ov.oag_depth, len(block)) if ov.oag and not ov.oag_keep and sc.shape.z > 1 else 0
+    out = []
+    for i, spec in enumerate(block):
+        for c in collectives(spec, sc):
+            if c.phase == "forward":
+                prefetched = c.term == Term.E10F and i >= len(block) - early
+                out.append((dataclasses.replace(c, term=Term.E10B) if prefetched else c, spec.count))
+    return out + [(c, 1) for c in sc.workload.block_forward_collectives(sc.shape)]
+
+
 def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
-    """Full recomputation: the forward of every layer kind run n_layers times (the block's; with
-    one block, the embedding's and the head's too), with its forward all-reduces (E8) and Z
-    all-gathers (E10f)."""
-    block = [lc for lc in layers if lc.spec.count == sc.model.n_layers]
-    traffic = sum(lc.spec.count * lc.fwd_traffic for lc in block)
+    """Full recomputation: the forward of every block layer kind run n_layers times, with every
+    collective of the blocks' forwards again (``rerun_collectives``)."""
+    block = [lc for lc in layers if in_block(lc.spec, sc)]
+    comm = activation = traffic = 0.0
+    calls = 0
+    by_axis: dict[str, float] = {}
+    sent: dict[str, int] = {}
+    for c, n in rerun_collectives(sc):
+        seconds, moved = priced(c, sc)
+        comm += n * seconds
+        activation += n * seconds if c.term in ACTIVATION_TERMS else 0.0
+        traffic += n * moved
+        calls += n
+        by_axis[c.axis] = by_axis.get(c.axis, 0.0) + n * seconds
+        sent[c.axis] = sent.get(c.axis, 0) + n * c.payload_bytes
     return Rerun(
         compute_s=sum(lc.spec.count * lc.fwd_s for lc in block),
-        comm_s=sum(lc.spec.count * lc.fwd_comm_s for lc in block),
-        activation_comm_s=sum(lc.spec.count * lc.comm.get(Term.E8, 0.0) for lc in block),
-        collectives=sum(lc.spec.count * lc.fwd_calls for lc in block),
+        comm_s=comm,
+        activation_comm_s=activation,
+        collectives=calls,
         traffic_bytes=traffic,
         interference_s=sc.machine.interference_time(traffic, sc.world),
+        comm_by_axis=by_axis,
+        bytes_by_axis=sent,
     )

@@ -10,8 +10,8 @@ micro-batches issues them: every pass the layers' and context parallelism's coll
 passes after the first without the weight gathers keep-for-backward carries over
 (``layers.carried``), the data-axis reductions (``cost.ONCE_PER_STEP``) and ZeRO's gathers once.
 Its sum over terms is ``TimeEstimate.bytes_by_axis`` and its calls ``TimeEstimate.collectives``
-(tests/test_plan_bytes.py checks both, and this list against the communication log). The forward
-collectives a recomputed block issues again (``recompute.rerun``) are not in it.
+(tests/test_plan_bytes.py checks both, and this list against the communication log), the forward
+collectives a recomputed block issues again (``recompute.rerun_collectives``) included.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections import Counter
 from axon4d.geometry import Collective, Term
 from axon4d.plan.cost import ONCE_PER_STEP, zero_gathers
 from axon4d.plan.layers import EMBEDDING_TERMS, carried, collectives
+from axon4d.plan.recompute import rerun_collectives
 from axon4d.plan.scenario import Scenario
 
 #: (axis, term) → a count of one step's collectives or of their payload bytes on one rank
@@ -43,6 +44,8 @@ def _pass(sc: Scenario, reuse: bool) -> tuple[Tally, Tally]:
     for c in sc.edge_collectives:
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's
             add(c)
+    for c, n in rerun_collectives(sc):  # what recomputation issues again
+        add(c, n)
     return calls, sent
 
 

@@ -33,7 +33,7 @@ import numbers
 from axon4d import rules as grid_rules
 from axon4d.config import ModelConfig
 from axon4d.device import DTYPES
-from axon4d.geometry import Collective, Op, Term, layer_axes, wire_element_size
+from axon4d.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
 from axon4d.precision import NAMED, Precision
 from axon4d.shape import GridShape
 
@@ -232,8 +232,10 @@ class Workload:
         all-reduce over y (compute dtype) and its table's gradient all-reduce over batch; one
         gradient all-reduce over batch per replicated tensor (norm weights and biases, position
         embedding) — the gradients in the reduction dtype (fp32 masters' gradients: fp32 under
-        "bf16-fp32-reduce", bf16 under "bf16"; ``geometry.wire_dtype``); with ``context_parallel``,
-        attention's key/value collectives (``context_collectives``)."""
+        "bf16-fp32-reduce", bf16 under "bf16"; ``geometry.wire_dtype``); the split norms' per-token
+        sums over x, forward and backward (G_x > 1, ``norm_sums``); the vocabulary-parallel
+        loss's all-gather of log-sum-exps and all-reduce of target logits over y (fp32; G_y > 1);
+        with ``context_parallel``, attention's key/value collectives (``context_collectives``)."""
         m = self.model
         h_x = m.hidden // shape.x
         out: list[Collective] = []
@@ -251,7 +253,35 @@ class Workload:
         if self.norms:
             tensors = (2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1)
             add(Op.ALL_REDUCE, "batch", h_x, "backward", Term.NORM_GRAD, tensors)
+            # the split norms' per-token sums over x, forward and backward: two per block, the final norm's
+            norms = 2 * m.n_layers + (1 if self.head else 0)
+            out += self.norm_sums(shape, Term.NORM_STATS, norms)
+            out += self.norm_sums(shape, Term.NORM_STATS_GRAD, norms)
+            if self.head and shape.y > 1:  # the vocabulary-parallel loss: log-sum-exps and target logits over y
+                b = self.local_tokens(shape)
+                f32 = wire_element_size(self.dtypes, Term.CE_LSE)
+                out.append(Collective(Op.ALL_GATHER, "y", shape.y * b * f32, "forward", Term.CE_LSE))
+                out.append(Collective(Op.ALL_REDUCE, "y", b * f32, "forward", Term.CE_TARGET))
         return out + self.context_collectives(shape)
+
+    def norm_sums(self, shape: GridShape, term: Term, count: int) -> list[Collective]:
+        """``count`` of the split norms' all-reduces ``term`` over x (G_x > 1; ``axon4d.nn.norm``):
+        per token the values and dtype of ``geometry.norm_statistics_wire`` (LayerNorm's forward
+        sums fp64, the rest fp32)."""
+        if not self.norms or shape.x == 1:
+            return []
+        values, dtype = norm_statistics_wire(term, centred=self.model.arch == "gpt")
+        payload = self.local_tokens(shape) * values * dtype.itemsize
+        return [
+            Collective(Op.ALL_REDUCE, "x", payload, "forward" if term == Term.NORM_STATS else "backward", term)
+        ] * count
+
+    def block_forward_collectives(self, shape: GridShape) -> list[Collective]:
+        """The collectives outside the linear layers that every block's forward issues, on one rank,
+        for all the blocks: its two norms' sums over x (G_x > 1) and, with context parallelism, the
+        key/value all-gather over z — what full recomputation issues again (``plan.recompute``)."""
+        kv = [c for c in self.context_collectives(shape) if c.phase == "forward"]
+        return self.norm_sums(shape, Term.NORM_STATS, 2 * self.model.n_layers) + kv
 
     def flops(self) -> float:
         """Model FLOPs of one step (6 per matmul parameter per token, plus causal attention)."""
