@@ -57,6 +57,10 @@ def hidden_pct(comm_s: float, blocked_s: float) -> float:
     return 100.0 * (1.0 - blocked_s / comm_s) if comm_s > 0 else 0.0
 
 
+#: guards a record's device marks between the transport's completion thread and the log's reader
+_MARKS = threading.Lock()
+
+
 @dataclasses.dataclass(slots=True)
 class CommRecord:
     """One collective as it happened on this rank (times from ``time.perf_counter``)."""
@@ -72,14 +76,21 @@ class CommRecord:
     t_done: float | None = None
     #: device marks of the times above not read yet (an accelerator's clock); ``CommLog`` settles them
     marks: dict[str, Mark] | None = None
+    #: its marks were read after its wait ended (``settle``): a completion reported later changes nothing
+    settled: bool = False
 
     def completed_on(self, clock: Clock) -> Callable[[Any], None]:
         """A callback for the transport's completion of this collective: stamps ``t_done`` on
-        ``clock`` (a device mark, read later, or the host's time; the earliest completion wins)."""
+        ``clock`` (a device mark, read later, or the host's time; the earliest completion wins).
+        The transport may run it on its own thread after the wait has returned, even after the log
+        was read: a record already settled keeps its times (a completion marked then is later than
+        the wait's end, to which ``settle`` clamps it anyway)."""
 
         def done(_: Any = None) -> None:
             if clock.on_device:
-                self.mark("t_done", clock.mark(), first=True)
+                with _MARKS:
+                    if not self.settled:
+                        self._mark("t_done", clock.mark(), True)
                 return
             now = time.perf_counter()
             if self.t_done is None or self.t_done > now:
@@ -89,18 +100,24 @@ class CommRecord:
 
     def mark(self, field: str, mark: Mark, first: bool = False) -> None:
         """Set time ``field`` to device ``mark`` (read later); with ``first``, only if not set yet."""
+        with _MARKS:
+            self._mark(field, mark, first)
+
+    def _mark(self, field: str, mark: Mark, first: bool) -> None:
         if self.marks is None:
             self.marks = {}
         if not (first and field in self.marks):
             self.marks[field] = mark
 
     def settle(self, clock: Clock) -> None:
-        """Read the pending device marks into the times (blocks until they have happened)."""
-        if not self.marks:
-            return
-        for field, mark in self.marks.items():
-            setattr(self, field, clock.seconds(mark))
-        self.marks = None
+        """Read the pending device marks into the times (blocks until they have happened); once the
+        wait's end is read, the record is ``settled``: later completion reports are dropped."""
+        with _MARKS:  # the transport's thread may report completion meanwhile (``completed_on``)
+            marks, self.marks = self.marks, None
+            if marks:
+                for field, mark in marks.items():
+                    setattr(self, field, clock.seconds(mark))
+            self.settled = self.t_wait_end is not None
         if self.t_done is not None and self.t_wait_end is not None and self.t_done > self.t_wait_end:
             self.t_done = self.t_wait_end  # the compute stream resumed only after completion
 

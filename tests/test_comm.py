@@ -331,3 +331,38 @@ def test_on_an_accelerator_the_log_times_collectives_by_device_marks_read_after_
         assert got["on_device_scale"] and got["spans"] and got["done_before_resume"]
         assert got["pending"] == 0
         assert 0.0 <= got["hidden"] <= 100.0
+
+
+def test_a_completion_reported_after_the_log_was_read_changes_nothing():
+    """The transport may report a collective's completion on its own thread after the wait returned,
+    even after the log read the record's device marks: the record stays settled (no pending mark,
+    its completion no later than the wait's end), whatever the order — the race the device-timed
+    test above once lost."""
+    from axon4d.commlog import CommRecord
+    from axon4d.geometry import Op
+
+    clock = _DeviceClock()
+    late = CommRecord(Op.ALL_GATHER, "z", 2, 64, Term.E10F, t_issue=0.0)
+    late.mark("t_issue", clock.mark())
+    late.mark("t_wait_start", clock.mark())
+    late.mark("t_wait_end", clock.mark())
+    late.settle(clock)
+    assert late.settled and late.marks is None and late.t_done is None
+    late.completed_on(clock)()  # the completion, reported after the read
+    assert late.marks is None and late.t_done is None
+    late.settle(clock)
+    assert late.blocked == late.t_wait_end - late.t_wait_start and late.duration == late.t_wait_end - late.t_issue
+    # reported after the wait but before the read: clamped to the wait's end
+    early = CommRecord(Op.ALL_GATHER, "z", 2, 64, Term.E10F, t_issue=0.0)
+    for field in ("t_issue", "t_wait_start", "t_wait_end"):
+        early.mark(field, clock.mark())
+    early.completed_on(clock)()
+    early.settle(clock)
+    assert early.settled and early.marks is None and early.t_done == early.t_wait_end
+    # a record read before its wait (a collective still in flight) takes its completion later
+    open_ = CommRecord(Op.ALL_GATHER, "z", 2, 64, Term.E10F, t_issue=0.0)
+    open_.mark("t_issue", clock.mark())
+    open_.settle(clock)
+    assert not open_.settled
+    open_.completed_on(clock)()
+    assert open_.marks is not None and "t_done" in open_.marks
