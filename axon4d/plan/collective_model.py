@@ -133,6 +133,7 @@ def candidates(op: str, payload: float, span: Span, intra: Link, net: Link, chan
     return out
 
 
+@functools.lru_cache(maxsize=65536)  # a pure function of hashable inputs, asked again and again by the search
 def nccl_time(op: str, payload: float, span: Span, intra: Link, net: Link, channels: int = 1) -> Priced:
     """The algorithm NCCL's tuner picks for ``op`` (the cheapest of ``candidates``) and its price."""
     return min(candidates(op, payload, span, intra, net, channels), key=lambda p: p.seconds)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Any
 
 from axon4d.geometry import Collective, Op, Term, data_part_numel, wire_element_size
@@ -135,14 +136,15 @@ class _Totals:
             self.comm_by_axis[axis] = self.comm_by_axis.get(axis, 0.0) + n * t
             self.bytes_by_axis[axis] = self.bytes_by_axis.get(axis, 0) + n * lc.term_bytes[term]
 
-    def add_collective(self, c: Collective, seconds: float, traffic: float) -> None:
-        """One collective outside the layers, priced (``layers.priced``) and never hidden."""
-        self.comm += seconds
-        self.activation_comm += seconds if c.term in ACTIVATION_TERMS else 0.0
-        self.calls += 1
-        self.traffic += traffic
-        self.comm_by_axis[c.axis] = self.comm_by_axis.get(c.axis, 0.0) + seconds
-        self.bytes_by_axis[c.axis] = self.bytes_by_axis.get(c.axis, 0) + c.payload_bytes
+    def add_collective(self, c: Collective, seconds: float, traffic: float, count: int = 1) -> None:
+        """``count`` of one collective outside the layers, priced (``layers.priced``: ``seconds`` and
+        ``traffic`` each) and never hidden."""
+        self.comm += count * seconds
+        self.activation_comm += count * seconds if c.term in ACTIVATION_TERMS else 0.0
+        self.calls += count
+        self.traffic += count * traffic
+        self.comm_by_axis[c.axis] = self.comm_by_axis.get(c.axis, 0.0) + count * seconds
+        self.bytes_by_axis[c.axis] = self.bytes_by_axis.get(c.axis, 0) + count * c.payload_bytes
 
 
 def step_time(
@@ -196,12 +198,14 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     for lc in layers:
         totals.add_layer(lc)
         once.add_layer(lc, ONCE_PER_STEP)
-    for c in sc.edge_collectives:  # replicated parameters' gradients: waited on in their hooks
+    # replicated parameters' gradients (waited on in their hooks), norms' sums, the loss's: each alike
+    # collective priced once
+    for c, n in Counter(sc.edge_collectives).items():
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's (``layers.layer_cost``)
             seconds, traffic = priced(c, sc)
-            totals.add_collective(c, seconds, traffic)
+            totals.add_collective(c, seconds, traffic, n)
             if c.term in ONCE_PER_STEP:
-                once.add_collective(c, seconds, traffic)
+                once.add_collective(c, seconds, traffic, n)
     once.interference = m.interference_time(once.traffic, world)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
