@@ -272,6 +272,7 @@ def test_nothing_that_does_not_fit_is_shown_as_a_result(capsys):
     assert "best: (" in out and "recompute searched" in out and "grid (x,y,z,d)" in out
 
 
+@pytest.mark.slow  # a whole 80B search on 1024 ranks: ~8 s
 def test_the_80B_showcase_plan_is_one_perlmutter_can_run():
     """AxoNN's showcase job as the planner now chooses it must be one a Perlmutter node can run: its
     device need (peak, fragmentation, the CUDA context, workspaces and its grid's NCCL buffers)
