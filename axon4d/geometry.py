@@ -13,7 +13,8 @@ gathered result; reduce-scatter: the input). Axes of size 1 issue nothing and ar
 weight gathers (E8–E10, the embedding lookup, context parallelism's keys and values and their
 gradients), uint8 for E10 under FP8 gathers (``precision.gather_payload_bytes``), the reduction
 dtype for every gradient reduction (E11–E13, the replicated parameters' gradients), fp32 for the
-per-token statistics (split norms, the vocabulary-parallel loss) and, for ZeRO's parameter
+vocabulary-parallel loss's per-token statistics (a split norm's sums: ``norm_statistics_wire``,
+LayerNorm's forward in fp64) and, for ZeRO's parameter
 all-gather over data, the dtype the parameter is stored in (``zero_stored_dtype``). The runtime
 casts to it before it issues the collective (``axon4d.scheduler``, ``axon4d.nn``, ``axon4d.zero``)
 and the planner prices it (``linear_collectives(precision=...)``, ``axon4d.plan.workload``): one

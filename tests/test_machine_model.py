@@ -1,4 +1,4 @@
-"""The machine side of the planner (issue 39): NCCL's choice of algorithm, a node's memory, the
+"""The machine side of the planner: NCCL's choice of algorithm, a node's memory, the
 memory a device leaves to the job, and the shipped GPU files' GEMM tables."""
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def test_a_256_rank_z_all_gather_runs_as_a_ring_of_g_minus_1_steps():
     ring = perlmutter.collective_algorithm("reduce_scatter", 256, 4, 302 * MB)
     assert ring.algorithm == "ring" and ring.steps == 255
     assert ring.seconds == pytest.approx(cm.BASE_LATENCY_S + 255 * 14e-6 + 255 / 256 * 302 * MB / 20e9, rel=1e-9)
-    assert 255 * 14e-6 == pytest.approx(3.57e-3)  # the latency alone: 3.6 ms per z collective
 
 
 def test_pat_where_nccl_would_take_it_one_rank_per_node_and_smaller_payloads():

@@ -23,8 +23,9 @@ from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import Workload, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.candidate import device_need
 from axon4d.plan.layers import axis_group_and_stride, comm_field, layer_cost
-from axon4d.plan.machine import CommCurve, MatmulTable, available
+from axon4d.plan.machine import available
 from axon4d.plan.scenario import Scenario
+from axon4d.plan.tables import CommCurve, MatmulTable
 from axon4d.shape import GridShape, factorizations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -372,7 +373,7 @@ def test_step_is_the_scaled_sum_of_its_parts_and_unscaled_without_step_calibrati
 def test_interference_charges_every_byte_of_ring_traffic_to_compute():
     import dataclasses
 
-    from axon4d.plan.machine import ring_traffic
+    from axon4d.plan.collective_model import ring_traffic
 
     assert ring_traffic("all_reduce", 4, 1000) == 1500 and ring_traffic("all_gather", 4, 1000) == 750
     assert ring_traffic("reduce_scatter", 2, 1000) == 500 and ring_traffic("all_reduce", 1, 1000) == 0

@@ -13,7 +13,6 @@ from axon4d.config import SIZES, ModelConfig
 from axon4d.device.pinned import pinned_footprint
 from axon4d.offload import MIN_BYTES
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.plan.cost import step_estimate
 from axon4d.plan.host_memory import offload_pinned, pinned_per_node, snapshot_pinned, snapshot_tensors
 from axon4d.plan.layers import block_extras, layer_cost
 from axon4d.plan.machine import load
@@ -70,8 +69,6 @@ def test_offload_pins_each_storage_rounded_up_and_leaves_small_ones_on_the_devic
     assert len(big) < len(storages)  # the per-token statistics stay on the device
     expect = 32 * sum(2 ** math.ceil(math.log2(s)) for s in big)
     assert offload_pinned(sc) == expect
-    # more than the bytes moved (rounding), never twice as much
-    assert 32 * sum(big) < offload_pinned(sc) < 2 * 32 * sum(big)
     assert pinned_per_node(sc) == PERLMUTTER.devices_per_node * offload_pinned(sc)
     # on a host nothing is page-locked: the buffers take the bytes they hold
     host = Scenario(wl, shape, dataclasses.replace(PERLMUTTER, accelerator=False), ALL, "balanced", offload=32)
@@ -101,7 +98,6 @@ def test_the_async_snapshot_copies_the_state_as_saved():
     assert sorted(snapshot_tensors(zero)) == sorted(expect)
     # only where the job asks for it
     assert snapshot_pinned(dataclasses.replace(plain, workload=dataclasses.replace(wl, async_save=False))) == 0.0
-    assert step_estimate(plain).step_s > 0
 
 
 def test_the_network_share_of_an_axis_is_what_leaves_the_node():

@@ -18,7 +18,7 @@ from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import cli
 from axon4d.plan.candidate import device_need, fits, scenario_memory
 from axon4d.plan.cost import ONCE_PER_STEP, step_estimate, zero_gathers
-from axon4d.plan.layers import FP8_SCALE_BYTES, in_block, layer_cost
+from axon4d.plan.layers import in_block, layer_cost
 from axon4d.plan.machine import load
 from axon4d.plan.memory import local_param_count, local_param_tensors, memory, sixteen_bit_weights
 from axon4d.plan.offload_cost import copy_queue
@@ -27,6 +27,7 @@ from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import plan
 from axon4d.plan.workload import Workload
+from axon4d.precision import SCALE_BYTES
 from axon4d.shape import GridShape
 
 ALL = OverlapPolicy.parse("all")
@@ -193,7 +194,7 @@ def test_fp8_gathers_move_a_byte_per_weight_and_a_scale_per_rank():
         a, b = layer_cost(spec, bf16), layer_cost(spec, fp8)
         for term in (Term.E10F, Term.E10B):
             if term in a.term_bytes:
-                assert b.term_bytes[term] == a.term_bytes[term] // 2 + FP8_SCALE_BYTES * SHAPE.z
+                assert b.term_bytes[term] == a.term_bytes[term] // 2 + SCALE_BYTES * SHAPE.z
         assert b.term_bytes[Term.E11] == a.term_bytes[Term.E11]  # gradients unchanged
         assert b.fwd > a.fwd  # the casts
     assert step_estimate(fp8).step_s < step_estimate(bf16).step_s

@@ -21,7 +21,8 @@ import torch
 
 from axon4d.grid import Grid
 from axon4d.measure.timing import Timer
-from axon4d.plan.machine import CommCurve, ring_traffic
+from axon4d.plan.collective_model import ring_traffic
+from axon4d.plan.tables import CommCurve
 from axon4d.shape import GridShape
 
 #: collective payloads (bytes) of the curves

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from axon4d import device as devices
 from axon4d.measure.timing import Timer
-from axon4d.plan.machine import MatmulTable
+from axon4d.plan.tables import MatmulTable
 
 #: the GEMM lattice on a host: every (m, k, n) of these is run. The large points matter: on a host
 #: a 4096-wide GEMM runs well above the rate of a 1024-wide one, and a true-width layer's GEMMs are

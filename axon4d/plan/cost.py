@@ -9,7 +9,7 @@ recomputation runs again (§5) by ``axon4d.plan.recompute``; the collectives out
 
 Interference: where the machine measured it (``Machine.interference_time``; a host whose ranks
 share CPU cores), every collective also costs the compute its ring traffic's bytes take, hidden
-or not: interference = κ · Σ ``machine.ring_traffic`` over the step's collectives. On an
+or not: interference = κ · Σ ``collective_model.ring_traffic`` over the step's collectives. On an
 accelerator whose file gives its SM count (``Machine.overlap_slowdown``: NCCL's channels hold
 channels/SMs of it), the compute overlapped with collectives runs that much slower for the time
 overlap hides: interference = (channels/SMs) · hidden; an exposed collective slows nothing.
@@ -76,7 +76,7 @@ class TimeEstimate:
     layers: dict[str, dict[str, float]]
     activation_comm_s: float = 0.0  # the part of comm_s in ACTIVATION_TERMS
     collectives: int = 0  # issued per step on one rank (the communication log's count)
-    traffic_bytes: float = 0.0  # ring traffic of those collectives (machine.ring_traffic)
+    traffic_bytes: float = 0.0  # ring traffic of those collectives (collective_model.ring_traffic)
     interference_s: float = 0.0  # compute lost to that traffic (Machine.interference_time)
     scale: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 0.0)  # (k_c, k_a, k_w, k_n s per collective)
     offload_s: float = 0.0  # of compute_s, the activation offload copies exposed (``offload_seconds``)

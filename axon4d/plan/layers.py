@@ -17,11 +17,10 @@ from __future__ import annotations
 import dataclasses
 
 from axon4d.geometry import Collective, Term, chunk_sizes, linear_collectives, weight_shard_numel
-from axon4d.plan.machine import ring_traffic
+from axon4d.plan.collective_model import ring_traffic
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import LinearSpec, Workload
-from axon4d.precision import SCALE_BYTES
 from axon4d.shape import GridShape
 
 #: Collectives that move activations on the critical path (each waited on at once: E8's chunks aside,
@@ -72,7 +71,7 @@ class LayerCost:
     chunks: int = 1  # forward all-reduces E8 is issued as
     calls: int = 0  # collectives the layer issues per run
     fwd_calls: int = 0  # of which in the forward pass
-    traffic: float = 0.0  # ring traffic bytes of its collectives per run (machine.ring_traffic)
+    traffic: float = 0.0  # ring traffic bytes of its collectives per run (collective_model.ring_traffic)
     fwd_traffic: float = 0.0  # of which in the forward pass
     term_calls: dict[Term, int] = dataclasses.field(default_factory=dict)  # calls, payload bytes and
     term_bytes: dict[Term, int] = dataclasses.field(default_factory=dict)  # ring traffic of each term
@@ -162,10 +161,6 @@ def collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Co
         chunk_rows=rows,
     )
     return [c for c in out if (spec.input_grad or c.term != Term.E9) and (gathers or c.term != Term.E10F)]
-
-
-#: bytes of the scale each rank's FP8 chunk of an E10 gather carries (one fp32: ``precision.SCALE_BYTES``)
-FP8_SCALE_BYTES = SCALE_BYTES
 
 
 def fp8_cast_seconds(spec: LinearSpec, sc: Scenario) -> float:

@@ -42,11 +42,9 @@ from typing import Any
 import numpy as np
 
 from axon4d.plan import collective_model
-from axon4d.plan.collective_model import Link, ring_traffic
+from axon4d.plan.collective_model import Link
 from axon4d.plan.device_memory import check_memory_fields
 from axon4d.plan.tables import CommCurve, MatmulTable
-
-__all__ = ["FORMS", "MACHINE_DIR", "CommCurve", "Level", "Machine", "MatmulTable", "available", "load", "ring_traffic"]
 
 MACHINE_DIR = os.path.join(os.path.dirname(__file__), "machines")
 #: GEMM forms: forward X·Wᵀ ("nt"), input gradient dY·W ("nn"), weight gradient dYᵀ·X ("tn").

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 
-from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, block_extras, in_block, layer_cost
-from axon4d.plan.machine import ring_traffic
+from axon4d.plan.collective_model import ring_traffic
+from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, in_block
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 
@@ -83,14 +83,6 @@ def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
     exposed = copy_queue(copy, sc.offload, sc.model.n_layers, fwd, bwd, between)
     floor = (network + sc.offload * moved) / link - max(compute, network / link)
     return max(exposed, floor, 0.0)
-
-
-def offload_windows(sc: Scenario) -> tuple[float, float, float, float]:
-    """What ``offload_seconds`` prices ``sc``'s offload from: the bytes of one block's copy one way,
-    and in seconds one block's forward and backward (with what recomputation runs again) and the
-    head's forward and backward between the two passes."""
-    extras = block_extras(sc)
-    return _offload_windows(sc, [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0))) for s in sc.linears])
 
 
 def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float, float, float]:

@@ -17,9 +17,9 @@ The options besides the grid, each priced where its cost lands:
   come back for their backward (``Transformer(offload=)``, ``--offload``).
 - ``fp8_gather``: the weight all-gathers over z (E10) move e4m3 bytes and a scale per shard
   (``precision="bf16-fp8-gather"``). The step's precision is the workload's with FP8 gathers
-  (``step_precision``): "bf16-fp32-reduce" becomes "bf16-fp8-gather", "bf16" gathers FP8 and
-  reduces in bf16 (no preset is that; ``axon4d.init(precision=Precision(...))`` runs it); a
-  float32 workload has no 16-bit weights to gather (ValueError). A workload whose precision is
+  (``step_precision``): "bf16-fp32-reduce" becomes "bf16-fp8-gather"; "bf16", whose gradient
+  reductions are bf16, has no preset with FP8 gathers and a float32 workload no 16-bit weights to
+  gather (ValueError for both: ``fp8_gathers_allowed``). A workload whose precision is
   "bf16-fp8-gather" gathers FP8 already: its scenarios on G_z > 1 have ``fp8_gather`` True
   whatever was given (False is the default, not a request; ``axon4d plan`` refuses
   ``--fp8-gather off`` with it).

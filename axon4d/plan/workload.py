@@ -162,8 +162,8 @@ class Workload:
         """How the blocks' norms run on ``shape`` (axon4d.nn.norm): "torch" — a torch kernel that
         keeps its (widened) input and per-token statistics: LayerNorm (GPT) with the features whole
         on a rank (G_x = 1), and RMSNorm's ``F.rms_norm`` on an accelerator (``accelerator``; one
-        H200's offloaded bytes per block, bench/results/gpu_check_nvidia_h200.json, are this to the
-        byte); "split" — axon4d's fused split norm, one autograd Function around one all-reduce over
+        H200's offloaded bytes per block, bench/results/gpu_check_nvidia_h200.json, are this within
+        0.2%); "split" — axon4d's fused split norm, one autograd Function around one all-reduce over
         x each way (G_x > 1); "chain" — elementwise ops (``F.rms_norm`` on the host; balanced
         recomputation keeps the statistics and re-runs ``normalize``). "none" without norms."""
         if not self.norms:
