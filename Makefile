@@ -43,10 +43,11 @@ demo: install
 demo-mlp: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --master-port 29518 -m axon4d.demo
 
-# Everything one GPU can prove (bench/gpu_check.py): the distributed code on CUDA tensors against
-# the dense model, several ranks sharing the GPU through gloo, one rank on NCCL, no host sync in a
-# step, the GPU test suite. Runs with the machine's own torch (GPU_PYTHON, which must have CUDA), not
-# .venv's CPU build; writes bench/results/gpu_check_<gpu>.json. Without CUDA it says so and fails.
+# Everything one GPU can prove (bench/gpu_check.py, its ranks' code in bench/gpu_cases.py): the
+# distributed code on CUDA tensors against the dense model, several ranks sharing the GPU through
+# gloo, one rank on NCCL, no host sync in the job's step, the GPU test suite; what it cannot run is
+# recorded skipped. Runs with the machine's own torch (GPU_PYTHON, which must have CUDA), not .venv's
+# CPU build; writes bench/results/gpu_check_<gpu>.json. Without CUDA it says so and fails.
 GPU_PYTHON ?= python3
 # cases side by side on the one GPU; the timings run alone, last
 GPU_CHECK_ARGS ?= --jobs 6
