@@ -22,9 +22,11 @@ Left alone (autograd keeps them as they are): storages under ``MIN_BYTES`` (64 K
 statistics, log-sum-exps — a copy would cost more in launches than it saves); parameters
 and buffers, and views of their storage (weights that a Linear's autograd saves: they stay on the
 device anyway); tensors on another device than the block's; tensors not in torch's strided layout.
-The gathered weight blocks of OAG keep-for-backward (docs/design.md §4) are held on the Linear's
-autograd context, not saved, so they are never offloaded: they are parameter-derived, a
-prefetch of them would duplicate E10b's purpose, and they are freed as each layer's backward ends.
+The gathered weight blocks of OAG keep-for-backward (docs/design.md §4), and the compute-dtype copy
+of its weight a Linear on one rank keeps for its dX under mixed precision (axon4d.nn.local_linear),
+are held on the Linear's autograd context, not saved, so they are never offloaded: they are
+parameter-derived, a prefetch of them would duplicate E10b's purpose (or the cast's), and they are
+freed as each layer's backward ends.
 A storage saved several times in one block (the norm's input kept by the norm and by a
 recomputation) is copied once, unless it was written in between.
 

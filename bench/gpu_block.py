@@ -1,30 +1,54 @@
-"""One transformer block of the 20B width on one GPU: axon4d against plain PyTorch (issue 30, GPU target).
+"""One transformer block of the 20B width on one GPU: axon4d against plain PyTorch, in the precision
+each runs by default.
 
-On a grid of one rank (``axon4d.init(grid=(1, 1, 1, 1), precision="bf16")``) axon4d's
-``TransformerBlock`` runs the ops of its plain PyTorch reference ``DenseBlock`` (``nn.Linear``,
-``F.scaled_dot_product_attention``, ``nn.LayerNorm``, GELU, bf16 parameters): the bench says what
-the library's machinery costs where a GPU runs it. The block is a GPT block of the 20B width
-(``axon4d.config.SIZES["20B"]``: hidden 7168, 56 heads, ffn 28672, biases), on ``--tokens``
-tokens as one sequence. Both blocks hold the same weights; their outputs are compared first
-(bf16: within 5e-2 of the output's scale). One step is forward and backward of the input's
-``(y · v).sum()``, the gradients set to None after. The two blocks' steps are timed alternately
-(A B, B A, …: ``bench/common.paired``), each step ending on a device synchronize; the figures are
-the medians. MFU is the model FLOPs of a step (``axon4d.plan.Workload.flops``: 6 per matmul
-parameter per token plus causal attention) over the step time and the accelerator's dense bf16 peak
-from axon4d.train.peak's table (a measured matmul peak for a device it does not list).
+The headline row is bf16 compute over fp32 weights. axon4d's ``TransformerBlock`` on a grid of one
+rank (``axon4d.init(grid=(1, 1, 1, 1), precision="bf16-fp32-reduce")``, the preset an accelerator
+gets by default: fp32 parameters and gradients, bf16 GEMMs, fp32 dW sums) against the block a
+PyTorch user writes: ``nn.LayerNorm``, one ``nn.Linear`` producing q, k and v (fused QKV),
+``F.scaled_dot_product_attention``, the output projection and the GELU MLP — ``FusedQKVBlock``,
+fp32 parameters, forward and loss under ``torch.autocast(device_type, dtype=torch.bfloat16)``.
+Both hold the weights of one ``DenseBlock`` (the fused QKV weight is its q, k and v weights
+stacked, q | k | v rows; bias likewise).
+
+The second row is pure bf16: axon4d under ``precision="bf16"`` with bf16 parameters against the
+reference ``DenseBlock`` itself (separate q, k and v ``nn.Linear``) in bf16 parameters.
+
+The block is a GPT block of the 20B width (``axon4d.config.SIZES["20B"]``: hidden 7168, 56 heads,
+ffn 28672, biases), on ``--tokens`` tokens as one sequence; both blocks of a row take the same bf16
+input (the residual stream's dtype under axon4d's mixed precision; under autocast it keeps the
+baseline's residual adds in bf16 too). Outputs are compared first (within 5e-2 of the output's
+scale). One step is forward and backward of ``(y · v).sum()``, the gradients set to None after.
+A row's two steps are timed alternately (A B, B A, …: ``bench/common.paired``), each ending on a
+device synchronize; the step times are the medians and the ratio is axon4d's median over the
+baseline's. Each pair's own ratio (axon4d's step over the baseline's beside it) is recorded with
+their spread: min, quartiles, median, max. MFU is the headline row's: the model FLOPs of a step
+(``axon4d.plan.Workload.flops``: 6 per matmul parameter per token plus causal attention) over its
+step time and the accelerator's dense bf16 peak from axon4d.train.peak's table (a measured matmul
+peak for a device it does not list).
 
     python bench/gpu_block.py                        # on the GPU machine (make gpu-check runs it)
     python bench/gpu_block.py --on-host --hidden 256 --heads 4 --tokens 128 --pairs 3   # checks the script
 
-Saves ``bench/results/gpu_block_<device>.json``; the last line is
-``gpu: 20B width 7168, 1 rank, bf16: step S ms, plain PyTorch P ms (ratio R), MFU M%``.
+Saves ``bench/results/gpu_block_<device>.json``: ``precision``, ``baseline``, ``agreement``,
+``samples_s`` and ``median_s`` (keys ``axon4d``, ``torch``), ``ratio``, ``pair_ratios``,
+``pair_spread`` (``min``, ``q1``, ``median``, ``q3``, ``max``) of the headline row; the same
+under ``pure_bf16`` for the second; ``step_flops``, ``peak_tflops``, ``peak_source``, ``mfu``. It
+prints the second row, then, last, the headline:
+
+    gpu pure bf16: step S ms, plain PyTorch (unfused QKV, bf16 weights) P ms (ratio R), pair ratios A-B
+    gpu: 20B width 7168, 1 rank, bf16 over fp32 weights: step S ms, plain PyTorch (fused QKV, autocast) P ms (ratio R), pair ratios A-B, MFU M%
+
+(A-B: the smallest and largest pair ratio; "width W" for another width than 20B's.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,19 +63,66 @@ from torch import nn  # noqa: E402
 
 import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
-from axon4d.config import SIZES  # noqa: E402
+from axon4d.config import SIZES, ModelConfig  # noqa: E402
+from axon4d.grid import Grid  # noqa: E402
+from axon4d.nn.attention import causal_attention  # noqa: E402
 from axon4d.nn.block import DenseBlock, TransformerBlock  # noqa: E402
 from axon4d.plan import Workload  # noqa: E402
 from axon4d.train import peak  # noqa: E402
 
+#: the headline row's precision preset, and the pure-bf16 row's
+MIXED, PURE = "bf16-fp32-reduce", "bf16"
+BASELINE = "plain PyTorch block, fused QKV nn.Linear, fp32 parameters under torch.autocast(bfloat16)"
+PURE_BASELINE = "axon4d.nn.block.DenseBlock (q, k, v separate nn.Linear), bf16 parameters"
+#: the largest difference of the outputs allowed, relative to the output's largest magnitude
+AGREEMENT = 5e-2
 
-def step_of(block: nn.Module, x: torch.Tensor, v: torch.Tensor, device: torch.device) -> Callable[[], float]:
-    """One timed step of ``block``: forward and backward of ``(block(x) · v).sum()``, seconds."""
+
+class FusedQKVBlock(nn.Module):
+    """``DenseBlock`` with q, k and v made by one ``nn.Linear``: its weight is the dense q, k and v
+    weights stacked (q | k | v rows, bias likewise), split after the GEMM. The norms, the output
+    projection and the MLP are the dense block's own modules (shared, not copied)."""
+
+    def __init__(self, dense: DenseBlock):
+        super().__init__()
+        attn = dense.attn
+        self.norm1, self.norm2, self.mlp, self.o_proj = dense.norm1, dense.norm2, dense.mlp, attn.o_proj
+        self.heads, self.kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.rope_theta = attn.rope_theta
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.splits = [p.out_features for p in parts]
+        w = attn.q_proj.weight
+        bias = attn.q_proj.bias is not None
+        self.qkv = nn.Linear(w.shape[1], sum(self.splits), bias=bias, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([p.weight for p in parts]))  # (hq·d + 2·hkv·d, hidden)
+            if bias:
+                self.qkv.bias.copy_(torch.cat([p.bias for p in parts]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+    def _attention(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        q, k, v = self.qkv(h).split(self.splits, dim=-1)  # (b, s, hq·d), (b, s, hkv·d) twice
+        q = q.view(b, s, self.heads, self.head_dim)
+        k, v = k.view(b, s, self.kv_heads, self.head_dim), v.view(b, s, self.kv_heads, self.head_dim)
+        return self.o_proj(causal_attention(q, k, v, self.rope_theta))  # (b, s, hidden)
+
+
+def step_of(
+    block: nn.Module, x: torch.Tensor, v: torch.Tensor, device: torch.device, autocast: bool = False
+) -> Callable[[], float]:
+    """One timed step of ``block``: forward and backward of ``(block(x) · v).sum()``, seconds; with
+    ``autocast`` the forward and the loss run under ``torch.autocast`` to bf16."""
 
     def step() -> float:
         devices.synchronize(device)
         start = time.perf_counter()
-        (block(x) * v).sum().backward()
+        with _autocast(device, autocast):
+            loss = (block(x) * v).sum()
+        loss.backward()
         devices.synchronize(device)
         seconds = time.perf_counter() - start
         x.grad = None
@@ -62,71 +133,130 @@ def step_of(block: nn.Module, x: torch.Tensor, v: torch.Tensor, device: torch.de
     return step
 
 
+def _autocast(device: torch.device, on: bool) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=torch.bfloat16) if on else contextlib.nullcontext()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """min, quartiles (inclusive), median and max of ``values``."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {"min": min(values), "q1": q1, "median": statistics.median(values), "q3": q3, "max": max(values)}
+
+
+def timed_row(
+    ours: nn.Module, theirs: nn.Module, autocast: bool, x: torch.Tensor, v: torch.Tensor, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One row: the blocks' outputs compared, then ``args.pairs`` alternating pairs of steps after
+    ``args.warmup`` of each (``theirs`` under autocast when ``autocast``)."""
+    device = x.device
+    with torch.no_grad(), _autocast(device, autocast):
+        ref = theirs(x)
+    with torch.no_grad():
+        got = ours(x)
+    agreement = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+    if agreement > AGREEMENT:
+        raise SystemExit(f"gpu_block: axon4d's block differs from the baseline by {agreement:.2e} (> {AGREEMENT})")
+    steps = {"axon4d": step_of(ours, x, v, device), "torch": step_of(theirs, x, v, device, autocast)}
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    samples = common.paired(steps, args.pairs)
+    med = {k: common.median(s) for k, s in samples.items()}
+    pairs = [a / t for a, t in zip(samples["axon4d"], samples["torch"])]
+    return {
+        "agreement": agreement,
+        "samples_s": samples,
+        "median_s": med,
+        "ratio": med["axon4d"] / med["torch"],
+        "pair_ratios": pairs,
+        "pair_spread": spread(pairs),
+    }
+
+
+def _init(precision: str, on_host: bool) -> Grid:
+    return axon4d.init(grid=(1, 1, 1, 1), precision=precision, device=devices.HOST if on_host else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     width = SIZES["20B"]
     p.add_argument("--hidden", type=int, default=width.hidden)
     p.add_argument("--heads", type=int, default=width.n_heads)
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--pairs", type=int, default=20, help="timed A/B pairs")
+    p.add_argument("--pairs", type=int, default=20, help="timed A/B pairs per row")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--on-host", action="store_true", help="run on the host without an accelerator")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/gpu_block_<device>.json)")
     args = p.parse_args(argv)
+    if args.pairs < 1:
+        p.error(f"--pairs {args.pairs}: give at least one pair of steps per row")
     if not (devices.accelerator_available() or args.on_host):
         print("gpu_block: no accelerator here; --on-host runs it on the host", file=sys.stderr)
         return 1
     cfg = dataclasses.replace(width, hidden=args.hidden, n_heads=args.heads, ffn_hidden=4 * args.hidden, n_layers=1)
-    grid = axon4d.init(grid=(1, 1, 1, 1), precision="bf16", device=devices.HOST if args.on_host else None)
-    device, dtype = grid.device, torch.bfloat16
+    bf16 = torch.bfloat16
+    grid = _init(MIXED, args.on_host)
+    device = grid.device
     try:
         torch.manual_seed(0)
-        dense = DenseBlock(cfg, device=device, dtype=dtype)
-        block = TransformerBlock(cfg, device=device, dtype=dtype).load_dense_(dense)
-        x = torch.randn(1, args.tokens, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
-        v = torch.randn(cfg.hidden, device=device, dtype=dtype)
-        with torch.no_grad():
-            ref, got = dense(x), block(x)
-        agreement = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-        if agreement > 5e-2:
-            raise SystemExit(f"gpu_block: axon4d's block differs from DenseBlock by {agreement:.2e} (> 5e-2)")
-        steps = {"axon4d": step_of(block, x, v, device), "torch": step_of(dense, x, v, device)}
-        for step in steps.values():
-            for _ in range(args.warmup):
-                step()
-        samples = common.paired(steps, args.pairs)
-        med = {k: common.median(s) for k, s in samples.items()}
+        dense = DenseBlock(cfg, device=device, dtype=torch.float32)
+        x = torch.randn(1, args.tokens, cfg.hidden, device=device, dtype=bf16, requires_grad=True)
+        v = torch.randn(cfg.hidden, device=device, dtype=bf16)
+        ours = TransformerBlock(cfg, device=device, dtype=torch.float32).load_dense_(dense)
+        mixed = timed_row(ours, FusedQKVBlock(dense), True, x, v, args)
+        del ours
         name = devices.device_name(device)
-        known = peak.known_peak(name, dtype, tf32=False)
-        peak_tflops, source = known if known is not None else (peak.measure_peak_tflops(grid, dtype), "measured")
+        known = peak.known_peak(name, bf16, tf32=False)
+        peak_tflops, source = known if known is not None else (peak.measure_peak_tflops(grid, bf16), "measured")
     finally:
         axon4d.shutdown()
-    # the model FLOPs as the planner counts them: the block's matmuls and causal attention
-    flops = Workload(dataclasses.replace(cfg, seq_len=args.tokens), batch=1, embedding=False, head=False).flops()
-    mfu = flops / med["axon4d"] / (peak_tflops * 1e12)
-    ratio = med["axon4d"] / med["torch"]
+    _init(PURE, args.on_host)
+    try:
+        dense16 = copy.deepcopy(dense).to(bf16)
+        del dense
+        pure = timed_row(
+            TransformerBlock(cfg, device=device, dtype=bf16).load_dense_(dense16), dense16, False, x, v, args
+        )
+    finally:
+        axon4d.shutdown()
+    flops = _flops(cfg, args.tokens)
+    mfu = flops / mixed["median_s"]["axon4d"] / (peak_tflops * 1e12)
     label = "host" if args.on_host else name.replace(" ", "_")
     out = args.out or os.path.join(ROOT, "bench", "results", f"gpu_block_{label}.json")
     result: dict[str, Any] = {
         "args": vars(args),
         "device": name,
         "config": dataclasses.asdict(cfg),
-        "agreement": agreement,
-        "samples_s": samples,
-        "median_s": med,
-        "ratio": ratio,
+        "precision": MIXED,
+        "baseline": BASELINE,
+        **mixed,
+        "pure_bf16": {"precision": PURE, "baseline": PURE_BASELINE, **pure},
         "step_flops": flops,
         "peak_tflops": peak_tflops,
         "peak_source": source,
         "mfu": mfu,
     }
     print(f"saved {common.save(out, result)}")
+    print(f"gpu pure bf16: {_row(pure, 'unfused QKV, bf16 weights')}")
     what = "20B width" if cfg.hidden == width.hidden else "width"
     print(
-        f"gpu: {what} {cfg.hidden}, 1 rank, bf16: step {med['axon4d'] * 1e3:.2f} ms, plain PyTorch "
-        f"{med['torch'] * 1e3:.2f} ms (ratio {ratio:.3f}), MFU {100 * mfu:.1f}%"
+        f"gpu: {what} {cfg.hidden}, 1 rank, bf16 over fp32 weights: {_row(mixed, 'fused QKV, autocast')}, MFU {100 * mfu:.1f}%"
     )
     return 0
+
+
+def _row(row: dict[str, Any], baseline: str) -> str:
+    """``step S ms, plain PyTorch (baseline) P ms (ratio R), pair ratios A-B`` of one row."""
+    med, pairs = row["median_s"], row["pair_spread"]
+    return (
+        f"step {med['axon4d'] * 1e3:.2f} ms, plain PyTorch ({baseline}) {med['torch'] * 1e3:.2f} ms "
+        f"(ratio {row['ratio']:.3f}), pair ratios {pairs['min']:.3f}-{pairs['max']:.3f}"
+    )
+
+
+def _flops(cfg: ModelConfig, tokens: int) -> float:
+    """The model FLOPs of one step as the planner counts them: the block's matmuls and causal attention."""
+    return Workload(dataclasses.replace(cfg, seq_len=tokens), batch=1, embedding=False, head=False).flops()
 
 
 if __name__ == "__main__":

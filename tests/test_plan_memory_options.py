@@ -138,6 +138,9 @@ def _check(result, what, tolerance=TOLERANCE):
         (2, (1, 1, 1, 2), {"zero": 1, "precision": BF16}),
         pytest.param(4, (1, 1, 1, 4), {"zero": 2, "precision": BF16}, marks=pytest.mark.slow),
         pytest.param(4, (1, 1, 2, 2), {"zero": 1, "precision": BF16}, marks=pytest.mark.slow),
+        # one rank in bf16 over fp32 masters: each Linear keeps its weight's bf16 copy for backward
+        (1, (1, 1, 1, 1), {"precision": BF16}),
+        (1, (1, 1, 1, 1), {"precision": BF16, "recompute": "full", "micro_batches": 2}),
         # bf16 gradient reductions: the dW blocks and their reduce-scatters over z in bf16
         (2, (1, 1, 2, 1), {"precision": "bf16"}),
         pytest.param(4, (2, 1, 2, 1), {"precision": "bf16", "recompute": "balanced"}, marks=pytest.mark.slow),

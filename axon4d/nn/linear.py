@@ -10,8 +10,9 @@ like DDP: if each rank's loss is the mean over its own tokens, ``.grad`` is the 
 mean over all tokens, complete on every rank when ``backward()`` returns.
 
 On a grid of one rank no axis has anything to communicate (every G of E8–E13 is 1): the layer
-then runs ``_LocalLinear``, the ops ``torch.nn.Linear`` runs, in the grid's compute dtype, and
-involves neither the overlap scheduler nor the comm log (issue 18: ``bench/overhead.py``).
+then runs ``LocalLinear`` (axon4d.nn.local_linear), the ops ``torch.nn.Linear`` runs, in the grid's
+compute dtype, and involves neither the overlap scheduler nor the comm log (issue 18:
+``bench/overhead.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from axon4d import device as devices
@@ -28,7 +28,8 @@ from axon4d import geometry, rectangles, rules, runtime, tiled_init
 from axon4d.activations import mark_features
 from axon4d.geometry import Term
 from axon4d.grid import Grid
-from axon4d.precision import compute_dtype, reduce_dtype
+from axon4d.nn.local_linear import LocalLinear, block, cast, linear
+from axon4d.precision import compute_dtype
 
 
 class _Linear3D(torch.autograd.Function):
@@ -150,68 +151,6 @@ def _dw_padded(
     return dw
 
 
-class _LocalLinear(torch.autograd.Function):
-    """Y = X Wᵀ + b on a grid of one rank, where E8–E13 move nothing: the forward is one ``addmm``
-    (``F.linear``) and the backward the two matmuls and the sum of ``torch.nn.Linear``'s, in the
-    grid's compute dtype, with gradients cast to the reduction and then the parameter dtype as
-    the 3D path does. No scheduler, no comm log, no collective."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
-    ) -> torch.Tensor:
-        x = _cast(x, compute_dtype(layer.grid.precision, weight))  # mixed precision: the compute dtype
-        ctx.layer = layer
-        ctx.save_for_backward(x, weight)  # through autograd: recomputation and saved-tensor hooks see them
-        return _local_forward(x, weight, bias, layer.block_shape)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        layer: Linear = ctx.layer
-        x, weight = ctx.saved_tensors
-        precision = layer.grid.precision
-        dy2 = _rows(dy)  # (b, out)
-        dx = dweight = dbias = None
-        if ctx.needs_input_grad[0]:
-            dx = dy2.mm(_block(weight, layer.block_shape, dy.dtype))  # (b, out) @ (out, in) = (b, in)
-            dx = dx if x.dim() == 2 else dx.view(x.shape)
-        if ctx.needs_input_grad[1]:
-            wide = torch.promote_types(dy2.dtype, reduce_dtype(precision, weight))  # fp32 sums stay fp32
-            dw = devices.mm_widening(dy2.t(), _rows(x), wide).view(-1)  # (out, b) @ (b, in), flattened
-            dweight = _cast(dw, weight.dtype)
-        if ctx.needs_input_grad[2]:
-            bias = layer.bias
-            assert bias is not None  # it needs a gradient
-            db = dy2.sum(dim=0, dtype=torch.float32)  # (out,), accumulated in fp32
-            dbias = _cast(_cast(db, reduce_dtype(precision, bias)), bias.dtype)
-        return dx, dweight, dbias, None
-
-
-def _local_forward(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, int]
-) -> torch.Tensor:
-    """X Wᵀ + b on one rank, in ``x``'s dtype: ``F.linear``, one ``addmm`` like ``torch.nn.Linear``."""
-    w = _block(weight, shape, x.dtype)  # (out, in)
-    b = None if bias is None else _cast(bias, x.dtype)
-    return F.linear(x, w, b)  # (..., in) @ (in, out) + (out,) = (..., out)
-
-
-def _block(weight: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """The (rows, cols) weight block of a one-rank grid from its flat weight (its whole z shard):
-    a view, or a copy cast to ``dtype`` under mixed precision."""
-    return _cast(weight.view(shape), dtype)
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``: ``t`` itself when it already is (not even a dispatched no-op)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (..., f) as rows (n, f): ``t`` itself when it is already 2D."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
 class Linear(nn.Module):
     """Drop-in replacement for ``torch.nn.Linear`` decomposed over the 3D grid (docs/design.md §2).
 
@@ -243,7 +182,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.transpose = in_features, out_features, transpose
         self.in_axis, self.out_axis = geometry.layer_axes(transpose)
         shape = self.grid.shape
-        #: a grid of one rank: nothing to communicate, forward and backward are ``_LocalLinear``
+        #: a grid of one rank: nothing to communicate, forward and backward are ``LocalLinear``
         self.local = shape.world_size == 1
         rules.check(shape, rules.linear(in_features, out_features, transpose))
         self.block_shape = geometry.weight_block_shape(in_features, out_features, shape, transpose)
@@ -374,9 +313,10 @@ class Linear(nn.Module):
         self._check_input(x)
         if self.local:
             if torch.is_grad_enabled():
-                return mark_features(_LocalLinear.apply(x, self.weight, self.bias, self), self.out_axis)
-            x = _cast(x, compute_dtype(self.grid.precision, self.weight))  # nothing to save: no Function
-            return mark_features(_local_forward(x, self.weight, self.bias, self.block_shape), self.out_axis)
+                return mark_features(LocalLinear.apply(x, self.weight, self.bias, self), self.out_axis)
+            x = cast(x, compute_dtype(self.grid.precision, self.weight))  # nothing to save: no Function
+            w = block(self.weight, self.block_shape, x.dtype)  # (out, in)
+            return mark_features(linear(x, w, self.bias), self.out_axis)
         if torch.is_grad_enabled():
             self.grid.scheduler.note_forward(self)  # the order OAG prefetches in
         return mark_features(_Linear3D.apply(x, self.weight, self.bias, self), self.out_axis)

@@ -114,7 +114,10 @@ class BackwardWalk:
         self.rebuilt = block_activation_elements(wl, shape, "none")  # (16-bit, fp32) a rebuilt block keeps
         self.live = self.peak = acts
         z = shape.z
-        self.keep = overlap.oag_keep and z > 1  # every block gathered in forward is kept for backward
+        # a layer's forward block kept for its backward: every block gathered over z under keep-for-backward,
+        # and on one rank under mixed precision the weight's cast copy (axon4d.nn.local_linear)
+        self.local_cast = cast_weights and shape.world_size == 1
+        self.keep = (overlap.oag_keep and z > 1) or self.local_cast
         self.inflight = overlap.ors_inflight if overlap.ors and z > 1 else 1
         self.reduces = (overlap.ors and z > 1) or (overlap.odp and shape.data > 1)
         # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
@@ -136,8 +139,9 @@ class BackwardWalk:
         return sum(map(self.block, itertools.islice(itertools.chain(first, itertools.cycle(repeated)), n)))
 
     def gathered(self, name: str) -> float:
-        """The block gathered over z for ``name``'s backward (E10b; none with keep-for-backward)."""
-        if self.overlap.oag_keep or (self.shape.z == 1 and not self.cast):
+        """The block gathered over z for ``name``'s backward (E10b; none with keep-for-backward, nor
+        on one rank, whose forward's copy is kept)."""
+        if self.overlap.oag_keep or self.keep or (self.shape.z == 1 and not self.cast):
             return 0.0
         return self.block(name) * (1 + 1 / self.elem if self.fp8 else 1)
 
@@ -186,14 +190,15 @@ class BackwardWalk:
         return self.wl.local_tokens(self.shape) * (in_l + out_l) * 4
 
     def kept(self, name: str) -> float:
-        """The weight block keep-for-backward held for ``name``: freed once its backward ran."""
+        """The weight block kept for ``name`` (``keep``): freed once its backward ran."""
         return self.block(name) if self.keep else 0.0
 
     def released(self, name: str) -> float:
         """The kept block ``name``'s backward frees: none in a held backward (``carried``) where the
         block is carried to the next micro-batch — every layer's but a block's under full
-        recomputation, which its next forward gathers again (``axon4d.plan.layers.carried``)."""
-        if self.carried and (name == "head" or self.recompute != "full"):
+        recomputation, which its next forward gathers again (``axon4d.plan.layers.carried``). One
+        rank's cast copies are never carried: each micro-batch's forward casts again."""
+        if self.carried and not self.local_cast and (name == "head" or self.recompute != "full"):
             return 0.0
         return self.kept(name)
 

@@ -117,7 +117,9 @@ def memory(
 
     The step's options (``axon4d.plan.scenario``): with ``micro_batches`` k the activations are one
     micro-batch's (batch/k sequences), and under keep-for-backward the held backward passes keep the
-    weight blocks they carry to the next micro-batch to their end (``BackwardWalk.released``); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
+    weight blocks they carry to the next micro-batch to their end (``BackwardWalk.released``); on one
+    rank under mixed precision each Linear keeps its weight's 16-bit copy from its forward to its
+    backward (axon4d.nn.local_linear: one cast per step); with ``zero`` ≥ 1 the optimizer state is that of ⌈N/G_data⌉
     elements of the rank's N, and with ``zero`` = 2 at k = 1 the gradients too (under
     accumulation the local sums of the whole shards are held to the last micro-batch, so the
     gradients stay whole; in the backward the shards stay whole until their reduce-scatters over
@@ -145,10 +147,12 @@ def memory(
     # offloaded: the first ``offload`` blocks (axon4d.offload), whose backward comes last: the backward
     # starts with the others' activations
     acts = (m.n_layers - offload) * per_block
+    cast = p_bytes != elem and not sixteen  # fp32 masters, cast per use (not the 16-bit weights ZeRO stores)
     kept = 0.0
-    if overlap.oag_keep and shape.z > 1:
-        # every block gathered in forward kept for backward: the embedding gathers none, and under full
-        # recomputation a block's layers keep theirs only from its re-run on (``BackwardWalk.rebuild``)
+    if (overlap.oag_keep and shape.z > 1) or (cast and shape.world_size == 1):
+        # every block gathered in forward kept for backward, and on one rank every weight's cast copy
+        # (axon4d.nn.local_linear): the embedding has none, and under full recomputation a block's
+        # layers keep theirs only from its re-run on (``BackwardWalk.rebuild``)
         kept = (
             sum(
                 s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
@@ -173,7 +177,6 @@ def memory(
     share = 0.0 if micro_batches > 1 else 1.0 + staged
     held *= 1.0 + staged
     carried = micro_batches > 1  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
-    cast = p_bytes != elem and not sixteen  # fp32 masters, cast per use (not the 16-bit weights ZeRO stores)
     # the walk of this step from a given start (live bytes, gradient share)
     walk = functools.partial(
         BackwardWalk,

@@ -1,0 +1,99 @@
+"""The linear layer on a grid of one rank: Y = X Wᵀ + b as ``torch.nn.Linear`` computes it, in the
+grid's compute dtype (docs/design.md §2 with every G = 1: E8–E13 move nothing).
+
+``axon4d.Linear`` runs ``LocalLinear`` there: the forward is one ``addmm`` (``F.linear``) and the
+backward the two matmuls and the sum of ``torch.nn.Linear``'s; gradients are cast to the reduction
+and then the parameter dtype as the 3D path casts them. No scheduler work, no comm log, no
+collective (``bench/overhead.py``).
+
+Mixed precision (fp32 master weights, bf16 compute; axon4d.precision): the weight is cast to the
+compute dtype once per forward and the backward's dX GEMM multiplies by that same copy, as
+``torch.autocast`` does (its cast is cached for the forward and the matmul saves the bf16 copy for
+backward). The copy costs the weight's elements in the compute dtype — 2 bytes each in bf16, half
+the fp32 master — from the layer's forward to its backward, which frees it after the dX GEMM (before
+the dW GEMM); a forward whose input needs no gradient keeps none. It is held on the autograd context, not saved,
+so saved-tensor hooks (activation offload, axon4d.offload) never see it: a weight's copy is not an
+activation. Under full recomputation (``Scheduler.recomputing``) it is saved through autograd
+instead, so it is dropped with the block's tensors and made again by the re-run forward. Where the
+dtypes already match (fp32, pure bf16) the block is a view of the weight: no copy at all. Each
+forward casts the weight as it is then, so an optimizer step or a load between steps is seen by
+the next forward; autograd refuses a weight written in place between a forward and its backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from axon4d import device as devices
+from axon4d.precision import compute_dtype, reduce_dtype
+
+
+class LocalLinear(torch.autograd.Function):
+    """Forward and backward of ``axon4d.Linear`` on a grid of one rank (module docstring); ``layer``
+    is the Linear (its grid, block shape and bias)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Any) -> torch.Tensor:
+        x = cast(x, compute_dtype(layer.grid.precision, weight))  # mixed precision: the compute dtype
+        w = block(weight, layer.block_shape, x.dtype)  # (out, in): a view, or this step's one cast copy
+        copy = w if w.dtype != weight.dtype and ctx.needs_input_grad[0] else None  # what dX reuses
+        ctx.layer = layer
+        # x and weight through autograd: recomputation and saved-tensor hooks see them
+        if layer.grid.scheduler.recomputing:  # full recomputation: the copy is dropped and made again
+            ctx.w_copy = None
+            ctx.save_for_backward(x, weight, copy)
+        else:  # held here, not saved: activation offload never ships a weight's copy
+            ctx.w_copy = copy
+            ctx.save_for_backward(x, weight, None)
+        return linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layer = ctx.layer  # the axon4d.Linear
+        x, weight, saved = ctx.saved_tensors
+        copy, ctx.w_copy = (saved if saved is not None else ctx.w_copy), None
+        precision = layer.grid.precision
+        dy2 = rows(dy)  # (b, out)
+        dx = dweight = dbias = None
+        if ctx.needs_input_grad[0]:
+            w = copy if copy is not None else block(weight, layer.block_shape, dy.dtype)  # (out, in)
+            dx = dy2.mm(w)  # (b, out) @ (out, in) = (b, in)
+            dx = dx if x.dim() == 2 else dx.view(x.shape)
+            del w
+        del copy, saved  # a held copy is freed here, before the dW GEMM
+        if ctx.needs_input_grad[1]:
+            wide = torch.promote_types(dy2.dtype, reduce_dtype(precision, weight))  # fp32 sums stay fp32
+            dw = devices.mm_widening(dy2.t(), rows(x), wide).view(-1)  # (out, b) @ (b, in), flattened
+            dweight = cast(dw, weight.dtype)
+        if ctx.needs_input_grad[2]:
+            bias = layer.bias
+            assert bias is not None  # it needs a gradient
+            db = dy2.sum(dim=0, dtype=torch.float32)  # (out,), accumulated in fp32
+            dbias = cast(cast(db, reduce_dtype(precision, bias)), bias.dtype)
+        return dx, dweight, dbias, None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """X Wᵀ + b on one rank for the (out, in) block ``w`` in ``x``'s dtype: ``F.linear``, one
+    ``addmm`` like ``torch.nn.Linear``."""
+    b = None if bias is None else cast(bias, x.dtype)
+    return F.linear(x, w, b)  # (..., in) @ (in, out) + (out,) = (..., out)
+
+
+def block(weight: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The (rows, cols) weight block of a one-rank grid from its flat weight (its whole z shard):
+    a view, or a copy cast to ``dtype`` under mixed precision."""
+    return cast(weight.view(shape), dtype)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``: ``t`` itself when it already is (not even a dispatched no-op)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., f) as rows (n, f): ``t`` itself when it is already 2D."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
