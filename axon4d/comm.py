@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d import watchdog
+from axon4d import host_mesh, watchdog
 from axon4d.commlog import CommLog, CommRecord
 from axon4d.geometry import Op, Term
 from axon4d.mpi import MPITransport
@@ -176,7 +177,13 @@ def host_group(timeout_s: float) -> dist.ProcessGroup:
     background thread: those of a checkpoint written in the background (DCP's gathers of its plans
     and results, ``axon4d.checkpoint.AsyncSaver``) run on it and never interleave with the ones the
     grid's groups carry meanwhile. Every rank creates it at the same point (a collective); each of
-    its collectives fails after ``timeout_s`` seconds. ``close_group`` releases it."""
+    its collectives fails after ``timeout_s`` seconds. ``close_group`` releases it. First
+    ``axon4d.host_mesh.check`` makes sure this rank can hold its ≈ world sockets and reach the
+    others (a ``RuntimeError`` saying what to set where not); rank 0 logs what it found (logger
+    "axon4d.comm", INFO)."""
+    found = host_mesh.check(dist.get_world_size())
+    if dist.get_rank() == 0:
+        logging.getLogger(__name__).info(found)
     return dist.new_group(backend=devices.default_backend(devices.HOST), timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -180,7 +180,7 @@ def addresses(monkeypatch):
 
     def put(route, names):
         monkeypatch.setattr(launch, "_route_address", lambda: route)
-        monkeypatch.setattr(launch, "_hostname_addresses", lambda: list(names))
+        monkeypatch.setattr(launch, "hostname_addresses", lambda: list(names))
 
     return put
 
