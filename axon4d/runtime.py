@@ -52,6 +52,7 @@ def init(
     every rank takes the same verdict; measured once per job, reused by later ``init`` calls);
     else torch (axon4d.transport.choose_transport, settle_transport). The choice and the probe's
     figures are ``grid.comm.transport_choice``, logged on rank 0 (logger "axon4d.transport", INFO).
+    ``device="cuda"`` (no index) is this rank's own accelerator, as when ``device`` is not given.
     ``overlap`` is the overlap policy
     (axon4d.overlap_policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
     "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where
@@ -86,7 +87,7 @@ def init(
     shape = GridShape.parse(grid, info.world_size)
     if overlap == AUTO:
         overlap = choose_overlap(shape, rank=info.rank, **(plan or {}))
-    dev = torch.device(device) if device is not None else devices.default_device(info.local_rank)
+    dev = devices.rank_device(None if device is None else torch.device(device), info.local_rank)
     devices.bind(dev)
     if seed is not None:
         torch.manual_seed(seed)
