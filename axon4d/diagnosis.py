@@ -18,7 +18,7 @@ that one key, beating meanwhile so that it is not taken for stopped. A rank that
 ``publish_wait_s`` without seeing it (the claimant died meanwhile) watches for itself. Failure
 announcements are read through the counted keys, at most ``SHOWN_FAILURES`` of them per reader. In
 all, a hang costs about 2·world reads for the heartbeats plus a few per rank, and a failure a few
-per rank (``tests/test_faults.py``, a counting store at a world of 1024).
+per rank (``tests/test_diagnosis.py``, a counting store at a world of 1024).
 """
 
 from __future__ import annotations
