@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -32,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d import watchdog
-from axon4d.commlog import CommLog, CommRecord
+from axon4d import host_mesh, watchdog
+from axon4d.commlog import CommLog, CommRecord, timing_default
 from axon4d.geometry import Op, Term
 from axon4d.mpi import MPITransport
 from axon4d.shape import ALL_AXES, Axis, GridShape
@@ -176,7 +177,13 @@ def host_group(timeout_s: float) -> dist.ProcessGroup:
     background thread: those of a checkpoint written in the background (DCP's gathers of its plans
     and results, ``axon4d.checkpoint.AsyncSaver``) run on it and never interleave with the ones the
     grid's groups carry meanwhile. Every rank creates it at the same point (a collective); each of
-    its collectives fails after ``timeout_s`` seconds. ``close_group`` releases it."""
+    its collectives fails after ``timeout_s`` seconds. ``close_group`` releases it. First
+    ``axon4d.host_mesh.check`` makes sure this rank can hold its ≈ world sockets and reach the
+    others (a ``RuntimeError`` saying what to set where not); rank 0 logs what it found (logger
+    "axon4d.comm", INFO)."""
+    found = host_mesh.check(dist.get_world_size())
+    if dist.get_rank() == 0:
+        logging.getLogger(__name__).info(found)
     return dist.new_group(backend=devices.default_backend(devices.HOST), timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -224,7 +231,7 @@ class Handle:
     still reading: the memory stays accounted to torch — its allocator and memory trackers see
     it as live, which it is — however the caller drops its own references."""
 
-    __slots__ = ("_work", "_clock", "_result", "_record", "_finish", "_done", "_source")
+    __slots__ = ("_work", "_clock", "_result", "_record", "_finish", "_done", "_source", "_timed")
 
     def __init__(
         self,
@@ -234,8 +241,10 @@ class Handle:
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         source: torch.Tensor | None = None,
         clock: devices.Clock | None = None,  # an accelerator's (Communicator.device_clock); None on the host
+        timed: bool = True,  # False: the wait records no times (Communicator(timing=False))
     ):
         self._work = work
+        self._timed = timed
         self._clock = clock  # an accelerator's clock, whose marks the wait takes; None: the host's time
         self._result = result
         self._record = record
@@ -248,7 +257,9 @@ class Handle:
             return self._result
         record, work = self._record, self._work
         assert record is not None and work is not None  # a handle with work always has its record
-        if self._clock is not None:  # an accelerator: where the compute stream waits, and resumes
+        if not self._timed:
+            self._wait_on(work)
+        elif self._clock is not None:  # an accelerator: where the compute stream waits, and resumes
             record.mark("t_wait_start", self._clock.mark())
             self._wait_on(work)
             record.mark("t_wait_end", self._clock.mark())
@@ -318,16 +329,23 @@ class Communicator:
     (axon4d.scheduler), which calls this class.
     """
 
-    def __init__(self, shape: GridShape, transport: Transport, clock: devices.Clock | None = None):
+    def __init__(
+        self, shape: GridShape, transport: Transport, clock: devices.Clock | None = None, timing: bool | None = None
+    ):
         self.shape = shape
         self._sizes: dict[str, int] = {axis: shape.size(axis) for axis in ALL_AXES}  # looked up per collective
         self.transport = transport
-        #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock)
-        self.clock = clock if clock is not None else devices.Clock(devices.HOST)
+        #: whether collectives are timed (None: ``$AXON4D_COMM_TIMING``, on unless "0"); untimed, an
+        #: accelerator records no timing events and the log no times (axon4d.commlog)
+        self.timing = timing_default() if timing is None else timing
+        #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock); the
+        #: host's when untimed, so that compute spans take no device events either
+        host = devices.Clock(devices.HOST)
+        self.clock = host if clock is None or not self.timing else clock
         self._on_device = self.clock.on_device
         #: the clock whose marks handles take (an accelerator's), or None: host times are read directly
         self.device_clock = self.clock if self._on_device else None
-        self.log = CommLog(self.clock)
+        self.log = CommLog(self.clock, timed=self.timing)
         #: which transport and why; ``axon4d.init`` records its choice here (``settle_transport``)
         self.transport_choice = TransportChoice(transport.name, "given to the grid")
 
@@ -372,8 +390,9 @@ class Communicator:
             raise ValueError("all_reduce works in place and needs a contiguous tensor")
         record = self._record(Op.ALL_REDUCE, axis, g, tensor.nbytes, tag)
         work = self.transport.all_reduce(tensor, axis)
-        _stamp_completion(work, record, self.clock)
-        return Handle(work, tensor, record, None, None, self.device_clock)
+        if self.timing:
+            _stamp_completion(work, record, self.clock)
+        return Handle(work, tensor, record, None, None, self.device_clock, self.timing)
 
     def all_gather(self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "") -> Handle:
         """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
@@ -387,9 +406,10 @@ class Communicator:
             out = out.view(g * inp.shape[0], *inp.shape[1:])
         record = self._record(Op.ALL_GATHER, axis, g, g * inp.nbytes, tag)
         work = self.transport.all_gather(out, inp, axis)
-        _stamp_completion(work, record, self.clock)
+        if self.timing:
+            _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish, inp, self.device_clock)
+        return Handle(work, out, record, finish, inp, self.device_clock, self.timing)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "", out: torch.Tensor | None = None
@@ -419,6 +439,7 @@ class Communicator:
                 )
         record = self._record(Op.REDUCE_SCATTER, axis, g, inp.nbytes, tag)
         work = self.transport.reduce_scatter(out, inp, axis)
-        _stamp_completion(work, record, self.clock)
+        if self.timing:
+            _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
-        return Handle(work, out, record, finish, inp, self.device_clock)
+        return Handle(work, out, record, finish, inp, self.device_clock, self.timing)

@@ -16,11 +16,19 @@ and saw completion; on an accelerator, when the device reached each point — th
 position at issue and at the wait, the collective's completion on its own stream — from timing
 events read when the log is (``records``/``spans`` settle them), so "blocked" is the time the
 compute stream stalled on the collective, the same meaning under NCCL as under gloo.
+
+Timing can be switched off (``Communicator(timing=False)``, ``axon4d.init(comm_timing=False)``,
+or ``AXON4D_COMM_TIMING=0`` for the default): an accelerator then records no timing events — some
+four per collective and two per compute span — and the log holds what each collective moved (op,
+axis, bytes, tag) but no times and no compute spans. What needs the times (``summary``,
+``axon4d.stepstats``, ``axon4d.trace.dump``, the training job's per-step record) raises a
+``RuntimeError`` saying so. It is on by default: the training job reads the times every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +36,15 @@ from typing import Any
 
 from axon4d.device import HOST, Clock, Mark
 from axon4d.geometry import Op, Term
+
+#: the environment variable that sets whether collectives are timed by default ("0" or "off": not)
+TIMING_ENV = "AXON4D_COMM_TIMING"
+
+
+def timing_default() -> bool:
+    """Whether collectives are timed when the caller does not say: unless ``AXON4D_COMM_TIMING``
+    is "0", "off", "false" or "no"."""
+    return os.environ.get(TIMING_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def union_length(intervals: Iterable[tuple[float, float]]) -> float:
@@ -146,8 +163,10 @@ class CommRecord:
 class CommLog:
     """All collectives this rank issued since the last ``clear()``, timed on ``clock``."""
 
-    def __init__(self, clock: Clock | None = None) -> None:
+    def __init__(self, clock: Clock | None = None, timed: bool = True) -> None:
         self.clock = clock if clock is not None else Clock(HOST)
+        #: whether its collectives and compute spans carry times (module docstring)
+        self.timed = timed
         self._records: list[CommRecord] = []
         self._spans: list[tuple[str, Mark, Mark]] = []  # (name, start, end): compute, for timelines
         self._lock = threading.Lock()
@@ -176,8 +195,18 @@ class CommLog:
         self._records.append(record)  # one list append: atomic, no lock per collective
 
     def add_span(self, name: str, start: Mark, end: Mark) -> None:
-        """Record a stretch of compute between two marks of ``clock`` (``Scheduler.compute``)."""
-        self._spans.append((name, start, end))
+        """Record a stretch of compute between two marks of ``clock`` (``Scheduler.compute``);
+        nothing in an untimed log."""
+        if self.timed:
+            self._spans.append((name, start, end))
+
+    def check_timed(self, what: str) -> None:
+        """Raise ``RuntimeError`` naming ``what`` when this log holds no times."""
+        if not self.timed:
+            raise RuntimeError(
+                f"{what} needs the collectives' times, and this communicator does not time them "
+                f"({TIMING_ENV}=0 or timing=False): leave timing on (the default) where the log's times are read"
+            )
 
     def clear(self) -> None:
         with self._lock:
@@ -194,7 +223,8 @@ class CommLog:
 
     def summary(self) -> dict[str, Any]:
         """Per-axis bytes, counts, communication time and blocked time, and the share hidden
-        (times as interval unions: see the module docstring)."""
+        (times as interval unions: see the module docstring). Raises on an untimed log."""
+        self.check_timed("the communication summary")
         records = list(self.records)
         axes: dict[str, dict[str, float]] = {}
         for r in records:

@@ -39,6 +39,7 @@ class Grid:
         launcher: str = "existing",
         precision: Precision | str | None = None,
         overlap: OverlapPolicy | None = None,
+        timing: bool | None = None,
     ):
         self.shape = shape
         self.device = device
@@ -57,7 +58,7 @@ class Grid:
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")
         clock = devices.Clock(device)  # collectives and compute timed where they run (axon4d.commlog)
-        self.comm = Communicator(shape, make_transport(transport, self.groups, shape, self.rank), clock)
+        self.comm = Communicator(shape, make_transport(transport, self.groups, shape, self.rank), clock, timing)
         self.scheduler = Scheduler(self.comm, self.precision, overlap, accelerator=not devices.is_host(device))
 
     @property

@@ -286,7 +286,7 @@ def _route_address() -> str | None:
         return None
 
 
-def _hostname_addresses() -> list[str]:
+def hostname_addresses() -> list[str]:
     """The IPv4 addresses this host's name resolves to (possibly only 127.0.1.1)."""
     try:
         infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
@@ -295,7 +295,8 @@ def _hostname_addresses() -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether ``address`` is a loopback or unspecified IP address (False for a host name)."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
@@ -309,8 +310,8 @@ def rendezvous_address(nodes: int) -> str:
     (127.0.0.1) only for a job on one host — on several, ``RuntimeError`` naming ``MASTER_ADDR``."""
     if "MASTER_ADDR" in os.environ:
         return os.environ["MASTER_ADDR"]
-    candidates = [a for a in [_route_address(), *_hostname_addresses()] if a is not None]
-    routable = [a for a in candidates if not _is_loopback(a)]
+    candidates = [a for a in [_route_address(), *hostname_addresses()] if a is not None]
+    routable = [a for a in candidates if not is_loopback(a)]
     if routable:
         return routable[0]
     if nodes > 1:

@@ -34,6 +34,10 @@ MPI_LOCAL = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LO
 #: and its rank on the node
 SLURM = RankVars("SLURM_PROCID", "SLURM_NTASKS")
 SLURM_LOCAL = "SLURM_LOCALID"
+#: the number of ranks on this node, where a launcher says it (torchrun, Open MPI, Hydra, MVAPICH2)
+LOCAL_SIZES = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE")
+#: the number of nodes of a SLURM job
+SLURM_NODES = "SLURM_NNODES"
 
 
 def env_rank() -> int | None:

@@ -40,6 +40,7 @@ def init(
     timeout_s: float = 600.0,
     plan: dict[str, Any] | None = None,
     precision: Precision | str | None = None,
+    comm_timing: bool | None = None,
 ) -> Grid:
     """Join the job and build the 4D grid ``(x, y, z, data)``; return it and make it current.
 
@@ -52,6 +53,7 @@ def init(
     every rank takes the same verdict; measured once per job, reused by later ``init`` calls);
     else torch (axon4d.transport.choose_transport, settle_transport). The choice and the probe's
     figures are ``grid.comm.transport_choice``, logged on rank 0 (logger "axon4d.transport", INFO).
+    ``device="cuda"`` (no index) is this rank's own accelerator, as when ``device`` is not given.
     ``overlap`` is the overlap policy
     (axon4d.overlap_policy.OverlapPolicy.parse: True/None = all on, False/"off", "oag,oar", a dict), or
     "auto" (the default): all on, with the knobs the planner predicts fastest for this grid where
@@ -64,6 +66,9 @@ def init(
     ``precision`` sets the dtypes of master weights, compute and gradient reductions for every
     layer on the grid (axon4d.precision: "fp32", "bf16", "bf16-fp32-reduce", "bf16-fp8-gather");
     a name given here is the planner's too (``plan["precision"]``) unless ``plan`` names one.
+    ``comm_timing``: whether collectives are timed (default ``$AXON4D_COMM_TIMING``, on unless "0");
+    off, an accelerator records no timing events per collective and the log holds no times
+    (axon4d.commlog).
     Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
     A default process group that exists already (the caller's, or one an earlier ``init()`` in this
     job created; see ``shutdown``) is used as it is.
@@ -86,7 +91,7 @@ def init(
     shape = GridShape.parse(grid, info.world_size)
     if overlap == AUTO:
         overlap = choose_overlap(shape, rank=info.rank, **(plan or {}))
-    dev = torch.device(device) if device is not None else devices.default_device(info.local_rank)
+    dev = devices.rank_device(None if device is None else torch.device(device), info.local_rank)
     devices.bind(dev)
     if seed is not None:
         torch.manual_seed(seed)
@@ -101,7 +106,7 @@ def init(
         choice = settle_transport(transport, why, dev, info.rank, info.world_size)
         if choice.seconds is not None and _state["owns_world"]:
             _state["probed"] = choice
-    new = Grid(shape, dev, choice.name, launcher=info.launcher, precision=mixed, overlap=policy)
+    new = Grid(shape, dev, choice.name, launcher=info.launcher, precision=mixed, overlap=policy, timing=comm_timing)
     new.comm.transport_choice = choice
     _state["grid"] = new
     return new

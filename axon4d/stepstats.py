@@ -54,7 +54,9 @@ class StepReport:
 
 
 def report(log: CommLog, *, step: int = 0, rank: int = 0, wall_s: float = 0.0) -> StepReport:
-    """The report of everything ``log`` holds (call ``log.clear()`` at the start of a step)."""
+    """The report of everything ``log`` holds (call ``log.clear()`` at the start of a step);
+    raises on an untimed log (axon4d.commlog)."""
+    log.check_timed("a step report")
     out = StepReport(step=step, rank=rank, wall_s=wall_s)
     for r in log.records:
         out.bytes_by_axis[r.axis] = out.bytes_by_axis.get(r.axis, 0) + r.payload_bytes

@@ -2,7 +2,13 @@
 
 Each rank writes what its CommLog holds — collectives (op, axis, bytes, issue, wait, done) and
 compute spans recorded by the layers — with ``dump(grid, directory)`` (one ``rank<r>.json`` per
-rank, times relative to ``t0``, e.g. the step start right after a barrier, so ranks line up).
+rank, times relative to ``t0``, e.g. the step start). Each process times on its own
+``perf_counter`` (whose zero is arbitrary), so a dump also records ``epoch_ns``, the wall-clock
+time (``time.time_ns``) of its ``t0``, from one reading of both clocks taken together; ``load``
+shifts every dump of a directory onto the earliest of them, so ranks line up on the wall clock.
+On one host that is exact to within the two readings (microseconds); across hosts it is as good
+as their clocks' agreement: NTP keeps servers within about a millisecond of each other on one
+network, PTP within microseconds — compare events across nodes only where they differ by more.
 ``axon4d trace DIR`` merges a directory of dumps into
 
 - a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing): one process per rank with
@@ -23,7 +29,8 @@ import argparse
 import glob
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from axon4d.grid import Grid
@@ -41,12 +48,24 @@ COLORS = {
 }
 
 
-def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -> str:
-    """Write this rank's collectives and compute spans to ``directory/rank<r>.json``; return the path."""
+def _now() -> tuple[int, float]:
+    """(wall-clock ns, ``perf_counter`` s), read back to back."""
+    return time.time_ns(), time.perf_counter()
+
+
+def dump(
+    grid: Grid, directory: str, t0: float | None = None, label: str = "", now: Callable[[], tuple[int, float]] = _now
+) -> str:
+    """Write this rank's collectives and compute spans to ``directory/rank<r>.json``, times from
+    ``t0`` (default: its first event) and ``epoch_ns``, ``t0`` on the wall clock (``now``: the wall
+    clock and ``perf_counter`` read together); return the path. Raises on an untimed log
+    (axon4d.commlog)."""
     log = grid.comm.log
+    log.check_timed("a trace")
     if t0 is None:
         starts = [r.t_issue for r in log.records] + [a for _, a, _ in log.spans]
         t0 = min(starts) if starts else 0.0
+    wall_ns, perf_s = now()
     records = []
     for r in log.records:
         done = r.t_issue + r.duration
@@ -66,6 +85,7 @@ def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -
         "coords": dict(grid.coords),
         "grid": str(grid.shape),
         "label": label,
+        "epoch_ns": wall_ns - round((perf_s - t0) * 1e9),
         "backend": grid.comm.transport_name,
         "records": records,
         "spans": [[name, a - t0, b - t0] for name, a, b in log.spans],
@@ -78,14 +98,38 @@ def dump(grid: Grid, directory: str, t0: float | None = None, label: str = "") -
 
 
 def load(directory: str) -> list[dict[str, Any]]:
-    """Every rank's dump in ``directory``, in rank order."""
+    """Every rank's dump in ``directory``, in rank order, on one wall-clock time line (``align``)."""
     dumps = []
     for path in glob.glob(os.path.join(directory, "rank*.json")):
         with open(path) as f:
             dumps.append(json.load(f))
     if not dumps:
         raise ValueError(f"no rank*.json dumps in {directory!r}; write them with axon4d.trace.dump(grid, directory)")
-    return sorted(dumps, key=lambda d: d["rank"])
+    return align(sorted(dumps, key=lambda d: d["rank"]))
+
+
+def align(dumps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``dumps`` with every time measured from the earliest ``epoch_ns`` among them (which each
+    then holds): events at one wall-clock instant get one time, whichever process took them.
+    Dumps without ``epoch_ns`` are returned as they are."""
+    if not dumps or any("epoch_ns" not in d for d in dumps):
+        return dumps
+    base = min(d["epoch_ns"] for d in dumps)
+    out = []
+    for d in dumps:
+        shift = (d["epoch_ns"] - base) / 1e9
+        records = [
+            {
+                **r,
+                "issue": r["issue"] + shift,
+                "done": r["done"] + shift,
+                "wait": None if r["wait"] is None else [t + shift for t in r["wait"]],
+            }
+            for r in d["records"]
+        ]
+        spans = [[name, a + shift, b + shift] for name, a, b in d["spans"]]
+        out.append({**d, "epoch_ns": base, "records": records, "spans": spans})
+    return out
 
 
 def wire_intervals(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float, float]]:

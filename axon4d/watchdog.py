@@ -22,8 +22,9 @@ works with three facts:
   ends the process (``EXIT_TIMEOUT``) after naming the wait and the ranks whose heartbeat stopped.
   From ``steady()`` on, the process groups' own timeout follows (``pg_timeout_s``).
 
-Store operations use their own client with a short timeout, so a hung store host makes the
-diagnosis say so instead of hanging it. Nothing here calls a collective: after an exception no
+The keys, and how one rank finds who stopped for all (store requests O(world) in all, not
+O(world²)), are ``axon4d.diagnosis``'s. Store operations use their own client with a short
+timeout, so a hung store host makes the diagnosis say so instead of hanging it. Nothing here calls a collective: after an exception no
 rank enters one (``axon4d.runtime.shutdown`` skips its barrier while an exception propagates).
 """
 
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from axon4d import errors, launch
+from axon4d import diagnosis, errors, launch
 
 #: exit code of a rank ended because another rank failed
 EXIT_PEER_FAILED = 3
@@ -53,7 +54,6 @@ GRACE_BEATS = 3
 #: if longer): the watchdog names the stopped rank first (a beat's check, 2.5 beats of watching), and
 #: NCCL's clock starts when a collective is queued, maybe a while before the host blocks on it
 PG_MARGIN_S = 10.0
-_PREFIX = "axon4d/"
 _current: Watchdog | None = None
 
 
@@ -112,6 +112,7 @@ class Watchdog:
         store_timeout_s: float = 10.0,
         exit: Callable[[int], None] = os._exit,
         out: Any = None,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         for name, value in (("timeout_s", timeout_s), ("startup_s", startup_s), ("beat_s", beat_s)):
             if not value > 0:
@@ -120,6 +121,9 @@ class Watchdog:
         self.timeout_s, self.startup_s, self.beat_s = timeout_s, startup_s, beat_s
         self._store = _client(store, store_timeout_s)
         self._exit = exit
+        self._sleep = sleep  # how the diagnosis waits between heartbeat reads
+        #: how long a rank waits for the diagnosis another rank claimed before it watches itself
+        self.publish_wait_s = 5 * beat_s + store_timeout_s
         self._out = out if out is not None else sys.stderr
         self._steady = False
         self._failing = False
@@ -223,82 +227,73 @@ class Watchdog:
         self._failing = True
         line = f"{type(error).__name__}: {error}".splitlines()[0][:500] if str(error) else type(error).__name__
         with contextlib.suppress(Exception):
-            self._store.set(f"{_PREFIX}failed/{self.rank}", line)
-            self._store.add(f"{_PREFIX}failures", 1)
+            diagnosis.announce(self._store, self.rank, line)
 
     # ---- diagnosis -------------------------------------------------------------------------
     def failed_ranks(self) -> dict[int, str]:
-        """Ranks that announced a failure, with their error line."""
-        out = {}
-        keys = [f"{_PREFIX}failed/{r}" for r in range(self.world)]
+        """Ranks that announced a failure, with their error line (the first ``SHOWN_FAILURES``)."""
         with contextlib.suppress(Exception):
-            for r, key in enumerate(keys):
-                if self._store.check([key]):
-                    out[r] = self._store.get(key).decode(errors="replace")
-        return out
+            return diagnosis.failed_ranks(self._store)[0]
+        return {}
 
-    def stalled_ranks(self) -> list[int] | None:
+    def stalled_ranks(self, shared: bool = False) -> list[int] | None:
         """Ranks whose heartbeat did not advance over ~2.5 beats, less those that said they are
         ending or failed (None: the store did not answer). This rank beats on while it watches:
-        every rank blocked with a hung one reaches its deadline at about the same time and watches
-        from its heartbeat thread — were their beats silent meanwhile, each would name the others."""
+        every rank blocked with a hung one reaches its deadline at about the same time — were their
+        beats silent meanwhile, each would name the others. ``shared``: found once for the whole
+        job, by the first rank to ask (``axon4d.diagnosis.shared_stalled``)."""
         try:
-            first = self._beats()
-            end = time.monotonic() + 2.5 * self.beat_s
-            while (left := end - time.monotonic()) > 0:
-                time.sleep(min(self.beat_s, left))
-                self._beat()
-            second = self._beats()
-            silent = [r for r in range(self.world) if r != self.rank and second[r] <= first[r]]
-            self._stalled = [r for r in silent if not self._ending(r)]
+            if shared:
+                args = (self._store, self.rank, self.world, self.beat_s, self.publish_wait_s, self._sleep)
+                self._stalled = diagnosis.shared_stalled(*args)
+            else:
+                self._stalled = diagnosis.watch(self._store, self.rank, self.world, self.beat_s, self._sleep)
         except Exception:
             return None
         return self._stalled
 
-    def _ending(self, rank: int) -> bool:
-        """Whether ``rank`` said it is ending on its own or failed (so its heartbeat stopped)."""
-        return any(self._store.check([f"{_PREFIX}{key}/{rank}"]) for key in ("ending", "failed"))
-
     def diagnose(self, waited: str | None = None, probe: bool = True) -> str:
         """One paragraph: what this rank waited for, who failed and why, and (``probe``: watching
-        the heartbeats for a few beats) whose heartbeat stopped."""
+        the heartbeats for a few beats, once for the whole job) whose heartbeat stopped."""
         parts = [f"axon4d: rank {self.rank}:"]
         if waited:
             parts.append(waited + ";")
-        failed = self.failed_ranks()
+        try:
+            failed, count = diagnosis.failed_ranks(self._store)
+        except Exception:
+            failed, count = {}, 0
         for r, line in sorted(failed.items()):
             parts.append(f"rank {r} failed with {line};")
-        if failed and not probe:
+        if count > len(failed):
+            parts.append(f"{count - len(failed)} more rank(s) failed;")
+        if count and not probe:
             parts.append("ending this rank.")
             return " ".join(parts)
-        stalled = self.stalled_ranks()
+        stalled = self.stalled_ranks(shared=True)
         if stalled is None:
             parts.append("the job's store does not answer (its host, rank 0 or the launcher's agent, is hung or dead);")
         elif stalled:
             parts.append(f"rank(s) {', '.join(map(str, stalled))} stopped answering (hung or dead);")
-        elif not failed:
+        elif not count:
             parts.append("every other rank is alive and no rank reported an error;")
         parts.append("ending this rank.")
         return " ".join(parts)
 
     # ---- the thread ------------------------------------------------------------------------
-    def _beats(self) -> list[int]:
-        return [int(self._store.add(f"{_PREFIX}beat/{r}", 0)) for r in range(self.world)]
-
     def _beat(self) -> None:
         with contextlib.suppress(Exception):
-            self._store.add(f"{_PREFIX}beat/{self.rank}", 1)
+            diagnosis.beat(self._store, self.rank)
 
     def _failures(self) -> int:
         try:
-            return int(self._store.add(f"{_PREFIX}failures", 0))
+            return diagnosis.failures(self._store)
         except Exception:
             return self._seen_failures
 
     def _end(self, message: str, code: int) -> None:
         """Say ``message``, tell the others this rank is ending (not hung), and end with ``code``."""
         with contextlib.suppress(Exception):
-            self._store.set(f"{_PREFIX}ending/{self.rank}", str(code))
+            diagnosis.say_ending(self._store, self.rank, code)
         print(message, file=self._out, flush=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -308,19 +303,18 @@ class Watchdog:
         self._exit(code)
 
     def _linger(self) -> None:
-        """Rank 0 hosts the job's store under plain and MPI launches: keep it up until every other
-        rank not found stopped said it is ending or failed (one more deadline at most), so that
-        those that reach their deadline after this one can still watch the heartbeats."""
+        """Rank 0 hosts the job's store under plain and MPI launches: keep it up until as many ranks
+        as were not found stopped said they are ending or failed (one more deadline at most), so
+        that those that reach their deadline after this one can still watch the heartbeats."""
         until = time.monotonic() + self.deadline_s
-        others = [r for r in range(self.world) if r != self.rank and r not in self._stalled]
-        while others and time.monotonic() < until:
+        while time.monotonic() < until:
             try:
-                others = [r for r in others if not self._ending(r)]
+                if diagnosis.gone(self._store) >= self.world - len(self._stalled):
+                    return
             except Exception:
                 return
-            if others:
-                self._beat()
-                time.sleep(self.beat_s)
+            self._beat()
+            self._sleep(self.beat_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
@@ -328,7 +322,7 @@ class Watchdog:
             if self._failing:
                 continue
             if self._failures() > self._seen_failures:
-                time.sleep(0.2 * self.beat_s)  # this rank's own error, if it has one at once, comes first
+                self._sleep(0.2 * self.beat_s)  # this rank's own error, if it has one at once, comes first
                 if not self._failing and not self._stop.is_set():
                     wait = self._wait
                     what = f"waiting in {wait[1]}" if wait else None

@@ -3,6 +3,7 @@ is logged with its payload, and a Linear's forward + backward moves exactly the 
 E8–E13 as computed by axon4d.geometry (the planner's source of truth)."""
 
 import importlib.util
+import types
 from collections import Counter
 
 import pytest
@@ -366,3 +367,63 @@ def test_a_completion_reported_after_the_log_was_read_changes_nothing():
     assert not open_.settled
     open_.completed_on(clock)()
     assert open_.marks is not None and "t_done" in open_.marks
+
+
+class _CountingDeviceClock(_DeviceClock):
+    """An accelerator-like clock that counts the marks (timing events) taken on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.marks = 0
+
+    def mark(self):
+        self.marks += 1
+        return super().mark()
+
+
+class _DoneWork:
+    """A collective the transport finished at once, with a completion callback like NCCL's futures."""
+
+    def wait(self):
+        return True
+
+    def add_done_callback(self, callback):
+        callback()
+
+
+def _untimed_or_timed(timing):
+    """A communicator on a (1,1,2,1) grid over a transport that finishes at once, on a device-like
+    clock; one all-reduce and one compute span; (the clock, the communicator)."""
+    from axon4d.comm import Communicator
+    from axon4d.shape import GridShape
+
+    transport = types.SimpleNamespace(name="fake", all_reduce=lambda tensor, axis: _DoneWork())
+    clock = _CountingDeviceClock()
+    comm = Communicator(GridShape.parse((1, 1, 2, 1), 2), transport, clock, timing=timing)
+    comm.all_reduce(torch.ones(4), "z", tag="probe").wait()
+    start = comm.clock.mark()
+    comm.log.add_span("compute", start, comm.clock.mark())
+    return clock, comm
+
+
+def test_with_timing_off_no_device_event_is_taken_and_readers_of_times_say_why(monkeypatch):
+    from axon4d import stepstats, trace
+
+    clock, comm = _untimed_or_timed(True)
+    assert clock.marks == 6  # issue, completion, wait start and end, the span's two
+    assert comm.log.summary()["axes"]["z"]["bytes"] == 16 and len(comm.log.spans) == 1
+    clock, comm = _untimed_or_timed(False)
+    assert clock.marks == 0
+    assert not comm.clock.on_device and comm.device_clock is None
+    (record,) = comm.log.records
+    assert (record.op.value, record.axis, record.payload_bytes, record.tag) == ("all_reduce", "z", 16, "probe")
+    assert record.marks is None and record.t_wait_start is None and record.t_done is None
+    assert comm.log.bytes_by_axis() == {"z": 16} and comm.log.spans == []
+    grid = types.SimpleNamespace(comm=comm, rank=0)
+    for read in (comm.log.summary, lambda: stepstats.report(comm.log), lambda: trace.dump(grid, "unused")):
+        with pytest.raises(RuntimeError, match="does not time them \\(AXON4D_COMM_TIMING=0 or timing=False\\)"):
+            read()
+    monkeypatch.setenv("AXON4D_COMM_TIMING", "0")
+    assert _untimed_or_timed(None)[0].marks == 0
+    monkeypatch.setenv("AXON4D_COMM_TIMING", "1")
+    assert _untimed_or_timed(None)[0].marks == 6

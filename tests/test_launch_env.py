@@ -9,8 +9,10 @@ tests/test_launch.py."""
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
+import axon4d
 from axon4d import device as devices
 from axon4d import errors, launch, launch_env, watchdog
 from axon4d.launch import LaunchInfo, detect, expand_nodelist, rendezvous_address, slurm_port, slurm_rendezvous
@@ -180,7 +182,7 @@ def addresses(monkeypatch):
 
     def put(route, names):
         monkeypatch.setattr(launch, "_route_address", lambda: route)
-        monkeypatch.setattr(launch, "_hostname_addresses", lambda: list(names))
+        monkeypatch.setattr(launch, "hostname_addresses", lambda: list(names))
 
     return put
 
@@ -300,6 +302,19 @@ def test_every_local_rank_gets_an_accelerator_of_its_own(env, accelerators):
     assert [devices.default_device(r).index for r in (0, 3)] == [0, 0]
     accelerators(0)
     assert devices.default_device(5) == devices.HOST
+
+
+def test_an_accelerator_named_without_an_index_is_the_local_ranks_own(env, accelerators):
+    accelerators(4)
+    assert devices.rank_device(torch.device("cuda"), 3) == torch.device("cuda", 3)
+    assert devices.rank_device(torch.device("cuda", 1), 3) == torch.device("cuda", 1)  # as named
+    assert devices.rank_device(None, 2) == torch.device("cuda", 2)
+    assert devices.rank_device(devices.HOST, 2) == devices.HOST
+    accelerators(0)
+    with pytest.raises(RuntimeError, match="device='cuda' was asked for, but this process sees no accelerator"):
+        devices.rank_device(torch.device("cuda"), 0)
+    with pytest.raises(RuntimeError, match="device='cuda' was asked for"):
+        axon4d.init((1, 1, 1, 1), device="cuda")  # before any process group
 
 
 def test_more_local_ranks_than_accelerators_is_refused(env, accelerators):

@@ -5,6 +5,7 @@ training step, the Chrome trace's tracks and the PNG, and the ``axon4d trace`` c
 import argparse
 import json
 import os
+import types
 
 import torch
 
@@ -79,3 +80,33 @@ def test_wire_intervals_serialise_collectives_on_one_axis():
     ]
     spans = [(r["axis"], a, b) for r, a, b in trace.wire_intervals(recs)]
     assert spans == [("x", 0.0, 2.0), ("x", 2.0, 3.0), ("z", 1.0, 1.5)]
+
+
+def _rank_on_its_own_clock(rank: int, perf_zero_s: float, wall_s: float, directory: str) -> str:
+    """Dump rank ``rank`` of a process whose perf_counter reads wall-clock time − ``perf_zero_s``:
+    an all-reduce issued at wall time ``wall_s`` and done 2 ms later, a span before it, written
+    1 s after; each rank's t0 its own first event."""
+    log = CommLog()
+    issue = wall_s - perf_zero_s
+    log.add(CommRecord(Op.ALL_REDUCE, "x", 2, 64, "a", issue, t_wait_start=issue + 0.001, t_wait_end=issue + 0.002))
+    log.add_span("fwd", issue - 0.005 * (rank + 1), issue)
+    comm = types.SimpleNamespace(log=log, transport_name="torch")
+    coords = {"x": rank, "y": 0, "z": 0, "data": 0}
+    grid = types.SimpleNamespace(comm=comm, rank=rank, coords=coords, shape="(2, 1, 1, 1)")
+    written = wall_s + 1.0
+    return trace.dump(grid, directory, now=lambda: (round(written * 1e9), written - perf_zero_s))
+
+
+def test_dumps_of_processes_with_different_clocks_line_up_on_the_wall_clock(tmp_path):
+    wall = 1.7e9  # an all-reduce both ranks issued at the same wall-clock instant
+    _rank_on_its_own_clock(0, perf_zero_s=wall - 1234.5, wall_s=wall, directory=str(tmp_path))
+    _rank_on_its_own_clock(1, perf_zero_s=wall - 7.25, wall_s=wall, directory=str(tmp_path))
+    dumps = trace.load(str(tmp_path))
+    issues = [d["records"][0]["issue"] for d in dumps]
+    assert abs(issues[0] - issues[1]) < 1e-6, issues
+    assert abs(issues[0] - 0.010) < 1e-6  # rank 1's span began 10 ms before, the earliest event
+    assert [round(d["spans"][0][1], 6) for d in dumps] == [0.005, 0.0]
+    assert dumps[0]["epoch_ns"] == dumps[1]["epoch_ns"]
+    assert abs(dumps[0]["epoch_ns"] - (wall - 0.010) * 1e9) < 1e3  # the earliest event's wall time
+    events = [e for e in trace.chrome_trace([("run", dumps)])["traceEvents"] if e.get("cat") == "comm"]
+    assert abs(events[0]["ts"] - events[1]["ts"]) < 1.0  # µs

@@ -219,6 +219,21 @@ def default_device(local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def rank_device(device: torch.device | None, local_rank: int) -> torch.device:
+    """The device a rank of local rank ``local_rank`` computes on, given the one the user named:
+    ``default_device(local_rank)`` when none is named or an accelerator is named without an index
+    ("cuda": this rank's own, not whichever is current); a ``RuntimeError`` when one is named and
+    this process sees none; else ``device`` as named."""
+    if device is not None and (not is_accelerator(device) or device.index is not None):
+        return device
+    if device is not None and not accelerator_available():
+        raise RuntimeError(
+            f"device={str(device)!r} was asked for, but this process sees no accelerator "
+            "(torch.cuda.is_available() is False): leave device unset to compute on the host"
+        )
+    return default_device(local_rank)
+
+
 def _oversubscribed(local_rank: int, count: int) -> str:
     """The error for a local rank with no accelerator of its own: what was seen and what would work."""
     visible = ", ".join(f"{v}={os.environ[v]!r}" for v in _VISIBLE_DEVICES_VARS if v in os.environ)
