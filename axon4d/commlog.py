@@ -21,8 +21,8 @@ Timing can be switched off (``Communicator(timing=False)``, ``axon4d.init(comm_t
 or ``AXON4D_COMM_TIMING=0`` for the default): an accelerator then records no timing events — some
 four per collective and two per compute span — and the log holds what each collective moved (op,
 axis, bytes, tag) but no times and no compute spans. What needs the times (``summary``,
-``axon4d.stepstats``, ``axon4d.trace.dump``, the training job's per-step record) raises a
-``RuntimeError`` saying so. It is on by default: the training job reads the times every step.
+``axon4d.stepstats``, ``axon4d.trace.dump``) raises a ``RuntimeError`` saying so; ``summary`` gives
+the bytes and counts without times, and the training job reports "not timed". It is on by default.
 """
 
 from __future__ import annotations
@@ -223,14 +223,16 @@ class CommLog:
 
     def summary(self) -> dict[str, Any]:
         """Per-axis bytes, counts, communication time and blocked time, and the share hidden
-        (times as interval unions: see the module docstring). Raises on an untimed log."""
-        self.check_timed("the communication summary")
+        (times as interval unions: see the module docstring); an untimed log gives the bytes and
+        counts, its times and share None."""
         records = list(self.records)
-        axes: dict[str, dict[str, float]] = {}
+        axes: dict[str, dict[str, Any]] = {}
         for r in records:
-            a = axes.setdefault(r.axis, {"count": 0, "bytes": 0, "comm_s": 0.0, "blocked_s": 0.0})
+            a = axes.setdefault(r.axis, {"count": 0, "bytes": 0, "comm_s": None, "blocked_s": None})
             a["count"] += 1
             a["bytes"] += r.payload_bytes
+        if not self.timed:
+            return {"axes": axes, "comm_s": None, "blocked_s": None, "hidden_pct": None}
         for axis, a in axes.items():
             a["comm_s"], a["blocked_s"] = comm_and_blocked(r for r in records if r.axis == axis)
         comm, blocked = comm_and_blocked(records)
@@ -240,6 +242,8 @@ class CommLog:
         """One line: bytes per axis, communication time, time blocked and the share hidden."""
         s = self.summary()
         parts = [f"{a}={v['bytes'] / 2**20:.2f}MiB" for a, v in sorted(s["axes"].items())]
+        if not self.timed:
+            return f"comm {' '.join(parts) or 'none'} | not timed ({TIMING_ENV}=0)"
         return (
             f"comm {' '.join(parts) or 'none'} | time {s['comm_s'] * 1e3:.1f} ms, "
             f"blocked {s['blocked_s'] * 1e3:.1f} ms, hidden {s['hidden_pct']:.0f}%"

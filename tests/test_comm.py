@@ -419,8 +419,11 @@ def test_with_timing_off_no_device_event_is_taken_and_readers_of_times_say_why(m
     assert (record.op.value, record.axis, record.payload_bytes, record.tag) == ("all_reduce", "z", 16, "probe")
     assert record.marks is None and record.t_wait_start is None and record.t_done is None
     assert comm.log.bytes_by_axis() == {"z": 16} and comm.log.spans == []
+    untimed = comm.log.summary()  # bytes and counts, no times: what the training job reports then
+    assert untimed["axes"]["z"]["bytes"] == 16 and untimed["axes"]["z"]["count"] == 1
+    assert untimed["comm_s"] is untimed["hidden_pct"] is None and "not timed" in comm.log.format_summary()
     grid = types.SimpleNamespace(comm=comm, rank=0)
-    for read in (comm.log.summary, lambda: stepstats.report(comm.log), lambda: trace.dump(grid, "unused")):
+    for read in (lambda: stepstats.report(comm.log), lambda: trace.dump(grid, "unused")):
         with pytest.raises(RuntimeError, match="does not time them \\(AXON4D_COMM_TIMING=0 or timing=False\\)"):
             read()
     monkeypatch.setenv("AXON4D_COMM_TIMING", "0")

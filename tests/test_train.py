@@ -80,6 +80,26 @@ def _run_captured(cfg_dict):
     return summary, out.getvalue(), err.getvalue()
 
 
+def _untimed(cfg_dict):
+    """Train with ``AXON4D_COMM_TIMING=0`` (the collectives untimed); the summary and stdout."""
+    os.environ["AXON4D_COMM_TIMING"] = "0"
+    try:
+        return _run_captured(cfg_dict)[:2]
+    finally:
+        del os.environ["AXON4D_COMM_TIMING"]
+
+
+def test_with_the_collectives_untimed_the_job_trains_and_says_so(pools, tmp_path):
+    """``AXON4D_COMM_TIMING=0`` (axon4d.commlog): the job trains the same losses, reports each
+    step's bytes and says the share hidden was not timed, instead of failing on the times."""
+    cfg = _base(tmp_path / "timed", grid="1,2,1,1", steps=2)
+    timed = pools(2).run(None, _run, cfg)[0]
+    summary, printed = pools(2).run(None, _untimed, {**cfg, "out_dir": str(tmp_path / "untimed")})[0]
+    assert summary["losses"] == timed and summary["hidden_pct"] is None
+    assert summary["comm_bytes_per_step"]["y"] > 0 and "communication hidden  not timed" in printed
+    assert all(r["hidden_pct"] is None and r["comm_bytes"]["y"] > 0 for r in _log(tmp_path / "untimed"))
+
+
 def _log(out_dir):
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         return [json.loads(line) for line in f]

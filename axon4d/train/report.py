@@ -73,8 +73,14 @@ def progress_line(rec: dict[str, Any]) -> str:
     """The progress bar's fields for a step record: loss, tokens/s, MFU, communication hidden."""
     return (
         f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | MFU {100 * rec['mfu']:.1f}% | "
-        f"hidden {rec['hidden_pct']:.0f}%"
+        f"hidden {_pct(rec['hidden_pct'])}"
     )
+
+
+def _pct(share: float | None) -> str:
+    """A share hidden as "NN%", or "not timed" where the collectives were not timed
+    (``AXON4D_COMM_TIMING=0``: ``axon4d.commlog``)."""
+    return "not timed" if share is None else f"{share:.0f}%"
 
 
 def banner(
@@ -156,8 +162,9 @@ def summarize(
     for r in steady:
         for a, b in r["comm_bytes"].items():
             axes[a] = axes.get(a, 0) + b / len(steady)
-    comm_s = sum(r["comm_s"] for r in steady)
-    blocked_s = sum(r["blocked_s"] for r in steady)
+    timed = all(r["comm_s"] is not None for r in steady)
+    comm_s = sum(r["comm_s"] for r in steady) if timed else 0.0
+    blocked_s = sum(r["blocked_s"] for r in steady) if timed else 0.0
     return {
         "grid": str(grid.shape),
         "device": str(grid.device),
@@ -168,7 +175,7 @@ def summarize(
         "median_tokens_per_s": med("tokens_per_s"),
         "median_mfu": med("mfu"),
         "comm_bytes_per_step": axes,
-        "hidden_pct": hidden_pct(comm_s, blocked_s),
+        "hidden_pct": hidden_pct(comm_s, blocked_s) if timed else None,
         "checkpoint": ckpt,
     }
 
@@ -208,7 +215,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("step time (median)", f"{1e3 * s['median_step_s']:.1f} ms"),
         ("tokens/s (median)", f"{s['median_tokens_per_s']:,.0f}"),
         ("MFU (median)", f"{100 * s['median_mfu']:.2f}%"),
-        ("communication hidden", f"{s['hidden_pct']:.0f}%"),
+        ("communication hidden", _pct(s["hidden_pct"])),
     ]
     rows += [(key, s[key]) for key in CHOSEN_KEYS if key in s]
     rows += [(f"bytes/step on {a}", f"{b / 2**20:.2f} MiB") for a, b in sorted(s["comm_bytes_per_step"].items())]
