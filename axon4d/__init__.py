@@ -6,7 +6,7 @@ Start with ``axon4d.init(grid=(x, y, z, data))``, replace ``torch.nn.Linear`` wi
 docs/design.md explains the algorithm; docs/ the user guide.
 
 Importing axon4d changes no environment variable and reads no file; host memory in huge pages is
-an explicit call (``axon4d.device.use_huge_pages``), which the training job's entry makes.
+an explicit call (``axon4d.device.environment.use_huge_pages``), which the training job's entry makes.
 """
 
 from axon4d import overlap, stepstats, trace

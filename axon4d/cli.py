@@ -48,7 +48,7 @@ def run_command(argv: list[str]) -> int:
         return 0
     parser.parse_args(argv[:1])  # an unknown subcommand exits here with argparse's message (status 2)
     if argv[0] == "train":  # as python -m axon4d.train: host tensors in huge pages, before the first one
-        from axon4d.device import use_huge_pages
+        from axon4d.device.environment import use_huge_pages
 
         use_huge_pages()
     module = importlib.import_module(COMMANDS[argv[0]][0])

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from axon4d import device as devices
 from axon4d import host_mesh, watchdog
 from axon4d.commlog import CommLog, CommRecord, timing_default
+from axon4d.device.clock import Clock
 from axon4d.geometry import Op, Term
 from axon4d.mpi import MPITransport
 from axon4d.shape import ALL_AXES, Axis, GridShape
@@ -240,7 +241,7 @@ class Handle:
         record: CommRecord | None,
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
         source: torch.Tensor | None = None,
-        clock: devices.Clock | None = None,  # an accelerator's (Communicator.device_clock); None on the host
+        clock: Clock | None = None,  # an accelerator's (Communicator.device_clock); None on the host
         timed: bool = True,  # False: the wait records no times (Communicator(timing=False))
     ):
         self._work = work
@@ -301,7 +302,7 @@ class Handle:
         return f"{r.op.value} over {r.axis} (tag {r.tag or '-'}, {r.payload_bytes / 1e6:.3g} MB)"
 
 
-def _stamp_completion(work: Work, record: CommRecord, clock: devices.Clock) -> None:
+def _stamp_completion(work: Work, record: CommRecord, clock: Clock) -> None:
     """Record the time the transport finished ``work`` (when it can tell us). On an accelerator the
     backend's future (NCCL's is complete as soon as the collective is queued) runs its callbacks on
     streams that wait for the collective's kernels, so a mark taken there happens when it is done.
@@ -329,9 +330,7 @@ class Communicator:
     (axon4d.scheduler), which calls this class.
     """
 
-    def __init__(
-        self, shape: GridShape, transport: Transport, clock: devices.Clock | None = None, timing: bool | None = None
-    ):
+    def __init__(self, shape: GridShape, transport: Transport, clock: Clock | None = None, timing: bool | None = None):
         self.shape = shape
         self._sizes: dict[str, int] = {axis: shape.size(axis) for axis in ALL_AXES}  # looked up per collective
         self.transport = transport
@@ -340,7 +339,7 @@ class Communicator:
         self.timing = timing_default() if timing is None else timing
         #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock); the
         #: host's when untimed, so that compute spans take no device events either
-        host = devices.Clock(devices.HOST)
+        host = Clock(devices.HOST)
         self.clock = host if clock is None or not self.timing else clock
         self._on_device = self.clock.on_device
         #: the clock whose marks handles take (an accelerator's), or None: host times are read directly

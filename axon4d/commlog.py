@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from axon4d.device import HOST, Clock, Mark
+from axon4d.device import HOST
+from axon4d.device.clock import Clock, Mark
 from axon4d.geometry import Op, Term
 
 #: the environment variable that sets whether collectives are timed by default ("0" or "off": not)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from axon4d import device as devices
 from axon4d.comm import Communicator, make_transport
+from axon4d.device.clock import Clock
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.precision import Precision
 from axon4d.scheduler import Scheduler
@@ -57,7 +58,7 @@ class Grid:
         expected = shape.mesh_coordinate(self.rank)
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")
-        clock = devices.Clock(device)  # collectives and compute timed where they run (axon4d.commlog)
+        clock = Clock(device)  # collectives and compute timed where they run (axon4d.commlog)
         self.comm = Communicator(shape, make_transport(transport, self.groups, shape, self.rank), clock, timing)
         self.scheduler = Scheduler(self.comm, self.precision, overlap, accelerator=not devices.is_host(device))
 

@@ -51,6 +51,7 @@ import torch  # noqa: E402
 import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig, get_config  # noqa: E402
+from axon4d.device import environment  # noqa: E402
 from axon4d.measure.probe import peak_bytes  # noqa: E402
 from axon4d.overlap_policy import OverlapPolicy  # noqa: E402
 from axon4d.plan import Candidate, Workload, evaluate, load  # noqa: E402
@@ -295,9 +296,9 @@ def main() -> int:
         "prediction": cand.to_json() if cand is not None else None,
         "notes": plan["notes"],
         # rank 0's process: page faults, user and system CPU seconds of each timed step (host memory
-        # in huge pages or not: axon4d.device.use_huge_pages)
+        # in huge pages or not: axon4d.device.environment.use_huge_pages)
         "rank0_usage": usage,
-        "huge_pages": os.environ.get(devices.HUGE_PAGES_ENV),
+        "huge_pages": os.environ.get(environment.HUGE_PAGES_ENV),
     }
     tag = (
         ("_reduced" if overrides else "")
@@ -349,5 +350,5 @@ def final_line(
 
 
 if __name__ == "__main__":
-    devices.use_huge_pages()  # as the training job: host tensors in huge pages (THP_MEM_ALLOC_ENABLE=0: off)
+    environment.use_huge_pages()  # as the training job: host tensors in huge pages (THP_MEM_ALLOC_ENABLE=0: off)
     raise SystemExit(main())

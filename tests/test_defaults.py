@@ -25,6 +25,7 @@ from test_nonfinite import _cfg  # its small run, here on two ranks
 from axon4d import checkpoint, grads, precision, tiled_init, watchdog
 from axon4d import device as devices
 from axon4d.config import ModelConfig
+from axon4d.device import environment
 from axon4d.materialize import init_dense_
 from axon4d.models.transformer import DenseTransformer
 from axon4d.train import TrainConfig, loop, train
@@ -51,24 +52,24 @@ def test_auto_precision_is_bf16_with_fp32_reductions_on_an_accelerator_and_fp32_
 
 def test_expandable_segments_are_asked_for_on_accelerators_unless_the_user_configured_the_allocator():
     want = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert devices.expandable_segments_env({}, accelerator=True) == want
-    assert devices.expandable_segments_env({"PATH": "/bin"}, accelerator=True) == want
-    assert devices.expandable_segments_env({}, accelerator=False) == {}  # the host: nothing
+    assert environment.expandable_segments_env({}, accelerator=True) == want
+    assert environment.expandable_segments_env({"PATH": "/bin"}, accelerator=True) == want
+    assert environment.expandable_segments_env({}, accelerator=False) == {}  # the host: nothing
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         for value in ("max_split_size_mb:128", "expandable_segments:False", ""):
-            assert devices.expandable_segments_env({var: value}, accelerator=True) == {}, (var, value)
+            assert environment.expandable_segments_env({var: value}, accelerator=True) == {}, (var, value)
 
 
 def test_a_host_job_sets_no_allocator_variable(monkeypatch):
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(devices, "accelerator_available", lambda: False)
-    assert devices.use_expandable_segments() == {} and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert environment.use_expandable_segments() == {} and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     monkeypatch.setattr(devices, "accelerator_available", lambda: True)  # as on a GPU node, before CUDA starts
-    assert devices.use_expandable_segments() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert environment.use_expandable_segments() == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
-    assert devices.use_expandable_segments() == {}
+    assert environment.use_expandable_segments() == {}
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "garbage_collection_threshold:0.6"  # the user's, untouched
 
 

@@ -74,7 +74,7 @@ def _entry_faults(thp: str | None) -> tuple[str, int]:
 @pytest.mark.slow
 def test_the_training_entry_puts_host_tensors_in_huge_pages_unless_told_not_to():
     """Host memory freed by one step and made again by the next is touched afresh every step
-    (axon4d.device.use_huge_pages, called by ``python -m axon4d.train``): in 4 KiB pages 512 MiB is
+    (axon4d.device.environment.use_huge_pages, called by ``python -m axon4d.train``): in 4 KiB pages 512 MiB is
     131072 page faults."""
     default, faults = _entry_faults(None)
     off, faults_off = _entry_faults("0")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import axon4d
-from axon4d import device as devices
 from axon4d.config import get_config
+from axon4d.device import environment
 from axon4d.geometry import Op, Term, linear_collectives, weight_block_shape
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import Workload, load
@@ -291,6 +291,6 @@ def test_oag_records_go_with_their_layer(pools):
 def test_accelerator_jobs_get_one_hardware_queue_unless_the_user_says_otherwise():
     """CUDA_DEVICE_MAX_CONNECTIONS=1 where there is an accelerator (collectives start in issue order
     beside the GEMMs); nothing on the host; a value the user set is kept."""
-    assert devices.overlap_connections_env({}, accelerator=True) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert devices.overlap_connections_env({}, accelerator=False) == {}
-    assert devices.overlap_connections_env({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, accelerator=True) == {}
+    assert environment.overlap_connections_env({}, accelerator=True) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert environment.overlap_connections_env({}, accelerator=False) == {}
+    assert environment.overlap_connections_env({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, accelerator=True) == {}

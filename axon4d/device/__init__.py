@@ -7,29 +7,20 @@ leaves a device for a file or a host-only library goes through ``to_host``/``sta
 what a job makes on the host (token ids from a data loader) reaches its device by ``to_device``.
 ``matmul_seconds`` times one square matmul, synchronising the device, for the start-up probes;
 ``reset_peak_memory``/``peak_memory_allocated``/``memory_allocated`` read an accelerator's allocator.
-``Clock`` times work where it runs (an accelerator's timing events); ``mm_widening`` is a GEMM
-that keeps its fp32 sums. Attention on each device's fused kernel is ``axon4d.device.attention``.
+``mm_widening`` is a GEMM that keeps its fp32 sums; ``axon4d.device.clock.Clock`` times work where it
+runs (an accelerator's timing events). Attention on each device's fused kernel is ``axon4d.device.attention``.
 Copies beside the compute (activation offload, ``axon4d.offload``) use ``side_stream``/``on_stream``/
 ``current_stream``/``wait_stream``, ``record_event``/``wait_event``, ``keep_until_done`` and
 ``pinned_empty_like``: streams and events on an accelerator, nothing (or a plain host tensor) on
 the host, where every copy is done when it returns.
 
 What an accelerator run gets by default (the training job asks for each; docs/training.md, "The
-defaults a GPU user gets"): ``allow_tf32`` (fp32 matmuls on TF32 tensor cores),
-``use_expandable_segments`` (the allocator's expandable segments unless the user configured it),
-``use_overlap_connections`` (one hardware queue, ``CUDA_DEVICE_MAX_CONNECTIONS=1``, so collectives
-start before the GEMMs issued after them),
+defaults a GPU user gets"): ``allow_tf32`` (fp32 matmuls on TF32 tensor cores), the process
+environment of ``axon4d.device.environment`` (the allocator's expandable segments, one hardware
+queue so collectives start before the GEMMs issued after them, host memory in huge pages),
 ``adamw_kernel`` (torch's fused AdamW; the multi-tensor one on the host), and seeded
 initialisation drawn on the device in large tiles (``draw_device``, ``init_tile_bytes``).
 ``is_accelerator`` is the one test of "an accelerator" those decisions use.
-
-Host memory in huge pages (``use_huge_pages``, an explicit call: the training job's entry
-``python -m axon4d.train`` makes it; importing axon4d changes no environment variable): torch's
-host allocator returns large blocks to the system when they are freed, so every step of a host job
-touches its activations' memory afresh; in 4 KiB pages that is one page fault per 4 KiB (on a
-host, ``bench/gpt.py`` records a step's faults and its system CPU share). With
-``THP_MEM_ALLOC_ENABLE=1`` torch aligns blocks of 2 MiB and more to 2 MiB and asks the kernel for
-transparent huge pages, 512× fewer faults.
 """
 
 from __future__ import annotations
@@ -37,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,23 +40,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-#: the environment variable by which torch's host allocator uses transparent huge pages
-HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
-
-
-def use_huge_pages() -> bool:
-    """Ask torch's host allocator for transparent huge pages (module docstring) by setting
-    ``THP_MEM_ALLOC_ENABLE=1`` in this process's environment, unless the environment already says
-    (``THP_MEM_ALLOC_ENABLE=0`` turns it off). Nothing calls it on import: a program opts in, as
-    the training job's entry does. torch reads the setting at its first host allocation, so this
-    takes effect only when called before the process makes any tensor (importing axon4d makes
-    none); a process that made tensors already sets the variable in its environment instead.
-    Returns whether huge pages were asked for."""
-    os.environ.setdefault(HUGE_PAGES_ENV, "1")
-    return os.environ[HUGE_PAGES_ENV] == "1"
-
-
-#: host memory: where data loaders make batches and where files and host-only libraries read from.
 HOST = torch.device("cpu")
 
 
@@ -79,66 +52,6 @@ def is_accelerator(device: torch.device) -> bool:
     """True when ``device`` is an accelerator (CUDA, or ROCm, which torch exposes as cuda); False
     for host memory and the meta device."""
     return device.type == "cuda"
-
-
-#: the allocator settings an accelerator run gets unless the user gives their own (``expandable_segments_env``)
-EXPANDABLE_SEGMENTS = "expandable_segments:True"
-#: the variable the training job sets, and every variable by which a user configures torch's
-#: accelerator allocator (the newer generic name, and ROCm's): any of them set means "leave it"
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-_ALLOC_CONF_VARS = (ALLOC_CONF_ENV, "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
-
-
-def expandable_segments_env(environ: Mapping[str, str], accelerator: bool) -> dict[str, str]:
-    """The environment variables to set so torch's accelerator allocator grows its segments in
-    place (``expandable_segments:True``: blocks of changing sizes — activations, gathered weights —
-    reuse mapped memory instead of fragmenting it into cached segments of fixed sizes): {} on the
-    host, and {} when ``environ`` already configures the allocator (``PYTORCH_CUDA_ALLOC_CONF``,
-    ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_HIP_ALLOC_CONF``, whatever it says); else
-    ``{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}``."""
-    if not accelerator or any(v in environ for v in _ALLOC_CONF_VARS):
-        return {}
-    return {ALLOC_CONF_ENV: EXPANDABLE_SEGMENTS}
-
-
-def use_expandable_segments() -> dict[str, str]:
-    """Set ``expandable_segments_env``'s variables in this process's environment when it has an
-    accelerator (the training job calls it before it builds the grid). torch reads the allocator's
-    settings when it first initialises the accelerator, so nothing is set once that has happened
-    (a program that already made accelerator tensors sets the variable itself, before it starts).
-    Returns what was set."""
-    if torch.cuda.is_initialized():
-        return {}
-    updates = expandable_segments_env(os.environ, accelerator_available())
-    os.environ.update(updates)
-    return updates
-
-
-#: how many hardware work queues CUDA spreads one process's streams over (default 8)
-MAX_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
-
-
-def overlap_connections_env(environ: Mapping[str, str], accelerator: bool) -> dict[str, str]:
-    """The environment the overlap scheduler wants on an accelerator: ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
-    one hardware queue, so kernels start in the order the host issued them — a collective issued
-    before a GEMM (E8's chunk i before chunk i+1's GEMM, an OAG prefetch before the layer's GEMM)
-    gets its few SMs first instead of queueing behind a GEMM that fills the device, and overlaps
-    it (docs/design.md §4). {} on the host and where ``environ`` already sets the variable."""
-    if not accelerator or MAX_CONNECTIONS_ENV in environ:
-        return {}
-    return {MAX_CONNECTIONS_ENV: "1"}
-
-
-def use_overlap_connections() -> dict[str, str]:
-    """Set ``overlap_connections_env``'s variable in this process's environment when it has an
-    accelerator and CUDA has not made its context yet (the variable is read then: the training job
-    calls this before it builds the grid; a program that already made accelerator tensors sets it
-    itself, before it starts). Returns what was set."""
-    if torch.cuda.is_initialized():
-        return {}
-    updates = overlap_connections_env(os.environ, accelerator_available())
-    os.environ.update(updates)
-    return updates
 
 
 def allow_tf32(device: torch.device, allow: bool = True) -> bool:
@@ -448,46 +361,6 @@ def matmul_seconds(
         torch.matmul(a, b)
     synchronize(device)
     return (time.perf_counter() - start) / count
-
-
-#: a moment on a ``Clock``: host seconds, or an accelerator's timing event (read by ``Clock.seconds``)
-Mark = Any
-
-
-class Clock:
-    """When work ran on one device, in seconds on ``time.perf_counter``'s scale — the clock of the
-    communication log, its step reports and timelines (axon4d.commlog).
-
-    The host runs what it issues as it issues it, so there ``mark()`` is ``time.perf_counter()``.
-    An accelerator runs its queue later than the host fills it: a NCCL collective is "issued" and
-    "waited" in microseconds of host time (the wait only tells the compute stream to wait). There
-    ``mark()`` records a timing event on the current stream — the moment the device reaches that
-    point of its queue — and ``seconds(mark)`` reads it, blocking until it has happened; marks are
-    placed on the host's scale by the first mark, taken as happening when it was made. Reading
-    marks is a host synchronisation: do it after the step (``CommLog`` reads them lazily)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.on_device = device.type == "cuda"
-        self._anchor: Mark = None
-        self._anchor_s = 0.0
-
-    def mark(self) -> Mark:
-        """Now on this clock: a float on the host, an event recorded on the current stream on an accelerator."""
-        if not self.on_device:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        if self._anchor is None:
-            self._anchor, self._anchor_s = event, time.perf_counter()
-        return event
-
-    def seconds(self, mark: Mark) -> float:
-        """``mark`` in seconds (waits for an accelerator's event to have happened)."""
-        if isinstance(mark, float):
-            return mark
-        mark.synchronize()
-        return self._anchor_s + float(self._anchor.elapsed_time(mark)) / 1e3
 
 
 #: whether a device type's GEMM takes ``out_dtype`` (learned at the first call; see ``mm_widening``)

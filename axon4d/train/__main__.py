@@ -2,21 +2,21 @@
 
 The help text is the package's docstring; the flags are ``TrainConfig``'s fields (``config``).
 Before the job makes a tensor, this entry puts host tensors in transparent huge pages
-(``axon4d.device.use_huge_pages``: sets ``THP_MEM_ALLOC_ENABLE=1`` unless the environment already
+(``axon4d.device.environment.use_huge_pages``: sets ``THP_MEM_ALLOC_ENABLE=1`` unless the environment already
 sets it; ``THP_MEM_ALLOC_ENABLE=0`` turns it off). Importing axon4d does not.
 """
 
 import argparse
 import sys
 
-from axon4d.device import HUGE_PAGES_ENV, use_huge_pages
+from axon4d.device.environment import HUGE_PAGES_ENV, use_huge_pages
 from axon4d.errors import run, take_debug_flag
 from axon4d.train import __doc__ as DESCRIPTION
 from axon4d.train import add_arguments, main
 
 EPILOG = (
     f"Host memory: this entry sets {HUGE_PAGES_ENV}=1 (torch's host allocator asks for transparent\n"
-    f"huge pages; axon4d.device.use_huge_pages) unless the environment sets it; {HUGE_PAGES_ENV}=0\n"
+    f"huge pages; axon4d.device.environment.use_huge_pages) unless the environment sets it; {HUGE_PAGES_ENV}=0\n"
     "turns it off. Importing axon4d sets nothing.\n\n"
     "A refused input (a bad flag value, a checkpoint that does not match) ends the job with its one\n"
     "message and exit code 2; --debug anywhere on the line shows the traceback."

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from axon4d import checkpoint, grads, launch, runtime, watchdog
 from axon4d import device as devices
 from axon4d.config import ModelConfig
+from axon4d.device import environment
 from axon4d.grid import Grid
 from axon4d.models.transformer import Transformer
 from axon4d.offload import parse_offload
@@ -74,8 +75,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     (axon4d.watchdog): an error on one rank is printed and announced, and the other ranks end
     within ``cfg.timeout`` seconds (``cfg.startup_timeout`` until the first step is done), naming
     it."""
-    devices.use_expandable_segments()  # before the accelerator is initialised; only where there is one
-    devices.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
+    environment.use_expandable_segments()  # before the accelerator is initialised; only where there is one
+    environment.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
     overlap: Any = "auto"  # the knobs the planner tunes for the grid (axon4d.init's default)
     if cfg.grid == "auto":  # the planner's grid and step options, applied (every rank alike)
         cfg, best = planned.plan_run(cfg, devices.accelerator_available())
