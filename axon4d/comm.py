@@ -12,7 +12,8 @@ defined in docs/design.md §3, so the log can be checked term by term against E8
 Collectives on an axis of size 1 are not issued and not recorded: they move nothing.
 
 The transport sits behind ``Transport``: ``TorchTransport`` uses torch.distributed process groups
-(its backend: gloo on CPU, NCCL on GPU); ``MPITransport`` (``axon4d.mpi``) uses mpi4py's
+(its backend: gloo on CPU, NCCL on GPU; gloo's reduce-scatter as one exchange of chunks:
+``axon4d.gloo_exchange``); ``MPITransport`` (``axon4d.mpi``) uses mpi4py's
 non-blocking collectives on per-axis sub-communicators. A transport only moves bytes; logging,
 reshaping and handles live here.
 
@@ -37,6 +38,7 @@ from axon4d import host_mesh, watchdog
 from axon4d.commlog import CommLog, CommRecord, timing_default
 from axon4d.device.clock import Clock
 from axon4d.geometry import Op, Term
+from axon4d.gloo_exchange import ExchangedChunks, ExchangedHalves, index_under_gloo
 from axon4d.mpi import MPITransport
 from axon4d.shape import ALL_AXES, Axis, GridShape
 
@@ -87,8 +89,8 @@ class TorchTransport:
     def __init__(self, groups: dict[str, dist.ProcessGroup]):
         self.groups = groups
         #: axis -> this rank's index on it where the axis is two or more ranks under gloo, else None
-        self.exchanged = {axis: _index_under_gloo(group) for axis, group in groups.items()}
-        # under gloo the exchange receives every rank's chunk (_ExchangedChunks); NCCL stages
+        self.exchanged = {axis: index_under_gloo(group) for axis, group in groups.items()}
+        # under gloo the exchange receives every rank's chunk (ExchangedChunks); NCCL stages
         # through its communicator's fixed buffers
         self.stages_reduce_scatter = any(index is not None for index in self.exchanged.values())
 
@@ -102,8 +104,8 @@ class TorchTransport:
         group, index = self.groups[axis], self.exchanged[axis]
         if index is not None and devices.is_host(inp.device):
             if group.size() == 2:
-                return _ExchangedHalves(out, inp, index, group)
-            return _ExchangedChunks(out, inp, group)
+                return ExchangedHalves(out, inp, index, group)
+            return ExchangedChunks(out, inp, group)
         return _REDUCE_SCATTER(out, inp, group=group, async_op=True)
 
     def barrier(self) -> None:
@@ -111,66 +113,6 @@ class TorchTransport:
 
     def close(self) -> None:
         pass
-
-
-def _index_under_gloo(group: dist.ProcessGroup) -> int | None:
-    """This rank's index in ``group`` when it is two or more ranks under gloo (the host backend),
-    else None. gloo's reduce-scatter sends the whole tensor, as an all-reduce does, and works on a
-    staged copy of it; an exchange of chunks (``_ExchangedHalves``, ``_ExchangedChunks``) sends
-    each rank only the chunk it keeps."""
-    host_backend = devices.default_backend(devices.HOST)  # gloo
-    return group.rank() if group.size() >= 2 and host_backend in str(dist.get_backend(group)) else None
-
-
-class _ExchangedHalves:
-    """Reduce-scatter over a pair of ranks as one exchange (E5/E11 on gloo): each rank sends the
-    half the other keeps and receives the other's copy of its own half into ``out``, then adds its
-    own. It moves n/2 bytes each way, where gloo's reduce-scatter moves n like an all-reduce, and
-    needs no buffer beyond ``out``. The sum is the same on both ranks (two terms commute)."""
-
-    def __init__(self, out: torch.Tensor, inp: torch.Tensor, index: int, group: dist.ProcessGroup):
-        halves = inp.chunk(2)  # (n/2, ...) each: half i is rank i's result
-        splits = [0, 0]
-        splits[1 - index] = out.shape[0]  # send to and receive from the other rank only
-        self._own: torch.Tensor | None = halves[index]
-        self._out = out
-        self._work = dist.all_to_all_single(
-            out, halves[1 - index], output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True
-        )
-
-    def wait(self) -> bool:
-        self._work.wait()
-        if self._own is not None:
-            self._out.add_(self._own)
-            self._own = None
-        return True
-
-    def get_future(self) -> Any:
-        return self._work.get_future()
-
-
-class _ExchangedChunks:
-    """Reduce-scatter over G > 2 ranks as one all-to-all (E5/E11 on gloo): rank j receives every
-    rank's chunk j — (G, n/G, ...) in rank order — and sums them into ``out`` on ``wait``. It sends
-    (G−1)/G of the input, where gloo's reduce-scatter sends all of it; the received chunks take a
-    buffer the input's size until then, as gloo's own staged copy does. The sum runs in rank
-    order, whatever order the chunks arrive in."""
-
-    def __init__(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup):
-        self._chunks: torch.Tensor | None = torch.empty_like(inp)  # (G·n/G, ...): chunk i from rank i
-        self._out = out
-        self._parts = group.size()
-        self._work = dist.all_to_all_single(self._chunks, inp, group=group, async_op=True)
-
-    def wait(self) -> bool:
-        self._work.wait()
-        if self._chunks is not None:
-            torch.sum(self._chunks.view(self._parts, *self._out.shape), dim=0, out=self._out)
-            self._chunks = None  # the buffer goes as soon as the sum is made
-        return True
-
-    def get_future(self) -> Any:
-        return self._work.get_future()
 
 
 def host_group(timeout_s: float) -> dist.ProcessGroup:

@@ -121,7 +121,7 @@ class BackwardWalk:
         self.inflight = overlap.ors_inflight if overlap.ors and z > 1 else 1
         self.reduces = (overlap.ors and z > 1) or (overlap.odp and shape.data > 1)
         # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
-        # the input's size until it is waited on (axon4d.comm._ExchangedChunks) where the backend stages
+        # the input's size until it is waited on (axon4d.gloo_exchange.ExchangedChunks) where the backend stages
         self.received = 1.0 if z > 2 and staged_reduce_scatter else 0.0
 
     # -- sizes, bytes -----------------------------------------------------------------------------------
