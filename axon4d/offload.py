@@ -6,8 +6,8 @@ Which blocks: ``offload_blocks(spec, n_layers)`` — a fraction f of the blocks 
 or a list of block indices; ``parse_offload`` reads the command line's form ("0.5", "0,1,2").
 
 How (``Offloader``): each chosen block's forward runs under ``torch.autograd.graph.saved_tensors_hooks``.
-The storage under a saved tensor is copied whole into a host buffer (``axon4d.device.pinned_empty_like``:
-page-locked on an accelerator) on a side stream that first waits for the compute stream; the device
+The storage under a saved tensor is copied whole into a host buffer (``axon4d.host_pool.HostPool``: a
+view of few large allocations, page-locked on an accelerator, kept from one step to the next) on a side stream that first waits for the compute stream; the device
 memory is handed to the allocator with ``keep_until_done``, so it is released when the copy is done
 and not before, and autograd keeps only the host copy and where the tensor lies in it. Whole storages
 move so that a view comes back with its strides and offset — the backward kernels see the layout
@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from axon4d import device as devices
-from axon4d.device.pinned import pinned_footprint
+from axon4d.host_pool import HostPool
 
 #: saved tensors smaller than this stay where they are
 MIN_BYTES = 64 << 10
@@ -126,9 +126,9 @@ class OffloadStats:
     peak_host_bytes: int = 0
     """the most held at once since ``reset_peaks``"""
     pinned_bytes: int = 0
-    """host memory the buffers of those copies take now: each is page-locked on an accelerator and
-    takes ``axon4d.device.pinned.pinned_footprint`` of its bytes (the caching host allocator keeps
-    its blocks for the run); equal to ``host_bytes`` on the host"""
+    """host memory the pools of those copies hold now (``axon4d.host_pool.HostPool.footprint``,
+    page-locked on an accelerator): kept from one step to the next, after the first step one
+    allocation of Σ the copies' bytes, each rounded up to ``axon4d.device.pinned.ALIGN``"""
     peak_pinned_bytes: int = 0
     """the most ``pinned_bytes`` at once since ``reset_peaks`` (what the planner's host budget prices)"""
     block_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -155,18 +155,17 @@ class _Saved:
     strides and offset, bit for bit the layout the backward kernels saw without offload, and views
     of one storage (q, k and v of the QKV output) move once."""
 
-    __slots__ = ("__weakref__", "_copy", "_owner", "_ready", "block", "device", "footprint", "host", "nbytes")
+    __slots__ = ("__weakref__", "_copy", "_owner", "_ready", "block", "buffer_id", "device", "host", "nbytes")
 
     def __init__(self, owner: Offloader, t: torch.Tensor, block: int):
         self._owner, self.block, self.device = owner, block, t.device
         data = _bytes_of(t)  # (storage bytes,) uint8
         self.nbytes = data.numel()
-        self.footprint = pinned_footprint(self.nbytes, devices.is_accelerator(t.device))  # what its buffer holds
         self._copy: torch.Tensor | None = None
         self._ready: devices.Event = None
-        owner._moved(self, out=True)  # counted before the host buffer exists: never less than it
+        self.buffer_id, self.host = owner.pool(t.device).take(self.nbytes)  # (storage bytes,) uint8, host
+        owner._moved(self, out=True)
         stream = owner.stream(t.device)
-        self.host = devices.pinned_empty_like(data)
         devices.wait_stream(stream, devices.current_stream(t.device))  # t is made on the compute stream
         with devices.on_stream(stream):
             self.host.copy_(data, non_blocking=stream is not None)
@@ -291,6 +290,7 @@ class Offloader:
         self.blocks = frozenset(blocks)
         self.min_bytes = min_bytes
         self._streams: dict[torch.device, devices.Stream] = {}
+        self._pools: dict[torch.device, HostPool] = {}
         self._stats = OffloadStats()
         self._groups: dict[int, _Group] = {}  # this forward pass's, by block
         self._last = -1
@@ -300,6 +300,12 @@ class Offloader:
         if device not in self._streams:
             self._streams[device] = devices.side_stream(device)
         return self._streams[device]
+
+    def pool(self, device: torch.device) -> HostPool:
+        """The host buffers of ``device``'s copies (all of them copied on ``stream(device)``)."""
+        if device not in self._pools:
+            self._pools[device] = HostPool(device)
+        return self._pools[device]
 
     def forward(self, index: int, block: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``block(x)`` (block ``index``, an ``nn.Module``), its saved tensors offloaded when it is
@@ -348,7 +354,7 @@ class Offloader:
             s.copies_out += 1
             s.host_bytes += saved.nbytes
             s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
-            s.pinned_bytes += saved.footprint
+            s.pinned_bytes = sum(pool.footprint() for pool in self._pools.values())
             s.peak_pinned_bytes = max(s.peak_pinned_bytes, s.pinned_bytes)
             now = s.block_bytes[saved.block] = s.block_bytes.get(saved.block, 0) + saved.nbytes
             s.peak_block_bytes[saved.block] = max(s.peak_block_bytes.get(saved.block, 0), now)
@@ -360,7 +366,7 @@ class Offloader:
     def _released(self, saved: _Saved, fetched: bool) -> None:
         s = self._stats
         s.host_bytes -= saved.nbytes
-        s.pinned_bytes -= saved.footprint
+        self._pools[saved.device].give(saved.buffer_id)
         s.block_bytes[saved.block] -= saved.nbytes
         if fetched:
             s.resident_bytes -= saved.nbytes

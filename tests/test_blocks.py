@@ -247,6 +247,28 @@ def test_cross_entropy_temporaries_are_bounded_by_the_chunk(pools, dtype):
         assert min(whole_fwd, whole_bwd) >= 512 * 1024 > bound, (whole_fwd, whole_bwd)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cross_entropy_over_whole_logits_needs_no_grid(dtype):
+    """Without a grid the logits hold the whole vocabulary (a Hugging Face model's tied head): the
+    chunked loss equals torch's on the fp32 values, its gradient comes back in the logits' dtype,
+    and its temporaries stay within two chunks, where torch's loss widens all the logits at once."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40, 96, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 96, (3, 40))
+    targets[1, 5:9] = -100
+    loss = vocab_parallel_cross_entropy(logits, targets, None, chunk_bytes=7 * 96 * 4)  # 18 chunks
+    loss.backward()
+    wide = logits.detach().float().requires_grad_()
+    ref = F.cross_entropy(wide.reshape(-1, 96), targets.reshape(-1))
+    ref.backward()
+    assert rel_err(loss.detach(), ref.detach()) <= TOL
+    assert logits.grad.dtype == dtype
+    assert rel_err(logits.grad.float(), wide.grad) <= (TOL if dtype == torch.float32 else 1e-2)
+    chunk = 16 * 1024
+    fwd, bwd, n = _loss_memory(None, dtype, chunk)
+    assert max(fwd, bwd) <= 2 * chunk + 32 * n < 512 * 1024, (fwd, bwd)
+
+
 def _check_model(grid, cfg):
     torch.manual_seed(7)
     dense = DenseTransformer(cfg)

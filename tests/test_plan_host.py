@@ -1,6 +1,7 @@
 """Protects what the planner prices on the host side of a GPU (axon4d/plan/host_memory.py,
 axon4d/plan/offload_cost.py, docs/planner.md "A node, not a device"): page-locked buffers at the
-size torch's host allocator really takes, the host memory a plan pins per node (offload and the
+size they really take (one allocation carved into many buffers, at most 5% over their bytes on
+the 80B showcase rank), the host memory a plan pins per node (offload and the
 asynchronous checkpoint's snapshot), and the host link shared by offload's copies and the network
 traffic that crosses it."""
 
@@ -10,7 +11,7 @@ import math
 import pytest
 
 from axon4d.config import SIZES, ModelConfig
-from axon4d.device.pinned import pinned_footprint
+from axon4d.device.pinned import ALIGN, PAGE, carve, pinned_footprint, power_of_two_footprint
 from axon4d.offload import MIN_BYTES
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.host_memory import offload_pinned, pinned_per_node, snapshot_pinned, snapshot_tensors
@@ -28,12 +29,32 @@ PERLMUTTER = load("perlmutter")
 ALL = OverlapPolicy()
 
 
-def test_a_page_locked_buffer_takes_the_next_power_of_two():
+def test_buffers_are_carved_at_aligned_offsets_from_one_allocation_of_whole_pages():
+    offsets, total = carve([1, ALIGN, ALIGN + 1, 0, 8])
+    assert offsets == [0, ALIGN, 2 * ALIGN, 4 * ALIGN, 4 * ALIGN] and total == 5 * ALIGN
+    assert all(o % 8 == 0 for o in offsets)  # a view of any dtype starts on an element
     assert pinned_footprint(0) == 0
-    assert pinned_footprint(1) == 1 and pinned_footprint(4096) == 4096
-    assert pinned_footprint(4097) == 8192
-    assert pinned_footprint(201 * 10**6) == 256 * 2**20  # a 201 MB activation holds 256 MiB
+    assert pinned_footprint(1) == PAGE and pinned_footprint(PAGE) == PAGE and pinned_footprint(PAGE + 1) == 2 * PAGE
     assert pinned_footprint(201 * 10**6, accelerator=False) == 201 * 10**6  # a plain host tensor: its bytes
+    # what one caching-allocator buffer per tensor would take instead: a 201 MB buffer holds 256 MiB
+    assert power_of_two_footprint(201 * 10**6) == 256 * 2**20 and power_of_two_footprint(4097) == 8192
+
+
+#: the 80B showcase job (bench/plan_showcase.py) on one of its grids, with its checkpoint's snapshot
+SHOWCASE = Workload(SIZES["80B"], 2048, async_save=True)
+
+
+@pytest.mark.parametrize("grid,offload", [((2, 2, 256, 1), 32), ((1, 2, 32, 16), 21)])
+def test_the_showcase_ranks_pinned_memory_is_within_5_percent_of_its_bytes(grid, offload):
+    """The host memory the offload pool and the snapshot take on an 80B showcase rank is at most
+    1.05× the bytes they copy; one caching-allocator buffer per tensor (a power of two each) would
+    take far more."""
+    sc = Scenario(SHOWCASE, GridShape(*grid), PERLMUTTER, ALL, "balanced", zero=2, offload=offload)
+    storages = [math.ceil(s) for s in block_storages(sc.workload, sc.shape, "balanced") if s >= MIN_BYTES]
+    for sizes, pinned in ((storages * offload, offload_pinned(sc)), (snapshot_tensors(sc), snapshot_pinned(sc))):
+        needed = sum(sizes)
+        assert needed <= pinned <= 1.05 * needed, (pinned / needed, grid)
+        assert sum(power_of_two_footprint(n) for n in sizes) > 1.1 * pinned
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
@@ -67,12 +88,12 @@ def test_offload_pins_each_storage_rounded_up_and_leaves_small_ones_on_the_devic
     storages = block_storages(wl, shape, "balanced")
     big = [s for s in storages if s >= MIN_BYTES]
     assert len(big) < len(storages)  # the per-token statistics stay on the device
-    expect = 32 * sum(2 ** math.ceil(math.log2(s)) for s in big)
-    assert offload_pinned(sc) == expect
+    expect = 32 * sum(-(-math.ceil(s) // ALIGN) * ALIGN for s in big)  # one allocation, whole pages
+    assert offload_pinned(sc) == -(-expect // PAGE) * PAGE
     assert pinned_per_node(sc) == PERLMUTTER.devices_per_node * offload_pinned(sc)
     # on a host nothing is page-locked: the buffers take the bytes they hold
     host = Scenario(wl, shape, dataclasses.replace(PERLMUTTER, accelerator=False), ALL, "balanced", offload=32)
-    assert offload_pinned(host) == pytest.approx(32 * sum(big))
+    assert offload_pinned(host) == pytest.approx(32 * sum(big), rel=1e-4)
     # a world smaller than a node pins only its own ranks' share
     small = Scenario(Workload(SIZES["small"], 2), GridShape(1, 1, 2, 1), PERLMUTTER, ALL, offload=1)
     assert pinned_per_node(small) == 2 * offload_pinned(small)
@@ -83,9 +104,9 @@ def test_the_async_snapshot_copies_the_state_as_saved():
     shape = GridShape(1, 2, 1, 4)
     params = local_param_tensors(wl, shape)
     plain = Scenario(wl, shape, PERLMUTTER, ALL)
-    # each parameter's fp32 master and Adam's two moments, one buffer per tensor
+    # each parameter's fp32 master and Adam's two moments, carved from one allocation
     assert sorted(snapshot_tensors(plain)) == sorted([4 * n for n in params] * 3 + [4] * len(params))
-    assert snapshot_pinned(plain) == sum(pinned_footprint(4 * n) for n in params) * 3 + 4 * len(params)
+    assert snapshot_pinned(plain) == pinned_footprint(carve([4 * n for n in params] * 3 + [4] * len(params))[1])
     # ZeRO-1 in bf16 on 4 data ranks: moments and the Linear weights' masters are this rank's part
     zero = Scenario(wl, shape, PERLMUTTER, ALL, zero=1)
     assert sum(snapshot_tensors(zero)) < sum(snapshot_tensors(plain)) / 2

@@ -134,6 +134,34 @@ def test_a_fine_tune_equals_the_model_trained_in_one_process(pools, saved, token
     assert got["losses"][0] == pytest.approx(_transformers_loss(saved[family], first), rel=1e-6)
 
 
+def _loss_paths(grid, paths):
+    """For each saved model: whether its loss runs on its head's slices of the vocabulary (the
+    logits never gathered), and the loss's relative difference from torch's over the whole logits."""
+    import torch.nn.functional as F
+
+    import axon4d
+
+    warnings.simplefilter("ignore")
+    ids = SyntheticTokens(VOCAB, SEQ, seed=0).batch(0, 4)  # (4, SEQ + 1)
+    x, y = axon4d.shard_batch(ids[:, :-1], grid), axon4d.shard_batch(ids[:, 1:], grid)
+    out = {}
+    for family, path in paths.items():
+        model = hf.build(path, hf.model_config(path, SEQ), grid)
+        with torch.no_grad():
+            loss = model.loss(x, y).item()
+            whole = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).item()
+        out[family] = (model.split_head() is not None, abs(loss / whole - 1))
+    return out
+
+
+def test_the_loss_runs_on_the_heads_vocabulary_slices_where_the_head_is_split(pools, saved):
+    """The Llama's untied head is split over y: its loss is the vocabulary-parallel one over this
+    rank's slice of the logits; GPT-2's tied head is whole: the same chunked loss over its logits."""
+    for paths in pools(4).run((1, 2, 2, 1), _loss_paths, saved):
+        assert paths["llama"][0] and not paths["gpt2"][0]
+        assert all(diff <= 1e-6 for _, diff in paths.values()), paths
+
+
 def _auto(cfg_dict):
     """The planner's plan for the run (as every rank asks it) and the summary of the run."""
     warnings.simplefilter("ignore")

@@ -10,9 +10,10 @@ what a job makes on the host (token ids from a data loader) reaches its device b
 ``mm_widening`` is a GEMM that keeps its fp32 sums; ``axon4d.device.clock.Clock`` times work where it
 runs (an accelerator's timing events). Attention on each device's fused kernel is ``axon4d.device.attention``.
 Copies beside the compute (activation offload, ``axon4d.offload``) use ``side_stream``/``on_stream``/
-``current_stream``/``wait_stream``, ``record_event``/``wait_event``, ``keep_until_done`` and
-``pinned_empty_like``: streams and events on an accelerator, nothing (or a plain host tensor) on
-the host, where every copy is done when it returns.
+``current_stream``/``wait_stream``, ``record_event``/``wait_event`` and ``keep_until_done``: streams
+and events on an accelerator, nothing on the host, where every copy is done when it returns; their
+host buffers are carved from few page-locked allocations (``axon4d.device.pinned``), and
+``pinned_empty_like`` is one page-locked buffer from torch's caching host allocator.
 
 What an accelerator run gets by default (the training job asks for each; docs/training.md, "The
 defaults a GPU user gets"): ``allow_tf32`` (fp32 matmuls on TF32 tensor cores), the process

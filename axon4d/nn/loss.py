@@ -9,7 +9,9 @@ Linear whose output features — the vocabulary — are split over y). Per token
     dlogits_local = softmax_local − onehot_local
 
 The result is the mean over this rank's tokens (DDP convention: parameter gradients are then
-averaged over batch = data × z by the layers).
+averaged over batch = data × z by the layers). Without a grid the logits hold the whole vocabulary
+and nothing is communicated: the same chunked loss over logits a model computed whole (``axon4d
+train --hf`` with a tied head).
 
 Memory: the logits are kept for backward in their own dtype, and both passes work through them in
 row chunks (``CHUNK_BYTES`` of fp32 per chunk): the forward's local log-sum-exp widens one chunk
@@ -46,24 +48,26 @@ class _VocabParallelCE(torch.autograd.Function):
         logits: torch.Tensor,
         targets: torch.Tensor,
         axis: Axis,
-        grid: Grid,
+        grid: Grid | None,
         ignore_index: int,
         chunk_bytes: int,
     ) -> torch.Tensor:
-        comm = grid.comm
         n, v_local = logits.shape  # (n, v_local)
-        lo = grid.coord(axis) * v_local
+        lo = 0 if grid is None else grid.coord(axis) * v_local
         rows = chunk_rows(v_local, chunk_bytes)
         lse_local = torch.empty(n, dtype=torch.float32, device=logits.device)  # (n,)
         for i in range(0, n, rows):  # one fp32 chunk at a time
             torch.logsumexp(logits[i : i + rows].float(), dim=-1, out=lse_local[i : i + rows])
-        lse_all = comm.all_gather(lse_local.unsqueeze(0), axis, dim=0, tag=Term.CE_LSE).wait()  # (G, n)
-        lse = torch.logsumexp(lse_all, dim=0)  # (n,)
+        lse = lse_local  # (n,): over the whole vocabulary when it is all here
+        if grid is not None:
+            lse_all = grid.comm.all_gather(lse_local.unsqueeze(0), axis, dim=0, tag=Term.CE_LSE).wait()  # (G, n)
+            lse = torch.logsumexp(lse_all, dim=0)
         valid = targets != ignore_index
         mine = valid & (targets >= lo) & (targets < lo + v_local)
         idx = torch.where(mine, targets - lo, torch.zeros_like(targets))
         target_logit = logits.gather(-1, idx.unsqueeze(-1)).squeeze(-1).float() * mine  # (n,)
-        target_logit = comm.all_reduce(target_logit.contiguous(), axis, tag=Term.CE_TARGET).wait()
+        if grid is not None:
+            target_logit = grid.comm.all_reduce(target_logit.contiguous(), axis, tag=Term.CE_TARGET).wait()
         count = valid.sum().clamp_min(1)
         loss = ((lse - target_logit) * valid).sum() / count
         ctx.save_for_backward(logits, lse, idx, mine, valid)
@@ -92,7 +96,7 @@ class _VocabParallelCE(torch.autograd.Function):
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    grid: Grid,
+    grid: Grid | None,
     axis: Axis = "y",
     ignore_index: int = -100,
     *,
@@ -100,8 +104,9 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Mean cross-entropy over this rank's tokens of logits whose last dim is split over ``axis``.
 
-    ``logits``: (…, vocab/G_axis); ``targets``: (…) global token ids in [0, vocab) or
-    ``ignore_index`` (checked: one host sync, no communication). Equals
+    ``logits``: (…, vocab/G_axis), or (…, vocab) with ``grid`` None (no communication);
+    ``targets``: (…) global token ids in [0, vocab) or ``ignore_index`` (checked: one host sync,
+    no communication). Equals
     ``F.cross_entropy(full_logits, targets)`` without any rank holding the full logits, nor a
     full fp32 copy of its own: the local logits are processed in row chunks of ``chunk_bytes``
     fp32 bytes (module docstring).
@@ -116,6 +121,7 @@ def vocab_parallel_cross_entropy(
             f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the token dims; "
             "give one target per token: targets.shape == logits.shape[:-1]"
         )
-    check_token_ids(targets, logits.shape[-1] * grid.size(axis), "targets", ignore_index=ignore_index)
+    vocab = logits.shape[-1] * (1 if grid is None else grid.size(axis))
+    check_token_ids(targets, vocab, "targets", ignore_index=ignore_index)
     flat = logits.reshape(-1, logits.shape[-1])
     return _VocabParallelCE.apply(flat, targets.reshape(-1), axis, grid, ignore_index, chunk_bytes)

@@ -111,10 +111,15 @@ class ShardedLinear(nn.Module):
         return None if self.fused is None else self.fused.order()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(x)  # (..., out/G_out)
+        return y if self.output_sharded else gather_replicated(y, self.inner.out_axis, self.grid)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the output over ``inner.out_axis`` (never gathered), in ``out_perm``'s
+        order, of the input ``forward`` takes."""
         if not self.input_sharded:
             x = split_replicated(x, self.inner.in_axis, self.grid)  # (..., in) → (..., in/G_in)
-        y = self.inner(x)  # (..., out/G_out)
-        return y if self.output_sharded else gather_replicated(y, self.inner.out_axis, self.grid)
+        return self.inner(x)  # (..., out/G_out)
 
     @torch.no_grad()
     def to_dense(self, grads: bool = False) -> nn.Module:

@@ -2,16 +2,17 @@
 
 A node's host memory is shared by its ranks (``Machine.devices_per_node`` of them, or the whole
 world when it is smaller), the operating system and the job's own processes. What a plan pins
-there, per rank, in the bytes the runtime's buffers really take (``axon4d.device.pinned``: on an
-accelerator torch's caching host allocator rounds every page-locked buffer up to a power of two and
-keeps it for the run):
+there, per rank, in the bytes the runtime's allocations really take (``axon4d.device.pinned``:
+buffers carved from one allocation at ``ALIGN``-aligned offsets, ``carve``, which holds
+``pinned_footprint`` of its bytes — whole pages when page-locked):
 
-- activation offload (``axon4d.offload``): every storage the first ``offload`` blocks save for
-  backward (``axon4d.plan.saved.block_storages``) except those under ``axon4d.offload.MIN_BYTES``,
-  which stay on the device — one buffer each, all held at the end of the forward;
+- activation offload (``axon4d.offload``, ``axon4d.host_pool``): every storage the first
+  ``offload`` blocks save for backward (``axon4d.plan.saved.block_storages``) except those under
+  ``axon4d.offload.MIN_BYTES``, which stay on the device — all held at the end of the forward, in
+  the one allocation the pool keeps from the second step on;
 - the asynchronous checkpoint's snapshot (``--async-save``, ``Workload.async_save``): a host copy
-  of each stored tensor of the model and its optimizer state (``snapshot_tensors``), one buffer
-  per tensor, kept from one save to the next.
+  of each stored tensor of the model and its optimizer state (``snapshot_tensors``) in one
+  allocation, kept from one save to the next.
 
 The plan fits the node when the node's ranks together pin no more than its host memory less its
 reserve (``candidate.fits``). On a host without accelerators nothing is page-locked: offload's
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from axon4d.device.pinned import pinned_footprint
+from axon4d.device.pinned import carve, pinned_footprint
 from axon4d.offload import MIN_BYTES
 from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.saved import block_storages
@@ -31,17 +32,12 @@ from axon4d.plan.workload import OPTIMIZERS
 
 
 def offload_pinned(sc: Scenario) -> float:
-    """Host bytes one rank's offload buffers take: ``offload`` blocks × the footprint of each
-    storage of a block at or above ``MIN_BYTES``."""
+    """Host bytes one rank's offload pool takes: the footprint of one allocation carved into
+    ``offload`` blocks' storages at or above ``MIN_BYTES``."""
     if not sc.offload:
         return 0.0
-    accel = sc.machine.accelerator
-    per_block = sum(
-        pinned_footprint(math.ceil(s), accel)
-        for s in block_storages(sc.workload, sc.shape, sc.recompute)
-        if s >= MIN_BYTES
-    )
-    return sc.offload * float(per_block)
+    block = [math.ceil(s) for s in block_storages(sc.workload, sc.shape, sc.recompute) if s >= MIN_BYTES]
+    return float(pinned_footprint(sc.offload * carve(block)[1], sc.machine.accelerator))
 
 
 def snapshot_tensors(sc: Scenario) -> list[int]:
@@ -67,11 +63,10 @@ def snapshot_tensors(sc: Scenario) -> list[int]:
 
 def snapshot_pinned(sc: Scenario) -> float:
     """Host bytes one rank's asynchronous-checkpoint snapshot takes (``Workload.async_save``; 0
-    without it): the footprint of one buffer per ``snapshot_tensors`` tensor."""
+    without it): the footprint of one allocation carved into the ``snapshot_tensors``."""
     if not sc.workload.async_save:
         return 0.0
-    accel = sc.machine.accelerator
-    return float(sum(pinned_footprint(n, accel) for n in snapshot_tensors(sc)))
+    return float(pinned_footprint(carve(snapshot_tensors(sc))[1], sc.machine.accelerator))
 
 
 def ranks_per_node(sc: Scenario) -> int:

@@ -15,7 +15,8 @@ or shards with their index), maybe the tokenizer's files. Three pieces:
   (``axon4d.parallelize.load_pretrained_``): no rank ever holds the whole model.
 - ``HFCausalLM``: the interface of axon4d's ``Transformer`` that the loop, the checkpoints and the
   reference run use — ``cfg``, ``loss(ids, targets)`` (the mean cross-entropy over this rank's
-  tokens, as ``DenseTransformer.loss`` computes it), ``context_parallel`` and ``to_dense()`` (the
+  tokens, ``axon4d.nn.loss.vocab_parallel_cross_entropy``: over the head's vocabulary slices where
+  the head is split, never a full fp32 copy of the logits), ``context_parallel`` and ``to_dense()`` (the
   unparallelized model, for ``--compare-single``). The Hugging Face model is its ``module``, so a
   checkpoint's tensors are named ``module.<the parallelized model's names>``.
 
@@ -31,13 +32,14 @@ import warnings
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
+from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.parallelize import auto_parallelize, load_pretrained_, to_dense
 from axon4d.parallelize.context import position_ids
+from axon4d.parallelize.layers import ShardedLinear
 
 #: the model types whose configuration is read exactly and whose parallel style the planner prices
 PLANNED_TYPES = ("llama", "gpt2")
@@ -133,19 +135,42 @@ class HFCausalLM(nn.Module):
         """(b, s) ids → (b, s, vocab) logits: this rank's rows (``axon4d.shard_batch``) or, with
         ``context_parallel``, this rank's head–tail tokens of each sequence (``shard_sequence``),
         rotated at their global positions."""
-        kwargs: dict[str, Any] = {}
-        if self.context_parallel:
-            assert self.grid is not None
-            seq = ids.shape[1] * self.grid.size("z")  # the whole sequence's length
-            kwargs["position_ids"] = position_ids(ids.shape[0], seq, self.grid, ids.device)
-        return self.module(input_ids=ids, use_cache=False, **kwargs).logits
+        return self.module(input_ids=ids, use_cache=False, **self._positions(ids)).logits
+
+    def _positions(self, ids: torch.Tensor) -> dict[str, Any]:
+        """The keyword arguments that place this rank's tokens of ``ids`` (b, s) in their sequences:
+        none, or with ``context_parallel`` their global positions."""
+        if not self.context_parallel:
+            return {}
+        assert self.grid is not None
+        seq = ids.shape[1] * self.grid.size("z")  # the whole sequence's length
+        return {"position_ids": position_ids(ids.shape[0], seq, self.grid, ids.device)}
+
+    def split_head(self) -> ShardedLinear | None:
+        """The output head when its logits are this rank's slice of the vocabulary before they are
+        gathered (a ``ShardedLinear`` of unpermuted rows in a family, ``PLANNED_TYPES``, whose logits
+        are the head's output of the body's last hidden state); None otherwise (a tied head: whole)."""
+        module: Any = self.module  # a transformers PreTrainedModel
+        head = module.get_output_embeddings()
+        if self.grid is None or module.config.model_type not in PLANNED_TYPES:
+            return None
+        if not isinstance(head, ShardedLinear) or head.fused is not None or head.output_sharded:
+            return None
+        return head
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the logits of ``ids`` (b, s) against ``targets`` (b, s) over this
-        rank's tokens, in fp32: after ``backward()`` every gradient is the DDP-averaged one of the
-        global mean (the parallelized model averages over batch = data × z)."""
-        logits = self(ids)  # (b, s, vocab)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        rank's tokens, in fp32 row chunks (``vocab_parallel_cross_entropy``): with a split head
+        (``split_head``) over this rank's slice of the vocabulary, the logits never gathered; else over
+        the whole logits, without communication. After ``backward()`` every gradient is the
+        DDP-averaged one of the global mean (the parallelized model averages over batch = data × z)."""
+        head = self.split_head()
+        if head is None:
+            return vocab_parallel_cross_entropy(self(ids), targets, None)  # (b, s, vocab) logits
+        body: Any = self.module.base_model  # the model below the head: (b, s, ·) hidden states
+        hidden = body(input_ids=ids, use_cache=False, **self._positions(ids)).last_hidden_state
+        logits = head.local(hidden)  # (b, s, vocab/G_out): this rank's slice of the vocabulary
+        return vocab_parallel_cross_entropy(logits, targets, self.grid, axis=head.inner.out_axis)
 
     def to_dense(self, grads: bool = False) -> HFCausalLM:
         """The unparallelized model (full weights, and ``.grad`` with ``grads``) on every rank:
