@@ -172,11 +172,13 @@ class _ExchangedChunks:
 
 
 def host_group(timeout_s: float) -> dist.ProcessGroup:
-    """A new process group of every rank on the host backend (gloo), for collectives issued from a
-    background thread: those of a checkpoint written in the background (DCP's gathers of its plans
-    and results, ``axon4d.checkpoint.AsyncSaver``) run on it and never interleave with the ones the
-    grid's groups carry meanwhile. Every rank creates it at the same point (a collective); each of
-    its collectives fails after ``timeout_s`` seconds. ``close_group`` releases it."""
+    """A new process group of every rank on the host backend (gloo), for the collectives of
+    checkpoints: DCP's gathers of pickled plans and results and its broadcast of the index stay in
+    host memory (a grid's ``Grid.host_group``, for blocking saves and loads), and a checkpoint
+    written in the background (``axon4d.checkpoint.AsyncSaver``) coordinates on a group of its own
+    that never interleaves with the ones the grid's groups carry meanwhile. Every rank creates it at
+    the same point (a collective); each of its collectives fails after ``timeout_s`` seconds.
+    ``close_group`` releases it."""
     return dist.new_group(backend=devices.default_backend(devices.HOST), timeout=datetime.timedelta(seconds=timeout_s))
 
 
