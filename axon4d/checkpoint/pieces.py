@@ -69,13 +69,13 @@ def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
             if isinstance(t, torch.Tensor):
                 tensors.append((f"optim.{name}.{moment}", t))
         for prefix, t in tensors:
-            part = owned is not None and t is not p  # a tensor of this rank's part [start, start + t.numel())
-            if owned is not None and part:
-                mine, covered = _owned_views(layouts[name], prefix, p.numel(), owned[0], t, grid)
+            start = owned[0] if owned is not None and t is not p else None  # t: elements [start, start + t.numel())
+            if start is not None:  # of this rank's part
+                mine, covered = _owned_views(layouts[name], prefix, p.numel(), start, t, grid)
             else:
                 mine = layouts[name].views(prefix, t, grid)
                 covered = sum(v.numel() for _, v in mine)
-            if load or writes(prefix, grid, replicated_axes(layouts[name], part)):
+            if load or writes(prefix, grid, replicated_axes(layouts[name], part=start is not None)):
                 state.parts.extend(mine)
             state.pads.append(t.detach().view(-1)[covered:])
         if optimizer is not None and (load or writes(f"optim.{name}.step", grid, AXES)):
