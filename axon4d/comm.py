@@ -116,14 +116,15 @@ class TorchTransport:
 
 
 def host_group(timeout_s: float) -> dist.ProcessGroup:
-    """A new process group of every rank on the host backend (gloo), for collectives issued from a
-    background thread: those of a checkpoint written in the background (DCP's gathers of its plans
-    and results, ``axon4d.checkpoint.AsyncSaver``) run on it and never interleave with the ones the
-    grid's groups carry meanwhile. Every rank creates it at the same point (a collective); each of
-    its collectives fails after ``timeout_s`` seconds. ``close_group`` releases it. First
-    ``axon4d.host_mesh.check`` makes sure this rank can hold its ≈ world sockets and reach the
-    others (a ``RuntimeError`` saying what to set where not); rank 0 logs what it found (logger
-    "axon4d.comm", INFO)."""
+    """A new process group of every rank on the host backend (gloo), for the collectives of
+    checkpoints: DCP's gathers of pickled plans and results and its broadcast of the index stay in
+    host memory (a grid's ``Grid.host_group``, for blocking saves and loads), and a checkpoint
+    written in the background (``axon4d.checkpoint.AsyncSaver``) coordinates on a group of its own
+    that never interleaves with the ones the grid's groups carry meanwhile. Every rank creates it at
+    the same point (a collective); each of its collectives fails after ``timeout_s`` seconds.
+    ``close_group`` releases it. First ``axon4d.host_mesh.check`` makes sure this rank can hold its
+    ≈ world sockets and reach the others (a ``RuntimeError`` saying what to set where not); rank 0
+    logs what it found (logger "axon4d.comm", INFO)."""
     found = host_mesh.check(dist.get_world_size())
     if dist.get_rank() == 0:
         logging.getLogger(__name__).info(found)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from axon4d import device as devices
-from axon4d.comm import Communicator, make_transport
+from axon4d.comm import Communicator, close_group, host_group, make_transport
 from axon4d.device.clock import Clock
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.precision import Precision
@@ -55,6 +55,7 @@ class Grid:
         world = dist.group.WORLD
         assert world is not None  # dist.get_rank() above succeeded, so the default group exists
         self.groups["world"] = world
+        self._host: dist.ProcessGroup | None = None  # every rank on the host backend: made by host_group
         expected = shape.mesh_coordinate(self.rank)
         if tuple(mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"DeviceMesh placed rank {self.rank} at {mesh.get_coordinate()}, E1 says {expected}")
@@ -68,6 +69,16 @@ class Grid:
         if self._mesh is None:
             raise RuntimeError(f"{self} was destroyed (axon4d.shutdown / Grid.destroy); it has no DeviceMesh")
         return self._mesh
+
+    def host_group(self, timeout_s: float = 600.0) -> dist.ProcessGroup:
+        """A group of every rank on the host backend (gloo; ``axon4d.comm.host_group``), made at the
+        first call — on every rank at once, a collective — and released by ``destroy``. Checkpoints
+        coordinate on it (DCP's gathers of plans and results, its broadcast of the index), so those
+        pickled objects travel through host memory, never through an accelerator's. ``timeout_s``
+        (the first call's) bounds each of its collectives."""
+        if self._host is None:
+            self._host = host_group(timeout_s)
+        return self._host
 
     def size(self, axis: Axis) -> int:
         """Number of ranks along ``axis`` (x, y, z, data, batch = data·z, world)."""
@@ -95,6 +106,9 @@ class Grid:
         if drain:
             self.scheduler.finish_gradients()
         self.comm.close()
+        if self._host is not None:
+            close_group(self._host)
+            self._host = None
         seen = {id(dist.group.WORLD)}  # DeviceMesh reuses the default group for a world-wide axis
         for group in self.groups.values():
             if id(group) in seen:

@@ -64,7 +64,7 @@ def plant(fault: str, rank: int, step: int) -> None:
 
         checkpoint.dcp.save = failing_save  # type: ignore[assignment]
     if fault == "write-kill":
-        write = checkpoint._Writer.write_data
+        write = checkpoint.writer.Writer.write_data
         saves = {"n": 0}
 
         def killing_write(self, *args, **kwargs):
@@ -73,7 +73,7 @@ def plant(fault: str, rank: int, step: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return write(self, *args, **kwargs)
 
-        checkpoint._Writer.write_data = killing_write  # type: ignore[method-assign]
+        checkpoint.writer.Writer.write_data = killing_write  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

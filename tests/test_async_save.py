@@ -51,14 +51,14 @@ def _state(model, opt) -> list[torch.Tensor]:
 
 def _held_writes(gate: threading.Event):
     """Make every DCP write of this process wait for ``gate`` first; returns the undo."""
-    real = checkpoint._Writer.write_data
+    real = checkpoint.writer.Writer.write_data
 
     def held(self, *a, **k):
         gate.wait(30)
         return real(self, *a, **k)
 
-    checkpoint._Writer.write_data = held
-    return lambda: setattr(checkpoint._Writer, "write_data", real)
+    checkpoint.writer.Writer.write_data = held
+    return lambda: setattr(checkpoint.writer.Writer, "write_data", real)
 
 
 def _saved_alike(grid, out):
