@@ -196,8 +196,14 @@ def test_the_snapshot_the_runtime_pins_is_the_planners(pools, tmp_path, grid, st
         n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama"
     )
     world = math.prod(grid)
-    for measured, priced in pools(world).run(grid, _snapshot_footprint, cfg, stage, 8, str(tmp_path)):
-        assert measured == priced
+    results = pools(world).run(grid, _snapshot_footprint, cfg, stage, 8, str(tmp_path))
+    # a piece several ranks hold alike is copied by the one that writes it (axon4d.checkpoint.pieces):
+    # the planner prices every rank as holding all of its pieces, which one rank alone does exactly
+    assert all(measured <= priced for measured, priced in results)
+    if world == 1:
+        assert results[0][0] == results[0][1]
+    else:
+        assert sum(m for m, _ in results) < sum(p for _, p in results)  # the shared pieces, written once
 
 
 def test_an_accelerators_rms_norm_keeps_what_one_h200_offloaded():

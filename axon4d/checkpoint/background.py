@@ -42,7 +42,7 @@ class AsyncSaver:
     (its leftovers are removed by the next save). At most one save is in flight.
 
     The snapshot costs host memory of the pieces of this rank's parameters and AdamW moments that
-    it writes (``axon4d.checkpoint.pieces.writes``), one page-locked buffer per tensor
+    it writes (``axon4d.checkpoint.pieces.writes``), carved from one page-locked allocation
     (``axon4d.host_snapshot``; the sync ``save`` holds one file's worth at a time); ``timeout_s``
     bounds each of the write's collectives."""
 

@@ -44,7 +44,10 @@ def snapshot_tensors(sc: Scenario) -> list[int]:
     """Bytes of each tensor the asynchronous checkpoint copies to the host on one rank
     (``axon4d.checkpoint``: the model's parameters as saved — the fp32 masters, of which a ZeRO
     optimizer that stores the Linear weights in 16 bits keeps this data rank's part — and each
-    parameter's optimizer moments, fp32, the whole tensor's or under ZeRO this rank's part)."""
+    parameter's optimizer moments, fp32, the whole tensor's or under ZeRO this rank's part). An
+    upper bound: a piece several ranks hold alike is copied by the one of them that writes it
+    (``axon4d.checkpoint.pieces``), which of them decided by its name, so the ranks' shares differ
+    and each is priced as holding every piece it has."""
     wl, shape = sc.workload, sc.shape
     tensors = local_param_tensors(wl, shape)
     sixteen = list(sixteen_bit_weights(wl, shape, sc.zero))
