@@ -1,7 +1,7 @@
 """The planner against what one GPU measured (docs/design.md §6): step times and activation offload.
 
 ``make gpu-check`` times, on one GPU, a training step of two Llamas with and without half their
-blocks offloaded (``bench/gpu_check.py``'s ``OFFLOAD_SPEED`` and ``OFFLOAD_WIDE``, bf16 compute),
+blocks offloaded (``bench/gpu_cases.py``'s ``OFFLOAD_SPEED`` and ``OFFLOAD_WIDE``, bf16 compute),
 and ``bench/gpu_block.py`` one block of the 20B width (forward and backward, pure bf16, no
 optimizer). ``axon4d calibrate --ranks 1 --parts compute --dtypes bfloat16`` on the same kind of
 GPU measured a machine file (``bench/results/machine_h200_one_gpu.json``: its GEMM lattice, attention,
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
-import gpu_check  # noqa: E402
+import gpu_cases  # noqa: E402
 
 from axon4d.config import ModelConfig  # noqa: E402
 from axon4d.plan import Machine, Workload, load  # noqa: E402
@@ -40,8 +40,8 @@ from axon4d.shape import GridShape  # noqa: E402
 RESULTS = os.path.join(ROOT, "bench", "results")
 #: the offload timings of gpu_check and the model each ran
 CASES = {
-    "offload speed x1y1z1d1": gpu_check.OFFLOAD_SPEED["accelerator"],
-    "offload speed wide x1y1z1d1": gpu_check.OFFLOAD_WIDE["accelerator"],
+    "offload speed x1y1z1d1": gpu_cases.OFFLOAD_SPEED["accelerator"],
+    "offload speed wide x1y1z1d1": gpu_cases.OFFLOAD_WIDE["accelerator"],
 }
 ONE = GridShape(1, 1, 1, 1)
 
@@ -74,7 +74,9 @@ def price_block(measured: dict[str, Any], m: Machine) -> dict[str, Any]:
     wl = Workload(cfg, 1, embedding=False, head=False, optimizer="sgd")
     est = step_estimate(Scenario(wl, ONE, m))
     priced = est.step_s - est.optimizer_s  # the bench times no optimizer step
-    step = measured["median_s"]["axon4d"]
+    # the pure-bf16 step: files from the fair-baseline bench keep it apart from their headline
+    # (bf16 over fp32 weights); older files hold only it
+    step = measured.get("pure_bf16", measured)["median_s"]["axon4d"]
     return {"measured_s": step, "priced_s": priced, "error": _error(priced, step)}
 
 
