@@ -240,10 +240,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return part
 
     def _make_buckets(self, limit: int) -> list[list[_Part]]:
-        """The all-gather buckets: parameters in order, one open bucket per dtype and device (the
-        16-bit weights and the fp32 rest fill their own), closed once it holds ``limit`` parameter
-        bytes (the policy's ``bucket_bytes``; 0: one parameter each); in the order they close, the
-        same on every rank."""
+        """The all-gather buckets: parameters in order, one open bucket per dtype and device (16-bit
+        weights, the fp32 rest), closed once it holds ``limit`` parameter bytes (the policy's
+        ``bucket_bytes``; 0: one parameter each); in the order they close, alike on every rank."""
         buckets: list[list[_Part]] = []
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[_Part], float]] = {}
         for part in self._parts.values():
