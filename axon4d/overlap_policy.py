@@ -21,6 +21,13 @@ from axon4d.geometry import chunk_sizes, forward_chunk_count
 #: another; on an accelerator a collective below ~1 MiB is latency-bound (NCCL's ring start-up) and
 #: a GEMM whose rows are not a multiple of 128 runs partial tiles (docs/design.md §4)
 DEVICE_CHUNKING: dict[str, tuple[float, int]] = {"host": (256.0, 1), "accelerator": (1024.0, 128)}
+#: ODP's and ZeRO's bucket size in MiB where the policy leaves it to the device (docs/overlap.md,
+#: "Buckets"): on an accelerator 25 MiB, where NCCL's per-call latency is at most ~8% of a data-axis
+#: all-reduce's time across nodes on every shipped machine file (bench/bucket_size.py --model) and a
+#: bucket in flight costs 25 MiB; on the host 0, one bucket per tensor — the host is where the tests
+#: run, and what they count and compare is the per-tensor reduction (bench/bucket_size.py measures what
+#: gloo would gain from buckets)
+DEVICE_BUCKET_MB: dict[str, float] = {"host": 0.0, "accelerator": 25.0}
 
 MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")
 #: the overlap spec by which the planner chooses the knobs for the job (``axon4d.plan.candidate.tune_overlap``)
@@ -48,8 +55,9 @@ class OverlapPolicy:
     that many layers' backward hide each (each holds its layer's dW block until folded)."""
     odp: bool = True
     """Launch the data all-reduces (E12) and bias all-reduces (E13) asynchronously in buckets."""
-    bucket_mb: float = 0.0
-    """ODP bucket size in MiB; 0 makes every layer's weight shard its own bucket."""
+    bucket_mb: float | None = None
+    """ODP's (and ZeRO's all-gather) bucket size in MiB; 0 makes every layer's weight shard (every
+    parameter) its own bucket; None: the device's (``DEVICE_BUCKET_MB``, read by ``bucket_bytes``)."""
     forward_chunks: int = 4
     """Split the forward all-reduce (E8) into this many token chunks (1 = one all-reduce)."""
     min_chunk_kb: float | None = None
@@ -178,7 +186,7 @@ class OverlapPolicy:
         )
         for name in ("forward_chunks", "ors_inflight", "oag_depth"):
             counts.whole(getattr(self, name), name, hint=rule)
-        if self.bucket_mb < 0 or (self.min_chunk_kb is not None and self.min_chunk_kb < 0):
+        if any(v is not None and v < 0 for v in (self.bucket_mb, self.min_chunk_kb)):
             raise ValueError(rule)
         if self.chunk_rows is not None:
             counts.whole(
@@ -206,6 +214,14 @@ class OverlapPolicy:
         floor_kb, rows = DEVICE_CHUNKING["accelerator" if accelerator else "host"]
         floor_kb = floor_kb if self.min_chunk_kb is None else self.min_chunk_kb
         return int(floor_kb * 1024), rows if self.chunk_rows is None else self.chunk_rows
+
+    def bucket_bytes(self, accelerator: bool) -> int:
+        """Bytes a bucket of ODP's data-axis reductions (E12, E13, the replicated gradients) and of
+        ZeRO's all-gathers over data holds before it is issued, on a device that is an accelerator or
+        not: the policy's ``bucket_mb`` where set, else the device's (``DEVICE_BUCKET_MB``); 0: one
+        tensor per bucket. The scheduler, ``axon4d.zero`` and the planner read it here alike."""
+        mb = DEVICE_BUCKET_MB["accelerator" if accelerator else "host"] if self.bucket_mb is None else self.bucket_mb
+        return int(mb * 2**20)
 
     def chunk_count(self, tokens: int, row_bytes: int, group: int, accelerator: bool = False) -> int:
         """How many chunks ``chunk_sizes`` makes."""

@@ -17,7 +17,7 @@ hand it their gradients; they hold no overlap flags.
 - **ORS** (E11): the dW reduce-scatter over z is not waited on in the layer; it is folded in at
   the next layer's backward or at the end of backward.
 - **ODP** (E12, E13): data-parallel all-reduces of the weight shards, in buckets of
-  ``bucket_mb`` (0: one bucket per layer), are launched as the shards arrive; the bias
+  the policy's ``bucket_bytes`` (0: one bucket per layer), are launched as the shards arrive; the bias
   all-reduces over batch are issued asynchronously too, and so are the gradients of replicated
   parameters (norm weights, embedding tables: ``track_replicated``), bucketed by kind the same way
   and folded into ``.grad`` in ``finish_gradients`` — never waited one by one in the backward.
@@ -148,7 +148,7 @@ class Scheduler:
         # reduced gradient each held before its window opened (restored under the reduction)
         self._local: dict[int, tuple[weakref.ref, Term]] = {}
         self._kept: dict[int, torch.Tensor] = {}
-        # persistent E12 buckets (bucket_mb > 0): where each weight shard lands in its bucket's flat
+        # persistent E12 buckets (bucket_bytes > 0): where each weight shard lands in its bucket's flat
         # buffer — param id -> (bucket, offset, numel) and each bucket's size — learned from the
         # previous reducing backward; the buffers of this backward, made as their first shard comes
         self._layout: dict[int, tuple[int, int, int]] = {}
@@ -424,9 +424,9 @@ class Scheduler:
         slice of the bucket's flat buffer, so the reduce-scatter over z (or, with G_z = 1, the dW
         GEMM) writes there and the bucket is all-reduced as it stands — no concatenation, and
         its slices become the gradients. None where there is no such bucket: buckets off
-        (``bucket_mb`` 0), no ODP, a held backward, or a shard the layout learned from the
+        (``bucket_bytes`` 0), no ODP, a held backward, or a shard the layout learned from the
         previous backward does not place (the first backward, changed control flow)."""
-        if self.holding or not self.policy.odp or self.policy.bucket_mb <= 0:
+        if self.holding or not self.policy.odp or self.policy.bucket_bytes(self.accelerator) <= 0:
             return None
         where = self._layout.get(id(param))
         if where is None or where[2] != numel:
@@ -525,10 +525,10 @@ class Scheduler:
 
     def _add_to_bucket(self, key: tuple[Axis, Term], item: _Item) -> None:
         """Put a gradient in the bucket of its axis and tag; launch the bucket once it holds
-        ``bucket_mb`` (0: at once)."""
+        ``bucket_bytes`` (0: at once)."""
         bucket = self._buckets.setdefault(key, [])
         bucket.append(item)
-        if sum(g.numel() * g.element_size() for _, g, _ in bucket) >= self.policy.bucket_mb * 2**20:
+        if sum(g.numel() * g.element_size() for _, g, _ in bucket) >= self.policy.bucket_bytes(self.accelerator):
             self._flush(key)
 
     def _flush(self, key: tuple[Axis, Term]) -> None:
@@ -538,7 +538,7 @@ class Scheduler:
         items = self._buckets.pop(key, [])
         if not items:
             return
-        if key == ("data", Term.E12) and self.policy.bucket_mb > 0:
+        if key == ("data", Term.E12) and self.policy.bucket_bytes(self.accelerator) > 0:
             self._learning.append([(id(p), g.numel()) for p, g, _ in items])
         if key == ("data", Term.E12) and self._shardings:
             self._scatter([item for item in items if self._scattered(item[0])])

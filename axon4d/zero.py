@@ -18,7 +18,7 @@ optimizer so that each data rank keeps the masters and the state of one part of 
   embedding tables: small), and every parameter in fp32 training, stays fp32 and its master part
   is a *view* of it;
 - ``step`` then all-gathers the updated parts over data back into the parameters, bucket by bucket
-  (the grid's ``bucket_mb``; 0: one parameter per bucket) in the parameters' dtype — half the bytes
+  (the grid's ``bucket_bytes``; 0: one parameter per bucket) in the parameters' dtype — half the bytes
   for the 16-bit weights — each gather in flight while the next bucket steps; the last is waited
   at the end of ``step``, so the parameters are whole when it returns;
 - the gradients. Stage 1 takes each owned part of ``.grad``, reduced over data as without
@@ -206,7 +206,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__([p.master for p in self._parts.values()], dict(optimizer.defaults))
         self.param_groups = self.inner.param_groups  # one list: set_lr and schedulers reach the inner's
         self.state = self.inner.state
-        self._buckets = self._make_buckets(grid.scheduler.policy.bucket_mb)
+        self._buckets = self._make_buckets(grid.scheduler.policy.bucket_bytes(grid.scheduler.accelerator))
         self._sink: _GradSink | None = None
         if takes:
             self._sink = _GradSink(self)
@@ -239,17 +239,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         part = self._parts[id(p)] = _Part(p, names[id(p)], chunk, start, stop, master, sixteen)
         return part
 
-    def _make_buckets(self, bucket_mb: float) -> list[list[_Part]]:
-        """The all-gather buckets: parameters in order, one open bucket per dtype and device (the
-        16-bit weights and the fp32 rest fill their own), closed once it holds ``bucket_mb`` of
-        parameter bytes (0: one parameter each); in the order they close, the same on every rank."""
+    def _make_buckets(self, limit: int) -> list[list[_Part]]:
+        """The all-gather buckets: parameters in order, one open bucket per dtype and device (16-bit
+        weights, the fp32 rest), closed once it holds ``limit`` parameter bytes (the policy's
+        ``bucket_bytes``; 0: one parameter each); in the order they close, alike on every rank."""
         buckets: list[list[_Part]] = []
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[_Part], float]] = {}
         for part in self._parts.values():
             p = part.param
             key = (p.dtype, p.device)
             bucket, size = open_.get(key, ([], 0.0))
-            if bucket and size >= bucket_mb * 2**20:
+            if bucket and size >= limit:
                 buckets.append(bucket)
                 bucket, size = [], 0.0
             bucket.append(part)

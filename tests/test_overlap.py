@@ -91,7 +91,8 @@ def _expected(shape, policy):
             min_chunk_bytes=policy.chunking(accelerator=False)[0],
         ):
             expected[(c.op, c.axis, c.payload_bytes)] += 1
-    if policy.bucket_mb > 0 and shape.data > 1:  # every shard fits one bucket: one all-reduce per step
+    bucketed = policy.bucket_bytes(accelerator=False) > 0
+    if bucketed and shape.data > 1:  # every shard fits one bucket: one all-reduce per step
         data = [(k, n) for k, n in expected.items() if k[1] == "data"]
         for k, _ in data:
             del expected[k]
@@ -219,6 +220,22 @@ def test_policy_parsing_and_errors():
     assert OverlapPolicy(forward_chunks=4).chunk_count(8, 40, 2) == 1
     assert OverlapPolicy(forward_chunks=4, min_chunk_kb=0).chunk_count(3, 40, 2) == 3
     assert OverlapPolicy(forward_chunks=4).chunk_count(1024, 4096, 1) == 1
+
+
+def test_buckets_follow_the_device():
+    """Where the policy leaves it to the device: one tensor per bucket on the host, 25 MiB on an
+    accelerator (``DEVICE_BUCKET_MB``); the policy's own size wins on both; the grid's scheduler and
+    ZeRO's buckets read the same size, and the planner prices its machine's device's."""
+    policy = OverlapPolicy()
+    assert policy.bucket_bytes(accelerator=False) == 0
+    assert policy.bucket_bytes(accelerator=True) == 25 * 2**20
+    for accelerator in (False, True):
+        assert OverlapPolicy(bucket_mb=4).bucket_bytes(accelerator) == 4 * 2**20
+        assert OverlapPolicy(bucket_mb=0).bucket_bytes(accelerator) == 0
+    assert OverlapPolicy.parse("all,bucket_mb=none") == policy
+    assert OverlapPolicy.parse("all,bucket_mb=0.5").bucket_bytes(accelerator=True) == 2**19
+    with pytest.raises(ValueError, match="bucket_mb"):
+        OverlapPolicy(bucket_mb=-1)
 
 
 def test_forward_chunks_follow_the_device():

@@ -28,7 +28,7 @@ from axon4d.config import ModelConfig
 from axon4d.geometry import Term, wire_dtype
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import load
-from axon4d.plan.cost import step_estimate
+from axon4d.plan.cost import step_estimate, zero_gathers
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.sent import step_collectives
 from axon4d.plan.workload import Workload
@@ -198,6 +198,25 @@ def test_logged_bytes_per_axis_and_term_equal_the_planner_s_pairwise(pools, case
 )
 def test_logged_bytes_under_recomputation_equal_the_planner_s(pools, case):
     _check(pools, case[:-1], recompute=case[-1])
+
+
+def _gathers_logged(grid):
+    """{(axis, tag): (calls, payload bytes)} of ZeRO-1's all-gathers over data in a logged step."""
+    return {k: v for k, v in _logged(grid, "llama", False, 1, 1).items() if k[1] == str(Term.ZERO_GATHER)}
+
+
+@pytest.mark.parametrize("bucket_mb", [0.0, 0.004, 1.0])
+def test_zero_s_bucketed_gathers_are_the_planner_s(pools, bucket_mb):
+    """ZeRO's all-gathers in buckets of ``bucket_mb`` (4 KiB: a few parameters each; 1 MiB: one
+    bucket per dtype) are issued as the planner prices them: calls and bytes per (axis, term)."""
+    grid, precision = (1, 1, 1, 2), "bf16"
+    policy = OverlapPolicy(bucket_mb=bucket_mb)
+    wl = Workload(CONFIGS["llama"], 2, precision=precision)
+    gathers = zero_gathers(Scenario(wl, GridShape(*grid), _host(), policy, zero=1))
+    priced = {("data", str(Term.ZERO_GATHER)): (len(gathers), sum(g.payload_bytes for g in gathers))}
+    for logged in pools(2).run(grid, _gathers_logged, precision=precision, overlap=policy):
+        assert logged == priced
+    assert (len(gathers) == 2) == (bucket_mb == 1.0)  # the 16-bit weights' bucket and the fp32 rest's
 
 
 def test_the_cases_cover_every_pair_of_option_values():

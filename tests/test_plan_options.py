@@ -121,7 +121,8 @@ def test_zero_shards_the_optimizer_and_gathers_the_parameters_over_data():
     assert sixteen_bit_weights(fp32, SHAPE, zero=1) == []
     assert memory(fp32, SHAPE, "none", ALL, zero=1).params == memory(fp32, SHAPE, "none", ALL).params == n * 4
     t0, t1, t2 = (step_estimate(_sc(zero=z)) for z in (0, 1, 2))
-    gathers = zero_gathers(_sc(zero=1))  # one per parameter (bucket_mb 0), as axon4d.zero issues them
+    per_tensor = dataclasses.replace(ALL, bucket_mb=0.0)
+    gathers = zero_gathers(Scenario(WL_20B, SHAPE, PERLMUTTER, per_tensor, zero=1))  # one per parameter
     assert len(gathers) == len(local_param_tensors(WL_20B, SHAPE))
     assert all((g.op, g.axis) == (Op.ALL_GATHER, "data") for g in gathers)
     # the bf16 weights' parts and the fp32 rest, padded to 4 parts each
@@ -131,6 +132,12 @@ def test_zero_shards_the_optimizer_and_gathers_the_parameters_over_data():
     one = dataclasses.replace(ALL, bucket_mb=1e6)  # a bucket big enough for every parameter: one gather per dtype
     assert len(zero_gathers(Scenario(WL_20B, SHAPE, PERLMUTTER, one, zero=1))) == 2
     assert len(zero_gathers(Scenario(fp32, SHAPE, PERLMUTTER, one, zero=1))) == 1
+    # the default on an accelerator: 25 MiB buckets (OverlapPolicy.bucket_bytes), as the runtime makes them
+    bucketed = zero_gathers(_sc(zero=1))
+    assert len(tensors := local_param_tensors(WL_20B, SHAPE)) > len(bucketed) > 2
+    assert sum(g.payload_bytes for g in bucketed) == gathered
+    host = dataclasses.replace(PERLMUTTER, accelerator=False)  # one gather per parameter on the host
+    assert len(zero_gathers(Scenario(WL_20B, SHAPE, host, ALL, zero=1))) == len(tensors)
     assert t0.optimizer_s / 4 < t1.optimizer_s < t0.optimizer_s  # a quarter of the step, and the copies of the gathers
     # ZeRO-2: E12 is a reduce-scatter (half an all-reduce's ring traffic)
     e12 = [lc for lc in (layer_cost(s, _sc(zero=2)) for s in _sc().linears) if Term.E12 in lc.comm]

@@ -138,6 +138,7 @@ def scenario_memory(sc: Scenario) -> MemoryEstimate:
         offload=sc.offload,
         fp8_gather=sc.fp8_gather,
         widened_gemms=not sc.machine.accelerator,
+        accelerator=sc.machine.accelerator,
     )
     m = sc.machine
     return dataclasses.replace(

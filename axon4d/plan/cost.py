@@ -304,13 +304,13 @@ def _owned(sc: Scenario) -> float:
 def zero_gathers(sc: Scenario) -> list[Collective]:
     """ZeRO's all-gathers over data of the updated parameters, once per step, one per bucket as
     ``axon4d.zero`` issues them: parameters in order, a bucket closed once it holds the policy's
-    ``bucket_mb`` (0: one parameter each); each moves every rank's part of ⌈n/G_data⌉ elements of
+    ``bucket_bytes`` on the machine's device (0: one parameter each); each moves every rank's part of ⌈n/G_data⌉ elements of
     each of its parameters, in the parameters' dtype as stored (``_stored``), one dtype per bucket.
     None without ZeRO or with G_data = 1."""
     if not sc.zero or sc.shape.data == 1:
         return []
     d = sc.shape.data
-    limit = sc.overlap.bucket_mb * 2**20
+    limit = sc.overlap.bucket_bytes(sc.machine.accelerator)  # the runtime's: the device's where unset
     out = []
     for tensors, elem in _stored(sc):
         buckets: list[int] = []  # elements gathered per bucket

@@ -107,6 +107,7 @@ def memory(
     offload: int = 0,
     fp8_gather: bool = False,
     widened_gemms: bool = False,
+    accelerator: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak bytes per rank of one step of ``wl`` on ``shape`` (with ``wl.optimizer``'s states).
 
@@ -114,6 +115,8 @@ def memory(
     receives, a buffer of its input's size, until waited on (the host's exchange under gloo; not
     NCCL: ``Machine.staged_reduce_scatter``). ``widened_gemms``: the dW GEMMs of 16-bit inputs into
     fp32 sums widen their inputs first (the host; an accelerator's GEMM writes fp32 itself).
+    ``accelerator``: the ranks compute on accelerators, whose bucket size a policy that leaves it
+    unset takes (``OverlapPolicy.bucket_bytes``).
 
     The step's options (``axon4d.plan.scenario``): with ``micro_batches`` k the activations are one
     micro-batch's (batch/k sequences), and under keep-for-backward the held backward passes keep the
@@ -208,9 +211,9 @@ def memory(
     gathers = 0.0
     if zero and shape.data > 1:
         # ZeRO's all-gathers of the updated parameters: two buckets at a time (one unpacked while the
-        # next is in flight), each its parts sent and every rank's received (the grid's bucket_mb;
-        # 0: one parameter per bucket, the largest bounding it)
-        bucket = max(largest_shard * (elem if sixteen else p_bytes), overlap.bucket_mb * 2**20)
+        # next is in flight), each its parts sent and every rank's received (the policy's
+        # bucket_bytes on the device; 0: one parameter per bucket, the largest bounding it)
+        bucket = max(largest_shard * (elem if sixteen else p_bytes), overlap.bucket_bytes(accelerator))
         gathers = 2 * bucket * (1 + 1 / shape.data)
         largest_shard = math.ceil(largest_shard / shape.data)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
