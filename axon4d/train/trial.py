@@ -146,14 +146,13 @@ def _try_one(cfg: TrainConfig, cand: Candidate, rank: int, build: Build, step: S
     }
     measured, err, device = _measure(cfg, cand, build, step)
     verdicts = _agree(err, measured)
-    failed = [(r, v[0]) for r, v in enumerate(verdicts) if v[0] is not None]
+    failed = _failures(verdicts)
     runtime.shutdown(clean=not failed)  # after a failure no barrier and no draining, on every rank alike
     gc.collect()
     if device is not None:
         devices.release_cached_memory(device)
     if failed:
-        r, reason = failed[0]
-        row["error"] = f"rank {r}: {reason}"
+        row["error"] = failed[0][1]  # the lowest failing rank's reason
     else:
         row["measured_s"] = max(v[1][0] for v in verdicts)  # the slowest rank's median sets the step
         row["measured_peak_bytes"] = max(v[1][1] for v in verdicts)
@@ -177,13 +176,21 @@ def _measure(
             timeout_s=cfg.startup_timeout,
         )
     except Exception as e:
-        return None, _reason(e), None
+        return None, _reason(e, launch.detect().rank), None
     # a rank left waiting in a collective another rank will not join ends by the watchdog's deadline
     with watchdog.guard(grid.rank, grid.world_size, cfg.startup_timeout, cfg.startup_timeout, abort=grid.comm.abort):
         try:
             model = build(cfg, cfg.model_config(), grid)
             opt = make_optimizer(model, cfg, grid)
             data = make_data(cfg, cfg.model_config(), grid)
+        except Exception as e:  # a rank that cannot build (out of memory) has joined no step's collective
+            built: str | None = _reason(e, grid.rank)
+        else:
+            built = None
+        failed = _failures(_agree(built, None))
+        if failed:  # every rank skips the plan before its first step
+            return None, failed[0][1], grid.device
+        try:
             step(model, opt, data, grid, cfg, 0, 1.0)
 
             def tracked(next_pass: Callable[[], None]) -> None:
@@ -200,12 +207,17 @@ def _measure(
             times = [step(model, opt, data, grid, cfg, WARMUP + s, 1.0)[0]["step_s"] for s in range(cfg.try_steps)]
             return (statistics.median(times), peak), None, grid.device
         except Exception as e:  # skipped and reported
-            return None, _reason(e), grid.device
+            return None, _reason(e, grid.rank), grid.device
 
 
-def _reason(e: BaseException) -> str:
-    """Why a plan failed, in a row's few words: the error's type and message."""
-    return f"{type(e).__name__}: {e}"[:REASON_CHARS]
+def _reason(e: BaseException, rank: int) -> str:
+    """Why a plan failed on ``rank``, in a row's few words: the rank, the error's type and message."""
+    return f"rank {rank}: {type(e).__name__}: {e}"[:REASON_CHARS]
+
+
+def _failures(verdicts: list[tuple[str | None, Any]]) -> list[tuple[int, str]]:
+    """(rank, reason) of each rank whose verdict (``_agree``) is a failure, lowest rank first."""
+    return [(r, v[0]) for r, v in enumerate(verdicts) if v[0] is not None]
 
 
 def _agree(err: str | None, measured: tuple[float, int] | None) -> list[tuple[str | None, Any]]:
