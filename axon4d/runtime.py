@@ -126,7 +126,7 @@ def resolve(grid: Grid | None) -> Grid:
     return grid if grid is not None else get_grid()
 
 
-def shutdown() -> None:
+def shutdown(clean: bool | None = None) -> None:
     """Destroy the current grid's groups; ``init()`` may then build another grid in this process.
 
     The default process group that ``init()`` created stays until the process exits (it is
@@ -136,13 +136,15 @@ def shutdown() -> None:
 
     Called while an exception propagates (from a ``finally``), it enters no barrier: the other
     ranks may be inside a collective this rank will never join, and the barrier would hang it
-    instead of letting its error end the job (docs/reliability.md)."""
+    instead of letting its error end the job (docs/reliability.md). ``clean`` says so explicitly
+    (False: no barrier and no draining, as after an error every rank agreed on)."""
     grid = _state["grid"]
     if grid is None:
         return
     assert isinstance(grid, Grid)
     _state["grid"] = None
-    clean = sys.exc_info()[0] is None
+    if clean is None:
+        clean = sys.exc_info()[0] is None
     if dist.is_initialized() and clean:
         grid.comm.barrier()  # a rank leaving early can abort the others (docs/design.md §7)
     grid.destroy(drain=clean)  # collects what refers to its groups (Grid.destroy)

@@ -28,7 +28,7 @@ from axon4d.config import ModelConfig
 from axon4d.device import environment
 from axon4d.materialize import init_dense_
 from axon4d.models.transformer import DenseTransformer
-from axon4d.train import TrainConfig, loop, train
+from axon4d.train import TrainConfig, loop, outdir, train
 from axon4d.train.loop import STEP_READ
 from axon4d.train.optim import make_optimizer, optimizer_kernel
 
@@ -276,4 +276,4 @@ def test_a_host_training_step_reads_the_device_once_and_the_run_records_its_defa
     assert loop._resolve_precision(TrainConfig(**{**cfg, "resume": "always"})) == "fp32"
     assert loop._resolve_precision(TrainConfig(**{**cfg, "resume": "always", "precision": "bf16"})) == "bf16"
     assert loop._resolve_precision(TrainConfig(**{**cfg, "overwrite": True})) == "bf16-fp32-reduce"
-    assert "tf32" in loop.RESUMABLE_CHANGES  # --no-tf32 may be given to a resumed run
+    assert "tf32" in outdir.RESUMABLE_CHANGES  # --no-tf32 may be given to a resumed run

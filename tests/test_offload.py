@@ -338,9 +338,9 @@ def test_the_flag_takes_a_fraction_or_indices_and_refuses_what_no_model_can_use(
     add_arguments(p)
     assert from_args(p.parse_args(["--offload", "0.5"])).offload == "0.5"
     assert TrainConfig(model="tiny", layers=4, offload="0,3").offload == "0,3"
-    from axon4d.train import loop
+    from axon4d.train import outdir
 
-    assert "offload" in loop.RESUMABLE_CHANGES  # results are bit-identical: a resumed run may change it
+    assert "offload" in outdir.RESUMABLE_CHANGES  # results are bit-identical: a resumed run may change it
     for value, words in [("1.5", "within [0, 1]"), ("0,4", "4 blocks, indices 0…3"), ("half", "decimal point")]:
         with pytest.raises(ValueError) as e:
             TrainConfig(model="tiny", layers=4, offload=value)

@@ -326,6 +326,13 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Return the caching allocator's unused blocks on ``device`` to the driver (a no-op on the
+    host): what a torn-down model held is then free for the next one, whatever its block sizes."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def peak_memory_allocated(device: torch.device) -> int | None:
     """Peak bytes of torch tensors on ``device`` since ``reset_peak_memory``, from the caching
     allocator; None on the host, which keeps no such count (use torch's ``MemTracker`` there)."""

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.nn import Linear
+from axon4d.peakmem import peak_bytes
 from axon4d.plan.workload import Workload, unmixed_precision
-from axon4d.zero import ShardedOptimizer, shard_optimizer
+from axon4d.zero import shard_optimizer
 
 
 class ProbeModel(nn.Module):
@@ -159,40 +157,3 @@ def measure_peak(model: ProbeModel, warmup: int = 2) -> int:
     for _ in range(warmup):
         train_step(model, opt)
     return peak_bytes(model.grid, model, opt, lambda: train_step(model, opt))
-
-
-def peak_bytes(grid: Grid, model: nn.Module, opt: Any, step: Callable[..., Any], *, passes: bool = False) -> int:
-    """Peak bytes of torch tensors on this rank over one ``step()``, maximum over ranks (all ranks
-    call it): torch's ``MemTracker`` on the host (see ``measure_peak``), the allocator's peak on an
-    accelerator. The communication log is cleared afterwards.
-
-    ``passes``: the step runs the model's forward more than once (micro-batches) and is called as
-    ``step(next_pass)``, calling ``next_pass()`` before each forward after the first: the tracker
-    follows one module call per iteration, so its per-module records are cleared there (its peak
-    is kept).
-
-    A ZeRO optimizer (``axon4d.zero``) is tracked as its inner optimizer (where the state lives)
-    and its master parts: copies where the weights are stored in 16 bits, views of the
-    parameters (counted once) otherwise."""
-    device = grid.device
-    grid.comm.barrier()
-    if devices.is_host(device):
-        tracker = MemTracker()
-        external: list[Any] = [opt] if isinstance(opt, torch.optim.Optimizer) else []
-        if isinstance(opt, ShardedOptimizer):
-            external = [opt.inner, *(m for group in opt.param_groups for m in group["params"])]
-        with warnings.catch_warnings():  # it warns of the gradients zero_grad set to None
-            warnings.simplefilter("ignore", UserWarning)
-            tracker.track_external(model, *external)
-            with tracker:
-                step(tracker.reset_mod_stats) if passes else step()
-        peak = float(tracker.get_tracker_snapshot("peak")[device]["Total"])
-    else:
-        devices.synchronize(device)
-        devices.reset_peak_memory(device)
-        step(lambda: None) if passes else step()
-        devices.synchronize(device)
-        peak = float(devices.peak_memory_allocated(device) or 0)
-    grid.comm.log.clear()
-    peaks = grid.comm.all_gather(torch.tensor([peak], dtype=torch.float64, device=device), "world").wait()
-    return int(peaks.max())

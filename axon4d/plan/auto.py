@@ -17,6 +17,7 @@ from axon4d.config import ModelConfig, get_config
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, tune_overlap
 from axon4d.plan.machine import available
+from axon4d.plan.result import PlanResult
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import Workload
 from axon4d.shape import GridShape
@@ -147,6 +148,54 @@ def choose(
     """``choose_grid``'s whole choice: the best candidate, with the overlap policy and the step
     options (``Candidate.options``; "auto" ones chosen by the search) it was priced with. Raises
     ``ValueError`` (on every rank alike) when no grid fits."""
+    return ranked(
+        world,
+        model=model,
+        batch=batch,
+        machine=machine,
+        dtype=dtype,
+        precision=precision,
+        overlap=overlap,
+        recompute=recompute,
+        optimizer=optimizer,
+        memory_gib=memory_gib,
+        workload=workload,
+        rank=rank,
+        top=top,
+        micro_batches=micro_batches,
+        zero=zero,
+        offload=offload,
+        fp8_gather=fp8_gather,
+        context_parallel=context_parallel,
+        async_save=async_save,
+    ).best
+
+
+def ranked(
+    world: int,
+    *,
+    model: ModelConfig | str | None = None,
+    batch: int | None = None,
+    machine: str | None = None,
+    dtype: str = "",
+    precision: str = "",
+    overlap: Any = None,
+    recompute: str = "none",
+    optimizer: str = "adam",
+    memory_gib: float | None = None,
+    workload: Workload | None = None,
+    rank: int = 0,
+    top: int = 3,
+    micro_batches: int | str = 1,
+    zero: int | str = 0,
+    offload: int | str = 0,
+    fp8_gather: bool | str = False,
+    context_parallel: bool | str = False,
+    async_save: bool = False,
+) -> PlanResult:
+    """``choose``'s search (its arguments), every priced candidate ranked (``PlanResult``: at least
+    the ``top`` fastest fitting ones, where so many fit); rank 0 prints the best and the top ``top``.
+    Raises ``ValueError`` (on every rank alike) when no grid fits."""
     if workload is None:
         workload = _workload(world, model, batch, dtype, optimizer, "grid='auto'", precision)
     result = plan(
@@ -184,4 +233,4 @@ def choose(
         print(result.table(top), file=sys.stderr, flush=True)
         if result.caveat:
             print(f"axon4d: warning: {result.caveat}", file=sys.stderr, flush=True)
-    return best
+    return result

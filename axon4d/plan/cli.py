@@ -23,10 +23,10 @@ from typing import Any
 
 from axon4d import rules
 from axon4d.config import SIZES, get_config
-from axon4d.plan import stepfit
+from axon4d.plan import correction, stepfit
 from axon4d.plan.machine import available
 from axon4d.plan.options import AUTO_OPTION
-from axon4d.plan.search import plan
+from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import DEFAULT_PRECISION, OPTIMIZERS, Workload
 from axon4d.precision import NAMED
 from axon4d.recompute_mode import RECOMPUTE_MODES
@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="20B", help=f"model size: {', '.join(SIZES)}")
     p.add_argument("--gpus", "--ranks", dest="gpus", type=int, required=True, help="world size (devices)")
     p.add_argument("--machine", default="perlmutter", help=f"shipped machine ({', '.join(available())}) or a JSON file")
+    p.add_argument(
+        "--correction",
+        default="",
+        help="a correction.json written by `axon4d train --grid auto --try N`: its factors scale the machine's "
+        "priced compute and communication (axon4d.plan.correction; the machine file is unchanged)",
+    )
     p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
     p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
     p.add_argument(
@@ -139,11 +145,14 @@ def main(args: argparse.Namespace) -> int:
         )
     cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len is not None else {}))
     wl = Workload(cfg, args.batch, args.dtype, optimizer=args.optimizer, precision=args.precision)
+    machine: Any = args.machine
+    if args.correction:
+        machine = correction.apply(load_machine(args.machine), correction.load(args.correction))
     start = time.perf_counter()
     result = plan(
         cfg,
         args.gpus,
-        args.machine,
+        machine,
         args.batch,
         workload=wl,
         overlap=args.overlap,

@@ -39,6 +39,12 @@ class TrainConfig:
     """The planner's machine (a shipped name such as perlmutter, or a file from axon4d calibrate): for --grid auto, and for the overlap knobs the planner tunes (axon4d.init's overlap="auto"); default $AXON4D_MACHINE, else none (the default knobs; --grid auto then needs one)."""
     pin: str = ""
     """With --grid auto, step options the planner may not choose although they are at their defaults, comma-separated: recompute, micro_batches, zero, offload, context_parallel, fp8_gather (an option given another value than its default is pinned anyway; docs/planner.md)."""
+    try_plans: int = 0
+    """With --grid auto (also --try): build the planner's N fastest fitting plans in turn, time --try-steps steps of each, and train with the fastest measured; a plan that fails is skipped with its reason; the rows go to the banner, summary.json and trials.json, and correction.json (for axon4d plan --correction) is written (docs/planner.md#trying-the-top-plans). 0: the planner's first choice."""
+    try_steps: int = 3
+    """With --try: timed steps per plan, after two untimed warm-up steps (the second tracked for peak memory); the run trains on none of them."""
+    retry: bool = False
+    """With --try and a resumed run: try the plans again instead of taking the one the first launch chose (out_dir/trials.json)."""
     comm: str = "auto"
     """Communication transport: auto (MPI when launched by mpirun on CPUs, else torch.distributed: NCCL on GPUs, gloo on CPUs), torch, or mpi (GPU tensors go to a CUDA-aware MPI as they are, else through host memory)."""
     hf: str = ""
@@ -166,6 +172,8 @@ class TrainConfig:
             raise ValueError(
                 f"--pin {self.pin!r}: {', '.join(unknown)} is not a planned option; name some of {', '.join(PLANNED)}"
             )
+        if self.try_plans and self.grid != "auto":
+            raise ValueError(f"--try {self.try_plans} with --grid {self.grid}: only --grid auto has plans to try")
         if self.min_lr > self.lr:
             raise ValueError(
                 f"--min-lr {self.min_lr} is above --lr {self.lr}: the schedule decays from --lr down to --min-lr; "
@@ -272,6 +280,8 @@ def _flag(name: str) -> str:
 #: whole-number fields and their least value
 _MINIMUM: dict[str, int] = {
     "steps": 1,
+    "try_plans": 0,
+    "try_steps": 1,
     "batch_size": 1,
     "micro_batches": 1,
     "log_every": 1,
@@ -302,6 +312,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
 #: what each checked field means, for its error message
 _HINTS: dict[str, str] = {
     "steps": "the optimizer steps of the whole run, e.g. --steps 100",
+    "try_plans": "plans to try with --grid auto, e.g. --try 3 (0: none)",
+    "try_steps": "timed steps per tried plan, e.g. --try-steps 3",
     "batch_size": "global sequences per micro-batch, e.g. --batch-size 16",
     "micro_batches": "micro-batches accumulated per step, e.g. --micro-batches 1",
     "log_every": "a log record every N steps, e.g. --log-every 1",
@@ -344,6 +356,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 #: fields whose flag may be given alone, meaning this value (``--resume`` is ``--resume always``)
 ALONE: dict[str, str] = {"resume": "always"}
+#: other names of a field's flag
+ALIASES: dict[str, tuple[str, ...]] = {"try_plans": ("--try",)}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -369,6 +383,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             alone: dict[str, Any] = {"nargs": "?", "const": ALONE[f.name]} if f.name in ALONE else {}
             p.add_argument(
                 flag,
+                *ALIASES.get(f.name, ()),
                 type=kind,
                 default=f.default,
                 choices=CHOICES.get(f.name),

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from axon4d import checkpoint, grads, launch, runtime, watchdog
+from axon4d import checkpoint, grads, runtime, watchdog
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.device import environment
@@ -54,10 +53,11 @@ from axon4d.offload import parse_offload
 from axon4d.precision import AUTO, NAMED
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import check_recompute
-from axon4d.train import hf, planned, reference, report
+from axon4d.train import hf, reference, report, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
 from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
+from axon4d.train.outdir import check_out_dir, finished
 from axon4d.train.peak import check_compute_dtype, mfu, world_peak_tflops
 
 #: the models the loop trains: axon4d's own, or a saved Hugging Face one (--hf)
@@ -78,17 +78,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     environment.use_expandable_segments()  # before the accelerator is initialised; only where there is one
     environment.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
     overlap: Any = "auto"  # the knobs the planner tunes for the grid (axon4d.init's default)
+    tried: list[dict[str, Any]] = []  # with --try, the plans tried and how each measured
     if cfg.grid == "auto":  # the planner's grid and step options, applied (every rank alike)
-        cfg, best = planned.plan_run(cfg, devices.accelerator_available())
+        cfg, best, tried = trial.choose(cfg, devices.accelerator_available(), _resolve_precision, _model, _step)
         overlap = best.overlap
     # a bad name fails here, on every rank, before any communication; the resolved name is the
     # run's from here on: the checkpoints, a resume's check and the reference run see it
     cfg = dataclasses.replace(cfg, precision=_resolve_precision(cfg))
     check_recompute(cfg.recompute)  # likewise
     mcfg = cfg.model_config()
-    resume_from = _check_out_dir(cfg, mcfg)
+    resume_from = check_out_dir(cfg, mcfg)
     if resume_from is not None and checkpoint.read_meta(resume_from)["step"] == cfg.steps:
-        return _finished(cfg, resume_from)  # --resume auto relaunched after the run's last save
+        return finished(cfg, resume_from)  # --resume auto relaunched after the run's last save
     grid_spec = cfg.grid_spec()
     grid = runtime.init(
         grid=grid_spec,
@@ -110,7 +111,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             watchdog.guard(grid.rank, grid.world_size, cfg.timeout, cfg.startup_timeout, abort=grid.comm.abort) as dog,
             _saver(grid, cfg) as saver,
         ):
-            return _train_on(grid, cfg, mcfg, resume_from, dog, saver)
+            return _train_on(grid, cfg, mcfg, resume_from, dog, saver, tried)
     finally:
         runtime.shutdown()
 
@@ -126,103 +127,6 @@ def _resolve_precision(cfg: TrainConfig) -> str:
         if saved in NAMED:
             return str(saved)
     return resolve_precision(cfg.precision, devices.accelerator_available())
-
-
-#: training settings a resume may change besides the checkpoint module's: TF32 changes how fp32
-#: matmuls round, as the device or the transport do, not what the run computes; offload changes
-#: where saved activations wait for their backward, not what is computed (bit-identical); --zero
-#: where the optimizer's state lives (its checkpoints load with or without it, on any data size);
-#: --hf is checked as the directory it names (``checkpoint.HF_PATH``), however the path is written
-RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {"tf32", "offload", "zero", "pin", "hf"}
-
-
-def _check_out_dir(cfg: TrainConfig, mcfg: ModelConfig) -> str | None:
-    """Refuse an output directory this run cannot use, on every rank before any collective; return
-    the checkpoint to resume from (None: start at step 0).
-
-    By ``cfg.resume``: ``never`` refuses checkpoints (unless --overwrite); ``always`` needs one;
-    ``auto`` takes the newest when there is one, and a checkpoint of another run (another model or
-    training settings) only with --overwrite, which starts afresh. The checkpoint must match the run
-    and lie below --steps; under ``auto`` one at --steps is returned (the run is complete)."""
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, f".write-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(
-            f"--out-dir {cfg.out_dir!r} cannot be written by this rank ({e.strerror or e}); "
-            "give a directory every rank can create and write"
-        ) from e
-    ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-    found = checkpoint.latest(ckpt_dir)
-    if found is None:
-        if cfg.resume == "always":
-            raise ValueError(
-                f"--resume always: {ckpt_dir!r} holds no complete checkpoint to continue from; give the --out-dir "
-                "of the run to continue, or --resume auto to start afresh when there is none"
-            )
-        return None
-    meta = checkpoint.read_meta(found)
-    if cfg.resume == "never":
-        if cfg.overwrite:
-            return None
-        raise ValueError(
-            f"--out-dir {cfg.out_dir!r} holds checkpoints of another run (newest: {found}, step {meta['step']}); "
-            "pass --resume to continue it, --overwrite to delete them and start afresh, or another --out-dir"
-        )
-    _check_hf_path(cfg, meta, found)
-    try:
-        checkpoint.check_compatible(meta, mcfg, dataclasses.asdict(cfg), RESUMABLE_CHANGES)
-    except ValueError as e:
-        if cfg.resume == "auto" and cfg.overwrite:
-            return None  # another run's: --overwrite deletes them (_resume) and this run starts afresh
-        if cfg.resume == "auto":
-            raise ValueError(
-                f"--resume auto found another run's checkpoint, {found}: {e}, or pass --overwrite to delete its "
-                "checkpoints and start afresh"
-            ) from e
-        raise
-    if int(meta["step"]) == cfg.steps and cfg.resume == "auto":
-        return found  # the run is complete (train returns its summary)
-    if int(meta["step"]) >= cfg.steps:
-        raise ValueError(
-            f"--resume from {found} at step {meta['step']} with --steps {cfg.steps}: the run is already "
-            f"{'past' if int(meta['step']) > cfg.steps else 'at'} its last step; give --steps above {meta['step']} "
-            "to train further"
-        )
-    return found
-
-
-def _check_hf_path(cfg: TrainConfig, meta: dict[str, Any], found: str) -> None:
-    """Refuse to resume checkpoint ``found`` (meta.json ``meta``) of another model than --hf names:
-    another Hugging Face directory, one of axon4d's own models, or the other way round."""
-    saved = meta.get(checkpoint.HF_PATH)
-    here = os.path.realpath(cfg.hf) if cfg.hf else None
-    if saved == here or (saved and here and os.path.realpath(saved) == here):
-        return
-    was = f"fine-tunes the Hugging Face model in {saved!r}" if saved else "trains one of axon4d's own models"
-    now = f"--hf {cfg.hf!r}" if cfg.hf else "no --hf"
-    hint = f"--hf {saved}" if saved else "without --hf"
-    raise ValueError(
-        f"--resume from {found}: that run {was}, this one has {now}; resume {hint}, or use another --out-dir"
-    )
-
-
-def _finished(cfg: TrainConfig, final: str) -> dict[str, Any]:
-    """The run of ``cfg`` whose checkpoint ``final`` is at its last step (relaunched with --resume
-    auto after its last save): say so, train nothing, and return its summary.json (without one, as
-    when it was ended before writing it, the step and checkpoint) with no losses of this launch."""
-    if launch.detect().rank == 0:
-        print(f"axon4d: {final} is at --steps {cfg.steps}: the run is complete, nothing to train (--resume auto)")
-    try:
-        with open(os.path.join(cfg.out_dir, "summary.json")) as f:
-            summary = dict(json.load(f))
-    except (OSError, ValueError):
-        summary = {"steps": cfg.steps, "checkpoint": final}
-    summary["losses"] = []
-    return summary
 
 
 def main(args: argparse.Namespace) -> int:
@@ -423,9 +327,10 @@ def _train_on(
     resume_from: str | None,
     dog: watchdog.Watchdog | None,
     saver: checkpoint.AsyncSaver | None = None,
+    tried: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The run on a built grid: resume, train, checkpoint (in the background with ``saver``), report;
-    the summary plus every step's loss."""
+    """The run on a built grid: resume, train, checkpoint (in the background with ``saver``), report
+    (with the plans ``tried`` under --try); the summary plus every step's loss."""
     rank0 = grid.rank == 0
     tf32 = devices.allow_tf32(grid.device, cfg.tf32)  # fp32 matmuls on TF32 tensor cores (an accelerator only)
     model = _model(cfg, mcfg, grid)
@@ -437,6 +342,8 @@ def _train_on(
     check_compute_dtype(grid)
     peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)  # after allow_tf32: fp32 at TF32's peak
     chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": describe_optimizer(opt), "zero": cfg.zero}
+    if rank0 and tried:
+        print(trial.table(tried))
     if rank0:
         print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source, chosen))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
@@ -471,9 +378,11 @@ def _train_on(
     summary.update(report.save_summary(blocked, cfg.async_save))
     summary.update(chosen)
     summary["peak_tflops"], summary["peak_source"] = peak_total, peak_source  # MFU's denominator
+    if tried:
+        summary["trials"] = tried
     log.close()
     if rank0:
-        print(report.format_summary(summary))
+        print(report.format_summary(summary) + (f"\n\n{trial.table(tried)}" if tried else ""))
         report.write_summary(cfg.out_dir, summary)
     if initial_dense is not None and rank0 and start == 0:
         reference.compare(initial_dense, cfg, mcfg, losses, summary)

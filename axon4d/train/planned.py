@@ -77,27 +77,37 @@ def _offload_indices(cfg: TrainConfig) -> tuple[int, ...]:
     return offload_blocks(parse_offload(cfg.offload), cfg.model_config().n_layers)
 
 
+def request(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
+    """What this run asks the planner (``axon4d.plan.auto.choose``'s arguments but the world size):
+    the model, the step's batch (``--batch-size`` × ``--micro-batches``), the machine, the precision
+    the run will compute in, and each step option free (``AUTO_OPTION``) or pinned (``question``)."""
+    info = launch.detect()
+    return {
+        "model": cfg.model_config(),
+        "batch": cfg.batch_size * cfg.micro_batches,
+        "machine": cfg.machine or None,
+        "precision": resolve(cfg.precision, accelerator),  # what its collectives move (Workload.precision)
+        "overlap": "auto",
+        "rank": info.rank,
+        "async_save": cfg.async_save,
+        **question(cfg, accelerator),
+    }
+
+
 def plan_run(cfg: TrainConfig, accelerator: bool) -> tuple[TrainConfig, Candidate]:
     """Ask the planner for this run's grid and options (every rank alike; rank 0 prints the
-    choice) and return the run's config with the chosen options applied, and the choice (its
-    ``shape`` and ``overlap`` are the grid to build). ``ValueError`` when no plan fits."""
-    info = launch.detect()
-    mcfg = cfg.model_config()
+    choice) and return the run's config with the chosen options applied (``apply``), and the choice
+    (its ``shape`` and ``overlap`` are the grid to build). ``ValueError`` when no plan fits."""
+    best = choose(launch.detect().world_size, **request(cfg, accelerator))
+    return apply(cfg, best, accelerator), best
+
+
+def apply(cfg: TrainConfig, best: Candidate, accelerator: bool) -> TrainConfig:
+    """``cfg`` with the grid and the step options of the planner's candidate ``best`` (module
+    docstring): k planned micro-batches of batch/k sequences, the first n blocks offloaded, FP8
+    gathers as the precision where --precision auto left them free."""
     asked = question(cfg, accelerator)
-    planned_micro = asked["micro_batches"] == AUTO_OPTION
     step_batch = cfg.batch_size * cfg.micro_batches
-    precision = resolve(cfg.precision, accelerator)  # what --precision auto becomes on this device
-    best = choose(
-        info.world_size,
-        model=mcfg,
-        batch=step_batch,
-        machine=cfg.machine or None,
-        precision=precision,  # the run's: what its collectives move (the planner's Workload.precision)
-        overlap="auto",
-        rank=info.rank,
-        async_save=cfg.async_save,
-        **asked,
-    )
     k = int(best.option("micro_batches"))
     blocks = int(best.option("offload"))
     changes: dict[str, Any] = {
@@ -106,9 +116,10 @@ def plan_run(cfg: TrainConfig, accelerator: bool) -> tuple[TrainConfig, Candidat
         "offload": ",".join(str(i) for i in range(blocks)) if blocks else "",
         "context_parallel": bool(best.context_parallel),
         "grid": ",".join(str(s) for s in best.shape.as_tuple()),
+        "try_plans": 0,  # a named grid: nothing left to try (axon4d.train.trial)
     }
-    if planned_micro:
+    if asked["micro_batches"] == AUTO_OPTION:
         changes.update(micro_batches=k, batch_size=step_batch // k)
     if asked["fp8_gather"] == AUTO_OPTION and best.option("fp8_gather"):  # only a free --precision auto
         changes["precision"] = "bf16-fp8-gather"
-    return dataclasses.replace(cfg, **changes), best
+    return dataclasses.replace(cfg, **changes)

@@ -1,0 +1,166 @@
+"""``axon4d train --grid auto --try N`` (axon4d.train.trial) on an 8-rank gloo world: the plans
+tried are the planner's fastest fitting ones, each is built and torn down without leaking process
+groups or host memory, the run trains with the fastest measured on the loss curve of a run pinned
+to it, a plan that fails is skipped with its reason, a resumed run does not try again; and the
+correction file its measurements make (axon4d.plan.correction)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+from axon4d.plan import correction
+from axon4d.plan.machine import load
+from axon4d.train import TrainConfig, loop, planned, train, trial
+from axon4d.train.report import host_usage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOST_MACHINE = os.path.join(ROOT, "bench", "results", "planner_machine_local.json")
+TINY = dict(model="tiny", layers=2, hidden=64, heads=4, kv_heads=2, vocab_size=128, seq_len=16, progress=False)
+WORLD = 8
+
+
+def _groups() -> int:
+    """Process groups torch.distributed holds now (the default one included)."""
+    return len(c10d._world.pg_map)
+
+
+def _tried_then_pinned(base):
+    """A --try 3 run, the planner's top 3 by its own ranking, and a run pinned to the chosen plan."""
+    from axon4d.plan.auto import ranked
+
+    cfg = TrainConfig(**base)
+    result = ranked(WORLD, **{**planned.request(cfg, False), "rank": 1}, top=3)
+    top = [list(c.shape.as_tuple()) for c in result.candidates if c.fits][:3]
+    tried = train(cfg)
+    chosen = next(r for r in tried["trials"] if r["chosen"])
+    best = next(c for c in result.candidates if list(c.shape.as_tuple()) == chosen["grid"])
+    pinned_cfg = planned.apply(dataclasses.replace(cfg, out_dir=cfg.out_dir + "-pinned"), best, False)
+    pinned = train(pinned_cfg)  # a named grid with the chosen options: nothing planned
+    return tried, top, pinned
+
+
+@pytest.mark.slow
+def test_the_top_plans_are_tried_and_the_fastest_trains_as_a_run_pinned_to_it(pools, tmp_path):
+    base = dict(
+        grid="auto", try_plans=3, try_steps=1, machine=HOST_MACHINE, steps=3, batch_size=8, out_dir=str(tmp_path / "a")
+    )
+    tried, top, pinned = pools(WORLD).run(None, _tried_then_pinned, {**base, **TINY}, timeout=300)[0]
+    rows = tried["trials"]
+    assert [r["grid"] for r in rows] == top  # the planner's three fastest fitting plans, in its order
+    assert all(r["measured_s"] > 0 and r["measured_peak_bytes"] > 0 and r["error"] is None for r in rows)
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["measured_s"] == min(r["measured_s"] for r in rows)
+    assert tried["grid"] == pinned["grid"] and tried["grid"].endswith(f"data={chosen[0]['grid'][3]})")
+    assert tried["losses"] == pinned["losses"] and len(tried["losses"]) == 3  # the trial trained nothing kept
+    on_disk = json.load(open(tmp_path / "a" / trial.TRIALS_FILE))["trials"]
+    assert [r["grid"] for r in on_disk] == top
+    corr = correction.load(str(tmp_path / "a" / trial.CORRECTION_FILE))
+    assert corr.world == WORLD and len(corr.trials) == 3
+
+
+def _resumed(base):
+    first = train(TrainConfig(**base))
+    again = train(TrainConfig(**{**base, "steps": 3, "resume": "auto"}))
+    return first, again
+
+
+@pytest.mark.slow
+def test_a_resumed_run_takes_the_plan_tried_before(pools, tmp_path):
+    base = dict(grid="auto", try_plans=2, try_steps=1, machine=HOST_MACHINE, steps=2, batch_size=8)
+    first, again = pools(WORLD).run(None, _resumed, {**base, **TINY, "out_dir": str(tmp_path / "r")}, timeout=300)[0]
+    assert again["grid"] == first["grid"] and len(again["losses"]) == 1
+    assert all(r.get("recorded") for r in again["trials"])  # read from trials.json, not measured again
+    assert [r["measured_s"] for r in again["trials"]] == [r["measured_s"] for r in first["trials"]]
+
+
+def _one_fails(base, failing_rank):
+    """A --try 3 run whose second plan cannot be built on ``failing_rank`` alone."""
+    from axon4d.plan.auto import ranked
+
+    cfg = TrainConfig(**base)
+    result = ranked(WORLD, **{**planned.request(cfg, False), "rank": 1}, top=3)
+    doomed = [c.shape for c in result.candidates if c.fits][1]
+    build = loop._model
+
+    def failing(run_cfg, mcfg, grid):
+        if grid.shape == doomed and grid.rank == failing_rank:
+            raise torch.OutOfMemoryError("planted: no room for this plan")
+        return build(run_cfg, mcfg, grid)
+
+    loop._model = failing
+    try:
+        return train(cfg), list(doomed.as_tuple())
+    finally:
+        loop._model = build
+
+
+@pytest.mark.slow
+def test_a_plan_that_fails_on_one_rank_is_skipped_with_its_reason_on_every_rank(pools, tmp_path):
+    base = dict(grid="auto", try_plans=3, try_steps=1, machine=HOST_MACHINE, steps=1, batch_size=8)
+    results = pools(WORLD).run(None, _one_fails, {**base, **TINY, "out_dir": str(tmp_path / "f")}, 3, timeout=300)
+    for summary, doomed in results:  # every rank reached the same verdict and trained
+        rows = {tuple(r["grid"]): r for r in summary["trials"]}
+        skipped = rows[tuple(doomed)]
+        assert skipped["measured_s"] is None and not skipped["chosen"]
+        assert skipped["error"] == "rank 3: OutOfMemoryError: planted: no room for this plan"
+        assert sum(r["chosen"] for r in summary["trials"]) == 1 and len(summary["losses"]) == 1
+
+
+def _leaks(base):
+    """Host memory and process groups after one trial of a plan and after four more."""
+    cfg = TrainConfig(**base)
+    plan = planned.plan_run(cfg, False)[1]
+    groups = _groups()
+    args = (lambda c: "fp32", loop._model, loop._step)
+    trial._try_all(cfg, [plan], False, *args)
+    after_one = host_usage()[0]
+    trial._try_all(cfg, [plan] * 4, False, *args)
+    return groups, _groups(), after_one, host_usage()[0]
+
+
+@pytest.mark.slow
+def test_trials_leak_neither_process_groups_nor_host_memory(pools, tmp_path):
+    base = dict(grid="auto", try_plans=1, try_steps=1, machine=HOST_MACHINE, steps=1, batch_size=8)
+    for before, after, rss_one, rss_five in pools(WORLD).run(None, _leaks, {**base, **TINY, "out_dir": str(tmp_path)}):
+        assert after == before
+        assert rss_five <= 1.05 * rss_one, (rss_one, rss_five)
+
+
+def test_the_correction_recovers_compute_and_communication_factors():
+    rows = [
+        {"predicted_compute_s": c, "predicted_comm_s": m, "measured_s": 1.5 * c + 0.5 * m}
+        for c, m in [(1.0, 1.0), (2.0, 0.5), (0.5, 3.0)]
+    ]
+    fitted = correction.fit("host", 8, rows)
+    assert fitted.compute == pytest.approx(1.5) and fitted.communication == pytest.approx(0.5)
+    one = correction.fit("host", 8, rows[:1])  # one plan cannot tell the two apart: one factor
+    assert one.compute == one.communication == pytest.approx(1.0)
+    machine = load(HOST_MACHINE)
+    k = machine.step_scale_for(8)
+    corrected = correction.apply(machine, fitted).step_scale_for(8)
+    assert corrected == pytest.approx((1.5 * k[0], 0.5 * k[1], 0.5 * k[2], 0.5 * k[3]))
+    assert machine.step_scale_for(8) == k  # the machine itself is unchanged
+
+
+def test_a_correction_file_is_refused_when_it_is_not_one(tmp_path):
+    path = tmp_path / "c.json"
+    correction.write(
+        str(path), correction.fit("host", 8, [{"predicted_compute_s": 1, "predicted_comm_s": 1, "measured_s": 3}])
+    )
+    assert correction.load(str(path)).compute == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="is not a correction"):
+        correction.load(HOST_MACHINE)
+    path.write_text(json.dumps({"kind": correction.KIND, "world": 8, "compute": -1, "communication": 1}))
+    with pytest.raises(ValueError, match="compute = -1 must be a positive finite number"):
+        correction.load(str(path))
+
+
+def test_try_needs_grid_auto():
+    with pytest.raises(ValueError, match="--try 3 with --grid 1,1,1,-1: only --grid auto has plans to try"):
+        TrainConfig(try_plans=3)
