@@ -210,10 +210,7 @@ class Handle:
         else:  # the host: its own clock
             start = time.perf_counter()
             self._wait_on(work)
-            record.t_wait_start = start
-            record.t_wait_end = end = time.perf_counter()
-            if record.t_done is None or record.t_done > end:
-                record.t_done = end
+            record.waited(start, time.perf_counter())
         self._done = True
         self._work = self._source = None
         if self._finish is not None:

@@ -75,7 +75,8 @@ def hidden_pct(comm_s: float, blocked_s: float) -> float:
     return 100.0 * (1.0 - blocked_s / comm_s) if comm_s > 0 else 0.0
 
 
-#: guards a record's device marks between the transport's completion thread and the log's reader
+#: guards a record's completion and device marks between the transport's completion thread and
+#: the rank's own (its wait, the log's reader)
 _MARKS = threading.Lock()
 
 
@@ -111,10 +112,20 @@ class CommRecord:
                         self._mark("t_done", clock.mark(), True)
                 return
             now = time.perf_counter()
-            if self.t_done is None or self.t_done > now:
-                self.t_done = now
+            with _MARKS:  # the wait may be stamping its end meanwhile (``waited``)
+                if self.t_done is None or self.t_done > now:
+                    self.t_done = now
 
         return done
+
+    def waited(self, start: float, end: float) -> None:
+        """Stamp a host wait from ``start`` to ``end`` (``time.perf_counter``): the collective was
+        complete by its end. A completion the transport's thread reports, before or after, keeps
+        the earlier of the two times (``completed_on``)."""
+        with _MARKS:
+            self.t_wait_start, self.t_wait_end = start, end
+            if self.t_done is None or self.t_done > end:
+                self.t_done = end
 
     def mark(self, field: str, mark: Mark, first: bool = False) -> None:
         """Set time ``field`` to device ``mark`` (read later); with ``first``, only if not set yet."""

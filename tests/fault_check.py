@@ -9,7 +9,9 @@ itself in the forward), ``stop`` (SIGSTOPs itself in the forward: a hung rank), 
 (SIGKILLs itself inside the write of the STEP-th checkpoint save, in the background under
 --async-save), or ``none``. The fault is
 planted from outside the library (patching, hooks, signals), then ``axon4d.train.main`` runs with
-the remaining flags. Every rank prints ``FAULT-CHECK pid=<pid> rank=<rank>`` first.
+the remaining flags. Every rank prints ``FAULT-CHECK pid=<pid> rank=<rank>`` first. Under
+``torchrun --max-restarts`` the fault is planted at the first launch only: the restarted job
+runs clean (tests/test_restart.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import torch
 
 from axon4d import checkpoint
+from axon4d.launch import restart_count
 from axon4d.launch_env import env_rank
 from axon4d.models.transformer import Transformer
 from axon4d.train import add_arguments, main
@@ -44,6 +47,7 @@ def plant(fault: str, rank: int, step: int) -> None:
         if at_step and fault == "forward":
             raise PlantedError(f"planted forward failure at step {step}")
         if at_step and fault == "kill":
+            print(f"FAULT-CHECK rank={rank} killed in the forward of step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if at_step and fault == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -79,7 +83,7 @@ def plant(fault: str, rank: int, step: int) -> None:
 if __name__ == "__main__":
     fault, rank, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     print(f"FAULT-CHECK pid={os.getpid()} rank={_rank()}", flush=True)
-    if _rank() == rank and fault != "none":
+    if _rank() == rank and fault != "none" and restart_count() == 0:
         plant(fault, rank, step)
     import argparse
 

@@ -5,11 +5,14 @@ the spawner of calibration and benches too). Each ``pool.run(grid, fn, *args)`` 
 ``axon4d.init(grid)`` on every rank, calls ``fn(grid, *args)``, shuts the grid down (destroying its
 process groups) and returns the per-rank results. If any rank fails, the others get a short grace
 period, the pool is torn down and the failing rank's traceback (or its exit code) is raised here as
-``RankFailure`` — a failing test never hangs the suite.
+``RankFailure`` — a failing test never hangs the suite. After each run every rank collects that
+run's garbage and freezes what survived (``gc.freeze``: imports, caches), so the collection each
+grid's teardown makes (``Grid.destroy``) looks only at the objects of one test, not at torch's.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -38,10 +41,18 @@ class RankPool:
 
         With ``grid=None`` no grid is built and ``fn(*args)`` runs on the bare world.
         """
-        return self.ranks.run(grid, fn, args, init_kwargs, timeout=timeout)
+        results = self.ranks.run(grid, fn, args, init_kwargs, timeout=timeout)
+        self.ranks.run(None, _settle, timeout=timeout)
+        return results
 
     def close(self, force: bool = False) -> None:
         self.ranks.close(force)
+
+
+def _settle() -> None:
+    """On a rank after a run: collect its garbage, then leave what survived out of later collections."""
+    gc.collect()
+    gc.freeze()
 
 
 class Pools:
@@ -64,9 +75,10 @@ class Pools:
         return pool
 
     def close(self) -> None:
+        """End every pool's ranks at once (killed: at the end of a session they hold nothing to
+        keep, and an orderly stop costs each rank a barrier and torch's teardown, pool after pool)."""
         for pool in self._pools.values():
-            if pool.alive:
-                pool.close()
+            pool.close(force=True)
         self._pools.clear()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import runpy
 import subprocess
 import sys
 
@@ -33,24 +34,41 @@ def test_a_bad_flag_value_ends_the_command_with_one_line_and_exit_code_2():
     assert proc.stderr.strip().splitlines() == [
         "axon4d plan: error: zero = 5: use auto or one of (0, 1, 2) (--zero)"
     ], proc.stderr
-    debug = _run("plan", "--model", "80B", "--gpus", "1024", "--batch", "2048", "--zero", "5", "--debug")
-    assert debug.returncode == errors.EXIT_REFUSED
-    assert "Traceback (most recent call last)" in debug.stderr and "ValueError: zero = 5" in debug.stderr
 
 
-def test_the_training_entry_refuses_a_resume_into_another_model_with_its_message(tmp_path):
+def test_debug_shows_the_refusals_traceback(monkeypatch, capsys):
+    from axon4d import cli
+
+    monkeypatch.setenv(errors.DEBUG_ENV, "0")  # --debug sets it to 1; restored (unset) afterwards
+    code = cli.main(["plan", "--model", "80B", "--gpus", "1024", "--batch", "2048", "--zero", "5", "--debug"])
+    assert code == errors.EXIT_REFUSED
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ValueError: zero = 5" in err
+
+
+def _train(cfg: dict) -> None:
+    from axon4d.train import TrainConfig, train
+
+    train(TrainConfig(**cfg))
+
+
+def test_the_training_entry_refuses_a_resume_into_another_model_with_its_message(pools, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
+    pools(1).run(None, _train, dict(model="tiny", steps=2, batch_size=2, out_dir=out, progress=False))
     job = ["--model", "tiny", "--steps", "2", "--batch-size", "2", "--out-dir", out, "--no-progress"]
-    first = _run(*job, module="axon4d.train")
-    assert first.returncode == 0, first.stderr
     resumed = _run(*job, "--steps", "3", "--resume", "--hidden", "96", module="axon4d.train")
     assert resumed.returncode == errors.EXIT_REFUSED, resumed.stderr
     lines = resumed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("axon4d train: error: ") and "hidden" in lines[0], resumed.stderr
-    bad = _run("--steps", "0", module="axon4d.train")
-    assert bad.returncode == errors.EXIT_REFUSED
-    assert bad.stderr.strip() == "axon4d train: error: --steps 0: must be at least 1; the optimizer steps of the " + (
-        "whole run, e.g. --steps 100"
+    # a flag refused before the job starts: the same entry, run here (it sets only what monkeypatch restores)
+    monkeypatch.setattr(sys, "argv", ["axon4d.train", "--steps", "0"])
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # the entry would set it (restored afterwards)
+    monkeypatch.setenv(errors.DEBUG_ENV, "0")
+    with pytest.raises(SystemExit) as bad:
+        runpy.run_module("axon4d.train", run_name="__main__")
+    assert bad.value.code == errors.EXIT_REFUSED
+    assert capsys.readouterr().err.strip() == (
+        "axon4d train: error: --steps 0: must be at least 1; the optimizer steps of the whole run, e.g. --steps 100"
     )
 
 

@@ -45,13 +45,16 @@ def test_a_bare_import_changes_no_environment_variable_and_the_training_entry_as
     assert out[0] == "True" and out[-1] == "1"  # after `import axon4d` the same environment; the entry sets it
 
 
-def test_the_axon4d_train_command_asks_for_huge_pages_as_the_module_entry_does():
-    code = (
-        "import os\nfrom axon4d import cli\ntry:\n    cli.main(['train', '--help'])\nexcept SystemExit:\n    pass\n"
-        "print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
-    )
-    assert _python(code).split()[-1] == "1"
-    assert _python(code, thp="0").split()[-1] == "0"  # the user's 0 switches it off
+def test_the_axon4d_train_command_asks_for_huge_pages_as_the_module_entry_does(monkeypatch):
+    from axon4d import cli
+
+    for preset, expected in ((None, "1"), ("0", "0")):  # unset: the command sets it; the user's 0 is kept
+        monkeypatch.setenv(THP, preset or "")  # recorded, so restored after the test
+        if preset is None:
+            monkeypatch.delenv(THP)
+        with pytest.raises(SystemExit):
+            cli.main(["train", "--help"])
+        assert os.environ.get(THP) == expected
 
 
 _ENTRY_FAULTS = (

@@ -135,8 +135,10 @@ def _rank_pid_then_wait(grid, pid_dir, fail_rank):
     """Write this rank's pid, then (``fail_rank``) end one rank as if killed, or wait forever."""
     import time
 
-    with open(os.path.join(pid_dir, str(grid.rank)), "w") as f:
+    path = os.path.join(pid_dir, str(grid.rank))
+    with open(path + ".partial", "w") as f:
         f.write(str(os.getpid()))
+    os.replace(path + ".partial", path)  # whole or absent: the test reads it as soon as it appears
     if grid.rank == fail_rank:
         os._exit(9)
     while True:
@@ -171,17 +173,61 @@ def test_local_ranks_end_with_the_process_that_spawned_them(tmp_path):
 
     root = os.path.dirname(HERE)
     spawner = subprocess.Popen([sys.executable, "-c", _SPAWNER.format(root=root, pid_dir=str(tmp_path))])
-    deadline = time.time() + 120
-    while len(os.listdir(tmp_path)) < 2 and time.time() < deadline:
+    written = lambda: [name for name in os.listdir(tmp_path) if name.isdigit()]  # noqa: E731
+    deadline = time.monotonic() + 120
+    while len(written()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    pids = [int((tmp_path / name).read_text()) for name in os.listdir(tmp_path)]
+    pids = [int((tmp_path / name).read_text()) for name in written()]
     assert len(pids) == 2
     spawner.send_signal(signal.SIGKILL)
     spawner.wait()
-    deadline = time.time() + 10
-    while any(_alive(p) for p in pids) and time.time() < deadline:
+    deadline = time.monotonic() + 120  # a rank notices within half a second; a loaded host may take longer
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
     (tmp_path / "again").mkdir()
     with pytest.raises(RuntimeError, match="rank 1 of the local 2-rank world ended with exit code 9"):
         run_local(2, _rank_pid_then_wait, str(tmp_path / "again"), 1)
+
+
+class _Ended:
+    """A rank process of a local world that has ended with exit code 1."""
+
+    exitcode = 1
+
+    def is_alive(self) -> bool:
+        return False
+
+
+class _Outbox:
+    """The world's report queue, holding the traceback a rank sent just before it ended; with
+    ``late``, the first read times out as if the report arrived just after it."""
+
+    def __init__(self, late: bool):
+        self.reports = [(0, "error", "Traceback (most recent call last):\nValueError: planted")]
+        self.late = late
+
+    def get(self, timeout: float):
+        import queue
+
+        if self.late or not self.reports:
+            self.late = False
+            raise queue.Empty
+        return self.reports.pop(0)
+
+    def empty(self) -> bool:
+        return not self.reports
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["report-read-first", "end-seen-first"])
+def test_a_rank_that_reports_its_error_and_ends_is_named_by_its_traceback(late):
+    """axon4d.measure.spawn: a rank sends its traceback, then ends (a failed start-up). Whether the
+    spawner reads the report first or first sees the process gone, it raises the traceback."""
+    from axon4d.measure.spawn import LocalWorld, RankFailure
+
+    world = object.__new__(LocalWorld)  # its collection of reports alone, on stand-ins for the processes
+    world.world, world.procs, world.inboxes, world.outbox = 1, [_Ended()], [], _Outbox(late)
+    with pytest.raises(
+        RankFailure, match=r"(?s)rank 0 of the local 1-rank world failed:\nTraceback.*ValueError: planted"
+    ):
+        world._collect("ready", timeout=60)

@@ -166,19 +166,29 @@ def test_the_shipped_gemm_tables_load_and_rate_small_shapes_below_large():
 
 def test_calibration_times_queued_calls_not_one_synchronize_per_call():
     """``timing.timeit`` synchronizes once per batch of calls, not after each: on an accelerator a
-    synchronize's round trip (here 2 ms, faked) added to every call priced an H200's GEMMs as if
-    each ran alone (the 25% of docs/planner.md's Known limits). Work longer than the window is still
-    timed call by call; collectives (no window) one call per sample."""
-    import time
-
+    synchronize's round trip (here 2 ms) added to every call priced an H200's GEMMs as if each ran
+    alone (the 25% of docs/planner.md's Known limits). Work longer than the window is still timed
+    call by call; collectives (no window) one call per sample. The seconds are a clock the calls
+    and synchronizes advance (1 µs a call, 2 ms a synchronize), so the figures are exact."""
     from axon4d.measure.timing import timeit
 
-    calls = []
-    syncs = []
-    t = timeit(lambda: calls.append(1), reps=3, sync=lambda: syncs.append(time.sleep(2e-3)), window_s=0.05)
-    assert t < 2e-4 and len(syncs) < len(calls) / 20  # the 2 ms of each synchronize shared by many calls
-    slow = timeit(lambda: time.sleep(3e-3), reps=3, sync=lambda: None, window_s=1e-3)
-    assert 3e-3 <= slow < 6e-3
+    now = [0.0]
+
+    def spend(seconds: float) -> None:
+        now[0] += seconds
+
+    calls, syncs = [], []
+    t = timeit(
+        lambda: calls.append(spend(1e-6)),
+        reps=3,
+        sync=lambda: syncs.append(spend(2e-3)),
+        window_s=0.05,
+        clock=lambda: now[0],
+    )
+    assert 1e-6 < t < 2e-6 and len(syncs) < len(calls) / 1000  # each synchronize shared by many calls
+    calls.clear()
+    slow = timeit(lambda: calls.append(spend(3e-3)), reps=3, sync=lambda: None, window_s=1e-3, clock=lambda: now[0])
+    assert slow == pytest.approx(3e-3, rel=1e-9) and len(calls) == 4  # the warm-up, then one call a sample
     calls.clear()
     timeit(lambda: calls.append(1), reps=4, sync=lambda: None, budget_s=None, window_s=0.0)
     assert len(calls) == 5  # the warm-up and one per sample

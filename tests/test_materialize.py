@@ -2,7 +2,7 @@
 
 - ``axon4d.materialize``: a ``Transformer`` built on the meta device and materialized for a seed
   holds exactly (``torch.equal``) what ``Transformer.from_dense(init_dense_(DenseTransformer(cfg),
-  seed))`` holds, for GPT and Llama (GQA) on grids of 1, 3, 4 and 8 ranks — among them z shards
+  seed))`` holds, for GPT and Llama (GQA) on grids of 1, 2, 3, 4 and 8 ranks — among them z shards
   that pad a weight block — with the default tiling and one small enough to cut every tensor into
   many tiles; its gradients equal the reference's (the replicated parameters' hooks survive), and
   replicas agree. One rank of a 1024-rank 80B job on a fake process group allocates exactly the
@@ -76,25 +76,38 @@ def _materialize(grid, cfg, dtype):
     return out, grads, _padded(model), grid.coords, values
 
 
-@pytest.mark.parametrize("cfg", [GPT, LLAMA], ids=["gpt", "llama"])
+def _cases(cfgs, world, grid, pads=(), slow=False):
+    """(cfg, world, grid, whether its shards are padded) for each of ``cfgs`` (names: ``pads``)."""
+    marks = [pytest.mark.slow] if slow else []
+    return [
+        pytest.param(CFGS[c], world, grid, c in pads, marks=marks, id=f"{c}-{'x'.join(map(str, grid))}") for c in cfgs
+    ]
+
+
+#: GPT with odd widths: 15·45 and 65·15 blocks do not split in two (z shards padded on 2 ranks)
+ODD = ModelConfig(n_layers=2, hidden=15, n_heads=3, vocab_size=65, seq_len=8, arch="gpt")
+CFGS = {"gpt": GPT, "llama": LLAMA, "odd": ODD}
+
+
 @pytest.mark.parametrize(
-    "world,grid,pads",
+    "cfg,world,grid,padded",
     [
-        (1, (1, 1, 1, 1), set()),
-        (3, (1, 1, 3, 1), {"llama"}),
-        (4, (1, 2, 2, 1), set()),
-        pytest.param(8, (2, 2, 2, 1), {"gpt"}, marks=pytest.mark.slow),
-        pytest.param(8, (1, 2, 4, 1), {"gpt"}, marks=pytest.mark.slow),
+        *_cases(["gpt", "llama"], 1, (1, 1, 1, 1)),
+        *_cases(["odd"], 2, (1, 1, 2, 1), pads={"odd"}),
+        *_cases(["gpt", "llama"], 4, (1, 2, 2, 1)),
+        *_cases(["gpt", "llama"], 3, (1, 1, 3, 1), pads={"llama"}, slow=True),
+        *_cases(["gpt", "llama"], 8, (2, 2, 2, 1), pads={"gpt"}, slow=True),
+        *_cases(["gpt", "llama"], 8, (1, 2, 4, 1), pads={"gpt"}, slow=True),
     ],
 )
-def test_materialized_model_equals_the_dense_reference(pools, cfg, world, grid, pads):
+def test_materialized_model_equals_the_dense_reference(pools, cfg, world, grid, padded):
     results = pools(world).run(grid, _materialize, cfg, torch.float32)
-    for rank, (out, grads, padded, _, _) in enumerate(results):
+    for rank, (out, grads, was_padded, _, _) in enumerate(results):
         for label, params in out.items():
             bad = {n: v for n, v in params.items() if v != (True, False, True, True)}
             assert not bad, f"{cfg.arch} on {grid}, rank {rank}, {label} tiles: (equal, meta, dtype, device) {bad}"
         assert max(grads.values()) <= 1e-6, f"{cfg.arch} on {grid}, rank {rank}: gradients differ {grads}"
-        assert padded == (cfg.arch in pads), f"{cfg.arch} on {grid}: padding expected {cfg.arch in pads}"
+        assert was_padded == padded, f"{cfg.arch} on {grid}: padding expected {padded}"
     # replicas (the ranks of one (x, y) position and z index, over data) and the whole grid agree
     by_place = {}
     for *_, coords, values in results:

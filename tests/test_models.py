@@ -36,22 +36,28 @@ def expected_per_rank(cfg: ModelConfig, gx: int, gy: int, gz: int) -> int:
     return total
 
 
-@pytest.mark.parametrize(
-    "size,arch,grid",
-    [
-        ("20B", "gpt", (8, 8, 16, 1)),
-        ("20B", "llama", (4, 8, 8, 2)),
-        ("80B", "gpt", (8, 8, 8, 2)),
-        ("80B", "llama", (8, 4, 16, 2)),
-    ],
-)
-def test_large_models_build_on_meta_as_one_rank_of_a_fake_grid(size, arch, grid):
+LARGE = [
+    ("20B", "gpt", (8, 8, 16, 1)),
+    ("20B", "llama", (4, 8, 8, 2)),
+    ("80B", "gpt", (8, 8, 8, 2)),
+    ("80B", "llama", (8, 4, 16, 2)),
+]
+
+
+@pytest.fixture(scope="module")
+def built_on_meta() -> dict[tuple[str, str, str], int]:
+    """Each of LARGE built as rank 7 of its fake grid, all in one fresh process: (size, arch, grid) ->
+    its parameter count."""
+    args = [a for size, arch, grid in LARGE for a in (size, arch, ",".join(map(str, grid)), "7")]
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "meta_check.py"), size, arch, ",".join(map(str, grid)), "7"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, os.path.join(HERE, "meta_check.py"), *args], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
-    got = int(out.stdout.split("PARAMS")[1])
+    lines = [line.split() for line in out.stdout.splitlines() if line.startswith("PARAMS")]
+    return {(size, arch, grid): int(n) for _, size, arch, grid, n in lines}
+
+
+@pytest.mark.parametrize("size,arch,grid", LARGE)
+def test_large_models_build_on_meta_as_one_rank_of_a_fake_grid(built_on_meta, size, arch, grid):
+    got = built_on_meta[(size, arch, ",".join(map(str, grid)))]
     assert got == expected_per_rank(get_config(size, arch=arch), *grid[:3])

@@ -26,6 +26,7 @@ by reference into the spawned processes) returning plain data.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -172,21 +173,32 @@ class LocalWorld:
             if remaining <= 0:
                 break
             try:
-                rank, status, payload = self.outbox.get(timeout=min(remaining, 1.0))
+                report = self.outbox.get(timeout=min(remaining, 1.0))
             except queues.Empty:
                 if any(self.procs[r].exitcode is not None for r in self._missing(results, errors)):
-                    break  # a rank ended without reporting
+                    # a rank ended: what it sent before it did (its traceback) is in the pipe by now
+                    with contextlib.suppress(queues.Empty):
+                        while not self.outbox.empty():
+                            self._take(self.outbox.get(timeout=1.0), expect, results, errors)
+                    break
                 continue
-            if status == expect:
-                results[rank] = payload
-            else:
-                errors[rank] = payload
+            if self._take(report, expect, results, errors):
                 deadline = min(deadline, time.monotonic() + GRACE_S)  # the others may be stuck waiting for it
         if len(results) == self.world:
             return [results[r] for r in range(self.world)]
         why = self._failure(results, errors, timeout)  # before the ranks are killed: their exit codes
         self.close(force=True)
         raise RankFailure(why)
+
+    @staticmethod
+    def _take(report: tuple[int, str, Any], expect: str, results: dict[int, Any], errors: dict[int, str]) -> bool:
+        """File one rank's report as a result or an error; True for an error."""
+        rank, status, payload = report
+        if status == expect:
+            results[rank] = payload
+            return False
+        errors[rank] = payload
+        return True
 
     def _missing(self, results: dict[int, Any], errors: dict[int, str]) -> list[int]:
         return sorted(set(range(self.world)) - set(results) - set(errors))

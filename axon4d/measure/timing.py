@@ -28,7 +28,12 @@ from axon4d.grid import Grid
 
 
 def timeit(
-    fn: Callable[[], Any], reps: int, sync: Callable[[], None], budget_s: float | None = 1.0, window_s: float = 0.0
+    fn: Callable[[], Any],
+    reps: int,
+    sync: Callable[[], None],
+    budget_s: float | None = 1.0,
+    window_s: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Median over ``reps`` samples of the seconds per call of ``fn``, after a warm-up; with
     ``budget_s``, fewer samples once they exceed it. Collectives must pass ``budget_s=None`` and
@@ -44,20 +49,20 @@ def timeit(
     last sample's rate says fill the window) with ``sync`` after each batch, not after each call: on an
     accelerator a synchronize per call adds its round trip (~10–20 µs) to every call, as if each
     kernel ran alone, where a step queues kernels back to back. On a host ``sync`` does nothing and
-    the windows are the same."""
+    the windows are the same. ``clock`` reads the seconds (the host's ``time.perf_counter``)."""
     fn()
     sync()
     times: list[float] = []
     batch = 1
     for _ in range(reps):
         calls = 0
-        t = time.perf_counter()
+        t = clock()
         while True:
             for _ in range(batch):
                 fn()
             calls += batch
             sync()
-            elapsed = time.perf_counter() - t
+            elapsed = clock() - t
             if elapsed >= window_s:
                 break
             per_call = max(elapsed / calls, 1e-9)  # the calls left to fill the window, at most doubling
