@@ -112,7 +112,7 @@ class Watchdog:
         store_timeout_s: float = 10.0,
         exit: Callable[[int], None] = os._exit,
         out: Any = None,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ):
         for name, value in (("timeout_s", timeout_s), ("startup_s", startup_s), ("beat_s", beat_s)):
             if not value > 0:
@@ -121,7 +121,8 @@ class Watchdog:
         self.timeout_s, self.startup_s, self.beat_s = timeout_s, startup_s, beat_s
         self._store = _client(store, store_timeout_s)
         self._exit = exit
-        self._sleep = sleep  # how the diagnosis waits between heartbeat reads
+        # how the diagnosis waits between heartbeat reads (default: this module's clock, read at the call)
+        self._sleep = sleep if sleep is not None else (lambda seconds: time.sleep(seconds))
         #: how long a rank waits for the diagnosis another rank claimed before it watches itself
         self.publish_wait_s = 5 * beat_s + store_timeout_s
         self._out = out if out is not None else sys.stderr

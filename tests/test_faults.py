@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from axon4d import checkpoint, ckptfiles, watchdog
+from axon4d import checkpoint, ckptfiles, diagnosis, watchdog
 from axon4d import device as devices
 from axon4d.launch import free_port
 from axon4d.train import loop
@@ -260,7 +260,7 @@ def _dog(world: int = 1, rank: int = 0, store=None, **kwargs) -> tuple[watchdog.
 def _looked(dog: watchdog.Watchdog) -> None:
     """Wait (real time, up to a minute) until ``dog``'s heartbeat thread has beaten twice more: it
     has then checked the wait in progress at least once since this call."""
-    beats = lambda: dog._beats()[dog.rank]  # noqa: E731
+    beats = lambda: diagnosis.beats(dog._store, dog.world)[dog.rank]  # noqa: E731
     first, deadline = beats(), time.monotonic() + 60
     while beats() < first + 2:
         assert time.monotonic() < deadline, "the heartbeat thread stopped beating"
