@@ -123,52 +123,12 @@ def choose_grid(world: int, **options: Any) -> GridShape:
     return choose(world, **options).shape
 
 
-def choose(
-    world: int,
-    *,
-    model: ModelConfig | str | None = None,
-    batch: int | None = None,
-    machine: str | None = None,
-    dtype: str = "",
-    precision: str = "",
-    overlap: Any = None,
-    recompute: str = "none",
-    optimizer: str = "adam",
-    memory_gib: float | None = None,
-    workload: Workload | None = None,
-    rank: int = 0,
-    top: int = 3,
-    micro_batches: int | str = 1,
-    zero: int | str = 0,
-    offload: int | str = 0,
-    fp8_gather: bool | str = False,
-    context_parallel: bool | str = False,
-    async_save: bool = False,
-) -> Candidate:
-    """``choose_grid``'s whole choice: the best candidate, with the overlap policy and the step
-    options (``Candidate.options``; "auto" ones chosen by the search) it was priced with. Raises
-    ``ValueError`` (on every rank alike) when no grid fits."""
-    return ranked(
-        world,
-        model=model,
-        batch=batch,
-        machine=machine,
-        dtype=dtype,
-        precision=precision,
-        overlap=overlap,
-        recompute=recompute,
-        optimizer=optimizer,
-        memory_gib=memory_gib,
-        workload=workload,
-        rank=rank,
-        top=top,
-        micro_batches=micro_batches,
-        zero=zero,
-        offload=offload,
-        fp8_gather=fp8_gather,
-        context_parallel=context_parallel,
-        async_save=async_save,
-    ).best
+def choose(world: int, **options: Any) -> Candidate:
+    """``choose_grid``'s whole choice: the best candidate of ``ranked(world, **options)`` (the same
+    keywords), with the overlap policy and the step options (``Candidate.options``; "auto" ones
+    chosen by the search) it was priced with. Raises ``ValueError`` (on every rank alike) when no
+    grid fits."""
+    return ranked(world, **options).best
 
 
 def ranked(
