@@ -274,7 +274,7 @@ def linear_collectives(
         add(Op.ALL_GATHER, "z", gathered, 1, "backward", Term.E10B)
     add(Op.ALL_REDUCE, out_axis, tokens * cols, element_size, "backward", Term.E9)
     add(Op.REDUCE_SCATTER, "z", padded_block, g_elem, "backward", Term.E11)
-    if zero == 2:  # ZeRO-2: each data rank receives the sum of its part (axon4d.scheduler._scatter)
+    if zero == 2:  # ZeRO-2: each data rank receives the sum of its part (axon4d.scheduler.sharding.scatter_input)
         add(Op.REDUCE_SCATTER, "data", data_part_numel(shard, shape.data) * shape.data, g_elem, "backward", Term.E12)
     else:
         add(Op.ALL_REDUCE, "data", shard, g_elem, "backward", Term.E12)

@@ -1,5 +1,5 @@
 """Protects gradient accumulation and the replicated parameters' gradients in the overlap scheduler
-(axon4d/scheduler.py, docs/design.md §4): over M micro-batches the data-axis reductions (E12, E13,
+(axon4d/scheduler, docs/design.md §4): over M micro-batches the data-axis reductions (E12, E13,
 the replicated gradients over batch) run once per step — the data and batch axes move the same
 bytes for M = 1 and M = 4 while E11 over z runs per micro-batch — and the gradients equal the
 single-process model's over the same micro-batches, under every overlap policy; replicated

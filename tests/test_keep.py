@@ -1,5 +1,5 @@
 """Protects keep-for-backward across micro-batches (``oag_keep`` under ``accumulating``,
-axon4d/scheduler.py ``carry_block``, docs/design.md §4): with k micro-batches each layer's weight
+axon4d/scheduler/gathers.py ``carry_block``, docs/design.md §4): with k micro-batches each layer's weight
 block is gathered over z (E10f) once per step, not k times — except inside blocks under full
 recomputation, which gather per micro-batch as before — the gradients and losses are those of the
 same run without keep and of the single-process model, a weight written between micro-batches or
