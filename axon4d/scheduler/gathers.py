@@ -58,7 +58,7 @@ class WeightGathers:
         self._rerunning: weakref.WeakSet | None = None  # layers of the recomputed region being re-run
         self._recomputed_depth = 0  # depth of regions under full recomputation being run
         # parameters whose values are still arriving (``defer_writes``): id -> what completes them
-        self._arriving: dict[int, Callable[[], None]] = {}
+        self._arriving: dict[int, Callable[[torch.Tensor], None]] = {}
 
     @property
     def holding(self) -> bool:
@@ -212,11 +212,11 @@ class WeightGathers:
             self._prev[layer] = weakref.ref(last)
         self._last_forward = weakref.ref(layer)
 
-    def defer_writes(self, params: list[torch.Tensor], settle: Callable[[], None]) -> None:
+    def defer_writes(self, params: list[torch.Tensor], settle: Callable[[torch.Tensor], None]) -> None:
         """``params``' values are still arriving (ZeRO's all-gather over data left in flight by the
-        optimizer step, ``axon4d.zero``): ``settle`` completes them, and is called before any of
-        their shards is read for a gather over z (E10f, E10b, an OAG prefetch). ``settle`` must
-        call ``settled`` for the parameters it completed."""
+        optimizer step, ``axon4d.zero.gathers``): ``settle(p)`` completes at least ``p``'s, and is
+        called before any of their shards is read for a gather over z (E10f, E10b, an OAG
+        prefetch). ``settle`` calls ``settled`` for the parameters it completed."""
         for p in params:
             self._arriving[id(p)] = settle
 
@@ -229,7 +229,7 @@ class WeightGathers:
         """Complete ``weight``'s deferred write, if it has one (``defer_writes``)."""
         settle = self._arriving.get(id(weight))
         if settle is not None:
-            settle()
+            settle(weight)
 
     def _drop_prefetches(self) -> None:
         """The end of a backward: wait the prefetches nobody asked for (control flow changed), forget

@@ -17,10 +17,10 @@ optimizer so that each data rank keeps the masters and the state of one part of 
   training follows the unsharded optimizer's. Every other parameter (biases, norm weights,
   embedding tables: small), and every parameter in fp32 training, stays fp32 and its master part
   is a *view* of it;
-- ``step`` then all-gathers the updated parts over data back into the parameters, bucket by bucket
-  (the grid's ``bucket_bytes``; 0: one parameter per bucket) in the parameters' dtype — half the bytes
-  for the 16-bit weights — each gather in flight while the next bucket steps; the last is waited
-  at the end of ``step``, so the parameters are whole when it returns;
+- ``step`` then all-gathers the updated parts over data back into the parameters, bucket by bucket,
+  in the parameters' dtype (``axon4d.zero.gathers``): each gather in flight while the next bucket
+  steps, the parameters whole when it returns — or, with ``overlap_gathers`` (the training job's),
+  left in flight into the next forward, each bucket completed just before its first use;
 - the gradients. Stage 1 takes each owned part of ``.grad``, reduced over data as without
   sharding (E12, E13 and the replicated gradients are all-reduces); a 16-bit weight's reduced
   gradient (fp32 under ``bf16-fp32-reduce``) never becomes a bf16 ``.grad``: the scheduler hands it
@@ -30,10 +30,10 @@ optimizer so that each data rank keeps the masters and the state of one part of 
   layers' weights never hold a ``.grad``. Biases, norm weights and embedding tables (E13 and the
   replicated gradients, all-reduced over batch) are reduced and held whole as in stage 1.
 
-Only elementwise optimizers can be split this way — each element's update reads only that
-element's gradient and state: SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop,
-Rprop, ASGD, and a user's own such as Lion (pass ``elementwise=True``). LBFGS, Adafactor (factored
-second moments), Muon (orthogonalised updates) and SparseAdam are refused.
+Only elementwise optimizers can be split this way (``axon4d.zero.checks``): SGD, Adam, AdamW and
+the like, and a user's own such as Lion (pass ``elementwise=True``); LBFGS, Adafactor, Muon and
+SparseAdam are refused. A fused optimizer skips a step on the device when given a non-finite flag
+(``found_inf``, as torch's ``GradScaler`` sets it): the flag is passed to the inner optimizer.
 
 ``axon4d.grads`` (the global norm, clipping, the non-finite check) sees the gradient parts, each
 element counted once, and ``axon4d.checkpoint`` saves each rank's parts of the moments — and of the
@@ -44,7 +44,6 @@ G_data = 1 the wrapper is a no-op in effect (one part: the whole tensor; nothing
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import weakref
 from typing import Any
@@ -52,47 +51,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d.comm import Handle
-from axon4d.geometry import Term, data_part_numel, zero_stored_dtype
+from axon4d.geometry import data_part_numel, zero_stored_dtype
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
+from axon4d.zero.checks import ELEMENTWISE, NOT_ELEMENTWISE, check_elementwise, check_fresh
+from axon4d.zero.gathers import GATHER_TAG, ParamGathers, Part
 
-#: torch.optim classes whose update is elementwise (shardable); a subclass counts as its base
-ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
-)
-#: torch.optim classes whose update mixes elements of a tensor (or needs all of it): refused
-NOT_ELEMENTWISE = tuple(
-    cls for name in ("LBFGS", "Adafactor", "Muon", "SparseAdam") if (cls := getattr(torch.optim, name, None))
-)
+__all__ = [
+    "ELEMENTWISE",
+    "GATHER_TAG",
+    "NOT_ELEMENTWISE",
+    "STAGES",
+    "ShardedOptimizer",
+    "masters_holder",
+    "settle",
+    "shard_optimizer",
+    "sharded_grads",
+    "sixteen_bit",
+]
+
 #: ZeRO stages ``shard_optimizer`` takes (0, no sharding, is the training job's ``--zero 0``)
 STAGES = (1, 2)
-#: the log's tag of the parameters' all-gather over data (docs/design.md §4): the planner's term
-GATHER_TAG = Term.ZERO_GATHER
-
-
-@dataclasses.dataclass
-class _Part:
-    """This data rank's part of one parameter."""
-
-    param: torch.Tensor
-    name: str
-    chunk: int  # c = ⌈n / G_data⌉: elements per data rank's part
-    start: int  # the owned elements [start, stop) of the flattened parameter
-    stop: int
-    master: torch.Tensor  # (stop - start,) fp32: a view of the parameter, or a copy
-    sixteen: bool = False  # stored in the compute dtype: its reduced gradient comes to the master, never .grad
-    scattered: bool = False  # its gradient part is delivered (take_grad, take_whole_grad), never .grad
 
 
 class _GradSink:
@@ -134,6 +113,7 @@ def shard_optimizer(
     stage: int = 1,
     *,
     elementwise: bool | None = None,
+    overlap_gathers: bool = False,
 ) -> ShardedOptimizer:
     """Shard ``optimizer``'s master weights and state over ``grid``'s data axis (ZeRO ``stage`` 1
     or 2; see the module docstring) and return the optimizer to use in its place.
@@ -141,12 +121,14 @@ def shard_optimizer(
     ``optimizer`` must be a fresh (never stepped) elementwise optimizer over parameters of
     ``model`` (any subset; the others are left alone): its class is built again over this rank's
     parts with the same param groups and defaults. ``elementwise=True`` vouches for a class not in
-    ``ELEMENTWISE`` (e.g. a Lion); ``False`` refuses any.
+    ``ELEMENTWISE`` (e.g. a Lion); ``False`` refuses any. ``overlap_gathers``: ``step`` leaves its
+    all-gathers over data in flight into the next forward (``axon4d.zero.gathers``; read a
+    parameter outside a forward only after ``settle()``).
 
     Training in mixed precision with G_data > 1 this changes ``model``: its 3D Linear weights
     (``sixteen_bit``) become the compute dtype, their fp32 masters this optimizer's parts. Save and
     load them with ``axon4d.checkpoint`` (which saves the masters), not the model's ``state_dict``."""
-    return ShardedOptimizer(optimizer, model, grid, stage, elementwise=elementwise)
+    return ShardedOptimizer(optimizer, model, grid, stage, elementwise=elementwise, overlap_gathers=overlap_gathers)
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -164,14 +146,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stage: int = 1,
         *,
         elementwise: bool | None = None,
+        overlap_gathers: bool = False,
     ):
         if isinstance(stage, bool) or stage not in STAGES:
             raise ValueError(
                 f"ZeRO stage {stage!r}: give 1 (optimizer state and master weights sharded over data) or 2 (also "
                 "the gradients, reduce-scattered over data); stage 0 is the unsharded optimizer itself"
             )
-        _check_elementwise(optimizer, elementwise)
-        _check_fresh(optimizer)
+        check_elementwise(optimizer, elementwise, isinstance(optimizer, ShardedOptimizer))
+        check_fresh(optimizer)
         self.grid, self.stage = grid, stage
         self.data_size, self.data_rank = grid.size("data"), grid.coord("data")
         names = {id(p): n for n, p in model.named_parameters()}
@@ -179,7 +162,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stored = zero_stored_dtype(grid.precision, torch.float32, linear_weight=True, g_data=self.data_size)
         self.weight_dtype = stored if stored != torch.float32 else None
         sixteen = sixteen_bit(model) if self.weight_dtype is not None else set()
-        self._parts: dict[int, _Part] = {}
+        self._parts: dict[int, Part] = {}
         groups = []
         for group in optimizer.param_groups:
             masters = [self._part(p, names, id(p) in sixteen).master for p in group["params"]]
@@ -206,7 +189,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__([p.master for p in self._parts.values()], dict(optimizer.defaults))
         self.param_groups = self.inner.param_groups  # one list: set_lr and schedulers reach the inner's
         self.state = self.inner.state
-        self._buckets = self._make_buckets(grid.scheduler.policy.bucket_bytes(grid.scheduler.accelerator))
+        limit = grid.scheduler.policy.bucket_bytes(grid.scheduler.accelerator)
+        self._gathers = ParamGathers(list(self._parts.values()), grid.comm, self.data_size, limit, grid.scheduler)
+        #: ``step`` leaves its gathers over data in flight into the next forward (``axon4d.zero.gathers``)
+        self.overlap_gathers = overlap_gathers
+        if overlap_gathers:
+            self._gathers.hook(model)
+        #: a 0-dim fp32 flag on the device, 1 for a non-finite step (``found_inf``): a fused inner
+        #: optimizer skips the step on the device; None: every step is taken
+        self.found_inf: torch.Tensor | None = None
         self._sink: _GradSink | None = None
         if takes:
             self._sink = _GradSink(self)
@@ -215,7 +206,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             weakref.finalize(self, grid.scheduler.forget_sharding, self._sink)
 
     # -- layout ---------------------------------------------------------------------------------
-    def _part(self, p: torch.Tensor, names: dict[int, str], sixteen: bool) -> _Part:
+    def _part(self, p: torch.Tensor, names: dict[int, str], sixteen: bool) -> Part:
         """Make this rank's part of ``p`` (data rank d owns elements [d·c, (d+1)·c) ∩ [0, n)); its
         master is a copy where ``p`` is not fp32 or will be stored in 16 bits (``sixteen``)."""
         if id(p) not in names:
@@ -236,26 +227,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             master = flat[start:stop]  # a view: the step updates the parameter's own part in place
         else:
             master = flat[start:stop].to(torch.float32, copy=True)
-        part = self._parts[id(p)] = _Part(p, names[id(p)], chunk, start, stop, master, sixteen)
+        part = self._parts[id(p)] = Part(p, names[id(p)], chunk, start, stop, master, sixteen)
         return part
-
-    def _make_buckets(self, limit: int) -> list[list[_Part]]:
-        """The all-gather buckets: parameters in order, one open bucket per dtype and device (16-bit
-        weights, the fp32 rest), closed once it holds ``limit`` parameter bytes (the policy's
-        ``bucket_bytes``; 0: one parameter each); in the order they close, alike on every rank."""
-        buckets: list[list[_Part]] = []
-        open_: dict[tuple[torch.dtype, torch.device], tuple[list[_Part], float]] = {}
-        for part in self._parts.values():
-            p = part.param
-            key = (p.dtype, p.device)
-            bucket, size = open_.get(key, ([], 0.0))
-            if bucket and size >= limit:
-                buckets.append(bucket)
-                bucket, size = [], 0.0
-            bucket.append(part)
-            open_[key] = (bucket, size + p.numel() * p.element_size())
-        buckets += [bucket for bucket, _ in open_.values()]
-        return buckets
 
     def owned(self, param: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """(start, master) of this rank's part of ``param`` — its elements [start, start + master.numel())
@@ -275,9 +248,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Make every parameter its masters again: all-gather the parts over data (as ``step``
         ends), rounded to the parameter's dtype; after a load wrote the masters (``axon4d.checkpoint``).
         Buckets of fp32 parameters, whose masters are views of them, are whole already: skipped."""
-        for bucket in self._buckets:
-            if bucket[0].param.dtype != torch.float32:  # a bucket holds one dtype (_make_buckets)
-                self._unpack(bucket, self._gather(bucket))
+        self._gathers.settle()
+        for bucket in self._gathers.buckets:
+            if bucket[0].param.dtype != torch.float32:  # a bucket holds one dtype (make_buckets)
+                self._gathers.unpack(bucket, self._gathers.gather(bucket))
 
     def scattered_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, this rank's gradient part) of every parameter whose gradient ZeRO-2 delivers
@@ -311,61 +285,52 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Step this rank's parts, bucket by bucket, and all-gather each bucket's updated parts over
-        data into the parameters while the next bucket steps; returns once every parameter is whole."""
+        data into the parameters while the next bucket steps; returns once every parameter is whole
+        — unless ``overlap_gathers``: then the gathers are completed in the next forward
+        (``axon4d.zero.gathers``). With ``found_inf`` set a fused inner optimizer skips on the device."""
         if closure is not None:
             raise ValueError("a sharded optimizer takes no closure: compute the loss and backward before step()")
+        if self.found_inf is not None and not self.inner.defaults.get("fused"):
+            raise ValueError(
+                f"found_inf is set but the inner {type(self.inner).__name__} is not fused: only torch's fused "
+                "kernels skip a step on the device; build the optimizer with fused=True, or decide on the host"
+            )
         for part in self._parts.values():  # stage 1 (and stage 2's biases, norms, embeddings): .grad's part
             grad = part.param.grad
             if grad is not None:
                 part.master.grad = grad.detach().reshape(-1)[part.start : part.stop].to(part.master.dtype)
         groups = self.inner.param_groups
         everything = [g["params"] for g in groups]
-        in_flight: tuple[list[_Part], Handle] | None = None
+        self.inner.found_inf = self.found_inf  # type: ignore[attr-defined]  # read by torch's fused kernels
+
+        def step_bucket(bucket: list[Part]) -> None:
+            mine = {id(part.master) for part in bucket}
+            for group, params in zip(groups, everything):
+                group["params"] = [m for m in params if id(m) in mine]
+            self.inner.step()
+
         try:
-            for bucket in self._buckets:
-                mine = {id(part.master) for part in bucket}
-                for group, params in zip(groups, everything):
-                    group["params"] = [m for m in params if id(m) in mine]
-                self.inner.step()
-                handle = self._gather(bucket)
-                if in_flight is not None:
-                    self._unpack(*in_flight)
-                in_flight = (bucket, handle)
+            self._gathers.run(step_bucket, defer=self.overlap_gathers)
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
-        if in_flight is not None:
-            self._unpack(*in_flight)
+            self.inner.found_inf = None  # type: ignore[attr-defined]
 
-    def _gather(self, bucket: list[_Part]) -> Handle:
-        """Issue the all-gather over data of this rank's updated parts of ``bucket``: a flat (S,)
-        of each part padded to its c, S = Σ c; the result (G_data·S,) is row d = data rank d's."""
-        first = bucket[0].param
-        send = torch.empty(sum(p.chunk for p in bucket), dtype=first.dtype, device=first.device)  # (S,)
-        offset = 0
-        for part in bucket:
-            owned = part.stop - part.start
-            send[offset : offset + owned].copy_(part.master)
-            send[offset + owned : offset + part.chunk].zero_()
-            offset += part.chunk
-        return self.grid.comm.all_gather(send, "data", tag=GATHER_TAG)
+    def settle(self) -> None:
+        """Complete the all-gathers over data a deferred step left in flight (``overlap_gathers``):
+        every parameter is whole. A no-op when none is in flight."""
+        self._gathers.settle()
 
-    def _unpack(self, bucket: list[_Part], handle: Handle) -> None:
-        """Wait for a bucket's all-gather and copy every rank's parts into the parameters."""
-        rows = handle.wait().view(self.data_size, -1)  # (G_data, S)
-        offset = 0
-        for part in bucket:
-            flat = part.param.detach().view(-1)  # (n,)
-            n, c = flat.numel(), part.chunk
-            full = n // c  # data ranks whose part is whole
-            flat[: full * c].view(full, c).copy_(rows[:full, offset : offset + c])
-            if n > full * c:
-                flat[full * c :].copy_(rows[full, offset : offset + n - full * c])
-            offset += c
+    @property
+    def gathers_in_flight(self) -> int:
+        """How many buckets' all-gathers over data the last step left in flight (``overlap_gathers``)."""
+        return self._gathers.deferred
 
     def release(self) -> None:
         """Stop taking the grid's gradients for this optimizer (ZeRO-2, or ZeRO-1 in 16 bits): from
-        the next backward they are all-reduced into ``.grad`` again."""
+        the next backward they are all-reduced into ``.grad`` again. Deferred gathers are completed
+        and the forward pre-hooks removed."""
+        self._gathers.unhook()
         if self._sink is not None:
             self.grid.scheduler.shard_over_data(self._sink, on=False)
         self._sink = None
@@ -409,32 +374,8 @@ def sharded_grads(model: nn.Module, grid: Grid) -> list[tuple[torch.Tensor, torc
     return [(p, g) for opt in _optimizers(grid) for p, g in opt.scattered_grads() if id(p) in ours]
 
 
-def _check_elementwise(optimizer: torch.optim.Optimizer, elementwise: bool | None) -> None:
-    """Refuse an optimizer whose update is not known to be elementwise."""
-    name = type(optimizer).__name__
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"shard_optimizer takes a torch.optim.Optimizer, not {name}")
-    if isinstance(optimizer, ShardedOptimizer):
-        raise ValueError("the optimizer is already sharded over data")
-    known = ", ".join(c.__name__ for c in ELEMENTWISE)
-    if isinstance(optimizer, NOT_ELEMENTWISE) or elementwise is False:
-        raise ValueError(
-            f"{name} cannot be sharded over data: its update is not elementwise (it reads other elements of a "
-            f"tensor, or all of it); shard an elementwise optimizer ({known}) or use --zero 0"
-        )
-    if elementwise is None and not isinstance(optimizer, ELEMENTWISE):
-        raise ValueError(
-            f"{name} is not known to be elementwise (known: {known}); if each element's update reads only that "
-            "element's gradient and state (as Lion's does), pass elementwise=True"
-        )
-
-
-def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer that has stepped: its state would be lost in the rebuild."""
-    for state in optimizer.state.values():
-        step = state.get("step", 0)
-        if float(step) != 0 or ("step" not in state and state):
-            raise ValueError(
-                f"{type(optimizer).__name__} has already stepped; shard a fresh optimizer and restore its state "
-                "with axon4d.checkpoint.load, which takes a checkpoint of any data size"
-            )
+def settle(grid: Grid) -> None:
+    """Complete every all-gather over data that a sharded optimizer on ``grid`` left in flight
+    (``overlap_gathers``): before reading parameters outside a forward (checkpoints, exports)."""
+    for opt in _optimizers(grid):
+        opt.settle()
