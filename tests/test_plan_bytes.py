@@ -141,7 +141,7 @@ def _logged(grid, arch, cp, micro, zero, recompute="none"):
     return out
 
 
-def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none"):
+def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none", bucket_mb=None):
     """The planner's {(axis, term): (calls, payload bytes)} of the same step, and the step estimate."""
     shape = GridShape(*grid)
     seqs = shape.data * shape.z
@@ -151,7 +151,7 @@ def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none")
         wl,
         shape,
         _host(),
-        OverlapPolicy(oag_keep=keep),
+        OverlapPolicy(oag_keep=keep, bucket_mb=bucket_mb),
         recompute,
         micro_batches=micro,
         zero=zero,
@@ -162,16 +162,24 @@ def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none")
     return {(axis, str(term)): (calls[(axis, term)], sent[(axis, term)]) for axis, term in calls}, step_estimate(sc)
 
 
-def _check(pools, case, recompute="none"):
+def _check(pools, case, recompute="none", bucket_mb=None):
     grid, precision, zero, micro, keep, cp, arch, fp8 = case
-    priced, estimate = _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute)
+    priced, estimate = _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute, bucket_mb)
     by_axis: dict = {}
     for (axis, _), (_, sent) in priced.items():
         by_axis[axis] = by_axis.get(axis, 0) + sent
     assert by_axis == estimate.bytes_by_axis  # the list is the one the step's time is priced from
     assert sum(calls for calls, _ in priced.values()) == estimate.collectives
     results = pools(math.prod(grid)).run(
-        grid, _logged, arch, cp, micro, zero, recompute, precision=precision, overlap=OverlapPolicy(oag_keep=keep)
+        grid,
+        _logged,
+        arch,
+        cp,
+        micro,
+        zero,
+        recompute,
+        precision=precision,
+        overlap=OverlapPolicy(oag_keep=keep, bucket_mb=bucket_mb),
     )
     for rank, logged in enumerate(results):
         differ = {
@@ -313,3 +321,20 @@ def test_the_search_never_plans_fp8_gathers_no_preset_runs():
     assert any(c.option("fp8_gather") for c in with_fp8.candidates if c.shape.z > 1)
     with pytest.raises(ValueError, match="no preset gathers in FP8 beside bf16 reductions"):
         Scenario(Workload(cfg, 16, precision="bf16"), GridShape(1, 1, 2, 1), _host(), fp8_gather=True)
+
+
+#: buckets of 10 KiB on these tiny models: E12 two or three weight shards a bucket, E13's biases
+#: and each kind of replicated gradient one bucket each (``axon4d.plan.buckets``)
+BUCKETED = [
+    ((1, 1, 2, 2), "fp32", 0, 1, False, False, "gpt", "-"),
+    ((2, 1, 1, 2), "bf16-fp32-reduce", 2, 4, True, False, "llama", "-"),
+]
+
+
+@pytest.mark.parametrize("case", [BUCKETED[0], pytest.param(BUCKETED[1], marks=pytest.mark.slow)], ids=case_id)
+def test_bucketed_reductions_are_priced_as_the_runtime_issues_them(pools, case):
+    priced, _ = _priced(*case, bucket_mb=10 / 1024)
+    unbucketed, _ = _priced(*case)
+    fewer = [k for k in priced if k[1] in ("E12", "E13", "norm.grad") and priced[k][0] < unbucketed[k][0]]
+    assert fewer, f"nothing was bucketed: the case proves nothing ({priced})"
+    _check(pools, case, bucket_mb=10 / 1024)

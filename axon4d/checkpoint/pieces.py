@@ -21,7 +21,7 @@ from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.param_layout import Box, ParamLayout, param_layouts
 from axon4d.shape import AXES, GridAxis
-from axon4d.zero import ShardedOptimizer
+from axon4d.zero import ShardedOptimizer, settle
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 Piece = tuple[Box, torch.Tensor]  # a rectangle of a saved tensor, and the view of this rank's storage holding it
@@ -51,7 +51,11 @@ def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
 
     A save lists only the pieces this rank writes: of the ranks holding the same piece (those that
     differ from it only along the axes the piece is replicated over, ``replicated_axes``) one
-    writes it (``writes``), and one rank of the world each step count; a load lists every piece."""
+    writes it (``writes``), and one rank of the world each step count; a load lists every piece.
+
+    The all-gathers over data a sharded step left in flight (``overlap_gathers``) are completed
+    first: a save reads whole parameters, and a load's writes are not overwritten by a late gather."""
+    settle(grid)
     layouts = param_layouts(model)
     state = State([], {}, [], [])
     sharded = optimizer if isinstance(optimizer, ShardedOptimizer) else None

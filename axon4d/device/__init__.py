@@ -320,6 +320,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def synchronize_compute(device: torch.device) -> None:
+    """Wait for the work queued on ``device``'s compute stream only: collectives on their own
+    streams (NCCL's) may still run — an all-gather left in flight into the next step goes on."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak for ``peak_memory_allocated`` (a no-op on the host)."""
     if device.type == "cuda":

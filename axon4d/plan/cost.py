@@ -33,6 +33,8 @@ from typing import Any
 
 from axon4d.geometry import Collective, Op, Term, data_part_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan.buckets import edge_collectives as bucketed_edges
+from axon4d.plan.buckets import layer_scales
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
     EMBEDDING_TERMS,
@@ -113,7 +115,7 @@ class _Totals:
     comm: float = 0.0
     activation_comm: float = 0.0  # the part of comm in ACTIVATION_TERMS
     traffic: float = 0.0
-    calls: int = 0
+    calls: float = 0.0  # a bucketed reduction counts its share of its bucket's call (``buckets``)
     interference: float = 0.0  # compute lost to ``traffic`` (set by the caller: Machine.interference_time)
     comm_by_axis: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_by_axis: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -189,8 +191,9 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     micro-batch after the step's first, whose carried weight blocks are not gathered (``carried``)."""
     m, world = sc.machine, sc.world
     extras = block_extras(sc)
+    scales = layer_scales(sc)  # the runtime's buckets of E12 and E13
     layers = [
-        layer_cost(s, sc, extras.get(s.name, (0.0, 0.0)), gathers=not (reuse and carried(s, sc))) for s in sc.linears
+        layer_cost(s, sc, extras.get(s.name, (0.0, 0.0)), not (reuse and carried(s, sc)), scales) for s in sc.linears
     ]
     hidden = credit([lc.window(in_block(lc.spec, sc)) for lc in layers], sc.overlap, m.overlap_efficiency)
     hidden_cp = context_hidden(sc)
@@ -198,9 +201,9 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     for lc in layers:
         totals.add_layer(lc)
         once.add_layer(lc, ONCE_PER_STEP)
-    # replicated parameters' gradients (waited on in their hooks), norms' sums, the loss's: each alike
-    # collective priced once
-    for c, n in Counter(sc.edge_collectives).items():
+    # replicated parameters' gradients (one collective per bucket of a kind), norms' sums, the
+    # loss's: each alike collective priced once
+    for c, n in Counter(bucketed_edges(sc)).items():
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's (``layers.layer_cost``)
             seconds, traffic = priced(c, sc)
             totals.add_collective(c, seconds, traffic, n)
@@ -244,7 +247,7 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
             hidden_by_mechanism=by_mechanism,
             layers={lc.spec.name: lc.report(h) for lc, h in zip(layers, hidden.per_window)},
             activation_comm_s=totals.activation_comm + again.activation_comm_s,
-            collectives=totals.calls + again.collectives,
+            collectives=round(totals.calls + again.collectives),
             traffic_bytes=totals.traffic + again.traffic_bytes,
             interference_s=interference,
             scale=m.step_scale_for(world),
@@ -287,7 +290,7 @@ def _accumulated(first: tuple[TimeEstimate, _Totals], later: tuple[TimeEstimate,
             for mech, v in one.hidden_by_mechanism.items()
         },
         activation_comm_s=one.activation_comm_s + n * again.activation_comm_s,
-        collectives=one.collectives + n * (again.collectives - once.calls),
+        collectives=round(one.collectives + n * (again.collectives - once.calls)),
         traffic_bytes=one.traffic_bytes + n * (again.traffic_bytes - once.traffic),
         interference_s=one.interference_s + n * (again.interference_s - once.interference),
         offload_s=one.offload_s + n * again.offload_s,

@@ -69,11 +69,11 @@ class LayerCost:
     comm_axis: dict[Term, str]
     bytes_by_axis: dict[str, int]
     chunks: int = 1  # forward all-reduces E8 is issued as
-    calls: int = 0  # collectives the layer issues per run
+    calls: float = 0  # collectives the layer issues per run (a bucketed reduction's share: ``buckets``)
     fwd_calls: int = 0  # of which in the forward pass
     traffic: float = 0.0  # ring traffic bytes of its collectives per run (collective_model.ring_traffic)
     fwd_traffic: float = 0.0  # of which in the forward pass
-    term_calls: dict[Term, int] = dataclasses.field(default_factory=dict)  # calls, payload bytes and
+    term_calls: dict[Term, float] = dataclasses.field(default_factory=dict)  # calls, payload bytes and
     term_bytes: dict[Term, int] = dataclasses.field(default_factory=dict)  # ring traffic of each term
     term_traffic: dict[Term, float] = dataclasses.field(default_factory=dict)
 
@@ -206,25 +206,33 @@ def _backward_elementwise(spec: LinearSpec, sc: Scenario) -> float:
 
 
 def layer_cost(
-    spec: LinearSpec, sc: Scenario, post: tuple[float, float] = (0.0, 0.0), gathers: bool = True
+    spec: LinearSpec,
+    sc: Scenario,
+    post: tuple[float, float] = (0.0, 0.0),
+    gathers: bool = True,
+    scales: dict[Term, tuple[float, float]] | None = None,
 ) -> LayerCost:
     """One run of ``spec`` on one rank; ``post``: the (forward, backward) seconds of the non-GEMM
     work after it (``block_extras``); ``gathers``: False for a run that reuses the weight block the
-    step's first micro-batch gathered (no E10f nor its FP8 casts, ``carried``)."""
+    step's first micro-batch gathered (no E10f nor its FP8 casts, ``carried``); ``scales``: term →
+    (seconds, calls) factors of the reductions the runtime buckets (``axon4d.plan.buckets.layer_scales``)."""
     comm: dict[Term, float] = {}
     axes: dict[Term, str] = {}
     by_axis: dict[str, int] = {}
-    chunks = calls = fwd_calls = 0
+    chunks = fwd_calls = 0
+    calls = 0.0
     traffic = fwd_traffic = 0.0
-    term_calls: dict[Term, int] = {}
+    term_calls: dict[Term, float] = {}
     term_bytes: dict[Term, int] = {}
     term_traffic: dict[Term, float] = {}
     for c in collectives(spec, sc, gathers):
         chunks += c.term == Term.E8
-        calls += 1
         fwd_calls += c.phase == "forward"
         seconds, moved = priced(c, sc)
-        term_calls[c.term] = term_calls.get(c.term, 0) + 1
+        time_share, call_share = (scales or {}).get(c.term, (1.0, 1.0))  # a bucket's share of the call
+        seconds *= time_share
+        calls += call_share
+        term_calls[c.term] = term_calls.get(c.term, 0) + call_share
         term_bytes[c.term] = term_bytes.get(c.term, 0) + c.payload_bytes
         term_traffic[c.term] = term_traffic.get(c.term, 0.0) + moved
         comm[c.term] = comm.get(c.term, 0.0) + seconds

@@ -9,7 +9,8 @@ values) and ZeRO's parameter all-gathers (``cost.zero_gathers``) — and counted
 micro-batches issues them: every pass the layers' and context parallelism's collectives, the
 passes after the first without the weight gathers keep-for-backward carries over
 (``layers.carried``), the data-axis reductions (``cost.ONCE_PER_STEP``) and ZeRO's gathers once.
-Its sum over terms is ``TimeEstimate.bytes_by_axis`` and its calls ``TimeEstimate.collectives``
+A bucketed reduction (``axon4d.plan.buckets``) counts the calls of its buckets. Its sum over terms
+is ``TimeEstimate.bytes_by_axis`` and its calls ``TimeEstimate.collectives``
 (tests/test_plan_bytes.py checks both, and this list against the communication log), the forward
 collectives a recomputed block issues again (``recompute.rerun_collectives``) included.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections import Counter
 
 from axon4d.geometry import Collective, Term
+from axon4d.plan.buckets import edge_collectives as bucketed_edges
+from axon4d.plan.buckets import layer_scales
 from axon4d.plan.cost import ONCE_PER_STEP, zero_gathers
 from axon4d.plan.layers import EMBEDDING_TERMS, carried, collectives
 from axon4d.plan.recompute import rerun_collectives
@@ -38,10 +41,16 @@ def _pass(sc: Scenario, reuse: bool) -> tuple[Tally, Tally]:
         calls[(c.axis, c.term)] += n
         sent[(c.axis, c.term)] += n * c.payload_bytes
 
+    scales = layer_scales(sc)
+    shares: dict[tuple[str, Term], float] = {}  # bucketed: each run's share of its bucket's call
     for spec in sc.linears:
         for c in collectives(spec, sc, gathers=not (reuse and carried(spec, sc))):
             add(c, spec.count)
-    for c in sc.edge_collectives:
+            if c.term in scales:
+                shares[(c.axis, c.term)] = shares.get((c.axis, c.term), 0.0) + spec.count * scales[c.term][1]
+    for key, share in shares.items():  # the step's calls of a bucketed term: its buckets
+        calls[key] = round(share)
+    for c in bucketed_edges(sc):
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's
             add(c)
     for c, n in rerun_collectives(sc):  # what recomputation issues again

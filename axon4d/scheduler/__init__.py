@@ -12,10 +12,11 @@ hand it their gradients; they hold no overlap flags.
 - **ORS** (E11): the dW reduce-scatter over z is not waited on in the layer; it is folded in at
   the next layer's backward or at the end of backward.
 - **ODP** (E12, E13): data-parallel all-reduces of the weight shards, in buckets of
-  the policy's ``bucket_bytes`` (0: one bucket per layer; their layout ``axon4d.scheduler.layout``), are launched as the shards arrive; the bias
-  all-reduces over batch are issued asynchronously too, and so are the gradients of replicated
-  parameters (norm weights, embedding tables: ``track_replicated``), bucketed by kind the same way
-  and folded into ``.grad`` in ``finish_gradients`` — never waited one by one in the backward.
+  the policy's ``bucket_bytes`` (0: one bucket per layer; their layout ``axon4d.scheduler.layout``),
+  are launched as the shards arrive; the biases' all-reduces over batch (E13) and the gradients of
+  replicated parameters (norm weights, embedding tables: ``track_replicated``) likewise, bucketed by
+  kind the same way, and folded into ``.grad`` in ``finish_gradients`` — never waited one by one in
+  the backward. The planner prices these buckets as they are issued (``axon4d.plan.buckets``).
 - **Accumulation** (``accumulating``): backward passes inside hold their data-axis reductions
   (E12, E13, the replicated gradients) — each rank sums its micro-batches locally, reduced over z
   where the z shard needs it (E11 still runs per micro-batch) — and the first backward outside
@@ -196,17 +197,16 @@ class Scheduler(WeightGathers, DataShardings):
         return self._layout.slot(param, numel, dtype, device)
 
     def reduce_bias_grad(self, param: torch.Tensor, db: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """All-reduce a bias gradient over batch (E13) times ``scale``; asynchronous under ODP,
-        held inside ``accumulating``."""
+        """All-reduce a bias gradient over batch (E13) times ``scale``; under ODP asynchronous, in
+        buckets of ``bucket_bytes`` like the other reductions over batch; held inside ``accumulating``."""
         db = db.to(wire_dtype(self.precision, Term.E13, param.dtype))
         if self.holding:
             self._hold(param, db, "batch", Term.E13, scale)
             return None
         db = self._with_held(param, db)
-        handle = self.comm.all_reduce(db, "batch", tag=Term.E13)
         if not self.policy.odp:
-            return scaled(handle.wait(), scale).to(param.dtype)
-        self._reducing.append(([(param, db, scale)], handle, None))
+            return scaled(self.comm.all_reduce(db, "batch", tag=Term.E13).wait(), scale).to(param.dtype)
+        self._add_to_bucket(("batch", Term.E13), (param, db, scale))  # launched once the bucket is full
         return None
 
     def track_replicated(self, param: torch.Tensor, tag: Term) -> None:

@@ -19,8 +19,10 @@ trained by the same loop.
 Everything the job computes lives on the grid's device (``grid.device``: a GPU under NCCL, the
 host under gloo or MPI): the model, each rank's rows of a batch, the loss and its all-reduce, the
 gradient norm, the peak probe. A step reads the device on the host once, for its loss and
-gradient norm together (``STEP_READ``), after clipping on the device; step times are taken after
-synchronising that device. At start-up rank 0 warns when the compute dtype's matmuls are much
+gradient norm together (``STEP_READ``), after clipping on the device — and, with a fused AdamW,
+after the step itself is queued, a non-finite step skipped on the device (``optim.step``); step
+times are taken after synchronising that device's compute stream (ZeRO's all-gathers over data
+may still run: they finish under the next step's forward and are counted in its time). At start-up rank 0 warns when the compute dtype's matmuls are much
 slower than fp32's (``peak``).
 
 The defaults a GPU user gets (docs/training.md#gpu-defaults), all chosen through
@@ -53,7 +55,7 @@ from axon4d.offload import parse_offload
 from axon4d.precision import AUTO, NAMED
 from axon4d.precision import resolve as resolve_precision
 from axon4d.recompute_mode import check_recompute
-from axon4d.train import hf, reference, report, trial
+from axon4d.train import hf, optim, reference, report, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
 from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
@@ -209,8 +211,8 @@ def _first_nonfinite(model: Model, grid: Grid) -> str | None:
 
 def _synchronize(grid: Grid, step: int) -> None:
     """Wait for the device's queued work of ``step`` (counted from 1), marked as a wait."""
-    with watchdog.waiting(f"the device synchronize at the end of step {step} (the step's queued work)"):
-        devices.synchronize(grid.device)
+    with watchdog.waiting(f"the device synchronize at the end of step {step} (the step's queued compute)"):
+        devices.synchronize_compute(grid.device)
 
 
 def _resume(
@@ -306,11 +308,16 @@ def _step(
     loss_sum = _batch_sum(loss, grid)
     # clipped on the device (a non-finite norm leaves the gradients as they are); then one host
     # read of the loss and the norm, the same on every rank: one decision
-    mean_loss, norm = _read_step(loss_sum, clip(model, cfg, grid), grid)
-    finite = math.isfinite(mean_loss) and math.isfinite(norm)
+    norm_t = clip(model, cfg, grid)
+    read: list[float] = []
+
+    def host_read() -> bool:
+        read.extend(_read_step(loss_sum, norm_t, grid))
+        return math.isfinite(read[0]) and math.isfinite(read[1])
+
+    finite = optim.step(opt, loss_sum, norm_t, host_read)  # skipped, on the device or the host, if not finite
+    mean_loss, norm = read
     first_bad = None if finite else _first_nonfinite(model, grid)
-    if finite:
-        opt.step()
     opt.zero_grad(set_to_none=True)  # a skipped step's gradients are dropped with the rest
     _synchronize(grid, step + 1)  # an accelerator runs the step asynchronously
     dt = time.perf_counter() - t0

@@ -8,12 +8,21 @@ part of; its implementation is torch's fused kernel on an accelerator and the mu
 gradient norm, which counts every element once however it is sharded or replicated over the grid
 (``axon4d.grads.grad_norm``), on the device: the norm is returned as a tensor, which the loop
 reads with the loss in one host read. With ``--zero 1|2`` the AdamW is sharded over the data axis
-(``axon4d.zero.shard_optimizer``): the same param groups, so ``set_lr`` works unchanged.
+(``axon4d.zero.shard_optimizer``): the same param groups, so ``set_lr`` works unchanged; its
+all-gathers over data are left in flight into the next forward (``overlap_gathers``).
+
+``step`` takes the optimizer step unless the step's loss or gradient norm is not finite. A fused
+kernel (an accelerator's) decides on the device — torch's ``found_inf`` flag, the fused AdamW
+skipping the update, its moments and its step count — so the step is queued before the host reads
+the loss and the norm and the device never idles on that read; the host's foreach kernel is
+stepped after the read (on the host nothing runs asynchronously). Every rank decides alike: the
+loss and the norm are reduced over the grid before either test.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -57,7 +66,31 @@ def make_optimizer(
         return opt
     if grid is None:
         raise ValueError(f"--zero {cfg.zero} shards the optimizer over a grid's data axis: pass the grid")
-    return zero.shard_optimizer(opt, model, grid, stage=cfg.zero)
+    return zero.shard_optimizer(opt, model, grid, stage=cfg.zero, overlap_gathers=True)
+
+
+def skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` skips a non-finite step on the device (its kernel is fused: ``step``)."""
+    return optimizer_kernel(opt) == "fused"
+
+
+def step(opt: torch.optim.Optimizer, loss_sum: torch.Tensor, norm: torch.Tensor, read: Callable[[], bool]) -> bool:
+    """Step ``opt`` unless the step's summed loss or gradient norm (device tensors, alike on every
+    rank) is not finite; ``read`` is the step's one host read, returning whether both are finite.
+    Returns what ``read`` returned. A fused ``opt`` is stepped before the read, the skip decided on
+    the device (``found_inf``); any other after it, on the host's verdict."""
+    if not skips_on_device(opt):
+        finite = read()
+        if finite:
+            opt.step()
+        return finite
+    found_inf = (~(torch.isfinite(loss_sum).all() & torch.isfinite(norm).all())).float()  # 0-dim, 1: skip
+    opt.found_inf = found_inf  # type: ignore[attr-defined]  # torch's fused kernels read it
+    try:
+        opt.step()
+    finally:
+        opt.found_inf = None  # type: ignore[attr-defined]
+    return read()
 
 
 def optimizer_kernel(opt: torch.optim.Optimizer) -> str:
