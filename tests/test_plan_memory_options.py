@@ -44,7 +44,7 @@ def _measure(grid, cfg, recompute="none", micro_batches=1, offload=None, zero=0)
     model = Transformer(cfg, grid=grid, recompute=recompute, offload=offload)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     if zero:
-        opt = axon4d.shard_optimizer(opt, model, grid, stage=zero)
+        opt = axon4d.shard_optimizer(opt, model, grid, stage=zero, overlap_gathers=True)  # the job's
     ids = torch.randint(0, cfg.vocab_size, (MEM_BATCH * micro_batches, cfg.seq_len + 1))
     batches = ids.chunk(micro_batches)
 

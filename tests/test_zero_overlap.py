@@ -1,7 +1,7 @@
 """Protects ZeRO's all-gathers over data left in flight into the next forward (axon4d.zero.gathers,
 ``overlap_gathers``) and the step skipped on the device (axon4d.train.optim.step, ``found_inf``):
 
-- a deferred step returns with every bucket's gather in flight and parameters not yet whole; the next
+- a deferred step returns with its last bucket's gather in flight and parameters not yet whole; the next
   forward completes them (module pre-hooks, the scheduler's gathers over z and its prefetches) and
   training equals the eager step's bit for bit, in fp32 and with 16-bit weights;
 - a checkpoint saved straight after a deferred step holds the whole parameters;
@@ -95,7 +95,7 @@ def test_deferred_gathers_finish_in_the_next_forward_and_train_as_eager_ones(poo
     for rank, (losses, in_flight, stale, settled, same, saved_whole, buckets, gathers) in enumerate(results):
         where = f"ZeRO-{stage} {precision} rank {rank}"
         assert all(a == b for a, b in losses), f"{where}: deferred and eager losses differ: {losses}"
-        assert in_flight == [buckets] * 4 and buckets > 0, f"{where}: gathers in flight after each step {in_flight}"
+        assert in_flight == [1] * 4 and buckets > 1, f"{where}: gathers in flight after each step {in_flight}"
         assert all(stale), f"{where}: the parameters were whole before the next forward: nothing was deferred"
         assert settled == [0, 0], f"{where}: gathers left in flight after a save / the next forward: {settled}"
         # an OAG prefetch of a weight still arriving would be gathered again once it arrived

@@ -208,15 +208,22 @@ def memory(
         else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         for s in wl.linears()
     )
-    gathers = 0.0
+    gathers = deferred = 0.0
     if zero and shape.data > 1:
         # ZeRO's all-gathers of the updated parameters: two buckets at a time (one unpacked while the
-        # next is in flight), each its parts sent and every rank's received (the policy's
-        # bucket_bytes on the device; 0: one parameter per bucket, the largest bounding it)
-        bucket = max(largest_shard * (elem if sixteen else p_bytes), overlap.bucket_bytes(accelerator))
+        # next is in flight), each its parts sent and every rank's received. A bucket closes once it
+        # holds the policy's bucket_bytes on the device, so it holds less than that plus its last
+        # tensor (0: one tensor per bucket, the largest bounding it), and never more than them all.
+        largest = largest_shard * (elem if sixteen else p_bytes)
+        limit = overlap.bucket_bytes(accelerator)
+        bucket = min(largest + limit, max(params, largest))
         gathers = 2 * bucket * (1 + 1 / shape.data)
+        # the job leaves the last bucket's gather in flight into the next forward (axon4d.zero.gathers):
+        # its buffers live beside the forward's saved activations until the last layers, the head's
+        # (the last parameters), run; the backward that follows starts from all of them
+        deferred = bucket * (1 + 1 / shape.data)
         largest_shard = math.ceil(largest_shard / shape.data)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
     optimizer_step = grads + gathers + (2 * largest_shard * 4 if wl.optimizer == "adam" else 0)
-    peak = params + optimizer + max(live_peak, optimizer_step)
+    peak = params + optimizer + max(live_peak, acts + deferred, optimizer_step)
     return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak, offload * per_block)

@@ -8,12 +8,13 @@ bucket), one open bucket per dtype — half the bytes for the 16-bit weights.
 
 - **Eager** (``ParamGathers.run(defer=False)``): each bucket's gather is in flight while the next
   bucket steps, the last waited before the step returns: the parameters are whole when it returns.
-- **Deferred** (``defer=True``, the training job's): every bucket's gather is left in flight when the
-  step returns and each is completed in issue order, as late as correctness allows — before the
-  forward of a module that holds one of its parameters (a forward pre-hook), before the grid's
-  scheduler reads one of its weight shards for a gather over z (E10f, an OAG prefetch:
-  ``Scheduler.defer_writes``), or at ``settle()`` (checkpoints, the next step, the end of
-  training). The gathers then run under the next forward's first layers instead of between steps.
+- **Deferred** (``defer=True``, the training job's): the same, but the last bucket's gather — the
+  one nothing overlapped — is left in flight when the step returns and completed as late as
+  correctness allows: before the forward of a module that holds one of its parameters (a forward
+  pre-hook), before the grid's scheduler reads one of its weight shards for a gather over z (E10f,
+  an OAG prefetch: ``Scheduler.defer_writes``), or at ``settle()`` (checkpoints, the next step).
+  It then runs under the next forward instead of between steps; its buffers (one bucket's) live
+  until then, never more than the two buckets the step itself holds.
   A parameter read any other way between the step and its module's forward (``p.data`` in user
   code) must be settled first: ``ShardedOptimizer.settle()``.
 """
@@ -115,21 +116,23 @@ class ParamGathers:
 
     # -- a step's gathers -----------------------------------------------------------------------
     def run(self, step_bucket: Callable[[list[Part]], None], defer: bool) -> None:
-        """Step each bucket (``step_bucket``) and issue its gather; eager: each gather in flight
-        while the next bucket steps and the last waited here; deferred: all left in flight."""
+        """Step each bucket (``step_bucket``) and issue its gather, each in flight while the next
+        bucket steps; the last is waited here, or with ``defer`` left in flight (two buckets'
+        buffers at a time either way)."""
         self.settle()
         in_flight: tuple[list[Part], Handle] | None = None
         for bucket in self.buckets:
             step_bucket(bucket)
             handle = self.gather(bucket)
-            if defer:
-                self._pending.append((bucket, handle))
-                continue
             if in_flight is not None:
                 self.unpack(*in_flight)
             in_flight = (bucket, handle)
-        if in_flight is not None:
+        if in_flight is None:
+            return
+        if not defer:
             self.unpack(*in_flight)
+            return
+        self._pending.append(in_flight)
         if self._pending:
             params = [part.param for bucket, _ in self._pending for part in bucket]
             self._pending_ids = {id(p) for p in params}
