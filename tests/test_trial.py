@@ -112,6 +112,75 @@ def test_a_plan_that_fails_on_one_rank_is_skipped_with_its_reason_on_every_rank(
         assert sum(r["chosen"] for r in summary["trials"]) == 1 and len(summary["losses"]) == 1
 
 
+def _every_option(base, machine):
+    """A --try 3 run whose options are pinned (the planner prices every grid with them; ``machine``
+    knows a bf16 peak), each trial's build recorded: the plan's grid, the run's micro-batches, the
+    model's recomputation, offloaded blocks and split sequences, the grid's gathers, the
+    optimizer's ZeRO stage, and whether the previous trial's model and optimizer were freed."""
+    import gc
+    import weakref
+
+    from axon4d.plan.auto import ranked
+    from axon4d.precision import FP8
+
+    cfg = TrainConfig(**{**base, "machine": machine})
+    result = ranked(WORLD, **{**planned.request(cfg, False), "rank": 1}, top=3)
+    top = [(list(c.shape.as_tuple()), c.options) for c in result.candidates if c.fits][:3]
+    make = trial._trial
+    seen, refs = [], []
+
+    def recording(run_cfg, grid, build, step):
+        gc.collect()
+        freed = all(r() is None for r in refs)
+        made = make(run_cfg, grid, build, step)
+        m, opt = made.model, made.optimizer
+        refs.extend([weakref.ref(m), weakref.ref(opt)])
+        seen.append(
+            {
+                "grid": list(grid.shape.as_tuple()),
+                "micro_batches": run_cfg.micro_batches,
+                "recompute": m.recompute.value,
+                "offload": len(m.offload),
+                "context_parallel": m.context_parallel,
+                "fp8_gather": grid.precision.gather == FP8,
+                "zero": getattr(opt, "stage", 0),
+                "freed_before": freed,
+            }
+        )
+        return made
+
+    groups = _groups()
+    trial._trial = recording
+    try:
+        summary = train(cfg)
+    finally:
+        trial._trial = make
+    gc.collect()
+    return top, seen, summary, groups, _groups(), all(r() is None for r in refs)
+
+
+@pytest.mark.slow
+def test_tried_plans_are_built_with_every_option_the_planner_gives_them(pools, tmp_path):
+    machine = json.load(open(HOST_MACHINE))  # the host's, with a bf16 peak: FP8 gathers compute in bf16
+    machine["peak_flops"]["bfloat16"] = machine["peak_flops"]["float32"]
+    (tmp_path / "bf16.json").write_text(json.dumps(machine))
+    # a step of 2 micro-batches of 2 sequences split over data ≤ 2: grids with z = 2 lead, where
+    # FP8 gathers and split sequences take effect
+    options = dict(recompute="full", micro_batches=2, zero=2, offload="0", context_parallel=True)
+    base = dict(grid="auto", try_plans=3, try_steps=1, steps=2, batch_size=2, precision="bf16-fp8-gather", **options)
+    args = ({**base, **TINY, "out_dir": str(tmp_path / "o")}, str(tmp_path / "bf16.json"))
+    for top, seen, summary, before, after, freed in pools(WORLD).run(None, _every_option, *args, timeout=400):
+        assert [r["grid"] for r in summary["trials"]] == [g for g, _ in top] == [s["grid"] for s in seen]
+        assert all(r["measured_s"] > 0 and r["error"] is None for r in summary["trials"]), summary["trials"]
+        for (grid, opts), built in zip(top, seen):  # each trial built as its plan says
+            assert opts == {"recompute": "full", "micro_batches": 2, "zero": 2, "offload": 1, "fp8_gather": grid[2] > 1}
+            want = {"recompute": "full", "micro_batches": 2, "offload": 1, "context_parallel": True, "zero": 2}
+            assert {k: built[k] for k in want} == want and built["fp8_gather"]  # the run's precision gathers in FP8
+        assert any(opts["fp8_gather"] for _, opts in top) and any(g[2] > 1 and g[3] > 1 for g, _ in top)
+        assert all(s["freed_before"] for s in seen) and freed  # each trial's model and optimizer collected
+        assert after == before and len(summary["losses"]) == 2  # no process group left; the chosen plan trained
+
+
 def _leaks(base):
     """Host memory and process groups after one trial of a plan and after four more."""
     cfg = TrainConfig(**base)
