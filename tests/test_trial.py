@@ -230,6 +230,37 @@ def test_a_correction_file_is_refused_when_it_is_not_one(tmp_path):
         correction.load(str(path))
 
 
-def test_try_needs_grid_auto():
+def test_try_and_correction_need_grid_auto():
     with pytest.raises(ValueError, match="--try 3 with --grid 1,1,1,-1: only --grid auto has plans to try"):
         TrainConfig(try_plans=3)
+    with pytest.raises(ValueError, match="--correction c.json with --grid 2,2,2,1: only --grid auto has plans to"):
+        TrainConfig(grid="2,2,2,1", correction="c.json")
+
+
+def test_the_training_job_prices_its_plans_with_a_correction_file(tmp_path):
+    from axon4d.plan.auto import ranked
+
+    path = str(tmp_path / "c.json")
+    correction.write(path, correction.Correction("local", WORLD, 2.0, 2.0))
+    cfg = TrainConfig(**TINY, grid="auto", machine=HOST_MACHINE, batch_size=8, correction=path)
+    machine = planned.machine(cfg, WORLD)  # the machine's in-step scale for 8 ranks, doubled
+    assert machine.step_scale_for(WORLD) == pytest.approx([2 * k for k in load(HOST_MACHINE).step_scale_for(WORLD)])
+    ask = {**planned.request(dataclasses.replace(cfg, correction=""), False), "rank": 1}
+    alone, corrected = (ranked(WORLD, **{**ask, "machine": m}, top=3) for m in (HOST_MACHINE, machine))
+    pairs = list(zip(alone.candidates[:3], corrected.candidates[:3]))
+    assert all(a.shape == c.shape and c.time.step_s == pytest.approx(2 * a.time.step_s) for a, c in pairs)
+    with pytest.raises(
+        ValueError, match="measured on 8 ranks, this job has 16: its factors scale the prices of 8-rank"
+    ):
+        planned.machine(cfg, 16)
+    assert planned.apply(cfg, corrected.best, False).correction == ""  # a named grid: nothing left to price
+
+
+def test_a_correction_fitted_to_corrected_prices_is_composed_onto_the_machine_s_own():
+    base = [(1.0, 1.0), (2.0, 0.5), (0.5, 3.0)]
+    prior = correction.Correction("host", 8, 2.0, 4.0)
+    rows = [  # priced with the prior's factors, measured as 1.5 compute + 0.5 communication of the machine's own
+        {"predicted_compute_s": 2.0 * c, "predicted_comm_s": 4.0 * m, "measured_s": 1.5 * c + 0.5 * m} for c, m in base
+    ]
+    composed = correction.compose(correction.fit("host", 8, rows), prior)
+    assert (composed.compute, composed.communication) == pytest.approx((1.5, 0.5))

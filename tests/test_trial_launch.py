@@ -1,6 +1,7 @@
 """``axon4d train --grid auto --try N`` (axon4d.train.trial) under the launchers a cluster uses:
 ``mpiexec -n 8`` (rank and size from mpi4py), with the torch transport and with the MPI one
-(``--comm``), and srun's tasks (their environment alone: SLURM_PROCID, SLURM_NTASKS,
+(``--comm``; the second run priced with the first's correction file, ``--correction``), and
+srun's tasks (their environment alone: SLURM_PROCID, SLURM_NTASKS,
 SLURM_LOCALID, the step's nodes). Each job runs tests/trial_check.py; every rank reports the same
 rows, the tried plans are the planner's top ones in its order, each trial grid and the run's are
 built by that launcher on that transport, and the run trains on the fastest measured plan. The
@@ -35,6 +36,7 @@ def _check(out, comm, launcher):
         # every trial grid, then the run's: the chosen plan, built afresh; all by this launcher on this transport
         assert [b["grid"] for b in rep["built"]] == [*first["top"], chosen["grid"]]
         assert {(b["transport"], b["launcher"]) for b in rep["built"]} == {(comm, launcher)}
+    assert [r["predicted_s"] for r in rows] == first["prices"]  # as the planner priced them in the job
     assert len(first["losses"]) == 2
     assert json.loads((out / comm / "trials.json").read_text())["trials"] == rows
     assert (out / comm / "correction.json").exists()
@@ -54,6 +56,14 @@ def test_try_under_mpiexec_with_the_torch_and_the_mpi_transport(tmp_path):
     assert proc.returncode == 0, f"mpiexec exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     for comm in ("torch", "mpi"):
         _check(tmp_path, comm, "mpi")
+    # the second run priced its plans with the first's correction.json (--correction): by its factors
+    corr = json.loads((tmp_path / "torch" / "correction.json").read_text())
+    second = json.loads((tmp_path / "mpi.rank0.json").read_text())
+    for row, alone in zip(second["trials"], second["uncorrected"]):
+        if corr["compute"] == corr["communication"]:
+            assert row["predicted_s"] == pytest.approx(corr["compute"] * alone, rel=1e-9)
+        else:
+            assert row["predicted_s"] != pytest.approx(alone, rel=1e-3)
 
 
 def test_try_as_srun_tasks(tmp_path):

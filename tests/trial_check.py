@@ -3,12 +3,14 @@
 
 ``argv[1]`` is the output directory; each later argument is a transport (``--comm``: torch, mpi)
 under which one ``axon4d train --grid auto --try 2`` runs, one after another in the same job, in
-``OUT/<transport>``. Every grid built (the trials' and the run's) is recorded with its transport
-and launcher. Each rank writes ``OUT/<transport>.rank<r>.json``: the planner's top two fitting
-plans by its own ranking, the rows the run reports, the grid it trained on, its losses and the
-grids built.
+``OUT/<transport>``; each run after the first prices its plans with the correction the run before
+it wrote (``--correction``). Every grid built (the trials' and the run's) is recorded with its
+transport and launcher. Each rank writes ``OUT/<transport>.rank<r>.json``: the planner's top two
+fitting plans by its own ranking and their prices, the rows the run reports, the grid it trained
+on, its losses and the grids built.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -37,9 +39,16 @@ def _recording_init(*args, **kwargs):
     return grid
 
 
+def _uncorrected(cfg, fitting):
+    """The candidates of ``fitting``'s grids as the machine alone prices them (without --correction)."""
+    result = ranked(8, **{**planned.request(dataclasses.replace(cfg, correction=""), False), "rank": 1}, top=8)
+    return [next(c for c in result.candidates if c.shape == f.shape) for f in fitting]
+
+
 def main(out: str, transports: list[str]) -> None:
     torch.set_num_threads(1)
     runtime.init = _recording_init  # trial.py and loop.py call runtime.init through the module
+    correction = ""
     for comm in transports:
         built.clear()
         cfg = TrainConfig(
@@ -52,12 +61,21 @@ def main(out: str, transports: list[str]) -> None:
             batch_size=8,
             comm=comm,
             out_dir=os.path.join(out, comm),
+            correction=correction,
         )
         result = ranked(8, **{**planned.request(cfg, False), "rank": 1}, top=TRIED)  # rank 1: prints nothing
-        top = [list(c.shape.as_tuple()) for c in result.candidates if c.fits][:TRIED]
+        fitting = [c for c in result.candidates if c.fits][:TRIED]
         summary = train(cfg)
+        correction = os.path.join(out, comm, "correction.json")
         rank = torch.distributed.get_rank()
-        record = {"top": top, "trials": summary["trials"], "grid": summary["grid"], "losses": summary["losses"]}
+        record = {
+            "top": [list(c.shape.as_tuple()) for c in fitting],
+            "prices": [float(c.time.step_s) for c in fitting],
+            "uncorrected": [float(c.time.step_s) for c in _uncorrected(cfg, fitting)],
+            "trials": summary["trials"],
+            "grid": summary["grid"],
+            "losses": summary["losses"],
+        }
         with open(os.path.join(out, f"{comm}.rank{rank}.json"), "w") as f:
             json.dump({**record, "built": list(built)}, f)
 

@@ -71,7 +71,8 @@ def choose(
     chosen = trials.fastest(rows, f"--try {cfg.try_plans}", "pin a grid with --grid x,y,z,data")
     best = fitting[chosen["rank"] - 1]
     if launch.detect().rank == 0:
-        _write(cfg.out_dir, rows, result.machine.name, world)
+        prior = correction.load(cfg.correction) if cfg.correction else None
+        _write(cfg.out_dir, rows, result.machine.name.removesuffix(correction.SUFFIX), world, prior)
     return planned.apply(cfg, best, accelerator), best, rows
 
 
@@ -151,9 +152,14 @@ def _recorded(
     )
 
 
-def _write(out_dir: str, rows: list[dict[str, Any]], machine: str, world: int) -> None:
-    """``trials.json`` and, from the measured plans, ``correction.json`` in ``out_dir``."""
+def _write(
+    out_dir: str, rows: list[dict[str, Any]], machine: str, world: int, prior: correction.Correction | None
+) -> None:
+    """``trials.json`` and, from the measured plans, ``correction.json`` in ``out_dir``: factors on
+    ``machine``'s own prices (with ``prior``, the --correction the plans were priced with, composed
+    in: ``correction.compose``)."""
     with open(os.path.join(out_dir, TRIALS_FILE), "w") as f:
         json.dump({"world": world, "machine": machine, "trials": rows}, f, indent=1)
     ok = [r for r in rows if r["measured_s"] is not None]
-    correction.write(os.path.join(out_dir, CORRECTION_FILE), correction.fit(machine, world, ok))
+    fitted = correction.fit(machine, world, ok)
+    correction.write(os.path.join(out_dir, CORRECTION_FILE), correction.compose(fitted, prior) if prior else fitted)
