@@ -1,6 +1,6 @@
 """``axon4d train --grid auto --try N`` (axon4d.train.trial) on an 8-rank gloo world: the plans
-tried are the planner's fastest fitting ones, each is built and torn down without leaking process
-groups or host memory, the run trains with the fastest measured on the loss curve of a run pinned
+tried are the planner's fastest fitting ones, each is built (with every step option its plan gives
+it) and torn down without leaking process groups, threads or host memory (resident and peak), the run trains with the fastest measured on the loss curve of a run pinned
 to it, a plan that fails is skipped with its reason, a resumed run does not try again; and the
 correction file its measurements make (axon4d.plan.correction)."""
 
@@ -181,24 +181,39 @@ def test_tried_plans_are_built_with_every_option_the_planner_gives_them(pools, t
         assert after == before and len(summary["losses"]) == 2  # no process group left; the chosen plan trained
 
 
+def _peak_rss(reset: bool = False) -> int:
+    """This process's peak resident bytes since the last reset (``VmHWM``); ``reset``: start the
+    peak again from the resident bytes now (Linux's ``clear_refs``)."""
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def _leaks(base):
-    """Host memory and process groups after one trial of a plan and after four more."""
+    """Process groups, then (resident bytes, peak resident bytes, threads) after one trial of a
+    plan and after four more; the peak counted from before the first trial."""
     cfg = TrainConfig(**base)
     plan = planned.plan_run(cfg, False)[1]
     groups = _groups()
     args = (lambda c: "fp32", loop._model, loop._step)
+    _peak_rss(reset=True)  # this rank's earlier work (other tests) out of the peak
     trial._try_all(cfg, [plan], False, *args)
-    after_one = host_usage()[0]
+    one = (*host_usage(), _peak_rss())
     trial._try_all(cfg, [plan] * 4, False, *args)
-    return groups, _groups(), after_one, host_usage()[0]
+    return groups, _groups(), one, (*host_usage(), _peak_rss())
 
 
 @pytest.mark.slow
 def test_trials_leak_neither_process_groups_nor_host_memory(pools, tmp_path):
     base = dict(grid="auto", try_plans=1, try_steps=1, machine=HOST_MACHINE, steps=1, batch_size=8)
-    for before, after, rss_one, rss_five in pools(WORLD).run(None, _leaks, {**base, **TINY, "out_dir": str(tmp_path)}):
+    for before, after, one, five in pools(WORLD).run(None, _leaks, {**base, **TINY, "out_dir": str(tmp_path)}):
+        (rss_one, threads_one, peak_one), (rss_five, threads_five, peak_five) = one, five
         assert after == before
         assert rss_five <= 1.05 * rss_one, (rss_one, rss_five)
+        assert peak_five <= 1.05 * peak_one, (peak_one, peak_five)  # five trials peak as high as one
+        assert threads_five <= threads_one, (threads_one, threads_five)  # each grid's threads end with it
 
 
 def test_the_correction_recovers_compute_and_communication_factors():
