@@ -3,6 +3,8 @@
 Start with ``axon4d.init(grid=(x, y, z, data))``, replace ``torch.nn.Linear`` with
 ``axon4d.Linear``, and move tensors in and out of the grid's layouts with ``shard_input`` /
 ``gather_output``. ``shard_optimizer`` shards an optimizer's state over the data axis (ZeRO-1/2).
+``try_plans`` builds the planner's best few plans for your model in turn, times a few steps of each
+and returns the fastest measured (docs/planner.md#trying-the-top-plans).
 docs/design.md explains the algorithm; docs/ the user guide.
 
 Importing axon4d changes no environment variable and reads no file; host memory in huge pages is
@@ -16,6 +18,7 @@ from axon4d.nn import Linear
 from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.runtime import get_grid, init, shutdown
 from axon4d.shape import GridShape, factorizations
+from axon4d.trials import Trial, Tried, try_plans
 from axon4d.zero import ShardedOptimizer, shard_optimizer
 
 __version__ = "0.1.0"
@@ -41,4 +44,7 @@ __all__ = [
     "stepstats",
     "to_dense",
     "trace",
+    "Trial",
+    "Tried",
+    "try_plans",
 ]

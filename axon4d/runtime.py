@@ -62,7 +62,9 @@ def init(
     (axon4d.plan.auto.choose_overlap).
     ``seed``, if given, seeds torch's generator identically on every rank.
     ``grid="auto"`` lets the planner choose (axon4d.plan.auto.choose_grid) for ``plan`` =
-    {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}.
+    {"model": ModelConfig or size name, "batch": sequences, "machine": name or file, ...}; to build
+    and time the planner's best few plans for your model first and take the fastest measured,
+    ``axon4d.try_plans`` (then ``init(**tried.init_args())``).
     ``precision`` sets the dtypes of master weights, compute and gradient reductions for every
     layer on the grid (axon4d.precision: "fp32", "bf16", "bf16-fp32-reduce", "bf16-fp8-gather");
     a name given here is the planner's too (``plan["precision"]``) unless ``plan`` names one.

@@ -83,9 +83,10 @@ def _slurm_job_id():
     raise AssertionError("no free port in the SLURM range")
 
 
-def _srun(ntasks, spec, nodelist, timeout=240, **extra):
-    """Start ``ntasks`` copies of launch_check.py as ``srun -n ntasks`` on one node would: only the
-    environment tells each its place (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, the step's nodes)."""
+def _srun(ntasks, args, nodelist, timeout=240, script=SCRIPT, **extra):
+    """Start ``ntasks`` copies of ``script`` (launch_check.py) with ``args`` as ``srun -n ntasks`` on
+    one node would: only the environment tells each its place (SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID, the step's nodes). The LAUNCH lines of their output."""
     job = _slurm_job_id()
     procs = []
     for task in range(ntasks):
@@ -99,7 +100,7 @@ def _srun(ntasks, spec, nodelist, timeout=240, **extra):
             SLURM_JOB_NODELIST=nodelist,
             **extra,
         )
-        cmd = [sys.executable, SCRIPT, spec]
+        cmd = [sys.executable, script, *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=timeout) for p in procs]
     for task, (p, (out, err)) in enumerate(zip(procs, outs)):
@@ -110,7 +111,7 @@ def _srun(ntasks, spec, nodelist, timeout=240, **extra):
 @pytest.mark.slow
 def test_srun_tasks_form_one_world_from_slurm_variables():
     # the step's first host in compressed form; the port derived from SLURM_JOB_ID
-    lines = _srun(4, "2,1,2,1;1,1,2,2", "localhost,nid[001-003]")
+    lines = _srun(4, ["2,1,2,1;1,1,2,2"], "localhost,nid[001-003]")
     assert len(lines) == 8 and all("LAUNCH slurm world=4" in line for line in lines) and _errors_ok(lines)
     assert sum("Grid(x=1, y=1, z=2, data=2)" in line for line in lines) == 4  # the second grid, after shutdown
     assert sorted(int(line.split(" rank ")[1].split()[0]) for line in lines) == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -119,7 +120,7 @@ def test_srun_tasks_form_one_world_from_slurm_variables():
 @pytest.mark.slow
 def test_srun_tasks_meet_at_master_addr_and_port_when_the_script_exports_them():
     # the usual sbatch script: export MASTER_ADDR/MASTER_PORT, then srun — still SLURM's ranks
-    lines = _srun(2, "1,1,2,1", "nid[007-008]", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    lines = _srun(2, ["1,1,2,1"], "nid[007-008]", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     assert len(lines) == 2 and all("LAUNCH slurm world=2" in line for line in lines) and _errors_ok(lines)
 
 

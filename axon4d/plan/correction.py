@@ -34,6 +34,8 @@ import numpy as np
 from axon4d.plan.machine import Machine
 
 KIND = "axon4d-correction"
+#: what ``apply`` appends to the machine's name
+SUFFIX = " (corrected)"
 #: the least condition a two-factor fit may have (the measured plans' mixes tell compute and
 #: communication apart); below it one factor is fitted to both
 MIN_RANK_RATIO = 0.05
@@ -108,6 +110,13 @@ def load(path: str) -> Correction:
     )
 
 
+def compose(corr: Correction, prior: Correction) -> Correction:
+    """``corr``, fitted to prices that ``prior`` had already corrected, as factors on the machine's
+    own prices: the products of both."""
+    compute, communication = corr.compute * prior.compute, corr.communication * prior.communication
+    return dataclasses.replace(corr, compute=compute, communication=communication)
+
+
 def apply(machine: Machine, corr: Correction) -> Machine:
     """A copy of ``machine`` whose in-step scale for ``corr.world`` ranks (the nearest calibrated
     one's, or (1, 1, 1, 0)) is multiplied by the correction's factors; ``machine`` is unchanged."""
@@ -115,4 +124,4 @@ def apply(machine: Machine, corr: Correction) -> Machine:
     scale = dict(machine.step_scale)
     b = corr.communication
     scale[str(corr.world)] = [k_c * corr.compute, k_a * b, k_w * b, k_n * b]
-    return dataclasses.replace(machine, name=f"{machine.name} (corrected)", step_scale=scale)
+    return dataclasses.replace(machine, name=f"{machine.name}{SUFFIX}", step_scale=scale)

@@ -43,6 +43,8 @@ class TrainConfig:
     """With --grid auto (also --try): build the planner's N fastest fitting plans in turn, time --try-steps steps of each, and train with the fastest measured; a plan that fails is skipped with its reason; the rows go to the banner, summary.json and trials.json, and correction.json (for axon4d plan --correction) is written (docs/planner.md#trying-the-top-plans). 0: the planner's first choice."""
     try_steps: int = 3
     """With --try: timed steps per plan, after two untimed warm-up steps (the second tracked for peak memory); the run trains on none of them."""
+    correction: str = ""
+    """With --grid auto: a correction.json an earlier --try run of this job wrote (on as many ranks); its factors scale the machine's priced compute and communication before the planner ranks the plans, as axon4d plan --correction does (the machine file is unchanged; docs/planner.md#trying-the-top-plans)."""
     retry: bool = False
     """With --try and a resumed run: try the plans again instead of taking the one the first launch chose (out_dir/trials.json)."""
     comm: str = "auto"
@@ -172,8 +174,9 @@ class TrainConfig:
             raise ValueError(
                 f"--pin {self.pin!r}: {', '.join(unknown)} is not a planned option; name some of {', '.join(PLANNED)}"
             )
-        if self.try_plans and self.grid != "auto":
-            raise ValueError(f"--try {self.try_plans} with --grid {self.grid}: only --grid auto has plans to try")
+        if (self.try_plans or self.correction) and self.grid != "auto":
+            given = f"--try {self.try_plans}" if self.try_plans else f"--correction {self.correction}"
+            raise ValueError(f"{given} with --grid {self.grid}: only --grid auto has plans to try or to price")
         if self.min_lr > self.lr:
             raise ValueError(
                 f"--min-lr {self.min_lr} is above --lr {self.lr}: the schedule decays from --lr down to --min-lr; "
@@ -346,7 +349,6 @@ ZERO_STAGES = (0, 1, 2)
 DATA_NAMES = ("synthetic", "corpus")
 #: the step options ``--grid auto`` lets the planner choose (axon4d.train.planned), as --pin names them
 PLANNED = ("recompute", "micro_batches", "zero", "offload", "context_parallel", "fp8_gather")
-
 #: fields whose flag accepts only these values.
 CHOICES: dict[str, tuple[str, ...]] = {
     "recompute": RECOMPUTE_MODES,

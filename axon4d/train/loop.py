@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from axon4d import checkpoint, grads, runtime, watchdog
+from axon4d import checkpoint, grads, runtime, trials, watchdog
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.device import environment
@@ -350,7 +350,7 @@ def _train_on(
     peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)  # after allow_tf32: fp32 at TF32's peak
     chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": describe_optimizer(opt), "zero": cfg.zero}
     if rank0 and tried:
-        print(trial.table(tried))
+        print(trials.table(tried))
     if rank0:
         print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source, chosen))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
@@ -389,7 +389,7 @@ def _train_on(
         summary["trials"] = tried
     log.close()
     if rank0:
-        print(report.format_summary(summary) + (f"\n\n{trial.table(tried)}" if tried else ""))
+        print(report.format_summary(summary) + (f"\n\n{trials.table(tried)}" if tried else ""))
         report.write_summary(cfg.out_dir, summary)
     if initial_dense is not None and rank0 and start == 0:
         reference.compare(initial_dense, cfg, mcfg, losses, summary)

@@ -26,9 +26,12 @@ from typing import Any
 
 from axon4d import launch
 from axon4d.offload import offload_blocks, parse_offload
-from axon4d.plan.auto import choose
+from axon4d.plan import correction
+from axon4d.plan.auto import choose, default_machine
 from axon4d.plan.candidate import Candidate
+from axon4d.plan.machine import Machine
 from axon4d.plan.options import AUTO_OPTION
+from axon4d.plan.search import load_machine
 from axon4d.precision import AUTO, resolve
 from axon4d.train.config import PLANNED, TrainConfig
 
@@ -85,13 +88,29 @@ def request(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
     return {
         "model": cfg.model_config(),
         "batch": cfg.batch_size * cfg.micro_batches,
-        "machine": cfg.machine or None,
+        "machine": machine(cfg, info.world_size),
         "precision": resolve(cfg.precision, accelerator),  # what its collectives move (Workload.precision)
         "overlap": "auto",
         "rank": info.rank,
         "async_save": cfg.async_save,
         **question(cfg, accelerator),
     }
+
+
+def machine(cfg: TrainConfig, world: int) -> Machine | str | None:
+    """The planner's machine for this run of ``world`` ranks: ``--machine`` (None: ``$AXON4D_MACHINE``),
+    its prices scaled by ``--correction``'s factors where one is given (``axon4d.plan.correction``).
+    ``ValueError`` (on every rank alike) when the file is not a correction, or was measured on
+    another number of ranks (its factors scale that world's prices only)."""
+    if not cfg.correction:
+        return cfg.machine or None
+    corr = correction.load(cfg.correction)
+    if corr.world != world:
+        raise ValueError(
+            f"--correction {cfg.correction!r} was measured on {corr.world} ranks, this job has {world}: its "
+            f"factors scale the prices of {corr.world}-rank steps only; run --try N on this job to measure one"
+        )
+    return correction.apply(load_machine(cfg.machine or default_machine()), corr)
 
 
 def plan_run(cfg: TrainConfig, accelerator: bool) -> tuple[TrainConfig, Candidate]:
@@ -116,7 +135,8 @@ def apply(cfg: TrainConfig, best: Candidate, accelerator: bool) -> TrainConfig:
         "offload": ",".join(str(i) for i in range(blocks)) if blocks else "",
         "context_parallel": bool(best.context_parallel),
         "grid": ",".join(str(s) for s in best.shape.as_tuple()),
-        "try_plans": 0,  # a named grid: nothing left to try (axon4d.train.trial)
+        "try_plans": 0,  # a named grid: nothing left to try (axon4d.train.trial) nor to price
+        "correction": "",
     }
     if asked["micro_batches"] == AUTO_OPTION:
         changes.update(micro_batches=k, batch_size=step_batch // k)
