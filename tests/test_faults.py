@@ -300,7 +300,7 @@ def test_a_host_read_blocked_past_its_deadline_ends_the_rank_and_is_named(monkey
     dog, ended, out = _dog()
     grid = _grid(ended, clock)
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: [_BlockedRead(ended, clock)._block()] * t.numel())
-    monkeypatch.setattr(devices, "synchronize", lambda device: _BlockedRead(ended, clock)._block())
+    monkeypatch.setattr(devices, "synchronize_compute", lambda device: _BlockedRead(ended, clock)._block())
     reads = {
         "loss and gradient norm": lambda: loop._read_step(torch.ones(1), torch.ones(()), grid),
         "synchronize": lambda: loop._synchronize(grid, 3),
