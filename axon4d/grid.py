@@ -41,8 +41,10 @@ class Grid:
         precision: Precision | str | None = None,
         overlap: OverlapPolicy | None = None,
         timing: bool | None = None,
+        timeout_s: float = 600.0,
     ):
         self.shape = shape
+        self.timeout_s = timeout_s  # what bounds the host group's collectives (``axon4d.init``'s timeout_s)
         self.device = device
         self.launcher = launcher  # how the job was started: torchrun, mpi, slurm, single or existing
         self.precision = Precision.parse(precision)  # dtypes of parameters, compute and reductions
@@ -70,14 +72,14 @@ class Grid:
             raise RuntimeError(f"{self} was destroyed (axon4d.shutdown / Grid.destroy); it has no DeviceMesh")
         return self._mesh
 
-    def host_group(self, timeout_s: float = 600.0) -> dist.ProcessGroup:
+    def host_group(self, timeout_s: float | None = None) -> dist.ProcessGroup:
         """A group of every rank on the host backend (gloo; ``axon4d.comm.host_group``), made at the
         first call — on every rank at once, a collective — and released by ``destroy``. Checkpoints
         coordinate on it (DCP's gathers of plans and results, its broadcast of the index), so those
         pickled objects travel through host memory, never through an accelerator's. ``timeout_s``
-        (the first call's) bounds each of its collectives."""
+        (the first call's; default the grid's, ``axon4d.init``'s) bounds each of its collectives."""
         if self._host is None:
-            self._host = host_group(timeout_s)
+            self._host = host_group(self.timeout_s if timeout_s is None else timeout_s)
         return self._host
 
     def size(self, axis: Axis) -> int:

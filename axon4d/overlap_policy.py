@@ -196,7 +196,7 @@ class OverlapPolicy:
     def spec(self) -> str:
         """The mechanisms that are on and the knobs off their defaults that the planner prices, as
         ``parse`` reads them: e.g. "oag,oar,ors,odp,chunks=4" (the default), "oag,keep,oag_depth=2",
-        "off"."""
+        "all,bucket_mb=25" is "oag,oar,ors,odp,chunks=4,bucket_mb=25", "off"."""
         on = [n for n in ("oag", "oar", "ors", "odp") if getattr(self, n)]
         if self.forward_chunks > 1:
             on.append(f"chunks={self.forward_chunks}")
@@ -206,6 +206,12 @@ class OverlapPolicy:
             on.append(f"oag_depth={self.oag_depth}")
         if self.ors and self.ors_inflight > 1:
             on.append(f"ors_inflight={self.ors_inflight}")
+        # the knobs whose default is the device's choice, where set (the buckets, the chunks' floor)
+        on += [
+            f"{k}={getattr(self, k):g}"
+            for k in ("bucket_mb", "min_chunk_kb", "chunk_rows")
+            if getattr(self, k) is not None
+        ]
         return ",".join(on) or "off"
 
     def chunking(self, accelerator: bool) -> tuple[int, int]:

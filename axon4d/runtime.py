@@ -108,7 +108,16 @@ def init(
         choice = settle_transport(transport, why, dev, info.rank, info.world_size)
         if choice.seconds is not None and _state["owns_world"]:
             _state["probed"] = choice
-    new = Grid(shape, dev, choice.name, launcher=info.launcher, precision=mixed, overlap=policy, timing=comm_timing)
+    new = Grid(
+        shape,
+        dev,
+        choice.name,
+        launcher=info.launcher,
+        precision=mixed,
+        overlap=policy,
+        timing=comm_timing,
+        timeout_s=timeout_s,
+    )
     new.comm.transport_choice = choice
     _state["grid"] = new
     return new

@@ -149,3 +149,22 @@ def test_destroy_releases_the_groups_threads_while_the_grid_and_its_layers_are_s
     # transport threads must not pile up and time-slice with later steps
     for before, after in pools(4).run((1, 1, 1, 4), _train_on_grids_and_keep_them):
         assert after == before
+
+
+def _host_group_timeout(grid):
+    """The seconds the grid's host group was made with (``axon4d.comm.host_group``'s argument)."""
+    import axon4d.grid as grid_module
+
+    made = []
+    real = grid_module.host_group
+    grid_module.host_group = lambda timeout_s: made.append(timeout_s) or real(timeout_s)
+    try:
+        grid.host_group()
+    finally:
+        grid_module.host_group = real
+    return grid.timeout_s, made
+
+
+def test_the_host_group_takes_init_s_timeout(pools):
+    for timeout_s, made in pools(2).run((1, 1, 1, 2), _host_group_timeout, timeout_s=77.0):
+        assert timeout_s == 77.0 and made == [77.0], (timeout_s, made)

@@ -204,6 +204,8 @@ def test_policy_parsing_and_errors():
         OverlapPolicy.off(),
         OverlapPolicy.only("oag", oag_keep=True, oag_depth=2),
         OverlapPolicy(ors_inflight=3, forward_chunks=8),
+        OverlapPolicy(bucket_mb=25.0, min_chunk_kb=0.5, chunk_rows=64),
+        OverlapPolicy.only("odp", bucket_mb=0.0),
     ]:
         assert OverlapPolicy.parse(policy.spec()) == policy  # the planner's description reads back
     for bad, message in [

@@ -184,3 +184,23 @@ def test_a_sharded_fused_adamw_skips_on_the_device_and_a_foreach_one_refuses_the
         assert out["params_kept"] and out["moments_kept"], f"rank {rank}: the skipped step changed the state: {out}"
         msg = out["refused"]
         assert msg and "found_inf" in msg and "fused=True" in msg, f"rank {rank}: {msg!r}"
+
+
+def _gathers_after_configure(grid):
+    """ZeRO's all-gathers over data per step, before and after the grid's policy changes its bucket size."""
+    torch.manual_seed(0)
+    model = Transformer(LLAMA)
+    opt = shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, grid, stage=1)
+    counts = []
+    for step in range(2):
+        if step == 1:
+            grid.scheduler.configure({"bucket_mb": 1.0})  # every parameter fits one bucket per dtype
+        grid.comm.log.clear()
+        _train_step(model, opt, grid, step)
+        counts.append(sum(1 for r in grid.comm.log.records if r.tag == Term.ZERO_GATHER))
+    return counts, len(list(model.parameters()))
+
+
+def test_a_policy_s_new_bucket_size_reaches_zero_s_gathers(pools):
+    for counts, params in pools(2).run((1, 1, 1, 2), _gathers_after_configure):
+        assert counts == [params, 1], f"gathers per step {counts} ({params} parameters, then one bucket)"

@@ -309,6 +309,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 group["params"] = [m for m in params if id(m) in mine]
             self.inner.step()
 
+        scheduler = self.grid.scheduler  # its policy's bucket size now (``configure`` may have changed it)
+        self._gathers.rebucket(scheduler.policy.bucket_bytes(scheduler.accelerator))
         try:
             self._gathers.run(step_bucket, defer=self.overlap_gathers)
         finally:

@@ -82,6 +82,7 @@ class ParamGathers:
 
     def __init__(self, parts: list[Part], comm: Communicator, data_size: int, limit: int, scheduler: Deferrer):
         self.comm, self.data_size, self.scheduler = comm, data_size, scheduler
+        self.parts, self.limit = parts, limit
         self.buckets = make_buckets(parts, limit)
         self._pending: list[tuple[list[Part], Handle]] = []  # deferred gathers, in issue order
         self._pending_ids: set[int] = set()  # ids of their parameters
@@ -113,6 +114,13 @@ class ParamGathers:
             if n > full * c:
                 flat[full * c :].copy_(rows[full, offset : offset + n - full * c])
             offset += c
+
+    def rebucket(self, limit: int) -> None:
+        """Lay the buckets out again for a bucket size of ``limit`` bytes (the grid's policy changed:
+        ``Scheduler.configure``); a no-op when it is the size they were made for."""
+        if limit != self.limit:
+            self.settle()
+            self.limit, self.buckets = limit, make_buckets(self.parts, limit)
 
     # -- a step's gathers -----------------------------------------------------------------------
     def run(self, step_bucket: Callable[[list[Part]], None], defer: bool) -> None:
