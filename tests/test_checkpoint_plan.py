@@ -32,3 +32,43 @@ def test_a_rank_of_the_80b_job_plans_few_items(rank):
     # block (one rectangle each here: 12 × 42 = 504), and a share of the tensors held alike
     assert 504 <= got["items"] <= 540, got
     assert got["bytes"] <= 90_000 and got["bytes"] * 4 < got["all_bytes"], got
+
+
+def _load_coordination(grid, path):
+    """Save a small model, then count the object collectives (DCP's coordination: pickled plans,
+    results, the index) that a load of it issues on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from axon4d import checkpoint
+    from axon4d.config import ModelConfig
+    from axon4d.models.transformer import Transformer
+    from axon4d.train.batches import accumulate
+
+    cfg = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="llama")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    accumulate(model, [ids], grid)
+    opt.step()  # the moments exist: the load reads them too
+    checkpoint.save(path, model, grid, opt, step=1, overwrite=True)
+    calls = []
+    names = ("gather_object", "all_gather_object", "broadcast_object_list", "scatter_object_list")
+    real = {n: getattr(dist, n) for n in names}
+    for n in names:
+        setattr(dist, n, lambda *a, _n=n, **k: calls.append(_n) or real[_n](*a, **k))
+    try:
+        fresh = Transformer(cfg)
+        checkpoint.load(path, fresh, grid, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+    same = all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))
+    return calls, same
+
+
+def test_a_load_plans_its_own_reads_and_coordinates_nothing(pools, tmp_path):
+    for rank, (calls, same) in enumerate(pools(4).run((1, 2, 2, 1), _load_coordination, str(tmp_path / "c"))):
+        assert same, f"rank {rank}: the loaded model differs from the saved one"
+        assert calls == [], f"rank {rank}: the load coordinated through {calls}"

@@ -6,10 +6,12 @@ stores it, cut into rectangles of the global tensors (``ParamLayout.boxes``), ea
 ``torch.distributed.checkpoint`` (DCP) from a view of the rank's storage; a piece several ranks
 hold alike is planned and written by one of them (``pieces.writes``), so each rank's plan holds
 few items. Nothing is gathered, and a save holds only DCP's copies of the one file it writes
-(``axon4d.checkpoint.writer``). DCP coordinates every save and load (its gathers of pickled plans
-and results, its broadcast of the index) on the grid's host group (``Grid.host_group``, gloo), in
-host memory, never through an accelerator's. A load cuts this grid's pieces alike, and DCP reads into each, in place, the saved rectangles it
-overlaps, one at a time; so a checkpoint loads onto any grid. A directory holds DCP's files and
+(``axon4d.checkpoint.writer``). DCP coordinates a save (its gathers of pickled plans and results,
+its broadcast of the index) on the grid's host group (``Grid.host_group``, gloo), in host memory,
+never through an accelerator's. A load cuts this grid's pieces alike and plans its own reads from
+the index (``planners.read_items``), so DCP reads into each piece, in place, the saved rectangles it
+overlaps — with nothing coordinated (``no_dist``: no plan leaves the rank, whatever the world size);
+so a checkpoint loads onto any grid. A directory holds DCP's files and
 ``meta.json`` (step, grid, model config, each file's sha256 and size, data position, RNG states,
 extras), published by one rename (axon4d.ckptfiles). A load reads DCP's index with a restricted
 unpickler (a planted directory runs no code) and checks the checksums, and that the index covers
@@ -150,12 +152,16 @@ def load(
     except Exception as e:
         err = e
     agree(grid, err, f"checking {path}")
-    dcp.load(
-        state.steps,
-        storage_reader=ckptfiles.SafeReader(path),
-        planner=LoadPieces(state.parts, reads),
-        process_group=grid.host_group(),
-    )
+    try:  # each rank reads its own pieces: nothing to coordinate (its reads are planned above)
+        dcp.load(
+            state.steps,
+            storage_reader=ckptfiles.SafeReader(path),
+            planner=LoadPieces(state.parts, reads),
+            no_dist=True,
+        )
+    except Exception as e:
+        err = e
+    agree(grid, err, f"reading {path}")
     for pad in state.pads:
         pad.zero_()
     states = optimizer.state if optimizer is not None else {}
