@@ -392,8 +392,9 @@ def _watched(device: torch.device, fn: Any) -> tuple[Any, list[str], list[str], 
 def no_host_sync(grid: Any) -> dict[str, Any]:
     """A step of the training job (``axon4d.train.loop._step``'s parts: the micro-batch's forward and
     backward, the loss's all-reduce, clipping by the global norm, the job's AdamW — fused on an
-    accelerator — and zero_grad) watched by ``_watched``: no host read and no synchronising call
-    before the step's one intended read of the loss and the norm, nor after it. That read itself
+    accelerator, stepped before the read with the non-finite flag on the device — and zero_grad)
+    watched by ``_watched``: no host read and no synchronising call besides the step's one intended
+    read of the loss and the norm. That read itself
     (``loop._read_step``) is not watched. Returns the reads and syncs found, the optimizer's kernel,
     the loss and the collectives of the watched step."""
     from axon4d.train import loop, optim
@@ -409,17 +410,23 @@ def no_host_sync(grid: Any) -> dict[str, Any]:
         loss = accumulate(model, (ids,), grid)
         return loop._batch_sum(loss, grid), optim.clip(model, job, grid)
 
-    def update() -> None:
-        opt.step()
+    def update(loss_sum: torch.Tensor, norm: torch.Tensor) -> None:
+        # the job's step (optim.step) without its read: a fused AdamW skips a non-finite step on the
+        # device, queued before the read; the host's kernel is stepped after it
+        optim.step(opt, loss_sum, norm, lambda: True)
         opt.zero_grad(set_to_none=True)
 
-    forward_backward(), update()  # first: allocations, kernel choices, optimizer state
+    update(*forward_backward())  # first: allocations, kernel choices, optimizer state
     devices.synchronize(grid.device)
     grid.comm.log.clear()
     (loss_sum, norm), reads, syncs, host_reads = _watched(grid.device, forward_backward)
     collectives = len(grid.comm.log.records)
-    loss, norm_value = loop._read_step(loss_sum, norm, grid)  # the step's one read
-    _, more_reads, more_syncs, more_host_reads = _watched(grid.device, update)
+    on_device = optim.skips_on_device(opt)
+    if not on_device:
+        loss, norm_value = loop._read_step(loss_sum, norm, grid)  # the step's one read, before the step
+    _, more_reads, more_syncs, more_host_reads = _watched(grid.device, lambda: update(loss_sum, norm))
+    if on_device:
+        loss, norm_value = loop._read_step(loss_sum, norm, grid)  # the step's one read, after it is queued
     return {
         "device": str(grid.device),
         "reads": reads + more_reads,
