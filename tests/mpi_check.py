@@ -54,6 +54,11 @@ def _name(grid):
 
 TESTS = [
     ("comm.collectives", test_comm.test_collectives_return_correct_data_and_are_logged, {}),
+    (
+        "comm.all_to_all",
+        test_comm.test_all_to_all_moves_each_rows_split_to_its_rank_and_logs_the_bytes_sent,
+        {"world": 8, "grid": (1, 2, 2, 2)},
+    ),
     *[
         (
             f"comm.bytes{_name(g)}.{d}",
