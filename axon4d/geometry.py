@@ -102,7 +102,16 @@ class Collective:
 COMPUTE_TERMS = frozenset({Term.E8, Term.E9, Term.E10F, Term.E10B, Term.EMBEDDING, Term.CP_KV, Term.CP_KV_GRAD})
 #: gradient reductions: they move the reduction dtype (fp32 sums under ``bf16-fp32-reduce``)
 GRADIENT_TERMS = frozenset(
-    {Term.E11, Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD}
+    {
+        Term.E11,
+        Term.E12,
+        Term.E13,
+        Term.EMBEDDING_GRAD,
+        Term.POSITION_GRAD,
+        Term.NORM_GRAD,
+        Term.REPLICATED_GRAD,
+        Term.MOE_ROUTER_WEIGHT_GRAD,
+    }
 )
 #: per-token statistics of the vocabulary-parallel loss: always fp32 (a split norm's: ``norm_statistics_wire``)
 STATISTIC_TERMS = frozenset({Term.CE_LSE, Term.CE_TARGET})

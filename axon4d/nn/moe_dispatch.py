@@ -1,0 +1,205 @@
+"""Moving tokens to their experts and back over the grid (docs/moe.md, E15–E17): the dispatch plan
+sized by one exchange of counts, and the differentiable collectives it runs.
+
+Layout (docs/design.md §2): an MoE layer's input is (T, hidden/G_x) on every rank, split over x by
+features, replicated over y; tokens differ over batch = data × z, the expert-parallel axis ``ep``.
+Every y rank of a group holds the same tokens, so each sends only its **share** — the token rows
+``share_sizes`` gives index j of y — and the experts' ranks gather the shares over y (E17): a
+token crosses the expert-parallel axis once, not G_y times.
+
+**The plan** (``DispatchPlan.exchange``, E15). Every rank counts its (T, k) assignments per y share
+and expert, (G_y, E), and all-gathers the counts over ``ep``: (G_ep, G_y, E), read on the host —
+the one host synchronisation of an MoE layer, G_ep·G_y·E int64 values — from which every rank
+derives the same split sizes for both all-to-alls (E16) and the y gathers, the rows per local
+expert, and the micro-batch's tokens per expert for the balance loss. A recomputed forward
+(docs/design.md §5) reuses the plan of its first forward: no routing decision and no host sync runs
+again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from axon4d.geometry import Term
+from axon4d.grid import Grid
+from axon4d.shape import Axis
+
+
+def share_sizes(tokens: int, parts: int) -> list[int]:
+    """Rows of each of ``parts`` contiguous shares of ``tokens`` rows, the first ones a row longer."""
+    base, extra = divmod(tokens, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+    """Who sends how many rows to whom, from the counts C[s][j][e] of source rank s (index on ``ep``),
+    y share j and expert e (the same on every rank)."""
+
+    counts: tuple[tuple[tuple[int, ...], ...], ...]
+    """C: (G_ep, G_y, E) assignments per source rank, y share and expert."""
+    ep_index: int
+    y_index: int
+    local_experts: int
+    """E/G_ep: experts held by each rank of ``ep``."""
+
+    @classmethod
+    def exchange(cls, share_counts: torch.Tensor, ep: Axis, grid: Grid, local_experts: int) -> DispatchPlan:
+        """Gather every rank's (G_y, E) ``share_counts`` over ``ep`` (E15) and read them on the host."""
+        g_ep = grid.size(ep)
+        flat = share_counts.reshape(-1).to(torch.int64).contiguous()
+        gathered = grid.comm.all_gather(flat, ep, tag=Term.MOE_COUNTS).wait()  # (G_ep·G_y·E,)
+        values = gathered.tolist()  # the host sync of the layer
+        g_y, e = share_counts.shape
+        counts = tuple(
+            tuple(tuple(values[(s * g_y + j) * e : (s * g_y + j + 1) * e]) for j in range(g_y)) for s in range(g_ep)
+        )
+        return cls(counts, grid.coord(ep), grid.coord("y"), local_experts)
+
+    def _mine(self, s: int, j: int, ep_index: int | None = None) -> int:
+        """Rows source s's share j sends to rank ``ep_index`` (default: this rank)."""
+        r = self.ep_index if ep_index is None else ep_index
+        return sum(self.counts[s][j][r * self.local_experts : (r + 1) * self.local_experts])
+
+    @property
+    def send_rows(self) -> list[int]:
+        """Rows this rank's share sends to each rank of ``ep`` (E16)."""
+        return [self._mine(self.ep_index, self.y_index, r) for r in range(len(self.counts))]
+
+    @property
+    def recv_rows(self) -> list[int]:
+        """Rows this rank receives from each rank of ``ep`` for its y index (E16)."""
+        return [self._mine(s, self.y_index) for s in range(len(self.counts))]
+
+    @property
+    def y_rows(self) -> list[int]:
+        """Rows each y index of this expert group received: the sizes of the gather over y (E17)."""
+        return [sum(self._mine(s, j) for s in range(len(self.counts))) for j in range(len(self.counts[0]))]
+
+    def runs(self) -> tuple[list[int], list[int]]:
+        """(local expert, rows) of each run of the gathered rows, in their order: y index, then
+        source rank, then expert."""
+        experts, rows = [], []
+        lo = self.ep_index * self.local_experts
+        for j in range(len(self.counts[0])):
+            for s in range(len(self.counts)):
+                for e in range(self.local_experts):
+                    experts.append(e)
+                    rows.append(self.counts[s][j][lo + e])
+        return experts, rows
+
+    @property
+    def group_rows(self) -> list[int]:
+        """Rows each local expert computes (its group of the grouped GEMM)."""
+        lo = self.ep_index * self.local_experts
+        return [
+            sum(self.counts[s][j][lo + e] for s in range(len(self.counts)) for j in range(len(self.counts[0])))
+            for e in range(self.local_experts)
+        ]
+
+    def tokens_per_expert(self) -> list[int]:
+        """The micro-batch's assignments per expert, every rank's (E,)."""
+        e = len(self.counts[0][0])
+        return [
+            sum(self.counts[s][j][i] for s in range(len(self.counts)) for j in range(len(self.counts[0])))
+            for i in range(e)
+        ]
+
+
+def _gather_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+    """Every rank's ``x`` of ``sizes[i]`` rows (its index i on ``axis``) stacked in index order:
+    one all-gather of blocks padded to the largest."""
+    most = max(sizes)
+    padded = x if x.shape[0] == most else torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))])
+    whole = grid.comm.all_gather(padded.contiguous(), axis, tag=tag).wait()  # (G·most, …)
+    return torch.cat([whole[i * most : i * most + n] for i, n in enumerate(sizes)])
+
+
+def _own_rows(x: torch.Tensor, sizes: list[int], index: int) -> torch.Tensor:
+    """Rows of index ``index``'s block of ``x`` (blocks of ``sizes`` back to back)."""
+    start = sum(sizes[:index])
+    return x[start : start + sizes[index]]
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of rows over ``axis`` (E16); backward: the reverse exchange of their gradients."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], axis: Axis, grid: Grid, tag: Term
+    ) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.axis, ctx.grid, ctx.tag = send, recv, axis, grid, tag
+        return grid.comm.all_to_all(x, axis, send, recv, tag=tag).wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        back = ctx.grid.comm.all_to_all(g.contiguous(), ctx.axis, ctx.recv, ctx.send, tag=f"{ctx.tag}.grad").wait()
+        return back, None, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+    """Rows of ``x`` exchanged over ``axis`` (``send``/``recv``: rows per rank), differentiably."""
+    return x if grid.size(axis) == 1 else _AllToAll.apply(x, send, recv, axis, grid, tag)
+
+
+class _ShareRows(torch.autograd.Function):
+    """Forward: this rank's block of rows of a tensor replicated over ``axis`` (local). Backward:
+    every rank's block of the gradient gathered over ``axis`` (each block's gradient is its own rank's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
+        ctx.sizes, ctx.axis, ctx.grid = sizes, axis, grid
+        return _own_rows(x, sizes, grid.coord(axis)).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _gather_rows(g.contiguous(), ctx.sizes, ctx.axis, ctx.grid, Term.MOE_ROWS_Y), None, None, None
+
+
+def share_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
+    """This rank's block of ``x``'s rows (blocks of ``sizes`` over ``axis``); gathered in backward."""
+    return x if grid.size(axis) == 1 else _ShareRows.apply(x, sizes, axis, grid)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: every rank's block of rows gathered over ``axis`` (E17). Backward: this rank's
+    block of the gradient, summed over ``axis`` first when the ranks used the whole apart
+    (``summed``: each computed a partial gradient, e.g. of its own output features)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, summed: bool) -> torch.Tensor:
+        ctx.sizes, ctx.axis, ctx.grid, ctx.summed = sizes, axis, grid, summed
+        return _gather_rows(x, sizes, axis, grid, Term.MOE_ROWS_Y)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.summed:
+            g = ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=Term.MOE_ROWS_Y_GRAD).wait()
+        return _own_rows(g, ctx.sizes, ctx.grid.coord(ctx.axis)).contiguous(), None, None, None, None
+
+
+def gather_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, summed: bool) -> torch.Tensor:
+    """Every rank's block of rows (``sizes`` over ``axis``) stacked; see ``_GatherRows`` for ``summed``."""
+    return x if grid.size(axis) == 1 else _GatherRows.apply(x, sizes, axis, grid, summed)
+
+
+class _UseReplicated(torch.autograd.Function):
+    """Identity forward for a tensor every rank of ``axis`` holds alike and uses for its own part;
+    backward: the partial gradients summed over ``axis`` (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+        ctx.axis, ctx.grid, ctx.tag = axis, grid, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=ctx.tag).wait(), None, None, None
+
+
+def use_replicated(x: torch.Tensor, axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+    """``x`` as it is; its gradient is summed over ``axis`` (all-reduce in backward, under ``tag``)."""
+    return x if grid.size(axis) == 1 else _UseReplicated.apply(x, axis, grid, tag)
