@@ -150,6 +150,8 @@ class MoE(nn.Module):
         self.tokens_per_expert: list[int] | None = None
         #: the last forward's unweighted balance loss E19 (0-dim, detached), for the job's log
         self.balance: torch.Tensor | None = None
+        #: counts exchanges (host syncs) this layer has made: one per forward, none in a re-run
+        self.exchanges = 0
         #: routings of forwards under full recomputation, for their re-runs (oldest first)
         self._replay: collections.deque[tuple[torch.Tensor, DispatchPlan]] = collections.deque()
 
@@ -199,6 +201,7 @@ class MoE(nn.Module):
         key = (share.unsqueeze(1) * e + chosen).reshape(-1)
         counts = torch.bincount(key, minlength=g_y * e).view(g_y, e)  # (G_y, E)
         plan = DispatchPlan.exchange(counts, EP_AXIS, grid, self.experts.local)  # E15: the host sync
+        self.exchanges += 1
         if sched.recomputing and torch.is_grad_enabled():
             self._replay.append((chosen, plan))
         return chosen, plan
