@@ -56,6 +56,7 @@ from axon4d.comm import Handle
 from axon4d.geometry import Term, data_part_numel, zero_stored_dtype
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
+from axon4d.nn.moe import expert_parameters
 
 #: torch.optim classes whose update is elementwise (shardable); a subclass counts as its base
 ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
@@ -175,6 +176,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grid, self.stage = grid, stage
         self.data_size, self.data_rank = grid.size("data"), grid.coord("data")
         names = {id(p): n for n, p in model.named_parameters()}
+        experts = [names[id(p)] for p in expert_parameters(model)]
+        if experts and self.data_size > 1:  # each data rank holds other experts: no part to share
+            raise ValueError(
+                f"ZeRO shards every parameter over data, but {experts[0]} (an MoE expert weight) is held by one rank "
+                f"of the expert-parallel axis data × z, not replicated over data (G_data = {self.data_size}); "
+                "train MoE models with zero=0 (--zero 0) or on a grid with data = 1 (docs/moe.md)"
+            )
         #: the dtype the 3D Linear weights are stored in (``sixteen_bit``), or None: all stay as they are
         stored = zero_stored_dtype(grid.precision, torch.float32, linear_weight=True, g_data=self.data_size)
         self.weight_dtype = stored if stored != torch.float32 else None

@@ -9,6 +9,7 @@ import torch
 from test_moe import TOL, rel_err
 
 import axon4d
+from axon4d import checkpoint
 from axon4d.config import ModelConfig
 from axon4d.grads import grad_norm
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -99,3 +100,70 @@ def test_moe_model_on_eight_ranks_equals_the_dense_model(pools, grid):
     gpt = CFG.replace(arch="gpt", experts_per_token=1, shared_experts=0, n_experts=8, n_kv_heads=None)
     for cfg in (CFG.replace(n_experts=8), gpt):
         _assert_small(pools(8).run(grid, _check_model, cfg, "none", 1), f"{cfg.arch} on {grid}")
+
+
+def _step_and_save(grid, cfg, path, zero):
+    """One AdamW step of the model made from the seeded dense one, saved with its optimizer."""
+    torch.manual_seed(7)
+    model = Transformer.from_dense(DenseTransformer(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if zero:
+        opt = axon4d.shard_optimizer(opt, model, grid, stage=zero)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=gen)
+    model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])).backward()
+    opt.step()
+    checkpoint.save(path, model, grid, opt, step=1)
+    return _second_step(grid, model, opt, cfg)
+
+
+def _second_step(grid, model, opt, cfg):
+    """The dense weights after one more step on a fixed batch: equal when the optimizer state came back whole."""
+    opt.zero_grad(set_to_none=True)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=gen)
+    model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])).backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.to_dense().named_parameters()}
+
+
+def _load_and_step(grid, cfg, path, zero):
+    torch.manual_seed(99)  # other weights: the load must replace them all
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if zero:
+        opt = axon4d.shard_optimizer(opt, model, grid, stage=zero)
+    checkpoint.load(path, model, grid, opt)
+    return _second_step(grid, model, opt, cfg)
+
+
+@pytest.mark.parametrize(
+    "saved_on,loaded_on,zero",
+    [
+        ((2, (1, 1, 2, 1)), (2, (1, 2, 1, 1)), 0),  # expert-parallel size 2 → 1
+        pytest.param((4, (1, 1, 2, 2)), (2, (1, 1, 1, 2)), 0, marks=pytest.mark.slow),  # EP 4 → 2
+        pytest.param((4, (1, 2, 2, 1)), (4, (2, 1, 2, 1)), 2, marks=pytest.mark.slow),  # x·y split changes, ZeRO-2
+    ],
+)
+def test_a_moe_checkpoint_resumes_on_another_grid_and_expert_parallel_size(pools, tmp_path, saved_on, loaded_on, zero):
+    cfg = CFG.replace(n_experts=4)
+    path = str(tmp_path / "ckpt")
+    before = pools(saved_on[0]).run(saved_on[1], _step_and_save, cfg, path, zero)[0]
+    after = pools(loaded_on[0]).run(loaded_on[1], _load_and_step, cfg, path, zero)
+    for rank, got in enumerate(after):
+        bad = {n: rel_err(got[n], p) for n, p in before.items() if not rel_err(got[n], p) <= TOL}
+        assert not bad, f"rank {rank} after resuming on {loaded_on[1]}: {bad}"
+
+
+def _zero_over_data(grid):
+    model = Transformer(CFG)
+    try:
+        axon4d.shard_optimizer(torch.optim.AdamW(model.parameters()), model, grid, stage=1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_zero_over_data_refuses_expert_weights_it_cannot_share(pools):
+    msgs = pools(2).run((1, 1, 1, 2), _zero_over_data)
+    assert msgs[0] == msgs[1] and "blocks.0.mlp.experts.up (an MoE expert weight)" in msgs[0]
