@@ -30,6 +30,10 @@ optimizer so that each data rank keeps the masters and the state of one part of 
   layers' weights never hold a ``.grad``. Biases, norm weights and embedding tables (E13 and the
   replicated gradients, all-reduced over batch) are reduced and held whole as in stage 1.
 
+A parameter the data axis does not replicate — an MoE expert weight, held by one rank of the
+expert-parallel axis data × z (docs/moe.md) — is each data rank's alone: its part is all of it,
+stepped by the rank that holds it and never gathered.
+
 Only elementwise optimizers can be split this way — each element's update reads only that
 element's gradient and state: SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop,
 Rprop, ASGD, and a user's own such as Lion (pass ``elementwise=True``). LBFGS, Adafactor (factored
@@ -94,6 +98,7 @@ class _Part:
     master: torch.Tensor  # (stop - start,) fp32: a view of the parameter, or a copy
     sixteen: bool = False  # stored in the compute dtype: its reduced gradient comes to the master, never .grad
     scattered: bool = False  # its gradient part is delivered (take_grad, take_whole_grad), never .grad
+    whole: bool = False  # held by this data rank alone (an MoE expert weight): all of it, stepped here, never gathered
 
 
 class _GradSink:
@@ -176,13 +181,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grid, self.stage = grid, stage
         self.data_size, self.data_rank = grid.size("data"), grid.coord("data")
         names = {id(p): n for n, p in model.named_parameters()}
-        experts = [names[id(p)] for p in expert_parameters(model)]
-        if experts and self.data_size > 1:  # each data rank holds other experts: no part to share
-            raise ValueError(
-                f"ZeRO shards every parameter over data, but {experts[0]} (an MoE expert weight) is held by one rank "
-                f"of the expert-parallel axis data × z, not replicated over data (G_data = {self.data_size}); "
-                "train MoE models with zero=0 (--zero 0) or on a grid with data = 1 (docs/moe.md)"
-            )
+        #: parameters one data rank holds alone (MoE expert weights, split over data × z): whole parts
+        self._whole = {id(p) for p in expert_parameters(model)}
         #: the dtype the 3D Linear weights are stored in (``sixteen_bit``), or None: all stay as they are
         stored = zero_stored_dtype(grid.precision, torch.float32, linear_weight=True, g_data=self.data_size)
         self.weight_dtype = stored if stored != torch.float32 else None
@@ -236,15 +236,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not p.is_contiguous():
             raise ValueError(f"parameter {names[id(p)]} is not contiguous; its flat parts must be views of it")
         n = p.numel()
-        chunk = data_part_numel(n, self.data_size)
-        start = min(n, self.data_rank * chunk)
+        whole = id(p) in self._whole  # not replicated over data: this rank's alone, all of it
+        chunk = n if whole else data_part_numel(n, self.data_size)
+        start = 0 if whole else min(n, self.data_rank * chunk)
         stop = min(n, start + chunk)
         flat = p.detach().view(-1)  # (n,)
         if p.dtype == torch.float32 and not sixteen:
             master = flat[start:stop]  # a view: the step updates the parameter's own part in place
         else:
             master = flat[start:stop].to(torch.float32, copy=True)
-        part = self._parts[id(p)] = _Part(p, names[id(p)], chunk, start, stop, master, sixteen)
+        part = self._parts[id(p)] = _Part(p, names[id(p)], chunk, start, stop, master, sixteen, whole=whole)
         return part
 
     def _make_buckets(self, limit: int) -> list[list[_Part]]:
@@ -254,6 +255,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         buckets: list[list[_Part]] = []
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[_Part], float]] = {}
         for part in self._parts.values():
+            if part.whole:  # stepped apart, never gathered (``step``)
+                continue
             p = part.param
             key = (p.dtype, p.device)
             bucket, size = open_.get(key, ([], 0.0))
@@ -283,6 +286,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Make every parameter its masters again: all-gather the parts over data (as ``step``
         ends), rounded to the parameter's dtype; after a load wrote the masters (``axon4d.checkpoint``).
         Buckets of fp32 parameters, whose masters are views of them, are whole already: skipped."""
+        self._copy_whole()
         for bucket in self._buckets:
             if bucket[0].param.dtype != torch.float32:  # a bucket holds one dtype (_make_buckets)
                 self._unpack(bucket, self._gather(bucket))
@@ -339,11 +343,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if in_flight is not None:
                     self._unpack(*in_flight)
                 in_flight = (bucket, handle)
+            whole = {id(part.master) for part in self._parts.values() if part.whole}
+            if whole:  # the parameters this rank holds alone: stepped whole, nothing to gather
+                for group, params in zip(groups, everything):
+                    group["params"] = [m for m in params if id(m) in whole]
+                self.inner.step()
+                self._copy_whole()
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
         if in_flight is not None:
             self._unpack(*in_flight)
+
+    @torch.no_grad()
+    def _copy_whole(self) -> None:
+        """Round the masters of the parameters held whole into them where the master is a copy."""
+        for part in self._parts.values():
+            if part.whole and part.master.data_ptr() != part.param.data_ptr():
+                part.param.detach().view(-1).copy_(part.master)
 
     def _gather(self, bucket: list[_Part]) -> Handle:
         """Issue the all-gather over data of this rank's updated parts of ``bucket``: a flat (S,)

@@ -67,5 +67,6 @@ def test_moe_training_on_eight_ranks_follows_the_one_process_loss_curve(pools):
     ref = _train_reference()
     for curve in pools(8).run((1, 2, 2, 2), _train, timeout=900):
         worst = max(abs(a - b) / b for a, b in zip(curve, ref))
+        print(f"worst deviation from the one-process curve over {STEPS} steps: {worst:.2e}")
         assert len(curve) == STEPS and worst < 0.01, f"the loss curve deviates by {worst:.2%}"
-    assert ref[-1] < ref[0] - 0.5  # it learned
+    assert ref[-1] < ref[0] - 0.1  # it learned (uniform random tokens: the floor is ln 64 ≈ 4.16)
