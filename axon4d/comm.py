@@ -245,6 +245,13 @@ class Handle:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The tensor the collective writes its result into: before ``wait`` returns its contents
+        are not yet the result. ``wait`` returns this same tensor for a collective that reshapes
+        nothing afterwards (all-reduce, all-to-all, an all-gather or reduce-scatter along dim 0)."""
+        return self._result
+
     def _describe(self) -> str:
         """What this handle waits for, e.g. "all_gather over z (tag E10f, 1.5 MB)"."""
         r = self._record

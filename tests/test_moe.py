@@ -63,7 +63,14 @@ def margin_inputs(dense, tokens, seed, starve=0):
     return torch.stack(rows)
 
 
-def _check_layer(grid, cfg, starve):
+def _check_layer(grid, cfg, starve, policy=None):
+    if policy is not None:
+        with grid.scheduler.using(policy):
+            errs = _check_layer(grid, cfg, starve)
+        dispatches = [r for r in grid.comm.log.records if str(r.tag) == "moe.dispatch"]
+        errs["dispatch_chunks"] = 0.0 if len(dispatches) == policy["forward_chunks"] else float(len(dispatches))
+        return errs
+    grid.comm.log.clear()
     torch.manual_seed(5)
     dense = DenseMoE(cfg)
     b, s = 4, cfg.seq_len
@@ -127,6 +134,18 @@ def test_moe_layer_on_one_rank_equals_the_dense_layer(pools, case):
 def test_moe_layer_on_grids_equals_the_dense_layer(pools, world, grid, case):
     cfg, starve = CASES[case]
     _assert_small(pools(world).run(grid, _check_layer, cfg, starve), f"{case} on {grid}")
+
+
+CHUNKED = {"forward_chunks": 3, "min_chunk_kb": 0}  # tiny test tensors: chunk anyway
+
+
+@pytest.mark.parametrize("world,grid", [(2, (1, 1, 2, 1)), pytest.param(8, (2, 2, 1, 2), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["top2-shared-softmax", "top2-starved"])
+def test_moe_layer_dispatched_in_overlapped_chunks_equals_the_dense_layer(pools, world, grid, case):
+    """Each share's tokens in 3 chunks: every chunk's all-to-all is issued before the first chunk's
+    expert GEMMs, the combine of chunk i left in flight behind chunk i+1's (docs/moe.md)."""
+    cfg, starve = CASES[case]
+    _assert_small(pools(world).run(grid, _check_layer, cfg, starve, CHUNKED), f"{case} chunked on {grid}")
 
 
 def _placement_errors(grid):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import rules, runtime
+from axon4d.comm import Handle
 from axon4d.config import ModelConfig
 from axon4d.device import grouped
 from axon4d.geometry import Term
@@ -153,7 +154,7 @@ class MoE(nn.Module):
         #: counts exchanges (host syncs) this layer has made: one per forward, none in a re-run
         self.exchanges = 0
         #: routings of forwards under full recomputation, for their re-runs (oldest first)
-        self._replay: collections.deque[tuple[torch.Tensor, DispatchPlan]] = collections.deque()
+        self._replay: collections.deque[tuple[torch.Tensor, list[DispatchPlan]]] = collections.deque()
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,48 +164,72 @@ class MoE(nn.Module):
         partial = x2.float() @ self.router.weight.float().t()  # (T, E), partial over x
         logits = sum_to_replicas(partial, "x", grid, tag=Term.MOE_ROUTER, in_place=True)  # E14
         s = moe_router.scores(logits, cfg.router_scoring)  # (T, E) fp32
-        chosen, plan = self._route(s, tokens)
-        g = moe_router.gates(s, chosen)  # (T, k)
-        self.tokens_per_expert = plan.tokens_per_expert()
-        self.aux_loss = self._aux(logits, s, tokens)
-        g_y = grid.size("y")
+        g_y, j = grid.size("y"), grid.coord("y")
         shares = share_sizes(tokens, g_y)
-        j = grid.coord("y")
+        chunks = self._chunks(tokens, g_y, x2)
+        chosen, plans = self._route(s, shares, chunks)
+        g = moe_router.gates(s, chosen)  # (T, k)
+        self.tokens_per_expert = [sum(c) for c in zip(*(p.tokens_per_expert() for p in plans))]
+        self.aux_loss = self._aux(logits, s, tokens)
         t0 = sum(shares[:j])
-        mine = chosen[t0 : t0 + shares[j]].reshape(-1)  # (n_j,) experts of this share's assignments
-        order = torch.argsort(mine, stable=True)  # this share's assignments sorted by expert
         x_share = share_rows(x2, shares, "y", grid)  # (T_j, hidden/G_x)
-        rows = x_share.index_select(0, order // k)  # (n_j, hidden/G_x)
-        got = all_to_all(rows, plan.send_rows, plan.recv_rows, EP_AXIS, grid, Term.MOE_DISPATCH)  # E16
-        every = gather_rows(got, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
-        out = self._experts(every, plan)  # (n_all, hidden/G_x), replicated over y
-        back = share_rows(out, plan.y_rows, "y", grid)  # this y index's rows
-        back = all_to_all(back, plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE)  # (n_j, …)
-        pairs = back.index_select(0, torch.argsort(order))  # this share's assignments in token order
+        # E16 for every chunk of this share issued at once; chunk i's rows are waited for just
+        # before its expert GEMMs, while the later chunks' are still on the wire
+        dispatched: list[Handle | None] = []
+        orders, got, start = [], [], 0
+        for plan, n in zip(plans, share_sizes(shares[j], len(plans))):
+            mine = chosen[t0 + start : t0 + start + n].reshape(-1)  # (n·k,) experts of the chunk's assignments
+            order = torch.argsort(mine, stable=True)  # sorted by expert
+            rows = x_share.index_select(0, order // k + start)  # (n·k, hidden/G_x)
+            got.append(all_to_all(rows, plan.send_rows, plan.recv_rows, EP_AXIS, grid, Term.MOE_DISPATCH, dispatched))
+            orders.append(order + start * k)
+            start += n
+        combined: list[Handle | None] = []  # E16 back: each chunk's left in flight behind the next chunk's GEMMs
+        backs = []
+        for plan, rows, handle in zip(plans, got, dispatched):
+            if handle is not None:
+                handle.wait()
+            every = gather_rows(rows, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
+            out = self._experts(every, plan)  # (n_all, hidden/G_x), replicated over y
+            back = share_rows(out, plan.y_rows, "y", grid)  # this y index's rows
+            backs.append(all_to_all(back, plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE, combined))
+        for handle in combined:
+            if handle is not None:
+                handle.wait()
+        back = torch.cat(backs) if len(backs) > 1 else backs[0]  # (n_j, hidden/G_x), sorted chunk by chunk
+        pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # this share's assignments in token order
         pairs = gather_rows(pairs, [n * k for n in shares], "y", grid, summed=False)  # (T·k, hidden/G_x)
         gate = use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD).to(pairs.dtype)  # (T, k)
         y = (pairs.view(tokens, k, -1) * gate.unsqueeze(-1)).sum(dim=1).view(x.shape)
         return y + self.shared(x) if self.shared is not None else y
 
-    def _route(self, s: torch.Tensor, tokens: int) -> tuple[torch.Tensor, DispatchPlan]:
-        """Each token's k experts and the dispatch plan: chosen now (and exchanged: the host sync),
-        or, in the re-run of a fully recomputed forward, the first run's."""
+    def _chunks(self, tokens: int, g_y: int, x2: torch.Tensor) -> int:
+        """How many chunks each y share's tokens are dispatched in: the overlap policy's forward
+        chunking (``Scheduler.forward_chunks``) of a share's T/G_y tokens of k rows each, the same
+        count on every rank; one when the expert-parallel axis has one rank."""
+        if self.grid.size(EP_AXIS) == 1:
+            return 1
+        row_bytes = self.cfg.experts_per_token * x2.shape[1] * x2.element_size()
+        return len(self.grid.scheduler.forward_chunks(max(tokens // g_y, 1), row_bytes, self.grid.size(EP_AXIS)))
+
+    def _route(self, s: torch.Tensor, shares: list[int], chunks: int) -> tuple[torch.Tensor, list[DispatchPlan]]:
+        """Each token's k experts and each chunk's dispatch plan: chosen now (and exchanged: the
+        host sync), or, in the re-run of a fully recomputed forward, the first run's."""
         sched = self.grid.scheduler
         if sched.recomputing and torch._C._current_graph_task_id() != -1 and self._replay:
             return self._replay.popleft()  # the re-run inside backward: reuse the routing
         cfg, grid = self.cfg, self.grid
         chosen = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
-        g_y, e = grid.size("y"), cfg.n_experts
-        share = torch.repeat_interleave(
-            torch.arange(g_y, device=s.device), torch.tensor(share_sizes(tokens, g_y), device=s.device)
-        )  # (T,) the y share of each token
-        key = (share.unsqueeze(1) * e + chosen).reshape(-1)
-        counts = torch.bincount(key, minlength=g_y * e).view(g_y, e)  # (G_y, E)
-        plan = DispatchPlan.exchange(counts, EP_AXIS, grid, self.experts.local)  # E15: the host sync
+        # the (y share, chunk) bin of each token: share j's tokens cut into ``chunks`` contiguous runs
+        sizes = [n for share in shares for n in share_sizes(share, chunks)]
+        bins = torch.repeat_interleave(torch.arange(len(sizes), device=s.device), torch.tensor(sizes, device=s.device))
+        key = (bins.unsqueeze(1) * cfg.n_experts + chosen).reshape(-1)
+        counts = torch.bincount(key, minlength=len(sizes) * cfg.n_experts).view(len(shares), chunks, cfg.n_experts)
+        plans = DispatchPlan.exchange(counts, EP_AXIS, grid, self.experts.local)  # E15: the host sync
         self.exchanges += 1
         if sched.recomputing and torch.is_grad_enabled():
-            self._replay.append((chosen, plan))
-        return chosen, plan
+            self._replay.append((chosen, plans))
+        return chosen, plans
 
     def _experts(self, every: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """The local experts' FFNs of the gathered rows (in gathered order; E18)."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from axon4d.comm import Handle
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.shape import Axis
@@ -47,17 +48,28 @@ class DispatchPlan:
     """E/G_ep: experts held by each rank of ``ep``."""
 
     @classmethod
-    def exchange(cls, share_counts: torch.Tensor, ep: Axis, grid: Grid, local_experts: int) -> DispatchPlan:
-        """Gather every rank's (G_y, E) ``share_counts`` over ``ep`` (E15) and read them on the host."""
+    def exchange(cls, counts: torch.Tensor, ep: Axis, grid: Grid, local_experts: int) -> list[DispatchPlan]:
+        """Gather every rank's (G_y, C, E) ``counts`` — assignments per y share, chunk of the share
+        and expert — over ``ep`` (E15) and read them on the host: one plan per chunk."""
         g_ep = grid.size(ep)
-        flat = share_counts.reshape(-1).to(torch.int64).contiguous()
-        gathered = grid.comm.all_gather(flat, ep, tag=Term.MOE_COUNTS).wait()  # (G_ep·G_y·E,)
+        flat = counts.reshape(-1).to(torch.int64).contiguous()
+        gathered = grid.comm.all_gather(flat, ep, tag=Term.MOE_COUNTS).wait()  # (G_ep·G_y·C·E,)
         values = gathered.tolist()  # the host sync of the layer
-        g_y, e = share_counts.shape
-        counts = tuple(
-            tuple(tuple(values[(s * g_y + j) * e : (s * g_y + j + 1) * e]) for j in range(g_y)) for s in range(g_ep)
-        )
-        return cls(counts, grid.coord(ep), grid.coord("y"), local_experts)
+        g_y, chunks, e = counts.shape
+
+        def at(s: int, j: int, c: int) -> tuple[int, ...]:
+            first = ((s * g_y + j) * chunks + c) * e
+            return tuple(values[first : first + e])
+
+        return [
+            cls(
+                tuple(tuple(at(s, j, c) for j in range(g_y)) for s in range(g_ep)),
+                grid.coord(ep),
+                grid.coord("y"),
+                local_experts,
+            )
+            for c in range(chunks)
+        ]
 
     def _mine(self, s: int, j: int, ep_index: int | None = None) -> int:
         """Rows source s's share j sends to rank ``ep_index`` (default: this rank)."""
@@ -125,24 +137,51 @@ def _own_rows(x: torch.Tensor, sizes: list[int], index: int) -> torch.Tensor:
 
 
 class _AllToAll(torch.autograd.Function):
-    """All-to-all of rows over ``axis`` (E16); backward: the reverse exchange of their gradients."""
+    """All-to-all of rows over ``axis`` (E16); backward: the reverse exchange of their gradients.
+    With ``pending`` (a list) the forward does not wait: it appends the handle and returns the
+    buffer the rows arrive in, which the caller reads only after waiting on the handle."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], axis: Axis, grid: Grid, tag: Term
+        ctx: Any,
+        x: torch.Tensor,
+        send: list[int],
+        recv: list[int],
+        axis: Axis,
+        grid: Grid,
+        tag: Term,
+        pending: list[Handle] | None,
     ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.axis, ctx.grid, ctx.tag = send, recv, axis, grid, tag
-        return grid.comm.all_to_all(x, axis, send, recv, tag=tag).wait()
+        handle = grid.comm.all_to_all(x, axis, send, recv, tag=tag)
+        if pending is None:
+            return handle.wait()
+        pending.append(handle)
+        return handle.buffer
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         back = ctx.grid.comm.all_to_all(g.contiguous(), ctx.axis, ctx.recv, ctx.send, tag=f"{ctx.tag}.grad").wait()
-        return back, None, None, None, None, None
+        return back, None, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
-    """Rows of ``x`` exchanged over ``axis`` (``send``/``recv``: rows per rank), differentiably."""
-    return x if grid.size(axis) == 1 else _AllToAll.apply(x, send, recv, axis, grid, tag)
+def all_to_all(
+    x: torch.Tensor,
+    send: list[int],
+    recv: list[int],
+    axis: Axis,
+    grid: Grid,
+    tag: Term,
+    pending: list[Handle | None] | None = None,
+) -> torch.Tensor:
+    """Rows of ``x`` exchanged over ``axis`` (``send``/``recv``: rows per rank), differentiably.
+    ``pending``: issue without waiting — the handle (None where nothing is issued) is appended and
+    the result may be read only after it is waited on (the overlap of E16 with the expert GEMMs)."""
+    if grid.size(axis) == 1:
+        if pending is not None:
+            pending.append(None)
+        return x
+    return _AllToAll.apply(x, send, recv, axis, grid, tag, pending)
 
 
 class _ShareRows(torch.autograd.Function):
