@@ -15,6 +15,7 @@ from axon4d.config import ModelConfig
 from axon4d.device import grouped
 from axon4d.nn.moe import MoE
 from axon4d.nn.moe_dense import DenseMoE
+from axon4d.nn.moe_dispatch import share_sizes
 
 TOL = 1e-5
 FLOOR = 1e-3
@@ -94,6 +95,11 @@ def _check_layer(grid, cfg, starve, policy=None):
     for name, p in dense.named_parameters():
         errs[name] = rel_err(got[name], p)
         errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
+    # each y rank dispatches only its share of the tokens: over y the rows cross batch once (E16)
+    sent = sum(r.payload_bytes for r in grid.comm.log.records if str(r.tag) == "moe.dispatch")
+    share = share_sizes(b * s // grid.size("batch"), grid.size("y"))[grid.coord("y")]
+    want = share * cfg.experts_per_token * (cfg.hidden // grid.size("x")) * 4 if grid.size("batch") > 1 else 0
+    errs["dispatch_bytes"] = abs(sent - want) / max(want, 1)
     counts = dense.tokens_per_expert.tolist()
     errs["tokens_per_expert"] = 0.0 if mod.tokens_per_expert == counts else 1.0
     errs["starved"] = 0.0 if not starve or sum(counts[-starve:]) == 0 else 1.0
