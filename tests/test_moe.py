@@ -193,3 +193,11 @@ def test_grouped_gemm_equals_a_loop_over_groups_with_empty_groups(dtype):
     assert torch.allclose(
         dw[2].float(), (out[3:8].t() @ a[3:8]).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5
     )
+
+
+def test_the_planner_refuses_moe_models_it_cannot_price():
+    from axon4d.config import get_config
+    from axon4d.plan.workload import Workload
+
+    with pytest.raises(ValueError, match="does not price Mixture-of-Experts layers yet"):
+        Workload(get_config("tiny-moe"), batch=8)

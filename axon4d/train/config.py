@@ -50,7 +50,7 @@ class TrainConfig:
     hf: str = ""
     """Fine-tune a saved Hugging Face causal LM: the directory save_pretrained wrote (config.json, safetensors). Built on the meta device, parallelized, each rank loading its slices; dropout off. Not with --model, --arch, the model-shape overrides or --offload (docs/training.md#fine-tuning-a-hugging-face-model)."""
     model: str = "small"
-    """Model size from the table: tiny, small, 5B, 10B, 20B, 40B, 80B, 320B, 640B."""
+    """Model size from the table: tiny, small, tiny-moe (8 experts, top-2: docs/moe.md), 5B, 10B, 20B, 40B, 80B, 320B, 640B."""
     arch: str = "llama"
     """Model family: llama (RMSNorm, SwiGLU, RoPE, GQA) or gpt (LayerNorm, GELU, learned positions)."""
     layers: int = 0
