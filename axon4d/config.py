@@ -200,6 +200,41 @@ SIZES: dict[str, ModelConfig] = {
 }
 
 
+#: the Mixture-of-Experts fields of ``ModelConfig`` and their types: what ``moe_overrides`` sets
+MOE_FIELDS: dict[str, type] = {
+    "n_experts": int,
+    "experts_per_token": int,
+    "expert_ffn": int,
+    "shared_experts": int,
+    "router_scoring": str,
+    "moe_aux_coef": float,
+    "moe_z_coef": float,
+}
+
+
+def moe_overrides(text: str) -> dict[str, object]:
+    """``field=value,…`` of ``MOE_FIELDS`` (the training job's ``--moe``) as ``ModelConfig`` overrides,
+    e.g. "n_experts=8,experts_per_token=2,moe_aux_coef=0.02"; "" gives none. A ``ValueError`` names
+    an item that is not one of those fields or whose value is not of its type; ``ModelConfig``
+    checks the values themselves."""
+    out: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = (piece.strip() for piece in item.partition("="))
+        kind = MOE_FIELDS.get(name)
+        if not eq or kind is None:
+            raise ValueError(
+                f"--moe item {item!r}: give field=value with a field of {', '.join(MOE_FIELDS)}, "
+                "e.g. --moe n_experts=8,experts_per_token=2"
+            )
+        try:
+            out[name] = kind(value)
+        except ValueError:
+            raise ValueError(
+                f"--moe {name}={value!r}: {name} takes a{'n' if kind is int else ''} {kind.__name__}"
+            ) from None
+    return out
+
+
 def get_config(name: str, **overrides: object) -> ModelConfig:
     """A config from ``SIZES`` by name (e.g. "20B"), with fields overridden; ValueError lists the names."""
     if name not in SIZES:
