@@ -53,3 +53,11 @@ def test_the_job_logs_tokens_per_expert_and_the_balance_loss(pools, tmp_path):
             assert len(counts) == 8 and sum(counts) == 4 * 32 * 2  # every token of the micro-batch, top-2
             assert imbalance == pytest.approx(max(counts) * 8 / sum(counts)) and imbalance >= 1
             assert 0.5 < balance < 8  # E·Σ f·P: 1 when balanced, at most E
+
+
+def test_the_hugging_face_export_refuses_moe_models_before_writing_anything():
+    from axon4d.config import get_config
+    from axon4d.models.hf import hf_config
+
+    with pytest.raises(ValueError, match="Mixture-of-Experts model .* has no Hugging Face export yet"):
+        hf_config(get_config("tiny-moe"))
