@@ -201,3 +201,13 @@ def test_the_planner_refuses_moe_models_it_cannot_price():
 
     with pytest.raises(ValueError, match="does not price Mixture-of-Experts layers yet"):
         Workload(get_config("tiny-moe"), batch=8)
+
+
+def test_moe_layer_in_mixed_precision_routes_in_fp32_and_follows_the_fp32_layer(pools):
+    """Under bf16-fp32-reduce the router still runs in fp32 (the same choices and tokens per expert)
+    and the experts' GEMMs in bf16: within bf16 rounding of the fp32 reference."""
+    cfg, starve = CASES["top2-shared-softmax"]
+    for errs in pools(2).run((1, 1, 2, 1), _check_layer, cfg, starve, precision="bf16-fp32-reduce"):
+        assert errs["tokens_per_expert"] == 0.0
+        bad = {k: v for k, v in errs.items() if not v <= 3e-2}
+        assert not bad, bad

@@ -38,6 +38,7 @@ from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_r
 from axon4d.nn.mlp import MLP
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.nn.moe_dispatch import DispatchPlan, all_to_all, gather_rows, share_rows, share_sizes, use_replicated
+from axon4d.precision import compute_dtype
 from axon4d.shape import Axis
 
 #: the expert-parallel axis: the ranks that hold different tokens
@@ -159,6 +160,12 @@ class MoE(nn.Module):
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, grid = self.cfg, self.grid
+        cols = self.router.weight.shape[1]
+        if x.dim() < 1 or x.shape[-1] != cols:  # the same ValueError on every rank, before any collective
+            raise ValueError(
+                f"MoE expects this rank's residual shard with last dim hidden/G_x = {cfg.hidden}/{grid.size('x')} "
+                f"= {cols}, got shape {tuple(x.shape)}; shard a full input with axon4d.shard_input(x)"
+            )
         x2 = x.reshape(-1, x.shape[-1])  # (T, hidden/G_x)
         tokens, k = x2.shape[0], cfg.experts_per_token
         partial = x2.float() @ self.router.weight.float().t()  # (T, E), partial over x
@@ -240,7 +247,8 @@ class MoE(nn.Module):
         )  # (n_all,) local expert of each gathered row
         perm = torch.argsort(ids, stable=True)
         sizes = plan.group_rows
-        xs = every.index_select(0, perm)  # (n_all, hidden/G_x) sorted by expert
+        dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16
+        xs = every.index_select(0, perm).to(dtype)  # (n_all, hidden/G_x) sorted by expert
         scale = 1.0 / grid.size("batch")
         h = _ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_y), partial over x
         h = sum_partials(h, "x", grid)
