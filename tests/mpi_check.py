@@ -80,6 +80,11 @@ TESTS = [
         for g in [(1, 2, 2, 2)]
         for case in ("top2-shared-softmax", "top2-starved")
     ],
+    (
+        "moe.chunked(2x2x1x2)",
+        test_moe.test_moe_layer_dispatched_in_overlapped_chunks_equals_the_dense_layer,
+        {"world": 8, "grid": (2, 2, 1, 2), "case": "top2-shared-softmax"},
+    ),
     ("linear.padded", test_linear.test_weight_blocks_that_do_not_split_over_z_are_padded, {"grid": (1, 1, 4, 2)}),
     *[
         (

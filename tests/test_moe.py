@@ -154,6 +154,25 @@ def test_moe_layer_dispatched_in_overlapped_chunks_equals_the_dense_layer(pools,
     _assert_small(pools(world).run(grid, _check_layer, cfg, starve, CHUNKED), f"{case} chunked on {grid}")
 
 
+def _backward_order(grid):
+    """The backward's exchanges of a layer dispatched in 3 chunks: (tag, issue time, wait start) in issue order."""
+    with grid.scheduler.using(CHUNKED):
+        _check_layer(grid, *CASES["top2-shared-softmax"])
+    return [(str(r.tag), r.t_issue, r.t_wait_start) for r in grid.comm.log.records if str(r.tag).endswith(".grad")]
+
+
+def test_in_backward_each_chunks_exchanges_travel_behind_other_chunks_experts(pools):
+    """Backward mirrors the forward's overlap (``Exchange``): the three combine gradients are issued
+    together and each waited for just before its chunk's expert backward, and chunk i's reverse
+    dispatch is issued after its expert backward and waited for only after the other chunks'."""
+    for records in pools(2).run((1, 1, 2, 1), _backward_order):
+        moe = [r for r in records if r[0] in ("moe.combine.grad", "moe.dispatch.grad")]
+        assert [t for t, _, _ in moe] == ["moe.combine.grad"] * 3 + ["moe.dispatch.grad"] * 3
+        c2, c1, c0, d2, d1, d0 = moe  # the last chunk's first
+        assert c1[2] > d2[1]  # chunk 1's combine gradient was in flight during chunk 2's expert backward
+        assert d2[2] > d0[1]  # chunk 2's dispatch gradient was in flight during chunks 1 and 0's
+
+
 def _placement_errors(grid):
     return value_errors(
         {

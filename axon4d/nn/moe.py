@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import rules, runtime
-from axon4d.comm import Handle
 from axon4d.config import ModelConfig
 from axon4d.device import grouped
 from axon4d.geometry import Term
@@ -37,7 +36,14 @@ from axon4d.nn import moe_router
 from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
 from axon4d.nn.mlp import MLP
 from axon4d.nn.moe_dense import DenseMoE
-from axon4d.nn.moe_dispatch import DispatchPlan, all_to_all, gather_rows, share_rows, share_sizes, use_replicated
+from axon4d.nn.moe_dispatch import (
+    DispatchPlan,
+    Exchange,
+    gather_rows,
+    share_rows,
+    share_sizes,
+    use_replicated,
+)
 from axon4d.precision import compute_dtype
 from axon4d.shape import Axis
 
@@ -180,30 +186,29 @@ class MoE(nn.Module):
         self.aux_loss = self._aux(logits, s, tokens)
         t0 = sum(shares[:j])
         x_share = share_rows(x2, shares, "y", grid)  # (T_j, hidden/G_x)
-        # E16 for every chunk of this share issued at once; chunk i's rows are waited for just
-        # before its expert GEMMs, while the later chunks' are still on the wire
-        dispatched: list[Handle | None] = []
-        orders, got, start = [], [], 0
+        # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
+        # its expert GEMMs, the later chunks' still on the wire, and each chunk's combine stays in
+        # flight behind the next chunk's GEMMs; backward mirrors it (``Exchange``)
+        dispatches, orders, start = [], [], 0
         for plan, n in zip(plans, share_sizes(shares[j], len(plans))):
             mine = chosen[t0 + start : t0 + start + n].reshape(-1)  # (n·k,) experts of the chunk's assignments
             order = torch.argsort(mine, stable=True)  # sorted by expert
-            rows = x_share.index_select(0, order // k + start)  # (n·k, hidden/G_x)
-            got.append(all_to_all(rows, plan.send_rows, plan.recv_rows, EP_AXIS, grid, Term.MOE_DISPATCH, dispatched))
+            ex = Exchange(plan.send_rows, plan.recv_rows, EP_AXIS, grid, Term.MOE_DISPATCH)
+            rows = ex.awaited(x_share.index_select(0, order // k + start))  # (n·k, hidden/G_x)
+            ex.issue(rows)
+            dispatches.append((ex, rows))
             orders.append(order + start * k)
             start += n
-        combined: list[Handle | None] = []  # E16 back: each chunk's left in flight behind the next chunk's GEMMs
-        backs = []
-        for plan, rows, handle in zip(plans, got, dispatched):
-            if handle is not None:
-                handle.wait()
-            every = gather_rows(rows, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
+        combines = []
+        for plan, (ex, rows) in zip(plans, dispatches):
+            every = gather_rows(ex.adopt(rows), plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
             out = self._experts(every, plan)  # (n_all, hidden/G_x), replicated over y
-            back = share_rows(out, plan.y_rows, "y", grid)  # this y index's rows
-            backs.append(all_to_all(back, plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE, combined))
-        for handle in combined:
-            if handle is not None:
-                handle.wait()
-        back = torch.cat(backs) if len(backs) > 1 else backs[0]  # (n_j, hidden/G_x), sorted chunk by chunk
+            home = Exchange(plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE)
+            rows = home.awaited(share_rows(out, plan.y_rows, "y", grid))  # this y index's rows
+            home.issue(rows)
+            combines.append((home, rows))
+        backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, hidden/G_x) in all, sorted chunk by chunk
+        back = torch.cat(backs) if len(backs) > 1 else backs[0]
         pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # this share's assignments in token order
         pairs = gather_rows(pairs, [n * k for n in shares], "y", grid, summed=False)  # (T·k, hidden/G_x)
         gate = use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD).to(pairs.dtype)  # (T, k)

@@ -136,52 +136,73 @@ def _own_rows(x: torch.Tensor, sizes: list[int], index: int) -> torch.Tensor:
     return x[start : start + sizes[index]]
 
 
-class _AllToAll(torch.autograd.Function):
-    """All-to-all of rows over ``axis`` (E16); backward: the reverse exchange of their gradients.
-    With ``pending`` (a list) the forward does not wait: it appends the handle and returns the
-    buffer the rows arrive in, which the caller reads only after waiting on the handle."""
+class Exchange:
+    """One all-to-all of rows over ``axis`` (E16) whose communication is issued as soon as its
+    rows exist and joined to the autograd graph later, where its result is needed — so it travels
+    while other work runs, in forward and in backward (docs/moe.md, "Overlap"):
+
+        ex = Exchange(send, recv, axis, grid, tag)
+        rows = ex.awaited(rows)   # backward: the reverse exchange is waited for here, last
+        ex.issue(rows)            # forward: on the wire from now
+        ...                       # other chunks' work
+        got = ex.adopt(rows)      # forward: waited here; backward: the reverse exchange issued here
+
+    Autograd runs a node's backward after those of every node made later in the forward, so the
+    reverse exchange, issued by ``adopt``'s backward, is in flight during the backward of whatever
+    was made between ``awaited`` and ``adopt`` — the other chunks' experts."""
+
+    def __init__(self, send: list[int], recv: list[int], axis: Axis, grid: Grid, tag: Term):
+        self.send, self.recv, self.axis, self.grid, self.tag = send, recv, axis, grid, tag
+        self.live = grid.size(axis) > 1  # an axis of one rank exchanges nothing
+        self.forward: Handle | None = None
+        self.backward: Handle | None = None
+
+    def awaited(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows``, whose gradient is passed on once the reverse exchange has arrived."""
+        return _Awaited.apply(rows, self) if self.live else rows
+
+    def issue(self, rows: torch.Tensor) -> None:
+        """Start the exchange of ``rows`` (values only: autograd joins at ``adopt``)."""
+        if self.live:
+            self.forward = self.grid.comm.all_to_all(rows.detach(), self.axis, self.send, self.recv, tag=self.tag)
+
+    def adopt(self, rows: torch.Tensor) -> torch.Tensor:
+        """The exchanged rows (Σ recv, …), waited for now, differentiable with respect to ``rows``."""
+        return _Adopted.apply(rows, self) if self.live else rows
+
+
+class _Adopted(torch.autograd.Function):
+    """Forward: wait for the exchange issued earlier. Backward: issue the reverse exchange of the
+    gradient and hand its buffer on, to be waited for by ``_Awaited``."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        send: list[int],
-        recv: list[int],
-        axis: Axis,
-        grid: Grid,
-        tag: Term,
-        pending: list[Handle] | None,
-    ) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.axis, ctx.grid, ctx.tag = send, recv, axis, grid, tag
-        handle = grid.comm.all_to_all(x, axis, send, recv, tag=tag)
-        if pending is None:
-            return handle.wait()
-        pending.append(handle)
-        return handle.buffer
+    def forward(ctx: Any, rows: torch.Tensor, ex: Exchange) -> torch.Tensor:
+        ctx.ex = ex
+        assert ex.forward is not None, "Exchange.adopt before Exchange.issue"
+        handle, ex.forward = ex.forward, None
+        return handle.wait()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        back = ctx.grid.comm.all_to_all(g.contiguous(), ctx.axis, ctx.recv, ctx.send, tag=f"{ctx.tag}.grad").wait()
-        return back, None, None, None, None, None, None
+        ex = ctx.ex
+        ex.backward = ex.grid.comm.all_to_all(g.contiguous(), ex.axis, ex.recv, ex.send, tag=f"{ex.tag}.grad")
+        return ex.backward.buffer, None  # complete once ``_Awaited.backward`` has waited
 
 
-def all_to_all(
-    x: torch.Tensor,
-    send: list[int],
-    recv: list[int],
-    axis: Axis,
-    grid: Grid,
-    tag: Term,
-    pending: list[Handle | None] | None = None,
-) -> torch.Tensor:
-    """Rows of ``x`` exchanged over ``axis`` (``send``/``recv``: rows per rank), differentiably.
-    ``pending``: issue without waiting — the handle (None where nothing is issued) is appended and
-    the result may be read only after it is waited on (the overlap of E16 with the expert GEMMs)."""
-    if grid.size(axis) == 1:
-        if pending is not None:
-            pending.append(None)
-        return x
-    return _AllToAll.apply(x, send, recv, axis, grid, tag, pending)
+class _Awaited(torch.autograd.Function):
+    """Identity forward; backward: wait for the reverse exchange, then pass the gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, ex: Exchange) -> torch.Tensor:
+        ctx.ex = ex
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        handle, ctx.ex.backward = ctx.ex.backward, None
+        if handle is not None:
+            handle.wait()  # ``g`` is its buffer
+        return g, None
 
 
 class _ShareRows(torch.autograd.Function):
