@@ -15,7 +15,9 @@ Input and output are the residual layout (T, hidden/G_x) per rank, replicated ov
 Forward, per rank: logits (E14) → top-k → the counts exchange (E15, the host sync) → this y
 index's share of the assignments, sorted by expert, all-to-all over ``ep`` (E16) → gathered over
 y (E17) → grouped GEMMs of the local experts (E18, all-reduce over x after up, over y after down) →
-back over y, all-to-all back → gathered over y → gates · outputs summed per token.
+back over y, all-to-all back → gathered over y → gates · outputs summed per token. The share is
+dispatched in the overlap policy's forward chunks, each chunk's exchanges in flight while other
+chunks' GEMMs run (``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md "Overlap").
 """
 
 from __future__ import annotations

@@ -7,13 +7,17 @@ Every y rank of a group holds the same tokens, so each sends only its **share** 
 ``share_sizes`` gives index j of y — and the experts' ranks gather the shares over y (E17): a
 token crosses the expert-parallel axis once, not G_y times.
 
-**The plan** (``DispatchPlan.exchange``, E15). Every rank counts its (T, k) assignments per y share
-and expert, (G_y, E), and all-gathers the counts over ``ep``: (G_ep, G_y, E), read on the host —
-the one host synchronisation of an MoE layer, G_ep·G_y·E int64 values — from which every rank
-derives the same split sizes for both all-to-alls (E16) and the y gathers, the rows per local
-expert, and the micro-batch's tokens per expert for the balance loss. A recomputed forward
-(docs/design.md §5) reuses the plan of its first forward: no routing decision and no host sync runs
-again.
+**The plan** (``DispatchPlan.exchange``, E15). Every rank counts its (T, k) assignments per y share,
+chunk of the share and expert, (G_y, C, E), and all-gathers the counts over ``ep``, read on the
+host — the one host synchronisation of an MoE layer, G_ep·G_y·C·E int64 values — from which every
+rank derives the same split sizes for both all-to-alls (E16) and the y gathers of each chunk, the
+rows per local expert, and the micro-batch's tokens per expert for the balance loss. A recomputed
+forward (docs/design.md §5) reuses the plan of its first forward: no routing decision and no host
+sync runs again.
+
+**The exchanges** (``Exchange``): an all-to-all issued as soon as its rows exist and joined to the
+autograd graph where its result is needed, so the C chunks' exchanges travel while other chunks'
+expert GEMMs run, in forward and in backward; ``share_rows``/``gather_rows`` move rows over y.
 """
 
 from __future__ import annotations
