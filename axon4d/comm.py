@@ -76,6 +76,10 @@ class Transport(Protocol):
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work: ...
 
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, send_rows: list[int], recv_rows: list[int], axis: Axis
+    ) -> Work: ...
+
     def barrier(self) -> None: ...
 
     def close(self) -> None: ...
@@ -107,6 +111,13 @@ class TorchTransport:
                 return ExchangedHalves(out, inp, index, group)
             return ExchangedChunks(out, inp, group)
         return _REDUCE_SCATTER(out, inp, group=group, async_op=True)
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, send_rows: list[int], recv_rows: list[int], axis: Axis
+    ) -> Work:
+        return dist.all_to_all_single(
+            out, inp, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=self.groups[axis], async_op=True
+        )
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups["world"])
@@ -234,6 +245,13 @@ class Handle:
     def done(self) -> bool:
         return self._done
 
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The tensor the collective writes its result into: before ``wait`` returns its contents
+        are not yet the result. ``wait`` returns this same tensor for a collective that reshapes
+        nothing afterwards (all-reduce, all-to-all, an all-gather or reduce-scatter along dim 0)."""
+        return self._result
+
     def _describe(self) -> str:
         """What this handle waits for, e.g. "all_gather over z (tag E10f, 1.5 MB)"."""
         r = self._record
@@ -349,6 +367,37 @@ class Communicator:
             _stamp_completion(work, record, self.clock)
         finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
         return Handle(work, out, record, finish, inp, self.device_clock, self.timing)
+
+    def all_to_all(
+        self, tensor: torch.Tensor, axis: Axis, send_rows: list[int], recv_rows: list[int], tag: Term | str = ""
+    ) -> Handle:
+        """Exchange rows of ``tensor`` over ``axis``: rows ``send_rows[i]`` (dim 0, in order) go to the
+        rank of index i on ``axis``, and the result holds the ``recv_rows[j]`` rows received from
+        each rank j, concatenated in index order: (Σ recv_rows, …). The split sizes must agree
+        across ranks (what i sends to j is what j expects from i) — the caller derives both from one
+        exchange of counts (``axon4d.nn.moe_dispatch``); a rank may send or receive no row at all.
+        The log records the bytes this rank sends, its own rows included (payload of docs/design.md
+        E16). On an axis of one rank the result is ``tensor`` itself."""
+        g = self._size(axis)
+        if len(send_rows) != g or len(recv_rows) != g:
+            raise ValueError(
+                f"all_to_all over {axis}: {len(send_rows)} send and {len(recv_rows)} receive split sizes for "
+                f"G_{axis} = {g} ranks; give one row count per rank of the axis"
+            )
+        if sum(send_rows) != tensor.shape[0] or min(send_rows + recv_rows, default=0) < 0:
+            raise ValueError(
+                f"all_to_all over {axis}: send split sizes {send_rows} must be row counts ≥ 0 adding up to "
+                f"the tensor's {tensor.shape[0]} rows"
+            )
+        if g == 1:
+            return Handle(None, tensor, None)
+        inp = tensor.contiguous()
+        out = inp.new_empty((sum(recv_rows), *inp.shape[1:]))  # (Σ recv_rows, …)
+        record = self._record(Op.ALL_TO_ALL, axis, g, inp.nbytes, tag)
+        work = self.transport.all_to_all(out, inp, list(send_rows), list(recv_rows), axis)
+        if self.timing:
+            _stamp_completion(work, record, self.clock)
+        return Handle(work, out, record, None, inp, self.device_clock, self.timing)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "", out: torch.Tensor | None = None

@@ -39,6 +39,20 @@ class ModelConfig:
     """Epsilon of LayerNorm / RMSNorm."""
     name: str = ""
     """A label such as "20B"."""
+    n_experts: int = 0
+    """Mixture-of-Experts: routed experts per block (0: every block has the dense MLP; docs/moe.md)."""
+    experts_per_token: int = 1
+    """Top-k: the routed experts each token reaches (1 ≤ k ≤ n_experts)."""
+    expert_ffn: int | None = None
+    """Inner width of one expert's FFN (None: ``ffn``, the dense MLP's)."""
+    shared_experts: int = 0
+    """Experts every token passes through besides its routed ones (one MLP of shared_experts·expert_ffn)."""
+    router_scoring: str = "softmax"
+    """How router logits become scores: "softmax" (Mixtral, Qwen3-MoE, OLMoE) or "sigmoid" (DeepSeek-V3)."""
+    moe_aux_coef: float = 0.01
+    """Weight of the load-balancing loss E·Σ_e f_e·P_e added to the training loss (0: off)."""
+    moe_z_coef: float = 0.0
+    """Weight of the router z-loss mean_t logsumexp(logits_t)² (0: off)."""
 
     def __post_init__(self) -> None:
         """Refuse a shape no model can have: every field is checked, and each error names the field,
@@ -61,8 +75,38 @@ class ModelConfig:
                 raise TypeError(f"{name} = {value!r} ({type(value).__name__}) must be a number, e.g. {_DEFAULTS[name]}")
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} = {value} must be a finite number above 0, e.g. {_DEFAULTS[name]}")
+        self._check_moe()
         rotary = "llama's rotary embedding rotates pairs of features; choose hidden and n_heads with an even quotient"
         counts.heads(self.hidden, self.n_heads, self.kv_heads, rotary=rotary if self.arch == "llama" else "")
+
+    def _check_moe(self) -> None:
+        """The Mixture-of-Experts fields (docs/moe.md): whole counts, top-k within the experts."""
+        counts.whole(self.n_experts, "n_experts", unit="experts (or 0: dense MLP blocks)", example=8, minimum=0)
+        counts.whole(self.shared_experts, "shared_experts", unit="experts", example=1, minimum=0)
+        counts.whole(self.experts_per_token, "experts_per_token", unit="experts", example=2)
+        if self.expert_ffn is not None:
+            counts.whole(self.expert_ffn, "expert_ffn", unit="features (or None: ffn)", example=1024)
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router_scoring {self.router_scoring!r} is not supported; use 'softmax' or 'sigmoid'")
+        for name in ("moe_aux_coef", "moe_z_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} = {value!r} must be a finite number ≥ 0, e.g. 0.01 (0: off)")
+        if self.n_experts and self.experts_per_token > self.n_experts:
+            raise ValueError(
+                f"experts_per_token = {self.experts_per_token} exceeds n_experts = {self.n_experts}: a token "
+                f"cannot reach more experts than there are; use experts_per_token ≤ {self.n_experts}"
+            )
+
+    @property
+    def moe(self) -> bool:
+        """True when the blocks have Mixture-of-Experts layers instead of the dense MLP."""
+        return self.n_experts > 0
+
+    @property
+    def expert_width(self) -> int:
+        """One expert's FFN inner width."""
+        return self.expert_ffn if self.expert_ffn is not None else self.ffn
 
     @property
     def kv_heads(self) -> int:
@@ -97,6 +141,13 @@ class ModelConfig:
     def n_params(self) -> int:
         """Number of parameters (weights, biases, norms, embeddings)."""
         per_block = sum(i * o + (o if b else 0) for _, i, o, _, b in self.linear_shapes())
+        if self.moe:  # the MLP's GEMMs give way to the router, the experts and the shared experts
+            per_block -= sum(i * o + (o if b else 0) for n, i, o, _, b in self.linear_shapes() if n.startswith("mlp"))
+            ups = 3 if self.gated else 2
+            per_block += (
+                self.n_experts * self.hidden
+                + (self.n_experts + self.shared_experts) * ups * self.hidden * self.expert_width
+            )
         per_block += 2 * self.hidden * (2 if self.arch == "gpt" else 1)  # two norms (weight, and bias for LayerNorm)
         emb = self.vocab_size * self.hidden
         pos = self.seq_len * self.hidden if self.arch == "gpt" else 0
@@ -133,7 +184,55 @@ SIZES: dict[str, ModelConfig] = {
     "640B": _table("640B", 192, 16384, 128),
     "tiny": ModelConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=256, seq_len=32, name="tiny"),
     "small": ModelConfig(n_layers=4, hidden=256, n_heads=8, vocab_size=4096, seq_len=128, name="small"),
+    "tiny-moe": ModelConfig(
+        n_layers=2,
+        hidden=64,
+        n_heads=4,
+        vocab_size=256,
+        seq_len=32,
+        arch="llama",
+        n_experts=8,
+        experts_per_token=2,
+        expert_ffn=64,
+        shared_experts=1,
+        name="tiny-moe",
+    ),
 }
+
+
+#: the Mixture-of-Experts fields of ``ModelConfig`` and their types: what ``moe_overrides`` sets
+MOE_FIELDS: dict[str, type] = {
+    "n_experts": int,
+    "experts_per_token": int,
+    "expert_ffn": int,
+    "shared_experts": int,
+    "router_scoring": str,
+    "moe_aux_coef": float,
+    "moe_z_coef": float,
+}
+
+
+def moe_overrides(text: str) -> dict[str, object]:
+    """``field=value,…`` of ``MOE_FIELDS`` (the training job's ``--moe``) as ``ModelConfig`` overrides,
+    e.g. "n_experts=8,experts_per_token=2,moe_aux_coef=0.02"; "" gives none. A ``ValueError`` names
+    an item that is not one of those fields or whose value is not of its type; ``ModelConfig``
+    checks the values themselves."""
+    out: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = (piece.strip() for piece in item.partition("="))
+        kind = MOE_FIELDS.get(name)
+        if not eq or kind is None:
+            raise ValueError(
+                f"--moe item {item!r}: give field=value with a field of {', '.join(MOE_FIELDS)}, "
+                "e.g. --moe n_experts=8,experts_per_token=2"
+            )
+        try:
+            out[name] = kind(value)
+        except ValueError:
+            raise ValueError(
+                f"--moe {name}={value!r}: {name} takes a{'n' if kind is int else ''} {kind.__name__}"
+            ) from None
+    return out
 
 
 def get_config(name: str, **overrides: object) -> ModelConfig:

@@ -40,6 +40,7 @@ class Op(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
 
 
 class Term(str, enum.Enum):
@@ -71,6 +72,15 @@ class Term(str, enum.Enum):
     GATHER_BATCH = "gather_batch"  # axon4d.activations: whole batch from its shards (outside autograd)
     GATHER_FEATURES = "gather_features"  # whole features from their shards over an axis
     GATHER_SEQUENCE = "gather_sequence"  # whole sequences from their context-parallel chunks
+    MOE_ROUTER = "moe.router"  # MoE: all-reduce over x of the router's partial logits (docs/moe.md, E14)
+    MOE_ROUTER_GRAD = "moe.router.grad"  # ... backward: all-reduce over x of the gates' partial gradients
+    MOE_COUNTS = "moe.counts"  # all-gather over the expert-parallel axis of the tokens per expert (E15)
+    MOE_DISPATCH = "moe.dispatch"  # all-to-all of token rows to their experts' ranks (E16), and back in backward
+    MOE_COMBINE = "moe.combine"  # all-to-all of the experts' outputs back to the tokens' ranks (E16)
+    MOE_ROWS_Y = "moe.rows_y"  # all-gather over y of rows dispatched once per y group (E17)
+    MOE_ROWS_Y_GRAD = "moe.rows_y.grad"  # ... and the all-reduce over y of their partial gradients
+    MOE_EXPERT = "moe.expert"  # all-reduce of an expert GEMM's partial sums (over x after up, y after down)
+    MOE_ROUTER_WEIGHT_GRAD = "moe.router_weight.grad"  # the router weight's gradient all-reduce over batch
     DENSE = "dense"  # materialising a module's full parameters (``to_dense``)
 
     def __str__(self) -> str:
@@ -92,7 +102,16 @@ class Collective:
 COMPUTE_TERMS = frozenset({Term.E8, Term.E9, Term.E10F, Term.E10B, Term.EMBEDDING, Term.CP_KV, Term.CP_KV_GRAD})
 #: gradient reductions: they move the reduction dtype (fp32 sums under ``bf16-fp32-reduce``)
 GRADIENT_TERMS = frozenset(
-    {Term.E11, Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD}
+    {
+        Term.E11,
+        Term.E12,
+        Term.E13,
+        Term.EMBEDDING_GRAD,
+        Term.POSITION_GRAD,
+        Term.NORM_GRAD,
+        Term.REPLICATED_GRAD,
+        Term.MOE_ROUTER_WEIGHT_GRAD,
+    }
 )
 #: per-token statistics of the vocabulary-parallel loss: always fp32 (a split norm's: ``norm_statistics_wire``)
 STATISTIC_TERMS = frozenset({Term.CE_LSE, Term.CE_TARGET})

@@ -10,6 +10,7 @@ bytes: logging, reshaping and handles live in ``axon4d.comm``.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 import time
@@ -258,6 +259,23 @@ class MPITransport:
         req = self.comms[axis].Ireduce_scatter_block(send, recv, op=self.MPI.SUM)
         return self._start(req, [staged, back])
 
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, send_rows: list[int], recv_rows: list[int], axis: Axis
+    ) -> _MPIWork:
+        """Ialltoallv of whole rows, as bytes (any dtype moves as is): ``send_rows[i]`` rows of
+        ``inp`` to index i of ``axis``, ``recv_rows[j]`` rows from index j into ``out``."""
+        send_row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes per row
+        recv_row = math.prod(out.shape[1:]) * out.element_size()
+        send, _ = self._buffer(inp.reshape(-1).view(torch.uint8), writes=False)
+        recv, staged = self._buffer(out.view(-1).view(torch.uint8), writes=True)
+        send_counts = [n * send_row for n in send_rows]
+        recv_counts = [n * recv_row for n in recv_rows]
+        req = self.comms[axis].Ialltoallv(
+            [send, (send_counts, _displacements(send_counts)), self.MPI.BYTE],
+            [recv, (recv_counts, _displacements(recv_counts)), self.MPI.BYTE],
+        )
+        return self._start(req, [staged])
+
     def barrier(self) -> None:
         self.comms["world"].Barrier()
 
@@ -276,6 +294,15 @@ class MPITransport:
         for c in self.comms.values():
             c.Free()
         self.comms = {}
+
+
+def _displacements(counts: list[int]) -> list[int]:
+    """Where each count's block begins in a buffer of the blocks back to back."""
+    out, at = [], 0
+    for n in counts:
+        out.append(at)
+        at += n
+    return out
 
 
 def _other_sizes(s: GridShape, axis: Axis) -> tuple[int, ...]:

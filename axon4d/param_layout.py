@@ -21,6 +21,7 @@ from axon4d import geometry
 from axon4d.grid import Grid
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
+from axon4d.nn.moe import GridExperts, Router
 from axon4d.nn.norm import SplitFeatureNorm
 from axon4d.rectangles import FusedRows, Piece, Rows, matrix_shape, pieces
 from axon4d.shape import AXES, GridAxis
@@ -174,6 +175,65 @@ def _box(shape: tuple[int, ...], p: Piece) -> Box:
     return Box(p.name, shape, (p.row0, *[0] * (len(shape) - 1)), (p.rows, *shape[1:]), p.offset)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout(ParamLayout):
+    """A stacked expert weight of an MoE layer (axon4d.nn.moe, docs/moe.md): global (E, rows, cols),
+    dim 0 split over the expert-parallel axis batch = data × z (index d·G_z + z), rows over
+    ``row_axis`` and columns over ``col_axis`` — up: (E, f, hidden) over (y, x); down: (E, hidden, f)
+    over (x, y). A gated up weight stores [gate_j | up_j] per y chunk, saved as the two tensors
+    ``<prefix>.gate`` and ``<prefix>.up`` (``segments``). Held by exactly one rank: replicated over
+    no axis."""
+
+    row_axis: GridAxis = "y"
+    col_axis: GridAxis = "x"
+    segments: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, experts: GridExperts, name: str) -> ExpertLayout:
+        e, h, f = experts.n_experts, experts.hidden, experts.ffn
+        if name == "down":
+            return cls((e, h, f), row_axis="x", col_axis="y")
+        return cls((e, f, h), segments=("gate", "up") if experts.gated else ())
+
+    def block_shape(self, grid: Grid) -> tuple[int, ...]:
+        e, rows, cols = self.global_shape
+        local = (e // grid.size("batch"), rows // grid.size(self.row_axis), cols // grid.size(self.col_axis))
+        return (local[0], local[1] * max(len(self.segments), 1), local[2])
+
+    def block_offsets(self, grid: Grid) -> tuple[int, ...]:
+        e, rows, cols = self.block_shape(grid)
+        rows //= max(len(self.segments), 1)
+        return (grid.coord("batch") * e, grid.coord(self.row_axis) * rows, grid.coord(self.col_axis) * cols)
+
+    def replicated_over(self) -> tuple[GridAxis, ...]:
+        return ()
+
+    def saved_tensors(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        if not self.segments:
+            return {prefix: self.global_shape}
+        return {f"{prefix}.{s}": self.global_shape for s in self.segments}
+
+    def boxes(self, prefix: str, numel: int, grid: Grid) -> list[Box]:
+        block, offsets = self.block_shape(grid), self.block_offsets(grid)
+        if not self.segments:
+            return [Box(prefix, self.global_shape, offsets, block, 0)]
+        rows = block[1] // len(self.segments)
+        out, start = [], 0
+        for e in range(block[0]):
+            for s in self.segments:
+                out.append(
+                    Box(f"{prefix}.{s}", self.global_shape, (offsets[0] + e, *offsets[1:]), (1, rows, block[2]), start)
+                )
+                start += rows * block[2]
+        return out
+
+    def rectangles(self, numel: int, grid: Grid, name: Callable[[str], str]) -> list[Piece]:
+        raise ValueError(
+            "MoE expert weights are not built on the meta device and materialized tile by tile; build the "
+            "model on a real device (Transformer(cfg) initialises the experts as DenseMoE does)"
+        )
+
+
 def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:
     """The layout of ``module``'s parameter ``name`` (fully replicated unless the module is ours)."""
     if isinstance(module, Linear):
@@ -182,6 +242,10 @@ def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:
         return ParamLayout((module.hidden,), ((module.axis, 0),))
     if isinstance(module, VocabParallelEmbedding):
         return ParamLayout((module.vocab_size, module.hidden), (("y", 0), ("x", 1)))
+    if isinstance(module, Router):
+        return ParamLayout((module.n_experts, module.hidden), (("x", 1),))
+    if isinstance(module, GridExperts):
+        return ExpertLayout.of(module, name)
     if isinstance(module, PositionEmbedding):
         return ParamLayout((module.seq_len, module.hidden), (("x", 1),))
     return ParamLayout(tuple(param.shape))

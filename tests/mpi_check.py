@@ -2,7 +2,7 @@
 
 Started by tests/test_mpi.py. Every rank joins one torch world (for group bookkeeping) and builds
 each grid with ``axon4d.init(..., comm="mpi")``, so every collective goes through mpi4py. The
-tests of test_comm.py, test_linear.py and test_overlap.py are called with ``MPIPools`` in place of
+tests of test_comm.py, test_linear.py, test_overlap.py and test_moe.py are called with ``MPIPools`` in place of
 the gloo ``pools`` fixture: ``run`` calls the function on every MPI rank and gathers the results
 on all of them, so each rank evaluates the same assertions. Rank 0 prints one line per test:
 ``MPICHECK <name> ok`` or ``MPICHECK <name> FAIL <first line of the error>``.
@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import test_comm
 import test_linear
+import test_moe
 import test_overlap
 import torch
 from mpi4py import MPI
@@ -54,6 +55,11 @@ def _name(grid):
 
 TESTS = [
     ("comm.collectives", test_comm.test_collectives_return_correct_data_and_are_logged, {}),
+    (
+        "comm.all_to_all",
+        test_comm.test_all_to_all_moves_each_rows_split_to_its_rank_and_logs_the_bytes_sent,
+        {"world": 8, "grid": (1, 2, 2, 2)},
+    ),
     *[
         (
             f"comm.bytes{_name(g)}.{d}",
@@ -65,6 +71,20 @@ TESTS = [
     ],
     ("linear.fp32_every_grid_of_8", test_linear.test_every_grid_matches_torch_linear_fp32, {"world": 8}),
     ("linear.bf16", test_linear.test_bf16_matches_within_documented_tolerance, {"grid": (2, 2, 2, 1)}),
+    *[
+        (
+            f"moe.layer{_name(g)}.{case}",
+            test_moe.test_moe_layer_on_grids_equals_the_dense_layer,
+            {"world": 8, "grid": g, "case": case},
+        )
+        for g in [(1, 2, 2, 2)]
+        for case in ("top2-shared-softmax", "top2-starved")
+    ],
+    (
+        "moe.chunked(2x2x1x2)",
+        test_moe.test_moe_layer_dispatched_in_overlapped_chunks_equals_the_dense_layer,
+        {"world": 8, "grid": (2, 2, 1, 2), "case": "top2-shared-softmax"},
+    ),
     ("linear.padded", test_linear.test_weight_blocks_that_do_not_split_over_z_are_padded, {"grid": (1, 1, 4, 2)}),
     *[
         (

@@ -457,3 +457,43 @@ def test_on_the_host_a_completion_and_the_wait_s_end_keep_the_earlier_time_in_ei
     assert (record.t_wait_start, record.t_wait_end) == (1.0, 2.0)
     assert record.t_done == min(completion, 2.0)
     assert record.blocked == min(completion, 2.0) - 1.0 and record.duration == min(completion, 2.0)
+
+
+def _all_to_all(grid):
+    """Rank r of batch sends (r + j) % 3 rows to rank j, each row tagged (sender, receiver, row)."""
+    comm = grid.comm
+    comm.log.clear()
+    r, g = grid.coord("batch"), grid.size("batch")
+    send = [(r + j) % 3 for j in range(g)]
+    recv = [(i + r) % 3 for i in range(g)]
+    rows = [torch.tensor([[float(r), float(j), float(k)]]) for j in range(g) for k in range(send[j])]
+    inp = torch.cat(rows) if rows else torch.empty(0, 3)
+    out = comm.all_to_all(inp, "batch", send, recv, tag="moe.dispatch").wait()
+    bf = comm.all_to_all(inp.bfloat16(), "batch", send, recv).wait()
+    errors = {}
+    try:
+        comm.all_to_all(inp, "batch", send[:-1], recv)
+    except ValueError as e:
+        errors["count"] = str(e)
+    try:
+        comm.all_to_all(inp, "batch", [s + 1 for s in send], recv)
+    except ValueError as e:
+        errors["sum"] = str(e)
+    records = [(rec.op, rec.axis, rec.payload_bytes, str(rec.tag)) for rec in comm.log.records]
+    return {"out": out, "bf": bf, "recv": recv, "rank": r, "records": records, "errors": errors, "g": g}
+
+
+@pytest.mark.parametrize("world,grid", [(2, (1, 1, 2, 1)), pytest.param(8, (1, 2, 2, 2), marks=pytest.mark.slow)])
+def test_all_to_all_moves_each_rows_split_to_its_rank_and_logs_the_bytes_sent(pools, world, grid):
+    for res in pools(world).run(grid, _all_to_all):
+        r, g = res["rank"], res["g"]
+        want = [[float(i), float(r), float(k)] for i in range(g) for k in range(res["recv"][i])]
+        assert res["out"].tolist() == want
+        assert res["bf"].float().tolist() == want
+        sent = sum((r + j) % 3 for j in range(g)) * 3
+        assert res["records"] == [
+            (Op.ALL_TO_ALL, "batch", sent * 4, "moe.dispatch"),
+            (Op.ALL_TO_ALL, "batch", sent * 2, ""),
+        ]
+        assert "one row count per rank" in res["errors"]["count"]
+        assert "adding up to" in res["errors"]["sum"]

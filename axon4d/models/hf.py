@@ -105,6 +105,11 @@ def check_exportable(cfg: ModelConfig) -> None:
     """Raise ``ValueError`` if ``cfg`` has no Hugging Face counterpart (a GPT with grouped-query attention)."""
     if cfg.arch not in ARCHITECTURES:
         raise ValueError(f"arch {cfg.arch!r} has no Hugging Face export; axon4d exports {sorted(ARCHITECTURES)}")
+    if cfg.moe:
+        raise ValueError(
+            f"a Mixture-of-Experts model (n_experts = {cfg.n_experts}) has no Hugging Face export yet; "
+            "save a checkpoint (axon4d.checkpoint.save) or the dense model (Transformer.to_dense()) instead"
+        )
     if cfg.arch == "gpt" and cfg.kv_heads != cfg.n_heads:
         raise ValueError(
             f"a GPT with n_kv_heads = {cfg.kv_heads} ≠ n_heads = {cfg.n_heads} has no Hugging Face export: "

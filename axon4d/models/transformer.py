@@ -42,6 +42,8 @@ from axon4d.nn.block import DenseBlock, TransformerBlock
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.loss import vocab_parallel_cross_entropy
+from axon4d.nn.moe import aux_loss
+from axon4d.nn.moe_dense import DenseExperts
 from axon4d.nn.norm import dense_norm_for, norm_for
 from axon4d.offload import Offloader, OffloadSpec, offload_blocks
 from axon4d.recompute_mode import check_recompute
@@ -69,9 +71,11 @@ class DenseTransformer(nn.Module):
         which makes the initialisation addressable (``axon4d.tiled_init``)."""
         out: dict[str, tiled_init.Init] = {}
         for mod_name, m in self.named_modules():
-            for p_name, _ in m.named_parameters(recurse=False):
+            for p_name, p in m.named_parameters(recurse=False):
                 name = f"{mod_name}.{p_name}" if mod_name else p_name
-                if isinstance(m, nn.Linear):
+                if isinstance(m, DenseExperts):  # each expert's matrix as nn.Linear's
+                    out[name] = tiled_init.Init.uniform(1.0 / math.sqrt(p.shape[-1]))
+                elif isinstance(m, nn.Linear):
                     out[name] = tiled_init.Init.uniform(1.0 / math.sqrt(m.in_features))
                 elif isinstance(m, nn.Embedding):
                     out[name] = tiled_init.Init.normal(0.02 if m is self.pos_emb else 1.0)
@@ -91,7 +95,9 @@ class DenseTransformer(nn.Module):
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(ids)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        aux = aux_loss(self)  # MoE blocks: balance loss and z-loss (docs/moe.md)
+        return loss if aux is None else loss + aux
 
 
 class Transformer(nn.Module):
@@ -173,8 +179,11 @@ class Transformer(nn.Module):
         return rows.index_select(0, sequence_positions(seq, z, g_z, device))  # checks 2·G_z | seq
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over this rank's tokens, computed without gathering the vocabulary."""
-        return vocab_parallel_cross_entropy(self(ids), targets, self.grid, axis="y")
+        """Mean cross-entropy over this rank's tokens, computed without gathering the vocabulary; with
+        MoE blocks plus their auxiliary losses (this rank's share, docs/moe.md E19–E20)."""
+        loss = vocab_parallel_cross_entropy(self(ids), targets, self.grid, axis="y")
+        aux = aux_loss(self)
+        return loss if aux is None else loss + aux
 
     @torch.no_grad()
     def load_dense_(self, dense: DenseTransformer) -> Transformer:

@@ -26,6 +26,8 @@ from axon4d.grid import Grid
 from axon4d.nn.attention import Attention, DenseAttention
 from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
+from axon4d.nn.moe import MoE
+from axon4d.nn.moe_dense import DenseMoE
 from axon4d.nn.norm import SplitFeatureNorm, dense_norm_for, norm_for
 from axon4d.nn.recompute import recompute_block, recomputed_input
 from axon4d.precision import compute_dtype
@@ -42,7 +44,11 @@ class DenseBlock(nn.Module):
         self.norm1 = dense_norm_for(cfg, device=device, dtype=dtype)
         self.norm2 = dense_norm_for(cfg, device=device, dtype=dtype)
         self.attn = DenseAttention(cfg.hidden, cfg.n_heads, cfg.kv_heads, bias, rope, device=device, dtype=dtype)
-        self.mlp = DenseMLP(cfg.hidden, cfg.ffn, cfg.gated, bias, device=device, dtype=dtype)
+        self.mlp: nn.Module = (
+            DenseMoE(cfg, device=device, dtype=dtype)
+            if cfg.moe
+            else DenseMLP(cfg.hidden, cfg.ffn, cfg.gated, bias, device=device, dtype=dtype)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -83,15 +89,20 @@ class TransformerBlock(nn.Module):
             recompute_core=self.recompute == Recompute.SELECTIVE,
             context_parallel=context_parallel,
         )
-        self.mlp = MLP(
-            cfg.hidden,
-            cfg.ffn,
-            gated=cfg.gated,
-            bias=bias,
-            grid=grid,
-            device=device,
-            dtype=dtype,
-            recompute_activation=self.recompute == Recompute.BALANCED,
+        #: the FFN sublayer: the dense MLP, or with ``cfg.n_experts`` a Mixture-of-Experts (docs/moe.md)
+        self.mlp: MLP | MoE = (
+            MoE(cfg, grid=grid, device=device, dtype=dtype)
+            if cfg.moe
+            else MLP(
+                cfg.hidden,
+                cfg.ffn,
+                gated=cfg.gated,
+                bias=bias,
+                grid=grid,
+                device=device,
+                dtype=dtype,
+                recompute_activation=self.recompute == Recompute.BALANCED,
+            )
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,18 +112,22 @@ class TransformerBlock(nn.Module):
 
     def linears(self) -> list[Linear]:
         """The block's 3D layers, in forward order."""
+        if isinstance(self.mlp, MoE):
+            shared = self.mlp.shared
+            return [self.attn.qkv, self.attn.out] + ([shared.up, shared.down] if shared is not None else [])
         return [self.attn.qkv, self.attn.out, self.mlp.up, self.mlp.down]
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._sublayer(self.norm1, self.attn, self.attn.qkv, x)
-        return x + self._sublayer(self.norm2, self.mlp, self.mlp.up, x)
+        x = x + self._sublayer(self.norm1, self.attn, self.attn.qkv.weight, x)
+        first = self.mlp.router.weight if isinstance(self.mlp, MoE) else self.mlp.up.weight
+        return x + self._sublayer(self.norm2, self.mlp, first, x)
 
-    def _sublayer(self, norm: SplitFeatureNorm, body: nn.Module, first: Linear, x: torch.Tensor) -> torch.Tensor:
-        """``body(norm(x))``; under balanced recomputation ``body``'s first GEMM (``first``) keeps
-        ``x`` and the norm's statistics instead of the normalised activations."""
+    def _sublayer(self, norm: SplitFeatureNorm, body: nn.Module, first: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``body(norm(x))``; under balanced recomputation ``body``'s first GEMM (of weight ``first``)
+        keeps ``x`` and the norm's statistics instead of the normalised activations."""
         if self.recompute != Recompute.BALANCED:
             return body(norm(x))
-        dtype = compute_dtype(self.grid.precision, first.weight)  # what ``first`` multiplies in
+        dtype = compute_dtype(self.grid.precision, first)  # what ``first``'s GEMM multiplies in
 
         def normalize(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
             return norm.normalize(x, stats).to(dtype)
@@ -125,11 +140,11 @@ class TransformerBlock(nn.Module):
         self.norm1.load_dense_(dense.norm1)
         self.norm2.load_dense_(dense.norm2)
         self.attn.load_dense_(dense.attn)
-        self.mlp.load_dense_(dense.mlp)
+        self.mlp.load_dense_(dense.mlp)  # type: ignore[arg-type]
         return self
 
     def to_dense(self, grads: bool = False) -> DenseBlock:
-        p = self.mlp.down.weight
+        p = self.attn.qkv.weight
         dense = DenseBlock(self.cfg, device=p.device, dtype=p.dtype)
         dense.norm1, dense.norm2 = self.norm1.to_dense(grads), self.norm2.to_dense(grads)
         dense.attn, dense.mlp = self.attn.to_dense(grads), self.mlp.to_dense(grads)

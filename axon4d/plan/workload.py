@@ -105,6 +105,11 @@ class Workload:
 
     def __post_init__(self) -> None:
         self._resolve_precision()
+        if self.model.moe:
+            raise ValueError(
+                f"the planner does not price Mixture-of-Experts layers yet (n_experts = {self.model.n_experts}): "
+                "name the grid yourself (e.g. --grid 1,1,2,1; docs/moe.md for the placement rules)"
+            )
         if self.context_parallel and self.model.seq_len % 2:
             raise ValueError(
                 f"seq_len = {self.model.seq_len} is odd, but context parallelism cuts each sequence into 2·G_z equal "

@@ -30,6 +30,7 @@ Hugging Face causal LM (``save_pretrained``'s directory), fine-tuned by the same
 #   hf         --hf: a saved Hugging Face causal LM, parallelized and loaded by slices, as the model
 #   planned    --grid auto: the planner's grid and step options applied to the run
 #   reference  the single-process run of --compare-single
+#   moe_log    MoE blocks: tokens per expert, imbalance and balance loss in the step record
 #   report     step records, progress line, log.jsonl, summary.json, loss.png
 
 from axon4d.train.config import TrainConfig, add_arguments

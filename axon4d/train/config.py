@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from axon4d import counts
-from axon4d.config import ModelConfig, get_config
+from axon4d.config import ModelConfig, get_config, moe_overrides
 from axon4d.data import check_token_file
 from axon4d.offload import offload_blocks, parse_offload
 from axon4d.precision import resolve as resolve_precision
@@ -52,7 +52,7 @@ class TrainConfig:
     hf: str = ""
     """Fine-tune a saved Hugging Face causal LM: the directory save_pretrained wrote (config.json, safetensors). Built on the meta device, parallelized, each rank loading its slices; dropout off. Not with --model, --arch, the model-shape overrides or --offload (docs/training.md#fine-tuning-a-hugging-face-model)."""
     model: str = "small"
-    """Model size from the table: tiny, small, 5B, 10B, 20B, 40B, 80B, 320B, 640B."""
+    """Model size from the table: tiny, small, tiny-moe (8 experts, top-2: docs/moe.md), 5B, 10B, 20B, 40B, 80B, 320B, 640B."""
     arch: str = "llama"
     """Model family: llama (RMSNorm, SwiGLU, RoPE, GQA) or gpt (LayerNorm, GELU, learned positions)."""
     layers: int = 0
@@ -67,6 +67,8 @@ class TrainConfig:
     """Override the vocabulary size (0: the table's; 256 for the byte-level text corpus)."""
     seq_len: int = 0
     """Override the sequence length (0: the size table's; with --hf the model's max positions, at most 2048)."""
+    moe: str = ""
+    """Mixture-of-Experts fields of the model, field=value,… (e.g. n_experts=8,experts_per_token=2,moe_aux_coef=0.01; n_experts=0: dense). Fields: n_experts, experts_per_token, expert_ffn, shared_experts, router_scoring, moe_aux_coef, moe_z_coef (docs/moe.md)."""
     steps: int = 100
     """Optimizer steps to run (in total, counting steps done before a resume)."""
     batch_size: int = 16
@@ -273,7 +275,7 @@ class TrainConfig:
                 overrides[key] = getattr(self, field)
         if self.data == "corpus" and not self.vocab_size:
             overrides["vocab_size"] = 256
-        return get_config(self.model, **overrides)
+        return get_config(self.model, **{**overrides, **moe_overrides(self.moe)})
 
 
 def _flag(name: str) -> str:
@@ -342,7 +344,7 @@ _HINTS: dict[str, str] = {
     "peak_tflops": "e.g. --peak-tflops 0 (0: measure it)",
 }
 #: the flags --hf refuses at other values than their defaults
-_HF_REFUSED = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "vocab_size", "offload")
+_HF_REFUSED = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "vocab_size", "offload", "moe")
 #: --zero's stages: 0 (off) and axon4d.zero's
 ZERO_STAGES = (0, 1, 2)
 #: --data names that are not files

@@ -58,6 +58,7 @@ from axon4d.recompute_mode import check_recompute
 from axon4d.train import hf, optim, reference, report, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
+from axon4d.train.moe_log import moe_record
 from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
 from axon4d.train.outdir import check_out_dir, finished
 from axon4d.train.peak import check_compute_dtype, mfu, world_peak_tflops
@@ -324,6 +325,9 @@ def _step(
     comm = grid.comm.log.summary()  # this step's collectives (with the loss's all-reduce)
     tps = cfg.batch_size * cfg.micro_batches * mcfg.seq_len / dt
     rec = report.step_record(step + 1, mean_loss, lr, norm, dt, tps, mfu(mcfg.flops_per_token(), tps, peak), comm)
+    moe = moe_record(model, grid) if mcfg.moe else None  # after the step's timing: tokens per expert, balance
+    if moe is not None:
+        rec["moe"] = moe
     return rec, finite, first_bad
 
 

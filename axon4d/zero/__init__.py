@@ -9,26 +9,24 @@ optimizer so that each data rank keeps the masters and the state of one part of 
 - the inner optimizer (the same class, param groups and hyperparameters, fused/foreach included)
   steps fp32 master copies of the owned parts, each with its own ``.grad``. Its state (Adam's
   moments) is 1/G_data of the unsharded optimizer's;
-- **the masters.** Training in 16 bits (a mixed ``axon4d.precision``) with G_data > 1, the 3D
-  Linear layers' weight shards — nearly all of a transformer's parameters — are stored in the
-  compute dtype (bf16), and each data rank keeps the fp32 master of its part only: 2 + 4/G_data
-  bytes per element where the unsharded optimizer keeps 4 (``sixteen_bit``). The GEMMs and the
-  weight gathers over z use the same bf16 values as before (each was the fp32 master rounded), so
-  training follows the unsharded optimizer's. Every other parameter (biases, norm weights,
-  embedding tables: small), and every parameter in fp32 training, stays fp32 and its master part
-  is a *view* of it;
+- **the masters.** Training in 16 bits with G_data > 1, the 3D Linear layers' weight shards are
+  stored in the compute dtype (bf16) and each data rank keeps the fp32 master of its part only:
+  2 + 4/G_data bytes per element, not 4 (``sixteen_bit``); the GEMMs and gathers see the same bf16
+  values as unsharded. Every other parameter, and every one in fp32 training, stays fp32 and its
+  master part is a *view* of it;
 - ``step`` then all-gathers the updated parts over data back into the parameters, bucket by bucket,
   in the parameters' dtype (``axon4d.zero.gathers``): each gather in flight while the next bucket
   steps, the parameters whole when it returns — or, with ``overlap_gathers`` (the training job's),
   left in flight into the next forward, each bucket completed just before its first use;
 - the gradients. Stage 1 takes each owned part of ``.grad``, reduced over data as without
-  sharding (E12, E13 and the replicated gradients are all-reduces); a 16-bit weight's reduced
-  gradient (fp32 under ``bf16-fp32-reduce``) never becomes a bf16 ``.grad``: the scheduler hands it
-  whole to this optimizer (``Scheduler.shard_over_data``), which keeps its part in the master's
-  ``.grad``. Stage 2 also turns the weight shards' E12 all-reduce into a reduce-scatter over data:
-  a rank receives only the sum of its parts, which go straight to the masters' ``.grad`` — the
-  layers' weights never hold a ``.grad``. Biases, norm weights and embedding tables (E13 and the
-  replicated gradients, all-reduced over batch) are reduced and held whole as in stage 1.
+  sharding; a 16-bit weight's reduced gradient never becomes a bf16 ``.grad``: the scheduler hands
+  it whole to this optimizer (``Scheduler.shard_over_data``). Stage 2 also turns E12 into a
+  reduce-scatter over data: a rank receives only the sum of its parts, straight into the masters'
+  ``.grad``. Biases, norm weights and embedding tables are reduced and held whole as in stage 1.
+
+A parameter the data axis does not replicate — an MoE expert weight, held by one rank of the
+expert-parallel axis data × z (docs/moe.md) — is each data rank's alone: its part is all of it,
+stepped by the rank that holds it and never gathered.
 
 Only elementwise optimizers can be split this way (``axon4d.zero.checks``): SGD, Adam, AdamW and
 the like, and a user's own such as Lion (pass ``elementwise=True``); LBFGS, Adafactor, Muon and
@@ -54,6 +52,7 @@ from torch import nn
 from axon4d.geometry import data_part_numel, zero_stored_dtype
 from axon4d.grid import Grid
 from axon4d.nn.linear import Linear
+from axon4d.nn.moe import expert_parameters
 from axon4d.zero.checks import ELEMENTWISE, NOT_ELEMENTWISE, check_elementwise, check_fresh
 from axon4d.zero.gathers import GATHER_TAG, ParamGathers, Part
 
@@ -158,6 +157,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grid, self.stage = grid, stage
         self.data_size, self.data_rank = grid.size("data"), grid.coord("data")
         names = {id(p): n for n, p in model.named_parameters()}
+        #: parameters one data rank holds alone (MoE expert weights, split over data × z): whole parts
+        self._whole = {id(p) for p in expert_parameters(model)}
         #: the dtype the 3D Linear weights are stored in (``sixteen_bit``), or None: all stay as they are
         stored = zero_stored_dtype(grid.precision, torch.float32, linear_weight=True, g_data=self.data_size)
         self.weight_dtype = stored if stored != torch.float32 else None
@@ -219,15 +220,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not p.is_contiguous():
             raise ValueError(f"parameter {names[id(p)]} is not contiguous; its flat parts must be views of it")
         n = p.numel()
-        chunk = data_part_numel(n, self.data_size)
-        start = min(n, self.data_rank * chunk)
+        whole = id(p) in self._whole  # not replicated over data: this rank's alone, all of it
+        chunk = n if whole else data_part_numel(n, self.data_size)
+        start = 0 if whole else min(n, self.data_rank * chunk)
         stop = min(n, start + chunk)
         flat = p.detach().view(-1)  # (n,)
         if p.dtype == torch.float32 and not sixteen:
             master = flat[start:stop]  # a view: the step updates the parameter's own part in place
         else:
             master = flat[start:stop].to(torch.float32, copy=True)
-        part = self._parts[id(p)] = Part(p, names[id(p)], chunk, start, stop, master, sixteen)
+        part = self._parts[id(p)] = Part(p, names[id(p)], chunk, start, stop, master, sixteen, whole=whole)
         return part
 
     def owned(self, param: torch.Tensor) -> tuple[int, torch.Tensor] | None:
@@ -249,6 +251,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ends), rounded to the parameter's dtype; after a load wrote the masters (``axon4d.checkpoint``).
         Buckets of fp32 parameters, whose masters are views of them, are whole already: skipped."""
         self._gathers.settle()
+        self._copy_whole()
         for bucket in self._gathers.buckets:
             if bucket[0].param.dtype != torch.float32:  # a bucket holds one dtype (make_buckets)
                 self._gathers.unpack(bucket, self._gathers.gather(bucket))
@@ -313,10 +316,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gathers.rebucket(scheduler.policy.bucket_bytes(scheduler.accelerator))
         try:
             self._gathers.run(step_bucket, defer=self.overlap_gathers)
+            whole = {id(part.master) for part in self._parts.values() if part.whole}
+            if whole:  # the parameters this rank holds alone: stepped whole, nothing to gather
+                for group, params in zip(groups, everything):
+                    group["params"] = [m for m in params if id(m) in whole]
+                self.inner.step()
+                self._copy_whole()
         finally:
             for group, params in zip(groups, everything):
                 group["params"] = params
             self.inner.found_inf = None  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def _copy_whole(self) -> None:
+        """Round the masters of the parameters held whole into them where the master is a copy."""
+        for part in self._parts.values():
+            if part.whole and part.master.data_ptr() != part.param.data_ptr():
+                part.param.detach().view(-1).copy_(part.master)
 
     def settle(self) -> None:
         """Complete the all-gathers over data a deferred step left in flight (``overlap_gathers``):

@@ -48,15 +48,18 @@ class Part:
     master: torch.Tensor  # (stop - start,) fp32: a view of the parameter, or a copy
     sixteen: bool = False  # stored in the compute dtype: its reduced gradient comes to the master, never .grad
     scattered: bool = False  # its gradient part is delivered (take_grad, take_whole_grad), never .grad
+    whole: bool = False  # held by this data rank alone (an MoE expert weight): all of it, stepped here, never gathered
 
 
 def make_buckets(parts: list[Part], limit: int) -> list[list[Part]]:
-    """The all-gather buckets: parameters in order, one open bucket per dtype and device (16-bit
+    """The all-gather buckets: parameters in order (but those held whole: none to gather), one open bucket per dtype and device (16-bit
     weights, the fp32 rest), closed once it holds ``limit`` parameter bytes (the policy's
     ``bucket_bytes``; 0: one parameter each); in the order they close, alike on every rank."""
     buckets: list[list[Part]] = []
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[Part], float]] = {}
     for part in parts:
+        if part.whole:  # stepped apart, never gathered (``ShardedOptimizer.step``)
+            continue
         p = part.param
         key = (p.dtype, p.device)
         bucket, size = open_.get(key, ([], 0.0))

@@ -1,0 +1,360 @@
+"""A Mixture-of-Experts layer on the 4D grid (docs/moe.md; E14–E18), equal to ``DenseMoE``.
+
+Input and output are the residual layout (T, hidden/G_x) per rank, replicated over y. Placement:
+
+- the **router** weight (E, hidden) is split over x by input features, replicated elsewhere; its
+  partial logits are all-reduced over x (E14) and every rank of an (x, y) plane routes its own
+  tokens in fp32 (axon4d.nn.moe_router); its gradient is averaged over batch like a norm's;
+- the **experts** are split over the expert-parallel axis ``ep`` = batch (data × z), whose ranks
+  hold different tokens: rank i of batch (i = d·G_z + z) holds experts i·E/G_ep … (i+1)·E/G_ep − 1;
+  each expert's FFN is split over x·y as the dense MLP is — up (hidden/G_x → f/G_y, gate|up
+  by y chunk when gated) then down (f/G_y → hidden/G_x) — so an expert weight lives on exactly one
+  rank and its gradient is reduced over no axis (only scaled by 1/G_batch, docs/design.md §2);
+- the **shared experts** are one dense ``MLP`` of shared_experts·f (3D Linear layers).
+
+Forward, per rank: logits (E14) → top-k → the counts exchange (E15, the host sync) → this y
+index's share of the assignments, sorted by expert, all-to-all over ``ep`` (E16) → gathered over
+y (E17) → grouped GEMMs of the local experts (E18, all-reduce over x after up, over y after down) →
+back over y, all-to-all back → gathered over y → gates · outputs summed per token. The share is
+dispatched in the overlap policy's forward chunks, each chunk's exchanges in flight while other
+chunks' GEMMs run (``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md "Overlap").
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon4d import rules, runtime
+from axon4d.config import ModelConfig
+from axon4d.device import grouped
+from axon4d.geometry import Term
+from axon4d.grid import Grid
+from axon4d.nn import moe_router
+from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
+from axon4d.nn.mlp import MLP
+from axon4d.nn.moe_dense import DenseMoE
+from axon4d.nn.moe_dispatch import (
+    DispatchPlan,
+    Exchange,
+    gather_rows,
+    share_rows,
+    share_sizes,
+    use_replicated,
+)
+from axon4d.precision import compute_dtype
+from axon4d.shape import Axis
+
+#: the expert-parallel axis: the ranks that hold different tokens
+EP_AXIS: Axis = "batch"
+
+
+def placement_rules(cfg: ModelConfig) -> list[rules.Rule]:
+    """The divisibility rules of an MoE layer's placement (docs/moe.md): experts over the
+    expert-parallel axis batch = data × z, each expert's (and the shared experts') FFN width over
+    y and hidden over x, as the dense MLP splits them."""
+    out = [
+        rules.divisible(
+            cfg.n_experts,
+            "n_experts",
+            ("data", "z"),
+            "experts are split over the expert-parallel axis batch = data × z",
+        ),
+        rules.divisible(cfg.expert_width, "expert_ffn", ("y",), "each expert's FFN splits its inner features over y"),
+        rules.divisible(cfg.hidden, "hidden", ("x",), "the router and the experts split hidden features over x"),
+    ]
+    if cfg.shared_experts:
+        out.append(
+            rules.divisible(
+                cfg.shared_experts * cfg.expert_width,
+                "shared_experts·expert_ffn",
+                ("y",),
+                "the shared experts' MLP splits its inner features over y",
+            )
+        )
+    return out
+
+
+class Router(nn.Module):
+    """The router weight, this rank's (E, hidden/G_x) columns (split over x)."""
+
+    def __init__(self, n_experts: int, hidden: int, grid: Grid, device: Any, dtype: Any):
+        super().__init__()
+        self.n_experts, self.hidden = n_experts, hidden
+        cols = hidden // grid.size("x")
+        self.weight = nn.Parameter(torch.empty(n_experts, cols, device=device, dtype=dtype))
+
+
+class GridExperts(nn.Module):
+    """This rank's E/G_ep experts, each split over x·y: ``up`` (E_l, f_up/G_y, hidden/G_x) — for
+    gated FFNs each y chunk is [gate_j | up_j] — and ``down`` (E_l, hidden/G_x, f/G_y)."""
+
+    def __init__(self, cfg: ModelConfig, grid: Grid, device: Any, dtype: Any):
+        super().__init__()
+        g_ep, g_x, g_y = grid.size(EP_AXIS), grid.size("x"), grid.size("y")
+        self.n_experts, self.hidden, self.ffn, self.gated = cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated
+        self.local = cfg.n_experts // g_ep
+        self.first = grid.coord(EP_AXIS) * self.local  # global index of this rank's first expert
+        f_y = self.ffn // g_y
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
+        self.up = nn.Parameter(torch.empty(self.local, (2 if self.gated else 1) * f_y, cfg.hidden // g_x, **kw))
+        self.down = nn.Parameter(torch.empty(self.local, cfg.hidden // g_x, f_y, **kw))
+
+
+class _ExpertGEMM(torch.autograd.Function):
+    """Grouped GEMM of rows sorted by expert with (G, N, K) weights (E18); the weight gradient is
+    scaled by ``scale`` (1/G_batch: the batch average of docs/design.md §2)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, sizes: list[int], scale: float) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.sizes, ctx.scale = sizes, scale
+        return grouped.grouped_mm_t(x, w, sizes)  # (M, K) × (G, N, K) → (M, N)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = grouped.grouped_mm(dy, w, ctx.sizes) if ctx.needs_input_grad[0] else None  # (M, N) × (G, N, K)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = grouped.grouped_weight_grad(dy, x, ctx.sizes)  # (G, N, K)
+            if ctx.scale != 1.0:
+                dw.mul_(ctx.scale)
+        return dx, dw, None, None
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts FFN on (…, hidden/G_x) activations replicated over y (module docstring)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        grid: Grid | None = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.grid = grid = runtime.resolve(grid)
+        if not cfg.moe:
+            raise ValueError("MoE needs a config with n_experts > 0 (ModelConfig(n_experts=8, ...))")
+        rules.check(grid.shape, placement_rules(cfg))  # the same ValueError on every rank, before any collective
+        self.cfg = cfg
+        device = torch.device(device) if device is not None else grid.device
+        self.router = Router(cfg.n_experts, cfg.hidden, grid, device, dtype)
+        self.experts = GridExperts(cfg, grid, device, dtype)
+        shared = cfg.shared_experts * cfg.expert_width
+        kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
+        self.shared = MLP(cfg.hidden, shared, gated=cfg.gated, bias=False, **kw) if shared else None
+        if not self.router.weight.is_meta:
+            self.load_dense_(DenseMoE(cfg, device=device, dtype=self.router.weight.dtype), shared=False)
+        average_grad_over_batch(self.router.weight, grid, Term.MOE_ROUTER_WEIGHT_GRAD)
+        #: the last forward's weighted balance loss + z-loss (0-dim fp32, a rank's share: docs/moe.md)
+        self.aux_loss: torch.Tensor | None = None
+        #: the last forward's assignments per expert over the whole micro-batch (host ints)
+        self.tokens_per_expert: list[int] | None = None
+        #: the last forward's unweighted balance loss E19 (0-dim, detached), for the job's log
+        self.balance: torch.Tensor | None = None
+        #: counts exchanges (host syncs) this layer has made: one per forward, none in a re-run
+        self.exchanges = 0
+        #: routings of forwards under full recomputation, for their re-runs (oldest first)
+        self._replay: collections.deque[tuple[torch.Tensor, list[DispatchPlan]]] = collections.deque()
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, grid = self.cfg, self.grid
+        cols = self.router.weight.shape[1]
+        if x.dim() < 1 or x.shape[-1] != cols:  # the same ValueError on every rank, before any collective
+            raise ValueError(
+                f"MoE expects this rank's residual shard with last dim hidden/G_x = {cfg.hidden}/{grid.size('x')} "
+                f"= {cols}, got shape {tuple(x.shape)}; shard a full input with axon4d.shard_input(x)"
+            )
+        x2 = x.reshape(-1, x.shape[-1])  # (T, hidden/G_x)
+        tokens, k = x2.shape[0], cfg.experts_per_token
+        partial = x2.float() @ self.router.weight.float().t()  # (T, E), partial over x
+        logits = sum_to_replicas(partial, "x", grid, tag=Term.MOE_ROUTER, in_place=True)  # E14
+        s = moe_router.scores(logits, cfg.router_scoring)  # (T, E) fp32
+        g_y, j = grid.size("y"), grid.coord("y")
+        shares = share_sizes(tokens, g_y)
+        chunks = self._chunks(tokens, g_y, x2)
+        chosen, plans = self._route(s, shares, chunks)
+        g = moe_router.gates(s, chosen)  # (T, k)
+        self.tokens_per_expert = [sum(c) for c in zip(*(p.tokens_per_expert() for p in plans))]
+        self.aux_loss = self._aux(logits, s, tokens)
+        t0 = sum(shares[:j])
+        x_share = share_rows(x2, shares, "y", grid)  # (T_j, hidden/G_x)
+        # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
+        # its expert GEMMs, the later chunks' still on the wire, and each chunk's combine stays in
+        # flight behind the next chunk's GEMMs; backward mirrors it (``Exchange``)
+        dispatches, orders, start = [], [], 0
+        for plan, n in zip(plans, share_sizes(shares[j], len(plans))):
+            mine = chosen[t0 + start : t0 + start + n].reshape(-1)  # (n·k,) experts of the chunk's assignments
+            order = torch.argsort(mine, stable=True)  # sorted by expert
+            ex = Exchange(plan.send_rows, plan.recv_rows, EP_AXIS, grid, Term.MOE_DISPATCH)
+            rows = ex.awaited(x_share.index_select(0, order // k + start))  # (n·k, hidden/G_x)
+            ex.issue(rows)
+            dispatches.append((ex, rows))
+            orders.append(order + start * k)
+            start += n
+        combines = []
+        for plan, (ex, rows) in zip(plans, dispatches):
+            every = gather_rows(ex.adopt(rows), plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
+            out = self._experts(every, plan)  # (n_all, hidden/G_x), replicated over y
+            home = Exchange(plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE)
+            rows = home.awaited(share_rows(out, plan.y_rows, "y", grid))  # this y index's rows
+            home.issue(rows)
+            combines.append((home, rows))
+        backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, hidden/G_x) in all, sorted chunk by chunk
+        back = torch.cat(backs) if len(backs) > 1 else backs[0]
+        pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # this share's assignments in token order
+        pairs = gather_rows(pairs, [n * k for n in shares], "y", grid, summed=False)  # (T·k, hidden/G_x)
+        gate = use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD).to(pairs.dtype)  # (T, k)
+        y = (pairs.view(tokens, k, -1) * gate.unsqueeze(-1)).sum(dim=1).view(x.shape)
+        return y + self.shared(x) if self.shared is not None else y
+
+    def _chunks(self, tokens: int, g_y: int, x2: torch.Tensor) -> int:
+        """How many chunks each y share's tokens are dispatched in: the overlap policy's forward
+        chunking (``Scheduler.forward_chunks``) of a share's T/G_y tokens of k rows each, the same
+        count on every rank; one when the expert-parallel axis has one rank."""
+        if self.grid.size(EP_AXIS) == 1:
+            return 1
+        row_bytes = self.cfg.experts_per_token * x2.shape[1] * x2.element_size()
+        return len(self.grid.scheduler.forward_chunks(max(tokens // g_y, 1), row_bytes, self.grid.size(EP_AXIS)))
+
+    def _route(self, s: torch.Tensor, shares: list[int], chunks: int) -> tuple[torch.Tensor, list[DispatchPlan]]:
+        """Each token's k experts and each chunk's dispatch plan: chosen now (and exchanged: the
+        host sync), or, in the re-run of a fully recomputed forward, the first run's."""
+        sched = self.grid.scheduler
+        if sched.recomputing and torch._C._current_graph_task_id() != -1 and self._replay:
+            return self._replay.popleft()  # the re-run inside backward: reuse the routing
+        cfg, grid = self.cfg, self.grid
+        chosen = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
+        # the (y share, chunk) bin of each token: share j's tokens cut into ``chunks`` contiguous runs
+        sizes = [n for share in shares for n in share_sizes(share, chunks)]
+        bins = torch.repeat_interleave(torch.arange(len(sizes), device=s.device), torch.tensor(sizes, device=s.device))
+        key = (bins.unsqueeze(1) * cfg.n_experts + chosen).reshape(-1)
+        counts = torch.bincount(key, minlength=len(sizes) * cfg.n_experts).view(len(shares), chunks, cfg.n_experts)
+        plans = DispatchPlan.exchange(counts, EP_AXIS, grid, self.experts.local)  # E15: the host sync
+        self.exchanges += 1
+        if sched.recomputing and torch.is_grad_enabled():
+            self._replay.append((chosen, plans))
+        return chosen, plans
+
+    def _experts(self, every: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """The local experts' FFNs of the gathered rows (in gathered order; E18)."""
+        grid, ex = self.grid, self.experts
+        run_experts, run_rows = plan.runs()
+        ids = torch.repeat_interleave(
+            torch.tensor(run_experts, device=every.device), torch.tensor(run_rows, device=every.device)
+        )  # (n_all,) local expert of each gathered row
+        perm = torch.argsort(ids, stable=True)
+        sizes = plan.group_rows
+        dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16
+        xs = every.index_select(0, perm).to(dtype)  # (n_all, hidden/G_x) sorted by expert
+        scale = 1.0 / grid.size("batch")
+        h = _ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_y), partial over x
+        h = sum_partials(h, "x", grid)
+        if ex.gated:
+            gate, up = h.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        else:
+            a = F.gelu(h)
+        o = _ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_x), partial over y
+        o = sum_to_replicas(o, "y", grid, tag=Term.MOE_EXPERT, in_place=True)
+        return o.index_select(0, torch.argsort(perm))
+
+    def _aux(self, logits: torch.Tensor, s: torch.Tensor, tokens: int) -> torch.Tensor:
+        """This rank's weighted balance loss and z-loss (E19, E20): averaged over batch they are the
+        one-process losses, as the cross-entropy is."""
+        cfg = self.cfg
+        counts = torch.tensor(self.tokens_per_expert, device=s.device)
+        assignments = int(sum(self.tokens_per_expert or ()))
+        balance = moe_router.balance_loss(s, counts, assignments, tokens, cfg.router_scoring)
+        self.balance = balance.detach()
+        aux = cfg.moe_aux_coef * balance if cfg.moe_aux_coef else logits.new_zeros(())
+        if cfg.moe_z_coef:
+            aux = aux + cfg.moe_z_coef * moe_router.z_loss(logits)
+        return aux
+
+    # -- dense conversion -------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_dense_(self, dense: DenseMoE, shared: bool = True) -> MoE:
+        """Take this rank's part of ``dense``'s router, experts (and shared experts)."""
+        grid, ex = self.grid, self.experts
+        x, g_x = grid.coord("x"), grid.size("x")
+        y, g_y = grid.coord("y"), grid.size("y")
+        h_x, f_y = ex.hidden // g_x, ex.ffn // g_y
+        cols = slice(x * h_x, (x + 1) * h_x)
+        rows = slice(y * f_y, (y + 1) * f_y)
+        mine = slice(ex.first, ex.first + ex.local)
+        self.router.weight.copy_(dense.router.weight[:, cols])
+        up = dense.experts.up[mine, rows, cols]  # (E_l, f/G_y, hidden/G_x)
+        if ex.gated:
+            assert dense.experts.gate is not None
+            up = torch.cat([dense.experts.gate[mine, rows, cols], up], dim=1)  # [gate_j | up_j]
+        ex.up.copy_(up)
+        ex.down.copy_(dense.experts.down[mine, cols, rows])
+        if shared and self.shared is not None:
+            assert dense.shared is not None
+            self.shared.load_dense_(dense.shared)
+        return self
+
+    def to_dense(self, grads: bool = False) -> DenseMoE:
+        """The single-process layer (and its gradients: zero where this layer has none) on every
+        rank, gathered over x, y and the expert-parallel axis."""
+        p = self.router.weight
+        dense = DenseMoE(self.cfg, device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            self._into(dense, lambda t: t)
+            if grads:
+                self._into(dense, lambda t: t.grad if t.grad is not None else torch.zeros_like(t), grads=True)
+        if self.shared is not None:
+            dense.shared = self.shared.to_dense(grads)
+        return dense
+
+    def _into(self, dense: DenseMoE, pick: Any, grads: bool = False) -> None:
+        """Gather this layer's tensors (``pick(param)``: the values or the gradients) into ``dense``."""
+        grid, ex = self.grid, self.experts
+        comm = grid.comm
+        router = comm.all_gather(pick(self.router.weight).detach().contiguous(), "x", dim=1, tag=Term.DENSE).wait()
+
+        def whole(t: torch.Tensor, row_axis: Axis, col_axis: Axis) -> torch.Tensor:
+            t = comm.all_gather(t.contiguous(), row_axis, dim=1, tag=Term.DENSE).wait()
+            t = comm.all_gather(t.contiguous(), col_axis, dim=2, tag=Term.DENSE).wait()
+            return comm.all_gather(t.contiguous(), EP_AXIS, dim=0, tag=Term.DENSE).wait()
+
+        up = pick(ex.up).detach()
+        if ex.gated:  # split each y chunk's [gate_j | up_j] before gathering over y
+            gate, up = up.chunk(2, dim=1)
+            gate = whole(gate, "y", "x")
+        up = whole(up, "y", "x")
+        down = whole(pick(ex.down).detach(), "x", "y")
+        named = {
+            "router": (dense.router.weight, router),
+            "up": (dense.experts.up, up),
+            "down": (dense.experts.down, down),
+        }
+        if ex.gated:
+            assert dense.experts.gate is not None
+            named["gate"] = (dense.experts.gate, gate)
+        for target, value in named.values():
+            if grads:
+                target.grad = value.clone()
+            else:
+                target.copy_(value)
+
+
+def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Every expert weight of ``module`` (held by one rank of the expert-parallel axis each)."""
+    return [p for m in module.modules() if isinstance(m, GridExperts) for p in m.parameters()]
+
+
+def aux_loss(module: nn.Module) -> torch.Tensor | None:
+    """The sum of the last forward's auxiliary losses of every MoE layer in ``module`` (None if none)."""
+    losses = [m.aux_loss for m in module.modules() if isinstance(m, (MoE, DenseMoE)) and m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None

@@ -1,0 +1,107 @@
+"""The single-process Mixture-of-Experts layer: what ``axon4d.nn.moe.MoE`` computes, in plain
+PyTorch (docs/moe.md). ``MoE.to_dense`` returns it, the exactness tests compare against it and the
+bench (bench/moe_block.py) times it.
+
+    logits = x Wᵣᵀ (fp32)   →  top-k experts and gates (axon4d.nn.moe_router)
+    y = Σ_k gate_k · FFN_{expert_k}(x)  [+ shared(x)]
+
+An expert's FFN is the dense MLP's without biases: down(gelu(up x)), or down(silu(gate x)·up x)
+for gated (llama) models. Experts are stored stacked: ``gate``/``up`` (E, f, hidden) and ``down``
+(E, hidden, f), nn.Linear's (out, in) orientation. Each forward leaves its auxiliary loss
+(``aux_loss``: the weighted balance loss plus z-loss, E19–E20) and the tokens per expert
+(``tokens_per_expert``) on the module; ``DenseTransformer.loss`` adds the aux losses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from axon4d.config import ModelConfig
+from axon4d.nn import moe_router
+from axon4d.nn.mlp import DenseMLP
+
+
+class DenseExperts(nn.Module):
+    """E expert FFNs stacked in three (or two) tensors; ``forward_expert(e, x)`` runs one."""
+
+    def __init__(
+        self,
+        n_experts: int,
+        hidden: int,
+        ffn: int,
+        gated: bool,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.n_experts, self.hidden, self.ffn, self.gated = n_experts, hidden, ffn, gated
+        self.gate = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw)) if gated else None  # type: ignore[arg-type]
+        self.up = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw))  # type: ignore[arg-type]
+        self.down = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))  # type: ignore[arg-type]
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """As ``torch.nn.Linear`` would each expert's matrices: U(−1/√in, 1/√in)."""
+        for p in self.parameters():
+            bound = 1.0 / math.sqrt(p.shape[-1])
+            p.uniform_(-bound, bound)
+
+    def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s FFN of rows (n, hidden) → (n, hidden)."""
+        h = x @ self.up[e].t()  # (n, f)
+        a = F.silu(x @ self.gate[e].t()) * h if self.gate is not None else F.gelu(h)
+        return a @ self.down[e].t()  # (n, hidden)
+
+
+class DenseMoE(nn.Module):
+    """The reference MoE layer: (…, hidden) → (…, hidden), routing each token to its top-k experts."""
+
+    def __init__(self, cfg: ModelConfig, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        if not cfg.moe:
+            raise ValueError("DenseMoE needs a config with n_experts > 0 (ModelConfig(n_experts=8, ...))")
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False, device=device, dtype=dtype)
+        self.experts = DenseExperts(cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated, device, dtype)
+        shared = cfg.shared_experts * cfg.expert_width
+        self.shared = DenseMLP(cfg.hidden, shared, cfg.gated, False, device, dtype) if shared else None
+        #: the last forward's weighted balance loss + z-loss (0-dim fp32), None before one
+        self.aux_loss: torch.Tensor | None = None
+        #: the last forward's assignments per expert (E,)
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        x2 = x.reshape(-1, x.shape[-1])  # (T, hidden)
+        logits = x2.float() @ self.router.weight.float().t()  # (T, E), fp32
+        s = moe_router.scores(logits, cfg.router_scoring)
+        experts = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
+        g = moe_router.gates(s, experts)  # (T, k)
+        counts = moe_router.expert_counts(experts, cfg.n_experts)
+        self.tokens_per_expert = counts
+        self.aux_loss = self._aux(logits, s, counts, x2.shape[0])
+        out = torch.zeros_like(x2)  # (T, hidden)
+        for e in range(cfg.n_experts):
+            token, slot = torch.nonzero(experts == e, as_tuple=True)  # the assignments to e
+            if token.numel():
+                y = self.experts.forward_expert(e, x2[token]) * g[token, slot, None].to(x2.dtype)
+                out = out.index_add(0, token, y)
+        out = out.view(x.shape)
+        return out + self.shared(x) if self.shared is not None else out
+
+    def _aux(self, logits: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The weighted balance loss and z-loss of this forward's tokens (E19, E20)."""
+        cfg = self.cfg
+        aux = logits.new_zeros(())
+        if cfg.moe_aux_coef:
+            k = cfg.experts_per_token
+            aux = aux + cfg.moe_aux_coef * moe_router.balance_loss(s, counts, tokens * k, tokens, cfg.router_scoring)
+        if cfg.moe_z_coef:
+            aux = aux + cfg.moe_z_coef * moe_router.z_loss(logits)
+        return aux
