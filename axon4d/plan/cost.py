@@ -5,7 +5,9 @@ its GEMMs, its collectives E8–E13 and the non-GEMM work after it — by ``axon
 what overlap hides (§4) by ``axon4d.plan.overlap_credit``'s credit over the layers' windows (and the
 context-parallel key/value collectives behind attention, ``layers.context_hidden``); what
 recomputation runs again (§5) by ``axon4d.plan.recompute``; the collectives outside the layers
-(replicated parameters' gradients) and the optimizer step here.
+(replicated parameters' gradients) and the optimizer step here. An MoE block's layer — its
+compute and its collectives E14–E18, never hidden (the forward's dispatch chunks overlap the
+expert GEMMs in the runtime; no credit is taken for it) — is ``axon4d.plan.moe_cost``'s.
 
 Interference: where the machine measured it (``Machine.interference_time``; a host whose ranks
 share CPU cores), every collective also costs the compute its ring traffic's bytes take, hidden
@@ -33,6 +35,7 @@ from typing import Any
 
 from axon4d.geometry import Collective, Op, Term, data_part_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan.moe_cost import MoESeconds, layer_seconds
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
     EMBEDDING_TERMS,
@@ -177,7 +180,15 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
 #: the gradient reductions accumulation issues once per step however many micro-batches it runs
 #: (``axon4d.overlap.accumulating``: E12, E13 and the replicated parameters' gradients, docs/design.md §4)
 ONCE_PER_STEP = frozenset(
-    {Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD}
+    {
+        Term.E12,
+        Term.E13,
+        Term.EMBEDDING_GRAD,
+        Term.POSITION_GRAD,
+        Term.NORM_GRAD,
+        Term.REPLICATED_GRAD,
+        Term.MOE_ROUTER_WEIGHT_GRAD,
+    }
 )
 #: the overlap mechanism that hides the once-per-step reductions, and the one that hides ZeRO's all-gather
 ONCE_MECHANISMS = ("odp", "zero")
@@ -206,6 +217,14 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
             totals.add_collective(c, seconds, traffic, n)
             if c.term in ONCE_PER_STEP:
                 once.add_collective(c, seconds, traffic, n)
+    if sc.model.moe:  # every block's MoE layer: its compute and its collectives (never hidden)
+        n = sc.model.n_layers
+        moe = moe_seconds(sc)
+        totals.compute += n * (moe.fwd + moe.bwd)
+        totals.matmul += n * moe.matmul
+        for c, count in Counter(sc.moe_collectives).items():
+            seconds, traffic = priced(c, sc)
+            totals.add_collective(c, seconds, traffic, n * count)
     once.interference = m.interference_time(once.traffic, world)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
@@ -252,6 +271,12 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         ),
         once,
     )
+
+
+def moe_seconds(sc: Scenario) -> MoESeconds:
+    """One MoE layer's compute on one rank of ``sc`` (``moe_cost.layer_seconds``)."""
+    wl = sc.workload
+    return layer_seconds(sc.model, sc.tokens, sc.shape, sc.machine, wl.dtype, sc.element_size, wl.imbalance)
 
 
 def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
