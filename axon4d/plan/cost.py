@@ -29,13 +29,11 @@ measured steps; 1, 1, 1, 0 for a machine without step calibration):
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import Any
 
 from axon4d.geometry import Collective, Op, Term, data_part_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.plan.moe_cost import MoESeconds, layer_seconds
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
     EMBEDDING_TERMS,
@@ -48,7 +46,8 @@ from axon4d.plan.layers import (
     priced,
 )
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
+from axon4d.plan.memory import local_param_tensors, optimizer_elements, sixteen_bit_weights
+from axon4d.plan.moe_cost import MoESeconds, layer_seconds
 from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
@@ -322,8 +321,8 @@ def _accumulated(first: tuple[TimeEstimate, _Totals], later: tuple[TimeEstimate,
 
 def _owned(sc: Scenario) -> float:
     """Parameter elements whose optimizer step runs on this rank: all of its own, or with ZeRO
-    ⌈N/G_data⌉ of them."""
-    return math.ceil(sc.params / sc.shape.data) if sc.zero else sc.params
+    ⌈N/G_data⌉ of them, an MoE model's experts whole (``memory.optimizer_elements``)."""
+    return optimizer_elements(sc.workload, sc.shape, sc.zero)
 
 
 def zero_gathers(sc: Scenario) -> list[Collective]:
@@ -356,7 +355,7 @@ def _stored(sc: Scenario) -> list[tuple[list[int], int]]:
     weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``: mixed precision, G_data > 1) in
     the compute dtype, the others as the parameters are (fp32 master weights)."""
     wl, shape, precision = sc.workload, sc.shape, sc.precision
-    tensors = local_param_tensors(wl, shape)
+    tensors = local_param_tensors(wl, shape, experts=False)  # ZeRO never gathers an expert weight
     sixteen = sixteen_bit_weights(wl, shape, sc.zero)
 
     def size(linear_weight: bool) -> int:

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from axon4d.config import ModelConfig
 from axon4d.geometry import Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan.collective_model import ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.workload import LinearSpec, Workload
+from axon4d.plan.workload import LinearSpec, Workload, mlp_width
 from axon4d.shape import GridShape
 
 #: Collectives that move activations on the critical path (each waited on at once: E8's chunks aside,
@@ -333,12 +332,6 @@ def norm_passes(wl: Workload, shape: GridShape, recompute: str = "none") -> tupl
     return (5, 8)
 
 
-def mlp_width(model: ModelConfig) -> int:
-    """Inner width of a block's MLP of Linear layers: the dense MLP's, or an MoE block's shared
-    experts' (shared_experts·expert_ffn; 0 without them)."""
-    return model.shared_experts * model.expert_width if model.moe else model.ffn
-
-
 def block_extras(sc: Scenario) -> dict[str, tuple[float, float]]:
     """Non-GEMM (forward, backward) seconds following each layer kind in forward order, priced
     without recomputation (what a mode runs again is ``axon4d.plan.recompute``'s)."""
@@ -362,8 +355,9 @@ def block_extras(sc: Scenario) -> dict[str, tuple[float, float]]:
         for k in ("attn_out", "mlp_down"):
             out[k] = (out[k][0] + norm[0], out[k][1] + norm[1])
     if "mlp_down" not in {s.name for s in sc.linears}:  # an MoE block without shared experts: no MLP
-        fwd, bwd = out.pop("mlp_down"), out.pop("mlp_up")
-        out["attn_out"] = (out["attn_out"][0] + fwd[0], out["attn_out"][1] + fwd[1])
+        after = out.pop("mlp_down")  # the residual add and the norm: after attention's output instead
+        out.pop("mlp_up")
+        out["attn_out"] = (out["attn_out"][0] + after[0], out["attn_out"][1] + after[1])
     if wl.head:
         vocab_y = mod.vocab_size // shape.y
         out["head"] = (ew(3 * b * vocab_y * 4, world), ew(3 * b * vocab_y * 4, world))  # loss on fp32 logits

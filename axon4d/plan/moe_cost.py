@@ -87,7 +87,10 @@ def moe_rules(model: ModelConfig) -> list[rules.Rule]:
     data·z, the expert width (and the shared experts' MLP width) over y, hidden over x."""
     out = [
         rules.divisible(
-            model.n_experts, "n_experts", ("data", "z"), "experts are split over the expert-parallel axis batch = data × z"
+            model.n_experts,
+            "n_experts",
+            ("data", "z"),
+            "experts are split over the expert-parallel axis batch = data × z",
         ),
         rules.divisible(model.expert_width, "expert_ffn", ("y",), "each expert's FFN splits its inner features over y"),
         rules.divisible(model.hidden, "hidden", ("x",), "the router and the experts split hidden features over x"),

@@ -125,9 +125,14 @@ def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
         calls += n
         by_axis[c.axis] = by_axis.get(c.axis, 0.0) + n * seconds
         sent[c.axis] = sent.get(c.axis, 0) + n * c.payload_bytes
-    moe = sc.model.n_layers * layer_seconds(
-        sc.model, sc.tokens, sc.shape, sc.machine, sc.workload.dtype, sc.element_size, sc.workload.imbalance
-    ).fwd if sc.model.moe else 0.0
+    moe = (
+        sc.model.n_layers
+        * layer_seconds(
+            sc.model, sc.tokens, sc.shape, sc.machine, sc.workload.dtype, sc.element_size, sc.workload.imbalance
+        ).fwd
+        if sc.model.moe
+        else 0.0
+    )
     return Rerun(
         compute_s=sum(lc.spec.count * lc.fwd_s for lc in block) + moe,
         comm_s=comm,

@@ -57,6 +57,12 @@ def dtype_name(dtype: object) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
+def mlp_width(model: ModelConfig) -> int:
+    """Inner width of a block's MLP of Linear layers: the dense MLP's, or an MoE block's shared
+    experts' (shared_experts·expert_ffn; 0 without them)."""
+    return model.shared_experts * model.expert_width if model.moe else model.ffn
+
+
 def block_shapes(m: ModelConfig) -> list[tuple[str, int, int, bool, bool]]:
     """(name, in, out, transpose, bias) of the 3D Linear layers of one block (``ModelConfig.
     linear_shapes``); in an MoE block the dense MLP gives way to the MoE layer (priced by
