@@ -220,3 +220,44 @@ def test_a_model_step_logs_the_planner_s_collectives(pools, grid, precision, arc
         if key[1] in ROUTED - {str(Term.MOE_ROWS_Y)}:  # what one rank receives another sent
             total = sum(logged[key][1] for logged in results)
             assert total == len(results) * priced[key][1], f"{key}: {total} B over the ranks"
+
+
+#: an MoE model of tests/test_recompute.py's memory model's size (MEM_CFG's Llama, its MLP now 8
+#: experts of 128, top-2, and one shared expert)
+MEM_MOE = ModelConfig(
+    n_layers=2,
+    hidden=128,
+    n_heads=8,
+    n_kv_heads=2,
+    vocab_size=256,
+    seq_len=128,
+    arch="llama",
+    n_experts=8,
+    experts_per_token=2,
+    expert_ffn=128,
+    shared_experts=1,
+)
+
+
+def _memory_case(grid, cfg, options):
+    from tests.test_plan_memory_options import _case
+
+    return _case(grid, cfg, options)
+
+
+@pytest.mark.parametrize(
+    "world,grid,options",
+    [
+        (2, (1, 1, 2, 1), {}),
+        (2, (2, 1, 1, 1), {"recompute": "full"}),
+        pytest.param(4, (2, 1, 1, 2), {"micro_batches": 2}, marks=pytest.mark.slow),
+        pytest.param(4, (1, 2, 1, 2), {"zero": 1}, marks=pytest.mark.slow),
+    ],
+)
+def test_an_moe_step_s_peak_memory_is_the_planner_s(pools, world, grid, options):
+    """Peak bytes per rank of an MoE model's step, measured with torch's memory tracker (max over
+    ranks; tests/test_plan_memory_options.py's measurement) against ``plan.memory``: within 5%."""
+    from tests.test_plan_memory_options import TOLERANCE, _check
+
+    result = pools(world).run(grid, _memory_case, MEM_MOE, options)[0]
+    _check(result, f"MoE on {grid} with {options}", TOLERANCE)

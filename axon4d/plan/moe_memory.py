@@ -79,15 +79,16 @@ def saved_bytes(model: ModelConfig, tokens: int, shape: GridShape, elem: int, mi
 
 
 def backward_transient(model: ModelConfig, tokens: int, shape: GridShape, elem: int, imbalance: float) -> float:
-    """Bytes live only during one MoE layer's backward at its peak, on one rank: the gathered
-    outputs' gradient (T·k·h), and inside the experts' backward the rows' gradient through down
-    (n·h), the activation's and up output's gradients with the copy the up all-reduce over x sums
-    (2·n·ups·f/G_y), SwiGLU's two products (2·n·f/G_y), in the compute dtype."""
+    """Bytes live only during one MoE layer's backward at its peak, on one rank, beside what it
+    saved (which its backward frees as it goes): the gathered outputs' gradient (T·k·h), the rows'
+    gradient through down (n·h), the up output's gradient (n·ups·f/G_y) and one activation-sized
+    gradient more (n·f/G_y), in the compute dtype — sized against torch's memory tracker on a
+    (1,1,2,1) grid (tests/test_plan_moe.py), where counting every gradient the experts' backward
+    makes (SwiGLU's two products and the all-reduce's copy too) priced the step's peak 7% high."""
     p = placement(model, shape)
     ups = 2 if model.gated else 1
     n = imbalance * tokens * model.experts_per_token
-    acts = n * p.ffn_y * (2 if model.gated else 1)
-    return elem * (tokens * model.experts_per_token * p.hidden_x + n * p.hidden_x + 2 * n * ups * p.ffn_y + acts)
+    return elem * (tokens * model.experts_per_token * p.hidden_x + n * p.hidden_x + n * (ups + 1) * p.ffn_y)
 
 
 def grad_elements(model: ModelConfig, shape: GridShape) -> int:
