@@ -261,3 +261,85 @@ def test_an_moe_step_s_peak_memory_is_the_planner_s(pools, world, grid, options)
 
     result = pools(world).run(grid, _memory_case, MEM_MOE, options)[0]
     _check(result, f"MoE on {grid} with {options}", TOLERANCE)
+
+
+def test_the_search_offers_only_grids_the_runtime_accepts():
+    """The planner's placement rules hold on exactly the grids the MoE layer accepts
+    (``axon4d.nn.moe.placement_rules``), and the search's valid grids keep to them."""
+    import numpy as np
+
+    from axon4d import rules
+    from axon4d.nn.moe import placement_rules
+    from axon4d.plan.moe_cost import moe_rules
+    from axon4d.plan.search import valid_mask
+    from axon4d.shape import factorizations
+
+    refused = accepted = 0
+    for cfg in (moe_cfg(), moe_cfg("gpt", shared=0, experts=12), moe_cfg(shared=3, experts=6)):
+        for world in (8, 12, 16):
+            shapes = factorizations(world)
+            planner = [all(r.holds(s) for r in moe_rules(cfg)) for s in shapes]
+            runtime = []
+            for s in shapes:
+                try:
+                    rules.check(s, placement_rules(cfg))
+                    runtime.append(True)
+                except ValueError:
+                    runtime.append(False)
+            assert planner == runtime, (cfg, world)
+            refused += runtime.count(False)
+            accepted += runtime.count(True)
+            wl = Workload(cfg, 48)
+            mask = valid_mask(wl, np.array([s.as_tuple() for s in shapes]))
+            assert not any(m and not ok for m, ok in zip(mask, runtime))
+    assert refused > 0 and accepted > 0  # the rules do refuse grids, and not all
+
+
+def test_the_size_table_s_moe_models_have_their_sources_sizes():
+    from axon4d.config import get_config
+    from axon4d.plan.moe_cost import param_counts
+
+    total, active = param_counts(get_config("mixtral-8x7b"))  # the Mixtral paper: 46.7B, 12.9B active
+    assert round(total / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
+    total, active = param_counts(get_config("deepseek-v3-scale"))  # 671B, 37B: MHA, all layers MoE (+5%)
+    assert 1.0 < total / 671e9 < 1.06 and 1.0 < active / 37e9 < 1.06
+    total, active = param_counts(get_config("moe-1t"))
+    assert 1.0e12 < total < 1.1e12 and active < 0.05 * total
+    assert get_config("tiny-moe").moe
+
+
+def test_mfu_counts_the_active_parameters():
+    """One more routed expert per token adds its 6·(3·hidden·f) FLOPs per token and layer; the
+    experts a token does not reach add none."""
+    cfg = moe_cfg(k=2)
+    two, three = Workload(cfg, 8), Workload(cfg.replace(experts_per_token=3), 8)
+    per_expert = 3 * cfg.hidden * cfg.expert_width
+    assert three.flops() - two.flops() == pytest.approx(two.tokens * 6 * cfg.n_layers * per_expert)
+    more = Workload(cfg.replace(n_experts=16), 8)  # more experts, the same active path but the router
+    assert more.flops() - two.flops() == pytest.approx(two.tokens * 6 * cfg.n_layers * 8 * cfg.hidden)
+
+
+def test_imbalance_prices_the_busiest_rank():
+    """ρ > 1: more time (the busiest rank's GEMMs and all-to-alls) and more memory (its rows)."""
+    from axon4d.plan.memory import memory
+
+    shape = GridShape(1, 2, 2, 2)
+    even, skewed = (Workload(moe_cfg(), 8, imbalance=rho) for rho in (1.0, 1.5))
+    t_even = step_estimate(Scenario(even, shape, load("h100")))
+    t_skew = step_estimate(Scenario(skewed, shape, load("h100")))
+    assert t_skew.step_s > t_even.step_s and t_skew.comm_by_axis["batch"] > t_even.comm_by_axis["batch"]
+    assert memory(skewed, shape).peak > memory(even, shape).peak
+    with pytest.raises(ValueError, match="imbalance"):
+        Workload(moe_cfg(), 8, imbalance=0.5)
+
+
+def test_the_plan_command_prices_the_1t_moe_on_1024_gpus_and_shows_its_placement(capsys):
+    from axon4d.cli import main
+
+    assert (
+        main(["plan", "--model", "moe-1t", "--gpus", "1024", "--machine", "h100", "--batch", "1024", "--top", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "39.2B active" in out
+    line = next(x for x in out.splitlines() if x.startswith("expert placement:"))
+    assert "384 experts over batch" in line and "per rank" in line

@@ -281,7 +281,7 @@ def active_matmul_params(model: ModelConfig) -> int:
     return model.n_experts * model.hidden + (model.experts_per_token + model.shared_experts) * per_expert
 
 
-def total_params_check(model: ModelConfig) -> tuple[int, int]:
+def param_counts(model: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters of ``model``: ``ModelConfig.n_params`` and the parameters one
     token uses — the total less the routed experts it does not reach."""
     per_expert = ((2 if model.gated else 1) + 1) * model.hidden * model.expert_width
