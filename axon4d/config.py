@@ -197,6 +197,62 @@ SIZES: dict[str, ModelConfig] = {
         shared_experts=1,
         name="tiny-moe",
     ),
+    # Mixture-of-Experts shapes (docs/planner.md, "Mixture of Experts"), each Llama-style (RMSNorm,
+    # SwiGLU experts, RoPE), sequence 4096 (the pre-training length of all three sources):
+    # Mixtral 8x7B — Jiang et al., "Mixtral of Experts" (arXiv:2401.04088) Table 1 and the Hugging Face
+    # config of mistralai/Mixtral-8x7B-v0.1: 32 layers, hidden 4096, 32 heads, 8 KV heads, 8 experts
+    # top-2, expert FFN 14336, vocabulary 32000. n_params() = 46.7B total, 12.9B active (the paper's).
+    "mixtral-8x7b": ModelConfig(
+        n_layers=32,
+        hidden=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        seq_len=4096,
+        arch="llama",
+        n_experts=8,
+        experts_per_token=2,
+        expert_ffn=14336,
+        name="mixtral-8x7b",
+    ),
+    # DeepSeek-V3 at its scale — DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437) §4.2:
+    # 61 layers, hidden 7168, 128 heads, 256 routed experts top-8 and 1 shared expert of FFN 2048,
+    # sigmoid routing, vocabulary 129280. Simplified: standard multi-head attention (head_dim 56)
+    # instead of MLA, every layer MoE (the report's first 3 are dense, FFN 18432), no multi-token
+    # prediction module: 705B total (the report's 671B: +5%) and 38.7B active (37B: +5%).
+    "deepseek-v3-scale": ModelConfig(
+        n_layers=61,
+        hidden=7168,
+        n_heads=128,
+        vocab_size=129280,
+        seq_len=4096,
+        arch="llama",
+        n_experts=256,
+        experts_per_token=8,
+        expert_ffn=2048,
+        shared_experts=1,
+        router_scoring="sigmoid",
+        name="deepseek-v3-scale",
+    ),
+    # A 1T-parameter MoE — the shape of Kimi K2 (Moonshot AI's Kimi K2 technical report, 2025, and the
+    # config of moonshotai/Kimi-K2-Base: 1.04T total, 32B active): DeepSeek-V3's width and depth with 384 routed
+    # experts top-8, 1 shared, FFN 2048, 64 heads, vocabulary 163840; standard attention instead of
+    # MLA (head_dim 112), every layer MoE: 1.05T total, 39B active. 384 = 2^7·3 experts split over up
+    # to 128 expert-parallel ranks, so 1024 GPUs split each expert over x·y ≥ 8.
+    "moe-1t": ModelConfig(
+        n_layers=61,
+        hidden=7168,
+        n_heads=64,
+        vocab_size=163840,
+        seq_len=4096,
+        arch="llama",
+        n_experts=384,
+        experts_per_token=8,
+        expert_ffn=2048,
+        shared_experts=1,
+        router_scoring="sigmoid",
+        name="moe-1t",
+    ),
 }
 
 

@@ -81,6 +81,13 @@ class Term(str, enum.Enum):
     MOE_ROWS_Y_GRAD = "moe.rows_y.grad"  # ... and the all-reduce over y of their partial gradients
     MOE_EXPERT = "moe.expert"  # all-reduce of an expert GEMM's partial sums (over x after up, y after down)
     MOE_ROUTER_WEIGHT_GRAD = "moe.router_weight.grad"  # the router weight's gradient all-reduce over batch
+    # the tags the runtime logs for the rest of an MoE layer's collectives (named here so the planner
+    # prices them under the same name): the all-to-alls' reverse exchanges in backward, and the
+    # experts' up projection's all-reduce over x (``nn.functional.sum_partials``'s own tags)
+    MOE_DISPATCH_GRAD = "moe.dispatch.grad"  # the dispatch's gradient: rows back to the tokens' ranks
+    MOE_COMBINE_GRAD = "moe.combine.grad"  # the combine's gradient: output gradients to the experts' ranks
+    MOE_EXPERT_UP = "sum_partials.x"  # all-reduce over x of the experts' up outputs (E18)
+    MOE_EXPERT_UP_GRAD = "sum_partials.bwd.x"  # ... and of their gradients in backward
     DENSE = "dense"  # materialising a module's full parameters (``to_dense``)
 
     def __str__(self) -> str:

@@ -214,12 +214,15 @@ def test_grouped_gemm_equals_a_loop_over_groups_with_empty_groups(dtype):
     )
 
 
-def test_the_planner_refuses_moe_models_it_cannot_price():
+def test_the_planner_prices_moe_models_but_not_with_context_parallelism():
+    """The planner prices MoE layers (tests/test_plan_moe.py checks what); context parallelism with
+    them it refuses, naming what to do."""
     from axon4d.config import get_config
     from axon4d.plan.workload import Workload
 
-    with pytest.raises(ValueError, match="does not price Mixture-of-Experts layers yet"):
-        Workload(get_config("tiny-moe"), batch=8)
+    assert Workload(get_config("tiny-moe"), batch=8).flops() > 0
+    with pytest.raises(ValueError, match="context_parallel=False"):
+        Workload(get_config("tiny-moe"), batch=8, context_parallel=True)
 
 
 def test_moe_layer_in_mixed_precision_routes_in_fp32_and_follows_the_fp32_layer(pools):

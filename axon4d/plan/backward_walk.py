@@ -18,6 +18,7 @@ import itertools
 
 from axon4d.geometry import weight_shard_numel
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan import moe_memory
 from axon4d.plan.saved import (
     NORM_BACKWARD_TEMPORARIES,
     block_activation_elements,
@@ -113,6 +114,11 @@ class BackwardWalk:
         self.saved = {k: v * (4 if k == "lse" else self.elem) for k, v in saved.items()}  # what a block keeps
         self.rebuilt = block_activation_elements(wl, shape, "none")  # (16-bit, fp32) a rebuilt block keeps
         self.live = self.peak = acts
+        m = wl.model
+        tokens = wl.local_tokens(shape)
+        # an MoE block: its MoE layer's backward peak and the gradients it leaves (plan.moe_memory)
+        self.moe_peak = moe_memory.backward_transient(m, tokens, shape, self.elem, wl.imbalance) if m.moe else 0.0
+        self.moe_grads = moe_memory.grad_elements(m, shape) * self.grad_bytes if m.moe else 0.0
         z = shape.z
         # a layer's forward block kept for its backward: every block gathered over z under keep-for-backward,
         # and on one rank under mixed precision the weight's cast copy (axon4d.nn.local_linear)
@@ -266,6 +272,13 @@ class BackwardWalk:
         if self.recompute == "full":
             self.rebuild()
         self.note()
+        if self.wl.model.moe:  # the MoE layer's backward, then its shared experts' MLP (if any)
+            self.note(self.moe_peak)
+            self.live += min(self.grad_share, 1.0) * self.moe_grads - s["moe"]
+            if "mlp_down" not in self.specs:
+                self.free(s["norm2"])
+                self.attention_and_qkv(first)
+                return
         # dX (b, F/G_y), then the activation's backward, then MLP up; under balanced recomputation
         # each GEMM's backward first re-makes the input it did not keep (the activation, the norm output)
         self.layer("mlp_down", t["act"], first, remade=t["act"] if balanced else 0.0)
@@ -278,6 +291,11 @@ class BackwardWalk:
         self.layer("mlp_up", t["x1"], first, remade=t["x1"] if balanced else 0.0)
         # frees dX of MLP down, the up output, what the activation and the norm kept
         self.done("mlp_up", freed=t["act"] + s["mid"] + s["up"] + s["norm2"])
+        self.attention_and_qkv(first)
+
+    def attention_and_qkv(self, first: bool) -> None:
+        """A block's backward from the attention output projection down to QKV."""
+        t, s, balanced = self.t, self.saved, self.recompute == "balanced"
         self.layer("attn_out", t["att"], first)  # then attention: dq, dk, dv and their assembled qkv gradient
         self.done("attn_out")
         self.note(t["att"] + 2 * t["qkv"])

@@ -11,7 +11,7 @@ bytes of several. Bucketed, as the runtime does:
   from the last;
 - E13, the biases' all-reduce over batch, under ODP;
 - the replicated parameters' gradients over batch (norm weights and biases, the position and
-  token embeddings: ``Term.NORM_GRAD`` and its kin), always.
+  token embeddings, MoE routers' weights: ``Term.NORM_GRAD`` and its kin), always.
 
 The layers' E12 and E13 stay priced per layer kind, so that the overlap schedule can hide them
 under the backward of later layers (``overlap_credit``): each is scaled by its term's ratio of
@@ -31,7 +31,9 @@ from axon4d.plan.workload import LinearSpec
 #: the layers' reductions that are bucketed, each with the policy switches under which it is
 LAYER_TERMS = {Term.E12: ("ors", "odp"), Term.E13: ("odp",)}
 #: the replicated parameters' gradient reductions over batch: always bucketed, one bucket per kind
-REPLICATED_TERMS = frozenset({Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD})
+REPLICATED_TERMS = frozenset(
+    {Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD, Term.MOE_ROUTER_WEIGHT_GRAD}
+)
 
 
 def limit(sc: Scenario) -> int:

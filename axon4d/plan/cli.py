@@ -25,6 +25,7 @@ from axon4d import rules
 from axon4d.config import SIZES, get_config
 from axon4d.plan import correction, stepfit
 from axon4d.plan.machine import available
+from axon4d.plan.moe_cost import param_counts, placement
 from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import DEFAULT_PRECISION, OPTIMIZERS, Workload
@@ -59,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch", type=int, required=True, help="global batch in sequences per step")
     p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
+    p.add_argument(
+        "--imbalance",
+        type=float,
+        default=1.0,
+        help="MoE models: the busiest rank's expert rows over the mean (1: uniform routing, the default; "
+        "axon4d.plan.moe_cost)",
+    )
     p.add_argument(
         "--dtype",
         default="",
@@ -144,7 +152,9 @@ def main(args: argparse.Namespace) -> int:
             "e.g. --memory-gib 80, or leave it out for the machine's own"
         )
     cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len is not None else {}))
-    wl = Workload(cfg, args.batch, args.dtype, optimizer=args.optimizer, precision=args.precision)
+    wl = Workload(
+        cfg, args.batch, args.dtype, optimizer=args.optimizer, precision=args.precision, imbalance=args.imbalance
+    )
     machine: Any = args.machine
     if args.correction:
         machine = correction.apply(load_machine(args.machine), correction.load(args.correction))
@@ -173,8 +183,10 @@ def main(args: argparse.Namespace) -> int:
         print()
         return 0
     wl = result.workload
+    total, active = param_counts(cfg)
+    size = f"{total / 1e9:.1f}B parameters" + (f", {active / 1e9:.1f}B active" if cfg.moe else "")
     print(
-        f"{cfg.name or 'model'} ({cfg.n_params() / 1e9:.1f}B parameters), batch {wl.batch} × {cfg.seq_len} tokens, "
+        f"{cfg.name or 'model'} ({size}), batch {wl.batch} × {cfg.seq_len} tokens, "
         f"precision {wl.preset}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
         f"overlap {result.overlap.spec()}; {searched_options(result)}"
     )
@@ -196,7 +208,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"no plan fits: {result.no_fit_advice()}")
         return 1
     best = fitting[0]
-    print(f"best: {best.shape.as_tuple()} with {best.options_spec()}\n")
+    print(f"best: {best.shape.as_tuple()} with {best.options_spec()}")
+    if cfg.moe:
+        routing = "uniform routing" if wl.imbalance == 1 else f"the busiest rank at {wl.imbalance:g}× the mean"
+        print(f"expert placement: {placement(cfg, best.shape).describe()} ({routing}; MFU counts active parameters)")
+    print()
     print(result.table(min(args.top, len(fitting))))
     print(
         "\ncolumns: mem = peak device memory per rank; pin = host memory the node's ranks pin (offload, async "

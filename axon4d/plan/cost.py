@@ -5,7 +5,9 @@ its GEMMs, its collectives E8–E13 and the non-GEMM work after it — by ``axon
 what overlap hides (§4) by ``axon4d.plan.overlap_credit``'s credit over the layers' windows (and the
 context-parallel key/value collectives behind attention, ``layers.context_hidden``); what
 recomputation runs again (§5) by ``axon4d.plan.recompute``; the collectives outside the layers
-(replicated parameters' gradients) and the optimizer step here.
+(replicated parameters' gradients) and the optimizer step here. An MoE block's layer — its
+compute and its collectives E14–E18, never hidden (the forward's dispatch chunks overlap the
+expert GEMMs in the runtime; no credit is taken for it) — is ``axon4d.plan.moe_cost``'s.
 
 Interference: where the machine measured it (``Machine.interference_time``; a host whose ranks
 share CPU cores), every collective also costs the compute its ring traffic's bytes take, hidden
@@ -27,7 +29,6 @@ measured steps; 1, 1, 1, 0 for a machine without step calibration):
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import Counter
 from typing import Any
 
@@ -47,7 +48,8 @@ from axon4d.plan.layers import (
     priced,
 )
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
+from axon4d.plan.memory import local_param_tensors, optimizer_elements, sixteen_bit_weights
+from axon4d.plan.moe_cost import MoESeconds, layer_seconds
 from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
@@ -179,7 +181,15 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
 #: the gradient reductions accumulation issues once per step however many micro-batches it runs
 #: (``axon4d.overlap.accumulating``: E12, E13 and the replicated parameters' gradients, docs/design.md §4)
 ONCE_PER_STEP = frozenset(
-    {Term.E12, Term.E13, Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD}
+    {
+        Term.E12,
+        Term.E13,
+        Term.EMBEDDING_GRAD,
+        Term.POSITION_GRAD,
+        Term.NORM_GRAD,
+        Term.REPLICATED_GRAD,
+        Term.MOE_ROUTER_WEIGHT_GRAD,
+    }
 )
 #: the overlap mechanism that hides the once-per-step reductions, and the one that hides ZeRO's all-gather
 ONCE_MECHANISMS = ("odp", "zero")
@@ -209,6 +219,14 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
             totals.add_collective(c, seconds, traffic, n)
             if c.term in ONCE_PER_STEP:
                 once.add_collective(c, seconds, traffic, n)
+    if sc.model.moe:  # every block's MoE layer: its compute and its collectives (never hidden)
+        n = sc.model.n_layers
+        moe = moe_seconds(sc)
+        totals.compute += n * (moe.fwd + moe.bwd)
+        totals.matmul += n * moe.matmul
+        for c, count in Counter(sc.moe_collectives).items():
+            seconds, traffic = priced(c, sc)
+            totals.add_collective(c, seconds, traffic, n * count)
     once.interference = m.interference_time(once.traffic, world)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
@@ -257,6 +275,12 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     )
 
 
+def moe_seconds(sc: Scenario) -> MoESeconds:
+    """One MoE layer's compute on one rank of ``sc`` (``moe_cost.layer_seconds``)."""
+    wl = sc.workload
+    return layer_seconds(sc.model, sc.tokens, sc.shape, sc.machine, wl.dtype, sc.element_size, wl.imbalance)
+
+
 def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """Per-axis sums of ``a`` and ``b``."""
     return {axis: a.get(axis, 0) + b.get(axis, 0) for axis in a.keys() | b.keys()}
@@ -300,8 +324,8 @@ def _accumulated(first: tuple[TimeEstimate, _Totals], later: tuple[TimeEstimate,
 
 def _owned(sc: Scenario) -> float:
     """Parameter elements whose optimizer step runs on this rank: all of its own, or with ZeRO
-    ⌈N/G_data⌉ of them."""
-    return math.ceil(sc.params / sc.shape.data) if sc.zero else sc.params
+    ⌈N/G_data⌉ of them, an MoE model's experts whole (``memory.optimizer_elements``)."""
+    return optimizer_elements(sc.workload, sc.shape, sc.zero)
 
 
 def zero_gathers(sc: Scenario) -> list[Collective]:
@@ -334,7 +358,7 @@ def _stored(sc: Scenario) -> list[tuple[list[int], int]]:
     weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``: mixed precision, G_data > 1) in
     the compute dtype, the others as the parameters are (fp32 master weights)."""
     wl, shape, precision = sc.workload, sc.shape, sc.precision
-    tensors = local_param_tensors(wl, shape)
+    tensors = local_param_tensors(wl, shape, experts=False)  # ZeRO never gathers an expert weight
     sixteen = sixteen_bit_weights(wl, shape, sc.zero)
 
     def size(linear_weight: bool) -> int:

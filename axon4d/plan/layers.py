@@ -16,17 +16,32 @@ from __future__ import annotations
 
 import dataclasses
 
-from axon4d.geometry import Collective, Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.geometry import Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan.collective_model import ring_traffic
+from axon4d.plan.moe_cost import all_to_all_seconds
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.workload import LinearSpec, Workload
+from axon4d.plan.workload import LinearSpec, Workload, mlp_width
 from axon4d.shape import GridShape
 
 #: Collectives that move activations on the critical path (each waited on at once: E8's chunks aside,
 #: nothing hides them but what ``overlap_credit`` credits); every other one moves weights or gradients.
 ACTIVATION_TERMS = frozenset(
     {Term.E8, Term.E9, Term.EMBEDDING, Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET}
+    | {
+        Term.MOE_ROUTER,
+        Term.MOE_ROUTER_GRAD,
+        Term.MOE_COUNTS,
+        Term.MOE_DISPATCH,
+        Term.MOE_DISPATCH_GRAD,
+        Term.MOE_COMBINE,
+        Term.MOE_COMBINE_GRAD,
+        Term.MOE_ROWS_Y,
+        Term.MOE_ROWS_Y_GRAD,
+        Term.MOE_EXPERT,
+        Term.MOE_EXPERT_UP,
+        Term.MOE_EXPERT_UP_GRAD,
+    }
 )
 #: The embedding layer's own collectives (priced with its layer; the other edge collectives apart).
 EMBEDDING_TERMS = frozenset({Term.EMBEDDING, Term.EMBEDDING_GRAD})
@@ -42,6 +57,9 @@ def axis_group_and_stride(shape: GridShape, axis: str) -> tuple[int, int]:
 def priced(c: Collective, sc: Scenario) -> tuple[float, float]:
     """(seconds, ring traffic bytes) of one collective (§3's time model on its axis, E1)."""
     group, stride = axis_group_and_stride(sc.shape, c.axis)
+    if c.op == Op.ALL_TO_ALL:  # an MoE layer's dispatch or combine (E16)
+        seconds = all_to_all_seconds(sc.machine, sc.shape, c, sc.workload.imbalance)
+        return seconds, ring_traffic(c.op.value, group, c.payload_bytes)
     return (
         sc.machine.comm_time(c.op.value, group, stride, c.payload_bytes, sc.world),
         ring_traffic(c.op.value, group, c.payload_bytes),
@@ -329,7 +347,7 @@ def block_extras(sc: Scenario) -> dict[str, tuple[float, float]]:
     world, elem, b = sc.world, sc.element_size, sc.tokens
     ew = m.elementwise_time
     h_x = mod.hidden // shape.x
-    ffn_y = mod.ffn // shape.y
+    ffn_y = mlp_width(mod) // shape.y
     out: dict[str, tuple[float, float]] = {}
     if wl.attention:
         att = sum(attention_seconds(sc))
@@ -344,6 +362,10 @@ def block_extras(sc: Scenario) -> dict[str, tuple[float, float]]:
         norm = (ew(fwd * b * h_x * elem, world), ew(bwd * b * h_x * elem, world))
         for k in ("attn_out", "mlp_down"):
             out[k] = (out[k][0] + norm[0], out[k][1] + norm[1])
+    if "mlp_down" not in {s.name for s in sc.linears}:  # an MoE block without shared experts: no MLP
+        after = out.pop("mlp_down")  # the residual add and the norm: after attention's output instead
+        out.pop("mlp_up")
+        out["attn_out"] = (out["attn_out"][0] + after[0], out["attn_out"][1] + after[1])
     if wl.head:
         vocab_y = mod.vocab_size // shape.y
         out["head"] = (ew(3 * b * vocab_y * 4, world), ew(3 * b * vocab_y * 4, world))  # loss on fp32 logits

@@ -23,6 +23,7 @@ import torch
 from axon4d.device import DTYPES
 from axon4d.geometry import Term, weight_shard_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan import moe_memory
 from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk
 from axon4d.plan.saved import block_bytes, final_norm_saved
 from axon4d.plan.workload import OPTIMIZERS, Workload
@@ -56,10 +57,10 @@ def local_param_count(wl: Workload, shape: GridShape) -> int:
     return sum(local_param_tensors(wl, shape))
 
 
-def local_param_tensors(wl: Workload, shape: GridShape) -> list[int]:
+def local_param_tensors(wl: Workload, shape: GridShape, experts: bool = True) -> list[int]:
     """Elements of each parameter tensor one rank holds: per linear layer its weight shard and bias
     slice, the token table (vocab/G_y, hidden/G_x), each norm's weight (and bias) over x, the
-    position table."""
+    position table; an MoE layer's router weight and (``experts``) this rank's experts' weights."""
     m = wl.model
     out: list[int] = []
     for s in wl.linears():
@@ -72,7 +73,22 @@ def local_param_tensors(wl: Workload, shape: GridShape) -> list[int]:
         out += [m.hidden // shape.x] * ((2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1))
     if wl.embedding and m.arch == "gpt":
         out.append(m.seq_len * m.hidden // shape.x)
+    if experts:  # MoE: each layer's router weight and this rank's experts (plan.moe_memory)
+        out += moe_memory.param_tensors(m, shape)
+    elif m.moe:  # the router weights alone
+        out += [moe_memory.layer_tensors(m, shape)[0]] * m.n_layers
     return out
+
+
+def optimizer_elements(wl: Workload, shape: GridShape, zero: int) -> int:
+    """Parameter elements whose optimizer state lives on this rank: all of its own, or with ZeRO
+    ⌈N/G_data⌉ of them — but the MoE experts' weights, which ZeRO leaves whole on the one rank that
+    holds them (a data rank's part of an expert weight is all of it, docs/moe.md)."""
+    n = local_param_count(wl, shape)
+    if not zero:
+        return n
+    experts = moe_memory.expert_elements(wl.model, shape)
+    return math.ceil((n - experts) / shape.data) + experts
 
 
 @dataclasses.dataclass
@@ -134,7 +150,7 @@ def memory(
     if micro_batches > 1:
         wl = dataclasses.replace(wl, batch=wl.batch // micro_batches)
     n_params = local_param_count(wl, shape)
-    owned = math.ceil(n_params / shape.data) if zero else n_params  # elements whose optimizer state is here
+    owned = optimizer_elements(wl, shape, zero)  # elements whose optimizer state is here
     # training in 16 bits, the parameters are the fp32 master weights (axon4d.precision: the layers
     # cast them for the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them,
     # but those of the Linear weights it stores in 16 bits (G_data > 1), which are fp32 parts

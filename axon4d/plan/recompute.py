@@ -11,7 +11,8 @@ priced here and only here (``rerun``); ``axon4d.plan.cost`` adds it to the step 
   in passes is ``layers.norm_passes``'.
 - ``full``: every block's whole forward runs again in backward — the compute of its layers'
   forwards and every collective of the block's forward issued again (``rerun_collectives``: the
-  layers' E8 and E10f, the norms' sums over x, context parallelism's key/value all-gather):
+  layers' E8 and E10f, the norms' sums over x, context parallelism's key/value all-gather, an MoE
+  layer's forward collectives but its counts exchange, whose routing the re-run reuses):
   counted, with their bytes per axis, ring traffic and the interference it costs.
 
 What each mode keeps for backward is the memory model's (``axon4d.plan.saved.block_saved``).
@@ -33,6 +34,7 @@ from axon4d.plan.layers import (
     norm_passes,
     priced,
 )
+from axon4d.plan.moe_cost import layer_seconds
 from axon4d.plan.scenario import Scenario
 
 
@@ -102,7 +104,9 @@ def rerun_collectives(sc: Scenario) -> list[tuple[Collective, int]]:
             if c.phase == "forward":
                 prefetched = c.term == Term.E10F and i >= len(block) - early
                 out.append((dataclasses.replace(c, term=Term.E10B) if prefetched else c, spec.count))
-    return out + [(c, 1) for c in sc.workload.block_forward_collectives(sc.shape)]
+    # an MoE layer's re-run reuses its first run's routing and dispatch plan: no counts exchange again
+    moe = [(c, sc.model.n_layers) for c in sc.moe_collectives if c.phase == "forward" and c.term != Term.MOE_COUNTS]
+    return out + moe + [(c, 1) for c in sc.workload.block_forward_collectives(sc.shape)]
 
 
 def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
@@ -121,8 +125,16 @@ def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
         calls += n
         by_axis[c.axis] = by_axis.get(c.axis, 0.0) + n * seconds
         sent[c.axis] = sent.get(c.axis, 0) + n * c.payload_bytes
+    moe = (
+        sc.model.n_layers
+        * layer_seconds(
+            sc.model, sc.tokens, sc.shape, sc.machine, sc.workload.dtype, sc.element_size, sc.workload.imbalance
+        ).fwd
+        if sc.model.moe
+        else 0.0
+    )
     return Rerun(
-        compute_s=sum(lc.spec.count * lc.fwd_s for lc in block),
+        compute_s=sum(lc.spec.count * lc.fwd_s for lc in block) + moe,
         comm_s=comm,
         activation_comm_s=activation,
         collectives=calls,

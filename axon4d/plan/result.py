@@ -10,6 +10,7 @@ from typing import Any
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, device_need
 from axon4d.plan.machine import Machine
+from axon4d.plan.moe_cost import placement
 from axon4d.plan.options import Choices
 from axon4d.plan.workload import Workload
 from axon4d.shape import ALL_AXES
@@ -98,8 +99,15 @@ class PlanResult:
             "options_searched": self.choices.spec() if self.choices is not None else None,
             "invalid": self.invalid,
             "step_scale_caveat": self.caveat,
-            "candidates": [c.to_json() for c in self.candidates[:top]],
+            "candidates": [{**c.to_json(), **self._placement(c)} for c in self.candidates[:top]],
         }
+
+    def _placement(self, c: Candidate) -> dict[str, Any]:
+        """An MoE model's expert placement on ``c``'s grid and the routing assumed (none for a dense model)."""
+        wl = self.workload
+        if not wl.model.moe:
+            return {}
+        return {"expert_placement": placement(wl.model, c.shape).to_json(), "imbalance": wl.imbalance}
 
     def table(self, top: int = 10) -> str:
         """The top-k candidates as a text table, with the step options each was priced with."""

@@ -8,7 +8,8 @@ torch's LayerNorm kernel, G_x = 1), three for ``F.rms_norm``'s elementwise chain
 G_x = 1: x̂ too); attention keeps the
 QKV output (as q, k, v), the rotated q and k (Llama), its output (b·H/G_y, which the output
 projection keeps too) and the log-sum-exp (b·heads/G_y fp32); the MLP keeps the up output and the
-activation output (SwiGLU: silu(gate) and the product). With context parallelism attention also
+activation output (SwiGLU: silu(gate) and the product); an MoE block's MLP is its shared experts'
+(none without them) and its MoE layer keeps ``axon4d.plan.moe_memory.saved`` ("moe"). With context parallelism attention also
 keeps the keys and values of its kv heads gathered over z for the whole sequences (b·G_z tokens;
 docs/context.md); the rest is the same per token, and a rank holds b = B·S/(G_data·G_z) tokens
 either way, so splitting a sequence over z lowers memory per rank like splitting the batch.
@@ -22,7 +23,8 @@ on the logits instead of the cross-entropy.
 
 from __future__ import annotations
 
-from axon4d.plan.workload import Workload
+from axon4d.plan.moe_memory import saved as moe_saved
+from axon4d.plan.workload import Workload, mlp_width
 from axon4d.recompute_mode import check_recompute
 from axon4d.shape import GridShape
 
@@ -35,7 +37,8 @@ def saved_tensors(wl: Workload, shape: GridShape, recompute: str = "none") -> di
     check_recompute(recompute)
     t = block_tensors(wl, shape)
     elem = wl.element_size
-    empty: dict[str, list[tuple[float, int]]] = {k: [] for k in ("attention", "lse", "norm2", "up", "mid", "act")}
+    keys = ("attention", "lse", "norm2", "up", "mid", "act", "moe")
+    empty: dict[str, list[tuple[float, int]]] = {k: [] for k in keys}
     if recompute == "full":
         return {"norm1": [(t["x0"], elem)], **empty}
     real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
@@ -68,7 +71,8 @@ def saved_tensors(wl: Workload, shape: GridShape, recompute: str = "none") -> di
         "norm2": norm(t["x1"]),
         "up": [(t["up"], elem)],
         "mid": [(t["act"], elem)] if gated and not dropped_act else [],
-        "act": [] if dropped_act else [(t["act"], elem)],
+        "act": [] if dropped_act or not t["act"] else [(t["act"], elem)],
+        "moe": moe_saved(m, wl.local_tokens(shape), shape, elem, wl.dtype != "float32", wl.imbalance) if m.moe else [],
     }
     return {k: [(n, b) for n, b in v if n > 0] for k, v in parts.items()}
 
@@ -132,7 +136,7 @@ def block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
     b = wl.local_tokens(shape)
     h_x, h_y = m.hidden // shape.x, m.hidden // shape.y
     qkv_y = (m.n_heads + 2 * m.kv_heads) * m.head_dim // shape.y
-    up_y = (2 if m.gated else 1) * m.ffn // shape.y
+    up_y = (2 if m.gated else 1) * mlp_width(m) // shape.y
     att = wl.attention
     return {
         "x0": b * h_x,
@@ -144,5 +148,5 @@ def block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
         "kv_all": b * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim if att and wl.context_parallel else 0,
         "x1": b * h_x,
         "up": b * up_y,
-        "act": b * (m.ffn // shape.y),
+        "act": b * (mlp_width(m) // shape.y),
     }

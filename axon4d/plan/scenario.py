@@ -39,6 +39,7 @@ from axon4d import rules
 from axon4d.config import ModelConfig
 from axon4d.geometry import Collective
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan import moe_cost
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_count
 from axon4d.plan.workload import LinearSpec, Workload
@@ -186,6 +187,28 @@ class Scenario:
     def context_collectives(self) -> tuple[Collective, ...]:
         """Context parallelism's key/value collectives (``Workload.context_collectives``)."""
         return tuple(self.workload.context_collectives(self.shape))
+
+    @cached_property
+    def moe_chunks(self) -> int:
+        """Chunks each y share of an MoE layer is dispatched in (``moe_cost.moe_chunks``; 1 without MoE)."""
+        if not self.model.moe:
+            return 1
+        return moe_cost.moe_chunks(
+            self.model, self.tokens, self.shape, self.element_size, self.overlap, self.machine.accelerator
+        )
+
+    @cached_property
+    def moe_collectives(self) -> tuple[Collective, ...]:
+        """One MoE layer's collectives in a forward + backward (``moe_cost.layer_collectives``; none
+        without MoE): every block issues them."""
+        if not self.model.moe:
+            return ()
+        wl = self.workload
+        return tuple(
+            moe_cost.layer_collectives(
+                self.model, self.tokens, self.shape, self.element_size, self.moe_chunks, wl.imbalance
+            )
+        )
 
     @cached_property
     def params(self) -> int:

@@ -129,7 +129,8 @@ def plan(
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     mask = valid_mask(workload, arr)
     grids = [(workload, s) for s, ok in zip(shapes, mask) if ok]
-    if cp == AUTO_OPTION and not workload.context_parallel and workload.model.seq_len % 2 == 0:
+    moe = workload.model.moe  # context parallelism with MoE layers is not priced (``Workload``)
+    if cp == AUTO_OPTION and not workload.context_parallel and workload.model.seq_len % 2 == 0 and not moe:
         split = dataclasses.replace(workload, context_parallel=True)
         split_mask = valid_mask(split, arr)
         grids += [(split, s) for s, ok in zip(shapes, split_mask) if ok and s.z > 1]

@@ -5,7 +5,7 @@ The list is assembled from the same pieces ``axon4d.plan.cost`` prices a step fr
 kind's collectives (``layers.collectives``: ``geometry.linear_collectives`` under the step's
 precision and ZeRO stage), the collectives outside the layers (``Workload.edge_collectives``:
 the embedding lookup, the replicated parameters' gradients, context parallelism's keys and
-values) and ZeRO's parameter all-gathers (``cost.zero_gathers``) — and counted as a step of k
+values), every MoE layer's (``Scenario.moe_collectives``) and ZeRO's parameter all-gathers (``cost.zero_gathers``) — and counted as a step of k
 micro-batches issues them: every pass the layers' and context parallelism's collectives, the
 passes after the first without the weight gathers keep-for-backward carries over
 (``layers.carried``), the data-axis reductions (``cost.ONCE_PER_STEP``) and ZeRO's gathers once.
@@ -53,6 +53,8 @@ def _pass(sc: Scenario, reuse: bool) -> tuple[Tally, Tally]:
     for c in bucketed_edges(sc):
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's
             add(c)
+    for c in sc.moe_collectives:  # every block's MoE layer (plan.moe_cost)
+        add(c, sc.model.n_layers)
     for c, n in rerun_collectives(sc):  # what recomputation issues again
         add(c, n)
     return calls, sent

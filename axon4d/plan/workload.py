@@ -14,8 +14,15 @@ transposed, MLP up normal, MLP down transposed (``ModelConfig.linear_shapes()``)
   table's gradient over batch (``edge_collectives``);
 - the output head, a normal layer hidden → vocab without bias (vocab-parallel logits over y).
 
-Parameters replicated over batch (norms, position embeddings) have their gradients all-reduced
-over batch, one collective per tensor.
+Parameters replicated over batch (norms, position embeddings, an MoE layer's router) have their
+gradients all-reduced over batch, one collective per tensor.
+
+A Mixture-of-Experts model (``n_experts`` > 0, docs/moe.md) has in each block, instead of the dense
+MLP, the MoE layer — priced by ``axon4d.plan.moe_cost`` (its collectives, compute, placement) and
+``axon4d.plan.moe_memory`` (its weights and what it saves) under a stated routing assumption
+(uniform routing, ``imbalance`` for the busiest rank) — and its shared experts as an MLP of Linear
+layers (``block_shapes``); its placement rules join the grid's (``rules``), and its FLOPs count the
+active path only (``flops``).
 
 With ``context_parallel`` (docs/context.md) the tokens of each sequence are split head–tail over z
 and whole sequences over data only: a rank still holds B·S/(G_data·G_z) tokens, so every linear
@@ -34,6 +41,7 @@ from axon4d import rules as grid_rules
 from axon4d.config import ModelConfig
 from axon4d.device import DTYPES
 from axon4d.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
+from axon4d.plan.moe_cost import moe_rules
 from axon4d.precision import NAMED, Precision
 from axon4d.shape import GridShape
 
@@ -47,6 +55,28 @@ DEFAULT_PRECISION = {"float32": "fp32", "bfloat16": "bf16-fp32-reduce"}
 def dtype_name(dtype: object) -> str:
     """The name ``DTYPES`` gives ``dtype`` (e.g. "bfloat16")."""
     return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def mlp_width(model: ModelConfig) -> int:
+    """Inner width of a block's MLP of Linear layers: the dense MLP's, or an MoE block's shared
+    experts' (shared_experts·expert_ffn; 0 without them)."""
+    return model.shared_experts * model.expert_width if model.moe else model.ffn
+
+
+def block_shapes(m: ModelConfig) -> list[tuple[str, int, int, bool, bool]]:
+    """(name, in, out, transpose, bias) of the 3D Linear layers of one block (``ModelConfig.
+    linear_shapes``); in an MoE block the dense MLP gives way to the MoE layer (priced by
+    ``axon4d.plan.moe_cost``) and its shared experts, one MLP of shared_experts·expert_ffn without
+    bias (``axon4d.nn.moe``), named as the MLP's layers."""
+    shapes = m.linear_shapes()
+    if not m.moe:
+        return shapes
+    shapes = [s for s in shapes if not s[0].startswith("mlp")]
+    width = m.shared_experts * m.expert_width
+    if width:
+        up = (2 if m.gated else 1) * width
+        shapes += [("mlp_up", m.hidden, up, False, False), ("mlp_down", width, m.hidden, True, False)]
+    return shapes
 
 
 def unmixed_precision(dtype: str) -> str:
@@ -102,13 +132,19 @@ class Workload:
     async_save: bool = False  # the job checkpoints with --async-save: a pinned snapshot (plan.host_memory)
     accelerator: bool = False  # the step runs on accelerators (a Scenario sets it from its machine): ``norm_kernel``
     precision: str = ""  # as given; "": DEFAULT_PRECISION of dtype (``preset``)
+    imbalance: float = 1.0  # MoE: the busiest rank's rows over the mean under uniform routing (plan.moe_cost)
 
     def __post_init__(self) -> None:
         self._resolve_precision()
-        if self.model.moe:
+        if self.model.moe and self.context_parallel:
             raise ValueError(
-                f"the planner does not price Mixture-of-Experts layers yet (n_experts = {self.model.n_experts}): "
-                "name the grid yourself (e.g. --grid 1,1,2,1; docs/moe.md for the placement rules)"
+                "context parallelism with Mixture-of-Experts layers is not priced (nor tested in the runtime): "
+                "use context_parallel=False for an MoE model"
+            )
+        if isinstance(self.imbalance, bool) or not isinstance(self.imbalance, numbers.Real) or self.imbalance < 1:
+            raise ValueError(
+                f"imbalance = {self.imbalance!r}: the busiest rank's MoE rows over the mean is a number ≥ 1 "
+                "(1: uniform routing, e.g. 1.25 for a rank 25% above the mean)"
             )
         if self.context_parallel and self.model.seq_len % 2:
             raise ValueError(
@@ -227,7 +263,7 @@ class Workload:
             out.append(
                 LinearSpec("embedding", m.vocab_size, m.hidden, True, False, 1, input_grad=False, embedding=True)
             )
-        out += [LinearSpec(n, i, o, t, b, m.n_layers) for n, i, o, t, b in m.linear_shapes()]
+        out += [LinearSpec(n, i, o, t, b, m.n_layers) for n, i, o, t, b in block_shapes(m)]
         if self.head:
             out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
         return out
@@ -258,6 +294,9 @@ class Workload:
         if self.norms:
             tensors = (2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1)
             add(Op.ALL_REDUCE, "batch", h_x, "backward", Term.NORM_GRAD, tensors)
+        if m.moe:  # each MoE layer's router weight (E, hidden/G_x), its gradient averaged over batch
+            add(Op.ALL_REDUCE, "batch", m.n_experts * h_x, "backward", Term.MOE_ROUTER_WEIGHT_GRAD, m.n_layers)
+        if self.norms:
             # the split norms' per-token sums over x, forward and backward: two per block, the final norm's
             norms = 2 * m.n_layers + (1 if self.head else 0)
             out += self.norm_sums(shape, Term.NORM_STATS, norms)
@@ -289,9 +328,14 @@ class Workload:
         return self.norm_sums(shape, Term.NORM_STATS, 2 * self.model.n_layers) + kv
 
     def flops(self) -> float:
-        """Model FLOPs of one step (6 per matmul parameter per token, plus causal attention)."""
+        """Model FLOPs of one step (6 per matmul parameter per token, plus causal attention); in an
+        MoE model the parameters a token passes through — its k routed experts, the shared ones and
+        the router (``moe_cost.active_matmul_params``), not the experts it does not reach."""
         m = self.model
         matmul = sum(s.in_features * s.out_features * s.count for s in self.linears() if not s.embedding)
+        if m.moe:  # the shared experts are among the linears; the router and k routed experts besides
+            per_expert = ((2 if m.gated else 1) + 1) * m.hidden * m.expert_width
+            matmul += m.n_layers * (m.n_experts * m.hidden + m.experts_per_token * per_expert)
         att = 2 * 2 * m.n_layers * m.seq_len * m.hidden / 2 if self.attention else 0.0
         return self.tokens * (6.0 * matmul + 3.0 * att)
 
@@ -314,6 +358,8 @@ class Workload:
                     "context parallelism cuts each sequence into 2·G_z chunks, two per z-rank",
                 )
             )
+        if m.moe:
+            out += moe_rules(m)
         for s in self.linears():
             if s.embedding:
                 out += grid_rules.embedding(s.in_features, s.out_features)

@@ -1,0 +1,346 @@
+"""Protects the planner's Mixture-of-Experts pricing (axon4d/plan/moe_cost.py, moe_memory.py;
+docs/planner.md "Mixture of Experts"): the collectives it prices are the ones the runtime logs.
+
+- One MoE layer (``axon4d.nn.moe.MoE``) on inputs whose routing is *uniform* by construction —
+  token g's k experts are (g·k + q) mod E, every share and chunk covering the experts evenly —
+  logs exactly the planner's calls and payload bytes per (axis, term) on every rank
+  (``moe_cost.layer_collectives``), in one chunk and in overlapped chunks.
+- A whole MoE ``Transformer`` step under random routing: every term the routing does not change
+  (the router's, the counts', the dispatch's own rows, the combine's gradient, the router weight's
+  gradient, the shared experts' and the dense layers') equals the planner's on every rank; the
+  terms the routing moves have the planner's calls on every rank and, summed over the ranks, its
+  bytes — what one rank receives another sent (the y gathers, padded to the largest share, at
+  least the planner's over the ranks).
+
+Start here when the MoE layer's collectives change: the planner mirrors them (it may not import
+the layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+import axon4d
+from axon4d.config import ModelConfig
+from axon4d.geometry import Term
+from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan import load
+from axon4d.plan.cost import step_estimate
+from axon4d.plan.moe_cost import layer_collectives, moe_chunks
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.sent import step_collectives
+from axon4d.plan.workload import Workload
+from axon4d.shape import GridShape
+
+SEQ = 16
+
+
+def moe_cfg(arch="llama", shared=1, k=2, experts=8):
+    return ModelConfig(
+        n_layers=2,
+        hidden=32,
+        n_heads=4,
+        n_kv_heads=2 if arch == "llama" else None,
+        vocab_size=64,
+        seq_len=SEQ,
+        arch=arch,
+        n_experts=experts,
+        experts_per_token=k,
+        expert_ffn=16,
+        shared_experts=shared,
+        moe_z_coef=1e-3,
+    )
+
+
+#: the MoE layer's tags (what the runtime logs for it), the router weight's gradient apart
+LAYER_TERMS = {
+    str(t)
+    for t in (
+        Term.MOE_ROUTER,
+        Term.MOE_ROUTER_GRAD,
+        Term.MOE_COUNTS,
+        Term.MOE_DISPATCH,
+        Term.MOE_DISPATCH_GRAD,
+        Term.MOE_COMBINE,
+        Term.MOE_COMBINE_GRAD,
+        Term.MOE_ROWS_Y,
+        Term.MOE_ROWS_Y_GRAD,
+        Term.MOE_EXPERT,
+        Term.MOE_EXPERT_UP,
+        Term.MOE_EXPERT_UP_GRAD,
+    )
+}
+#: the terms whose bytes on one rank depend on where the router sends the tokens
+ROUTED = {
+    str(t)
+    for t in (
+        Term.MOE_COMBINE,
+        Term.MOE_DISPATCH_GRAD,
+        Term.MOE_ROWS_Y,
+        Term.MOE_ROWS_Y_GRAD,
+        Term.MOE_EXPERT,
+        Term.MOE_EXPERT_UP,
+        Term.MOE_EXPERT_UP_GRAD,
+    )
+}
+
+
+def _host():
+    return dataclasses.replace(load("perlmutter"), accelerator=False, name="host")
+
+
+def _tally(records, keep=lambda tag: True):
+    out: dict = {}
+    for r in records:
+        if keep(str(r.tag)):
+            calls, sent = out.get((r.axis, str(r.tag)), (0, 0))
+            out[(r.axis, str(r.tag))] = (calls + 1, sent + r.payload_bytes)
+    return out
+
+
+def _uniform_layer(grid, cfg, tokens, policy):
+    """One MoE layer's forward + backward on inputs routed uniformly (module docstring): the log's
+    {(axis, tag): (calls, bytes)} of the layer's terms, and the chunks the planner gives the layer."""
+    from axon4d.nn.moe import MoE
+    from axon4d.nn.moe_dense import DenseMoE
+
+    with grid.scheduler.using(policy):
+        torch.manual_seed(3)
+        dense = DenseMoE(cfg)
+        e, h, k = cfg.n_experts, cfg.hidden, cfg.experts_per_token
+        gen = torch.Generator().manual_seed(4)
+        q, _ = torch.linalg.qr(torch.randn(h, e, generator=gen))  # (h, E) orthonormal columns
+        with torch.no_grad():
+            dense.router.weight.copy_(q.t())
+        levels = torch.full((tokens, e), -1.5)
+        for g in range(tokens):
+            for j in range(k):
+                levels[g, (g * k + j) % e] = 3.0 - 0.6 * j  # token g's experts, a margin to the rest
+        x_full = (levels @ q.t()).view(tokens // SEQ, SEQ, h)
+        mod = MoE(cfg).load_dense_(dense)
+        grid.comm.log.clear()
+        x = axon4d.shard_input(x_full).detach().requires_grad_()
+        y = mod(x)
+        (y.square().sum() + mod.aux_loss).backward()
+        logged = _tally(grid.comm.log.records, lambda tag: tag in LAYER_TERMS)
+        local = tokens // grid.size("batch")
+        chunks = moe_chunks(cfg, local, grid.shape, 4, grid.scheduler.policy, False)
+    return logged, chunks
+
+
+@pytest.mark.parametrize(
+    "grid,policy",
+    [
+        ((1, 1, 2, 1), None),
+        ((2, 1, 1, 2), None),
+        ((1, 2, 2, 1), {"forward_chunks": 2, "min_chunk_kb": 0}),
+        pytest.param((1, 2, 2, 2), None, marks=pytest.mark.slow),
+        pytest.param((2, 2, 1, 2), {"forward_chunks": 2, "min_chunk_kb": 0}, marks=pytest.mark.slow),
+    ],
+)
+def test_a_uniformly_routed_layer_logs_the_planner_s_collectives(pools, grid, policy):
+    cfg = moe_cfg(shared=0)
+    tokens = 4 * SEQ  # every share (and chunk) of every rank covers the 8 experts evenly
+    shape = GridShape(*grid)
+    local = tokens // shape.size("batch")
+    for rank, (logged, chunks) in enumerate(pools(math.prod(grid)).run(grid, _uniform_layer, cfg, tokens, policy)):
+        assert chunks == (2 if policy and shape.size("batch") > 1 else 1)
+        priced: dict = {}
+        for c in layer_collectives(cfg, local, shape, 4, chunks):
+            calls, sent = priced.get((c.axis, str(c.term)), (0, 0))
+            priced[(c.axis, str(c.term))] = (calls + 1, sent + c.payload_bytes)
+        assert logged == priced, f"rank {rank} on {grid}: logged {logged} priced {priced}"
+
+
+def _model_step(grid, cfg, micro):
+    """One logged training step of an MoE Transformer (after a warm-up step): the log's tally."""
+    from axon4d.models.transformer import Transformer
+    from axon4d.train.batches import accumulate
+
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    seqs = 2 * grid.size("batch")
+
+    def step():
+        batch = torch.randint(0, cfg.vocab_size, (seqs * micro, SEQ + 1), generator=gen)
+        accumulate(model, batch.chunk(micro), grid)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    grid.comm.log.clear()
+    step()
+    return _tally(grid.comm.log.records)
+
+
+def _priced_step(cfg, grid, precision, micro, recompute="none"):
+    shape = GridShape(*grid)
+    wl = Workload(cfg, 2 * shape.size("batch") * micro, precision=precision)
+    sc = Scenario(wl, shape, _host(), OverlapPolicy(), recompute, micro_batches=micro)
+    calls, sent = step_collectives(sc)
+    priced = {(axis, str(term)): (calls[(axis, term)], sent[(axis, term)]) for axis, term in calls}
+    est = step_estimate(sc)
+    by_axis = Counter()
+    for (axis, _), (_, nbytes) in priced.items():
+        by_axis[axis] += nbytes
+    assert dict(by_axis) == est.bytes_by_axis and sum(c for c, _ in priced.values()) == est.collectives
+    return priced
+
+
+MODEL_CASES = [
+    ((1, 1, 2, 1), "fp32", "llama", 1),
+    ((2, 1, 1, 2), "bf16-fp32-reduce", "gpt", 2),
+    pytest.param((1, 2, 2, 2), "fp32", "llama", 1, marks=pytest.mark.slow),
+    pytest.param((2, 2, 1, 2), "bf16", "llama", 2, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("grid,precision,arch,micro", MODEL_CASES)
+def test_a_model_step_logs_the_planner_s_collectives(pools, grid, precision, arch, micro):
+    cfg = moe_cfg(arch, shared=1 if arch == "llama" else 0)
+    priced = _priced_step(cfg, grid, precision, micro)
+    results = pools(math.prod(grid)).run(grid, _model_step, cfg, micro, precision=precision)
+    for rank, logged in enumerate(results):
+        assert logged.keys() == priced.keys(), f"rank {rank}: terms differ {logged.keys() ^ priced.keys()}"
+        for key, (calls, nbytes) in priced.items():
+            got_calls, got_bytes = logged[key]
+            assert got_calls == calls, f"rank {rank} {key}: {got_calls} calls logged, {calls} priced"
+            if key[1] not in ROUTED:
+                assert got_bytes == nbytes, f"rank {rank} {key}: {got_bytes} B logged, {nbytes} priced"
+    for key in priced:
+        if key[1] in ROUTED:  # over the ranks: what one rank receives another sent
+            total, want = sum(logged[key][1] for logged in results), len(results) * priced[key][1]
+            if key[1] == str(Term.MOE_ROWS_Y):  # E17 pads to the largest share: at least the mean's
+                assert total >= want, f"{key}: {total} B over the ranks < {want} priced"
+            else:
+                assert total == want, f"{key}: {total} B over the ranks, {want} priced"
+
+
+#: an MoE model of tests/test_recompute.py's memory model's size (MEM_CFG's Llama, its MLP now 8
+#: experts of 128, top-2, and one shared expert)
+MEM_MOE = ModelConfig(
+    n_layers=2,
+    hidden=128,
+    n_heads=8,
+    n_kv_heads=2,
+    vocab_size=256,
+    seq_len=128,
+    arch="llama",
+    n_experts=8,
+    experts_per_token=2,
+    expert_ffn=128,
+    shared_experts=1,
+)
+
+
+def _memory_case(grid, cfg, options):
+    from tests.test_plan_memory_options import _case
+
+    return _case(grid, cfg, options)
+
+
+@pytest.mark.parametrize(
+    "world,grid,options",
+    [
+        (2, (1, 1, 2, 1), {}),
+        (2, (2, 1, 1, 1), {"recompute": "full"}),
+        pytest.param(4, (2, 1, 1, 2), {"micro_batches": 2}, marks=pytest.mark.slow),
+        pytest.param(4, (1, 2, 1, 2), {"zero": 1}, marks=pytest.mark.slow),
+    ],
+)
+def test_an_moe_step_s_peak_memory_is_the_planner_s(pools, world, grid, options):
+    """Peak bytes per rank of an MoE model's step, measured with torch's memory tracker (max over
+    ranks; tests/test_plan_memory_options.py's measurement) against ``plan.memory``: within 5%."""
+    from tests.test_plan_memory_options import TOLERANCE, _check
+
+    result = pools(world).run(grid, _memory_case, MEM_MOE, options)[0]
+    _check(result, f"MoE on {grid} with {options}", TOLERANCE)
+
+
+def test_the_search_offers_only_grids_the_runtime_accepts():
+    """The planner's placement rules hold on exactly the grids the MoE layer accepts
+    (``axon4d.nn.moe.placement_rules``), and the search's valid grids keep to them."""
+    import numpy as np
+
+    from axon4d import rules
+    from axon4d.nn.moe import placement_rules
+    from axon4d.plan.moe_cost import moe_rules
+    from axon4d.plan.search import valid_mask
+    from axon4d.shape import factorizations
+
+    refused = accepted = 0
+    for cfg in (moe_cfg(), moe_cfg("gpt", shared=0, experts=12), moe_cfg(shared=3, experts=6)):
+        for world in (8, 12, 16):
+            shapes = factorizations(world)
+            planner = [all(r.holds(s) for r in moe_rules(cfg)) for s in shapes]
+            runtime = []
+            for s in shapes:
+                try:
+                    rules.check(s, placement_rules(cfg))
+                    runtime.append(True)
+                except ValueError:
+                    runtime.append(False)
+            assert planner == runtime, (cfg, world)
+            refused += runtime.count(False)
+            accepted += runtime.count(True)
+            wl = Workload(cfg, 48)
+            mask = valid_mask(wl, np.array([s.as_tuple() for s in shapes]))
+            assert not any(m and not ok for m, ok in zip(mask, runtime))
+    assert refused > 0 and accepted > 0  # the rules do refuse grids, and not all
+
+
+def test_the_size_table_s_moe_models_have_their_sources_sizes():
+    from axon4d.config import get_config
+    from axon4d.plan.moe_cost import param_counts
+
+    total, active = param_counts(get_config("mixtral-8x7b"))  # the Mixtral paper: 46.7B, 12.9B active
+    assert round(total / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
+    total, active = param_counts(get_config("deepseek-v3-scale"))  # 671B, 37B: MHA, all layers MoE (+5%)
+    assert 1.0 < total / 671e9 < 1.06 and 1.0 < active / 37e9 < 1.06
+    total, active = param_counts(get_config("moe-1t"))
+    assert 1.0e12 < total < 1.1e12 and active < 0.05 * total
+    assert get_config("tiny-moe").moe
+
+
+def test_mfu_counts_the_active_parameters():
+    """One more routed expert per token adds its 6·(3·hidden·f) FLOPs per token and layer; the
+    experts a token does not reach add none."""
+    cfg = moe_cfg(k=2)
+    two, three = Workload(cfg, 8), Workload(cfg.replace(experts_per_token=3), 8)
+    per_expert = 3 * cfg.hidden * cfg.expert_width
+    assert three.flops() - two.flops() == pytest.approx(two.tokens * 6 * cfg.n_layers * per_expert)
+    more = Workload(cfg.replace(n_experts=16), 8)  # more experts, the same active path but the router
+    assert more.flops() - two.flops() == pytest.approx(two.tokens * 6 * cfg.n_layers * 8 * cfg.hidden)
+
+
+def test_imbalance_prices_the_busiest_rank():
+    """ρ > 1: more time (the busiest rank's GEMMs and all-to-alls) and more memory (its rows)."""
+    from axon4d.plan.memory import memory
+
+    shape = GridShape(1, 2, 2, 2)
+    even, skewed = (Workload(moe_cfg(), 8, imbalance=rho) for rho in (1.0, 1.5))
+    t_even = step_estimate(Scenario(even, shape, load("h100")))
+    t_skew = step_estimate(Scenario(skewed, shape, load("h100")))
+    assert t_skew.step_s > t_even.step_s and t_skew.comm_by_axis["batch"] > t_even.comm_by_axis["batch"]
+    assert memory(skewed, shape).peak > memory(even, shape).peak
+    with pytest.raises(ValueError, match="imbalance"):
+        Workload(moe_cfg(), 8, imbalance=0.5)
+
+
+def test_the_plan_command_prices_the_1t_moe_on_1024_gpus_and_shows_its_placement(capsys):
+    from axon4d.cli import main
+
+    assert (
+        main(["plan", "--model", "moe-1t", "--gpus", "1024", "--machine", "h100", "--batch", "1024", "--top", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "39.2B active" in out
+    line = next(x for x in out.splitlines() if x.startswith("expert placement:"))
+    assert "384 experts over batch" in line and "per rank" in line
