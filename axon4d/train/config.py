@@ -24,9 +24,22 @@ from axon4d.config import ModelConfig, get_config, moe_overrides
 from axon4d.data import check_token_file
 from axon4d.offload import offload_blocks, parse_offload
 from axon4d.precision import resolve as resolve_precision
-from axon4d.recompute_mode import RECOMPUTE_MODES, check_recompute
+from axon4d.recompute_mode import check_recompute
 from axon4d.shape import check_sizes
 from axon4d.train import hf
+from axon4d.train.fields import (
+    ALIASES,
+    ALONE,
+    CHOICES,
+    DATA_NAMES,
+    HF_REFUSED,
+    HINTS,
+    MINIMUM,
+    PLANNED,
+    RANGES,
+    ZERO_STAGES,
+    flag,
+)
 
 
 @dataclasses.dataclass
@@ -150,18 +163,18 @@ class TrainConfig:
         one sequence (its token ids are checked against the vocabulary when it is opened). With
         --hf the saved model's configuration must be readable and the sequence fit its positions,
         and the flags that describe axon4d's own models are refused (``_check_hf``)."""
-        for name, minimum in _MINIMUM.items():
-            counts.whole(getattr(self, name), _flag(name), minimum=minimum, hint=_HINTS[name], flag=True)
-        for name, (low, high, open_low) in _RANGES.items():
+        for name, minimum in MINIMUM.items():
+            counts.whole(getattr(self, name), flag(name), minimum=minimum, hint=HINTS[name], flag=True)
+        for name, (low, high, open_low) in RANGES.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{_flag(name)} {value!r} ({type(value).__name__}) must be a number")
+                raise TypeError(f"{flag(name)} {value!r} ({type(value).__name__}) must be a number")
             too_low = value <= low if open_low else value < low
             if not math.isfinite(value) or too_low or value > high:
                 bounds = f"{'above' if open_low else 'at least'} {low:g}" + (
                     f" and at most {high:g}" if math.isfinite(high) else ""
                 )
-                raise ValueError(f"{_flag(name)} {value}: must be a finite number {bounds}; {_HINTS[name]}")
+                raise ValueError(f"{flag(name)} {value}: must be a finite number {bounds}; {HINTS[name]}")
         if self.beta1 >= 1 or self.beta2 >= 1:
             raise ValueError(
                 f"--beta1 {self.beta1} / --beta2 {self.beta2}: AdamW's betas must be below 1, e.g. 0.9 and 0.95"
@@ -188,18 +201,18 @@ class TrainConfig:
             value = getattr(self, f.name)
             if f.type in ("str", str) and not isinstance(value, str):
                 raise TypeError(
-                    f"{_flag(f.name)} {value!r} ({type(value).__name__}) must be a string, e.g. {f.default!r}"
+                    f"{flag(f.name)} {value!r} ({type(value).__name__}) must be a string, e.g. {f.default!r}"
                 )
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise TypeError(
-                    f"{_flag(f.name)} {value!r} ({type(value).__name__}) must be True or False (the flag "
-                    f"{_flag(f.name)} or --no-{_flag(f.name)[2:]})"
+                    f"{flag(f.name)} {value!r} ({type(value).__name__}) must be True or False (the flag "
+                    f"{flag(f.name)} or --no-{flag(f.name)[2:]})"
                 )
         resolve_precision(self.precision, accelerator=False)  # names the precisions that exist
         check_recompute(self.recompute)  # names the modes
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
-                raise ValueError(f"{_flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
+                raise ValueError(f"{flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
         self.grid_spec()
         if self.hf:
             self._check_hf()
@@ -223,9 +236,9 @@ class TrainConfig:
         """Refuse with --hf the flags that describe axon4d's own models or need their blocks, and
         --grid auto for a family the planner does not price."""
         given = [
-            f"{_flag(f.name)} {getattr(self, f.name)}"
+            f"{flag(f.name)} {getattr(self, f.name)}"
             for f in dataclasses.fields(self)
-            if f.name in _HF_REFUSED and getattr(self, f.name) != f.default
+            if f.name in HF_REFUSED and getattr(self, f.name) != f.default
         ]
         if given:
             raise ValueError(
@@ -276,92 +289,6 @@ class TrainConfig:
         if self.data == "corpus" and not self.vocab_size:
             overrides["vocab_size"] = 256
         return get_config(self.model, **{**overrides, **moe_overrides(self.moe)})
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-#: whole-number fields and their least value
-_MINIMUM: dict[str, int] = {
-    "steps": 1,
-    "try_plans": 0,
-    "try_steps": 1,
-    "batch_size": 1,
-    "micro_batches": 1,
-    "log_every": 1,
-    "max_nonfinite": 1,
-    "layers": 0,
-    "hidden": 0,
-    "heads": 0,
-    "kv_heads": 0,
-    "vocab_size": 0,
-    "seq_len": 0,
-    "warmup_steps": 0,
-    "save_every": 0,
-    "keep_last": 0,
-    "seed": 0,
-}
-#: number fields: (bound, largest value, whether the bound itself is excluded)
-_RANGES: dict[str, tuple[float, float, bool]] = {
-    "lr": (0.0, math.inf, True),
-    "min_lr": (0.0, math.inf, False),
-    "weight_decay": (0.0, math.inf, False),
-    "beta1": (0.0, 1.0, False),
-    "beta2": (0.0, 1.0, False),
-    "grad_clip": (0.0, math.inf, False),
-    "timeout": (0.0, math.inf, True),
-    "startup_timeout": (0.0, math.inf, True),
-    "peak_tflops": (0.0, math.inf, False),
-}
-#: what each checked field means, for its error message
-_HINTS: dict[str, str] = {
-    "steps": "the optimizer steps of the whole run, e.g. --steps 100",
-    "try_plans": "plans to try with --grid auto, e.g. --try 3 (0: none)",
-    "try_steps": "timed steps per tried plan, e.g. --try-steps 3",
-    "batch_size": "global sequences per micro-batch, e.g. --batch-size 16",
-    "micro_batches": "micro-batches accumulated per step, e.g. --micro-batches 1",
-    "log_every": "a log record every N steps, e.g. --log-every 1",
-    "max_nonfinite": "non-finite steps in a row before the run stops, e.g. --max-nonfinite 3",
-    "layers": "0 keeps the size table's",
-    "hidden": "0 keeps the size table's",
-    "heads": "0 keeps the size table's",
-    "kv_heads": "0 means as many as the attention heads",
-    "vocab_size": "0 keeps the size table's",
-    "seq_len": "0 keeps the size table's",
-    "warmup_steps": "0 means no warmup",
-    "save_every": "0 saves only at the end, N every N steps",
-    "keep_last": "0 keeps every checkpoint, K the newest K",
-    "seed": "e.g. --seed 0",
-    "lr": "e.g. --lr 3e-3",
-    "min_lr": "e.g. --min-lr 3e-4 (0: decay to zero)",
-    "weight_decay": "e.g. --weight-decay 0.1 (0: none)",
-    "beta1": "e.g. --beta1 0.9",
-    "beta2": "e.g. --beta2 0.95",
-    "grad_clip": "e.g. --grad-clip 1.0 (0: no clipping)",
-    "timeout": "seconds, e.g. --timeout 60",
-    "startup_timeout": "seconds, e.g. --startup-timeout 300",
-    "peak_tflops": "e.g. --peak-tflops 0 (0: measure it)",
-}
-#: the flags --hf refuses at other values than their defaults
-_HF_REFUSED = ("model", "arch", "layers", "hidden", "heads", "kv_heads", "vocab_size", "offload", "moe")
-#: --zero's stages: 0 (off) and axon4d.zero's
-ZERO_STAGES = (0, 1, 2)
-#: --data names that are not files
-DATA_NAMES = ("synthetic", "corpus")
-#: the step options ``--grid auto`` lets the planner choose (axon4d.train.planned), as --pin names them
-PLANNED = ("recompute", "micro_batches", "zero", "offload", "context_parallel", "fp8_gather")
-#: fields whose flag accepts only these values.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "recompute": RECOMPUTE_MODES,
-    "comm": ("auto", "torch", "mpi"),
-    "on_nonfinite": ("skip", "stop"),
-    "resume": ("never", "always", "auto"),
-}
-#: fields whose flag may be given alone, meaning this value (``--resume`` is ``--resume always``)
-ALONE: dict[str, str] = {"resume": "always"}
-#: other names of a field's flag
-ALIASES: dict[str, tuple[str, ...]] = {"try_plans": ("--try",)}
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -22,8 +22,8 @@ gradient norm, the peak probe. A step reads the device on the host once, for its
 gradient norm together (``STEP_READ``), after clipping on the device — and, with a fused AdamW,
 after the step itself is queued, a non-finite step skipped on the device (``optim.step``); step
 times are taken after synchronising that device's compute stream (ZeRO's all-gathers over data
-may still run: they finish under the next step's forward and are counted in its time). At start-up rank 0 warns when the compute dtype's matmuls are much
-slower than fp32's (``peak``).
+may still run: they finish under the next step's forward and are counted in its time). At
+start-up rank 0 warns when the compute dtype's matmuls are much slower than fp32's (``peak``).
 
 The defaults a GPU user gets (docs/training.md#gpu-defaults), all chosen through
 ``axon4d.device``: ``--precision auto`` resolved by whether there is an accelerator, TF32 for fp32
@@ -325,9 +325,8 @@ def _step(
     comm = grid.comm.log.summary()  # this step's collectives (with the loss's all-reduce)
     tps = cfg.batch_size * cfg.micro_batches * mcfg.seq_len / dt
     rec = report.step_record(step + 1, mean_loss, lr, norm, dt, tps, mfu(mcfg.flops_per_token(), tps, peak), comm)
-    moe = moe_record(model, grid) if mcfg.moe else None  # after the step's timing: tokens per expert, balance
-    if moe is not None:
-        rec["moe"] = moe
+    if mcfg.moe:  # after the step's timing: tokens per expert, balance
+        rec["moe"] = moe_record(model, grid)
     return rec, finite, first_bad
 
 

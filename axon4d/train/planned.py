@@ -33,7 +33,8 @@ from axon4d.plan.machine import Machine
 from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.search import load_machine
 from axon4d.precision import AUTO, resolve
-from axon4d.train.config import PLANNED, TrainConfig
+from axon4d.train.config import TrainConfig
+from axon4d.train.fields import PLANNED
 
 #: what a field holds when the user gave nothing (TrainConfig's defaults)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
