@@ -156,8 +156,14 @@ class ModelConfig:
         return self.n_layers * per_block + emb + pos + head + final_norm
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6·(matmul parameters) plus attention scores (causal: half)."""
-        matmul = sum(i * o for _, i, o, _, _ in self.linear_shapes()) * self.n_layers + self.vocab_size * self.hidden
+        """Training FLOPs per token: 6·(matmul parameters a token passes through) plus attention scores
+        (causal: half). In an MoE model those are the router's, its k routed experts' and the shared
+        experts' — not the experts it does not reach (MFU counts the active path)."""
+        block = sum(i * o for n, i, o, _, _ in self.linear_shapes() if not (self.moe and n.startswith("mlp")))
+        if self.moe:
+            per_expert = (3 if self.gated else 2) * self.hidden * self.expert_width
+            block += self.n_experts * self.hidden + (self.experts_per_token + self.shared_experts) * per_expert
+        matmul = block * self.n_layers + self.vocab_size * self.hidden
         attention = 2 * 2 * self.n_layers * self.seq_len * self.hidden / 2  # QKᵀ and AV, causal
         return 6.0 * matmul + 3.0 * attention
 

@@ -344,3 +344,18 @@ def test_the_plan_command_prices_the_1t_moe_on_1024_gpus_and_shows_its_placement
     assert "39.2B active" in out
     line = next(x for x in out.splitlines() if x.startswith("expert placement:"))
     assert "384 experts over batch" in line and "per rank" in line
+
+
+@pytest.mark.parametrize("name", ["tiny-moe", "mixtral-8x7b", "deepseek-v3-scale", "moe-1t", "small"])
+def test_the_job_s_mfu_counts_the_planner_s_active_flops(name):
+    """The training job's MFU (``ModelConfig.flops_per_token``) and the planner's (``Workload.flops``)
+    count the same FLOPs per token: for an MoE model its active path, below the dense width's."""
+    from axon4d.config import get_config
+    from axon4d.plan.workload import Workload
+
+    cfg = get_config(name)
+    wl = Workload(cfg, 8)
+    assert cfg.flops_per_token() == pytest.approx(wl.flops() / wl.tokens, rel=1e-12)
+    if cfg.moe:
+        all_experts = cfg.replace(experts_per_token=cfg.n_experts)
+        assert cfg.flops_per_token() < all_experts.flops_per_token()
