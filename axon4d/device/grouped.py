@@ -17,9 +17,12 @@ no rows gives zero rows (and a zero weight gradient). ``native_grouped_mm`` says
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from axon4d import device as devices
+from axon4d.device.pinned import to_device_queued
 
 #: (device type, dtype) pairs on which torch's kernel failed once: the loop runs from then on
 _REFUSED: set[tuple[str, torch.dtype]] = set()
@@ -42,12 +45,11 @@ def native_grouped_mm(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _offsets(sizes: list[int], device: torch.device) -> torch.Tensor:
-    """Cumulative row ends of the groups, int32 (torch's ``offs``)."""
-    ends, at = [], 0
-    for n in sizes:
-        at += n
-        ends.append(at)
-    return torch.tensor(ends, dtype=torch.int32, device=device)
+    """Cumulative row ends of the groups, int32 (torch's ``offs``), on ``device``. For an accelerator
+    they are copied from page-locked host memory without blocking: a copy from pageable memory would
+    make the host wait for the device at every grouped GEMM (the layer's one host sync is its
+    counts exchange, docs/moe.md)."""
+    return to_device_queued(torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32), device)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, sizes: list[int]) -> torch.Tensor:

@@ -82,3 +82,13 @@ def pinned_bytes(nbytes: int, accelerator: bool) -> torch.Tensor:
             )
         weakref.finalize(storage, _unregister, storage.data_ptr()).atexit = False
     return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def to_device_queued(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without the host waiting for the device: on an accelerator a
+    page-locked copy of it (torch's caching host allocator: small index arrays, whose power-of-two
+    rounding does not matter) copied on the current stream with ``non_blocking`` — a copy from
+    pageable memory would make the host wait for every queued kernel first. On the host: ``t``."""
+    if device.type == "cpu" or device.type == "meta":
+        return t if device.type == "cpu" else t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

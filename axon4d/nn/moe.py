@@ -32,6 +32,7 @@ from torch import nn
 from axon4d import rules, runtime
 from axon4d.config import ModelConfig
 from axon4d.device import grouped
+from axon4d.device.pinned import to_device_queued
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn import moe_router
@@ -236,7 +237,9 @@ class MoE(nn.Module):
         chosen = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
         # the (y share, chunk) bin of each token: share j's tokens cut into ``chunks`` contiguous runs
         sizes = [n for share in shares for n in share_sizes(share, chunks)]
-        bins = torch.repeat_interleave(torch.arange(len(sizes), device=s.device), torch.tensor(sizes, device=s.device))
+        bins = to_device_queued(
+            torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long)), s.device
+        )
         key = (bins.unsqueeze(1) * cfg.n_experts + chosen).reshape(-1)
         counts = torch.bincount(key, minlength=len(sizes) * cfg.n_experts).view(len(shares), chunks, cfg.n_experts)
         plans = DispatchPlan.exchange(counts, EP_AXIS, grid, self.experts.local)  # E15: the host sync
@@ -249,9 +252,12 @@ class MoE(nn.Module):
         """The local experts' FFNs of the gathered rows (in gathered order; E18)."""
         grid, ex = self.grid, self.experts
         run_experts, run_rows = plan.runs()
-        ids = torch.repeat_interleave(
-            torch.tensor(run_experts, device=every.device), torch.tensor(run_rows, device=every.device)
-        )  # (n_all,) local expert of each gathered row
+        ids = to_device_queued(
+            torch.repeat_interleave(
+                torch.tensor(run_experts, dtype=torch.long), torch.tensor(run_rows, dtype=torch.long)
+            ),
+            every.device,
+        )  # (n_all,) local expert of each gathered row, made on the host (no device sync)
         perm = torch.argsort(ids, stable=True)
         sizes = plan.group_rows
         dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16
@@ -272,7 +278,7 @@ class MoE(nn.Module):
         """This rank's weighted balance loss and z-loss (E19, E20): averaged over batch they are the
         one-process losses, as the cross-entropy is."""
         cfg = self.cfg
-        counts = torch.tensor(self.tokens_per_expert, device=s.device)
+        counts = to_device_queued(torch.tensor(self.tokens_per_expert, dtype=torch.long), s.device)
         assignments = int(sum(self.tokens_per_expert or ()))
         balance = moe_router.balance_loss(s, counts, assignments, tokens, cfg.router_scoring)
         self.balance = balance.detach()
