@@ -702,3 +702,59 @@ def zero_against_unsharded(grid: Any, steps: int = 5, job_kernel: bool = False) 
             )
             opt.release()
     return out
+
+
+def moe_against_dense(grid: Any) -> dict[str, Any]:
+    """One MoE layer (``axon4d.nn.moe.MoE``: top-2 of 8 experts, a shared expert) against ``DenseMoE``
+    with the same weights on the same device, fp32, on inputs whose top-k has a margin: the largest
+    relative error of the output and of every gradient, and its forward and backward watched by
+    ``_watched`` — the layer's one intended host read is its counts exchange (docs/moe.md, E15),
+    none in the backward."""
+    from axon4d.nn.moe import MoE
+    from axon4d.nn.moe_dense import DenseMoE
+
+    _highest_precision()
+    cfg = ModelConfig(
+        n_layers=1, hidden=64, n_heads=4, vocab_size=64, seq_len=16, arch="llama",
+        n_experts=8, experts_per_token=2, expert_ffn=32, shared_experts=1, moe_aux_coef=0.05,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    dense = DenseMoE(cfg)
+    tokens = 8 * cfg.seq_len
+    q, _ = torch.linalg.qr(torch.randn(cfg.hidden, cfg.n_experts))  # router rows orthonormal: logits = levels
+    with torch.no_grad():
+        dense.router.weight.copy_(q.t())
+    levels = torch.arange(cfg.n_experts, dtype=torch.float32) * 0.6 - 1.5
+    rows = [q @ levels[torch.randperm(cfg.n_experts)] + 0.01 * torch.randn(cfg.hidden) for _ in range(tokens)]
+    x_full = devices.to_device(torch.stack(rows).view(8, cfg.seq_len, cfg.hidden), grid.device)
+    dense = dense.to(grid.device)
+    layer = MoE(cfg, grid=grid).load_dense_(dense)
+    v = devices.to_device(torch.randn(cfg.hidden), grid.device)
+    x = axon4d.shard_input(x_full).detach().requires_grad_()
+    grid.comm.log.clear()
+    y, f_reads, f_syncs, f_host = _watched(grid.device, lambda: layer(x))
+    loss = (y * axon4d.shard_features(v, "x")).sum() / (y.shape[0] * y.shape[1]) + layer.aux_loss
+    _, b_reads, b_syncs, b_host = _watched(grid.device, loss.backward)
+    collectives = len(grid.comm.log.records)
+    xr = x_full.clone().requires_grad_()
+    ref = (dense(xr) * v).sum() / tokens + dense.aux_loss
+    ref.backward()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.detach().double(), b.detach().double()
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    out = rel(axon4d.gather_batch(axon4d.gather_features(y, "x")), dense(x_full))
+    got = dict(layer.to_dense(grads=True).named_parameters())
+    grad = max(rel(got[n].grad, p.grad) for n, p in dense.named_parameters() if p.grad is not None)
+    dx = axon4d.gather_batch(axon4d.gather_features(x.grad, "x")) / grid.size("batch")
+    return {
+        "device": str(grid.device),
+        "loss_rel": out,
+        "grad_rel": max(grad, rel(dx, xr.grad)),
+        "forward_reads": f_reads,
+        "forward_syncs": f_syncs,
+        "backward": b_reads + b_syncs,
+        "host_tensor_reads": f_host + b_host,  # on the host: the counts exchange, seen by the watch
+        "collectives": collectives,
+    }

@@ -33,6 +33,10 @@ rank runs is in ``bench/gpu_cases.py``. The cases:
 - ``sync``: a step of the training job (its fused AdamW and clipping) on the staged (1,2,2,1) grid
   with no host read and no synchronising call on the training thread before or after the step's
   one read of the loss and norm (``gpu_cases.no_host_sync``);
+- ``moe``: one MoE layer (top-2 of 8 experts, a shared one) against ``DenseMoE`` on the same device
+  on (1,1,2,1) and (1,2,2,1), fp32: the output and every gradient, one host read in the forward
+  (the counts exchange) and none in the backward (``gpu_cases.moe_against_dense``); never run on a
+  GPU yet;
 - ``one rank``: one rank on NCCL (the production backend), fp32 exact against dense — a world of
   one runs no collective, which the record says; ``async save``: the job with background saves on
   one rank over NCCL, resumed from its step-2 checkpoint on the same losses;
@@ -287,6 +291,17 @@ def _no_sync(results: list[dict[str, Any]]) -> str | None:
     return None if not bad else f"the job's AdamW ran {bad[0]['optimizer']!r} on a GPU, not fused"
 
 
+def _moe(results: list[dict[str, Any]]) -> str | None:
+    """``_exact()``, and the MoE layer read the device on the host once in its forward (its counts
+    exchange) and never in its backward."""
+    for r in results:
+        if len(r["forward_reads"]) > 1 or len(r["forward_syncs"]) > 1 or r["backward"]:
+            return "; ".join((r["forward_reads"] + r["forward_syncs"] + r["backward"])[:3])
+        if not str(r["device"]).startswith("cuda") and r["host_tensor_reads"] < 1:
+            return "the watch saw no read of the counts exchange: it proves nothing"
+    return _exact()(results)
+
+
 def _moved(results: list[dict[str, Any]]) -> str | None:
     """Every rank of a multi-rank case issued collectives (or, for the training job, moved bytes)."""
     idle = [i for i, r in enumerate(results) if not (r.get("collectives", 0) > 0 or r.get("comm_bytes", 0) > 0)]
@@ -387,6 +402,9 @@ def cases(scratch: str) -> list[Case]:
         Case("hf train then export x1y2z2d1", 4, None, run.hf_round_trip, args, {}, _round_trip, prepare=prepare)
     )
     out.append(Case(f"sync training step {_label(grid)}", 4, grid, run.no_host_sync, (), {}, _no_sync))
+    for grid in [(1, 1, 2, 1), (1, 2, 2, 1)]:
+        name = f"moe exact one read {_label(grid)}"
+        out.append(Case(name, _world(grid), grid, run.moe_against_dense, (), {}, _moe, ("fp32",)))
     one = (1, 1, 1, 1)
     name = "one rank exact llama x1y1z1d1"
     out.append(Case(name, 1, one, run.against_dense, ("llama",), {}, _exact(), ("fp32",), production=True))

@@ -263,11 +263,12 @@ def test_the_step_cases_run_on_the_host(tmp_path):
     --hf then export-hf (every weight transformers loads is the trained one, the export's peak
     resident memory); background saves on one rank resumed on the same losses, bit for bit."""
     out = tmp_path / "gpu_check.json"
-    proc = _run("--on-host", "--only", "sync,micro,hf,async", "--jobs", "2", "--out", str(out))
+    proc = _run("--on-host", "--only", "sync,micro,hf,async,moe", "--jobs", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     saved, status = _saved(out)
     names = ["sync training step x1y2z2d1", "micro keep x1y2z2d1", "hf train then export x1y2z2d1"]
-    assert status == dict.fromkeys([*names, "async save resume x1y1z1d1"], "passed")
+    moe = ["moe exact one read x1y1z2d1", "moe exact one read x1y2z2d1"]
+    assert status == dict.fromkeys([*names, "async save resume x1y1z1d1", *moe], "passed")
     got = {c["name"]: c["metrics"] for c in saved["ran"]}
     sync = got[names[0]]
     assert len(sync) == 4 and all(m["reads"] == [] == m["syncs"] and m["collectives"] > 0 for m in sync)
@@ -280,6 +281,19 @@ def test_the_step_cases_run_on_the_host(tmp_path):
     assert hf["export_peak_rss_bytes"] > 0 and hf["train_peak_device_bytes"] is None  # the host keeps no peak
     resume = got["async save resume x1y1z1d1"][0]
     assert resume["async_save"] and resume["written"] == ["step_2", "step_4"] and resume["bitwise"]
+    for m in got[moe[0]] + got[moe[1]]:  # exact, its host's own reads seen (the counts exchange), none flagged
+        assert m["loss_rel"] <= 8e-6 and m["grad_rel"] <= 8e-6 and m["host_tensor_reads"] > 0
+        assert m["forward_reads"] == [] == m["backward"] and m["collectives"] > 0
+
+
+def test_the_moe_case_fails_on_a_second_read_or_a_read_in_backward():
+    good = {"device": "cuda:0", "forward_reads": ["tolist at moe_dispatch.py:61"], "forward_syncs": []}
+    good.update(backward=[], host_tensor_reads=0, loss_rel=1e-7, grad_rel=1e-7)
+    assert gpu_check._moe([good]) is None
+    assert gpu_check._moe([{**good, "forward_reads": good["forward_reads"] * 2}]) is not None
+    assert gpu_check._moe([{**good, "backward": ["item at moe.py:1"]}]) is not None
+    assert gpu_check._moe([{**good, "grad_rel": 1e-3}]) is not None
+    assert gpu_check._moe([{**good, "device": "cpu"}]) is not None  # on the host the watch must see the read
 
 
 @pytest.mark.parametrize(
