@@ -37,6 +37,7 @@ from axon4d.device import fp8 as fp8_kernel
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.local_linear import LocalLinear, block, cast, linear
+from axon4d.nn.weight_grad import dw_padded, kept_tensors
 from axon4d.precision import FP8, compute_dtype
 
 log = logging.getLogger("axon4d.fp8")
@@ -95,7 +96,7 @@ class _Linear3D(torch.autograd.Function):
         sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and kept is None)
         if sched.recomputing:  # full recomputation: the kept block is the recomputed forward's
             ctx.w_block = None
-            ctx.save_for_backward(x, weight, *_tensors(kept))
+            ctx.save_for_backward(x, weight, *kept_tensors(kept))
         else:  # held on ctx, so backward can free it before the dW matmul
             ctx.w_block = kept
             ctx.save_for_backward(x, weight, None, None)
@@ -146,9 +147,9 @@ class _Linear3D(torch.autograd.Function):
                     pad = fp8_kernel.ALIGN
                     dy_t = fp8_gemm.quantise(dy2, dy_scale, transpose=True, pad_to=pad)  # (out_l, b')
                     x_t = fp8_gemm.quantise(x2, transpose=True, pad_to=pad)  # (in_l, b'): X's forward scale
-                    dw = _dw_padded(dy_t, x_t, g_z, dtype, out=slot)
+                    dw = dw_padded(dy_t, x_t, g_z, dtype, out=slot)
                 else:
-                    dw = _dw_padded(dy2, x2, g_z, dtype, out=slot)  # (shard_numel·G_z,): E11's input
+                    dw = dw_padded(dy2, x2, g_z, dtype, out=slot)  # (shard_numel·G_z,): E11's input
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E11 over z, E12 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
@@ -158,44 +159,6 @@ class _Linear3D(torch.autograd.Function):
         if dx_handle is not None:
             dx_out = dx_handle.wait().view(x.shape)
         return dx_out, dweight, dbias, None
-
-
-def _tensors(kept: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A kept block as the two tensors autograd saves: (block, None), or (e4m3 data, scale) under FP8."""
-    return (kept.data, kept.scale) if isinstance(kept, fp8_gemm.Quantised) else (kept, None)
-
-
-def _dw_padded(dy2: Any, x2: Any, g_z: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """dW = dYᵀ X (out_l, b) @ (b, in_l), flat and zero-padded to ``g_z`` equal shards (the layout
-    E11 reduce-scatters over z, ``geometry.z_padded``), in ``dtype``: the gradient-reduction dtype,
-    so under ``bf16-fp32-reduce`` the GEMM's fp32 sums are reduced as they are, never rounded to
-    bf16 first (``device.mm_widening``). The product is written straight into the padded buffer:
-    no copy of the block, and none at all when out_l·in_l divides by G_z. ``out``: a flat
-    (out_l·in_l,) tensor to write an unpadded product into (a slice of an E12 bucket,
-    ``Scheduler.weight_grad_slot``), used when its dtype is the product's. Under FP8 GEMMs ``dy2`` and
-    ``x2`` are ``fp8_gemm.Quantised`` dŶᵀ (out_l, b') and X̂ᵀ (in_l, b'), and the fp32 sums are
-    written the same way (``fp8_gemm.grad_weight``)."""
-    fp8 = isinstance(dy2, fp8_gemm.Quantised)
-    rows, cols = (dy2.data.shape[0], x2.data.shape[0]) if fp8 else (dy2.shape[1], x2.shape[1])
-    numel = rows * cols
-    padded = geometry.z_padded_numel(numel, g_z)
-    device = dy2.data.device if fp8 else dy2.device
-    if not fp8:
-        dtype = torch.promote_types(torch.promote_types(dy2.dtype, x2.dtype), dtype)
-
-    def product(into: torch.Tensor | None) -> torch.Tensor:  # (out_l, in_l) in dtype
-        if fp8:
-            into = into if into is not None else torch.empty((rows, cols), dtype=dtype, device=device)
-            return fp8_gemm.grad_weight(dy2, x2, into)  # (out_l, b') @ (b', in_l)
-        return devices.mm_widening(dy2.t(), x2, dtype, out=into)  # (out_l, b) @ (b, in_l)
-
-    if padded == numel:
-        into = out.view(rows, cols) if out is not None and out.dtype == dtype else None
-        return product(into).view(-1)  # (out_l·in_l,)
-    dw = torch.empty(padded, dtype=dtype, device=device)
-    product(dw[:numel].view(rows, cols))
-    dw[numel:].zero_()
-    return dw
 
 
 class Linear(nn.Module):
