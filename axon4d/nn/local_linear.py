@@ -57,10 +57,10 @@ class LocalLinear(torch.autograd.Function):
         ctx.layer = layer
         # x and weight through autograd: recomputation and saved-tensor hooks see them
         if layer.grid.scheduler.recomputing:  # full recomputation: the copy is dropped and made again
-            ctx.w_copy = None
+            ctx.w_copy = ctx.w_scale = None
             ctx.save_for_backward(x, weight, copy, scale)
         else:  # held here, not saved: activation offload never ships a weight's copy
-            ctx.w_copy = (copy, scale)
+            ctx.w_copy, ctx.w_scale = copy, scale  # the scale: FP8's, else None
             ctx.save_for_backward(x, weight, None, None)
         return y
 
@@ -68,7 +68,8 @@ class LocalLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer = ctx.layer  # the axon4d.Linear
         x, weight, saved, saved_scale = ctx.saved_tensors
-        (copy, scale), ctx.w_copy = ((saved, saved_scale) if saved is not None else ctx.w_copy), None
+        copy, scale = (saved, saved_scale) if saved is not None else (ctx.w_copy, ctx.w_scale)
+        ctx.w_copy = ctx.w_scale = None
         precision = layer.grid.precision
         dy2 = rows(dy)  # (b, out)
         dx = dweight = dbias = None
