@@ -11,7 +11,11 @@ Names: ``fp32`` (everything fp32), ``bf16`` (bf16 compute, bf16 gradient reducti
 which are reduced without a round trip through bf16), ``bf16-fp8-gather`` (``bf16-fp32-reduce``
 whose weight all-gathers over z, E10f/E10b, move float8 e4m3 shards with one fp32 scale each —
 ``fp8_pack``/``fp8_unpack``, docs/design.md §3 — restored to bf16 before the GEMM; with G_z = 1
-there is no gather and it computes exactly what ``bf16-fp32-reduce`` does).
+there is no gather and it computes exactly what ``bf16-fp32-reduce`` does), ``bf16-fp8``
+(``bf16-fp8-gather`` whose 3D Linear GEMMs — forward, dX and dW — run in float8 e4m3 with one
+tensorwise scale per local block, ``torch._scaled_mm``; the gathered e4m3 block feeds the GEMM
+without a bf16 round trip: ``axon4d.fp8_gemm``, docs/design.md §2 "FP8 GEMMs"). ``bf16-fp8`` is
+opt-in: ``auto`` never becomes it.
 
 ``auto`` (the training job's default, ``resolve``) is ``bf16-fp32-reduce`` on an accelerator —
 bf16 tensor cores, fp32 master weights and fp32 gradient sums — and ``fp32`` on the host, where
@@ -40,6 +44,9 @@ class Precision:
     #: what E10 moves a weight shard in: None (the compute dtype) or ``FP8`` (scaled per shard,
     #: ``fp8_pack``, and restored to the compute dtype before the GEMM, ``fp8_unpack``)
     gather: torch.dtype | None = None
+    #: what the 3D Linear's GEMMs multiply: None (the compute dtype) or ``FP8`` (e4m3 operands, one
+    #: tensorwise scale per local block, sums in fp32: ``axon4d.fp8_gemm``)
+    gemm: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for d in (self.param, self.compute, self.reduce):
@@ -48,6 +55,17 @@ class Precision:
             raise ValueError(
                 f"Precision(gather={self.gather}): weight gathers move the compute dtype (gather=None) or "
                 f"{FP8} with a per-shard scale (gather=torch.float8_e4m3fn, the bf16-fp8-gather precision)"
+            )
+        if self.gemm not in (None, FP8):
+            raise ValueError(
+                f"Precision(gemm={self.gemm}): the Linear's GEMMs multiply the compute dtype (gemm=None) or "
+                f"{FP8} with a tensorwise scale per block (gemm=torch.float8_e4m3fn, the bf16-fp8 precision)"
+            )
+        if self.gemm == FP8 and (self.compute != torch.bfloat16 or self.reduce != torch.float32):
+            raise ValueError(
+                f"Precision(gemm={FP8}) with compute={self.compute}, reduce={self.reduce}: FP8 GEMMs run beside "
+                "bf16 compute and fp32 gradient reductions (compute=torch.bfloat16, reduce=torch.float32, "
+                "the bf16-fp8 precision)"
             )
 
     @property
@@ -74,6 +92,7 @@ NAMED = {
     "bf16": Precision(compute=torch.bfloat16, reduce=torch.bfloat16),
     "bf16-fp32-reduce": Precision(compute=torch.bfloat16, reduce=torch.float32),
     "bf16-fp8-gather": Precision(compute=torch.bfloat16, reduce=torch.float32, gather=FP8),
+    "bf16-fp8": Precision(compute=torch.bfloat16, reduce=torch.float32, gather=FP8, gemm=FP8),
 }
 
 
@@ -119,16 +138,40 @@ def gathers_fp8(precision: Precision, g_z: int) -> bool:
     return precision.gather == FP8 and g_z > 1
 
 
-def fp8_pack(shard: torch.Tensor) -> torch.Tensor:
+#: the smallest normal fp32: no scale is below it, so x/s never overflows fp32 for |x| ≤ amax
+_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+def fp8_scale(amax: torch.Tensor, pow2: bool = False, fmax: float = FP8_MAX) -> torch.Tensor:
+    """The float8 scale s of a tensor whose largest magnitude is ``amax`` (a () fp32 tensor, on its
+    device: nothing is read back to the host), so that amax/s lands on the format's largest value
+    ``fmax`` (e4m3: 448): s = amax/fmax, or with ``pow2`` the power of two 2^⌈log₂(amax/fmax)⌉
+    (amax/s in (fmax/2, fmax]: a bit of range given up so that rescaling between two such scales
+    is exact, ``fp8_gemm.requantise``). An all-zero tensor gets s = 1 — with ``pow2`` the smallest
+    scale, 2⁻¹²⁶, so a zero shard never sets its block's scale — and s is never below fp32's
+    smallest normal: no 0 or inf scale, hence no NaN, from a block of zeros or of fp32 subnormals. A
+    non-finite amax gives itself as s, so an inf or NaN input stays non-finite (the step is then
+    skipped, as it would be in bf16)."""
+    ratio = torch.clamp(amax / fmax, min=_TINY)  # () fp32, ≥ the smallest normal
+    if pow2:
+        mantissa, exponent = torch.frexp(ratio)  # ratio = m·2^e, m in [0.5, 1)
+        scale = torch.ldexp(torch.ones_like(ratio), torch.where(mantissa == 0.5, exponent - 1, exponent))
+    else:
+        scale = torch.where(amax > 0, ratio, torch.ones_like(ratio))
+    return torch.where(torch.isfinite(amax), scale, amax)  # inf or NaN stays so
+
+
+def fp8_pack(shard: torch.Tensor, pow2: bool = False) -> torch.Tensor:
     """One rank's chunk of an fp8 E10: the flat z shard (n,) cast to e4m3 with the per-shard
-    scale s = amax(|shard|)/448 (s = 1 for an all-zero shard), as raw bytes, followed by s's 4
-    bytes (fp32): a (n + 4,) uint8 tensor on the shard's device. The scale is computed there; no
-    value is read back to the host. Each element is q = round_e4m3(w/s), so |q·s − w| ≤ 2⁻⁴·|w|
-    in e4m3's normal range and ≤ 2⁻¹⁰·s below it (its subnormals, spaced 2⁻⁹)."""
+    scale s = amax(|shard|)/448 (``fp8_scale``; s = 1 for an all-zero shard; a power of two with
+    ``pow2``, under FP8 GEMMs), as raw bytes, followed by s's 4 bytes (fp32): a (n + 4,) uint8
+    tensor on the shard's device. The scale is computed there; no value is read back to the host.
+    Each element is q = round_e4m3(w/s), so |q·s − w| ≤ 2⁻⁴·|w| in e4m3's normal range and
+    ≤ 2⁻¹⁰·s below it (its subnormals, spaced 2⁻⁹)."""
     n = shard.numel()
     w = shard.detach().reshape(-1).float()  # (n,) fp32
     amax = w.abs().amax()  # () fp32, on the device
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # () fp32
+    scale = fp8_scale(amax, pow2)  # () fp32
     packed = torch.empty(n + SCALE_BYTES, dtype=torch.uint8, device=shard.device)  # (n + 4,)
     # w may be the master shard itself (fp32): divide into a new tensor, never in place
     packed[:n].view(FP8).copy_(torch.div(w, scale).clamp_(-FP8_MAX, FP8_MAX))  # (n,) e4m3 bytes

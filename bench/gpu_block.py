@@ -10,6 +10,12 @@ fp32 parameters, forward and loss under ``torch.autocast(device_type, dtype=torc
 Both hold the weights of one ``DenseBlock`` (the fused QKV weight is its q, k and v weights
 stacked, q | k | v rows; bias likewise).
 
+The FP8 row (issue 44) is the headline row's axon4d block under ``precision="bf16-fp8"`` — its
+Linear GEMMs in e4m3 with one tensorwise scale per block (docs/design.md §2 "FP8 GEMMs"), norms and
+attention in bf16 — against the same autocast baseline; its outputs agree within 2⁻³ (two e4m3
+operands' rounding). It runs where the device has FP8 GEMMs (H100, H200; the host, which checks the
+script but times nothing of interest), and is left out elsewhere (A100). Not yet timed on a GPU.
+
 The second row is pure bf16: axon4d under ``precision="bf16"`` with bf16 parameters against the
 reference ``DenseBlock`` itself (separate q, k and v ``nn.Linear``) in bf16 parameters.
 
@@ -32,9 +38,10 @@ peak for a device it does not list).
 Saves ``bench/results/gpu_block_<device>.json``: ``precision``, ``baseline``, ``agreement``,
 ``samples_s`` and ``median_s`` (keys ``axon4d``, ``torch``), ``ratio``, ``pair_ratios``,
 ``pair_spread`` (``min``, ``q1``, ``median``, ``q3``, ``max``) of the headline row; the same
-under ``pure_bf16`` for the second; ``step_flops``, ``peak_tflops``, ``peak_source``, ``mfu``. It
+under ``pure_bf16`` for the second and under ``fp8`` for the FP8 row (null without FP8 GEMMs); ``step_flops``, ``peak_tflops``, ``peak_source``, ``mfu``. It
 prints the second row, then, last, the headline:
 
+    gpu fp8 GEMMs: step S ms, plain PyTorch (fused QKV, autocast) P ms (ratio R), pair ratios A-B
     gpu pure bf16: step S ms, plain PyTorch (unfused QKV, bf16 weights) P ms (ratio R), pair ratios A-B
     gpu: 20B width 7168, 1 rank, bf16 over fp32 weights: step S ms, plain PyTorch (fused QKV, autocast) P ms (ratio R), pair ratios A-B, MFU M%
 
@@ -64,6 +71,7 @@ from torch import nn  # noqa: E402
 import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig  # noqa: E402
+from axon4d.device import fp8 as fp8_kernel  # noqa: E402
 from axon4d.grid import Grid  # noqa: E402
 from axon4d.nn.attention import causal_attention  # noqa: E402
 from axon4d.nn.block import DenseBlock, TransformerBlock  # noqa: E402
@@ -72,10 +80,14 @@ from axon4d.train import peak  # noqa: E402
 
 #: the headline row's precision preset, and the pure-bf16 row's
 MIXED, PURE = "bf16-fp32-reduce", "bf16"
+#: the FP8 row's preset (issue 44)
+FP8 = "bf16-fp8"
 BASELINE = "plain PyTorch block, fused QKV nn.Linear, fp32 parameters under torch.autocast(bfloat16)"
 PURE_BASELINE = "axon4d.nn.block.DenseBlock (q, k, v separate nn.Linear), bf16 parameters"
 #: the largest difference of the outputs allowed, relative to the output's largest magnitude
 AGREEMENT = 5e-2
+#: ... for the FP8 row: two e4m3 operands, each rounded within 2⁻⁴
+FP8_AGREEMENT = 2.0**-3
 
 
 class FusedQKVBlock(nn.Module):
@@ -144,7 +156,13 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def timed_row(
-    ours: nn.Module, theirs: nn.Module, autocast: bool, x: torch.Tensor, v: torch.Tensor, args: argparse.Namespace
+    ours: nn.Module,
+    theirs: nn.Module,
+    autocast: bool,
+    x: torch.Tensor,
+    v: torch.Tensor,
+    args: argparse.Namespace,
+    bound: float = AGREEMENT,
 ) -> dict[str, Any]:
     """One row: the blocks' outputs compared, then ``args.pairs`` alternating pairs of steps after
     ``args.warmup`` of each (``theirs`` under autocast when ``autocast``)."""
@@ -154,8 +172,8 @@ def timed_row(
     with torch.no_grad():
         got = ours(x)
     agreement = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
-    if agreement > AGREEMENT:
-        raise SystemExit(f"gpu_block: axon4d's block differs from the baseline by {agreement:.2e} (> {AGREEMENT})")
+    if agreement > bound:
+        raise SystemExit(f"gpu_block: axon4d's block differs from the baseline by {agreement:.2e} (> {bound})")
     steps = {"axon4d": step_of(ours, x, v, device), "torch": step_of(theirs, x, v, device, autocast)}
     for step in steps.values():
         for _ in range(args.warmup):
@@ -210,6 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         peak_tflops, source = known if known is not None else (peak.measure_peak_tflops(grid, bf16), "measured")
     finally:
         axon4d.shutdown()
+    fp8 = None
+    if fp8_kernel.gemm_available(device):  # H100/H200 (and the host); not an A100
+        _init(FP8, args.on_host)
+        try:
+            ours8 = TransformerBlock(cfg, device=device, dtype=torch.float32).load_dense_(dense)
+            fp8 = timed_row(ours8, FusedQKVBlock(dense), True, x, v, args, bound=FP8_AGREEMENT)
+            del ours8
+        finally:
+            axon4d.shutdown()
     _init(PURE, args.on_host)
     try:
         dense16 = copy.deepcopy(dense).to(bf16)
@@ -231,12 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": BASELINE,
         **mixed,
         "pure_bf16": {"precision": PURE, "baseline": PURE_BASELINE, **pure},
+        "fp8": None if fp8 is None else {"precision": FP8, "baseline": BASELINE, **fp8},
         "step_flops": flops,
         "peak_tflops": peak_tflops,
         "peak_source": source,
         "mfu": mfu,
     }
     print(f"saved {common.save(out, result)}")
+    if fp8 is not None:
+        print(f"gpu fp8 GEMMs: {_row(fp8, 'fused QKV, autocast')}")
     print(f"gpu pure bf16: {_row(pure, 'unfused QKV, bf16 weights')}")
     what = "20B width" if cfg.hidden == width.hidden else "width"
     print(

@@ -120,7 +120,12 @@ def derived(d: dict[str, Any], name: str) -> dict[str, Any]:
     gpu = GPUS[name]
     key = str(d["devices_per_node"])
     d = dict(d)
-    d["matmul"] = {dt: {key: {f: table(peak, gpu, ELEMENT[dt]) for f in FORMS}} for dt, peak in d["peak_flops"].items()}
+    # FP8 has no table of its own: axon4d.plan.fp8 prices it from bf16's and fp8_gemm_speedup
+    d["matmul"] = {
+        dt: {key: {f: table(peak, gpu, ELEMENT[dt]) for f in FORMS}}
+        for dt, peak in d["peak_flops"].items()
+        if dt in ELEMENT
+    }
     d["compute_units"] = gpu["sms"]
     d.pop("comm_interference_s_per_byte", None)  # a host's measure; a GPU's is compute_units (below)
     sources = dict(d["sources"])

@@ -42,7 +42,7 @@ def test_auto_precision_is_bf16_with_fp32_reductions_on_an_accelerator_and_fp32_
         assert precision.resolve(name, accelerator=True) == name == precision.resolve(name, accelerator=False)
     with pytest.raises(
         ValueError,
-        match="precision 'fp16' is not supported; use one of fp32, bf16, bf16-fp32-reduce, bf16-fp8-gather, auto",
+        match="precision 'fp16' is not supported; use one of fp32, bf16, bf16-fp32-reduce, bf16-fp8-gather, bf16-fp8, auto",
     ):
         precision.resolve("fp16", accelerator=True)
     assert TrainConfig().precision == "auto"

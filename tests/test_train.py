@@ -363,6 +363,6 @@ def test_slow_compute_dtype_warns_on_rank_0():
 def test_unknown_precision_is_rejected():
     with pytest.raises(
         ValueError,
-        match="precision 'fp8' is not supported; use one of fp32, bf16, bf16-fp32-reduce, bf16-fp8-gather, auto",
+        match="precision 'fp8' is not supported; use one of fp32, bf16, bf16-fp32-reduce, bf16-fp8-gather, bf16-fp8, auto",
     ):
         train(TrainConfig(precision="fp8"))

@@ -142,6 +142,7 @@ class Transformer(nn.Module):
         )
         self.norm = norm_for(cfg, grid=grid, device=device, dtype=dtype)
         self.head = Linear(cfg.hidden, cfg.vocab_size, bias=False, transpose=False, **kw)
+        self.head.fp8_gemms = False  # the LM head stays in bf16 under FP8 GEMMs (docs/design.md §2)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(b, s) ids of this rank's batch shard → (b, s, vocab/G_y) logits, replicated over x."""

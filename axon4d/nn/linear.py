@@ -13,10 +13,17 @@ On a grid of one rank no axis has anything to communicate (every G of E8–E13 i
 then runs ``LocalLinear`` (axon4d.nn.local_linear), the ops ``torch.nn.Linear`` runs, in the grid's
 compute dtype, and involves neither the overlap scheduler nor the comm log (issue 18:
 ``bench/overhead.py``).
+
+Under FP8 GEMMs (``precision="bf16-fp8"``, docs/design.md §2 "FP8 GEMMs") the forward, dX and dW
+GEMMs multiply e4m3 operands, each with its own tensorwise scale (``axon4d.fp8_gemm``): the
+gathered e4m3 weight block is used as gathered and the forward's block is what keep-for-backward
+keeps. A layer whose local block is not a multiple of 16 in both dims runs in bf16 (logged:
+logger "axon4d.fp8", INFO); ``fp8_gemms`` says which, and setting it False runs a layer in bf16.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -24,12 +31,16 @@ import torch
 from torch import nn
 
 from axon4d import device as devices
-from axon4d import geometry, rectangles, rules, runtime, tiled_init
+from axon4d import fp8_gemm, geometry, rectangles, rules, runtime, tiled_init
 from axon4d.activations import mark_features
+from axon4d.device import fp8 as fp8_kernel
 from axon4d.geometry import Term
 from axon4d.grid import Grid
 from axon4d.nn.local_linear import LocalLinear, block, cast, linear
-from axon4d.precision import compute_dtype
+from axon4d.nn.weight_grad import dw_padded, kept_tensors
+from axon4d.precision import FP8, compute_dtype
+
+log = logging.getLogger("axon4d.fp8")
 
 
 class _Linear3D(torch.autograd.Function):
@@ -42,7 +53,9 @@ class _Linear3D(torch.autograd.Function):
 
     Under FP8 gathers (``bf16-fp8-gather``) E10 moves e4m3 shards with their scales and
     ``gather_weight`` hands back the block restored to the compute dtype (docs/design.md §3): the
-    GEMMs, the kept block and the gradients are those of bf16 gathers.
+    GEMMs, the kept block and the gradients are those of bf16 gathers. Under FP8 GEMMs
+    (``layer.fp8_gemms``) it hands back the e4m3 block with its scale, which the three GEMMs take as
+    it is (``axon4d.fp8_gemm``; X and dY are quantised here, each with its own scale).
     """
 
     @staticmethod
@@ -50,10 +63,12 @@ class _Linear3D(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Linear
     ) -> torch.Tensor:
         comm, sched = layer.grid.comm, layer.grid.scheduler
-        w = sched.gather_weight(layer, weight, backward=False)  # (out_l, in_l) — E10f, all-gather over z
-        x = x.to(w.dtype)  # mixed precision: compute in the gathered block's dtype (axon4d.precision)
+        fp8 = layer.fp8_gemms
+        w = sched.gather_weight(layer, weight, backward=False, fp8=fp8)  # (out_l, in_l) — E10f, all-gather over z
+        x = x.to(compute_dtype(layer.grid.precision, weight))  # mixed precision: the compute dtype
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
-        tokens, out_l = x2.shape[0], w.shape[0]
+        tokens, out_l = x2.shape[0], layer.block_shape[0]
+        xq = fp8_gemm.quantise(x2) if fp8 else None  # (b, in_l) e4m3, this rank's own scale
         y = x2.new_empty((tokens, out_l))  # (b, out_l)
         # the bias joins the partial sums of the input axis' first rank inside its GEMM (one addmm,
         # no extra pass over y); E8's all-reduce then adds it to every rank's output exactly once
@@ -62,7 +77,11 @@ class _Linear3D(torch.autograd.Function):
         for rows in sched.forward_chunks(tokens, out_l * y.element_size(), layer.grid.size(layer.in_axis)):
             part = y[start : start + rows]  # a contiguous row block of y
             with sched.compute("fwd.matmul"):
-                if b is None:
+                if xq is not None:  # (rows, in_l) @ (in_l, out_l) in FP8, + bias, written into y
+                    fp8_gemm.forward(
+                        fp8_gemm.Quantised(xq.data[start : start + rows], xq.scale), w, b, y.dtype, out=part
+                    )
+                elif b is None:
                     torch.matmul(x2[start : start + rows], w.t(), out=part)  # (rows, in_l) @ (in_l, out_l)
                 else:
                     torch.addmm(b, x2[start : start + rows], w.t(), out=part)  # the same, + bias
@@ -73,14 +92,14 @@ class _Linear3D(torch.autograd.Function):
         y = y.view(*x.shape[:-1], out_l)
         ctx.layer = layer
         ctx.has_bias = bias is not None
-        kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no E10b
+        kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no E10b (FP8: the e4m3 block)
         sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and kept is None)
         if sched.recomputing:  # full recomputation: the kept block is the recomputed forward's
             ctx.w_block = None
-            ctx.save_for_backward(x, weight, kept)
+            ctx.save_for_backward(x, weight, *kept_tensors(kept))
         else:  # held on ctx, so backward can free it before the dW matmul
             ctx.w_block = kept
-            ctx.save_for_backward(x, weight, None)
+            ctx.save_for_backward(x, weight, None, None)
         return y
 
     @staticmethod
@@ -88,16 +107,24 @@ class _Linear3D(torch.autograd.Function):
         layer: Linear = ctx.layer
         comm, sched = layer.grid.comm, layer.grid.scheduler
         sched.backward_started()  # pending reductions land in .grad before backward() returns
-        x, weight, kept = ctx.saved_tensors
+        x, weight, kept, kept_scale = ctx.saved_tensors
+        kept = kept if kept_scale is None else fp8_gemm.Quantised(kept, kept_scale)
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()  # (b, out_l)
+        fp8 = layer.fp8_gemms
+        dy_scale = None  # FP8: dY's one scale, shared by its two layouts
         dx_handle = None
         if ctx.needs_input_grad[0]:
             if kept is None:
                 kept = ctx.w_block
-            w = kept if kept is not None else sched.gather_weight(layer, weight, backward=True)
+            w = kept if kept is not None else sched.gather_weight(layer, weight, backward=True, fp8=fp8)
             with sched.compute("bwd.dX"):
-                dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
+                if fp8:  # (b, out_l) @ (out_l, in_l) in FP8
+                    dyq = fp8_gemm.quantise(dy2)
+                    dy_scale = dyq.scale
+                    dx = fp8_gemm.grad_input(dyq, w, dy2.dtype)
+                else:
+                    dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
             dx_handle = comm.all_reduce(dx, layer.out_axis, tag=Term.E9)  # issued before dW
             if not sched.policy.oar:
                 dx_handle.wait()
@@ -116,7 +143,13 @@ class _Linear3D(torch.autograd.Function):
                     if g_z == 1
                     else None
                 )
-                dw = _dw_padded(dy2, x2, g_z, dtype, out=slot)  # (shard_numel·G_z,): E11's input
+                if fp8:  # dYᵀ and X quantised transposed, tokens padded to 16 (zeros add nothing)
+                    pad = fp8_kernel.ALIGN
+                    dy_t = fp8_gemm.quantise(dy2, dy_scale, transpose=True, pad_to=pad)  # (out_l, b')
+                    x_t = fp8_gemm.quantise(x2, transpose=True, pad_to=pad)  # (in_l, b'): X's forward scale
+                    dw = dw_padded(dy_t, x_t, g_z, dtype, out=slot)
+                else:
+                    dw = dw_padded(dy2, x2, g_z, dtype, out=slot)  # (shard_numel·G_z,): E11's input
             dweight = sched.reduce_weight_grad(layer.weight, dw, scale)  # E11 over z, E12 over data
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(dim=0, dtype=torch.float32)  # (out_l,), accumulated in fp32
@@ -126,29 +159,6 @@ class _Linear3D(torch.autograd.Function):
         if dx_handle is not None:
             dx_out = dx_handle.wait().view(x.shape)
         return dx_out, dweight, dbias, None
-
-
-def _dw_padded(
-    dy2: torch.Tensor, x2: torch.Tensor, g_z: int, dtype: torch.dtype, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """dW = dYᵀ X (out_l, b) @ (b, in_l), flat and zero-padded to ``g_z`` equal shards (the layout
-    E11 reduce-scatters over z, ``geometry.z_padded``), in ``dtype``: the gradient-reduction dtype,
-    so under ``bf16-fp32-reduce`` the GEMM's fp32 sums are reduced as they are, never rounded to
-    bf16 first (``device.mm_widening``). The product is written straight into the padded buffer:
-    no copy of the block, and none at all when out_l·in_l divides by G_z. ``out``: a flat
-    (out_l·in_l,) tensor to write an unpadded product into (a slice of an E12 bucket,
-    ``Scheduler.weight_grad_slot``), used when its dtype is the product's."""
-    rows, cols = dy2.shape[1], x2.shape[1]
-    numel = rows * cols
-    padded = geometry.z_padded_numel(numel, g_z)
-    dtype = torch.promote_types(torch.promote_types(dy2.dtype, x2.dtype), dtype)
-    if padded == numel:
-        into = out.view(rows, cols) if out is not None and out.dtype == dtype else None
-        return devices.mm_widening(dy2.t(), x2, dtype, out=into).view(-1)  # (out_l·in_l,)
-    dw = torch.empty(padded, dtype=dtype, device=dy2.device)
-    devices.mm_widening(dy2.t(), x2, dtype, out=dw[:numel].view(rows, cols))
-    dw[numel:].zero_()
-    return dw
 
 
 class Linear(nn.Module):
@@ -192,7 +202,24 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_numel, device=device, dtype=dtype))
         rows = self.block_shape[0]
         self.bias = nn.Parameter(torch.empty(rows, device=device, dtype=dtype)) if bias else None
+        #: whether this layer's GEMMs run in FP8 (module docstring); False runs it in bf16
+        self.fp8_gemms = self.grid.precision.gemm == FP8 and self._fp8_fits(device)
         self.reset_parameters()
+
+    def _fp8_fits(self, device: torch.device) -> bool:
+        """Under FP8 GEMMs: the device must have them (else RuntimeError, ``device.fp8.check_gemm``)
+        and the local block (out_l, in_l) must be a multiple of 16 in both dims, else the layer runs
+        in bf16, logged."""
+        fp8_kernel.check_gemm(device)
+        if fp8_gemm.layer_fits(*self.block_shape):
+            return True
+        log.info(
+            "%s: local block (out_l, in_l) = %s is not a multiple of %d in both dims; its GEMMs run in bf16",
+            self._name(),
+            self.block_shape,
+            fp8_kernel.ALIGN,
+        )
+        return False
 
     # -- layout ---------------------------------------------------------------------------------
     @property
@@ -352,5 +379,5 @@ class Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, transpose={self.transpose}, "
-            f"block={self.block_shape}, shard={self.shard_numel}"
+            f"block={self.block_shape}, shard={self.shard_numel}" + (", fp8" if self.fp8_gemms else "")
         )

@@ -18,6 +18,10 @@ instead, so it is dropped with the block's tensors and made again by the re-run 
 dtypes already match (fp32, pure bf16) the block is a view of the weight: no copy at all. Each
 forward casts the weight as it is then, so an optimizer step or a load between steps is seen by
 the next forward; autograd refuses a weight written in place between a forward and its backward.
+
+FP8 GEMMs (``layer.fp8_gemms``, precision ``bf16-fp8``): the copy is the e4m3 block quantised from
+the fp32 master with its power-of-two scale (one byte per element), and the three GEMMs are
+``axon4d.fp8_gemm``'s, as on a grid of many ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from axon4d import device as devices
+from axon4d import fp8_gemm
+from axon4d.device.fp8 import ALIGN
 from axon4d.precision import compute_dtype, reduce_dtype
 
 
@@ -38,35 +44,55 @@ class LocalLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Any) -> torch.Tensor:
         x = cast(x, compute_dtype(layer.grid.precision, weight))  # mixed precision: the compute dtype
-        w = block(weight, layer.block_shape, x.dtype)  # (out, in): a view, or this step's one cast copy
-        copy = w if w.dtype != weight.dtype and ctx.needs_input_grad[0] else None  # what dX reuses
+        if layer.fp8_gemms:  # (out, in) e4m3 from the fp32 master, its power-of-two scale
+            w: Any = fp8_gemm.quantise(weight.view(layer.block_shape), pow2=True)
+            copy, scale = (w.data, w.scale) if ctx.needs_input_grad[0] else (None, None)
+            b = None if bias is None else cast(bias, x.dtype)
+            y = fp8_gemm.forward(fp8_gemm.quantise(rows(x)), w, b, x.dtype).view(*x.shape[:-1], -1)
+        else:
+            w = block(weight, layer.block_shape, x.dtype)  # (out, in): a view, or this step's one cast copy
+            copy = w if w.dtype != weight.dtype and ctx.needs_input_grad[0] else None  # what dX reuses
+            scale = None
+            y = linear(x, w, bias)
         ctx.layer = layer
         # x and weight through autograd: recomputation and saved-tensor hooks see them
         if layer.grid.scheduler.recomputing:  # full recomputation: the copy is dropped and made again
-            ctx.w_copy = None
-            ctx.save_for_backward(x, weight, copy)
+            ctx.w_copy = ctx.w_scale = None
+            ctx.save_for_backward(x, weight, copy, scale)
         else:  # held here, not saved: activation offload never ships a weight's copy
-            ctx.w_copy = copy
-            ctx.save_for_backward(x, weight, None)
-        return linear(x, w, bias)
+            ctx.w_copy, ctx.w_scale = copy, scale  # the scale: FP8's, else None
+            ctx.save_for_backward(x, weight, None, None)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         layer = ctx.layer  # the axon4d.Linear
-        x, weight, saved = ctx.saved_tensors
-        copy, ctx.w_copy = (saved if saved is not None else ctx.w_copy), None
+        x, weight, saved, saved_scale = ctx.saved_tensors
+        copy, scale = (saved, saved_scale) if saved is not None else (ctx.w_copy, ctx.w_scale)
+        ctx.w_copy = ctx.w_scale = None
         precision = layer.grid.precision
         dy2 = rows(dy)  # (b, out)
         dx = dweight = dbias = None
+        fp8 = layer.fp8_gemms
+        dyq = fp8_gemm.quantise(dy2) if fp8 else None  # (b, out) e4m3, its own scale
         if ctx.needs_input_grad[0]:
-            w = copy if copy is not None else block(weight, layer.block_shape, dy.dtype)  # (out, in)
-            dx = dy2.mm(w)  # (b, out) @ (out, in) = (b, in)
+            if dyq is not None:  # (b, out) @ (out, in) in FP8
+                dx = fp8_gemm.grad_input(dyq, fp8_gemm.Quantised(copy, scale), dy.dtype)
+            else:
+                w = copy if copy is not None else block(weight, layer.block_shape, dy.dtype)  # (out, in)
+                dx = dy2.mm(w)  # (b, out) @ (out, in) = (b, in)
+                del w
             dx = dx if x.dim() == 2 else dx.view(x.shape)
-            del w
         del copy, saved  # a held copy is freed here, before the dW GEMM
         if ctx.needs_input_grad[1]:
             wide = torch.promote_types(dy2.dtype, reduce_dtype(precision, weight))  # fp32 sums stay fp32
-            dw = devices.mm_widening(dy2.t(), rows(x), wide).view(-1)  # (out, b) @ (b, in), flattened
+            if dyq is not None:  # (out, b') @ (b', in) in FP8, tokens zero-padded to 16
+                dw = torch.empty(layer.block_shape, dtype=wide, device=dy.device)
+                dy_t = fp8_gemm.quantise(dy2, dyq.scale, transpose=True, pad_to=ALIGN)
+                fp8_gemm.grad_weight(dy_t, fp8_gemm.quantise(rows(x), transpose=True, pad_to=ALIGN), dw)
+                dw = dw.view(-1)
+            else:
+                dw = devices.mm_widening(dy2.t(), rows(x), wide).view(-1)  # (out, b) @ (b, in), flattened
             dweight = cast(dw, weight.dtype)
         if ctx.needs_input_grad[2]:
             bias = layer.bias

@@ -16,6 +16,7 @@ one fit, and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -24,9 +25,11 @@ from typing import Any
 from axon4d import rules
 from axon4d.config import SIZES, get_config
 from axon4d.plan import correction, stepfit
+from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.machine import available
 from axon4d.plan.moe_cost import param_counts, placement
 from axon4d.plan.options import AUTO_OPTION
+from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import DEFAULT_PRECISION, OPTIMIZERS, Workload
 from axon4d.precision import NAMED
@@ -214,6 +217,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"expert placement: {placement(cfg, best.shape).describe()} ({routing}; MFU counts active parameters)")
     print()
     print(result.table(min(args.top, len(fitting))))
+    if wl.preset == fp8_plan.PRESET:  # which layers the best plan runs in FP8
+        print(f"\nFP8 GEMMs on {best.shape.as_tuple()} (priced per run of each layer on one rank):")
+        print(fp8_plan.table(best_scenario(wl, best, result.machine)))
     print(
         "\ncolumns: mem = peak device memory per rank; pin = host memory the node's ranks pin (offload, async "
         "snapshot); t_<axis> = communication seconds per step on that axis before overlap; hidden = share of "
@@ -224,6 +230,22 @@ def main(args: argparse.Namespace) -> int:
             json.dump(result.to_json(args.top), f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def best_scenario(wl: Workload, best: Any, machine: Any) -> Scenario:
+    """The ``Scenario`` a candidate was priced as: its grid, policy and step options."""
+    o = best.options
+    return Scenario(
+        dataclasses.replace(wl, context_parallel=best.context_parallel),
+        best.shape,
+        machine,
+        best.overlap,
+        best.recompute,
+        o.get("micro_batches", 1),
+        o.get("zero", 0),
+        o.get("offload", 0),
+        o.get("fp8_gather", False),
+    )
 
 
 def fp8_option(precision: str, flag: str) -> bool | str:

@@ -15,8 +15,10 @@ adds the runs up into a step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from axon4d.geometry import Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.collective_model import ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
 from axon4d.plan.overlap_credit import Window
@@ -203,10 +205,16 @@ def _gemms(spec: LinearSpec, sc: Scenario, chunks: int) -> tuple[float, float, f
         dw = ew((2 * table + 2 * b * out_l) * elem, world)  # zero-fill the table, scatter-add rows
         return fwd, 0.0, 0.0, dw
     multiple = sc.overlap.chunking(m.accelerator)[1]
-    fwd_mm = sum(m.matmul_time("nt", rows, in_l, out_l, dt, world) for rows in chunk_sizes(b, chunks, multiple))
+    # under bf16-fp8, the layers the planner runs in FP8 (axon4d.plan.fp8: where it fits and is cheaper)
+    fp8 = fp8_plan.runs_fp8_at_all(spec, sc) and fp8_plan.layer_choice(spec, sc)[0]
+    mm = functools.partial(fp8_plan.gemm_seconds, m) if fp8 else m.matmul_time
+    fwd_mm = sum(mm("nt", rows, in_l, out_l, dt, world) for rows in chunk_sizes(b, chunks, multiple))
     fwd = fwd_mm + (ew(2 * b * out_l * elem, world) if spec.bias else 0.0)
-    dx = m.matmul_time("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
-    dw = m.matmul_time("tn", out_l, b, in_l, dt, world)
+    dx = mm("nn", b, out_l, in_l, dt, world) if spec.input_grad else 0.0
+    dw = mm("tn", out_l, b, in_l, dt, world)
+    if fp8:  # the casts: X's in forward, dY's, X's again, Ŵᵀ and the block's in backward (about a third, two thirds)
+        casts = fp8_plan.cast_seconds(spec, sc)
+        fwd, dw = fwd + casts / 3, dw + 2 * casts / 3
     return fwd, fwd_mm, dx, dw
 
 

@@ -119,6 +119,8 @@ class Machine:
     # world size (str) -> [k_compute, k_activation_comm, k_weight_comm, seconds per collective] (stepfit)
     step_samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # the measured calibration steps the scales were fitted to (axon4d.plan.stepfit.Sample as dicts)
+    fp8_gemm_speedup: list[list[float]] = dataclasses.field(default_factory=list)
+    # rows [GEMM FLOPs, FP8 speed over bf16's]: with peak_flops["float8_e4m3fn"], FP8 GEMMs (axon4d.plan.fp8)
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     # -- lookups ----------------------------------------------------------------------------------

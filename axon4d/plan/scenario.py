@@ -39,6 +39,7 @@ from axon4d import rules
 from axon4d.config import ModelConfig
 from axon4d.geometry import Collective
 from axon4d.overlap_policy import OverlapPolicy
+from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan import moe_cost
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_count
@@ -91,8 +92,9 @@ def step_precision(wl: Workload, fp8_gather: bool) -> Precision:
     return dataclasses.replace(precision, gather=FP8)
 
 
-#: the presets a step may run with FP8 weight gathers (what they become: "bf16-fp8-gather")
-FP8_GATHER_PRESETS = ("bf16-fp32-reduce", "bf16-fp8-gather")
+#: the presets a step may run with FP8 weight gathers (what they become: "bf16-fp8-gather"; "bf16-fp8",
+#: whose GEMMs are FP8 too, gathers in FP8 already)
+FP8_GATHER_PRESETS = ("bf16-fp32-reduce", "bf16-fp8-gather", "bf16-fp8")
 
 
 def fp8_gathers_allowed(wl: Workload) -> bool:
@@ -124,6 +126,7 @@ class Scenario:
             )
         check_recompute(self.recompute)
         check_options(self.workload, self.micro_batches, self.zero, self.offload, self.fp8_gather)
+        fp8_plan.check(self.machine, self.workload.preset)  # FP8 GEMMs only where the machine has them
         if self.workload.dtypes.gather == FP8 and self.shape.z > 1:  # the precision gathers in FP8
             object.__setattr__(self, "fp8_gather", True)  # frozen: set once, here
 

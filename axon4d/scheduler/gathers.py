@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from axon4d import fp8_gemm
 from axon4d.comm import Communicator, Handle
 from axon4d.geometry import Term, wire_dtype
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.precision import Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
+from axon4d.precision import FP8, Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
@@ -66,11 +67,13 @@ class WeightGathers:
         blocks carried to the next micro-batch."""
         return self._holding > 0
 
-    def gather_weight(self, layer: Any, weight: torch.Tensor, backward: bool) -> torch.Tensor:
+    def gather_weight(self, layer: Any, weight: torch.Tensor, backward: bool, fp8: bool = False) -> Any:
         """The (rows, cols) weight block of ``layer`` — E10f/E10b, all-gather over z — and the OAG prefetch
         of the layer that runs next (forward order, or reverse order when ``backward``). A forward
         outside full recomputation takes the block a held backward carried (``carry_block``) while
-        ``weight`` is unchanged since: no E10f."""
+        ``weight`` is unchanged since: no E10f. With ``fp8`` (the layer's GEMMs run in FP8) the block
+        is an ``fp8_gemm.Quantised`` e4m3 block with one scale, taken from E10's FP8 bytes as
+        gathered (``fp8_gemm.weight_block``), else a tensor in the compute dtype."""
         carried = None if backward or self.recomputing else self._carried_block(layer, weight)
         if carried is not None:
             if self.policy.oag:
@@ -84,6 +87,8 @@ class WeightGathers:
         rows, cols = layer.block_shape
         flat = handle.wait()  # (G_z·n,) in the compute dtype, or (G_z·(n + 4),) uint8 under fp8 gathers
         g_z = self.comm.shape.size("z")
+        if fp8:  # FP8 GEMMs: the e4m3 block and its scale, no bf16 copy
+            return fp8_gemm.weight_block(flat, weight, g_z, gathers_fp8(self.precision, g_z), rows, cols)
         if gathers_fp8(self.precision, g_z):  # restored to the compute dtype for the GEMM
             flat = fp8_unpack(flat, g_z, compute_dtype(self.precision, weight))
         return flat[: rows * cols].view(rows, cols)
@@ -124,7 +129,8 @@ class WeightGathers:
         term = Term.E10B if backward else Term.E10F
         dtype = wire_dtype(self.precision, term, weight.dtype, g_z=self.comm.shape.size("z"))
         if dtype == torch.uint8:  # FP8 gathers
-            return self.comm.all_gather(fp8_pack(weight), "z", tag=term)  # (n + 4,) uint8 per rank
+            packed = fp8_pack(weight, pow2=self.precision.gemm == FP8)  # (n + 4,); FP8 GEMMs rescale it exactly
+            return self.comm.all_gather(packed, "z", tag=term)
         return self.comm.all_gather(weight.detach().to(dtype), "z", tag=term)
 
     def _take_prefetch(self, layer: Any, weight: torch.Tensor) -> Handle | None:
@@ -137,7 +143,7 @@ class WeightGathers:
             return None
         return handle
 
-    def carry_block(self, layer: Any, block: torch.Tensor | None) -> None:
+    def carry_block(self, layer: Any, block: Any) -> None:
         """``layer``'s backward is done with ``block``, the weight block its forward kept
         (``oag_keep``; None: none kept). Inside ``accumulating`` the block is carried to the next
         micro-batch's forward of ``layer`` (``gather_weight``), so over k micro-batches E10f runs
@@ -157,7 +163,7 @@ class WeightGathers:
         none once a step's last backward has run)."""
         return len(self._carried)
 
-    def _carried_block(self, layer: Any, weight: torch.Tensor) -> torch.Tensor | None:
+    def _carried_block(self, layer: Any, weight: torch.Tensor) -> Any:
         """The block carried for ``layer`` if ``weight`` is unchanged since (same version, same
         storage) under ``oag_keep``; a stale one is dropped (an optimizer step or a load between
         micro-batches: the next forward gathers again)."""

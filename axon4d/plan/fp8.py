@@ -1,0 +1,138 @@
+"""FP8 GEMMs in the planner (precision ``bf16-fp8``, docs/design.md §2 "FP8 GEMMs" and §6).
+
+A machine has FP8 GEMMs when its file gives an FP8 peak (``peak_flops["float8_e4m3fn"]``) and how
+an FP8 GEMM's speed compares with bf16's by size (``fp8_gemm_speedup``: rows [GEMM FLOPs, speed-up],
+interpolated in log FLOPs, held at the ends); without them (A100, MI250X) a ``bf16-fp8`` workload
+is refused (``check``). Per layer and grid the planner prices both ways (``layer_choice``):
+
+- bf16: the three GEMMs at the machine's bf16 rate (``Machine.matmul_time``);
+- FP8: each GEMM at its bf16 time divided by the speed-up at its size, plus the casts the runtime
+  makes (``axon4d.fp8_gemm``): X quantised in forward and again transposed in backward (amax, then
+  a read of 2 bytes and a write of 1 per element), dY's amax and its two layouts, Ŵᵀ laid out
+  for dX, and the weight block brought to one scale (read 1, an fp32 pass, write 1 per element) —
+  the scales themselves are one amax each: no collective.
+
+and runs the layer in FP8 where its local block is a multiple of 16 in both dims and FP8 is the
+cheaper (``fp8_layers``); the LM head and the embedding stay in bf16, as in the runtime.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from axon4d.device.fp8 import ALIGN
+from axon4d.geometry import weight_block_shape
+from axon4d.plan.workload import LinearSpec
+
+if TYPE_CHECKING:
+    from axon4d.plan.machine import Machine
+
+#: a ``axon4d.plan.scenario.Scenario`` (which imports this module: not imported here)
+Scenario = Any
+
+#: the peak_flops key of FP8 (e4m3) tensor cores
+DTYPE = "float8_e4m3fn"
+#: the preset whose Linear GEMMs may run in FP8
+PRESET = "bf16-fp8"
+#: layers the runtime keeps in bf16 under FP8 GEMMs (axon4d.models.transformer)
+BF16_LAYERS = ("head", "embedding")
+
+
+def available(machine: Machine) -> bool:
+    """Whether ``machine`` has FP8 tensor cores: its file gives an FP8 peak and speed-ups by size."""
+    return machine.peak_flops.get(DTYPE, 0.0) > 0 and bool(machine.fp8_gemm_speedup)
+
+
+def check(machine: Machine, preset: str) -> None:
+    """Refuse (ValueError) a ``bf16-fp8`` workload on a machine without FP8 tensor cores."""
+    if preset == PRESET and not available(machine):
+        raise ValueError(
+            f"precision {PRESET} runs the Linear GEMMs in FP8, but machine {machine.name!r} has no FP8 tensor cores "
+            f"(its file gives no peak_flops[{DTYPE!r}] and fp8_gemm_speedup); use bf16-fp8-gather or "
+            "bf16-fp32-reduce, or a machine with FP8 (h100, h800)"
+        )
+
+
+def speedup(machine: Machine, flops: float) -> float:
+    """FP8 GEMM speed over bf16's at ``flops`` (2·m·k·n): ``fp8_gemm_speedup`` interpolated in log FLOPs."""
+    rows = sorted(machine.fp8_gemm_speedup)
+    if flops <= rows[0][0]:
+        return rows[0][1]
+    for (f0, s0), (f1, s1) in zip(rows, rows[1:]):
+        if flops <= f1:
+            t = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return s0 + t * (s1 - s0)
+    return rows[-1][1]
+
+
+def gemm_seconds(machine: Machine, form: str, m: int, k: int, n: int, dtype: str, world: int) -> float:
+    """Seconds of one FP8 GEMM (m×k)·(k×n): the bf16 GEMM's work time over ``speedup``, plus one op."""
+    work = machine.matmul_time(form, m, k, n, dtype, world) - machine.op_overhead_s
+    return work / speedup(machine, 2.0 * m * k * n) + machine.op_overhead_s
+
+
+def cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
+    """Seconds of one run's FP8 casts on one rank (module docstring), elementwise at the machine's rate."""
+    in_l, out_l = spec.local(sc.shape)
+    b, elem, m = sc.tokens, sc.element_size, sc.machine
+    block = in_l * out_l
+    streamed = 2 * b * in_l * (2 * elem + 1)  # X: amax, read, write e4m3 — forward, and transposed in backward
+    streamed += b * out_l * (3 * elem + 2)  # dY: amax, two reads, two e4m3 layouts
+    streamed += block * (1 + 1)  # Ŵᵀ for dX
+    streamed += block * (1 + 8 + 1) if sc.fp8_gather else block * (2 * elem + 1)  # the block to one scale
+    return m.elementwise_time(streamed, sc.world) + 10 * m.op_overhead_s
+
+
+def fits(spec: LinearSpec, sc: Scenario) -> bool:
+    """Whether ``spec`` can run FP8 on ``sc``'s grid: not a bf16 layer, its block a multiple of 16."""
+    if spec.embedding or spec.name in BF16_LAYERS:
+        return False
+    rows, cols = weight_block_shape(spec.in_features, spec.out_features, sc.shape, spec.transpose)
+    return rows % ALIGN == 0 and cols % ALIGN == 0
+
+
+def runs_fp8_at_all(spec: LinearSpec, sc: Scenario) -> bool:
+    """Whether ``spec`` may run FP8 on ``sc`` at all: the preset is ``bf16-fp8`` and it ``fits``."""
+    return sc.workload.preset == PRESET and fits(spec, sc)
+
+
+def layer_choice(spec: LinearSpec, sc: Scenario) -> tuple[bool, float, float]:
+    """(FP8?, bf16 seconds, FP8 seconds) of one run of ``spec``'s three GEMMs on one rank of ``sc``:
+    FP8 where the preset is ``bf16-fp8``, the layer fits (``fits``) and FP8 with its casts is the
+    cheaper; FP8 seconds are inf where it cannot run."""
+    m, world, dt, b = sc.machine, sc.world, sc.workload.dtype, sc.tokens
+    in_l, out_l = spec.local(sc.shape)
+    gemms = [("nt", b, in_l, out_l), ("tn", out_l, b, in_l)] + ([("nn", b, out_l, in_l)] if spec.input_grad else [])
+    bf16 = sum(m.matmul_time(f, mm, k, n, dt, world) for f, mm, k, n in gemms)
+    if not runs_fp8_at_all(spec, sc):
+        return False, bf16, math.inf
+    fp8 = sum(gemm_seconds(m, f, mm, k, n, dt, world) for f, mm, k, n in gemms) + cast_seconds(spec, sc)
+    return fp8 < bf16, bf16, fp8
+
+
+def fp8_layers(sc: Scenario, specs: list[LinearSpec]) -> dict[str, tuple[bool, float, float]]:
+    """``layer_choice`` of each of ``specs`` (the workload's layers) by name."""
+    return {s.name: layer_choice(s, sc) for s in specs}
+
+
+def table(sc: Scenario) -> str:
+    """Which layers of ``sc``'s workload run FP8 on its grid, and why: one line per layer with its
+    local block, its GEMMs' priced seconds per run in bf16 and in FP8 (casts included)."""
+    lines = [f"{'layer':<12} {'block (out_l, in_l)':>20} {'bf16 ms':>9} {'fp8 ms':>9}  runs"]
+    for spec in sc.workload.linears():
+        if spec.embedding:
+            continue
+        fp8, bf16_s, fp8_s = layer_choice(spec, sc)
+        block = weight_block_shape(spec.in_features, spec.out_features, sc.shape, spec.transpose)
+        if fp8:
+            why = "fp8"
+        elif spec.name in BF16_LAYERS:
+            why = "bf16 (kept in bf16)"
+        elif not fits(spec, sc):
+            why = f"bf16 (block not a multiple of {ALIGN})"
+        else:
+            why = "bf16 (fp8 slower here)"
+        fp8_ms = f"{1e3 * fp8_s:9.3f}" if math.isfinite(fp8_s) else f"{'-':>9}"
+        lines.append(f"{spec.name:<12} {str(block):>20} {1e3 * bf16_s:9.3f} {fp8_ms}  {why}")
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Protects the FP8 GEMMs of the 3D Linear (``precision="bf16-fp8"``, issue 44, docs/design.md §2
+"FP8 GEMMs"). Start here when changing ``axon4d.fp8_gemm``, ``axon4d.device.fp8`` or the FP8 branch
+of ``axon4d.nn.linear``. What must hold:
+
+- the scaled GEMM is its dequantised reference: forward (with bias, bf16 out), dX (bf16) and dW
+  (fp32, tokens zero-padded to 16) equal (âs_a)(b̂s_b)ᵀ computed in fp32 and rounded once — bit
+  for bit on the host, whose ``_scaled_mm`` dequantises and multiplies in fp32;
+- the scales: current, tensorwise, amax/448 (a power of two for weights); an all-zero block, fp32
+  subnormals and values near fp32's largest give finite, non-zero scales and no NaN; an inf or NaN
+  input stays non-finite (the step is skipped as in bf16, not hidden);
+- the gathered block: FP8 gathers' chunks, each with its own power-of-two scale, brought to the
+  block's scale exactly (the chunk of the largest scale bit for bit, every value in e4m3's normal
+  range exactly), and a zero shard never sets the scale;
+- one layer on grids with z > 1 (FP8 gathers) and x, y split: on every rank the layer's Y, dX and dW
+  are the dequantised reference of the operands it quantised — the weight block taken as gathered —
+  and within e4m3's rounding of the same layer under bf16-fp32-reduce; a layer whose local block is
+  not a multiple of 16 runs in bf16 and says so;
+- the preset is opt-in (``auto`` never becomes it) and is refused, clearly, on a device without FP8.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import axon4d
+from axon4d import activations, fp8_gemm
+from axon4d.device import fp8 as kernel
+from axon4d.precision import FP8, NAMED, Precision, fp8_pack, fp8_scale, resolve
+
+FP8_NAME, BF16_NAME = "bf16-fp8", "bf16-fp32-reduce"
+U_FP8 = 2.0**-4  # e4m3's unit roundoff
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# -- the scaled GEMM and its reference, one process ------------------------------------------------------
+@pytest.mark.parametrize("tokens", [40, 16, 7])
+def test_each_scaled_gemm_is_its_dequantised_reference(tokens):
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 64).bfloat16()  # (b, in)
+    w = torch.randn(48, 64) * 0.05  # (out, in), fp32 master
+    dy = (torch.randn(tokens, 48) * 1e-3).bfloat16()  # (b, out)
+    bias = torch.randn(48).bfloat16()
+    xq, wq, dyq = fp8_gemm.quantise(x), fp8_gemm.quantise(w, pow2=True), fp8_gemm.quantise(dy)
+    assert xq.data.dtype == wq.data.dtype == dyq.data.dtype == FP8
+    y = fp8_gemm.forward(xq, wq, bias, torch.bfloat16)
+    assert torch.equal(y, fp8_gemm.reference(xq, wq, torch.bfloat16, bias))
+    dx = fp8_gemm.grad_input(dyq, wq, torch.bfloat16)
+    assert torch.equal(dx, (fp8_gemm.dequantise(dyq) @ fp8_gemm.dequantise(wq)).bfloat16())
+    dy_t = fp8_gemm.quantise(dy, dyq.scale, transpose=True, pad_to=16)
+    x_t = fp8_gemm.quantise(x, xq.scale, transpose=True, pad_to=16)
+    assert dy_t.data.shape == (48, -(-tokens // 16) * 16) and (dy_t.data[:, tokens:].float() == 0).all()
+    dw = torch.empty(48, 64)
+    fp8_gemm.grad_weight(dy_t, x_t, dw)
+    assert torch.equal(dw, fp8_gemm.dequantise(dyq).t() @ fp8_gemm.dequantise(xq))  # padding adds nothing
+    # and FP8 did act: within e4m3's rounding of the bf16 GEMM, but not equal to it
+    ref = x.float() @ w.bfloat16().float().t() + bias.float()
+    assert 2.0**-9 < _rel(y.float(), ref) < U_FP8
+
+
+def test_scales_are_current_tensorwise_and_safe_for_zero_tiny_huge_and_non_finite_blocks():
+    t = torch.tensor([[3.0, -7.0], [0.5, 1.0]])
+    assert fp8_gemm.quantise(t).scale.item() == pytest.approx(7.0 / 448)
+    assert fp8_gemm.quantise(t, pow2=True).scale.item() == 2.0**-6  # 7/448 = 2⁻⁶ exactly
+    assert fp8_gemm.quantise(t * 1.01, pow2=True).scale.item() == 2.0**-5
+    for name, block in {
+        "zeros": torch.zeros(16, 16),
+        "fp32 subnormals": torch.full((16, 16), 1e-42),
+        "near fp32's largest": torch.full((16, 16), 3e38),
+    }.items():
+        for pow2 in (False, True):
+            q = fp8_gemm.quantise(block, pow2=pow2)
+            assert torch.isfinite(q.scale) and q.scale > 0, (name, pow2)
+            y = fp8_gemm.forward(q, fp8_gemm.quantise(torch.eye(16) * 1e-38), None, torch.float32)
+            assert not torch.isnan(y).any(), (name, pow2)
+            assert torch.equal(fp8_gemm.dequantise(q) == 0, block == 0) or name == "fp32 subnormals", name
+    assert (fp8_gemm.dequantise(fp8_gemm.quantise(torch.zeros(4, 4))) == 0).all()
+    for bad in (float("inf"), float("nan")):  # not hidden: the result is non-finite, as in bf16
+        block = torch.ones(16, 16)
+        block[3, 5] = bad
+        q = fp8_gemm.quantise(block)
+        assert not torch.isfinite(q.scale)
+        assert not torch.isfinite(fp8_gemm.forward(q, fp8_gemm.quantise(torch.eye(16)), None, torch.float32)).all()
+    assert fp8_scale(torch.tensor(0.0), pow2=True).item() == 2.0**-126  # never above a real shard's
+
+
+def test_gathered_chunks_are_brought_to_the_block_scale_exactly():
+    torch.manual_seed(3)
+    rows, cols, parts = 32, 48, 4
+    block = torch.randn(rows * cols) * torch.tensor([1.0, 1e-2, 0.0, 3.0]).repeat_interleave(rows * cols // parts)
+    shards = block.view(parts, -1)  # the z shards cut through rows (12 rows each … not whole rows here)
+    gathered = torch.cat([fp8_pack(s, pow2=True) for s in shards])
+    got = fp8_gemm.requantise(gathered, parts, rows, cols)
+    scales = [fp8_scale(s.abs().amax(), pow2=True) for s in shards]
+    assert got.scale == max(scales) == fp8_gemm.quantise(block.view(rows, cols), pow2=True).scale
+    restored = fp8_gemm.dequantise(got).view(parts, -1)
+    for i, s in enumerate(shards):
+        own = fp8_pack(s, pow2=True)[:-4].view(FP8).float() * scales[i]  # chunk i as its own scale restores it
+        normal = own.abs() >= 2.0**-6 * got.scale
+        assert torch.equal(restored[i][normal], own[normal]), i  # exact in e4m3's normal range
+        assert ((restored[i] - own).abs() <= 2.0**-10 * got.scale).all(), i  # half a subnormal step below it
+    assert torch.equal(got.data.view(parts, -1)[3].view(torch.uint8), gathered.view(parts, -1)[3, :-4])
+    assert (restored[2] == 0).all()  # the zero shard, whose scale 2⁻¹²⁶ set nothing
+
+
+def test_the_preset_is_opt_in_and_validated():
+    p = Precision.parse(FP8_NAME)
+    assert (p.param, p.compute, p.reduce, p.gather, p.gemm) == (torch.float32, torch.bfloat16, torch.float32, FP8, FP8)
+    assert resolve("auto", accelerator=True) == BF16_NAME and resolve(FP8_NAME, accelerator=True) == FP8_NAME
+    assert all(p.gemm is None for n, p in NAMED.items() if n != FP8_NAME)
+    with pytest.raises(ValueError, match=r"gemm=torch.bfloat16.*gemm=None.*float8_e4m3fn"):
+        Precision(compute=torch.bfloat16, gemm=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"compute=torch.float32, reduce=torch.float32: FP8 GEMMs run beside"):
+        Precision(gemm=FP8)
+
+
+def test_a_device_without_fp8_tensor_cores_is_refused(monkeypatch):
+    assert kernel.gemm_available(torch.device("cpu"))
+    assert not kernel.gemm_available(torch.device("meta"))
+    with pytest.raises(RuntimeError, match=r"has no FP8 tensor cores .*use bf16-fp8-gather or bf16-fp32-reduce"):
+        kernel.check_gemm(torch.device("meta"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    assert not kernel.gemm_available(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    assert kernel.gemm_available(torch.device("cuda", 0))
+
+
+def test_one_rank_layer_runs_the_same_fp8_gemms():
+    """A grid of one rank (``LocalLinear``): Y, dX and dW are the dequantised reference, bias included."""
+    axon4d.init((1, 1, 1, 1), precision=FP8_NAME)
+    try:
+        torch.manual_seed(1)
+        layer = axon4d.Linear(64, 32)
+        x = torch.randn(3, 5, 64, requires_grad=True)
+        dy = torch.randn(3, 5, 32).bfloat16()
+        y = layer(x)
+        y.backward(dy)
+        xq = fp8_gemm.quantise(x.detach().bfloat16().view(15, 64))
+        wq = fp8_gemm.quantise(layer.weight.detach().view(32, 64), pow2=True)
+        dyq = fp8_gemm.quantise(dy.view(15, 32))
+        assert layer.fp8_gemms
+        assert torch.equal(y.view(15, 32), fp8_gemm.reference(xq, wq, torch.bfloat16, layer.bias.detach().bfloat16()))
+        assert torch.equal(x.grad.view(15, 64), (fp8_gemm.dequantise(dyq) @ fp8_gemm.dequantise(wq)).bfloat16().float())
+        dw = fp8_gemm.dequantise(dyq).t() @ fp8_gemm.dequantise(xq)
+        assert torch.equal(layer.weight.grad, dw.view(-1))
+    finally:
+        axon4d.shutdown()
+
+
+# -- one layer on grids with z > 1 (FP8 gathers) and x, y split ------------------------------------------
+TOKENS = 12  # per rank not a multiple of 16: dW's token dim is padded
+#: (in, out, transpose): local blocks multiples of 16 on every grid below
+LAYERS = [(64, 96, False), (96, 64, True)]
+GRIDS = [(1, 1, 2, 1), (1, 1, 4, 1), (2, 1, 2, 1), (1, 2, 2, 1), pytest.param((2, 2, 2, 1), marks=pytest.mark.slow)]
+
+
+def _layer_run(grid, in_f, out_f, transpose):
+    """One forward and backward of a seeded Linear with a fixed dY: this rank's Y, dX, dW shard,
+    and — under FP8 GEMMs — the same three from the dequantised reference of the operands the
+    layer quantised (its weight block gathered as the layer gathers it), reduced as the layer
+    reduces them."""
+    torch.manual_seed(11)
+    layer = axon4d.Linear(in_f, out_f, bias=True, transpose=transpose)
+    x = torch.randn(TOKENS * grid.size("batch"), in_f)
+    dy = torch.randn(TOKENS * grid.size("batch"), out_f)
+    xs = axon4d.shard_input(x, transpose=transpose).requires_grad_()
+    dys = activations.shard_features(axon4d.shard_batch(dy), layer.out_axis).bfloat16()
+    y = layer(xs)
+    y.backward(dys)
+    out = {"Y": y.detach().float(), "dX": xs.grad.float(), "dW": layer.weight.grad.clone(), "fp8": layer.fp8_gemms}
+    if layer.fp8_gemms:
+        comm = grid.comm
+        wq = grid.scheduler.gather_weight(layer, layer.weight, backward=False, fp8=True)
+        xq, dyq = fp8_gemm.quantise(xs.detach().bfloat16()), fp8_gemm.quantise(dys)
+        first = grid.coord(layer.in_axis) == 0
+        y_ref = fp8_gemm.reference(xq, wq, torch.bfloat16, layer.bias.detach().bfloat16() if first else None)
+        dx_ref = (fp8_gemm.dequantise(dyq) @ fp8_gemm.dequantise(wq)).bfloat16()
+        dw_ref = (fp8_gemm.dequantise(dyq).t() @ fp8_gemm.dequantise(xq)).reshape(-1)
+        out["Y ref"] = comm.all_reduce(y_ref, layer.in_axis).wait().float()
+        out["dX ref"] = comm.all_reduce(dx_ref, layer.out_axis).wait().float()
+        padded = torch.zeros(layer.shard_numel * grid.size("z"))
+        padded[: dw_ref.numel()] = dw_ref
+        shard = comm.reduce_scatter(padded, "z").wait()
+        out["dW ref"] = comm.all_reduce(shard, "data").wait() / grid.size("batch")
+    return out
+
+
+def _layer_runs(grid):
+    return [_layer_run(grid, *layer) for layer in LAYERS]
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_one_layer_is_its_dequantised_reference_and_close_to_bf16(pools, grid):
+    world = math.prod(grid)
+    fp8 = pools(world).run(grid, _layer_runs, precision=FP8_NAME)
+    bf16 = pools(world).run(grid, _layer_runs, precision=BF16_NAME)
+    for i, layer in enumerate(LAYERS):
+        a, b = [rank[i] for rank in fp8], [rank[i] for rank in bf16]
+        for r in a:
+            assert r["fp8"], layer
+            for name in ("Y", "dX", "dW"):  # the gathered e4m3 block, used as gathered, in the GEMM
+                assert torch.equal(r[name], r[f"{name} ref"]), (grid, layer, name)
+        for name in ("Y", "dX", "dW"):  # over all ranks
+            diff = math.sqrt(sum(float((p[name].double() - q[name].double()).square().sum()) for p, q in zip(a, b)))
+            ref = math.sqrt(sum(float(q[name].double().square().sum()) for q in b))
+            assert 2.0**-9 < diff / ref < U_FP8, (grid, layer, name, diff / ref)

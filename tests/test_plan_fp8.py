@@ -1,0 +1,69 @@
+"""Protects the planner's FP8 GEMMs (issue 44 item 4, axon4d.plan.fp8): machines with FP8 tensor cores
+(H100, H800: a published peak and speed-ups by size) price each layer's GEMMs both ways and run FP8
+where the local block fits (multiples of 16) and FP8 with its casts is the cheaper; machines without
+(Perlmutter's A100s, Frontier's MI250X) are never offered it, and asking is a clear error; ``axon4d
+plan`` shows the per-layer choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from axon4d.config import get_config
+from axon4d.plan import fp8
+from axon4d.plan.cli import add_arguments, main
+from axon4d.plan.layers import layer_cost
+from axon4d.plan.machine import load
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.workload import Workload
+from axon4d.shape import GridShape
+
+
+def _sc(preset, shape=(2, 4, 4, 2), machine="h100"):
+    return Scenario(Workload(get_config("20B"), 64, precision=preset), GridShape(*shape), load(machine))
+
+
+def test_machines_with_and_without_fp8_tensor_cores():
+    assert fp8.available(load("h100")) and fp8.available(load("h800"))
+    assert not fp8.available(load("perlmutter")) and not fp8.available(load("frontier"))
+    h100 = load("h100")
+    assert h100.peak_flops[fp8.DTYPE] == 1979e12  # dense, the datasheet's (bf16: 989e12)
+    assert "not measured here" in h100.sources["fp8_gemm_speedup"] and "not measured here" in h100.sources["peak_flops"]
+    small, large = fp8.speedup(h100, 1e6), fp8.speedup(h100, 1e15)
+    assert (small, large) == (0.8, 1.39) and small < fp8.speedup(h100, 2 * 4096**3) < large
+    for name in ("perlmutter", "frontier"):
+        with pytest.raises(ValueError, match=rf"machine '{name}' has no FP8 tensor cores .* use bf16-fp8-gather"):
+            _sc("bf16-fp8", machine=name)
+
+
+def test_each_layer_is_priced_both_ways_and_runs_fp8_only_where_it_fits_and_is_cheaper():
+    sc, base = _sc("bf16-fp8"), _sc("bf16-fp8-gather")
+    choices = fp8.fp8_layers(sc, sc.workload.linears())
+    assert not choices["head"][0] and not math.isfinite(choices["head"][2])  # the LM head stays bf16
+    assert any(c[0] for c in choices.values()) and any(not c[0] for n, c in choices.items() if n != "head")
+    for spec in sc.workload.linears():
+        if spec.embedding:
+            continue
+        run_fp8, bf16_s, fp8_s = choices[spec.name]
+        assert run_fp8 == (fp8.fits(spec, sc) and fp8_s < bf16_s)
+        a, b = layer_cost(spec, sc), layer_cost(spec, base)  # the GEMMs change, the collectives do not
+        assert a.comm == b.comm
+        assert (a.fwd_mm + a.dx + a.dw < b.fwd_mm + b.dx + b.dw) == run_fp8
+        assert (a.fwd_mm + a.dx + a.dw == b.fwd_mm + b.dx + b.dw) == (not run_fp8)
+    # a grid whose split leaves a block that is not a multiple of 16 runs that layer in bf16
+    odd = Scenario(Workload(get_config("tiny"), 8, precision="bf16-fp8"), GridShape(1, 8, 1, 1), load("h100"))
+    assert not any(fp8.fits(s, odd) for s in odd.workload.linears() if s.name == "qkv")
+
+
+def test_axon4d_plan_shows_which_layers_run_fp8(capsys):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args("--model 20B --gpus 64 --machine h100 --batch 64 --precision bf16-fp8 --top 1".split())
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "FP8 GEMMs on (" in out and "runs" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(("qkv", "mlp_up", "head"))}
+    assert lines["head"].endswith("bf16 (kept in bf16)") and lines["mlp_up"].endswith("fp8")
