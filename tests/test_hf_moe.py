@@ -87,3 +87,100 @@ def test_moe_families_match_transformers(pools, family, grid):
 def test_router_variants_match_transformers(pools, family):
     grid = (1, 1, 2, 2)
     _assert_close(pools(_world(grid)).run(grid, _compare, family), f"{family} {grid}")
+
+
+def _fused_copy(src, dst):
+    """``src`` (a ``save_pretrained`` directory: per-expert tensors) saved again as one file of
+    the fused tensors transformers 5 keeps in memory (experts.gate_up_proj, experts.down_proj)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    dst.mkdir()
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(f"{src}/config.json", dst / "config.json")
+    return str(dst)
+
+
+def _loaded_logits(grid, directory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(directory)
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_parallelize(model)
+    load_pretrained_(model, directory)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = axon4d.gather_batch(model(input_ids=axon4d.shard_batch(ids)).logits)
+    # this rank read only its experts: E/G_batch of them
+    return logits, [tuple(b.moe.experts.up.shape) for m in model.modules() if isinstance(b := m, HFMoEBlock)]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+def test_loading_by_slices_reads_per_expert_and_fused_checkpoints(pools, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    per_expert = save_moe(str(tmp_path / "saved"), family, VOCAB)
+    fused = _fused_copy(per_expert, tmp_path / "fused")
+    ref = AutoModelForCausalLM.from_pretrained(per_expert, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+    grid = (2, 1, 1, 2)  # x = 2, experts over data = 2
+    for directory in (per_expert, fused):
+        for logits, shapes in pools(_world(grid)).run(grid, _loaded_logits, directory):
+            assert rel_err(logits, want) <= TOL, directory
+            assert shapes == [(2, 2 * 32, 32)] * 2  # 4 experts / G_data, [gate | up] of FFN 32, hidden 64 / G_x
+
+
+def _unsupported():
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        GptOssConfig,
+        GptOssForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
+
+    small = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        return [
+            Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, moe_intermediate_size=32, num_experts=4)),
+            DeepseekV3ForCausalLM(DeepseekV3Config(**small, moe_intermediate_size=32, n_routed_experts=4)),
+            GptOssForCausalLM(GptOssConfig(**small, intermediate_size=32, num_local_experts=4)),
+        ]
+
+
+def _refusals(grid):
+    from axon4d.parallelize.moe import check_supported
+
+    out = []
+    for model in _unsupported():
+        try:
+            auto_parallelize(model)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    try:
+        check_supported(_model("mixtral"), "general")
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+def test_unsupported_moe_models_get_one_line_naming_their_class(pools):
+    results = pools(2).run((1, 1, 1, 2), _refusals)
+    assert results[0] == results[1]  # every rank, the same line
+    names = ["Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM", "MixtralForCausalLM"]
+    assert len(results[0]) == len(names)
+    for name, msg in zip(names, results[0]):
+        assert msg is not None and msg.startswith(f"{name}: ") and "\n" not in msg
+        assert "MixtralForCausalLM and Qwen3MoeForCausalLM" in msg
+    assert "style='sharded'" in results[0][-1]
