@@ -184,3 +184,46 @@ def test_unsupported_moe_models_get_one_line_naming_their_class(pools):
         assert msg is not None and msg.startswith(f"{name}: ") and "\n" not in msg
         assert "MixtralForCausalLM and Qwen3MoeForCausalLM" in msg
     assert "style='sharded'" in results[0][-1]
+
+
+def _train(cfg_dict):
+    import warnings
+
+    from axon4d.train import TrainConfig, train
+
+    warnings.simplefilter("ignore")
+    summary = train(TrainConfig(**cfg_dict))
+    return {k: summary.get(k) for k in ("losses", "single_process_losses", "max_rel_diff")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,grid", [("qwen3", "2,1,1,2"), ("mixtral", "1,2,2,1")])
+def test_train_hf_fine_tunes_a_saved_moe_model_as_one_process_does(pools, tmp_path, family, grid):
+    from transformers import AutoModelForCausalLM
+
+    from axon4d.data import SyntheticTokens
+    from axon4d.train import hf
+
+    vocab, seq = 320, 16
+    path = save_moe(str(tmp_path / family), family, vocab)
+    assert hf.model_config(path, seq).n_experts == 4
+    cfg = dict(
+        hf=path,
+        grid=grid,
+        seq_len=seq,
+        batch_size=4,
+        micro_batches=2,
+        steps=3,
+        warmup_steps=1,
+        lr=1e-2,
+        out_dir=str(tmp_path / "run"),
+        progress=False,
+        peak_tflops=1.0,
+        compare_single=True,
+    )
+    got = pools(4).run(None, _train, cfg)[0]
+    assert got["max_rel_diff"] < 1e-5 and len(got["single_process_losses"]) == 3
+    first = SyntheticTokens(vocab, seq, seed=0).batch(0, 8)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert got["losses"][0] == pytest.approx(model(input_ids=first, labels=first).loss.item(), rel=1e-6)

@@ -90,6 +90,15 @@ def moe_config(config: Any, n_moe_layers: int) -> ModelConfig:
     )
 
 
+def is_sparse_layer(config: Any, i: int) -> bool:
+    """Whether decoder layer ``i`` of a Mixtral or Qwen3-MoE ``config`` is a sparse MoE block
+    (Qwen3-MoE: not in ``mlp_only_layers`` and (i + 1) divisible by ``decoder_sparse_step``)."""
+    if config.model_type == "mixtral":
+        return True
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return i not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0 and (i + 1) % step == 0
+
+
 def _refuse(model: nn.Module, why: str) -> ValueError:
     return ValueError(f"{type(model).__name__}: {why}; axon4d parallelizes the MoE models {SUPPORTED}")
 
