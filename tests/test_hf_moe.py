@@ -227,3 +227,63 @@ def test_train_hf_fine_tunes_a_saved_moe_model_as_one_process_does(pools, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         assert got["losses"][0] == pytest.approx(model(input_ids=first, labels=first).loss.item(), rel=1e-6)
+    # axon4d export-hf of the job's checkpoint: what transformers loads is the fine-tuned model
+    from axon4d.export.from_checkpoint import export_checkpoint
+
+    ckpt = str(tmp_path / "run" / "checkpoints" / "step_3")
+    export_checkpoint(ckpt, str(tmp_path / "exported"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32)
+    trained = pools(4).run(tuple(int(g) for g in grid.split(",")), _dense_after, path, seq, ckpt)[0]
+    got_state = exported.state_dict()
+    assert set(got_state) == set(trained)
+    for name, value in trained.items():
+        assert torch.equal(got_state[name], value), name
+    assert not torch.equal(
+        got_state["model.layers.0.mlp.experts.gate_up_proj"],
+        model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"],
+    )
+
+
+def _dense_after(grid, path, seq, ckpt):
+    """The dense Hugging Face model of ``path`` with the weights of the job's checkpoint ``ckpt``."""
+    import warnings
+
+    from axon4d import checkpoint
+    from axon4d.train import hf
+
+    warnings.simplefilter("ignore")
+    model = hf.build(path, hf.model_config(path, seq), grid)
+    checkpoint.load(ckpt, model, grid, check_model=False)
+    return {k: v.detach().clone() for k, v in model.to_dense().module.state_dict().items()}
+
+
+def _live_export(grid, family, out):
+    """One SGD step of a parallelized model, then ``save_pretrained_``; the dense model's logits."""
+    from axon4d.export import save_pretrained_
+
+    torch.manual_seed(0)
+    par = auto_parallelize(_model(family))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    local = axon4d.shard_batch(ids)
+    par(input_ids=local, labels=local).loss.backward()
+    with torch.no_grad():
+        for p in par.parameters():
+            p -= 0.5 * p.grad
+    save_pretrained_(par, out)
+    with torch.no_grad():
+        return to_dense(par)(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+def test_save_pretrained_writes_fused_tensors_transformers_loads(pools, tmp_path, family):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "out")
+    want = pools(4).run((1, 2, 2, 1), _live_export, family, out)[0]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).logits, want) <= TOL
+    with safe_open(f"{out}/model.safetensors", "pt") as f:
+        assert tuple(f.get_slice("model.layers.0.mlp.experts.gate_up_proj").get_shape()) == (4, 64, 64)

@@ -270,6 +270,28 @@ def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
     return style
 
 
+#: a Hugging Face MoE block's tensor (relative to the block) → (the ``HFMoEBlock`` tensors, as
+#: checkpoints save them, that make it; the dim they are stacked along)
+HF_TENSORS: dict[str, tuple[tuple[str, ...], int]] = {
+    "gate.weight": (("moe.router.weight",), 0),
+    "experts.gate_up_proj": (("moe.experts.up.gate", "moe.experts.up.up"), 1),
+    "experts.down_proj": (("moe.experts.down",), 0),
+}
+
+
+def saved_sources(name: str, saved: dict[str, tuple[int, ...]]) -> tuple[list[str], int] | None:
+    """(the saved tensors that make the Hugging Face tensor ``name``, their stacking dim) when
+    ``name`` is a tensor of an MoE block that an ``HFMoEBlock`` replaced and ``saved`` holds them;
+    None otherwise."""
+    for rel, (parts, dim) in HF_TENSORS.items():
+        if name.endswith(f".{rel}"):
+            block = name[: -len(rel) - 1]
+            keys = [f"{block}.{p}" for p in parts]
+            if all(k in saved for k in keys):
+                return keys, dim
+    return None
+
+
 def moe_blocks(model: nn.Module) -> list[tuple[str, HFMoEBlock]]:
     """(name, block) of every ``HFMoEBlock`` of ``model``."""
     return [(n, b) for n, b in model.named_modules() if isinstance(b, HFMoEBlock)]
