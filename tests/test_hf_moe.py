@@ -75,7 +75,12 @@ def _world(grid):
 
 @pytest.mark.parametrize(
     "grid",
-    [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2), pytest.param((1, 2, 2, 2), marks=pytest.mark.slow)],
+    [
+        (2, 2, 1, 1),
+        (1, 2, 2, 1),
+        pytest.param((2, 1, 1, 2), marks=pytest.mark.slow),
+        pytest.param((1, 2, 2, 2), marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("family", ["mixtral", "qwen3"])
 def test_moe_families_match_transformers(pools, family, grid):
@@ -122,7 +127,7 @@ def _loaded_logits(grid, directory):
     return logits, [tuple(b.moe.experts.up.shape) for m in model.modules() if isinstance(b := m, HFMoEBlock)]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_loading_by_slices_reads_per_expert_and_fused_checkpoints(pools, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -274,7 +279,7 @@ def _live_export(grid, family, out):
         return to_dense(par)(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_save_pretrained_writes_fused_tensors_transformers_loads(pools, tmp_path, family):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

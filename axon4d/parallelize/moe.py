@@ -153,10 +153,12 @@ class HeadNorm(nn.Module):
     @torch.no_grad()
     def to_dense(self, grads: bool = False) -> nn.Module:
         dense = copy.deepcopy(self.template[0])
-        if dense.weight.is_meta:
+        weight = cast(nn.Parameter, dense.weight)  # Hugging Face's RMSNorm weight
+        if weight.is_meta:
             dense.to_empty(device=self.weight.device)
-        dense.weight.copy_(self.weight)
-        dense.weight.grad = self.weight.grad.clone() if grads and self.weight.grad is not None else None
+            weight = cast(nn.Parameter, dense.weight)
+        weight.copy_(self.weight)
+        weight.grad = self.weight.grad.clone() if grads and self.weight.grad is not None else None
         return dense
 
 
@@ -199,9 +201,9 @@ class HFMoEBlock(nn.Module):
         (gathers over x, y and batch)."""
         dense = self.moe.to_dense(grads)
         block = copy.deepcopy(self.template[0])
-        if block.gate.weight.is_meta:
+        hf = cast(Any, block)  # Hugging Face's sparse MoE block: duck-typed
+        if hf.gate.weight.is_meta:
             block.to_empty(device=dense.router.weight.device)
-        hf = cast(Any, block)
         assert dense.experts.gate is not None
         pairs = (
             (hf.gate.weight, dense.router.weight, None),
