@@ -7,7 +7,8 @@ or shards with their index), maybe the tokenizer's files. Three pieces:
   FLOPs and MFU, the banner, the data (vocabulary, sequence length), a resume's checks and the
   planner of ``--grid auto``. Llama-family and GPT-2 configurations are read field by field
   (``PLANNED_TYPES``); other families through the common names, as an approximation the planner
-  does not price. The sequence length defaults to the model's positions, at most ``DEFAULT_SEQ_LEN``.
+  does not price. Mixtral and Qwen3-MoE (``MOE_TYPES``) add their experts' fields (one sparse
+  block's: ``axon4d.parallelize.moe.moe_config``), so the job logs its tokens per expert. The sequence length defaults to the model's positions, at most ``DEFAULT_SEQ_LEN``.
 - ``build(path, cfg, grid, ...)``: the model built on the meta device from its configuration
   (``AutoModelForCausalLM.from_config``, fp32 master weights), parallelized there
   (``axon4d.auto_parallelize``: Llama and GPT-2 keep the residual stream split over x, other families
