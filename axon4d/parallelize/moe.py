@@ -40,7 +40,7 @@ from axon4d.nn.functional import average_grad_over_batch
 from axon4d.nn.moe import MoE, placement_rules
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.nn.moe_dispatch import use_replicated
-from axon4d.parallelize.layers import linear_problem, sharded_norm_builder
+from axon4d.parallelize.layers import linear_problem, owned_by_axon4d, sharded_norm_builder
 from axon4d.parallelize.styles import (
     NORMAL_SPLIT,
     TRANSPOSED_SPLIT,
@@ -105,11 +105,14 @@ def _refuse(model: nn.Module, why: str) -> ValueError:
 
 def has_experts(model: nn.Module) -> bool:
     """Whether ``model`` looks like a Mixture-of-Experts model: its config names routed experts, or
-    a module's class is an MoE block or experts."""
+    a module's class (not one of this library's: they place themselves) is an MoE block or experts."""
     config = getattr(model, "config", None)
     if any(int(getattr(config, f, 0) or 0) > 0 for f in EXPERT_FIELDS if isinstance(getattr(config, f, 0), int)):
         return True
-    return any(any(w in type(m).__name__ for w in ("Moe", "MoE", "Experts")) for m in model.modules())
+    return any(
+        any(w in type(m).__name__ for w in ("Moe", "MoE", "Experts")) and not owned_by_axon4d(m)
+        for m in model.modules()
+    )
 
 
 def check_supported(model: nn.Module, style: str) -> None:
