@@ -49,6 +49,9 @@ class ModelConfig:
     """Experts every token passes through besides its routed ones (one MLP of shared_experts·expert_ffn)."""
     router_scoring: str = "softmax"
     """How router logits become scores: "softmax" (Mixtral, Qwen3-MoE, OLMoE) or "sigmoid" (DeepSeek-V3)."""
+    router_topk_norm: bool | None = None
+    """Whether a token's top-k gates are divided by their sum: None normalises when k > 1 (a single
+    normalised gate would be 1), True always (Mixtral), False never (Qwen3-MoE's norm_topk_prob=False)."""
     moe_aux_coef: float = 0.01
     """Weight of the load-balancing loss E·Σ_e f_e·P_e added to the training loss (0: off)."""
     moe_z_coef: float = 0.0

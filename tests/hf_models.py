@@ -83,3 +83,64 @@ def save_gpt2(directory: str, vocab: int = 320, seed: int = 0) -> str:
     cfg = GPT2Config(vocab_size=vocab, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
     GPT2LMHeadModel(cfg).save_pretrained(directory)
     return directory
+
+
+def mixtral_config(vocab: int = 320, experts: int = 4, top_k: int = 2, attn: str | None = None) -> Any:
+    """The tests' Mixtral: 2 layers, hidden 64, ``experts`` experts of FFN 32 (top-``top_k``),
+    grouped-query attention (4 heads, 2 key/value heads), 64 positions."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return cfg
+
+
+def qwen3_moe_config(vocab: int = 320, norm_topk_prob: bool = False, attn: str | None = None) -> Any:
+    """The tests' Qwen3-MoE: 3 layers — layer 1 a dense MLP (``mlp_only_layers``) — hidden 64, 4
+    experts of FFN 32 (top-2, gates renormalised if ``norm_topk_prob``), per-head q/k norms,
+    grouped-query attention (4 heads of 16, 2 key/value heads), 64 positions."""
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=[1],
+        max_position_embeddings=64,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return cfg
+
+
+def save_moe(directory: str, family: str = "mixtral", vocab: int = 320, seed: int = 0) -> str:
+    """The tests' Mixtral or Qwen3-MoE with random weights, saved to ``directory`` as
+    ``save_pretrained`` writes it (per-expert tensors)."""
+    from transformers import MixtralForCausalLM, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        model: Any = MixtralForCausalLM(mixtral_config(vocab))
+    else:
+        model = Qwen3MoeForCausalLM(qwen3_moe_config(vocab))
+    model.save_pretrained(directory)
+    return directory

@@ -31,6 +31,7 @@ from axon4d.export.output import (
 )
 from axon4d.models.hf import Exported, hf_config, hf_tensors, stacked
 from axon4d.parallelize.layers import is_conv1d
+from axon4d.parallelize.moe import saved_sources
 from axon4d.safetensors_files import ShardedWriter, TensorSpec, parse_size
 
 
@@ -87,6 +88,10 @@ def _hf_checkpoint_tensors(
         mod_name, _, p_name = name.rpartition(".")
         wrapped = f"{mod_name}.inner.{p_name}"
         segments = [k for k in saved if k.startswith(f"{wrapped}.")]
+        moe = saved_sources(name, saved)  # a tensor of an MoE block: the grid MoE layer's tensors
+        if moe is not None:
+            out.append(stacked(name, [(prefix + k, saved[k]) for k in moe[0]], False, moe[1]))
+            continue
         if name in saved or wrapped in saved:
             keys = [name if name in saved else wrapped]
         elif segments and all(k.rpartition(".")[2] in SEGMENTS for k in segments):
@@ -157,7 +162,7 @@ def export_checkpoint(
         tokenizer = recorded if recorded is not None and os.path.isdir(recorded) else None
     else:
         check_tokenizer(tokenizer)  # before anything is written
-    if isinstance(meta.get("model_config"), dict):  # a shape no export has is refused before the checksums
+    if isinstance(meta.get("model_config"), dict) and recorded_hf_path(meta) is None:  # refused before the checksums
         hf_tensors(ModelConfig(**meta["model_config"]))
     index = _checked_index(path, meta)
     entries = {  # the model's tensors (read_index admits only tensors)
@@ -187,8 +192,11 @@ def export_checkpoint(
     for entry, spec in zip(plan, specs):
         buffer = buffer_view(scratch, spec.shape, spec.dtype)
         for s in entry.sources:
-            end = s.row0 + s.shape[0]
-            rows = buffer[:, s.row0 : end].t() if entry.transposed else buffer[s.row0 : end]  # s's global shape
+            end = s.row0 + s.shape[s.dim]
+            if entry.transposed:
+                rows = buffer[:, s.row0 : end].t()
+            else:  # s's global shape
+                rows = buffer.narrow(s.dim, s.row0, end - s.row0)
             with warnings.catch_warnings():  # that it loads in one process, as asked
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)

@@ -33,6 +33,7 @@ from axon4d.grid import Grid
 from axon4d.models.hf import Exported, Source, hf_config, hf_tensors, stacked
 from axon4d.models.transformer import Transformer
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
+from axon4d.parallelize.moe import HF_TENSORS, moe_blocks, saved_sources
 from axon4d.param_layout import ParamLayout, param_layouts
 from axon4d.safetensors_files import ShardedWriter, TensorSpec, parse_size
 from axon4d.shape import AXES
@@ -42,20 +43,32 @@ from axon4d.shape import AXES
 
 def _parallelized_tensors(model: nn.Module) -> list[Exported]:
     """The tensors of a model ``auto_parallelize`` parallelized, under the names the model had:
-    a ``ShardedLinear``'s and ``ShardedNorm``'s parameters under the module they replaced."""
+    a ``ShardedLinear``'s and ``ShardedNorm``'s parameters under the module they replaced, an
+    ``HFMoEBlock``'s as transformers keeps them (``axon4d.parallelize.moe.HF_TENSORS``)."""
     layouts = param_layouts(model)
     replaced: dict[int, tuple[str, nn.Module]] = {}  # id(inner module) → (the replaced module's name, wrapper)
     for name, m in model.named_modules():
         if isinstance(m, (ShardedLinear, ShardedNorm)):
             replaced[id(m.inner)] = (name, m)
     out = []
+    blocks = [n for n, _ in moe_blocks(model)]
+    moe_saved: dict[str, tuple[int, ...]] = {}  # the saved tensors of MoE blocks' router and experts
     for name, _ in model.named_parameters():  # a tied parameter once, under its first name
+        if any(name.startswith(f"{b}.moe.") for b in blocks):
+            moe_saved.update(layouts[name].saved_tensors(name))
+            continue
         mod_name, _, p_name = name.rpartition(".")
         module = model.get_submodule(mod_name)
         dense, wrapper = replaced.get(id(module), (mod_name, None))
         conv1d = isinstance(wrapper, ShardedLinear) and wrapper.conv1d_class is not None and p_name == "weight"
         parts = list(layouts[name].saved_tensors(name).items())
         out.append(stacked(f"{dense}.{p_name}" if dense else p_name, parts, conv1d))
+    for block in blocks:  # as transformers keeps them: fused [gate | up] experts, down, the router
+        for rel in HF_TENSORS:
+            found = saved_sources(f"{block}.{rel}", moe_saved)
+            assert found is not None  # every HFMoEBlock holds a router and gated experts
+            keys, dim = found
+            out.append(stacked(f"{block}.{rel}", [(k, moe_saved[k]) for k in keys], False, dim))
     for name, buf in _persistent_buffers(model):
         out.append(stacked(name, [(name, tuple(buf.shape))], False))
     return out
@@ -92,7 +105,8 @@ def _place(
     exported tensor: sources stacked along dim 0, (in, out) if ``entry.transposed``)."""
     index = [slice(o, o + n) for o, n in zip(offsets, piece.shape)]
     if index:
-        index[0] = slice(index[0].start + source.row0, index[0].stop + source.row0)
+        d = source.dim
+        index[d] = slice(index[d].start + source.row0, index[d].stop + source.row0)
     if entry.transposed:
         buffer[index[1], index[0]] = piece.t()
     else:

@@ -36,7 +36,9 @@ class Source:
     shape: tuple[int, ...]
     """Its global shape: (out, in) for a weight, (out,) for a bias."""
     row0: int = 0
-    """The first of its rows (dim 0) among the exported tensor's output features."""
+    """The first of its rows (along ``dim``) among the exported tensor's."""
+    dim: int = 0
+    """The dim sources are stacked along (1: a Mixture-of-Experts block's fused [gate | up] experts)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,14 +119,15 @@ def check_exportable(cfg: ModelConfig) -> None:
         )
 
 
-def stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False) -> Exported:
+def stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False, dim: int = 0) -> Exported:
     """The exported tensor ``name`` made of the saved tensors ``parts`` ((key, global shape), in
-    order) stacked along dim 0; (in, out) when ``transposed``."""
+    order) stacked along ``dim``; (in, out) when ``transposed``."""
     sources, row = [], 0
     for key, shape in parts:
-        sources.append(Source(key, shape, row))
-        row += shape[0] if shape else 0
-    shape = (row, *parts[0][1][1:]) if parts[0][1] else ()
+        sources.append(Source(key, shape, row, dim))
+        row += shape[dim] if shape else 0
+    first = parts[0][1]
+    shape = (*first[:dim], row, *first[dim + 1 :]) if first else ()
     return Exported(name, tuple(reversed(shape)) if transposed else shape, tuple(sources), transposed)
 
 

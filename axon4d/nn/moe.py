@@ -184,7 +184,7 @@ class MoE(nn.Module):
         shares = share_sizes(tokens, g_y)
         chunks = self._chunks(tokens, g_y, x2)
         chosen, plans = self._route(s, shares, chunks)
-        g = moe_router.gates(s, chosen)  # (T, k)
+        g = moe_router.gates(s, chosen, cfg.router_topk_norm)  # (T, k)
         self.tokens_per_expert = [sum(c) for c in zip(*(p.tokens_per_expert() for p in plans))]
         self.aux_loss = self._aux(logits, s, tokens)
         t0 = sum(shares[:j])

@@ -82,7 +82,7 @@ class DenseMoE(nn.Module):
         logits = x2.float() @ self.router.weight.float().t()  # (T, E), fp32
         s = moe_router.scores(logits, cfg.router_scoring)
         experts = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
-        g = moe_router.gates(s, experts)  # (T, k)
+        g = moe_router.gates(s, experts, cfg.router_topk_norm)  # (T, k)
         counts = moe_router.expert_counts(experts, cfg.n_experts)
         self.tokens_per_expert = counts
         self.aux_loss = self._aux(logits, s, counts, x2.shape[0])

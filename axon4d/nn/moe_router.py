@@ -7,7 +7,9 @@ Everything runs in fp32 on logits (T, E) of T tokens and E experts:
 - scores s = softmax(logits) or sigmoid(logits) (``scoring``);
 - the k experts of a token are its k highest scores (``torch.topk``; ties go to the lower index);
 - gates g = the chosen scores, divided by their sum when k > 1 (so a token's gates add to 1), taken
-  as they are when k = 1 (a normalised single gate would be 1 and teach the router nothing);
+  as they are when k = 1 (a normalised single gate would be 1 and teach the router nothing) —
+  unless the config's ``router_topk_norm`` says always (Mixtral) or never (Qwen3-MoE's
+  ``norm_topk_prob=False``);
 - the balance loss (E19) E·Σ_e f_e·P_e, with f_e the share of the micro-batch's token–expert
   assignments that went to e (counted over the whole micro-batch, all ranks) and P_e the mean over
   tokens of e's probability (the scores normalised to add to 1 per token);
@@ -30,10 +32,13 @@ def choose(s: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(s.detach(), k, dim=-1).indices
 
 
-def gates(s: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """(T, k) fp32 gates of the chosen ``experts``: their scores, normalised to add to 1 when k > 1."""
+def gates(s: torch.Tensor, experts: torch.Tensor, normalize: bool | None = None) -> torch.Tensor:
+    """(T, k) fp32 gates of the chosen ``experts``: their scores, divided by their sum per token when
+    ``normalize`` is True, left as they are when False; None: normalised when k > 1."""
     g = s.gather(1, experts)  # (T, k)
-    return g / g.sum(dim=-1, keepdim=True) if experts.shape[1] > 1 else g
+    if normalize is None:
+        normalize = experts.shape[1] > 1
+    return g / g.sum(dim=-1, keepdim=True) if normalize else g
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:

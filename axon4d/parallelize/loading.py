@@ -34,7 +34,9 @@ from axon4d.grid import Grid
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import SplitFeatureNorm
+from axon4d.parallelize import moe_loading
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
+from axon4d.parallelize.moe import moe_blocks
 from axon4d.safetensors_files import INDEX_FILE, SINGLE_FILE
 
 #: the most elements one slice read returns (reads are cut into row chunks of at most this)
@@ -124,9 +126,10 @@ def _reads(model: nn.Module, grid: Grid) -> Iterator[Entry]:
     for name, m in model.named_modules():
         if isinstance(m, (ShardedLinear, ShardedNorm)):
             inner_of[id(m.inner)] = (name, m)
+    in_moe = {id(m) for _, block in moe_blocks(model) for m in block.modules()}  # read by _load_moe_blocks
     for name, m in model.named_modules():
         params = dict(m.named_parameters(recurse=False))
-        if not params:
+        if not params or id(m) in in_moe:
             continue
         dense, wrapper = inner_of.get(id(m), (name, None))
         if isinstance(m, Linear):
@@ -240,8 +243,37 @@ def load_pretrained_(
                 tiled_init.replace_parameter_(module, p_name, local, memo)
             else:
                 memo[id(p)] = p
+        _load_moe_blocks(model, reader, files, prefix, grid, device)
         _load_buffers(model, reader, files, prefix, device)
     return model
+
+
+def _load_moe_blocks(
+    model: nn.Module, reader: _Reader, files: dict[str, str], prefix: str, grid: Grid, device: torch.device
+) -> None:
+    """Fill every MoE block's router and experts with this rank's slices, from fused or per-expert
+    checkpoint tensors (``axon4d.parallelize.moe_loading``)."""
+
+    def find(tensor: str) -> str | None:
+        try:
+            return _resolve([tensor], files, prefix)
+        except KeyError:
+            return None
+
+    for name, block in moe_blocks(model):
+        for (module, p_name), reads in moe_loading.block_reads(name, block, find, grid).items():
+            p = module._parameters[p_name]
+            assert p is not None
+            local = torch.empty(p.shape, dtype=p.dtype, device=device) if p.is_meta else p.detach()
+            for r in reads:
+                sl = reader.slice(r.tensor)
+                if tuple(sl.get_shape()) != r.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {r.tensor} has shape {tuple(sl.get_shape())}, the model needs {r.shape}"
+                    )
+                local[r.dest].copy_(sl[r.index])
+            if p.is_meta:
+                tiled_init.replace_parameter_(module, p_name, local)
 
 
 def _load_buffers(model: nn.Module, reader: _Reader, files: dict[str, str], prefix: str, device: torch.device) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from axon4d import runtime
 from axon4d.grid import Grid
 from axon4d.nn.functional import average_grad_over_batch
-from axon4d.parallelize import context, gpt2, llama
+from axon4d.parallelize import context, gpt2, llama, moe
 from axon4d.parallelize import recompute as recomputation
 from axon4d.parallelize.general import general_linears
 from axon4d.parallelize.layers import ShardedLinear, is_linear, linear_problem, owned_by_axon4d
@@ -32,7 +32,7 @@ from axon4d.recompute_mode import check_recompute
 FAMILY_STYLES: dict[str, StyleFn] = {**llama.CHAINED_STYLES, **gpt2.CHAINED_STYLES}
 
 #: class name → its whole-model style under "sharded" (the residual stream split over x)
-SHARDED_STYLES: dict[str, StyleFn] = {**llama.SHARDED_STYLES, **gpt2.SHARDED_STYLES}
+SHARDED_STYLES: dict[str, StyleFn] = {**llama.SHARDED_STYLES, **gpt2.SHARDED_STYLES, **moe.SHARDED_STYLES}
 
 STYLES = ("sharded", "chained", "general")
 
@@ -73,6 +73,7 @@ def auto_parallelize(
     if style not in STYLES:
         raise ValueError(f"style {style!r} is not known; use one of {STYLES}")
     grid = runtime.resolve(grid)
+    moe.check_supported(model, style)  # an MoE model it cannot place: one line naming its class
     users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
     for name, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):

@@ -7,7 +7,8 @@ or shards with their index), maybe the tokenizer's files. Three pieces:
   FLOPs and MFU, the banner, the data (vocabulary, sequence length), a resume's checks and the
   planner of ``--grid auto``. Llama-family and GPT-2 configurations are read field by field
   (``PLANNED_TYPES``); other families through the common names, as an approximation the planner
-  does not price. The sequence length defaults to the model's positions, at most ``DEFAULT_SEQ_LEN``.
+  does not price. Mixtral and Qwen3-MoE (``MOE_TYPES``) add their experts' fields (one sparse
+  block's: ``axon4d.parallelize.moe.moe_config``), so the job logs its tokens per expert. The sequence length defaults to the model's positions, at most ``DEFAULT_SEQ_LEN``.
 - ``build(path, cfg, grid, ...)``: the model built on the meta device from its configuration
   (``AutoModelForCausalLM.from_config``, fp32 master weights), parallelized there
   (``axon4d.auto_parallelize``: Llama and GPT-2 keep the residual stream split over x, other families
@@ -27,6 +28,7 @@ Limits), and the run must be reproducible, resumable and equal to its single-pro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -37,12 +39,15 @@ from torch import nn
 from axon4d.config import ModelConfig
 from axon4d.grid import Grid
 from axon4d.nn.loss import vocab_parallel_cross_entropy
-from axon4d.parallelize import auto_parallelize, load_pretrained_, to_dense
+from axon4d.nn.moe import aux_loss
+from axon4d.parallelize import auto_parallelize, load_pretrained_, moe, to_dense
 from axon4d.parallelize.context import position_ids
 from axon4d.parallelize.layers import ShardedLinear
 
 #: the model types whose configuration is read exactly and whose parallel style the planner prices
 PLANNED_TYPES = ("llama", "gpt2")
+#: the Mixture-of-Experts model types whose configuration carries its experts into the run's ModelConfig
+MOE_TYPES = ("mixtral", "qwen3_moe")
 #: the sequence length of a run that gives none: the model's positions, but at most this
 DEFAULT_SEQ_LEN = 2048
 #: the file ``save_pretrained`` writes the configuration to
@@ -103,21 +108,36 @@ def model_config(path: str, seq_len: int = 0) -> ModelConfig:
     theta = theta or getattr(config, "rope_theta", None)
     architectures = getattr(config, "architectures", None) or [config.model_type]
     try:
-        return ModelConfig(
-            n_layers=int(config.num_hidden_layers),
-            hidden=int(config.hidden_size),
-            n_heads=heads,
-            n_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-            ffn_hidden=int(ffn) if ffn else None,
-            vocab_size=int(config.vocab_size),
-            seq_len=seq,
-            arch="gpt" if config.model_type == "gpt2" else "llama",
-            rope_theta=float(theta or 10000.0),
-            norm_eps=float(eps or 1e-5),
-            name=str(architectures[0]),
+        return _with_experts(
+            config,
+            ModelConfig(
+                n_layers=int(config.num_hidden_layers),
+                hidden=int(config.hidden_size),
+                n_heads=heads,
+                n_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+                ffn_hidden=int(ffn) if ffn else None,
+                vocab_size=int(config.vocab_size),
+                seq_len=seq,
+                arch="gpt" if config.model_type == "gpt2" else "llama",
+                rope_theta=float(theta or 10000.0),
+                norm_eps=float(eps or 1e-5),
+                name=str(architectures[0]),
+            ),
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"--hf {path!r}: its configuration does not describe a decoder-only transformer ({e})") from e
+
+
+def _with_experts(config: Any, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with the Mixture-of-Experts fields of a Mixtral or Qwen3-MoE ``config`` (what one of
+    its sparse blocks is on the grid: ``axon4d.parallelize.moe.moe_config``), so the job counts and
+    logs its experts; ``cfg`` as it is for another family."""
+    if config.model_type not in MOE_TYPES:
+        return cfg
+    sparse = sum(1 for i in range(config.num_hidden_layers) if moe.is_sparse_layer(config, i))
+    block = moe.moe_config(config, sparse)
+    fields = ("n_experts", "experts_per_token", "expert_ffn", "router_topk_norm", "moe_aux_coef", "moe_z_coef")
+    return dataclasses.replace(cfg, **{f: getattr(block, f) for f in fields})
 
 
 class HFCausalLM(nn.Module):
@@ -148,11 +168,11 @@ class HFCausalLM(nn.Module):
 
     def split_head(self) -> ShardedLinear | None:
         """The output head when its logits are this rank's slice of the vocabulary before they are
-        gathered (a ``ShardedLinear`` of unpermuted rows in a family, ``PLANNED_TYPES``, whose logits
+        gathered (a ``ShardedLinear`` of unpermuted rows in a family, ``PLANNED_TYPES`` or ``MOE_TYPES``, whose logits
         are the head's output of the body's last hidden state); None otherwise (a tied head: whole)."""
         module: Any = self.module  # a transformers PreTrainedModel
         head = module.get_output_embeddings()
-        if self.grid is None or module.config.model_type not in PLANNED_TYPES:
+        if self.grid is None or module.config.model_type not in PLANNED_TYPES + MOE_TYPES:
             return None
         if not isinstance(head, ShardedLinear) or head.fused is not None or head.output_sharded:
             return None
@@ -166,11 +186,14 @@ class HFCausalLM(nn.Module):
         DDP-averaged one of the global mean (the parallelized model averages over batch = data × z)."""
         head = self.split_head()
         if head is None:
-            return vocab_parallel_cross_entropy(self(ids), targets, None)  # (b, s, vocab) logits
-        body: Any = self.module.base_model  # the model below the head: (b, s, ·) hidden states
-        hidden = body(input_ids=ids, use_cache=False, **self._positions(ids)).last_hidden_state
-        logits = head.local(hidden)  # (b, s, vocab/G_out): this rank's slice of the vocabulary
-        return vocab_parallel_cross_entropy(logits, targets, self.grid, axis=head.inner.out_axis)
+            loss = vocab_parallel_cross_entropy(self(ids), targets, None)  # (b, s, vocab) logits
+        else:
+            body: Any = self.module.base_model  # the model below the head: (b, s, ·) hidden states
+            hidden = body(input_ids=ids, use_cache=False, **self._positions(ids)).last_hidden_state
+            logits = head.local(hidden)  # (b, s, vocab/G_out): this rank's slice of the vocabulary
+            loss = vocab_parallel_cross_entropy(logits, targets, self.grid, axis=head.inner.out_axis)
+        aux = aux_loss(self.module)  # MoE blocks' balance losses, when the config asks (axon4d.parallelize.moe)
+        return loss if aux is None else loss + aux
 
     def to_dense(self, grads: bool = False) -> HFCausalLM:
         """The unparallelized model (full weights, and ``.grad`` with ``grads``) on every rank:

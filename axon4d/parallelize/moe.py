@@ -1,0 +1,306 @@
+"""Hugging Face Mixture-of-Experts causal LMs under ``auto_parallelize`` (docs/parallelize.md,
+"Mixture-of-Experts models"; docs/moe.md).
+
+The sharded style of the llama-built MoE families (``MODELS``: Mixtral, Qwen3-MoE) keeps the
+residual stream split over x as for Llama (``axon4d.parallelize.llama``) and puts an ``HFMoEBlock``
+— axon4d's grid MoE layer (``axon4d.nn.moe.MoE``, E14–E18) — in place of every sparse MoE block:
+
+- the router ``gate.weight`` (E, hidden) becomes ``MoE.router`` (split over x); Mixtral's gates
+  are its top-k softmax scores renormalised (``router_topk_norm=True``), Qwen3-MoE's renormalised
+  when ``norm_topk_prob`` (else taken as they are);
+- the fused experts ``experts.gate_up_proj`` (E, 2I, hidden) = [gate | up] and
+  ``experts.down_proj`` (E, hidden, I) become ``MoE.experts``: experts over batch = data × z,
+  each split over x·y, up stored as [gate_j | up_j] per y chunk;
+- Qwen3-MoE's dense layers (``mlp_only_layers``, ``decoder_sparse_step``) keep ``Qwen3MoeMLP``,
+  chained like Llama's MLP; its per-head q/k norms become ``HeadNorm`` (this rank's heads, the
+  weight's gradient summed over y).
+
+The auxiliary loss: transformers adds its load-balancing loss only when the config sets
+``output_router_logits``; then ``HFMoEBlock`` computes E19 per layer with weight
+``router_aux_loss_coef · k / (MoE layers)`` (transformers pools the layers' router statistics
+before taking the product; the per-layer losses averaged are its loss when there is one layer),
+and the training job adds it (``axon4d.nn.moe.aux_loss``). Otherwise it is off.
+
+``check_supported`` refuses, in one line naming the class, every other model with MoE blocks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from axon4d import rules
+from axon4d.config import ModelConfig
+from axon4d.geometry import Term
+from axon4d.grid import Grid
+from axon4d.nn.functional import average_grad_over_batch
+from axon4d.nn.moe import MoE, placement_rules
+from axon4d.nn.moe_dense import DenseMoE
+from axon4d.nn.moe_dispatch import use_replicated
+from axon4d.parallelize.layers import linear_problem, owned_by_axon4d, sharded_norm_builder
+from axon4d.parallelize.styles import (
+    NORMAL_SPLIT,
+    TRANSPOSED_SPLIT,
+    BlockStyle,
+    StyleFn,
+    require_heads,
+    sharded_edges,
+)
+
+#: causal LM class → (its body's class, its decoder layer's class, its sparse MoE block's class)
+MODELS = {
+    "MixtralForCausalLM": ("MixtralModel", "MixtralDecoderLayer", "MixtralSparseMoeBlock"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock"),
+}
+#: the dense MLP class of a family's non-MoE layers
+DENSE_MLPS = ("Qwen3MoeMLP", "MixtralMLP")
+#: what the refusal of an unsupported MoE model lists
+SUPPORTED = (
+    "MixtralForCausalLM and Qwen3MoeForCausalLM (softmax top-k routers, renormalised or not, SiLU-gated "
+    "experts, no shared experts, style='sharded')"
+)
+#: config fields by which a Hugging Face config says its model has routed experts
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def moe_config(config: Any, n_moe_layers: int) -> ModelConfig:
+    """The ``ModelConfig`` of one sparse MoE block of a Mixtral or Qwen3-MoE ``config`` (only the
+    fields ``MoE`` reads are meaningful)."""
+    mixtral = config.model_type == "mixtral"
+    e = int(config.num_local_experts if mixtral else config.num_experts)
+    k = int(config.num_experts_per_tok)
+    ffn = int(config.intermediate_size if mixtral else config.moe_intermediate_size)
+    aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if config.output_router_logits else 0.0
+    return ModelConfig(
+        n_layers=1,
+        hidden=int(config.hidden_size),
+        n_heads=1,
+        arch="llama",
+        ffn_hidden=ffn,
+        n_experts=e,
+        experts_per_token=k,
+        expert_ffn=ffn,
+        router_topk_norm=True if mixtral else bool(config.norm_topk_prob),
+        moe_aux_coef=aux * k / max(n_moe_layers, 1),
+        moe_z_coef=0.0,
+        name=str(config.model_type),
+    )
+
+
+def is_sparse_layer(config: Any, i: int) -> bool:
+    """Whether decoder layer ``i`` of a Mixtral or Qwen3-MoE ``config`` is a sparse MoE block
+    (Qwen3-MoE: not in ``mlp_only_layers`` and (i + 1) divisible by ``decoder_sparse_step``)."""
+    if config.model_type == "mixtral":
+        return True
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return i not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0 and (i + 1) % step == 0
+
+
+def _refuse(model: nn.Module, why: str) -> ValueError:
+    return ValueError(f"{type(model).__name__}: {why}; axon4d parallelizes the MoE models {SUPPORTED}")
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether ``model`` looks like a Mixture-of-Experts model: its config names routed experts, or
+    a module's class (not one of this library's: they place themselves) is an MoE block or experts."""
+    config = getattr(model, "config", None)
+    if any(int(getattr(config, f, 0) or 0) > 0 for f in EXPERT_FIELDS if isinstance(getattr(config, f, 0), int)):
+        return True
+    return any(
+        any(w in type(m).__name__ for w in ("Moe", "MoE", "Experts")) and not owned_by_axon4d(m)
+        for m in model.modules()
+    )
+
+
+def check_supported(model: nn.Module, style: str) -> None:
+    """Raise one ``ValueError`` line (the same on every rank) when ``model`` has MoE blocks that
+    ``auto_parallelize`` cannot place on the grid: another MoE family, a supported one with options
+    it does not implement, or a style other than sharded."""
+    if not has_experts(model):
+        return
+    name = type(model).__name__
+    if name not in MODELS:
+        raise _refuse(model, "its Mixture-of-Experts blocks are not supported")
+    config = cast(Any, model).config
+    if style != "sharded":
+        raise _refuse(model, f"style={style!r} would leave its experts whole on every rank; use style='sharded'")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise _refuse(model, f"hidden_act {config.hidden_act!r}: the grid's experts are SiLU-gated")
+    if float(getattr(config, "router_jitter_noise", 0.0) or 0.0):
+        raise _refuse(model, f"router_jitter_noise = {config.router_jitter_noise} is not implemented; set it to 0")
+
+
+class HeadNorm(nn.Module):
+    """A per-head RMSNorm (Qwen3-MoE's q_norm, k_norm: over head_dim) on this rank's heads; the
+    weight is whole on every rank and its gradient, partial over y (each y rank holds other heads),
+    is summed over y and averaged over batch = data × z."""
+
+    def __init__(self, original: nn.Module, grid: Grid):
+        super().__init__()
+        norm = cast(Any, original)  # Hugging Face's RMSNorm: duck-typed
+        self.weight = norm.weight
+        self.eps = float(norm.variance_epsilon)
+        self.grid = grid
+        self.template = [original]  # what to_dense returns; in a list: not a submodule
+        average_grad_over_batch(self.weight, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype  # (..., heads/G_y, head_dim)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return use_replicated(self.weight, "y", self.grid, Term.REPLICATED_GRAD) * h.to(dtype)
+
+    @torch.no_grad()
+    def to_dense(self, grads: bool = False) -> nn.Module:
+        dense = copy.deepcopy(self.template[0])
+        weight = cast(nn.Parameter, dense.weight)  # Hugging Face's RMSNorm weight
+        if weight.is_meta:
+            dense.to_empty(device=self.weight.device)
+            weight = cast(nn.Parameter, dense.weight)
+        weight.copy_(self.weight)
+        weight.grad = self.weight.grad.clone() if grads and self.weight.grad is not None else None
+        return dense
+
+
+class HFMoEBlock(nn.Module):
+    """axon4d's grid MoE layer where a Hugging Face sparse MoE block was: (b, s, hidden/G_x) →
+    (b, s, hidden/G_x), split over x, replicated over y (module docstring). ``to_dense`` gives back
+    the block with fused ``gate.weight``, ``experts.gate_up_proj`` and ``experts.down_proj``."""
+
+    def __init__(self, original: nn.Module, cfg: ModelConfig, grid: Grid):
+        super().__init__()
+        block = cast(Any, original)
+        w = block.gate.weight
+        self.moe = MoE(cfg, grid=grid, device=w.device, dtype=w.dtype)
+        self.template = [original]
+        if not w.is_meta:
+            self.moe.load_dense_(self.dense_of(block, cfg))
+
+    @staticmethod
+    def dense_of(block: Any, cfg: ModelConfig) -> DenseMoE:
+        """The ``DenseMoE`` holding the Hugging Face ``block``'s weights (gate_up split into gate, up)."""
+        w = block.gate.weight
+        with torch.device("meta"):
+            dense = DenseMoE(cfg, dtype=w.dtype)
+        dense.to_empty(device=w.device)
+        gate, up = block.experts.gate_up_proj.detach().chunk(2, dim=1)  # (E, I, hidden) each
+        with torch.no_grad():
+            dense.router.weight.copy_(w)
+            assert dense.experts.gate is not None
+            dense.experts.gate.copy_(gate)
+            dense.experts.up.copy_(up)
+            dense.experts.down.copy_(block.experts.down_proj)
+        return dense
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.moe(hidden_states)
+
+    @torch.no_grad()
+    def to_dense(self, grads: bool = False) -> nn.Module:
+        """The Hugging Face block with the whole router and experts (and ``.grad``), on every rank
+        (gathers over x, y and batch)."""
+        dense = self.moe.to_dense(grads)
+        block = copy.deepcopy(self.template[0])
+        hf = cast(Any, block)  # Hugging Face's sparse MoE block: duck-typed
+        if hf.gate.weight.is_meta:
+            block.to_empty(device=dense.router.weight.device)
+        assert dense.experts.gate is not None
+        pairs = (
+            (hf.gate.weight, dense.router.weight, None),
+            (hf.experts.gate_up_proj, dense.experts.gate, dense.experts.up),
+            (hf.experts.down_proj, dense.experts.down, None),
+        )
+        for target, a, b in pairs:
+            target.copy_(a if b is None else torch.cat([a, b], dim=1))
+            if grads:
+                ga = a.grad if a.grad is not None else torch.zeros_like(a)
+                gb = None if b is None else (b.grad if b.grad is not None else torch.zeros_like(b))
+                target.grad = ga.clone() if gb is None else torch.cat([ga, gb], dim=1)
+        return block
+
+
+def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
+    """A Mixtral or Qwen3-MoE causal LM with its residual stream split over x (module docstring):
+    attention and dense MLPs as Llama's, every sparse MoE block an ``HFMoEBlock``. Raises a
+    ``ValueError`` naming the rule and the grids that work when the grid cannot place it."""
+    hf = cast(Any, m)
+    body_cls, layer_cls, block_cls = MODELS[type(m).__name__]
+    body: Any = getattr(m, "model", None)
+    if type(body).__name__ != body_cls or not all(type(layer).__name__ == layer_cls for layer in body.layers):
+        raise _refuse(m, "its structure is not the one its class is known by")
+    cfg = hf.config
+    require_heads(name, "num_attention_heads", cfg.num_attention_heads, grid)
+    require_heads(name, "num_key_value_heads", cfg.num_key_value_heads, grid)
+    sparse = [i for i, layer in enumerate(body.layers) if type(layer.mlp).__name__ == block_cls]
+    mcfg = moe_config(cfg, len(sparse))
+    rules.check(grid.shape, placement_rules(mcfg))  # experts over batch, their FFN over y, hidden over x
+    norm = sharded_norm_builder(grid)
+
+    def moe_block(block: nn.Module) -> nn.Module:
+        return HFMoEBlock(block, mcfg, grid)
+
+    def head_norm(n: nn.Module) -> nn.Module:
+        return HeadNorm(n, grid)
+
+    style = BlockStyle({}, replace={"model.norm": norm})
+    users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
+    for mod_name, mod in m.named_modules(remove_duplicate=False):
+        for q in mod.parameters(recurse=False):
+            users.setdefault(id(q), []).append(mod_name)
+    for i, layer in enumerate(body.layers):
+        p = f"model.layers.{i}"
+        attn = [f"{p}.self_attn.{c}" for c in ("q_proj", "k_proj", "v_proj")]
+        style.linears.update(dict.fromkeys(attn, NORMAL_SPLIT))
+        style.linears[f"{p}.self_attn.o_proj"] = TRANSPOSED_SPLIT
+        style.replace.update({f"{p}.input_layernorm": norm, f"{p}.post_attention_layernorm": norm})
+        for qk in ("q_norm", "k_norm"):
+            if hasattr(layer.self_attn, qk):
+                style.replace[f"{p}.self_attn.{qk}"] = head_norm
+        if i in sparse:
+            style.replace[f"{p}.mlp"] = moe_block
+        elif type(layer.mlp).__name__ in DENSE_MLPS:
+            style.linears.update({f"{p}.mlp.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
+            style.linears[f"{p}.mlp.down_proj"] = TRANSPOSED_SPLIT
+        else:
+            raise _refuse(m, f"layer {i}'s MLP is a {type(layer.mlp).__name__}")
+    modules = dict(m.named_modules())
+    for lin, s in style.linears.items():
+        problem = linear_problem(lin, modules[lin], s.transpose, grid, users)
+        if problem:
+            raise ValueError(f"{type(m).__name__}: {lin} {problem} on grid {grid.shape}; choose a grid that divides it")
+    sharded_edges(style, grid, "model.embed_tokens", body.embed_tokens, "lm_head", hf.lm_head)
+    return style
+
+
+#: a Hugging Face MoE block's tensor (relative to the block) → (the ``HFMoEBlock`` tensors, as
+#: checkpoints save them, that make it; the dim they are stacked along)
+HF_TENSORS: dict[str, tuple[tuple[str, ...], int]] = {
+    "gate.weight": (("moe.router.weight",), 0),
+    "experts.gate_up_proj": (("moe.experts.up.gate", "moe.experts.up.up"), 1),
+    "experts.down_proj": (("moe.experts.down",), 0),
+}
+
+
+def saved_sources(name: str, saved: dict[str, tuple[int, ...]]) -> tuple[list[str], int] | None:
+    """(the saved tensors that make the Hugging Face tensor ``name``, their stacking dim) when
+    ``name`` is a tensor of an MoE block that an ``HFMoEBlock`` replaced and ``saved`` holds them;
+    None otherwise."""
+    for rel, (parts, dim) in HF_TENSORS.items():
+        if name.endswith(f".{rel}"):
+            block = name[: -len(rel) - 1]
+            keys = [f"{block}.{p}" for p in parts]
+            if all(k in saved for k in keys):
+                return keys, dim
+    return None
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, HFMoEBlock]]:
+    """(name, block) of every ``HFMoEBlock`` of ``model``."""
+    return [(n, b) for n, b in model.named_modules() if isinstance(b, HFMoEBlock)]
+
+
+#: class name → its whole-model style under "sharded"
+SHARDED_STYLES: dict[str, StyleFn] = dict.fromkeys(MODELS, sharded_style)
