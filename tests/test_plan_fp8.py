@@ -67,3 +67,48 @@ def test_axon4d_plan_shows_which_layers_run_fp8(capsys):
     assert "FP8 GEMMs on (" in out and "runs" in out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(("qkv", "mlp_up", "head"))}
     assert lines["head"].endswith("bf16 (kept in bf16)") and lines["mlp_up"].endswith("fp8")
+
+
+def test_the_job_runs_the_plan_s_per_layer_choice(monkeypatch):
+    """``--grid auto`` with ``--precision bf16-fp8``: the layer kinds the plan prices slower in FP8
+    become ``--bf16-layers`` (axon4d.train.planned), and the model runs them in bf16."""
+    import dataclasses
+
+    from axon4d.plan.auto import choose
+    from axon4d.train import planned
+    from axon4d.train.config import TrainConfig
+
+    cfg = TrainConfig(model="20B", grid="auto", precision="bf16-fp8", machine="h100", batch_size=64, steps=1)
+    best = choose(64, **{**planned.request(cfg, True), "machine": "h100"})
+    run = planned.apply(cfg, best, accelerator=True)
+    o = best.options  # the plan's step, one micro-batch of it as the step is priced
+    wl = Workload(cfg.model_config(), 64, precision="bf16-fp8", context_parallel=best.context_parallel)
+    sc = Scenario(
+        wl, best.shape, load("h100"), best.overlap, best.recompute, o["micro_batches"], o["zero"], o["offload"]
+    )
+    priced = fp8.fp8_layers(sc.micro(), sc.workload.linears())
+    want = [n for n in ("qkv", "attn_out", "mlp_up", "mlp_down") if not priced[n][0]]
+    assert run.bf16_layers == ",".join(want)
+    assert any(priced[n][0] for n in ("qkv", "mlp_up", "mlp_down")), "nothing runs FP8: the test proves little"
+    given = planned.apply(dataclasses.replace(cfg, bf16_layers="qkv"), best, accelerator=True)
+    assert given.bf16_layers == "qkv"  # the user's choice stands
+    for bad, message in [
+        (dict(bf16_layers="attn"), "name layer kinds of qkv, attn_out, mlp_up, mlp_down"),
+        (dict(precision="bf16-fp32-reduce", bf16_layers="qkv"), "with --precision bf16-fp8"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(cfg, **bad).check()
+
+
+def _fp8_per_layer(grid):
+    from axon4d.config import ModelConfig
+    from axon4d.train.loop import build_model
+
+    cfg = ModelConfig(n_layers=2, hidden=64, n_heads=4, ffn_hidden=128, vocab_size=64, seq_len=16, arch="llama")
+    model = build_model(cfg, grid, bf16="attn_out,mlp_down")
+    return [[layer.fp8_gemms for layer in block.linears()] for block in model.blocks]
+
+
+def test_keep_in_bf16_runs_the_named_kinds_in_bf16(pools):
+    for blocks in pools(1).run((1, 1, 1, 1), _fp8_per_layer, precision="bf16-fp8"):
+        assert blocks == [[True, False, True, False]] * 2, blocks

@@ -144,6 +144,20 @@ class Transformer(nn.Module):
         self.head = Linear(cfg.hidden, cfg.vocab_size, bias=False, transpose=False, **kw)
         self.head.fp8_gemms = False  # the LM head stays in bf16 under FP8 GEMMs (docs/design.md §2)
 
+    #: a block's 3D Linear layers in ``TransformerBlock.linears`` order, by their planner names
+    #: (``axon4d.plan.workload.block_shapes``; an MoE block's shared experts are its MLP's)
+    LAYER_KINDS = ("qkv", "attn_out", "mlp_up", "mlp_down")
+
+    def keep_in_bf16(self, kinds: set[str] | frozenset[str]) -> None:
+        """Under FP8 GEMMs (precision ``bf16-fp8``) run the layers of ``kinds`` (``LAYER_KINDS``) in
+        bf16 in every block: the planner's per-layer choice where FP8 is priced slower
+        (``axon4d.plan.fp8``); a no-op in other precisions."""
+        for block in self.blocks:
+            assert isinstance(block, TransformerBlock)
+            for kind, layer in zip(self.LAYER_KINDS, block.linears()):
+                if kind in kinds:
+                    layer.fp8_gemms = False
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(b, s) ids of this rank's batch shard → (b, s, vocab/G_y) logits, replicated over x."""
         if not isinstance(ids, torch.Tensor):

@@ -32,6 +32,7 @@ from axon4d.train.fields import (
     ALONE,
     CHOICES,
     DATA_NAMES,
+    FP8_KINDS,
     HF_REFUSED,
     HINTS,
     MINIMUM,
@@ -105,7 +106,9 @@ class TrainConfig:
     zero: int = 0
     """Shard the optimizer over the data axis (docs/training.md#sharding-the-optimizer): 0 off; 1 (ZeRO-1) AdamW's moments and master weights, 1/G_data per rank, the updated weights all-gathered over data; 2 (ZeRO-2) also the weights' gradients, reduce-scattered over data instead of all-reduced. Same results; with data 1 a no-op."""
     precision: str = "auto"
-    """auto (bf16-fp32-reduce on GPUs, fp32 on CPUs; a resumed run keeps its checkpoint's; the banner and summary.json say which); fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (bf16 compute, fp32 reductions); bf16-fp8-gather (bf16-fp32-reduce with the weight all-gathers over z in FP8, half their bytes)."""
+    """auto (bf16-fp32-reduce on GPUs, fp32 on CPUs; a resumed run keeps its checkpoint's; the banner and summary.json say which); fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (bf16 compute, fp32 reductions); bf16-fp8-gather (bf16-fp32-reduce with the weight all-gathers over z in FP8, half their bytes); bf16-fp8 (also the 3D Linear layers' GEMMs in FP8 on GPUs with FP8 tensor cores; opt-in)."""
+    bf16_layers: str = ""
+    """Under --precision bf16-fp8: the layer kinds whose GEMMs stay in bf16 (comma-separated, of qkv, attn_out, mlp_up, mlp_down; the LM head always is). --grid auto sets it to the planner's per-layer choice (FP8 where it is priced faster, axon4d.plan.fp8)."""
     tf32: bool = True
     """On GPUs, let fp32 matmuls use TF32 tensor cores (axon4d.device.allow_tf32; --no-tf32: full fp32). No effect on CPUs."""
     context_parallel: bool = False
@@ -188,6 +191,12 @@ class TrainConfig:
         if unknown:
             raise ValueError(
                 f"--pin {self.pin!r}: {', '.join(unknown)} is not a planned option; name some of {', '.join(PLANNED)}"
+            )
+        kinds = [k.strip() for k in self.bf16_layers.split(",") if k.strip()]
+        if [k for k in kinds if k not in FP8_KINDS] or (kinds and self.precision != "bf16-fp8"):
+            raise ValueError(
+                f"--bf16-layers {self.bf16_layers!r}: name layer kinds of {', '.join(FP8_KINDS)} to keep in bf16, "
+                "with --precision bf16-fp8 (the only precision whose GEMMs run FP8)"
             )
         if (self.try_plans or self.correction) and self.grid != "auto":
             given = f"--try {self.try_plans}" if self.try_plans else f"--correction {self.correction}"

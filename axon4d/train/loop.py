@@ -138,16 +138,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_model(
-    mcfg: ModelConfig, grid: Grid, recompute: str = "none", context_parallel: bool = False, offload: str = ""
-) -> Transformer:
-    """The run's model on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute),
-    with ``context_parallel`` each sequence's tokens split over z (docs/context.md), and the blocks
+def build_model(mcfg: ModelConfig, grid: Grid, recompute="none", context_parallel=False, offload="", bf16=""):
+    """The run's ``Transformer`` on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute),
+    with ``context_parallel`` each sequence's tokens split over z (docs/context.md), the blocks
     ``offload`` names (--offload's text: a fraction or indices; axon4d.offload) offloading what they
-    save for backward to host memory."""
-    return Transformer(
-        mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel, offload=parse_offload(offload)
-    )
+    save for backward to host memory, and under FP8 GEMMs the layer kinds ``bf16`` names in bf16."""
+    offloaded = parse_offload(offload)
+    model = Transformer(mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel, offload=offloaded)
+    model.keep_in_bf16({k.strip() for k in bf16.split(",") if k.strip()})
+    return model
 
 
 def _model(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid) -> Model:
@@ -155,7 +154,7 @@ def _model(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid) -> Model:
     axon4d's ``Transformer`` (``build_model``)."""
     if cfg.hf:
         return hf.build(cfg.hf, mcfg, grid, cfg.recompute, cfg.context_parallel)
-    return build_model(mcfg, grid, cfg.recompute, cfg.context_parallel, cfg.offload)
+    return build_model(mcfg, grid, cfg.recompute, cfg.context_parallel, cfg.offload, cfg.bf16_layers)
 
 
 def _nonfinite(

@@ -14,6 +14,8 @@ prints it) and the run takes the answer:
 - offloading n blocks offloads the first n (``axon4d.offload``: their backward comes last);
 - FP8 gathers are chosen only under ``--precision auto`` on an accelerator (they need 16-bit
   weights; the run's precision becomes ``bf16-fp8-gather``);
+- under ``--precision bf16-fp8`` (FP8 GEMMs, chosen by the user) the layer kinds the plan runs in
+  bf16 — where FP8 does not fit or is priced slower on the chosen grid — become ``--bf16-layers``;
 - the grid and the overlap knobs the planner priced the plan with are the ones built.
 
 On a named grid nothing is chosen: the options are the flags' values.
@@ -27,14 +29,18 @@ from typing import Any
 from axon4d import launch
 from axon4d.offload import offload_blocks, parse_offload
 from axon4d.plan import correction
+from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.auto import choose, default_machine
 from axon4d.plan.candidate import Candidate
+from axon4d.plan.fp8 import PRESET as FP8_PRESET
 from axon4d.plan.machine import Machine
 from axon4d.plan.options import AUTO_OPTION
+from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine
+from axon4d.plan.workload import Workload
 from axon4d.precision import AUTO, resolve
 from axon4d.train.config import TrainConfig
-from axon4d.train.fields import PLANNED
+from axon4d.train.fields import FP8_KINDS, PLANNED
 
 #: what a field holds when the user gave nothing (TrainConfig's defaults)
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -143,4 +149,30 @@ def apply(cfg: TrainConfig, best: Candidate, accelerator: bool) -> TrainConfig:
         changes.update(micro_batches=k, batch_size=step_batch // k)
     if asked["fp8_gather"] == AUTO_OPTION and best.option("fp8_gather"):  # only a free --precision auto
         changes["precision"] = "bf16-fp8-gather"
+    if resolve(cfg.precision, accelerator) == FP8_PRESET and not cfg.bf16_layers:
+        changes["bf16_layers"] = ",".join(bf16_kinds(cfg, best, accelerator))
     return dataclasses.replace(cfg, **changes)
+
+
+def bf16_kinds(cfg: TrainConfig, best: Candidate, accelerator: bool) -> list[str]:
+    """Under ``--precision bf16-fp8``: the block's layer kinds the plan ``best`` runs in bf16 — where
+    a layer's block does not fit the FP8 kernel or FP8 with its casts is priced slower on its grid
+    (``axon4d.plan.fp8.fp8_layers``, on one micro-batch as the step is priced)."""
+    req = request(cfg, accelerator)
+    mach = req["machine"] if isinstance(req["machine"], Machine) else load_machine(req["machine"] or default_machine())
+    cp = bool(best.context_parallel)
+    wl = Workload(req["model"], req["batch"], "bfloat16", precision=FP8_PRESET, context_parallel=cp)
+    opts = best.options
+    sc = Scenario(
+        wl,
+        best.shape,
+        mach,
+        best.overlap,
+        best.recompute,
+        micro_batches=int(opts["micro_batches"]),
+        zero=int(opts["zero"]),
+        offload=int(opts["offload"]),
+        fp8_gather=bool(opts["fp8_gather"]),
+    ).micro()
+    chosen = fp8_plan.fp8_layers(sc, [s for s in wl.linears() if s.name in FP8_KINDS])
+    return [name for name in FP8_KINDS if name in chosen and not chosen[name][0]]
