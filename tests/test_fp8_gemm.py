@@ -209,3 +209,50 @@ def test_one_layer_is_its_dequantised_reference_and_close_to_bf16(pools, grid):
             diff = math.sqrt(sum(float((p[name].double() - q[name].double()).square().sum()) for p, q in zip(a, b)))
             ref = math.sqrt(sum(float(q[name].double().square().sum()) for q in b))
             assert 2.0**-9 < diff / ref < U_FP8, (grid, layer, name, diff / ref)
+
+
+def _fp8_step_then_save(grid, path):
+    """A step of a small Llama with FP8 GEMMs (``bf16-fp8``), saved: the fp32 masters' sum."""
+    from axon4d import checkpoint
+    from axon4d.config import ModelConfig
+    from axon4d.models.transformer import Transformer
+    from axon4d.train.batches import accumulate
+
+    cfg = ModelConfig(n_layers=1, hidden=64, n_heads=4, ffn_hidden=128, vocab_size=64, seq_len=16, arch="llama")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    assert any(layer.fp8_gemms for layer in model.blocks[0].linears())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    accumulate(model, [ids], grid)
+    opt.step()
+    checkpoint.save(path, model, grid, opt, step=1, overwrite=True)
+    return {n: p.detach().double().sum().item() for n, p in model.to_dense().named_parameters()}
+
+
+def _resume_in_bf16(grid, path):
+    """The same model in ``bf16-fp32-reduce`` loaded from the ``bf16-fp8`` checkpoint, and a step of it."""
+    from axon4d import checkpoint
+    from axon4d.config import ModelConfig
+    from axon4d.models.transformer import Transformer
+    from axon4d.train.batches import accumulate
+
+    cfg = ModelConfig(n_layers=1, hidden=64, n_heads=4, ffn_hidden=128, vocab_size=64, seq_len=16, arch="llama")
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    checkpoint.load(path, model, grid, opt)
+    sums = {n: p.detach().double().sum().item() for n, p in model.to_dense().named_parameters()}
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=torch.Generator().manual_seed(2))
+    loss = float(accumulate(model, [ids], grid))
+    return sums, loss, not any(layer.fp8_gemms for layer in model.blocks[0].linears())
+
+
+def test_a_bf16_run_resumes_from_an_fp8_gemm_checkpoint(pools, tmp_path):
+    """No FP8 state is saved: a checkpoint of a ``bf16-fp8`` run loads into ``bf16-fp32-reduce`` on
+    another grid, the same fp32 masters, and trains on."""
+    path = str(tmp_path / "fp8")
+    saved = pools(2).run((1, 1, 2, 1), _fp8_step_then_save, path, precision="bf16-fp8")[0]
+    for sums, loss, bf16 in pools(2).run((2, 1, 1, 1), _resume_in_bf16, path, precision="bf16-fp32-reduce"):
+        assert bf16 and math.isfinite(loss)
+        assert sums.keys() == saved.keys()
+        assert all(abs(sums[n] - saved[n]) <= 1e-9 * max(1.0, abs(saved[n])) for n in saved), (sums, saved)
