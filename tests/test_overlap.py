@@ -92,11 +92,14 @@ def _expected(shape, policy):
         ):
             expected[(c.op, c.axis, c.payload_bytes)] += 1
     bucketed = policy.bucket_bytes(accelerator=False) > 0
-    if bucketed and shape.data > 1:  # every shard fits one bucket: one all-reduce per step
-        data = [(k, n) for k, n in expected.items() if k[1] == "data"]
-        for k, _ in data:
-            del expected[k]
-        expected[(Op.ALL_REDUCE, "data", sum(k[2] * n for k, n in data))] += 1
+    # every shard fits one bucket: one all-reduce per step over data (E12, under ORS or ODP) and,
+    # under ODP, one over batch of the biases (E13)
+    for axis, on in (("data", shape.data > 1), ("batch", shape.size("batch") > 1 and policy.odp)):
+        if bucketed and on:
+            merged = [(k, n) for k, n in expected.items() if k[1] == axis]
+            for k, _ in merged:
+                del expected[k]
+            expected[(Op.ALL_REDUCE, axis, sum(k[2] * n for k, n in merged))] += 1
     return expected
 
 
