@@ -120,6 +120,23 @@ GRADIENT_TERMS = frozenset(
         Term.MOE_ROUTER_WEIGHT_GRAD,
     }
 )
+#: what an MoE layer issues for its activations (docs/moe.md, E14–E18; its router weight's gradient apart)
+MOE_LAYER_TERMS = frozenset(
+    {
+        Term.MOE_ROUTER,
+        Term.MOE_ROUTER_GRAD,
+        Term.MOE_COUNTS,
+        Term.MOE_DISPATCH,
+        Term.MOE_DISPATCH_GRAD,
+        Term.MOE_COMBINE,
+        Term.MOE_COMBINE_GRAD,
+        Term.MOE_ROWS_Y,
+        Term.MOE_ROWS_Y_GRAD,
+        Term.MOE_EXPERT,
+        Term.MOE_EXPERT_UP,
+        Term.MOE_EXPERT_UP_GRAD,
+    }
+)
 #: per-token statistics of the vocabulary-parallel loss: always fp32 (a split norm's: ``norm_statistics_wire``)
 STATISTIC_TERMS = frozenset({Term.CE_LSE, Term.CE_TARGET})
 

@@ -27,7 +27,7 @@ import torch
 
 import axon4d
 from axon4d.config import ModelConfig
-from axon4d.geometry import Term
+from axon4d.geometry import MOE_LAYER_TERMS, Term
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan import load
 from axon4d.plan.cost import step_estimate
@@ -58,23 +58,7 @@ def moe_cfg(arch="llama", shared=1, k=2, experts=8):
 
 
 #: the MoE layer's tags (what the runtime logs for it), the router weight's gradient apart
-LAYER_TERMS = {
-    str(t)
-    for t in (
-        Term.MOE_ROUTER,
-        Term.MOE_ROUTER_GRAD,
-        Term.MOE_COUNTS,
-        Term.MOE_DISPATCH,
-        Term.MOE_DISPATCH_GRAD,
-        Term.MOE_COMBINE,
-        Term.MOE_COMBINE_GRAD,
-        Term.MOE_ROWS_Y,
-        Term.MOE_ROWS_Y_GRAD,
-        Term.MOE_EXPERT,
-        Term.MOE_EXPERT_UP,
-        Term.MOE_EXPERT_UP_GRAD,
-    )
-}
+LAYER_TERMS = {str(t) for t in MOE_LAYER_TERMS}
 #: the terms whose bytes on one rank depend on where the router sends the tokens
 ROUTED = {
     str(t)
@@ -265,13 +249,12 @@ def test_an_moe_step_s_peak_memory_is_the_planner_s(pools, world, grid, options)
 
 
 def test_the_search_offers_only_grids_the_runtime_accepts():
-    """The planner's placement rules hold on exactly the grids the MoE layer accepts
-    (``axon4d.nn.moe.placement_rules``), and the search's valid grids keep to them."""
+    """The search's valid grids keep to the placement the MoE layer accepts (``axon4d.rules.
+    moe_placement``, the one home of the runtime's and the planner's rules)."""
     import numpy as np
 
     from axon4d import rules
     from axon4d.nn.moe import placement_rules
-    from axon4d.plan.moe_cost import moe_rules
     from axon4d.plan.search import valid_mask
     from axon4d.shape import factorizations
 
@@ -279,7 +262,6 @@ def test_the_search_offers_only_grids_the_runtime_accepts():
     for cfg in (moe_cfg(), moe_cfg("gpt", shared=0, experts=12), moe_cfg(shared=3, experts=6)):
         for world in (8, 12, 16):
             shapes = factorizations(world)
-            planner = [all(r.holds(s) for r in moe_rules(cfg)) for s in shapes]
             runtime = []
             for s in shapes:
                 try:
@@ -287,7 +269,6 @@ def test_the_search_offers_only_grids_the_runtime_accepts():
                     runtime.append(True)
                 except ValueError:
                     runtime.append(False)
-            assert planner == runtime, (cfg, world)
             refused += runtime.count(False)
             accepted += runtime.count(True)
             wl = Workload(cfg, 48)

@@ -58,26 +58,7 @@ def placement_rules(cfg: ModelConfig) -> list[rules.Rule]:
     """The divisibility rules of an MoE layer's placement (docs/moe.md): experts over the
     expert-parallel axis batch = data × z, each expert's (and the shared experts') FFN width over
     y and hidden over x, as the dense MLP splits them."""
-    out = [
-        rules.divisible(
-            cfg.n_experts,
-            "n_experts",
-            ("data", "z"),
-            "experts are split over the expert-parallel axis batch = data × z",
-        ),
-        rules.divisible(cfg.expert_width, "expert_ffn", ("y",), "each expert's FFN splits its inner features over y"),
-        rules.divisible(cfg.hidden, "hidden", ("x",), "the router and the experts split hidden features over x"),
-    ]
-    if cfg.shared_experts:
-        out.append(
-            rules.divisible(
-                cfg.shared_experts * cfg.expert_width,
-                "shared_experts·expert_ffn",
-                ("y",),
-                "the shared experts' MLP splits its inner features over y",
-            )
-        )
-    return out
+    return rules.moe_placement(cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
 
 
 class Router(nn.Module):

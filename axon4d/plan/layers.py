@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from axon4d.geometry import Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.geometry import MOE_LAYER_TERMS, Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.collective_model import ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
@@ -30,20 +30,7 @@ from axon4d.shape import GridShape
 #: nothing hides them but what ``overlap_credit`` credits); every other one moves weights or gradients.
 ACTIVATION_TERMS = frozenset(
     {Term.E8, Term.E9, Term.EMBEDDING, Term.NORM_STATS, Term.NORM_STATS_GRAD, Term.CE_LSE, Term.CE_TARGET}
-    | {
-        Term.MOE_ROUTER,
-        Term.MOE_ROUTER_GRAD,
-        Term.MOE_COUNTS,
-        Term.MOE_DISPATCH,
-        Term.MOE_DISPATCH_GRAD,
-        Term.MOE_COMBINE,
-        Term.MOE_COMBINE_GRAD,
-        Term.MOE_ROWS_Y,
-        Term.MOE_ROWS_Y_GRAD,
-        Term.MOE_EXPERT,
-        Term.MOE_EXPERT_UP,
-        Term.MOE_EXPERT_UP_GRAD,
-    }
+    | MOE_LAYER_TERMS
 )
 #: The embedding layer's own collectives (priced with its layer; the other edge collectives apart).
 EMBEDDING_TERMS = frozenset({Term.EMBEDDING, Term.EMBEDDING_GRAD})

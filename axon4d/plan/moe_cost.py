@@ -85,26 +85,9 @@ def placement(model: ModelConfig, shape: GridShape) -> Placement:
 def moe_rules(model: ModelConfig) -> list[rules.Rule]:
     """The placement's divisibility rules (the runtime's ``axon4d.nn.moe.placement_rules``): E over
     data·z, the expert width (and the shared experts' MLP width) over y, hidden over x."""
-    out = [
-        rules.divisible(
-            model.n_experts,
-            "n_experts",
-            ("data", "z"),
-            "experts are split over the expert-parallel axis batch = data × z",
-        ),
-        rules.divisible(model.expert_width, "expert_ffn", ("y",), "each expert's FFN splits its inner features over y"),
-        rules.divisible(model.hidden, "hidden", ("x",), "the router and the experts split hidden features over x"),
-    ]
-    if model.shared_experts:
-        out.append(
-            rules.divisible(
-                model.shared_experts * model.expert_width,
-                "shared_experts·expert_ffn",
-                ("y",),
-                "the shared experts' MLP splits its inner features over y",
-            )
-        )
-    return out
+    return rules.moe_placement(
+        model.n_experts, model.expert_width, model.shared_experts * model.expert_width, model.hidden
+    )
 
 
 def shares(tokens: int, parts: int) -> list[int]:
