@@ -268,8 +268,8 @@ def _check_memory(none, off, planned, planner_tol, pinned=None, slack_bytes=0):
     # the host copies (in the pool, counted before the step) replace the device tensors: the live
     # bytes after the forward fall by as much
     # (within 1e-3, and ``slack_bytes``: on 4 ranks the offloaded run's live bytes after the
-    # forward vary between runs by up to 64 KiB under context parallelism — cause not found yet,
-    # seen at 4461b1f too, in 3 of 5 runs — while the run without offload's do not)
+    # forward vary between runs by up to 64 KiB under context parallelism, the cause not known,
+    # while the run without offload's do not)
     slack = 1e-3 * off["held"] + slack_bytes
     assert abs(none["saved"] - off["saved"] - off["held"]) <= slack, (none["saved"], off["saved"], off["held"])
     assert (1 - planner_tol) * planned <= per_block <= (1 + planner_tol) * planned, (per_block, planned)

@@ -19,14 +19,12 @@ cheaper (``fp8_layers``); the LM head and the embedding stay in bf16, as in the 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from axon4d.device.fp8 import ALIGN
 from axon4d.geometry import weight_block_shape
+from axon4d.plan.machine import Machine
 from axon4d.plan.workload import LinearSpec
-
-if TYPE_CHECKING:
-    from axon4d.plan.machine import Machine
 
 #: a ``axon4d.plan.scenario.Scenario`` (which imports this module: not imported here)
 Scenario = Any
