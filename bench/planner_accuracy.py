@@ -37,6 +37,14 @@ on six 8-rank grids with a data axis, each beside its plain step in the same rou
 scale is refitted to the plain steps alone, and the option steps are predicted with it. Saves
 bench/results/planner_accuracy_options.json; the last line is
 ``planner options: median error = M%, worst = W% over N steps with micro-batches or ZeRO ...``.
+
+``--moe`` prices Mixture-of-Experts steps instead (``moe_accuracy``): the probe with an MoE layer in
+each block's MLP place (``--experts``, ``--top-k``, ``--expert-ffn``, ``--shared``) on every 8-rank
+grid it allows, alternating in the same rounds with the dense probe's step-calibration grids; the
+in-step scale is fitted to the dense steps alone, so every MoE step is held out. Each grid is
+priced under uniform routing and at the imbalance its steps measured. Saves
+bench/results/planner_accuracy_moe.json; the last line is
+``planner MoE: median error = M%, worst = W% over N grids (uniform routing; ...), top-1 gap = G%, memory error = E%``.
 """
 
 from __future__ import annotations
@@ -182,6 +190,182 @@ def options_accuracy(args: argparse.Namespace, machine_path: str, head: dict) ->
         f"planner options: median error = {100 * summary['median_time_error_options']:.1f}%, worst = "
         f"{100 * summary['worst_time_error_options']:.1f}% over {len(held)} steps with micro-batches or ZeRO "
         "(scale fitted to the plain steps only)"
+    )
+    return 0
+
+
+#: ``--moe``: the MoE layer in each block's MLP's place — 8 experts, top-2, each half the dense
+#: MLP's width (a token's k·f = the dense 4·hidden), no shared experts
+MOE = {"experts": 8, "top_k": 2, "expert_ffn": 2 * WORKLOAD["hidden"], "shared": 0}
+
+
+def moe_workload(args: argparse.Namespace) -> Workload:
+    """The ``--moe`` workload: ``workload(args)`` with the MoE layer of ``--experts`` experts,
+    top-``--top-k``, ``--expert-ffn`` wide, ``--shared`` shared experts in each block's MLP's place."""
+    wl = workload(args)
+    model = wl.model.replace(
+        name="probe-moe",
+        n_experts=args.experts,
+        experts_per_token=args.top_k,
+        expert_ffn=args.expert_ffn,
+        shared_experts=args.shared,
+    )
+    return dataclasses.replace(wl, model=model)
+
+
+def _time_moe(grid, wl: Workload, steps: int) -> dict:
+    """``_time_grid`` of an MoE workload, with the last step's routing imbalance per layer: the
+    busiest expert-parallel rank's rows over the mean (``Workload.imbalance``'s ρ; 1 on one rank)."""
+    import torch
+
+    from axon4d.measure.probe import ProbeModel, measure_step
+    from axon4d.nn.moe import MoE
+
+    torch.manual_seed(0)
+    model = ProbeModel(wl, grid)
+    got = measure_step(model, steps=steps)
+    ep = grid.size("batch")
+    rho = []
+    for layer in (m for m in model.modules() if isinstance(m, MoE)):
+        counts = layer.tokens_per_expert or []
+        local = len(counts) // ep
+        rows = [sum(counts[r * local : (r + 1) * local]) for r in range(ep)]  # rows each ep rank computes
+        rho.append(max(rows) / statistics.mean(rows))
+    return {**got, "imbalance": rho}
+
+
+def moe_accuracy(args: argparse.Namespace, machine_path: str, head: dict) -> int:
+    """``--moe``: Mixture-of-Experts steps priced against measured ones. In ``--rounds`` interleaved
+    rounds every 8-rank grid the MoE workload allows runs its MoE step, alternating with the dense
+    workload's step-calibration grids (``stepfit.calibration_grids``); the in-step scale is fitted
+    to the dense steps alone, so every MoE step is held out: its router, all-to-alls, grouped GEMMs
+    and row copies are priced by ``axon4d.plan.moe_cost`` with weights fitted to steps that had
+    none. Each grid is predicted under uniform routing (the planner's default) and at the routing
+    imbalance its steps measured (``--imbalance`` = ρ). Peak memory is measured last."""
+    from harness import RankPool
+
+    machine = load(machine_path)
+    dense, wl = workload(args), moe_workload(args)
+    overlap = OverlapPolicy.parse(args.overlap)
+    grids = [s.as_tuple() for s in factorizations(8) if not wl.grid_problems(s)]
+    if args.only:
+        grids = [tuple(int(v) for v in g.split(",")) for g in args.only.split(";")]
+    calibration = stepfit.calibration_grids(8, dense)
+    jobs = _jobs(grids, calibration)
+    times: dict[tuple, list[dict]] = {j: [] for j in jobs}
+    start = time.perf_counter()
+    pool = RankPool(8, start_timeout=900)
+    try:
+        for r in range(args.rounds):
+            for kind, g in jobs if r % 2 == 0 else jobs[::-1]:
+                if kind == "grid":
+                    got = pool.run(g, _time_moe, wl, args.steps, timeout=600, overlap=args.overlap)[0]
+                else:
+                    got = pool.run(g, _time_grid, dense, args.steps, timeout=600, overlap=CALIBRATION_POLICY)[0]
+                times[(kind, g)].append(got)
+                print(f"round {r + 1}/{args.rounds} {kind} {g}: {got['step_s'] * 1e3:.0f} ms", flush=True)
+        peaks = {}
+        for g in grids:
+            peaks[g] = pool.run(g, _peak_grid, wl, timeout=600, overlap=args.overlap)[0]
+            print(f"memory pass grid {g}: peak {peaks[g] / 2**20:.1f} MiB", flush=True)
+    finally:
+        pool.close()
+    samples = [
+        dataclasses.asdict(Sample.of(g, dense, [t["step_s"] for t in times[("calibration", g)]])) for g in calibration
+    ]
+    stepfit.store(machine, {8}, samples, "fitted to the dense steps of bench/planner_accuracy.py --moe")
+    rows = []
+    for g in grids:
+        got = times[("grid", g)]
+        step = statistics.median(t["step_s"] for t in got)
+        rho = statistics.mean(v for t in got for v in t["imbalance"])
+        uniform = evaluate(wl, GridShape(*g), machine, overlap)
+        routed = evaluate(dataclasses.replace(wl, imbalance=rho), GridShape(*g), machine, overlap)
+        logged = {a: int(v) for a, v in got[0]["bytes_by_axis"].items()}
+        rows.append(
+            {
+                "grid": list(g),
+                "measured_step": step,
+                "rounds_step": [t["step_s"] for t in got],
+                "imbalance": rho,
+                "predicted_step": uniform.time.step_s,
+                "time_error": (uniform.time.step_s - step) / step,
+                "predicted_step_at_imbalance": routed.time.step_s,
+                "time_error_at_imbalance": (routed.time.step_s - step) / step,
+                "time_error_unscaled": (sum(uniform.time.parts) - step) / step,
+                "measured_mem": peaks[g],
+                "predicted_mem": uniform.mem.peak,
+                "mem_error": (uniform.mem.peak - peaks[g]) / peaks[g],
+                "predicted_mem_at_imbalance": routed.mem.peak,
+                "mem_error_at_imbalance": (routed.mem.peak - peaks[g]) / peaks[g],
+                "collectives_logged": got[0]["collectives"],
+                "collectives_predicted": uniform.time.collectives,
+                "bytes_logged": logged,
+                "bytes_predicted": uniform.time.bytes_by_axis,
+                "prediction": uniform.to_json(),
+            }
+        )
+    print(
+        f"\n{'grid':<14} {'meas ms':>8} {'pred ms':>8} {'err':>7} {'rho':>5} {'at rho':>7} "
+        f"{'meas MiB':>9} {'pred MiB':>9} {'err':>7} {'calls':>11}"
+    )
+    for r in rows:
+        print(
+            f"{str(tuple(r['grid'])):<14} {r['measured_step'] * 1e3:>8.0f} {r['predicted_step'] * 1e3:>8.0f} "
+            f"{100 * r['time_error']:>+6.1f}% {r['imbalance']:>5.2f} {100 * r['time_error_at_imbalance']:>+6.1f}% "
+            f"{r['measured_mem'] / 2**20:>9.1f} {r['predicted_mem'] / 2**20:>9.1f} {100 * r['mem_error']:>+6.1f}% "
+            f"{r['collectives_logged']:>5}/{r['collectives_predicted']:<5}"
+        )
+    errs = [abs(r["time_error"]) for r in rows]
+    at_rho = [abs(r["time_error_at_imbalance"]) for r in rows]
+    fastest = min(rows, key=lambda r: r["measured_step"])
+    chosen = min(rows, key=lambda r: r["predicted_step"])
+    gap = (chosen["measured_step"] - fastest["measured_step"]) / fastest["measured_step"]
+    summary = {
+        "median_time_error": statistics.median(errs),
+        "worst_time_error": max(errs),
+        "median_time_error_at_imbalance": statistics.median(at_rho),
+        "worst_time_error_at_imbalance": max(at_rho),
+        "median_time_error_unscaled": statistics.median(abs(r["time_error_unscaled"]) for r in rows),
+        "top1_gap": gap,
+        "planner_choice": chosen["grid"],
+        "fastest_measured": fastest["grid"],
+        "median_memory_error": statistics.median(abs(r["mem_error"]) for r in rows),
+        "worst_memory_error": max(abs(r["mem_error"]) for r in rows),
+        "worst_memory_error_at_imbalance": max(abs(r["mem_error_at_imbalance"]) for r in rows),
+        "step_scale": machine.step_scale.get("8"),
+        "calibration_grids": [list(g) for g in calibration],
+        "round_spread_median": statistics.median(
+            (max(r["rounds_step"]) - min(r["rounds_step"])) / r["measured_step"] for r in rows
+        ),
+        "seconds": time.perf_counter() - start,
+    }
+    out = (
+        args.out
+        if args.out != os.path.join(ROOT, "bench/results/planner_accuracy.json")
+        else os.path.join(ROOT, "bench/results/planner_accuracy_moe.json")
+    )
+    result = {
+        "args": vars(args),
+        "workload": {"model": wl.model.__dict__, "batch": wl.batch, "dtype": wl.dtype},
+        "machine": machine_path,
+        "overlap": overlap.spec(),
+        "calibration_steps": {str(g): [t["step_s"] for t in times[("calibration", g)]] for g in calibration},
+        "rows": rows,
+        "summary": summary,
+    }
+    common.save(out, result, head)
+    print(f"in-step scale (8 ranks, fitted to the dense steps only): {describe_scale(summary['step_scale'])}")
+    print(
+        f"the same grid's step time moved by {100 * summary['round_spread_median']:.0f}% (median) between rounds; "
+        f"planner's choice {tuple(chosen['grid'])}, fastest measured {tuple(fastest['grid'])}"
+    )
+    print(f"saved {out}")
+    print(
+        f"planner MoE: median error = {100 * summary['median_time_error']:.1f}%, worst = "
+        f"{100 * summary['worst_time_error']:.1f}% over {len(rows)} grids (uniform routing; at the measured imbalance "
+        f"{100 * summary['median_time_error_at_imbalance']:.1f}%, {100 * summary['worst_time_error_at_imbalance']:.1f}%), "
+        f"top-1 gap = {100 * gap:.1f}%, memory error = {100 * summary['worst_memory_error']:.1f}%"
     )
     return 0
 
@@ -345,6 +529,16 @@ def main() -> int:
         help="price the step options (micro-batches, ZeRO-1/2) against measured steps on 8-rank grids instead "
         "(bench/results/planner_accuracy_options.json)",
     )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help="price Mixture-of-Experts steps against measured ones on every 8-rank grid, the in-step scale "
+        "fitted to dense steps only (bench/results/planner_accuracy_moe.json)",
+    )
+    p.add_argument("--experts", type=int, default=MOE["experts"], help="--moe: routed experts per block")
+    p.add_argument("--top-k", type=int, default=MOE["top_k"], help="--moe: experts per token")
+    p.add_argument("--expert-ffn", type=int, default=MOE["expert_ffn"], help="--moe: each expert's FFN width")
+    p.add_argument("--shared", type=int, default=MOE["shared"], help="--moe: shared experts per block")
     p.add_argument("--from-json", default=None, help="recompute predictions for the measurements saved in this JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/planner_accuracy.json"))
     p.add_argument("--plot", default=os.path.join(ROOT, "docs/planner_accuracy.png"))
@@ -381,6 +575,8 @@ def main() -> int:
         )
     if args.options:
         return options_accuracy(args, args.machine, head)
+    if args.moe:
+        return moe_accuracy(args, args.machine, head)
     machine = load(args.machine)
     wl = workload(args)
     overlap = OverlapPolicy.parse(args.overlap)  # the library's policy, given to axon4d.init and to the planner

@@ -340,3 +340,39 @@ def test_the_job_s_mfu_counts_the_planner_s_active_flops(name):
     if cfg.moe:
         all_experts = cfg.replace(experts_per_token=cfg.n_experts)
         assert cfg.flops_per_token() < all_experts.flops_per_token()
+
+
+def _moe_probe_step(grid, wl):
+    """``ProbeModel`` of an MoE workload (bench/planner_accuracy.py --moe) after one step: its
+    parameters on this rank, the collectives of a step, its MoE layers and whether each one's
+    auxiliary loss is in the graph."""
+    from axon4d.measure.probe import ProbeModel, measure_step
+    from axon4d.nn.moe import MoE
+
+    torch.manual_seed(0)
+    model = ProbeModel(wl, grid)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    res = measure_step(model, steps=1, warmup=1)
+    return (
+        sum(p.numel() for p in model.parameters()),
+        res["collectives"],
+        len(layers),
+        all(m.aux_loss is not None and m.aux_loss.requires_grad for m in layers),
+    )
+
+
+@pytest.mark.parametrize("grid", [(1, 1, 2, 1), (2, 1, 1, 2)])
+def test_the_accuracy_probe_runs_the_moe_layer_the_planner_prices(pools, grid):
+    """The accuracy bench's MoE probe puts an MoE layer in each block's MLP place: the planner's
+    parameters per rank and collectives per step (random routing moves bytes between ranks, not calls),
+    and the layers' auxiliary losses in the loss."""
+    from axon4d.plan import local_param_count
+
+    cfg = moe_cfg("gpt", shared=0).replace(vocab_size=64)
+    wl = Workload(cfg, 4, "float32", embedding=False, norms=False, precision="fp32")
+    shape = GridShape(*grid)
+    t = step_estimate(Scenario(wl, shape, _host(), OverlapPolicy(bucket_mb=0.0)))
+    for n_params, calls, layers, aux in pools(math.prod(grid)).run(grid, _moe_probe_step, wl):
+        assert layers == cfg.n_layers and aux
+        assert n_params == local_param_count(wl, shape)
+        assert calls == t.collectives

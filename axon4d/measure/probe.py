@@ -2,8 +2,10 @@
 
 ``ProbeModel`` runs exactly the work ``Workload`` prices: per block QKV (normal) → causal
 attention on this rank's heads (split over y) → attention output (transposed) + residual → MLP up
-(normal) → GELU → MLP down (transposed) + residual; then the vocab-parallel head (normal, logits
-split over y) and a mean-square loss on the logits, its parameters in the workload's dtype on a
+(normal) → GELU → MLP down (transposed) + residual — in a Mixture-of-Experts workload the MLP's
+place is taken by the MoE layer (``axon4d.nn.moe.MoE``: router, expert all-to-alls, grouped expert
+GEMMs, shared experts) + residual, its auxiliary loss added to the loss —; then the vocab-parallel
+head (normal, logits split over y) and a mean-square loss on the logits, its parameters in the workload's dtype on a
 grid without mixed precision (precision "fp32" or "bf16", ``unmixed_precision``). It has no norms and no embedding (its
 input is a random activation that requires grad, as an embedding's output would), so the
 benchmark needs nothing beyond the 3D linear layer. ``measure_step`` times steps;
@@ -23,6 +25,7 @@ from torch import nn
 from axon4d import device as devices
 from axon4d.grid import Grid
 from axon4d.nn import Linear
+from axon4d.nn.moe import MoE, aux_loss
 from axon4d.peakmem import peak_bytes
 from axon4d.plan.workload import Workload, unmixed_precision
 from axon4d.zero import shard_optimizer
@@ -52,14 +55,14 @@ class ProbeModel(nn.Module):
         m = wl.model
         self.blocks = nn.ModuleList()
         for _ in range(m.n_layers):
-            self.blocks.append(
-                nn.ModuleDict(
-                    {
-                        name: Linear(i, o, bias=b, transpose=t, grid=grid, dtype=dtype)
-                        for name, i, o, t, b in m.linear_shapes()
-                    }
-                )
-            )
+            layers: dict[str, nn.Module] = {
+                name: Linear(i, o, bias=b, transpose=t, grid=grid, dtype=dtype)
+                for name, i, o, t, b in m.linear_shapes()
+                if not (m.moe and name.startswith("mlp"))  # an MoE block's MLP is the MoE layer
+            }
+            if m.moe:
+                layers["moe"] = MoE(m, grid=grid, dtype=dtype)
+            self.blocks.append(nn.ModuleDict(layers))
         self.head = Linear(m.hidden, m.vocab_size, bias=False, grid=grid, dtype=dtype) if wl.head else None
 
     def input(self) -> torch.Tensor:
@@ -81,10 +84,14 @@ class ProbeModel(nn.Module):
             att = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # (seqs, heads, S, hd)
             att = att.transpose(1, 2).reshape(x.shape[0], heads * m.head_dim)  # (b, H/G_y)
             x = x + blk["attn_out"](att)  # (b, H/G_x)
-            x = x + blk["mlp_down"](F.gelu(blk["mlp_up"](x)))
-        if self.head is None:
-            return x.float().square().mean()
-        return self.head(x).float().square().mean()  # logits (b, vocab/G_y)
+            if m.moe:
+                x = x + blk["moe"](x)  # (b, H/G_x)
+            else:
+                x = x + blk["mlp_down"](F.gelu(blk["mlp_up"](x)))
+        out = x if self.head is None else self.head(x)  # logits (b, vocab/G_y) with the head
+        loss = out.float().square().mean()
+        aux = aux_loss(self) if m.moe else None  # the MoE layers' balance and z-losses (this rank's share)
+        return loss if aux is None else loss + aux
 
 
 def train_step(model: ProbeModel, opt: torch.optim.Optimizer, micro_batches: int = 1) -> None:
