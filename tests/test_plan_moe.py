@@ -340,3 +340,28 @@ def test_the_job_s_mfu_counts_the_planner_s_active_flops(name):
     if cfg.moe:
         all_experts = cfg.replace(experts_per_token=cfg.n_experts)
         assert cfg.flops_per_token() < all_experts.flops_per_token()
+
+
+def test_an_all_to_all_is_priced_from_the_machine_s_curve_where_it_has_one():
+    """``all_to_all_seconds``: the machine's measured all-to-all curve of the batch axis' geometry
+    where calibration wrote one, else the pairwise α–β exchange (``Machine.comm_time``); the rows a
+    rank sends of its own share (``OWN_SHARE_TERMS``) wait for the busiest peer, ρ times the mean."""
+    from axon4d.geometry import Collective, Op
+    from axon4d.plan.moe_cost import OWN_SHARE_TERMS, all_to_all_seconds
+    from axon4d.plan.tables import CommCurve
+
+    shape = GridShape(1, 1, 2, 2)  # batch: 4 ranks, stride 1
+    dispatch = Collective(Op.ALL_TO_ALL, "batch", 1 << 16, "forward", Term.MOE_DISPATCH)
+    combine = dataclasses.replace(dispatch, term=Term.MOE_COMBINE)
+    assert dispatch.term in OWN_SHARE_TERMS and combine.term not in OWN_SHARE_TERMS
+    plain = load("h100")
+    for c, payload in ((dispatch, 1.5 * (1 << 16)), (combine, 1 << 16)):
+        assert all_to_all_seconds(plain, shape, c, 1.5) == plain.comm_time("all_to_all", 4, 1, payload, 4)
+    assert all_to_all_seconds(plain, shape, combine, 1.5) == pytest.approx(3 * 3.4e-6 + (1 << 16) * 3 / 4 / 360e9)
+    curve = CommCurve("all_to_all", 4, 1, 4, [4096, 1 << 20], [1e-3, 2e-3])
+    measured = dataclasses.replace(plain, comm=[curve])
+    assert all_to_all_seconds(measured, shape, dispatch, 1.5) == curve.time(1.5 * (1 << 16))
+    assert all_to_all_seconds(measured, shape, combine, 1.5) == curve.time(1 << 16)
+    assert all_to_all_seconds(measured, shape, combine, 1.5) > 10 * all_to_all_seconds(plain, shape, combine, 1.5)
+    other = dataclasses.replace(plain, comm=[dataclasses.replace(curve, group=2)])  # another geometry's curve
+    assert all_to_all_seconds(other, shape, combine, 1.0) == all_to_all_seconds(plain, shape, combine, 1.0)

@@ -31,7 +31,6 @@ from axon4d import rules
 from axon4d.config import ModelConfig
 from axon4d.geometry import Collective, Op, Term
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.plan.collective_model import span_of
 from axon4d.plan.machine import Machine
 from axon4d.precision import Precision
 from axon4d.shape import GridShape
@@ -192,24 +191,14 @@ OWN_SHARE_TERMS = frozenset({Term.MOE_DISPATCH, Term.MOE_COMBINE_GRAD})
 
 
 def all_to_all_seconds(machine: Machine, shape: GridShape, c: Collective, imbalance: float) -> float:
-    """Seconds of one all-to-all over batch of ``c.payload_bytes`` sent by this rank (E16): a
-    pairwise exchange of G − 1 steps, each paying the latency of its level (α inside a node, the
-    network's between nodes), and the bytes to the other ranks at the per-rank bandwidth of each
-    level, the slower of the node-local and the cross-node part; a payload the rank sends of its
-    own share (``OWN_SHARE_TERMS``) waits for its busiest peer, ``imbalance`` times the mean."""
-    g, stride = shape.size(c.axis), shape.stride(c.axis)
-    if g <= 1:
-        return 0.0
-    span = span_of(g, stride, machine.devices_per_node)
-    intra = machine.level_of(span.per_node, stride)
-    net = machine.levels[-1] if span.nodes > 1 else intra
+    """Seconds of one all-to-all over ``c.axis`` (batch) of ``c.payload_bytes`` sent by this rank
+    (E16), as ``Machine.comm_time`` prices it: the machine's measured all-to-all curve of the axis'
+    geometry where calibration wrote one, else a pairwise exchange on its levels
+    (``collective_model.all_to_all_time``). A payload the rank sends of its own share
+    (``OWN_SHARE_TERMS``) waits for its busiest peer: priced at ``imbalance`` times the mean."""
     payload = c.payload_bytes * (imbalance if c.term in OWN_SHARE_TERMS else 1.0)
-    local_peers = span.per_node - 1
-    remote_peers = g - span.per_node
-    latency = local_peers * intra.alpha_s + remote_peers * net.alpha_s
-    local = payload * local_peers / g / intra.beta_Bps
-    remote = payload * remote_peers / g / net.beta_Bps if remote_peers else 0.0
-    return latency + max(local, remote)
+    world = shape.world_size
+    return machine.comm_time(Op.ALL_TO_ALL.value, shape.size(c.axis), shape.stride(c.axis), payload, world)
 
 
 @dataclasses.dataclass(frozen=True)
