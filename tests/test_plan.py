@@ -6,6 +6,7 @@ or memory model."""
 
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -740,6 +741,9 @@ def test_calibrate_shows_each_stage_as_it_measures(tmp_path, capfd):
     text = (printed.out + printed.err).replace("\r", "\n")
     assert "[1 ranks] elementwise, activation, optimizer: " in text and "point" in text  # the bar
     assert "[1 ranks] elementwise, activation, optimizer done" in text  # the stage's line
+    m = load(str(out))  # and what a small read to the host costs a loop of queued ops (MoE's E15)
+    assert m.host_sync_s is not None and math.isfinite(m.host_sync_s) and m.host_sync_s >= 0
+    assert "kernels.host_sync" in m.sources["host_sync_s"]
 
 
 def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():

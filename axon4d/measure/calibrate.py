@@ -126,7 +126,8 @@ def _measure_compute(
 
 def _measure_kernels(timer: Timer) -> dict[str, Any]:
     """Elementwise streaming (at one size, and as a curve over sizes), the MLP activation, one Adam
-    step per element and a framework op's cost (the "kernels" part; "compute" includes it)."""
+    step per element, a framework op's cost and a small read's to the host (the "kernels" part;
+    "compute" includes it)."""
     with timer.stage("elementwise, activation, optimizer"):
         return _kernels(timer)
 
@@ -139,6 +140,7 @@ def _kernels(timer: Timer) -> dict[str, Any]:
         "adam_s": adam,
         "elementwise_curve": kernels.elementwise_curve(timer),
         "op_overhead_s": kernels.op_overhead(timer),
+        "host_sync_s": kernels.host_sync(timer),
     }
     if timer.grid.scheduler.accelerator:  # offload's copies: the slower direction of the host link
         out["host_link_Bps"] = min(kernels.host_link(timer).values())

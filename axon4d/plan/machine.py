@@ -122,6 +122,8 @@ class Machine:
     # the measured calibration steps the scales were fitted to (axon4d.plan.stepfit.Sample as dicts)
     fp8_gemm_speedup: list[list[float]] = dataclasses.field(default_factory=list)
     # rows [GEMM FLOPs, FP8 speed over bf16's]: with peak_flops["float8_e4m3fn"], FP8 GEMMs (axon4d.plan.fp8)
+    host_sync_s: float | None = None  # seconds a loop of queued ops loses to one small read to the host
+    # (E15's counts; calibrate's kernels part measures it): what an accelerator's MoE layer idles; None: unknown
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     # -- lookups ----------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ E17, the combine and the dispatch's gradient), and every all-to-all waits for it
 combine's gradient) is its own T_j·k rows whatever the routing: those bytes are exact.
 
 The counts exchange (E15) is the layer's one host synchronisation: besides its all-gather, an
-accelerator's stream drains while the host reads the counts, priced as ``HOST_SYNC_S`` (an
-assumption, not measured); on the host the ranks compute synchronously and it costs nothing more.
+accelerator's stream drains while the host reads the counts, priced as the machine's
+``host_sync_s`` where ``axon4d calibrate`` measured it, else ``HOST_SYNC_S`` (an assumption);
+on the host the ranks compute synchronously and it costs nothing more (``host_sync_seconds``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from axon4d.precision import Precision
 from axon4d.shape import GridShape
 
 #: seconds an accelerator idles at the counts exchange's host read (stream drained, counts copied to
-#: the host, the next kernels launched): an assumption of the order of a device synchronisation
+#: the host, the next kernels launched): an assumption of the order of a device synchronisation, for
+#: a machine file that gives no measured ``host_sync_s`` (the shipped GPU files)
 HOST_SYNC_S = 50e-6
 #: framework ops of one MoE layer's forward and backward besides its GEMMs (sorts, index selects,
 #: scatters, concatenations, casts: counted in axon4d.nn.moe's forward and its autograd graph)
@@ -201,6 +203,15 @@ def all_to_all_seconds(machine: Machine, shape: GridShape, c: Collective, imbala
     return machine.comm_time(Op.ALL_TO_ALL.value, shape.size(c.axis), shape.stride(c.axis), payload, world)
 
 
+def host_sync_seconds(machine: Machine) -> float:
+    """Seconds an MoE layer's counts exchange (E15) idles the rank while the host reads the counts:
+    on an accelerator the machine's measured ``host_sync_s``, else the assumption ``HOST_SYNC_S``;
+    0 on the host, whose ranks compute synchronously (nothing is queued to drain)."""
+    if not machine.accelerator:
+        return 0.0
+    return HOST_SYNC_S if machine.host_sync_s is None else machine.host_sync_s
+
+
 @dataclasses.dataclass(frozen=True)
 class MoESeconds:
     """Compute seconds of one MoE layer's forward and backward on one rank (its collectives apart)."""
@@ -237,8 +248,7 @@ def layer_seconds(
     moved = (tokens * k + 3 * rows) * h * elem  # rows selected for the dispatch, sorted, unsorted, unpadded
     combine = ew(3 * tokens * k * h * elem, world)  # gates · outputs summed per token
     scale = ew(2 * p.local * (ups + 1) * p.ffn_y * h * elem, world) if shape.size("batch") > 1 else 0.0
-    sync = HOST_SYNC_S if machine.accelerator else 0.0
-    fwd = router_f + scores + up_f + down_f + act_f + ew(2 * moved, world) + combine + sync
+    fwd = router_f + scores + up_f + down_f + act_f + ew(2 * moved, world) + combine + host_sync_seconds(machine)
     fwd += FORWARD_OPS * machine.op_overhead_s
     bwd = router_b + scores + up_b + down_b + act_b + ew(2 * moved, world) + 2 * combine + scale
     bwd += BACKWARD_OPS * machine.op_overhead_s
