@@ -190,7 +190,8 @@ def host_sync(timer: Timer, values: int = HOST_SYNC_VALUES) -> float:
     reads the gathered counts (``tolist``, as ``axon4d.nn.moe_dispatch`` does) and the device's
     queue drains before the next op is queued: a loop that queues a small op on ``values`` int64
     elements and reads them to the host, less the same loop without the read; clamped at 0 (on a
-    host, where an op is done when it returns, only the conversion to Python numbers and noise are left)."""
+    host, where an op is done when it returns, only the conversion to Python numbers and noise
+    are left)."""
     counts = torch.zeros(values, dtype=torch.int64, device=timer.device)
 
     def queued() -> torch.Tensor:

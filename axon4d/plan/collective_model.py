@@ -21,12 +21,14 @@ inside a node, the network level for the steps between nodes).
   8 µs + ⌊log2 nodes⌋ · α_net / 3.5 + 2.8 µs per rank, at 0.75 of the bus bandwidth — cheaper
   than a ring's g − 1 network steps for small payloads over many nodes.
 
-Every algorithm starts with NCCL's base latency of 8.4 µs. An all-to-all (an MoE layer's E16) has
-no tuner's choice — NCCL runs it as grouped point-to-point sends — and is priced as a pairwise
-exchange on either device (``all_to_all_time``) where a machine has no measured curve of it. NCCL's LL and LL128 protocols (lower
+Every algorithm starts with NCCL's base latency of 8.4 µs. NCCL's LL and LL128 protocols (lower
 latency, less bandwidth; what NCCL picks below ~64 KiB), NVLS (NVLink SHARP) and CollNet are not
 modelled: the model prices small collectives a few µs high and large intra-node all-reduces on
 NVSwitch systems with NVLS somewhat slow.
+
+An all-to-all (an MoE layer's E16) has no tuner's choice — NCCL runs it as grouped point-to-point
+sends — and is priced as a pairwise exchange on either device (``all_to_all_time``) where a
+machine has no measured curve of it.
 """
 
 from __future__ import annotations
