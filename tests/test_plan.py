@@ -6,6 +6,7 @@ or memory model."""
 
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import re
@@ -740,6 +741,9 @@ def test_calibrate_shows_each_stage_as_it_measures(tmp_path, capfd):
     text = (printed.out + printed.err).replace("\r", "\n")
     assert "[1 ranks] elementwise, activation, optimizer: " in text and "point" in text  # the bar
     assert "[1 ranks] elementwise, activation, optimizer done" in text  # the stage's line
+    m = load(str(out))  # and what a small read to the host costs a loop of queued ops (MoE's E15)
+    assert m.host_sync_s is not None and math.isfinite(m.host_sync_s) and m.host_sync_s >= 0
+    assert "kernels.host_sync" in m.sources["host_sync_s"]
 
 
 def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():
@@ -759,12 +763,13 @@ def test_calibration_clamps_only_what_timing_noise_puts_out_of_range():
 
 @pytest.mark.slow
 def test_calibration_measures_every_axis_and_yields_a_usable_machine(pools):
+    from axon4d.measure import collectives
     from axon4d.plan.machine import Machine
 
     data, measured = pools(4).run((1, 1, 1, 4), _calibrate_small)[0]
     m = Machine.from_json(json.loads(json.dumps(data)))
     assert sorted((c.op, c.group, c.stride) for c in m.comm) == sorted(
-        (op, g, s) for op in ("all_reduce", "all_gather", "reduce_scatter") for g, s in [(2, 1), (2, 2), (4, 1)]
+        (op, g, s) for op in collectives.OPS for g, s in [(2, 1), (2, 2), (4, 1)]
     )
     assert all(c.world == 4 and len(c.seconds) == 2 and min(c.seconds) > 0 for c in m.comm)
     table = m.matmul["float32"]["4"]["nt"]
@@ -799,6 +804,27 @@ def _network_only(grid):
     return calibrate.measure_world(grid, [], reps=1, log=lambda s: None, payloads=[4096, 65536], parts=["network"])
 
 
+def _sweep(grid, payloads):
+    from axon4d.measure import collectives
+    from axon4d.measure.timing import Timer
+
+    return collectives.comm_curves(Timer(grid, reps=1), torch.float32, 1, payloads)
+
+
+def test_the_sweep_measures_an_all_to_all_curve_on_every_axis_geometry(pools):
+    """``collectives.comm_curves`` on 4 ranks: an all-to-all curve (``axon4d.comm``'s, one row of
+    payload/(4·G) fp32 elements to each rank) per geometry, beside the other three collectives',
+    its payloads the bytes each rank sends, its own row included (what the log records, E16)."""
+    from axon4d.measure.collectives import all_to_all_payload
+
+    curves = pools(4).run((1, 1, 1, 4), _sweep, [4096, 65536])[0]
+    a2a = {(c.group, c.stride): c for c in curves if c.op == "all_to_all"}
+    assert sorted(a2a) == [(2, 1), (2, 2), (4, 1)] and len(curves) == 4 * len(a2a)
+    for c in a2a.values():
+        assert c.world == 4 and c.payload == [4096, 65536] and min(c.seconds) > 0
+    assert all_to_all_payload(4096, 3, 4) == 4092  # a group that does not divide it: ⌊1024/3⌋ elements a row
+
+
 def test_network_only_calibration_replaces_the_links_and_keeps_the_compute(pools, tmp_path):
     """`axon4d calibrate --parts network` (e.g. on an emulated cluster): the collectives are measured
     anew and merged into the machine file already at --out; its compute tables stay as they were."""
@@ -813,8 +839,9 @@ def test_network_only_calibration_replaces_the_links_and_keeps_the_compute(pools
     assert "matmul" not in result and "elementwise_Bps" not in result  # nothing but the network measured
     after = calibrate.merge(copy.deepcopy(before), result, "re-measured", 2**30)
     assert sorted((c.op, c.group, c.stride, c.world) for c in after.comm) == [
-        (op, 2, 1, 2) for op in ("all_gather", "all_reduce", "reduce_scatter")
+        (op, 2, 1, 2) for op in ("all_gather", "all_reduce", "all_to_all", "reduce_scatter")
     ]
+    assert all(c.payload == [4096, 65536] and min(c.seconds) > 0 for c in after.comm)  # the bytes each rank sends
     assert after.overlap_efficiency == result["overlap_efficiency"] and "network" in after.sources
     assert not before.staged_reduce_scatter and after.staged_reduce_scatter  # now the links of gloo
     assert after.matmul == before.matmul and after.attention == before.attention

@@ -376,3 +376,53 @@ def test_the_accuracy_probe_runs_the_moe_layer_the_planner_prices(pools, grid):
         assert layers == cfg.n_layers and aux
         assert n_params == local_param_count(wl, shape)
         assert calls == t.collectives
+
+
+def test_an_all_to_all_is_priced_from_the_machine_s_curve_where_it_has_one():
+    """``all_to_all_seconds``: the machine's measured all-to-all curve of the batch axis' geometry
+    where calibration wrote one, else the pairwise α–β exchange (``Machine.comm_time``); the rows a
+    rank sends of its own share (``OWN_SHARE_TERMS``) wait for the busiest peer, ρ times the mean."""
+    from axon4d.geometry import Collective, Op
+    from axon4d.plan.moe_cost import OWN_SHARE_TERMS, all_to_all_seconds
+    from axon4d.plan.tables import CommCurve
+
+    shape = GridShape(1, 1, 2, 2)  # batch: 4 ranks, stride 1
+    dispatch = Collective(Op.ALL_TO_ALL, "batch", 1 << 16, "forward", Term.MOE_DISPATCH)
+    combine = dataclasses.replace(dispatch, term=Term.MOE_COMBINE)
+    assert dispatch.term in OWN_SHARE_TERMS and combine.term not in OWN_SHARE_TERMS
+    plain = load("h100")
+    for c, payload in ((dispatch, 1.5 * (1 << 16)), (combine, 1 << 16)):
+        assert all_to_all_seconds(plain, shape, c, 1.5) == plain.comm_time("all_to_all", 4, 1, payload, 4)
+    assert all_to_all_seconds(plain, shape, combine, 1.5) == pytest.approx(3 * 3.4e-6 + (1 << 16) * 3 / 4 / 360e9)
+    curve = CommCurve("all_to_all", 4, 1, 4, [4096, 1 << 20], [1e-3, 2e-3])
+    measured = dataclasses.replace(plain, comm=[curve])
+    assert all_to_all_seconds(measured, shape, dispatch, 1.5) == curve.time(1.5 * (1 << 16))
+    assert all_to_all_seconds(measured, shape, combine, 1.5) == curve.time(1 << 16)
+    assert all_to_all_seconds(measured, shape, combine, 1.5) > 10 * all_to_all_seconds(plain, shape, combine, 1.5)
+    other = dataclasses.replace(plain, comm=[dataclasses.replace(curve, group=2)])  # another geometry's curve
+    assert all_to_all_seconds(other, shape, combine, 1.0) == all_to_all_seconds(plain, shape, combine, 1.0)
+
+
+def test_the_counts_host_sync_is_measured_where_calibrated_assumed_otherwise_and_free_on_the_host():
+    """The forward of an MoE layer pays the counts exchange's host read (E15) on an accelerator: the
+    machine's measured ``host_sync_s``, else the assumption ``HOST_SYNC_S``; on the host nothing
+    (its ranks compute synchronously). Every shipped GPU file keeps the assumption, and says so."""
+    from axon4d.plan.machine import available
+    from axon4d.plan.moe_cost import HOST_SYNC_S, host_sync_seconds, layer_seconds
+
+    gpu = load("h100")
+    measured = dataclasses.replace(gpu, host_sync_s=2e-5)
+    host = dataclasses.replace(measured, accelerator=False)
+    assert host_sync_seconds(gpu) == HOST_SYNC_S and host_sync_seconds(measured) == 2e-5
+    assert host_sync_seconds(host) == 0.0
+    cfg, shape = moe_cfg(), GridShape(1, 1, 2, 1)
+
+    def fwd(m):
+        return layer_seconds(cfg, 64, shape, m, "bfloat16", 2, 1.0).fwd
+
+    assert fwd(gpu) - fwd(measured) == pytest.approx(HOST_SYNC_S - 2e-5, rel=1e-9)
+    assert fwd(measured) - fwd(dataclasses.replace(measured, host_sync_s=0.0)) == pytest.approx(2e-5, rel=1e-9)
+    assert fwd(host) == fwd(dataclasses.replace(host, host_sync_s=1.0))
+    for name in available():
+        shipped = load(name)
+        assert shipped.host_sync_s is None and "HOST_SYNC_S" in shipped.sources["host_sync_s"]

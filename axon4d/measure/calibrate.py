@@ -13,8 +13,8 @@ real step (on a CPU host the ranks share cores; on a GPU node each has its own d
   pair at long key runs (context parallelism's prefix), elementwise streaming bandwidth, the
   MLP activation forward/backward per element, one Adam step per parameter, a framework op
   (axon4d.measure.kernels);
-- every collective (all-reduce, all-gather, reduce-scatter) through ``axon4d.comm`` on every axis
-  geometry (group size, rank stride; E1) of the world, at several payloads; how much of an
+- every collective (all-reduce, all-gather, reduce-scatter, all-to-all) through ``axon4d.comm`` on
+  every axis geometry (group size, rank stride; E1) of the world, at several payloads; how much of an
   asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``, §4), and how much GEMM
   time each byte of a collective running beside it costs (``comm_interference_s_per_byte``)
   (axon4d.measure.collectives);
@@ -126,7 +126,8 @@ def _measure_compute(
 
 def _measure_kernels(timer: Timer) -> dict[str, Any]:
     """Elementwise streaming (at one size, and as a curve over sizes), the MLP activation, one Adam
-    step per element and a framework op's cost (the "kernels" part; "compute" includes it)."""
+    step per element, a framework op's cost and a small read's to the host (the "kernels" part;
+    "compute" includes it)."""
     with timer.stage("elementwise, activation, optimizer"):
         return _kernels(timer)
 
@@ -139,6 +140,7 @@ def _kernels(timer: Timer) -> dict[str, Any]:
         "adam_s": adam,
         "elementwise_curve": kernels.elementwise_curve(timer),
         "op_overhead_s": kernels.op_overhead(timer),
+        "host_sync_s": kernels.host_sync(timer),
     }
     if timer.grid.scheduler.accelerator:  # offload's copies: the slower direction of the host link
         out["host_link_Bps"] = min(kernels.host_link(timer).values())
@@ -149,7 +151,7 @@ def _measure_network(timer: Timer, passes: int, payloads: Sequence[int], log: Ca
     """Collective curves, overlap efficiency and interference (``measure_world``)."""
     world = timer.grid.world_size
     out: dict[str, Any] = {}
-    points = max(passes, 1) * len(collectives.geometries(world)) * 3 * len(payloads)  # 3 ops: ``_comm_sweep``
+    points = max(passes, 1) * len(collectives.geometries(world)) * len(collectives.OPS) * len(payloads)
     with timer.stage("collectives", points):
         out["comm"] = collectives.comm_curves(timer, torch.float32, passes, payloads) if world > 1 else []
     out["staged_reduce_scatter"] = timer.grid.comm.transport.stages_reduce_scatter

@@ -1,8 +1,9 @@
 """What collectives cost on this machine, measured on every rank at once (docs/design.md §3, §4, §6, §7).
 
-- every collective (all-reduce, all-gather, reduce-scatter) through ``axon4d.comm`` on every axis
-  geometry (group size, rank stride; E1) of the world, at several payloads (``comm_curves``): the
-  measured t(payload) that replaces §3's α·steps + bytes/β where a machine has it;
+- every collective (all-reduce, all-gather, reduce-scatter, and the all-to-all of an MoE layer's
+  dispatch, §10 E16) through ``axon4d.comm`` on every axis geometry (group size, rank stride; E1)
+  of the world, at several payloads (``comm_curves``): the measured t(payload) that replaces §3's
+  α·steps + bytes/β (and E16's pairwise exchange) where a machine has it;
 - how much of an asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``; §4);
 - how much GEMM time each byte of ring traffic of a collective running beside it costs
   (``interference``; on a host whose ranks share cores, §7).
@@ -27,6 +28,8 @@ from axon4d.shape import GridShape
 
 #: collective payloads (bytes) of the curves
 PAYLOADS = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
+#: the collectives whose curves are measured (``CommCurve.op``), in the order ``_comm_sweep`` runs them
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: all-reduce payloads (bytes) of the interference probe: large, so per-collective costs are small
 #: beside the bytes' and cancel in the difference of the two
 INTERFERENCE_PAYLOADS = (4 << 20, 16 << 20)
@@ -58,15 +61,17 @@ def comm_curves(
 
 
 def _comm_sweep(timer: Timer, dtype: torch.dtype, payloads: Sequence[int]) -> list[CommCurve]:
-    """One pass: each geometry as the y axis of a grid built on the existing ranks."""
+    """One pass: each geometry as the y axis of a grid built on the existing ranks, each of ``OPS``
+    at each payload (an all-to-all's: ``all_to_all_payload``, the bytes each rank sends)."""
     world = timer.grid.world_size
     curves = []
     elem = dtype.itemsize
     for g, s in geometries(world):
         shape = GridShape(s, g, world // (g * s), 1)  # the y axis: g ranks, stride s = G_x
         grid = Grid(shape, timer.device, timer.grid.comm.transport_name, launcher="existing")
+        one_row_each = [1] * g  # the all-to-all's split sizes, sent and received
         try:
-            for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            for op in OPS:
                 secs = []
                 for payload in payloads:
                     n = payload // elem
@@ -76,16 +81,28 @@ def _comm_sweep(timer: Timer, dtype: torch.dtype, payloads: Sequence[int]) -> li
                     elif op == "all_gather":
                         buf = torch.zeros(n // g, dtype=dtype, device=timer.device)
                         fn = lambda: grid.comm.all_gather(buf, "y").wait()  # noqa: E731
-                    else:
+                    elif op == "reduce_scatter":
                         buf = torch.zeros(n - n % g, dtype=dtype, device=timer.device)
                         fn = lambda: grid.comm.reduce_scatter(buf, "y").wait()  # noqa: E731
+                    else:  # (g, n/g): one row to each rank of the axis, this rank's own included
+                        buf = torch.zeros(g, n // g, dtype=dtype, device=timer.device)
+                        fn = lambda: grid.comm.all_to_all(buf, "y", one_row_each, one_row_each).wait()  # noqa: E731
                     secs.append(timer.measure_collective(fn))
                 grid.comm.log.clear()
-                curves.append(CommCurve(op, g, s, world, list(payloads), secs))
+                sizes = [all_to_all_payload(p, g, elem) for p in payloads] if op == "all_to_all" else list(payloads)
+                curves.append(CommCurve(op, g, s, world, sizes, secs))
         finally:
             grid.comm.barrier()
             grid.destroy()
     return curves
+
+
+def all_to_all_payload(payload: int, group: int, elem: int) -> int:
+    """Bytes each rank sends in the sweep's all-to-all of nominal ``payload`` bytes over ``group``
+    ranks (what the communication log records for it, E16): one row of ⌊payload/(elem·group)⌋
+    elements to every rank, its own included — ``payload`` itself wherever the group divides it
+    (every power-of-two group at ``PAYLOADS``)."""
+    return group * (payload // elem // group) * elem
 
 
 def _beside(timer: Timer, buf: torch.Tensor, length: float) -> tuple[float, float, float]:

@@ -7,7 +7,9 @@
   attention of a block of queries against a longer run of keys per (query, key) pair
   (``prefix_rows``: what a context-parallel rank computes against the keys of earlier chunks);
 - elementwise streaming bandwidth, the MLP activation forward/backward per element and one Adam
-  step per parameter (``elementwise``), and the fixed cost of one framework op (``op_overhead``).
+  step per parameter (``elementwise``), the fixed cost of one framework op (``op_overhead``), and
+  what one small read to the host costs a loop of queued ops (``host_sync``: an MoE layer's counts
+  exchange, docs/design.md §10 E15).
 
 These are the rates ``axon4d.plan.machine.Machine`` prices compute with; every rank computes at the
 same time, so they include the contention of a real step (``axon4d.measure.timing``).
@@ -175,3 +177,27 @@ def host_link(timer: Timer, nbytes: int = 1 << 28) -> dict[str, float]:
 def op_overhead(timer: Timer) -> float:
     """Seconds of one tiny framework op (dispatch, not work)."""
     return timer.measure(lambda: torch.add(torch.ones(1), 1))
+
+
+#: int64 values ``host_sync`` reads back: E15's G_ep·G_y·C·E counts of, e.g., 8 expert-parallel
+#: ranks × 2 y shares × 64 experts
+HOST_SYNC_VALUES = 1024
+
+
+def host_sync(timer: Timer, values: int = HOST_SYNC_VALUES) -> float:
+    """Seconds one read of a small tensor to the host adds to each iteration of a loop of queued
+    ops — what an MoE layer's counts exchange (E15) costs besides its all-gather, where the host
+    reads the gathered counts (``tolist``, as ``axon4d.nn.moe_dispatch`` does) and the device's
+    queue drains before the next op is queued: a loop that queues a small op on ``values`` int64
+    elements and reads them to the host, less the same loop without the read; clamped at 0 (on a
+    host, where an op is done when it returns, only the conversion to Python numbers and noise
+    are left)."""
+    counts = torch.zeros(values, dtype=torch.int64, device=timer.device)
+
+    def queued() -> torch.Tensor:
+        return counts.add_(1)
+
+    def read() -> list[int]:
+        return counts.add_(1).tolist()
+
+    return max(timer.measure(read) - timer.measure(queued), 0.0)

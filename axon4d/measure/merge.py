@@ -62,6 +62,13 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
         if "elementwise_curve" in result:
             machine.elementwise_curve[key] = result["elementwise_curve"]
         machine.op_overhead_s = result["op_overhead_s"] if world == 1 else machine.op_overhead_s
+        if "host_sync_s" in result and (machine.host_sync_s is None or world >= machine.devices_per_node):
+            machine.host_sync_s = float(result["host_sync_s"])  # the fullest node's, as a job sees it
+            machine.sources["host_sync_s"] = (
+                f"measured by `axon4d calibrate` on {world} ranks at once: a loop of small queued ops that reads "
+                "a small int64 tensor to the host each time, less the loop without the read "
+                "(axon4d.measure.kernels.host_sync); the planner charges it per MoE layer on an accelerator only"
+            )
     if "comm" not in result:  # no network part
         machine.devices_per_node = max(machine.devices_per_node, world)
         return _with_steps(machine, world, result)

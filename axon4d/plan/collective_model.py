@@ -25,6 +25,10 @@ Every algorithm starts with NCCL's base latency of 8.4 µs. NCCL's LL and LL128 
 latency, less bandwidth; what NCCL picks below ~64 KiB), NVLS (NVLink SHARP) and CollNet are not
 modelled: the model prices small collectives a few µs high and large intra-node all-reduces on
 NVSwitch systems with NVLS somewhat slow.
+
+An all-to-all (an MoE layer's E16) has no tuner's choice — NCCL runs it as grouped point-to-point
+sends — and is priced as a pairwise exchange on either device (``all_to_all_time``) where a
+machine has no measured curve of it.
 """
 
 from __future__ import annotations
@@ -137,6 +141,21 @@ def candidates(op: str, payload: float, span: Span, intra: Link, net: Link, chan
 def nccl_time(op: str, payload: float, span: Span, intra: Link, net: Link, channels: int = 1) -> Priced:
     """The algorithm NCCL's tuner picks for ``op`` (the cheapest of ``candidates``) and its price."""
     return min(candidates(op, payload, span, intra, net, channels), key=lambda p: p.seconds)
+
+
+def all_to_all_time(payload: float, span: Span, intra: Link, net: Link) -> float:
+    """An all-to-all in which each rank of ``span`` sends ``payload`` bytes, its own share included,
+    split evenly over the ranks (E16): a pairwise exchange of G − 1 steps, each paying the latency
+    of its level (``intra`` inside a node, ``net`` between nodes), and the bytes to the other ranks
+    at the per-rank bandwidth of each level, the slower of the node-local and the cross-node part."""
+    g = span.ranks
+    if g <= 1:
+        return 0.0
+    local_peers, remote_peers = span.per_node - 1, g - span.per_node
+    latency = local_peers * intra.alpha_s + remote_peers * net.alpha_s
+    local = payload * local_peers / g / intra.beta_Bps
+    remote = payload * remote_peers / g / net.beta_Bps if remote_peers else 0.0
+    return latency + max(local, remote)
 
 
 def host_time(op: str, group: int, payload: float, link: Link) -> float:

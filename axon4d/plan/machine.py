@@ -10,11 +10,12 @@ A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file wri
 - ``comm_time(op, group, stride, payload, world)``: seconds of one collective on an axis whose
   ``group`` ranks sit ``stride`` apart (E1: x has stride 1, y stride G_x, …). Measured entries
   (op, group, stride, world) are interpolated piecewise linearly in the payload — in each size
-  segment that is t = α + bytes/β. Otherwise, on an accelerator, the algorithm NCCL's tuner picks
-  (ring, tree or PAT, the cheapest: ``axon4d.plan.collective_model``) with the per-step latency and
-  bandwidth of the levels the group spans (``collective_algorithm``); on a host α·steps +
-  traffic/β (ring traffic; steps = the fewer of ring and tree) of the first hierarchy level (e.g.
-  "node", then "network") that contains the whole group.
+  segment that is t = α + bytes/β. Otherwise an all-to-all is a pairwise exchange over the levels
+  the group spans (on either device); on an accelerator the other collectives take the algorithm
+  NCCL's tuner picks (ring, tree or PAT, the cheapest: ``axon4d.plan.collective_model``) with the
+  per-step latency and bandwidth of the levels the group spans (``collective_algorithm``); on a
+  host α·steps + traffic/β (ring traffic; steps = the fewer of ring and tree) of the first
+  hierarchy level (e.g. "node", then "network") that contains the whole group.
 - elementwise, attention and per-op costs for the work that is not a GEMM;
 - ``interference_time(traffic, world)``: step time the ranks' compute loses to the collectives
   running beside it, per byte of ring traffic (measured by ``axon4d calibrate``: on a host whose
@@ -121,6 +122,8 @@ class Machine:
     # the measured calibration steps the scales were fitted to (axon4d.plan.stepfit.Sample as dicts)
     fp8_gemm_speedup: list[list[float]] = dataclasses.field(default_factory=list)
     # rows [GEMM FLOPs, FP8 speed over bf16's]: with peak_flops["float8_e4m3fn"], FP8 GEMMs (axon4d.plan.fp8)
+    host_sync_s: float | None = None  # seconds a loop of queued ops loses to one small read to the host
+    # (E15's counts; calibrate's kernels part measures it): what an accelerator's MoE layer idles; None: unknown
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -305,26 +308,33 @@ class Machine:
         return self.levels[-1]
 
     def comm_time(self, op: str, group: int, stride: int, payload: float, world: int) -> float:
-        """Seconds of one collective of ``payload`` bytes over ``group`` ranks ``stride`` apart: a
-        measured curve where there is one; on an accelerator NCCL's choice of algorithm
-        (``collective_algorithm``); on a host α·steps + ring traffic/β of the group's level."""
+        """Seconds of one collective of ``payload`` bytes over ``group`` ranks ``stride`` apart (an
+        all-to-all's: the bytes one rank sends, its own share included): a measured curve where
+        there is one; an all-to-all as a pairwise exchange (``collective_model.all_to_all_time``);
+        on an accelerator NCCL's choice of algorithm (``collective_algorithm``); on a host
+        α·steps + ring traffic/β of the group's level."""
         if group <= 1:
             return 0.0
         curve = self._comm_curve(op, group, stride, world)
         if curve is not None:
             return curve.time(payload)
+        if op == "all_to_all":  # no ring and no tuner's choice: neither model below prices it
+            return collective_model.all_to_all_time(payload, *self._links(group, stride))
         if self.accelerator:
             return self.collective_algorithm(op, group, stride, payload).seconds
         return collective_model.host_time(op, group, payload, self.level_of(group, stride).link)
 
     def collective_algorithm(self, op: str, group: int, stride: int, payload: float) -> collective_model.Priced:
         """The algorithm NCCL's tuner picks for the collective and its price (``axon4d.plan.
-        collective_model``): the steps inside a node at the level holding one node's share of the
-        group, the steps between nodes at the network level (the last)."""
+        collective_model``; all-reduce, all-gather, reduce-scatter: a ``ValueError`` for others)."""
+        return collective_model.nccl_time(op, payload, *self._links(group, stride), self.nccl_channels)
+
+    def _links(self, group: int, stride: int) -> tuple[collective_model.Span, Link, Link]:
+        """The group's span and its links: the steps inside a node at the level holding one node's
+        share of the group, the steps between nodes at the network level (the last)."""
         span = collective_model.span_of(group, stride, self.devices_per_node)
         intra = self.level_of(span.per_node, stride) if span.nodes > 1 else self.level_of(group, stride)
-        net = self.levels[-1] if span.nodes > 1 else intra
-        return collective_model.nccl_time(op, payload, span, intra.link, net.link, self.nccl_channels)
+        return span, intra.link, (self.levels[-1] if span.nodes > 1 else intra).link
 
     def _comm_curve(self, op: str, group: int, stride: int, world: int) -> CommCurve | None:
         best, best_key = None, None

@@ -18,8 +18,9 @@ E17, the combine and the dispatch's gradient), and every all-to-all waits for it
 combine's gradient) is its own T_j·k rows whatever the routing: those bytes are exact.
 
 The counts exchange (E15) is the layer's one host synchronisation: besides its all-gather, an
-accelerator's stream drains while the host reads the counts, priced as ``HOST_SYNC_S`` (an
-assumption, not measured); on the host the ranks compute synchronously and it costs nothing more.
+accelerator's stream drains while the host reads the counts, priced as the machine's
+``host_sync_s`` where ``axon4d calibrate`` measured it, else ``HOST_SYNC_S`` (an assumption);
+on the host the ranks compute synchronously and it costs nothing more (``host_sync_seconds``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from axon4d import rules
 from axon4d.config import ModelConfig
 from axon4d.geometry import Collective, Op, Term
 from axon4d.overlap_policy import OverlapPolicy
-from axon4d.plan.collective_model import span_of
 from axon4d.plan.machine import Machine
 from axon4d.precision import Precision
 from axon4d.shape import GridShape
 
 #: seconds an accelerator idles at the counts exchange's host read (stream drained, counts copied to
-#: the host, the next kernels launched): an assumption of the order of a device synchronisation
+#: the host, the next kernels launched): an assumption of the order of a device synchronisation, for
+#: a machine file that gives no measured ``host_sync_s`` (the shipped GPU files)
 HOST_SYNC_S = 50e-6
 #: framework ops of one MoE layer's forward and backward besides its GEMMs (sorts, index selects,
 #: scatters, concatenations, casts: counted in axon4d.nn.moe's forward and its autograd graph)
@@ -192,24 +193,23 @@ OWN_SHARE_TERMS = frozenset({Term.MOE_DISPATCH, Term.MOE_COMBINE_GRAD})
 
 
 def all_to_all_seconds(machine: Machine, shape: GridShape, c: Collective, imbalance: float) -> float:
-    """Seconds of one all-to-all over batch of ``c.payload_bytes`` sent by this rank (E16): a
-    pairwise exchange of G − 1 steps, each paying the latency of its level (α inside a node, the
-    network's between nodes), and the bytes to the other ranks at the per-rank bandwidth of each
-    level, the slower of the node-local and the cross-node part; a payload the rank sends of its
-    own share (``OWN_SHARE_TERMS``) waits for its busiest peer, ``imbalance`` times the mean."""
-    g, stride = shape.size(c.axis), shape.stride(c.axis)
-    if g <= 1:
-        return 0.0
-    span = span_of(g, stride, machine.devices_per_node)
-    intra = machine.level_of(span.per_node, stride)
-    net = machine.levels[-1] if span.nodes > 1 else intra
+    """Seconds of one all-to-all over ``c.axis`` (batch) of ``c.payload_bytes`` sent by this rank
+    (E16), as ``Machine.comm_time`` prices it: the machine's measured all-to-all curve of the axis'
+    geometry where calibration wrote one, else a pairwise exchange on its levels
+    (``collective_model.all_to_all_time``). A payload the rank sends of its own share
+    (``OWN_SHARE_TERMS``) waits for its busiest peer: priced at ``imbalance`` times the mean."""
     payload = c.payload_bytes * (imbalance if c.term in OWN_SHARE_TERMS else 1.0)
-    local_peers = span.per_node - 1
-    remote_peers = g - span.per_node
-    latency = local_peers * intra.alpha_s + remote_peers * net.alpha_s
-    local = payload * local_peers / g / intra.beta_Bps
-    remote = payload * remote_peers / g / net.beta_Bps if remote_peers else 0.0
-    return latency + max(local, remote)
+    world = shape.world_size
+    return machine.comm_time(Op.ALL_TO_ALL.value, shape.size(c.axis), shape.stride(c.axis), payload, world)
+
+
+def host_sync_seconds(machine: Machine) -> float:
+    """Seconds an MoE layer's counts exchange (E15) idles the rank while the host reads the counts:
+    on an accelerator the machine's measured ``host_sync_s``, else the assumption ``HOST_SYNC_S``;
+    0 on the host, whose ranks compute synchronously (nothing is queued to drain)."""
+    if not machine.accelerator:
+        return 0.0
+    return HOST_SYNC_S if machine.host_sync_s is None else machine.host_sync_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +248,7 @@ def layer_seconds(
     moved = (tokens * k + 3 * rows) * h * elem  # rows selected for the dispatch, sorted, unsorted, unpadded
     combine = ew(3 * tokens * k * h * elem, world)  # gates · outputs summed per token
     scale = ew(2 * p.local * (ups + 1) * p.ffn_y * h * elem, world) if shape.size("batch") > 1 else 0.0
-    sync = HOST_SYNC_S if machine.accelerator else 0.0
-    fwd = router_f + scores + up_f + down_f + act_f + ew(2 * moved, world) + combine + sync
+    fwd = router_f + scores + up_f + down_f + act_f + ew(2 * moved, world) + combine + host_sync_seconds(machine)
     fwd += FORWARD_OPS * machine.op_overhead_s
     bwd = router_b + scores + up_b + down_b + act_b + ew(2 * moved, world) + 2 * combine + scale
     bwd += BACKWARD_OPS * machine.op_overhead_s
