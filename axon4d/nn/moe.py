@@ -185,10 +185,10 @@ class MoE(nn.Module):
             start += n
         combines = []
         for plan, (ex, rows) in zip(plans, dispatches):
-            every = gather_rows(ex.adopt(rows), plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
-            out = self._experts(every, plan)  # (n_all, hidden/G_x), replicated over y
+            out = self._experts(ex.adopt(rows), plan)  # (n_all, hidden/G_x), replicated over y
             home = Exchange(plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE)
             rows = home.awaited(share_rows(out, plan.y_rows, "y", grid))  # this y index's rows
+            del out  # the experts' rows of every y index: none is kept past its share (memory)
             home.issue(rows)
             combines.append((home, rows))
         backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, hidden/G_x) in all, sorted chunk by chunk
@@ -229,9 +229,11 @@ class MoE(nn.Module):
             self._replay.append((chosen, plans))
         return chosen, plans
 
-    def _experts(self, every: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        """The local experts' FFNs of the gathered rows (in gathered order; E18)."""
+    def _experts(self, received: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """The local experts' FFNs of the rows this rank received, gathered over y first (E17), in
+        gathered order (E18)."""
         grid, ex = self.grid, self.experts
+        every = gather_rows(received, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
         run_experts, run_rows = plan.runs()
         ids = to_device_queued(
             torch.repeat_interleave(
@@ -243,9 +245,10 @@ class MoE(nn.Module):
         sizes = plan.group_rows
         dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16
         xs = every.index_select(0, perm).to(dtype)  # (n_all, hidden/G_x) sorted by expert
+        del every  # the gathered rows in gathered order: the GEMM keeps the sorted copy (memory)
         scale = 1.0 / grid.size("batch")
         h = _ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_y), partial over x
-        h = sum_partials(h, "x", grid)
+        h = sum_partials(h, "x", grid, in_place=True)  # the GEMM's partial output: nothing else reads it
         if ex.gated:
             gate, up = h.chunk(2, dim=-1)
             a = F.silu(gate) * up

@@ -131,6 +131,8 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag:
     most = max(sizes)
     padded = x if x.shape[0] == most else torch.cat([x, x.new_zeros((most - x.shape[0], *x.shape[1:]))])
     whole = grid.comm.all_gather(padded.contiguous(), axis, tag=tag).wait()  # (G·most, …)
+    if all(n == most for n in sizes):  # no padding to drop: the gathered blocks are the result
+        return whole
     return torch.cat([whole[i * most : i * most + n] for i, n in enumerate(sizes)])
 
 

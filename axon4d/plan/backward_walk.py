@@ -58,6 +58,7 @@ class BackwardWalk:
     a layer's backward           ~ the block gathered over z (E10b, ``gathered``; none with keep)
     (``layer``)                  ~ dX and the dW block (computed into E11's padded input, ``dw``)
                                  ~ OAG's blocks of the next ``oag_depth`` layers (``prefetched``)
+                                 that exist (an MoE block's: its shared experts', attention's)
                                  ~ its own E11, issued: the shard and received chunks (``issued``)
                                  ~ the newest earlier E11s still running — ``ors_inflight`` under
                                  ORS, one under ODP alone — with their received chunks (``in_flight``)
@@ -109,6 +110,8 @@ class BackwardWalk:
         # the host's dW GEMM of 16-bit inputs into fp32 sums widens both first (axon4d.device.mm_widening)
         self.widened = widened_gemms and self.elem != self.wire_bytes
         self.specs = {s.name: s for s in wl.linears()}
+        #: a block's linear layers in backward order (an MoE block's MLP is its shared experts', if any)
+        self.order = [n for n in BACKWARD_ORDER[1:] if n in self.specs]
         self.t = {k: v * self.elem for k, v in block_tensors(wl, shape).items()}  # one block's tensors, bytes
         saved = block_saved(wl, shape, "none" if recompute == "full" else recompute)
         self.saved = {k: v * (4 if k == "lse" else self.elem) for k, v in saved.items()}  # what a block keeps
@@ -162,8 +165,14 @@ class BackwardWalk:
             return 0.0
         if self.shape.world_size == 1:  # one rank computes without the scheduler: nothing prefetched
             return 0.0
-        after = list(BACKWARD_ORDER[BACKWARD_ORDER.index(name) + 1 :])
-        return self.blocks(after, BACKWARD_ORDER[1:], self.overlap.oag_depth)  # blocks repeat
+        return self.blocks(self.after(name), self.order, self.overlap.oag_depth)  # blocks repeat
+
+    def after(self, name: str) -> list[str]:
+        """The block's layers whose backward follows ``name``'s in the same block (all of them after
+        the head's, or after an MoE layer's ``"moe"``: its block's layers), in order."""
+        if name not in self.order:
+            return list(self.order)
+        return self.order[self.order.index(name) + 1 :]
 
     def issued(self, name: str) -> float:
         """Once ``name``'s own E11 is issued: the shard it fills and the chunks it receives."""
@@ -177,8 +186,8 @@ class BackwardWalk:
         if name == "head" or not self.reduces or self.shape.z == 1:
             # without z there is no E11: E12 reduces the gradient shard itself, counted by ``grad``
             return 0.0
-        earlier = list(BACKWARD_ORDER[1 : BACKWARD_ORDER.index(name)][::-1])
-        first_names, repeated = (earlier + ["head"], []) if first else (earlier, list(BACKWARD_ORDER[:0:-1]))
+        earlier = self.order[: self.order.index(name)][::-1]
+        first_names, repeated = (earlier + ["head"], []) if first else (earlier, self.order[::-1])
         blocks = self.blocks(first_names, repeated, self.inflight) / self.elem * self.wire_bytes  # gradient blocks
         return blocks * (1 + self.received)
 
@@ -273,7 +282,10 @@ class BackwardWalk:
             self.rebuild()
         self.note()
         if self.wl.model.moe:  # the MoE layer's backward, then its shared experts' MLP (if any)
-            self.note(self.moe_peak)
+            # beside it, OAG's blocks of the layers after it, prefetched when the one before it ran,
+            # and the reduce-scatters of the layers before it, which no layer of its own waits on
+            inflight = self.in_flight(self.order[0], first) if self.order else 0.0
+            self.note(self.moe_peak + self.prefetched("moe") + inflight)
             self.live += min(self.grad_share, 1.0) * self.moe_grads - s["moe"]
             if "mlp_down" not in self.specs:
                 self.free(s["norm2"])
