@@ -426,3 +426,37 @@ def test_the_counts_host_sync_is_measured_where_calibrated_assumed_otherwise_and
     for name in available():
         shipped = load(name)
         assert shipped.host_sync_s is None and "HOST_SYNC_S" in shipped.sources["host_sync_s"]
+
+
+def _probe_peak(grid, wl):
+    from axon4d.measure.probe import ProbeModel, measure_peak
+
+    torch.manual_seed(0)
+    return measure_peak(ProbeModel(wl, grid))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grid", [(1, 1, 4, 1), (1, 4, 1, 1)])
+def test_the_moe_probe_s_peak_memory_is_the_planner_s(pools, grid):
+    """The accuracy bench's MoE probe (no norms, no embedding: the MoE layers weigh more in its peak
+    than in a whole model's) on a z = 4 grid (gloo's staged reduce-scatters in flight through an
+    MoE layer's backward) and a y = 4 grid (the y gathers of the expert rows): torch's memory
+    tracker against ``plan.memory``, within 5% (bench/planner_accuracy.py --moe checks 20 grids)."""
+    from axon4d.plan.memory import memory
+    from tests.test_plan_memory_options import TOLERANCE
+
+    cfg = ModelConfig(
+        n_layers=2,
+        hidden=256,
+        n_heads=4,
+        vocab_size=1024,
+        seq_len=64,
+        arch="gpt",
+        n_experts=8,
+        experts_per_token=2,
+        expert_ffn=512,
+    )
+    wl = Workload(cfg, 8, "float32", embedding=False, norms=False, precision="fp32")
+    measured = pools(4).run(grid, _probe_peak, wl)[0]
+    planned = memory(wl, GridShape(*grid), staged_reduce_scatter=True).peak
+    assert abs(planned - measured) / measured <= TOLERANCE, f"{grid}: planner {planned} B, measured {measured} B"
