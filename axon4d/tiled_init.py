@@ -90,6 +90,13 @@ class Init:
         raise ValueError(f"Init kind {self.kind!r} is not drawn; use 'uniform', 'normal' or 'constant'")
 
 
+def draw_seed() -> int:
+    """One seed from torch's default host generator (every rank draws it alike, so ranks stay in
+    step), whatever the default device (a model built under ``torch.device("meta")`` draws it too):
+    a layer's tensors are then drawn tile by tile from it."""
+    return int(torch.randint(0, 2**62, (), device=devices.HOST).item())
+
+
 def tile_seed(seed: int, name: str, i: int, j: int) -> int:
     """The generator seed of tile (i, j) of global tensor ``name`` for ``seed`` (63 bits)."""
     digest = hashlib.blake2b(f"{seed}\0{name}\0{i}\0{j}".encode(), digest_size=8).digest()

@@ -233,3 +233,53 @@ def test_moe_layer_in_mixed_precision_routes_in_fp32_and_follows_the_fp32_layer(
         assert errs["tokens_per_expert"] == 0.0
         bad = {k: v for k, v in errs.items() if not v <= 3e-2}
         assert not bad, bad
+
+
+def _initialised(grid, cfg):
+    """``MoE(cfg)`` and ``DenseMoE(cfg)`` built from the same seed: whether the layer gathered
+    whole is the dense one, bit for bit (router and experts), and whether building the layer built
+    a whole ``DenseMoE`` (it must not: at a trillion parameters that is a layer's every expert)."""
+    from axon4d.nn import moe as moe_module
+
+    built = []
+    real = moe_module.DenseMoE
+
+    class Watched(real):  # counts whole dense layers built while the grid layer initialises
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    moe_module.DenseMoE = Watched
+    try:
+        torch.manual_seed(5)
+        layer = MoE(cfg)
+    finally:
+        moe_module.DenseMoE = real
+    torch.manual_seed(5)
+    dense = DenseMoE(cfg)
+    whole = layer.to_dense()
+    names = ["router.weight", "experts.up", "experts.down"] + (["experts.gate"] if cfg.gated else [])
+    got, want = dict(whole.named_parameters()), dict(dense.named_parameters())
+    return all(torch.equal(got[n], want[n]) for n in names), len(built)
+
+
+@pytest.mark.parametrize(
+    "world,grid", [(2, (1, 1, 2, 1)), (4, (2, 1, 1, 2)), pytest.param(8, (1, 2, 2, 2), marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("arch", ["llama", "gpt"])
+def test_each_rank_draws_only_its_part_of_the_dense_layer_s_initialisation(pools, world, grid, arch):
+    cfg = ModelConfig(
+        n_layers=1,
+        hidden=32,
+        n_heads=4,
+        vocab_size=64,
+        seq_len=16,
+        arch=arch,
+        n_experts=8,
+        experts_per_token=2,
+        expert_ffn=16,
+        shared_experts=1,
+    )
+    for equal, whole_layers in pools(world).run(grid, _initialised, cfg):
+        assert equal
+        assert whole_layers == 0

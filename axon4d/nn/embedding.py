@@ -88,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
         """N(0, 1) like ``torch.nn.Embedding``: this rank's block of the full (vocab, hidden) table
         initialised tile by tile (``axon4d.tiled_init``, tensor "weight") from one seed drawn from
         torch's default generator, so a block's values depend on the seed and its position only."""
-        seed = int(torch.randint(0, 2**62, ()).item())
+        seed = tiled_init.draw_seed()
         if self.weight.is_meta:
             return
         shape = (self.vocab_size, self.hidden)
@@ -153,7 +153,7 @@ class PositionEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(seq_len, h, device=device, dtype=dtype))
         average_grad_over_batch(self.weight, self.grid, Term.POSITION_GRAD)
         if not self.weight.is_meta:  # N(0, 0.02²): this rank's columns of the full table, drawn tile by tile
-            seed = int(torch.randint(0, 2**62, ()).item())
+            seed = tiled_init.draw_seed()
             tiled_init.fill_(
                 self.weight, tiled_init.Init.normal(0.02), seed, "weight", (seq_len, hidden), 0, self.cols[0]
             )

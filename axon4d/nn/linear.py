@@ -250,7 +250,7 @@ class Linear(nn.Module):
         drawing only the tiles its shard overlaps: replicas agree, and the values of a block depend
         on neither G_z nor the other ranks.
         """
-        seed = int(torch.randint(0, 2**62, (), generator=None).item())
+        seed = tiled_init.draw_seed()
         if self.weight.is_meta:
             return
         init = tiled_init.Init.uniform(1.0 / math.sqrt(self.in_features))

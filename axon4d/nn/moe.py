@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import rules, runtime
+from axon4d import rules, runtime, tiled_init
 from axon4d.config import ModelConfig
 from axon4d.device import grouped
 from axon4d.device.pinned import to_device_queued
@@ -38,7 +38,7 @@ from axon4d.grid import Grid
 from axon4d.nn import moe_router
 from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
 from axon4d.nn.mlp import MLP
-from axon4d.nn.moe_dense import DenseMoE
+from axon4d.nn.moe_dense import ROUTER, DenseMoE, expert_matrices, uniform_for
 from axon4d.nn.moe_dispatch import (
     DispatchPlan,
     Exchange,
@@ -128,13 +128,14 @@ class MoE(nn.Module):
         rules.check(grid.shape, placement_rules(cfg))  # the same ValueError on every rank, before any collective
         self.cfg = cfg
         device = torch.device(device) if device is not None else grid.device
+        seed = tiled_init.draw_seed()  # the router's and the experts', as DenseMoE draws it
         self.router = Router(cfg.n_experts, cfg.hidden, grid, device, dtype)
         self.experts = GridExperts(cfg, grid, device, dtype)
         shared = cfg.shared_experts * cfg.expert_width
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.shared = MLP(cfg.hidden, shared, gated=cfg.gated, bias=False, **kw) if shared else None
         if not self.router.weight.is_meta:
-            self.load_dense_(DenseMoE(cfg, device=device, dtype=self.router.weight.dtype), shared=False)
+            self.reset_parameters(seed)
         average_grad_over_batch(self.router.weight, grid, Term.MOE_ROUTER_WEIGHT_GRAD)
         #: the last forward's weighted balance loss + z-loss (0-dim fp32, a rank's share: docs/moe.md)
         self.aux_loss: torch.Tensor | None = None
@@ -270,6 +271,27 @@ class MoE(nn.Module):
         if cfg.moe_z_coef:
             aux = aux + cfg.moe_z_coef * moe_router.z_loss(logits)
         return aux
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """This rank's part of ``DenseMoE``'s router and experts initialised from ``seed``, drawn tile
+        by tile (``moe_dense.expert_matrices``, ``axon4d.tiled_init``): only the tiles its columns of
+        the router and its experts' x·y blocks overlap, one tile of scratch, on any grid the same
+        values as the dense layer's."""
+        grid, ex = self.grid, self.experts
+        h_x, f_y = ex.hidden // grid.size("x"), ex.ffn // grid.size("y")
+        col, row = grid.coord("x") * h_x, grid.coord("y") * f_y
+        shape = (ex.n_experts, ex.hidden)
+        tiled_init.fill_(self.router.weight.data, uniform_for(ex.hidden), seed, ROUTER, shape, 0, col)
+        mats = expert_matrices(ex.n_experts, ex.hidden, ex.ffn, ex.gated)
+        for i in range(ex.local):
+            e = ex.first + i  # its global index
+            ups = ["experts.gate", "experts.up"] if ex.gated else ["experts.up"]  # [gate_j | up_j]
+            for j, name in enumerate(ups):
+                block = ex.up.data[i, j * f_y : (j + 1) * f_y]  # (f/G_y, hidden/G_x)
+                tiled_init.fill_(block, uniform_for(ex.hidden), seed, name, mats[name], e * ex.ffn + row, col)
+            down = mats["experts.down"]  # rows e·hidden + this rank's hidden/G_x, columns its f/G_y
+            tiled_init.fill_(ex.down.data[i], uniform_for(ex.ffn), seed, "experts.down", down, e * ex.hidden + col, row)
 
     # -- dense conversion -------------------------------------------------------------------------
     @torch.no_grad()

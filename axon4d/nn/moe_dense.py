@@ -7,7 +7,9 @@ bench (bench/moe_block.py) times it.
 
 An expert's FFN is the dense MLP's without biases: down(gelu(up x)), or down(silu(gate x)·up x)
 for gated (llama) models. Experts are stored stacked: ``gate``/``up`` (E, f, hidden) and ``down``
-(E, hidden, f), nn.Linear's (out, in) orientation. Each forward leaves its auxiliary loss
+(E, hidden, f), nn.Linear's (out, in) orientation, initialised as nn.Linear would each expert's
+matrices but tile by tile from one seed (``expert_matrices``, ``axon4d.tiled_init``), so that a
+rank of the grid draws just its experts' slices and gets these values. Each forward leaves its auxiliary loss
 (``aux_loss``: the weighted balance loss plus z-loss, E19–E20) and the tokens per expert
 (``tokens_per_expert``) on the module; ``DenseTransformer.loss`` adds the aux losses.
 """
@@ -20,9 +22,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axon4d import tiled_init
 from axon4d.config import ModelConfig
 from axon4d.nn import moe_router
 from axon4d.nn.mlp import DenseMLP
+
+
+def expert_matrices(n_experts: int, hidden: int, ffn: int, gated: bool) -> dict[str, tuple[int, int]]:
+    """The global matrices the experts' weights are drawn as (``axon4d.tiled_init`` names and
+    (rows, cols)): "experts.gate" and "experts.up" (E·f, hidden), expert e's rows e·f … (e + 1)·f;
+    "experts.down" (E·hidden, f), expert e's rows e·hidden … (e + 1)·hidden."""
+    out = {"experts.up": (n_experts * ffn, hidden), "experts.down": (n_experts * hidden, ffn)}
+    return {"experts.gate": (n_experts * ffn, hidden), **out} if gated else out
+
+
+#: the router weight's global matrix name (E, hidden) for ``axon4d.tiled_init``
+ROUTER = "router.weight"
+
+
+def uniform_for(cols: int) -> tiled_init.Init:
+    """torch.nn.Linear's U(−1/√in, 1/√in) for a matrix of ``cols`` inputs."""
+    return tiled_init.Init.uniform(1.0 / math.sqrt(cols))
 
 
 class DenseExperts(nn.Module):
@@ -36,6 +56,7 @@ class DenseExperts(nn.Module):
         gated: bool,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        seed: int | None = None,
     ):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
@@ -43,14 +64,18 @@ class DenseExperts(nn.Module):
         self.gate = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw)) if gated else None  # type: ignore[arg-type]
         self.up = nn.Parameter(torch.empty(n_experts, ffn, hidden, **kw))  # type: ignore[arg-type]
         self.down = nn.Parameter(torch.empty(n_experts, hidden, ffn, **kw))  # type: ignore[arg-type]
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """As ``torch.nn.Linear`` would each expert's matrices: U(−1/√in, 1/√in)."""
-        for p in self.parameters():
-            bound = 1.0 / math.sqrt(p.shape[-1])
-            p.uniform_(-bound, bound)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """As ``torch.nn.Linear`` would each expert's matrices, U(−1/√in, 1/√in), drawn tile by tile
+        from ``seed`` (one drawn from torch's generator if None) as ``expert_matrices``."""
+        seed = tiled_init.draw_seed() if seed is None else seed
+        if self.up.is_meta:
+            return
+        for name, shape in expert_matrices(self.n_experts, self.hidden, self.ffn, self.gated).items():
+            p = getattr(self, name.split(".")[1])
+            tiled_init.fill_(p.view(shape), uniform_for(shape[1]), seed, name, shape, 0, 0)
 
     def forward_expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s FFN of rows (n, hidden) → (n, hidden)."""
@@ -67,8 +92,12 @@ class DenseMoE(nn.Module):
         if not cfg.moe:
             raise ValueError("DenseMoE needs a config with n_experts > 0 (ModelConfig(n_experts=8, ...))")
         self.cfg = cfg
+        seed = tiled_init.draw_seed()  # the router's and the experts' (``axon4d.nn.moe.MoE`` draws it alike)
         self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False, device=device, dtype=dtype)
-        self.experts = DenseExperts(cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated, device, dtype)
+        if not self.router.weight.is_meta:
+            shape = (cfg.n_experts, cfg.hidden)
+            tiled_init.fill_(self.router.weight.data, uniform_for(cfg.hidden), seed, ROUTER, shape, 0, 0)
+        self.experts = DenseExperts(cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated, device, dtype, seed)
         shared = cfg.shared_experts * cfg.expert_width
         self.shared = DenseMLP(cfg.hidden, shared, cfg.gated, False, device, dtype) if shared else None
         #: the last forward's weighted balance loss + z-loss (0-dim fp32), None before one
