@@ -268,18 +268,7 @@ def _initialised(grid, cfg):
 )
 @pytest.mark.parametrize("arch", ["llama", "gpt"])
 def test_each_rank_draws_only_its_part_of_the_dense_layer_s_initialisation(pools, world, grid, arch):
-    cfg = ModelConfig(
-        n_layers=1,
-        hidden=32,
-        n_heads=4,
-        vocab_size=64,
-        seq_len=16,
-        arch=arch,
-        n_experts=8,
-        experts_per_token=2,
-        expert_ffn=16,
-        shared_experts=1,
-    )
+    cfg = moe_config(arch=arch)
     for equal, whole_layers in pools(world).run(grid, _initialised, cfg):
         assert equal
         assert whole_layers == 0
