@@ -272,3 +272,29 @@ def test_each_rank_draws_only_its_part_of_the_dense_layer_s_initialisation(pools
     for equal, whole_layers in pools(world).run(grid, _initialised, cfg):
         assert equal
         assert whole_layers == 0
+
+
+def test_the_dispatch_plan_s_sizes_are_the_sums_of_the_counts():
+    """``DispatchPlan``'s sizes (numpy sums over the gathered counts C[s, j, e]) against their
+    definitions written as loops, on every (ep index, y index) of a 4 × 2 grid of 12 experts."""
+    import numpy as np
+
+    from axon4d.nn.moe_dispatch import DispatchPlan
+
+    g_ep, g_y, e = 4, 2, 12
+    local = e // g_ep
+    c = np.random.default_rng(0).integers(0, 9, size=(g_ep, g_y, e))
+
+    def to(s, j, r):  # rows source s's share j sends to rank r
+        return int(sum(c[s, j, r * local : (r + 1) * local]))
+
+    for r in range(g_ep):
+        for j in range(g_y):
+            plan = DispatchPlan(c, r, j, local)
+            assert plan.send_rows == [to(r, j, q) for q in range(g_ep)]
+            assert plan.recv_rows == [to(s, j, r) for s in range(g_ep)]
+            assert plan.y_rows == [sum(to(s, i, r) for s in range(g_ep)) for i in range(g_y)]
+            runs = [(x, int(c[s, i, r * local + x])) for i in range(g_y) for s in range(g_ep) for x in range(local)]
+            assert list(zip(*plan.runs())) == runs
+            assert plan.group_rows == [int(c[:, :, r * local + x].sum()) for x in range(local)]
+            assert plan.tokens_per_expert().tolist() == [int(c[:, :, i].sum()) for i in range(e)]

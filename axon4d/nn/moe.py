@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -167,7 +168,7 @@ class MoE(nn.Module):
         chunks = self._chunks(tokens, g_y, x2)
         chosen, plans = self._route(s, shares, chunks)
         g = moe_router.gates(s, chosen, cfg.router_topk_norm)  # (T, k)
-        self.tokens_per_expert = [sum(c) for c in zip(*(p.tokens_per_expert() for p in plans))]
+        self.tokens_per_expert = np.sum([p.tokens_per_expert() for p in plans], axis=0).tolist()  # (E,), all chunks
         self.aux_loss = self._aux(logits, s, tokens)
         t0 = sum(shares[:j])
         x_share = share_rows(x2, shares, "y", grid)  # (T_j, hidden/G_x)

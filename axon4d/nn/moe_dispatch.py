@@ -23,10 +23,13 @@ expert GEMMs run, in forward and in backward; ``share_rows``/``gather_rows`` mov
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+import numpy as np
 import torch
 
+from axon4d import device as devices
 from axon4d.comm import Handle
 from axon4d.geometry import Term
 from axon4d.grid import Grid
@@ -39,13 +42,15 @@ def share_sizes(tokens: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class DispatchPlan:
-    """Who sends how many rows to whom, from the counts C[s][j][e] of source rank s (index on ``ep``),
-    y share j and expert e (the same on every rank)."""
+    """Who sends how many rows to whom, from the counts C[s, j, e] of source rank s (index on
+    ``ep``), y share j and expert e (the same on every rank). The sizes are sums over C computed
+    with numpy on the host: at a trillion parameters a layer's counts are G_ep·G_y·E ≈ 10⁵ values
+    per chunk, which Python loops would take tens of milliseconds over while the device waits."""
 
-    counts: tuple[tuple[tuple[int, ...], ...], ...]
-    """C: (G_ep, G_y, E) assignments per source rank, y share and expert."""
+    counts: np.ndarray
+    """C: (G_ep, G_y, E) int64 assignments per source rank, y share and expert."""
     ep_index: int
     y_index: int
     local_experts: int
@@ -58,71 +63,53 @@ class DispatchPlan:
         g_ep = grid.size(ep)
         flat = counts.reshape(-1).to(torch.int64).contiguous()
         gathered = grid.comm.all_gather(flat, ep, tag=Term.MOE_COUNTS).wait()  # (G_ep·G_y·C·E,)
-        values = gathered.tolist()  # the host sync of the layer
+        values = gathered.to(devices.HOST).numpy()  # the host sync of the layer
         g_y, chunks, e = counts.shape
+        every = values.reshape(g_ep, g_y, chunks, e)
+        return [cls(every[:, :, c, :], grid.coord(ep), grid.coord("y"), local_experts) for c in range(chunks)]
 
-        def at(s: int, j: int, c: int) -> tuple[int, ...]:
-            first = ((s * g_y + j) * chunks + c) * e
-            return tuple(values[first : first + e])
+    @functools.cached_property
+    def _to_ranks(self) -> np.ndarray:
+        """(G_ep, G_y, G_ep): rows source s's share j sends to each rank r of ``ep`` (its experts')."""
+        g_ep, g_y, _ = self.counts.shape
+        return self.counts.reshape(g_ep, g_y, g_ep, self.local_experts).sum(axis=-1)
 
-        return [
-            cls(
-                tuple(tuple(at(s, j, c) for j in range(g_y)) for s in range(g_ep)),
-                grid.coord(ep),
-                grid.coord("y"),
-                local_experts,
-            )
-            for c in range(chunks)
-        ]
-
-    def _mine(self, s: int, j: int, ep_index: int | None = None) -> int:
-        """Rows source s's share j sends to rank ``ep_index`` (default: this rank)."""
-        r = self.ep_index if ep_index is None else ep_index
-        return sum(self.counts[s][j][r * self.local_experts : (r + 1) * self.local_experts])
+    @functools.cached_property
+    def _local(self) -> np.ndarray:
+        """(G_ep, G_y, E/G_ep): the assignments to this rank's experts."""
+        lo = self.ep_index * self.local_experts
+        return self.counts[:, :, lo : lo + self.local_experts]
 
     @property
     def send_rows(self) -> list[int]:
         """Rows this rank's share sends to each rank of ``ep`` (E16)."""
-        return [self._mine(self.ep_index, self.y_index, r) for r in range(len(self.counts))]
+        return self._to_ranks[self.ep_index, self.y_index].tolist()
 
     @property
     def recv_rows(self) -> list[int]:
         """Rows this rank receives from each rank of ``ep`` for its y index (E16)."""
-        return [self._mine(s, self.y_index) for s in range(len(self.counts))]
+        return self._to_ranks[:, self.y_index, self.ep_index].tolist()
 
     @property
     def y_rows(self) -> list[int]:
         """Rows each y index of this expert group received: the sizes of the gather over y (E17)."""
-        return [sum(self._mine(s, j) for s in range(len(self.counts))) for j in range(len(self.counts[0]))]
+        return self._to_ranks[:, :, self.ep_index].sum(axis=0).tolist()
 
     def runs(self) -> tuple[list[int], list[int]]:
         """(local expert, rows) of each run of the gathered rows, in their order: y index, then
         source rank, then expert."""
-        experts, rows = [], []
-        lo = self.ep_index * self.local_experts
-        for j in range(len(self.counts[0])):
-            for s in range(len(self.counts)):
-                for e in range(self.local_experts):
-                    experts.append(e)
-                    rows.append(self.counts[s][j][lo + e])
-        return experts, rows
+        rows = self._local.transpose(1, 0, 2).reshape(-1)  # (G_y·G_ep·E_l,) y index, source, expert
+        experts = np.tile(np.arange(self.local_experts), rows.size // max(self.local_experts, 1))
+        return experts.tolist(), rows.tolist()
 
     @property
     def group_rows(self) -> list[int]:
         """Rows each local expert computes (its group of the grouped GEMM)."""
-        lo = self.ep_index * self.local_experts
-        return [
-            sum(self.counts[s][j][lo + e] for s in range(len(self.counts)) for j in range(len(self.counts[0])))
-            for e in range(self.local_experts)
-        ]
+        return self._local.sum(axis=(0, 1)).tolist()
 
-    def tokens_per_expert(self) -> list[int]:
-        """The micro-batch's assignments per expert, every rank's (E,)."""
-        e = len(self.counts[0][0])
-        return [
-            sum(self.counts[s][j][i] for s in range(len(self.counts)) for j in range(len(self.counts[0])))
-            for i in range(e)
-        ]
+    def tokens_per_expert(self) -> np.ndarray:
+        """The chunk's assignments per expert, every rank's (E,)."""
+        return self.counts.sum(axis=(0, 1))
 
 
 def _gather_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
