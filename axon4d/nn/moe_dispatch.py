@@ -69,12 +69,6 @@ class DispatchPlan:
         return [cls(every[:, :, c, :], grid.coord(ep), grid.coord("y"), local_experts) for c in range(chunks)]
 
     @functools.cached_property
-    def _to_ranks(self) -> np.ndarray:
-        """(G_ep, G_y, G_ep): rows source s's share j sends to each rank r of ``ep`` (its experts')."""
-        g_ep, g_y, _ = self.counts.shape
-        return self.counts.reshape(g_ep, g_y, g_ep, self.local_experts).sum(axis=-1)
-
-    @functools.cached_property
     def _local(self) -> np.ndarray:
         """(G_ep, G_y, E/G_ep): the assignments to this rank's experts."""
         lo = self.ep_index * self.local_experts
@@ -82,18 +76,19 @@ class DispatchPlan:
 
     @property
     def send_rows(self) -> list[int]:
-        """Rows this rank's share sends to each rank of ``ep`` (E16)."""
-        return self._to_ranks[self.ep_index, self.y_index].tolist()
+        """Rows this rank's share sends to each rank of ``ep`` (E16): its counts summed over each
+        rank's experts."""
+        return self.counts[self.ep_index, self.y_index].reshape(-1, self.local_experts).sum(axis=1).tolist()
 
     @property
     def recv_rows(self) -> list[int]:
         """Rows this rank receives from each rank of ``ep`` for its y index (E16)."""
-        return self._to_ranks[:, self.y_index, self.ep_index].tolist()
+        return self._local[:, self.y_index].sum(axis=1).tolist()
 
     @property
     def y_rows(self) -> list[int]:
         """Rows each y index of this expert group received: the sizes of the gather over y (E17)."""
-        return self._to_ranks[:, :, self.ep_index].sum(axis=0).tolist()
+        return self._local.sum(axis=(0, 2)).tolist()
 
     def runs(self) -> tuple[list[int], list[int]]:
         """(local expert, rows) of each run of the gathered rows, in their order: y index, then
