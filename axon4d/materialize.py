@@ -37,6 +37,8 @@ DENSE_NAMES = {
     "attn.out": "attn.o_proj",
     "mlp.up.gate": "mlp.gate",
     "mlp.up.up": "mlp.up",
+    "shared.up.gate": "shared.gate",  # an MoE layer's shared experts' MLP
+    "shared.up.up": "shared.up",
 }
 
 
@@ -67,7 +69,7 @@ def init_dense_(dense: DenseTransformer, seed: int, *, tiling: tiled_init.Tiling
     for name, p in dense.named_parameters():
         if p.is_meta:
             raise ValueError(f"{name} is on the meta device; build the dense model on a real device")
-        shape = rectangles.matrix_shape(p.shape)
+        shape = tiled_init.init_shape(p.shape)
         tiled_init.fill_(p.view(shape), inits[name], seed, name, shape, 0, 0, tiling)
     return dense
 
@@ -100,7 +102,7 @@ def materialize_(
     device = torch.device(device) if device is not None else grid.device
     dense = DenseTransformer(model.cfg, device="meta")  # names, shapes and distributions; no storage
     inits = dense.param_inits()
-    shapes = {n: rectangles.matrix_shape(p.shape) for n, p in dense.named_parameters()}
+    shapes = {n: tiled_init.init_shape(p.shape) for n, p in dense.named_parameters()}
     memo: dict[int, nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         for p_name, p in list(module.named_parameters(recurse=False)):

@@ -228,10 +228,21 @@ class ExpertLayout(ParamLayout):
         return out
 
     def rectangles(self, numel: int, grid: Grid, name: Callable[[str], str]) -> list[Piece]:
-        raise ValueError(
-            "MoE expert weights are not built on the meta device and materialized tile by tile; build the "
-            "model on a real device (Transformer(cfg) initialises the experts as DenseMoE does)"
-        )
+        """This rank's experts as rectangles of the stacked tensors drawn as (E·rows, cols) matrices
+        (``tiled_init.init_shape``): one per local expert (and segment, the gated up weight's
+        ``<tensor>.gate`` and ``.up`` beside ``name("")``), each contiguous in the stored piece."""
+        local, rows, cols = self.block_shape(grid)
+        rows //= max(len(self.segments), 1)
+        first, row0, col0 = self.block_offsets(grid)
+        e, g_rows, g_cols = self.global_shape
+        base = name("")
+        out, start = [], 0
+        for i in range(local):
+            for segment in self.segments or ("",):
+                tensor = f"{base.rpartition('.')[0]}.{segment}" if segment else base
+                out.append(Piece(tensor, (e * g_rows, g_cols), (first + i) * g_rows + row0, col0, rows, cols, start))
+                start += rows * cols
+        return out
 
 
 def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:

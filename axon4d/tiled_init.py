@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from axon4d import device as devices
-from axon4d.rectangles import Piece
+from axon4d.rectangles import Piece, matrix_shape
 
 
 class Tiling(NamedTuple):
@@ -88,6 +88,17 @@ class Init:
         if self.kind == "normal":
             return out.normal_(0.0, self.scale, generator=generator)
         raise ValueError(f"Init kind {self.kind!r} is not drawn; use 'uniform', 'normal' or 'constant'")
+
+
+def init_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
+    """The matrix a global tensor is drawn as: ``rectangles.matrix_shape`` (dim 0 its rows, the
+    others its columns), but a stack of matrices — three dims, an MoE layer's experts (E, rows,
+    cols) — as the (E·rows, cols) matrix, so that one expert's block of rows and columns is a
+    rectangle of it (``axon4d.param_layout.ExpertLayout``)."""
+    shape = tuple(shape)
+    if len(shape) == 3:
+        return shape[0] * shape[1], shape[2]
+    return matrix_shape(shape)
 
 
 def draw_seed() -> int:

@@ -2,7 +2,8 @@
 
 - ``axon4d.materialize``: a ``Transformer`` built on the meta device and materialized for a seed
   holds exactly (``torch.equal``) what ``Transformer.from_dense(init_dense_(DenseTransformer(cfg),
-  seed))`` holds, for GPT and Llama (GQA) on grids of 1, 2, 3, 4 and 8 ranks — among them z shards
+  seed))`` holds, for GPT and Llama (GQA), with and without MoE blocks, on grids of 1, 2, 3, 4 and
+  8 ranks — among them z shards
   that pad a weight block — with the default tiling and one small enough to cut every tensor into
   many tiles; its gradients equal the reference's (the replicated parameters' hooks survive), and
   replicas agree. One rank of a 1024-rank 80B job on a fake process group allocates exactly the
@@ -86,7 +87,10 @@ def _cases(cfgs, world, grid, pads=(), slow=False):
 
 #: GPT with odd widths: 15·45 and 65·15 blocks do not split in two (z shards padded on 2 ranks)
 ODD = ModelConfig(n_layers=2, hidden=15, n_heads=3, vocab_size=65, seq_len=8, arch="gpt")
-CFGS = {"gpt": GPT, "llama": LLAMA, "odd": ODD}
+#: MoE blocks: 4 experts top-2 (Llama: gated experts and a shared expert; GPT: neither)
+MOE_LLAMA = LLAMA.replace(n_experts=4, experts_per_token=2, expert_ffn=12, shared_experts=1)
+MOE_GPT = GPT.replace(n_experts=4, experts_per_token=2, expert_ffn=12)
+CFGS = {"gpt": GPT, "llama": LLAMA, "odd": ODD, "moe-llama": MOE_LLAMA, "moe-gpt": MOE_GPT}
 
 
 @pytest.mark.parametrize(
@@ -95,6 +99,9 @@ CFGS = {"gpt": GPT, "llama": LLAMA, "odd": ODD}
         *_cases(["gpt", "llama"], 1, (1, 1, 1, 1)),
         *_cases(["odd"], 2, (1, 1, 2, 1), pads={"odd"}),
         *_cases(["gpt", "llama"], 4, (1, 2, 2, 1)),
+        *_cases(["moe-llama", "moe-gpt"], 4, (2, 1, 2, 1)),
+        *_cases(["moe-llama"], 4, (1, 2, 1, 2)),
+        *_cases(["moe-llama", "moe-gpt"], 8, (2, 2, 1, 2), slow=True),
         *_cases(["gpt", "llama"], 3, (1, 1, 3, 1), pads={"llama"}, slow=True),
         *_cases(["gpt", "llama"], 8, (2, 2, 2, 1), pads={"gpt"}, slow=True),
         *_cases(["gpt", "llama"], 8, (1, 2, 4, 1), pads={"gpt"}, slow=True),
@@ -108,12 +115,13 @@ def test_materialized_model_equals_the_dense_reference(pools, cfg, world, grid, 
             assert not bad, f"{cfg.arch} on {grid}, rank {rank}, {label} tiles: (equal, meta, dtype, device) {bad}"
         assert max(grads.values()) <= 1e-6, f"{cfg.arch} on {grid}, rank {rank}: gradients differ {grads}"
         assert was_padded == padded, f"{cfg.arch} on {grid}: padding expected {padded}"
-    # replicas (the ranks of one (x, y) position and z index, over data) and the whole grid agree
+    # replicas (the ranks of one (x, y) position and z index, over data) and the whole grid agree;
+    # MoE experts are placed over data too (each rank its own: compared with the reference above)
     by_place = {}
     for *_, coords, values in results:
         key = (coords["x"], coords["y"], coords["z"])
         if key in by_place:
-            assert all(torch.equal(by_place[key][n], v) for n, v in values.items())
+            assert all(torch.equal(by_place[key][n], v) for n, v in values.items() if ".experts." not in n)
         by_place[key] = values
 
 
