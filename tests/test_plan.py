@@ -136,6 +136,17 @@ def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
     assert mem.params == total * 4 and mem.grads == mem.params and mem.optimizer == total * 8
 
 
+def test_the_1t_moe_shards_on_a_fake_world_equal_the_planner():
+    """One rank of ``moe-1t`` on 1024 ranks in the planner's placement (a fake process group, the
+    model on ``meta``): the parameters it holds — router columns, its 3 of 384 experts split over
+    x·y, the shared expert's and the dense layers' shards — are the planner's ``local_param_count``."""
+    grid = (4, 2, 4, 32)
+    with mp.get_context("spawn").Pool(1) as pool:
+        total, _, batch = pool.apply(_fake_world_shapes, ("moe-1t", 1024, grid))
+    wl = Workload(SIZES["moe-1t"], batch=batch, dtype="bfloat16")
+    assert total == local_param_count(wl, GridShape(*grid))
+
+
 #: the step options pinned as a model built without them runs (the search then varies only the grid)
 PINNED = dict(recompute="none", micro_batches=1, zero=0, offload=0, fp8_gather=False, context_parallel=False)
 
