@@ -6,8 +6,8 @@
   8 ranks — among them z shards
   that pad a weight block — with the default tiling and one small enough to cut every tensor into
   many tiles; its gradients equal the reference's (the replicated parameters' hooks survive), and
-  replicas agree. One rank of a 1024-rank 80B job on a fake process group allocates exactly the
-  planner's ``local_param_count`` and no more memory than that.
+  replicas agree. One rank of a 1024-rank 80B job, and of a 1024-rank ``moe-1t`` job, on a fake
+  process group allocates exactly the planner's ``local_param_count`` and no more memory than that.
 - ``axon4d.parallelize.load_pretrained_``: a small Llama (GQA) and GPT-2 (Conv1D, packed q|k|v,
   tied head) saved by ``save_pretrained`` — one file, and sharded with an index — load into
   ``auto_parallelize``d meta models on grids of 4 ranks; logits and loss equal the original's, and
@@ -207,12 +207,13 @@ print("RESULT", json.dumps({
 
 
 @pytest.mark.slow
-def test_materializing_allocates_only_this_ranks_shards():
+@pytest.mark.parametrize("name,grid", [("80B", (8, 4, 32, 1)), ("moe-1t", (4, 2, 4, 32))])
+def test_materializing_allocates_only_this_ranks_shards(name, grid):
     from axon4d.config import SIZES
     from axon4d.plan import Workload, local_param_count
     from axon4d.shape import GridShape
 
-    name, grid, rank = "80B", (8, 4, 32, 1), 1000
+    rank = 1000
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     run = subprocess.run(
