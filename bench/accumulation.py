@@ -22,20 +22,11 @@ import argparse
 import os
 import sys
 import tempfile
-from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
-
-from axon4d.measure.spawn import run_local  # noqa: E402
-from axon4d.train import TrainConfig, train  # noqa: E402
-
-
-def _job(_: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """One training job on this rank; its summary (summary.json's, with every step's loss)."""
-    return dict(train(TrainConfig(**cfg)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "accumulation.json"))
     args = p.parse_args(argv)
-    world = 1
-    for g in args.grid.split(","):
-        world *= int(g)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for m in (1, args.micro_batches):
@@ -69,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress=False,
                 overwrite=True,
             )
-            summary = run_local(world, _job, cfg, grid=None, timeout=1200)
+            summary = common.train_on_ranks(cfg, timeout=1200)
             runs[m] = {
                 "config": cfg,
                 "comm_bytes_per_step": summary["comm_bytes_per_step"],

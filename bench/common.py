@@ -130,3 +130,23 @@ def save(path: str, result: Mapping[str, Any], head: dict[str, Any] | None = Non
     with open(path, "w") as f:
         json.dump({"header": head, **result}, f, indent=1)
     return path
+
+
+def train_on_ranks(cfg: Mapping[str, Any], timeout: float = 1200) -> dict[str, Any]:
+    """The training job (``axon4d.train``) of ``cfg`` (``TrainConfig``'s fields, with its
+    ``grid``) on as many local ranks as the grid has: rank 0's summary (summary.json's, with every
+    step's loss). The library is imported here, not at the top of this module: some benches import
+    this module before they put the project on ``sys.path``."""
+    from axon4d.measure.spawn import run_local
+
+    world = 1
+    for g in str(cfg["grid"]).split(","):
+        world *= int(g)
+    return run_local(world, _train_job, dict(cfg), grid=None, timeout=timeout)
+
+
+def _train_job(_: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``train_on_ranks``' job on one rank."""
+    from axon4d.train import TrainConfig, train
+
+    return dict(train(TrainConfig(**cfg)))

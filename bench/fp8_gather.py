@@ -18,7 +18,6 @@ two figures, with the result header of bench/common.py); the last line is
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import tempfile
@@ -29,9 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
-
-from axon4d.measure.spawn import run_local  # noqa: E402
-from axon4d.train import TrainConfig, train  # noqa: E402
+from fp8_train import job_config  # noqa: E402
 
 FP8, BF16 = "bf16-fp8-gather", "bf16-fp32-reduce"
 OUT = os.path.join(ROOT, "bench", "results", "fp8_gather_loss.json")
@@ -39,41 +36,15 @@ OUT = os.path.join(ROOT, "bench", "results", "fp8_gather_loss.json")
 TAIL = 20
 
 
-def _job(_: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """One training job on this rank; its summary (summary.json's, with every step's loss)."""
-    return dict(train(TrainConfig(**cfg)))
-
-
 def run(grid: str = "1,1,2,1", steps: int = 200, out: str = OUT) -> dict[str, Any]:
     """Train the small llama with each precision on ``grid`` for ``steps`` steps; save and return
     the curves and their differences."""
     head = common.header()
-    world = math.prod(int(g) for g in grid.split(","))
     losses, z_bytes, configs = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in (FP8, BF16):
-            cfg = dict(
-                grid=grid,
-                model="tiny",
-                layers=2,
-                hidden=64,
-                heads=4,
-                kv_heads=2,
-                seq_len=32,
-                lr=1e-3,
-                min_lr=1e-4,
-                data="corpus",
-                batch_size=8,
-                steps=steps,
-                warmup_steps=10,
-                precision=precision,
-                seed=0,
-                out_dir=os.path.join(tmp, precision),
-                peak_tflops=1.0,  # MFU is not compared: skip the start-up matmul timing
-                progress=False,
-                overwrite=True,
-            )
-            summary = run_local(world, _job, cfg, grid=None, timeout=1200)
+            cfg = job_config(grid, steps, precision, os.path.join(tmp, precision))
+            summary = common.train_on_ranks(cfg, timeout=1200)
             losses[precision] = [float(v) for v in summary["losses"]]
             z_bytes[precision] = summary["comm_bytes_per_step"].get("z", 0)
             configs[precision] = {k: v for k, v in cfg.items() if k != "out_dir"}

@@ -17,7 +17,6 @@ differences, with the result header of bench/common.py) and ``bench/results/fp8_
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import tempfile
@@ -29,9 +28,6 @@ sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
 
-from axon4d.measure.spawn import run_local  # noqa: E402
-from axon4d.train import TrainConfig, train  # noqa: E402
-
 FP8, BF16 = "bf16-fp8", "bf16-fp32-reduce"
 OUT = os.path.join(ROOT, "bench", "results", "fp8_train_loss.json")
 #: (x, y, z, data): z > 1 (FP8 gathers feed the GEMMs), x split, y split
@@ -40,13 +36,9 @@ GRIDS = ("1,1,2,1", "2,1,1,1", "1,2,1,1")
 TAIL = 50
 
 
-def _job(_: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """One training job on this rank; its summary (summary.json's, with every step's loss)."""
-    return dict(train(TrainConfig(**cfg)))
-
-
-def _config(grid: str, steps: int, precision: str, out_dir: str) -> dict[str, Any]:
-    """The small llama's job: every Linear's local block a multiple of 16 on ``GRIDS`` (all run FP8)."""
+def job_config(grid: str, steps: int, precision: str, out_dir: str) -> dict[str, Any]:
+    """The small llama's job: every Linear's local block a multiple of 16 on ``GRIDS`` (all run FP8);
+    bench/fp8_gather.py trains the same job."""
     return dict(
         grid=grid,
         model="tiny",
@@ -78,11 +70,10 @@ def run(grids: tuple[str, ...] = GRIDS, steps: int = 500, out: str = OUT, plot: 
     per_grid: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for grid in grids:
-            world = math.prod(int(g) for g in grid.split(","))
             losses = {}
             for precision in (FP8, BF16):
-                cfg = _config(grid, steps, precision, os.path.join(tmp, grid, precision))
-                summary = run_local(world, _job, cfg, grid=None, timeout=3000)
+                cfg = job_config(grid, steps, precision, os.path.join(tmp, grid, precision))
+                summary = common.train_on_ranks(cfg, timeout=3000)
                 losses[precision] = [float(v) for v in summary["losses"]]
             final = {p: sum(v[-TAIL:]) / len(v[-TAIL:]) for p, v in losses.items()}
             per_grid[grid] = {
@@ -93,7 +84,9 @@ def run(grids: tuple[str, ...] = GRIDS, steps: int = 500, out: str = OUT, plot: 
             }
     result = {
         "steps": steps,
-        "config": {k: v for k, v in _config("-", steps, "-", "-").items() if k not in ("grid", "precision", "out_dir")},
+        "config": {
+            k: v for k, v in job_config("-", steps, "-", "-").items() if k not in ("grid", "precision", "out_dir")
+        },
         "grids": per_grid,
         "metric": f"final: mean of the last {TAIL} losses; max_rel_diff: max over steps of |fp8 − bf16| / bf16",
         "bound": "final_rel_diff < 1% on every grid (issue 44)",

@@ -25,20 +25,11 @@ import math
 import os
 import sys
 import tempfile
-from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
-
-from axon4d.measure.spawn import run_local  # noqa: E402
-from axon4d.train import TrainConfig, train  # noqa: E402
-
-
-def _job(_: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The training job on this rank; its summary (summary.json's, with every step's loss)."""
-    return dict(train(TrainConfig(**cfg)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=False,
             overwrite=True,
         )
-        summary = run_local(world, _job, cfg, grid=None, timeout=1200)
+        summary = common.train_on_ranks(cfg, timeout=1200)
         with open(os.path.join(tmp, "log.jsonl")) as f:
             last = [json.loads(line) for line in f][-1]
     result = {

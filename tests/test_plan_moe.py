@@ -439,9 +439,10 @@ def _probe_peak(grid, wl):
 @pytest.mark.parametrize("grid", [(1, 1, 4, 1), (1, 4, 1, 1)])
 def test_the_moe_probe_s_peak_memory_is_the_planner_s(pools, grid):
     """The accuracy bench's MoE probe (no norms, no embedding: the MoE layers weigh more in its peak
-    than in a whole model's) on a z = 4 grid (gloo's staged reduce-scatters in flight through an
-    MoE layer's backward) and a y = 4 grid (the y gathers of the expert rows): torch's memory
-    tracker against ``plan.memory``, within 5% (bench/planner_accuracy.py --moe checks 20 grids)."""
+    than in a whole model's) on a z = 4 grid and a y = 4 grid: torch's memory tracker against
+    ``plan.memory``, within 5% (bench/planner_accuracy.py --moe checks all 20 grids of 8 ranks). At
+    these small shapes the backward walk's MoE terms move the price by less than the tolerance: the
+    test guards the whole price, not those terms one by one."""
     from axon4d.plan.memory import memory
     from tests.test_plan_memory_options import TOLERANCE
 

@@ -30,10 +30,15 @@ from axon4d.nn.mlp import DenseMLP
 
 def expert_matrices(n_experts: int, hidden: int, ffn: int, gated: bool) -> dict[str, tuple[int, int]]:
     """The global matrices the experts' weights are drawn as (``axon4d.tiled_init`` names and
-    (rows, cols)): "experts.gate" and "experts.up" (E·f, hidden), expert e's rows e·f … (e + 1)·f;
-    "experts.down" (E·hidden, f), expert e's rows e·hidden … (e + 1)·hidden."""
-    out = {"experts.up": (n_experts * ffn, hidden), "experts.down": (n_experts * hidden, ffn)}
-    return {"experts.gate": (n_experts * ffn, hidden), **out} if gated else out
+    (rows, cols), ``tiled_init.init_shape`` of the stacked tensors): "experts.gate" and "experts.up"
+    (E·f, hidden), expert e's rows e·f … (e + 1)·f; "experts.down" (E·hidden, f), expert e's rows
+    e·hidden … (e + 1)·hidden."""
+    up, down = tiled_init.init_shape((n_experts, ffn, hidden)), tiled_init.init_shape((n_experts, hidden, ffn))
+    return (
+        {"experts.gate": up, "experts.up": up, "experts.down": down}
+        if gated
+        else {"experts.up": up, "experts.down": down}
+    )
 
 
 #: the router weight's global matrix name (E, hidden) for ``axon4d.tiled_init``

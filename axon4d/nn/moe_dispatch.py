@@ -45,9 +45,9 @@ def share_sizes(tokens: int, parts: int) -> list[int]:
 @dataclasses.dataclass(frozen=True, eq=False)
 class DispatchPlan:
     """Who sends how many rows to whom, from the counts C[s, j, e] of source rank s (index on
-    ``ep``), y share j and expert e (the same on every rank). The sizes are sums over C computed
-    with numpy on the host: at a trillion parameters a layer's counts are G_ep·G_y·E ≈ 10⁵ values
-    per chunk, which Python loops would take tens of milliseconds over while the device waits."""
+    ``ep``), y share j and expert e (the same on every rank). The sizes are numpy sums over the
+    part of C each needs, on the host, right after the counts' host sync while the device waits: a
+    layer's counts are G_ep·G_y·E values per chunk (≈ 10⁵ at moe-1t's placement)."""
 
     counts: np.ndarray
     """C: (G_ep, G_y, E) int64 assignments per source rank, y share and expert."""

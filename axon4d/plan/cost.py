@@ -32,7 +32,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from axon4d.geometry import Collective, Op, Term, data_part_numel, wire_element_size
+from axon4d.geometry import GRADIENT_TERMS, Collective, Op, Term, data_part_numel, wire_element_size
 from axon4d.overlap_policy import OverlapPolicy
 from axon4d.plan.buckets import edge_collectives as bucketed_edges
 from axon4d.plan.buckets import layer_scales
@@ -179,18 +179,9 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
 
 
 #: the gradient reductions accumulation issues once per step however many micro-batches it runs
-#: (``axon4d.overlap.accumulating``: E12, E13 and the replicated parameters' gradients, docs/design.md §4)
-ONCE_PER_STEP = frozenset(
-    {
-        Term.E12,
-        Term.E13,
-        Term.EMBEDDING_GRAD,
-        Term.POSITION_GRAD,
-        Term.NORM_GRAD,
-        Term.REPLICATED_GRAD,
-        Term.MOE_ROUTER_WEIGHT_GRAD,
-    }
-)
+#: (``axon4d.overlap.accumulating``, docs/design.md §4): every gradient reduction but E11, the
+#: reduce-scatter over z each micro-batch's backward issues
+ONCE_PER_STEP = GRADIENT_TERMS - {Term.E11}
 #: the overlap mechanism that hides the once-per-step reductions, and the one that hides ZeRO's all-gather
 ONCE_MECHANISMS = ("odp", "zero")
 
