@@ -13,11 +13,11 @@ an explicit call (``axon4d.device.environment.use_huge_pages``), which the train
 
 from axon4d import overlap, stepstats, trace
 from axon4d.activations import gather_batch, gather_features, gather_output, shard_batch, shard_features, shard_input
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.grid.runtime import get_grid, init, shutdown
+from axon4d.grid.shape import GridShape, factorizations
 from axon4d.nn import Linear
 from axon4d.parallelize import auto_parallelize, to_dense
-from axon4d.runtime import get_grid, init, shutdown
-from axon4d.shape import GridShape, factorizations
 from axon4d.trials import Trial, Tried, try_plans
 from axon4d.zero import ShardedOptimizer, shard_optimizer
 

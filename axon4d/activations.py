@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from axon4d import geometry, rules, runtime
-from axon4d.geometry import Term
-from axon4d.grid import Grid
-from axon4d.shape import Axis
+from axon4d.grid import rules, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
+from axon4d.layout import geometry
+from axon4d.layout.geometry import Term
 
 #: the attribute a layer sets on its output tensor: the axis that output's features are split over
 #: (``mark_features``); ``gather_output`` compares it with the layout it is asked to gather

@@ -3,7 +3,7 @@
 A subcommand module provides ``add_arguments(parser)`` and ``main(args) -> int``; it is imported
 only when its subcommand runs, so ``axon4d plan`` never pays for what ``axon4d train`` imports. A
 refused input ends a command with its one message and exit code 2; ``--debug`` anywhere on the
-line shows the traceback (``axon4d.errors``).
+line shows the traceback (``axon4d.reliability.errors``).
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ import argparse
 import importlib
 import sys
 
-from axon4d import errors
+from axon4d.reliability import errors
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("axon4d.train", "train a GPT or Llama model on the 4D grid, or fine-tune a saved Hugging Face one"),
-    "prepare-data": ("axon4d.prepare", "tokenize .txt or .jsonl text with a Hugging Face tokenizer into a token file"),
+    "prepare-data": (
+        "axon4d.data.prepare",
+        "tokenize .txt or .jsonl text with a Hugging Face tokenizer into a token file",
+    ),
     "plan": ("axon4d.plan.cli", "price every (x, y, z, data) grid of a job and print the fastest that fit in memory"),
     "calibrate": ("axon4d.measure.calibrate", "measure this machine's compute and communication rates for the planner"),
     "export-hf": (
@@ -31,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """The ``axon4d`` command: ``run_command``, where bad input ends the command with its one
-    message and exit code 2 (``axon4d.errors``; ``--debug`` anywhere for the traceback)."""
+    message and exit code 2 (``axon4d.reliability.errors``; ``--debug`` anywhere for the traceback)."""
     argv = errors.take_debug_flag(sys.argv[1:] if argv is None else argv)
     name = argv[0] if argv and argv[0] in COMMANDS else ""
     return errors.run(lambda: run_command(argv), f"axon4d {name}".strip())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from axon4d import counts
+from axon4d.grid import counts
 
 
 @dataclasses.dataclass(frozen=True)

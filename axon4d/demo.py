@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from axon4d import activations, runtime
-from axon4d.grid import Grid
+from axon4d import activations
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
 from axon4d.nn import Linear
-from axon4d.shape import Axis
 
 
 def build_dense(width: int, hidden: int, depth: int) -> nn.Sequential:

@@ -2,7 +2,7 @@
 clipping by that norm.
 
 Each gradient element is counted once however its parameter is split or replicated over the grid
-(``axon4d.param_layout``), so the norm is that of the single-process model's gradients. Under
+(``axon4d.layout.param_layout``), so the norm is that of the single-process model's gradients. Under
 ZeRO-2 (``axon4d.zero``) the weights' gradients live in parts, one per data rank, beside
 ``.grad``: each part is counted on the rank that holds it, clipped and checked with the rest.
 """
@@ -14,8 +14,8 @@ import math
 import torch
 from torch import nn
 
-from axon4d.grid import Grid
-from axon4d.param_layout import param_layouts
+from axon4d.grid.mesh import Grid
+from axon4d.layout.param_layout import param_layouts
 from axon4d.zero import sharded_grads
 
 

@@ -9,10 +9,10 @@ An 80B model never fits on one host, so it is never built whole. It is built on 
 The values are exactly those of the dense reference initialised for the same seed,
 ``init_dense_(DenseTransformer(cfg), seed)``, on any grid: ``Transformer.from_dense`` of that
 reference holds the same tensors, bit for bit. This works because the reference's initialisation
-is addressable (``axon4d.tiled_init``): each global tensor is drawn tile by tile, every tile from its
+is addressable (``axon4d.layout.tiled_init``): each global tensor is drawn tile by tile, every tile from its
 own generator seeded from (seed, parameter name, tile), so a rank draws just the tiles its shard
 overlaps. Which rows and columns of which dense tensor a shard holds is the parameter's
-``ParamLayout`` (axon4d.param_layout): its block on the (x, y) plane, the flat z shard of a Linear weight
+``ParamLayout`` (axon4d.layout.param_layout): its block on the (x, y) plane, the flat z shard of a Linear weight
 (zero-padded), and the fused q|k|v and gate|up rows interleaved by y group (``rectangles.FusedRows``):
 the rectangles a checkpoint saves it as (``ParamLayout.rectangles``). A rank allocates its shards and
 one tile of scratch, nothing more.
@@ -23,10 +23,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from axon4d import rectangles, tiled_init
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.layout import rectangles, tiled_init
+from axon4d.layout.param_layout import ParamLayout, layout_of
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.param_layout import ParamLayout, layout_of
 
 #: Transformer module → DenseTransformer module where the names differ (fused rows by segment;
 #: the same correspondence as the modules' ``load_dense_``)

@@ -6,7 +6,7 @@
     with axon4d.overlap.accumulating():                # a micro-batch whose data-axis reductions wait
         loss = model(batch); loss.backward()           # for the last one's backward
 
-The policy itself is data (``axon4d.overlap_policy.OverlapPolicy``: mechanisms and knobs, parsed from the
+The policy itself is data (``axon4d.options.overlap_policy.OverlapPolicy``: mechanisms and knobs, parsed from the
 same strings); the scheduler that acts on it is ``axon4d.scheduler``. These functions take the
 grid explicitly or fall back to the one ``axon4d.init()`` built.
 """
@@ -17,9 +17,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from axon4d.grid import Grid
-from axon4d.overlap_policy import MECHANISMS, OverlapPolicy
-from axon4d.runtime import resolve
+from axon4d.grid.mesh import Grid
+from axon4d.grid.runtime import resolve
+from axon4d.options.overlap_policy import MECHANISMS, OverlapPolicy
 from axon4d.scheduler import Scheduler
 
 __all__ = ["MECHANISMS", "OverlapPolicy", "accumulating", "configure", "scheduler", "using"]

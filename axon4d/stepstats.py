@@ -2,7 +2,7 @@
 
 ``StepReport`` holds, for one rank and one step: payload bytes per axis, communication time,
 time blocked waiting, the share of communication hidden behind compute, and compute time. Times
-are interval unions on this rank's clock, as ``axon4d.commlog`` defines them for every report.
+are interval unions on this rank's clock, as ``axon4d.comm.log`` defines them for every report.
 
     with axon4d.stepstats.step(grid) as report:   # clears the log, times the step
         loss = model(batch); loss.backward(); opt.step()
@@ -18,8 +18,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from axon4d.commlog import CommLog, comm_and_blocked, hidden_pct, union_length
-from axon4d.grid import Grid
+from axon4d.comm.log import CommLog, comm_and_blocked, hidden_pct, union_length
+from axon4d.grid.mesh import Grid
 
 
 @dataclasses.dataclass
@@ -37,7 +37,7 @@ class StepReport:
 
     @property
     def hidden_pct(self) -> float:
-        """Share of communication time during which this rank was not blocked waiting (axon4d.commlog)."""
+        """Share of communication time during which this rank was not blocked waiting (axon4d.comm.log)."""
         return hidden_pct(self.comm_s, self.blocked_s)
 
     def as_dict(self) -> dict[str, Any]:
@@ -55,7 +55,7 @@ class StepReport:
 
 def report(log: CommLog, *, step: int = 0, rank: int = 0, wall_s: float = 0.0) -> StepReport:
     """The report of everything ``log`` holds (call ``log.clear()`` at the start of a step);
-    raises on an untimed log (axon4d.commlog)."""
+    raises on an untimed log (axon4d.comm.log)."""
     log.check_timed("a step report")
     out = StepReport(step=step, rank=rank, wall_s=wall_s)
     for r in log.records:

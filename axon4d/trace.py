@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from axon4d.grid import Grid
-from axon4d.shape import ALL_AXES as AXIS_ORDER
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import ALL_AXES as AXIS_ORDER
 
 COLORS = {
     "compute": "#4C72B0",
@@ -59,7 +59,7 @@ def dump(
     """Write this rank's collectives and compute spans to ``directory/rank<r>.json``, times from
     ``t0`` (default: its first event) and ``epoch_ns``, ``t0`` on the wall clock (``now``: the wall
     clock and ``perf_counter`` read together); return the path. Raises on an untimed log
-    (axon4d.commlog)."""
+    (axon4d.comm.log)."""
     log = grid.comm.log
     log.check_timed("a trace")
     if t0 is None:

@@ -6,7 +6,7 @@ its optimizer and one training step on a plan's grid (a ``Trial``); the training
 (``axon4d.train.trial``) runs the same trials (``run``) with its own model, step and data.
 
 Each plan is built with ``axon4d.init`` on its grid and overlap knobs, stepped ``WARMUP`` times
-untimed (the second tracked for its peak memory, ``axon4d.peakmem.peak_bytes``) and ``steps``
+untimed (the second tracked for its peak memory, ``axon4d.memory.peakmem.peak_bytes``) and ``steps``
 times timed, and torn down: ``axon4d.shutdown`` destroys the grid's process groups, the trial's
 objects are dropped and collected, the accelerator's cached memory released. A plan whose build
 or steps fail (out of memory, a refused option) is skipped with its reason: the ranks agree on each
@@ -32,13 +32,14 @@ import torch.distributed as dist
 from torch import nn
 
 from axon4d import device as devices
-from axon4d import launch, runtime, watchdog
-from axon4d.comm import Communicator, TorchTransport
-from axon4d.grid import Grid
-from axon4d.peakmem import peak_bytes
+from axon4d.comm.communicator import Communicator, TorchTransport
+from axon4d.grid import launch, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import GridShape
+from axon4d.memory.peakmem import peak_bytes
 from axon4d.plan.auto import ranked
 from axon4d.plan.candidate import Candidate
-from axon4d.shape import GridShape
+from axon4d.reliability import watchdog
 
 #: untimed steps before the timed ones: the first allocates the optimizer's state, the second is
 #: tracked for the peak memory

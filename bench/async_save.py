@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import axon4d  # noqa: E402
 from axon4d import checkpoint  # noqa: E402
 from axon4d.config import ModelConfig  # noqa: E402
-from axon4d.grid import Grid  # noqa: E402
+from axon4d.grid.mesh import Grid  # noqa: E402
 from axon4d.measure.spawn import run_local  # noqa: E402
 from axon4d.models.transformer import Transformer  # noqa: E402
 

@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import axon4d
-    from axon4d.geometry import Term
+    from axon4d.layout.geometry import Term
 
     torch.set_num_threads(1)
     grid = axon4d.init(grid=(1, 1, 1, args.ranks), seed=0)

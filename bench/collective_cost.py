@@ -2,7 +2,7 @@
 
 On one host the CPU that moves bytes is the CPU the ranks compute on, so a collective's CPU cost
 bounds what overlap can gain there (docs/results/overlap.md). For the z and x axes of ``--grid`` (default
-(2, 2, 2, 1), 8 ranks) and each collective (``axon4d.comm``: all-gather, reduce-scatter,
+(2, 2, 2, 1), 8 ranks) and each collective (``axon4d.comm.communicator``: all-gather, reduce-scatter,
 all-reduce) of a ``--mib`` payload (the all-gather's output, the other two's input): the median
 wall time per call and the CPU seconds per call summed over all ranks (their processes' user +
 system time, so the gloo threads and the kernel's work on their behalf are counted). On z it also

@@ -169,9 +169,9 @@ def main() -> int:
     torch.set_num_threads(1)
     head = common.header()
 
-    from axon4d.overlap_policy import OverlapPolicy
+    from axon4d.grid.shape import GridShape
+    from axon4d.options.overlap_policy import OverlapPolicy
     from axon4d.plan import Workload, evaluate, load
-    from axon4d.shape import GridShape
 
     split_grid = tuple(int(v) for v in args.grid.split(","))
     unsplit_grid = tuple(int(v) for v in args.unsplit_grid.split(","))

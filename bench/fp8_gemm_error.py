@@ -2,7 +2,7 @@
 
 For Linear shapes of the tiny and of wider models, one process, seeded Gaussian X (bf16), an fp32
 weight with nn.Linear's init and dY (bf16, scaled 1e-3 like a loss gradient): the relative
-Frobenius error of Y, dX and dW computed by ``axon4d.fp8_gemm`` (e4m3 operands, one tensorwise scale
+Frobenius error of Y, dX and dW computed by ``axon4d.options.fp8_gemm`` (e4m3 operands, one tensorwise scale
 each, the weight's a power of two) against the same GEMMs on the bf16 operands with fp32 sums —
 with dY in e4m3 (the library's choice) and in e5m2 (the usual alternative for gradients).
 
@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import torch  # noqa: E402
 
-from axon4d import fp8_gemm  # noqa: E402
+from axon4d.options import fp8_gemm  # noqa: E402
 
 OUT = os.path.join(ROOT, "bench", "results", "fp8_gemm_error.json")
 #: (tokens, in, out)

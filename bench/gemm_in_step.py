@@ -78,9 +78,9 @@ def main() -> int:
     from harness import RankPool
     from planner_accuracy import WORKLOAD, workload
 
-    from axon4d.overlap_policy import OverlapPolicy
+    from axon4d.grid.shape import GridShape
+    from axon4d.options.overlap_policy import OverlapPolicy
     from axon4d.plan import evaluate, load
-    from axon4d.shape import GridShape
 
     head = common.header()
     wl = workload(argparse.Namespace(**WORKLOAD))

@@ -52,16 +52,16 @@ import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig, get_config  # noqa: E402
 from axon4d.device import environment  # noqa: E402
+from axon4d.grid.shape import GridShape  # noqa: E402
 from axon4d.measure.probe import peak_bytes  # noqa: E402
-from axon4d.overlap_policy import OverlapPolicy  # noqa: E402
+from axon4d.options.overlap_policy import OverlapPolicy  # noqa: E402
+from axon4d.options.recompute_mode import RECOMPUTE_MODES  # noqa: E402
 from axon4d.plan import Candidate, Workload, evaluate, load  # noqa: E402
 from axon4d.plan.workload import OPTIMIZERS  # noqa: E402
-from axon4d.recompute_mode import RECOMPUTE_MODES  # noqa: E402
-from axon4d.shape import GridShape  # noqa: E402
 from axon4d.train.loop import build_model  # noqa: E402
 from axon4d.train.peak import check_compute_dtype  # noqa: E402
 
-#: the training precision (axon4d.precision) each --dtype trains with.
+#: the training precision (axon4d.options.precision) each --dtype trains with.
 PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
 LOCAL_MACHINE = os.path.join(ROOT, "bench", "results", "planner_machine_local.json")
 OPTIMIZER = {

@@ -72,7 +72,7 @@ import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig  # noqa: E402
 from axon4d.device import fp8 as fp8_kernel  # noqa: E402
-from axon4d.grid import Grid  # noqa: E402
+from axon4d.grid.mesh import Grid  # noqa: E402
 from axon4d.nn.attention import causal_attention  # noqa: E402
 from axon4d.nn.block import DenseBlock, TransformerBlock  # noqa: E402
 from axon4d.plan import Workload  # noqa: E402

@@ -149,7 +149,7 @@ def offload_against_plain(grid: Any, context_parallel: bool) -> dict[str, Any]:
     offload: the worst relative loss and gradient differences, whether all were bitwise equal, the
     storages moved and the copies back that were not prefetched."""
     _highest_precision()
-    from axon4d.recompute_mode import RECOMPUTE_MODES
+    from axon4d.options.recompute_mode import RECOMPUTE_MODES
 
     grad_rel = loss_rel = 0.0
     bitwise, moved, late = True, 0, 0
@@ -491,9 +491,9 @@ def micro_keep(grid: Any, micro_batches: int = 2, sequences: int = 8) -> dict[st
     (``axon4d.measure.probe.peak_bytes``, maximum over ranks; less the libraries' workspace
     allocated at the first matmul on an accelerator) against the planner's (``plan.memory``)."""
     from axon4d.measure.probe import peak_bytes
+    from axon4d.options.precision import NAMED
     from axon4d.plan.memory import memory
     from axon4d.plan.workload import Workload
-    from axon4d.precision import NAMED
     from axon4d.train.batches import accumulate_one
 
     on_device = devices.is_accelerator(grid.device)

@@ -32,10 +32,10 @@ import common  # noqa: E402
 import gpu_cases  # noqa: E402
 
 from axon4d.config import ModelConfig  # noqa: E402
+from axon4d.grid.shape import GridShape  # noqa: E402
 from axon4d.plan import Machine, Workload, load  # noqa: E402
 from axon4d.plan.cost import step_estimate  # noqa: E402
 from axon4d.plan.scenario import Scenario  # noqa: E402
-from axon4d.shape import GridShape  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 #: the offload timings of gpu_check and the model each ran
@@ -53,7 +53,7 @@ def _error(priced: float, measured: float) -> float:
 def price_offload(cfg: ModelConfig, sequences: int, measured: dict[str, Any], m: Machine) -> dict[str, Any]:
     """One gpu_check offload case priced on ``m`` beside its measurement (seconds)."""
     wl = Workload(cfg, sequences, optimizer="sgd")  # the case steps SGD without momentum
-    blocks = round(measured["offload"] * cfg.n_layers)  # axon4d.offload.offload_blocks: the first ⌊f·L + ½⌋
+    blocks = round(measured["offload"] * cfg.n_layers)  # axon4d.memory.offload.offload_blocks: the first ⌊f·L + ½⌋
     plain = step_estimate(Scenario(wl, ONE, m))
     offloaded = step_estimate(Scenario(wl, ONE, m, offload=blocks))
     added = measured["offloaded"]["step_s"] - measured["plain"]["step_s"]

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 import axon4d  # noqa: E402
 from axon4d.config import ModelConfig  # noqa: E402
-from axon4d.geometry import Op  # noqa: E402
+from axon4d.layout.geometry import Op  # noqa: E402
 from axon4d.measure.spawn import run_local  # noqa: E402
 from axon4d.nn.moe import MoE  # noqa: E402
 from axon4d.nn.moe_dense import DenseMoE  # noqa: E402

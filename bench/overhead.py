@@ -199,8 +199,8 @@ def _issue_and_wait(issue: Callable[[], Any], calls: int, inflight: int) -> floa
 
 def _layer_alone(args: argparse.Namespace) -> dict[str, Any]:
     """Host µs per collective of the communication layer over ``_DoneTransport`` (2 ranks on data)."""
-    from axon4d.comm import Communicator
-    from axon4d.shape import GridShape
+    from axon4d.comm.communicator import Communicator
+    from axon4d.grid.shape import GridShape
 
     comm = Communicator(GridShape(1, 1, 1, 2), _DoneTransport())  # type: ignore[arg-type]
     steps = {}

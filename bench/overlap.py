@@ -55,7 +55,7 @@ def _policy(name: str, knobs: str = "", base=None):
     the knobs of ``base`` (the policy ``axon4d.init``'s ``overlap="auto"`` chose) apply."""
     import dataclasses
 
-    from axon4d.overlap_policy import MECHANISMS, OverlapPolicy
+    from axon4d.options.overlap_policy import MECHANISMS, OverlapPolicy
 
     if name == "off":
         return OverlapPolicy.off()

@@ -178,8 +178,8 @@ def axon4d_setups(spec: dict, world: int) -> dict[str, tuple[tuple[int, ...], An
     and knobs (what ``axon4d.init(grid="auto")`` does with its default ``overlap="auto"``), and each
     ``--grids`` grid of ``world`` ranks with the knobs the planner tunes for it. ``--overlap``
     overrides the knobs."""
+    from axon4d.grid.shape import GridShape
     from axon4d.plan import auto
-    from axon4d.shape import GridShape
 
     wl, machine, rank = planner_workload(spec), spec["machine"], dist.get_rank()
     given = spec["overlap"] or None
@@ -500,7 +500,7 @@ def _rank_main(spec: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import axon4d
-    from axon4d.overlap_policy import OverlapPolicy
+    from axon4d.options.overlap_policy import OverlapPolicy
 
     axon4d.shutdown()  # run_local's data-parallel grid: each axon4d implementation builds its own
     torch.set_num_threads(1)

@@ -43,9 +43,9 @@ sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
 
+from axon4d.options.recompute_mode import RECOMPUTE_MODES  # noqa: E402
 from axon4d.plan.candidate import Candidate  # noqa: E402
 from axon4d.plan.search import plan  # noqa: E402
-from axon4d.recompute_mode import RECOMPUTE_MODES  # noqa: E402
 
 #: the options the planner had before, each pinned to the value it then always had
 BEFORE = {"micro_batches": 1, "zero": 0, "offload": 0, "fp8_gather": False, "context_parallel": False}

@@ -66,7 +66,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import common  # noqa: E402
 
-from axon4d.overlap_policy import OverlapPolicy  # noqa: E402
+from axon4d.grid.shape import GridShape, factorizations  # noqa: E402
+from axon4d.options.overlap_policy import OverlapPolicy  # noqa: E402
 from axon4d.plan import (  # noqa: E402
     Workload,
     evaluate,
@@ -75,7 +76,6 @@ from axon4d.plan import (  # noqa: E402
 )
 from axon4d.plan.stepfit import Sample, parse_model  # noqa: E402
 from axon4d.plan.stepfit import describe as describe_scale  # noqa: E402
-from axon4d.shape import GridShape, factorizations  # noqa: E402
 
 GRIDS_4 = [(2, 2, 1, 1), (1, 1, 1, 4), (2, 1, 2, 1), (1, 2, 1, 2), (4, 1, 1, 1)]
 GRIDS_2 = [(2, 1, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)]
@@ -545,7 +545,7 @@ def main() -> int:
     args = p.parse_args()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from axon4d import launch
+    from axon4d.grid import launch
 
     launched = launch.detect().launcher in ("torchrun", "mpi", "slurm")
     head = common.header()

@@ -89,7 +89,7 @@ def main() -> int:
     head = common.header()
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = os.path.join(tmp, "run")
-        from axon4d.launch import free_port
+        from axon4d.grid.launch import free_port
 
         cmd = [
             os.path.join(os.path.dirname(sys.executable), "torchrun"),

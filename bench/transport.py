@@ -1,7 +1,7 @@
 """Under mpirun, does the transport probe pick the transport that steps the job faster? (issue 18, item 5)
 
 Launched by mpiexec on the host with ``comm="auto"`` (the default), ``axon4d.init`` times MPI and
-gloo on the world (axon4d.transport.probe_transports) and every rank takes the faster. For each
+gloo on the world (axon4d.comm.transport.probe_transports) and every rank takes the faster. For each
 rank count in ``--ranks`` this bench runs three jobs under ``mpiexec -n R``:
 
 - ``auto``: ``axon4d.init()`` as a user calls it; records the choice, each transport's probe

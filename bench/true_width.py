@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import common  # noqa: E402
 
 from axon4d.config import get_config  # noqa: E402
-from axon4d.overlap_policy import OverlapPolicy  # noqa: E402
+from axon4d.grid.shape import GridShape  # noqa: E402
+from axon4d.options.overlap_policy import OverlapPolicy  # noqa: E402
 from axon4d.plan import Workload, evaluate, load  # noqa: E402
-from axon4d.shape import GridShape  # noqa: E402
 
 
 def gemm_shapes(wl: Workload, shape: GridShape) -> list[tuple[str, str, int, int, int]]:

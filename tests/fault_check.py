@@ -23,8 +23,8 @@ import sys
 import torch
 
 from axon4d import checkpoint
-from axon4d.launch import restart_count
-from axon4d.launch_env import env_rank
+from axon4d.grid.launch import restart_count
+from axon4d.grid.launch_env import env_rank
 from axon4d.models.transformer import Transformer
 from axon4d.train import add_arguments, main
 

@@ -96,7 +96,7 @@ def value_errors(cases: dict[str, Callable[[], Any]]) -> dict[str, str | None]:
 
 def grids_of(world: int) -> list[tuple[int, int, int, int]]:
     """Every (x, y, z, data) factorisation of ``world``."""
-    from axon4d.shape import factorizations
+    from axon4d.grid.shape import factorizations
 
     return [s.as_tuple() for s in factorizations(world)]
 

@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 import axon4d
-from axon4d import launch
+from axon4d.grid import launch
 
 
 class Skip(Exception):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from axon4d.geometry import Term
+from axon4d.layout.geometry import Term
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.train.batches import accumulate
 from tests.test_blocks import GPT, LLAMA, TOL, _assert_small, _grad_errors

@@ -1,15 +1,15 @@
-"""Protects the exchange under every agreement (axon4d/agreement.py): each rank's payload comes back
+"""Protects the exchange under every agreement (axon4d/reliability/agreement.py): each rank's payload comes back
 to every rank in rank order, from one all-gather whose table reaches the host in one copy (not one
 per rank's row), and a failure on one rank is raised alike on all of them."""
 
 import pytest
 
-from axon4d.agreement import SLOT
+from axon4d.reliability.agreement import SLOT
 
 
 def _exchange(grid):
     """Every rank's payload as this rank reads it, and the shapes of what went to the host."""
-    from axon4d import agreement
+    from axon4d.reliability import agreement
 
     calls = []
     real = agreement.devices.to_host
@@ -34,7 +34,7 @@ def test_every_rank_reads_every_payload_in_rank_order_from_one_host_copy(pools):
 
 def _agree(grid):
     """The error ``agree`` raises on this rank when ranks 1 and 2 failed."""
-    from axon4d.agreement import agree
+    from axon4d.reliability.agreement import agree
 
     err = ValueError(f"bad value on rank {grid.rank}") if grid.rank in (1, 2) else None
     try:
@@ -50,7 +50,7 @@ def test_the_lowest_failing_ranks_error_is_raised_on_every_rank(pools):
 
 
 def test_a_payload_wider_than_its_slot_is_refused():
-    from axon4d.agreement import exchange
+    from axon4d.reliability.agreement import exchange
 
     with pytest.raises(AssertionError, match="exceeds its 16-byte slot"):
         exchange(None, {"text": "x" * 16}, 16)  # refused before any communication

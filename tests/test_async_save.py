@@ -16,8 +16,9 @@ import torch
 from test_train import _base
 from torch.distributed.checkpoint import FileSystemWriter
 
-from axon4d import checkpoint, ckptfiles
+from axon4d import checkpoint
 from axon4d.config import ModelConfig
+from axon4d.files import ckptfiles
 from axon4d.models.transformer import Transformer
 from axon4d.train import TrainConfig, train
 

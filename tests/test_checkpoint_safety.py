@@ -19,9 +19,10 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from axon4d import checkpoint, ckptfiles
+from axon4d import checkpoint
 from axon4d import device as devices
 from axon4d.config import ModelConfig
+from axon4d.files import ckptfiles
 from axon4d.models.transformer import Transformer
 
 CFG = ModelConfig(n_layers=1, hidden=32, n_heads=4, vocab_size=64, seq_len=16)

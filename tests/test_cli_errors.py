@@ -1,4 +1,4 @@
-"""Protects how commands end on bad input (axon4d.errors): one message naming what to change and
+"""Protects how commands end on bad input (axon4d.reliability.errors): one message naming what to change and
 exit code 2 — no traceback unless ``--debug`` — for ``axon4d`` subcommands and ``python -m
 axon4d.train``, including a refusal raised inside a running job (a checkpoint that does not match);
 a rank's refusal that the watchdog already printed is not printed again; other errors keep their
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from axon4d import errors, watchdog
+from axon4d.reliability import errors, watchdog
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

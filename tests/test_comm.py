@@ -1,6 +1,6 @@
 """Protects the communication layer: collectives return the right data along any dim, every call
 is logged with its payload, and a Linear's forward + backward moves exactly the bytes of docs/design.md
-E8–E13 as computed by axon4d.geometry (the planner's source of truth)."""
+E8–E13 as computed by axon4d.layout.geometry (the planner's source of truth)."""
 
 import importlib.util
 import types
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.geometry import Op, Term, linear_collectives
+from axon4d.layout.geometry import Op, Term, linear_collectives
 
 
 def _primitives(grid):
@@ -234,7 +234,7 @@ def test_volume_terms_match_the_design_table():
 
 
 def test_the_probe_picks_the_transport_whose_slowest_rank_is_fastest():
-    from axon4d.transport import decide_transport
+    from axon4d.comm.transport import decide_transport
 
     # rank 0 alone would pick torch; the slowest rank decides: mpi 0.5 s < torch 0.9 s
     per_rank = [{"mpi": 0.4, "torch": 0.2}, {"mpi": 0.5, "torch": 0.9}, {"mpi": 0.3, "torch": 0.3}]
@@ -252,8 +252,8 @@ def test_the_probe_picks_the_transport_whose_slowest_rank_is_fastest():
 
 def test_transport_overrides_and_other_launchers_never_probe(monkeypatch):
     from axon4d import device as devices
-    from axon4d.comm import TransportChoice
-    from axon4d.transport import PROBE, choose_transport, settle_transport
+    from axon4d.comm.communicator import TransportChoice
+    from axon4d.comm.transport import PROBE, choose_transport, settle_transport
 
     host, accel = devices.HOST, torch.device("meta")  # meta: any device that is not host memory
     monkeypatch.delenv("AXON4D_COMM", raising=False)
@@ -275,6 +275,11 @@ def test_transport_overrides_and_other_launchers_never_probe(monkeypatch):
     assert settle_transport(PROBE, "probe", host, 0, 1) == TransportChoice("torch", "one rank: no collective to time")
 
 
+#: where the stand-in device's timeline starts: beyond any host's perf_counter (seconds since boot),
+#: so a time read from the host clock instead of a device mark cannot pass for one
+DEVICE_EPOCH = 1e9
+
+
 class _DeviceEvent:
     """A stand-in for an accelerator's timing event: a time, known only once read."""
 
@@ -294,7 +299,7 @@ class _DeviceClock:
         self.now, self.reads = time.perf_counter, 0
 
     def mark(self):
-        return _DeviceEvent(self.now() + 1000.0)  # a device timeline of its own, 1000 s ahead
+        return _DeviceEvent(self.now() + DEVICE_EPOCH)  # a device timeline of its own, far ahead of the host's
 
     def seconds(self, mark):
         self.reads += 1
@@ -303,7 +308,7 @@ class _DeviceClock:
 
 def _device_timed(grid):
     clock = _DeviceClock()
-    grid.comm.clock = grid.comm.log.clock = clock
+    grid.comm.use_clock(clock)
     grid.comm.log.clear()
     torch.manual_seed(0)
     layer = axon4d.Linear(16, 16)
@@ -313,10 +318,10 @@ def _device_timed(grid):
     return {
         "read_during_step": read_during_step,
         "records": len(records),
-        "on_device_scale": all(r.t_issue > 999 and r.t_wait_start > 999 and r.t_wait_end > 999 for r in records),
+        "on_device_scale": all(min(r.t_issue, r.t_wait_start, r.t_wait_end) >= DEVICE_EPOCH for r in records),
         "done_before_resume": all(r.t_done is None or r.t_done <= r.t_wait_end for r in records),
         "pending": sum(1 for r in records if r.marks),
-        "spans": len(spans) > 0 and all(a > 999 and b >= a for _, a, b in spans),
+        "spans": len(spans) > 0 and all(a >= DEVICE_EPOCH and b >= a for _, a, b in spans),
         "hidden": grid.comm.log.summary()["hidden_pct"],
     }
 
@@ -340,8 +345,8 @@ def test_a_completion_reported_after_the_log_was_read_changes_nothing():
     even after the log read the record's device marks: the record stays settled (no pending mark,
     its completion no later than the wait's end), whatever the order — the race the device-timed
     test above once lost."""
-    from axon4d.commlog import CommRecord
-    from axon4d.geometry import Op
+    from axon4d.comm.log import CommRecord
+    from axon4d.layout.geometry import Op
 
     clock = _DeviceClock()
     late = CommRecord(Op.ALL_GATHER, "z", 2, 64, Term.E10F, t_issue=0.0)
@@ -395,8 +400,8 @@ class _DoneWork:
 def _untimed_or_timed(timing):
     """A communicator on a (1,1,2,1) grid over a transport that finishes at once, on a device-like
     clock; one all-reduce and one compute span; (the clock, the communicator)."""
-    from axon4d.comm import Communicator
-    from axon4d.shape import GridShape
+    from axon4d.comm.communicator import Communicator
+    from axon4d.grid.shape import GridShape
 
     transport = types.SimpleNamespace(name="fake", all_reduce=lambda tensor, axis: _DoneWork())
     clock = _CountingDeviceClock()
@@ -444,8 +449,8 @@ def test_on_the_host_a_completion_and_the_wait_s_end_keep_the_earlier_time_in_ei
     never after the wait ended."""
     import types
 
-    from axon4d import commlog
-    from axon4d.commlog import CommRecord
+    from axon4d.comm import log as commlog
+    from axon4d.comm.log import CommRecord
     from axon4d.device import HOST
     from axon4d.device.clock import Clock
 

@@ -23,13 +23,13 @@ from torch.utils._pytree import tree_leaves
 from axon4d import activations
 from axon4d.config import ModelConfig
 from axon4d.device import attention as kernels
-from axon4d.geometry import Op, Term
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Op, Term
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.attention import Attention
 from axon4d.nn.context import prefix_attention, split_sequence_attention
 from axon4d.plan.saved import block_saved
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 TOL = 1e-5
 FLOOR = 1e-3  # some gradients are exactly zero in theory (a key bias cannot change a softmax)

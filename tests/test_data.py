@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from axon4d.data import MemmapTokens, SyntheticTokens, prepare_text
+from axon4d.data.tokens import MemmapTokens, SyntheticTokens, prepare_text
 
 
 def test_synthetic_batches_are_deterministic_and_follow_their_rule():

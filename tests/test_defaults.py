@@ -22,12 +22,15 @@ import pytest
 import torch
 from test_nonfinite import _cfg  # its small run, here on two ranks
 
-from axon4d import checkpoint, grads, precision, tiled_init, watchdog
+from axon4d import checkpoint, grads
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.device import environment
+from axon4d.layout import tiled_init
 from axon4d.materialize import init_dense_
 from axon4d.models.transformer import DenseTransformer
+from axon4d.options import precision
+from axon4d.reliability import watchdog
 from axon4d.train import TrainConfig, loop, outdir, train
 from axon4d.train.loop import STEP_READ
 from axon4d.train.optim import make_optimizer, optimizer_kernel

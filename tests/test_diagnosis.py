@@ -1,4 +1,4 @@
-"""The failure diagnosis's cost in store requests (axon4d.diagnosis, docs/reliability.md): at a
+"""The failure diagnosis's cost in store requests (axon4d.reliability.diagnosis, docs/reliability.md): at a
 simulated world of 1024 ranks in one process, a hang that reaches every rank's deadline and a
 failure that every rank sees cost requests in proportion to the world, not its square, and each
 rank still says what it would say alone. Store requests are counted by a wrapper around torch's
@@ -12,7 +12,7 @@ import io
 
 import torch.distributed as dist
 
-from axon4d import diagnosis, watchdog
+from axon4d.reliability import diagnosis, watchdog
 
 WORLD = 1024
 

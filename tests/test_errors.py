@@ -28,7 +28,7 @@ import torch.distributed as dist
 import axon4d
 from axon4d import cli
 from axon4d.config import ModelConfig, get_config
-from axon4d.data import MemmapTokens
+from axon4d.data.tokens import MemmapTokens
 from axon4d.models.transformer import Transformer
 from axon4d.nn.attention import Attention
 from axon4d.nn.embedding import VocabParallelEmbedding

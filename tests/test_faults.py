@@ -1,4 +1,4 @@
-"""Bounded failure of the training job (axon4d.watchdog, docs/reliability.md): one rank raises in
+"""Bounded failure of the training job (axon4d.reliability.watchdog, docs/reliability.md): one rank raises in
 the forward, the backward or a checkpoint save, is SIGKILLed or SIGSTOPped, under a plain
 multi-process launch, torchrun and mpiexec; or is SIGKILLed while it writes a checkpoint in the
 background (--async-save), which leaves the previous checkpoint published and intact. The job must end within its deadline, the failing
@@ -28,9 +28,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from axon4d import checkpoint, ckptfiles, diagnosis, watchdog
+from axon4d import checkpoint
 from axon4d import device as devices
-from axon4d.launch import free_port
+from axon4d.files import ckptfiles
+from axon4d.grid.launch import free_port
+from axon4d.reliability import diagnosis, watchdog
 from axon4d.train import loop
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -31,9 +31,9 @@ import torch
 import axon4d
 from axon4d import activations, overlap
 from axon4d.config import ModelConfig
-from axon4d.geometry import Term
+from axon4d.layout.geometry import Term
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.precision import (
+from axon4d.options.precision import (
     FP8,
     NAMED,
     SCALE_BYTES,

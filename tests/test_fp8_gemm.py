@@ -1,5 +1,5 @@
 """Protects the FP8 GEMMs of the 3D Linear (``precision="bf16-fp8"``, issue 44, docs/design.md §2
-"FP8 GEMMs"). Start here when changing ``axon4d.fp8_gemm``, ``axon4d.device.fp8`` or the FP8 branch
+"FP8 GEMMs"). Start here when changing ``axon4d.options.fp8_gemm``, ``axon4d.device.fp8`` or the FP8 branch
 of ``axon4d.nn.linear``. What must hold:
 
 - the scaled GEMM is its dequantised reference: forward (with bias, bf16 out), dX (bf16) and dW
@@ -26,9 +26,10 @@ import pytest
 import torch
 
 import axon4d
-from axon4d import activations, fp8_gemm
+from axon4d import activations
 from axon4d.device import fp8 as kernel
-from axon4d.precision import FP8, NAMED, Precision, fp8_pack, fp8_scale, resolve
+from axon4d.options import fp8_gemm
+from axon4d.options.precision import FP8, NAMED, Precision, fp8_pack, fp8_scale, resolve
 
 FP8_NAME, BF16_NAME = "bf16-fp8", "bf16-fp32-reduce"
 U_FP8 = 2.0**-4  # e4m3's unit roundoff

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from harness import grids_of
 
 import axon4d
-from axon4d import rules
-from axon4d.grid import Grid
-from axon4d.shape import GridShape, factorizations
+from axon4d.grid import rules
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import GridShape, factorizations
 
 
 @pytest.mark.parametrize("world,count", [(1, 1), (2, 4), (4, 10), (8, 20), (12, 40)])
@@ -152,8 +152,8 @@ def test_destroy_releases_the_groups_threads_while_the_grid_and_its_layers_are_s
 
 
 def _host_group_timeout(grid):
-    """The seconds the grid's host group was made with (``axon4d.comm.host_group``'s argument)."""
-    import axon4d.grid as grid_module
+    """The seconds the grid's host group was made with (``axon4d.comm.communicator.host_group``'s argument)."""
+    import axon4d.grid.mesh as grid_module
 
     made = []
     real = grid_module.host_group

@@ -206,7 +206,7 @@ def _train(cfg_dict):
 def test_train_hf_fine_tunes_a_saved_moe_model_as_one_process_does(pools, tmp_path, family, grid):
     from transformers import AutoModelForCausalLM
 
-    from axon4d.data import SyntheticTokens
+    from axon4d.data.tokens import SyntheticTokens
     from axon4d.train import hf
 
     vocab, seq = 320, 16

@@ -1,5 +1,5 @@
-"""Protects the check made before a gloo group of every rank is created (axon4d.host_mesh, used by
-``axon4d.comm.host_group`` for checkpoints written in the background): the open-file limit against
+"""Protects the check made before a gloo group of every rank is created (axon4d.comm.host_mesh, used by
+``axon4d.comm.communicator.host_group`` for checkpoints written in the background): the open-file limit against
 the group's full mesh of sockets, lifted where the hard limit allows and refused with what to set
 where not, and the interface gloo binds. In one process, with the host's limits, interfaces and
 addresses injected."""
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from axon4d import comm, host_mesh
+from axon4d.comm import communicator as comm
+from axon4d.comm import host_mesh
 
 
 def _check(world: int, soft: int, hard: int, environ=None, addresses=("10.0.0.5",), lifted=None):

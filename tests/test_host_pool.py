@@ -1,4 +1,4 @@
-"""Protects the offload pool (axon4d/host_pool.py): buffers at aligned offsets that never overlap
+"""Protects the offload pool (axon4d/memory/host_pool.py): buffers at aligned offsets that never overlap
 while held, ranges that merge again when given back in any order, and — once every buffer has come
 back — one allocation of their total, which a repeated step fits exactly as ``carve`` lays it out."""
 
@@ -6,7 +6,7 @@ import torch
 
 from axon4d.device import HOST
 from axon4d.device.pinned import ALIGN, carve
-from axon4d.host_pool import HostPool
+from axon4d.memory.host_pool import HostPool
 
 #: the sizes of one step's buffers, as offload asks for them (some not multiples of ALIGN)
 STEP = [3 * ALIGN, 100, ALIGN, 5000, 1]

@@ -1,4 +1,4 @@
-"""Protects the asynchronous checkpoint's snapshot (axon4d/host_snapshot.py): each tensor comes back
+"""Protects the asynchronous checkpoint's snapshot (axon4d/memory/host_snapshot.py): each tensor comes back
 as a host view holding its values, with its dtype, offset, sizes and strides, in one allocation
 that holds each storage once at an aligned offset — ``carve``'s total, which the planner prices —
 and that the next snapshot of the same storages reuses."""
@@ -7,7 +7,7 @@ import torch
 
 from axon4d.device import HOST
 from axon4d.device.pinned import ALIGN, carve
-from axon4d.host_snapshot import HostSnapshot
+from axon4d.memory.host_snapshot import HostSnapshot
 
 
 def _state():

@@ -110,9 +110,9 @@ def _init_overlap(cwd: str, plan: dict, machine_env: str | None):
 
 
 def test_a_stray_local_json_does_not_change_inits_overlap_choice(pools, tmp_path, monkeypatch):
-    from axon4d.overlap_policy import OverlapPolicy
+    from axon4d.grid.shape import GridShape
+    from axon4d.options.overlap_policy import OverlapPolicy
     from axon4d.plan.auto import choose_overlap
-    from axon4d.shape import GridShape
 
     shutil.copy(MACHINE, tmp_path / "local.json")  # what `axon4d calibrate --out local.json` leaves behind
     monkeypatch.delenv("AXON4D_MACHINE", raising=False)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import axon4d
-from axon4d.geometry import Term
+from axon4d.layout.geometry import Term
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.linear import Linear
 from axon4d.train.batches import accumulate, accumulate_one

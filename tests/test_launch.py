@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from axon4d.launch import free_port, slurm_port
+from axon4d.grid.launch import free_port, slurm_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "launch_check.py")
@@ -71,7 +71,7 @@ def _clean_env(**extra):
 
 
 def _slurm_job_id():
-    """A job id whose rendezvous port (axon4d.launch.slurm_port) is free on this host now."""
+    """A job id whose rendezvous port (axon4d.grid.launch.slurm_port) is free on this host now."""
     for _ in range(100):
         job = random.randrange(1, 10**7)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -1,4 +1,4 @@
-"""Protects axon4d.launch's reading of the launcher's environment, in one process: which launcher
+"""Protects axon4d.grid.launch's reading of the launcher's environment, in one process: which launcher
 a set of variables means (srun, an sbatch script running torchrun, mpirun), the refusal to run
 alone when the environment names a larger world, SLURM's compressed node lists, the rendezvous
 address rank 0 publishes under mpirun, ``device_id`` for ``init_process_group``, the keys of a
@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 import axon4d
 from axon4d import device as devices
-from axon4d import errors, launch, launch_env, watchdog
-from axon4d.launch import LaunchInfo, detect, expand_nodelist, rendezvous_address, slurm_port, slurm_rendezvous
+from axon4d.grid import launch, launch_env
+from axon4d.grid.launch import LaunchInfo, detect, expand_nodelist, rendezvous_address, slurm_port, slurm_rendezvous
+from axon4d.reliability import errors, watchdog
 
 _VARS = (
     "RANK",

@@ -1,5 +1,8 @@
 """Protects the package's layering (docs/design.md §9): no import cycle anywhere in axon4d, and
-every module placed in a layer of the import-linter contract that `make test` runs.
+every module placed in a layer of the import-linter contract that `make test` runs. A package
+that groups modules of several layers by idea (``axon4d.comm``, ``axon4d.grid``, …) is in no layer
+itself: its ``__init__`` is a docstring that imports nothing, so it can never carry an import
+between its modules' layers.
 
 Start here when a new module does not fit: put it in the layer whose modules it needs, never
 import upwards, and never defer an import to get around a cycle.
@@ -7,6 +10,7 @@ import upwards, and never defer an import to get around a cycle.
 
 from __future__ import annotations
 
+import ast
 import configparser
 import os
 
@@ -80,10 +84,45 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles(Fake()) == [["a", "b"]]
 
 
+def _is_placed(module: str, placed: set[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in placed)
+
+
+def _floor_plan_packages(graph, placed: set[str]) -> list[str]:
+    """The packages in no layer whose modules all are: they group by idea, not by layer."""
+    return sorted(
+        m
+        for m in graph.modules
+        if m != "axon4d"
+        and not _is_placed(m, placed)
+        and os.path.isfile(os.path.join(ROOT, *m.split("."), "__init__.py"))
+        and all(_is_placed(c, placed) for c in graph.find_children(m))
+    )
+
+
+def _imports(path: str) -> list[str]:
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
 def test_every_module_is_in_a_layer():
     placed = _layer_modules()
     graph = _graph()
-    loose = [
-        m for m in sorted(graph.modules) if m != "axon4d" and not any(m == p or m.startswith(p + ".") for p in placed)
-    ]
+    grouping = set(_floor_plan_packages(graph, placed))
+    loose = [m for m in sorted(graph.modules) if m != "axon4d" and m not in grouping and not _is_placed(m, placed)]
     assert loose == [], f"modules in no layer of setup.cfg's import-linter contract: {loose}"
+
+
+def test_a_package_in_no_layer_imports_nothing():
+    """Its ``__init__`` would otherwise import its modules from outside every layer, unchecked."""
+    packages = _floor_plan_packages(_graph(), _layer_modules())
+    assert "axon4d.comm" in packages and "axon4d.grid" in packages
+    importing = {p: _imports(os.path.join(ROOT, *p.split("."), "__init__.py")) for p in packages}
+    assert {p: i for p, i in importing.items() if i} == {}
+
+
+def test_the_top_level_is_a_floor_plan():
+    """A handful of modules beside the packages: the public entry points, each one idea."""
+    top = sorted(f for f in os.listdir(os.path.join(ROOT, "axon4d")) if f.endswith(".py"))
+    assert len(top) <= 12, top

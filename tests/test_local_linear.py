@@ -18,11 +18,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import axon4d
-from axon4d import offload
 from axon4d.config import ModelConfig
+from axon4d.memory import offload
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.block import TransformerBlock
-from axon4d.recompute_mode import RECOMPUTE_MODES
+from axon4d.options.recompute_mode import RECOMPUTE_MODES
 from tests.test_recompute import GPT, LLAMA, _compare_modes
 
 BLOCK = ModelConfig(n_layers=1, hidden=32, n_heads=4, ffn_hidden=64, vocab_size=64, seq_len=8, arch="gpt")

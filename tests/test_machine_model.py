@@ -9,12 +9,12 @@ import os
 
 import pytest
 
+from axon4d.grid.shape import GridShape
 from axon4d.plan import collective_model as cm
 from axon4d.plan import load
 from axon4d.plan.device_memory import grid_communicators
 from axon4d.plan.machine import Machine, available
 from axon4d.plan.tables import CommCurve
-from axon4d.shape import GridShape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1e6

@@ -26,9 +26,9 @@ import torch
 
 import axon4d
 from axon4d.config import ModelConfig
+from axon4d.layout.tiled_init import Tiling
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.linear import Linear
-from axon4d.tiled_init import Tiling
 
 GPT = ModelConfig(n_layers=2, hidden=18, n_heads=2, vocab_size=66, seq_len=8, arch="gpt")
 LLAMA = ModelConfig(
@@ -167,7 +167,7 @@ name, grid, rank = sys.argv[1], tuple(json.loads(sys.argv[2])), int(sys.argv[3])
 world = grid[0] * grid[1] * grid[2] * grid[3]
 dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 import axon4d
-from axon4d import tiled_init
+from axon4d.layout import tiled_init
 from axon4d.config import SIZES
 from axon4d.materialize import materialize_
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -210,8 +210,8 @@ print("RESULT", json.dumps({
 @pytest.mark.parametrize("name,grid", [("80B", (8, 4, 32, 1)), ("moe-1t", (4, 2, 4, 32))])
 def test_materializing_allocates_only_this_ranks_shards(name, grid):
     from axon4d.config import SIZES
+    from axon4d.grid.shape import GridShape
     from axon4d.plan import Workload, local_param_count
-    from axon4d.shape import GridShape
 
     rank = 1000
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

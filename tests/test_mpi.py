@@ -1,5 +1,5 @@
-"""Protects the MPI transport (axon4d/mpi.py MPITransport): the same correctness tests as the gloo
-backend — collectives, byte log against axon4d.geometry, Linear against torch.nn.Linear on every grid
+"""Protects the MPI transport (axon4d/comm/mpi.py MPITransport): the same correctness tests as the gloo
+backend — collectives, byte log against axon4d.layout.geometry, Linear against torch.nn.Linear on every grid
 of 8 ranks, overlap on = overlap off — run under ``mpiexec -n 8`` with every collective going
 through mpi4py's non-blocking collectives (tests/mpi_check.py); and, launched by mpiexec,
 ``axon4d.init(comm="auto")`` times both transports and every rank takes the faster, while

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import axon4d
-from axon4d.geometry import Op, Term
+from axon4d.layout.geometry import Op, Term
 from axon4d.nn.norm import LayerNorm, RMSNorm
 
 HIDDEN = 32

@@ -1,4 +1,4 @@
-"""Protects activation offload (axon4d/offload.py, docs/design.md §5, ``Transformer(offload=)``,
+"""Protects activation offload (axon4d/memory/offload.py, docs/design.md §5, ``Transformer(offload=)``,
 ``axon4d train --offload``):
 
 - which blocks a fraction or a list names, and the errors for values no model can use;
@@ -25,9 +25,9 @@ import axon4d
 from axon4d import activations
 from axon4d.config import ModelConfig
 from axon4d.device.pinned import ALIGN
+from axon4d.memory.offload import MIN_BYTES, offload_blocks, parse_offload
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.offload import MIN_BYTES, offload_blocks, parse_offload
-from axon4d.recompute_mode import RECOMPUTE_MODES
+from axon4d.options.recompute_mode import RECOMPUTE_MODES
 
 # -- which blocks ----------------------------------------------------------------------------------
 
@@ -215,9 +215,9 @@ def _memory(grid, cfg, mode, offload, context_parallel=False):
 
 def _planned_block_bytes(arch, mode, shape, context_parallel=False):
     """The planner's bytes of one block's saved activations (fp32: every element 4 bytes)."""
+    from axon4d.grid.shape import GridShape
     from axon4d.plan.saved import block_saved
     from axon4d.plan.workload import Workload
-    from axon4d.shape import GridShape
 
     wl = Workload(MEM_CFG[arch], MEM_BATCH, "float32", context_parallel=context_parallel)
     return 4 * sum(block_saved(wl, GridShape(*shape), mode).values())
@@ -240,11 +240,11 @@ def _measure(grid, arch, mode, offload, context_parallel=False):
 def _planned_pinned(arch, mode, shape, context_parallel=False, blocks=2):
     """The host memory the planner prices for ``blocks`` offloaded blocks on a host machine (no
     page-locking: each buffer its own bytes), ``axon4d.plan.host_memory.offload_pinned``."""
+    from axon4d.grid.shape import GridShape
     from axon4d.plan.host_memory import offload_pinned
     from axon4d.plan.machine import load
     from axon4d.plan.scenario import Scenario
     from axon4d.plan.workload import Workload
-    from axon4d.shape import GridShape
 
     host = dataclasses.replace(load("perlmutter"), accelerator=False)
     wl = Workload(MEM_CFG[arch], MEM_BATCH, "float32", context_parallel=context_parallel)
@@ -256,7 +256,7 @@ def _check_memory(none, off, planned, planner_tol, pinned=None, slack_bytes=0):
     the host memory the planner prices for the two blocks' buffers (none: not compared)."""
     stats = off["stats"]
     assert sorted(stats.peak_block_bytes) == [0, 1]
-    # the pool (axon4d.host_pool): after the warm-up steps one allocation of the copies' bytes, each
+    # the pool (axon4d.memory.host_pool): after the warm-up steps one allocation of the copies' bytes, each
     # rounded up to ALIGN (on the host, nothing page-locked)
     assert stats.peak_host_bytes == off["held"]
     assert off["held"] <= stats.peak_pinned_bytes < off["held"] + ALIGN * stats.copies_out

@@ -3,7 +3,7 @@
 of them, several training steps give the same outputs and gradients as with overlap off (bitwise
 in fp32 where the reduction order is unchanged), .grad is complete when backward() returns
 (also when micro-batches accumulate), and the collectives issued are exactly what
-axon4d.geometry says for that policy."""
+axon4d.layout.geometry says for that policy."""
 
 from collections import Counter
 
@@ -13,8 +13,8 @@ import torch
 import axon4d
 from axon4d.config import get_config
 from axon4d.device import environment
-from axon4d.geometry import Op, Term, linear_collectives, weight_block_shape
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.layout.geometry import Op, Term, linear_collectives, weight_block_shape
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import Workload, load
 from axon4d.plan.layers import collectives
 from axon4d.plan.scenario import Scenario

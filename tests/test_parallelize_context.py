@@ -15,7 +15,7 @@ from hf_models import llama_config
 from test_parallelize import rel_err
 
 from axon4d import activations
-from axon4d.geometry import Term
+from axon4d.layout.geometry import Term
 from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.parallelize.context import ATTENTION_NAME, inputs
 

@@ -1,5 +1,5 @@
 """Protects the planner (axon4d.plan, docs/design.md §6): it prices exactly the collectives that
-axon4d.geometry lists and the communication log counts, its parameter and memory figures match what
+axon4d.layout.geometry lists and the communication log counts, its parameter and memory figures match what
 real layers allocate (on real gloo grids, and for 20B/80B on 512–1024 ranks of torch's fake process
 group), and its search, overlap credit and machine files behave. Start here when changing the cost
 or memory model."""
@@ -17,15 +17,15 @@ import pytest
 import torch
 
 from axon4d.config import SIZES, ModelConfig
-from axon4d.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape, factorizations
+from axon4d.layout.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import Workload, evaluate, load, local_param_count, memory, plan, step_time
 from axon4d.plan.candidate import device_need
 from axon4d.plan.layers import axis_group_and_stride, comm_field, layer_cost
 from axon4d.plan.machine import available
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.tables import CommCurve, MatmulTable
-from axon4d.shape import GridShape, factorizations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,7 +156,7 @@ def test_search_enumerates_valid_grids_best_first_and_flags_memory():
     wl = result.workload
     assert len(result.candidates) + result.invalid == len(factorizations(512)) == result.searched + result.invalid
     assert all(not wl.grid_problems(c.shape) for c in result.candidates)
-    # the search's vectorised rules and the per-grid ones are the same rules (axon4d.rules)
+    # the search's vectorised rules and the per-grid ones are the same rules (axon4d.grid.rules)
     assert result.invalid == sum(bool(wl.grid_problems(s)) for s in factorizations(512)) > 0
     assert all(c.shape.y in (1, 2, 4, 7, 8, 14, 28, 56) for c in result.candidates)  # 56 heads split over y
     fitting = [c for c in result.candidates if c.fits]
@@ -823,7 +823,7 @@ def _sweep(grid, payloads):
 
 
 def test_the_sweep_measures_an_all_to_all_curve_on_every_axis_geometry(pools):
-    """``collectives.comm_curves`` on 4 ranks: an all-to-all curve (``axon4d.comm``'s, one row of
+    """``collectives.comm_curves`` on 4 ranks: an all-to-all curve (``axon4d.comm.communicator``'s, one row of
     payload/(4·G) fp32 elements to each rank) per geometry, beside the other three collectives',
     its payloads the bytes each rank sends, its own row included (what the log records, E16)."""
     from axon4d.measure.collectives import all_to_all_payload
@@ -906,7 +906,7 @@ def test_context_parallel_attention_is_priced_as_the_rank_runs_it():
 def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
     """``overlap="auto"``: every knob variant of the all-on policy is priced and the fastest that
     fits is taken (never slower than the default knobs), for the grids the plan ranks first."""
-    from axon4d.overlap_policy import OverlapPolicy
+    from axon4d.options.overlap_policy import OverlapPolicy
     from axon4d.plan.candidate import tune_overlap
 
     variants = OverlapPolicy().knob_variants()
@@ -932,7 +932,7 @@ def test_overlap_auto_tunes_the_knobs_to_the_fastest_policy_that_fits():
 
 
 def test_overlap_auto_for_a_given_grid_uses_the_planners_knobs_where_it_can_price_the_job(monkeypatch, tmp_path):
-    from axon4d.overlap_policy import OverlapPolicy
+    from axon4d.options.overlap_policy import OverlapPolicy
     from axon4d.plan.auto import choose_overlap
     from axon4d.plan.candidate import tune_overlap
 

@@ -1,4 +1,4 @@
-"""Protects one source for what is sent (docs/planner.md rule 1; ``axon4d.geometry.wire_dtype``):
+"""Protects one source for what is sent (docs/planner.md rule 1; ``axon4d.layout.geometry.wire_dtype``):
 the planner prices exactly the bytes the runtime sends.
 
 A real ``Transformer`` (GPT and Llama, tiny) trains a step on a real gloo grid and the
@@ -25,15 +25,15 @@ import pytest
 import torch
 
 from axon4d.config import ModelConfig
-from axon4d.geometry import Term, wire_dtype
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Term, wire_dtype
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.precision import NAMED
 from axon4d.plan import load
 from axon4d.plan.cost import step_estimate, zero_gathers
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.sent import step_collectives
 from axon4d.plan.workload import Workload
-from axon4d.precision import NAMED
-from axon4d.shape import GridShape
 
 SEQ = 16  # 2·G_z chunks of whole tokens for G_z up to 4 (context parallelism)
 CONFIGS = {

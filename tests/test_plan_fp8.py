@@ -11,13 +11,13 @@ import math
 import pytest
 
 from axon4d.config import get_config
+from axon4d.grid.shape import GridShape
 from axon4d.plan import fp8
 from axon4d.plan.cli import add_arguments, main
 from axon4d.plan.layers import layer_cost
 from axon4d.plan.machine import load
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 
 def _sc(preset, shape=(2, 4, 4, 2), machine="h100"):

@@ -12,8 +12,10 @@ import pytest
 
 from axon4d.config import SIZES, ModelConfig
 from axon4d.device.pinned import ALIGN, PAGE, carve, pinned_footprint, power_of_two_footprint
-from axon4d.offload import MIN_BYTES
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.memory.offload import MIN_BYTES
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.recompute_mode import RECOMPUTE_MODES
 from axon4d.plan.host_memory import offload_pinned, pinned_per_node, snapshot_pinned, snapshot_tensors
 from axon4d.plan.layers import block_extras, layer_cost
 from axon4d.plan.machine import load
@@ -22,8 +24,6 @@ from axon4d.plan.offload_cost import link_traffic, network_share, offload_second
 from axon4d.plan.saved import block_bytes, block_storages
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
-from axon4d.recompute_mode import RECOMPUTE_MODES
-from axon4d.shape import GridShape
 
 PERLMUTTER = load("perlmutter")
 ALL = OverlapPolicy()

@@ -72,9 +72,9 @@ def _measure(grid, cfg, recompute="none", micro_batches=1, offload=None, zero=0)
 
 
 def _predicted(grid, cfg, recompute="none", micro_batches=1, offload_blocks=0, zero=0):
+    from axon4d.options.precision import NAMED
     from axon4d.plan.memory import memory
     from axon4d.plan.workload import Workload
-    from axon4d.precision import NAMED
 
     preset = next(name for name, p in NAMED.items() if p == grid.precision)  # the grid's, by name
     wl = Workload(cfg, MEM_BATCH * micro_batches, precision=preset)

@@ -27,15 +27,15 @@ import torch
 
 import axon4d
 from axon4d.config import ModelConfig
-from axon4d.geometry import MOE_LAYER_TERMS, Term
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import MOE_LAYER_TERMS, Term
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import load
 from axon4d.plan.cost import step_estimate
 from axon4d.plan.moe_cost import layer_collectives, moe_chunks
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.sent import step_collectives
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 SEQ = 16
 
@@ -249,14 +249,14 @@ def test_an_moe_step_s_peak_memory_is_the_planner_s(pools, world, grid, options)
 
 
 def test_the_search_offers_only_grids_the_runtime_accepts():
-    """The search's valid grids keep to the placement the MoE layer accepts (``axon4d.rules.
+    """The search's valid grids keep to the placement the MoE layer accepts (``axon4d.grid.rules.
     moe_placement``, the one home of the runtime's and the planner's rules)."""
     import numpy as np
 
-    from axon4d import rules
+    from axon4d.grid import rules
+    from axon4d.grid.shape import factorizations
     from axon4d.nn.moe import placement_rules
     from axon4d.plan.search import valid_mask
-    from axon4d.shape import factorizations
 
     refused = accepted = 0
     for cfg in (moe_cfg(), moe_cfg("gpt", shared=0, experts=12), moe_cfg(shared=3, experts=6)):
@@ -382,7 +382,7 @@ def test_an_all_to_all_is_priced_from_the_machine_s_curve_where_it_has_one():
     """``all_to_all_seconds``: the machine's measured all-to-all curve of the batch axis' geometry
     where calibration wrote one, else the pairwise α–β exchange (``Machine.comm_time``); the rows a
     rank sends of its own share (``OWN_SHARE_TERMS``) wait for the busiest peer, ρ times the mean."""
-    from axon4d.geometry import Collective, Op
+    from axon4d.layout.geometry import Collective, Op
     from axon4d.plan.moe_cost import OWN_SHARE_TERMS, all_to_all_seconds
     from axon4d.plan.tables import CommCurve
 

@@ -13,8 +13,10 @@ import math
 import pytest
 
 from axon4d.config import SIZES, ModelConfig
-from axon4d.geometry import Op, Term
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Op, Term
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.precision import SCALE_BYTES
 from axon4d.plan import cli
 from axon4d.plan.candidate import device_need, fits, scenario_memory
 from axon4d.plan.cost import ONCE_PER_STEP, step_estimate, zero_gathers
@@ -27,8 +29,6 @@ from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import plan
 from axon4d.plan.workload import Workload
-from axon4d.precision import SCALE_BYTES
-from axon4d.shape import GridShape
 
 ALL = OverlapPolicy.parse("all")
 PERLMUTTER = load("perlmutter")
@@ -288,7 +288,7 @@ def test_the_80B_showcase_plan_is_one_perlmutter_can_run():
     reduce-scatters priced in the fp32 the runtime sends, the z collectives as NCCL's tuner runs
     them (a ring of G_z − 1 steps where a z group holds two ranks of a node). Its MFU is whatever
     the model gives (bench/plan_showcase.py; docs/planner.md): no bound is asserted on it."""
-    from axon4d.geometry import Term, weight_shard_numel
+    from axon4d.layout.geometry import Term, weight_shard_numel
     from axon4d.plan.device_memory import grid_communicators
 
     result = plan("80B", 1024, "perlmutter", 2048)

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.options import AUTO_OPTION
-from axon4d.shape import GridShape
 from axon4d.train import TrainConfig, planned, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

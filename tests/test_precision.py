@@ -1,4 +1,4 @@
-"""Protects mixed precision (axon4d.precision): fp32 master weights and gradients with bf16
+"""Protects mixed precision (axon4d.options.precision): fp32 master weights and gradients with bf16
 compute stay close to the fp32 model, the weight all-gathers move bf16 bytes and the gradient
 reductions move the bytes of the chosen reduction dtype (geometry.linear_collectives agrees), and
 bad names fail early."""
@@ -11,9 +11,9 @@ import torch
 import axon4d
 from axon4d import activations
 from axon4d.config import ModelConfig
-from axon4d.geometry import Op, linear_collectives
+from axon4d.layout.geometry import Op, linear_collectives
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.precision import Precision
+from axon4d.options.precision import Precision
 
 CFG = ModelConfig(n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama")
 BF16_TOL = 5e-2

@@ -11,8 +11,8 @@ import pytest
 from hf_models import TEXT, bpe_tokenizer, word_tokenizer
 
 from axon4d import cli
-from axon4d.data import MemmapTokens
-from axon4d.prepare import prepare
+from axon4d.data.prepare import prepare
+from axon4d.data.tokens import MemmapTokens
 
 
 @pytest.fixture(scope="module")

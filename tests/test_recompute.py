@@ -13,7 +13,7 @@ import torch
 import axon4d
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.recompute_mode import RECOMPUTE_MODES, check_recompute
+from axon4d.options.recompute_mode import RECOMPUTE_MODES, check_recompute
 
 GPT = ModelConfig(n_layers=2, hidden=32, n_heads=4, vocab_size=64, seq_len=8, arch="gpt")
 LLAMA = ModelConfig(

@@ -1,4 +1,4 @@
-"""axon4d.rectangles.FusedRows: the one description of fused rows (q | k | v, gate | up, GPT-2's c_attn),
+"""axon4d.layout.rectangles.FusedRows: the one description of fused rows (q | k | v, gate | up, GPT-2's c_attn),
 in one process: the permutation each layer used to write itself, fusing and splitting back, a rank's
 chunk per segment and where its rows lie in each segment's tensor."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from axon4d.rectangles import FusedRows
+from axon4d.layout.rectangles import FusedRows
 
 
 def _grouped(sizes, groups):

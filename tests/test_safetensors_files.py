@@ -1,4 +1,4 @@
-"""Protects the safetensors files written tensor by tensor (axon4d.safetensors_files): safetensors
+"""Protects the safetensors files written tensor by tensor (axon4d.files.safetensors_files): safetensors
 reads back every dtype, shape and byte the writer was given, shards are cut by transformers' rule
 and listed in an index, and a writer refuses a tensor out of its planned order."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from axon4d.safetensors_files import INDEX_FILE, SINGLE_FILE, ShardedWriter, TensorSpec, layout, parse_size
+from axon4d.files.safetensors_files import INDEX_FILE, SINGLE_FILE, ShardedWriter, TensorSpec, layout, parse_size
 
 
 def _tensors():

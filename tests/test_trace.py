@@ -10,9 +10,10 @@ import types
 import torch
 
 import axon4d
-from axon4d import commlog, stepstats, trace
-from axon4d.commlog import CommLog, CommRecord
-from axon4d.geometry import Op
+from axon4d import stepstats, trace
+from axon4d.comm import log as commlog
+from axon4d.comm.log import CommLog, CommRecord
+from axon4d.layout.geometry import Op
 
 
 def test_union_length_counts_overlaps_once():

@@ -2,7 +2,7 @@
 or replicated, a run is reproducible and resumes on the same loss curve, gradient accumulation
 equals one big batch, every TrainConfig field is a documented command-line flag, and a run's
 outputs hold what they promise: log.jsonl (a typed record per logged step), summary.json, the
-loss-curve PNG and rank 0's progress line, with communication hidden as axon4d.commlog defines it;
+loss-curve PNG and rank 0's progress line, with communication hidden as axon4d.comm.log defines it;
 --recompute reaches the model and the records, and rank 0 warns at start-up when the compute dtype's
 matmuls are far slower than fp32's."""
 
@@ -21,12 +21,13 @@ import pytest
 import torch
 
 import axon4d
-from axon4d import checkpoint, commlog, grads
+from axon4d import checkpoint, grads
 from axon4d import device as devices
+from axon4d.comm import log as commlog
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.precision import Precision
-from axon4d.recompute_mode import RECOMPUTE_MODES
+from axon4d.options.precision import Precision
+from axon4d.options.recompute_mode import RECOMPUTE_MODES
 from axon4d.train import TrainConfig, add_arguments, train
 from axon4d.train.peak import SLOW_RATIO, check_compute_dtype
 
@@ -90,7 +91,7 @@ def _untimed(cfg_dict):
 
 
 def test_with_the_collectives_untimed_the_job_trains_and_says_so(pools, tmp_path):
-    """``AXON4D_COMM_TIMING=0`` (axon4d.commlog): the job trains the same losses, reports each
+    """``AXON4D_COMM_TIMING=0`` (axon4d.comm.log): the job trains the same losses, reports each
     step's bytes and says the share hidden was not timed, instead of failing on the times."""
     cfg = _base(tmp_path / "timed", grid="1,2,1,1", steps=2)
     timed = pools(2).run(None, _run, cfg)[0]

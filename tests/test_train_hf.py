@@ -17,9 +17,9 @@ from hf_models import bpe_tokenizer, save_gpt2, save_llama
 
 from axon4d import checkpoint
 from axon4d.config import ModelConfig
-from axon4d.data import MemmapTokens, SyntheticTokens
+from axon4d.data.prepare import prepare
+from axon4d.data.tokens import MemmapTokens, SyntheticTokens
 from axon4d.export.from_checkpoint import export_checkpoint
-from axon4d.prepare import prepare
 from axon4d.train import TrainConfig, hf, planned, train
 from axon4d.train.batches import make_data
 

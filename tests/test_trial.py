@@ -120,8 +120,8 @@ def _every_option(base, machine):
     import gc
     import weakref
 
+    from axon4d.options.precision import FP8
     from axon4d.plan.auto import ranked
-    from axon4d.precision import FP8
 
     cfg = TrainConfig(**{**base, "machine": machine})
     result = ranked(WORLD, **{**planned.request(cfg, False), "rank": 1}, top=3)

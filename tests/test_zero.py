@@ -23,9 +23,9 @@ import axon4d
 from axon4d import checkpoint, grads
 from axon4d.config import ModelConfig
 from axon4d.export import save_pretrained_
-from axon4d.geometry import Op, Term
+from axon4d.layout.geometry import Op, Term
 from axon4d.models.transformer import Transformer
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.train.batches import accumulate
 from axon4d.train.config import TrainConfig
 from axon4d.train.loop import train

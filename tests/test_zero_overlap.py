@@ -16,7 +16,7 @@ from harness import value_errors
 
 from axon4d import checkpoint, grads
 from axon4d.config import ModelConfig
-from axon4d.geometry import Term
+from axon4d.layout.geometry import Term
 from axon4d.models.transformer import Transformer
 from axon4d.train import optim
 from axon4d.train.batches import accumulate

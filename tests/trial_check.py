@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from axon4d import runtime
+from axon4d.grid import runtime
 from axon4d.plan.auto import ranked
 from axon4d.train import TrainConfig, planned, train
 

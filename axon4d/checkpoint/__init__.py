@@ -1,7 +1,7 @@
 """Sharded checkpoints that load onto any grid, written and read piece by piece with DCP.
 
 Every parameter and AdamW moment is a piece of a *global* tensor of the single-process model
-(``axon4d.param_layout``; fused q|k|v and gate|up are saved as their parts). A rank saves its piece as it
+(``axon4d.layout.param_layout``; fused q|k|v and gate|up are saved as their parts). A rank saves its piece as it
 stores it, cut into rectangles of the global tensors (``ParamLayout.boxes``), each written by
 ``torch.distributed.checkpoint`` (DCP) from a view of the rank's storage; a piece several ranks
 hold alike is planned and written by one of them (``pieces.writes``), so each rank's plan holds
@@ -13,10 +13,10 @@ the index (``planners.read_items``), so DCP reads into each piece, in place, the
 overlaps — with nothing coordinated (``no_dist``: no plan leaves the rank, whatever the world size);
 so a checkpoint loads onto any grid. A directory holds DCP's files and
 ``meta.json`` (step, grid, model config, each file's sha256 and size, data position, RNG states,
-extras), published by one rename (axon4d.ckptfiles). A load reads DCP's index with a restricted
+extras), published by one rename (axon4d.files.ckptfiles). A load reads DCP's index with a restricted
 unpickler (a planted directory runs no code) and checks the checksums, and that the index covers
 every piece, first; a step whose failure one rank alone could see ends with one all-gather of the
-ranks' verdicts, so all raise the same error (``axon4d.agreement``). Files record no device (DCP
+ranks' verdicts, so all raise the same error (``axon4d.reliability.agreement``). Files record no device (DCP
 writes host copies), so checkpoints move between GPUs and CPUs; a step count goes back where
 torch.optim keeps it.
 
@@ -37,20 +37,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from axon4d import ckptfiles, runtime
 from axon4d import device as devices
-from axon4d.agreement import agree
 from axon4d.checkpoint.background import AsyncSaver
 from axon4d.checkpoint.pieces import State, rank_state
 from axon4d.checkpoint.planners import LoadPieces, SavePieces, read_items
 from axon4d.checkpoint.publish import begin, own_failure, publish
 from axon4d.checkpoint.writer import Writer
 from axon4d.config import ModelConfig
-from axon4d.grid import Grid
+from axon4d.files import ckptfiles
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
 from axon4d.models.transformer import Transformer
+from axon4d.reliability.agreement import agree
 from axon4d.zero import ShardedOptimizer, masters_holder
 
-# the file-level API, usable before any process group exists (axon4d.ckptfiles)
+# the file-level API, usable before any process group exists (axon4d.files.ckptfiles)
 CheckpointError = ckptfiles.CheckpointError
 RESUMABLE_CHANGES = ckptfiles.RESUMABLE_CHANGES
 check_compatible = ckptfiles.check_compatible

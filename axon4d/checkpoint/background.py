@@ -1,6 +1,6 @@
 """Checkpoints written in the background while training goes on: ``AsyncSaver``.
 
-A save snapshots a rank's pieces into host memory (``axon4d.host_snapshot``) and DCP's
+A save snapshots a rank's pieces into host memory (``axon4d.memory.host_snapshot``) and DCP's
 ``async_save`` writes the snapshot from a background thread, coordinated on a host group of its
 own; the next save (or the end) publishes it as the blocking ``save`` does, with the same
 checksums and the same agreement of every rank (``axon4d.checkpoint.publish``).
@@ -15,14 +15,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from axon4d import ckptfiles, comm
 from axon4d import device as devices
 from axon4d.checkpoint.pieces import Piece, State
 from axon4d.checkpoint.planners import SavePieces
 from axon4d.checkpoint.publish import begin, own_failure, publish
 from axon4d.checkpoint.writer import Writer
-from axon4d.grid import Grid
-from axon4d.host_snapshot import HostSnapshot
+from axon4d.comm import communicator as comm
+from axon4d.files import ckptfiles
+from axon4d.grid.mesh import Grid
+from axon4d.memory.host_snapshot import HostSnapshot
 
 
 class AsyncSaver:
@@ -33,7 +34,7 @@ class AsyncSaver:
     live on an accelerator, so the copies run at the link's speed), kept for the next save. DCP's
     ``async_save`` then writes the snapshot from a background thread into the partial directory,
     each file hashed as it is written (``axon4d.checkpoint.writer``); its coordination (DCP's gathers of plans and
-    results) runs on a process group of its own on the host backend (``axon4d.comm.host_group``),
+    results) runs on a process group of its own on the host backend (``axon4d.comm.communicator.host_group``),
     so it never interleaves with the collectives training issues meanwhile. ``wait`` — called by
     the next ``save``, by ``close`` and at the end of a ``with`` block — waits for the write and
     publishes it on the calling thread, as ``save`` does: every rank agrees on the outcome, meta.json
@@ -43,7 +44,7 @@ class AsyncSaver:
 
     The snapshot costs host memory of the pieces of this rank's parameters and AdamW moments that
     it writes (``axon4d.checkpoint.pieces.writes``), carved from one page-locked allocation
-    (``axon4d.host_snapshot``; the sync ``save`` holds one file's worth at a time); ``timeout_s``
+    (``axon4d.memory.host_snapshot``; the sync ``save`` holds one file's worth at a time); ``timeout_s``
     bounds each of the write's collectives."""
 
     def __init__(self, grid: Grid, timeout_s: float = 600.0):

@@ -1,7 +1,7 @@
 """The pieces a rank saves or loads: views of its storage, each a rectangle of a global tensor.
 
 Every parameter and AdamW moment is a piece of a *global* tensor of the single-process model
-(``axon4d.param_layout``; fused q|k|v and gate|up are saved as their parts). ``rank_state`` lists a
+(``axon4d.layout.param_layout``; fused q|k|v and gate|up are saved as their parts). ``rank_state`` lists a
 rank's pieces as it stores them, cut into rectangles of the global tensors (``ParamLayout.boxes``),
 each with the view of the rank's storage that holds it (nothing is copied); a ZeRO optimizer's
 parts (``axon4d.zero``) are cut further to the rows of this data rank's part (``_owned_views``).
@@ -18,9 +18,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from axon4d import device as devices
-from axon4d.grid import Grid
-from axon4d.param_layout import Box, ParamLayout, param_layouts
-from axon4d.shape import AXES, GridAxis
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import AXES, GridAxis
+from axon4d.layout.param_layout import Box, ParamLayout, param_layouts
 from axon4d.zero import ShardedOptimizer, settle
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorPropertie
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from axon4d import ckptfiles
 from axon4d.checkpoint.pieces import Piece, chunk
+from axon4d.files import ckptfiles
 
 
 class SavePieces(dcp.DefaultSavePlanner):

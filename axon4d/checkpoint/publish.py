@@ -3,8 +3,8 @@
 ``begin`` checks a save's arguments and meta.json content on every rank before any collective and
 makes the empty partial directory; ``publish``, once DCP's files are written and hashed
 (``axon4d.checkpoint.writer``), shares every rank's digests or error in one all-gather, then rank 0
-writes meta.json and publishes the directory by one rename (``axon4d.ckptfiles``); every rank
-raises the same error if any failed (``axon4d.agreement``).
+writes meta.json and publishes the directory by one rename (``axon4d.files.ckptfiles``); every rank
+raises the same error if any failed (``axon4d.reliability.agreement``).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from axon4d import ckptfiles
-from axon4d.agreement import SLOT, agree, exchange, on_rank0, raise_first, verdict
 from axon4d.checkpoint.pieces import State, rank_state
 from axon4d.checkpoint.writer import FILES, Writer
-from axon4d.grid import Grid
+from axon4d.files import ckptfiles
+from axon4d.grid.mesh import Grid
+from axon4d.reliability.agreement import SLOT, agree, exchange, on_rank0, raise_first, verdict
 
 
 def begin(

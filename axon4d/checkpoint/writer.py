@@ -26,8 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from axon4d import ckptfiles
 from axon4d import device as devices
+from axon4d.files import ckptfiles
 
 FILES = 16  # a rank writes its pieces into about this many files (Writer)
 #: bytes of accelerator tensors torch's writer copies to the host ahead of writing them (its default)

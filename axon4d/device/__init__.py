@@ -9,7 +9,7 @@ what a job makes on the host (token ids from a data loader) reaches its device b
 ``reset_peak_memory``/``peak_memory_allocated``/``memory_allocated`` read an accelerator's allocator.
 ``mm_widening`` is a GEMM that keeps its fp32 sums; ``axon4d.device.clock.Clock`` times work where it
 runs (an accelerator's timing events). Attention on each device's fused kernel is ``axon4d.device.attention``.
-Copies beside the compute (activation offload, ``axon4d.offload``) use ``side_stream``/``on_stream``/
+Copies beside the compute (activation offload, ``axon4d.memory.offload``) use ``side_stream``/``on_stream``/
 ``current_stream``/``wait_stream``, ``record_event``/``wait_event`` and ``keep_until_done``: streams
 and events on an accelerator, nothing on the host, where every copy is done when it returns; their
 host buffers are carved from few page-locked allocations (``axon4d.device.pinned``), and
@@ -101,7 +101,7 @@ def draw_device(device: torch.device) -> torch.device:
     return device if is_accelerator(device) else HOST
 
 
-#: bytes of scratch a seeded initialisation tile may take (``axon4d.tiled_init``): small on the
+#: bytes of scratch a seeded initialisation tile may take (``axon4d.layout.tiled_init``): small on the
 #: host (whose values are fixed by it), large on an accelerator, where each tile is a kernel launch
 INIT_TILE_BYTES = {"host": 64 << 10, "accelerator": 16 << 20}
 

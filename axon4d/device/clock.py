@@ -1,5 +1,5 @@
 """When work ran on a device: ``Clock``, the clock of the communication log, its step reports and
-timelines (``axon4d.commlog``) — host seconds on the host, timing events on an accelerator."""
+timelines (``axon4d.comm.log``) — host seconds on the host, timing events on an accelerator."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ Mark = Any
 
 class Clock:
     """When work ran on one device, in seconds on ``time.perf_counter``'s scale — the clock of the
-    communication log, its step reports and timelines (axon4d.commlog).
+    communication log, its step reports and timelines (axon4d.comm.log).
 
     The host runs what it issues as it issues it, so there ``mark()`` is ``time.perf_counter()``.
     An accelerator runs its queue later than the host fills it: a NCCL collective is "issued" and

@@ -1,7 +1,7 @@
 """Page-locked host memory carved from few allocations (the host-memory side of the hardware seam).
 
-Activation offload (``axon4d.host_pool``) and the asynchronous checkpoint's snapshot
-(``axon4d.host_snapshot``) copy many tensors between a device and host memory. Each tensor's bytes
+Activation offload (``axon4d.memory.host_pool``) and the asynchronous checkpoint's snapshot
+(``axon4d.memory.host_snapshot``) copy many tensors between a device and host memory. Each tensor's bytes
 are a view of a larger allocation made by ``pinned_bytes``, at an offset that ``carve`` lays out:
 every piece starts at a multiple of ``ALIGN`` (512 B — a multiple of every dtype's size, so a view
 of any dtype starts on an element, and of the 256 B that torch's device allocator aligns to, so a

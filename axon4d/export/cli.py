@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from axon4d import ckptfiles
 from axon4d.export.from_checkpoint import export_checkpoint
 from axon4d.export.output import MAX_SHARD_SIZE
+from axon4d.files import ckptfiles
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    # a refused input raises: the axon4d command prints its one message, status 2 (axon4d.errors)
+    # a refused input raises: the axon4d command prints its one message, status 2 (axon4d.reliability.errors)
     meta = ckptfiles.read_meta(args.checkpoint)
     print(f"checking {args.checkpoint} (step {meta['step']}): meta.json, DCP's index, every file's checksum")
     with tqdm(unit="B", unit_scale=True, desc=f"writing {args.out}", file=sys.stdout, mininterval=1.0) as bar:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from axon4d import ckptfiles
 from axon4d.config import ModelConfig
 from axon4d.export.output import (
     MAX_SHARD_SIZE,
@@ -29,10 +28,11 @@ from axon4d.export.output import (
     publish,
     write_config,
 )
+from axon4d.files import ckptfiles
+from axon4d.files.safetensors_files import ShardedWriter, TensorSpec, parse_size
 from axon4d.models.hf import Exported, hf_config, hf_tensors, stacked
 from axon4d.parallelize.layers import is_conv1d
 from axon4d.parallelize.moe import saved_sources
-from axon4d.safetensors_files import ShardedWriter, TensorSpec, parse_size
 
 
 def _checked_index(path: str, meta: dict[str, Any]) -> dcp.Metadata:

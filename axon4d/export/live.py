@@ -3,9 +3,9 @@
 Every rank calls it; rank 0 writes. axon4d's ``Transformer`` exports as ``GPT2LMHeadModel`` /
 ``LlamaForCausalLM`` (``axon4d.models.hf``), a model ``auto_parallelize`` parallelized under the
 names it had (GPT-2's ``Conv1D`` weights transposed back, packed q | k | v stacked back). One tensor
-at a time, every rank writes the pieces it holds (``axon4d.param_layout``; one replica of each) into
+at a time, every rank writes the pieces it holds (``axon4d.layout.param_layout``; one replica of each) into
 the zeroed buffer and one all-reduce over the world fills it (each element comes from one rank: the
-sum is exact); rank 0 appends its bytes to the file (``axon4d.safetensors_files``). The buffer is
+sum is exact); rank 0 appends its bytes to the file (``axon4d.files.safetensors_files``). The buffer is
 one, allocated once for the largest tensor and reused, so a process holds its shards plus one whole
 tensor. A tensor left whole on every rank is written from rank 0's copy, with no collective.
 """
@@ -18,8 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import ckptfiles, runtime
-from axon4d.agreement import agree, on_rank0
 from axon4d.export.output import (
     MAX_SHARD_SIZE,
     buffer_view,
@@ -29,14 +27,17 @@ from axon4d.export.output import (
     publish,
     write_config,
 )
-from axon4d.grid import Grid
+from axon4d.files import ckptfiles
+from axon4d.files.safetensors_files import ShardedWriter, TensorSpec, parse_size
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import AXES
+from axon4d.layout.param_layout import ParamLayout, param_layouts
 from axon4d.models.hf import Exported, Source, hf_config, hf_tensors, stacked
 from axon4d.models.transformer import Transformer
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
 from axon4d.parallelize.moe import HF_TENSORS, moe_blocks, saved_sources
-from axon4d.param_layout import ParamLayout, param_layouts
-from axon4d.safetensors_files import ShardedWriter, TensorSpec, parse_size
-from axon4d.shape import AXES
+from axon4d.reliability.agreement import agree, on_rank0
 
 # --- the plan: which tensors, from which pieces ---------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from axon4d import ckptfiles
+from axon4d.files import ckptfiles
 
 #: transformers' default shard size
 MAX_SHARD_SIZE = "5GB"

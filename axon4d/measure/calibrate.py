@@ -13,7 +13,7 @@ real step (on a CPU host the ranks share cores; on a GPU node each has its own d
   pair at long key runs (context parallelism's prefix), elementwise streaming bandwidth, the
   MLP activation forward/backward per element, one Adam step per parameter, a framework op
   (axon4d.measure.kernels);
-- every collective (all-reduce, all-gather, reduce-scatter, all-to-all) through ``axon4d.comm`` on
+- every collective (all-reduce, all-gather, reduce-scatter, all-to-all) through ``axon4d.comm.communicator`` on
   every axis geometry (group size, rank stride; E1) of the world, at several payloads; how much of an
   asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``, §4), and how much GEMM
   time each byte of a collective running beside it costs (``comm_interference_s_per_byte``)
@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from axon4d import launch, runtime
 from axon4d.device import DTYPES
-from axon4d.grid import Grid
+from axon4d.grid import launch, runtime
+from axon4d.grid.mesh import Grid
 from axon4d.measure import collectives, kernels
 from axon4d.measure import steps as step_probe
 from axon4d.measure.merge import host_memory, merge

@@ -1,7 +1,7 @@
 """What collectives cost on this machine, measured on every rank at once (docs/design.md §3, §4, §6, §7).
 
 - every collective (all-reduce, all-gather, reduce-scatter, and the all-to-all of an MoE layer's
-  dispatch, §10 E16) through ``axon4d.comm`` on every axis geometry (group size, rank stride; E1)
+  dispatch, §10 E16) through ``axon4d.comm.communicator`` on every axis geometry (group size, rank stride; E1)
   of the world, at several payloads (``comm_curves``): the measured t(payload) that replaces §3's
   α·steps + bytes/β (and E16's pairwise exchange) where a machine has it;
 - how much of an asynchronous all-reduce a concurrent GEMM hides (``overlap_efficiency``; §4);
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import GridShape
 from axon4d.measure.timing import Timer
 from axon4d.plan.collective_model import ring_traffic
 from axon4d.plan.tables import CommCurve
-from axon4d.shape import GridShape
 
 #: collective payloads (bytes) of the curves
 PAYLOADS = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]

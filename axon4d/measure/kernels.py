@@ -165,7 +165,7 @@ def elementwise_curve(timer: Timer, sizes: Sequence[int] = ELEMENTWISE_SIZES) ->
 
 def host_link(timer: Timer, nbytes: int = 1 << 28) -> dict[str, float]:
     """Bytes per second of a copy of ``nbytes`` between the device and page-locked host memory, each
-    way (activation offload's copies, axon4d.offload); on a host both are memory copies."""
+    way (activation offload's copies, axon4d.memory.offload); on a host both are memory copies."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device=timer.device)
     host = devices.pinned_empty_like(dev)
     return {

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d import device as devices
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.memory.peakmem import peak_bytes
 from axon4d.nn import Linear
 from axon4d.nn.moe import MoE, aux_loss
-from axon4d.peakmem import peak_bytes
 from axon4d.plan.workload import Workload, unmixed_precision
 from axon4d.zero import shard_optimizer
 

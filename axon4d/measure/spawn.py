@@ -15,7 +15,7 @@ code: killed for memory, say) or results did not come in time — after the worl
 instead of waiting for a result that will not come.
 
 ``run_local(world, fn, *args)`` runs one function on a fresh world and returns rank 0's result: on
-the pure data-parallel grid (1, 1, 1, world) built with ``axon4d.runtime.init``, or another
+the pure data-parallel grid (1, 1, 1, world) built with ``axon4d.grid.runtime.init``, or another
 ``grid`` (or ``grid=None``: ``fn(None, *args)`` on the bare world), with ``init_kwargs`` for
 ``init``, another ``backend``, ``device_per_rank``, ``every_rank`` (every rank's result, in rank
 order) and a ``timeout``. With gloo on a host with an accelerator, every rank computes on that one
@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from axon4d import device as devices
-from axon4d import runtime
-from axon4d.launch import free_port
+from axon4d.grid import runtime
+from axon4d.grid.launch import free_port
 
 #: seconds the other ranks get to report once one has failed
 GRACE_S = 5.0

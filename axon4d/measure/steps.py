@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import GridShape
 from axon4d.measure.probe import ProbeModel, measure_step
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.stepfit import Sample, calibration_grids
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 
 def measure(

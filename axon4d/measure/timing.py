@@ -3,7 +3,7 @@
 ``timeit`` is the sample loop: a median over repetitions, each repetition a mean over a window of
 back-to-back calls (where ranks share cores, §7: a single short call is either not preempted or
 preempted for several time slices). ``Timer`` runs it on every rank of a grid between barriers and
-averages the result over the ranks through ``axon4d.comm``, so every rank gets the same figure;
+averages the result over the ranks through ``axon4d.comm.communicator``, so every rank gets the same figure;
 work of ``LOCKSTEP_S`` or more per call is timed again with a barrier around every call
 (``Timer.lockstep``: the contention a step sees). ``Timer.stage`` draws a progress bar on rank 0 for
 a stage of measurements (each ``measure`` and ``measure_collective`` advances it: calibration takes
@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from axon4d import device as devices
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 
 
 def timeit(
@@ -114,7 +114,7 @@ class Timer:
         devices.synchronize(self.device)
 
     def mean(self, value: float) -> float:
-        """Mean of ``value`` over all ranks (through axon4d.comm on the world axis)."""
+        """Mean of ``value`` over all ranks (through axon4d.comm.communicator on the world axis)."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         return float(self.grid.comm.all_reduce(t, "world").wait()) / self.grid.world_size
 

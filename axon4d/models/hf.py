@@ -2,7 +2,7 @@
 
 A GPT exports as ``GPT2LMHeadModel`` and a Llama as ``LlamaForCausalLM`` (axon4d.export writes
 them). Each exported tensor (``Exported``) is made of tensors as a checkpoint saves them
-(``axon4d.param_layout``: a parameter's name, or ``<name>.<segment>`` for the fused q | k | v and
+(``axon4d.layout.param_layout``: a parameter's name, or ``<name>.<segment>`` for the fused q | k | v and
 gate | up rows), stacked along the output features (dim 0 of an (out, in) weight):
 
 - Llama: q, k, v (GQA: k and v have n_kv_heads·head_dim rows) become ``q_proj``, ``k_proj``,

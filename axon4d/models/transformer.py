@@ -20,7 +20,7 @@ instead of whole sequences: the model takes ``axon4d.activations.shard_sequence(
 b = B/G_data, this rank's head–tail chunks — returns logits for those tokens, and ``loss`` takes
 ``shard_sequence(targets)``. Positions (learned or rotary) are the tokens' global positions.
 
-With ``offload=`` (a fraction of the blocks, or block indices; ``axon4d.offload``) the tensors the
+With ``offload=`` (a fraction of the blocks, or block indices; ``axon4d.memory.offload``) the tensors the
 chosen blocks save for backward move to host memory during the forward and come back one block
 ahead of their backward; ``model.offloader.stats()`` counts the bytes moved and held.
 """
@@ -34,10 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import runtime, tiled_init
 from axon4d.activations import sequence_chunk_len, sequence_positions
 from axon4d.config import ModelConfig
-from axon4d.grid import Grid
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
+from axon4d.layout import tiled_init
+from axon4d.memory.offload import Offloader, OffloadSpec, offload_blocks
 from axon4d.nn.block import DenseBlock, TransformerBlock
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
@@ -45,8 +47,7 @@ from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.moe import aux_loss
 from axon4d.nn.moe_dense import DenseExperts
 from axon4d.nn.norm import dense_norm_for, norm_for
-from axon4d.offload import Offloader, OffloadSpec, offload_blocks
-from axon4d.recompute_mode import check_recompute
+from axon4d.options.recompute_mode import check_recompute
 
 
 class DenseTransformer(nn.Module):
@@ -68,7 +69,7 @@ class DenseTransformer(nn.Module):
         draws: ``torch.nn.Linear``'s U(−1/√in, 1/√in) for weights and biases, N(0, 1) for the token
         embedding, N(0, 0.02²) for the positions, ones and zeros for the norms. With
         ``axon4d.materialize.init_dense_`` the same distributions are drawn tile by tile from a seed,
-        which makes the initialisation addressable (``axon4d.tiled_init``)."""
+        which makes the initialisation addressable (``axon4d.layout.tiled_init``)."""
         out: dict[str, tiled_init.Init] = {}
         for mod_name, m in self.named_modules():
             for p_name, p in m.named_parameters(recurse=False):
@@ -107,7 +108,7 @@ class Transformer(nn.Module):
     "full" (axon4d.nn.recompute; the planner's ``--recompute`` prices the same modes).
     ``context_parallel`` splits each sequence's tokens head–tail over z (docs/context.md): give it
     ``axon4d.activations.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones.
-    ``offload`` moves what chosen blocks save for backward to host memory (``axon4d.offload``): a
+    ``offload`` moves what chosen blocks save for backward to host memory (``axon4d.memory.offload``): a
     fraction of the blocks (0.5: the first half, rounded), block indices ([0, 1]), or None."""
 
     def __init__(

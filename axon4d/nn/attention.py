@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import counts, rectangles, rules, runtime
 from axon4d.activations import sequence_positions
-from axon4d.grid import Grid
+from axon4d.grid import counts, rules, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.layout import rectangles
 from axon4d.nn.context import split_sequence_attention
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from axon4d import runtime
 from axon4d.config import ModelConfig
-from axon4d.grid import Grid
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
 from axon4d.nn.attention import Attention, DenseAttention
 from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
@@ -30,8 +30,8 @@ from axon4d.nn.moe import MoE
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.nn.norm import SplitFeatureNorm, dense_norm_for, norm_for
 from axon4d.nn.recompute import recompute_block, recomputed_input
-from axon4d.precision import compute_dtype
-from axon4d.recompute_mode import Recompute, check_recompute
+from axon4d.options.precision import compute_dtype
+from axon4d.options.recompute_mode import Recompute, check_recompute
 
 
 class DenseBlock(nn.Module):

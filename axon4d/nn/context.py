@@ -57,8 +57,8 @@ import torch
 
 from axon4d.activations import sequence_chunks
 from axon4d.device import attention as kernels
-from axon4d.geometry import Term
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.layout.geometry import Term
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (out (b, hq, C, d), lse (b, hq, C))
 Piece = tuple[torch.Tensor, torch.Tensor]  # keys and values (b, hkv, L, d): views of the held ones

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from axon4d import device as devices
-from axon4d import rules, runtime, tiled_init
-from axon4d.geometry import Term, wire_dtype
-from axon4d.grid import Grid
+from axon4d.grid import rules, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.layout import tiled_init
+from axon4d.layout.geometry import Term, wire_dtype
 from axon4d.nn.functional import average_grad_over_batch, sum_to_replicas
-from axon4d.precision import compute_dtype
+from axon4d.options.precision import compute_dtype
 
 
 def _block(full: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
@@ -86,7 +87,7 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """N(0, 1) like ``torch.nn.Embedding``: this rank's block of the full (vocab, hidden) table
-        initialised tile by tile (``axon4d.tiled_init``, tensor "weight") from one seed drawn from
+        initialised tile by tile (``axon4d.layout.tiled_init``, tensor "weight") from one seed drawn from
         torch's default generator, so a block's values depend on the seed and its position only."""
         seed = tiled_init.draw_seed()
         if self.weight.is_meta:

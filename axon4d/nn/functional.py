@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d.geometry import Term
-from axon4d.grid import Grid
-from axon4d.shape import Axis
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
+from axon4d.layout.geometry import Term
 
 
 def _summed(ctx: Any, x: torch.Tensor, axis: Axis, grid: Grid, tag: Term | str, reuse: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ compute dtype, and involves neither the overlap scheduler nor the comm log (issu
 ``bench/overhead.py``).
 
 Under FP8 GEMMs (``precision="bf16-fp8"``, docs/design.md §2 "FP8 GEMMs") the forward, dX and dW
-GEMMs multiply e4m3 operands, each with its own tensorwise scale (``axon4d.fp8_gemm``): the
+GEMMs multiply e4m3 operands, each with its own tensorwise scale (``axon4d.options.fp8_gemm``): the
 gathered e4m3 weight block is used as gathered and the forward's block is what keep-for-backward
 keeps. A layer whose local block is not a multiple of 16 in both dims runs in bf16 (logged:
 logger "axon4d.fp8", INFO); ``fp8_gemms`` says which, and setting it False runs a layer in bf16.
@@ -31,14 +31,16 @@ import torch
 from torch import nn
 
 from axon4d import device as devices
-from axon4d import fp8_gemm, geometry, rectangles, rules, runtime, tiled_init
 from axon4d.activations import mark_features
 from axon4d.device import fp8 as fp8_kernel
-from axon4d.geometry import Term
-from axon4d.grid import Grid
+from axon4d.grid import rules, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.layout import geometry, rectangles, tiled_init
+from axon4d.layout.geometry import Term
 from axon4d.nn.local_linear import LocalLinear, block, cast, linear
 from axon4d.nn.weight_grad import dw_padded, kept_tensors
-from axon4d.precision import FP8, compute_dtype
+from axon4d.options import fp8_gemm
+from axon4d.options.precision import FP8, compute_dtype
 
 log = logging.getLogger("axon4d.fp8")
 
@@ -55,7 +57,7 @@ class _Linear3D(torch.autograd.Function):
     ``gather_weight`` hands back the block restored to the compute dtype (docs/design.md §3): the
     GEMMs, the kept block and the gradients are those of bf16 gathers. Under FP8 GEMMs
     (``layer.fp8_gemms``) it hands back the e4m3 block with its scale, which the three GEMMs take as
-    it is (``axon4d.fp8_gemm``; X and dY are quantised here, each with its own scale).
+    it is (``axon4d.options.fp8_gemm``; X and dY are quantised here, each with its own scale).
     """
 
     @staticmethod
@@ -171,7 +173,7 @@ class Linear(nn.Module):
     """
 
     #: fused outputs (q | k | v, gate | up) interleaved by y group, so a checkpoint stores them apart
-    #: (axon4d.param_layout); None for a plain layer
+    #: (axon4d.layout.param_layout); None for a plain layer
     fused_rows: rectangles.FusedRows | None = None
 
     def __init__(
@@ -246,7 +248,7 @@ class Linear(nn.Module):
 
         Every rank draws one seed from torch's default generator (so it stays in step across
         ranks). The layer then holds this rank's part of the full (out, in) weight and (out,) bias
-        initialised tile by tile from that seed (``axon4d.tiled_init``, tensors "weight" and "bias"),
+        initialised tile by tile from that seed (``axon4d.layout.tiled_init``, tensors "weight" and "bias"),
         drawing only the tiles its shard overlaps: replicas agree, and the values of a block depend
         on neither G_z nor the other ranks.
         """

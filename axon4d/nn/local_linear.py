@@ -6,13 +6,13 @@ backward the two matmuls and the sum of ``torch.nn.Linear``'s; gradients are cas
 and then the parameter dtype as the 3D path casts them. No scheduler work, no comm log, no
 collective (``bench/overhead.py``).
 
-Mixed precision (fp32 master weights, bf16 compute; axon4d.precision): the weight is cast to the
+Mixed precision (fp32 master weights, bf16 compute; axon4d.options.precision): the weight is cast to the
 compute dtype once per forward and the backward's dX GEMM multiplies by that same copy, as
 ``torch.autocast`` does (its cast is cached for the forward and the matmul saves the bf16 copy for
 backward). The copy costs the weight's elements in the compute dtype — 2 bytes each in bf16, half
 the fp32 master — from the layer's forward to its backward, which frees it after the dX GEMM (before
 the dW GEMM); a forward whose input needs no gradient keeps none. It is held on the autograd context, not saved,
-so saved-tensor hooks (activation offload, axon4d.offload) never see it: a weight's copy is not an
+so saved-tensor hooks (activation offload, axon4d.memory.offload) never see it: a weight's copy is not an
 activation. Under full recomputation (``Scheduler.recomputing``) it is saved through autograd
 instead, so it is dropped with the block's tensors and made again by the re-run forward. Where the
 dtypes already match (fp32, pure bf16) the block is a view of the weight: no copy at all. Each
@@ -21,7 +21,7 @@ the next forward; autograd refuses a weight written in place between a forward a
 
 FP8 GEMMs (``layer.fp8_gemms``, precision ``bf16-fp8``): the copy is the e4m3 block quantised from
 the fp32 master with its power-of-two scale (one byte per element), and the three GEMMs are
-``axon4d.fp8_gemm``'s, as on a grid of many ranks.
+``axon4d.options.fp8_gemm``'s, as on a grid of many ranks.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from axon4d import device as devices
-from axon4d import fp8_gemm
 from axon4d.device.fp8 import ALIGN
-from axon4d.precision import compute_dtype, reduce_dtype
+from axon4d.options import fp8_gemm
+from axon4d.options.precision import compute_dtype, reduce_dtype
 
 
 class LocalLinear(torch.autograd.Function):

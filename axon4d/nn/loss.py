@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from axon4d.geometry import Term
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
+from axon4d.layout.geometry import Term
 from axon4d.nn.embedding import check_token_ids
-from axon4d.shape import Axis
 
 #: fp32 bytes of one row chunk of the logits: bounds the loss's temporaries (two such chunks at most)
 CHUNK_BYTES = 32 * 2**20

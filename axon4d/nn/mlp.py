@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import rectangles, rules, runtime
-from axon4d.grid import Grid
+from axon4d.grid import rules, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.layout import rectangles
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed_input
 

@@ -30,12 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import rules, runtime, tiled_init
 from axon4d.config import ModelConfig
 from axon4d.device import grouped
 from axon4d.device.pinned import to_device_queued
-from axon4d.geometry import Term
-from axon4d.grid import Grid
+from axon4d.grid import rules, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
+from axon4d.layout import tiled_init
+from axon4d.layout.geometry import Term
 from axon4d.nn import moe_router
 from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
 from axon4d.nn.mlp import MLP
@@ -48,8 +50,7 @@ from axon4d.nn.moe_dispatch import (
     share_sizes,
     use_replicated,
 )
-from axon4d.precision import compute_dtype
-from axon4d.shape import Axis
+from axon4d.options.precision import compute_dtype
 
 #: the expert-parallel axis: the ranks that hold different tokens
 EP_AXIS: Axis = "batch"
@@ -276,7 +277,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """This rank's part of ``DenseMoE``'s router and experts initialised from ``seed``, drawn tile
-        by tile (``moe_dense.expert_matrices``, ``axon4d.tiled_init``): only the tiles its columns of
+        by tile (``moe_dense.expert_matrices``, ``axon4d.layout.tiled_init``): only the tiles its columns of
         the router and its experts' x·y blocks overlap, one tile of scratch, on any grid the same
         values as the dense layer's."""
         grid, ex = self.grid, self.experts

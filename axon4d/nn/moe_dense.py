@@ -8,7 +8,7 @@ bench (bench/moe_block.py) times it.
 An expert's FFN is the dense MLP's without biases: down(gelu(up x)), or down(silu(gate x)·up x)
 for gated (llama) models. Experts are stored stacked: ``gate``/``up`` (E, f, hidden) and ``down``
 (E, hidden, f), nn.Linear's (out, in) orientation, initialised as nn.Linear would each expert's
-matrices but tile by tile from one seed (``expert_matrices``, ``axon4d.tiled_init``), so that a
+matrices but tile by tile from one seed (``expert_matrices``, ``axon4d.layout.tiled_init``), so that a
 rank of the grid draws just its experts' slices and gets these values. Each forward leaves its auxiliary loss
 (``aux_loss``: the weighted balance loss plus z-loss, E19–E20) and the tokens per expert
 (``tokens_per_expert``) on the module; ``DenseTransformer.loss`` adds the aux losses.
@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import tiled_init
 from axon4d.config import ModelConfig
+from axon4d.layout import tiled_init
 from axon4d.nn import moe_router
 from axon4d.nn.mlp import DenseMLP
 
 
 def expert_matrices(n_experts: int, hidden: int, ffn: int, gated: bool) -> dict[str, tuple[int, int]]:
-    """The global matrices the experts' weights are drawn as (``axon4d.tiled_init`` names and
+    """The global matrices the experts' weights are drawn as (``axon4d.layout.tiled_init`` names and
     (rows, cols), ``tiled_init.init_shape`` of the stacked tensors): "experts.gate" and "experts.up"
     (E·f, hidden), expert e's rows e·f … (e + 1)·f; "experts.down" (E·hidden, f), expert e's rows
     e·hidden … (e + 1)·hidden."""
@@ -41,7 +41,7 @@ def expert_matrices(n_experts: int, hidden: int, ffn: int, gated: bool) -> dict[
     )
 
 
-#: the router weight's global matrix name (E, hidden) for ``axon4d.tiled_init``
+#: the router weight's global matrix name (E, hidden) for ``axon4d.layout.tiled_init``
 ROUTER = "router.weight"
 
 

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from axon4d import device as devices
-from axon4d.comm import Handle
-from axon4d.geometry import Term
-from axon4d.grid import Grid
-from axon4d.shape import Axis
+from axon4d.comm.communicator import Handle
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
+from axon4d.layout.geometry import Term
 
 
 def share_sizes(tokens: int, parts: int) -> list[int]:

@@ -35,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d import rules, runtime
 from axon4d.config import ModelConfig
-from axon4d.geometry import Term, norm_statistics_wire
-from axon4d.grid import Grid
+from axon4d.grid import rules, runtime
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import GridAxis
+from axon4d.layout.geometry import Term, norm_statistics_wire
 from axon4d.nn.functional import average_grad_over_batch
-from axon4d.shape import GridAxis
 
 
 def _local_sums(x: torch.Tensor, centred: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -15,7 +15,7 @@ The modes mean exactly what the planner's ``--recompute`` prices (axon4d.plan.sa
   so the recomputed forward teaches OAG no order and prefetches only the block's own layers.
 
 Every mode gives the same gradients as ``none``. The saved-tensor hooks here pass what they do not
-turn into recipes to an offloaded block's hooks (``axon4d.offload.pack``; they are innermost, so
+turn into recipes to an offloaded block's hooks (``axon4d.memory.offload.pack``; they are innermost, so
 torch would not call the offloader's), and a recipe made inside an offloaded block keeps its inputs
 offloaded too.
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from axon4d import offload
+from axon4d.memory import offload
 from axon4d.scheduler import Scheduler
 
 

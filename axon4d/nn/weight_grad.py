@@ -2,7 +2,7 @@
 
 ``dw_padded`` computes dW = dYᵀX straight into the zero-padded flat buffer E11 reduce-scatters over
 z — in the reduction dtype (fp32 sums under bf16-fp32-reduce), and under FP8 GEMMs from the e4m3
-operands (``axon4d.fp8_gemm``); ``kept_tensors`` splits a kept weight block into what autograd saves.
+operands (``axon4d.options.fp8_gemm``); ``kept_tensors`` splits a kept weight block into what autograd saves.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from axon4d import device as devices
-from axon4d import fp8_gemm, geometry
+from axon4d.layout import geometry
+from axon4d.options import fp8_gemm
 
 
 def kept_tensors(kept: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import activations, runtime
-from axon4d.grid import Grid
+from axon4d import activations
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
 from axon4d.nn.context import split_sequence_attention
 from axon4d.parallelize.styles import RESTORE_ATTR
 

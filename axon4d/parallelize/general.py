@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 from axon4d.parallelize.layers import is_linear, linear_problem, owned_by_axon4d
 from axon4d.parallelize.styles import LinearStyle, within
 

@@ -11,7 +11,8 @@ from typing import Any, cast
 
 from torch import nn
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.layout.rectangles import FusedRows
 from axon4d.parallelize.layers import norms_fit, sharded_norm_builder
 from axon4d.parallelize.styles import (
     NORMAL_SPLIT,
@@ -25,7 +26,6 @@ from axon4d.parallelize.styles import (
     slice_hidden_states_hook,
     slice_output_hook,
 )
-from axon4d.rectangles import FusedRows
 
 
 def attention_linears(

@@ -15,13 +15,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from axon4d import geometry
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.layout import geometry
+from axon4d.layout.rectangles import FusedRows
 from axon4d.nn.functional import gather_replicated, split_replicated
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import LayerNorm, RMSNorm
 from axon4d.nn.recompute import Recipes, recomputed
-from axon4d.rectangles import FusedRows
 
 
 def is_conv1d(m: nn.Module) -> bool:

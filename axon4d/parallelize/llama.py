@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 from axon4d.parallelize.layers import norms_fit, sharded_norm_builder
 from axon4d.parallelize.styles import (
     NORMAL_SPLIT,

@@ -11,7 +11,7 @@ ever holds the whole model.
 
 ``directory`` is what ``save_pretrained`` wrote: ``model.safetensors``, or several files listed in
 ``model.safetensors.index.json``. Each parameter is read with safetensors' ``get_slice`` as the
-rectangles of its global tensor that this rank's piece is (``axon4d.rectangles``): a ``ShardedLinear``'s
+rectangles of its global tensor that this rank's piece is (``axon4d.layout.rectangles``): a ``ShardedLinear``'s
 flat z shard of its (x, y) block — rows in the layer's ``out_perm`` order, from the transposed
 (in, out) tensor of a GPT-2 ``Conv1D`` — a ``ShardedNorm``'s features, a vocabulary-parallel
 embedding's block; parameters left whole (replicated) are read whole. Reads go in row chunks of at
@@ -29,15 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d import rectangles, runtime, tiled_init
-from axon4d.grid import Grid
+from axon4d.files.safetensors_files import INDEX_FILE, SINGLE_FILE
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
+from axon4d.layout import rectangles, tiled_init
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.norm import SplitFeatureNorm
 from axon4d.parallelize import moe_loading
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
 from axon4d.parallelize.moe import moe_blocks
-from axon4d.safetensors_files import INDEX_FILE, SINGLE_FILE
 
 #: the most elements one slice read returns (reads are cut into row chunks of at most this)
 CHUNK = 1 << 20

@@ -32,10 +32,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from axon4d import rules
 from axon4d.config import ModelConfig
-from axon4d.geometry import Term
-from axon4d.grid import Grid
+from axon4d.grid import rules
+from axon4d.grid.mesh import Grid
+from axon4d.layout.geometry import Term
 from axon4d.nn.functional import average_grad_over_batch
 from axon4d.nn.moe import MoE, placement_rules
 from axon4d.nn.moe_dense import DenseMoE

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 from axon4d.parallelize.moe import HFMoEBlock
 
 #: per-expert tensor names (gate, up, down) under ``<block>.experts.<e>.``, as families save them

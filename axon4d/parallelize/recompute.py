@@ -23,12 +23,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import Recipes, recompute_block, recomputed
+from axon4d.options.recompute_mode import Recompute, check_recompute
 from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
 from axon4d.parallelize.styles import RESTORE_ATTR, marked
-from axon4d.recompute_mode import Recompute, check_recompute
 
 #: prefix of the attention functions registered for selective recomputation
 SELECTIVE_PREFIX = "axon4d_selective:"

@@ -23,11 +23,11 @@ from typing import Any, cast
 
 from torch import nn
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import factorizations, suggest
+from axon4d.layout.rectangles import FusedRows
 from axon4d.nn.embedding import VocabParallelEmbedding
 from axon4d.nn.functional import gather_replicated, split_replicated
-from axon4d.rectangles import FusedRows
-from axon4d.shape import factorizations, suggest
 
 #: attribute marking a forward hook installed by a style (``to_dense`` strips them from its copy)
 HOOK_MARK = "__axon4d_hook__"

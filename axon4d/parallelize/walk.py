@@ -18,15 +18,15 @@ from typing import Any
 
 from torch import nn
 
-from axon4d import runtime
-from axon4d.grid import Grid
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
 from axon4d.nn.functional import average_grad_over_batch
+from axon4d.options.recompute_mode import check_recompute
 from axon4d.parallelize import context, gpt2, llama, moe
 from axon4d.parallelize import recompute as recomputation
 from axon4d.parallelize.general import general_linears
 from axon4d.parallelize.layers import ShardedLinear, is_linear, linear_problem, owned_by_axon4d
 from axon4d.parallelize.styles import HOOK_MARK, RESTORE_ATTR, BlockStyle, LinearStyle, StyleFn, within
-from axon4d.recompute_mode import check_recompute
 
 #: class name → style for blocks whose forward code is known ("chained" style; tested: docs/parallelize.md)
 FAMILY_STYLES: dict[str, StyleFn] = {**llama.CHAINED_STYLES, **gpt2.CHAINED_STYLES}

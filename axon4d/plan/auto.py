@@ -14,13 +14,13 @@ import sys
 from typing import Any
 
 from axon4d.config import ModelConfig, get_config
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, tune_overlap
 from axon4d.plan.machine import available
 from axon4d.plan.result import PlanResult
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 #: the environment variable naming the planner's machine when ``plan`` gives none
 MACHINE_ENV = "AXON4D_MACHINE"

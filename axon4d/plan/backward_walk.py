@@ -7,7 +7,7 @@ and at most two fp32 row chunks of ``CE_CHUNK_BYTES`` (axon4d.nn.loss; none for 
 final norm's backward its temporaries (``NORM_BACKWARD_TEMPORARIES``); then each layer's backward
 allocates its input gradient, the gathered weight block (E10, when G_z > 1) and the dW block
 (computed into E11's zero-padded input, no copy), then issues E11: its gradient shard and, over
-more than two ranks, the chunks the host's exchange receives (axon4d.comm), held with the earlier
+more than two ranks, the chunks the host's exchange receives (axon4d.comm.communicator), held with the earlier
 layers' still-running reduce-scatters until the scheduler waits on them; it frees what it had
 saved. The optimizer step adds its per-tensor temporaries.
 """
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import itertools
 
-from axon4d.geometry import weight_shard_numel
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import weight_shard_numel
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
 from axon4d.plan.saved import (
     NORM_BACKWARD_TEMPORARIES,
@@ -27,7 +28,6 @@ from axon4d.plan.saved import (
     final_norm_saved,
 )
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 #: fp32 bytes of one row chunk of the vocabulary-parallel loss (``axon4d.nn.loss.CHUNK_BYTES``: the
 #: planner may not import the layers; tests/test_plan.py checks the two agree)
@@ -130,7 +130,7 @@ class BackwardWalk:
         self.inflight = overlap.ors_inflight if overlap.ors and z > 1 else 1
         self.reduces = (overlap.ors and z > 1) or (overlap.odp and shape.data > 1)
         # over more than two ranks the host's reduce-scatter receives every rank's chunk into a buffer
-        # the input's size until it is waited on (axon4d.gloo_exchange.ExchangedChunks) where the backend stages
+        # the input's size until it is waited on (axon4d.comm.gloo_exchange.ExchangedChunks) where the backend stages
         self.received = 1.0 if z > 2 and staged_reduce_scatter else 0.0
 
     # -- sizes, bytes -----------------------------------------------------------------------------------

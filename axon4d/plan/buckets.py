@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from axon4d.geometry import Collective, Term
+from axon4d.layout.geometry import Collective, Term
 from axon4d.plan.layers import collectives, in_block, priced
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import LinearSpec

@@ -13,7 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.cost import TimeEstimate, step_estimate
 from axon4d.plan.device_memory import grid_communicators
 from axon4d.plan.host_memory import pinned_per_node, pinned_per_rank
@@ -21,7 +22,6 @@ from axon4d.plan.machine import Machine
 from axon4d.plan.memory import MemoryEstimate, memory
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 
 @dataclasses.dataclass

@@ -22,8 +22,10 @@ import sys
 import time
 from typing import Any
 
-from axon4d import rules
 from axon4d.config import SIZES, get_config
+from axon4d.grid import rules
+from axon4d.options.precision import NAMED
+from axon4d.options.recompute_mode import RECOMPUTE_MODES
 from axon4d.plan import correction, stepfit
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.machine import available
@@ -32,8 +34,6 @@ from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import DEFAULT_PRECISION, OPTIMIZERS, Workload
-from axon4d.precision import NAMED
-from axon4d.recompute_mode import RECOMPUTE_MODES
 
 #: --context-parallel → plan(context_parallel=...)
 SPLIT_SEQUENCES: dict[str, bool | str] = {"off": False, "on": True, "auto": "auto"}

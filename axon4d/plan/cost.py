@@ -32,8 +32,9 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from axon4d.geometry import GRADIENT_TERMS, Collective, Op, Term, data_part_numel, wire_element_size
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import GRADIENT_TERMS, Collective, Op, Term, data_part_numel, wire_element_size
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.buckets import edge_collectives as bucketed_edges
 from axon4d.plan.buckets import layer_scales
 from axon4d.plan.layers import (
@@ -55,7 +56,6 @@ from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
-from axon4d.shape import GridShape
 
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})

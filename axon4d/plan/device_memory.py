@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from axon4d.shape import GridShape
+from axon4d.grid.shape import GridShape
 
-#: the axes axon4d.grid builds a process group for, besides the world's (the default group)
+#: the axes axon4d.grid.mesh builds a process group for, besides the world's (the default group)
 GROUP_AXES = ("x", "y", "z", "data", "batch")
 #: node memory fields an accelerator's machine file must give (bytes)
 NODE_FIELDS = ("host_memory_per_node", "host_reserve_per_node")
@@ -26,13 +26,13 @@ DEVICE_FIELDS = ("cuda_context_bytes", "device_workspace_bytes", "nccl_buffer_by
 def grid_communicators(shape: GridShape) -> int:
     """NCCL communicators one rank of ``shape`` holds that carry collectives.
 
-    ``axon4d.grid`` builds one process group per axis x, y, z, data and batch (data × z) with
+    ``axon4d.grid.mesh`` builds one process group per axis x, y, z, data and batch (data × z) with
     DeviceMesh, and keeps the default group as "world". Counted: the world's communicator where
     there are two ranks or more (barriers, gradient norms, agreement), and one per axis of two
     ranks or more that is not the whole world (DeviceMesh hands a mesh dimension spanning every
     rank the default group itself). Batch has a communicator of its own even where it holds the
     same ranks as z (data = 1) or data (z = 1): torch creates a separate group. Axes of one rank
-    issue no collective (axon4d.comm returns at once), so their groups never create one; torch
+    issue no collective (axon4d.comm.communicator returns at once), so their groups never create one; torch
     creates every communicator lazily, on its first collective."""
     world = shape.world_size
     if world <= 1:

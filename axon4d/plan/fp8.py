@@ -7,7 +7,7 @@ is refused (``check``). Per layer and grid the planner prices both ways (``layer
 
 - bf16: the three GEMMs at the machine's bf16 rate (``Machine.matmul_time``);
 - FP8: each GEMM at its bf16 time divided by the speed-up at its size, plus the casts the runtime
-  makes (``axon4d.fp8_gemm``): X quantised in forward and again transposed in backward (amax, then
+  makes (``axon4d.options.fp8_gemm``): X quantised in forward and again transposed in backward (amax, then
   a read of 2 bytes and a write of 1 per element), dY's amax and its two layouts, Ŵᵀ laid out
   for dX, and the weight block brought to one scale (read 1, an fp32 pass, write 1 per element) —
   the scales themselves are one amax each: no collective.
@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from axon4d.device.fp8 import ALIGN
-from axon4d.geometry import weight_block_shape
+from axon4d.layout.geometry import weight_block_shape
 from axon4d.plan.machine import Machine
 from axon4d.plan.workload import LinearSpec
 

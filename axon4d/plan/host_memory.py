@@ -6,9 +6,9 @@ there, per rank, in the bytes the runtime's allocations really take (``axon4d.de
 buffers carved from one allocation at ``ALIGN``-aligned offsets, ``carve``, which holds
 ``pinned_footprint`` of its bytes — whole pages when page-locked):
 
-- activation offload (``axon4d.offload``, ``axon4d.host_pool``): every storage the first
+- activation offload (``axon4d.memory.offload``, ``axon4d.memory.host_pool``): every storage the first
   ``offload`` blocks save for backward (``axon4d.plan.saved.block_storages``) except those under
-  ``axon4d.offload.MIN_BYTES``, which stay on the device — all held at the end of the forward, in
+  ``axon4d.memory.offload.MIN_BYTES``, which stay on the device — all held at the end of the forward, in
   the one allocation the pool keeps from the second step on;
 - the asynchronous checkpoint's snapshot (``--async-save``, ``Workload.async_save``): a host copy
   of each stored tensor of the model and its optimizer state (``snapshot_tensors``) in one
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from axon4d.device.pinned import carve, pinned_footprint
-from axon4d.offload import MIN_BYTES
+from axon4d.memory.offload import MIN_BYTES
 from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.saved import block_storages
 from axon4d.plan.scenario import Scenario

@@ -2,7 +2,7 @@
 non-GEMM work after it (docs/design.md §3, §6).
 
 For every linear layer kind of the ``Workload`` the collectives are exactly the list
-``axon4d.geometry.linear_collectives`` returns (E8–E13, normal or transposed layout) under the
+``axon4d.layout.geometry.linear_collectives`` returns (E8–E13, normal or transposed layout) under the
 step's precision and ZeRO stage (``collectives``: each collective's dtype from
 ``geometry.wire_dtype``, as the runtime casts it) — the same list the communication log is tested
 against (tests/test_plan_bytes.py) — each priced by ``Machine.comm_time`` on its axis
@@ -17,14 +17,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from axon4d.geometry import MOE_LAYER_TERMS, Collective, Op, Term, chunk_sizes, linear_collectives, weight_shard_numel
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import (
+    MOE_LAYER_TERMS,
+    Collective,
+    Op,
+    Term,
+    chunk_sizes,
+    linear_collectives,
+    weight_shard_numel,
+)
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.collective_model import ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import LinearSpec, Workload, mlp_width
-from axon4d.shape import GridShape
 
 #: Collectives that move activations on the critical path (each waited on at once: E8's chunks aside,
 #: nothing hides them but what ``overlap_credit`` credits); every other one moves weights or gradients.

@@ -96,7 +96,7 @@ class Machine:
     overlap_efficiency: float = 0.9  # share of an overlapped collective that compute actually hides
     staged_reduce_scatter: bool = True
     # whether a reduce-scatter over more than two ranks holds a buffer of its input's size until
-    # waited on (axon4d.comm's exchange under gloo; calibrate records the backend's answer);
+    # waited on (axon4d.comm.communicator's exchange under gloo; calibrate records the backend's answer);
     # false for NCCL/RCCL (their communicators' buffers are fixed); unknown (an older file): true,
     # the larger estimate
     accelerator: bool = False

@@ -21,18 +21,18 @@ import math
 import torch
 
 from axon4d.device import DTYPES
-from axon4d.geometry import Term, weight_shard_numel, wire_element_size
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Term, weight_shard_numel, wire_element_size
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
 from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk
 from axon4d.plan.saved import block_bytes, final_norm_saved
 from axon4d.plan.workload import OPTIMIZERS, Workload
-from axon4d.shape import GridShape
 
 
 def param_bytes(wl: Workload, master_weights: bool | None = None) -> int:
     """Bytes of one parameter element, and of its gradient: 4 when training in 16 bits with fp32
-    master weights (the library's parameters are those masters, ``axon4d.precision``; the default
+    master weights (the library's parameters are those masters, ``axon4d.options.precision``; the default
     for a 16-bit ``wl``), else the workload's element size."""
     master = wl.dtype != "float32" if master_weights is None else master_weights
     return 4 if master else wl.element_size
@@ -151,7 +151,7 @@ def memory(
         wl = dataclasses.replace(wl, batch=wl.batch // micro_batches)
     n_params = local_param_count(wl, shape)
     owned = optimizer_elements(wl, shape, zero)  # elements whose optimizer state is here
-    # training in 16 bits, the parameters are the fp32 master weights (axon4d.precision: the layers
+    # training in 16 bits, the parameters are the fp32 master weights (axon4d.options.precision: the layers
     # cast them for the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them,
     # but those of the Linear weights it stores in 16 bits (G_data > 1), which are fp32 parts
     p_bytes = param_bytes(wl, master_weights)
@@ -163,7 +163,7 @@ def memory(
         grads = (n_params - n_sixteen) * p_bytes + master_parts * 4
     optimizer = owned * OPTIMIZERS[wl.optimizer]
     per_block = block_bytes(wl, shape, recompute)
-    # offloaded: the first ``offload`` blocks (axon4d.offload), whose backward comes last: the backward
+    # offloaded: the first ``offload`` blocks (axon4d.memory.offload), whose backward comes last: the backward
     # starts with the others' activations
     acts = (m.n_layers - offload) * per_block
     cast = p_bytes != elem and not sixteen  # fp32 masters, cast per use (not the 16-bit weights ZeRO stores)

@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from axon4d import rules
 from axon4d.config import ModelConfig
-from axon4d.geometry import Collective, Op, Term
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid import rules
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Collective, Op, Term
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.precision import Precision
 from axon4d.plan.machine import Machine
-from axon4d.precision import Precision
-from axon4d.shape import GridShape
 
 #: seconds an accelerator idles at the counts exchange's host read (stream drained, counts copied to
 #: the host, the next kernels launched): an assumption of the order of a device synchronisation, for

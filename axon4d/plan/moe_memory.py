@@ -22,8 +22,8 @@ cast to the compute dtype for the GEMMs (kept to their backward).
 from __future__ import annotations
 
 from axon4d.config import ModelConfig
+from axon4d.grid.shape import GridShape
 from axon4d.plan.moe_cost import placement
-from axon4d.shape import GridShape
 
 
 def layer_tensors(model: ModelConfig, shape: GridShape) -> tuple[int, int, int]:

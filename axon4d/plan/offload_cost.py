@@ -1,6 +1,6 @@
 """Seconds activation offload adds to a pass, with the host link shared (docs/design.md §5, §6).
 
-Offload (``axon4d.offload``) copies the first n blocks' saved activations to host memory during the
+Offload (``axon4d.memory.offload``) copies the first n blocks' saved activations to host memory during the
 forward and back ahead of their backward, on one side stream (``copy_queue``). On an accelerator
 those copies cross the device's one host link (PCIe) — and so does every byte the device's
 collectives send to or receive from other nodes: with GPUDirect RDMA the network card reads and
@@ -95,7 +95,7 @@ def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, floa
 
 
 def copy_queue(copy: float, offloaded: int, n_layers: int, fwd: float, bwd: float, between: float) -> float:
-    """Seconds the offload copies expose in one pass, as the runtime issues them (axon4d.offload):
+    """Seconds the offload copies expose in one pass, as the runtime issues them (axon4d.memory.offload):
     one side stream runs every copy in order. Block i < ``offloaded`` sends its activations out from
     the start of its forward (each is copied as it is saved), the copy ending no sooner than that
     forward; the forward does not wait for them. In the backward, when block j's output gradient

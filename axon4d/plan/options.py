@@ -7,16 +7,16 @@ import dataclasses
 import math
 from typing import Any
 
-from axon4d import rules
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid import rules
+from axon4d.grid.shape import GridShape
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.recompute_mode import check_recompute
 from axon4d.plan.candidate import Candidate, candidate, fits, scenario_memory
 from axon4d.plan.cost import step_estimate
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import MemoryEstimate
 from axon4d.plan.scenario import ZERO_STAGES, Scenario, fp8_gathers_allowed
 from axon4d.plan.workload import Workload
-from axon4d.recompute_mode import check_recompute
-from axon4d.shape import GridShape
 
 #: the value of a step option that lets the search choose it
 AUTO_OPTION = "auto"

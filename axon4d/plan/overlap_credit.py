@@ -22,7 +22,7 @@ in that window times the machine's overlap efficiency:
         (``deeper_overlap``)
 
 Block layers are repeated n_layers times and their neighbours wrap around the block. Which
-mechanisms are on is the library's own ``axon4d.overlap_policy.OverlapPolicy``.
+mechanisms are on is the library's own ``axon4d.options.overlap_policy.OverlapPolicy``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from axon4d.geometry import Term
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.layout.geometry import Term
+from axon4d.options.overlap_policy import OverlapPolicy
 
 #: the overlap mechanisms credited, in the order ``Credit.by_mechanism`` lists them
 MECHANISMS = ("oag", "oar", "ors", "odp", "chunks")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from axon4d.geometry import Collective, Term
+from axon4d.layout.geometry import Collective, Term
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
     ATTENTION_FORWARD,

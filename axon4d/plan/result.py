@@ -7,13 +7,13 @@ import dataclasses
 import math
 from typing import Any
 
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import ALL_AXES
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, device_need
 from axon4d.plan.machine import Machine
 from axon4d.plan.moe_cost import placement
 from axon4d.plan.options import Choices
 from axon4d.plan.workload import Workload
-from axon4d.shape import ALL_AXES
 
 #: the axes the table gives communication time for: every axis but "world", over which no
 #: collective of a step runs

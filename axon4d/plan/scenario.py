@@ -35,18 +35,18 @@ from __future__ import annotations
 import dataclasses
 from functools import cached_property
 
-from axon4d import rules
 from axon4d.config import ModelConfig
-from axon4d.geometry import Collective
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid import rules
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Collective
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.precision import FP8, NAMED, Precision
+from axon4d.options.recompute_mode import check_recompute
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan import moe_cost
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_count
 from axon4d.plan.workload import LinearSpec, Workload
-from axon4d.precision import FP8, NAMED, Precision
-from axon4d.recompute_mode import check_recompute
-from axon4d.shape import GridShape
 
 #: ZeRO stages the planner prices (``Scenario.zero``)
 ZERO_STAGES = (0, 1, 2)
@@ -137,7 +137,7 @@ class Scenario:
 
     @property
     def precision_name(self) -> str:
-        """``precision``'s name in ``axon4d.precision.NAMED``; "bf16 + fp8 gathers" for the one
+        """``precision``'s name in ``axon4d.options.precision.NAMED``; "bf16 + fp8 gathers" for the one
         combination without a name (bf16 reductions with FP8 gathers)."""
         return next((n for n, p in NAMED.items() if p == self.precision), "bf16 + fp8 gathers")
 

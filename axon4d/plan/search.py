@@ -1,7 +1,7 @@
 """Choosing the grid: enumerate every (G_x, G_y, G_z, G_data) of P ranks, keep the valid ones that
 fit in memory, rank them by predicted step time (docs/design.md §6).
 
-The divisibility rules (§1) — the workload's ``axon4d.rules`` objects, the ones the layers check —
+The divisibility rules (§1) — the workload's ``axon4d.grid.rules`` objects, the ones the layers check —
 are evaluated on all factorisations at once with numpy (``valid_mask``); only valid grids are
 priced, each as one ``Scenario`` (``cost.step_estimate``, ``memory.memory``), in well under a
 millisecond.
@@ -18,16 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from axon4d import rules
 from axon4d.config import ModelConfig, get_config
-from axon4d.overlap_policy import AUTO, OverlapPolicy
+from axon4d.grid import rules
+from axon4d.grid.shape import AXES, factorizations
+from axon4d.options.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan import stepfit
 from axon4d.plan.candidate import Candidate, tune_overlap
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.options import AUTO_OPTION, Choices, best_options, lower_bound, offload_levels
 from axon4d.plan.result import PlanResult
 from axon4d.plan.workload import Workload
-from axon4d.shape import AXES, factorizations
 
 #: with ``overlap="auto"``, the knobs are tuned for this many of the fastest fitting grids
 TUNE_TOP = 4

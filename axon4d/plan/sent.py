@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from axon4d.geometry import Collective, Term
+from axon4d.layout.geometry import Collective, Term
 from axon4d.plan.buckets import edge_collectives as bucketed_edges
 from axon4d.plan.buckets import layer_scales
 from axon4d.plan.cost import ONCE_PER_STEP, zero_gathers

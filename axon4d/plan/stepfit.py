@@ -41,11 +41,11 @@ from typing import Any, cast
 import numpy as np
 
 from axon4d.config import ModelConfig
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.grid.shape import GridShape
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.cost import step_time
 from axon4d.plan.machine import Machine
 from axon4d.plan.workload import Workload, unmixed_precision
-from axon4d.shape import GridShape
 
 #: grids over several axes ``calibration_grids`` adds to the single-axis ones
 MIXED = 3

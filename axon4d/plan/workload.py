@@ -1,8 +1,8 @@
 """What one training step of a transformer asks of one rank, as the planner sees it (docs/design.md §2, §6).
 
 A ``Workload`` is a model (``ModelConfig``), a global batch of sequences and a precision: the
-compute ``dtype`` and the precision preset (``precision``, a name of ``axon4d.precision.NAMED``)
-that says what every collective moves (``axon4d.geometry.wire_dtype``) — by default "fp32" for
+compute ``dtype`` and the precision preset (``precision``, a name of ``axon4d.options.precision.NAMED``)
+that says what every collective moves (``axon4d.layout.geometry.wire_dtype``) — by default "fp32" for
 float32 and "bf16-fp32-reduce" for bfloat16 (the training job's ``--precision auto`` on an
 accelerator: bf16 compute, fp32 master weights and gradient reductions). Its linear
 layers are the block's layers in the layouts the block really uses — QKV normal, attention output
@@ -28,7 +28,7 @@ With ``context_parallel`` (docs/context.md) the tokens of each sequence are spli
 and whole sequences over data only: a rank still holds B·S/(G_data·G_z) tokens, so every linear
 layer is priced as before, and each layer adds the all-gather over z of the keys and values of the
 rank's own key/value heads (forward) and the reduce-scatter of their gradients (backward). ``rules`` lists the divisibility rules a grid must satisfy
-for this workload (§1) as the layers state them (``axon4d.rules``); ``grid_problems`` says which a
+for this workload (§1) as the layers state them (``axon4d.grid.rules``); ``grid_problems`` says which a
 grid breaks, and the search evaluates the same rules on every grid at once.
 """
 
@@ -37,18 +37,18 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from axon4d import rules as grid_rules
 from axon4d.config import ModelConfig
 from axon4d.device import DTYPES
-from axon4d.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
+from axon4d.grid import rules as grid_rules
+from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
+from axon4d.options.precision import NAMED, Precision
 from axon4d.plan.moe_cost import moe_rules
-from axon4d.precision import NAMED, Precision
-from axon4d.shape import GridShape
 
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
 OPTIMIZERS = {"adam": 8, "sgd": 0}
 #: the precision a workload of each compute dtype trains in when none is named: fp32 on the host,
-#: the training job's default on an accelerator (``axon4d.precision.AUTO_ACCELERATOR``) for bfloat16
+#: the training job's default on an accelerator (``axon4d.options.precision.AUTO_ACCELERATOR``) for bfloat16
 DEFAULT_PRECISION = {"float32": "fp32", "bfloat16": "bf16-fp32-reduce"}
 
 
@@ -110,7 +110,7 @@ class Workload:
     """A model, a global batch (sequences per step), the training precision and the optimizer
     (``OPTIMIZERS``: "adam", two fp32 states per parameter; "sgd", plain SGD without momentum, none).
 
-    ``dtype`` is the compute dtype and ``precision`` the preset (``axon4d.precision.NAMED``) — what
+    ``dtype`` is the compute dtype and ``precision`` the preset (``axon4d.options.precision.NAMED``) — what
     the collectives move; give either, or both when they agree: ``dtype`` alone takes
     ``DEFAULT_PRECISION`` ("fp32", "bf16-fp32-reduce"), ``precision`` alone its compute dtype,
     neither bfloat16 with "bf16-fp32-reduce". A precision whose compute dtype is not ``dtype``

@@ -1,7 +1,7 @@
 """When collectives are issued and waited on: the overlap scheduler (docs/design.md §4).
 
 A ``Scheduler`` belongs to one grid (``grid.scheduler``) and acts on that grid's communicator
-according to an ``OverlapPolicy`` (axon4d.overlap_policy), set by ``axon4d.init(..., overlap=...)`` or,
+according to an ``OverlapPolicy`` (axon4d.options.overlap_policy), set by ``axon4d.init(..., overlap=...)`` or,
 for a region of code, ``with axon4d.overlap.using(...)``. Layers ask it for their weight block and
 hand it their gradients; they hold no overlap flags.
 
@@ -52,14 +52,14 @@ from typing import Any
 
 import torch
 
-from axon4d.comm import Communicator, Handle
-from axon4d.geometry import Term, wire_dtype
-from axon4d.overlap_policy import OverlapPolicy
-from axon4d.precision import Precision
+from axon4d.comm.communicator import Communicator, Handle
+from axon4d.grid.shape import Axis
+from axon4d.layout.geometry import Term, wire_dtype
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.precision import Precision
 from axon4d.scheduler.gathers import WeightGathers
 from axon4d.scheduler.layout import BucketLayout, Item
 from axon4d.scheduler.sharding import DataSharding, DataShardings, scaled
-from axon4d.shape import Axis
 
 __all__ = ["DataSharding", "Scheduler"]
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from axon4d import fp8_gemm
-from axon4d.comm import Communicator, Handle
-from axon4d.geometry import Term, wire_dtype
-from axon4d.overlap_policy import OverlapPolicy
-from axon4d.precision import FP8, Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
+from axon4d.comm.communicator import Communicator, Handle
+from axon4d.layout.geometry import Term, wire_dtype
+from axon4d.options import fp8_gemm
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.options.precision import FP8, Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:

@@ -9,9 +9,9 @@ from typing import Protocol
 
 import torch
 
-from axon4d.comm import Communicator, Handle
-from axon4d.geometry import Term
-from axon4d.overlap_policy import OverlapPolicy
+from axon4d.comm.communicator import Communicator, Handle
+from axon4d.layout.geometry import Term
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.scheduler.layout import Item
 
 

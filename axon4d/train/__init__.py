@@ -4,7 +4,7 @@
     axon4d train --help                       # every TrainConfig field is a flag
 
 Every field of ``TrainConfig`` is a command-line flag. The loop: deterministic global batches
-(``axon4d.data``) → this rank's rows (``shard_batch``) → micro-batches with gradient accumulation →
+(``axon4d.data.tokens``) → this rank's rows (``shard_batch``) → micro-batches with gradient accumulation →
 gradient clipping whose norm counts each element once (``axon4d.grads``) → AdamW with warmup
 and cosine decay. Rank 0 shows a progress bar (loss, tokens/s, MFU, hidden communication) and
 writes ``log.jsonl``; checkpoints (``axon4d.checkpoint``) are saved every ``save_every`` steps and

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from axon4d.device.environment import HUGE_PAGES_ENV, use_huge_pages
-from axon4d.errors import run, take_debug_flag
+from axon4d.reliability.errors import run, take_debug_flag
 from axon4d.train import __doc__ as DESCRIPTION
 from axon4d.train import add_arguments, main
 
@@ -24,7 +24,7 @@ EPILOG = (
 
 if __name__ == "__main__":
     use_huge_pages()  # before the job's first tensor: torch reads it at its first host allocation
-    argv = take_debug_flag(sys.argv[1:])  # --debug: refusals with their traceback (axon4d.errors)
+    argv = take_debug_flag(sys.argv[1:])  # --debug: refusals with their traceback (axon4d.reliability.errors)
     parser = argparse.ArgumentParser(
         prog="python -m axon4d.train",
         description=DESCRIPTION,

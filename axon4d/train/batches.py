@@ -1,6 +1,6 @@
 """What a step trains on: the token stream ``--data`` names, and a step's micro-batches.
 
-``make_data`` opens the stream (``axon4d.data``): synthetic, the byte-level demo corpus (written
+``make_data`` opens the stream (``axon4d.data.tokens``): synthetic, the byte-level demo corpus (written
 once, by rank 0, to ``build/corpus.u16``), or a token file. A step's global batch is drawn from
 (seed, step), the same on every rank; ``accumulate`` runs forward and backward over its
 micro-batches, each rank on its own rows (``axon4d.activations.shard_batch``, tokens split over
@@ -21,8 +21,8 @@ import torch
 from axon4d import activations
 from axon4d import device as devices
 from axon4d.config import ModelConfig
-from axon4d.data import MemmapTokens, SyntheticTokens, demo_corpus
-from axon4d.grid import Grid
+from axon4d.data.tokens import MemmapTokens, SyntheticTokens, demo_corpus
+from axon4d.grid.mesh import Grid
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.train.config import TrainConfig
 from axon4d.train.hf import HFCausalLM
@@ -36,7 +36,7 @@ CORPUS_PATH = os.path.join("build", "corpus.u16")
 def make_data(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid | None = None) -> SyntheticTokens | MemmapTokens:
     """The token stream ``cfg.data`` names; the demo corpus is written once, by rank 0. A token
     file that is missing is a ``FileNotFoundError``, one that is too short or holds ids outside the
-    vocabulary a ``ValueError`` (``axon4d.data.MemmapTokens``)."""
+    vocabulary a ``ValueError`` (``axon4d.data.tokens.MemmapTokens``)."""
     if cfg.data == "synthetic":
         return SyntheticTokens(mcfg.vocab_size, mcfg.seq_len, seed=cfg.seed)
     path = cfg.data

@@ -4,7 +4,7 @@ Every field of ``TrainConfig`` is a flag (``--micro-batches`` for ``micro_batche
 the string literal written under the field, so a field is documented once, here, and ``axon4d
 train --help`` can never fall behind the dataclass; a field with a fixed set of values takes them
 from where they are defined (``CHOICES``: ``--recompute`` from
-``axon4d.recompute_mode.RECOMPUTE_MODES``, ``--comm``'s transports), and a flag that may be given
+``axon4d.options.recompute_mode.RECOMPUTE_MODES``, ``--comm``'s transports), and a flag that may be given
 alone says what it then means (``ALONE``: ``--resume`` is ``--resume always``). ``model_config``
 turns the size name and the overrides into the ``ModelConfig`` of the size table (docs/design.md
 §6).
@@ -19,13 +19,13 @@ import inspect
 import math
 from typing import Any
 
-from axon4d import counts
 from axon4d.config import ModelConfig, get_config, moe_overrides
-from axon4d.data import check_token_file
-from axon4d.offload import offload_blocks, parse_offload
-from axon4d.precision import resolve as resolve_precision
-from axon4d.recompute_mode import check_recompute
-from axon4d.shape import check_sizes
+from axon4d.data.tokens import check_token_file
+from axon4d.grid import counts
+from axon4d.grid.shape import check_sizes
+from axon4d.memory.offload import offload_blocks, parse_offload
+from axon4d.options.precision import resolve as resolve_precision
+from axon4d.options.recompute_mode import check_recompute
 from axon4d.train import hf
 from axon4d.train.fields import (
     ALIASES,

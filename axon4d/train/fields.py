@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from axon4d.recompute_mode import RECOMPUTE_MODES
+from axon4d.options.recompute_mode import RECOMPUTE_MODES
 
 
 def flag(name: str) -> str:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from axon4d.config import ModelConfig
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.moe import aux_loss
 from axon4d.parallelize import auto_parallelize, load_pretrained_, moe, to_dense

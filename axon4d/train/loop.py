@@ -1,6 +1,6 @@
 """The training loop on the 4D grid: ``train(cfg)`` and the command's ``main(args)``.
 
-``train`` builds the grid (``axon4d.runtime.init``; ``--grid auto`` asks the planner), the model
+``train`` builds the grid (``axon4d.grid.runtime.init``; ``--grid auto`` asks the planner), the model
 (``axon4d.models.transformer.Transformer``) on it and the optimizer, resumes from the newest
 checkpoint if asked (``--resume always``, or ``auto``: when there is one), and runs the steps:
 this step's micro-batches (``batches``) → gradient clipping and AdamW on the schedule (``optim``)
@@ -45,16 +45,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from axon4d import checkpoint, grads, runtime, trials, watchdog
+from axon4d import checkpoint, grads, trials
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.device import environment
-from axon4d.grid import Grid
+from axon4d.grid import runtime
+from axon4d.grid.mesh import Grid
+from axon4d.memory.offload import parse_offload
 from axon4d.models.transformer import Transformer
-from axon4d.offload import parse_offload
-from axon4d.precision import AUTO, NAMED
-from axon4d.precision import resolve as resolve_precision
-from axon4d.recompute_mode import check_recompute
+from axon4d.options.precision import AUTO, NAMED
+from axon4d.options.precision import resolve as resolve_precision
+from axon4d.options.recompute_mode import check_recompute
+from axon4d.reliability import watchdog
 from axon4d.train import hf, optim, reference, report, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
@@ -75,7 +77,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     checkpoints only with --resume or --overwrite), and a checkpoint to resume (its model and
     training settings, and a step below --steps; under --resume auto a checkpoint at --steps is a
     finished run, whose summary is returned without building anything). The run itself is watched
-    (axon4d.watchdog): an error on one rank is printed and announced, and the other ranks end
+    (axon4d.reliability.watchdog): an error on one rank is printed and announced, and the other ranks end
     within ``cfg.timeout`` seconds (``cfg.startup_timeout`` until the first step is done), naming
     it."""
     environment.use_expandable_segments()  # before the accelerator is initialised; only where there is one
@@ -120,7 +122,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _resolve_precision(cfg: TrainConfig) -> str:
-    """The precision ``cfg.precision`` names for this run: a name of ``axon4d.precision.NAMED`` as
+    """The precision ``cfg.precision`` names for this run: a name of ``axon4d.options.precision.NAMED`` as
     it is; ``auto`` under --resume the precision of the checkpoint it resumes (the run goes on as it
     began, on any device), else by the device the grid will have (``axon4d.init``'s default: an
     accelerator when there is one, ``axon4d.device.accelerator_available``)."""
@@ -141,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
 def build_model(mcfg: ModelConfig, grid: Grid, recompute="none", context_parallel=False, offload="", bf16=""):
     """The run's ``Transformer`` on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute),
     with ``context_parallel`` each sequence's tokens split over z (docs/context.md), the blocks
-    ``offload`` names (--offload's text: a fraction or indices; axon4d.offload) offloading what they
+    ``offload`` names (--offload's text: a fraction or indices; axon4d.memory.offload) offloading what they
     save for backward to host memory, and under FP8 GEMMs the layer kinds ``bf16`` names in bf16."""
     offloaded = parse_offload(offload)
     model = Transformer(mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel, offload=offloaded)
@@ -179,7 +181,7 @@ def _nonfinite(
 
 # Under NCCL a collective's wait() only makes the device's stream wait: the host blocks where it
 # reads a result or synchronises the device, so those are the waits the watchdog times.
-#: the wait the one host read of a step's loss and gradient norm is marked as (axon4d.watchdog)
+#: the wait the one host read of a step's loss and gradient norm is marked as (axon4d.reliability.watchdog)
 STEP_READ = (
     "the host read of the step's loss and gradient norm (the step's queued device work, the loss's "
     "all-reduce over batch and the norm's over world)"

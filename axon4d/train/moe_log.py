@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 from axon4d.nn.moe import MoE
 
 

@@ -2,7 +2,7 @@
 
 ``lr_at`` is linear warmup to ``lr`` followed by cosine decay to ``min_lr`` at the last step.
 ``make_optimizer`` is AdamW with weight decay on matrices and embeddings only, decided by each
-parameter's *global* shape (``axon4d.param_layout``), so a flat Linear shard counts as the matrix it is
+parameter's *global* shape (``axon4d.layout.param_layout``), so a flat Linear shard counts as the matrix it is
 part of; its implementation is torch's fused kernel on an accelerator and the multi-tensor
 ("foreach") one on the host (``axon4d.device.adamw_kernel``). ``clip`` clips by the global
 gradient norm, which counts every element once however it is sharded or replicated over the grid
@@ -27,8 +27,9 @@ from collections.abc import Callable
 import torch
 
 from axon4d import device as devices
-from axon4d import grads, param_layout, zero
-from axon4d.grid import Grid
+from axon4d import grads, zero
+from axon4d.grid.mesh import Grid
+from axon4d.layout import param_layout
 from axon4d.train.config import TrainConfig
 
 

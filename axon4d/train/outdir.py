@@ -14,8 +14,9 @@ import json
 import os
 from typing import Any
 
-from axon4d import checkpoint, launch
+from axon4d import checkpoint
 from axon4d.config import ModelConfig
+from axon4d.grid import launch
 from axon4d.train.config import TrainConfig
 
 #: training settings a resume may change besides the checkpoint module's: TF32 changes how fp32

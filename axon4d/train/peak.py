@@ -25,8 +25,8 @@ from typing import TextIO
 import torch
 
 from axon4d import device as devices
-from axon4d import watchdog
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.reliability import watchdog
 
 #: warn when the compute dtype's matmul is this many times slower than fp32's.
 SLOW_RATIO = 8.0

@@ -11,7 +11,7 @@ prints it) and the run takes the answer:
   included (``--pin recompute,zero`` keeps ``none`` and 0);
 - the step's batch is ``--batch-size`` × ``--micro-batches``; when the planner chooses k
   micro-batches, the run accumulates k micro-batches of batch/k sequences (the same batch per step);
-- offloading n blocks offloads the first n (``axon4d.offload``: their backward comes last);
+- offloading n blocks offloads the first n (``axon4d.memory.offload``: their backward comes last);
 - FP8 gathers are chosen only under ``--precision auto`` on an accelerator (they need 16-bit
   weights; the run's precision becomes ``bf16-fp8-gather``);
 - under ``--precision bf16-fp8`` (FP8 GEMMs, chosen by the user) the layer kinds the plan runs in
@@ -26,8 +26,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from axon4d import launch
-from axon4d.offload import offload_blocks, parse_offload
+from axon4d.grid import launch
+from axon4d.memory.offload import offload_blocks, parse_offload
+from axon4d.options.precision import AUTO, resolve
 from axon4d.plan import correction
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.auto import choose, default_machine
@@ -38,7 +39,6 @@ from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine
 from axon4d.plan.workload import Workload
-from axon4d.precision import AUTO, resolve
 from axon4d.train.config import TrainConfig
 from axon4d.train.fields import FP8_KINDS, PLANNED
 
@@ -83,7 +83,7 @@ def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
 
 
 def _offload_indices(cfg: TrainConfig) -> tuple[int, ...]:
-    """The blocks ``--offload`` names (``axon4d.offload``)."""
+    """The blocks ``--offload`` names (``axon4d.memory.offload``)."""
     return offload_blocks(parse_offload(cfg.offload), cfg.model_config().n_layers)
 
 

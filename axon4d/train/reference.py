@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer
-from axon4d.precision import Precision
+from axon4d.options.precision import Precision
 from axon4d.train import report
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig

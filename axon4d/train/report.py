@@ -3,7 +3,7 @@ the loss-curve plot.
 
 A step record holds the loss, learning rate, gradient norm, step time, tokens/s, MFU, payload bytes
 per grid axis, and the communication and blocked time with the share of communication hidden, all
-as ``axon4d.commlog`` defines them (``CommLog.summary``; docs/design.md §4), and the writing rank's
+as ``axon4d.comm.log`` defines them (``CommLog.summary``; docs/design.md §4), and the writing rank's
 resident host memory and thread count (``host_usage``: a leak shows as a slope). A step skipped for
 a non-finite loss or gradient adds ``skipped`` and ``nonfinite_param``. The run summary adds
 the steady steps up (every step but the first, which pays for warm-up allocations): medians of
@@ -24,9 +24,9 @@ import resource
 import threading
 from typing import Any
 
-from axon4d.commlog import hidden_pct
+from axon4d.comm.log import hidden_pct
 from axon4d.config import ModelConfig
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
 
 
 def host_usage() -> tuple[int, int]:
@@ -79,7 +79,7 @@ def progress_line(rec: dict[str, Any]) -> str:
 
 def _pct(share: float | None) -> str:
     """A share hidden as "NN%", or "not timed" where the collectives were not timed
-    (``AXON4D_COMM_TIMING=0``: ``axon4d.commlog``)."""
+    (``AXON4D_COMM_TIMING=0``: ``axon4d.comm.log``)."""
     return "not timed" if share is None else f"{share:.0f}%"
 
 

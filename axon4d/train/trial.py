@@ -30,7 +30,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from axon4d import checkpoint, launch, trials
+from axon4d import checkpoint, trials
+from axon4d.grid import launch
 from axon4d.plan import correction
 from axon4d.plan.auto import ranked
 from axon4d.plan.candidate import Candidate

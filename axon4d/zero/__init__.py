@@ -49,8 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon4d.geometry import data_part_numel, zero_stored_dtype
-from axon4d.grid import Grid
+from axon4d.grid.mesh import Grid
+from axon4d.layout.geometry import data_part_numel, zero_stored_dtype
 from axon4d.nn.linear import Linear
 from axon4d.nn.moe import expert_parameters
 from axon4d.zero.checks import ELEMENTWISE, NOT_ELEMENTWISE, check_elementwise, check_fresh

@@ -29,8 +29,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from axon4d.comm import Communicator, Handle
-from axon4d.geometry import Term
+from axon4d.comm.communicator import Communicator, Handle
+from axon4d.layout.geometry import Term
 
 #: the log's tag of the parameters' all-gather over data (docs/design.md §4): the planner's term
 GATHER_TAG = Term.ZERO_GATHER

@@ -16,7 +16,7 @@ import axon4d
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.recompute_mode import RECOMPUTE_MODES
+from axon4d.options.recompute_mode import RECOMPUTE_MODES
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,0 +1,333 @@
+"""The communication layer: the only module in axon4d that calls collectives (its MPI transport
+lives in ``axon4d.comm.mpi``).
+
+Every collective goes through a ``Communicator``, built from a grid's shape and a transport over
+its process groups (it knows nothing of the ``Grid`` object). It is issued asynchronously and
+returns a ``Handle``; ``Handle.wait()`` blocks until the result is ready and returns it. Each call
+is recorded in the ``CommLog`` (axon4d.comm.log: op, axis, payload bytes, issue time, time blocked
+waiting, completion) — the payload is the size of the full tensor the collective produces, as
+defined in docs/design.md §3, so the log can be checked term by term against E8–E13
+(``axon4d.layout.geometry``).
+
+Collectives on an axis of size 1 are not issued and not recorded: they move nothing.
+
+The transport sits behind ``Transport``: ``TorchTransport`` uses torch.distributed process groups
+(its backend: gloo on CPU, NCCL on GPU; gloo's reduce-scatter as one exchange of chunks:
+``axon4d.comm.gloo_exchange``); ``MPITransport`` (``axon4d.comm.mpi``) uses mpi4py's
+non-blocking collectives on per-axis sub-communicators. A transport only moves bytes; logging,
+reshaping and handles live here.
+
+Which transport ``axon4d.init`` uses is decided by ``axon4d.comm.transport``; the choice and why are
+``Communicator.transport_choice`` (``grid.comm.transport_choice``), a ``TransportChoice``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from axon4d import device as devices
+from axon4d.comm import host_mesh
+from axon4d.comm.gloo_exchange import ExchangedChunks, ExchangedHalves, index_under_gloo
+from axon4d.comm.handle import Handle, Work, stamp_completion
+from axon4d.comm.log import CommLog, CommRecord, timing_default
+from axon4d.comm.mpi import MPITransport
+from axon4d.device.clock import Clock
+from axon4d.grid.shape import ALL_AXES, Axis, GridShape
+from axon4d.layout.geometry import Op, Term
+from axon4d.reliability import watchdog
+
+
+def _collective(name: str, before_2_12: str) -> Callable[..., Any]:
+    """torch.distributed's ``name``, or ``before_2_12`` on a torch that predates it: the
+    single-tensor collectives were renamed (all_gather_into_tensor → all_gather_single,
+    reduce_scatter_tensor → reduce_scatter_single, the old names deprecated) after 2.11, which GPU
+    hosts still run."""
+    return getattr(dist, name, None) or getattr(dist, before_2_12)
+
+
+_ALL_GATHER = _collective("all_gather_single", "all_gather_into_tensor")
+_REDUCE_SCATTER = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+class Transport(Protocol):
+    """Moves bytes for one grid; every call is asynchronous and operates on contiguous tensors."""
+
+    name: str
+    #: whether a reduce-scatter over more than two ranks holds a buffer of its input's size (the
+    #: chunks received from the other ranks) until it is waited on; the planner's memory model
+    #: prices it where the machine file says so (``Machine.staged_reduce_scatter``)
+    stages_reduce_scatter: bool
+
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis) -> Work: ...
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work: ...
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work: ...
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, send_rows: list[int], recv_rows: list[int], axis: Axis
+    ) -> Work: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TorchTransport:
+    """Collectives through torch.distributed process groups (backends gloo, NCCL)."""
+
+    name = "torch"
+
+    def __init__(self, groups: dict[str, dist.ProcessGroup]):
+        self.groups = groups
+        #: axis -> this rank's index on it where the axis is two or more ranks under gloo, else None
+        self.exchanged = {axis: index_under_gloo(group) for axis, group in groups.items()}
+        # under gloo the exchange receives every rank's chunk (ExchangedChunks); NCCL stages
+        # through its communicator's fixed buffers
+        self.stages_reduce_scatter = any(index is not None for index in self.exchanged.values())
+
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis) -> Work:
+        return dist.all_reduce(tensor, group=self.groups[axis], async_op=True)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work:
+        return _ALL_GATHER(out, inp, group=self.groups[axis], async_op=True)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis) -> Work:
+        group, index = self.groups[axis], self.exchanged[axis]
+        if index is not None and devices.is_host(inp.device):
+            if group.size() == 2:
+                return ExchangedHalves(out, inp, index, group)
+            return ExchangedChunks(out, inp, group)
+        return _REDUCE_SCATTER(out, inp, group=group, async_op=True)
+
+    def all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, send_rows: list[int], recv_rows: list[int], axis: Axis
+    ) -> Work:
+        return dist.all_to_all_single(
+            out, inp, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=self.groups[axis], async_op=True
+        )
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.groups["world"])
+
+    def close(self) -> None:
+        pass
+
+
+def host_group(timeout_s: float) -> dist.ProcessGroup:
+    """A new process group of every rank on the host backend (gloo), for the collectives of
+    checkpoints: DCP's gathers of pickled plans and results and its broadcast of the index stay in
+    host memory (a grid's ``Grid.host_group``, for blocking saves and loads), and a checkpoint
+    written in the background (``axon4d.checkpoint.AsyncSaver``) coordinates on a group of its own
+    that never interleaves with the ones the grid's groups carry meanwhile. Every rank creates it at
+    the same point (a collective); each of its collectives fails after ``timeout_s`` seconds.
+    ``close_group`` releases it. First ``axon4d.comm.host_mesh.check`` makes sure this rank can hold its
+    ≈ world sockets and reach the others (a ``RuntimeError`` saying what to set where not); rank 0
+    logs what it found (logger "axon4d.comm.communicator", INFO)."""
+    found = host_mesh.check(dist.get_world_size())
+    if dist.get_rank() == 0:
+        logging.getLogger(__name__).info(found)
+    return dist.new_group(backend=devices.default_backend(devices.HOST), timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def close_group(group: dist.ProcessGroup) -> None:
+    """Release a group made by ``host_group`` (its connections and threads)."""
+    dist.destroy_process_group(group)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportChoice:
+    """The transport a grid's communication layer uses (``grid.comm.transport_choice``) and why.
+
+    ``seconds``: when the probe chose, per transport, the slowest rank's total time for the probe's
+    collectives (the figures compared); ``cost_s``: this rank's wall time for the whole probe, from
+    the barrier that starts it to the verdict."""
+
+    name: str  # "mpi" | "torch"
+    why: str
+    seconds: dict[str, float] | None = None
+    cost_s: float | None = None
+
+    def describe(self) -> str:
+        """One line for a log, e.g. "mpi (probe over 8 ranks: mpi 0.081 s, torch 0.143 s; cost 0.30 s)"."""
+        if self.seconds is None:
+            return f"{self.name} ({self.why})"
+        figures = ", ".join(f"{n} {s:.3g} s" for n, s in self.seconds.items())
+        cost = "" if self.cost_s is None else f"; cost {self.cost_s:.2g} s"
+        return f"{self.name} ({self.why}: {figures}{cost})"
+
+
+def make_transport(name: str, groups: dict[str, dist.ProcessGroup], shape: GridShape, rank: int) -> Transport:
+    """The transport called ``name`` over a grid's per-axis ``groups`` (torch) or MPI
+    sub-communicators mirroring them (``shape`` and ``rank`` place this rank, E1)."""
+    if name == "torch":
+        return TorchTransport(groups)
+    if name == "mpi":
+        return MPITransport(shape, rank)
+    raise ValueError(f"unknown communication transport {name!r}; available: 'torch', 'mpi'")
+
+
+class Communicator:
+    """Issues and records every collective of one grid of ``shape`` through ``transport``.
+    Axes: x, y, z, data, batch, world (axon4d.grid.shape).
+
+    When the layers' collectives are issued and waited on is the grid's scheduler's decision
+    (axon4d.scheduler), which calls this class.
+    """
+
+    def __init__(self, shape: GridShape, transport: Transport, clock: Clock | None = None, timing: bool | None = None):
+        self.shape = shape
+        self._sizes: dict[str, int] = {axis: shape.size(axis) for axis in ALL_AXES}  # looked up per collective
+        self.transport = transport
+        #: whether collectives are timed (None: ``$AXON4D_COMM_TIMING``, on unless "0"); untimed, an
+        #: accelerator records no timing events and the log no times (axon4d.comm.log)
+        self.timing = timing_default() if timing is None else timing
+        #: when collectives ran: the host's clock, or the grid device's (axon4d.device.Clock); the
+        #: host's when untimed, so that compute spans take no device events either
+        host = Clock(devices.HOST)
+        self.log = CommLog(host, timed=self.timing)
+        self.use_clock(host if clock is None or not self.timing else clock)
+        #: which transport and why; ``axon4d.init`` records its choice here (``settle_transport``)
+        self.transport_choice = TransportChoice(transport.name, "given to the grid")
+
+    def use_clock(self, clock: Clock) -> None:
+        """Time collectives, handles' waits and the log's compute spans on ``clock`` from now on: the
+        host's, read at once, or an accelerator's (``on_device``), whose marks are read with the log."""
+        self.clock = self.log.clock = clock
+        self._on_device = clock.on_device
+        #: the clock whose marks handles take (an accelerator's), or None: host times are read directly
+        self.device_clock = clock if clock.on_device else None
+
+    def _size(self, axis: Axis) -> int:
+        """G_axis (a dict lookup per collective; an unknown axis gets ``GridShape.size``'s error)."""
+        size = self._sizes.get(axis)
+        return size if size is not None else self.shape.size(axis)
+
+    @property
+    def transport_name(self) -> str:
+        return self.transport.name
+
+    def close(self) -> None:
+        self.transport.close()
+
+    @property
+    def abort(self) -> Callable[[], None] | None:
+        """How to end every rank of the job at once after an error on this one: the MPI transport's
+        ``MPI_Abort``; None for torch.distributed, whose ranks learn of it from the watchdog
+        (axon4d.reliability.watchdog) or their launcher (torchrun's agent stops the others)."""
+        abort = getattr(self.transport, "abort", None)
+        return abort if callable(abort) else None
+
+    def barrier(self) -> None:
+        """Block until every rank of the world arrives here (not logged: it moves no data)."""
+        with watchdog.waiting("a barrier of the world"):
+            self.transport.barrier()
+
+    def _record(self, op: Op, axis: Axis, group: int, payload_bytes: int, tag: Term | str) -> CommRecord:
+        record = CommRecord(op, axis, group, payload_bytes, tag, time.perf_counter())
+        if self._on_device:  # the compute stream's position: the collective cannot start before it
+            record.mark("t_issue", self.clock.mark())
+        self.log.add(record)
+        return record
+
+    def all_reduce(self, tensor: torch.Tensor, axis: Axis, tag: Term | str = "") -> Handle:
+        """Sum ``tensor`` over ``axis``, in place; the handle's result is ``tensor``."""
+        g = self._size(axis)
+        if g == 1:
+            return Handle(None, tensor, None)
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce works in place and needs a contiguous tensor")
+        record = self._record(Op.ALL_REDUCE, axis, g, tensor.nbytes, tag)
+        work = self.transport.all_reduce(tensor, axis)
+        if self.timing:
+            stamp_completion(work, record, self.clock)
+        return Handle(work, tensor, record, None, None, self.device_clock, self.timing)
+
+    def all_gather(self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "") -> Handle:
+        """Concatenate every rank's ``tensor`` along ``dim``, in order of their ``axis`` index."""
+        g = self._size(axis)
+        if g == 1:
+            return Handle(None, tensor, None)
+        dim = dim % tensor.dim()
+        inp = tensor if dim == 0 and tensor.is_contiguous() else tensor.movedim(dim, 0).contiguous()
+        out = inp.new_empty(g * inp.numel())  # (G·n,): flat, then shaped (the cheaper allocation)
+        if inp.dim() > 1:
+            out = out.view(g * inp.shape[0], *inp.shape[1:])
+        record = self._record(Op.ALL_GATHER, axis, g, g * inp.nbytes, tag)
+        work = self.transport.all_gather(out, inp, axis)
+        if self.timing:
+            stamp_completion(work, record, self.clock)
+        finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
+        return Handle(work, out, record, finish, inp, self.device_clock, self.timing)
+
+    def all_to_all(
+        self, tensor: torch.Tensor, axis: Axis, send_rows: list[int], recv_rows: list[int], tag: Term | str = ""
+    ) -> Handle:
+        """Exchange rows of ``tensor`` over ``axis``: rows ``send_rows[i]`` (dim 0, in order) go to the
+        rank of index i on ``axis``, and the result holds the ``recv_rows[j]`` rows received from
+        each rank j, concatenated in index order: (Σ recv_rows, …). The split sizes must agree
+        across ranks (what i sends to j is what j expects from i) — the caller derives both from one
+        exchange of counts (``axon4d.nn.moe_dispatch``); a rank may send or receive no row at all.
+        The log records the bytes this rank sends, its own rows included (payload of docs/design.md
+        E16). On an axis of one rank the result is ``tensor`` itself."""
+        g = self._size(axis)
+        if len(send_rows) != g or len(recv_rows) != g:
+            raise ValueError(
+                f"all_to_all over {axis}: {len(send_rows)} send and {len(recv_rows)} receive split sizes for "
+                f"G_{axis} = {g} ranks; give one row count per rank of the axis"
+            )
+        if sum(send_rows) != tensor.shape[0] or min(send_rows + recv_rows, default=0) < 0:
+            raise ValueError(
+                f"all_to_all over {axis}: send split sizes {send_rows} must be row counts ≥ 0 adding up to "
+                f"the tensor's {tensor.shape[0]} rows"
+            )
+        if g == 1:
+            return Handle(None, tensor, None)
+        inp = tensor.contiguous()
+        out = inp.new_empty((sum(recv_rows), *inp.shape[1:]))  # (Σ recv_rows, …)
+        record = self._record(Op.ALL_TO_ALL, axis, g, inp.nbytes, tag)
+        work = self.transport.all_to_all(out, inp, list(send_rows), list(recv_rows), axis)
+        if self.timing:
+            stamp_completion(work, record, self.clock)
+        return Handle(work, out, record, None, inp, self.device_clock, self.timing)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, axis: Axis, dim: int = 0, tag: Term | str = "", out: torch.Tensor | None = None
+    ) -> Handle:
+        """Sum ``tensor`` over ``axis`` and keep this rank's chunk of ``dim`` (its ``axis`` index);
+        ``out``: a contiguous tensor of the chunk's shape (``dim`` first) to write it into, e.g. a
+        slice of a gradient bucket. On an axis of one rank the result is ``tensor`` itself."""
+        g = self._size(axis)
+        if g == 1:
+            return Handle(None, tensor, None)
+        dim = dim % tensor.dim()
+        if tensor.shape[dim] % g:
+            raise ValueError(
+                f"reduce_scatter over {axis}: dim {dim} has size {tensor.shape[dim]}, not divisible by G_{axis} = {g}"
+            )
+        inp = tensor if dim == 0 and tensor.is_contiguous() else tensor.movedim(dim, 0).contiguous()
+        if out is None:
+            out = inp.new_empty(inp.numel() // g)  # (n/G,): flat, then shaped (the cheaper allocation)
+            if inp.dim() > 1:
+                out = out.view(inp.shape[0] // g, *inp.shape[1:])
+        else:
+            shape = (inp.shape[0] // g, *inp.shape[1:])
+            if out.shape != shape or not out.is_contiguous() or out.dtype != inp.dtype:
+                raise ValueError(
+                    f"reduce_scatter over {axis}: out is {tuple(out.shape)} {out.dtype}, the chunk is {shape} "
+                    f"{inp.dtype} (contiguous)"
+                )
+        record = self._record(Op.REDUCE_SCATTER, axis, g, inp.nbytes, tag)
+        work = self.transport.reduce_scatter(out, inp, axis)
+        if self.timing:
+            stamp_completion(work, record, self.clock)
+        finish = None if dim == 0 else (lambda t: t.movedim(0, dim))
+        return Handle(work, out, record, finish, inp, self.device_clock, self.timing)

@@ -1,0 +1,144 @@
+"""FP8 GEMMs of the 3D Linear (precision ``bf16-fp8``, docs/design.md §2 "FP8 GEMMs", E2f–E2w).
+
+Each operand of a GEMM is quantised on its own rank with one tensorwise scale (current scaling:
+the scale of the values being multiplied, ``precision.fp8_scale``), so no scale needs a
+collective: X and dY per rank and step from their amax, the weight block per gather. Every
+operand is e4m3 (gradients too: with a current per-block scale dY's largest value lands on 448,
+so e5m2's wider range buys nothing and e4m3's extra mantissa bit halves the rounding error —
+measured in ``bench/fp8_gemm_error.py``). The GEMMs (``device.fp8.scaled_mm``) sum in fp32:
+
+- forward  Y  = (X̂ s_x)(Ŵ s_w)ᵀ + b   (b, in_l) × (out_l, in_l)ᵀ → bf16, fast accumulation
+- dX          = (dŶ s_dy)(Ŵ s_w)       (b, out_l) × (out_l, in_l) → bf16
+- dW          = (dŶ s_dy)ᵀ(X̂ s_x)      (out_l, b) × (b, in_l) → fp32 (E11's sums, as bf16-fp32-reduce)
+
+A weight block is quantised with a power-of-two scale. Under FP8 gathers (E10 moves e4m3 z shards,
+each with its own scale, ``precision.fp8_pack``) the gathered chunks are brought to the block's
+scale S = max_i s_i by multiplying chunk i by s_i/S, a power of two (``requantise``): exact for
+every value that stays in e4m3's normal range, so the gathered weight feeds the GEMM as gathered,
+with no bf16 copy of the block and no collective for the scale.
+
+A layer runs in FP8 only where its local block's dims are multiples of 16 (``layer_fits``;
+the token dim of dW is zero-padded to 16, which adds nothing to the sums); otherwise in bf16.
+``reference`` is the dequantised product every FP8 GEMM is compared with.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from axon4d.device import fp8 as kernel
+from axon4d.options.precision import FP8, SCALE_BYTES, fp8_scale
+
+#: the float8 format of every operand (weights, activations and gradients): e4m3
+DTYPE = FP8
+#: ``use_fast_accum`` per GEMM: the forward's (its output is an activation), not the gradients'
+FAST_ACCUM = {"forward": True, "dX": False, "dW": False}
+
+
+class Quantised(NamedTuple):
+    """A float8 matrix and its () fp32 scale: it stands for ``data``·``scale``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def layer_fits(rows: int, cols: int) -> bool:
+    """Whether a local weight block (rows, cols) = (out_l, in_l) can run its three GEMMs in FP8:
+    both dims are a GEMM's k or n somewhere, so both must be multiples of 16 (``device.fp8.ALIGN``)."""
+    return kernel.aligned(rows, cols)
+
+
+def quantise(
+    t: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    *,
+    pow2: bool = False,
+    transpose: bool = False,
+    pad_to: int = 1,
+    dtype: torch.dtype = DTYPE,
+) -> Quantised:
+    """``t`` (r, c) — or tᵀ (c, r) with ``transpose`` — as ``dtype`` with the tensorwise scale
+    ``scale``, by default ``fp8_scale`` of t's own amax (``pow2``: a power of two): q = round(t/s),
+    clamped to the format's largest value (a cast past it would be NaN on CUDA). The columns are
+    zero-padded to a multiple of ``pad_to``. Computed on t's device; nothing is read back."""
+    t = t.detach()
+    fmax = float(torch.finfo(dtype).max)
+    if scale is None:
+        scale = fp8_scale(t.abs().amax().float(), pow2, fmax)  # () fp32
+    src = t.t() if transpose else t  # (r, c)
+    r, c = src.shape
+    padded = -(-c // pad_to) * pad_to
+    data = torch.empty((r, padded), dtype=dtype, device=t.device)  # (r, c'), row-major
+    if padded != c:
+        data[:, c:].view(torch.uint8).zero_()  # the byte 0 is +0 in both formats
+    data[:, :c].copy_(torch.div(src, scale).clamp_(-fmax, fmax))  # fp32 quotient, rounded once to fp8
+    return Quantised(data, scale)
+
+
+def dequantise(q: Quantised) -> torch.Tensor:
+    """q.data·q.scale in fp32 (exact: e4m3 values and a product by a power of two are fp32 values)."""
+    return q.data.float() * q.scale
+
+
+def requantise(gathered: torch.Tensor, parts: int, rows: int, cols: int) -> Quantised:
+    """The (rows, cols) e4m3 weight block with one scale from E10's FP8 result: ``gathered`` is
+    ``parts`` chunks of ``fp8_pack(pow2=True)`` in z order, (parts·(n + 4),) uint8, chunk i holding
+    q_i with the power-of-two scale s_i. The block's scale is S = max_i s_i (= the pow2 scale of the
+    block's amax) and chunk i becomes round_e4m3(q_i·s_i/S): a power of two ≤ 1 times an e4m3 value,
+    exact unless it falls below e4m3's normal range (2⁻⁶·S), where it rounds to the subnormals'
+    spacing 2⁻⁹·S. The chunk of the largest scale is kept bit for bit. No collective."""
+    chunks = gathered.view(parts, -1)  # (G_z, n + 4)
+    n = chunks.shape[1] - SCALE_BYTES
+    scale_bytes = torch.empty(parts, SCALE_BYTES, dtype=torch.uint8, device=gathered.device)  # aligned
+    scales = scale_bytes.copy_(chunks[:, n:]).view(torch.float32)  # (G_z, 1) fp32, powers of two
+    block_scale = scales.amax()  # () fp32
+    wide = chunks[:, :n].view(FP8).float()  # (G_z, n), exact
+    wide.mul_(scales / block_scale)  # (G_z, 1) ratios, powers of two ≤ 1: exact in fp32
+    data = wide.view(-1)[: rows * cols].to(FP8).view(rows, cols)  # (rows, cols): rounds only below 2⁻⁶·S
+    return Quantised(data, block_scale)
+
+
+def weight_block(
+    flat: torch.Tensor, weight: torch.Tensor, g_z: int, fp8_gathered: bool, rows: int, cols: int
+) -> Quantised:
+    """The e4m3 (rows, cols) weight block of a layer with a power-of-two scale, from E10's result
+    ``flat``: requantised as gathered under FP8 gathers (``requantise``), else quantised from the
+    block — from the fp32 master ``weight`` itself when G_z = 1 (nothing was gathered), from the
+    gathered compute-dtype block otherwise."""
+    if fp8_gathered:
+        return requantise(flat, g_z, rows, cols)
+    source = weight if g_z == 1 else flat
+    return quantise(source.detach().reshape(-1)[: rows * cols].view(rows, cols), pow2=True)
+
+
+def forward(
+    x: Quantised, w: Quantised, bias: torch.Tensor | None, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Y = X Wᵀ (+ b) for X̂ (b, in_l) and Ŵ (out_l, in_l): (b, out_l) in ``out_dtype``, into ``out``."""
+    return kernel.scaled_mm(
+        x.data, w.data, x.scale, w.scale, out_dtype, bias=bias, fast_accum=FAST_ACCUM["forward"], out=out
+    )
+
+
+def grad_input(dy: Quantised, w: Quantised, out_dtype: torch.dtype) -> torch.Tensor:
+    """dX = dY W for dŶ (b, out_l) and Ŵ (out_l, in_l): (b, in_l) in ``out_dtype``. The kernel takes
+    W as its column-major second operand, so Ŵᵀ is laid out row-major once (one byte per element)."""
+    w_t = w.data.t().contiguous()  # (in_l, out_l)
+    return kernel.scaled_mm(dy.data, w_t, dy.scale, w.scale, out_dtype, fast_accum=FAST_ACCUM["dX"])
+
+
+def grad_weight(dy_t: Quantised, x_t: Quantised, out: torch.Tensor) -> torch.Tensor:
+    """dW = dYᵀ X for dŶᵀ (out_l, b') and X̂ᵀ (in_l, b') — quantised transposed, tokens zero-padded to
+    b' (a multiple of 16) — written into ``out`` (out_l, in_l), whose dtype (fp32) the sums keep."""
+    return kernel.scaled_mm(dy_t.data, x_t.data, dy_t.scale, x_t.scale, out.dtype, fast_accum=FAST_ACCUM["dW"], out=out)
+
+
+def reference(a: Quantised, b: Quantised, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequantised reference of ``device.fp8.scaled_mm(a, b)``: (â s_a)(b̂ s_b)ᵀ (+ bias) in fp32,
+    rounded once to ``out_dtype``."""
+    y = dequantise(a) @ dequantise(b).t()  # (m, k) @ (k, n)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
