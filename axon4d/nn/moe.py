@@ -22,7 +22,6 @@ chunks' GEMMs run (``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md "Overlap").
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import numpy as np
@@ -147,8 +146,6 @@ class MoE(nn.Module):
         self.balance: torch.Tensor | None = None
         #: counts exchanges (host syncs) this layer has made: one per forward, none in a re-run
         self.exchanges = 0
-        #: routings of forwards under full recomputation, for their re-runs (oldest first)
-        self._replay: collections.deque[tuple[torch.Tensor, list[DispatchPlan]]] = collections.deque()
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,10 +210,11 @@ class MoE(nn.Module):
 
     def _route(self, s: torch.Tensor, shares: list[int], chunks: int) -> tuple[torch.Tensor, list[DispatchPlan]]:
         """Each token's k experts and each chunk's dispatch plan: chosen now (and exchanged: the
-        host sync), or, in the re-run of a fully recomputed forward, the first run's."""
-        sched = self.grid.scheduler
-        if sched.recomputing and torch._C._current_graph_task_id() != -1 and self._replay:
-            return self._replay.popleft()  # the re-run inside backward: reuse the routing
+        host sync), or, in the re-run of a fully recomputed forward, that forward's (kept in the
+        region's memo with its autograd state, ``axon4d.scheduler.replay``)."""
+        memo, replaying = self.grid.scheduler.region_memo
+        if memo is not None and replaying:
+            return memo.replay(self)  # the re-run inside backward: the routing its forward chose
         cfg, grid = self.cfg, self.grid
         chosen = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
         # the (y share, chunk) bin of each token: share j's tokens cut into ``chunks`` contiguous runs
@@ -228,8 +226,8 @@ class MoE(nn.Module):
         counts = torch.bincount(key, minlength=len(sizes) * cfg.n_experts).view(len(shares), chunks, cfg.n_experts)
         plans = DispatchPlan.exchange(counts, EP_AXIS, grid, self.experts.local)  # E15: the host sync
         self.exchanges += 1
-        if sched.recomputing and torch.is_grad_enabled():
-            self._replay.append((chosen, plans))
+        if memo is not None:
+            memo.record(self, (chosen, plans))
         return chosen, plans
 
     def _experts(self, received: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from axon4d.memory import offload
 from axon4d.scheduler import Scheduler
+from axon4d.scheduler.replay import RegionMemo
 
 
 def recomputed(fn: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
@@ -41,11 +42,14 @@ def recomputed(fn: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
 
 def recompute_block(fn: Callable[..., Any], *inputs: Any, scheduler: Scheduler, layers: Iterable[Any]) -> Any:
     """``fn(*inputs)`` keeping only ``inputs``: the forward, collectives included, re-runs in backward
-    under ``scheduler.rerunning(layers)`` (``layers``: the 3D layers ``fn`` runs)."""
+    under ``scheduler.rerunning(layers)`` (``layers``: the 3D layers ``fn`` runs). What the forward
+    decides for its re-run to repeat (an MoE layer's routing) goes in a memo made for this call alone,
+    which torch's checkpoint keeps with the call's autograd state (``axon4d.scheduler.replay``)."""
     own = list(layers)
 
     def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        return scheduler.recomputed_region(), scheduler.rerunning(own)
+        memo = RegionMemo()  # one per call: the forward records, the re-run of this call reads
+        return scheduler.recomputed_region(memo), scheduler.rerunning(own, memo)
 
     return checkpoint(fn, *inputs, use_reentrant=False, context_fn=contexts)
 

@@ -27,6 +27,7 @@ from axon4d.layout.geometry import Term, wire_dtype
 from axon4d.options import fp8_gemm
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import FP8, Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
+from axon4d.scheduler.replay import RegionMemo
 
 
 def _stamp(weight: torch.Tensor) -> tuple[int, int]:
@@ -58,6 +59,8 @@ class WeightGathers:
         self._gathers_in_backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> bool
         self._rerunning: weakref.WeakSet | None = None  # layers of the recomputed region being re-run
         self._recomputed_depth = 0  # depth of regions under full recomputation being run
+        self._memo: RegionMemo | None = None  # the innermost such region's memo (``region_memo``)
+        self._replaying = False  # whether that region is a re-run, reading its memo
         # parameters whose values are still arriving (``defer_writes``): id -> what completes them
         self._arriving: dict[int, Callable[[torch.Tensor], None]] = {}
 
@@ -182,24 +185,36 @@ class WeightGathers:
         save what they keep for backward through autograd, so it is dropped and made again."""
         return self._recomputed_depth > 0
 
+    @property
+    def region_memo(self) -> tuple[RegionMemo | None, bool]:
+        """The innermost region under full recomputation's memo (None outside one, or in a region
+        entered without one), and whether this is its re-run (read it) or its forward (record)."""
+        return self._memo, self._replaying
+
     @contextlib.contextmanager
-    def recomputed_region(self) -> Iterator[None]:
-        """The enclosed forward is a region under full recomputation (docs/design.md §5)."""
+    def recomputed_region(self, memo: RegionMemo | None = None, replaying: bool = False) -> Iterator[None]:
+        """The enclosed forward is a region under full recomputation (docs/design.md §5); ``memo``
+        keeps what its forward decided for its re-run (``replaying``) to repeat."""
         self._recomputed_depth += 1
+        previous = self._memo, self._replaying
+        self._memo, self._replaying = memo, replaying
+        if memo is not None and replaying:
+            memo.rewind()
         try:
             yield
         finally:
             self._recomputed_depth -= 1
+            self._memo, self._replaying = previous
 
     @contextlib.contextmanager
-    def rerunning(self, layers: Any) -> Iterator[None]:
+    def rerunning(self, layers: Any, memo: RegionMemo | None = None) -> Iterator[None]:
         """The enclosed forward re-runs a recomputed region during backward (full recomputation,
-        docs/design.md §5): it teaches OAG no order, and OAG prefetches only the region's own
-        ``layers`` (the layer after the region already ran its backward)."""
+        docs/design.md §5): it teaches OAG no order, OAG prefetches only the region's own ``layers``
+        (the layer after the region already ran its backward), and it reads the forward's ``memo``."""
         previous = self._rerunning
         self._rerunning = weakref.WeakSet(layers)
         try:
-            with self.recomputed_region():
+            with self.recomputed_region(memo, replaying=True):
                 yield
         finally:
             self._rerunning = previous
