@@ -2,9 +2,9 @@
 fit in memory, rank them by predicted step time (docs/design.md §6).
 
 The divisibility rules (§1) — the workload's ``axon4d.grid.rules`` objects, the ones the layers check —
-are evaluated on all factorisations at once with numpy (``valid_mask``); only valid grids are
-priced, each as one ``Scenario`` (``cost.step_estimate``, ``memory.memory``), in well under a
-millisecond.
+are evaluated on all factorisations at once with numpy (``valid_mask``, ``valid_grids``); only valid
+grids are priced (``search_grids``), each as one ``Scenario`` (``cost.step_estimate``,
+``memory.memory``), in well under a millisecond.
 The step options of each grid are ``axon4d.plan.options``'s; one priced plan is
 ``axon4d.plan.candidate``'s; the result ``axon4d.plan.result``'s.
 """
@@ -20,7 +20,7 @@ import numpy as np
 
 from axon4d.config import ModelConfig, get_config
 from axon4d.grid import rules
-from axon4d.grid.shape import AXES, factorizations
+from axon4d.grid.shape import AXES, GridShape, factorizations
 from axon4d.options.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan import stepfit
 from axon4d.plan.candidate import Candidate, tune_overlap
@@ -101,6 +101,42 @@ def plan(
     it priced (``top=None``: every grid). A world below 1, a limit that is not a positive number, a bad machine file, model,
     batch or option is refused before anything is priced.
     """
+    cp = _checked_inputs(context_parallel, world, top, memory_limit)
+    choices = Choices.parse(recompute, micro_batches, zero, offload, fp8_gather)
+    mach = load_machine(machine)
+    workload = _workload(workload, model, batch, dtype, optimizer, precision, cp is True, async_save)
+    if choices.offload is not None:
+        offload_levels(workload, mach, choices.offload)  # refused here when above n_layers
+    auto = overlap == AUTO
+    ov = OverlapPolicy() if auto else OverlapPolicy.parse(overlap)
+    grids, invalid = valid_grids(workload, world, cp)
+    cands, searched = search_grids(grids, mach, ov, choices, memory_limit, top)
+    if auto:  # the knobs, for the fastest few grids (each variant is one more pricing)
+        cands, ov = _tune_fastest(cands, workload, mach, ov, memory_limit)
+    limit = mach.memory_per_device if memory_limit is None else memory_limit
+    chosen = cands[0].recompute if cands else (choices.recompute[0] if len(choices.recompute) == 1 else "none")
+    return PlanResult(
+        workload,
+        mach,
+        world,
+        ov,
+        recompute if recompute != AUTO_OPTION else AUTO_OPTION,
+        limit,
+        cands,
+        invalid,
+        stepfit.caveat(mach, workload, world, ov, chosen),
+        choices=choices,
+        searched=searched,
+        valid=len(grids),
+    )
+
+
+def _checked_inputs(
+    context_parallel: bool | str, world: int, top: int | None, memory_limit: float | None
+) -> bool | str:
+    """``plan``'s ``context_parallel`` as True, False or ``AUTO_OPTION``, after refusing (``ValueError``)
+    any other value, a world or ``top`` that is not a whole number ≥ 1 and a memory limit that is
+    not a finite number of bytes above 0."""
     cp = AUTO_OPTION if context_parallel == "auto" else context_parallel
     if cp not in (False, True, AUTO_OPTION):
         raise ValueError(f"context_parallel = {context_parallel!r}: use False, True or 'auto'")
@@ -112,19 +148,39 @@ def plan(
             f"memory_limit = {memory_limit!r} bytes per device must be a finite number above 0 "
             "(--memory-gib 80 for 80 GiB), or None for the machine's own"
         )
-    choices = Choices.parse(recompute, micro_batches, zero, offload, fp8_gather)
-    mach = load_machine(machine)
+    return cp
+
+
+def _workload(
+    workload: Workload | None,
+    model: ModelConfig | str,
+    batch: int,
+    dtype: str,
+    optimizer: str,
+    precision: str,
+    split: bool,
+    async_save: bool,
+) -> Workload:
+    """The workload ``plan`` prices: ``workload``, else ``model``'s (a ``ModelConfig`` or a size
+    name) step of ``batch`` sequences in ``dtype`` and ``precision`` with ``optimizer``; its
+    sequences split over z where ``split`` (context parallelism pinned on) and a host snapshot
+    kept where ``async_save``."""
     if workload is None:
         cfg = get_config(model) if isinstance(model, str) else model
         workload = Workload(cfg, batch, dtype, optimizer=optimizer, precision=precision)
-    if cp is True and not workload.context_parallel:
+    if split and not workload.context_parallel:
         workload = dataclasses.replace(workload, context_parallel=True)
     if async_save and not workload.async_save:
         workload = dataclasses.replace(workload, async_save=True)
-    if choices.offload is not None:
-        offload_levels(workload, mach, choices.offload)  # refused here when above n_layers
-    auto = overlap == AUTO
-    ov = OverlapPolicy() if auto else OverlapPolicy.parse(overlap)
+    return workload
+
+
+def valid_grids(workload: Workload, world: int, cp: bool | str) -> tuple[list[tuple[Workload, GridShape]], int]:
+    """The (workload, grid) pairs ``plan`` prices, and how many factorisations of ``world`` break a
+    divisibility rule (§1) under every sequence split priced: each valid grid with ``workload`` as
+    it is, and with ``cp`` ``AUTO_OPTION`` each valid grid of G_z > 1 with the sequences split over z
+    too, where the sequence length is even and the model has no MoE layers (context parallelism
+    with MoE layers is not priced: ``Workload``)."""
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     mask = valid_mask(workload, arr)
@@ -135,6 +191,21 @@ def plan(
         split_mask = valid_mask(split, arr)
         grids += [(split, s) for s, ok in zip(shapes, split_mask) if ok and s.z > 1]
         mask |= split_mask
+    return grids, int((~mask).sum())
+
+
+def search_grids(
+    grids: list[tuple[Workload, GridShape]],
+    mach: Machine,
+    ov: OverlapPolicy,
+    choices: Choices,
+    memory_limit: float | None,
+    top: int | None,
+) -> tuple[list[Candidate], int]:
+    """Each of ``grids`` with its fastest fitting options (``best_options``), priced in the order of
+    a time no option beats on it (``lower_bound``) until that bound is above the ``top``-th fastest
+    fitting step found (``top=None``: every grid): the candidates in ``candidate_order``, and how many
+    grids were priced."""
     bounds = sorted(((lower_bound(wl, s, mach, ov, choices), i) for i, (wl, s) in enumerate(grids)), key=lambda b: b[0])
     cands: list[Candidate] = []
     fastest: list[float] = []  # fitting step times found, ascending
@@ -149,31 +220,25 @@ def plan(
         cands.append(c)
         if c.fits:
             fastest = sorted([*fastest, c.time.step_s])
+    return sorted(cands, key=candidate_order), searched
 
-    def rank(c: Candidate) -> tuple[Any, ...]:
-        return not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel
 
-    cands.sort(key=rank)
-    if auto:  # the knobs, for the fastest few grids (each variant is one more pricing)
-        for i, c in enumerate(cands[:TUNE_TOP]):
-            wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel)
-            opts = {k: v for k, v in c.options.items() if k != "recompute"}
-            cands[i] = tune_overlap(wl_c, c.shape, mach, ov, c.recompute, memory_limit, **opts)
-        cands.sort(key=rank)
-        ov = cands[0].overlap if cands else ov
-    limit = mach.memory_per_device if memory_limit is None else memory_limit
-    chosen = cands[0].recompute if cands else (choices.recompute[0] if len(choices.recompute) == 1 else "none")
-    return PlanResult(
-        workload,
-        mach,
-        world,
-        ov,
-        recompute if recompute != AUTO_OPTION else AUTO_OPTION,
-        limit,
-        cands,
-        int((~mask).sum()),
-        stepfit.caveat(mach, workload, world, ov, chosen),
-        choices=choices,
-        searched=searched,
-        valid=len(grids),
-    )
+def candidate_order(c: Candidate) -> tuple[Any, ...]:
+    """The candidates' order: fitting ones first by step time, then the others by peak memory;
+    ties by grid and sequence split."""
+    return not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel
+
+
+def _tune_fastest(
+    cands: list[Candidate], workload: Workload, mach: Machine, ov: OverlapPolicy, memory_limit: float | None
+) -> tuple[list[Candidate], OverlapPolicy]:
+    """``overlap="auto"``: the ranked ``cands`` with the knobs tuned (``tune_overlap``) for the
+    ``TUNE_TOP`` fastest, in ``candidate_order`` again; and the best one's
+    policy (``ov`` when there is none)."""
+    cands = list(cands)
+    for i, c in enumerate(cands[:TUNE_TOP]):
+        wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel)
+        opts = {k: v for k, v in c.options.items() if k != "recompute"}
+        cands[i] = tune_overlap(wl_c, c.shape, mach, ov, c.recompute, memory_limit, **opts)
+    cands.sort(key=candidate_order)
+    return cands, cands[0].overlap if cands else ov
