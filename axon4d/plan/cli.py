@@ -22,15 +22,17 @@ import sys
 import time
 from typing import Any
 
-from axon4d.config import SIZES, get_config
+from axon4d.config import SIZES, ModelConfig, get_config
 from axon4d.grid import rules
 from axon4d.options.precision import NAMED
 from axon4d.options.recompute_mode import RECOMPUTE_MODES
 from axon4d.plan import correction, stepfit
 from axon4d.plan import fp8 as fp8_plan
+from axon4d.plan.candidate import Candidate
 from axon4d.plan.machine import available
 from axon4d.plan.moe_cost import param_counts, placement
 from axon4d.plan.options import AUTO_OPTION
+from axon4d.plan.result import PlanResult
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import DEFAULT_PRECISION, OPTIMIZERS, Workload
@@ -52,6 +54,19 @@ def _auto_or_int(text: str) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``axon4d plan`` on ``p``: the job, what it computes and moves, its step
+    options (each ``auto``, searched, or pinned), and the output."""
+    _job_arguments(p)
+    _precision_arguments(p)
+    _option_arguments(p)
+    p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the candidates as JSON ('-' for stdout)")
+
+
+def _job_arguments(p: argparse.ArgumentParser) -> None:
+    """The job's flags on ``p``: the model, the ranks, the machine (and a correction of its
+    prices), the batch, the sequence length and MoE routing's imbalance."""
     p.add_argument("--model", default="20B", help=f"model size: {', '.join(SIZES)}")
     p.add_argument("--gpus", "--ranks", dest="gpus", type=int, required=True, help="world size (devices)")
     p.add_argument("--machine", default="perlmutter", help=f"shipped machine ({', '.join(available())}) or a JSON file")
@@ -70,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="MoE models: the busiest rank's expert rows over the mean (1: uniform routing, the default; "
         "axon4d.plan.moe_cost)",
     )
+
+
+def _precision_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags on ``p`` of what the job computes in and moves, and how its communication overlaps."""
     p.add_argument(
         "--dtype",
         default="",
@@ -90,6 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "what axon4d.init gives a job it can price) | off | a list like oag,oar,odp,chunks; "
         "knobs too: all,oag_depth=3,ors_inflight=2 (axon4d.overlap.OverlapPolicy.parse)",
     )
+
+
+def _option_arguments(p: argparse.ArgumentParser) -> None:
+    """The step options' flags on ``p`` (``auto``: searched), the optimizer and --async-save."""
     p.add_argument(
         "--recompute",
         default=AUTO_OPTION,
@@ -141,20 +164,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the job checkpoints with --async-save: its pinned host snapshot counts against the node's host memory",
     )
-    p.add_argument("--memory-gib", type=float, default=None, help="memory per device (default: the machine's)")
-    p.add_argument("--top", type=int, default=10, help="rows to print")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the candidates as JSON ('-' for stdout)")
 
 
 def main(args: argparse.Namespace) -> int:
-    """Price the job of the parsed flags and print the table; every flag is checked first."""
+    """Price the job of the parsed flags and print the table; every flag is checked first. The exit
+    status: 0, or 1 when no plan fits."""
+    _check_flags(args)
+    cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len is not None else {}))
+    result, elapsed = _search(args, cfg)
+    if args.json == "-":
+        json.dump(result.to_json(args.top), sys.stdout, indent=1)
+        print()
+        return 0
+    _print_search(args, cfg, result, elapsed)
+    fitting = [c for c in result.candidates if c.fits]
+    if not fitting:
+        print(f"no plan fits: {result.no_fit_advice()}")
+        return 1
+    _print_plans(args, cfg, result, fitting)
+    return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse (``ValueError``) a --top that is not a whole number ≥ 1 and a --memory-gib that is
+    not a finite number above 0."""
     rules.count(args.top, "--top (rows to print)", example=10)
     if args.memory_gib is not None and not 0 < args.memory_gib < float("inf"):
         raise ValueError(
             f"--memory-gib {args.memory_gib}: memory per device must be a finite number of GiB above 0, "
             "e.g. --memory-gib 80, or leave it out for the machine's own"
         )
-    cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len is not None else {}))
+
+
+def _search(args: argparse.Namespace, cfg: ModelConfig) -> tuple[PlanResult, float]:
+    """The planner's search (``search.plan``) for the flags' job of model ``cfg`` — its workload, the
+    machine (its prices scaled by --correction's factors where one is given) and the options — and
+    the seconds the search took."""
     wl = Workload(
         cfg, args.batch, args.dtype, optimizer=args.optimizer, precision=args.precision, imbalance=args.imbalance
     )
@@ -180,11 +225,12 @@ def main(args: argparse.Namespace) -> int:
         async_save=args.async_save,
         top=args.top,
     )
-    elapsed = time.perf_counter() - start
-    if args.json == "-":
-        json.dump(result.to_json(args.top), sys.stdout, indent=1)
-        print()
-        return 0
+    return result, time.perf_counter() - start
+
+
+def _print_search(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult, elapsed: float) -> None:
+    """Print what was searched: the job, the machine's in-step scale, the result's caveat, and how
+    many grids were valid, searched and fit in ``elapsed`` seconds."""
     wl = result.workload
     total, active = param_counts(cfg)
     size = f"{total / 1e9:.1f}B parameters" + (f", {active / 1e9:.1f}B active" if cfg.moe else "")
@@ -207,9 +253,13 @@ def main(args: argparse.Namespace) -> int:
         f"{result.searched} searched (the rest cannot beat the top {args.top}), {len(fitting)} of them fit; "
         f"searched in {elapsed * 1e3:.0f} ms\n"
     )
-    if not fitting:
-        print(f"no plan fits: {result.no_fit_advice()}")
-        return 1
+
+
+def _print_plans(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult, fitting: list[Candidate]) -> None:
+    """Print the ``fitting`` plans: the best (with its expert placement for an MoE model), the
+    table of the top --top, the best's FP8 GEMMs under bf16-fp8, the columns' legend; and write
+    --json's file."""
+    wl = result.workload
     best = fitting[0]
     print(f"best: {best.shape.as_tuple()} with {best.options_spec()}")
     if cfg.moe:
@@ -229,7 +279,6 @@ def main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result.to_json(args.top), f, indent=1)
         print(f"wrote {args.json}")
-    return 0
 
 
 def best_scenario(wl: Workload, best: Any, machine: Any) -> Scenario:
