@@ -65,6 +65,32 @@ def auto_parallelize(
     transformers' AttentionInterface (axon4d.parallelize.context, docs/context.md); feed the model
     ``axon4d.parallelize.context.inputs(ids)``.
     """
+    _check_arguments(model, style, recompute)
+    grid = runtime.resolve(grid)
+    moe.check_supported(model, style)  # an MoE model it cannot place: one line naming its class
+    # 1. decide everything (sizes only: no collective, the same on every rank)
+    blocks, linears, skipped = _decide(model, grid, style)
+    # 2. apply: replace modules and layers, install patches and hooks, hook replicated gradients
+    _replace(model, grid, blocks, linears)
+    _patch_and_hook(model, blocks)
+    _hook_replicated_grads(model, grid)
+    recomputation.apply(model, "none" if context_parallel and recompute == "selective" else recompute, grid)
+    if context_parallel:
+        context.enable(model, grid, recompute_core=recompute == "selective")
+    if skipped:
+        listed = "; ".join(f"{n} ({why})" for n, why in skipped.items())
+        warnings.warn(
+            f"axon4d.auto_parallelize left {len(skipped)} layer(s) as they are — replicated on every "
+            f"rank, gradients averaged over data × z: {listed}",
+            UserWarning,
+            stacklevel=2,
+        )
+    return model
+
+
+def _check_arguments(model: nn.Module, style: str, recompute: str) -> None:
+    """Refuse a ``model`` that is not a ``torch.nn.Module`` (``TypeError``), an unknown
+    recomputation mode or ``style`` (``ValueError``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"auto_parallelize takes a torch.nn.Module (the model to parallelize in place), got {type(model).__name__}"
@@ -72,15 +98,19 @@ def auto_parallelize(
     check_recompute(recompute)
     if style not in STYLES:
         raise ValueError(f"style {style!r} is not known; use one of {STYLES}")
-    grid = runtime.resolve(grid)
-    moe.check_supported(model, style)  # an MoE model it cannot place: one line naming its class
+
+
+def _decide(
+    model: nn.Module, grid: Grid, style: str
+) -> tuple[list[tuple[str, BlockStyle]], dict[str, LinearStyle], dict[str, str]]:
+    """What ``auto_parallelize`` does to ``model`` under ``style``, from sizes alone (no collective,
+    the same on every rank): the styled blocks (``_styled_blocks``), every linear layer to replace
+    (by absolute name) with how, and the layers left as they are with why."""
     users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
     for name, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             users.setdefault(id(p), []).append(name)
     tables = {"sharded": [SHARDED_STYLES, FAMILY_STYLES], "chained": [FAMILY_STYLES], "general": []}[style]
-
-    # 1. decide everything (sizes only: no collective, the same on every rank)
     blocks = _styled_blocks(model, grid, tables, users)
     linears: dict[str, LinearStyle] = {}
     handled: set[str] = set()  # modules a block style replaces
@@ -89,8 +119,14 @@ def auto_parallelize(
         handled.update(_join(name, rel) for rel in block_style.replace)
     general, skipped = general_linears(model, grid, users, taken=handled | set(linears))
     linears.update(general)
+    return blocks, linears, skipped
 
-    # 2. apply: replace modules and layers, install patches and hooks, hook replicated gradients
+
+def _replace(
+    model: nn.Module, grid: Grid, blocks: list[tuple[str, BlockStyle]], linears: dict[str, LinearStyle]
+) -> None:
+    """Put in ``model`` the modules the block styles of ``blocks`` build, and a ``ShardedLinear``
+    on ``grid`` in place of each of ``linears``, split as its style says."""
     for block_name, block_style in blocks:
         block = model.get_submodule(block_name)
         for rel, build in block_style.replace.items():
@@ -108,6 +144,11 @@ def auto_parallelize(
                 fused=linear.fused,
             ),
         )
+
+
+def _patch_and_hook(model: nn.Module, blocks: list[tuple[str, BlockStyle]]) -> None:
+    """Set the attributes each block style of ``blocks`` patches (the originals kept for
+    ``to_dense``) and install its forward pre- and post-hooks."""
     for block_name, block_style in blocks:
         block = model.get_submodule(block_name)
         for rel, attrs in block_style.patch.items():
@@ -119,19 +160,6 @@ def auto_parallelize(
             block.get_submodule(rel).register_forward_pre_hook(hook, with_kwargs=True)
         for rel, hook in block_style.post_hooks.items():
             block.get_submodule(rel).register_forward_hook(hook)
-    _hook_replicated_grads(model, grid)
-    recomputation.apply(model, "none" if context_parallel and recompute == "selective" else recompute, grid)
-    if context_parallel:
-        context.enable(model, grid, recompute_core=recompute == "selective")
-    if skipped:
-        listed = "; ".join(f"{n} ({why})" for n, why in skipped.items())
-        warnings.warn(
-            f"axon4d.auto_parallelize left {len(skipped)} layer(s) as they are — replicated on every "
-            f"rank, gradients averaged over data × z: {listed}",
-            UserWarning,
-            stacklevel=2,
-        )
-    return model
 
 
 def _styled_blocks(
