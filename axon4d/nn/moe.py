@@ -45,6 +45,7 @@ from axon4d.nn.moe_dispatch import (
     DispatchPlan,
     Exchange,
     gather_rows,
+    scatter_rows,
     share_rows,
     share_sizes,
     use_replicated,
@@ -185,18 +186,20 @@ class MoE(nn.Module):
             start += n
         combines = []
         for plan, (ex, rows) in zip(plans, dispatches):
-            out = self._experts(ex.adopt(rows), plan)  # (n_all, hidden/G_x), replicated over y
+            out = self._experts(ex.adopt(rows), plan)  # (n_all, hidden/G_x), partial over y
             home = Exchange(plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE)
-            rows = home.awaited(share_rows(out, plan.y_rows, "y", grid))  # this y index's rows
+            # the down GEMM's partial sums reduced over y, each y index keeping its own rows
+            rows = home.awaited(scatter_rows(out, plan.y_rows, "y", grid, Term.MOE_EXPERT))
             del out  # the experts' rows of every y index: none is kept past its share (memory)
             home.issue(rows)
             combines.append((home, rows))
         backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, hidden/G_x) in all, sorted chunk by chunk
         back = torch.cat(backs) if len(backs) > 1 else backs[0]
-        pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # this share's assignments in token order
-        pairs = gather_rows(pairs, [n * k for n in shares], "y", grid, summed=False)  # (T·k, hidden/G_x)
-        gate = use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD).to(pairs.dtype)  # (T, k)
-        y = (pairs.view(tokens, k, -1) * gate.unsqueeze(-1)).sum(dim=1).view(x.shape)
+        pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # (T_j·k, hidden/G_x) in token order
+        # the gates applied to this share's outputs before they are gathered over y: T rows travel, not T·k
+        gate = share_rows(use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD), shares, "y", grid, Term.MOE_ROUTER_GRAD)
+        mine = (pairs.view(shares[j], k, -1) * gate.to(pairs.dtype).unsqueeze(-1)).sum(dim=1)  # (T_j, hidden/G_x)
+        y = gather_rows(mine, shares, "y", grid, summed=False).view(x.shape)  # (T, hidden/G_x)
         return y + self.shared(x) if self.shared is not None else y
 
     def _chunks(self, tokens: int, g_y: int, x2: torch.Tensor) -> int:
@@ -232,7 +235,7 @@ class MoE(nn.Module):
 
     def _experts(self, received: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """The local experts' FFNs of the rows this rank received, gathered over y first (E17), in
-        gathered order (E18)."""
+        gathered order (E18): each y rank's partial sum over its f/G_y features."""
         grid, ex = self.grid, self.experts
         every = gather_rows(received, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
         run_experts, run_rows = plan.runs()
@@ -256,8 +259,7 @@ class MoE(nn.Module):
         else:
             a = F.gelu(h)
         o = _ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_x), partial over y
-        o = sum_to_replicas(o, "y", grid, tag=Term.MOE_EXPERT, in_place=True)
-        return o.index_select(0, torch.argsort(perm))
+        return o.index_select(0, torch.argsort(perm))  # summed over y by the caller's reduce-scatter
 
     def _aux(self, logits: torch.Tensor, s: torch.Tensor, tokens: int) -> torch.Tensor:
         """This rank's weighted balance loss and z-loss (E19, E20): averaged over batch they are the

@@ -198,18 +198,47 @@ class _ShareRows(torch.autograd.Function):
     every rank's block of the gradient gathered over ``axis`` (each block's gradient is its own rank's)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
-        ctx.sizes, ctx.axis, ctx.grid = sizes, axis, grid
+    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+        ctx.sizes, ctx.axis, ctx.grid, ctx.tag = sizes, axis, grid, tag
         return _own_rows(x, sizes, grid.coord(axis)).contiguous()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        return _gather_rows(g.contiguous(), ctx.sizes, ctx.axis, ctx.grid, Term.MOE_ROWS_Y), None, None, None
+        return _gather_rows(g.contiguous(), ctx.sizes, ctx.axis, ctx.grid, ctx.tag), None, None, None, None
 
 
-def share_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
-    """This rank's block of ``x``'s rows (blocks of ``sizes`` over ``axis``); gathered in backward."""
-    return x if grid.size(axis) == 1 else _ShareRows.apply(x, sizes, axis, grid)
+def share_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term = Term.MOE_ROWS_Y) -> torch.Tensor:
+    """This rank's block of ``x``'s rows (blocks of ``sizes`` over ``axis``); gathered in backward
+    (under ``tag``)."""
+    return x if grid.size(axis) == 1 else _ShareRows.apply(x, sizes, axis, grid, tag)
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Forward: ``x``'s rows summed over ``axis`` (each rank holds a partial sum of all of them), and
+    this rank's block kept — one reduce-scatter of blocks padded to the largest, half the bytes of
+    an all-reduce. Backward: every rank's block of the gradient gathered over ``axis`` (the sum's
+    gradient is the same on every rank's partial)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+        ctx.sizes, ctx.axis, ctx.grid = sizes, axis, grid
+        most, start = max(sizes), 0
+        padded = x.new_zeros((len(sizes) * most, *x.shape[1:]))  # (G·most, …): block i at i·most
+        for i, n in enumerate(sizes):
+            padded[i * most : i * most + n] = x[start : start + n]
+            start += n
+        mine = grid.comm.reduce_scatter(padded, axis, tag=tag).wait()  # (most, …)
+        return mine[: sizes[grid.coord(axis)]]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        return _gather_rows(g.contiguous(), ctx.sizes, ctx.axis, ctx.grid, Term.MOE_ROWS_Y), None, None, None, None
+
+
+def scatter_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+    """This rank's block of the rows of ``Σ_axis x`` (blocks of ``sizes`` over ``axis``; ``x`` is
+    each rank's partial sum of every block): a reduce-scatter (``tag``), gathered in backward."""
+    return x if grid.size(axis) == 1 else _ScatterRows.apply(x, sizes, axis, grid, tag)
 
 
 class _GatherRows(torch.autograd.Function):

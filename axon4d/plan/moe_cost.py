@@ -140,10 +140,12 @@ def layer_collectives(
     of an activation element (the compute dtype). Axes of one rank issue nothing.
 
     Forward: E14 over x (T·E fp32 logits); E15 over batch (G_ep·G_y·C·E int64 counts); per chunk
-    E16's dispatch over batch, E17's gather over y (padded to the largest share), the experts'
-    all-reduces — after up over x (``sum_partials.x``), after down over y (``moe.expert``) — and
-    the combine over batch; the shares' outputs gathered over y (T_j·k rows each, padded).
-    Backward: the gates' gradient over x (T·k fp32); per chunk the combine's and dispatch's reverse
+    E16's dispatch over batch, E17's gather over y (padded to the largest share), the all-reduce
+    over x after the experts' up GEMM (``sum_partials.x``), the reduce-scatter over y after their
+    down GEMM (``moe.expert``: each y index keeps its own rows, padded blocks) and the combine over
+    batch; the shares' gated sums gathered over y (T_j rows each, padded: the gates are applied
+    before the gather). Backward: the gates' gradient gathered over y (T_j·k fp32 each, padded) and
+    summed over x (T·k fp32); per chunk the combine's and dispatch's reverse
     all-to-alls, the outputs' gradient gathered over y, the up all-reduce's gradient over x and the
     gathered rows' partial gradients summed over y (E17); the shares' input gradient gathered over y."""
     g_x, g_y, ep = shape.x, shape.y, shape.size("batch")
@@ -163,9 +165,10 @@ def layer_collectives(
         add(Op.ALL_TO_ALL, "batch", r.sent * h * elem, "forward", Term.MOE_DISPATCH)
         add(Op.ALL_GATHER, "y", g_y * r.gathered_max * h * elem, "forward", Term.MOE_ROWS_Y)
         add(Op.ALL_REDUCE, "x", r.computed * up * elem, "forward", Term.MOE_EXPERT_UP)
-        add(Op.ALL_REDUCE, "y", r.computed * h * elem, "forward", Term.MOE_EXPERT)
+        add(Op.REDUCE_SCATTER, "y", g_y * r.gathered_max * h * elem, "forward", Term.MOE_EXPERT)
         add(Op.ALL_TO_ALL, "batch", r.received * h * elem, "forward", Term.MOE_COMBINE)
-    add(Op.ALL_GATHER, "y", g_y * most * k * h * elem, "forward", Term.MOE_ROWS_Y)
+    add(Op.ALL_GATHER, "y", g_y * most * h * elem, "forward", Term.MOE_ROWS_Y)
+    add(Op.ALL_GATHER, "y", g_y * most * k * 4, "backward", Term.MOE_ROUTER_GRAD)
     add(Op.ALL_REDUCE, "x", tokens * k * 4, "backward", Term.MOE_ROUTER_GRAD)
     for r in reversed(rows):
         add(Op.ALL_TO_ALL, "batch", r.sent * h * elem, "backward", Term.MOE_COMBINE_GRAD)

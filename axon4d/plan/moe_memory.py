@@ -56,13 +56,14 @@ def saved(
     k, e_count, h = model.experts_per_token, model.n_experts, p.hidden_x
     ups = 2 if model.gated else 1
     n = imbalance * tokens * k
+    most = -(-tokens // shape.y)  # the largest y share's tokens
     t = [
         (n * h, elem),  # rows sorted by expert: the up GEMM's input
         (n * ups * p.ffn_y, elem),  # the up output (a gated FFN's [gate | up])
         (n * p.ffn_y if model.gated else 0, elem),  # silu(gate)
         (n * p.ffn_y, elem),  # the activation: the down GEMM's input
-        (tokens * k * h, elem),  # the gathered outputs of the gated sum
-        (tokens * k if elem != 4 else 0, elem),  # the gates cast to the outputs' dtype
+        (most * k * h, elem),  # this y share's outputs, the gated sum's (gated before the gather over y)
+        (most * k if elem != 4 else 0, elem),  # this share's gates cast to the outputs' dtype
         (tokens * e_count * (2 if model.moe_z_coef else 1), 4),  # scores (and the z-loss' logits)
         (tokens * (k + 1), 4),  # the chosen scores and their sums
         (tokens * k + 2 * tokens * k / shape.y + 2 * n, 8),  # chosen experts, the dispatch's orders
@@ -80,15 +81,16 @@ def saved_bytes(model: ModelConfig, tokens: int, shape: GridShape, elem: int, mi
 
 def backward_transient(model: ModelConfig, tokens: int, shape: GridShape, elem: int, imbalance: float) -> float:
     """Bytes live only during one MoE layer's backward at its peak, on one rank, beside what it
-    saved (which its backward frees as it goes): the gathered outputs' gradient (T·k·h), the rows'
-    gradient through down (n·h), the up output's gradient (n·ups·f/G_y) and one activation-sized
-    gradient more (n·f/G_y), in the compute dtype — sized against torch's memory tracker on a
+    saved (which its backward frees as it goes): the share's outputs' gradient (T_j·k·h, T_j the
+    largest y share), the rows' gradient through down (n·h), the up output's gradient (n·ups·f/G_y)
+    and one activation-sized gradient more (n·f/G_y), in the compute dtype — sized against torch's memory tracker on a
     (1,1,2,1) grid (tests/test_plan_moe.py), where counting every gradient the experts' backward
     makes (SwiGLU's two products and the all-reduce's copy too) priced the step's peak 7% high."""
     p = placement(model, shape)
     ups = 2 if model.gated else 1
     n = imbalance * tokens * model.experts_per_token
-    return elem * (tokens * model.experts_per_token * p.hidden_x + n * p.hidden_x + n * (ups + 1) * p.ffn_y)
+    most = -(-tokens // shape.y)
+    return elem * (most * model.experts_per_token * p.hidden_x + n * p.hidden_x + n * (ups + 1) * p.ffn_y)
 
 
 def grad_elements(model: ModelConfig, shape: GridShape) -> int:
