@@ -75,24 +75,8 @@ def init(
     A default process group that exists already (the caller's, or one an earlier ``init()`` in this
     job created; see ``shutdown``) is used as it is.
     """
-    if _state["grid"] is not None:
-        raise RuntimeError(
-            f"axon4d.init() was already called and built {_state['grid']}; "
-            "call axon4d.shutdown() first to build another grid"
-        )
-    info = launch.detect()
-    if _state["owns_world"] and dist.is_initialized():
-        info = _state["launch"]  # type: ignore[assignment]  # the world an earlier init() created
-    if plan is not None and isinstance(precision, str) and "precision" not in plan and "workload" not in plan:
-        plan = {**plan, "precision": precision}  # the planner prices what this grid's collectives move
-    if isinstance(grid, str):
-        if grid != "auto":
-            raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")
-        chosen = choose(info.world_size, overlap=overlap, rank=info.rank, **(plan or {}))  # type: ignore[arg-type]
-        grid, overlap = chosen.shape, chosen.overlap if overlap == AUTO else overlap
-    shape = GridShape.parse(grid, info.world_size)
-    if overlap == AUTO:
-        overlap = choose_overlap(shape, rank=info.rank, **(plan or {}))
+    info = _joining()
+    shape, overlap = _shape_and_overlap(grid, overlap, plan, precision, info)
     dev = devices.rank_device(None if device is None else torch.device(device), info.local_rank)
     devices.bind(dev)
     if seed is not None:
@@ -103,11 +87,7 @@ def init(
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s, device=dev)
         _state["owns_world"], _state["launch"] = True, info
-    choice = _state["probed"] if transport == PROBE else None  # a probe is run once per world
-    if not isinstance(choice, TransportChoice):
-        choice = settle_transport(transport, why, dev, info.rank, info.world_size)
-        if choice.seconds is not None and _state["owns_world"]:
-            _state["probed"] = choice
+    choice = _settled_transport(transport, why, dev, info)
     new = Grid(
         shape,
         dev,
@@ -121,6 +101,55 @@ def init(
     new.comm.transport_choice = choice
     _state["grid"] = new
     return new
+
+
+def _joining() -> launch.LaunchInfo:
+    """The rank, world size and local rank ``init`` builds the grid for: the launcher's, or those of
+    the world an earlier ``init`` created. ``RuntimeError`` when a grid is built already."""
+    if _state["grid"] is not None:
+        raise RuntimeError(
+            f"axon4d.init() was already called and built {_state['grid']}; "
+            "call axon4d.shutdown() first to build another grid"
+        )
+    info = launch.detect()
+    if _state["owns_world"] and dist.is_initialized():
+        info = _state["launch"]  # type: ignore[assignment]  # the world an earlier init() created
+    return info
+
+
+def _shape_and_overlap(
+    grid: GridShape | Sequence[int] | dict[str, int] | str,
+    overlap: OverlapPolicy | bool | str | dict[str, Any] | None,
+    plan: dict[str, Any] | None,
+    precision: Precision | str | None,
+    info: launch.LaunchInfo,
+) -> tuple[GridShape, OverlapPolicy | bool | str | dict[str, Any] | None]:
+    """``init``'s grid shape and overlap policy for the world of ``info``: ``grid="auto"`` the
+    planner's grid for ``plan`` (and its knobs under ``overlap="auto"``), ``overlap="auto"`` on a
+    given grid the knobs the planner predicts fastest there; the planner prices ``precision``'s
+    collectives unless ``plan`` names a precision or a workload."""
+    if plan is not None and isinstance(precision, str) and "precision" not in plan and "workload" not in plan:
+        plan = {**plan, "precision": precision}  # the planner prices what this grid's collectives move
+    if isinstance(grid, str):
+        if grid != "auto":
+            raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")
+        chosen = choose(info.world_size, overlap=overlap, rank=info.rank, **(plan or {}))
+        grid, overlap = chosen.shape, chosen.overlap if overlap == AUTO else overlap
+    shape = GridShape.parse(grid, info.world_size)
+    if overlap == AUTO:
+        overlap = choose_overlap(shape, rank=info.rank, **(plan or {}))
+    return shape, overlap
+
+
+def _settled_transport(transport: str, why: str, dev: torch.device, info: launch.LaunchInfo) -> TransportChoice:
+    """The transport ``choose_transport`` named, settled on the world (``settle_transport``); a
+    probe is run once per world: a world ``init`` created keeps its verdict for later calls."""
+    choice = _state["probed"] if transport == PROBE else None  # a probe is run once per world
+    if not isinstance(choice, TransportChoice):
+        choice = settle_transport(transport, why, dev, info.rank, info.world_size)
+        if choice.seconds is not None and _state["owns_world"]:
+            _state["probed"] = choice
+    return choice
 
 
 def get_grid() -> Grid:
