@@ -166,6 +166,29 @@ class TrainConfig:
         one sequence (its token ids are checked against the vocabulary when it is opened). With
         --hf the saved model's configuration must be readable and the sequence fit its positions,
         and the flags that describe axon4d's own models are refused (``_check_hf``)."""
+        self._check_numbers()
+        self._check_planned()
+        if self.min_lr > self.lr:
+            raise ValueError(
+                f"--min-lr {self.min_lr} is above --lr {self.lr}: the schedule decays from --lr down to --min-lr; "
+                f"give --min-lr at most {self.lr}"
+            )
+        self._check_types()
+        resolve_precision(self.precision, accelerator=False)  # names the precisions that exist
+        check_recompute(self.recompute)  # names the modes
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
+        self.grid_spec()
+        if self.hf:
+            self._check_hf()
+        if not self.out_dir:
+            raise ValueError("--out-dir '': give the directory for the log and checkpoints, e.g. runs/train")
+        self._check_model_and_data()
+
+    def _check_numbers(self) -> None:
+        """Refuse a count below its minimum (``MINIMUM``), a rate or bound that is not a finite number
+        in its range (``RANGES``), and AdamW betas of 1 or more."""
         for name, minimum in MINIMUM.items():
             counts.whole(getattr(self, name), flag(name), minimum=minimum, hint=HINTS[name], flag=True)
         for name, (low, high, open_low) in RANGES.items():
@@ -182,6 +205,11 @@ class TrainConfig:
             raise ValueError(
                 f"--beta1 {self.beta1} / --beta2 {self.beta2}: AdamW's betas must be below 1, e.g. 0.9 and 0.95"
             )
+
+    def _check_planned(self) -> None:
+        """Refuse a ZeRO stage that is not 0, 1 or 2, --pin naming what is not a planned option,
+        --bf16-layers naming what is not an FP8 layer kind or without --precision bf16-fp8, and --try
+        or --correction without --grid auto."""
         if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise ValueError(
                 f"--zero {self.zero!r}: choose 0 (no sharding), 1 (optimizer state and master weights sharded over "
@@ -201,11 +229,10 @@ class TrainConfig:
         if (self.try_plans or self.correction) and self.grid != "auto":
             given = f"--try {self.try_plans}" if self.try_plans else f"--correction {self.correction}"
             raise ValueError(f"{given} with --grid {self.grid}: only --grid auto has plans to try or to price")
-        if self.min_lr > self.lr:
-            raise ValueError(
-                f"--min-lr {self.min_lr} is above --lr {self.lr}: the schedule decays from --lr down to --min-lr; "
-                f"give --min-lr at most {self.lr}"
-            )
+
+    def _check_types(self) -> None:
+        """Refuse (``TypeError``) a string field holding anything but a string and a switch holding
+        anything but True or False."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("str", str) and not isinstance(value, str):
@@ -217,16 +244,11 @@ class TrainConfig:
                     f"{flag(f.name)} {value!r} ({type(value).__name__}) must be True or False (the flag "
                     f"{flag(f.name)} or --no-{flag(f.name)[2:]})"
                 )
-        resolve_precision(self.precision, accelerator=False)  # names the precisions that exist
-        check_recompute(self.recompute)  # names the modes
-        for name, choices in CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{flag(name)} {getattr(self, name)!r}: choose one of {', '.join(choices)}")
-        self.grid_spec()
-        if self.hf:
-            self._check_hf()
-        if not self.out_dir:
-            raise ValueError("--out-dir '': give the directory for the log and checkpoints, e.g. runs/train")
+
+    def _check_model_and_data(self) -> None:
+        """Refuse the model the flags describe where ``ModelConfig`` does, an --offload it has no
+        blocks for, --data corpus with a vocabulary below 256, and a --data file that is missing or
+        holds no whole sequence."""
         mcfg = self.model_config()  # the size name, the arch and the overrides, checked by ModelConfig
         hint = "give e.g. 0.5 (the first half of the blocks), 1.0 (all), 0,1,2 (blocks 0–2) or none"
         try:  # the value, the rule and what works
