@@ -6,12 +6,12 @@ checkpoint if asked (``--resume always``, or ``auto``: when there is one), and r
 this step's micro-batches (``batches``) → gradient clipping and AdamW on the schedule (``optim``)
 → the step record, with the communication the grid's ``CommLog`` saw during the step
 (``report``). Rank 0 shows the progress bar and writes the log; checkpoints
-(``axon4d.checkpoint``) are saved every ``save_every`` steps and at the end, and a resumed run
+(``saves``, ``axon4d.checkpoint``) are saved every ``save_every`` steps and at the end, and a resumed run
 continues on the same loss curve: a job that a launcher restarts after a failure (``--resume
 auto`` under ``torchrun --max-restarts`` or ``sbatch --requeue``) runs the steps after its last
 checkpoint again, on the same data and random state, and logs each step once. With
 ``--async-save`` the checkpoints are written in the background while training goes on
-(``checkpoint.AsyncSaver``; the summary reports the seconds each save blocked training). With
+(``checkpoint.AsyncSaver`` through ``saves.saver``; the summary reports the seconds each save blocked training). With
 ``--compare-single`` rank 0 afterwards trains the same model in one process (``reference``). With
 ``--hf`` the model is a saved Hugging Face causal LM, parallelized and loaded by slices (``hf``),
 trained by the same loop.
@@ -34,11 +34,9 @@ chosen (``precision``, ``tf32``, ``optimizer``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import time
 from typing import Any
 
@@ -57,7 +55,7 @@ from axon4d.options.precision import AUTO, NAMED
 from axon4d.options.precision import resolve as resolve_precision
 from axon4d.options.recompute_mode import check_recompute
 from axon4d.reliability import watchdog
-from axon4d.train import hf, optim, reference, report, trial
+from axon4d.train import hf, optim, reference, report, saves, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
 from axon4d.train.moe_log import moe_record
@@ -114,7 +112,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     try:
         with (
             watchdog.guard(grid.rank, grid.world_size, cfg.timeout, cfg.startup_timeout, abort=grid.comm.abort) as dog,
-            _saver(grid, cfg) as saver,
+            saves.saver(grid, cfg) as saver,
         ):
             return _train_on(grid, cfg, mcfg, resume_from, dog, saver, tried)
     finally:
@@ -217,22 +215,6 @@ def _synchronize(grid: Grid, step: int) -> None:
         devices.synchronize_compute(grid.device)
 
 
-def _resume(
-    cfg: TrainConfig, resume_from: str | None, model: Model, grid: Grid, opt: torch.optim.Optimizer, ckpt_dir: str
-) -> tuple[int, int]:
-    """Load ``resume_from`` into the model and optimizer (restoring the random state it recorded),
-    or clear the old checkpoints under --overwrite; return (first step, non-finite steps so far)."""
-    if resume_from is None:
-        if cfg.overwrite and grid.rank == 0:
-            shutil.rmtree(ckpt_dir, ignore_errors=True)
-        return 0, 0
-    with watchdog.waiting("the checkpoint load", cfg.startup_timeout):
-        meta = checkpoint.load(resume_from, model, grid, opt)
-    if meta.get("rng"):
-        devices.restore_rng(meta["rng"], grid.device)
-    return int(meta["step"]), int(meta.get("nonfinite_skipped", 0))
-
-
 def _progress(cfg: TrainConfig, start: int, rank0: bool) -> tqdm:
     """The progress bar. Every step is drawn (tqdm's defaults skip redraws less than 0.1 s apart):
     a step is the unit the user watches, and its loss, tokens/s, MFU and hidden share must not go
@@ -247,53 +229,6 @@ def _progress(cfg: TrainConfig, start: int, rank0: bool) -> tqdm:
         mininterval=0,
         miniters=1,
     )
-
-
-def _saver(grid: Grid, cfg: TrainConfig) -> contextlib.AbstractContextManager[checkpoint.AsyncSaver | None]:
-    """With --async-save the run's background saver (``checkpoint.AsyncSaver``; its writes' collectives
-    time out as the saves' waits do), released when the run ends; else nothing (saves block)."""
-    return checkpoint.AsyncSaver(grid, cfg.startup_timeout) if cfg.async_save else contextlib.nullcontext()
-
-
-def _save(
-    cfg: TrainConfig,
-    ckpt_dir: str,
-    model: Model,
-    grid: Grid,
-    opt: torch.optim.Optimizer,
-    step: int,
-    skipped: int,
-    saver: checkpoint.AsyncSaver | None,
-) -> float:
-    """Checkpoint ``step`` (with the run's config, data position and random state, and the --hf
-    model's directory), marked as a wait; return the seconds training was blocked. With ``saver``
-    (--async-save) that is the wait for the previous save's write and this one's snapshot, and the
-    write goes on in the background; the last step's save is waited for (the run ends with it
-    published). A checkpoint already at ``step`` is replaced: a resumed run's steps lie beyond its
-    checkpoint, and one found there is of the continuation it replays (published by a run ended
-    before it pointed ``latest`` at it)."""
-    extra: dict[str, Any] = {"train_config": dataclasses.asdict(cfg), "nonfinite_skipped": skipped}
-    if cfg.hf:
-        extra[checkpoint.HF_PATH] = os.path.realpath(cfg.hf)
-    t0 = time.perf_counter()
-    doing = "the background write of the previous checkpoint and " if saver and saver.in_flight else ""
-    with watchdog.waiting(f"{doing}the checkpoint save of step {step}", cfg.startup_timeout):
-        args: dict[str, Any] = {
-            "step": step,
-            "extra": extra,
-            "keep_last": cfg.keep_last,
-            "data_position": {"step": step, "batches_per_step": cfg.micro_batches},
-            "rng": devices.rng_state(grid.device),
-            "overwrite": True,
-        }
-        path = os.path.join(ckpt_dir, f"step_{step}")
-        if saver is None:
-            checkpoint.save(path, model, grid, opt, **args)
-        else:
-            saver.save(path, model, opt, **args)
-            if step == cfg.steps:
-                saver.wait()
-    return time.perf_counter() - t0
 
 
 def _step(
@@ -349,7 +284,7 @@ def _train_on(
     opt = make_optimizer(model, cfg, grid)  # --zero 1|2: sharded over data (axon4d.zero)
     data = make_data(cfg, mcfg, grid)
     ckpt_dir = os.path.join(cfg.out_dir, "checkpoints")
-    start, skipped = _resume(cfg, resume_from, model, grid, opt, ckpt_dir)  # skipped: non-finite steps so far
+    start, skipped = saves.resume(cfg, resume_from, model, grid, opt, ckpt_dir)  # skipped: non-finite steps so far
     check_compute_dtype(grid)
     peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)  # after allow_tf32: fp32 at TF32's peak
     chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": describe_optimizer(opt), "zero": cfg.zero}
@@ -378,9 +313,9 @@ def _train_on(
         if dog is not None and step == start:
             dog.steady(grid.groups.values())  # start-up is over: waits and the groups get --timeout
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            blocked.append(_save(cfg, ckpt_dir, model, grid, opt, step + 1, skipped, saver))
+            blocked.append(saves.save(cfg, ckpt_dir, model, grid, opt, step + 1, skipped, saver))
     bar.close()
-    blocked.append(_save(cfg, ckpt_dir, model, grid, opt, cfg.steps, skipped, saver))
+    blocked.append(saves.save(cfg, ckpt_dir, model, grid, opt, cfg.steps, skipped, saver))
     final = os.path.join(ckpt_dir, f"step_{cfg.steps}")
     summary = report.summarize(
         [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
