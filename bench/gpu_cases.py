@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import axon4d
 from axon4d import activations, checkpoint, grads
@@ -655,16 +656,43 @@ def fp8_against_bf16(_: Any, grid: tuple[int, int, int, int]) -> dict[str, Any]:
     }
 
 
+class _Dispatched(TorchDispatchMode):
+    """The names of the aten operations run on this thread while it is active (``"_fused_adamw_"``,
+    ``"_foreach_addcdiv_"``, ``"addcdiv_"`` …)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def adamw_kernel_ran(ops: set[str]) -> str:
+    """Which of ``torch.optim.AdamW``'s implementations a step ran, from the aten operations it
+    dispatched (``_Dispatched``): "fused" (``_fused_adamw_``), "foreach" (``_foreach_addcdiv_``),
+    "for-loop" (``addcdiv_``, one parameter at a time), or "none" (no update ran)."""
+    if any(op.startswith("_fused_adam") for op in ops):
+        return "fused"
+    if "_foreach_addcdiv_" in ops:
+        return "foreach"
+    return "for-loop" if "addcdiv_" in ops else "none"
+
+
 def zero_against_unsharded(grid: Any, steps: int = 5, job_kernel: bool = False) -> dict[str, Any]:
     """ZeRO-1 and ZeRO-2 (axon4d.zero) against the unsharded AdamW, in the grid's precision,
     ``steps`` clipped steps of the GPT side by side: for each stage the relative difference of this
     rank's master parts from the unsharded parameters over the whole model (the parameters
     themselves in fp32, where the masters are views of them), the dtypes of the Linear weights and
-    the collectives issued. ``job_kernel``: AdamW runs the implementation the training job picks
-    for the device (``axon4d.device.adamw_kernel``: fused on an accelerator), else torch's default."""
+    the collectives issued. ``job_kernel``: AdamW is asked for the implementation the training job
+    picks for the device (``axon4d.device.adamw_kernel``: fused on an accelerator), else torch's
+    default (``optimizer_asked``); what each optimizer's steps ran, seen in the operations they
+    dispatched (``adamw_kernel_ran``): ``unsharded_optimizer``, ``zero1_optimizer``, ``zero2_optimizer``."""
     _highest_precision()
     cfg = MODELS["gpt"]
     kernel = {devices.adamw_kernel(grid.device): True} if job_kernel else {}
+    seen = {stage: _Dispatched() for stage in (0, 1, 2)}
     runs = {}
     grid.comm.log.clear()
     for stage in (0, 1, 2):
@@ -675,15 +703,20 @@ def zero_against_unsharded(grid: Any, steps: int = 5, job_kernel: bool = False) 
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 + step)
         ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=gen)
-        for model, opt in runs.values():
+        for stage, (model, opt) in runs.items():
             accumulate(model, (ids,), grid)
             grads.clip_grad_norm_(model, 0.05, grid)
-            opt.step()
+            with seen[stage]:
+                opt.step()
             opt.zero_grad(set_to_none=True)
+    ran = {stage: adamw_kernel_ran(mode.ops) for stage, mode in seen.items()}
     out: dict[str, Any] = {
         "device": str(grid.device),
         "precision": str(grid.precision.compute),
-        "optimizer": next(iter(kernel), "default"),
+        "optimizer_asked": next(iter(kernel), "default"),
+        "unsharded_optimizer": ran[0],
+        "zero1_optimizer": ran[1],
+        "zero2_optimizer": ran[2],
         "collectives": len(grid.comm.log.records),
     }
     with torch.no_grad():

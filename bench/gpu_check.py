@@ -217,13 +217,20 @@ def _zero_exact(results: list[dict[str, Any]]) -> str | None:
     bad = [r for r in results if r["zero1_linear_dtypes"] != want or r["zero2_linear_dtypes"] != want]
     if bad:
         return f"Linear weights stored as {bad[0]['zero1_linear_dtypes']}, not {want}"
-    return _fused_on_gpu(results)
+    return _kernel_kept(results)
 
 
-def _fused_on_gpu(results: list[dict[str, Any]]) -> str | None:
-    """Where a rank asked for the job's AdamW on a GPU, it ran the fused kernel."""
-    bad = [r for r in results if str(r["device"]).startswith("cuda") and r["optimizer"] not in ("fused", "default")]
-    return None if not bad else f"AdamW ran {bad[0]['optimizer']!r} on a GPU, not the fused kernel"
+def _kernel_kept(results: list[dict[str, Any]]) -> str | None:
+    """Each ZeRO stage's steps ran the AdamW implementation the unsharded optimizer asked for the
+    same ran (``gpu_cases.adamw_kernel_ran``: seen in the operations dispatched, not the keyword
+    passed); where the job's AdamW was asked for on a GPU, the fused kernel."""
+    for r in results:
+        ran = {r["zero1_optimizer"], r["zero2_optimizer"]}
+        if ran != {r["unsharded_optimizer"]}:
+            return f"ZeRO's AdamW ran {sorted(ran)}, the unsharded AdamW {r['unsharded_optimizer']!r}"
+        if str(r["device"]).startswith("cuda") and r["optimizer_asked"] != "default" and ran != {"fused"}:
+            return f"AdamW ran {sorted(ran)} on a GPU, not the fused kernel"
+    return None
 
 
 def _micro_keep(results: list[dict[str, Any]]) -> str | None:

@@ -2,10 +2,15 @@
 is: without CUDA it refuses with a clear message and exit 1; on the host (``--on-host``) its cases run
 the same code on CPU tensors and pass, its JSON and closing line are written; a case that errs on a
 rank, misses its tolerance or runs no collective on several ranks is reported failed (exit 1) instead
-of hanging or passing; what a machine cannot run is recorded skipped with the reason; the tolerances
-stay within ≈ 10× of what the H200 measured; the JSON names the code that ran. The GPU itself is
+of hanging or passing; what a machine cannot run is recorded skipped with the reason; each
+tolerance's measured error is the worst the H200 run's JSON holds for its cases, and its bound
+within ≈ 10× of it; the ZeRO case records the AdamW kernel each optimizer's steps ran (seen in what
+they dispatched) and fails where a sharded one ran another; the sync case's watch catches a host read
+planted in a copy of the step, at its line; the JSON names the code that ran. The GPU itself is
 never needed."""
 
+import collections
+import inspect
 import json
 import os
 import subprocess
@@ -136,13 +141,47 @@ def test_what_a_machine_cannot_run_is_recorded_skipped_with_the_reason(tmp_path)
             assert nccl and all(c.world <= 4 for c, t in runs if t == "nccl")
 
 
-def test_each_tolerance_is_near_ten_times_the_gpu_s_measured_error_or_tighter():
-    """A bound below what the H200 measured would fail a healthy GPU; one far above it (the old
-    training bound was 900×) would pass a broken one. Those not run on a GPU yet say so."""
+#: the metrics each tolerance bounds (the verdicts that apply it: ``_exact``, ``_fp8_close``,
+#: ``_zero_exact``, ``_trains``, ``_resumes``, ``_micro_keep``)
+BOUNDED_METRICS = {
+    "fp32": ("grad_rel", "loss_rel"),
+    "bf16": ("grad_rel", "loss_rel"),
+    "fp8 loss": ("loss_rel",),
+    "fp8 grad": ("grad_fro",),
+    "zero fp32": ("zero1_rel", "zero2_rel"),
+    "zero bf16": ("zero1_rel", "zero2_rel"),
+    "train": ("max_rel_diff",),
+    "resume": ("loss_rel",),
+    "peak": ("peak_error",),
+}
+
+
+def _significant_digits(x):
+    """How many significant digits ``x`` is written with (7.3e-07: 2, 0.0207: 3)."""
+    return len(repr(x).split("e")[0].replace(".", "").replace("-", "").lstrip("0"))
+
+
+def test_each_tolerance_is_near_ten_times_the_gpu_s_measured_error_or_tighter(tmp_path):
+    """Each tolerance's ``measured`` is the worst error the H200 run (``MEASURED_IN``, read here)
+    recorded for the cases that tolerance bounds, as written to its digits; a tolerance with no
+    such case in that run says it was not run on a GPU. A bound below what the H200 measured would
+    fail a healthy GPU; one far above it (the old training bound was 900×) would pass a broken one."""
+    with open(os.path.join(ROOT, gpu_check.MEASURED_IN)) as f:
+        h200 = json.load(f)
+    assert h200["device"] == "NVIDIA H200" and h200["counts"]["failed"] == 0
+    ran = {c["name"]: c["metrics"] for c in h200["cases"] if c["status"] == "passed"}
+    assert set(BOUNDED_METRICS) == set(gpu_check.TOLERANCES)
+    errors = {name: [] for name in gpu_check.TOLERANCES}
+    for case in gpu_check.cases(str(tmp_path)):
+        for name in case.tolerances:
+            for m in ran.get(case.name, []):
+                errors[name] += [abs(m[k]) for k in BOUNDED_METRICS[name] if m.get(k) is not None]
     for name, tol in gpu_check.TOLERANCES.items():
         if tol.measured is None:
-            assert "not yet run on a GPU" in tol.why, name
+            assert "not yet run on a GPU" in tol.why and not errors[name], (name, errors[name])
         else:
+            worst = max(errors[name])
+            assert float(f"{worst:.{_significant_digits(tol.measured)}g}") == tol.measured, (name, worst, tol)
             assert 2 * tol.measured <= tol.bound <= 12 * tol.measured, (name, tol)
 
 
@@ -249,7 +288,10 @@ def test_the_fp8_and_zero_cases_run_side_by_side_on_the_host(tmp_path):
                 # in bf16 ZeRO stores the Linear weights in bf16 (sharded fp32 masters), in fp32 not
                 stored = ["torch.bfloat16" if "bf16" in case["name"] else "torch.float32"]
                 assert m["zero1_linear_dtypes"] == m["zero2_linear_dtypes"] == stored
-                assert m["optimizer"] == ("foreach" if "job AdamW" in case["name"] else "default")
+                # what the sharded optimizers' steps ran, seen in what they dispatched: the job's
+                # AdamW on the host is foreach, torch's default there one parameter at a time
+                ran = "foreach" if "job AdamW" in case["name"] else "for-loop"
+                assert m["unsharded_optimizer"] == m["zero1_optimizer"] == m["zero2_optimizer"] == ran
                 assert m["collectives"] > 0
     assert saved["source_digest"] == gpu_check.source_digest()
 
@@ -284,6 +326,80 @@ def test_the_step_cases_run_on_the_host(tmp_path):
     for m in got[moe[0]] + got[moe[1]]:  # exact, its host's own reads seen (the counts exchange), none flagged
         assert m["loss_rel"] <= 8e-6 and m["grad_rel"] <= 8e-6 and m["host_tensor_reads"] > 0
         assert m["forward_reads"] == [] == m["backward"] and m["collectives"] > 0
+
+
+def _watched_step(grid, plant):
+    """``gpu_cases.no_host_sync`` on this rank, the host's tensors standing in for an accelerator's
+    (the watch reports every read of them); with ``plant``, in a copy of the step whose clipping
+    reads the norm on the host (``.item()``) and whose update first copies the loss sum to the host
+    (``.cpu()``)."""
+    import types
+
+    from axon4d.train import optim
+
+    clip, step, real = optim.clip, optim.step, gpu_cases.devices
+
+    def planted_clip(model, job, grid):
+        norm = clip(model, job, grid)
+        norm.item()  # planted: a host read
+        return norm
+
+    def planted_step(opt, loss_sum, norm, read):
+        loss_sum.cpu()  # planted: a copy to the host
+        return step(opt, loss_sum, norm, read)
+
+    gpu_cases.devices = types.SimpleNamespace(**{**vars(real), "is_accelerator": lambda device: True})
+    if plant:
+        optim.clip, optim.step = planted_clip, planted_step
+    try:
+        return gpu_cases.no_host_sync(grid)
+    finally:
+        gpu_cases.devices, optim.clip, optim.step = real, clip, step
+
+
+@pytest.mark.slow
+def test_a_host_read_planted_in_the_step_is_caught_where_it_is(pools):
+    """The sync case's watch on a copy of the step with an ``.item()`` planted in its clipping and a
+    ``.cpu()`` in its update: it reports both, each at the planted line, besides what the step read
+    without them (on the host, whose tensors stand in for a device's: the host-only paths' reads),
+    and ``_no_sync`` fails naming them."""
+    plain, planted = (pools(1).run((1, 1, 1, 1), _watched_step, plant)[0] for plant in (False, True))
+    lines, start = inspect.getsourcelines(_watched_step)
+    at = {word: start + i for i, line in enumerate(lines) for word in ("item", "cpu") if f".{word}()  #" in line}
+    here = os.path.relpath(__file__, ROOT)
+    added = collections.Counter(planted["reads"]) - collections.Counter(plain["reads"])
+    assert sorted(added.elements()) == [
+        f"cpu at {here}:{at['cpu']} in planted_step",
+        f"item at {here}:{at['item']} in planted_clip",
+    ]
+    assert not collections.Counter(plain["reads"]) - collections.Counter(planted["reads"])
+    assert plain["syncs"] == [] == planted["syncs"] and planted["collectives"] == plain["collectives"]
+    why = gpu_check._no_sync([{**planted, "reads": list(added.elements())}])
+    assert why is not None and "in planted_clip" in why and "in planted_step" in why
+
+
+@pytest.mark.parametrize(
+    "asked,ran", [({"fused": True}, "fused"), ({"foreach": True}, "foreach"), ({"foreach": False}, "for-loop")]
+)
+def test_the_adamw_kernel_is_seen_in_what_its_step_dispatched(asked, ran):
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = torch.optim.AdamW([p], **asked)
+    with gpu_cases._Dispatched() as mode:
+        opt.step()
+    assert gpu_cases.adamw_kernel_ran(mode.ops) == ran
+    assert gpu_cases.adamw_kernel_ran(set()) == "none"
+
+
+def test_the_zero_case_fails_where_a_sharded_step_ran_another_kernel():
+    good = {"device": "cuda:0", "precision": "torch.float32", "zero1_rel": 0.0, "zero2_rel": 0.0}
+    good.update(zero1_linear_dtypes=["torch.float32"], zero2_linear_dtypes=["torch.float32"])
+    good.update(optimizer_asked="fused", unsharded_optimizer="fused", zero1_optimizer="fused", zero2_optimizer="fused")
+    assert gpu_check._zero_exact([good]) is None
+    assert "ZeRO's AdamW ran ['for-loop', 'fused']" in gpu_check._zero_exact([{**good, "zero2_optimizer": "for-loop"}])
+    foreach = dict.fromkeys(["unsharded_optimizer", "zero1_optimizer", "zero2_optimizer"], "foreach")
+    assert "not the fused kernel" in gpu_check._zero_exact([{**good, **foreach}])
+    assert gpu_check._zero_exact([{**good, **foreach, "device": "cpu", "optimizer_asked": "foreach"}]) is None
 
 
 def test_the_moe_case_fails_on_a_second_read_or_a_read_in_backward():
