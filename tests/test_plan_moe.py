@@ -384,7 +384,7 @@ def test_the_accuracy_probe_runs_the_moe_layer_the_planner_prices(pools, grid):
 
 def test_an_all_to_all_is_priced_from_the_machine_s_curve_where_it_has_one():
     """``all_to_all_seconds``: the machine's measured all-to-all curve of the batch axis' geometry
-    where calibration wrote one, else the pairwise α–β exchange (``Machine.comm_time``); the rows a
+    where calibration wrote one, else grouped point-to-point sends (``Machine.comm_time``); the rows a
     rank sends of its own share (``OWN_SHARE_TERMS``) wait for the busiest peer, ρ times the mean."""
     from axon4d.layout.geometry import Collective, Op
     from axon4d.plan.moe_cost import OWN_SHARE_TERMS, all_to_all_seconds
@@ -397,7 +397,8 @@ def test_an_all_to_all_is_priced_from_the_machine_s_curve_where_it_has_one():
     plain = load("h100")
     for c, payload in ((dispatch, 1.5 * (1 << 16)), (combine, 1 << 16)):
         assert all_to_all_seconds(plain, shape, c, 1.5) == plain.comm_time("all_to_all", 4, 1, payload, 4)
-    assert all_to_all_seconds(plain, shape, combine, 1.5) == pytest.approx(3 * 3.4e-6 + (1 << 16) * 3 / 4 / 360e9)
+    # three peers in a node: one round of grouped sends, one latency of the level
+    assert all_to_all_seconds(plain, shape, combine, 1.5) == pytest.approx(3.4e-6 + (1 << 16) * 3 / 4 / 360e9)
     curve = CommCurve("all_to_all", 4, 1, 4, [4096, 1 << 20], [1e-3, 2e-3])
     measured = dataclasses.replace(plain, comm=[curve])
     assert all_to_all_seconds(measured, shape, dispatch, 1.5) == curve.time(1.5 * (1 << 16))
@@ -405,6 +406,23 @@ def test_an_all_to_all_is_priced_from_the_machine_s_curve_where_it_has_one():
     assert all_to_all_seconds(measured, shape, combine, 1.5) > 10 * all_to_all_seconds(plain, shape, combine, 1.5)
     other = dataclasses.replace(plain, comm=[dataclasses.replace(curve, group=2)])  # another geometry's curve
     assert all_to_all_seconds(other, shape, combine, 1.0) == all_to_all_seconds(plain, shape, combine, 1.0)
+
+
+def test_an_all_to_all_pays_one_latency_per_round_of_peers_in_flight():
+    """NCCL runs an all-to-all as point-to-point sends fused in one group call, ``P2P_PEERS_IN_FLIGHT``
+    peers at a time: 128 ranks on 16 nodes pay one node-local round (7 peers) and ⌈120/16⌉ = 8
+    network rounds, not 127 latencies in series; the bytes are the slower level's, as before."""
+    from axon4d.plan.collective_model import P2P_PEERS_IN_FLIGHT, Link, Span, all_to_all_time
+
+    assert P2P_PEERS_IN_FLIGHT == 16
+    intra, net = Link(3e-6, 300e9), Link(12e-6, 25e9)
+    payload = 128 * 4096.0  # 4 KiB to every rank
+    local, remote = payload * 7 / 128 / 300e9, payload * 120 / 128 / 25e9
+    assert all_to_all_time(payload, Span(128, 16, 8), intra, net) == pytest.approx(3e-6 + 8 * 12e-6 + remote)
+    assert remote > local
+    # 17 remote peers: two rounds; one rank per node: no node-local round
+    assert all_to_all_time(payload, Span(18, 18, 1), intra, net) == pytest.approx(2 * 12e-6 + payload * 17 / 18 / 25e9)
+    assert all_to_all_time(payload, Span(1, 1, 1), intra, net) == 0.0
 
 
 def test_the_counts_host_sync_is_measured_where_calibrated_assumed_otherwise_and_free_on_the_host():

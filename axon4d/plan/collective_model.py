@@ -26,9 +26,12 @@ latency, less bandwidth; what NCCL picks below ~64 KiB), NVLS (NVLink SHARP) and
 modelled: the model prices small collectives a few µs high and large intra-node all-reduces on
 NVSwitch systems with NVLS somewhat slow.
 
-An all-to-all (an MoE layer's E16) has no tuner's choice — NCCL runs it as grouped point-to-point
-sends — and is priced as a pairwise exchange on either device (``all_to_all_time``) where a
-machine has no measured curve of it.
+An all-to-all (an MoE layer's E16) has no tuner's choice — NCCL runs it as point-to-point sends
+and receives to every peer fused in one group call (``ncclGroupStart``/``ncclGroupEnd``, NCCL's
+p2p design: NVIDIA/nccl pull request 316), spread over its p2p channels, several peers in flight at
+once — and is priced on either device (``all_to_all_time``) where a machine has no measured curve
+of it: the peers of each level in rounds of ``P2P_PEERS_IN_FLIGHT``, one latency of the level per
+round, and the bytes to the other ranks at each level's per-rank bandwidth.
 """
 
 from __future__ import annotations
@@ -143,19 +146,33 @@ def nccl_time(op: str, payload: float, span: Span, intra: Link, net: Link, chann
     return min(candidates(op, payload, span, intra, net, channels), key=lambda p: p.seconds)
 
 
+#: peers an all-to-all exchanges with at once: NCCL's p2p channels on an 8-GPU H100 node (32, as its
+#: INFO log prints "32 p2p channels, 2 p2p channels per peer" — NVIDIA/nccl issue 1680; an H20
+#: system's log in issue 1189 prints 8 and 2) over its channels per peer (2). An assumption for the
+#: shipped GPU files, whose all-to-all no GPU has measured; `axon4d calibrate` measures the curve.
+P2P_PEERS_IN_FLIGHT = 16
+
+
 def all_to_all_time(payload: float, span: Span, intra: Link, net: Link) -> float:
     """An all-to-all in which each rank of ``span`` sends ``payload`` bytes, its own share included,
-    split evenly over the ranks (E16): a pairwise exchange of G − 1 steps, each paying the latency
-    of its level (``intra`` inside a node, ``net`` between nodes), and the bytes to the other ranks
-    at the per-rank bandwidth of each level, the slower of the node-local and the cross-node part."""
+    split evenly over the ranks (E16), as grouped point-to-point sends (module docstring): the
+    peers of each level (``intra`` inside a node, ``net`` between nodes) in rounds of
+    ``P2P_PEERS_IN_FLIGHT``, each round paying its level's latency once, and the bytes to the other
+    ranks at the per-rank bandwidth of each level, the slower of the node-local and the cross-node part."""
     g = span.ranks
     if g <= 1:
         return 0.0
     local_peers, remote_peers = span.per_node - 1, g - span.per_node
-    latency = local_peers * intra.alpha_s + remote_peers * net.alpha_s
+    rounds = functools.partial(_rounds, per=P2P_PEERS_IN_FLIGHT)
+    latency = rounds(local_peers) * intra.alpha_s + rounds(remote_peers) * net.alpha_s
     local = payload * local_peers / g / intra.beta_Bps
     remote = payload * remote_peers / g / net.beta_Bps if remote_peers else 0.0
     return latency + max(local, remote)
+
+
+def _rounds(peers: int, per: int) -> int:
+    """Rounds in which ``peers`` exchanges run, ``per`` at a time."""
+    return -(-peers // per) if peers > 0 else 0
 
 
 def host_time(op: str, group: int, payload: float, link: Link) -> float:
