@@ -185,6 +185,12 @@ class HFCausalLM(nn.Module):
         the whole logits, without communication. After ``backward()`` every gradient is the
         DDP-averaged one of the global mean (the parallelized model averages over batch = data × z)."""
         head = self.split_head()
+        config: Any = getattr(self.module, "config", None)
+        if self.grid is None and getattr(config, "output_router_logits", False):
+            # one process: transformers' own model, its load-balancing loss (``aux_loss``) weighted as it weights it
+            out = self.module(input_ids=ids, use_cache=False)
+            coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+            return vocab_parallel_cross_entropy(out.logits, targets, None) + coef * out.aux_loss
         if head is None:
             loss = vocab_parallel_cross_entropy(self(ids), targets, None)  # (b, s, vocab) logits
         else:
@@ -192,7 +198,7 @@ class HFCausalLM(nn.Module):
             hidden = body(input_ids=ids, use_cache=False, **self._positions(ids)).last_hidden_state
             logits = head.local(hidden)  # (b, s, vocab/G_out): this rank's slice of the vocabulary
             loss = vocab_parallel_cross_entropy(logits, targets, self.grid, axis=head.inner.out_axis)
-        aux = aux_loss(self.module)  # MoE blocks' balance losses, when the config asks (axon4d.parallelize.moe)
+        aux = aux_loss(self.module)  # transformers' balance loss (this rank's share) when asked: moe.RouterAux
         return loss if aux is None else loss + aux
 
     def to_dense(self, grads: bool = False) -> HFCausalLM:
