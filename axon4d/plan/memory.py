@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -110,6 +111,128 @@ class MemoryEstimate:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class Persistent:
+    """What one rank holds the whole step (bytes), and the sizes behind it."""
+
+    params: float
+    grads: float
+    optimizer: float
+    n_params: int
+    """parameter elements on the rank (``local_param_count``)"""
+    p_bytes: int
+    """bytes of one parameter element and of its gradient (``param_bytes``)"""
+    sixteen: list[int]
+    """the weight shards ZeRO stores in 16 bits (``sixteen_bit_weights``)"""
+
+
+def persistent(
+    wl: Workload, shape: GridShape, zero: int, micro_batches: int, master_weights: bool | None = None
+) -> Persistent:
+    """Parameters, gradients and optimizer state of one rank (module docstring). Training in 16 bits
+    the parameters are the fp32 master weights (axon4d.options.precision: the layers cast them for
+    the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them, but those of
+    the Linear weights it stores in 16 bits (G_data > 1), which are fp32 parts. With ``zero`` ≥ 1 the
+    optimizer state is that of ⌈N/G_data⌉ elements, and at ``zero`` = 2 with one micro-batch the
+    gradients too (under accumulation the local sums of the whole shards are held to the last one)."""
+    elem = wl.element_size
+    n_params = local_param_count(wl, shape)
+    owned = optimizer_elements(wl, shape, zero)  # elements whose optimizer state is here
+    p_bytes = param_bytes(wl, master_weights)
+    sixteen = sixteen_bit_weights(wl, shape, zero, master_weights)
+    n_sixteen, master_parts = sum(sixteen), sum(math.ceil(n / shape.data) for n in sixteen)
+    params = (n_params - n_sixteen) * p_bytes + n_sixteen * elem + master_parts * 4
+    grads = (owned if zero == 2 and micro_batches == 1 else n_params) * p_bytes
+    if sixteen and not (zero == 2 and micro_batches == 1):  # the 16-bit weights' gradients: the masters' parts
+        grads = (n_params - n_sixteen) * p_bytes + master_parts * 4
+    return Persistent(params, grads, owned * OPTIMIZERS[wl.optimizer], n_params, p_bytes, sixteen)
+
+
+def kept_weights(wl: Workload, shape: GridShape, recompute: str, overlap: OverlapPolicy, cast: bool) -> float:
+    """Bytes of the weight blocks kept from the forward to the backward: every block gathered in
+    forward under keep-for-backward (G_z > 1), and on one rank every weight's cast copy (``cast``:
+    fp32 masters cast per use, axon4d.nn.local_linear); the embedding has none, and under full
+    recomputation a block's layers keep theirs only from its re-run on (``BackwardWalk.rebuild``)."""
+    if not ((overlap.oag_keep and shape.z > 1) or (cast and shape.world_size == 1)):
+        return 0.0
+    return (
+        sum(
+            s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
+            for s in wl.linears()
+            if not s.embedding and not (recompute == "full" and s.name in BACKWARD_ORDER[1:])
+        )
+        * wl.element_size
+    )
+
+
+def edge_activations(wl: Workload, shape: GridShape) -> float:
+    """Bytes the head keeps for backward: the logits and the head's input, and what the final norm
+    keeps beyond its output (``final_norm_saved``); none without a head."""
+    if not wl.head:
+        return 0.0
+    m, b = wl.model, wl.local_tokens(shape)
+    return b * (m.vocab_size // shape.y + m.hidden // shape.x) * wl.element_size + final_norm_saved(wl, shape)
+
+
+def held_gradients(
+    state: Persistent, shape: GridShape, zero: int, micro_batches: int, staged_reduce_scatter: bool
+) -> tuple[float, float]:
+    """(gradient bytes live through the whole backward, bytes each layer's gradient adds per byte of
+    it). Under accumulation the earlier micro-batches' gradient sums are live throughout and each
+    layer's new gradient is added into them (share 0). At one micro-batch each layer's gradient is
+    new (share 1); under ZeRO-2, E12 is a reduce-scatter over data and ODP waits for every bucket
+    at the end of the backward (Scheduler.finish_gradients), so each shard stays whole until then,
+    with the chunks a staged reduce-scatter over more than two ranks receives (share 2, and the
+    held sums twice); only the step after it holds the parts."""
+    staged = 1.0 if zero == 2 and shape.data > 2 and staged_reduce_scatter else 0.0
+    held = state.n_params * state.p_bytes * (1.0 + staged) if micro_batches > 1 else 0.0
+    return held, 0.0 if micro_batches > 1 else 1.0 + staged
+
+
+def offload_peak(
+    walk: Callable[..., BackwardWalk],
+    wl: Workload,
+    state: Persistent,
+    offload: int,
+    per_block: float,
+    weights: float,
+    held: float,
+    share: float,
+) -> float:
+    """The peak live bytes of the backward once the blocks come back from host memory: from the last
+    block kept on the device on, two are there at a time (the block running, the one fetched back
+    ahead of it), with the gradients of the blocks above and the head."""
+    m = wl.model
+    above = (m.n_layers - offload) / m.n_layers * state.n_params * state.p_bytes * share
+    two = min(m.n_layers, 2) * per_block + weights
+    return walk(two + held + above, share).one_block()
+
+
+def zero_gathers(
+    wl: Workload, shape: GridShape, zero: int, overlap: OverlapPolicy, accelerator: bool, state: Persistent
+) -> tuple[float, float, int]:
+    """(bytes of ZeRO's parameter all-gathers at the optimizer step, bytes of the one left in flight
+    into the next forward, elements of the largest weight part the step updates). The all-gathers of
+    the updated parameters run two buckets at a time (one unpacked while the next is in flight), each
+    its parts sent and every rank's received. A bucket closes once it holds the policy's bucket_bytes
+    on the device, so it holds less than that plus its last tensor (0: one tensor per bucket, the
+    largest bounding it), and never more than them all. The job leaves the last bucket's gather in
+    flight into the next forward (axon4d.zero.gathers): its buffers live beside the forward's saved
+    activations until the last layers, the head's (the last parameters), run; the backward that
+    follows starts from all of them. Without ZeRO over data: none, and the largest weight shard."""
+    largest_shard = max(
+        (s.in_features // shape.y) * (s.out_features // shape.x)
+        if s.embedding
+        else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
+        for s in wl.linears()
+    )
+    if not (zero and shape.data > 1):
+        return 0.0, 0.0, largest_shard
+    largest = largest_shard * (wl.element_size if state.sixteen else state.p_bytes)
+    bucket = min(largest + overlap.bucket_bytes(accelerator), max(state.params, largest))
+    return 2 * bucket * (1 + 1 / shape.data), bucket * (1 + 1 / shape.data), math.ceil(largest_shard / shape.data)
+
+
 def memory(
     wl: Workload,
     shape: GridShape,
@@ -146,100 +269,37 @@ def memory(
     device — the backward starts with the other L − n blocks' and, from the last of those on, two are
     on the device at a time (the block running, the one fetched back ahead of it): max(L − n,
     min(L, 2)) blocks' worth — and take n blocks' worth of host memory (``MemoryEstimate.host``)."""
-    m, elem = wl.model, wl.element_size
     if micro_batches > 1:
         wl = dataclasses.replace(wl, batch=wl.batch // micro_batches)
-    n_params = local_param_count(wl, shape)
-    owned = optimizer_elements(wl, shape, zero)  # elements whose optimizer state is here
-    # training in 16 bits, the parameters are the fp32 master weights (axon4d.options.precision: the layers
-    # cast them for the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them,
-    # but those of the Linear weights it stores in 16 bits (G_data > 1), which are fp32 parts
-    p_bytes = param_bytes(wl, master_weights)
-    sixteen = sixteen_bit_weights(wl, shape, zero, master_weights)
-    n_sixteen, master_parts = sum(sixteen), sum(math.ceil(n / shape.data) for n in sixteen)
-    params = (n_params - n_sixteen) * p_bytes + n_sixteen * elem + master_parts * 4
-    grads = (owned if zero == 2 and micro_batches == 1 else n_params) * p_bytes
-    if sixteen and not (zero == 2 and micro_batches == 1):  # the 16-bit weights' gradients: the masters' parts
-        grads = (n_params - n_sixteen) * p_bytes + master_parts * 4
-    optimizer = owned * OPTIMIZERS[wl.optimizer]
+    state = persistent(wl, shape, zero, micro_batches, master_weights)
     per_block = block_bytes(wl, shape, recompute)
-    # offloaded: the first ``offload`` blocks (axon4d.memory.offload), whose backward comes last: the backward
-    # starts with the others' activations
-    acts = (m.n_layers - offload) * per_block
-    cast = p_bytes != elem and not sixteen  # fp32 masters, cast per use (not the 16-bit weights ZeRO stores)
-    kept = 0.0
-    if (overlap.oag_keep and shape.z > 1) or (cast and shape.world_size == 1):
-        # every block gathered in forward kept for backward, and on one rank every weight's cast copy
-        # (axon4d.nn.local_linear): the embedding has none, and under full recomputation a block's
-        # layers keep theirs only from its re-run on (``BackwardWalk.rebuild``)
-        kept = (
-            sum(
-                s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
-                for s in wl.linears()
-                if not s.embedding and not (recompute == "full" and s.name in BACKWARD_ORDER[1:])
-            )
-            * elem
-        )
-    edge = 0.0
-    b = wl.local_tokens(shape)
-    if wl.head:
-        edge += b * (m.vocab_size // shape.y + m.hidden // shape.x) * elem  # logits, head input
-        edge += final_norm_saved(wl, shape)
-    acts += kept + edge
-    # under accumulation the earlier micro-batches' gradient sums are live through the whole backward
-    # and each layer's new gradient is added into them; ZeRO-2 (k = 1) keeps 1/G_data of each
-    held = n_params * p_bytes if micro_batches > 1 else 0.0
-    # ZeRO-2: E12 is a reduce-scatter over data; ODP waits for every bucket at the end of the backward
-    # (Scheduler.finish_gradients), so each shard stays whole until then, with the chunks a staged
-    # reduce-scatter over more than two ranks receives; only the step after it holds the parts
-    staged = 1.0 if zero == 2 and shape.data > 2 and staged_reduce_scatter else 0.0
-    share = 0.0 if micro_batches > 1 else 1.0 + staged
-    held *= 1.0 + staged
-    carried = micro_batches > 1  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
-    # the walk of this step from a given start (live bytes, gradient share)
-    walk = functools.partial(
+    cast = state.p_bytes != wl.element_size and not state.sixteen  # fp32 masters, cast per use
+    weights = kept_weights(wl, shape, recompute, overlap, cast)
+    # the backward starts with the activations of the blocks not offloaded (axon4d.memory.offload: the
+    # first ``offload``, whose backward comes last)
+    acts = (wl.model.n_layers - offload) * per_block + weights + edge_activations(wl, shape)
+    held, share = held_gradients(state, shape, zero, micro_batches, staged_reduce_scatter)
+    wire_dtype = torch.float32 if state.p_bytes == 4 else DTYPES[wl.dtype]
+    walk = functools.partial(  # the walk of this step from a given start (live bytes, gradient share)
         BackwardWalk,
         wl,
         shape,
         recompute,
         overlap,
         staged_reduce_scatter,
-        grad_bytes=p_bytes,
-        wire_bytes=wire_element_size(wl.dtypes, Term.E11, torch.float32 if p_bytes == 4 else DTYPES[wl.dtype]),
+        grad_bytes=state.p_bytes,
+        wire_bytes=wire_element_size(wl.dtypes, Term.E11, wire_dtype),
         fp8_gather=fp8_gather,
-        carried=carried,
+        carried=micro_batches > 1,  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
         cast_weights=cast,
         widened_gemms=widened_gemms,
     )
     live_peak = walk(acts + held, share).run()
     if offload:
-        # from the last block kept on the device on, two blocks are there at a time (the block running,
-        # the one fetched back ahead of it), with the gradients of the blocks above and the head
-        above = (m.n_layers - offload) / m.n_layers * n_params * p_bytes * share
-        two = min(m.n_layers, 2) * per_block + kept
-        live_peak = max(live_peak, walk(two + held + above, share).one_block())
-    largest_shard = max(
-        (s.in_features // shape.y) * (s.out_features // shape.x)
-        if s.embedding
-        else weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
-        for s in wl.linears()
-    )
-    gathers = deferred = 0.0
-    if zero and shape.data > 1:
-        # ZeRO's all-gathers of the updated parameters: two buckets at a time (one unpacked while the
-        # next is in flight), each its parts sent and every rank's received. A bucket closes once it
-        # holds the policy's bucket_bytes on the device, so it holds less than that plus its last
-        # tensor (0: one tensor per bucket, the largest bounding it), and never more than them all.
-        largest = largest_shard * (elem if sixteen else p_bytes)
-        limit = overlap.bucket_bytes(accelerator)
-        bucket = min(largest + limit, max(params, largest))
-        gathers = 2 * bucket * (1 + 1 / shape.data)
-        # the job leaves the last bucket's gather in flight into the next forward (axon4d.zero.gathers):
-        # its buffers live beside the forward's saved activations until the last layers, the head's
-        # (the last parameters), run; the backward that follows starts from all of them
-        deferred = bucket * (1 + 1 / shape.data)
-        largest_shard = math.ceil(largest_shard / shape.data)
+        live_peak = max(live_peak, offload_peak(walk, wl, state, offload, per_block, weights, held, share))
+    gathers, deferred, largest_part = zero_gathers(wl, shape, zero, overlap, accelerator, state)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
-    optimizer_step = grads + gathers + (2 * largest_shard * 4 if wl.optimizer == "adam" else 0)
-    peak = params + optimizer + max(live_peak, acts + deferred, optimizer_step)
-    return MemoryEstimate(params, grads, optimizer, acts, max(live_peak - acts, 0.0), peak, offload * per_block)
+    optimizer_step = state.grads + gathers + (2 * largest_part * 4 if wl.optimizer == "adam" else 0)
+    peak = state.params + state.optimizer + max(live_peak, acts + deferred, optimizer_step)
+    buffers = max(live_peak - acts, 0.0)
+    return MemoryEstimate(state.params, state.grads, state.optimizer, acts, buffers, peak, offload * per_block)
