@@ -56,6 +56,21 @@ class ModelConfig:
     """Weight of the load-balancing loss E·Σ_e f_e·P_e added to the training loss (0: off)."""
     moe_z_coef: float = 0.0
     """Weight of the router z-loss mean_t logsumexp(logits_t)² (0: off)."""
+    moe_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for the
+    top-k choice only, moves by this rate · sign(mean count − count) after each training-mode
+    forward of the layer, from the micro-batch's global counts (0: off, no bias)."""
+    n_groups: int = 1
+    """Group-limited routing: the experts in this many groups of n_experts/n_groups consecutive ones."""
+    topk_groups: int | None = None
+    """The groups a token may route to, its best by the sum of their two highest (biased) scores
+    (None: all n_groups, no limit)."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' gates multiplied by it (DeepSeek-V3: 2.5); 1: as they are."""
+    first_k_dense: int = 0
+    """The first blocks that keep the dense MLP (of ``ffn``) instead of MoE (DeepSeek-V3: 3)."""
+    moe_seq_aux_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss, Σ_e f_e·P_e per sequence (0: off)."""
 
     def __post_init__(self) -> None:
         """Refuse a shape no model can have: every field is checked, and each error names the field,
@@ -91,7 +106,7 @@ class ModelConfig:
             counts.whole(self.expert_ffn, "expert_ffn", unit="features (or None: ffn)", example=1024)
         if self.router_scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"router_scoring {self.router_scoring!r} is not supported; use 'softmax' or 'sigmoid'")
-        for name in ("moe_aux_coef", "moe_z_coef"):
+        for name in ("moe_aux_coef", "moe_z_coef", "moe_seq_aux_coef", "moe_bias_update_rate"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} = {value!r} must be a finite number ≥ 0, e.g. 0.01 (0: off)")
@@ -100,6 +115,50 @@ class ModelConfig:
                 f"experts_per_token = {self.experts_per_token} exceeds n_experts = {self.n_experts}: a token "
                 f"cannot reach more experts than there are; use experts_per_token ≤ {self.n_experts}"
             )
+        self._check_deepseek()
+
+    def _check_deepseek(self) -> None:
+        """DeepSeek-V3's routing fields (docs/moe.md): groups dividing the experts, the groups a
+        token keeps holding its k experts, a positive scaling factor, the dense blocks within the model."""
+        counts.whole(self.n_groups, "n_groups", unit="expert groups (1: no groups)", example=1)
+        counts.whole(self.first_k_dense, "first_k_dense", unit="dense blocks", example=1, minimum=0)
+        if self.first_k_dense > self.n_layers:
+            raise ValueError(
+                f"first_k_dense = {self.first_k_dense} exceeds n_layers = {self.n_layers}; "
+                f"use first_k_dense ≤ {self.n_layers}"
+            )
+        value = self.routed_scaling_factor
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"routed_scaling_factor = {value!r} must be a finite number above 0, e.g. 2.5 (1: off)")
+        if self.n_experts and self.n_experts % self.n_groups:
+            raise ValueError(
+                f"n_experts = {self.n_experts} is not divisible by n_groups = {self.n_groups}: each group "
+                f"holds n_experts/n_groups experts; use an n_groups dividing {self.n_experts}"
+            )
+        if self.topk_groups is not None:
+            counts.whole(self.topk_groups, "topk_groups", unit="groups (or None: all)", example=self.n_groups)
+            if self.topk_groups > self.n_groups:
+                raise ValueError(
+                    f"topk_groups = {self.topk_groups} exceeds n_groups = {self.n_groups}; "
+                    f"use topk_groups ≤ {self.n_groups}"
+                )
+            reachable = self.topk_groups * (self.n_experts // self.n_groups)
+            if self.n_experts and self.experts_per_token > reachable:
+                raise ValueError(
+                    f"experts_per_token = {self.experts_per_token} exceeds the {reachable} experts of "
+                    f"topk_groups = {self.topk_groups} groups of {self.n_experts // self.n_groups}; "
+                    f"raise topk_groups or lower experts_per_token"
+                )
+
+    def moe_block(self, index: int) -> bool:
+        """Whether block ``index`` (0-based) has an MoE layer: an MoE model's blocks from
+        ``first_k_dense`` on."""
+        return self.moe and index >= self.first_k_dense
+
+    @property
+    def moe_layers(self) -> int:
+        """The blocks with an MoE layer."""
+        return self.n_layers - self.first_k_dense if self.moe else 0
 
     @property
     def moe(self) -> bool:
@@ -144,29 +203,35 @@ class ModelConfig:
     def n_params(self) -> int:
         """Number of parameters (weights, biases, norms, embeddings)."""
         per_block = sum(i * o + (o if b else 0) for _, i, o, _, b in self.linear_shapes())
+        moe_block = per_block
         if self.moe:  # the MLP's GEMMs give way to the router, the experts and the shared experts
-            per_block -= sum(i * o + (o if b else 0) for n, i, o, _, b in self.linear_shapes() if n.startswith("mlp"))
+            moe_block -= sum(i * o + (o if b else 0) for n, i, o, _, b in self.linear_shapes() if n.startswith("mlp"))
             ups = 3 if self.gated else 2
-            per_block += (
+            moe_block += (
                 self.n_experts * self.hidden
                 + (self.n_experts + self.shared_experts) * ups * self.hidden * self.expert_width
             )
-        per_block += 2 * self.hidden * (2 if self.arch == "gpt" else 1)  # two norms (weight, and bias for LayerNorm)
+        norms = 2 * self.hidden * (2 if self.arch == "gpt" else 1)  # two norms (weight, and bias for LayerNorm)
+        blocks = self.moe_layers * moe_block + (self.n_layers - self.moe_layers) * per_block
         emb = self.vocab_size * self.hidden
         pos = self.seq_len * self.hidden if self.arch == "gpt" else 0
         head = self.vocab_size * self.hidden
         final_norm = self.hidden * (2 if self.arch == "gpt" else 1)
-        return self.n_layers * per_block + emb + pos + head + final_norm
+        return blocks + self.n_layers * norms + emb + pos + head + final_norm
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6·(matmul parameters a token passes through) plus attention scores
         (causal: half). In an MoE model those are the router's, its k routed experts' and the shared
         experts' — not the experts it does not reach (MFU counts the active path)."""
+        dense = sum(i * o for _, i, o, _, _ in self.linear_shapes())
         block = sum(i * o for n, i, o, _, _ in self.linear_shapes() if not (self.moe and n.startswith("mlp")))
         if self.moe:
             per_expert = (3 if self.gated else 2) * self.hidden * self.expert_width
             block += self.n_experts * self.hidden + (self.experts_per_token + self.shared_experts) * per_expert
-        matmul = block * self.n_layers + self.vocab_size * self.hidden
+        blocks = (
+            block * self.moe_layers + dense * (self.n_layers - self.moe_layers) if self.moe else dense * self.n_layers
+        )
+        matmul = blocks + self.vocab_size * self.hidden
         attention = 2 * 2 * self.n_layers * self.seq_len * self.hidden / 2  # QKᵀ and AV, causal
         return 6.0 * matmul + 3.0 * attention
 
@@ -262,6 +327,30 @@ SIZES: dict[str, ModelConfig] = {
         router_scoring="sigmoid",
         name="moe-1t",
     ),
+    # DeepSeek-V3's routing at tiny-moe's size (docs/moe.md, "DeepSeek-V3 routing"): sigmoid scores,
+    # auxiliary-loss-free bias balancing, 4 groups of 2 experts of which a token keeps 2, gates
+    # scaled by 2.5, the sequence-wise balance loss instead of E19, a dense first block.
+    "tiny-deepseek": ModelConfig(
+        n_layers=2,
+        hidden=64,
+        n_heads=4,
+        vocab_size=256,
+        seq_len=32,
+        arch="llama",
+        n_experts=8,
+        experts_per_token=2,
+        expert_ffn=64,
+        shared_experts=1,
+        router_scoring="sigmoid",
+        moe_aux_coef=0.0,
+        moe_bias_update_rate=1e-3,
+        n_groups=4,
+        topk_groups=2,
+        routed_scaling_factor=2.5,
+        first_k_dense=1,
+        moe_seq_aux_coef=1e-4,
+        name="tiny-deepseek",
+    ),
 }
 
 
@@ -274,6 +363,12 @@ MOE_FIELDS: dict[str, type] = {
     "router_scoring": str,
     "moe_aux_coef": float,
     "moe_z_coef": float,
+    "moe_bias_update_rate": float,
+    "n_groups": int,
+    "topk_groups": int,
+    "routed_scaling_factor": float,
+    "first_k_dense": int,
+    "moe_seq_aux_coef": float,
 }
 
 

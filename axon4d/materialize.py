@@ -115,4 +115,7 @@ def materialize_(
             tiled_init.fill_pieces_(local, parts, inits, seed, tiling)
             if p.is_meta:
                 tiled_init.replace_parameter_(module, p_name, local, memo)
+        bias = getattr(module, "expert_bias", None)  # an MoE layer's balancing bias: zeros, as built
+        if isinstance(bias, torch.Tensor) and bias.is_meta:
+            module.expert_bias = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
     return model

@@ -36,7 +36,7 @@ class State(NamedTuple):
     """What a save writes or a load fills."""
 
     parts: list[Piece]  # of every parameter and AdamW moment: views of this rank's storage
-    steps: dict[str, torch.Tensor]  # the optimizer's step counts: DCP's own state dict
+    steps: dict[str, torch.Tensor]  # the optimizer's step counts and MoE balancing biases: DCP's own state dict
     made: list[tuple[torch.Tensor, str, torch.Tensor]]  # (state key, key, tensor) a load puts in optimizer.state
     pads: list[torch.Tensor]  # the z padding past each flat shard's pieces: zeroed by a load
 
@@ -86,6 +86,10 @@ def rank_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, grid: 
             step = torch.zeros(()) if load else torch.as_tensor(st.get("step", 0.0), dtype=torch.float32)
             state.steps[f"optim.{name}.step"] = step = step.to(_step_device(optimizer, key), copy=True)
             state.made.extend([(key, "step", step)] if load else [])
+    for name, b in model.named_buffers():
+        # an MoE layer's balancing bias (E,): whole and alike on every rank, written by one, read in place by all
+        if name.endswith("expert_bias") and (load or writes(f"model.{name}", grid, AXES)):
+            state.steps[f"model.{name}"] = b
     return state
 
 

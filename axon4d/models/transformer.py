@@ -60,7 +60,9 @@ class DenseTransformer(nn.Module):
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.hidden, device=device, dtype=dtype) if cfg.arch == "gpt" else None
         if self.pos_emb is not None:
             nn.init.normal_(self.pos_emb.weight, std=0.02)
-        self.blocks = nn.ModuleList(DenseBlock(cfg, device=device, dtype=dtype) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(
+            DenseBlock(cfg, device=device, dtype=dtype, moe=cfg.moe_block(i)) for i in range(cfg.n_layers)
+        )
         self.norm = dense_norm_for(cfg, device=device, dtype=dtype)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False, device=device, dtype=dtype)
 
@@ -138,8 +140,8 @@ class Transformer(nn.Module):
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **kw)
         self.pos_emb = PositionEmbedding(cfg.seq_len, cfg.hidden, **kw) if cfg.arch == "gpt" else None
         self.blocks = nn.ModuleList(
-            TransformerBlock(cfg, recompute=recompute, context_parallel=context_parallel, **kw)
-            for _ in range(cfg.n_layers)
+            TransformerBlock(cfg, recompute=recompute, context_parallel=context_parallel, moe=cfg.moe_block(i), **kw)
+            for i in range(cfg.n_layers)
         )
         self.norm = norm_for(cfg, grid=grid, device=device, dtype=dtype)
         self.head = Linear(cfg.hidden, cfg.vocab_size, bias=False, transpose=False, **kw)

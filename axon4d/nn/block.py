@@ -35,9 +35,16 @@ from axon4d.options.recompute_mode import Recompute, check_recompute
 
 
 class DenseBlock(nn.Module):
-    """The single-process reference block."""
+    """The single-process reference block; ``moe`` says whether its FFN is ``DenseMoE`` (None: when
+    ``cfg.moe``; a model passes ``cfg.moe_block(i)``, so the first ``cfg.first_k_dense`` stay dense)."""
 
-    def __init__(self, cfg: ModelConfig, device: str | torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        moe: bool | None = None,
+    ):
         super().__init__()
         bias = cfg.arch == "gpt"
         rope = cfg.rope_theta if cfg.arch == "llama" else None
@@ -46,7 +53,7 @@ class DenseBlock(nn.Module):
         self.attn = DenseAttention(cfg.hidden, cfg.n_heads, cfg.kv_heads, bias, rope, device=device, dtype=dtype)
         self.mlp: nn.Module = (
             DenseMoE(cfg, device=device, dtype=dtype)
-            if cfg.moe
+            if (cfg.moe if moe is None else moe)
             else DenseMLP(cfg.hidden, cfg.ffn, cfg.gated, bias, device=device, dtype=dtype)
         )
 
@@ -56,7 +63,8 @@ class DenseBlock(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """One GPT or Llama block on the 4D grid: (b, s, hidden/G_x) → (b, s, hidden/G_x)."""
+    """One GPT or Llama block on the 4D grid: (b, s, hidden/G_x) → (b, s, hidden/G_x). ``moe``: whether
+    its FFN is an MoE layer (None: when ``cfg.moe``; a model passes ``cfg.moe_block(i)``)."""
 
     def __init__(
         self,
@@ -67,10 +75,17 @@ class TransformerBlock(nn.Module):
         dtype: torch.dtype | None = None,
         recompute: str = "none",
         context_parallel: bool = False,
+        moe: bool | None = None,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.cfg = cfg
+        moe = cfg.moe if moe is None else moe
+        if moe and context_parallel and cfg.moe_seq_aux_coef:  # the same ValueError on every rank
+            raise ValueError(
+                "moe_seq_aux_coef > 0 (the sequence-wise balance loss) needs whole sequences on a rank; "
+                "under context parallelism z splits them: use context_parallel=False or moe_seq_aux_coef=0"
+            )
         self.recompute = check_recompute(recompute)
         self.context_parallel = bool(context_parallel)
         bias = cfg.arch == "gpt"
@@ -92,7 +107,7 @@ class TransformerBlock(nn.Module):
         #: the FFN sublayer: the dense MLP, or with ``cfg.n_experts`` a Mixture-of-Experts (docs/moe.md)
         self.mlp: MLP | MoE = (
             MoE(cfg, grid=grid, device=device, dtype=dtype)
-            if cfg.moe
+            if moe
             else MLP(
                 cfg.hidden,
                 cfg.ffn,
@@ -145,7 +160,7 @@ class TransformerBlock(nn.Module):
 
     def to_dense(self, grads: bool = False) -> DenseBlock:
         p = self.attn.qkv.weight
-        dense = DenseBlock(self.cfg, device=p.device, dtype=p.dtype)
+        dense = DenseBlock(self.cfg, device=p.device, dtype=p.dtype, moe=isinstance(self.mlp, MoE))
         dense.norm1, dense.norm2 = self.norm1.to_dense(grads), self.norm2.to_dense(grads)
         dense.attn, dense.mlp = self.attn.to_dense(grads), self.mlp.to_dense(grads)
         return dense

@@ -139,6 +139,11 @@ class MoE(nn.Module):
         if not self.router.weight.is_meta:
             self.reset_parameters(seed)
         average_grad_over_batch(self.router.weight, grid, Term.MOE_ROUTER_WEIGHT_GRAD)
+        #: auxiliary-loss-free balancing's per-expert bias (E,) fp32, whole and the same on every rank
+        #: (moved from the micro-batch's global counts); a buffer, saved with the model
+        self.expert_bias: torch.Tensor | None
+        bias = torch.zeros(cfg.n_experts, device=device) if cfg.moe_bias_update_rate else None
+        self.register_buffer("expert_bias", bias)
         #: the last forward's weighted balance loss + z-loss (0-dim fp32, a rank's share: docs/moe.md)
         self.aux_loss: torch.Tensor | None = None
         #: the last forward's assignments per expert over the whole micro-batch (host ints)
@@ -165,10 +170,13 @@ class MoE(nn.Module):
         g_y, j = grid.size("y"), grid.coord("y")
         shares = share_sizes(tokens, g_y)
         chunks = self._chunks(tokens, g_y, x2)
-        chosen, plans = self._route(s, shares, chunks)
-        g = moe_router.gates(s, chosen, cfg.router_topk_norm)  # (T, k)
+        chosen, plans, fresh = self._route(s, shares, chunks)
+        g = moe_router.gates(s, chosen, cfg.router_topk_norm, cfg.routed_scaling_factor)  # (T, k)
         self.tokens_per_expert = np.sum([p.tokens_per_expert() for p in plans], axis=0).tolist()  # (E,), all chunks
-        self.aux_loss = self._aux(logits, s, tokens)
+        seq_len = x.shape[-2] if x.dim() > 2 else tokens
+        self.aux_loss = self._aux(logits, s, tokens, chosen, seq_len)
+        if self.expert_bias is not None and self.training and fresh:  # not in a recomputed re-run
+            moe_router.bias_step(self.expert_bias, self.tokens_per_expert, cfg.moe_bias_update_rate)
         t0 = sum(shares[:j])
         x_share = share_rows(x2, shares, "y", grid)  # (T_j, hidden/G_x)
         # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
@@ -211,15 +219,16 @@ class MoE(nn.Module):
         row_bytes = self.cfg.experts_per_token * x2.shape[1] * x2.element_size()
         return len(self.grid.scheduler.forward_chunks(max(tokens // g_y, 1), row_bytes, self.grid.size(EP_AXIS)))
 
-    def _route(self, s: torch.Tensor, shares: list[int], chunks: int) -> tuple[torch.Tensor, list[DispatchPlan]]:
+    def _route(self, s: torch.Tensor, shares: list[int], chunks: int) -> tuple[torch.Tensor, list[DispatchPlan], bool]:
         """Each token's k experts and each chunk's dispatch plan: chosen now (and exchanged: the
         host sync), or, in the re-run of a fully recomputed forward, that forward's (kept in the
-        region's memo with its autograd state, ``axon4d.scheduler.replay``)."""
+        region's memo with its autograd state, ``axon4d.scheduler.replay``); and whether chosen now."""
         memo, replaying = self.grid.scheduler.region_memo
         if memo is not None and replaying:
-            return memo.replay(self)  # the re-run inside backward: the routing its forward chose
+            chosen, plans = memo.replay(self)  # the re-run inside backward: the routing its forward chose
+            return chosen, plans, False
         cfg, grid = self.cfg, self.grid
-        chosen = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
+        chosen = moe_router.choose(s, cfg.experts_per_token, self.expert_bias, cfg.n_groups, cfg.topk_groups)  # (T, k)
         # the (y share, chunk) bin of each token: share j's tokens cut into ``chunks`` contiguous runs
         sizes = [n for share in shares for n in share_sizes(share, chunks)]
         bins = to_device_queued(
@@ -231,7 +240,7 @@ class MoE(nn.Module):
         self.exchanges += 1
         if memo is not None:
             memo.record(self, (chosen, plans))
-        return chosen, plans
+        return chosen, plans, True
 
     def _experts(self, received: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """The local experts' FFNs of the rows this rank received, gathered over y first (E17), in
@@ -261,9 +270,12 @@ class MoE(nn.Module):
         o = _ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_x), partial over y
         return o.index_select(0, torch.argsort(perm))  # summed over y by the caller's reduce-scatter
 
-    def _aux(self, logits: torch.Tensor, s: torch.Tensor, tokens: int) -> torch.Tensor:
-        """This rank's weighted balance loss and z-loss (E19, E20): averaged over batch they are the
-        one-process losses, as the cross-entropy is."""
+    def _aux(
+        self, logits: torch.Tensor, s: torch.Tensor, tokens: int, chosen: torch.Tensor, seq_len: int
+    ) -> torch.Tensor:
+        """This rank's weighted balance loss, z-loss (E19, E20) and sequence-wise balance loss (over
+        its whole sequences of ``seq_len`` tokens): averaged over batch they are the one-process
+        losses, as the cross-entropy is."""
         cfg = self.cfg
         counts = to_device_queued(torch.tensor(self.tokens_per_expert, dtype=torch.long), s.device)
         assignments = int(sum(self.tokens_per_expert or ()))
@@ -272,6 +284,9 @@ class MoE(nn.Module):
         aux = cfg.moe_aux_coef * balance if cfg.moe_aux_coef else logits.new_zeros(())
         if cfg.moe_z_coef:
             aux = aux + cfg.moe_z_coef * moe_router.z_loss(logits)
+        if cfg.moe_seq_aux_coef:
+            seq = moe_router.sequence_balance_loss(s, chosen, seq_len, cfg.router_scoring)
+            aux = aux + cfg.moe_seq_aux_coef * seq
         return aux
 
     @torch.no_grad()
@@ -313,6 +328,8 @@ class MoE(nn.Module):
             up = torch.cat([dense.experts.gate[mine, rows, cols], up], dim=1)  # [gate_j | up_j]
         ex.up.copy_(up)
         ex.down.copy_(dense.experts.down[mine, cols, rows])
+        if self.expert_bias is not None and dense.expert_bias is not None:
+            self.expert_bias.copy_(dense.expert_bias)
         if shared and self.shared is not None:
             assert dense.shared is not None
             self.shared.load_dense_(dense.shared)
@@ -329,6 +346,8 @@ class MoE(nn.Module):
                 self._into(dense, lambda t: t.grad if t.grad is not None else torch.zeros_like(t), grads=True)
         if self.shared is not None:
             dense.shared = self.shared.to_dense(grads)
+        if self.expert_bias is not None and dense.expert_bias is not None:
+            dense.expert_bias.copy_(self.expert_bias)
         return dense
 
     def _into(self, dense: DenseMoE, pick: Any, grads: bool = False) -> None:

@@ -11,7 +11,9 @@ for gated (llama) models. Experts are stored stacked: ``gate``/``up`` (E, f, hid
 matrices but tile by tile from one seed (``expert_matrices``, ``axon4d.layout.tiled_init``), so that a
 rank of the grid draws just its experts' slices and gets these values. Each forward leaves its auxiliary loss
 (``aux_loss``: the weighted balance loss plus z-loss, E19–E20) and the tokens per expert
-(``tokens_per_expert``) on the module; ``DenseTransformer.loss`` adds the aux losses.
+(``tokens_per_expert``) on the module; ``DenseTransformer.loss`` adds the aux losses. DeepSeek-V3's
+routing options (bias balancing, groups, scaling, the sequence-wise loss) are the config's
+(docs/moe.md, "DeepSeek-V3 routing").
 """
 
 from __future__ import annotations
@@ -105,6 +107,11 @@ class DenseMoE(nn.Module):
         self.experts = DenseExperts(cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated, device, dtype, seed)
         shared = cfg.shared_experts * cfg.expert_width
         self.shared = DenseMLP(cfg.hidden, shared, cfg.gated, False, device, dtype) if shared else None
+        #: auxiliary-loss-free balancing's per-expert bias (E,) fp32 (``moe_bias_update_rate`` > 0; a
+        #: buffer: saved with the model, moved after each training-mode forward, no gradient)
+        self.expert_bias: torch.Tensor | None
+        bias = torch.zeros(cfg.n_experts, device=device) if cfg.moe_bias_update_rate else None
+        self.register_buffer("expert_bias", bias)
         #: the last forward's weighted balance loss + z-loss (0-dim fp32), None before one
         self.aux_loss: torch.Tensor | None = None
         #: the last forward's assignments per expert (E,)
@@ -115,11 +122,14 @@ class DenseMoE(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])  # (T, hidden)
         logits = x2.float() @ self.router.weight.float().t()  # (T, E), fp32
         s = moe_router.scores(logits, cfg.router_scoring)
-        experts = moe_router.choose(s, cfg.experts_per_token)  # (T, k)
-        g = moe_router.gates(s, experts, cfg.router_topk_norm)  # (T, k)
+        experts = moe_router.choose(s, cfg.experts_per_token, self.expert_bias, cfg.n_groups, cfg.topk_groups)
+        g = moe_router.gates(s, experts, cfg.router_topk_norm, cfg.routed_scaling_factor)  # (T, k)
         counts = moe_router.expert_counts(experts, cfg.n_experts)
         self.tokens_per_expert = counts
-        self.aux_loss = self._aux(logits, s, counts, x2.shape[0])
+        seq_len = x.shape[-2] if x.dim() > 2 else x2.shape[0]
+        self.aux_loss = self._aux(logits, s, counts, x2.shape[0], experts, seq_len)
+        if self.expert_bias is not None and self.training:
+            moe_router.bias_step(self.expert_bias, counts.tolist(), cfg.moe_bias_update_rate)
         out = torch.zeros_like(x2)  # (T, hidden)
         for e in range(cfg.n_experts):
             token, slot = torch.nonzero(experts == e, as_tuple=True)  # the assignments to e
@@ -129,8 +139,17 @@ class DenseMoE(nn.Module):
         out = out.view(x.shape)
         return out + self.shared(x) if self.shared is not None else out
 
-    def _aux(self, logits: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, tokens: int) -> torch.Tensor:
-        """The weighted balance loss and z-loss of this forward's tokens (E19, E20)."""
+    def _aux(
+        self,
+        logits: torch.Tensor,
+        s: torch.Tensor,
+        counts: torch.Tensor,
+        tokens: int,
+        experts: torch.Tensor,
+        seq_len: int,
+    ) -> torch.Tensor:
+        """The weighted balance loss, z-loss and sequence-wise balance loss of this forward's tokens
+        (E19, E20; sequences of ``seq_len`` tokens)."""
         cfg = self.cfg
         aux = logits.new_zeros(())
         if cfg.moe_aux_coef:
@@ -138,4 +157,7 @@ class DenseMoE(nn.Module):
             aux = aux + cfg.moe_aux_coef * moe_router.balance_loss(s, counts, tokens * k, tokens, cfg.router_scoring)
         if cfg.moe_z_coef:
             aux = aux + cfg.moe_z_coef * moe_router.z_loss(logits)
+        if cfg.moe_seq_aux_coef:
+            seq = moe_router.sequence_balance_loss(s, experts, seq_len, cfg.router_scoring)
+            aux = aux + cfg.moe_seq_aux_coef * seq
         return aux

@@ -14,6 +14,13 @@ Everything runs in fp32 on logits (T, E) of T tokens and E experts:
   assignments that went to e (counted over the whole micro-batch, all ranks) and P_e the mean over
   tokens of e's probability (the scores normalised to add to 1 per token);
 - the z-loss (E20) mean_t logsumexp(logits_t)².
+
+DeepSeek-V3's routing options (docs/moe.md, "DeepSeek-V3 routing"): a per-expert ``bias`` added to
+the scores for the top-k choice only (auxiliary-loss-free balancing; the gates are the unbiased
+scores), group-limited routing (``n_groups`` groups of experts, each token choosing among the
+experts of its ``topk_groups`` best groups, a group ranked by the sum of its two highest biased
+scores), the gates multiplied by a scaling factor, the bias update sign(mean − count) from the
+global counts (``bias_step``) and the sequence-wise balance loss (``sequence_balance_loss``).
 """
 
 from __future__ import annotations
@@ -27,18 +34,52 @@ def scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
 
 
-def choose(s: torch.Tensor, k: int) -> torch.Tensor:
-    """(T, k) int64: each token's k experts, highest score first (no autograd)."""
-    return torch.topk(s.detach(), k, dim=-1).indices
+def choose(
+    s: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    n_groups: int = 1,
+    topk_groups: int | None = None,
+) -> torch.Tensor:
+    """(T, k) int64: each token's k experts, highest score first (no autograd). With ``bias`` (E,)
+    the choice ranks s + bias (the gates stay the scores'); with ``n_groups`` > 1 and
+    ``topk_groups`` < ``n_groups`` a token first keeps the ``topk_groups`` groups of E/n_groups
+    consecutive experts whose two highest (biased) scores add to the most, then chooses its k
+    experts among theirs (DeepSeek-V3)."""
+    ranked = s.detach()
+    if bias is not None:
+        ranked = ranked + bias.to(ranked.dtype)
+    groups = topk_groups if topk_groups is not None else n_groups
+    if n_groups > 1 and groups < n_groups:
+        t, e = ranked.shape
+        per = ranked.view(t, n_groups, e // n_groups)  # (T, G, E/G)
+        group_scores = per.topk(min(2, e // n_groups), dim=-1).values.sum(dim=-1)  # (T, G)
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(groups, dim=-1).indices, True)
+        ranked = per.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(t, e)
+    return torch.topk(ranked, k, dim=-1).indices
 
 
-def gates(s: torch.Tensor, experts: torch.Tensor, normalize: bool | None = None) -> torch.Tensor:
+def gates(s: torch.Tensor, experts: torch.Tensor, normalize: bool | None = None, scale: float = 1.0) -> torch.Tensor:
     """(T, k) fp32 gates of the chosen ``experts``: their scores, divided by their sum per token when
-    ``normalize`` is True, left as they are when False; None: normalised when k > 1."""
+    ``normalize`` is True, left as they are when False; None: normalised when k > 1; then multiplied
+    by ``scale`` (the config's ``routed_scaling_factor``; 1: left as they are)."""
     g = s.gather(1, experts)  # (T, k)
     if normalize is None:
         normalize = experts.shape[1] > 1
-    return g / g.sum(dim=-1, keepdim=True) if normalize else g
+    g = g / g.sum(dim=-1, keepdim=True) if normalize else g
+    return g * scale if scale != 1.0 else g
+
+
+@torch.no_grad()
+def bias_step(bias: torch.Tensor, counts: list[int], rate: float) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): bias_e += rate · sign(mean_count − count_e), in
+    place, from the micro-batch's assignments per expert ``counts`` (every rank's: the same host
+    ints on every rank, so every rank's bias stays the same). The mean is compared in integers
+    (count_e·E against the total), so no rounding can make ranks or grids differ."""
+    total, e = sum(counts), len(counts)
+    sign = [(total > c * e) - (total < c * e) for c in counts]  # sign(total/E − c)
+    bias.add_(torch.tensor(sign, dtype=torch.float32, device=bias.device).to(bias.dtype), alpha=rate)
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -54,6 +95,22 @@ def balance_loss(s: torch.Tensor, counts: torch.Tensor, assignments: int, tokens
     p = s if scoring == "softmax" else s / s.sum(dim=-1, keepdim=True)  # (T, E), each row adds to 1
     f = counts.to(torch.float32) / max(assignments, 1)  # (E,)
     return s.shape[1] * (p.sum(dim=0) / tokens * f).sum()
+
+
+def sequence_balance_loss(s: torch.Tensor, experts: torch.Tensor, seq_len: int, scoring: str) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss, the mean over the sequences of the
+    tokens of ``s`` (T, E) (T/``seq_len`` whole sequences of ``seq_len`` consecutive tokens) of
+    Σ_e f_e·P_e, with f_e = E/(k·seq_len) · (the sequence's assignments to e, from the chosen
+    ``experts`` (T, k), no gradient) and P_e the sequence's mean of e's normalised score."""
+    t, e = s.shape
+    k = experts.shape[1]
+    p = s if scoring == "softmax" else s / s.sum(dim=-1, keepdim=True)  # (T, E), each row adds to 1
+    n = t // seq_len
+    counts = torch.zeros(n, e, dtype=torch.float32, device=s.device)
+    counts.scatter_add_(1, experts.view(n, seq_len * k), torch.ones(n, seq_len * k, device=s.device))
+    f = counts * (e / (k * seq_len))  # (n, E)
+    big_p = p.view(n, seq_len, e).mean(dim=1)  # (n, E)
+    return (f * big_p).sum(dim=-1).mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
