@@ -74,13 +74,14 @@ def test_the_job_runs_the_plan_s_per_layer_choice(monkeypatch):
     become ``--bf16-layers`` (axon4d.train.planned), and the model runs them in bf16."""
     import dataclasses
 
-    from axon4d.plan.auto import choose
+    from axon4d.plan.job import plan_job
     from axon4d.train import planned
     from axon4d.train.config import TrainConfig
 
     cfg = TrainConfig(model="20B", grid="auto", precision="bf16-fp8", machine="h100", batch_size=64, steps=1)
-    best = choose(64, **{**planned.request(cfg, True), "machine": "h100"})
-    run = planned.apply(cfg, best, accelerator=True)
+    job = plan_job(dataclasses.replace(planned.request(cfg, True), world=64))
+    best = job.best
+    run = planned.apply(cfg, job)
     o = best.options  # the plan's step, one micro-batch of it as the step is priced
     wl = Workload(cfg.model_config(), 64, precision="bf16-fp8", context_parallel=best.context_parallel)
     sc = Scenario(
@@ -90,7 +91,7 @@ def test_the_job_runs_the_plan_s_per_layer_choice(monkeypatch):
     want = [n for n in ("qkv", "attn_out", "mlp_up", "mlp_down") if not priced[n][0]]
     assert run.bf16_layers == ",".join(want)
     assert any(priced[n][0] for n in ("qkv", "mlp_up", "mlp_down")), "nothing runs FP8: the test proves little"
-    given = planned.apply(dataclasses.replace(cfg, bf16_layers="qkv"), best, accelerator=True)
+    given = planned.apply(dataclasses.replace(cfg, bf16_layers="qkv"), job)
     assert given.bf16_layers == "qkv"  # the user's choice stands
     for bad, message in [
         (dict(bf16_layers="attn"), "name layer kinds of qkv, attn_out, mlp_up, mlp_down"),

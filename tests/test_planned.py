@@ -1,6 +1,7 @@
-"""``axon4d train --grid auto`` runs the planner's whole plan (axon4d.train.planned): the grid and
-the overlap knobs it priced, and the step options it chose — those left at their defaults — while
-options given on the command line, or named by ``--pin``, stay as given."""
+"""``axon4d train --grid auto`` runs the planner's whole plan (axon4d.train.planned: the run's ends of
+the one seam axon4d.plan.job, a request in and a plan out): the grid and the overlap knobs it
+priced, and the step options it chose — those left at their defaults — while options given on the
+command line, or named by ``--pin``, stay as given."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from axon4d.grid.shape import GridShape
 from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.plan.job import JobPlan
 from axon4d.plan.options import AUTO_OPTION
 from axon4d.train import TrainConfig, planned, train
 
@@ -37,34 +39,35 @@ def test_options_left_at_their_defaults_are_the_planner_s():
         TrainConfig(pin="zero,speed")
 
 
-def test_the_chosen_options_are_applied_to_the_run(monkeypatch):
-    """The planner's answer (a stand-in here) becomes the run's config: the grid, recomputation,
-    k micro-batches of batch/k sequences, ZeRO, the first n blocks offloaded, the sequences split,
-    FP8 gathers as the precision."""
-    asked = {}
-
-    def choose(world, **kw):
-        asked.update(kw, world=world)
-        options = {"recompute": "balanced", "micro_batches": 4, "zero": 1, "offload": 2, "fp8_gather": True}
-        return types.SimpleNamespace(
-            shape=GridShape(1, 2, 2, 2),
-            overlap=OverlapPolicy(),
-            options=options,
-            context_parallel=True,
-            recompute="balanced",
-            option=options.__getitem__,
-        )
-
-    monkeypatch.setattr(planned, "choose", choose)
-    cfg = TrainConfig(grid="auto", batch_size=32, **TINY)
-    run, best = planned.plan_run(cfg, accelerator=True)
-    assert asked["batch"] == 32 and asked["micro_batches"] == AUTO_OPTION and asked["precision"] == "bf16-fp32-reduce"
+def test_the_run_asks_one_request_and_applies_the_plan_that_comes_back():
+    """The run's request is plain data built from its config (the step's batch, the precision it
+    computes in, each option free or pinned, the machine, the correction), and the planner's answer
+    (a stand-in here) becomes the run's config: the grid, recomputation, k micro-batches of batch/k
+    sequences, ZeRO, the first n blocks offloaded, the sequences split, FP8 gathers as the precision."""
+    options = {"recompute": "balanced", "micro_batches": 4, "zero": 1, "offload": 2, "fp8_gather": True}
+    best = types.SimpleNamespace(
+        shape=GridShape(1, 2, 2, 2),
+        overlap=OverlapPolicy(),
+        options=options,
+        context_parallel=True,
+        recompute="balanced",
+        option=options.__getitem__,
+    )
+    answer = types.SimpleNamespace(best=best)  # the search's result, as JobPlan reads it
+    cfg = TrainConfig(grid="auto", batch_size=32, machine="h100", correction="c.json", **TINY)
+    asked = planned.request(cfg, accelerator=True)
+    assert (asked.batch, asked.micro_batches, asked.precision) == (32, AUTO_OPTION, "bf16-fp32-reduce")
+    assert (asked.machine, asked.correction, asked.top, asked.model) == ("h100", "c.json", 3, cfg.model_config())
+    run = planned.apply(cfg, JobPlan(asked, answer))
     assert (run.grid, run.recompute, run.micro_batches, run.batch_size) == ("1,2,2,2", "balanced", 4, 8)
     assert (run.zero, run.offload, run.context_parallel, run.precision) == (1, "0,1", True, "bf16-fp8-gather")
+    assert (run.try_plans, run.correction) == (0, "")  # a named grid: nothing left to try nor to price
     # pinned micro-batches keep the batch per micro-batch as given
-    run, _ = planned.plan_run(dataclasses.replace(cfg, micro_batches=2, precision="fp32"), accelerator=True)
+    pinned = dataclasses.replace(cfg, micro_batches=2, precision="fp32")
+    asked = planned.request(pinned, accelerator=True)
+    assert asked.micro_batches == 2 and asked.batch == 64 and asked.precision == "fp32"
+    run = planned.apply(pinned, JobPlan(asked, answer))
     assert (run.micro_batches, run.batch_size, run.precision) == (2, 32, "fp32")
-    assert asked["micro_batches"] == 2 and asked["batch"] == 64 and asked["precision"] == "fp32"
 
 
 def _auto_job(cfg_dict):

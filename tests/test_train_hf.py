@@ -20,6 +20,7 @@ from axon4d.config import ModelConfig
 from axon4d.data.prepare import prepare
 from axon4d.data.tokens import MemmapTokens, SyntheticTokens
 from axon4d.export.from_checkpoint import export_checkpoint
+from axon4d.plan.job import plan_job
 from axon4d.train import TrainConfig, hf, planned, train
 from axon4d.train.batches import make_data
 
@@ -166,7 +167,7 @@ def _auto(cfg_dict):
     """The planner's plan for the run (as every rank asks it) and the summary of the run."""
     warnings.simplefilter("ignore")
     cfg = TrainConfig(**cfg_dict)
-    run, _ = planned.plan_run(cfg, accelerator=False)
+    run = planned.apply(cfg, plan_job(planned.request(cfg, accelerator=False)))
     return run, train(cfg)
 
 

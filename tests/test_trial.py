@@ -15,6 +15,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 
 from axon4d.plan import correction
+from axon4d.plan.job import plan_job, priced_machine
 from axon4d.plan.machine import load
 from axon4d.train import TrainConfig, loop, planned, train, trial
 from axon4d.train.report import host_usage
@@ -30,17 +31,21 @@ def _groups() -> int:
     return len(c10d._world.pg_map)
 
 
+def _plan(cfg, top=3):
+    """The planner's plan for ``cfg``'s run, its ``top`` fastest fitting plans wanted, as every rank
+    asks for it (rank 1's request: nothing printed)."""
+    return plan_job(dataclasses.replace(planned.request(cfg, False, top), rank=1))
+
+
 def _tried_then_pinned(base):
     """A --try 3 run, the planner's top 3 by its own ranking, and a run pinned to the chosen plan."""
-    from axon4d.plan.auto import ranked
-
     cfg = TrainConfig(**base)
-    result = ranked(WORLD, **{**planned.request(cfg, False), "rank": 1}, top=3)
-    top = [list(c.shape.as_tuple()) for c in result.candidates if c.fits][:3]
+    job = _plan(cfg)
+    top = [list(c.shape.as_tuple()) for c in job.fitting]
     tried = train(cfg)
     chosen = next(r for r in tried["trials"] if r["chosen"])
-    best = next(c for c in result.candidates if list(c.shape.as_tuple()) == chosen["grid"])
-    pinned_cfg = planned.apply(dataclasses.replace(cfg, out_dir=cfg.out_dir + "-pinned"), best, False)
+    best = next(c for c in job.candidates if list(c.shape.as_tuple()) == chosen["grid"])
+    pinned_cfg = planned.apply(dataclasses.replace(cfg, out_dir=cfg.out_dir + "-pinned"), job, best)
     pinned = train(pinned_cfg)  # a named grid with the chosen options: nothing planned
     return tried, top, pinned
 
@@ -81,11 +86,8 @@ def test_a_resumed_run_takes_the_plan_tried_before(pools, tmp_path):
 
 def _one_fails(base, failing_rank):
     """A --try 3 run whose second plan cannot be built on ``failing_rank`` alone."""
-    from axon4d.plan.auto import ranked
-
     cfg = TrainConfig(**base)
-    result = ranked(WORLD, **{**planned.request(cfg, False), "rank": 1}, top=3)
-    doomed = [c.shape for c in result.candidates if c.fits][1]
+    doomed = _plan(cfg).fitting[1].shape
     build = loop._model
 
     def failing(run_cfg, mcfg, grid):
@@ -121,11 +123,9 @@ def _every_option(base, machine):
     import weakref
 
     from axon4d.options.precision import FP8
-    from axon4d.plan.auto import ranked
 
     cfg = TrainConfig(**{**base, "machine": machine})
-    result = ranked(WORLD, **{**planned.request(cfg, False), "rank": 1}, top=3)
-    top = [(list(c.shape.as_tuple()), c.options) for c in result.candidates if c.fits][:3]
+    top = [(list(c.shape.as_tuple()), c.options) for c in _plan(cfg).fitting]
     make = trial._trial
     seen, refs = [], []
 
@@ -195,13 +195,13 @@ def _leaks(base):
     """Process groups, then (resident bytes, peak resident bytes, threads) after one trial of a
     plan and after four more; the peak counted from before the first trial."""
     cfg = TrainConfig(**base)
-    plan = planned.plan_run(cfg, False)[1]
+    job = _plan(cfg)
     groups = _groups()
     args = (lambda c: "fp32", loop._model, loop._step)
     _peak_rss(reset=True)  # this rank's earlier work (other tests) out of the peak
-    trial._try_all(cfg, [plan], False, *args)
+    trial._try_all(cfg, job, [job.best], *args)
     one = (*host_usage(), _peak_rss())
-    trial._try_all(cfg, [plan] * 4, False, *args)
+    trial._try_all(cfg, job, [job.best] * 4, *args)
     return groups, _groups(), one, (*host_usage(), _peak_rss())
 
 
@@ -253,22 +253,22 @@ def test_try_and_correction_need_grid_auto():
 
 
 def test_the_training_job_prices_its_plans_with_a_correction_file(tmp_path):
-    from axon4d.plan.auto import ranked
-
     path = str(tmp_path / "c.json")
     correction.write(path, correction.Correction("local", WORLD, 2.0, 2.0))
     cfg = TrainConfig(**TINY, grid="auto", machine=HOST_MACHINE, batch_size=8, correction=path)
-    machine = planned.machine(cfg, WORLD)  # the machine's in-step scale for 8 ranks, doubled
+    ask = dataclasses.replace(planned.request(cfg, False), world=WORLD, rank=1)  # as each of 8 ranks asks
+    assert (ask.machine, ask.correction) == (HOST_MACHINE, path)
+    machine = priced_machine(ask)  # the machine's in-step scale for 8 ranks, doubled
     assert machine.step_scale_for(WORLD) == pytest.approx([2 * k for k in load(HOST_MACHINE).step_scale_for(WORLD)])
-    ask = {**planned.request(dataclasses.replace(cfg, correction=""), False), "rank": 1}
-    alone, corrected = (ranked(WORLD, **{**ask, "machine": m}, top=3) for m in (HOST_MACHINE, machine))
+    alone, corrected = (plan_job(dataclasses.replace(ask, correction=c)) for c in ("", path))
     pairs = list(zip(alone.candidates[:3], corrected.candidates[:3]))
     assert all(a.shape == c.shape and c.time.step_s == pytest.approx(2 * a.time.step_s) for a, c in pairs)
+    assert corrected.machine_name == alone.machine_name == load(HOST_MACHINE).name  # what correction.json scales
     with pytest.raises(
         ValueError, match="measured on 8 ranks, this job has 16: its factors scale the prices of 8-rank"
     ):
-        planned.machine(cfg, 16)
-    assert planned.apply(cfg, corrected.best, False).correction == ""  # a named grid: nothing left to price
+        plan_job(dataclasses.replace(ask, world=16))
+    assert planned.apply(cfg, corrected).correction == ""  # a named grid: nothing left to price
 
 
 def test_a_correction_fitted_to_corrected_prices_is_composed_onto_the_machine_s_own():

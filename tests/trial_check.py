@@ -18,7 +18,7 @@ import sys
 import torch
 
 from axon4d.grid import runtime
-from axon4d.plan.auto import ranked
+from axon4d.plan.job import plan_job
 from axon4d.train import TrainConfig, planned, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +41,8 @@ def _recording_init(*args, **kwargs):
 
 def _uncorrected(cfg, fitting):
     """The candidates of ``fitting``'s grids as the machine alone prices them (without --correction)."""
-    result = ranked(8, **{**planned.request(dataclasses.replace(cfg, correction=""), False), "rank": 1}, top=8)
-    return [next(c for c in result.candidates if c.shape == f.shape) for f in fitting]
+    job = plan_job(dataclasses.replace(planned.request(cfg, False, top=8), correction="", rank=1))
+    return [next(c for c in job.candidates if c.shape == f.shape) for f in fitting]
 
 
 def main(out: str, transports: list[str]) -> None:
@@ -63,8 +63,9 @@ def main(out: str, transports: list[str]) -> None:
             out_dir=os.path.join(out, comm),
             correction=correction,
         )
-        result = ranked(8, **{**planned.request(cfg, False), "rank": 1}, top=TRIED)  # rank 1: prints nothing
-        fitting = [c for c in result.candidates if c.fits][:TRIED]
+        fitting = plan_job(
+            dataclasses.replace(planned.request(cfg, False, top=TRIED), rank=1)
+        ).fitting  # rank 1: prints nothing
         summary = train(cfg)
         correction = os.path.join(out, comm, "correction.json")
         rank = torch.distributed.get_rank()

@@ -12,9 +12,9 @@ GEMMs, collectives E8–E13 and non-GEMM work, §3), ``overlap_credit`` (what ov
 ``recompute`` (what recomputation runs again, §5), ``cost`` (the step assembled from those),
 ``stepfit`` (the in-step scale fitted to measured steps), ``candidate`` (one plan priced, and
 whether it fits), ``options`` (the step options searched per grid), ``result`` (the table and the
-advice when nothing fits), ``search`` (enumeration), ``auto`` (``grid="auto"``), ``cli`` (``axon4d
-plan``). Measuring a machine is ``axon4d.measure``'s; this package only reads the machine files
-it writes.
+advice when nothing fits), ``search`` (enumeration), ``auto`` (``grid="auto"``), ``job`` (the
+training job's one seam: a ``JobRequest`` in, a ``JobPlan`` out), ``cli`` (``axon4d plan``).
+Measuring a machine is ``axon4d.measure``'s; this package only reads the machine files it writes.
 """
 
 from axon4d.plan.candidate import Candidate, candidate, evaluate

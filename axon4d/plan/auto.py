@@ -17,7 +17,7 @@ from axon4d.config import ModelConfig, get_config
 from axon4d.grid.shape import GridShape
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, tune_overlap
-from axon4d.plan.machine import available
+from axon4d.plan.machine import Machine, available
 from axon4d.plan.result import PlanResult
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import Workload
@@ -136,7 +136,7 @@ def ranked(
     *,
     model: ModelConfig | str | None = None,
     batch: int | None = None,
-    machine: str | None = None,
+    machine: Machine | str | None = None,
     dtype: str = "",
     precision: str = "",
     overlap: Any = None,

@@ -1,6 +1,7 @@
 """The training loop on the 4D grid: ``train(cfg)`` and the command's ``main(args)``.
 
-``train`` builds the grid (``axon4d.grid.runtime.init``; ``--grid auto`` asks the planner), the model
+``train`` builds the grid (``axon4d.grid.runtime.init``; under ``--grid auto`` the grid of the plan
+the planner answers the run's one request with, ``planned`` and ``trial``), the model
 (``axon4d.models.transformer.Transformer``) on it and the optimizer, resumes from the newest
 checkpoint if asked (``--resume always``, or ``auto``: when there is one), and runs the steps:
 this step's micro-batches (``batches``) → gradient clipping and AdamW on the schedule (``optim``)
@@ -54,8 +55,9 @@ from axon4d.models.transformer import Transformer
 from axon4d.options.precision import AUTO, NAMED
 from axon4d.options.precision import resolve as resolve_precision
 from axon4d.options.recompute_mode import check_recompute
+from axon4d.plan.job import plan_job
 from axon4d.reliability import watchdog
-from axon4d.train import hf, optim, reference, report, saves, trial
+from axon4d.train import hf, optim, planned, reference, report, saves, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
 from axon4d.train.moe_log import moe_record
@@ -82,9 +84,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     environment.use_overlap_connections()  # likewise: collectives start in issue order beside the GEMMs
     overlap: Any = "auto"  # the knobs the planner tunes for the grid (axon4d.init's default)
     tried: list[dict[str, Any]] = []  # with --try, the plans tried and how each measured
-    if cfg.grid == "auto":  # the planner's grid and step options, applied (every rank alike)
-        cfg, best, tried = trial.choose(cfg, devices.accelerator_available(), _resolve_precision, _model, _step)
-        overlap = best.overlap
+    if cfg.grid == "auto":  # one request to the planner, one plan back, applied (every rank alike)
+        job = plan_job(planned.request(cfg, devices.accelerator_available(), trial.plans_wanted(cfg)))
+        best, tried = trial.choose(cfg, job, _resolve_precision, _model, _step)  # --try: the fastest measured
+        cfg, overlap = planned.apply(cfg, job, best), best.overlap
     # a bad name fails here, on every rank, before any communication; the resolved name is the
     # run's from here on: the checkpoints, a resume's check and the reference run see it
     cfg = dataclasses.replace(cfg, precision=_resolve_precision(cfg))

@@ -1,10 +1,11 @@
-"""``axon4d train --grid auto``: the planner's whole plan, applied to the run (docs/planner.md).
+"""``axon4d train --grid auto``: the run's ends of the planner's one seam (docs/planner.md).
 
 The planner searches the grid and the step options together (``axon4d.plan.search.plan``):
 recomputation, micro-batches, ZeRO stage, activation offload, FP8 weight gathers and context
-parallelism. With ``--grid auto`` every rank asks it the same question before any process group
-exists (``axon4d.plan.auto.choose``: a deterministic search, the same answer everywhere; rank 0
-prints it) and the run takes the answer:
+parallelism. With ``--grid auto`` every rank builds the same question from the run's config before
+any process group exists — a plain ``axon4d.plan.job.JobRequest`` (``request``) — and asks it once
+(``axon4d.plan.job.plan_job``: a deterministic search, the same answer everywhere; rank 0 prints
+it); the run takes the ``JobPlan`` that comes back (``apply``):
 
 - an option left at its default is the planner's to choose; one given on the command line with
   another value is pinned, and ``--pin`` pins named options at whatever value they have, defaults
@@ -18,7 +19,9 @@ prints it) and the run takes the answer:
   bf16 — where FP8 does not fit or is priced slower on the chosen grid — become ``--bf16-layers``;
 - the grid and the overlap knobs the planner priced the plan with are the ones built.
 
-On a named grid nothing is chosen: the options are the flags' values.
+Which of the plan's candidates the run applies — its best, or under ``--try N`` the fastest
+measured of its N fastest fitting ones — is ``axon4d.train.trial``'s. On a named grid nothing is
+chosen: the options are the flags' values.
 """
 
 from __future__ import annotations
@@ -29,16 +32,10 @@ from typing import Any
 from axon4d.grid import launch
 from axon4d.memory.offload import offload_blocks, parse_offload
 from axon4d.options.precision import AUTO, resolve
-from axon4d.plan import correction
-from axon4d.plan import fp8 as fp8_plan
-from axon4d.plan.auto import choose, default_machine
 from axon4d.plan.candidate import Candidate
 from axon4d.plan.fp8 import PRESET as FP8_PRESET
-from axon4d.plan.machine import Machine
+from axon4d.plan.job import FIRST_CHOICE_TOP, JobPlan, JobRequest
 from axon4d.plan.options import AUTO_OPTION
-from axon4d.plan.scenario import Scenario
-from axon4d.plan.search import load_machine
-from axon4d.plan.workload import Workload
 from axon4d.train.config import TrainConfig
 from axon4d.train.fields import FP8_KINDS, PLANNED
 
@@ -60,7 +57,8 @@ def pinned(cfg: TrainConfig) -> set[str]:
 
 
 def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
-    """``choose``'s step options for this run: ``AUTO_OPTION`` for the planner's, else the pinned value."""
+    """The step options this run asks the planner for (``JobRequest``'s): ``AUTO_OPTION`` for the
+    planner's, else the pinned value."""
     free = set(PLANNED) - pinned(cfg)
     if cfg.hf:
         free.discard("offload")  # a Hugging Face model has no axon4d blocks to offload from
@@ -87,52 +85,34 @@ def _offload_indices(cfg: TrainConfig) -> tuple[int, ...]:
     return offload_blocks(parse_offload(cfg.offload), cfg.model_config().n_layers)
 
 
-def request(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
-    """What this run asks the planner (``axon4d.plan.auto.choose``'s arguments but the world size):
-    the model, the step's batch (``--batch-size`` × ``--micro-batches``), the machine, the precision
-    the run will compute in, and each step option free (``AUTO_OPTION``) or pinned (``question``)."""
+def request(cfg: TrainConfig, accelerator: bool, top: int = FIRST_CHOICE_TOP) -> JobRequest:
+    """What this run asks the planner: the model, the job's world size, the step's batch
+    (``--batch-size`` × ``--micro-batches``), the precision the run will compute in, each step option
+    free (``AUTO_OPTION``) or pinned (``question``), the machine and the correction of its prices
+    (``--machine``, ``--correction``), ``--async-save``, and the ``top`` fastest fitting plans it
+    wants (``axon4d.train.trial.plans_wanted``)."""
     info = launch.detect()
-    return {
-        "model": cfg.model_config(),
-        "batch": cfg.batch_size * cfg.micro_batches,
-        "machine": machine(cfg, info.world_size),
-        "precision": resolve(cfg.precision, accelerator),  # what its collectives move (Workload.precision)
-        "overlap": "auto",
-        "rank": info.rank,
-        "async_save": cfg.async_save,
+    return JobRequest(
+        model=cfg.model_config(),
+        world=info.world_size,
+        batch=cfg.batch_size * cfg.micro_batches,
+        precision=resolve(cfg.precision, accelerator),  # what its collectives move (Workload.precision)
+        machine=cfg.machine,
+        correction=cfg.correction,
+        async_save=cfg.async_save,
+        top=top,
+        rank=info.rank,
         **question(cfg, accelerator),
-    }
+    )
 
 
-def machine(cfg: TrainConfig, world: int) -> Machine | str | None:
-    """The planner's machine for this run of ``world`` ranks: ``--machine`` (None: ``$AXON4D_MACHINE``),
-    its prices scaled by ``--correction``'s factors where one is given (``axon4d.plan.correction``).
-    ``ValueError`` (on every rank alike) when the file is not a correction, or was measured on
-    another number of ranks (its factors scale that world's prices only)."""
-    if not cfg.correction:
-        return cfg.machine or None
-    corr = correction.load(cfg.correction)
-    if corr.world != world:
-        raise ValueError(
-            f"--correction {cfg.correction!r} was measured on {corr.world} ranks, this job has {world}: its "
-            f"factors scale the prices of {corr.world}-rank steps only; run --try N on this job to measure one"
-        )
-    return correction.apply(load_machine(cfg.machine or default_machine()), corr)
-
-
-def plan_run(cfg: TrainConfig, accelerator: bool) -> tuple[TrainConfig, Candidate]:
-    """Ask the planner for this run's grid and options (every rank alike; rank 0 prints the
-    choice) and return the run's config with the chosen options applied (``apply``), and the choice
-    (its ``shape`` and ``overlap`` are the grid to build). ``ValueError`` when no plan fits."""
-    best = choose(launch.detect().world_size, **request(cfg, accelerator))
-    return apply(cfg, best, accelerator), best
-
-
-def apply(cfg: TrainConfig, best: Candidate, accelerator: bool) -> TrainConfig:
-    """``cfg`` with the grid and the step options of the planner's candidate ``best`` (module
-    docstring): k planned micro-batches of batch/k sequences, the first n blocks offloaded, FP8
-    gathers as the precision where --precision auto left them free."""
-    asked = question(cfg, accelerator)
+def apply(cfg: TrainConfig, job: JobPlan, choice: Candidate | None = None) -> TrainConfig:
+    """``cfg`` with the grid and the step options of the plan ``job``'s candidate ``choice`` (None:
+    its best) (module docstring): k planned micro-batches of batch/k sequences, the first n blocks
+    offloaded, FP8 gathers as the precision where --precision auto left them free, and under FP8
+    GEMMs the plan's bf16 layer kinds unless --bf16-layers names some."""
+    best = job.best if choice is None else choice
+    asked = job.request  # which options were the planner's to choose
     step_batch = cfg.batch_size * cfg.micro_batches
     k = int(best.option("micro_batches"))
     blocks = int(best.option("offload"))
@@ -145,34 +125,10 @@ def apply(cfg: TrainConfig, best: Candidate, accelerator: bool) -> TrainConfig:
         "try_plans": 0,  # a named grid: nothing left to try (axon4d.train.trial) nor to price
         "correction": "",
     }
-    if asked["micro_batches"] == AUTO_OPTION:
+    if asked.micro_batches == AUTO_OPTION:
         changes.update(micro_batches=k, batch_size=step_batch // k)
-    if asked["fp8_gather"] == AUTO_OPTION and best.option("fp8_gather"):  # only a free --precision auto
+    if asked.fp8_gather == AUTO_OPTION and best.option("fp8_gather"):  # only a free --precision auto
         changes["precision"] = "bf16-fp8-gather"
-    if resolve(cfg.precision, accelerator) == FP8_PRESET and not cfg.bf16_layers:
-        changes["bf16_layers"] = ",".join(bf16_kinds(cfg, best, accelerator))
+    if asked.precision == FP8_PRESET and not cfg.bf16_layers:
+        changes["bf16_layers"] = ",".join(job.bf16_layers(best, FP8_KINDS))
     return dataclasses.replace(cfg, **changes)
-
-
-def bf16_kinds(cfg: TrainConfig, best: Candidate, accelerator: bool) -> list[str]:
-    """Under ``--precision bf16-fp8``: the block's layer kinds the plan ``best`` runs in bf16 — where
-    a layer's block does not fit the FP8 kernel or FP8 with its casts is priced slower on its grid
-    (``axon4d.plan.fp8.fp8_layers``, on one micro-batch as the step is priced)."""
-    req = request(cfg, accelerator)
-    mach = req["machine"] if isinstance(req["machine"], Machine) else load_machine(req["machine"] or default_machine())
-    cp = bool(best.context_parallel)
-    wl = Workload(req["model"], req["batch"], "bfloat16", precision=FP8_PRESET, context_parallel=cp)
-    opts = best.options
-    sc = Scenario(
-        wl,
-        best.shape,
-        mach,
-        best.overlap,
-        best.recompute,
-        micro_batches=int(opts["micro_batches"]),
-        zero=int(opts["zero"]),
-        offload=int(opts["offload"]),
-        fp8_gather=bool(opts["fp8_gather"]),
-    ).micro()
-    chosen = fp8_plan.fp8_layers(sc, [s for s in wl.linears() if s.name in FP8_KINDS])
-    return [name for name in FP8_KINDS if name in chosen and not chosen[name][0]]

@@ -1,7 +1,9 @@
 """``axon4d train --grid auto --try N``: plan, then measure (docs/planner.md#trying-the-top-plans).
 
-No cost model is right on every cluster. With ``--try N`` the run tries each of the planner's N
-fastest fitting plans in turn on the job's ranks (``axon4d.trials.run``): ``axon4d.init`` with the
+No cost model is right on every cluster. With ``--try N`` the run asks the planner for its N
+fastest fitting plans (``plans_wanted``: the ``top`` of the run's one ``JobRequest``) and tries
+each of the ``JobPlan``'s ``fitting`` ones in turn on the job's ranks (``choose``,
+``axon4d.trials.run``): ``axon4d.init`` with the
 plan's grid and overlap knobs, the model with its step options, the optimizer, the data (``_trial``);
 ``axon4d.trials.WARMUP`` untimed steps (the second tracked for its peak memory) and ``--try-steps``
 timed ones; torn down (the model, the optimizer and their buffers dropped, the grid's process groups
@@ -31,10 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 from axon4d import checkpoint, trials
-from axon4d.grid import launch
 from axon4d.plan import correction
-from axon4d.plan.auto import ranked
 from axon4d.plan.candidate import Candidate
+from axon4d.plan.job import FIRST_CHOICE_TOP, JobPlan
 from axon4d.train import outdir, planned
 from axon4d.train.batches import accumulate_one, make_data, step_batches
 from axon4d.train.config import TrainConfig
@@ -47,49 +48,69 @@ Build = Callable[[TrainConfig, Any, Any], Any]  # (cfg, model config, grid) -> m
 Step = Callable[..., tuple[dict[str, Any], bool, str | None]]  # the loop's step: (record, finite, first bad)
 
 
+def plans_wanted(cfg: TrainConfig) -> int:
+    """How many of the planner's fastest fitting plans the run asks for (``JobRequest.top``):
+    ``--try N``'s N where it tries them, or takes the one its first launch tried and recorded
+    (``trials.json``); else — no ``--try``, or a resumed run whose first launch did not try —
+    ``FIRST_CHOICE_TOP``, as that launch asked."""
+    if cfg.try_plans and (not _takes_record(cfg) or os.path.exists(_record_path(cfg))):
+        return cfg.try_plans
+    return FIRST_CHOICE_TOP
+
+
 def choose(
-    cfg: TrainConfig, accelerator: bool, resolve: Callable[[TrainConfig], str], build: Build, step: Step
-) -> tuple[TrainConfig, Candidate, list[dict[str, Any]]]:
-    """The run's config with the plan applied (``planned.apply``), the plan, and the rows of the
-    plans tried (none without ``--try``: the planner's first choice, ``planned.plan_run``).
+    cfg: TrainConfig, job: JobPlan, resolve: Callable[[TrainConfig], str], build: Build, step: Step
+) -> tuple[Candidate, list[dict[str, Any]]]:
+    """Which candidate of the planner's ``job`` the run applies (``planned.apply``), and the rows
+    of the plans tried: without ``--try`` the plan's best and no rows; a resumed run (a checkpoint
+    in the output directory, not ``--retry``) the plan ``trials.json`` records (``_recorded``); else
+    the fastest measured of ``job.fitting``, each built, stepped and torn down (``_try_all``), the
+    rows written to ``trials.json`` and the correction they fit to ``correction.json``.
 
     ``resolve`` gives a config's precision as the run will compute it; ``build`` and ``step`` are
-    the training loop's model and step. A resumed run (a checkpoint in the output directory, not
-    ``--retry``) takes the plan ``trials.json`` records. ``ValueError`` when no plan fits, or the
-    recorded plan is no longer among the planner's; ``RuntimeError`` when every tried plan failed."""
+    the training loop's model and step. ``ValueError`` when the recorded plan is no longer among
+    the planner's; ``RuntimeError`` when every tried plan failed."""
     if not cfg.try_plans:
-        run, best = planned.plan_run(cfg, accelerator)
-        return run, best, []
-    world = launch.detect().world_size
-    result = ranked(world, **planned.request(cfg, accelerator), top=cfg.try_plans)
-    fitting = [c for c in result.candidates if c.fits][: cfg.try_plans]
-    resumed = cfg.resume != "never" and checkpoint.latest(os.path.join(cfg.out_dir, "checkpoints")) is not None
-    if resumed and not cfg.retry:
-        return _recorded(cfg, accelerator, result.candidates)
-    first = planned.apply(cfg, fitting[0], accelerator)
+        return job.best, []
+    if _takes_record(cfg):
+        return _recorded(cfg, job)
+    fitting = job.fitting
+    first = planned.apply(cfg, job, fitting[0])
     outdir.check_out_dir(dataclasses.replace(first, precision=resolve(first)), first.model_config())  # refused now
-    rows = _try_all(cfg, fitting, accelerator, resolve, build, step)
+    rows = _try_all(cfg, job, fitting, resolve, build, step)
     chosen = trials.fastest(rows, f"--try {cfg.try_plans}", "pin a grid with --grid x,y,z,data")
-    best = fitting[chosen["rank"] - 1]
-    if launch.detect().rank == 0:
+    if job.request.rank == 0:
         prior = correction.load(cfg.correction) if cfg.correction else None
-        _write(cfg.out_dir, rows, result.machine.name.removesuffix(correction.SUFFIX), world, prior)
-    return planned.apply(cfg, best, accelerator), best, rows
+        _write(cfg.out_dir, rows, job.machine_name, job.request.world, prior)
+    return fitting[chosen["rank"] - 1], rows
+
+
+def _takes_record(cfg: TrainConfig) -> bool:
+    """Whether the run takes the plan its first launch chose rather than trying again: it resumes
+    (``--resume`` not never, a checkpoint in the output directory) and ``--retry`` is not given."""
+    resumed = cfg.resume != "never" and checkpoint.latest(os.path.join(cfg.out_dir, "checkpoints")) is not None
+    return resumed and not cfg.retry
+
+
+def _record_path(cfg: TrainConfig) -> str:
+    """Where the run's ``trials.json`` lies."""
+    return os.path.join(cfg.out_dir, TRIALS_FILE)
 
 
 def _try_all(
     cfg: TrainConfig,
+    job: JobPlan,
     fitting: list[Candidate],
-    accelerator: bool,
     resolve: Callable[[TrainConfig], str],
     build: Build,
     step: Step,
 ) -> list[dict[str, Any]]:
-    """Try each plan of ``fitting`` in turn (``axon4d.trials.run``: built on its grid with the run's
-    seed, transport and the plan's precision, stepped, torn down); their rows, in the planner's order."""
+    """Try each plan of ``fitting`` (candidates of ``job``) in turn (``axon4d.trials.run``: built on
+    its grid with the run's seed, transport and the plan's precision, stepped, torn down); their
+    rows, in the planner's order."""
 
     def planned_cfg(cand: Candidate) -> TrainConfig:
-        run = planned.apply(cfg, cand, accelerator)
+        run = planned.apply(cfg, job, cand)
         return dataclasses.replace(run, precision=resolve(run))
 
     def init(cand: Candidate) -> dict[str, Any]:
@@ -128,24 +149,22 @@ def _trial(cfg: TrainConfig, grid: Any, build: Build, step: Step) -> trials.Tria
     return trials.Trial(model, opt, one, passes)
 
 
-def _recorded(
-    cfg: TrainConfig, accelerator: bool, candidates: list[Candidate]
-) -> tuple[TrainConfig, Candidate, list[dict[str, Any]]]:
-    """The plan the first launch of a resumed run chose (``trials.json``), among the planner's
-    ``candidates``; without a record (that launch did not try: its plan was the planner's first),
-    ``planned.plan_run``'s."""
-    path = os.path.join(cfg.out_dir, TRIALS_FILE)
+def _recorded(cfg: TrainConfig, job: JobPlan) -> tuple[Candidate, list[dict[str, Any]]]:
+    """The plan the first launch of a resumed run chose (``trials.json``), among ``job``'s
+    candidates, and its rows marked as recorded; without a record (that launch did not try: its
+    plan was the planner's first) ``job``'s best. ``ValueError`` when the recorded plan is not
+    among the candidates."""
+    path = _record_path(cfg)
     if not os.path.exists(path):
-        run, best = planned.plan_run(cfg, accelerator)
-        return run, best, []
+        return job.best, []
     with open(path) as f:
         rows = json.load(f)["trials"]
     chosen = next(r for r in rows if r["chosen"])
-    for c in candidates:
+    for c in job.candidates:
         if list(c.shape.as_tuple()) == chosen["grid"] and c.options_spec() == chosen["options"]:
-            if launch.detect().rank == 0:
+            if job.request.rank == 0:
                 trials.say(f"resumed: the plan tried and chosen before ({path}), not tried again (--retry tries again)")
-            return planned.apply(cfg, c, accelerator), c, [{**r, "recorded": True} for r in rows]
+            return c, [{**r, "recorded": True} for r in rows]
     raise ValueError(
         f"--resume with --try: the plan chosen before ({chosen['grid']}, {chosen['options']}; {path}) is no longer "
         "among the planner's (another machine file or options?); pass --retry to try again, or --grid "
