@@ -127,7 +127,7 @@ def _reads(model: nn.Module, grid: Grid) -> Iterator[Entry]:
     for name, m in model.named_modules():
         if isinstance(m, (ShardedLinear, ShardedNorm)):
             inner_of[id(m.inner)] = (name, m)
-    in_moe = {id(m) for _, block in moe_blocks(model) for m in block.modules()}  # read by _load_moe_blocks
+    in_moe = {id(m) for _, block in moe_blocks(model) for m in block.moe.modules()}  # read by _load_moe_blocks
     for name, m in model.named_modules():
         params = dict(m.named_parameters(recurse=False))
         if not params or id(m) in in_moe:

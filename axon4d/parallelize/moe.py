@@ -1,19 +1,23 @@
 """Hugging Face Mixture-of-Experts causal LMs under ``auto_parallelize`` (docs/parallelize.md,
 "Mixture-of-Experts models"; docs/moe.md).
 
-The sharded style of the llama-built MoE families (``MODELS``: Mixtral, Qwen3-MoE) keeps the
+The sharded style of the llama-built MoE families (``MODELS``: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) keeps the
 residual stream split over x as for Llama (``axon4d.parallelize.llama``) and puts an ``HFMoEBlock``
 — axon4d's grid MoE layer (``axon4d.nn.moe.MoE``, E14–E18) — in place of every sparse MoE block:
 
 - the router ``gate.weight`` (E, hidden) becomes ``MoE.router`` (split over x); Mixtral's gates
-  are its top-k softmax scores renormalised (``router_topk_norm=True``), Qwen3-MoE's renormalised
-  when ``norm_topk_prob`` (else taken as they are);
+  are its top-k softmax scores renormalised (``router_topk_norm=True``), Qwen3-MoE's, Qwen2-MoE's and
+  OLMoE's renormalised when ``norm_topk_prob`` (else taken as they are);
 - the fused experts ``experts.gate_up_proj`` (E, 2I, hidden) = [gate | up] and
   ``experts.down_proj`` (E, hidden, I) become ``MoE.experts``: experts over batch = data × z,
   each split over x·y, up stored as [gate_j | up_j] per y chunk;
 - Qwen3-MoE's dense layers (``mlp_only_layers``, ``decoder_sparse_step``) keep ``Qwen3MoeMLP``,
   chained like Llama's MLP; its per-head q/k norms become ``HeadNorm`` (this rank's heads, the
-  weight's gradient summed over y).
+  weight's gradient summed over y); Qwen2-MoE's likewise keep ``Qwen2MoeMLP``;
+- OLMoE's q/k norms over all heads' features become ``FeatureNorm`` (the sum of squares summed
+  over y);
+- Qwen2-MoE's block becomes a ``GatedSharedMoEBlock``: the routed experts plus its shared expert
+  (chained like Llama's MLP) scaled by sigmoid(``shared_expert_gate``), a ``SharedGate``.
 
 The auxiliary loss: transformers adds its load-balancing loss only when ``output_router_logits``
 is asked; then every ``HFMoE`` records its router logits for transformers' output and
@@ -35,7 +39,7 @@ from axon4d.config import ModelConfig
 from axon4d.grid import rules
 from axon4d.grid.mesh import Grid
 from axon4d.layout.geometry import Term
-from axon4d.nn.functional import average_grad_over_batch
+from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
 from axon4d.nn.moe import MoE, placement_rules
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.nn.moe_dispatch import use_replicated
@@ -54,13 +58,15 @@ from axon4d.parallelize.styles import (
 MODELS = {
     "MixtralForCausalLM": ("MixtralModel", "MixtralDecoderLayer", "MixtralSparseMoeBlock"),
     "Qwen3MoeForCausalLM": ("Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock"),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeModel", "Qwen2MoeDecoderLayer", "Qwen2MoeSparseMoeBlock"),
+    "OlmoeForCausalLM": ("OlmoeModel", "OlmoeDecoderLayer", "OlmoeSparseMoeBlock"),
 }
 #: the dense MLP class of a family's non-MoE layers
-DENSE_MLPS = ("Qwen3MoeMLP", "MixtralMLP")
+DENSE_MLPS = ("Qwen3MoeMLP", "MixtralMLP", "Qwen2MoeMLP", "OlmoeMLP")
 #: what the refusal of an unsupported MoE model lists
 SUPPORTED = (
-    "MixtralForCausalLM and Qwen3MoeForCausalLM (softmax top-k routers, renormalised or not, SiLU-gated "
-    "experts, no shared experts, style='sharded')"
+    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (its sigmoid-gated shared expert) and "
+    "OlmoeForCausalLM (softmax top-k routers, renormalised or not, SiLU-gated experts, style='sharded')"
 )
 #: config fields by which a Hugging Face config says its model has routed experts
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -72,7 +78,7 @@ def moe_config(config: Any, n_moe_layers: int) -> ModelConfig:
     mixtral = config.model_type == "mixtral"
     e = int(config.num_local_experts if mixtral else config.num_experts)
     k = int(config.num_experts_per_tok)
-    ffn = int(config.intermediate_size if mixtral else config.moe_intermediate_size)
+    ffn = int(config.intermediate_size if mixtral or config.model_type == "olmoe" else config.moe_intermediate_size)
     return ModelConfig(
         n_layers=1,
         hidden=int(config.hidden_size),
@@ -92,7 +98,7 @@ def moe_config(config: Any, n_moe_layers: int) -> ModelConfig:
 def is_sparse_layer(config: Any, i: int) -> bool:
     """Whether decoder layer ``i`` of a Mixtral or Qwen3-MoE ``config`` is a sparse MoE block
     (Qwen3-MoE: not in ``mlp_only_layers`` and (i + 1) divisible by ``decoder_sparse_step``)."""
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", "olmoe"):
         return True
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     return i not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0 and (i + 1) % step == 0
@@ -313,15 +319,20 @@ class HFMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.moe(hidden_states)
 
+    def _dense_parts(self, grads: bool) -> dict[int, Any]:
+        """{id(the template's module): its dense copy} for the parts of the block held outside ``moe``."""
+        return {}
+
     @torch.no_grad()
     def to_dense(self, grads: bool = False) -> nn.Module:
         """The Hugging Face block with the whole router and experts (and ``.grad``), on every rank
         (gathers over x, y and batch)."""
         dense = self.moe.to_dense(grads)
-        block = copy.deepcopy(self.template[0])
+        block = copy.deepcopy(self.template[0], self._dense_parts(grads))
         hf = cast(Any, block)  # Hugging Face's sparse MoE block: duck-typed
         if hf.gate.weight.is_meta:
-            block.to_empty(device=dense.router.weight.device)
+            hf.gate.to_empty(device=dense.router.weight.device)
+            hf.experts.to_empty(device=dense.router.weight.device)
         assert dense.experts.gate is not None
         pairs = (
             (hf.gate.weight, dense.router.weight, None),
@@ -335,6 +346,98 @@ class HFMoEBlock(nn.Module):
                 gb = None if b is None else (b.grad if b.grad is not None else torch.zeros_like(b))
                 target.grad = ga.clone() if gb is None else torch.cat([ga, gb], dim=1)
         return block
+
+
+class GatedSharedMoEBlock(HFMoEBlock):
+    """Qwen2-MoE's sparse block: the routed experts (``HFMoEBlock``) plus its shared expert (a dense
+    ``Qwen2MoeMLP``, its linears chained as Llama's MLP: input and output split over x) scaled per
+    token by sigmoid(``shared_expert_gate``(x)) (a ``SharedGate``)."""
+
+    def __init__(self, original: nn.Module, cfg: ModelConfig, grid: Grid):
+        super().__init__(original, cfg, grid)
+        block = cast(Any, original)
+        self.shared_expert = block.shared_expert  # its linears replaced by the style
+        self.shared_expert_gate = block.shared_expert_gate  # replaced by a SharedGate by the style
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.moe(hidden_states) + self.shared_expert_gate(hidden_states) * self.shared_expert(hidden_states)
+
+    def _dense_parts(self, grads: bool) -> dict[int, Any]:
+        from axon4d.parallelize.walk import to_dense  # walk imports this module
+
+        hf = cast(Any, self.template[0])
+        gate = cast(Any, self.shared_expert_gate)
+        return {
+            id(hf.shared_expert): to_dense(self.shared_expert, grads=grads),
+            id(hf.shared_expert_gate): gate.to_dense(grads=grads) if hasattr(gate, "to_dense") else gate,
+        }
+
+
+class SharedGate(nn.Module):
+    """Qwen2-MoE's ``shared_expert_gate`` (Linear hidden → 1, no bias) followed by the sigmoid the
+    block applies, on the residual layout (…, hidden/G_x): the weight is whole on every rank, each
+    x rank's partial dot product is summed over x, and the gate (used by every x rank on its own
+    features) has its gradient summed over x; the weight's gradient is summed over x (each rank
+    has its columns') and averaged over batch."""
+
+    def __init__(self, original: nn.Module, grid: Grid):
+        super().__init__()
+        self.weight = cast(nn.Parameter, original.weight)
+        self.grid = grid
+        self.template = [original]
+        average_grad_over_batch(self.weight, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = self.grid
+        cols = x.shape[-1]
+        start = grid.coord("x") * cols
+        w = use_replicated(self.weight, "x", grid, Term.REPLICATED_GRAD)[:, start : start + cols]
+        logit = sum_to_replicas(x @ w.t().to(x.dtype), "x", grid)  # (…, 1), the same on every x rank
+        return use_replicated(torch.sigmoid(logit), "x", grid, Term.REPLICATED_GRAD)
+
+    @torch.no_grad()
+    def to_dense(self, grads: bool = False) -> nn.Module:
+        return _dense_copy(self.template[0], self.weight, grads)
+
+
+class FeatureNorm(nn.Module):
+    """An RMSNorm over all heads' features (OLMoE's q_norm, k_norm over heads·head_dim) of this
+    rank's heads (…, heads/G_y · head_dim): the sum of squares is summed over y; the whole weight
+    on every rank, this rank's slice used, its gradient summed over y and averaged over batch."""
+
+    def __init__(self, original: nn.Module, grid: Grid):
+        super().__init__()
+        norm = cast(Any, original)
+        self.weight = norm.weight
+        self.eps = float(norm.variance_epsilon)
+        self.grid = grid
+        self.template = [original]
+        average_grad_over_batch(self.weight, grid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid, dtype, n = self.grid, x.dtype, self.weight.shape[0]
+        h = x.float()
+        squares = sum_partials(h.pow(2).sum(-1, keepdim=True), "y", grid)
+        h = h * torch.rsqrt(squares / n + self.eps)
+        start = grid.coord("y") * x.shape[-1]
+        w = use_replicated(self.weight, "y", grid, Term.REPLICATED_GRAD)[start : start + x.shape[-1]]
+        return w * h.to(dtype)
+
+    @torch.no_grad()
+    def to_dense(self, grads: bool = False) -> nn.Module:
+        return _dense_copy(self.template[0], self.weight, grads)
+
+
+def _dense_copy(template: nn.Module, weight: torch.Tensor, grads: bool) -> nn.Module:
+    """A copy of ``template`` (a module with one parameter, ``weight``) holding ``weight`` (and its gradient)."""
+    dense = copy.deepcopy(template)
+    target = cast(nn.Parameter, cast(Any, dense).weight)
+    if target.is_meta:
+        dense.to_empty(device=weight.device)
+        target = cast(nn.Parameter, cast(Any, dense).weight)
+    target.copy_(weight)
+    target.grad = weight.grad.clone() if grads and weight.grad is not None else None
+    return dense
 
 
 def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
@@ -355,10 +458,18 @@ def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
     norm = sharded_norm_builder(grid)
 
     def moe_block(block: nn.Module) -> nn.Module:
-        return HFMoEBlock(block, mcfg, grid)
+        return (
+            GatedSharedMoEBlock(block, mcfg, grid) if hasattr(block, "shared_expert") else HFMoEBlock(block, mcfg, grid)
+        )
 
     def head_norm(n: nn.Module) -> nn.Module:
         return HeadNorm(n, grid)
+
+    def feature_norm(n: nn.Module) -> nn.Module:
+        return FeatureNorm(n, grid)
+
+    def shared_gate(n: nn.Module) -> nn.Module:
+        return SharedGate(n, grid)
 
     aux = RouterAux(cfg, grid)  # transformers' balance loss when output_router_logits is asked
     style = BlockStyle(
@@ -381,10 +492,16 @@ def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
         style.linears[f"{p}.self_attn.o_proj"] = TRANSPOSED_SPLIT
         style.replace.update({f"{p}.input_layernorm": norm, f"{p}.post_attention_layernorm": norm})
         for qk in ("q_norm", "k_norm"):
-            if hasattr(layer.self_attn, qk):
-                style.replace[f"{p}.self_attn.{qk}"] = head_norm
+            if hasattr(layer.self_attn, qk):  # per head (Qwen3-MoE) or over all heads (OLMoE)
+                per_head = getattr(layer.self_attn, qk).weight.shape[0] == layer.self_attn.head_dim
+                style.replace[f"{p}.self_attn.{qk}"] = head_norm if per_head else feature_norm
         if i in sparse:
             style.replace[f"{p}.mlp"] = moe_block
+            if hasattr(layer.mlp, "shared_expert"):  # Qwen2-MoE: chained as a dense MLP, its gate over x
+                shared = f"{p}.mlp.shared_expert"
+                style.linears.update({f"{shared}.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
+                style.linears[f"{shared}.down_proj"] = TRANSPOSED_SPLIT
+                style.replace[f"{p}.mlp.shared_expert_gate"] = shared_gate
         elif type(layer.mlp).__name__ in DENSE_MLPS:
             style.linears.update({f"{p}.mlp.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
             style.linears[f"{p}.mlp.down_proj"] = TRANSPOSED_SPLIT

@@ -7,7 +7,7 @@ or shards with their index), maybe the tokenizer's files. Three pieces:
   FLOPs and MFU, the banner, the data (vocabulary, sequence length), a resume's checks and the
   planner of ``--grid auto``. Llama-family and GPT-2 configurations are read field by field
   (``PLANNED_TYPES``); other families through the common names, as an approximation the planner
-  does not price. Mixtral and Qwen3-MoE (``MOE_TYPES``) add their experts' fields (one sparse
+  does not price. Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE (``MOE_TYPES``) add their experts' fields (one sparse
   block's: ``axon4d.parallelize.moe.moe_config``), so the job logs its tokens per expert. The sequence length defaults to the model's positions, at most ``DEFAULT_SEQ_LEN``.
 - ``build(path, cfg, grid, ...)``: the model built on the meta device from its configuration
   (``AutoModelForCausalLM.from_config``, fp32 master weights), parallelized there
@@ -47,7 +47,7 @@ from axon4d.parallelize.layers import ShardedLinear
 #: the model types whose configuration is read exactly and whose parallel style the planner prices
 PLANNED_TYPES = ("llama", "gpt2")
 #: the Mixture-of-Experts model types whose configuration carries its experts into the run's ModelConfig
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 #: the sequence length of a run that gives none: the model's positions, but at most this
 DEFAULT_SEQ_LEN = 2048
 #: the file ``save_pretrained`` writes the configuration to

@@ -1,0 +1,190 @@
+"""Protects OLMoE and Qwen2-MoE under ``auto_parallelize`` (axon4d/parallelize/moe.py:
+``FeatureNorm``, ``GatedSharedMoEBlock``, ``SharedGate``; docs/parallelize.md,
+"Mixture-of-Experts models").
+
+A tiny random ``OlmoeForCausalLM`` (q/k norms over all heads' features, no renormalised gates)
+and ``Qwen2MoeForCausalLM`` (q/k/v biases, a dense ``mlp_only_layers`` layer, the shared expert
+scaled by sigmoid(``shared_expert_gate``)) are parallelized on grids of 2 and 4 ranks and must
+equal transformers' model in one process, fp32, to 1e-5: logits, loss, every parameter's gradient
+under its own name (``to_dense``) and the dense copy's logits. Then the round trip: ``axon4d train
+--hf`` of a saved model for 2 steps equals the one-process run, ``axon4d export-hf`` of its
+checkpoint loads with ``from_pretrained`` holding the trained weights, whose logits are the trained
+model's.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import axon4d
+from axon4d.parallelize import auto_parallelize, to_dense
+from axon4d.parallelize.moe import FeatureNorm, GatedSharedMoEBlock, HFMoEBlock, SharedGate
+
+TOL = 1e-5
+VOCAB, BATCH, SEQ = 128, 8, 8
+
+
+def rel_err(a, ref):
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def _config(family, vocab=VOCAB):
+    from transformers import OlmoeConfig, Qwen2MoeConfig
+
+    small = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    if family == "olmoe":
+        cfg = OlmoeConfig(**small, intermediate_size=32, num_hidden_layers=2)
+    else:
+        cfg = Qwen2MoeConfig(
+            **small,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+        )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _model(family, vocab=VOCAB, seed=0):
+    from transformers import OlmoeForCausalLM, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = (OlmoeForCausalLM if family == "olmoe" else Qwen2MoeForCausalLM)(_config(family, vocab))
+    with torch.no_grad():  # norm weights and router away from their trivial values: slices must matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def _compare(grid, family):
+    model = _model(family)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    par = auto_parallelize(model)
+    kinds = {
+        "moe": sum(isinstance(m, HFMoEBlock) for m in par.modules()),
+        "shared": sum(isinstance(m, GatedSharedMoEBlock) for m in par.modules()),
+        "gate": sum(isinstance(m, SharedGate) for m in par.modules()),
+        "norm": sum(isinstance(m, FeatureNorm) for m in par.modules()),
+    }
+    local = axon4d.shard_batch(ids)
+    out = par(input_ids=local, labels=local)
+    out.loss.backward()
+    rout = ref(input_ids=ids, labels=ids)
+    rout.loss.backward()
+    errs = {"logits": rel_err(axon4d.gather_batch(out.logits), rout.logits)}
+    errs["loss"] = rel_err(axon4d.gather_batch(out.loss.detach().reshape(1)).mean(), rout.loss)
+    dense = to_dense(par, grads=True)
+    got = dict(dense.named_parameters())
+    assert set(got) == set(dict(ref.named_parameters())), "to_dense must give transformers' parameter names"
+    for name, p in ref.named_parameters():
+        errs[name] = rel_err(got[name], p)
+        errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
+    with torch.no_grad():
+        errs["dense_copy_logits"] = rel_err(dense(input_ids=ids).logits, rout.logits)
+    return errs, kinds
+
+
+@pytest.mark.parametrize("grid", [(2, 2, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2)])
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
+def test_olmoe_and_qwen2_moe_match_transformers(pools, family, grid):
+    results = pools(grid[0] * grid[1] * grid[2] * grid[3]).run(grid, _compare, family)
+    want = (
+        {"moe": 2, "shared": 0, "gate": 0, "norm": 4}
+        if family == "olmoe"
+        else {"moe": 2, "shared": 2, "gate": 2, "norm": 0}
+    )
+    for rank, (errs, kinds) in enumerate(results):
+        assert kinds == want
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, f"{family} {grid} rank {rank}: {worst} error {errs[worst]:.2e} > {TOL:.0e}"
+
+
+def _train(cfg_dict):
+    import warnings
+
+    from axon4d.train import TrainConfig, train
+
+    warnings.simplefilter("ignore")
+    summary = train(TrainConfig(**cfg_dict))
+    return {k: summary.get(k) for k in ("losses", "single_process_losses", "max_rel_diff")}
+
+
+def _dense_after(grid, path, seq, ckpt):
+    """The dense Hugging Face model of ``path`` with the weights of the job's checkpoint ``ckpt``."""
+    import warnings
+
+    from axon4d import checkpoint
+    from axon4d.train import hf
+
+    warnings.simplefilter("ignore")
+    model = hf.build(path, hf.model_config(path, seq), grid)
+    checkpoint.load(ckpt, model, grid, check_model=False)
+    return {k: v.detach().clone() for k, v in model.to_dense().module.state_dict().items()}
+
+
+@pytest.mark.parametrize("family,grid", [("olmoe", "1,2,2,1"), ("qwen2_moe", "2,1,1,2")])
+def test_train_hf_export_round_trip(pools, tmp_path, family, grid):
+    from transformers import AutoModelForCausalLM
+
+    from axon4d.data.tokens import SyntheticTokens
+    from axon4d.export.from_checkpoint import export_checkpoint
+    from axon4d.train import hf
+
+    vocab, seq = 320, 16
+    path = str(tmp_path / family)
+    _model(family, vocab).save_pretrained(path)
+    assert hf.model_config(path, seq).n_experts == 4
+    job = dict(
+        hf=path,
+        grid=grid,
+        seq_len=seq,
+        batch_size=4,
+        micro_batches=2,
+        steps=2,
+        warmup_steps=1,
+        lr=1e-2,
+        out_dir=str(tmp_path / "run"),
+        progress=False,
+        peak_tflops=1.0,
+        compare_single=True,
+    )
+    got = pools(4).run(None, _train, job)[0]
+    assert got["max_rel_diff"] < 1e-5 and len(got["single_process_losses"]) == 2
+    original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    first = SyntheticTokens(vocab, seq, seed=0).batch(0, 8)
+    with torch.no_grad():
+        assert got["losses"][0] == pytest.approx(original(input_ids=first, labels=first).loss.item(), rel=1e-6)
+    ckpt = str(tmp_path / "run" / "checkpoints" / "step_2")
+    export_checkpoint(ckpt, str(tmp_path / "exported"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32).eval()
+    trained = pools(4).run(tuple(int(g) for g in grid.split(",")), _dense_after, path, seq, ckpt)[0]
+    state = exported.state_dict()
+    assert set(state) == set(trained)
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(state[gate_up], original.state_dict()[gate_up])  # fine-tuned
+    # the exported model computes what the trained one does
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.load_state_dict(trained)
+    with torch.no_grad():
+        assert rel_err(exported(input_ids=first).logits, model(input_ids=first).logits) <= TOL
