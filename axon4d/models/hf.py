@@ -14,6 +14,15 @@ gate | up rows), stacked along the output features (dim 0 of an (out, in) weight
   q, k, v are stacked into ``c_attn``, weight and bias. Exact GELU (``activation_function="gelu"``,
   not GPT-2's tanh approximation), no dropout, an untied ``lm_head``; GPT-2 has no grouped-query
   attention, so a GPT with n_kv_heads ≠ n_heads has no export.
+- A Llama with Mixture-of-Experts blocks exports as ``MixtralForCausalLM``: the router
+  ``blocks.<i>.mlp.router.weight`` becomes ``mlp.gate.weight``, the experts' gate and up (E, f,
+  hidden) are stacked along dim 1 into ``mlp.experts.gate_up_proj`` (E, 2f, hidden) = [gate | up]
+  and ``mlp.experts.down`` is ``mlp.experts.down_proj`` (E, hidden, f). Mixtral's router is a
+  softmax top-k whose gates are always renormalised, with no shared expert and every block sparse:
+  another router (sigmoid scores, un-normalised gates, DeepSeek-V3's groups, bias or scaling),
+  shared experts (Qwen2-MoE's is sigmoid-gated, axon4d's is not; Qwen3-MoE and OLMoE, which have
+  none, normalise q and k) or dense blocks have no exact counterpart and are refused in one line
+  (``moe_refusal``).
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from axon4d.config import ModelConfig
 
 #: the Hugging Face class each arch exports as
 ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+#: the Hugging Face class a llama-arch Mixture-of-Experts model exports as
+MOE_ARCHITECTURE = "MixtralForCausalLM"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +71,35 @@ def _special_id(value: int, vocab_size: int) -> int | None:
 
 def hf_config(cfg: ModelConfig) -> Any:
     """The transformers config of the model ``cfg`` describes (``GPT2Config`` or ``LlamaConfig``)."""
-    from transformers import GPT2Config, LlamaConfig  # an optional dependency
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig  # an optional dependency
 
     check_exportable(cfg)
     common: dict[str, Any] = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=False)
     config: Any
+    if cfg.moe:
+        config = MixtralConfig(
+            hidden_size=cfg.hidden,
+            intermediate_size=cfg.expert_width,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            hidden_act="silu",
+            sliding_window=None,
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            router_jitter_noise=0.0,
+            router_aux_loss_coef=cfg.moe_aux_coef,
+            output_router_logits=False,
+            bos_token_id=_special_id(1, cfg.vocab_size),
+            eos_token_id=_special_id(2, cfg.vocab_size),
+            **common,
+        )
+        config.architectures = [MOE_ARCHITECTURE]
+        return config
     if cfg.arch == "llama":
         config = LlamaConfig(
             hidden_size=cfg.hidden,
@@ -107,16 +142,46 @@ def check_exportable(cfg: ModelConfig) -> None:
     """Raise ``ValueError`` if ``cfg`` has no Hugging Face counterpart (a GPT with grouped-query attention)."""
     if cfg.arch not in ARCHITECTURES:
         raise ValueError(f"arch {cfg.arch!r} has no Hugging Face export; axon4d exports {sorted(ARCHITECTURES)}")
-    if cfg.moe:
+    why = moe_refusal(cfg) if cfg.moe else None
+    if why:
         raise ValueError(
-            f"a Mixture-of-Experts model (n_experts = {cfg.n_experts}) has no Hugging Face export yet; "
-            "save a checkpoint (axon4d.checkpoint.save) or the dense model (Transformer.to_dense()) instead"
+            f"a Mixture-of-Experts model (n_experts = {cfg.n_experts}) with {why} has no Hugging Face export: "
+            f"axon4d exports a llama-arch MoE as {MOE_ARCHITECTURE} (softmax top-k, gates renormalised, no "
+            "shared experts, every block MoE); save a checkpoint (axon4d.checkpoint.save) instead"
         )
     if cfg.arch == "gpt" and cfg.kv_heads != cfg.n_heads:
         raise ValueError(
             f"a GPT with n_kv_heads = {cfg.kv_heads} ≠ n_heads = {cfg.n_heads} has no Hugging Face export: "
             "GPT2LMHeadModel has no grouped-query attention; use arch 'llama' for GQA"
         )
+
+
+def moe_refusal(cfg: ModelConfig) -> str | None:
+    """Why the Mixture-of-Experts model ``cfg`` has no exact ``MixtralForCausalLM`` counterpart (the
+    first reason), None when it has one."""
+    k, norm = cfg.experts_per_token, cfg.router_topk_norm
+    deepseek = {  # DeepSeek-V3's routing fields, where the config has them: their "off" values
+        "first_k_dense": 0,
+        "n_groups": 1,
+        "routed_scaling_factor": 1.0,
+        "moe_bias_update_rate": 0.0,
+    }
+    if cfg.arch != "llama":
+        return f"arch {cfg.arch!r} (GELU experts; Mixtral's are SiLU-gated)"
+    if cfg.router_scoring != "softmax":
+        return f"router_scoring {cfg.router_scoring!r} (Mixtral's router is a softmax)"
+    if norm is False or (k == 1 and norm is None):
+        return f"un-normalised top-{k} gates (Mixtral always renormalises them)"
+    if cfg.shared_experts:
+        return (
+            f"shared_experts = {cfg.shared_experts} (Mixtral has none; Qwen2-MoE's shared expert is sigmoid-gated, "
+            "Qwen3-MoE and OLMoE have none and normalise q and k)"
+        )
+    for field, off in deepseek.items():
+        value = getattr(cfg, field, off)
+        if value != off:
+            return f"{field} = {value} (DeepSeek-V3 routing; Mixtral has no such option)"
+    return None
 
 
 def stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False, dim: int = 0) -> Exported:
@@ -138,16 +203,29 @@ def hf_tensors(cfg: ModelConfig) -> list[Exported]:
     one = stacked
     if cfg.arch == "llama":
         out = [one("model.embed_tokens.weight", [("tok_emb.weight", (cfg.vocab_size, h))])]
+        e, fe = cfg.n_experts, cfg.expert_width
         for i in range(cfg.n_layers):
             b, t = f"blocks.{i}", f"model.layers.{i}"
+            mlp = [
+                one(f"{t}.mlp.gate_proj.weight", [(f"{b}.mlp.up.weight.gate", (f, h))]),
+                one(f"{t}.mlp.up_proj.weight", [(f"{b}.mlp.up.weight.up", (f, h))]),
+                one(f"{t}.mlp.down_proj.weight", [(f"{b}.mlp.down.weight", (h, f))]),
+            ]
+            if cfg.moe:  # Mixtral's fused experts: [gate | up] stacked along dim 1
+                ups: list[tuple[str, tuple[int, ...]]] = [
+                    (f"{b}.mlp.experts.up.{s}", (e, fe, h)) for s in ("gate", "up")
+                ]
+                mlp = [
+                    one(f"{t}.mlp.gate.weight", [(f"{b}.mlp.router.weight", (e, h))]),
+                    one(f"{t}.mlp.experts.gate_up_proj", ups, dim=1),
+                    one(f"{t}.mlp.experts.down_proj", [(f"{b}.mlp.experts.down", (e, h, fe))]),
+                ]
             out += [
                 one(f"{t}.self_attn.q_proj.weight", [(f"{b}.attn.qkv.weight.q", (h, h))]),
                 one(f"{t}.self_attn.k_proj.weight", [(f"{b}.attn.qkv.weight.k", (kv, h))]),
                 one(f"{t}.self_attn.v_proj.weight", [(f"{b}.attn.qkv.weight.v", (kv, h))]),
                 one(f"{t}.self_attn.o_proj.weight", [(f"{b}.attn.out.weight", (h, h))]),
-                one(f"{t}.mlp.gate_proj.weight", [(f"{b}.mlp.up.weight.gate", (f, h))]),
-                one(f"{t}.mlp.up_proj.weight", [(f"{b}.mlp.up.weight.up", (f, h))]),
-                one(f"{t}.mlp.down_proj.weight", [(f"{b}.mlp.down.weight", (h, f))]),
+                *mlp,
                 one(f"{t}.input_layernorm.weight", [(f"{b}.norm1.weight", (h,))]),
                 one(f"{t}.post_attention_layernorm.weight", [(f"{b}.norm2.weight", (h,))]),
             ]
