@@ -201,6 +201,9 @@ class MoE(nn.Module):
             del out  # the experts' rows of every y index: none is kept past its share (memory)
             home.issue(rows)
             combines.append((home, rows))
+        # the shared experts run while the combines travel; in backward, while the combines' reverse
+        # exchanges travel (their gradients' all-to-alls are issued before the shared MLP's backward)
+        shared = self.shared(x) if self.shared is not None else None
         backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, hidden/G_x) in all, sorted chunk by chunk
         back = torch.cat(backs) if len(backs) > 1 else backs[0]
         pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # (T_j·k, hidden/G_x) in token order
@@ -208,7 +211,7 @@ class MoE(nn.Module):
         gate = share_rows(use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD), shares, "y", grid, Term.MOE_ROUTER_GRAD)
         mine = (pairs.view(shares[j], k, -1) * gate.to(pairs.dtype).unsqueeze(-1)).sum(dim=1)  # (T_j, hidden/G_x)
         y = gather_rows(mine, shares, "y", grid, summed=False).view(x.shape)  # (T, hidden/G_x)
-        return y + self.shared(x) if self.shared is not None else y
+        return y + shared if shared is not None else y
 
     def _chunks(self, tokens: int, g_y: int, x2: torch.Tensor) -> int:
         """How many chunks each y share's tokens are dispatched in: the overlap policy's forward
