@@ -56,11 +56,15 @@ def test_the_job_logs_tokens_per_expert_and_the_balance_loss(pools, tmp_path):
 
 
 def test_the_hugging_face_export_refuses_moe_models_before_writing_anything():
+    import dataclasses
+
     from axon4d.config import get_config
     from axon4d.models.hf import hf_config
 
-    # tiny-moe has a shared expert: no Hugging Face class computes it (MixtralForCausalLM has none)
+    # tiny-moe exports (Qwen2MoeForCausalLM); with sigmoid scores no Hugging Face class computes it
+    sigmoid = dataclasses.replace(get_config("tiny-moe"), router_scoring="sigmoid")
     with pytest.raises(
-        ValueError, match="Mixture-of-Experts model .* shared_experts = 1 .* has no Hugging Face export"
+        ValueError, match="Mixture-of-Experts model .* router_scoring 'sigmoid' .* has no Hugging Face export"
     ):
-        hf_config(get_config("tiny-moe"))
+        hf_config(sigmoid)
+    assert hf_config(get_config("tiny-moe")).architectures == ["Qwen2MoeForCausalLM"]

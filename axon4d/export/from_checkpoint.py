@@ -191,7 +191,9 @@ def export_checkpoint(
     scratch = torch.empty(max(spec.nbytes for spec in specs), dtype=torch.uint8)  # the one buffer of the export
     for entry, spec in zip(plan, specs):
         buffer = buffer_view(scratch, spec.shape, spec.dtype)
-        for s in entry.sources:
+        if entry.scale == 0.0:  # zeros: the sources gave the dtype only
+            buffer.zero_()
+        for s in entry.sources if entry.scale != 0.0 else ():
             end = s.row0 + s.shape[s.dim]
             if entry.transposed:
                 rows = buffer[:, s.row0 : end].t()
@@ -200,6 +202,8 @@ def export_checkpoint(
             with warnings.catch_warnings():  # that it loads in one process, as asked
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)
+        if entry.scale not in (0.0, 1.0):
+            buffer.mul_(entry.scale)
         writer.write(entry.name, buffer)
         if progress is not None:
             progress(spec.nbytes, total)

@@ -12,6 +12,7 @@ tensor. A tensor left whole on every rank is written from rank 0's copy, with no
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,6 +129,15 @@ def _gathered(
     largest tensor, the one buffer of the export) zeroed, filled by every rank with its pieces (one
     replica of each) and summed by one all-reduce over the world."""
     parts = [found[s.key] for s in entry.sources]
+    if entry.scale != 1.0:  # scaled (exactly: a power of two) or, at 0, zeros read from nothing
+        if entry.scale == 0.0:
+            return buffer_view(scratch, entry.shape, parts[0][1].dtype).zero_() if grid.rank == 0 else None
+        t = _gathered(dataclasses.replace(entry, scale=1.0), found, grid, scratch)
+        if t is None:
+            return None
+        if t.data_ptr() != scratch.data_ptr():  # rank 0's own parameter: not to be scaled in place
+            t = buffer_view(scratch, entry.shape, t.dtype).copy_(t)
+        return t.mul_(entry.scale)
     if _held_whole(entry, found):
         return parts[0][1].detach().view(entry.shape) if grid.rank == 0 else None
     buffer = buffer_view(scratch, entry.shape, parts[0][1].dtype).zero_()
@@ -196,7 +206,7 @@ def save_pretrained_(
         err = e
     agree(grid, err, f"planning the export to {out_dir}")
     agree(grid, on_rank0(grid, lambda: make_partial(out_dir, overwrite)), f"preparing {out_dir}")
-    gathered = [spec.nbytes for e, spec in zip(plan, specs) if not _held_whole(e, found)]
+    gathered = [spec.nbytes for e, spec in zip(plan, specs) if e.scale != 1.0 or not _held_whole(e, found)]
     device = next(iter(found.values()))[1].device if found else grid.device
     scratch = torch.empty(max(gathered, default=0), dtype=torch.uint8, device=device)  # the one buffer of the export
     for entry in plan:  # every rank gathers every tensor, so a failed write on rank 0 cannot hang the others

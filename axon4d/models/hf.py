@@ -18,11 +18,13 @@ gate | up rows), stacked along the output features (dim 0 of an (out, in) weight
   ``blocks.<i>.mlp.router.weight`` becomes ``mlp.gate.weight``, the experts' gate and up (E, f,
   hidden) are stacked along dim 1 into ``mlp.experts.gate_up_proj`` (E, 2f, hidden) = [gate | up]
   and ``mlp.experts.down`` is ``mlp.experts.down_proj`` (E, hidden, f). Mixtral's router is a
-  softmax top-k whose gates are always renormalised, with no shared expert and every block sparse:
-  another router (sigmoid scores, un-normalised gates, DeepSeek-V3's groups, bias or scaling),
-  shared experts (Qwen2-MoE's is sigmoid-gated, axon4d's is not; Qwen3-MoE and OLMoE, which have
-  none, normalise q and k) or dense blocks have no exact counterpart and are refused in one line
-  (``moe_refusal``).
+  softmax top-k whose gates are always renormalised, with no shared expert and every block sparse.
+  With shared experts it exports as ``Qwen2MoeForCausalLM`` (gates renormalised or not,
+  ``norm_topk_prob``): the shared MLP is ``mlp.shared_expert``, which Qwen2-MoE scales by
+  sigmoid(``shared_expert_gate``·x), so the gate's weight is written as zeros (a factor 1/2) and the
+  shared ``down_proj`` doubled (``Exported.scale``: powers of two, exact). Another router (sigmoid
+  scores, un-normalised gates without a shared expert, DeepSeek-V3's groups, bias or scaling) or
+  dense blocks have no exact counterpart and are refused in one line (``moe_refusal``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from axon4d.config import ModelConfig
 
 #: the Hugging Face class each arch exports as
 ARCHITECTURES = {"gpt": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-#: the Hugging Face class a llama-arch Mixture-of-Experts model exports as
+#: the Hugging Face class a llama-arch Mixture-of-Experts model exports as (without, with shared experts)
 MOE_ARCHITECTURE = "MixtralForCausalLM"
+SHARED_ARCHITECTURE = "Qwen2MoeForCausalLM"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,9 @@ class Exported:
     """Its shape in the file."""
     sources: tuple[Source, ...]
     transposed: bool = False
+    scale: float = 1.0
+    """The stacked sources multiplied by it (a power of two: exact); 0: zeros, the sources read for
+    their dtype only."""
 
 
 def _special_id(value: int, vocab_size: int) -> int | None:
@@ -71,11 +77,40 @@ def _special_id(value: int, vocab_size: int) -> int | None:
 
 def hf_config(cfg: ModelConfig) -> Any:
     """The transformers config of the model ``cfg`` describes (``GPT2Config`` or ``LlamaConfig``)."""
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig  # an optional dependency
+    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig  # an optional dependency
 
     check_exportable(cfg)
     common: dict[str, Any] = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=False)
     config: Any
+    if cfg.moe and cfg.shared_experts:
+        k, norm = cfg.experts_per_token, cfg.router_topk_norm
+        config = Qwen2MoeConfig(
+            hidden_size=cfg.hidden,
+            intermediate_size=cfg.ffn,
+            moe_intermediate_size=cfg.expert_width,
+            shared_expert_intermediate_size=cfg.shared_experts * cfg.expert_width,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads,
+            max_position_embeddings=cfg.seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            hidden_act="silu",
+            use_sliding_window=False,
+            qkv_bias=False,
+            num_experts=cfg.n_experts,
+            num_experts_per_tok=k,
+            norm_topk_prob=bool(norm if norm is not None else k > 1),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=cfg.moe_aux_coef,
+            output_router_logits=False,
+            bos_token_id=_special_id(1, cfg.vocab_size),
+            eos_token_id=_special_id(2, cfg.vocab_size),
+            **common,
+        )
+        config.architectures = [SHARED_ARCHITECTURE]
+        return config
     if cfg.moe:
         config = MixtralConfig(
             hidden_size=cfg.hidden,
@@ -146,8 +181,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     if why:
         raise ValueError(
             f"a Mixture-of-Experts model (n_experts = {cfg.n_experts}) with {why} has no Hugging Face export: "
-            f"axon4d exports a llama-arch MoE as {MOE_ARCHITECTURE} (softmax top-k, gates renormalised, no "
-            "shared experts, every block MoE); save a checkpoint (axon4d.checkpoint.save) instead"
+            f"axon4d exports a llama-arch MoE with softmax top-k routing in every block as {MOE_ARCHITECTURE} "
+            f"(gates renormalised, no shared experts) or {SHARED_ARCHITECTURE} (shared experts); save a checkpoint "
+            "(axon4d.checkpoint.save) instead"
         )
     if cfg.arch == "gpt" and cfg.kv_heads != cfg.n_heads:
         raise ValueError(
@@ -170,12 +206,10 @@ def moe_refusal(cfg: ModelConfig) -> str | None:
         return f"arch {cfg.arch!r} (GELU experts; Mixtral's are SiLU-gated)"
     if cfg.router_scoring != "softmax":
         return f"router_scoring {cfg.router_scoring!r} (Mixtral's router is a softmax)"
-    if norm is False or (k == 1 and norm is None):
-        return f"un-normalised top-{k} gates (Mixtral always renormalises them)"
-    if cfg.shared_experts:
+    if not cfg.shared_experts and (norm is False or (k == 1 and norm is None)):
         return (
-            f"shared_experts = {cfg.shared_experts} (Mixtral has none; Qwen2-MoE's shared expert is sigmoid-gated, "
-            "Qwen3-MoE and OLMoE have none and normalise q and k)"
+            f"un-normalised top-{k} gates and no shared expert (Mixtral always renormalises; Qwen2-MoE, which "
+            "need not, has a shared expert; Qwen3-MoE and OLMoE normalise q and k)"
         )
     for field, off in deepseek.items():
         value = getattr(cfg, field, off)
@@ -184,7 +218,9 @@ def moe_refusal(cfg: ModelConfig) -> str | None:
     return None
 
 
-def stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False, dim: int = 0) -> Exported:
+def stacked(
+    name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: bool = False, dim: int = 0, scale: float = 1.0
+) -> Exported:
     """The exported tensor ``name`` made of the saved tensors ``parts`` ((key, global shape), in
     order) stacked along ``dim``; (in, out) when ``transposed``."""
     sources, row = [], 0
@@ -193,7 +229,7 @@ def stacked(name: str, parts: list[tuple[str, tuple[int, ...]]], transposed: boo
         row += shape[dim] if shape else 0
     first = parts[0][1]
     shape = (*first[:dim], row, *first[dim + 1 :]) if first else ()
-    return Exported(name, tuple(reversed(shape)) if transposed else shape, tuple(sources), transposed)
+    return Exported(name, tuple(reversed(shape)) if transposed else shape, tuple(sources), transposed, scale)
 
 
 def hf_tensors(cfg: ModelConfig) -> list[Exported]:
@@ -219,6 +255,16 @@ def hf_tensors(cfg: ModelConfig) -> list[Exported]:
                     one(f"{t}.mlp.gate.weight", [(f"{b}.mlp.router.weight", (e, h))]),
                     one(f"{t}.mlp.experts.gate_up_proj", ups, dim=1),
                     one(f"{t}.mlp.experts.down_proj", [(f"{b}.mlp.experts.down", (e, h, fe))]),
+                ]
+            if cfg.moe and cfg.shared_experts:  # Qwen2-MoE: sigmoid(0) = 1/2 gates the shared expert, down ×2
+                fs, s = cfg.shared_experts * fe, f"{t}.mlp.shared_expert"
+                mlp += [
+                    one(f"{s}.gate_proj.weight", [(f"{b}.mlp.shared.up.weight.gate", (fs, h))]),
+                    one(f"{s}.up_proj.weight", [(f"{b}.mlp.shared.up.weight.up", (fs, h))]),
+                    one(f"{s}.down_proj.weight", [(f"{b}.mlp.shared.down.weight", (h, fs))], scale=2.0),
+                    Exported(
+                        f"{t}.mlp.shared_expert_gate.weight", (1, h), (Source(f"{b}.norm2.weight", (h,)),), scale=0.0
+                    ),
                 ]
             out += [
                 one(f"{t}.self_attn.q_proj.weight", [(f"{b}.attn.qkv.weight.q", (h, h))]),
