@@ -68,6 +68,14 @@ SUPPORTED = (
     "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (its sigmoid-gated shared expert) and "
     "OlmoeForCausalLM (softmax top-k routers, renormalised or not, SiLU-gated experts, style='sharded')"
 )
+#: why a known MoE family is refused: what of it is not implemented
+REFUSED = {
+    "DeepseekV3ForCausalLM": (
+        "its multi-head latent attention (MLA: low-rank q_a/kv_a projections, a decoupled rotary key) is not "
+        "implemented, and its grouped sigmoid routing with e_score_correction_bias is not loaded from transformers"
+    ),
+    "GptOssForCausalLM": "its experts (biased, clamped SwiGLU), biased router and attention sinks are not implemented",
+}
 #: config fields by which a Hugging Face config says its model has routed experts
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -128,7 +136,7 @@ def check_supported(model: nn.Module, style: str) -> None:
         return
     name = type(model).__name__
     if name not in MODELS:
-        raise _refuse(model, "its Mixture-of-Experts blocks are not supported")
+        raise _refuse(model, REFUSED.get(name, "its Mixture-of-Experts blocks are not supported"))
     config = cast(Any, model).config
     if style != "sharded":
         raise _refuse(model, f"style={style!r} would leave its experts whole on every rank; use style='sharded'")
