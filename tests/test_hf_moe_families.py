@@ -188,3 +188,34 @@ def test_train_hf_export_round_trip(pools, tmp_path, family, grid):
     model.load_state_dict(trained)
     with torch.no_grad():
         assert rel_err(exported(input_ids=first).logits, model(input_ids=first).logits) <= TOL
+
+
+def _aux(grid, family):
+    """``output_router_logits`` on: the ranks' ``aux_loss`` and ``loss`` averaged, and every gradient,
+    are transformers' (its pooled load-balancing loss, weight 0.5)."""
+    model = _model(family)
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = 0.5
+    model.router_aux_loss_coef = 0.5
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    par = auto_parallelize(model)
+    local = axon4d.shard_batch(ids)
+    out = par(input_ids=local, labels=local)
+    out.loss.backward()
+    rout = ref(input_ids=ids, labels=ids)
+    rout.loss.backward()
+    mean = lambda t: axon4d.gather_batch(t.detach().reshape(1)).mean()  # noqa: E731
+    errs = {"aux_loss": rel_err(mean(out.aux_loss), rout.aux_loss), "loss": rel_err(mean(out.loss), rout.loss)}
+    dense = dict(to_dense(par, grads=True).named_parameters())
+    for name, p in ref.named_parameters():
+        errs[f"{name}.grad"] = rel_err(dense[name].grad, p.grad)
+    return errs
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe"])
+def test_output_router_logits_of_olmoe_and_qwen2_moe(pools, family):
+    grid = (1, 1, 2, 2)
+    for rank, errs in enumerate(pools(4).run(grid, _aux, family)):
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, f"{family} rank {rank}: {worst} error {errs[worst]:.2e}"
