@@ -27,7 +27,8 @@ The modules of this package:
   this rank's slices of a saved safetensors checkpoint — no rank reads the whole model.
 """
 
+from axon4d.parallelize.dense import to_dense
 from axon4d.parallelize.loading import load_pretrained_
-from axon4d.parallelize.walk import auto_parallelize, to_dense
+from axon4d.parallelize.walk import auto_parallelize
 
 __all__ = ["auto_parallelize", "load_pretrained_", "to_dense"]

@@ -38,12 +38,12 @@ from torch import nn
 from axon4d.config import ModelConfig
 from axon4d.grid import rules
 from axon4d.grid.mesh import Grid
-from axon4d.layout.geometry import Term
-from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
-from axon4d.nn.moe import MoE, placement_rules
+from axon4d.nn.moe import placement_rules
 from axon4d.nn.moe_dense import DenseMoE
-from axon4d.nn.moe_dispatch import use_replicated
+from axon4d.parallelize.dense import to_dense
 from axon4d.parallelize.layers import linear_problem, owned_by_axon4d, sharded_norm_builder
+from axon4d.parallelize.moe_aux import HFMoE, RouterAux
+from axon4d.parallelize.moe_parts import FeatureNorm, HeadNorm, SharedGate
 from axon4d.parallelize.styles import (
     NORMAL_SPLIT,
     TRANSPOSED_SPLIT,
@@ -146,154 +146,6 @@ def check_supported(model: nn.Module, style: str) -> None:
         raise _refuse(model, f"router_jitter_noise = {config.router_jitter_noise} is not implemented; set it to 0")
 
 
-class HeadNorm(nn.Module):
-    """A per-head RMSNorm (Qwen3-MoE's q_norm, k_norm: over head_dim) on this rank's heads; the
-    weight is whole on every rank and its gradient, partial over y (each y rank holds other heads),
-    is summed over y and averaged over batch = data × z."""
-
-    def __init__(self, original: nn.Module, grid: Grid):
-        super().__init__()
-        norm = cast(Any, original)  # Hugging Face's RMSNorm: duck-typed
-        self.weight = norm.weight
-        self.eps = float(norm.variance_epsilon)
-        self.grid = grid
-        self.template = [original]  # what to_dense returns; in a list: not a submodule
-        average_grad_over_batch(self.weight, grid)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype  # (..., heads/G_y, head_dim)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return use_replicated(self.weight, "y", self.grid, Term.REPLICATED_GRAD) * h.to(dtype)
-
-    @torch.no_grad()
-    def to_dense(self, grads: bool = False) -> nn.Module:
-        dense = copy.deepcopy(self.template[0])
-        weight = cast(nn.Parameter, dense.weight)  # Hugging Face's RMSNorm weight
-        if weight.is_meta:
-            dense.to_empty(device=self.weight.device)
-            weight = cast(nn.Parameter, dense.weight)
-        weight.copy_(self.weight)
-        weight.grad = self.weight.grad.clone() if grads and self.weight.grad is not None else None
-        return dense
-
-
-class HFMoE(MoE):
-    """``MoE`` that, while ``record`` is set, keeps its last forward's router logits (T, E) (fp32,
-    with their graph) in ``router_logits`` and hands them to transformers' output recorder, as the
-    Hugging Face router it replaced would (``output_router_logits``)."""
-
-    def __init__(self, cfg: ModelConfig, **kw: Any):
-        super().__init__(cfg, **kw)
-        self.record = False
-        self.router_logits: torch.Tensor | None = None
-
-    def _aux(self, logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.record:  # the (T, E) fp32 logits every forward computes for its aux losses
-            self.router_logits = logits
-            _record_router_logits(logits.to(self.router.weight.dtype))
-        return super()._aux(logits, *args, **kwargs)
-
-
-def _record_router_logits(logits: torch.Tensor) -> None:
-    """Append ``logits`` to the router logits transformers is collecting for the running forward
-    (``output_router_logits``), if it is collecting them."""
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:  # pragma: no cover - transformers is what made the model
-        return
-    collector = getattr(output_capturing, "_active_collector", None)
-    got = collector.get() if collector is not None else None
-    if isinstance(got, dict) and "router_logits" in got:
-        got["router_logits"].append(logits)
-
-
-class RouterAux:
-    """transformers' load-balancing loss (``load_balancing_loss_func``) of a model whose sparse
-    blocks are ``HFMoEBlock``s, as this rank's share: averaged over batch = data × z, the shares
-    are the one-process loss, and so are their gradients.
-
-    transformers pools every sparse layer's router statistics before the product:
-    aux = E·Σ_e F_e·P_e, F_e = (assignments to e, all layers) / M, P_e = (Σ of e's probability over
-    tokens and layers) / M, M = layers × tokens (the attention mask's ones when one is given). F
-    has no gradient and is global (the counts the MoE layers exchanged; with a mask, one
-    all-reduce over batch of E + 1 numbers), P is linear in the tokens, so this rank's share is
-    E·G_batch·Σ_e F_e·S_e/M with S_e its own tokens' probability sums. The body's pre-hook
-    (``pre``) arms the blocks when ``output_router_logits`` is asked; its post-hook (``post``) sets
-    each block's ``moe.aux_loss`` to its layer's part × ``router_aux_loss_coef`` (what the training
-    job adds, ``axon4d.nn.moe.aux_loss``); the causal LM's post-hook (``fix``) puts the share in
-    the output's ``aux_loss`` and its ``loss`` in place of the aux transformers computed from this
-    rank's tokens alone."""
-
-    def __init__(self, config: Any, grid: Grid):
-        self.grid = grid
-        self.n_experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0))
-        self.k = int(config.num_experts_per_tok)
-        self.coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-        self.want = False
-        self.mask: torch.Tensor | None = None
-        self.aux: torch.Tensor | None = None
-
-    @staticmethod
-    def blocks(module: nn.Module) -> list[HFMoE]:
-        return [b.moe for b in module.modules() if isinstance(b, HFMoEBlock)]
-
-    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        asked = kwargs.get("output_router_logits")
-        self.want = bool(cast(Any, module).config.output_router_logits if asked is None else asked)
-        mask = kwargs.get("attention_mask")
-        self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-        self.aux = None
-        for b in self.blocks(module):
-            b.record = self.want
-            b.router_logits = None
-
-    def post(self, module: nn.Module, args: tuple, out: Any) -> None:
-        if not self.want:
-            return
-        blocks = self.blocks(module)
-        logits = [b.router_logits for b in blocks]
-        if not blocks or any(x is None for x in logits):
-            return
-        terms = self.shares(blocks, [cast(torch.Tensor, x) for x in logits])
-        for b, t in zip(blocks, terms):
-            b.aux_loss = self.coef * t
-            b.router_logits = None
-        self.aux = torch.stack(terms).sum()
-
-    def fix(self, module: nn.Module, args: tuple, out: Any) -> Any:
-        if self.aux is None or getattr(out, "aux_loss", None) is None:
-            return None
-        if getattr(out, "loss", None) is not None:
-            out.loss = out.loss + self.coef * (self.aux - out.aux_loss).to(out.loss.dtype)
-        out.aux_loss = self.aux
-        self.aux = None
-        return out
-
-    def shares(self, blocks: list[HFMoE], logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each sparse layer's part of this rank's share (class docstring)."""
-        e, k, grid = self.n_experts, self.k, self.grid
-        probs = [torch.softmax(x.float(), dim=-1) for x in logits]  # (T, E) each
-        layers = len(blocks)
-        if self.mask is None:
-            per_layer = [torch.tensor(b.tokens_per_expert or [0] * e, dtype=torch.float32) for b in blocks]
-            counts = torch.stack(per_layer).sum(0).to(probs[0].device)  # (E,): every rank's assignments
-            total = layers * float(per_layer[0].sum()) / k
-            sums = [p.sum(dim=0) for p in probs]
-        else:
-            m = self.mask.reshape(-1).to(device=probs[0].device, dtype=torch.float32)
-            local = torch.zeros(e + 1, dtype=torch.float32, device=m.device)
-            for p in probs:
-                chosen = torch.topk(p.detach(), k, dim=-1).indices.reshape(-1)
-                local[:e].scatter_add_(0, chosen, m.repeat_interleave(k))
-            local[e] = layers * m.sum()
-            local = grid.comm.all_reduce(local, "batch", tag="moe.hf_aux_counts").wait()
-            counts, total = local[:e], float(local[e])
-            sums = [(p * m.unsqueeze(-1)).sum(dim=0) for p in probs]
-        scale = e * grid.size("batch") / max(total, 1e-12) ** 2
-        return [scale * (counts * s).sum() for s in sums]
-
-
 class HFMoEBlock(nn.Module):
     """axon4d's grid MoE layer where a Hugging Face sparse MoE block was: (b, s, hidden/G_x) →
     (b, s, hidden/G_x), split over x, replicated over y (module docstring). ``to_dense`` gives back
@@ -371,81 +223,12 @@ class GatedSharedMoEBlock(HFMoEBlock):
         return self.moe(hidden_states) + self.shared_expert_gate(hidden_states) * self.shared_expert(hidden_states)
 
     def _dense_parts(self, grads: bool) -> dict[int, Any]:
-        from axon4d.parallelize.walk import to_dense  # walk imports this module
-
         hf = cast(Any, self.template[0])
         gate = cast(Any, self.shared_expert_gate)
         return {
             id(hf.shared_expert): to_dense(self.shared_expert, grads=grads),
             id(hf.shared_expert_gate): gate.to_dense(grads=grads) if hasattr(gate, "to_dense") else gate,
         }
-
-
-class SharedGate(nn.Module):
-    """Qwen2-MoE's ``shared_expert_gate`` (Linear hidden → 1, no bias) followed by the sigmoid the
-    block applies, on the residual layout (…, hidden/G_x): the weight is whole on every rank, each
-    x rank's partial dot product is summed over x, and the gate (used by every x rank on its own
-    features) has its gradient summed over x; the weight's gradient is summed over x (each rank
-    has its columns') and averaged over batch."""
-
-    def __init__(self, original: nn.Module, grid: Grid):
-        super().__init__()
-        self.weight = cast(nn.Parameter, original.weight)
-        self.grid = grid
-        self.template = [original]
-        average_grad_over_batch(self.weight, grid)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grid = self.grid
-        cols = x.shape[-1]
-        start = grid.coord("x") * cols
-        w = use_replicated(self.weight, "x", grid, Term.REPLICATED_GRAD)[:, start : start + cols]
-        logit = sum_to_replicas(x @ w.t().to(x.dtype), "x", grid)  # (…, 1), the same on every x rank
-        return use_replicated(torch.sigmoid(logit), "x", grid, Term.REPLICATED_GRAD)
-
-    @torch.no_grad()
-    def to_dense(self, grads: bool = False) -> nn.Module:
-        return _dense_copy(self.template[0], self.weight, grads)
-
-
-class FeatureNorm(nn.Module):
-    """An RMSNorm over all heads' features (OLMoE's q_norm, k_norm over heads·head_dim) of this
-    rank's heads (…, heads/G_y · head_dim): the sum of squares is summed over y; the whole weight
-    on every rank, this rank's slice used, its gradient summed over y and averaged over batch."""
-
-    def __init__(self, original: nn.Module, grid: Grid):
-        super().__init__()
-        norm = cast(Any, original)
-        self.weight = norm.weight
-        self.eps = float(norm.variance_epsilon)
-        self.grid = grid
-        self.template = [original]
-        average_grad_over_batch(self.weight, grid)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grid, dtype, n = self.grid, x.dtype, self.weight.shape[0]
-        h = x.float()
-        squares = sum_partials(h.pow(2).sum(-1, keepdim=True), "y", grid)
-        h = h * torch.rsqrt(squares / n + self.eps)
-        start = grid.coord("y") * x.shape[-1]
-        w = use_replicated(self.weight, "y", grid, Term.REPLICATED_GRAD)[start : start + x.shape[-1]]
-        return w * h.to(dtype)
-
-    @torch.no_grad()
-    def to_dense(self, grads: bool = False) -> nn.Module:
-        return _dense_copy(self.template[0], self.weight, grads)
-
-
-def _dense_copy(template: nn.Module, weight: torch.Tensor, grads: bool) -> nn.Module:
-    """A copy of ``template`` (a module with one parameter, ``weight``) holding ``weight`` (and its gradient)."""
-    dense = copy.deepcopy(template)
-    target = cast(nn.Parameter, cast(Any, dense).weight)
-    if target.is_meta:
-        dense.to_empty(device=weight.device)
-        target = cast(nn.Parameter, cast(Any, dense).weight)
-    target.copy_(weight)
-    target.grad = weight.grad.clone() if grads and weight.grad is not None else None
-    return dense
 
 
 def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:

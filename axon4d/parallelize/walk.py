@@ -1,5 +1,5 @@
-"""The replacement walk: ``auto_parallelize(model)`` and its inverse ``to_dense(model)``
-(docs/design.md §2; docs/parallelize.md).
+"""The replacement walk: ``auto_parallelize(model)`` (docs/design.md §2; docs/parallelize.md); its
+inverse ``to_dense(model)`` is ``axon4d.parallelize.dense``.
 
 ``auto_parallelize`` walks a model twice. First it decides everything from sizes alone (no
 collective, the same on every rank): which blocks a family style takes (the style tables below,
@@ -12,9 +12,7 @@ replicated parameters), which makes every ``.grad`` DDP-complete when ``backward
 
 from __future__ import annotations
 
-import copy
 import warnings
-from typing import Any
 
 from torch import nn
 
@@ -24,9 +22,10 @@ from axon4d.nn.functional import average_grad_over_batch
 from axon4d.options.recompute_mode import check_recompute
 from axon4d.parallelize import context, gpt2, llama, moe
 from axon4d.parallelize import recompute as recomputation
+from axon4d.parallelize.dense import REPLICATED_MARK
 from axon4d.parallelize.general import general_linears
 from axon4d.parallelize.layers import ShardedLinear, is_linear, linear_problem, owned_by_axon4d
-from axon4d.parallelize.styles import HOOK_MARK, RESTORE_ATTR, BlockStyle, LinearStyle, StyleFn, within
+from axon4d.parallelize.styles import RESTORE_ATTR, BlockStyle, LinearStyle, StyleFn, within
 
 #: class name → style for blocks whose forward code is known ("chained" style; tested: docs/parallelize.md)
 FAMILY_STYLES: dict[str, StyleFn] = {**llama.CHAINED_STYLES, **gpt2.CHAINED_STYLES}
@@ -35,9 +34,6 @@ FAMILY_STYLES: dict[str, StyleFn] = {**llama.CHAINED_STYLES, **gpt2.CHAINED_STYL
 SHARDED_STYLES: dict[str, StyleFn] = {**llama.SHARDED_STYLES, **gpt2.SHARDED_STYLES, **moe.SHARDED_STYLES}
 
 STYLES = ("sharded", "chained", "general")
-
-#: attribute set on a parameter whose gradient hook averages it over batch (set once per parameter)
-REPLICATED_MARK = "_axon4d_replicated"
 
 
 def auto_parallelize(
@@ -203,53 +199,3 @@ def _hook_replicated_grads(model: nn.Module, grid: Grid) -> None:
         if p.requires_grad and id(p) not in sharded and not getattr(p, REPLICATED_MARK, False):
             average_grad_over_batch(p, grid)
             setattr(p, REPLICATED_MARK, True)
-
-
-def to_dense(model: nn.Module, grads: bool = False) -> nn.Module:
-    """An unparallelized copy of ``model`` with full weights (and ``.grad`` if ``grads``), on every rank.
-
-    Every submodule with a ``to_dense(grads=...)`` method (``ShardedLinear``, ``axon4d.Linear``
-    and the library's other sharded modules) is replaced by its result, gathering over the axes it
-    is split on; everything else is copied. Hooks and attribute changes made by
-    ``auto_parallelize`` are undone in the copy. Every rank must call it (it communicates).
-    """
-    own_to_dense = getattr(model, "to_dense", None)  # duck-typed: any module with a to_dense(grads=...) method
-    if callable(own_to_dense):
-        return own_to_dense(grads=grads)
-    memo: dict[int, Any] = {}
-
-    def convert(parent: nn.Module) -> None:  # children in a fixed order, the same on every rank
-        grid = getattr(parent, "grid", None)
-        if isinstance(grid, Grid):
-            memo[id(grid)] = grid  # shared, never copied
-        for child in parent.children():
-            if id(child) in memo:
-                continue
-            child_to_dense = getattr(child, "to_dense", None)
-            if callable(child_to_dense):
-                memo[id(child)] = child_to_dense(grads=grads)
-            else:
-                convert(child)
-
-    convert(model)
-    dense = copy.deepcopy(model, memo)
-    for m in dense.modules():
-        for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            for key in [k for k, fn in hooks.items() if getattr(fn, HOOK_MARK, False)]:
-                del hooks[key]
-                for extra in (
-                    m._forward_pre_hooks_with_kwargs,
-                    m._forward_hooks_with_kwargs,
-                    m._forward_hooks_always_called,
-                ):
-                    extra.pop(key, None)
-        for k, v in m.__dict__.pop(RESTORE_ATTR, {}).items():
-            setattr(m, k, v)
-    originals = dict(model.named_parameters())
-    for name, p in dense.named_parameters():
-        p.__dict__.pop(REPLICATED_MARK, None)
-        if grads and p.grad is None and name in originals:
-            original_grad = originals[name].grad
-            if original_grad is not None:
-                p.grad = original_grad.detach().clone()
-    return dense
