@@ -76,101 +76,112 @@ def _special_id(value: int, vocab_size: int) -> int | None:
 
 
 def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers config of the model ``cfg`` describes (``GPT2Config`` or ``LlamaConfig``)."""
-    from transformers import GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig  # an optional dependency
-
+    """The transformers config of the model ``cfg`` describes: ``Qwen2MoeConfig`` (MoE with shared
+    experts), ``MixtralConfig`` (MoE without), ``LlamaConfig`` or ``GPT2Config``."""
     check_exportable(cfg)
     common: dict[str, Any] = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=False)
-    config: Any
     if cfg.moe and cfg.shared_experts:
-        k, norm = cfg.experts_per_token, cfg.router_topk_norm
-        config = Qwen2MoeConfig(
-            hidden_size=cfg.hidden,
-            intermediate_size=cfg.ffn,
-            moe_intermediate_size=cfg.expert_width,
-            shared_expert_intermediate_size=cfg.shared_experts * cfg.expert_width,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.kv_heads,
-            max_position_embeddings=cfg.seq_len,
-            rms_norm_eps=cfg.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            hidden_act="silu",
-            use_sliding_window=False,
-            qkv_bias=False,
-            num_experts=cfg.n_experts,
-            num_experts_per_tok=k,
-            norm_topk_prob=bool(norm if norm is not None else k > 1),
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            router_aux_loss_coef=cfg.moe_aux_coef,
-            output_router_logits=False,
-            bos_token_id=_special_id(1, cfg.vocab_size),
-            eos_token_id=_special_id(2, cfg.vocab_size),
-            **common,
-        )
-        config.architectures = [SHARED_ARCHITECTURE]
-        return config
-    if cfg.moe:
-        config = MixtralConfig(
-            hidden_size=cfg.hidden,
-            intermediate_size=cfg.expert_width,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.seq_len,
-            rms_norm_eps=cfg.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            hidden_act="silu",
-            sliding_window=None,
-            num_local_experts=cfg.n_experts,
-            num_experts_per_tok=cfg.experts_per_token,
-            router_jitter_noise=0.0,
-            router_aux_loss_coef=cfg.moe_aux_coef,
-            output_router_logits=False,
-            bos_token_id=_special_id(1, cfg.vocab_size),
-            eos_token_id=_special_id(2, cfg.vocab_size),
-            **common,
-        )
-        config.architectures = [MOE_ARCHITECTURE]
-        return config
-    if cfg.arch == "llama":
-        config = LlamaConfig(
-            hidden_size=cfg.hidden,
-            intermediate_size=cfg.ffn,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim,
-            max_position_embeddings=cfg.seq_len,
-            rms_norm_eps=cfg.norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-            bos_token_id=_special_id(1, cfg.vocab_size),
-            eos_token_id=_special_id(2, cfg.vocab_size),
-            **common,
-        )
+        config, arch = _qwen2_moe_config(cfg, common), SHARED_ARCHITECTURE
+    elif cfg.moe:
+        config, arch = _mixtral_config(cfg, common), MOE_ARCHITECTURE
+    elif cfg.arch == "llama":
+        config, arch = _llama_config(cfg, common), ARCHITECTURES[cfg.arch]
     else:
-        config = GPT2Config(
-            n_embd=cfg.hidden,
-            n_inner=cfg.ffn,
-            n_layer=cfg.n_layers,
-            n_head=cfg.n_heads,
-            n_positions=cfg.seq_len,
-            layer_norm_epsilon=cfg.norm_eps,
-            activation_function="gelu",
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=_special_id(50256, cfg.vocab_size),
-            eos_token_id=_special_id(50256, cfg.vocab_size),
-            **common,
-        )
-    config.architectures = [ARCHITECTURES[cfg.arch]]
+        config, arch = _gpt2_config(cfg, common), ARCHITECTURES[cfg.arch]
+    config.architectures = [arch]
     return config
+
+
+def _llama_attention(cfg: ModelConfig) -> dict[str, Any]:
+    """The fields a Llama-built transformers config shares: sizes, heads, positions, norm, rotary, SiLU."""
+    return dict(
+        hidden_size=cfg.hidden,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        hidden_act="silu",
+        bos_token_id=_special_id(1, cfg.vocab_size),
+        eos_token_id=_special_id(2, cfg.vocab_size),
+    )
+
+
+def _qwen2_moe_config(cfg: ModelConfig, common: dict[str, Any]) -> Any:
+    """An MoE model with shared experts as ``Qwen2MoeConfig`` (every layer sparse)."""
+    from transformers import Qwen2MoeConfig  # an optional dependency
+
+    k, norm = cfg.experts_per_token, cfg.router_topk_norm
+    return Qwen2MoeConfig(
+        intermediate_size=cfg.ffn,
+        moe_intermediate_size=cfg.expert_width,
+        shared_expert_intermediate_size=cfg.shared_experts * cfg.expert_width,
+        use_sliding_window=False,
+        qkv_bias=False,
+        num_experts=cfg.n_experts,
+        num_experts_per_tok=k,
+        norm_topk_prob=bool(norm if norm is not None else k > 1),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=cfg.moe_aux_coef,
+        output_router_logits=False,
+        **_llama_attention(cfg),
+        **common,
+    )
+
+
+def _mixtral_config(cfg: ModelConfig, common: dict[str, Any]) -> Any:
+    """An MoE model without shared experts as ``MixtralConfig``."""
+    from transformers import MixtralConfig  # an optional dependency
+
+    return MixtralConfig(
+        intermediate_size=cfg.expert_width,
+        head_dim=cfg.head_dim,
+        sliding_window=None,
+        num_local_experts=cfg.n_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=cfg.moe_aux_coef,
+        output_router_logits=False,
+        **_llama_attention(cfg),
+        **common,
+    )
+
+
+def _llama_config(cfg: ModelConfig, common: dict[str, Any]) -> Any:
+    """A dense Llama as ``LlamaConfig``."""
+    from transformers import LlamaConfig  # an optional dependency
+
+    return LlamaConfig(
+        intermediate_size=cfg.ffn,
+        head_dim=cfg.head_dim,
+        attention_bias=False,
+        mlp_bias=False,
+        **_llama_attention(cfg),
+        **common,
+    )
+
+
+def _gpt2_config(cfg: ModelConfig, common: dict[str, Any]) -> Any:
+    """A GPT as ``GPT2Config`` (no dropout)."""
+    from transformers import GPT2Config  # an optional dependency
+
+    return GPT2Config(
+        n_embd=cfg.hidden,
+        n_inner=cfg.ffn,
+        n_layer=cfg.n_layers,
+        n_head=cfg.n_heads,
+        n_positions=cfg.seq_len,
+        layer_norm_epsilon=cfg.norm_eps,
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=_special_id(50256, cfg.vocab_size),
+        eos_token_id=_special_id(50256, cfg.vocab_size),
+        **common,
+    )
 
 
 def check_exportable(cfg: ModelConfig) -> None:
