@@ -1,9 +1,5 @@
-"""Transformer shapes: the configuration dataclass and the size table of docs/design.md §6.
-
-A ``ModelConfig`` describes the model only (no parallelism). The planner prices it, the reference
-models build it, and ``SIZES`` holds AxoNN's table (5B … 640B, sequence 2048) plus small models
-for tests and the demo.
-"""
+"""A transformer's shape: ``ModelConfig``, the model only (no parallelism), checked when made.
+The planner prices it, the reference models build it."""
 
 from __future__ import annotations
 
@@ -11,6 +7,9 @@ import dataclasses
 import math
 
 from axon4d.grid import counts
+
+#: example values for error messages
+_DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,170 +236,3 @@ class ModelConfig:
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
-
-#: example values for error messages
-_DEFAULTS = {"rope_theta": 10000.0, "norm_eps": 1e-5}
-
-
-def _table(name: str, layers: int, hidden: int, heads: int) -> ModelConfig:
-    return ModelConfig(n_layers=layers, hidden=hidden, n_heads=heads, vocab_size=51200, seq_len=2048, name=name)
-
-
-#: AxoNN's reference models (docs/design.md §6) and small ones for tests and the demo.
-SIZES: dict[str, ModelConfig] = {
-    "5B": _table("5B", 24, 4096, 32),
-    "10B": _table("10B", 32, 5120, 40),
-    "20B": _table("20B", 32, 7168, 56),
-    "40B": _table("40B", 38, 9216, 72),
-    "80B": _table("80B", 42, 12288, 96),
-    "320B": _table("320B", 96, 16384, 128),
-    "640B": _table("640B", 192, 16384, 128),
-    "tiny": ModelConfig(n_layers=2, hidden=64, n_heads=4, vocab_size=256, seq_len=32, name="tiny"),
-    "small": ModelConfig(n_layers=4, hidden=256, n_heads=8, vocab_size=4096, seq_len=128, name="small"),
-    "tiny-moe": ModelConfig(
-        n_layers=2,
-        hidden=64,
-        n_heads=4,
-        vocab_size=256,
-        seq_len=32,
-        arch="llama",
-        n_experts=8,
-        experts_per_token=2,
-        expert_ffn=64,
-        shared_experts=1,
-        name="tiny-moe",
-    ),
-    # Mixture-of-Experts shapes (docs/planner.md, "Mixture of Experts"), each Llama-style (RMSNorm,
-    # SwiGLU experts, RoPE), sequence 4096 (the pre-training length of all three sources):
-    # Mixtral 8x7B — Jiang et al., "Mixtral of Experts" (arXiv:2401.04088) Table 1 and the Hugging Face
-    # config of mistralai/Mixtral-8x7B-v0.1: 32 layers, hidden 4096, 32 heads, 8 KV heads, 8 experts
-    # top-2, expert FFN 14336, vocabulary 32000. n_params() = 46.7B total, 12.9B active (the paper's).
-    "mixtral-8x7b": ModelConfig(
-        n_layers=32,
-        hidden=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=32000,
-        seq_len=4096,
-        arch="llama",
-        n_experts=8,
-        experts_per_token=2,
-        expert_ffn=14336,
-        name="mixtral-8x7b",
-    ),
-    # DeepSeek-V3 at its scale — DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437) §4.2:
-    # 61 layers, hidden 7168, 128 heads, 256 routed experts top-8 and 1 shared expert of FFN 2048,
-    # sigmoid routing, vocabulary 129280. Simplified: standard multi-head attention (head_dim 56)
-    # instead of MLA, every layer MoE (the report's first 3 are dense, FFN 18432), no multi-token
-    # prediction module: 705B total (the report's 671B: +5%) and 38.7B active (37B: +5%).
-    "deepseek-v3-scale": ModelConfig(
-        n_layers=61,
-        hidden=7168,
-        n_heads=128,
-        vocab_size=129280,
-        seq_len=4096,
-        arch="llama",
-        n_experts=256,
-        experts_per_token=8,
-        expert_ffn=2048,
-        shared_experts=1,
-        router_scoring="sigmoid",
-        name="deepseek-v3-scale",
-    ),
-    # A 1T-parameter MoE — the shape of Kimi K2 (Moonshot AI's Kimi K2 technical report, 2025, and the
-    # config of moonshotai/Kimi-K2-Base: 1.04T total, 32B active): DeepSeek-V3's width and depth with 384 routed
-    # experts top-8, 1 shared, FFN 2048, 64 heads, vocabulary 163840; standard attention instead of
-    # MLA (head_dim 112), every layer MoE: 1.05T total, 39B active. 384 = 2^7·3 experts split over up
-    # to 128 expert-parallel ranks, so 1024 GPUs split each expert over x·y ≥ 8.
-    "moe-1t": ModelConfig(
-        n_layers=61,
-        hidden=7168,
-        n_heads=64,
-        vocab_size=163840,
-        seq_len=4096,
-        arch="llama",
-        n_experts=384,
-        experts_per_token=8,
-        expert_ffn=2048,
-        shared_experts=1,
-        router_scoring="sigmoid",
-        name="moe-1t",
-    ),
-    # DeepSeek-V3's routing at tiny-moe's size (docs/moe.md, "DeepSeek-V3 routing"): sigmoid scores,
-    # auxiliary-loss-free bias balancing, 4 groups of 2 experts of which a token keeps 2, gates
-    # scaled by 2.5, the sequence-wise balance loss instead of E19, a dense first block.
-    "tiny-deepseek": ModelConfig(
-        n_layers=2,
-        hidden=64,
-        n_heads=4,
-        vocab_size=256,
-        seq_len=32,
-        arch="llama",
-        n_experts=8,
-        experts_per_token=2,
-        expert_ffn=64,
-        shared_experts=1,
-        router_scoring="sigmoid",
-        moe_aux_coef=0.0,
-        moe_bias_update_rate=1e-3,
-        n_groups=4,
-        topk_groups=2,
-        routed_scaling_factor=2.5,
-        first_k_dense=1,
-        moe_seq_aux_coef=1e-4,
-        name="tiny-deepseek",
-    ),
-}
-
-
-#: the Mixture-of-Experts fields of ``ModelConfig`` and their types: what ``moe_overrides`` sets
-MOE_FIELDS: dict[str, type] = {
-    "n_experts": int,
-    "experts_per_token": int,
-    "expert_ffn": int,
-    "shared_experts": int,
-    "router_scoring": str,
-    "moe_aux_coef": float,
-    "moe_z_coef": float,
-    "moe_bias_update_rate": float,
-    "n_groups": int,
-    "topk_groups": int,
-    "routed_scaling_factor": float,
-    "first_k_dense": int,
-    "moe_seq_aux_coef": float,
-}
-
-
-def moe_overrides(text: str) -> dict[str, object]:
-    """``field=value,…`` of ``MOE_FIELDS`` (the training job's ``--moe``) as ``ModelConfig`` overrides,
-    e.g. "n_experts=8,experts_per_token=2,moe_aux_coef=0.02"; "" gives none. A ``ValueError`` names
-    an item that is not one of those fields or whose value is not of its type; ``ModelConfig``
-    checks the values themselves."""
-    out: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, eq, value = (piece.strip() for piece in item.partition("="))
-        kind = MOE_FIELDS.get(name)
-        if not eq or kind is None:
-            raise ValueError(
-                f"--moe item {item!r}: give field=value with a field of {', '.join(MOE_FIELDS)}, "
-                "e.g. --moe n_experts=8,experts_per_token=2"
-            )
-        try:
-            out[name] = kind(value)
-        except ValueError:
-            raise ValueError(
-                f"--moe {name}={value!r}: {name} takes a{'n' if kind is int else ''} {kind.__name__}"
-            ) from None
-    return out
-
-
-def get_config(name: str, **overrides: object) -> ModelConfig:
-    """A config from ``SIZES`` by name (e.g. "20B"), with fields overridden; ValueError lists the names."""
-    if name not in SIZES:
-        raise ValueError(f"unknown model size {name!r}; known sizes: {', '.join(SIZES)}")
-    fields = [f.name for f in dataclasses.fields(ModelConfig)]
-    unknown = sorted(set(overrides) - set(fields))
-    if unknown:
-        raise TypeError(f"ModelConfig has no field {unknown[0]!r}; its fields are {', '.join(fields)}")
-    return SIZES[name].replace(**overrides) if overrides else SIZES[name]
