@@ -265,6 +265,11 @@ def _print_plans(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult,
     if cfg.moe:
         routing = "uniform routing" if wl.imbalance == 1 else f"the busiest rank at {wl.imbalance:g}× the mean"
         print(f"expert placement: {placement(cfg, best.shape).describe()} ({routing}; MFU counts active parameters)")
+        if cfg.first_k_dense:
+            print(
+                f"note: the first {cfg.first_k_dense} block(s) run a dense MLP; the planner prices every block as an "
+                "MoE block (their time and memory as the MoE blocks', not their own)"
+            )
     print()
     print(result.table(min(args.top, len(fitting))))
     if wl.preset == fp8_plan.PRESET:  # which layers the best plan runs in FP8
