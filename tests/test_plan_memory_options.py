@@ -4,19 +4,36 @@ offload and ZeRO (the optimizer sharded over data, ``axon4d.shard_optimizer``), 
 
 Each case trains the same small model (tests/test_recompute.py's) for two warm-up steps and
 measures the third (``axon4d.measure.probe.peak_bytes``: torch's ``MemTracker`` on the host, the
-maximum over ranks), then prices the same job with ``axon4d.plan.memory.memory``. The planner's
-figure is within ``TOLERANCE`` of the measured one.
+maximum over ranks), its collectives on private copies so that the tracker counts the program's
+tensors alone, each freed where the program drops it (tests/collective_copies.py), then prices the
+same job with ``axon4d.plan.memory.memory``.
 
 Offload on a host: the host copies are in the same memory as everything else, so the tracker's
-peak is the device's and the host's together. The offloaded bytes are all held when the backward
-starts, where the step's peak is, so the device's peak is the tracker's less the offloader's peak
-of host bytes (``OffloadStats``); that and the host bytes are each compared with the planner.
+peak is the device's and the host's together. The offloader's host pool is held the whole step,
+so the device's peak is the tracker's less the pool (``OffloadStats.peak_pinned_bytes``); that
+and the host bytes are each compared with the planner.
+
+The bounds. A plan priced below what its step holds does not fit, so the planner must not be low:
+where its model of the step is complete, the bound is one-sided. With offload (the backward's
+last two blocks, ``axon4d.plan.memory.offload_peak``, where its peak is here)
+
+    measured − unpriced ≤ predicted ≤ (1 + TOLERANCE) · measured,
+
+``unpriced`` being the few small tensors the planner leaves out, counted to the byte
+(``_unpriced``: at most 53 KB here, 0.9% of the smallest rank's peak) — the planner is exact but
+for them — and for the host bytes offloaded ≤ planned ≤ (1 + TOLERANCE) · offloaded (the planner
+prices the offloaded blocks' whole saved bytes; the runtime leaves the tensors under 64 KiB on the
+device, 0.1–3.1% here). The other options are held to |predicted − measured| ≤ TOLERANCE · measured
+(``TOLERANCE_BF16`` in bf16): their walks are not exact yet — the planner low by up to 1.4%
+(Llama's micro-batches under balanced recomputation on (2,1,1,2)) and high by up to 4.9% in fp32
+(Llama's ZeRO-2 under full recomputation on (1,1,2,4)).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from collective_copies import private_collectives
 
 import axon4d
 from axon4d.models.transformer import Transformer
@@ -30,14 +47,17 @@ BF16 = "bf16-fp32-reduce"
 #: ... and the error allowed there: Llama's steps at data 4 in bf16 on the host measured +7.0% and
 #: +7.7% (the planner high: the safe side), the rest within 5% (docs/planner.md, "Known limits")
 TOLERANCE_BF16 = 0.08
-#: ... and with every block offloaded on several ranks: Llama's measured −5.1% on (1,2,2,1) (the
-#: planner low; its two blocks on the device at a time miss something the runtime holds while it
-#: fetches; docs/planner.md, "Known limits")
-TOLERANCE_OFFLOAD = 0.06
 
 
 def _measure(grid, cfg, recompute="none", micro_batches=1, offload=None, zero=0):
-    """(the device's measured peak, host bytes offloaded at their peak) of one step of ``cfg`` on ``grid``."""
+    """(the device's measured peak, host bytes offloaded at their peak) of one step of ``cfg`` on
+    ``grid``, every step's collectives on private copies (module docstring)."""
+    with private_collectives():
+        return _measured_step(grid, cfg, recompute, micro_batches, offload, zero)
+
+
+def _measured_step(grid, cfg, recompute, micro_batches, offload, zero):
+    """``_measure``'s measurement."""
     from axon4d.measure.probe import peak_bytes
 
     torch.manual_seed(0)
@@ -108,16 +128,44 @@ def _case(grid, cfg, options):
     return measured, host, predicted.peak, predicted.host
 
 
-def _check(result, what, tolerance=TOLERANCE):
+def _unpriced(cfg, grid, options):
+    """Bytes an offloaded step holds at its peak, the backward of its last two blocks, that the
+    planner does not price (fp32; module docstring): the rotary tables each of the two blocks on the
+    device keeps, cos and sin, (S, d) each (Llama; selective recomputation re-makes them with core
+    attention); the embedding's saved indices (int64) and mask, b each; the step's token ids, the
+    global batch of (B, S + 1) int64 that every rank holds (``axon4d.train.batches``; host memory on
+    an accelerator); the loss, its token count (int64) and the backward's seed, 0-dim; Adam's step
+    count of each parameter tensor, a 0-dim fp32."""
+    from axon4d.grid.shape import GridShape
+    from axon4d.plan.memory import local_param_tensors
+    from axon4d.plan.workload import Workload
+
+    shape = GridShape(*grid)
+    batch = MEM_BATCH * options.get("micro_batches", 1)
+    wl = Workload(cfg, batch, precision="fp32")
+    rotary = cfg.arch == "llama" and options.get("recompute", "none") in ("none", "balanced")
+    tables = min(cfg.n_layers, 2) * 2 * cfg.seq_len * cfg.head_dim * 4 if rotary else 0
+    embedding = wl.local_tokens(shape) * (8 + 4)
+    token_ids = batch * (cfg.seq_len + 1) * 8
+    scalars = 4 + 8 + 4 + 4 * len(local_param_tensors(wl, shape))
+    return tables + embedding + token_ids + scalars
+
+
+def _check(result, what, tolerance=TOLERANCE, unpriced=None):
+    """The planner's peak within ``tolerance`` of the measured one; with ``unpriced`` (an offloaded
+    step, its bytes the planner leaves out) not below the measured peak less them, nor its host
+    bytes below the offloaded ones (module docstring)."""
     device, host, peak, planned_host = result
     error = (peak - device) / device
-    assert abs(error) <= tolerance, (
-        f"{what}: planner {peak / 2**20:.2f} MiB vs measured {device / 2**20:.2f} MiB ({error:+.1%})"
-    )
+    said = f"{what}: planner {peak / 2**20:.4f} MiB vs measured {device / 2**20:.4f} MiB ({error:+.2%})"
+    if unpriced is None:
+        assert abs(error) <= tolerance, said
+    else:
+        assert device - unpriced <= peak <= (1 + tolerance) * device, f"{said}, {unpriced} B unpriced"
     if planned_host:
         host_error = (planned_host - host) / host
-        assert abs(host_error) <= TOLERANCE, (
-            f"{what}: offloaded {host} B vs planner {planned_host:.0f} B ({host_error:+.1%})"
+        assert host <= planned_host <= (1 + TOLERANCE) * host, (
+            f"{what}: offloaded {host} B vs planner {planned_host:.0f} B ({host_error:+.2%})"
         )
 
 
@@ -159,6 +207,5 @@ def test_peak_memory_of_micro_batches_and_offload_is_the_planners(pools, world, 
     for arch in ("llama", "gpt"):
         result = pools(world).run(grid, _case, MEM_CFG[arch], options, precision=options.get("precision", "fp32"))[0]
         tolerance = TOLERANCE_BF16 if "precision" in options else TOLERANCE
-        if options.get("offload") == 1.0 and world > 1:
-            tolerance = TOLERANCE_OFFLOAD
-        _check(result, f"{arch} on {grid} with {options}", tolerance)
+        unpriced = _unpriced(MEM_CFG[arch], grid, options) if options.get("offload") else None
+        _check(result, f"{arch} on {grid} with {options}", tolerance, unpriced)

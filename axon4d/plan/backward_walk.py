@@ -297,9 +297,11 @@ class BackwardWalk:
         self.done("mlp_down", freed=s["act"], held=t["act"])
         # the activation's backward: GELU's gradient, or SwiGLU's d(gate) and d(up) ((b, F/G_y)
         # each); under balanced recomputation SwiGLU's product needs silu(gate) re-made (GELU's
-        # backward needs only its input, which the up projection's output is)
+        # backward needs only its input, which the up projection's output is); beside them MLP up's
+        # block, prefetched during MLP down's backward, and MLP down's reduce-scatter, still running
         gated = self.wl.model.gated
-        self.note(t["act"] * ((2 if gated else 1) + (1 if balanced and gated else 0)))
+        grads = t["act"] * ((2 if gated else 1) + (1 if balanced and gated else 0))
+        self.note(grads + self.prefetched("mlp_down") + self.in_flight("mlp_up", first))
         self.layer("mlp_up", t["x1"], first, remade=t["x1"] if balanced else 0.0)
         # frees dX of MLP down, the up output, what the activation and the norm kept
         self.done("mlp_up", freed=t["act"] + s["mid"] + s["up"] + s["norm2"])
@@ -315,9 +317,12 @@ class BackwardWalk:
         self.layer("qkv", t["x0"], first, remade=t["x0"] if balanced else 0.0)
         self.done("qkv", freed=t["qkv"] + s["norm1"])
 
-    def one_block(self) -> float:
-        """The peak live bytes of one block's backward in the middle of the pass, from what is live now."""
-        self.block_backward(first=False)
+    def last_blocks(self, first: bool) -> float:
+        """The peak live bytes of the pass's last two blocks' backward (one, for a model of one
+        block), from what is live now at the start of block 1's (``first``: it is the block right
+        after the head)."""
+        for i in range(min(self.wl.model.n_layers, 2)):
+            self.block_backward(first=first and i == 0)
         return self.peak
 
     def run(self) -> float:

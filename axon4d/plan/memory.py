@@ -189,23 +189,53 @@ def held_gradients(
     return held, 0.0 if micro_batches > 1 else 1.0 + staged
 
 
+def block_param_elements(wl: Workload, shape: GridShape) -> int:
+    """Parameter elements of one block on one rank: its linear layers' weight shards and bias
+    slices, its norms' weights (and biases) over x, an MoE layer's router and this rank's experts."""
+    m = wl.model
+    linears = sum(
+        weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) + (s.local(shape)[1] if s.bias else 0)
+        for s in wl.linears()
+        if not s.embedding and s.name != "head"
+    )
+    norms = (2 if m.arch == "gpt" else 1) * 2 * (m.hidden // shape.x) if wl.norms else 0
+    return linears + norms + (sum(moe_memory.layer_tensors(m, shape)) if m.moe else 0)
+
+
+def embedding_elements(wl: Workload, shape: GridShape) -> int:
+    """Elements of the embedding's tables on one rank (the token table, GPT's position table), whose
+    gradients are the backward's last."""
+    if not wl.embedding:
+        return 0
+    m = wl.model
+    return (m.vocab_size // shape.y + (m.seq_len if m.arch == "gpt" else 0)) * (m.hidden // shape.x)
+
+
 def offload_peak(
     walk: Callable[..., BackwardWalk],
     wl: Workload,
+    shape: GridShape,
     state: Persistent,
-    offload: int,
     per_block: float,
     weights: float,
     held: float,
     share: float,
 ) -> float:
-    """The peak live bytes of the backward once the blocks come back from host memory: from the last
-    block kept on the device on, two are there at a time (the block running, the one fetched back
-    ahead of it), with the gradients of the blocks above and the head."""
+    """The peak live bytes of the backward's last two blocks when blocks are offloaded
+    (axon4d.memory.offload): from the last block kept on the device on, two blocks are there at a
+    time — the block running and the one fetched back ahead of it — while the gradients grow block
+    by block, so that stretch peaks in the last two blocks (where it starts, the walk of the whole
+    pass, ``BackwardWalk.run``, holds more). Block 1's backward starts with its saved tensors and
+    block 0's, fetched back when it started, beside the gradient coming down the residual stream
+    (b · H/G_x: the head's dX, which ``run`` holds from the head on) and the gradients of every
+    parameter whose backward ran — all but the two blocks' and the embedding's; block 0's then
+    starts with its own tensors alone and block 1's gradients too."""
     m = wl.model
-    above = (m.n_layers - offload) / m.n_layers * state.n_params * state.p_bytes * share
-    two = min(m.n_layers, 2) * per_block + weights
-    return walk(two + held + above, share).one_block()
+    blocks = min(m.n_layers, 2)
+    residual = wl.local_tokens(shape) * (m.hidden // shape.x) * wl.element_size if wl.head else 0.0
+    done = state.n_params - blocks * block_param_elements(wl, shape) - embedding_elements(wl, shape)
+    start = blocks * per_block + weights + held + residual + done * state.p_bytes * share
+    return walk(start, share).last_blocks(first=m.n_layers <= 2)
 
 
 def zero_gathers(
@@ -296,7 +326,7 @@ def memory(
     )
     live_peak = walk(acts + held, share).run()
     if offload:
-        live_peak = max(live_peak, offload_peak(walk, wl, state, offload, per_block, weights, held, share))
+        live_peak = max(live_peak, offload_peak(walk, wl, shape, state, per_block, weights, held, share))
     gathers, deferred, largest_part = zero_gathers(wl, shape, zero, overlap, accelerator, state)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
     optimizer_step = state.grads + gathers + (2 * largest_part * 4 if wl.optimizer == "adam" else 0)
