@@ -88,26 +88,28 @@ def test_host_files_keep_the_fewer_of_ring_and_tree_steps():
     assert t == pytest.approx(lv.alpha_s * 3 + 7 / 8 * 1e6 / lv.beta_Bps)
 
 
-def test_an_all_to_all_is_a_pairwise_exchange_until_a_curve_of_its_geometry_is_measured():
+def test_an_all_to_all_is_grouped_sends_until_a_curve_of_its_geometry_is_measured():
     """``Machine.comm_time("all_to_all", …)``: without a curve (every shipped GPU file, a host file
-    calibrated before all-to-alls were) G − 1 pairwise steps at their level's α and the bytes to the
-    other ranks at each level's β, never NCCL's tuner (which prices no all-to-all) nor a host ring;
-    with a curve of the op, group and stride, that curve; the file round-trips with it."""
+    calibrated before all-to-alls were) each level's peers in rounds of ``P2P_PEERS_IN_FLIGHT``
+    (grouped point-to-point sends), one α of the level per round, and the bytes to the other ranks
+    at each level's β, never NCCL's tuner (which prices no all-to-all) nor a host ring; with a curve
+    of the op, group and stride, that curve; the file round-trips with it."""
     h100 = load("h100")
     with pytest.raises(ValueError, match="unknown collective 'all_to_all'"):
         h100.collective_algorithm("all_to_all", 8, 1, MB)
     p = 64 * MB
-    # in a node (8 ranks, stride 1): 7 NVLink steps; over 128 nodes (batch of (4, 2, 4, 32)): 127 network steps
-    assert h100.comm_time("all_to_all", 8, 1, p, 8) == pytest.approx(7 * 3.4e-6 + p * 7 / 8 / 360e9, rel=1e-12)
-    across = 127 * 14e-6 + p * 127 / 128 / 40e9
+    # in a node (8 ranks, stride 1): 7 NVLink peers, one round; over 128 nodes (batch of (4, 2, 4, 32)):
+    # 127 network peers, ⌈127/16⌉ = 8 rounds
+    assert h100.comm_time("all_to_all", 8, 1, p, 8) == pytest.approx(3.4e-6 + p * 7 / 8 / 360e9, rel=1e-12)
+    across = 8 * 14e-6 + p * 127 / 128 / 40e9
     assert h100.comm_time("all_to_all", 128, 8, p, 1024) == pytest.approx(across, rel=1e-12)
-    # 16 ranks on 2 nodes: 7 steps in a node, 8 across, the slower of the two parts' bytes
-    mixed = 7 * 3.4e-6 + 8 * 14e-6 + max(p * 7 / 16 / 360e9, p * 8 / 16 / 40e9)
+    # 16 ranks on 2 nodes: one round in a node, one across, the slower of the two parts' bytes
+    mixed = 3.4e-6 + 14e-6 + max(p * 7 / 16 / 360e9, p * 8 / 16 / 40e9)
     assert h100.comm_time("all_to_all", 16, 1, p, 16) == pytest.approx(mixed, rel=1e-12)
     host = load(os.path.join(ROOT, "bench", "results", "planner_machine_host_2026-11-26.json"))
     assert host.comm and all(c.op != "all_to_all" for c in host.comm)  # calibrated before the all-to-all
     lv = host.levels[0]
-    assert host.comm_time("all_to_all", 4, 1, MB, 8) == pytest.approx(3 * lv.alpha_s + MB * 3 / 4 / lv.beta_Bps)
+    assert host.comm_time("all_to_all", 4, 1, MB, 8) == pytest.approx(lv.alpha_s + MB * 3 / 4 / lv.beta_Bps)
     curve = CommCurve("all_to_all", 4, 1, 8, [4096, 65536], [1e-4, 4e-4])
     measured = Machine.from_json(json.loads(json.dumps(dataclasses.replace(host, comm=[*host.comm, curve]).to_json())))
     assert measured.comm[-1] == curve and measured.host_sync_s is None

@@ -10,8 +10,8 @@ A ``Machine`` is loaded from JSON (``axon4d/plan/machines/*.json`` or a file wri
 - ``comm_time(op, group, stride, payload, world)``: seconds of one collective on an axis whose
   ``group`` ranks sit ``stride`` apart (E1: x has stride 1, y stride G_x, …). Measured entries
   (op, group, stride, world) are interpolated piecewise linearly in the payload — in each size
-  segment that is t = α + bytes/β. Otherwise an all-to-all is a pairwise exchange over the levels
-  the group spans (on either device); on an accelerator the other collectives take the algorithm
+  segment that is t = α + bytes/β. Otherwise an all-to-all is grouped point-to-point sends over
+  the levels the group spans (on either device); on an accelerator the other collectives take the algorithm
   NCCL's tuner picks (ring, tree or PAT, the cheapest: ``axon4d.plan.collective_model``) with the
   per-step latency and bandwidth of the levels the group spans (``collective_algorithm``); on a
   host α·steps + traffic/β (ring traffic; steps = the fewer of ring and tree) of the first
@@ -310,7 +310,7 @@ class Machine:
     def comm_time(self, op: str, group: int, stride: int, payload: float, world: int) -> float:
         """Seconds of one collective of ``payload`` bytes over ``group`` ranks ``stride`` apart (an
         all-to-all's: the bytes one rank sends, its own share included): a measured curve where
-        there is one; an all-to-all as a pairwise exchange (``collective_model.all_to_all_time``);
+        there is one; an all-to-all as grouped point-to-point sends (``collective_model.all_to_all_time``);
         on an accelerator NCCL's choice of algorithm (``collective_algorithm``); on a host
         α·steps + ring traffic/β of the group's level."""
         if group <= 1:
