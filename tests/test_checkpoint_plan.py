@@ -16,6 +16,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", [7])
 def test_a_rank_of_the_80b_job_plans_few_items(rank):
     out = subprocess.run(

@@ -28,6 +28,7 @@ def _run(*argv: str, module: str = "axon4d.cli", cwd: str | None = None) -> subp
     )
 
 
+@pytest.mark.slow
 def test_a_bad_flag_value_ends_the_command_with_one_line_and_exit_code_2():
     proc = _run("plan", "--model", "80B", "--gpus", "1024", "--batch", "2048", "--zero", "5")
     assert proc.returncode == errors.EXIT_REFUSED
@@ -52,6 +53,7 @@ def _train(cfg: dict) -> None:
     train(TrainConfig(**cfg))
 
 
+@pytest.mark.slow
 def test_the_training_entry_refuses_a_resume_into_another_model_with_its_message(pools, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
     pools(1).run(None, _train, dict(model="tiny", steps=2, batch_size=2, out_dir=out, progress=False))

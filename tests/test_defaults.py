@@ -102,6 +102,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_tf32_is_allowed_on_accelerators_only_and_a_users_choice_is_kept():
     out = subprocess.run([sys.executable, "-c", _TF32_SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -39,6 +39,7 @@ except SystemExit:
 """
 
 
+@pytest.mark.slow
 def test_a_bare_import_changes_no_environment_variable_and_the_training_entry_asks_for_huge_pages():
     code = "import os\nbefore = dict(os.environ)\nimport axon4d, axon4d.train\nprint(os.environ == before)\n"
     out = _python(code + _ENTRY + "print(os.environ.get('THP_MEM_ALLOC_ENABLE'))").split()

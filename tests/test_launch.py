@@ -32,6 +32,7 @@ def _errors_ok(lines):
     return all(float(line.rsplit("err=", 1)[1]) < 1e-5 for line in lines)
 
 
+@pytest.mark.slow
 def test_plain_python_is_a_world_of_one():
     lines = _run([sys.executable, SCRIPT, "1,1,1,1;1,1,1,1"])
     assert len(lines) == 2 and all("LAUNCH single world=1" in line for line in lines) and _errors_ok(lines)
@@ -124,6 +125,7 @@ def test_srun_tasks_meet_at_master_addr_and_port_when_the_script_exports_them():
     assert len(lines) == 2 and all("LAUNCH slurm world=2" in line for line in lines) and _errors_ok(lines)
 
 
+@pytest.mark.slow
 def test_a_process_told_the_world_is_larger_refuses_to_run_alone():
     proc = subprocess.run(
         [sys.executable, SCRIPT, "1,1,1,1"], capture_output=True, text=True, timeout=120, env=_clean_env(WORLD_SIZE="4")

@@ -239,6 +239,7 @@ META_LAYERS = [
 ]
 
 
+@pytest.mark.slow
 def test_large_layers_build_on_the_meta_device_without_memory():
     # docs/design.md §2: a rank stores ⌈out·in / (G_x·G_y·G_z)⌉ weight elements (its flat, padded
     # z shard of the (out/G_out, in/G_in) block) and the bias slice out/G_out; on the meta device

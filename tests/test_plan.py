@@ -739,6 +739,7 @@ def test_attention_is_measured_on_enough_heads_to_fill_an_accelerator():
     assert kernels._units(gpu, 2**24, 512 * 65536, 65536 * 128) == 32
 
 
+@pytest.mark.slow
 def test_calibrate_shows_each_stage_as_it_measures(tmp_path, capfd):
     """`axon4d calibrate` draws a bar per stage on rank 0 (``Timer.stage``: named, counted, with an
     estimate where the count is known) and a line when each is done — not minutes of silence."""

@@ -319,6 +319,7 @@ def test_imbalance_prices_the_busiest_rank():
         Workload(moe_cfg(), 8, imbalance=0.5)
 
 
+@pytest.mark.slow
 def test_the_plan_command_prices_the_1t_moe_on_1024_gpus_and_shows_its_placement(capsys):
     from axon4d.cli import main
 

@@ -269,6 +269,7 @@ def test_pinned_options_are_kept_and_bad_ones_refused():
     assert all(c.option("offload") == 0 for c in plan("20B", 64, host, 64, top=3).candidates)
 
 
+@pytest.mark.slow
 def test_nothing_that_does_not_fit_is_shown_as_a_result(capsys):
     args = cli.argparse.ArgumentParser()
     cli.add_arguments(args)
