@@ -98,7 +98,10 @@ def _check_layer(grid, cfg, starve, policy=None):
     # each y rank dispatches only its share of the tokens: over y the rows cross batch once (E16)
     sent = sum(r.payload_bytes for r in grid.comm.log.records if str(r.tag) == "moe.dispatch")
     share = share_sizes(b * s // grid.size("batch"), grid.size("y"))[grid.coord("y")]
-    want = share * cfg.experts_per_token * (cfg.hidden // grid.size("x")) * 4 if grid.size("batch") > 1 else 0
+    features = cfg.hidden // grid.size("x")
+    if mod.rows_over_x:  # its expert layout does not split experts over x: the share is cut over x too
+        share, features = share_sizes(share, grid.size("x"))[grid.coord("x")], cfg.hidden
+    want = share * cfg.experts_per_token * features * 4 if mod.experts.ep_axis is not None else 0
     errs["dispatch_bytes"] = abs(sent - want) / max(want, 1)
     counts = dense.tokens_per_expert.tolist()
     errs["tokens_per_expert"] = 0.0 if mod.tokens_per_expert == counts else 1.0
@@ -185,7 +188,7 @@ def _placement_errors(grid):
 def test_experts_that_do_not_divide_over_the_placement_fail_alike_on_every_rank(pools):
     msgs = pools(4).run((1, 1, 2, 2), _placement_errors)
     assert all(m == msgs[0] for m in msgs)
-    assert "n_experts = 6 is not divisible by G_data·G_z = 4" in msgs[0]["experts"]
+    assert "n_experts = 6 is not divisible by G_z·G_data = 4" in msgs[0]["experts"]
     assert msgs[0]["width"] is None  # y = 1: any width splits
     msgs = pools(4).run((1, 4, 1, 1), _placement_errors)
     assert "expert_ffn = 10 is not divisible by G_y = 4" in msgs[0]["width"]
@@ -275,26 +278,25 @@ def test_each_rank_draws_only_its_part_of_the_dense_layer_s_initialisation(pools
 
 
 def test_the_dispatch_plan_s_sizes_are_the_sums_of_the_counts():
-    """``DispatchPlan``'s sizes (numpy sums over the gathered counts C[s, j, e]) against their
-    definitions written as loops, on every (ep index, y index) of a 4 × 2 grid of 12 experts."""
+    """``DispatchPlan``'s sizes (numpy sums over the gathered counts K[m, e] of the count group's
+    members) against their definitions written as loops, on every (ep index, y index) of a grid of
+    G_z = 4 (experts over z) by G_y = 2 (experts split over y) with 12 experts."""
     import numpy as np
 
-    from axon4d.nn.moe_dispatch import DispatchPlan
+    from axon4d.grid.shape import GridShape
+    from axon4d.nn.moe_dispatch import DispatchPlan, Peers
 
     g_ep, g_y, e = 4, 2, 12
     local = e // g_ep
-    c = np.random.default_rng(0).integers(0, 9, size=(g_ep, g_y, e))
+    c = np.random.default_rng(0).integers(0, 9, size=(g_ep, g_y, e))  # (source, its y share, expert)
+    counts = np.stack([c[m // g_y, m % g_y] for m in range(g_ep * g_y)])  # count group y·z: y fastest
+    shape = GridShape(1, g_y, g_ep, 1)
 
     def to(s, j, r):  # rows source s's share j sends to rank r
         return int(sum(c[s, j, r * local : (r + 1) * local]))
 
     for r in range(g_ep):
         for j in range(g_y):
-            plan = DispatchPlan(c, r, j, local)
-            assert plan.send_rows == [to(r, j, q) for q in range(g_ep)]
-            assert plan.recv_rows == [to(s, j, r) for s in range(g_ep)]
-            assert plan.y_rows == [sum(to(s, i, r) for s in range(g_ep)) for i in range(g_y)]
-            runs = [(x, int(c[s, i, r * local + x])) for i in range(g_y) for s in range(g_ep) for x in range(local)]
-            assert list(zip(*plan.runs())) == runs
-            assert plan.group_rows == [int(c[:, :, r * local + x].sum()) for x in range(local)]
+            peers = Peers.of(shape, r * g_y + j, ("z",), ("y", "z"), True, e)
+            plan = DispatchPlan(counts, peers)
             assert plan.tokens_per_expert().tolist() == [int(c[:, :, i].sum()) for i in range(e)]

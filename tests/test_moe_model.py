@@ -168,17 +168,17 @@ def test_a_moe_checkpoint_resumes_on_another_grid_and_expert_parallel_size(pools
         assert not bad, f"rank {rank} after resuming on {loaded_on[1]}: {bad}"
 
 
-def _steps(grid, stage):
+def _steps(grid, stage, cfg=CFG):
     """Three clipped AdamW steps, with the optimizer sharded over data (``stage``) or not (0): the
     dense weights after them."""
     torch.manual_seed(7)
-    model = Transformer.from_dense(DenseTransformer(CFG))
+    model = Transformer.from_dense(DenseTransformer(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if stage:
         opt = axon4d.shard_optimizer(opt, model, grid, stage=stage)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
-        ids = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len + 1), generator=gen)
+        ids = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=gen)
         opt.zero_grad(set_to_none=True)
         model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])).backward()
         clip_grad_norm_(model, 0.5, grid)
@@ -188,8 +188,8 @@ def _steps(grid, stage):
     return {n: p.detach().clone() for n, p in model.to_dense().named_parameters()}
 
 
-def _sharded_and_not(grid, stage):
-    return _steps(grid, stage), _steps(grid, 0)
+def _sharded_and_not(grid, stage, cfg=CFG):
+    return _steps(grid, stage, cfg), _steps(grid, 0, cfg)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

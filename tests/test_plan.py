@@ -458,13 +458,19 @@ def test_step_fit_recovers_scales_and_keeps_them_non_negative():
 
 def test_axis_groups_and_machine_levels_follow_e1():
     shape = GridShape(4, 2, 8, 16)
-    assert [axis_group_and_stride(shape, a) for a in ("x", "y", "z", "data", "batch")] == [
+    assert [axis_group_and_stride(shape, a, 4) for a in ("x", "y", "z", "data", "batch", "y·z")] == [
         (4, 1),
         (2, 4),
         (8, 8),
         (16, 64),
         (128, 8),
+        (16, 4),
     ]
+    # x·data: runs of 4 ranks, 64 apart: one run per node of 4 (stride 1 keeps 4 on a node), in one
+    # node of 1024 (the stride that spans the same 3·1 + 15·64 ranks)
+    assert axis_group_and_stride(shape, "x·data", 4) == (64, 1)
+    assert axis_group_and_stride(shape, "x·data", 1024) == (64, (3 + 15 * 64) // 63)
+    assert axis_group_and_stride(shape, "y·data", 4) == (32, 4)  # one member per node of 4: 32 nodes
     m = load("perlmutter")
     assert m.level_of(4, 1).name.startswith("node") and m.level_of(2, 4).name.startswith("network")
     fast, slow = m.comm_time("all_reduce", 4, 1, 1 << 26, 1024), m.comm_time("all_reduce", 4, 4, 1 << 26, 1024)

@@ -78,6 +78,8 @@ class Transport(Protocol):
 
     def barrier(self) -> None: ...
 
+    def open_axis(self, axis: Axis, shape: GridShape, rank: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -117,6 +119,11 @@ class TorchTransport:
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups["world"])
+
+    def open_axis(self, axis: Axis, shape: GridShape, rank: int) -> None:
+        """Use the group the grid has just put in ``groups[axis]`` (a product of axes, ``Grid.open_axis``)."""
+        self.exchanged[axis] = index_under_gloo(self.groups[axis])
+        self.stages_reduce_scatter = self.stages_reduce_scatter or self.exchanged[axis] is not None
 
     def close(self) -> None:
         pass

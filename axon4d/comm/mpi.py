@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from axon4d import device as devices
-from axon4d.grid.shape import Axis, GridShape
+from axon4d.grid.shape import AXES, Axis, GridShape, members
 
 
 class _MPIWork:
@@ -278,6 +278,19 @@ class MPITransport:
 
     def barrier(self) -> None:
         self.comms["world"].Barrier()
+
+    def open_axis(self, axis: Axis, shape: GridShape, rank: int) -> None:
+        """A sub-communicator for a product of axes (``axon4d.grid.shape.members``): a collective
+        split of the world, coloured by this rank's coordinates on the other axes, keyed by its
+        index on ``axis``. Every rank calls it, in the same order (``Grid.open_axis``)."""
+        if axis in self.comms:
+            return
+        inside = members(axis)
+        color = 0
+        for a in reversed(AXES):  # the other axes' coordinates, slowest first
+            if a not in inside:
+                color = color * shape.size(a) + shape.coordinate(rank, a)
+        self.comms[axis] = self.MPI.COMM_WORLD.Split(color, shape.coordinate(rank, axis))
 
     def abort(self) -> None:
         """End every rank of the job now (``MPI_Abort`` on the world, exit code 1): after an error

@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from axon4d import device as devices
 from axon4d.comm.communicator import Communicator, close_group, host_group, make_transport
 from axon4d.device.clock import Clock
-from axon4d.grid.shape import AXES, BATCH_AXES, MESH_AXES, Axis, GridShape
+from axon4d.grid.expert_layout import ExpertLayout
+from axon4d.grid.shape import AXES, BATCH_AXES, MESH_AXES, Axis, GridShape, members
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import Precision
 from axon4d.scheduler import Scheduler
@@ -42,8 +43,11 @@ class Grid:
         overlap: OverlapPolicy | None = None,
         timing: bool | None = None,
         timeout_s: float = 600.0,
+        expert_layout: ExpertLayout | str | None = None,
     ):
         self.shape = shape
+        #: where MoE layers built on this grid place their experts unless told (axon4d.grid.expert_layout)
+        self.expert_layout = ExpertLayout.parse(expert_layout)
         self.timeout_s = timeout_s  # what bounds the host group's collectives (``axon4d.init``'s timeout_s)
         self.device = device
         self.launcher = launcher  # how the job was started: torchrun, mpi, slurm, single or existing
@@ -87,8 +91,22 @@ class Grid:
         return self.shape.size(axis)
 
     def coord(self, axis: Axis) -> int:
-        """This rank's index along ``axis``; for ``batch`` it is d·G_z + z."""
-        return self.coords[axis]
+        """This rank's index along ``axis``; for ``batch`` it is d·G_z + z, for another product of
+        axes the mixed-radix number of its members' coordinates, fastest first (``GridShape.coordinate``)."""
+        index = self.coords.get(axis)
+        return index if index is not None else self.shape.coordinate(self.rank, axis)
+
+    def open_axis(self, axis: Axis) -> None:
+        """Make the group of a product of axes (``axon4d.grid.shape.members``, e.g. "y·data", which an
+        expert layout runs its all-to-all or gradient reduction over) if it does not exist yet: the
+        DeviceMesh's dims flattened, and the transport told (MPI: a split of its world). Collective:
+        every rank of the world calls it, in the same order (building the same layers does); the
+        grid's own axes exist from the start."""
+        if axis in self.groups:
+            return
+        dims = tuple(a for a in MESH_AXES if a in members(axis))  # the mesh's order, slowest first
+        self.groups[axis] = self.mesh[dims]._flatten(axis).get_group()
+        self.comm.transport.open_axis(axis, self.shape, self.rank)
 
     @property
     def world_size(self) -> int:

@@ -142,21 +142,3 @@ def norm(hidden: int, axis: str) -> Rule:
 def features(count: int, axis: str) -> Rule:
     """A tensor's last dim split over ``axis``."""
     return Rule(count, "the feature count (last dim)", (axis,), f"features are split over {axis} here")
-
-
-def moe_placement(n_experts: int, expert_ffn: int, shared_width: int, hidden: int) -> list[Rule]:
-    """The divisibility rules of an MoE layer's placement (docs/moe.md): ``n_experts`` experts over
-    the expert-parallel axis batch = data × z, each expert's FFN width ``expert_ffn`` (and the
-    shared experts' MLP width ``shared_width``, 0: none) over y, ``hidden`` over x, as the dense
-    MLP splits them. The runtime's (``axon4d.nn.moe.placement_rules``) and the planner's."""
-    out = [
-        divisible(
-            n_experts, "n_experts", ("data", "z"), "experts are split over the expert-parallel axis batch = data × z"
-        ),
-        divisible(expert_ffn, "expert_ffn", ("y",), "each expert's FFN splits its inner features over y"),
-        divisible(hidden, "hidden", ("x",), "the router and the experts split hidden features over x"),
-    ]
-    if shared_width:
-        why = "the shared experts' MLP splits its inner features over y"
-        out.append(divisible(shared_width, "shared_experts·expert_ffn", ("y",), why))
-    return out

@@ -20,6 +20,7 @@ from axon4d import device as devices
 from axon4d.comm.communicator import TransportChoice
 from axon4d.comm.transport import PROBE, choose_transport, settle_transport
 from axon4d.grid import launch
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import GridShape
 from axon4d.options.overlap_policy import AUTO, OverlapPolicy
@@ -41,6 +42,7 @@ def init(
     plan: dict[str, Any] | None = None,
     precision: Precision | str | None = None,
     comm_timing: bool | None = None,
+    expert_layout: ExpertLayout | str | None = None,
 ) -> Grid:
     """Join the job and build the 4D grid ``(x, y, z, data)``; return it and make it current.
 
@@ -71,6 +73,9 @@ def init(
     ``comm_timing``: whether collectives are timed (default ``$AXON4D_COMM_TIMING``, on unless "0");
     off, an accelerator records no timing events per collective and the log holds no times
     (axon4d.comm.log).
+    ``expert_layout``: where MoE layers built on the grid place their experts
+    (axon4d.grid.expert_layout: e.g. "ep=world,tp=1", whole experts over every rank; default
+    experts over data × z, each split over x·y); a layer may be given its own.
     Raises ``ValueError`` on every rank, before any collective, if the grid does not fit.
     A default process group that exists already (the caller's, or one an earlier ``init()`` in this
     job created; see ``shutdown``) is used as it is.
@@ -84,6 +89,7 @@ def init(
     transport, backend, why = choose_transport(comm, backend, info.launcher, dev)
     policy = OverlapPolicy.parse(overlap)  # raises before any group exists
     mixed = Precision.parse(precision)  # likewise
+    layout = ExpertLayout.parse(expert_layout)  # likewise
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s, device=dev)
         _state["owns_world"], _state["launch"] = True, info
@@ -97,6 +103,7 @@ def init(
         overlap=policy,
         timing=comm_timing,
         timeout_s=timeout_s,
+        expert_layout=layout,
     )
     new.comm.transport_choice = choice
     _state["grid"] = new

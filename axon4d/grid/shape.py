@@ -26,7 +26,23 @@ from axon4d.grid import counts
 GridAxis = Literal["x", "y", "z", "data"]
 #: an axis a collective runs over or a size is asked of: the grid's four, ``batch`` (data × z) and
 #: ``world`` (``ALL_AXES``). A type for mypy; ``GridShape.size`` checks a value at run time.
-Axis = Literal["x", "y", "z", "data", "batch", "world"]
+Axis = Literal[
+    "x",
+    "y",
+    "z",
+    "data",
+    "batch",
+    "world",
+    "x·y",
+    "x·z",
+    "x·data",
+    "y·z",
+    "y·data",
+    "x·y·z",
+    "x·y·data",
+    "x·z·data",
+    "y·z·data",
+]
 
 #: the grid's axes, fastest first (E1).
 AXES: tuple[GridAxis, ...] = ("x", "y", "z", "data")
@@ -38,6 +54,40 @@ ALL_AXES: tuple[Axis, ...] = AXES + COMPOSITE_AXES
 MESH_AXES: tuple[GridAxis, ...] = tuple(reversed(AXES))
 #: the DeviceMesh dims the composite ``batch`` axis is flattened from (data × z).
 BATCH_AXES: tuple[GridAxis, ...] = ("data", "z")
+
+
+def members(axis: str) -> tuple[GridAxis, ...]:
+    """The grid axes ``axis`` is made of, fastest first: ("x",) for x, ("z", "data") for batch, all
+    four for world, ("y", "data") for "y·data" — a product of axes an expert layout groups ranks
+    over (axon4d.grid.expert_layout). ``ValueError`` for a name that is none of these."""
+    if axis == "batch":
+        return ("z", "data")
+    if axis == "world":
+        return AXES
+    parts = tuple(axis.split("·"))
+    if not parts or any(p not in AXES for p in parts) or list(parts) != sorted(set(parts), key=AXES.index):
+        raise ValueError(
+            f"unknown grid axis {axis!r}; axes are {ALL_AXES}, or a product of the four written fastest "
+            "first with '·', e.g. 'y·data'"
+        )
+    return parts  # type: ignore[return-value]  # checked: each is one of AXES
+
+
+def axis_of(axes: Iterable[str]) -> Axis | None:
+    """The axis name of the product of ``axes`` (any order; None for none): "batch" for z and data,
+    "world" for all four, else the names fastest first joined by '·' (inverse of ``members``)."""
+    given = set(axes)
+    unknown = given - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown grid axes {sorted(unknown)}; axes are {AXES}")
+    ordered = tuple(a for a in AXES if a in given)
+    if not ordered:
+        return None
+    if ordered == ("z", "data"):
+        return "batch"
+    if ordered == AXES:
+        return "world"
+    return "·".join(ordered)  # type: ignore[return-value]  # a product of grid axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +109,12 @@ class GridShape:
             return self.data * self.z
         if axis == "world":
             return self.world_size
-        if axis not in AXES:
-            raise ValueError(f"unknown grid axis {axis!r}; axes are {ALL_AXES}")
-        return int(getattr(self, axis))
+        if axis in AXES:
+            return int(getattr(self, axis))
+        size = 1
+        for a in members(axis):  # a product of axes (``members`` raises for an unknown name)
+            size *= int(getattr(self, a))
+        return size
 
     def as_tuple(self) -> tuple[int, int, int, int]:
         return (self.x, self.y, self.z, self.data)
@@ -71,19 +124,41 @@ class GridShape:
 
     def stride(self, axis: str) -> int:
         """The distance in rank numbers between consecutive members of an ``axis`` group (E1):
-        1 for x, G_x for y, G_x·G_y for z and batch (data × z), G_x·G_y·G_z for data, 1 for world."""
+        1 for x, G_x for y, G_x·G_y for z and batch (data × z), G_x·G_y·G_z for data, 1 for world;
+        for another product of axes, that of its fastest member (its members lie at that distance
+        and multiples of the slower members' strides)."""
         if axis == "world":
             return 1
-        self.size(axis)  # a known axis
-        faster = AXES[: AXES.index("z" if axis == "batch" else axis)]
+        first = members(axis)[0] if axis not in AXES else axis
         stride = 1
-        for a in faster:
+        for a in AXES[: AXES.index(first)]:
             stride *= self.size(a)
         return stride
 
+    def coordinate(self, rank: int, axis: str) -> int:
+        """``rank``'s index along ``axis`` (E1): its own coordinate for one of the four axes, and for
+        a product of axes the mixed-radix number of its members' coordinates, fastest first —
+        d·G_z + z for batch, the rank for world."""
+        index, radix = 0, 1
+        for a in members(axis) if axis not in AXES else (axis,):
+            c = rank // self.stride(a) % self.size(a)
+            index += c * radix
+            radix *= self.size(a)
+        return index
+
+    def group_offsets(self, axis: str) -> list[int]:
+        """The ranks of the ``axis`` group that holds rank 0, in the group's order (E1): i·stride for
+        one of the four axes, the mixed-radix sums of the members' strides for a product of them."""
+        offsets = [0]
+        for a in members(axis) if axis not in AXES else (axis,):
+            step = self.stride(a)
+            offsets = [o + c * step for c in range(self.size(a)) for o in offsets]
+        return offsets
+
     def coordinates(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank`` on every axis (E1); ``batch`` is d·G_z + z, ``world`` the rank."""
-        return {a: rank // self.stride(a) % self.size(a) for a in ALL_AXES}
+        """Coordinates of ``rank`` on every axis of ``ALL_AXES`` (E1); ``batch`` is d·G_z + z,
+        ``world`` the rank (``coordinate`` for any product of axes)."""
+        return {a: self.coordinate(rank, a) for a in ALL_AXES}
 
     def mesh_shape(self) -> tuple[int, ...]:
         """The sizes of the DeviceMesh dims (``MESH_AXES``: data, z, y, x)."""

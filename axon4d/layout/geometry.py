@@ -81,6 +81,9 @@ class Term(str, enum.Enum):
     MOE_ROWS_Y_GRAD = "moe.rows_y.grad"  # ... and the all-reduce over y of their partial gradients
     MOE_EXPERT = "moe.expert"  # all-reduce of an expert GEMM's partial sums (over x after up, y after down)
     MOE_ROUTER_WEIGHT_GRAD = "moe.router_weight.grad"  # the router weight's gradient all-reduce over batch
+    MOE_ROWS_X = "moe.rows_x"  # all-to-all over x moving rows from features to rows, where x does not split experts
+    MOE_ROWS_X_GRAD = "moe.rows_x.grad"  # ... and its gradients' in backward
+    MOE_EXPERT_WEIGHT_GRAD = "moe.expert_weight.grad"  # expert weight gradients all-reduced over the replicas' axes
     # the tags the runtime logs for the rest of an MoE layer's collectives (named here so the planner
     # prices them under the same name): the all-to-alls' reverse exchanges in backward, and the
     # experts' up projection's all-reduce over x (``nn.functional.sum_partials``'s own tags)
@@ -118,6 +121,7 @@ GRADIENT_TERMS = frozenset(
         Term.NORM_GRAD,
         Term.REPLICATED_GRAD,
         Term.MOE_ROUTER_WEIGHT_GRAD,
+        Term.MOE_EXPERT_WEIGHT_GRAD,
     }
 )
 #: what an MoE layer issues for its activations (docs/moe.md, E14–E18; its router weight's gradient apart)
@@ -135,6 +139,8 @@ MOE_LAYER_TERMS = frozenset(
         Term.MOE_EXPERT,
         Term.MOE_EXPERT_UP,
         Term.MOE_EXPERT_UP_GRAD,
+        Term.MOE_ROWS_X,
+        Term.MOE_ROWS_X_GRAD,
     }
 )
 #: per-token statistics of the vocabulary-parallel loss: always fp32 (a split norm's: ``norm_statistics_wire``)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from axon4d.grid.mesh import Grid
-from axon4d.grid.shape import AXES, GridAxis
+from axon4d.grid.shape import AXES, Axis, GridAxis
 from axon4d.layout import geometry
 from axon4d.layout.rectangles import FusedRows, Piece, Rows, matrix_shape, pieces
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
@@ -176,37 +176,50 @@ def _box(shape: tuple[int, ...], p: Piece) -> Box:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertLayout(ParamLayout):
+class ExpertWeightLayout(ParamLayout):
     """A stacked expert weight of an MoE layer (axon4d.nn.moe, docs/moe.md): global (E, rows, cols),
-    dim 0 split over the expert-parallel axis batch = data × z (index d·G_z + z), rows over
-    ``row_axis`` and columns over ``col_axis`` — up: (E, f, hidden) over (y, x); down: (E, hidden, f)
-    over (x, y). A gated up weight stores [gate_j | up_j] per y chunk, saved as the two tensors
-    ``<prefix>.gate`` and ``<prefix>.up`` (``segments``). Held by exactly one rank: replicated over
-    no axis."""
+    dim 0 split over the layer's expert-parallel axis ``ep_axis`` (None: every rank holds every
+    expert), rows over ``row_axis`` and columns over ``col_axis`` where the expert layout splits
+    experts over them (``axon4d.grid.expert_layout``) — up: (E, f, hidden) over (y, x); down:
+    (E, hidden, f) over (x, y). A gated up weight stores [gate_j | up_j] per y chunk, saved as the
+    two tensors ``<prefix>.gate`` and ``<prefix>.up`` (``segments``). Replicated over the layout's
+    expert data-parallel axes ``dp``."""
 
     row_axis: GridAxis = "y"
     col_axis: GridAxis = "x"
     segments: tuple[str, ...] = ()
+    ep_axis: Axis | None = "batch"
+    tp: tuple[GridAxis, ...] = ("x", "y")
+    dp: tuple[GridAxis, ...] = ()
 
     @classmethod
-    def of(cls, experts: GridExperts, name: str) -> ExpertLayout:
+    def of(cls, experts: GridExperts, name: str) -> ExpertWeightLayout:
         e, h, f = experts.n_experts, experts.hidden, experts.ffn
+        ep, tp, dp = experts.ep_axis, experts.layout.tp, experts.layout.dp
         if name == "down":
-            return cls((e, h, f), row_axis="x", col_axis="y")
-        return cls((e, f, h), segments=("gate", "up") if experts.gated else ())
+            return cls((e, h, f), row_axis="x", col_axis="y", ep_axis=ep, tp=tp, dp=dp)
+        return cls((e, f, h), segments=("gate", "up") if experts.gated else (), ep_axis=ep, tp=tp, dp=dp)
+
+    def _size(self, grid: Grid, axis: GridAxis) -> int:
+        return grid.size(axis) if axis in self.tp else 1
+
+    def _coord(self, grid: Grid, axis: GridAxis) -> int:
+        return grid.coord(axis) if axis in self.tp else 0
 
     def block_shape(self, grid: Grid) -> tuple[int, ...]:
         e, rows, cols = self.global_shape
-        local = (e // grid.size("batch"), rows // grid.size(self.row_axis), cols // grid.size(self.col_axis))
+        g_ep = grid.size(self.ep_axis) if self.ep_axis else 1
+        local = (e // g_ep, rows // self._size(grid, self.row_axis), cols // self._size(grid, self.col_axis))
         return (local[0], local[1] * max(len(self.segments), 1), local[2])
 
     def block_offsets(self, grid: Grid) -> tuple[int, ...]:
         e, rows, cols = self.block_shape(grid)
         rows //= max(len(self.segments), 1)
-        return (grid.coord("batch") * e, grid.coord(self.row_axis) * rows, grid.coord(self.col_axis) * cols)
+        first = grid.coord(self.ep_axis) * e if self.ep_axis else 0
+        return (first, self._coord(grid, self.row_axis) * rows, self._coord(grid, self.col_axis) * cols)
 
     def replicated_over(self) -> tuple[GridAxis, ...]:
-        return ()
+        return self.dp
 
     def saved_tensors(self, prefix: str) -> dict[str, tuple[int, ...]]:
         if not self.segments:
@@ -256,7 +269,7 @@ def layout_of(module: nn.Module, name: str, param: torch.Tensor) -> ParamLayout:
     if isinstance(module, Router):
         return ParamLayout((module.n_experts, module.hidden), (("x", 1),))
     if isinstance(module, GridExperts):
-        return ExpertLayout.of(module, name)
+        return ExpertWeightLayout.of(module, name)
     if isinstance(module, PositionEmbedding):
         return ParamLayout((module.seq_len, module.hidden), (("x", 1),))
     return ParamLayout(tuple(param.shape))

@@ -94,7 +94,7 @@ def init_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, int]:
     """The matrix a global tensor is drawn as: ``rectangles.matrix_shape`` (dim 0 its rows, the
     others its columns), but a stack of matrices — three dims, an MoE layer's experts (E, rows,
     cols) — as the (E·rows, cols) matrix, so that one expert's block of rows and columns is a
-    rectangle of it (``axon4d.layout.param_layout.ExpertLayout``)."""
+    rectangle of it (``axon4d.layout.param_layout.ExpertWeightLayout``)."""
     shape = tuple(shape)
     if len(shape) == 3:
         return shape[0] * shape[1], shape[2]

@@ -5,19 +5,24 @@ Input and output are the residual layout (T, hidden/G_x) per rank, replicated ov
 - the **router** weight (E, hidden) is split over x by input features, replicated elsewhere; its
   partial logits are all-reduced over x (E14) and every rank of an (x, y) plane routes its own
   tokens in fp32 (axon4d.nn.moe_router); its gradient is averaged over batch like a norm's;
-- the **experts** are split over the expert-parallel axis ``ep`` = batch (data × z), whose ranks
-  hold different tokens: rank i of batch (i = d·G_z + z) holds experts i·E/G_ep … (i+1)·E/G_ep − 1;
-  each expert's FFN is split over x·y as the dense MLP is — up (hidden/G_x → f/G_y, gate|up
-  by y chunk when gated) then down (f/G_y → hidden/G_x) — so an expert weight lives on exactly one
-  rank and its gradient is reduced over no axis (only scaled by 1/G_batch, docs/design.md §2);
+- the **experts** follow the layer's expert layout (``axon4d.grid.expert_layout``; the default
+  ep=batch, tp=x·y): rank i of the expert-parallel axes ``ep`` holds experts i·E/G_ep …
+  (i+1)·E/G_ep − 1; each expert's FFN is split over the tensor-parallel axes as the dense MLP is —
+  up (hidden/G_x → f/G_y, gate|up by y chunk when gated) then down (f/G_y → hidden/G_x), an axis
+  the layout does not give to ``tp`` splitting nothing — and the expert data-parallel axes ``dp``
+  hold replicas, whose weight gradients are all-reduced over ``dp`` (``Term.MOE_EXPERT_WEIGHT_GRAD``);
+  every gradient is scaled by 1/G_batch (the batch average, docs/design.md §2);
 - the **shared experts** are one dense ``MLP`` of shared_experts·f (3D Linear layers).
 
-Forward, per rank: logits (E14) → top-k → the counts exchange (E15, the host sync) → this y
-index's share of the assignments, sorted by expert, all-to-all over ``ep`` (E16) → gathered over
-y (E17) → grouped GEMMs of the local experts (E18, all-reduce over x after up, over y after down) →
-back over y, all-to-all back → gathered over y → gates · outputs summed per token. The share is
-dispatched in the overlap policy's forward chunks, each chunk's exchanges in flight while other
-chunks' GEMMs run (``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md "Overlap").
+Forward, per rank: logits (E14) → top-k → the counts exchange (E15, the host sync) → this rank's
+share of the plane's tokens (the y-th share; cut over x too, the rows moved from features to rows
+over x, where x does not split the experts), its assignments sorted by expert, all-to-all over
+``ep`` (E16) → gathered over y where y splits the experts (E17) → grouped GEMMs of the local
+experts (E18, all-reduce over x after up where x splits them, reduce-scatter over y after down
+where y does) → all-to-all back → gates · outputs summed per token → back to features over x →
+gathered over y. The share is dispatched in the overlap policy's forward chunks, each chunk's
+exchanges in flight while other chunks' GEMMs run (``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md
+"Overlap").
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from axon4d.config import ModelConfig
 from axon4d.device import grouped
 from axon4d.device.pinned import to_device_queued
 from axon4d.grid import rules, runtime
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
-from axon4d.grid.shape import Axis
+from axon4d.grid.shape import AXES, GridAxis, axis_of
 from axon4d.layout import tiled_init
 from axon4d.layout.geometry import Term
 from axon4d.nn import moe_router
@@ -44,7 +50,10 @@ from axon4d.nn.moe_dense import ROUTER, DenseMoE, expert_matrices, uniform_for
 from axon4d.nn.moe_dispatch import (
     DispatchPlan,
     Exchange,
+    Peers,
+    features_to_rows,
     gather_rows,
+    rows_to_features,
     scatter_rows,
     share_rows,
     share_sizes,
@@ -52,15 +61,23 @@ from axon4d.nn.moe_dispatch import (
 )
 from axon4d.options.precision import compute_dtype
 
-#: the expert-parallel axis: the ranks that hold different tokens
-EP_AXIS: Axis = "batch"
+
+def placement_rules(cfg: ModelConfig, layout: ExpertLayout | str | None = None) -> list[rules.Rule]:
+    """The divisibility rules of an MoE layer's placement under ``layout`` (docs/moe.md; None: the
+    default, experts over batch = data × z, each split over x·y): E over the expert-parallel axes,
+    an expert's FFN width over y where y splits it, the shared experts' over y, hidden over x."""
+    layout = ExpertLayout.parse(layout)
+    return layout.rules(cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
 
 
-def placement_rules(cfg: ModelConfig) -> list[rules.Rule]:
-    """The divisibility rules of an MoE layer's placement (docs/moe.md): experts over the
-    expert-parallel axis batch = data × z, each expert's (and the shared experts') FFN width over
-    y and hidden over x, as the dense MLP splits them."""
-    return rules.moe_placement(cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
+def check_layout(cfg: ModelConfig, grid: Grid, layout: ExpertLayout) -> None:
+    """``ValueError`` on every rank, before any collective, unless ``layout`` fits ``grid`` for ``cfg``."""
+    layout.check(grid.shape, cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
+
+
+def _live(grid: Grid, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` without those of one rank (they split nothing and need no group)."""
+    return tuple(a for a in axes if grid.size(a) > 1)  # type: ignore[arg-type]
 
 
 class Router(nn.Module):
@@ -74,24 +91,41 @@ class Router(nn.Module):
 
 
 class GridExperts(nn.Module):
-    """This rank's E/G_ep experts, each split over x·y: ``up`` (E_l, f_up/G_y, hidden/G_x) — for
-    gated FFNs each y chunk is [gate_j | up_j] — and ``down`` (E_l, hidden/G_x, f/G_y)."""
+    """This rank's E/G_ep experts under ``layout``: ``up`` (E_l, f_up/G_ty, hidden/G_tx) — for
+    gated FFNs each y chunk is [gate_j | up_j] — and ``down`` (E_l, hidden/G_tx, f/G_ty), where
+    G_tx, G_ty are G_x, G_y if the layout's tensor parallelism splits experts over them, else 1."""
 
-    def __init__(self, cfg: ModelConfig, grid: Grid, device: Any, dtype: Any):
+    def __init__(self, cfg: ModelConfig, grid: Grid, layout: ExpertLayout, device: Any, dtype: Any):
         super().__init__()
-        g_ep, g_x, g_y = grid.size(EP_AXIS), grid.size("x"), grid.size("y")
+        self.layout = layout
         self.n_experts, self.hidden, self.ffn, self.gated = cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated
-        self.local = cfg.n_experts // g_ep
-        self.first = grid.coord(EP_AXIS) * self.local  # global index of this rank's first expert
-        f_y = self.ffn // g_y
+        self.ep_axis = axis_of(_live(grid, layout.ep))  # None: every rank holds every expert
+        self.local = cfg.n_experts // (grid.size(self.ep_axis) if self.ep_axis else 1)
+        self.first = (grid.coord(self.ep_axis) if self.ep_axis else 0) * self.local  # its first expert's index
+        self.g_x = grid.size("x") if layout.splits("x") else 1  # hidden split over x
+        self.g_y = grid.size("y") if layout.splits("y") else 1  # FFN width split over y
+        self.col = (grid.coord("x") if layout.splits("x") else 0) * (self.hidden // self.g_x)  # its first hidden
+        self.row = (grid.coord("y") if layout.splits("y") else 0) * (self.ffn // self.g_y)  # its first FFN row
+        f_y, h_x = self.ffn // self.g_y, cfg.hidden // self.g_x
         kw: dict[str, Any] = dict(device=device, dtype=dtype)
-        self.up = nn.Parameter(torch.empty(self.local, (2 if self.gated else 1) * f_y, cfg.hidden // g_x, **kw))
-        self.down = nn.Parameter(torch.empty(self.local, cfg.hidden // g_x, f_y, **kw))
+        self.up = nn.Parameter(torch.empty(self.local, (2 if self.gated else 1) * f_y, h_x, **kw))
+        self.down = nn.Parameter(torch.empty(self.local, h_x, f_y, **kw))
+
+    @property
+    def hidden_slice(self) -> slice:
+        """The hidden features this rank's expert blocks hold."""
+        return slice(self.col, self.col + self.hidden // self.g_x)
+
+    @property
+    def ffn_slice(self) -> slice:
+        """The FFN rows this rank's expert blocks hold (of each of gate and up when gated)."""
+        return slice(self.row, self.row + self.ffn // self.g_y)
 
 
 class _ExpertGEMM(torch.autograd.Function):
     """Grouped GEMM of rows sorted by expert with (G, N, K) weights (E18); the weight gradient is
-    scaled by ``scale`` (1/G_batch: the batch average of docs/design.md §2)."""
+    scaled by ``scale`` (1/G_batch: the batch average of docs/design.md §2; 1 where the replicas'
+    reduction divides it)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, sizes: list[int], scale: float) -> torch.Tensor:
@@ -122,23 +156,42 @@ class MoE(nn.Module):
         grid: Grid | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        layout: ExpertLayout | str | None = None,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         if not cfg.moe:
             raise ValueError("MoE needs a config with n_experts > 0 (ModelConfig(n_experts=8, ...))")
-        rules.check(grid.shape, placement_rules(cfg))  # the same ValueError on every rank, before any collective
+        #: where the experts run (``axon4d.grid.expert_layout``): ``layout``, else the grid's
+        self.layout = ExpertLayout.parse(layout if layout is not None else grid.expert_layout)
+        check_layout(cfg, grid, self.layout)  # the same ValueError on every rank, before any collective
         self.cfg = cfg
         device = torch.device(device) if device is not None else grid.device
         seed = tiled_init.draw_seed()  # the router's and the experts', as DenseMoE draws it
         self.router = Router(cfg.n_experts, cfg.hidden, grid, device, dtype)
-        self.experts = GridExperts(cfg, grid, device, dtype)
+        self.experts = GridExperts(cfg, grid, self.layout, device, dtype)
+        #: the rows are cut over x too, and moved from features to rows, where x does not split experts
+        self.rows_over_x = grid.size("x") > 1 and not self.layout.splits("x")
+        gather_y = grid.size("y") > 1 and self.layout.splits("y")
+        ep = _live(grid, self.layout.ep)
+        count = _live(
+            grid, tuple(a for a in AXES if a in ep or a in ("z", "data", "y") or (a == "x" and self.rows_over_x))
+        )
+        for axis in (axis_of(ep), axis_of(count), axis_of(_live(grid, self.layout.dp))):
+            if axis is not None:
+                grid.open_axis(axis)  # collective: every rank builds its layers in the same order
+        self.peers = Peers.of(grid.shape, grid.rank, ep, count, gather_y, cfg.n_experts)
+        #: the replicas' axis their weight gradients are summed over (None: none)
+        self.dp_axis = axis_of(_live(grid, self.layout.dp))
         shared = cfg.shared_experts * cfg.expert_width
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.shared = MLP(cfg.hidden, shared, gated=cfg.gated, bias=False, **kw) if shared else None
         if not self.router.weight.is_meta:
             self.reset_parameters(seed)
         average_grad_over_batch(self.router.weight, grid, Term.MOE_ROUTER_WEIGHT_GRAD)
+        if self.dp_axis is not None:
+            for p in self.experts.parameters():
+                grid.scheduler.track_replicated(p, Term.MOE_EXPERT_WEIGHT_GRAD, self.dp_axis)
         #: auxiliary-loss-free balancing's per-expert bias (E,) fp32, whole and the same on every rank
         #: (moved from the micro-batch's global counts); a buffer, saved with the model
         self.expert_bias: torch.Tensor | None
@@ -167,62 +220,90 @@ class MoE(nn.Module):
         partial = x2.float() @ self.router.weight.float().t()  # (T, E), partial over x
         logits = sum_to_replicas(partial, "x", grid, tag=Term.MOE_ROUTER, in_place=True)  # E14
         s = moe_router.scores(logits, cfg.router_scoring)  # (T, E) fp32
-        g_y, j = grid.size("y"), grid.coord("y")
-        shares = share_sizes(tokens, g_y)
-        chunks = self._chunks(tokens, g_y, x2)
-        chosen, plans, fresh = self._route(s, shares, chunks)
+        y_shares = share_sizes(tokens, grid.size("y"))  # each y index's tokens
+        x_shares = share_sizes(y_shares[grid.coord("y")], grid.size("x")) if self.rows_over_x else [0]
+        shares = self._shares(y_shares)  # every rank's share of the plane, in token order
+        mine = self._mine()
+        chunks = self._chunks(shares[mine], x2)
+        chosen, plans, fresh = self._route(s, shares, mine, chunks)
         g = moe_router.gates(s, chosen, cfg.router_topk_norm, cfg.routed_scaling_factor)  # (T, k)
         self.tokens_per_expert = np.sum([p.tokens_per_expert() for p in plans], axis=0).tolist()  # (E,), all chunks
         seq_len = x.shape[-2] if x.dim() > 2 else tokens
         self.aux_loss = self._aux(logits, s, tokens, chosen, seq_len)
         if self.expert_bias is not None and self.training and fresh:  # not in a recomputed re-run
             moe_router.bias_step(self.expert_bias, self.tokens_per_expert, cfg.moe_bias_update_rate)
-        t0 = sum(shares[:j])
-        x_share = share_rows(x2, shares, "y", grid)  # (T_j, hidden/G_x)
+        t0 = sum(shares[:mine])
+        x_share = share_rows(x2, y_shares, "y", grid)  # (T_j, hidden/G_x)
+        if self.rows_over_x:  # this rank's rows of the share, every feature: (T_ji, hidden)
+            x_share = features_to_rows(x_share, x_shares, "x", grid)
+        ep = self.experts.ep_axis
         # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
         # its expert GEMMs, the later chunks' still on the wire, and each chunk's combine stays in
         # flight behind the next chunk's GEMMs; backward mirrors it (``Exchange``)
         dispatches, orders, start = [], [], 0
-        for plan, n in zip(plans, share_sizes(shares[j], len(plans))):
-            mine = chosen[t0 + start : t0 + start + n].reshape(-1)  # (n·k,) experts of the chunk's assignments
-            order = torch.argsort(mine, stable=True)  # sorted by expert
-            ex = Exchange(plan.send_rows, plan.recv_rows, EP_AXIS, grid, Term.MOE_DISPATCH)
-            rows = ex.awaited(x_share.index_select(0, order // k + start))  # (n·k, hidden/G_x)
+        for plan, n in zip(plans, share_sizes(shares[mine], len(plans))):
+            assigned = chosen[t0 + start : t0 + start + n].reshape(-1)  # (n·k,) experts of the chunk's assignments
+            order = torch.argsort(assigned, stable=True)  # sorted by expert
+            ex = Exchange(plan.send_rows, plan.recv_rows, ep, grid, Term.MOE_DISPATCH)
+            rows = ex.awaited(x_share.index_select(0, order // k + start))  # (n·k, features)
             ex.issue(rows)
             dispatches.append((ex, rows))
             orders.append(order + start * k)
             start += n
         combines = []
         for plan, (ex, rows) in zip(plans, dispatches):
-            out = self._experts(ex.adopt(rows), plan)  # (n_all, hidden/G_x), partial over y
-            home = Exchange(plan.recv_rows, plan.send_rows, EP_AXIS, grid, Term.MOE_COMBINE)
-            # the down GEMM's partial sums reduced over y, each y index keeping its own rows
-            rows = home.awaited(scatter_rows(out, plan.y_rows, "y", grid, Term.MOE_EXPERT))
+            out = self._experts(ex.adopt(rows), plan)  # (n_all, features), partial over y where y splits experts
+            home = Exchange(plan.recv_rows, plan.send_rows, ep, grid, Term.MOE_COMBINE)
+            if self.peers.y_members is not None:  # the down GEMM's partial sums reduced over y, each keeping its rows
+                out = scatter_rows(out, plan.y_rows, "y", grid, Term.MOE_EXPERT)
+            rows = home.awaited(out)
             del out  # the experts' rows of every y index: none is kept past its share (memory)
             home.issue(rows)
             combines.append((home, rows))
         # the shared experts run while the combines travel; in backward, while the combines' reverse
         # exchanges travel (their gradients' all-to-alls are issued before the shared MLP's backward)
         shared = self.shared(x) if self.shared is not None else None
-        backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, hidden/G_x) in all, sorted chunk by chunk
+        backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, features) in all, sorted chunk by chunk
         back = torch.cat(backs) if len(backs) > 1 else backs[0]
-        pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # (T_j·k, hidden/G_x) in token order
-        # the gates applied to this share's outputs before they are gathered over y: T rows travel, not T·k
-        gate = share_rows(use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD), shares, "y", grid, Term.MOE_ROUTER_GRAD)
-        mine = (pairs.view(shares[j], k, -1) * gate.to(pairs.dtype).unsqueeze(-1)).sum(dim=1)  # (T_j, hidden/G_x)
-        y = gather_rows(mine, shares, "y", grid, summed=False).view(x.shape)  # (T, hidden/G_x)
+        pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # (T_share·k, features) in token order
+        # the gates applied to this share's outputs before they move on: T rows travel, not T·k
+        gate = g if self.rows_over_x else use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD)
+        gate = share_rows(gate, y_shares, "y", grid, Term.MOE_ROUTER_GRAD)
+        if self.rows_over_x:
+            gate = share_rows(gate, x_shares, "x", grid, Term.MOE_ROUTER_GRAD)
+        out = (pairs.view(shares[mine], k, -1) * gate.to(pairs.dtype).unsqueeze(-1)).sum(dim=1)  # (T_share, features)
+        if self.rows_over_x:
+            out = rows_to_features(out, x_shares, "x", grid)  # (T_j, hidden/G_x)
+        y = gather_rows(out, y_shares, "y", grid, summed=False).view(x.shape)  # (T, hidden/G_x)
         return y + shared if shared is not None else y
 
-    def _chunks(self, tokens: int, g_y: int, x2: torch.Tensor) -> int:
-        """How many chunks each y share's tokens are dispatched in: the overlap policy's forward
-        chunking (``Scheduler.forward_chunks``) of a share's T/G_y tokens of k rows each, the same
-        count on every rank; one when the expert-parallel axis has one rank."""
-        if self.grid.size(EP_AXIS) == 1:
-            return 1
-        row_bytes = self.cfg.experts_per_token * x2.shape[1] * x2.element_size()
-        return len(self.grid.scheduler.forward_chunks(max(tokens // g_y, 1), row_bytes, self.grid.size(EP_AXIS)))
+    def _shares(self, y_shares: list[int]) -> list[int]:
+        """Rows of every share of the plane's tokens, in token order: the y shares, each cut over x
+        where the rows move over x."""
+        if not self.rows_over_x:
+            return y_shares
+        return [n for share in y_shares for n in share_sizes(share, self.grid.size("x"))]
 
-    def _route(self, s: torch.Tensor, shares: list[int], chunks: int) -> tuple[torch.Tensor, list[DispatchPlan], bool]:
+    def _mine(self) -> int:
+        """This rank's share index: its y index, times G_x plus its x index where rows move over x."""
+        grid = self.grid
+        return grid.coord("y") * grid.size("x") + grid.coord("x") if self.rows_over_x else grid.coord("y")
+
+    def _chunks(self, rows: int, x2: torch.Tensor) -> int:
+        """How many chunks each share's tokens are dispatched in: the overlap policy's forward
+        chunking (``Scheduler.forward_chunks``) of a share's tokens of k rows each, the same count on
+        every rank (the first share is the longest); one when no axis holds different experts."""
+        ep = self.experts.ep_axis
+        if ep is None:
+            return 1
+        features = x2.shape[1] * (self.grid.size("x") if self.rows_over_x else 1)
+        row_bytes = self.cfg.experts_per_token * features * x2.element_size()
+        first = self._shares(share_sizes(x2.shape[0], self.grid.size("y")))[0]
+        return len(self.grid.scheduler.forward_chunks(max(first, 1), row_bytes, self.grid.size(ep)))
+
+    def _route(
+        self, s: torch.Tensor, shares: list[int], mine: int, chunks: int
+    ) -> tuple[torch.Tensor, list[DispatchPlan], bool]:
         """Each token's k experts and each chunk's dispatch plan: chosen now (and exchanged: the
         host sync), or, in the re-run of a fully recomputed forward, that forward's (kept in the
         region's memo with its autograd state, ``axon4d.scheduler.replay``); and whether chosen now."""
@@ -232,24 +313,27 @@ class MoE(nn.Module):
             return chosen, plans, False
         cfg, grid = self.cfg, self.grid
         chosen = moe_router.choose(s, cfg.experts_per_token, self.expert_bias, cfg.n_groups, cfg.topk_groups)  # (T, k)
-        # the (y share, chunk) bin of each token: share j's tokens cut into ``chunks`` contiguous runs
-        sizes = [n for share in shares for n in share_sizes(share, chunks)]
+        # this rank's share cut into ``chunks`` contiguous runs: the chunk of each of its assignments
+        t0, sizes = sum(shares[:mine]), share_sizes(shares[mine], chunks)
         bins = to_device_queued(
-            torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long)), s.device
+            torch.repeat_interleave(torch.arange(chunks), torch.tensor(sizes, dtype=torch.long)), s.device
         )
-        key = (bins.unsqueeze(1) * cfg.n_experts + chosen).reshape(-1)
-        counts = torch.bincount(key, minlength=len(sizes) * cfg.n_experts).view(len(shares), chunks, cfg.n_experts)
-        plans = DispatchPlan.exchange(counts, EP_AXIS, grid, self.experts.local)  # E15: the host sync
+        key = (bins.unsqueeze(1) * cfg.n_experts + chosen[t0 : t0 + shares[mine]]).reshape(-1)
+        counts = torch.bincount(key, minlength=chunks * cfg.n_experts).view(chunks, cfg.n_experts)
+        plans = DispatchPlan.exchange(counts, self.peers, grid)  # E15: the host sync
         self.exchanges += 1
         if memo is not None:
             memo.record(self, (chosen, plans))
         return chosen, plans, True
 
     def _experts(self, received: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        """The local experts' FFNs of the rows this rank received, gathered over y first (E17), in
-        gathered order (E18): each y rank's partial sum over its f/G_y features."""
+        """The local experts' FFNs of the rows this rank received, gathered over y first where y
+        splits the experts (E17), in gathered order (E18): each y rank's partial sum over its f/G_y
+        features (the whole sum where y does not split them)."""
         grid, ex = self.grid, self.experts
-        every = gather_rows(received, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, hidden/G_x)
+        every = received
+        if self.peers.y_members is not None:
+            every = gather_rows(received, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, features)
         run_experts, run_rows = plan.runs()
         ids = to_device_queued(
             torch.repeat_interleave(
@@ -260,17 +344,18 @@ class MoE(nn.Module):
         perm = torch.argsort(ids, stable=True)
         sizes = plan.group_rows
         dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16
-        xs = every.index_select(0, perm).to(dtype)  # (n_all, hidden/G_x) sorted by expert
+        xs = every.index_select(0, perm).to(dtype)  # (n_all, features) sorted by expert
         del every  # the gathered rows in gathered order: the GEMM keeps the sorted copy (memory)
-        scale = 1.0 / grid.size("batch")
-        h = _ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_y), partial over x
-        h = sum_partials(h, "x", grid, in_place=True)  # the GEMM's partial output: nothing else reads it
+        scale = 1.0 if self.dp_axis is not None else 1.0 / grid.size("batch")  # the replicas' reduction divides
+        h = _ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_ty), partial over x if split
+        if ex.g_x > 1:
+            h = sum_partials(h, "x", grid, in_place=True)  # the GEMM's partial output: nothing else reads it
         if ex.gated:
             gate, up = h.chunk(2, dim=-1)
             a = F.silu(gate) * up
         else:
             a = F.gelu(h)
-        o = _ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_x), partial over y
+        o = _ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_tx), partial over y if split
         return o.index_select(0, torch.argsort(perm))  # summed over y by the caller's reduce-scatter
 
     def _aux(
@@ -296,21 +381,21 @@ class MoE(nn.Module):
     def reset_parameters(self, seed: int) -> None:
         """This rank's part of ``DenseMoE``'s router and experts initialised from ``seed``, drawn tile
         by tile (``moe_dense.expert_matrices``, ``axon4d.layout.tiled_init``): only the tiles its columns of
-        the router and its experts' x·y blocks overlap, one tile of scratch, on any grid the same
-        values as the dense layer's."""
+        the router and its experts' blocks overlap, one tile of scratch, on any grid and expert
+        layout the same values as the dense layer's."""
         grid, ex = self.grid, self.experts
-        h_x, f_y = ex.hidden // grid.size("x"), ex.ffn // grid.size("y")
-        col, row = grid.coord("x") * h_x, grid.coord("y") * f_y
+        h_x = ex.hidden // grid.size("x")
         shape = (ex.n_experts, ex.hidden)
-        tiled_init.fill_(self.router.weight.data, uniform_for(ex.hidden), seed, ROUTER, shape, 0, col)
+        tiled_init.fill_(self.router.weight.data, uniform_for(ex.hidden), seed, ROUTER, shape, 0, grid.coord("x") * h_x)
         mats = expert_matrices(ex.n_experts, ex.hidden, ex.ffn, ex.gated)
+        f_y, col, row = ex.ffn // ex.g_y, ex.col, ex.row
         for i in range(ex.local):
             e = ex.first + i  # its global index
             ups = ["experts.gate", "experts.up"] if ex.gated else ["experts.up"]  # [gate_j | up_j]
             for j, name in enumerate(ups):
-                block = ex.up.data[i, j * f_y : (j + 1) * f_y]  # (f/G_y, hidden/G_x)
+                block = ex.up.data[i, j * f_y : (j + 1) * f_y]  # (f/G_ty, hidden/G_tx)
                 tiled_init.fill_(block, uniform_for(ex.hidden), seed, name, mats[name], e * ex.ffn + row, col)
-            down = mats["experts.down"]  # rows e·hidden + this rank's hidden/G_x, columns its f/G_y
+            down = mats["experts.down"]  # rows e·hidden + this rank's hidden/G_tx, columns its f/G_ty
             tiled_init.fill_(ex.down.data[i], uniform_for(ex.ffn), seed, "experts.down", down, e * ex.hidden + col, row)
 
     # -- dense conversion -------------------------------------------------------------------------
@@ -318,14 +403,11 @@ class MoE(nn.Module):
     def load_dense_(self, dense: DenseMoE, shared: bool = True) -> MoE:
         """Take this rank's part of ``dense``'s router, experts (and shared experts)."""
         grid, ex = self.grid, self.experts
-        x, g_x = grid.coord("x"), grid.size("x")
-        y, g_y = grid.coord("y"), grid.size("y")
-        h_x, f_y = ex.hidden // g_x, ex.ffn // g_y
-        cols = slice(x * h_x, (x + 1) * h_x)
-        rows = slice(y * f_y, (y + 1) * f_y)
+        h_x = ex.hidden // grid.size("x")
+        self.router.weight.copy_(dense.router.weight[:, grid.coord("x") * h_x : (grid.coord("x") + 1) * h_x])
+        cols, rows = ex.hidden_slice, ex.ffn_slice
         mine = slice(ex.first, ex.first + ex.local)
-        self.router.weight.copy_(dense.router.weight[:, cols])
-        up = dense.experts.up[mine, rows, cols]  # (E_l, f/G_y, hidden/G_x)
+        up = dense.experts.up[mine, rows, cols]  # (E_l, f/G_ty, hidden/G_tx)
         if ex.gated:
             assert dense.experts.gate is not None
             up = torch.cat([dense.experts.gate[mine, rows, cols], up], dim=1)  # [gate_j | up_j]
@@ -340,7 +422,7 @@ class MoE(nn.Module):
 
     def to_dense(self, grads: bool = False) -> DenseMoE:
         """The single-process layer (and its gradients: zero where this layer has none) on every
-        rank, gathered over x, y and the expert-parallel axis."""
+        rank, gathered over x, y and the expert-parallel axes."""
         p = self.router.weight
         dense = DenseMoE(self.cfg, device=p.device, dtype=p.dtype)
         with torch.no_grad():
@@ -359,10 +441,13 @@ class MoE(nn.Module):
         comm = grid.comm
         router = comm.all_gather(pick(self.router.weight).detach().contiguous(), "x", dim=1, tag=Term.DENSE).wait()
 
-        def whole(t: torch.Tensor, row_axis: Axis, col_axis: Axis) -> torch.Tensor:
-            t = comm.all_gather(t.contiguous(), row_axis, dim=1, tag=Term.DENSE).wait()
-            t = comm.all_gather(t.contiguous(), col_axis, dim=2, tag=Term.DENSE).wait()
-            return comm.all_gather(t.contiguous(), EP_AXIS, dim=0, tag=Term.DENSE).wait()
+        def whole(t: torch.Tensor, row_axis: GridAxis, col_axis: GridAxis) -> torch.Tensor:
+            for axis, dim in ((row_axis, 1), (col_axis, 2)):
+                if ex.layout.splits(axis) and grid.size(axis) > 1:
+                    t = comm.all_gather(t.contiguous(), axis, dim=dim, tag=Term.DENSE).wait()
+            if ex.ep_axis is not None:
+                t = comm.all_gather(t.contiguous(), ex.ep_axis, dim=0, tag=Term.DENSE).wait()
+            return t
 
         up = pick(ex.up).detach()
         if ex.gated:  # split each y chunk's [gate_j | up_j] before gathering over y
@@ -385,9 +470,16 @@ class MoE(nn.Module):
                 target.copy_(value)
 
 
-def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Every expert weight of ``module`` (held by one rank of the expert-parallel axis each)."""
-    return [p for m in module.modules() if isinstance(m, GridExperts) for p in m.parameters()]
+def expert_parameters(module: nn.Module, replicated_over_data: bool | None = None) -> list[nn.Parameter]:
+    """Every expert weight of ``module``; with ``replicated_over_data`` False (True), only those of
+    layers whose expert layout does not (does) hold replicas over data — the ones ZeRO leaves whole
+    on the rank that holds them (shards like any replicated parameter)."""
+    return [
+        p
+        for m in module.modules()
+        if isinstance(m, GridExperts) and replicated_over_data in (None, "data" in m.layout.dp)
+        for p in m.parameters()
+    ]
 
 
 def aux_loss(module: nn.Module) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 from axon4d import device as devices
 from axon4d.comm.communicator import Handle
 from axon4d.grid.mesh import Grid
-from axon4d.grid.shape import Axis
+from axon4d.grid.shape import AXES, Axis, GridShape, axis_of
 from axon4d.layout.geometry import Term
 
 
@@ -42,59 +43,122 @@ def share_sizes(tokens: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class DispatchPlan:
-    """Who sends how many rows to whom, from the counts C[s, j, e] of source rank s (index on
-    ``ep``), y share j and expert e (the same on every rank). The sizes are numpy sums over the
-    part of C each needs, on the host, right after the counts' host sync while the device waits: a
-    layer's counts are G_ep·G_y·E values per chunk (≈ 10⁵ at moe-1t's placement)."""
+@dataclasses.dataclass(frozen=True)
+class Peers:
+    """An MoE layer's ranks as its dispatch sees them, from the grid and the expert layout (built
+    once per layer; numpy on the host, nothing communicated).
 
-    counts: np.ndarray
-    """C: (G_ep, G_y, E) int64 assignments per source rank, y share and expert."""
+    Every (x, y) plane holds the same tokens; each rank dispatches its own **share** of them: the
+    y-th contiguous share, cut again into G_x sub-shares where x does not split the experts (the
+    rows are then moved from features to rows over x first). The counts of every share are
+    all-gathered over the **count group** — the expert-parallel axes, z and data, y, and x where
+    shares are cut over it (axes of one rank left out) — so that every rank knows the sizes of its
+    all-to-alls, of its gather over y, and the micro-batch's tokens per expert (E15)."""
+
+    count_axis: Axis | None
+    """The axis (a product of grid axes) the counts are all-gathered over; None: one rank."""
+    me: int
+    """This rank's index in the count group."""
+    members: tuple[int, ...]
+    """(G_ep,) the count-group index of each rank of the expert-parallel group, in its order."""
+    y_members: tuple[tuple[int, ...], ...] | None
+    """(G_y, G_ep) where y splits the experts: the count-group index of the rank that sends to this
+    rank's y-neighbour y′ from expert-parallel rank q; None: no gather over y."""
     ep_index: int
-    y_index: int
     local_experts: int
-    """E/G_ep: experts held by each rank of ``ep``."""
+    """E/G_ep: experts held by each rank of the expert-parallel group."""
 
     @classmethod
-    def exchange(cls, counts: torch.Tensor, ep: Axis, grid: Grid, local_experts: int) -> list[DispatchPlan]:
-        """Gather every rank's (G_y, C, E) ``counts`` — assignments per y share, chunk of the share
-        and expert — over ``ep`` (E15) and read them on the host: one plan per chunk."""
-        g_ep = grid.size(ep)
+    def of(
+        cls, shape: GridShape, rank: int, ep: tuple[str, ...], count: tuple[str, ...], gather_y: bool, n_experts: int
+    ) -> Peers:
+        """The peers of ``rank`` for experts over the ``ep`` axes (of more than one rank), counts
+        gathered over the ``count`` axes, gathered over y at the experts when ``gather_y``."""
+        mine: dict[str, int] = {a: shape.coordinate(rank, a) for a in AXES}
+        radix = [shape.size(a) for a in count]
+
+        def index(coords: dict[str, int], axes: tuple[str, ...]) -> int:
+            out, step = 0, 1
+            for a in axes:
+                out += coords[a] * step
+                step *= shape.size(a)
+            return out
+
+        every = []  # (count-group index, coordinates) of each member
+        for m in range(math.prod(radix)):
+            coords: dict[str, int] = dict(mine)
+            rest = m
+            for a, n in zip(count, radix):
+                coords[a], rest = rest % n, rest // n
+            every.append(coords)
+        fixed = [a for a in count if a not in ep]
+        peers = sorted((index(c, ep), m) for m, c in enumerate(every) if all(c[a] == mine[a] for a in fixed))
+        members = tuple(m for _, m in peers)
+        y_members = None
+        if gather_y:
+            y_members = tuple(
+                tuple(index({**every[m], "y": y}, count) for m in members) for y in range(shape.size("y"))
+            )
+        g_ep = math.prod(shape.size(a) for a in ep)
+        return cls(axis_of(count), index(mine, count), members, y_members, index(mine, ep), n_experts // g_ep)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DispatchPlan:
+    """Who sends how many rows to whom in one chunk, from the counts K[m, e] of the count group's
+    member m (its share's assignments to expert e), the same on every rank. The sizes are numpy sums
+    on the host, right after the counts' host sync while the device waits."""
+
+    counts: np.ndarray
+    """K: (G_count, E) int64 assignments of each count-group member's share per expert."""
+    peers: Peers
+
+    @classmethod
+    def exchange(cls, counts: torch.Tensor, peers: Peers, grid: Grid) -> list[DispatchPlan]:
+        """Gather every rank's (C, E) ``counts`` — its share's assignments per chunk and expert —
+        over the count group (E15) and read them on the host: one plan per chunk."""
         flat = counts.reshape(-1).to(torch.int64).contiguous()
-        gathered = grid.comm.all_gather(flat, ep, tag=Term.MOE_COUNTS).wait()  # (G_ep·G_y·C·E,)
-        values = gathered.to(devices.HOST).numpy()  # the host sync of the layer
-        g_y, chunks, e = counts.shape
-        every = values.reshape(g_ep, g_y, chunks, e)
-        return [cls(every[:, :, c, :], grid.coord(ep), grid.coord("y"), local_experts) for c in range(chunks)]
+        if peers.count_axis is not None:
+            flat = grid.comm.all_gather(flat, peers.count_axis, tag=Term.MOE_COUNTS).wait()  # (G_count·C·E,)
+        values = flat.to(devices.HOST).numpy()  # the host sync of the layer
+        chunks, e = counts.shape
+        every = values.reshape(-1, chunks, e)
+        return [cls(every[:, c, :], peers) for c in range(chunks)]
 
     @functools.cached_property
     def _local(self) -> np.ndarray:
-        """(G_ep, G_y, E/G_ep): the assignments to this rank's experts."""
-        lo = self.ep_index * self.local_experts
-        return self.counts[:, :, lo : lo + self.local_experts]
+        """(G_y′, G_ep, E_l): the rows of this rank's experts from each source, by y-neighbour
+        (one where nothing is gathered over y) — the order the gathered rows come in."""
+        p = self.peers
+        lo = p.ep_index * p.local_experts
+        mine = self.counts[:, lo : lo + p.local_experts]
+        if p.y_members is None:
+            return mine[list(p.members)][None]
+        return np.stack([mine[list(row)] for row in p.y_members])
 
     @property
     def send_rows(self) -> list[int]:
-        """Rows this rank's share sends to each rank of ``ep`` (E16): its counts summed over each
-        rank's experts."""
-        return self.counts[self.ep_index, self.y_index].reshape(-1, self.local_experts).sum(axis=1).tolist()
+        """Rows this rank's share sends to each rank of the expert-parallel group (E16)."""
+        p = self.peers
+        return self.counts[p.me].reshape(-1, p.local_experts).sum(axis=1).tolist()
 
     @property
     def recv_rows(self) -> list[int]:
-        """Rows this rank receives from each rank of ``ep`` for its y index (E16)."""
-        return self._local[:, self.y_index].sum(axis=1).tolist()
+        """Rows this rank receives from each rank of the expert-parallel group (E16)."""
+        p = self.peers
+        lo = p.ep_index * p.local_experts
+        return self.counts[list(p.members), lo : lo + p.local_experts].sum(axis=1).tolist()
 
     @property
     def y_rows(self) -> list[int]:
-        """Rows each y index of this expert group received: the sizes of the gather over y (E17)."""
-        return self._local.sum(axis=(0, 2)).tolist()
+        """Rows each y-neighbour of this rank's experts received: the sizes of the gather over y (E17)."""
+        return self._local.sum(axis=(1, 2)).tolist()
 
     def runs(self) -> tuple[list[int], list[int]]:
-        """(local expert, rows) of each run of the gathered rows, in their order: y index, then
+        """(local expert, rows) of each run of the gathered rows, in their order: y-neighbour, then
         source rank, then expert."""
-        rows = self._local.transpose(1, 0, 2).reshape(-1)  # (G_y·G_ep·E_l,) y index, source, expert
-        experts = np.tile(np.arange(self.local_experts), rows.size // max(self.local_experts, 1))
+        rows = self._local.reshape(-1)
+        experts = np.tile(np.arange(self.peers.local_experts), rows.size // max(self.peers.local_experts, 1))
         return experts.tolist(), rows.tolist()
 
     @property
@@ -103,8 +167,8 @@ class DispatchPlan:
         return self._local.sum(axis=(0, 1)).tolist()
 
     def tokens_per_expert(self) -> np.ndarray:
-        """The chunk's assignments per expert, every rank's (E,)."""
-        return self.counts.sum(axis=(0, 1))
+        """The chunk's assignments per expert over the micro-batch (every share counted once), (E,)."""
+        return self.counts.sum(axis=0)
 
 
 def _gather_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
@@ -139,9 +203,9 @@ class Exchange:
     reverse exchange, issued by ``adopt``'s backward, is in flight during the backward of whatever
     was made between ``awaited`` and ``adopt`` — the other chunks' experts."""
 
-    def __init__(self, send: list[int], recv: list[int], axis: Axis, grid: Grid, tag: Term):
+    def __init__(self, send: list[int], recv: list[int], axis: Axis | None, grid: Grid, tag: Term):
         self.send, self.recv, self.axis, self.grid, self.tag = send, recv, axis, grid, tag
-        self.live = grid.size(axis) > 1  # an axis of one rank exchanges nothing
+        self.live = axis is not None and grid.size(axis) > 1  # an axis of one rank (or none) exchanges nothing
         self.forward: Handle | None = None
         self.backward: Handle | None = None
 
@@ -152,6 +216,7 @@ class Exchange:
     def issue(self, rows: torch.Tensor) -> None:
         """Start the exchange of ``rows`` (values only: autograd joins at ``adopt``)."""
         if self.live:
+            assert self.axis is not None  # live
             self.forward = self.grid.comm.all_to_all(rows.detach(), self.axis, self.send, self.recv, tag=self.tag)
 
     def adopt(self, rows: torch.Tensor) -> torch.Tensor:
@@ -280,3 +345,41 @@ class _UseReplicated(torch.autograd.Function):
 def use_replicated(x: torch.Tensor, axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
     """``x`` as it is; its gradient is summed over ``axis`` (all-reduce in backward, under ``tag``)."""
     return x if grid.size(axis) == 1 else _UseReplicated.apply(x, axis, grid, tag)
+
+
+def _transpose(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, to_rows: bool, tag: Term) -> torch.Tensor:
+    """One all-to-all over ``axis`` between two layouts of the same rows: split by features — every
+    rank of ``axis`` holds all Σ``sizes`` rows, its 1/G of the columns — and split by rows — rank i
+    holds block i of ``sizes[i]`` rows, every column. ``to_rows``: the first to the second."""
+    g, i = grid.size(axis), grid.coord(axis)
+    if to_rows:  # (Σ sizes, c) → (sizes[i], G·c)
+        got = grid.comm.all_to_all(x.contiguous(), axis, sizes, [sizes[i]] * g, tag=tag).wait()  # (G·n_i, c)
+        return got.view(g, sizes[i], -1).transpose(0, 1).reshape(sizes[i], -1)
+    c = x.shape[-1] // g  # (sizes[i], G·c) → (Σ sizes, c)
+    parts = x.view(sizes[i], g, c).transpose(0, 1).contiguous().view(g * sizes[i], c)
+    return grid.comm.all_to_all(parts, axis, [sizes[i]] * g, sizes, tag=tag).wait()
+
+
+class _Transposed(torch.autograd.Function):
+    """Forward: ``_transpose`` one way; backward: the other way (the gradient has the output's layout)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, to_rows: bool) -> torch.Tensor:
+        ctx.sizes, ctx.axis, ctx.grid, ctx.to_rows = sizes, axis, grid, to_rows
+        return _transpose(x, sizes, axis, grid, to_rows, Term.MOE_ROWS_X)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        back = _transpose(g.contiguous(), ctx.sizes, ctx.axis, ctx.grid, not ctx.to_rows, Term.MOE_ROWS_X_GRAD)
+        return back, None, None, None, None
+
+
+def features_to_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
+    """(Σ sizes, c) rows whose columns are split over ``axis`` → this rank's block of ``sizes[i]``
+    rows with every column, (sizes[i], G·c): an all-to-all over ``axis`` (E17b), reversed in backward."""
+    return x if grid.size(axis) == 1 else _Transposed.apply(x, sizes, axis, grid, True)
+
+
+def rows_to_features(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
+    """The inverse of ``features_to_rows``: (sizes[i], G·c) → (Σ sizes, c)."""
+    return x if grid.size(axis) == 1 else _Transposed.apply(x, sizes, axis, grid, False)

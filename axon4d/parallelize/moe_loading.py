@@ -63,13 +63,14 @@ def block_reads(
     moe, ex = block.moe, block.moe.experts
     saved = _block_name(name, find)
     e_all, hidden, ffn = ex.n_experts, ex.hidden, ex.ffn
-    h_x, f_y = hidden // grid.size("x"), ffn // grid.size("y")
-    cols = slice(grid.coord("x") * h_x, (grid.coord("x") + 1) * h_x)
-    rows = slice(grid.coord("y") * f_y, (grid.coord("y") + 1) * f_y)
+    h_x = hidden // grid.size("x")
+    router_cols = slice(grid.coord("x") * h_x, (grid.coord("x") + 1) * h_x)  # the router splits hidden over x
+    cols, rows = ex.hidden_slice, ex.ffn_slice  # the experts' blocks, as their layout splits them
+    f_y = rows.stop - rows.start
     router = find(f"{saved}.gate.weight")
     assert router is not None  # found by _block_name
     out: dict[tuple[nn.Module, str], list[Read]] = {
-        (moe.router, "weight"): [Read((slice(None),), router, (slice(None), cols), (e_all, hidden))]
+        (moe.router, "weight"): [Read((slice(None),), router, (slice(None), router_cols), (e_all, hidden))]
     }
     up: list[Read] = []
     down: list[Read] = []

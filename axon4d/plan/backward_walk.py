@@ -120,8 +120,9 @@ class BackwardWalk:
         m = wl.model
         tokens = wl.local_tokens(shape)
         # an MoE block: its MoE layer's backward peak and the gradients it leaves (plan.moe_memory)
-        self.moe_peak = moe_memory.backward_transient(m, tokens, shape, self.elem, wl.imbalance) if m.moe else 0.0
-        self.moe_grads = moe_memory.grad_elements(m, shape) * self.grad_bytes if m.moe else 0.0
+        lay = wl.expert_layout
+        self.moe_peak = moe_memory.backward_transient(m, tokens, shape, self.elem, wl.imbalance, lay) if m.moe else 0.0
+        self.moe_grads = moe_memory.grad_elements(m, shape, lay) * self.grad_bytes if m.moe else 0.0
         z = shape.z
         # a layer's forward block kept for its backward: every block gathered over z under keep-for-backward,
         # and on one rank under mixed precision the weight's cast copy (axon4d.nn.local_linear)

@@ -32,7 +32,14 @@ from axon4d.plan.workload import LinearSpec
 LAYER_TERMS = {Term.E12: ("ors", "odp"), Term.E13: ("odp",)}
 #: the replicated parameters' gradient reductions over batch: always bucketed, one bucket per kind
 REPLICATED_TERMS = frozenset(
-    {Term.EMBEDDING_GRAD, Term.POSITION_GRAD, Term.NORM_GRAD, Term.REPLICATED_GRAD, Term.MOE_ROUTER_WEIGHT_GRAD}
+    {
+        Term.EMBEDDING_GRAD,
+        Term.POSITION_GRAD,
+        Term.NORM_GRAD,
+        Term.REPLICATED_GRAD,
+        Term.MOE_ROUTER_WEIGHT_GRAD,
+        Term.MOE_EXPERT_WEIGHT_GRAD,
+    }
 )
 
 

@@ -37,6 +37,7 @@ class Candidate:
     context_parallel: bool = False  # each sequence's tokens split over z (docs/context.md)
     overlap: OverlapPolicy = OverlapPolicy()  # the policy it was priced with
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``Scenario.options``: recompute, …
+    expert_layout: str = ""  # an MoE model's expert layout (axon4d.grid.expert_layout), "" for a dense one
 
     @property
     def recompute(self) -> str:
@@ -60,6 +61,8 @@ class Candidate:
             words.append("fp8 gathers")
         if self.context_parallel:
             words.append("context parallel")
+        if self.expert_layout:
+            words.append(f"experts {self.expert_layout}")
         return ", ".join(words)
 
     def to_json(self) -> dict[str, Any]:
@@ -68,6 +71,7 @@ class Candidate:
             "grid": list(self.shape.as_tuple()),
             "context_parallel": self.context_parallel,
             **self.options,
+            **({"expert_layout": self.expert_layout} if self.expert_layout else {}),
             "overlap": self.overlap.spec(),
             "fits": self.fits,
             "step_s": t.step_s,
@@ -183,6 +187,7 @@ def candidate(sc: Scenario, memory_limit: float | None = None, mem: MemoryEstima
         wl.context_parallel,
         sc.overlap,
         sc.options(),
+        str(wl.expert_layout) if wl.model.moe else "",
     )
 
 

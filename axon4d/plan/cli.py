@@ -264,7 +264,8 @@ def _print_plans(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult,
     print(f"best: {best.shape.as_tuple()} with {best.options_spec()}")
     if cfg.moe:
         routing = "uniform routing" if wl.imbalance == 1 else f"the busiest rank at {wl.imbalance:g}× the mean"
-        print(f"expert placement: {placement(cfg, best.shape).describe()} ({routing}; MFU counts active parameters)")
+        where = placement(cfg, best.shape, best.expert_layout or wl.expert_layout).describe()
+        print(f"expert layout {where} ({routing}; MFU counts active parameters)")
         if cfg.first_k_dense:
             print(
                 f"note: the first {cfg.first_k_dense} block(s) run a dense MLP; the planner prices every block as an "

@@ -40,6 +40,8 @@ import dataclasses
 import functools
 import math
 
+from axon4d.grid.shape import GridShape
+
 #: the NCCL releases whose tuner constants this module reproduces
 NCCL_VERSIONS = "2.24-2.27"
 #: baseLat of Ring and Tree, Simple protocol (µs → s): once per collective
@@ -94,6 +96,23 @@ def span_of(group: int, stride: int, devices_per_node: int) -> Span:
     the same few spans of a grid hundreds of thousands of times)."""
     nodes = len({i * stride // max(devices_per_node, 1) for i in range(group)})
     return Span(group, nodes, math.ceil(group / nodes))
+
+
+def group_geometry(shape: GridShape, axis: str, devices_per_node: int) -> tuple[int, int]:
+    """(ranks, stride) of the uniformly strided group the time model prices for ``axis``: its own for
+    one of the grid's axes and for a product of axes adjacent in E1 (batch, y·z, …); for another
+    product (x·data: runs of G_x ranks G_x·G_y·G_z apart), the stride that puts as many of its
+    ranks on one node of ``devices_per_node`` consecutive ranks as the group really has — within
+    one node, the stride that spans what it spans. Counted for the group of rank 0."""
+    group = shape.size(axis)
+    offsets = sorted(shape.group_offsets(axis))
+    stride = offsets[1] - offsets[0] if group > 1 else 1
+    if offsets == [i * stride for i in range(group)]:
+        return group, stride
+    nodes = len({o // max(devices_per_node, 1) for o in offsets})
+    if nodes == 1:
+        return group, max(1, offsets[-1] // (group - 1))
+    return group, max(1, devices_per_node // math.ceil(group / nodes))
 
 
 def ring_traffic(op: str, group: int, payload: float) -> float:

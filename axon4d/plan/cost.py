@@ -35,6 +35,7 @@ from typing import Any
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import GRADIENT_TERMS, Collective, Op, Term, data_part_numel, wire_element_size
 from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.plan import moe_memory
 from axon4d.plan.buckets import edge_collectives as bucketed_edges
 from axon4d.plan.buckets import layer_scales
 from axon4d.plan.layers import (
@@ -204,12 +205,16 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         once.add_layer(lc, ONCE_PER_STEP)
     # replicated parameters' gradients (one collective per bucket of a kind), norms' sums, the
     # loss's: each alike collective priced once
+    replicas_s = 0.0  # the expert replicas' weight-gradient reductions (an MoE layout with replicas)
     for c, n in Counter(bucketed_edges(sc)).items():
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's (``layers.layer_cost``)
             seconds, traffic = priced(c, sc)
             totals.add_collective(c, seconds, traffic, n)
             if c.term in ONCE_PER_STEP:
                 once.add_collective(c, seconds, traffic, n)
+            if c.term == Term.MOE_EXPERT_WEIGHT_GRAD:
+                replicas_s += n * seconds
+    odp_experts = 0.0
     if sc.model.moe:  # every block's MoE layer: its compute and its collectives (never hidden)
         n = sc.model.n_layers
         moe = moe_seconds(sc)
@@ -218,10 +223,13 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         for c, count in Counter(sc.moe_collectives).items():
             seconds, traffic = priced(c, sc)
             totals.add_collective(c, seconds, traffic, n * count)
+        odp_experts = replicas_hidden(sc, replicas_s, moe.bwd)
     once.interference = m.interference_time(once.traffic, world)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
-    hidden_s = hidden.total + hidden_cp
+    if odp_experts:
+        by_mechanism["odp"] = by_mechanism.get("odp", 0.0) + odp_experts
+    hidden_s = hidden.total + hidden_cp + odp_experts
     gathers = zero_gathers(sc)
     if gathers:  # ZeRO: the updated parameters all-gathered over data, bucket by bucket, behind the optimizer
         seconds = 0.0
@@ -266,10 +274,25 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     )
 
 
+def replicas_hidden(sc: Scenario, seconds: float, moe_bwd: float) -> float:
+    """Seconds ODP hides of the expert replicas' weight-gradient all-reduces (``seconds`` in all):
+    the scheduler launches each block's as its experts' backward ends (``track_replicated``,
+    bucketed), so all but the first block's run behind the backward of the MoE layers below it —
+    at most their compute (``moe_bwd`` each), which no other overlap window uses (the MoE layer's
+    own collectives are waited for in place) — at the machine's overlap efficiency. Nothing
+    without ODP or replicas."""
+    n = sc.model.n_layers
+    if not sc.overlap.odp or seconds <= 0 or n < 2:
+        return 0.0
+    return min(seconds * (n - 1) / n, (n - 1) * moe_bwd) * sc.machine.overlap_efficiency
+
+
 def moe_seconds(sc: Scenario) -> MoESeconds:
     """One MoE layer's compute on one rank of ``sc`` (``moe_cost.layer_seconds``)."""
     wl = sc.workload
-    return layer_seconds(sc.model, sc.tokens, sc.shape, sc.machine, wl.dtype, sc.element_size, wl.imbalance)
+    return layer_seconds(
+        sc.model, sc.tokens, sc.shape, sc.machine, wl.dtype, sc.element_size, wl.imbalance, wl.expert_layout
+    )
 
 
 def _merged(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -349,7 +372,8 @@ def _stored(sc: Scenario) -> list[tuple[list[int], int]]:
     weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``: mixed precision, G_data > 1) in
     the compute dtype, the others as the parameters are (fp32 master weights)."""
     wl, shape, precision = sc.workload, sc.shape, sc.precision
-    tensors = local_param_tensors(wl, shape, experts=False)  # ZeRO never gathers an expert weight
+    # ZeRO gathers an expert weight only where the layout replicates it over data (``axon4d.zero``)
+    tensors = local_param_tensors(wl, shape, experts=not moe_memory.experts_whole_under_zero(wl.expert_layout))
     sixteen = sixteen_bit_weights(wl, shape, sc.zero)
 
     def size(linear_weight: bool) -> int:

@@ -28,7 +28,7 @@ from axon4d.layout.geometry import (
     weight_shard_numel,
 )
 from axon4d.plan import fp8 as fp8_plan
-from axon4d.plan.collective_model import ring_traffic
+from axon4d.plan.collective_model import group_geometry, ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
@@ -46,14 +46,16 @@ EMBEDDING_TERMS = frozenset({Term.EMBEDDING, Term.EMBEDDING_GRAD})
 ATTENTION_FORWARD = 0.3
 
 
-def axis_group_and_stride(shape: GridShape, axis: str) -> tuple[int, int]:
-    """(ranks in one group of ``axis``, distance between consecutive members) — E1, x innermost."""
-    return shape.size(axis), shape.stride(axis)
+def axis_group_and_stride(shape: GridShape, axis: str, devices_per_node: int) -> tuple[int, int]:
+    """(ranks in one group of ``axis``, distance between consecutive members) — E1, x innermost; for
+    a product of axes not adjacent in E1, the uniform stride that spans nodes as it does
+    (``collective_model.group_geometry``)."""
+    return group_geometry(shape, axis, devices_per_node)
 
 
 def priced(c: Collective, sc: Scenario) -> tuple[float, float]:
     """(seconds, ring traffic bytes) of one collective (§3's time model on its axis, E1)."""
-    group, stride = axis_group_and_stride(sc.shape, c.axis)
+    group, stride = axis_group_and_stride(sc.shape, c.axis, sc.machine.devices_per_node)
     if c.op == Op.ALL_TO_ALL:  # an MoE layer's dispatch or combine (E16)
         seconds = all_to_all_seconds(sc.machine, sc.shape, c, sc.workload.imbalance)
         return seconds, ring_traffic(c.op.value, group, c.payload_bytes)

@@ -75,20 +75,22 @@ def local_param_tensors(wl: Workload, shape: GridShape, experts: bool = True) ->
     if wl.embedding and m.arch == "gpt":
         out.append(m.seq_len * m.hidden // shape.x)
     if experts:  # MoE: each layer's router weight and this rank's experts (plan.moe_memory)
-        out += moe_memory.param_tensors(m, shape)
+        out += moe_memory.param_tensors(m, shape, wl.expert_layout)
     elif m.moe:  # the router weights alone
-        out += [moe_memory.layer_tensors(m, shape)[0]] * m.n_layers
+        out += [moe_memory.layer_tensors(m, shape, wl.expert_layout)[0]] * m.n_layers
     return out
 
 
 def optimizer_elements(wl: Workload, shape: GridShape, zero: int) -> int:
     """Parameter elements whose optimizer state lives on this rank: all of its own, or with ZeRO
-    ⌈N/G_data⌉ of them — but the MoE experts' weights, which ZeRO leaves whole on the one rank that
-    holds them (a data rank's part of an expert weight is all of it, docs/moe.md)."""
+    ⌈N/G_data⌉ of them — but the MoE experts' weights where their layout holds no replicas over
+    data, which ZeRO leaves whole on the one rank that holds them (a data rank's part of an expert
+    weight is all of it, docs/moe.md)."""
     n = local_param_count(wl, shape)
     if not zero:
         return n
-    experts = moe_memory.expert_elements(wl.model, shape)
+    whole = moe_memory.experts_whole_under_zero(wl.expert_layout)
+    experts = moe_memory.expert_elements(wl.model, shape, wl.expert_layout) if whole else 0
     return math.ceil((n - experts) / shape.data) + experts
 
 
@@ -199,7 +201,7 @@ def block_param_elements(wl: Workload, shape: GridShape) -> int:
         if not s.embedding and s.name != "head"
     )
     norms = (2 if m.arch == "gpt" else 1) * 2 * (m.hidden // shape.x) if wl.norms else 0
-    return linears + norms + (sum(moe_memory.layer_tensors(m, shape)) if m.moe else 0)
+    return linears + norms + (sum(moe_memory.layer_tensors(m, shape, wl.expert_layout)) if m.moe else 0)
 
 
 def embedding_elements(wl: Workload, shape: GridShape) -> int:

@@ -2,11 +2,13 @@
 placement on the grid, the collectives it issues per step and their seconds, and its compute.
 
 The runtime (``axon4d.nn.moe``, ``moe_dispatch``) is mirrored here, not imported (the planner's
-pricing may not import the layers): T tokens per rank, h = hidden/G_x features, k experts per
-token, f an expert's FFN width, G_ep = G_data·G_z (the expert-parallel axis is batch),
-E_l = E/G_ep experts per rank; y index j dispatches the j-th contiguous share of the T tokens,
-each share in C chunks (the overlap policy's forward chunking of T/G_y tokens of k rows,
-``moe_chunks``).
+pricing may not import the layers): T tokens per rank, k experts per token, f an expert's FFN
+width, and the layer's expert layout (``axon4d.grid.expert_layout``): G_ep ranks of its
+expert-parallel axes hold E_l = E/G_ep experts each, split over its tensor-parallel axes (hidden
+over x: h = hidden/G_x, or whole; f over y, or whole) and replicated over the rest. y index j
+dispatches the j-th contiguous share of the T tokens — cut again over x, the rows moved from
+features to rows, where x does not split the experts — each share in C chunks (the overlap
+policy's forward chunking of a share's tokens of k rows, ``moe_chunks``).
 
 **The routing assumption.** How many rows a rank receives depends on where the router sends the
 tokens. The planner assumes *uniform routing*: every (source rank, y share, chunk) sends the same
@@ -26,14 +28,17 @@ on the host the ranks compute synchronously and it costs nothing more (``host_sy
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from axon4d.config import ModelConfig
 from axon4d.grid import rules
-from axon4d.grid.shape import GridShape
+from axon4d.grid.expert_layout import ExpertLayout
+from axon4d.grid.shape import AXES, GridShape, axis_of
 from axon4d.layout.geometry import Collective, Op, Term
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import Precision
+from axon4d.plan.collective_model import group_geometry
 from axon4d.plan.machine import Machine
 
 #: seconds an accelerator idles at the counts exchange's host read (stream drained, counts copied to
@@ -47,46 +52,76 @@ FORWARD_OPS, BACKWARD_OPS = 40, 50
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where an MoE layer's experts live on a grid (docs/moe.md, "Placement")."""
+    """Where an MoE layer's experts live on a grid under an expert layout (docs/moe.md, "Expert
+    layouts"): the runtime's ``GridExperts`` and ``MoE`` mirrored, axes of one rank left out."""
 
+    layout: str  # the expert layout, as text (``ExpertLayout.__str__``)
     experts: int  # E, routed experts per layer
-    ep: int  # G_ep = G_data·G_z, the expert-parallel size
+    ep: int  # G_ep, the expert-parallel size
     local: int  # E/G_ep experts per rank
-    hidden_x: int  # each expert's hidden features per rank (hidden/G_x)
-    ffn_y: int  # each expert's FFN width per rank (f/G_y)
+    hidden_x: int  # each expert's hidden features per rank (hidden/G_x where x splits experts, else hidden)
+    ffn_y: int  # each expert's FFN width per rank (f/G_y where y splits experts, else f)
     shared_y: int  # the shared experts' MLP width per rank (shared·f/G_y; 0: none)
+    replicas: int  # G_dp, copies of each expert block (their gradients all-reduced over dp)
+    ep_axis: str | None  # the all-to-alls' axis (None: every rank holds every expert)
+    dp_axis: str | None  # the replicas' axis (None: none)
+    count_axis: str | None  # the counts exchange's axis (E15)
+    rows_over_x: bool  # the shares are cut over x and their rows moved from features to rows over x
+    gather_y: bool  # y splits the experts: the rows are gathered over y at the experts (E17)
 
     def describe(self) -> str:
-        """One line: "E experts over batch (G_ep ranks): E_l per rank, each split hidden/G_x × f/G_y"."""
+        """One line: the layout, where the experts are, how each is split, and the replicas."""
+        split = f"each {self.hidden_x} × {self.ffn_y} per rank"
+        over = f"over {self.ep_axis} (G_ep = {self.ep})" if self.ep_axis else "on every rank"
+        replicas = f"; replicated over {self.dp_axis} ({self.replicas})" if self.dp_axis else ""
         shared = f"; shared experts' MLP {self.shared_y} wide per rank" if self.shared_y else ""
-        return (
-            f"{self.experts} experts over batch = data·z (G_ep = {self.ep}): {self.local} per rank, each split "
-            f"over x·y as hidden {self.hidden_x} × ffn {self.ffn_y} per rank{shared}"
-        )
+        return f"{self.layout}: {self.experts} experts {over}, {self.local} per rank, {split}{replicas}{shared}"
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
-def placement(model: ModelConfig, shape: GridShape) -> Placement:
-    """The expert placement ``shape`` gives ``model`` (the runtime's ``GridExperts``): experts over
-    batch, each expert's FFN over x·y."""
-    ep = shape.size("batch")
+def _live(shape: GridShape, axes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(a for a in axes if shape.size(a) > 1)
+
+
+def placement(model: ModelConfig, shape: GridShape, layout: ExpertLayout | str | None = None) -> Placement:
+    """The expert placement ``shape`` and ``layout`` (None: the default, experts over batch, each
+    split over x·y) give ``model`` — the runtime's ``GridExperts`` and ``MoE``: axes of one rank
+    split nothing and name no group."""
+    return _placement(model, shape, ExpertLayout.parse(layout))
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(model: ModelConfig, shape: GridShape, lay: ExpertLayout) -> Placement:
+    """``placement`` of a parsed layout (cached: the search asks for the same few a million times)."""
     f = model.expert_width
+    rows_over_x = shape.x > 1 and not lay.splits("x")
+    ep = _live(shape, lay.ep)
+    count = tuple(a for a in AXES if a in ep or a in ("z", "data", "y") or (a == "x" and rows_over_x))
+    g_ep = math.prod(shape.size(a) for a in ep)
+    dp = _live(shape, lay.dp)
     return Placement(
+        str(lay),
         model.n_experts,
-        ep,
-        model.n_experts // ep,
-        model.hidden // shape.x,
-        f // shape.y,
+        g_ep,
+        model.n_experts // g_ep,
+        model.hidden // (shape.x if lay.splits("x") else 1),
+        f // (shape.y if lay.splits("y") else 1),
         model.shared_experts * f // shape.y,
+        math.prod(shape.size(a) for a in dp),
+        axis_of(ep),
+        axis_of(dp),
+        axis_of(_live(shape, count)),
+        rows_over_x,
+        shape.y > 1 and lay.splits("y"),
     )
 
 
-def moe_rules(model: ModelConfig) -> list[rules.Rule]:
-    """The placement's divisibility rules (the runtime's ``axon4d.nn.moe.placement_rules``): E over
-    data·z, the expert width (and the shared experts' MLP width) over y, hidden over x."""
-    return rules.moe_placement(
+def moe_rules(model: ModelConfig, layout: ExpertLayout | None = None) -> list[rules.Rule]:
+    """The placement's divisibility rules under ``layout`` (the default: experts over data·z, each
+    split over x·y) — ``axon4d.grid.expert_layout``'s, which the runtime checks too."""
+    return ExpertLayout.parse(layout).rules(
         model.n_experts, model.expert_width, model.shared_experts * model.expert_width, model.hidden
     )
 
@@ -97,22 +132,37 @@ def shares(tokens: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def moe_chunks(model: ModelConfig, tokens: int, shape: GridShape, elem: int, policy: OverlapPolicy, accel: bool) -> int:
-    """Chunks each y share is dispatched in (``MoE._chunks``): the policy's forward chunking of
-    T/G_y tokens of k·h·e bytes over G_ep ranks; one when G_ep = 1."""
-    ep = shape.size("batch")
-    if ep == 1:
+def first_share(tokens: int, shape: GridShape, rows_over_x: bool) -> int:
+    """Tokens of the largest share (y index 0; x index 0 where the shares are cut over x)."""
+    share = shares(tokens, shape.y)[0]
+    return shares(share, shape.x)[0] if rows_over_x else share
+
+
+def moe_chunks(
+    model: ModelConfig,
+    tokens: int,
+    shape: GridShape,
+    elem: int,
+    policy: OverlapPolicy,
+    accel: bool,
+    layout: ExpertLayout | str | None = None,
+) -> int:
+    """Chunks each share is dispatched in (``MoE._chunks``): the policy's forward chunking of the
+    largest share's tokens of k rows of the dispatched features over G_ep ranks; one when no axis
+    holds different experts."""
+    p = placement(model, shape, layout)
+    if p.ep_axis is None:
         return 1
-    row_bytes = model.experts_per_token * (model.hidden // shape.x) * elem
-    return len(policy.chunk_sizes(max(tokens // shape.y, 1), row_bytes, ep, accel))
+    row_bytes = model.experts_per_token * p.hidden_x * elem
+    return len(policy.chunk_sizes(max(first_share(tokens, shape, p.rows_over_x), 1), row_bytes, p.ep, accel))
 
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """Rows of one chunk on one rank (y index 0, the largest share) under the routing assumption:
-    ``sent`` its share's assignments, ``received`` what the busiest rank gets back for its y index,
-    ``gathered_max`` the largest y index's received rows (E17 pads to it) and ``computed`` all
-    y indices' (the expert GEMMs' rows)."""
+    """Rows of one chunk on one rank (y index 0, x index 0: the largest share) under the routing
+    assumption: ``sent`` its share's assignments, ``received`` what the busiest rank gets back,
+    ``gathered_max`` the largest y-neighbour's received rows (E17 pads to it; where y splits the
+    experts) and ``computed`` the rows its expert GEMMs run (every y-neighbour's where y splits them)."""
 
     sent: int
     received: float
@@ -120,63 +170,87 @@ class Rows:
     computed: float
 
 
-def chunk_rows(model: ModelConfig, tokens: int, g_y: int, chunks: int, imbalance: float) -> list[Rows]:
+def chunk_rows(
+    model: ModelConfig, tokens: int, shape: GridShape, chunks: int, imbalance: float, p: Placement
+) -> list[Rows]:
     """``Rows`` of each chunk (uniform routing times ``imbalance``; module docstring)."""
     k = model.experts_per_token
-    per_share = [shares(t, chunks) for t in shares(tokens, g_y)]  # [j][c] tokens
+    own = [shares(t, shape.x)[0] if p.rows_over_x else t for t in shares(tokens, shape.y)]  # each y index's share
+    per_share = [shares(t, chunks) for t in own]  # [j][c] tokens
     out = []
     for c in range(chunks):
-        tok = [per_share[j][c] for j in range(g_y)]
+        tok = [per_share[j][c] for j in range(len(own))] if p.gather_y else [per_share[0][c]]
         out.append(Rows(tok[0] * k, imbalance * tok[0] * k, imbalance * max(tok) * k, imbalance * sum(tok) * k))
     return out
 
 
 def layer_collectives(
-    model: ModelConfig, tokens: int, shape: GridShape, elem: int, chunks: int, imbalance: float = 1.0
+    model: ModelConfig,
+    tokens: int,
+    shape: GridShape,
+    elem: int,
+    chunks: int,
+    imbalance: float = 1.0,
+    layout: ExpertLayout | str | None = None,
 ) -> list[Collective]:
-    """The collectives one MoE layer issues in one forward + backward on one rank (y index 0), in
-    the order the runtime issues them, with the payloads the communication log records (bytes of
-    the result; an all-to-all's: the bytes this rank sends, its own rows included). ``elem``: bytes
-    of an activation element (the compute dtype). Axes of one rank issue nothing.
+    """The collectives one MoE layer issues in one forward + backward on one rank (y index 0, x
+    index 0), in the order the runtime issues them, with the payloads the communication log records
+    (bytes of the result; an all-to-all's: the bytes this rank sends, its own rows included).
+    ``elem``: bytes of an activation element (the compute dtype). Axes of one rank issue nothing.
+    F = the features of a dispatched row: hidden/G_x where x splits the experts, else hidden.
 
-    Forward: E14 over x (T·E fp32 logits); E15 over batch (G_ep·G_y·C·E int64 counts); per chunk
-    E16's dispatch over batch, E17's gather over y (padded to the largest share), the all-reduce
-    over x after the experts' up GEMM (``sum_partials.x``), the reduce-scatter over y after their
-    down GEMM (``moe.expert``: each y index keeps its own rows, padded blocks) and the combine over
-    batch; the shares' gated sums gathered over y (T_j rows each, padded: the gates are applied
-    before the gather). Backward: the gates' gradient gathered over y (T_j·k fp32 each, padded) and
-    summed over x (T·k fp32); per chunk the combine's and dispatch's reverse
-    all-to-alls, the outputs' gradient gathered over y, the up all-reduce's gradient over x and the
-    gathered rows' partial gradients summed over y (E17); the shares' input gradient gathered over y."""
-    g_x, g_y, ep = shape.x, shape.y, shape.size("batch")
-    h, k, e_count = model.hidden // g_x, model.experts_per_token, model.n_experts
-    up = (2 if model.gated else 1) * model.expert_width // g_y
-    most = max(shares(tokens, g_y))
-    rows = chunk_rows(model, tokens, g_y, chunks, imbalance)
+    Forward: E14 over x (T·E fp32 logits); E15 over the count axis (G_count·C·E int64 counts: each
+    rank its share's); where the rows move over x, the share's features to rows (an all-to-all over
+    x); per chunk E16's dispatch over the expert-parallel axis, where y splits the experts E17's
+    gather over y (padded to the largest share), where x splits them the all-reduce over x after
+    the up GEMM (``sum_partials.x``), where y splits them the reduce-scatter over y after the down
+    GEMM (``moe.expert``: each y index keeps its own rows, padded blocks), and the combine; the gated
+    sums back to features over x (where they moved) and gathered over y (T_j rows each, padded).
+    Backward: the gates' gradient gathered over y (T_j·k fp32 each, padded), gathered over x (where
+    the rows moved) or summed over x; the rows' gradient to rows over x; per chunk the combine's and
+    dispatch's reverse all-to-alls, and where y and x split the experts the outputs' gradient
+    gathered over y, the up all-reduce's gradient over x and the gathered rows' partial gradients
+    summed over y (E17); the share's gradient back to features over x; the y share's input gradient
+    gathered over y."""
+    p = placement(model, shape, layout)
+    g_x, g_y = shape.x, shape.y
+    h_x, feat, k, e_count = model.hidden // g_x, p.hidden_x, model.experts_per_token, model.n_experts
+    up = (2 if model.gated else 1) * p.ffn_y
+    y_shares = shares(tokens, g_y)
+    most, x_most = max(y_shares), max(shares(y_shares[0], g_x))
+    mine = first_share(tokens, shape, p.rows_over_x)
+    rows = chunk_rows(model, tokens, shape, chunks, imbalance, p)
+    count = shape.size(p.count_axis) if p.count_axis else 1
+    split_x = g_x > 1 and not p.rows_over_x
     out: list[Collective] = []
 
-    def add(op: Op, axis: str, nbytes: float, phase: str, term: Term) -> None:
-        if shape.size(axis) > 1:
+    def add(op: Op, axis: str | None, nbytes: float, phase: str, term: Term, when: bool = True) -> None:
+        if when and axis is not None and shape.size(axis) > 1:
             out.append(Collective(op, axis, int(round(nbytes)), phase, term))
 
     add(Op.ALL_REDUCE, "x", tokens * e_count * 4, "forward", Term.MOE_ROUTER)
-    add(Op.ALL_GATHER, "batch", ep * g_y * chunks * e_count * 8, "forward", Term.MOE_COUNTS)
+    add(Op.ALL_GATHER, p.count_axis, count * chunks * e_count * 8, "forward", Term.MOE_COUNTS)
+    add(Op.ALL_TO_ALL, "x", y_shares[0] * h_x * elem, "forward", Term.MOE_ROWS_X, p.rows_over_x)
     for r in rows:
-        add(Op.ALL_TO_ALL, "batch", r.sent * h * elem, "forward", Term.MOE_DISPATCH)
-        add(Op.ALL_GATHER, "y", g_y * r.gathered_max * h * elem, "forward", Term.MOE_ROWS_Y)
-        add(Op.ALL_REDUCE, "x", r.computed * up * elem, "forward", Term.MOE_EXPERT_UP)
-        add(Op.REDUCE_SCATTER, "y", g_y * r.gathered_max * h * elem, "forward", Term.MOE_EXPERT)
-        add(Op.ALL_TO_ALL, "batch", r.received * h * elem, "forward", Term.MOE_COMBINE)
-    add(Op.ALL_GATHER, "y", g_y * most * h * elem, "forward", Term.MOE_ROWS_Y)
+        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * feat * elem, "forward", Term.MOE_DISPATCH)
+        add(Op.ALL_GATHER, "y", g_y * r.gathered_max * feat * elem, "forward", Term.MOE_ROWS_Y, p.gather_y)
+        add(Op.ALL_REDUCE, "x", r.computed * up * elem, "forward", Term.MOE_EXPERT_UP, split_x)
+        add(Op.REDUCE_SCATTER, "y", g_y * r.gathered_max * feat * elem, "forward", Term.MOE_EXPERT, p.gather_y)
+        add(Op.ALL_TO_ALL, p.ep_axis, r.received * feat * elem, "forward", Term.MOE_COMBINE)
+    add(Op.ALL_TO_ALL, "x", mine * model.hidden * elem, "forward", Term.MOE_ROWS_X, p.rows_over_x)
+    add(Op.ALL_GATHER, "y", g_y * most * h_x * elem, "forward", Term.MOE_ROWS_Y)
     add(Op.ALL_GATHER, "y", g_y * most * k * 4, "backward", Term.MOE_ROUTER_GRAD)
-    add(Op.ALL_REDUCE, "x", tokens * k * 4, "backward", Term.MOE_ROUTER_GRAD)
+    add(Op.ALL_GATHER, "x", g_x * x_most * k * 4, "backward", Term.MOE_ROUTER_GRAD, p.rows_over_x)
+    add(Op.ALL_REDUCE, "x", tokens * k * 4, "backward", Term.MOE_ROUTER_GRAD, not p.rows_over_x)
+    add(Op.ALL_TO_ALL, "x", y_shares[0] * h_x * elem, "backward", Term.MOE_ROWS_X_GRAD, p.rows_over_x)
     for r in reversed(rows):
-        add(Op.ALL_TO_ALL, "batch", r.sent * h * elem, "backward", Term.MOE_COMBINE_GRAD)
-        add(Op.ALL_GATHER, "y", g_y * r.gathered_max * h * elem, "backward", Term.MOE_ROWS_Y)
-        add(Op.ALL_REDUCE, "x", r.computed * up * elem, "backward", Term.MOE_EXPERT_UP_GRAD)
-        add(Op.ALL_REDUCE, "y", r.computed * h * elem, "backward", Term.MOE_ROWS_Y_GRAD)
-        add(Op.ALL_TO_ALL, "batch", r.received * h * elem, "backward", Term.MOE_DISPATCH_GRAD)
-    add(Op.ALL_GATHER, "y", g_y * most * h * elem, "backward", Term.MOE_ROWS_Y)
+        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * feat * elem, "backward", Term.MOE_COMBINE_GRAD)
+        add(Op.ALL_GATHER, "y", g_y * r.gathered_max * feat * elem, "backward", Term.MOE_ROWS_Y, p.gather_y)
+        add(Op.ALL_REDUCE, "x", r.computed * up * elem, "backward", Term.MOE_EXPERT_UP_GRAD, split_x)
+        add(Op.ALL_REDUCE, "y", r.computed * feat * elem, "backward", Term.MOE_ROWS_Y_GRAD, p.gather_y)
+        add(Op.ALL_TO_ALL, p.ep_axis, r.received * feat * elem, "backward", Term.MOE_DISPATCH_GRAD)
+    add(Op.ALL_TO_ALL, "x", mine * model.hidden * elem, "backward", Term.MOE_ROWS_X_GRAD, p.rows_over_x)
+    add(Op.ALL_GATHER, "y", g_y * most * h_x * elem, "backward", Term.MOE_ROWS_Y)
     return out
 
 
@@ -203,7 +277,8 @@ def all_to_all_seconds(machine: Machine, shape: GridShape, c: Collective, imbala
     (``OWN_SHARE_TERMS``) waits for its busiest peer: priced at ``imbalance`` times the mean."""
     payload = c.payload_bytes * (imbalance if c.term in OWN_SHARE_TERMS else 1.0)
     world = shape.world_size
-    return machine.comm_time(Op.ALL_TO_ALL.value, shape.size(c.axis), shape.stride(c.axis), payload, world)
+    group, stride = group_geometry(shape, c.axis, machine.devices_per_node)
+    return machine.comm_time(Op.ALL_TO_ALL.value, group, stride, payload, world)
 
 
 def host_sync_seconds(machine: Machine) -> float:
@@ -225,32 +300,48 @@ class MoESeconds:
 
 
 def layer_seconds(
-    model: ModelConfig, tokens: int, shape: GridShape, machine: Machine, dtype: str, elem: int, imbalance: float
+    model: ModelConfig,
+    tokens: int,
+    shape: GridShape,
+    machine: Machine,
+    dtype: str,
+    elem: int,
+    imbalance: float,
+    layout: ExpertLayout | str | None = None,
 ) -> MoESeconds:
     """One MoE layer on one rank: the router's fp32 GEMM (T × h × E; dX and dW in backward), the
-    scores, top-k and gates over (T, E), the grouped GEMMs of the E_l local experts on
-    ρ·T·k·G_ep/E rows each (up h → ups·f/G_y, down f/G_y → h; dX and dW each in backward, the
-    weight gradient scaled by 1/G_batch), the activation, the row copies of the dispatch (index
-    selects, sorts, the gathered rows' unpadding) and the gated sum, each op's launch overhead
-    (``FORWARD_OPS``, ``BACKWARD_OPS``), and on an accelerator the host sync of E15."""
+    scores, top-k and gates over (T, E), the grouped GEMMs of the E_l local experts on the rows the
+    rank computes (ρ·k times its share's tokens, every y-neighbour's where y splits the experts),
+    up h → ups·f/G_y, down f/G_y → h with h and f as the layout splits them; dX and dW each in
+    backward, the weight gradient scaled by 1/G_batch where no replica reduction does it), the
+    activation, the row copies of the dispatch (index selects, sorts, the gathered rows' unpadding,
+    the moves over x) and the gated sum, each op's launch overhead (``FORWARD_OPS``,
+    ``BACKWARD_OPS``), and on an accelerator the host sync of E15."""
     world = shape.world_size
-    p = placement(model, shape)
+    p = placement(model, shape, layout)
     k, e_count, h = model.experts_per_token, model.n_experts, p.hidden_x
     ups = 2 if model.gated else 1
     mm, ew = machine.matmul_time, machine.elementwise_time
-    rows = imbalance * tokens * k  # rows this rank's experts compute (uniform: T·k)
+    share = first_share(tokens, shape, p.rows_over_x)
+    rows = imbalance * k * (tokens if p.gather_y else share)  # rows this rank's experts compute
     per = max(int(math.ceil(rows / p.local)), 0)  # rows per local expert
-    router_f = mm("nt", tokens, h, e_count, "float32", world)
-    router_b = mm("nn", tokens, e_count, h, "float32", world) + mm("tn", e_count, tokens, h, "float32", world)
+    h_router = model.hidden // shape.x
+    router_f = mm("nt", tokens, h_router, e_count, "float32", world)
+    router_b = mm("nn", tokens, e_count, h_router, "float32", world) + mm(
+        "tn", e_count, tokens, h_router, "float32", world
+    )
     up_f = p.local * mm("nt", per, h, ups * p.ffn_y, dtype, world)
     down_f = p.local * mm("nt", per, p.ffn_y, h, dtype, world)
     up_b = p.local * (mm("nn", per, ups * p.ffn_y, h, dtype, world) + mm("tn", ups * p.ffn_y, per, h, dtype, world))
     down_b = p.local * (mm("nn", per, h, p.ffn_y, dtype, world) + mm("tn", h, per, p.ffn_y, dtype, world))
     act_f, act_b = machine.activation_time(rows * p.ffn_y * ups, world)
     scores = ew(8 * tokens * e_count * 4, world)  # softmax/sigmoid, top-k, gates, the balance loss' means
-    moved = (tokens * k + 3 * rows) * h * elem  # rows selected for the dispatch, sorted, unsorted, unpadded
-    combine = ew(3 * tokens * k * h * elem, world)  # gates · outputs summed per token
-    scale = ew(2 * p.local * (ups + 1) * p.ffn_y * h * elem, world) if shape.size("batch") > 1 else 0.0
+    moved = (share * k + 3 * rows) * h * elem  # rows selected for the dispatch, sorted, unsorted, unpadded
+    if p.rows_over_x:  # the share's rows to every feature and back, each a copy on either side
+        moved += 2 * share * model.hidden * elem
+    combine = ew(3 * share * k * h * elem, world)  # gates · outputs summed per token
+    scaled = shape.size("batch") > 1 and p.dp_axis is None  # the replicas' reduction divides, where there is one
+    scale = ew(2 * p.local * (ups + 1) * p.ffn_y * h * elem, world) if scaled else 0.0
     fwd = router_f + scores + up_f + down_f + act_f + ew(2 * moved, world) + combine + host_sync_seconds(machine)
     fwd += FORWARD_OPS * machine.op_overhead_s
     bwd = router_b + scores + up_b + down_b + act_b + ew(2 * moved, world) + 2 * combine + scale

@@ -22,77 +22,105 @@ cast to the compute dtype for the GEMMs (kept to their backward).
 from __future__ import annotations
 
 from axon4d.config import ModelConfig
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
-from axon4d.plan.moe_cost import placement
+from axon4d.plan.moe_cost import first_share, placement
+
+Layout = ExpertLayout | str | None
 
 
-def layer_tensors(model: ModelConfig, shape: GridShape) -> tuple[int, int, int]:
+def layer_tensors(model: ModelConfig, shape: GridShape, layout: Layout = None) -> tuple[int, int, int]:
     """Elements of one MoE layer's (router weight, experts' up, experts' down) on one rank."""
-    p = placement(model, shape)
+    p = placement(model, shape, layout)
     ups = 2 if model.gated else 1
-    return model.n_experts * p.hidden_x, p.local * ups * p.ffn_y * p.hidden_x, p.local * p.hidden_x * p.ffn_y
+    router = model.n_experts * (model.hidden // shape.x)
+    return router, p.local * ups * p.ffn_y * p.hidden_x, p.local * p.hidden_x * p.ffn_y
 
 
-def param_tensors(model: ModelConfig, shape: GridShape) -> list[int]:
+def param_tensors(model: ModelConfig, shape: GridShape, layout: Layout = None) -> list[int]:
     """Elements of every MoE parameter tensor one rank holds (router, up, down per layer; none
     without MoE)."""
-    return list(layer_tensors(model, shape)) * model.n_layers if model.moe else []
+    return list(layer_tensors(model, shape, layout)) * model.n_layers if model.moe else []
 
 
-def expert_elements(model: ModelConfig, shape: GridShape) -> int:
-    """Expert weight elements on one rank, every layer's: never sharded over data (module docstring)."""
+def expert_elements(model: ModelConfig, shape: GridShape, layout: Layout = None) -> int:
+    """Expert weight elements on one rank, every layer's."""
     if not model.moe:
         return 0
-    _, up, down = layer_tensors(model, shape)
+    _, up, down = layer_tensors(model, shape, layout)
     return model.n_layers * (up + down)
 
 
+def experts_whole_under_zero(layout: Layout) -> bool:
+    """Whether ZeRO leaves the experts' weights whole on the rank that holds them: where the layout
+    holds no replicas over data (its part of an expert weight is all of it); replicated over data,
+    they are sharded like any replicated parameter (``axon4d.zero``)."""
+    return "data" not in ExpertLayout.parse(layout).dp
+
+
+def computed_rows(model: ModelConfig, tokens: int, shape: GridShape, imbalance: float, layout: Layout) -> float:
+    """Rows one rank's experts compute (``moe_cost.layer_seconds``): ρ·k times its share's tokens,
+    every y-neighbour's where y splits the experts."""
+    p = placement(model, shape, layout)
+    return imbalance * model.experts_per_token * (tokens if p.gather_y else first_share(tokens, shape, p.rows_over_x))
+
+
 def saved(
-    model: ModelConfig, tokens: int, shape: GridShape, elem: int, mixed: bool, imbalance: float = 1.0
+    model: ModelConfig,
+    tokens: int,
+    shape: GridShape,
+    elem: int,
+    mixed: bool,
+    imbalance: float = 1.0,
+    layout: Layout = None,
 ) -> list[tuple[float, int]]:
     """(elements, bytes per element) of each tensor one MoE layer keeps for backward on one rank
     (module docstring)."""
-    p = placement(model, shape)
+    p = placement(model, shape, layout)
     k, e_count, h = model.experts_per_token, model.n_experts, p.hidden_x
     ups = 2 if model.gated else 1
-    n = imbalance * tokens * k
-    most = -(-tokens // shape.y)  # the largest y share's tokens
+    n = computed_rows(model, tokens, shape, imbalance, layout)
+    most = first_share(tokens, shape, p.rows_over_x)  # the largest share's tokens
     t = [
         (n * h, elem),  # rows sorted by expert: the up GEMM's input
         (n * ups * p.ffn_y, elem),  # the up output (a gated FFN's [gate | up])
         (n * p.ffn_y if model.gated else 0, elem),  # silu(gate)
         (n * p.ffn_y, elem),  # the activation: the down GEMM's input
-        (most * k * h, elem),  # this y share's outputs, the gated sum's (gated before the gather over y)
+        (most * k * h, elem),  # this share's outputs, the gated sum's (gated before the gather over y)
         (most * k if elem != 4 else 0, elem),  # this share's gates cast to the outputs' dtype
         (tokens * e_count * (2 if model.moe_z_coef else 1), 4),  # scores (and the z-loss' logits)
         (tokens * (k + 1), 4),  # the chosen scores and their sums
-        (tokens * k + 2 * tokens * k / shape.y + 2 * n, 8),  # chosen experts, the dispatch's orders
+        (tokens * k + 2 * most * k + 2 * n, 8),  # chosen experts, the dispatch's orders
     ]
     if mixed:
-        t.append((tokens * h, 4))  # the router's input widened to fp32
+        t.append((tokens * (model.hidden // shape.x), 4))  # the router's input widened to fp32
         t.append((p.local * (ups + 1) * p.ffn_y * h, elem))  # the experts' weights cast for the GEMMs
     return [(c, b) for c, b in t if c > 0]
 
 
-def saved_bytes(model: ModelConfig, tokens: int, shape: GridShape, elem: int, mixed: bool, imbalance: float) -> float:
+def saved_bytes(
+    model: ModelConfig, tokens: int, shape: GridShape, elem: int, mixed: bool, imbalance: float, layout: Layout = None
+) -> float:
     """Bytes one MoE layer keeps for backward on one rank (``saved`` summed)."""
-    return sum(c * b for c, b in saved(model, tokens, shape, elem, mixed, imbalance))
+    return sum(c * b for c, b in saved(model, tokens, shape, elem, mixed, imbalance, layout))
 
 
-def backward_transient(model: ModelConfig, tokens: int, shape: GridShape, elem: int, imbalance: float) -> float:
+def backward_transient(
+    model: ModelConfig, tokens: int, shape: GridShape, elem: int, imbalance: float, layout: Layout = None
+) -> float:
     """Bytes live only during one MoE layer's backward at its peak, on one rank, beside what it
     saved (which its backward frees as it goes): the share's outputs' gradient (T_j·k·h, T_j the
     largest y share), the rows' gradient through down (n·h), the up output's gradient (n·ups·f/G_y)
     and one activation-sized gradient more (n·f/G_y), in the compute dtype — sized against torch's memory tracker on a
     (1,1,2,1) grid (tests/test_plan_moe.py), where counting every gradient the experts' backward
     makes (SwiGLU's two products and the all-reduce's copy too) priced the step's peak 7% high."""
-    p = placement(model, shape)
+    p = placement(model, shape, layout)
     ups = 2 if model.gated else 1
-    n = imbalance * tokens * model.experts_per_token
-    most = -(-tokens // shape.y)
+    n = computed_rows(model, tokens, shape, imbalance, layout)
+    most = first_share(tokens, shape, p.rows_over_x)
     return elem * (most * model.experts_per_token * p.hidden_x + n * p.hidden_x + n * (ups + 1) * p.ffn_y)
 
 
-def grad_elements(model: ModelConfig, shape: GridShape) -> int:
+def grad_elements(model: ModelConfig, shape: GridShape, layout: Layout = None) -> int:
     """Gradient elements one MoE layer's backward leaves on one rank (router, experts' up and down)."""
-    return sum(layer_tensors(model, shape))
+    return sum(layer_tensors(model, shape, layout))

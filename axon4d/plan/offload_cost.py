@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from axon4d.plan.collective_model import ring_traffic
+from axon4d.plan.collective_model import group_geometry, ring_traffic
 from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, in_block
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
@@ -37,7 +37,7 @@ def network_share(sc: Scenario, axis: str) -> float:
     the group crosses each node boundary once, and the node's ranks carry those crossings between
     them (NCCL spreads its channels over the node's network cards)."""
     shape, per_node = sc.shape, sc.machine.devices_per_node
-    group, stride = shape.size(axis), shape.stride(axis)
+    group, stride = group_geometry(shape, axis, per_node)
     if group <= 1 or (group - 1) * stride + 1 <= per_node:
         return 0.0
     on_node = max(1, min(group, math.ceil(per_node / stride)))

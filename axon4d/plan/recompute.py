@@ -128,7 +128,14 @@ def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
     moe = (
         sc.model.n_layers
         * layer_seconds(
-            sc.model, sc.tokens, sc.shape, sc.machine, sc.workload.dtype, sc.element_size, sc.workload.imbalance
+            sc.model,
+            sc.tokens,
+            sc.shape,
+            sc.machine,
+            sc.workload.dtype,
+            sc.element_size,
+            sc.workload.imbalance,
+            sc.workload.expert_layout,
         ).fwd
         if sc.model.moe
         else 0.0

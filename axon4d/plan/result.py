@@ -107,7 +107,8 @@ class PlanResult:
         wl = self.workload
         if not wl.model.moe:
             return {}
-        return {"expert_placement": placement(wl.model, c.shape).to_json(), "imbalance": wl.imbalance}
+        layout = c.expert_layout or wl.expert_layout
+        return {"expert_placement": placement(wl.model, c.shape, layout).to_json(), "imbalance": wl.imbalance}
 
     def table(self, top: int = 10) -> str:
         """The top-k candidates as a text table, with the step options each was priced with."""

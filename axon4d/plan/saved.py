@@ -72,7 +72,9 @@ def saved_tensors(wl: Workload, shape: GridShape, recompute: str = "none") -> di
         "up": [(t["up"], elem)],
         "mid": [(t["act"], elem)] if gated and not dropped_act else [],
         "act": [] if dropped_act or not t["act"] else [(t["act"], elem)],
-        "moe": moe_saved(m, wl.local_tokens(shape), shape, elem, wl.dtype != "float32", wl.imbalance) if m.moe else [],
+        "moe": moe_saved(m, wl.local_tokens(shape), shape, elem, wl.dtype != "float32", wl.imbalance, wl.expert_layout)
+        if m.moe
+        else [],
     }
     return {k: [(n, b) for n, b in v if n > 0] for k, v in parts.items()}
 

@@ -197,7 +197,13 @@ class Scenario:
         if not self.model.moe:
             return 1
         return moe_cost.moe_chunks(
-            self.model, self.tokens, self.shape, self.element_size, self.overlap, self.machine.accelerator
+            self.model,
+            self.tokens,
+            self.shape,
+            self.element_size,
+            self.overlap,
+            self.machine.accelerator,
+            self.workload.expert_layout,
         )
 
     @cached_property
@@ -209,7 +215,7 @@ class Scenario:
         wl = self.workload
         return tuple(
             moe_cost.layer_collectives(
-                self.model, self.tokens, self.shape, self.element_size, self.moe_chunks, wl.imbalance
+                self.model, self.tokens, self.shape, self.element_size, self.moe_chunks, wl.imbalance, wl.expert_layout
             )
         )
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from axon4d.config import ModelConfig, get_config
 from axon4d.grid import rules
+from axon4d.grid.expert_layout import ExpertLayout, candidates
 from axon4d.grid.shape import AXES, GridShape, factorizations
 from axon4d.options.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan import stepfit
@@ -79,6 +80,7 @@ def plan(
     fp8_gather: bool | str = AUTO_OPTION,
     async_save: bool = False,
     top: int | None = 10,
+    expert_layout: ExpertLayout | str = AUTO_OPTION,
 ) -> PlanResult:
     """Search every valid grid of ``world`` ranks for ``model`` on ``machine`` with every step
     option — recomputation, micro-batches, ZeRO stage, activation offload, FP8 weight gathers,
@@ -90,7 +92,9 @@ def plan(
     ``memory_limit`` (bytes per device) defaults to the machine's device memory. Each option is
     ``AUTO_OPTION`` (searched; the default) or pinned: ``recompute`` a mode, ``micro_batches`` a
     count, ``zero`` 0/1/2, ``offload`` a number of blocks, ``fp8_gather`` True/False,
-    ``context_parallel`` True/False. ``optimizer``: "adam" or "sgd" (``Workload``). ``async_save``: the
+    ``context_parallel`` True/False, ``expert_layout`` an MoE model's expert layout
+    (``axon4d.grid.expert_layout``: e.g. "ep=world,tp=1"; searched: every layout each grid admits).
+    ``optimizer``: "adam" or "sgd" (``Workload``). ``async_save``: the
     job checkpoints asynchronously, and its host snapshot counts against the node's host memory. ``overlap``: a
     policy (``OverlapPolicy.parse``), or "auto": the knobs tuned (``tune_overlap``) for the
     ``TUNE_TOP`` fastest; the result's ``overlap`` is the best candidate's policy.
@@ -105,11 +109,13 @@ def plan(
     choices = Choices.parse(recompute, micro_batches, zero, offload, fp8_gather)
     mach = load_machine(machine)
     workload = _workload(workload, model, batch, dtype, optimizer, precision, cp is True, async_save)
+    if expert_layout != AUTO_OPTION:  # pinned: refused here when it is not a layout
+        workload = dataclasses.replace(workload, expert_layout=ExpertLayout.parse(expert_layout))
     if choices.offload is not None:
         offload_levels(workload, mach, choices.offload)  # refused here when above n_layers
     auto = overlap == AUTO
     ov = OverlapPolicy() if auto else OverlapPolicy.parse(overlap)
-    grids, invalid = valid_grids(workload, world, cp)
+    grids, invalid = valid_grids(workload, world, cp, AUTO_OPTION if expert_layout == AUTO_OPTION else "")
     cands, searched = search_grids(grids, mach, ov, choices, memory_limit, top)
     if auto:  # the knobs, for the fastest few grids (each variant is one more pricing)
         cands, ov = _tune_fastest(cands, workload, mach, ov, memory_limit)
@@ -175,14 +181,19 @@ def _workload(
     return workload
 
 
-def valid_grids(workload: Workload, world: int, cp: bool | str) -> tuple[list[tuple[Workload, GridShape]], int]:
+def valid_grids(
+    workload: Workload, world: int, cp: bool | str, expert_layouts: str = ""
+) -> tuple[list[tuple[Workload, GridShape]], int]:
     """The (workload, grid) pairs ``plan`` prices, and how many factorisations of ``world`` break a
     divisibility rule (§1) under every sequence split priced: each valid grid with ``workload`` as
     it is, and with ``cp`` ``AUTO_OPTION`` each valid grid of G_z > 1 with the sequences split over z
     too, where the sequence length is even and the model has no MoE layers (context parallelism
-    with MoE layers is not priced: ``Workload``)."""
+    with MoE layers is not priced: ``Workload``). An MoE model with ``expert_layouts``
+    ``AUTO_OPTION``: each grid with each expert layout it admits (``_with_layouts``)."""
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
+    if workload.model.moe and expert_layouts == AUTO_OPTION:  # every layout each grid admits
+        return _with_layouts(workload, shapes)
     mask = valid_mask(workload, arr)
     grids = [(workload, s) for s, ok in zip(shapes, mask) if ok]
     moe = workload.model.moe  # context parallelism with MoE layers is not priced (``Workload``)
@@ -192,6 +203,26 @@ def valid_grids(workload: Workload, world: int, cp: bool | str) -> tuple[list[tu
         grids += [(split, s) for s, ok in zip(shapes, split_mask) if ok and s.z > 1]
         mask |= split_mask
     return grids, int((~mask).sum())
+
+
+def _with_layouts(workload: Workload, shapes: list[GridShape]) -> tuple[list[tuple[Workload, GridShape]], int]:
+    """Each of ``shapes`` that satisfies the rules outside the experts, with ``workload`` under each
+    expert layout it admits (``axon4d.grid.expert_layout.candidates``: one per distinct placement),
+    and how many shapes admit none."""
+    m = workload.model
+    out: list[tuple[Workload, GridShape]] = []
+    invalid = 0
+    variants: dict[str, Workload] = {}
+    for s in shapes:
+        fits = candidates(s, m.n_experts, m.expert_width, m.shared_experts * m.expert_width, m.hidden)
+        pairs = []
+        for layout in fits:
+            wl = variants.setdefault(str(layout), dataclasses.replace(workload, expert_layout=layout))
+            if all(rule.holds(s) for rule in wl.rules()):
+                pairs.append((wl, s))
+        out += pairs
+        invalid += not pairs
+    return out, invalid
 
 
 def search_grids(
@@ -238,6 +269,8 @@ def _tune_fastest(
     cands = list(cands)
     for i, c in enumerate(cands[:TUNE_TOP]):
         wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel)
+        if c.expert_layout:
+            wl_c = dataclasses.replace(wl_c, expert_layout=ExpertLayout.parse(c.expert_layout))
         opts = {k: v for k, v in c.options.items() if k != "recompute"}
         cands[i] = tune_overlap(wl_c, c.shape, mach, ov, c.recompute, memory_limit, **opts)
     cands.sort(key=candidate_order)

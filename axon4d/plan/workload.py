@@ -40,10 +40,11 @@ import numbers
 from axon4d.config import ModelConfig
 from axon4d.device import DTYPES
 from axon4d.grid import rules as grid_rules
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
 from axon4d.options.precision import NAMED, Precision
-from axon4d.plan.moe_cost import moe_rules
+from axon4d.plan.moe_cost import moe_rules, placement
 
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
 OPTIMIZERS = {"adam": 8, "sgd": 0}
@@ -133,9 +134,12 @@ class Workload:
     accelerator: bool = False  # the step runs on accelerators (a Scenario sets it from its machine): ``norm_kernel``
     precision: str = ""  # as given; "": DEFAULT_PRECISION of dtype (``preset``)
     imbalance: float = 1.0  # MoE: the busiest rank's rows over the mean under uniform routing (plan.moe_cost)
+    #: MoE: where the experts run (axon4d.grid.expert_layout; text is parsed); the default: over batch, split over x·y
+    expert_layout: ExpertLayout = ExpertLayout()
 
     def __post_init__(self) -> None:
         self._resolve_precision()
+        object.__setattr__(self, "expert_layout", ExpertLayout.parse(self.expert_layout))  # frozen: set once
         if self.model.moe and self.context_parallel:
             raise ValueError(
                 "context parallelism with Mixture-of-Experts layers is not priced (nor tested in the runtime): "
@@ -296,6 +300,11 @@ class Workload:
             add(Op.ALL_REDUCE, "batch", h_x, "backward", Term.NORM_GRAD, tensors)
         if m.moe:  # each MoE layer's router weight (E, hidden/G_x), its gradient averaged over batch
             add(Op.ALL_REDUCE, "batch", m.n_experts * h_x, "backward", Term.MOE_ROUTER_WEIGHT_GRAD, m.n_layers)
+            p = placement(m, shape, self.expert_layout)
+            if p.dp_axis is not None:  # expert replicas: up and down's gradients summed over their axis
+                block = p.local * p.hidden_x * p.ffn_y  # down's elements; up's are ups times as many
+                for n in ((2 if m.gated else 1) * block, block):
+                    add(Op.ALL_REDUCE, p.dp_axis, n, "backward", Term.MOE_EXPERT_WEIGHT_GRAD, m.n_layers)
         if self.norms:
             # the split norms' per-token sums over x, forward and backward: two per block, the final norm's
             norms = 2 * m.n_layers + (1 if self.head else 0)
@@ -359,7 +368,7 @@ class Workload:
                 )
             )
         if m.moe:
-            out += moe_rules(m)
+            out += moe_rules(m, self.expert_layout)
         for s in self.linears():
             if s.embedding:
                 out += grid_rules.embedding(s.in_features, s.out_features)

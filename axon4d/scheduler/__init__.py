@@ -99,7 +99,7 @@ class Scheduler(WeightGathers, DataShardings):
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor, Axis, Term, float]] = {}
         # replicated parameters whose .grad holds this window's local (unreduced) sum, and the
         # reduced gradient each held before its window opened (restored under the reduction)
-        self._local: dict[int, tuple[weakref.ref, Term]] = {}
+        self._local: dict[int, tuple[weakref.ref, Term, Axis]] = {}
         self._kept: dict[int, torch.Tensor] = {}
         self._layout = BucketLayout()  # persistent E12 buckets (bucket_bytes > 0)
         self._callback_queued = False
@@ -209,7 +209,7 @@ class Scheduler(WeightGathers, DataShardings):
         self._add_to_bucket(("batch", Term.E13), (param, db, scale))  # launched once the bucket is full
         return None
 
-    def track_replicated(self, param: torch.Tensor, tag: Term) -> None:
+    def track_replicated(self, param: torch.Tensor, tag: Term, axis: Axis = "batch") -> None:
         """Average ``param``'s gradient over batch = data × z, as DDP does, for a parameter every
         rank of batch holds a copy of (norm weights, embedding tables): each backward's gradient
         is all-reduced over batch under ``tag`` — bucketed with the others of its kind, launched
@@ -218,32 +218,35 @@ class Scheduler(WeightGathers, DataShardings):
 
         Autograd accumulates the backward's local gradient into ``.grad`` (a gradient already
         there is set aside first and restored under the reduced one), and a hook after that
-        accumulation hands it to the scheduler: no zero-filled or extra copy per backward."""
-        g_batch = self.comm.shape.size("batch")
-        if g_batch == 1:
+        accumulation hands it to the scheduler: no zero-filled or extra copy per backward.
+
+        ``axis``: the axis the copies lie on, when not batch — an MoE layer's expert replicas
+        (axon4d.grid.expert_layout's expert data-parallel axes): their gradients are summed over it,
+        still divided by G_batch (each copy's gradient is its own tokens' part of the batch average)."""
+        if self.comm.shape.size(axis) == 1:
             return
         ref = weakref.ref(param)
-        param.register_hook(lambda grad: self._replicated_arrives(ref, tag))
-        param.register_post_accumulate_grad_hook(lambda p: self._replicated_accumulated(p, tag))
+        param.register_hook(lambda grad: self._replicated_arrives(ref, tag, axis))
+        param.register_post_accumulate_grad_hook(lambda p: self._replicated_accumulated(p, tag, axis))
 
-    def _replicated_arrives(self, ref: weakref.ref, tag: Term) -> None:
+    def _replicated_arrives(self, ref: weakref.ref, tag: Term, axis: Axis) -> None:
         """Before autograd accumulates a replicated parameter's gradient: on the first backward of
         its window, set the (reduced) gradient it holds aside, so ``.grad`` becomes the local sum."""
         param = ref()
         if param is None or id(param) in self._local:
             return
-        self._local[id(param)] = (ref, tag)
+        self._local[id(param)] = (ref, tag, axis)
         if param.grad is not None:
             self._kept[id(param)] = param.grad
             param.grad = None
 
-    def _replicated_accumulated(self, param: torch.Tensor, tag: Term) -> None:
+    def _replicated_accumulated(self, param: torch.Tensor, tag: Term, axis: Axis) -> None:
         """After autograd accumulated it: unless held, hand the local sum to its bucket."""
         self.backward_started()
         if not self.holding:
-            self._reduce_replicated(param, tag)
+            self._reduce_replicated(param, tag, axis)
 
-    def _reduce_replicated(self, param: torch.Tensor, tag: Term) -> None:
+    def _reduce_replicated(self, param: torch.Tensor, tag: Term, axis: Axis) -> None:
         """Put a replicated parameter's local sum (its ``.grad``) in its bucket, restoring the
         gradient set aside when its window opened; the reduction is averaged over batch."""
         self._local.pop(id(param), None)
@@ -252,7 +255,7 @@ class Scheduler(WeightGathers, DataShardings):
         if local is None:
             return
         flat = local.detach().reshape(-1).to(wire_dtype(self.precision, tag, param.dtype))  # (numel,)
-        self._add_to_bucket(("batch", tag), (param, flat, scale))
+        self._add_to_bucket((axis, tag), (param, flat, scale))
 
     def _hold(self, param: torch.Tensor, grad: torch.Tensor, axis: Axis, tag: Term, scale: float) -> None:
         """Add a micro-batch's gradient to ``param``'s held sum (accumulation)."""
@@ -352,10 +355,10 @@ class Scheduler(WeightGathers, DataShardings):
         held, self._held = self._held, {}
         for param, grad, axis, tag, scale in held.values():
             self._add_to_bucket((axis, tag), (param, grad, scale))
-        for ref, tag in list(self._local.values()):
+        for ref, tag, axis in list(self._local.values()):
             replicated = ref()
             if replicated is not None:
-                self._reduce_replicated(replicated, tag)
+                self._reduce_replicated(replicated, tag, axis)
         self._local.clear()
 
     def backward_started(self) -> None:

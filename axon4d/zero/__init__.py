@@ -24,9 +24,10 @@ optimizer so that each data rank keeps the masters and the state of one part of 
   reduce-scatter over data: a rank receives only the sum of its parts, straight into the masters'
   ``.grad``. Biases, norm weights and embedding tables are reduced and held whole as in stage 1.
 
-A parameter the data axis does not replicate — an MoE expert weight, held by one rank of the
-expert-parallel axis data × z (docs/moe.md) — is each data rank's alone: its part is all of it,
-stepped by the rank that holds it and never gathered.
+A parameter the data axis does not replicate — an MoE expert weight whose expert layout puts data
+among the expert-parallel axes (docs/moe.md, the default) — is each data rank's alone: its part is
+all of it, stepped by the rank that holds it and never gathered. An expert weight the layout
+replicates over data is sharded like any replicated parameter.
 
 Only elementwise optimizers can be split this way (``axon4d.zero.checks``): SGD, Adam, AdamW and
 the like, and a user's own such as Lion (pass ``elementwise=True``); LBFGS, Adafactor, Muon and
@@ -157,8 +158,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.grid, self.stage = grid, stage
         self.data_size, self.data_rank = grid.size("data"), grid.coord("data")
         names = {id(p): n for n, p in model.named_parameters()}
-        #: parameters one data rank holds alone (MoE expert weights, split over data × z): whole parts
-        self._whole = {id(p) for p in expert_parameters(model)}
+        #: parameters one data rank holds alone (MoE expert weights whose layout holds no replicas over
+        #: data, axon4d.grid.expert_layout): whole parts
+        self._whole = {id(p) for p in expert_parameters(model, replicated_over_data=False)}
         #: the dtype the 3D Linear weights are stored in (``sixteen_bit``), or None: all stay as they are
         stored = zero_stored_dtype(grid.precision, torch.float32, linear_weight=True, g_data=self.data_size)
         self.weight_dtype = stored if stored != torch.float32 else None

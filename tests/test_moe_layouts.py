@@ -1,0 +1,119 @@
+"""Protects MoE expert layouts (axon4d/grid/expert_layout.py, docs/moe.md "Expert layouts"): on
+8-rank grids, for each kind of layout — whole experts over x·y·z·data; experts split over x·y with
+expert parallelism over data; expert parallelism over z with replicas over data; and mixed ones
+(split over x only, over y only with the rows moved over x) — the MoE layer and an MoE model equal
+the single-process ones (forward, every gradient, the loss, the gradient norm; ≤ 1e-5 relative),
+under full recomputation and ZeRO-2, and a checkpoint saved under one layout resumes under another.
+Start here when changing where experts run."""
+
+import pytest
+from test_moe import CASES, TOL, _check_layer
+from test_moe import _assert_small as assert_layer
+from test_moe_model import CFG, _check_model, _load_and_step, _sharded_and_not, _step_and_save, rel_err
+
+from axon4d.grid.expert_layout import ExpertLayout, candidates
+from axon4d.grid.shape import GridShape
+
+#: (grid, layout): one of each kind the issue names, then mixed ones
+LAYOUTS = {
+    "whole-over-world": ((2, 2, 2, 1), "ep=world,tp=1"),
+    "split-xy-ep-data": ((2, 2, 1, 2), "ep=data,tp=x·y"),
+    "ep-z-replicas-data": ((2, 1, 2, 2), "ep=z,tp=x·y"),
+    "split-x-ep-y-data": ((2, 2, 1, 2), "ep=y·data,tp=x"),
+    "split-y-ep-x-z": ((2, 2, 2, 1), "ep=x·z,tp=y"),
+    "whole-replicated": ((2, 2, 1, 2), "ep=1,tp=1"),
+}
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_the_moe_layer_under_each_expert_layout_equals_the_dense_layer(pools, kind):
+    grid, layout = LAYOUTS[kind]
+    cfg, starve = CASES["top2-shared-softmax"]
+    results = pools(8).run(grid, _check_layer, cfg, starve, expert_layout=layout)
+    assert_layer(results, f"{layout} on {grid}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_a_starved_top1_layer_under_each_expert_layout_equals_the_dense_layer(pools, kind):
+    """Experts no token reaches (their ranks receive nothing), top-1 without shared experts."""
+    grid, layout = LAYOUTS[kind]
+    cfg = CASES["top1-plain-softmax"][0]
+    assert_layer(pools(8).run(grid, _check_layer, cfg, 4, expert_layout=layout), f"starved {layout} on {grid}")
+
+
+def _assert_small(results, label):
+    for rank, errs in enumerate(results):
+        bad = {k: v for k, v in errs.items() if not v <= TOL}
+        assert not bad, f"{label} rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("kind", ["whole-over-world", "split-xy-ep-data", "ep-z-replicas-data"])
+def test_an_moe_model_under_each_layout_kind_with_full_recomputation_equals_the_dense_model(pools, kind):
+    grid, layout = LAYOUTS[kind]
+    cfg = CFG.replace(n_experts=8)
+    _assert_small(pools(8).run(grid, _check_model, cfg, "full", 1, expert_layout=layout), f"{layout} on {grid}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["split-x-ep-y-data", "split-y-ep-x-z"])
+def test_an_moe_model_under_a_mixed_layout_over_micro_batches_equals_the_dense_model(pools, kind):
+    grid, layout = LAYOUTS[kind]
+    cfg = CFG.replace(n_experts=8)
+    _assert_small(pools(8).run(grid, _check_model, cfg, "full", 2, expert_layout=layout), f"{layout} on {grid}")
+
+
+@pytest.mark.parametrize("kind", ["whole-over-world", "split-xy-ep-data", "ep-z-replicas-data"])
+def test_zero_2_under_each_layout_kind_equals_the_unsharded_optimizer(pools, kind):
+    """Expert weights replicated over data (ep-z-replicas-data) are sharded by ZeRO like any
+    replicated parameter; held by one data rank each, they are stepped whole there."""
+    grid, layout = LAYOUTS[kind]
+    for rank, (sharded, plain) in enumerate(
+        pools(8).run(grid, _sharded_and_not, 2, CFG.replace(n_experts=8), expert_layout=layout)
+    ):
+        bad = {n: rel_err(sharded[n], p) for n, p in plain.items() if not rel_err(sharded[n], p) <= 1e-6}
+        assert not bad, f"{layout} on {grid} rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize(
+    "saved,loaded,zero",
+    [
+        (LAYOUTS["split-xy-ep-data"], LAYOUTS["whole-over-world"], 0),
+        pytest.param(LAYOUTS["whole-over-world"], LAYOUTS["ep-z-replicas-data"], 2, marks=pytest.mark.slow),
+        pytest.param(LAYOUTS["ep-z-replicas-data"], LAYOUTS["split-y-ep-x-z"], 1, marks=pytest.mark.slow),
+    ],
+)
+def test_a_checkpoint_saved_under_one_expert_layout_resumes_under_another(pools, tmp_path, saved, loaded, zero):
+    cfg = CFG.replace(n_experts=8)
+    path = str(tmp_path / "ckpt")
+    before = pools(8).run(saved[0], _step_and_save, cfg, path, zero, expert_layout=saved[1])[0]
+    after = pools(8).run(loaded[0], _load_and_step, cfg, path, zero, expert_layout=loaded[1])
+    for rank, got in enumerate(after):
+        bad = {n: rel_err(got[n], p) for n, p in before.items() if not rel_err(got[n], p) <= TOL}
+        assert not bad, f"rank {rank} after resuming {saved[1]} on {saved[0]} as {loaded[1]} on {loaded[0]}: {bad}"
+
+
+def test_layout_text_round_trips_and_bad_layouts_name_what_would_work():
+    for text in ("ep=world,tp=1", "ep=z·data,tp=x·y", "ep=y+data,tp=x", "ep=1,tp=y"):
+        layout = ExpertLayout.parse(text)
+        assert ExpertLayout.parse(str(layout)) == layout
+    assert ExpertLayout.parse(None) == ExpertLayout.parse("ep=batch,tp=xy") == ExpertLayout()
+    assert ExpertLayout.parse("ep=y·data,tp=x").dp == ("z",)
+    with pytest.raises(ValueError, match="axis x cannot both"):
+        ExpertLayout.parse("ep=x,tp=x")
+    with pytest.raises(ValueError, match="experts split only over x"):
+        ExpertLayout.parse("ep=x,tp=z")
+    with pytest.raises(ValueError, match="ep=<axes>,tp=<axes>"):
+        ExpertLayout.parse("ep=x,ep=y")
+    with pytest.raises(ValueError, match=r"n_experts = 6 is not divisible by G_x·G_y·G_z·G_data = 8.*ep=world,tp=1"):
+        ExpertLayout.parse("ep=world,tp=1").check(GridShape(2, 2, 2, 1), 6, 16, 0, 32)
+
+
+def test_candidates_are_every_distinct_layout_that_fits():
+    shape = GridShape(2, 2, 1, 2)
+    found = {str(c) for c in candidates(shape, 8, 16, 0, 32)}
+    # 4 tensor-parallel choices × the subsets of the other live axes: 8 + 4 + 4 + 2
+    assert len(found) == 18 and "ep=x·y·data,tp=1" in found and "ep=data,tp=x·y" in found
+    assert "ep=z,tp=x·y" not in found  # z has one rank: it splits nothing
+    assert {str(c) for c in candidates(shape, 2, 16, 0, 32)} >= {"ep=x,tp=y", "ep=1,tp=x·y"}
+    assert not any("x·y·data" in str(c) for c in candidates(shape, 4, 16, 0, 32))  # 4 experts over 8 ranks
