@@ -184,6 +184,18 @@ TRAIN_FLAG_CASES = [
     Case("precision", ["--precision", "fp8"], ValueError, r"precision 'fp8' is not supported; use one of fp32, bf16"),
     Case("out-dir empty", ["--out-dir", ""], ValueError, r"--out-dir '': give the directory"),
     Case(
+        "expert-layout",
+        ["--model", "tiny-moe", "--expert-layout", "ep=q"],
+        ValueError,
+        r"--expert-layout 'ep=q': expert layout ep='q': give distinct axes of .*'batch', 'world' or '1'",
+    ),
+    Case(
+        "expert-layout dense",
+        ["--model", "tiny", "--expert-layout", "ep=data"],
+        ValueError,
+        r"--expert-layout 'ep=data' with --model tiny: that model has no experts .*drop --expert-layout",
+    ),
+    Case(
         "data unknown",
         ["--data", "corpuss"],
         FileNotFoundError,
@@ -256,6 +268,18 @@ PLAN_CASES = [
         _plan("--machine", "{dir}/list.json"),
         ValueError,
         r"machine file '.*list\.json' is not a machine description",
+    ),
+    Case(
+        "expert-layout",
+        _plan("--model", "tiny-moe", "--expert-layout", "ep=x,tp=x"),
+        ValueError,
+        r"--expert-layout 'ep=x,tp=x': .*axis x cannot both hold different experts and split each expert",
+    ),
+    Case(
+        "expert-layout dense",
+        _plan("--expert-layout", "ep=data"),
+        ValueError,
+        r"--expert-layout 'ep=data' with --model 5B: a dense model has no experts to place",
     ),
     Case(
         "overlap",

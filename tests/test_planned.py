@@ -52,6 +52,7 @@ def test_the_run_asks_one_request_and_applies_the_plan_that_comes_back():
         context_parallel=True,
         recompute="balanced",
         option=options.__getitem__,
+        expert_layout="",  # a dense model's
     )
     answer = types.SimpleNamespace(best=best)  # the search's result, as JobPlan reads it
     cfg = TrainConfig(grid="auto", batch_size=32, machine="h100", correction="c.json", **TINY)

@@ -9,8 +9,9 @@ residual stream split over x as for Llama (``axon4d.parallelize.llama``) and put
   are its top-k softmax scores renormalised (``router_topk_norm=True``), Qwen3-MoE's, Qwen2-MoE's and
   OLMoE's renormalised when ``norm_topk_prob`` (else taken as they are);
 - the fused experts ``experts.gate_up_proj`` (E, 2I, hidden) = [gate | up] and
-  ``experts.down_proj`` (E, hidden, I) become ``MoE.experts``: experts over batch = data × z,
-  each split over x·y, up stored as [gate_j | up_j] per y chunk;
+  ``experts.down_proj`` (E, hidden, I) become ``MoE.experts``, placed by the expert layout
+  (``auto_parallelize(expert_layout=...)``, else the grid's; by default experts over batch =
+  data × z, each split over x·y), up stored as [gate_j | up_j] per y chunk;
 - Qwen3-MoE's dense layers (``mlp_only_layers``, ``decoder_sparse_step``) keep ``Qwen3MoeMLP``,
   chained like Llama's MLP; its per-head q/k norms become ``HeadNorm`` (this rank's heads, the
   weight's gradient summed over y); Qwen2-MoE's likewise keep ``Qwen2MoeMLP``;
@@ -36,9 +37,9 @@ import torch
 from torch import nn
 
 from axon4d.config import ModelConfig
-from axon4d.grid import rules
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
-from axon4d.nn.moe import placement_rules
+from axon4d.nn.moe import check_layout
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.parallelize.dense import to_dense
 from axon4d.parallelize.layers import linear_problem, owned_by_axon4d, sharded_norm_builder
@@ -151,11 +152,11 @@ class HFMoEBlock(nn.Module):
     (b, s, hidden/G_x), split over x, replicated over y (module docstring). ``to_dense`` gives back
     the block with fused ``gate.weight``, ``experts.gate_up_proj`` and ``experts.down_proj``."""
 
-    def __init__(self, original: nn.Module, cfg: ModelConfig, grid: Grid):
+    def __init__(self, original: nn.Module, cfg: ModelConfig, grid: Grid, layout: ExpertLayout | None = None):
         super().__init__()
         block = cast(Any, original)
         w = block.gate.weight
-        self.moe = HFMoE(cfg, grid=grid, device=w.device, dtype=w.dtype)
+        self.moe = HFMoE(cfg, grid=grid, device=w.device, dtype=w.dtype, layout=layout)
         self.template = [original]
         if not w.is_meta:
             self.moe.load_dense_(self.dense_of(block, cfg))
@@ -213,8 +214,8 @@ class GatedSharedMoEBlock(HFMoEBlock):
     ``Qwen2MoeMLP``, its linears chained as Llama's MLP: input and output split over x) scaled per
     token by sigmoid(``shared_expert_gate``(x)) (a ``SharedGate``)."""
 
-    def __init__(self, original: nn.Module, cfg: ModelConfig, grid: Grid):
-        super().__init__(original, cfg, grid)
+    def __init__(self, original: nn.Module, cfg: ModelConfig, grid: Grid, layout: ExpertLayout | None = None):
+        super().__init__(original, cfg, grid, layout)
         block = cast(Any, original)
         self.shared_expert = block.shared_expert  # its linears replaced by the style
         self.shared_expert_gate = block.shared_expert_gate  # replaced by a SharedGate by the style
@@ -231,10 +232,11 @@ class GatedSharedMoEBlock(HFMoEBlock):
         }
 
 
-def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
+def sharded_style(name: str, m: nn.Module, grid: Grid, layout: ExpertLayout | str | None = None) -> BlockStyle | None:
     """A Mixtral or Qwen3-MoE causal LM with its residual stream split over x (module docstring):
-    attention and dense MLPs as Llama's, every sparse MoE block an ``HFMoEBlock``. Raises a
-    ``ValueError`` naming the rule and the grids that work when the grid cannot place it."""
+    attention and dense MLPs as Llama's, every sparse MoE block an ``HFMoEBlock`` whose experts
+    run in ``layout`` (``axon4d.grid.expert_layout``; None: the grid's). Raises a ``ValueError``
+    naming the rule and the layouts that fit when the grid cannot place the experts so."""
     hf = cast(Any, m)
     body_cls, layer_cls, block_cls = MODELS[type(m).__name__]
     body: Any = getattr(m, "model", None)
@@ -245,13 +247,16 @@ def sharded_style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
     require_heads(name, "num_key_value_heads", cfg.num_key_value_heads, grid)
     sparse = [i for i, layer in enumerate(body.layers) if type(layer.mlp).__name__ == block_cls]
     mcfg = moe_config(cfg, len(sparse))
-    rules.check(grid.shape, placement_rules(mcfg))  # experts over batch, their FFN over y, hidden over x
+    lay = ExpertLayout.parse(layout if layout is not None else grid.expert_layout)
+    try:  # E over the expert-parallel axes, their FFN over y where y splits them, hidden over x
+        check_layout(mcfg, grid, lay)
+    except ValueError as e:
+        raise ValueError(f"{type(m).__name__} under expert layout {lay}: {e}") from None
     norm = sharded_norm_builder(grid)
 
     def moe_block(block: nn.Module) -> nn.Module:
-        return (
-            GatedSharedMoEBlock(block, mcfg, grid) if hasattr(block, "shared_expert") else HFMoEBlock(block, mcfg, grid)
-        )
+        kind = GatedSharedMoEBlock if hasattr(block, "shared_expert") else HFMoEBlock
+        return kind(block, mcfg, grid, lay)
 
     def head_norm(n: nn.Module) -> nn.Module:
         return HeadNorm(n, grid)
@@ -334,5 +339,14 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, HFMoEBlock]]:
     return [(n, b) for n, b in model.named_modules() if isinstance(b, HFMoEBlock)]
 
 
-#: class name → its whole-model style under "sharded"
-SHARDED_STYLES: dict[str, StyleFn] = dict.fromkeys(MODELS, sharded_style)
+def sharded_styles(layout: ExpertLayout | str | None = None) -> dict[str, StyleFn]:
+    """Class name → its whole-model style under "sharded", its experts in ``layout`` (None: the grid's)."""
+
+    def style(name: str, m: nn.Module, grid: Grid) -> BlockStyle | None:
+        return sharded_style(name, m, grid, layout)
+
+    return dict.fromkeys(MODELS, style)
+
+
+#: class name → its whole-model style under "sharded" (experts in the grid's layout)
+SHARDED_STYLES: dict[str, StyleFn] = sharded_styles()

@@ -17,6 +17,7 @@ import warnings
 from torch import nn
 
 from axon4d.grid import runtime
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
 from axon4d.nn.functional import average_grad_over_batch
 from axon4d.options.recompute_mode import check_recompute
@@ -43,6 +44,7 @@ def auto_parallelize(
     style: str = "sharded",
     recompute: str = "none",
     context_parallel: bool = False,
+    expert_layout: ExpertLayout | str | None = None,
 ) -> nn.Module:
     """Replace ``model``'s linear layers by 3D-parallel ones in place and return ``model``.
 
@@ -59,13 +61,17 @@ def auto_parallelize(
     or "full" (axon4d.parallelize.recompute, docs/design.md §5). ``context_parallel``: the tokens
     of each sequence are split head–tail over z and attention runs across the split through
     transformers' AttentionInterface (axon4d.parallelize.context, docs/context.md); feed the model
-    ``axon4d.parallelize.context.inputs(ids)``.
+    ``axon4d.parallelize.context.inputs(ids)``. ``expert_layout``: where the experts of every MoE
+    block it builds run (``axon4d.grid.expert_layout``, e.g. "ep=world,tp=1"; None: the grid's,
+    ``axon4d.init(expert_layout=...)``); a layout the grid cannot place is refused with the rule it
+    breaks and the layouts that fit, on every rank before any collective.
     """
     _check_arguments(model, style, recompute)
     grid = runtime.resolve(grid)
+    layout = ExpertLayout.parse(expert_layout if expert_layout is not None else grid.expert_layout)
     moe.check_supported(model, style)  # an MoE model it cannot place: one line naming its class
     # 1. decide everything (sizes only: no collective, the same on every rank)
-    blocks, linears, skipped = _decide(model, grid, style)
+    blocks, linears, skipped = _decide(model, grid, style, layout)
     # 2. apply: replace modules and layers, install patches and hooks, hook replicated gradients
     _replace(model, grid, blocks, linears)
     _patch_and_hook(model, blocks)
@@ -97,16 +103,18 @@ def _check_arguments(model: nn.Module, style: str, recompute: str) -> None:
 
 
 def _decide(
-    model: nn.Module, grid: Grid, style: str
+    model: nn.Module, grid: Grid, style: str, layout: ExpertLayout
 ) -> tuple[list[tuple[str, BlockStyle]], dict[str, LinearStyle], dict[str, str]]:
     """What ``auto_parallelize`` does to ``model`` under ``style``, from sizes alone (no collective,
-    the same on every rank): the styled blocks (``_styled_blocks``), every linear layer to replace
-    (by absolute name) with how, and the layers left as they are with why."""
+    the same on every rank): the styled blocks (``_styled_blocks``; MoE blocks' experts in
+    ``layout``), every linear layer to replace (by absolute name) with how, and the layers left as
+    they are with why."""
     users: dict[int, list[str]] = {}  # id(parameter) → names of the modules holding it
     for name, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             users.setdefault(id(p), []).append(name)
-    tables = {"sharded": [SHARDED_STYLES, FAMILY_STYLES], "chained": [FAMILY_STYLES], "general": []}[style]
+    sharded = {**SHARDED_STYLES, **moe.sharded_styles(layout)}
+    tables = {"sharded": [sharded, FAMILY_STYLES], "chained": [FAMILY_STYLES], "general": []}[style]
     blocks = _styled_blocks(model, grid, tables, users)
     linears: dict[str, LinearStyle] = {}
     handled: set[str] = set()  # modules a block style replaces

@@ -14,10 +14,12 @@ import sys
 from typing import Any
 
 from axon4d.config import ModelConfig, get_config
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, tune_overlap
 from axon4d.plan.machine import Machine, available
+from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.result import PlanResult
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import Workload
@@ -74,13 +76,15 @@ def choose_overlap(
     offload: int | str = 0,
     fp8_gather: bool | str = False,
     context_parallel: bool | str = False,
+    expert_layout: ExpertLayout | str | None = None,
 ) -> OverlapPolicy:
     """The overlap policy ``overlap="auto"`` gives a job on the given grid: all mechanisms on, with
     the knobs the planner predicts fastest among those that fit (``candidate.tune_overlap``), where the
     model and a machine description are known; else all mechanisms at the default knobs. Rank 0
     prints the choice. The step options (``choose``'s) are priced as given; one left "auto" is
     priced at its default (1 micro-batch, no ZeRO, no offload, bf16 gathers, whole sequences): on a
-    named grid nothing chooses them."""
+    named grid nothing chooses them. An MoE model's experts are priced in ``expert_layout`` (None:
+    the default layout, as ``axon4d.init`` builds it)."""
     if workload is None and model is None:
         return OverlapPolicy()
     try:
@@ -91,6 +95,8 @@ def choose_overlap(
     limit = memory_gib * 2**30 if memory_gib is not None else None
     if context_parallel is True and not wl.context_parallel:
         wl = dataclasses.replace(wl, context_parallel=True)
+    if expert_layout is not None and wl.model.moe:
+        wl = dataclasses.replace(wl, expert_layout=ExpertLayout.parse(expert_layout))
     given = {"micro_batches": micro_batches, "zero": zero, "offload": offload, "fp8_gather": fp8_gather}
     defaults = {"micro_batches": 1, "zero": 0, "offload": 0, "fp8_gather": False}
     options = {k: defaults[k] if v == "auto" else v for k, v in given.items()}
@@ -152,9 +158,12 @@ def ranked(
     fp8_gather: bool | str = False,
     context_parallel: bool | str = False,
     async_save: bool = False,
+    expert_layout: ExpertLayout | str = AUTO_OPTION,
 ) -> PlanResult:
     """``choose``'s search (its arguments), every priced candidate ranked (``PlanResult``: at least
     the ``top`` fastest fitting ones, where so many fit); rank 0 prints the best and the top ``top``.
+    ``expert_layout``: an MoE model's expert layout, pinned, or ``AUTO_OPTION`` (searched with each
+    grid; the chosen one is the candidate's ``expert_layout``).
     Raises ``ValueError`` (on every rank alike) when no grid fits."""
     if workload is None:
         workload = _workload(world, model, batch, dtype, optimizer, "grid='auto'", precision)
@@ -173,6 +182,7 @@ def ranked(
         fp8_gather=fp8_gather,
         context_parallel=context_parallel,
         async_save=async_save,
+        expert_layout=expert_layout,
         top=max(top, 1),
     )
     best = result.best

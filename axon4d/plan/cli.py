@@ -5,7 +5,8 @@ print the best.
     axon4d plan --model 20B --gpus 512 --machine frontier --batch 1024 --recompute full --zero 1 --json -
 
 By default every option is searched (``auto``): recomputation, micro-batches, ZeRO stage,
-activation offload, FP8 weight gathers and context parallelism; a flag pins one. For each grid the
+activation offload, FP8 weight gathers, context parallelism and an MoE model's expert layout; a
+flag pins one. For each grid the
 planner finds its fastest options that fit and predicts the step time (compute + communication of
 docs/design.md E8–E13 − what the chosen overlap hides), MFU, peak memory per rank, communication
 time per axis, the share hidden by overlap and the communication volume against Agarwal's bound.
@@ -24,6 +25,8 @@ from typing import Any
 
 from axon4d.config import SIZES, ModelConfig, get_config
 from axon4d.grid import rules
+from axon4d.grid.expert_layout import ExpertLayout, candidates
+from axon4d.grid.shape import factorizations
 from axon4d.options.precision import NAMED
 from axon4d.options.recompute_mode import RECOMPUTE_MODES
 from axon4d.plan import correction, stepfit
@@ -160,6 +163,13 @@ def _option_arguments(p: argparse.ArgumentParser) -> None:
         help="split each sequence's tokens over z (docs/context.md): auto (both searched, default), off or on",
     )
     p.add_argument(
+        "--expert-layout",
+        default=AUTO_OPTION,
+        help="MoE models: where the experts run, ep=<axes>,tp=<axes> (axon4d train --expert-layout): auto (every "
+        "layout each grid admits searched, default) or a layout, e.g. ep=world,tp=1 (whole experts over every rank) "
+        "or ep=z·data,tp=x·y (the runtime's default; '+' may stand for '·'; docs/moe.md)",
+    )
+    p.add_argument(
         "--async-save",
         action="store_true",
         help="the job checkpoints with --async-save: its pinned host snapshot counts against the node's host memory",
@@ -171,6 +181,7 @@ def main(args: argparse.Namespace) -> int:
     status: 0, or 1 when no plan fits."""
     _check_flags(args)
     cfg = get_config(args.model, **({"seq_len": args.seq_len} if args.seq_len is not None else {}))
+    _check_expert_layout(args, cfg)
     result, elapsed = _search(args, cfg)
     if args.json == "-":
         json.dump(result.to_json(args.top), sys.stdout, indent=1)
@@ -193,6 +204,38 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--memory-gib {args.memory_gib}: memory per device must be a finite number of GiB above 0, "
             "e.g. --memory-gib 80, or leave it out for the machine's own"
+        )
+
+
+def _check_expert_layout(args: argparse.Namespace, cfg: ModelConfig) -> None:
+    """Refuse (``ValueError``, before anything is priced) an --expert-layout that is not ``auto`` nor
+    a layout (the layout parser's message), a layout for a model without experts (``cfg``, --model's),
+    and one that no grid of --gpus ranks admits for the model (the rule it breaks, and layouts that
+    some grid admits)."""
+    layout, world = args.expert_layout, args.gpus
+    if layout == AUTO_OPTION:
+        return
+    try:
+        ExpertLayout.parse(layout)
+    except ValueError as e:
+        raise ValueError(f"--expert-layout {layout!r}: {e}; or give auto (searched)") from None
+    if not cfg.moe:
+        raise ValueError(
+            f"--expert-layout {layout!r} with --model {args.model}: a dense model has no experts to "
+            f"place; drop --expert-layout, or plan an MoE model ({', '.join(n for n in SIZES if get_config(n).moe)})"
+        )
+    pinned = ExpertLayout.parse(layout)
+    rules.count(world, "world (ranks, --gpus)", example=8)  # as the search refuses it
+    sizes = (cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
+    shapes = factorizations(world)
+    broken = [next((r for r in pinned.rules(*sizes) if not r.holds(s)), None) for s in shapes]
+    first = broken[0]
+    if first is not None and all(broken):  # no grid of the job's ranks admits it: say why, not "no plan fits"
+        fits = sorted({str(c) for s in shapes for c in candidates(s, *sizes)})
+        shown = ", ".join(fits[:8]) + (f" and {len(fits) - 8} more" if len(fits) > 8 else "")
+        raise ValueError(
+            f"--expert-layout {pinned}: no grid of {world} ranks places {args.model}'s experts so "
+            f"({first.message(shapes[0])}); layouts some grid admits: {shown or 'none'}"
         )
 
 
@@ -224,6 +267,7 @@ def _search(args: argparse.Namespace, cfg: ModelConfig) -> tuple[PlanResult, flo
         fp8_gather=fp8_option(wl.preset, args.fp8_gather),
         async_save=args.async_save,
         top=args.top,
+        expert_layout=args.expert_layout if cfg.moe else AUTO_OPTION,
     )
     return result, time.perf_counter() - start
 
@@ -238,6 +282,7 @@ def _print_search(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult
         f"{cfg.name or 'model'} ({size}), batch {wl.batch} × {cfg.seq_len} tokens, "
         f"precision {wl.preset}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
         f"overlap {result.overlap.spec()}; {searched_options(result)}"
+        + (f", {_layout_searched(args.expert_layout)}" if cfg.moe else "")
     )
     if result.machine.step_scale:
         used, steps = stepfit.samples_for(result.machine, args.gpus)
@@ -323,6 +368,11 @@ def fp8_option(precision: str, flag: str) -> bool | str:
             )
         return False
     return FP8_GATHER[flag]
+
+
+def _layout_searched(layout: str) -> str:
+    """--expert-layout in the searched line: "expert layout searched", or the pinned layout."""
+    return "expert layout searched" if layout == AUTO_OPTION else f"expert layout {ExpertLayout.parse(layout)}"
 
 
 def searched_options(result: Any) -> str:

@@ -3,11 +3,11 @@
 
 ``axon4d train --grid auto`` builds a ``JobRequest`` from its config (``axon4d.train.planned.request``):
 plain data — the model, the world size, the step's batch, the precision it computes in, each step
-option pinned to a value or left ``AUTO_OPTION`` for the search, the machine and the correction of
-its prices. ``plan_job`` answers it with one deterministic search (every rank alike; rank 0 prints
-the choice, ``axon4d.plan.auto.ranked``), and the job applies the ``JobPlan`` it gets back
-(``axon4d.train.planned.apply``): its best candidate, or under ``--try N`` the fastest measured of
-its ``fitting`` ones (``axon4d.train.trial``). Everything the job needs of the planner is on the
+option (and an MoE model's expert layout) pinned to a value or left ``AUTO_OPTION`` for the search,
+the machine and the correction of its prices. ``plan_job`` answers it with one deterministic search
+(every rank alike; rank 0 prints the choice, ``axon4d.plan.auto.ranked``), and the job applies the
+``JobPlan`` it gets back (``axon4d.train.planned.apply``): its best candidate, or under ``--try N``
+the fastest measured of its ``fitting`` ones (``axon4d.train.trial``). Everything the job needs of the planner is on the
 plan: the candidates, the machine's own name (``correction.json`` scales its prices), and under
 FP8 GEMMs the layer kinds a candidate runs in bf16 (``bf16_layers``).
 """
@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from axon4d.config import ModelConfig
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.plan import correction
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.auto import default_machine, ranked
@@ -52,6 +53,9 @@ class JobRequest:
     offload: int | str = AUTO_OPTION
     context_parallel: bool | str = AUTO_OPTION
     fp8_gather: bool | str = AUTO_OPTION
+    expert_layout: str = AUTO_OPTION
+    """An MoE model's expert layout (``axon4d.grid.expert_layout``, e.g. "ep=world,tp=1"): ``AUTO_OPTION``
+    searches every layout each grid admits (the chosen one is each candidate's ``expert_layout``)."""
     machine: str = ""
     """A shipped machine's name or a machine file's path; "": ``$AXON4D_MACHINE`` (``default_machine``)."""
     correction: str = ""
@@ -100,7 +104,10 @@ class JobPlan:
         priced)."""
         req = self.request
         cp = bool(choice.context_parallel)
-        wl = Workload(req.model, req.batch, "bfloat16", precision=fp8_plan.PRESET, context_parallel=cp)
+        layout = ExpertLayout.parse(choice.expert_layout or None)
+        wl = Workload(
+            req.model, req.batch, "bfloat16", precision=fp8_plan.PRESET, context_parallel=cp, expert_layout=layout
+        )
         opts = choice.options
         sc = Scenario(
             wl,
@@ -119,10 +126,10 @@ class JobPlan:
 
 def plan_job(request: JobRequest) -> JobPlan:
     """The planner's plan for ``request``: one search of every grid of ``request.world`` ranks with
-    the free step options and the overlap knobs (``overlap="auto"``), priced on the request's
-    machine (``priced_machine``); rank 0 prints the best and the top ``request.top``. The same on
-    every rank; ``ValueError`` (every rank alike) when the machine or its correction is refused or
-    no plan fits."""
+    the free step options (an MoE model's expert layouts too, unless pinned) and the overlap knobs
+    (``overlap="auto"``), priced on the request's machine (``priced_machine``); rank 0 prints the
+    best and the top ``request.top``. The same on every rank; ``ValueError`` (every rank alike) when
+    the machine or its correction is refused or no plan fits."""
     result = ranked(
         request.world,
         model=request.model,
@@ -138,6 +145,7 @@ def plan_job(request: JobRequest) -> JobPlan:
         offload=request.offload,
         context_parallel=request.context_parallel,
         fp8_gather=request.fp8_gather,
+        expert_layout=request.expert_layout,
         async_save=request.async_save,
     )
     return JobPlan(request, result)

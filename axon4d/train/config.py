@@ -22,6 +22,7 @@ from typing import Any
 from axon4d.config import ModelConfig, get_config, moe_overrides
 from axon4d.data.tokens import check_token_file
 from axon4d.grid import counts
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import check_sizes
 from axon4d.memory.offload import offload_blocks, parse_offload
 from axon4d.options.precision import resolve as resolve_precision
@@ -113,6 +114,8 @@ class TrainConfig:
     """On GPUs, let fp32 matmuls use TF32 tensor cores (axon4d.device.allow_tf32; --no-tf32: full fp32). No effect on CPUs."""
     context_parallel: bool = False
     """Split the tokens of each sequence over z (head–tail chunks, causal balance; sequences split over data only) for sequences too long for one rank (docs/context.md); the sequence length must be a multiple of 2·G_z."""
+    expert_layout: str = ""
+    """MoE models: where the experts run, ep=<axes>,tp=<axes> over the grid's axes x, y, z, data (e.g. ep=world,tp=1: whole experts over every rank; ep=z·data,tp=x·y, the default: experts over data × z, each split over x·y; '+' may stand for '·'; docs/moe.md). Default: the grid's, or under --grid auto the layout the planner chose with the grid; given, it is pinned. A model without experts refuses it."""
     recompute: str = "none"
     """Activation recomputation in every block (docs/design.md §5): none keeps every activation; selective recomputes core attention; balanced re-makes the norms' and the MLP activation's outputs inside the GEMMs that read them; full keeps only each block's input."""
     offload: str = ""
@@ -162,7 +165,7 @@ class TrainConfig:
         off); switches (--async-save, --overwrite, …) are True or False; rates and bounds are finite,
         --lr above 0 and --min-lr within [0, --lr]; --grid is four sizes or auto; names come from
         their lists (``CHOICES``, precisions, the size table);
-        the model those flags describe must be valid; a --data file must exist and hold at least
+        the model those flags describe must be valid, and --expert-layout a layout of an MoE model; a --data file must exist and hold at least
         one sequence (its token ids are checked against the vocabulary when it is opened). With
         --hf the saved model's configuration must be readable and the sequence fit its positions,
         and the flags that describe axon4d's own models are refused (``_check_hf``)."""
@@ -262,6 +265,25 @@ class TrainConfig:
             )
         if self.data not in DATA_NAMES:
             check_token_file(self.data, mcfg.seq_len)
+        self._check_expert_layout(mcfg)
+
+    def _check_expert_layout(self, mcfg: ModelConfig) -> None:
+        """Refuse an --expert-layout that is not a layout (the parser's message) and one given for
+        a model without experts, naming the model."""
+        if not self.expert_layout:
+            return
+        try:
+            ExpertLayout.parse(self.expert_layout)
+        except ValueError as e:
+            raise ValueError(f"--expert-layout {self.expert_layout!r}: {e}") from None
+        if not mcfg.moe:
+            model = f"--hf {self.hf!r}" if self.hf else f"--model {self.model}"
+            model += f" --moe {self.moe}" if self.moe else ""
+            raise ValueError(
+                f"--expert-layout {self.expert_layout!r} with {model}: that model has no experts (a dense model), so "
+                "there is nothing to place; drop --expert-layout, or train an MoE model (e.g. --model tiny-moe, or "
+                "--moe n_experts=8)"
+            )
 
     def _check_hf(self) -> None:
         """Refuse with --hf the flags that describe axon4d's own models or need their blocks, and

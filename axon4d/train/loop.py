@@ -48,8 +48,10 @@ from axon4d import checkpoint, grads, trials
 from axon4d import device as devices
 from axon4d.config import ModelConfig
 from axon4d.device import environment
-from axon4d.grid import runtime
+from axon4d.grid import launch, runtime
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import GridShape
 from axon4d.memory.offload import parse_offload
 from axon4d.models.transformer import Transformer
 from axon4d.options.precision import AUTO, NAMED
@@ -97,6 +99,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if resume_from is not None and checkpoint.read_meta(resume_from)["step"] == cfg.steps:
         return finished(cfg, resume_from)  # --resume auto relaunched after the run's last save
     grid_spec = cfg.grid_spec()
+    _check_expert_layout(cfg, mcfg, grid_spec)
+    layout = cfg.expert_layout or None  # None: the grid's default
     grid = runtime.init(
         grid=grid_spec,
         seed=cfg.seed,
@@ -109,8 +113,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "machine": cfg.machine or None,
             "dtype": "float32" if cfg.precision == "fp32" else "bfloat16",
             "recompute": cfg.recompute,
+            **({"expert_layout": layout} if layout else {}),  # the overlap knobs priced with it
         },
         timeout_s=cfg.startup_timeout,
+        expert_layout=layout,
     )
     try:
         with (
@@ -120,6 +126,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             return _train_on(grid, cfg, mcfg, resume_from, dog, saver, tried)
     finally:
         runtime.shutdown()
+
+
+def _check_expert_layout(cfg: TrainConfig, mcfg: ModelConfig, grid_spec: str | tuple[int, ...]) -> None:
+    """Refuse (``ValueError``, every rank alike, before any process group exists) an axon4d MoE
+    model's expert layout — ``--expert-layout``'s, else the default — that does not fit the grid:
+    the rule it breaks and the layouts that fit (``ExpertLayout.check``). A Hugging Face model's
+    blocks are checked by ``auto_parallelize``, before any collective too."""
+    if not mcfg.moe or cfg.hf or isinstance(grid_spec, str):
+        return
+    shape = GridShape.parse(grid_spec, launch.detect().world_size)
+    width = mcfg.expert_width
+    try:
+        ExpertLayout.parse(cfg.expert_layout or None).check(
+            shape, mcfg.n_experts, width, mcfg.shared_experts * width, mcfg.hidden
+        )
+    except ValueError as e:
+        given = f"--expert-layout {cfg.expert_layout}" if cfg.expert_layout else "the default expert layout"
+        raise ValueError(f"{given} on grid {shape.as_tuple()} (x, y, z, data): {e}") from None
 
 
 def _resolve_precision(cfg: TrainConfig) -> str:
@@ -324,6 +348,8 @@ def _train_on(
         [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
     )
     summary["nonfinite_skipped"] = skipped
+    if mcfg.moe:  # where its experts ran: the grid's layout, which its layers take
+        summary["expert_layout"] = str(grid.expert_layout)
     summary.update(report.save_summary(blocked, cfg.async_save))
     summary.update(chosen)
     summary["peak_tflops"], summary["peak_source"] = peak_total, peak_source  # MFU's denominator

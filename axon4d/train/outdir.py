@@ -23,8 +23,10 @@ from axon4d.train.config import TrainConfig
 #: matmuls round, as the device or the transport do, not what the run computes; offload changes
 #: where saved activations wait for their backward, not what is computed (bit-identical); --zero
 #: where the optimizer's state lives (its checkpoints load with or without it, on any data size);
-#: --hf is checked as the directory it names (``checkpoint.HF_PATH``), however the path is written
+#: --hf is checked as the directory it names (``checkpoint.HF_PATH``), however the path is written;
+#: --expert-layout where an MoE model's experts run (its checkpoints are layout-independent)
 RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {
+    "expert_layout",
     "tf32",
     "offload",
     "zero",

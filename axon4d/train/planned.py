@@ -17,6 +17,8 @@ it); the run takes the ``JobPlan`` that comes back (``apply``):
   weights; the run's precision becomes ``bf16-fp8-gather``);
 - under ``--precision bf16-fp8`` (FP8 GEMMs, chosen by the user) the layer kinds the plan runs in
   bf16 — where FP8 does not fit or is priced slower on the chosen grid — become ``--bf16-layers``;
+- an MoE model's expert layout (``--expert-layout``; ``axon4d.grid.expert_layout``) is searched with
+  the grid unless given, and the layout the plan was priced with is the one the run builds;
 - the grid and the overlap knobs the planner priced the plan with are the ones built.
 
 Which of the plan's candidates the run applies — its best, or under ``--try N`` the fastest
@@ -30,6 +32,7 @@ import dataclasses
 from typing import Any
 
 from axon4d.grid import launch
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.memory.offload import offload_blocks, parse_offload
 from axon4d.options.precision import AUTO, resolve
 from axon4d.plan.candidate import Candidate
@@ -77,6 +80,7 @@ def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
         "offload": ask("offload", offload),
         "context_parallel": ask("context_parallel", cfg.context_parallel),
         "fp8_gather": ask("fp8_gather", fp8),
+        "expert_layout": ask("expert_layout", cfg.expert_layout or str(ExpertLayout())),  # pinned "": the default
     }
 
 
@@ -110,7 +114,8 @@ def apply(cfg: TrainConfig, job: JobPlan, choice: Candidate | None = None) -> Tr
     """``cfg`` with the grid and the step options of the plan ``job``'s candidate ``choice`` (None:
     its best) (module docstring): k planned micro-batches of batch/k sequences, the first n blocks
     offloaded, FP8 gathers as the precision where --precision auto left them free, and under FP8
-    GEMMs the plan's bf16 layer kinds unless --bf16-layers names some."""
+    GEMMs the plan's bf16 layer kinds unless --bf16-layers names some; an MoE model's expert layout
+    the plan's."""
     best = job.best if choice is None else choice
     asked = job.request  # which options were the planner's to choose
     step_batch = cfg.batch_size * cfg.micro_batches
@@ -129,6 +134,8 @@ def apply(cfg: TrainConfig, job: JobPlan, choice: Candidate | None = None) -> Tr
         changes.update(micro_batches=k, batch_size=step_batch // k)
     if asked.fp8_gather == AUTO_OPTION and best.option("fp8_gather"):  # only a free --precision auto
         changes["precision"] = "bf16-fp8-gather"
+    if best.expert_layout:  # an MoE model: the layout the plan was priced with (the pinned one, if pinned)
+        changes["expert_layout"] = best.expert_layout
     if asked.precision == FP8_PRESET and not cfg.bf16_layers:
         changes["bf16_layers"] = ",".join(job.bf16_layers(best, FP8_KINDS))
     return dataclasses.replace(cfg, **changes)

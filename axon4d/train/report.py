@@ -9,7 +9,7 @@ a non-finite loss or gradient adds ``skipped`` and ``nonfinite_param``. The run 
 the steady steps up (every step but the first, which pays for warm-up allocations): medians of
 time, tokens/s and MFU, mean bytes per axis, and the hidden share of the summed communication and
 blocked time (``commlog.hidden_pct``), the device the run trained on and its activation
-recomputation mode; the training loop adds the seconds each checkpoint save blocked training
+recomputation mode; the training loop adds an MoE model's expert layout, the seconds each checkpoint save blocked training
 (``save_summary``) and the defaults it took (``CHOSEN_KEYS``: the precision
 ``auto`` resolved to, TF32, the AdamW implementation), which the banner shows too. Rank 0 writes ``log.jsonl`` (one record per logged step; a resumed run keeps
 the records up to its checkpoint's step and writes on from there), ``summary.json`` and, with
@@ -94,8 +94,8 @@ def banner(
     chosen: dict[str, Any] | None = None,
 ) -> str:
     """The start-up lines: the grid, the model, the peak MFU is measured against (and where it came
-    from), recomputation, the resume step and, from ``chosen``, the defaults the run took
-    (``chosen_line``)."""
+    from), recomputation, the resume step, an MoE model's expert layout (``expert_line``) and, from
+    ``chosen``, the defaults the run took (``chosen_line``)."""
     return (
         f"{grid}\nmodel {mcfg.name or model} ({mcfg.arch}): {mcfg.n_params() / 1e6:.2f} M parameters, "
         f"{mcfg.n_layers} layers, hidden {mcfg.hidden}, seq {mcfg.seq_len}; "
@@ -103,8 +103,16 @@ def banner(
         + (f" ({peak_source})" if peak_source else "")
         + (f"; recompute {recompute}" if recompute != "none" else "")
         + (f"; resumed at step {start}" if start else "")
+        + (f"\n{expert_line(grid, mcfg)}" if mcfg.moe else "")
         + (f"\n{chosen_line(chosen)}" if chosen else "")
     )
+
+
+def expert_line(grid: Grid, mcfg: ModelConfig) -> str:
+    """Where an MoE model's experts run on ``grid`` (its layers take the grid's layout,
+    ``axon4d.grid.expert_layout``), e.g. "expert layout ep=world,tp=1: 8 experts over x·y·z·data (8
+    ranks), 1 per rank, each whole"."""
+    return f"expert layout {grid.expert_layout.describe(grid.shape, mcfg.n_experts)}"
 
 
 def chosen_line(chosen: dict[str, Any]) -> str:
@@ -210,6 +218,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("grid", s["grid"]),
         ("device", s["device"]),
         ("recompute", s["recompute"]),
+        *([("expert layout", s["expert_layout"])] if s.get("expert_layout") else []),
         ("steps", s["steps"]),
         ("final loss", f"{s['final_loss']:.4f}" if s["final_loss"] is not None else "-"),
         ("step time (median)", f"{1e3 * s['median_step_s']:.1f} ms"),

@@ -4,7 +4,7 @@ No cost model is right on every cluster. With ``--try N`` the run asks the plann
 fastest fitting plans (``plans_wanted``: the ``top`` of the run's one ``JobRequest``) and tries
 each of the ``JobPlan``'s ``fitting`` ones in turn on the job's ranks (``choose``,
 ``axon4d.trials.run``): ``axon4d.init`` with the
-plan's grid and overlap knobs, the model with its step options, the optimizer, the data (``_trial``);
+plan's grid, overlap knobs and (an MoE model's) expert layout, the model with its step options, the optimizer, the data (``_trial``);
 ``axon4d.trials.WARMUP`` untimed steps (the second tracked for its peak memory) and ``--try-steps``
 timed ones; torn down (the model, the optimizer and their buffers dropped, the grid's process groups
 destroyed, the allocator's cache released). The run trains with the fastest measured plan, built
@@ -106,8 +106,8 @@ def _try_all(
     step: Step,
 ) -> list[dict[str, Any]]:
     """Try each plan of ``fitting`` (candidates of ``job``) in turn (``axon4d.trials.run``: built on
-    its grid with the run's seed, transport and the plan's precision, stepped, torn down); their
-    rows, in the planner's order."""
+    its grid with the run's seed, transport and the plan's precision and expert layout, stepped, torn
+    down); their rows, in the planner's order."""
 
     def planned_cfg(cand: Candidate) -> TrainConfig:
         run = planned.apply(cfg, job, cand)
@@ -115,7 +115,9 @@ def _try_all(
 
     def init(cand: Candidate) -> dict[str, Any]:
         run = planned_cfg(cand)
-        return {"seed": run.seed, "precision": run.precision, "comm": run.comm, "timeout_s": run.startup_timeout}
+        layout = run.expert_layout or None  # an MoE model's: the layout the plan was priced with
+        init = {"seed": run.seed, "precision": run.precision, "comm": run.comm, "timeout_s": run.startup_timeout}
+        return {**init, "expert_layout": layout}
 
     def built(grid: Any, cand: Candidate) -> trials.Trial:
         return _trial(planned_cfg(cand), grid, build, step)
