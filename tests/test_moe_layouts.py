@@ -1,4 +1,4 @@
-"""Protects MoE expert layouts (axon4d/grid/expert_layout.py, docs/moe.md "Expert layouts"): on
+"""Protects MoE expert layouts (axon4d/grid/expert_layout.py, docs/moe.md "Placement and expert layouts"): on
 8-rank grids, for each kind of layout — whole experts over x·y·z·data; experts split over x·y with
 expert parallelism over data; expert parallelism over z with replicas over data; and mixed ones
 (split over x only, over y only with the rows moved over x) — the MoE layer and an MoE model equal
@@ -117,3 +117,75 @@ def test_candidates_are_every_distinct_layout_that_fits():
     assert "ep=z,tp=x·y" not in found  # z has one rank: it splits nothing
     assert {str(c) for c in candidates(shape, 2, 16, 0, 32)} >= {"ep=x,tp=y", "ep=1,tp=x·y"}
     assert not any("x·y·data" in str(c) for c in candidates(shape, 4, 16, 0, 32))  # 4 experts over 8 ranks
+
+
+def _bf16_steps(grid, stage, cfg, micro):
+    """Three AdamW steps in bf16-fp32-reduce, each of ``micro`` accumulated micro-batches, the
+    optimizer sharded over data (``stage``, its gathers left in flight into the next forward as the
+    training job does) or not (0): the model and its optimizer."""
+    import torch
+
+    import axon4d
+    from axon4d.models.transformer import DenseTransformer, Transformer
+
+    torch.manual_seed(7)
+    model = Transformer.from_dense(DenseTransformer(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if stage:
+        opt = axon4d.shard_optimizer(opt, model, grid, stage=stage, overlap_gathers=True)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=gen)
+        local = axon4d.shard_batch(ids)
+        opt.zero_grad(set_to_none=True)
+        for m, part in enumerate(local.chunk(micro)):
+            loss = model.loss(part[:, :-1], part[:, 1:]) / micro
+            if m < micro - 1:
+                with grid.scheduler.accumulating():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+    return model, opt
+
+
+def _bf16_masters_against_unsharded(grid, stage, cfg, micro):
+    """The dtypes the sharded run stores its experts in, and its fp32 masters' relative difference
+    from the unsharded run's fp32 parameters (this rank's parts, over the whole model)."""
+    import math
+
+    import torch
+
+    from axon4d.nn.moe import GridExperts
+
+    model, opt = _bf16_steps(grid, stage, cfg, micro)
+    ref = dict(_bf16_steps(grid, 0, cfg, micro)[0].named_parameters())
+    num = den = 0.0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            start, master = opt.owned(p)
+            part = ref[name].detach().reshape(-1)[start : start + master.numel()]
+            num += float((master - part).square().sum())
+            den += float(part.square().sum())
+    stored = {str(p.dtype) for m in model.modules() if isinstance(m, GridExperts) for p in m.parameters()}
+    opt.release()
+    return stored, math.sqrt(num / den)
+
+
+@pytest.mark.parametrize("stage,micro", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
+def test_zero_stores_expert_replicas_over_data_in_16_bits_and_steps_them_as_the_unsharded_optimizer(
+    pools, stage, micro
+):
+    """Expert weights a layout replicates over data are stored in bf16 under ZeRO in mixed precision
+    (their fp32 masters sharded over data, as the 3D Linear weights'); their gradients — summed over
+    the micro-batches in fp32, all-reduced over the replicas, handed to the masters — step them as
+    the unsharded optimizer steps its fp32 parameters (≤ 1e-6 relative over the model), with the
+    gathers over data left in flight into the next forward, where the MoE layer's forward settles them."""
+    grid, layout = LAYOUTS["ep-z-replicas-data"]
+    cfg = CFG.replace(n_experts=8)
+    results = pools(8).run(
+        grid, _bf16_masters_against_unsharded, stage, cfg, micro, expert_layout=layout, precision="bf16-fp32-reduce"
+    )
+    for rank, (stored, gap) in enumerate(results):
+        assert stored == {"torch.bfloat16"}, stored
+        assert gap <= 1e-6, f"ZeRO-{stage} rank {rank}: masters differ from the unsharded parameters by {gap:.3g}"

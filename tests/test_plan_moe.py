@@ -113,7 +113,7 @@ def _uniform_layer(grid, cfg, tokens, policy):
         (y.square().sum() + mod.aux_loss).backward()
         logged = _tally(grid.comm.log.records, lambda tag: tag in LAYER_TERMS)
         local = tokens // grid.size("batch")
-        chunks = moe_chunks(cfg, local, grid.shape, 4, grid.scheduler.policy, False)
+        chunks = moe_chunks(cfg, local, grid.shape, 4, grid.scheduler.policy, False, mod.layout)
     return logged, chunks
 
 
@@ -141,6 +141,35 @@ def test_a_uniformly_routed_layer_logs_the_planner_s_collectives(pools, grid, po
         assert logged == priced, f"rank {rank} on {grid}: logged {logged} priced {priced}"
 
 
+#: (grid, expert layout) of each layout kind: whole experts over every rank; split over x·y with
+#: expert parallelism over data; over z with replicas over data; split over y with the rows moved over x
+LAYOUT_CASES = [
+    ((2, 2, 2, 1), "ep=world,tp=1"),
+    ((2, 2, 1, 2), "ep=data,tp=x·y"),
+    ((2, 1, 2, 2), "ep=z,tp=x·y"),
+    ((2, 2, 2, 1), "ep=x·z,tp=y"),
+]
+
+
+@pytest.mark.parametrize("grid,layout", LAYOUT_CASES)
+def test_each_expert_layout_logs_the_planner_s_collectives(pools, grid, layout):
+    """The planner's calls and bytes per (axis, term) for one uniformly routed layer under each
+    layout kind, in two overlapped chunks, equal the comm log's on every rank."""
+    cfg = moe_cfg(shared=0)
+    tokens = 16 * SEQ  # every share of every rank (cut over y and x) and chunk covers the 8 experts evenly
+    shape = GridShape(*grid)
+    local = tokens // shape.size("batch")
+    policy = {"forward_chunks": 2, "min_chunk_kb": 0}
+    results = pools(math.prod(grid)).run(grid, _uniform_layer, cfg, tokens, policy, expert_layout=layout)
+    for rank, (logged, chunks) in enumerate(results):
+        assert chunks == 2
+        priced: dict = {}
+        for c in layer_collectives(cfg, local, shape, 4, chunks, 1.0, layout):
+            calls, sent = priced.get((c.axis, str(c.term)), (0, 0))
+            priced[(c.axis, str(c.term))] = (calls + 1, sent + c.payload_bytes)
+        assert logged == priced, f"rank {rank} on {grid} under {layout}: logged {logged} priced {priced}"
+
+
 def _model_step(grid, cfg, micro):
     """One logged training step of an MoE Transformer (after a warm-up step): the log's tally."""
     from axon4d.models.transformer import Transformer
@@ -164,9 +193,9 @@ def _model_step(grid, cfg, micro):
     return _tally(grid.comm.log.records)
 
 
-def _priced_step(cfg, grid, precision, micro, recompute="none"):
+def _priced_step(cfg, grid, precision, micro, recompute="none", layout=None):
     shape = GridShape(*grid)
-    wl = Workload(cfg, 2 * shape.size("batch") * micro, precision=precision)
+    wl = Workload(cfg, 2 * shape.size("batch") * micro, precision=precision, expert_layout=layout)
     sc = Scenario(wl, shape, _host(), OverlapPolicy(), recompute, micro_batches=micro)
     calls, sent = step_collectives(sc)
     priced = {(axis, str(term)): (calls[(axis, term)], sent[(axis, term)]) for axis, term in calls}
@@ -183,18 +212,20 @@ def _priced_step(cfg, grid, precision, micro, recompute="none"):
 PADDED = {str(Term.MOE_ROWS_Y), str(Term.MOE_EXPERT)}
 
 MODEL_CASES = [
-    ((1, 1, 2, 1), "fp32", "llama", 1),
-    ((2, 1, 1, 2), "bf16-fp32-reduce", "gpt", 2),
-    pytest.param((1, 2, 2, 2), "fp32", "llama", 1, marks=pytest.mark.slow),
-    pytest.param((2, 2, 1, 2), "bf16", "llama", 2, marks=pytest.mark.slow),
+    ((1, 1, 2, 1), "fp32", "llama", 1, None),
+    ((2, 1, 1, 2), "bf16-fp32-reduce", "gpt", 2, None),
+    ((1, 1, 2, 2), "bf16-fp32-reduce", "llama", 2, "ep=z,tp=x·y"),  # replicas over data: their gradients' sums
+    pytest.param((1, 2, 2, 2), "fp32", "llama", 1, None, marks=pytest.mark.slow),
+    pytest.param((2, 2, 1, 2), "bf16", "llama", 2, None, marks=pytest.mark.slow),
+    pytest.param((2, 1, 1, 2), "fp32", "llama", 1, "ep=world,tp=1", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("grid,precision,arch,micro", MODEL_CASES)
-def test_a_model_step_logs_the_planner_s_collectives(pools, grid, precision, arch, micro):
+@pytest.mark.parametrize("grid,precision,arch,micro,layout", MODEL_CASES)
+def test_a_model_step_logs_the_planner_s_collectives(pools, grid, precision, arch, micro, layout):
     cfg = moe_cfg(arch, shared=1 if arch == "llama" else 0)
-    priced = _priced_step(cfg, grid, precision, micro)
-    results = pools(math.prod(grid)).run(grid, _model_step, cfg, micro, precision=precision)
+    priced = _priced_step(cfg, grid, precision, micro, layout=layout)
+    results = pools(math.prod(grid)).run(grid, _model_step, cfg, micro, precision=precision, expert_layout=layout)
     for rank, logged in enumerate(results):
         assert logged.keys() == priced.keys(), f"rank {rank}: terms differ {logged.keys() ^ priced.keys()}"
         for key, (calls, nbytes) in priced.items():

@@ -1,5 +1,5 @@
-"""Where an MoE layer's experts run: a layout of their own over the grid's axes (docs/moe.md, "Expert
-layouts"), independent of the 4D grid that attention and the dense layers use.
+"""Where an MoE layer's experts run: a layout of their own over the grid's axes (docs/moe.md, "Placement
+and expert layouts"), independent of the 4D grid that attention and the dense layers use.
 
 An ``ExpertLayout`` splits the four axes (x, y, z, data) three ways:
 

@@ -51,7 +51,7 @@ from axon4d.plan.layers import (
 )
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_tensors, optimizer_elements, sixteen_bit_weights
-from axon4d.plan.moe_cost import MoESeconds, layer_seconds
+from axon4d.plan.moe_cost import MoESeconds, chunks_hidden, layer_seconds
 from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
@@ -206,6 +206,7 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     # replicated parameters' gradients (one collective per bucket of a kind), norms' sums, the
     # loss's: each alike collective priced once
     replicas_s = 0.0  # the expert replicas' weight-gradient reductions (an MoE layout with replicas)
+    moe_chunks = 0.0  # what the MoE layers' chunked exchanges hide
     for c, n in Counter(bucketed_edges(sc)).items():
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's (``layers.layer_cost``)
             seconds, traffic = priced(c, sc)
@@ -220,16 +221,25 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         moe = moe_seconds(sc)
         totals.compute += n * (moe.fwd + moe.bwd)
         totals.matmul += n * moe.matmul
+        a2a = {"forward": 0.0, "backward": 0.0}
         for c, count in Counter(sc.moe_collectives).items():
             seconds, traffic = priced(c, sc)
             totals.add_collective(c, seconds, traffic, n * count)
+            if c.op == Op.ALL_TO_ALL and c.axis != "x":  # the dispatches and combines (not the moves over x)
+                a2a[c.phase] += count * seconds
         odp_experts = replicas_hidden(sc, replicas_s, moe.bwd)
+        reruns = 2 if sc.recompute == "full" else 1  # a fully recomputed block runs its forward again
+        fwd_only = chunks_hidden(a2a["forward"], 0.0, moe, sc.moe_chunks, m.overlap_efficiency)
+        both = chunks_hidden(a2a["forward"], a2a["backward"], moe, sc.moe_chunks, m.overlap_efficiency)
+        moe_chunks = n * (both + (reruns - 1) * fwd_only)
     once.interference = m.interference_time(once.traffic, world)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
     if odp_experts:
         by_mechanism["odp"] = by_mechanism.get("odp", 0.0) + odp_experts
-    hidden_s = hidden.total + hidden_cp + odp_experts
+    if moe_chunks:
+        by_mechanism["moe_chunks"] = moe_chunks
+    hidden_s = hidden.total + hidden_cp + odp_experts + moe_chunks
     gathers = zero_gathers(sc)
     if gathers:  # ZeRO: the updated parameters all-gathered over data, bucket by bucket, behind the optimizer
         seconds = 0.0

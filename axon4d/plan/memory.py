@@ -41,16 +41,20 @@ def param_bytes(wl: Workload, master_weights: bool | None = None) -> int:
 
 def sixteen_bit_weights(wl: Workload, shape: GridShape, zero: int, master_weights: bool | None = None) -> list[int]:
     """Elements of each weight shard ZeRO stores in 16 bits with its fp32 master sharded over data
-    (``axon4d.zero.sixteen_bit``: the 3D Linear weights, not the token table), training in 16 bits
-    with fp32 masters, ``zero`` ≥ 1 and G_data > 1; else none."""
+    (``axon4d.zero.sixteen_bit``: the 3D Linear weights, not the token table, and an MoE model's
+    expert weights where its expert layout replicates them over data), training in 16 bits with
+    fp32 masters, ``zero`` ≥ 1 and G_data > 1; else none."""
     if not zero or shape.data == 1 or param_bytes(wl, master_weights) == wl.element_size:
         return []
-    return [
+    out = [
         weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
         for s in wl.linears()
         if not s.embedding
         for _ in range(s.count)
     ]
+    if wl.model.moe and not moe_memory.experts_whole_under_zero(wl.expert_layout):  # expert replicas over data
+        out += moe_memory.param_tensors(wl.model, shape, wl.expert_layout)[1:3] * wl.model.n_layers
+    return out
 
 
 def local_param_count(wl: Workload, shape: GridShape) -> int:

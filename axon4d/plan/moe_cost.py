@@ -52,8 +52,8 @@ FORWARD_OPS, BACKWARD_OPS = 40, 50
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where an MoE layer's experts live on a grid under an expert layout (docs/moe.md, "Expert
-    layouts"): the runtime's ``GridExperts`` and ``MoE`` mirrored, axes of one rank left out."""
+    """Where an MoE layer's experts live on a grid under an expert layout (docs/moe.md, "Placement
+    and expert layouts"): the runtime's ``GridExperts`` and ``MoE`` mirrored, axes of one rank left out."""
 
     layout: str  # the expert layout, as text (``ExpertLayout.__str__``)
     experts: int  # E, routed experts per layer
@@ -297,6 +297,8 @@ class MoESeconds:
     fwd: float
     bwd: float
     matmul: float  # of which GEMMs (router and experts, forward and backward)
+    experts_fwd: float = 0.0  # of which the experts' GEMMs and activation, forward
+    experts_bwd: float = 0.0  # ... and backward
 
 
 def layer_seconds(
@@ -346,7 +348,22 @@ def layer_seconds(
     fwd += FORWARD_OPS * machine.op_overhead_s
     bwd = router_b + scores + up_b + down_b + act_b + ew(2 * moved, world) + 2 * combine + scale
     bwd += BACKWARD_OPS * machine.op_overhead_s
-    return MoESeconds(fwd, bwd, router_f + router_b + up_f + down_f + up_b + down_b)
+    return MoESeconds(
+        fwd, bwd, router_f + router_b + up_f + down_f + up_b + down_b, up_f + down_f + act_f, up_b + down_b + act_b
+    )
+
+
+def chunks_hidden(a2a_fwd: float, a2a_bwd: float, moe: MoESeconds, chunks: int, efficiency: float) -> float:
+    """Seconds of one MoE layer's all-to-alls (``a2a_fwd``, ``a2a_bwd``: its dispatches and combines
+    in forward and in backward) that its chunked exchange hides (``axon4d.nn.moe_dispatch.Exchange``):
+    with C chunks every dispatch is issued before the first chunk's GEMMs and each is waited for
+    just before its own, each combine behind the next chunks' GEMMs, and backward mirrors it — all
+    but one chunk's exchanges (C − 1 of C) run behind the other C − 1 chunks' expert GEMMs, at most
+    as long as those GEMMs, at the machine's overlap ``efficiency``. Nothing in one chunk."""
+    if chunks < 2:
+        return 0.0
+    share = (chunks - 1) / chunks
+    return efficiency * (min(share * a2a_fwd, share * moe.experts_fwd) + min(share * a2a_bwd, share * moe.experts_bwd))
 
 
 def active_matmul_params(model: ModelConfig) -> int:

@@ -1,22 +1,26 @@
 """What a Mixture-of-Experts layer holds on one rank (docs/moe.md; docs/design.md §10): its
 weights, what its forward keeps for backward and the peak of its backward — mirrored from
 ``axon4d.nn.moe`` (the planner may not import the layers) under ``axon4d.plan.moe_cost``'s routing
-assumption (uniform routing; ``imbalance`` ρ: the busiest rank's rows, ρ·T·k).
+assumption (uniform routing; ``imbalance`` ρ: the busiest rank's rows) and the layer's expert
+layout (``axon4d.grid.expert_layout``; None: the default).
 
 Weights per layer: the router's (E, hidden/G_x) columns, replicated over y, z and data (averaged
-over batch like a norm's); this rank's E_l = E/G_ep experts, each split over x·y — up
-(ups·f/G_y, hidden/G_x), ups = 2 for a gated FFN, and down (hidden/G_x, f/G_y) — held by this rank
-only: never sharded over z nor over data (ZeRO leaves them whole: a data rank's part of an expert
-weight is all of it).
+over batch like a norm's); this rank's E_l = E/G_ep experts, each split as the layout splits them
+— up (ups·f/G_ty, hidden/G_tx), ups = 2 for a gated FFN, and down (hidden/G_tx, f/G_ty), G_tx and
+G_ty the x and y sizes where they split the experts, else 1. Held by one data rank (data among
+the expert-parallel axes), ZeRO leaves them whole; replicated over data, ZeRO shards them (and in
+mixed precision stores them in 16 bits: ``memory.sixteen_bit_weights``).
 
-Saved for backward per layer (T tokens, h = hidden/G_x, n = ρ·T·k rows the experts compute,
-``saved``): the rows sorted by expert (n·h, the up GEMM's input), the up output (n·ups·f/G_y; a
-gated FFN's silu(gate) too, n·f/G_y), the activation (n·f/G_y, the down GEMM's input), the
-gathered outputs (T·k·h) and the gates (T·k) of the gated sum, in the compute dtype; the router's
-fp32 scores (T·E; the logits too with a z-loss), gates and their sums; the int64 orders of the
-dispatch (the share's T·k/G_y assignments twice, the n gathered rows twice) and the chosen experts
-(T·k). Under mixed precision also the router input widened to fp32 (T·h) and the experts' weights
-cast to the compute dtype for the GEMMs (kept to their backward).
+Saved for backward per layer (T tokens, h the features of a dispatched row — hidden/G_x where x
+splits the experts, else hidden —, n = the rows the experts compute: ρ·k times the rank's share of
+tokens, every y-neighbour's where y splits the experts; ``saved``): the rows sorted by expert (n·h,
+the up GEMM's input), the up output (n·ups·f/G_ty; a gated FFN's silu(gate) too, n·f/G_ty), the
+activation (n·f/G_ty, the down GEMM's input), the share's gathered outputs (T_share·k·h) and gates
+(T_share·k) of the gated sum, in the compute dtype; the router's fp32 scores (T·E; the logits too
+with a z-loss), gates and their sums; the int64 orders of the dispatch (the share's assignments
+twice, the n gathered rows twice) and the chosen experts (T·k). Under mixed precision also the
+router input widened to fp32 (T·hidden/G_x) and the experts' weights cast to the compute dtype
+for the GEMMs (kept to their backward).
 """
 
 from __future__ import annotations

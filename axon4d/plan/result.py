@@ -111,22 +111,30 @@ class PlanResult:
         return {"expert_placement": placement(wl.model, c.shape, layout).to_json(), "imbalance": wl.imbalance}
 
     def table(self, top: int = 10) -> str:
-        """The top-k candidates as a text table, with the step options each was priced with."""
+        """The top-k candidates as a text table, with the step options each was priced with; for an
+        MoE model also each one's expert layout and the seconds on products of axes an expert
+        layout adds (``t_prod``: its all-to-alls, counts and replicas' reductions over y·z, world, …)."""
+        moe = self.workload.model.moe
         head = (
             f"{'grid (x,y,z,d)':<18} {'seq':>5} {'recompute':>9} {'mb':>3} {'zero':>4} {'offl':>4} {'fp8':>3} "
-            f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'pin GiB':>7} {'fits':>4} "
-            + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES)
+            + (f"{'experts':<20} " if moe else "")
+            + f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'pin GiB':>7} {'fits':>4} "
+            + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES + (("prod",) if moe else ()))
             + f" {'hidden':>7} {'×bound':>7}"
         )
         lines = [head, "-" * len(head)]
         for c in self.candidates[:top]:
             t, o = c.time, c.options
-            axes = " ".join(f"{t.comm_by_axis.get(a, 0.0):>8.3g}" for a in TABLE_AXES)
+            seconds = [t.comm_by_axis.get(a, 0.0) for a in TABLE_AXES]
+            if moe:
+                seconds.append(sum(v for a, v in t.comm_by_axis.items() if a not in TABLE_AXES))
+            axes = " ".join(f"{v:>8.3g}" for v in seconds)
             lines.append(
                 f"{str(c.shape.as_tuple()):<18} {'split' if c.context_parallel else 'whole':>5} "
                 f"{o.get('recompute', 'none'):>9} {o.get('micro_batches', 1):>3} {o.get('zero', 0):>4} "
                 f"{o.get('offload', 0):>4} {'yes' if o.get('fp8_gather') else 'no':>3} "
-                f"{t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
+                + (f"{c.expert_layout:<20} " if moe else "")
+                + f"{t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
                 f"{c.mem.peak / 2**30:>8.2f} {c.mem.pinned_node / 2**30:>7.1f} {'yes' if c.fits else 'NO':>4} {axes} "
                 f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"
             )

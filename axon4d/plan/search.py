@@ -20,11 +20,12 @@ import numpy as np
 
 from axon4d.config import ModelConfig, get_config
 from axon4d.grid import rules
-from axon4d.grid.expert_layout import ExpertLayout, candidates
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import AXES, GridShape, factorizations
 from axon4d.options.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan import stepfit
 from axon4d.plan.candidate import Candidate, tune_overlap
+from axon4d.plan.expert_layouts import undominated, with_layouts
 from axon4d.plan.machine import Machine, available, load
 from axon4d.plan.options import AUTO_OPTION, Choices, best_options, lower_bound, offload_levels
 from axon4d.plan.result import PlanResult
@@ -116,6 +117,7 @@ def plan(
     auto = overlap == AUTO
     ov = OverlapPolicy() if auto else OverlapPolicy.parse(overlap)
     grids, invalid = valid_grids(workload, world, cp, AUTO_OPTION if expert_layout == AUTO_OPTION else "")
+    grids = undominated(grids, mach, ov)  # an MoE model's layouts no option could make the fastest: dropped
     cands, searched = search_grids(grids, mach, ov, choices, memory_limit, top)
     if auto:  # the knobs, for the fastest few grids (each variant is one more pricing)
         cands, ov = _tune_fastest(cands, workload, mach, ov, memory_limit)
@@ -189,11 +191,11 @@ def valid_grids(
     it is, and with ``cp`` ``AUTO_OPTION`` each valid grid of G_z > 1 with the sequences split over z
     too, where the sequence length is even and the model has no MoE layers (context parallelism
     with MoE layers is not priced: ``Workload``). An MoE model with ``expert_layouts``
-    ``AUTO_OPTION``: each grid with each expert layout it admits (``_with_layouts``)."""
+    ``AUTO_OPTION``: each grid with each expert layout it admits (``expert_layouts.with_layouts``)."""
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     if workload.model.moe and expert_layouts == AUTO_OPTION:  # every layout each grid admits
-        return _with_layouts(workload, shapes)
+        return with_layouts(workload, shapes)
     mask = valid_mask(workload, arr)
     grids = [(workload, s) for s, ok in zip(shapes, mask) if ok]
     moe = workload.model.moe  # context parallelism with MoE layers is not priced (``Workload``)
@@ -203,26 +205,6 @@ def valid_grids(
         grids += [(split, s) for s, ok in zip(shapes, split_mask) if ok and s.z > 1]
         mask |= split_mask
     return grids, int((~mask).sum())
-
-
-def _with_layouts(workload: Workload, shapes: list[GridShape]) -> tuple[list[tuple[Workload, GridShape]], int]:
-    """Each of ``shapes`` that satisfies the rules outside the experts, with ``workload`` under each
-    expert layout it admits (``axon4d.grid.expert_layout.candidates``: one per distinct placement),
-    and how many shapes admit none."""
-    m = workload.model
-    out: list[tuple[Workload, GridShape]] = []
-    invalid = 0
-    variants: dict[str, Workload] = {}
-    for s in shapes:
-        fits = candidates(s, m.n_experts, m.expert_width, m.shared_experts * m.expert_width, m.hidden)
-        pairs = []
-        for layout in fits:
-            wl = variants.setdefault(str(layout), dataclasses.replace(workload, expert_layout=layout))
-            if all(rule.holds(s) for rule in wl.rules()):
-                pairs.append((wl, s))
-        out += pairs
-        invalid += not pairs
-    return out, invalid
 
 
 def search_grids(

@@ -241,10 +241,17 @@ class Scheduler(WeightGathers, DataShardings):
             param.grad = None
 
     def _replicated_accumulated(self, param: torch.Tensor, tag: Term, axis: Axis) -> None:
-        """After autograd accumulated it: unless held, hand the local sum to its bucket."""
+        """After autograd accumulated it: unless held, hand the local sum to its bucket. Held, a
+        parameter stored in 16 bits (ZeRO's expert replicas, ``axon4d.zero.sixteen_bit``) moves its
+        sum into one held in the reduction dtype, so that micro-batches add up unrounded."""
         self.backward_started()
         if not self.holding:
             self._reduce_replicated(param, tag, axis)
+            return
+        wire = wire_dtype(self.precision, tag, param.dtype)
+        if param.grad is not None and param.grad.dtype != wire:
+            self._hold(param, param.grad.detach().reshape(-1).to(wire), axis, tag, 1.0 / self.comm.shape.size("batch"))
+            param.grad = None
 
     def _reduce_replicated(self, param: torch.Tensor, tag: Term, axis: Axis) -> None:
         """Put a replicated parameter's local sum (its ``.grad``) in its bucket, restoring the
@@ -255,7 +262,7 @@ class Scheduler(WeightGathers, DataShardings):
         if local is None:
             return
         flat = local.detach().reshape(-1).to(wire_dtype(self.precision, tag, param.dtype))  # (numel,)
-        self._add_to_bucket((axis, tag), (param, flat, scale))
+        self._add_to_bucket((axis, tag), (param, self._with_held(param, flat), scale))
 
     def _hold(self, param: torch.Tensor, grad: torch.Tensor, axis: Axis, tag: Term, scale: float) -> None:
         """Add a micro-batch's gradient to ``param``'s held sum (accumulation)."""

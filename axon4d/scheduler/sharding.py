@@ -37,6 +37,11 @@ class DataSharding(Protocol):
         """``param``'s all-reduced, scaled gradient, flat (numel,) in the reduction dtype."""
         ...
 
+    def stores_sixteen(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is stored in 16 bits with its fp32 master here: its reduced gradient,
+        however it is reduced, goes to ``take_whole_grad`` or ``take_grad``, never to ``.grad``."""
+        ...
+
 
 #: each item's part size and the sharding that takes it, in the bucket's order
 Parts = list[tuple[int, DataSharding]]
@@ -116,9 +121,13 @@ class DataShardings:
         return sharding is not None and sharding.scatters
 
     def _whole_taker(self, param: torch.Tensor) -> DataSharding | None:
-        """The ``DataSharding`` that takes ``param``'s all-reduced gradient whole (ZeRO-1 in 16 bits), or None."""
+        """The ``DataSharding`` that takes ``param``'s all-reduced gradient whole, or None: ZeRO-1
+        training in 16 bits, and under ZeRO-2 a 16-bit parameter whose gradient is all-reduced, not
+        reduce-scattered (an MoE layer's expert replicas, ``track_replicated``)."""
         sharding = self.sharding_of(param) if self._shardings else None
-        return None if sharding is None or sharding.scatters else sharding
+        if sharding is None or (sharding.scatters and not sharding.stores_sixteen(param)):
+            return None
+        return sharding
 
     def _scatter(self, items: list[Item]) -> None:
         """ZeRO-2's E12 for one bucket: reduce-scatter its weight shards over data, each rank

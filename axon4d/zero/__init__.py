@@ -99,6 +99,11 @@ class _GradSink:
         if opt is not None:
             opt._take_grad(param, part)
 
+    def stores_sixteen(self, param: torch.Tensor) -> bool:
+        opt = self._ref()
+        part = opt._parts.get(id(param)) if opt is not None else None
+        return part is not None and part.sixteen
+
     def take_whole_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         opt = self._ref()
         if opt is not None:
@@ -359,13 +364,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 def sixteen_bit(model: nn.Module) -> set[int]:
     """ids of the parameters a sharded optimizer stores in 16 bits when training in mixed precision
     with G_data > 1: the weight shards of ``model``'s 3D Linear layers (``axon4d.Linear``) — whose
-    gradients the scheduler reduces over data as E12 — held by no other kind of module."""
-    linear: set[int] = set()
+    gradients the scheduler reduces over data as E12 — and the expert weights of MoE layers whose
+    layout replicates them over data (their gradients summed over the replicas' axis, data among
+    them: ``axon4d.nn.moe``), held by no other kind of module."""
+    sixteen: set[int] = {id(p) for p in expert_parameters(model, replicated_over_data=True)}
     other: set[int] = set()
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            (linear if isinstance(module, Linear) and name == "weight" else other).add(id(p))
-    return linear - other
+            if isinstance(module, Linear) and name == "weight":
+                sixteen.add(id(p))
+            elif id(p) not in sixteen:
+                other.add(id(p))
+    return sixteen - other
 
 
 def _optimizers(grid: Grid) -> list[ShardedOptimizer]:

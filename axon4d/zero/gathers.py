@@ -176,20 +176,32 @@ class ParamGathers:
     # -- forward pre-hooks ----------------------------------------------------------------------
     def hook(self, model: nn.Module) -> None:
         """Settle a module's parameters before its forward (deferred gathers): a pre-hook on each
-        module of ``model`` that directly holds one of these parameters, holding this object weakly."""
+        module of ``model`` that directly holds one of these parameters, holding this object weakly.
+        A module that only holds parameters and is never called (an MoE layer's router weight and
+        expert stacks, read in the layer's own forward) is settled before the forward of the
+        nearest module above it that is called."""
         ours = {id(part.param) for bucket in self.buckets for part in bucket}
         ref = weakref.ref(self)
+        parents = {id(child): module for module in model.modules() for child in module.children()}
 
-        def before_forward(module: nn.Module, args: Any) -> None:
-            gathers = ref()
-            if gathers is None or not gathers._pending:
-                return
-            for p in module.parameters(recurse=False):
-                gathers.settle_through(p)
+        def settling(params: list[nn.Parameter]) -> Any:
+            def before_forward(module: nn.Module, args: Any) -> None:
+                gathers = ref()
+                if gathers is None or not gathers._pending:
+                    return
+                for p in params:
+                    gathers.settle_through(p)
+
+            return before_forward
 
         for module in model.modules():
-            if any(id(p) in ours for p in module.parameters(recurse=False)):
-                self._hooks.append(module.register_forward_pre_hook(before_forward))
+            held = [p for p in module.parameters(recurse=False) if id(p) in ours]
+            if not held:
+                continue
+            called = module
+            while type(called).forward is nn.Module.forward and id(called) in parents:  # a holder: never called
+                called = parents[id(called)]
+            self._hooks.append(called.register_forward_pre_hook(settling(held)))
 
     def unhook(self) -> None:
         """Remove the forward pre-hooks (after settling)."""
