@@ -162,7 +162,8 @@ def _moe_layouts(model) -> list[str]:
 
 
 def _spied_train(cfg: TrainConfig) -> tuple[dict, list[str]]:
-    """``train(cfg)``, and the expert layout of every MoE layer of the model it built."""
+    """``train(cfg)`` (what it printed in the summary's ``printed``), and the expert layout of every
+    MoE layer of the model it built."""
     from axon4d.train import loop
 
     build, seen = loop._model, []
@@ -173,11 +174,13 @@ def _spied_train(cfg: TrainConfig) -> tuple[dict, list[str]]:
         return model
 
     loop._model = spy
+    out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return train(cfg), seen
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            summary = train(cfg)
     finally:
         loop._model = build
+    return {**summary, "printed": out.getvalue()}, seen
 
 
 def _two_layouts(root: str) -> list[tuple[dict, list[str]]]:
@@ -189,10 +192,15 @@ def _two_layouts(root: str) -> list[tuple[dict, list[str]]]:
 
 
 def test_a_pinned_layout_trains_on_the_default_layout_s_loss_curve(pools, tmp_path):
-    for (default, default_layers), (whole, whole_layers) in pools(4).run(None, _two_layouts, str(tmp_path)):
+    results = pools(4).run(None, _two_layouts, str(tmp_path))
+    assert results[0][1][0]["printed"]  # rank 0 printed its banner and summary
+    for (default, default_layers), (whole, whole_layers) in results:
         assert default_layers == [str(ExpertLayout())] * 2 and whole_layers == [WHOLE] * 2
         assert (default["expert_layout"], whole["expert_layout"]) == (str(ExpertLayout()), WHOLE)
         assert len(whole["losses"]) == 3
+        if whole["printed"]:  # rank 0's banner and summary table say which layout ran
+            assert f"expert layout {WHOLE}: 8 experts over world (4 ranks), 2 per rank, each whole" in whole["printed"]
+            assert any(line.split() == ["expert", "layout", WHOLE] for line in whole["printed"].splitlines())
         for a, b in zip(whole["losses"], default["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), (whole["losses"], default["losses"])
 
