@@ -338,3 +338,21 @@ def test_loading_a_mixtral_by_slices_follows_the_layout(pools, tmp_path):
     for logits, shapes in pools(4).run(MIXTRAL_GRID, _loaded_under, "ep=world,tp=1", directory):
         assert rel_err(logits, want) <= 1e-5
         assert shapes == [(1, 2 * 32, 64)] * 2  # 1 whole expert of the 4 per rank: [gate | up] of FFN 32, hidden 64
+
+
+def _tried_run(cfg_dict: dict) -> tuple[list[str], list[dict]]:
+    """A --try run: the layout of every MoE model it built (each trial's, then the run's), and its rows."""
+    summary, layers = _spied_train(TrainConfig(**cfg_dict))
+    return layers, summary["trials"]
+
+
+@pytest.mark.slow
+def test_try_builds_each_plan_in_its_own_layout_and_trains_the_chosen_one_s(pools, tmp_path):
+    cfg = {**JOB, "grid": "auto", "machine": HOST_MACHINE, "steps": 1, "try_plans": 2, "try_steps": 1}
+    cfg["out_dir"] = str(tmp_path / "try")
+    asked = dataclasses.replace(planned.request(TrainConfig(**cfg), False, 2), world=4, rank=1)
+    fitting = plan_job(asked).fitting
+    for layers, rows in pools(4).run(None, _tried_run, cfg, timeout=300):
+        chosen = next(i for i, r in enumerate(rows) if r["chosen"])
+        want = [c.expert_layout for c in fitting] + [fitting[chosen].expert_layout]
+        assert layers == [layout for layout in want for _ in range(2)]  # two MoE layers per model
