@@ -143,3 +143,40 @@ def test_sizes_that_do_not_match_the_operands_are_refused():
         grouped.grouped_mm(a, b, [2, 3, 0])
     with pytest.raises(ValueError, match="size ≥ 0"):
         grouped.grouped_weight_grad(dy, a, [6, -1])
+
+
+def test_a_refused_kernel_falls_back_to_the_padded_gemm_and_is_not_asked_again(monkeypatch):
+    monkeypatch.setattr(grouped, "_REFUSED", set())
+    asked = []
+
+    def refuse(*args, **kwargs):
+        asked.append(1)
+        raise RuntimeError("not on this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuse)
+    sizes = SIZES["empty-groups"]
+    a, b, dy = operands(sizes)
+    for _ in range(2):
+        assert rel(grouped.grouped_mm(a, b, sizes), loop_mm(a, b, sizes)) <= 1e-6
+        assert rel(grouped.grouped_weight_grad(dy, a, sizes), loop_weight_grad(dy, a, sizes)) <= 1e-6
+    assert len(asked) == 2, "each form is tried once, then the padded GEMM runs"
+    assert not grouped.native_grouped_mm(a, b)
+
+
+def test_the_kernels_weight_gradient_of_an_empty_group_is_zero_even_if_it_leaves_it_unwritten(monkeypatch):
+    """A kernel need not write the product of a group of no rows (torch's output is uninitialised)."""
+    real = torch._grouped_mm
+
+    def unwritten(x, y, offs):
+        out = real(x, y, offs=offs)
+        if out.dim() == 3:
+            sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+            out[sizes == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", unwritten)
+    sizes = SIZES["empty-groups"]
+    a, _, dy = operands(sizes)
+    dw = grouped.grouped_weight_grad(dy, a, sizes)
+    assert rel(dw, loop_weight_grad(dy, a, sizes)) <= 1e-6
+    assert torch.equal(dw[0], torch.zeros_like(dw[0]))
