@@ -8,12 +8,12 @@ products cover an expert layer's forward and backward:
     grouped_mm_t(a, b, sizes)      out[rows of g] = a[rows of g] @ b[g]ᵀ          (M, K) × (G, N, K) → (M, N)
     grouped_weight_grad(dy, a, …)  out[g] = dy[rows of g]ᵀ @ a[rows of g]         → (G, N, K)
 
-Each runs one of two ways (``native_grouped_mm`` says which for a pair of operands):
+Each runs one of two ways (``native_grouped_mm`` says which ``grouped_mm`` takes for its operands):
 
 - ``torch._grouped_mm`` where it accepts the operands: fp32 or bf16 on the host (a loop over the
   groups inside torch's C++), bf16 on an accelerator with its grouped kernel (compute capability
   9.x or 10.x; elsewhere torch's fallback would copy the offsets to the host, a device sync), and
-  every stride but a unit one a multiple of 16 bytes. The weight gradient is its 2D × 2D form,
+  every stride but a unit one a multiple of 16 bytes (on an accelerator the data's start too). The weight gradient is its 2D × 2D form,
   ``dyᵀ`` (N, M) × ``a`` (M, K) with the offsets along the reduced M, which gives (G, N, K). A
   kernel that raises once is not asked again for that device type, dtype and form.
 - Otherwise a padded batched GEMM: each group's rows are scattered by one ``index_copy`` into a
