@@ -80,8 +80,10 @@ class Tried:
     """Per plan, in the planner's order: predicted and measured step time and peak memory, the error, the choice."""
 
     def init_args(self) -> dict[str, Any]:
-        """``axon4d.init``'s ``grid`` and ``overlap`` for the chosen plan."""
-        return {"grid": self.best.shape.as_tuple(), "overlap": self.best.overlap}
+        """``axon4d.init``'s ``grid`` and ``overlap`` for the chosen plan, and an MoE model's
+        ``expert_layout`` (the one the plan was priced with)."""
+        layout = {"expert_layout": self.best.expert_layout} if self.best.expert_layout else {}
+        return {"grid": self.best.shape.as_tuple(), "overlap": self.best.overlap, **layout}
 
 
 def try_plans(
@@ -98,7 +100,7 @@ def try_plans(
     """Try the planner's ``top`` fastest fitting plans for ``plan`` (``axon4d.init``'s: {"model",
     "batch", "machine", and the step options, "auto" to let the planner choose}) on this job's
     ranks: each built by ``build(grid, candidate)`` on ``axon4d.init(grid=..., overlap=...,
-    seed=seed, precision=precision, comm=comm)``, stepped ``WARMUP`` + ``steps`` times and torn down
+    expert_layout=..., seed=seed, precision=precision, comm=comm)``, stepped ``WARMUP`` + ``steps`` times and torn down
     (module docstring). The builder applies the candidate's step options it supports
     (``candidate.recompute``, ``candidate.option("zero")``, ...). Returns the fastest measured plan
     and the rows; rank 0 prints them. Call it on every rank, with no grid built; build the chosen
@@ -123,7 +125,11 @@ def try_plans(
     result = ranked(info.world_size, **{"overlap": "auto", **plan, "rank": info.rank, "top": top})
     fitting = [c for c in result.candidates if c.fits][:top]
     init = {"seed": seed, "precision": precision, "comm": comm, "timeout_s": timeout_s}
-    rows = run(fitting, build, steps=steps, init=lambda _: init, timeout_s=timeout_s, label=f"try_plans(top={top})")
+
+    def built(cand: Candidate) -> dict[str, Any]:  # an MoE model's plan in the layout it was priced with
+        return {**init, "expert_layout": cand.expert_layout or None}
+
+    rows = run(fitting, build, steps=steps, init=built, timeout_s=timeout_s, label=f"try_plans(top={top})")
     chosen = fastest(rows, f"try_plans(top={top})", "build a grid of your own with axon4d.init(grid=(x, y, z, data))")
     if info.rank == 0:
         print(table(rows), file=sys.stderr, flush=True)

@@ -356,3 +356,32 @@ def test_try_builds_each_plan_in_its_own_layout_and_trains_the_chosen_one_s(pool
         chosen = next(i for i, r in enumerate(rows) if r["chosen"])
         want = [c.expert_layout for c in fitting] + [fitting[chosen].expert_layout]
         assert layers == [layout for layout in want for _ in range(2)]  # two MoE layers per model
+
+
+def _init_auto_layouts(plan_args: dict) -> tuple[tuple[int, ...], list[str]]:
+    """``axon4d.init(grid="auto", plan=...)`` then an MoE model built on it: its grid and layers' layouts."""
+    import axon4d
+    from axon4d.config import get_config
+    from axon4d.models.transformer import Transformer
+    from axon4d.nn.moe import MoE
+
+    grid = axon4d.init(grid="auto", plan=plan_args)
+    try:
+        model = Transformer(get_config("tiny-moe"))
+        return grid.shape.as_tuple(), [str(m.layout) for m in model.modules() if isinstance(m, MoE)]
+    finally:
+        axon4d.shutdown()
+
+
+def test_init_auto_builds_the_layout_the_planner_chose(pools):
+    """``axon4d.init(grid="auto")`` of an MoE model builds the grid and the expert layout of the
+    candidate the planner chose (which is not the default layout here), and ``Tried.init_args``
+    names the chosen plan's layout."""
+    from axon4d.plan.auto import choose
+    from axon4d.trials import Tried
+
+    plan_args = {"model": "tiny-moe", "batch": 8, "machine": HOST_MACHINE, "dtype": "float32"}
+    best = choose(4, overlap="auto", **plan_args)
+    assert best.expert_layout and best.expert_layout != str(ExpertLayout())
+    assert pools(4).run(None, _init_auto_layouts, plan_args) == [(best.shape.as_tuple(), [best.expert_layout] * 2)] * 4
+    assert Tried(best, []).init_args()["expert_layout"] == best.expert_layout

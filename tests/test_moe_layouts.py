@@ -99,6 +99,8 @@ def test_layout_text_round_trips_and_bad_layouts_name_what_would_work():
         assert ExpertLayout.parse(str(layout)) == layout
     assert ExpertLayout.parse(None) == ExpertLayout.parse("ep=batch,tp=xy") == ExpertLayout()
     assert ExpertLayout.parse("ep=y·data,tp=x").dp == ("z",)
+    assert ExpertLayout.parse("ep=world") == ExpertLayout.parse("ep=world,tp=1")  # tp: what ep leaves of x·y
+    assert ExpertLayout.parse("ep=y·z") == ExpertLayout.parse("ep=y·z,tp=x")
     with pytest.raises(ValueError, match="axis x cannot both"):
         ExpertLayout.parse("ep=x,tp=x")
     with pytest.raises(ValueError, match="experts split only over x"):

@@ -79,7 +79,8 @@ class ExpertLayout:
     @classmethod
     def parse(cls, layout: ExpertLayout | str | None) -> ExpertLayout:
         """``layout`` as an ``ExpertLayout``: None is the default (ep=batch, tp=x·y); text is
-        ``ep=<axes>,tp=<axes>`` (either part may be left out: ep defaults to batch, tp to x·y)."""
+        ``ep=<axes>,tp=<axes>`` (either part may be left out: ep defaults to batch, tp to those of
+        x and y that ep leaves — "ep=world" is whole experts over every rank)."""
         if layout is None:
             return cls()
         if isinstance(layout, ExpertLayout):
@@ -98,7 +99,8 @@ class ExpertLayout:
                     "or 'ep=z,tp=x·y' (axes x, y, z, data joined by '·' or '+'; batch, world; 1 for none)"
                 )
             parts[key] = _axes(value, key)
-        return cls(parts.get("ep", ("z", "data")), parts.get("tp", ("x", "y")))
+        ep = parts.get("ep", ("z", "data"))
+        return cls(ep, parts.get("tp", tuple(a for a in TP_AXES if a not in ep)))
 
     @property
     def dp(self) -> tuple[GridAxis, ...]:

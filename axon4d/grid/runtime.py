@@ -81,7 +81,10 @@ def init(
     job created; see ``shutdown``) is used as it is.
     """
     info = _joining()
-    shape, overlap = _shape_and_overlap(grid, overlap, plan, precision, info)
+    if expert_layout is not None:  # a pinned layout: the planner prices it (grid="auto", overlap="auto")
+        expert_layout = ExpertLayout.parse(expert_layout)
+        plan = {**plan, "expert_layout": expert_layout} if plan is not None else None
+    shape, overlap, chosen_layout = _shape_and_overlap(grid, overlap, plan, precision, info)
     dev = devices.rank_device(None if device is None else torch.device(device), info.local_rank)
     devices.bind(dev)
     if seed is not None:
@@ -89,7 +92,7 @@ def init(
     transport, backend, why = choose_transport(comm, backend, info.launcher, dev)
     policy = OverlapPolicy.parse(overlap)  # raises before any group exists
     mixed = Precision.parse(precision)  # likewise
-    layout = ExpertLayout.parse(expert_layout)  # likewise
+    layout = ExpertLayout.parse(expert_layout if expert_layout is not None else chosen_layout or None)
     if not dist.is_initialized():
         launch.start_world(info, backend or devices.default_backend(dev), timeout_s, device=dev)
         _state["owns_world"], _state["launch"] = True, info
@@ -130,10 +133,11 @@ def _shape_and_overlap(
     plan: dict[str, Any] | None,
     precision: Precision | str | None,
     info: launch.LaunchInfo,
-) -> tuple[GridShape, OverlapPolicy | bool | str | dict[str, Any] | None]:
-    """``init``'s grid shape and overlap policy for the world of ``info``: ``grid="auto"`` the
-    planner's grid for ``plan`` (and its knobs under ``overlap="auto"``), ``overlap="auto"`` on a
-    given grid the knobs the planner predicts fastest there; the planner prices ``precision``'s
+) -> tuple[GridShape, OverlapPolicy | bool | str | dict[str, Any] | None, str]:
+    """``init``'s grid shape and overlap policy for the world of ``info``, and the expert layout
+    the planner chose ("" where it chose none): ``grid="auto"`` the planner's grid for ``plan`` (and
+    its knobs under ``overlap="auto"``, its layout for an MoE model), ``overlap="auto"`` on a given
+    grid the knobs the planner predicts fastest there; the planner prices ``precision``'s
     collectives unless ``plan`` names a precision or a workload."""
     if plan is not None and isinstance(precision, str) and "precision" not in plan and "workload" not in plan:
         plan = {**plan, "precision": precision}  # the planner prices what this grid's collectives move
@@ -141,11 +145,14 @@ def _shape_and_overlap(
         if grid != "auto":
             raise ValueError(f"grid={grid!r}: give (x, y, z, data) sizes or 'auto' (the planner chooses)")
         chosen = choose(info.world_size, overlap=overlap, rank=info.rank, **(plan or {}))
-        grid, overlap = chosen.shape, chosen.overlap if overlap == AUTO else overlap
+        grid, overlap, layout = chosen.shape, chosen.overlap if overlap == AUTO else overlap, chosen.expert_layout
+    else:
+        layout = ""
     shape = GridShape.parse(grid, info.world_size)
     if overlap == AUTO:
-        overlap = choose_overlap(shape, rank=info.rank, **(plan or {}))
-    return shape, overlap
+        priced = {**(plan or {}), **({"expert_layout": layout} if layout else {})}  # the layout the grid builds
+        overlap = choose_overlap(shape, rank=info.rank, **priced)
+    return shape, overlap, layout
 
 
 def _settled_transport(transport: str, why: str, dev: torch.device, info: launch.LaunchInfo) -> TransportChoice:

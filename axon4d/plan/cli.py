@@ -325,6 +325,12 @@ def _print_plans(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult,
         "\ncolumns: mem = peak device memory per rank; pin = host memory the node's ranks pin (offload, async "
         "snapshot); t_<axis> = communication seconds per step on that axis before overlap; hidden = share of "
         "communication overlap hides; ×bound = communication words / Agarwal's lower bound"
+        + (
+            "; experts = the expert layout (docs/moe.md); t_prod = seconds on products of axes an expert layout "
+            "groups (y·z, world, …)"
+            if cfg.moe
+            else ""
+        )
     )
     if args.json:
         with open(args.json, "w") as f:

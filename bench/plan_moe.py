@@ -1,0 +1,102 @@
+"""MoE jobs priced by the planner with and without expert layouts of their own (issue 51).
+
+For each job — Mixtral-8x7B on 256 H100s and ``moe-1t`` (Kimi K2's shape) on 1024, each with a
+batch of 1024 sequences of 4096 tokens — two searches of ``axon4d.plan.search.plan`` with the
+shipped ``h100.json``:
+
+- **default layout**: the experts over data × z, each split over x·y (``ep=batch,tp=x·y``: the one
+  placement the runtime had before expert layouts);
+- **searched**: every expert layout each grid admits, with the grid and every step option (what
+  ``axon4d plan`` does).
+
+Every plan is held to what the machine file says a node has (docs/planner.md). These are
+predictions of the cost model — its GPU figures are published peaks derated by the stated
+assumptions of ``axon4d/plan/machines/h100.json``, its all-to-all an unmeasured model — not GPU
+runs. Nothing is timed; the two 1024-rank searches take a minute or two on a 2-core host.
+
+    .venv/bin/python bench/plan_moe.py
+
+Saves ``bench/results/plan_moe.json`` (each search's top candidates: grid, options, layout,
+predicted step time, time parts and memory, and the header of bench/common.py); the last lines are,
+per job, ``plan MoE: mixtral-8x7b on 256 × h100, batch 1024: default layout B% → searched A% model MFU
+(predicted; grid G, options O)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import common  # noqa: E402
+
+from axon4d.plan.candidate import Candidate  # noqa: E402
+from axon4d.plan.search import plan  # noqa: E402
+
+#: (model, GPUs, batch in sequences): the issue's two jobs
+JOBS = (("mixtral-8x7b", 256, 1024), ("moe-1t", 1024, 1024))
+#: the placement the runtime had before expert layouts
+DEFAULT_LAYOUT = "ep=batch,tp=x·y"
+
+
+def _row(c: Candidate) -> dict[str, Any]:
+    t = c.time
+    return {
+        "grid": list(c.shape.as_tuple()),
+        "options": c.options_spec(),
+        "expert_layout": c.expert_layout,
+        "fits": c.fits,
+        "mfu": c.mfu,
+        "step_s": t.step_s,
+        "compute_s": t.compute_s,
+        "comm_s": t.comm_s,
+        "hidden_s": t.hidden_s,
+        "comm_by_axis_s": t.comm_by_axis,
+        "hidden_by_mechanism_s": t.hidden_by_mechanism,
+        "peak_gib": c.mem.peak / 2**30,
+    }
+
+
+def search(model: str, gpus: int, batch: int, machine: str, top: int, layout: str | None) -> dict[str, Any]:
+    """One search (``layout`` None: every layout searched), its fitting candidates' rows."""
+    kw = {} if layout is None else {"expert_layout": layout}
+    r = plan(model, gpus, machine, batch, top=top, **kw)
+    fitting = [c for c in r.candidates if c.fits][:top]
+    return {"layout": layout or "searched", "searched": r.searched, "valid": r.valid, "top": [_row(c) for c in fitting]}
+
+
+def headline(model: str, gpus: int, machine: str, batch: int, default: dict[str, Any], best: dict[str, Any]) -> str:
+    """``plan MoE: <model> on <gpus> × <machine>, batch <b>: default layout B% → searched A% ...``."""
+    was = f"{100 * default['top'][0]['mfu']:.1f}%" if default["top"] else "nothing fits"
+    b = best["top"][0]
+    return (
+        f"plan MoE: {model} on {gpus} × {machine}, batch {batch}: default layout {was} → searched "
+        f"{100 * b['mfu']:.1f}% model MFU (predicted; grid {tuple(b['grid'])}, {b['options']})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--machine", default="h100")
+    p.add_argument("--top", type=int, default=5, help="fitting candidates kept per search")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "plan_moe.json"))
+    args = p.parse_args(argv)
+    head = common.header()
+    jobs, lines = [], []
+    for model, gpus, batch in JOBS:
+        default = search(model, gpus, batch, args.machine, args.top, DEFAULT_LAYOUT)
+        best = search(model, gpus, batch, args.machine, args.top, None)
+        jobs.append({"model": model, "gpus": gpus, "batch": batch, "default_layout": default, "searched": best})
+        lines.append(headline(model, gpus, args.machine, batch, default, best))
+    common.save(args.out, {"machine": args.machine, "jobs": jobs}, head)
+    for line in lines:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
