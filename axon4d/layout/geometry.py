@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 
 import torch
@@ -241,8 +242,10 @@ def weight_block_shape(in_features: int, out_features: int, shape: GridShape, tr
     return out_features // shape.size(out_axis), in_features // shape.size(in_axis)
 
 
+@functools.lru_cache(maxsize=65536)
 def weight_shard_numel(in_features: int, out_features: int, shape: GridShape, transpose: bool) -> int:
-    """Elements of this rank's flat Z shard: ⌈n_W / G_z⌉ with n_W = out·in/(G_x G_y) (padded)."""
+    """Elements of this rank's flat Z shard: ⌈n_W / G_z⌉ with n_W = out·in/(G_x G_y) (padded;
+    cached: the planner asks it of the same few layers millions of times)."""
     rows, cols = weight_block_shape(in_features, out_features, shape, transpose)
     return math.ceil(rows * cols / shape.z)
 

@@ -98,12 +98,14 @@ def span_of(group: int, stride: int, devices_per_node: int) -> Span:
     return Span(group, nodes, math.ceil(group / nodes))
 
 
+@functools.lru_cache(maxsize=4096)
 def group_geometry(shape: GridShape, axis: str, devices_per_node: int) -> tuple[int, int]:
     """(ranks, stride) of the uniformly strided group the time model prices for ``axis``: its own for
     one of the grid's axes and for a product of axes adjacent in E1 (batch, y·z, …); for another
     product (x·data: runs of G_x ranks G_x·G_y·G_z apart), the stride that puts as many of its
     ranks on one node of ``devices_per_node`` consecutive ranks as the group really has — within
-    one node, the stride that spans what it spans. Counted for the group of rank 0."""
+    one node, the stride that spans what it spans. Counted for the group of rank 0 (cached: the
+    search prices the same few axes of a grid hundreds of thousands of times)."""
     group = shape.size(axis)
     offsets = sorted(shape.group_offsets(axis))
     stride = offsets[1] - offsets[0] if group > 1 else 1
