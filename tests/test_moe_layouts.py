@@ -158,7 +158,7 @@ def _bf16_masters_against_unsharded(grid, stage, cfg, micro):
 
     import torch
 
-    from axon4d.nn.moe import GridExperts
+    from axon4d.nn.moe_experts import GridExperts
 
     model, opt = _bf16_steps(grid, stage, cfg, micro)
     ref = dict(_bf16_steps(grid, 0, cfg, micro)[0].named_parameters())

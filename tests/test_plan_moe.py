@@ -290,7 +290,7 @@ def test_the_search_offers_only_grids_the_runtime_accepts():
 
     from axon4d.grid import rules
     from axon4d.grid.shape import factorizations
-    from axon4d.nn.moe import placement_rules
+    from axon4d.nn.moe_experts import placement_rules
     from axon4d.plan.search import valid_mask
 
     refused = accepted = 0

@@ -23,7 +23,8 @@ from axon4d.layout import geometry
 from axon4d.layout.rectangles import FusedRows, Piece, Rows, matrix_shape, pieces
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
-from axon4d.nn.moe import GridExperts, Router
+from axon4d.nn.moe import Router
+from axon4d.nn.moe_experts import GridExperts
 from axon4d.nn.norm import SplitFeatureNorm
 
 

@@ -35,18 +35,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d.config import ModelConfig
-from axon4d.device import grouped
 from axon4d.device.pinned import to_device_queued
-from axon4d.grid import rules, runtime
+from axon4d.grid import runtime
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
-from axon4d.grid.shape import AXES, GridAxis, axis_of
+from axon4d.grid.shape import AXES, axis_of
 from axon4d.layout import tiled_init
 from axon4d.layout.geometry import Term
 from axon4d.nn import moe_router
 from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
 from axon4d.nn.mlp import MLP
-from axon4d.nn.moe_dense import ROUTER, DenseMoE, expert_matrices, uniform_for
+from axon4d.nn.moe_dense import ROUTER, DenseMoE, uniform_for
 from axon4d.nn.moe_dispatch import (
     DispatchPlan,
     Exchange,
@@ -59,25 +58,8 @@ from axon4d.nn.moe_dispatch import (
     share_sizes,
     use_replicated,
 )
+from axon4d.nn.moe_experts import ExpertGEMM, GridExperts, check_layout, live_axes
 from axon4d.options.precision import compute_dtype
-
-
-def placement_rules(cfg: ModelConfig, layout: ExpertLayout | str | None = None) -> list[rules.Rule]:
-    """The divisibility rules of an MoE layer's placement under ``layout`` (docs/moe.md; None: the
-    default, experts over batch = data × z, each split over x·y): E over the expert-parallel axes,
-    an expert's FFN width over y where y splits it, the shared experts' over y, hidden over x."""
-    layout = ExpertLayout.parse(layout)
-    return layout.rules(cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
-
-
-def check_layout(cfg: ModelConfig, grid: Grid, layout: ExpertLayout) -> None:
-    """``ValueError`` on every rank, before any collective, unless ``layout`` fits ``grid`` for ``cfg``."""
-    layout.check(grid.shape, cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
-
-
-def _live(grid: Grid, axes: tuple[str, ...]) -> tuple[str, ...]:
-    """``axes`` without those of one rank (they split nothing and need no group)."""
-    return tuple(a for a in axes if grid.size(a) > 1)  # type: ignore[arg-type]
 
 
 class Router(nn.Module):
@@ -88,62 +70,6 @@ class Router(nn.Module):
         self.n_experts, self.hidden = n_experts, hidden
         cols = hidden // grid.size("x")
         self.weight = nn.Parameter(torch.empty(n_experts, cols, device=device, dtype=dtype))
-
-
-class GridExperts(nn.Module):
-    """This rank's E/G_ep experts under ``layout``: ``up`` (E_l, f_up/G_ty, hidden/G_tx) — for
-    gated FFNs each y chunk is [gate_j | up_j] — and ``down`` (E_l, hidden/G_tx, f/G_ty), where
-    G_tx, G_ty are G_x, G_y if the layout's tensor parallelism splits experts over them, else 1."""
-
-    def __init__(self, cfg: ModelConfig, grid: Grid, layout: ExpertLayout, device: Any, dtype: Any):
-        super().__init__()
-        self.layout = layout
-        self.n_experts, self.hidden, self.ffn, self.gated = cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated
-        self.ep_axis = axis_of(_live(grid, layout.ep))  # None: every rank holds every expert
-        self.local = cfg.n_experts // (grid.size(self.ep_axis) if self.ep_axis else 1)
-        self.first = (grid.coord(self.ep_axis) if self.ep_axis else 0) * self.local  # its first expert's index
-        self.g_x = grid.size("x") if layout.splits("x") else 1  # hidden split over x
-        self.g_y = grid.size("y") if layout.splits("y") else 1  # FFN width split over y
-        self.col = (grid.coord("x") if layout.splits("x") else 0) * (self.hidden // self.g_x)  # its first hidden
-        self.row = (grid.coord("y") if layout.splits("y") else 0) * (self.ffn // self.g_y)  # its first FFN row
-        f_y, h_x = self.ffn // self.g_y, cfg.hidden // self.g_x
-        kw: dict[str, Any] = dict(device=device, dtype=dtype)
-        self.up = nn.Parameter(torch.empty(self.local, (2 if self.gated else 1) * f_y, h_x, **kw))
-        self.down = nn.Parameter(torch.empty(self.local, h_x, f_y, **kw))
-
-    @property
-    def hidden_slice(self) -> slice:
-        """The hidden features this rank's expert blocks hold."""
-        return slice(self.col, self.col + self.hidden // self.g_x)
-
-    @property
-    def ffn_slice(self) -> slice:
-        """The FFN rows this rank's expert blocks hold (of each of gate and up when gated)."""
-        return slice(self.row, self.row + self.ffn // self.g_y)
-
-
-class _ExpertGEMM(torch.autograd.Function):
-    """Grouped GEMM of rows sorted by expert with (G, N, K) weights (E18); the weight gradient is
-    scaled by ``scale`` (1/G_batch: the batch average of docs/design.md §2; 1 where the replicas'
-    reduction divides it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, sizes: list[int], scale: float) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.sizes, ctx.scale = sizes, scale
-        return grouped.grouped_mm_t(x, w, sizes)  # (M, K) × (G, N, K) → (M, N)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
-        x, w = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = grouped.grouped_mm(dy, w, ctx.sizes) if ctx.needs_input_grad[0] else None  # (M, N) × (G, N, K)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = grouped.grouped_weight_grad(dy, x, ctx.sizes)  # (G, N, K)
-            if ctx.scale != 1.0:
-                dw.mul_(ctx.scale)
-        return dx, dw, None, None
 
 
 class MoE(nn.Module):
@@ -173,16 +99,16 @@ class MoE(nn.Module):
         #: the rows are cut over x too, and moved from features to rows, where x does not split experts
         self.rows_over_x = grid.size("x") > 1 and not self.layout.splits("x")
         gather_y = grid.size("y") > 1 and self.layout.splits("y")
-        ep = _live(grid, self.layout.ep)
-        count = _live(
+        ep = live_axes(grid, self.layout.ep)
+        count = live_axes(
             grid, tuple(a for a in AXES if a in ep or a in ("z", "data", "y") or (a == "x" and self.rows_over_x))
         )
-        for axis in (axis_of(ep), axis_of(count), axis_of(_live(grid, self.layout.dp))):
+        for axis in (axis_of(ep), axis_of(count), axis_of(live_axes(grid, self.layout.dp))):
             if axis is not None:
                 grid.open_axis(axis)  # collective: every rank builds its layers in the same order
         self.peers = Peers.of(grid.shape, grid.rank, ep, count, gather_y, cfg.n_experts)
         #: the replicas' axis their weight gradients are summed over (None: none)
-        self.dp_axis = axis_of(_live(grid, self.layout.dp))
+        self.dp_axis = axis_of(live_axes(grid, self.layout.dp))
         shared = cfg.shared_experts * cfg.expert_width
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.shared = MLP(cfg.hidden, shared, gated=cfg.gated, bias=False, **kw) if shared else None
@@ -347,7 +273,7 @@ class MoE(nn.Module):
         xs = every.index_select(0, perm).to(dtype)  # (n_all, features) sorted by expert
         del every  # the gathered rows in gathered order: the GEMM keeps the sorted copy (memory)
         scale = 1.0 if self.dp_axis is not None else 1.0 / grid.size("batch")  # the replicas' reduction divides
-        h = _ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_ty), partial over x if split
+        h = ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_ty), partial over x if split
         if ex.g_x > 1:
             h = sum_partials(h, "x", grid, in_place=True)  # the GEMM's partial output: nothing else reads it
         if ex.gated:
@@ -355,7 +281,7 @@ class MoE(nn.Module):
             a = F.silu(gate) * up
         else:
             a = F.gelu(h)
-        o = _ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_tx), partial over y if split
+        o = ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_tx), partial over y if split
         return o.index_select(0, torch.argsort(perm))  # summed over y by the caller's reduce-scatter
 
     def _aux(
@@ -387,16 +313,7 @@ class MoE(nn.Module):
         h_x = ex.hidden // grid.size("x")
         shape = (ex.n_experts, ex.hidden)
         tiled_init.fill_(self.router.weight.data, uniform_for(ex.hidden), seed, ROUTER, shape, 0, grid.coord("x") * h_x)
-        mats = expert_matrices(ex.n_experts, ex.hidden, ex.ffn, ex.gated)
-        f_y, col, row = ex.ffn // ex.g_y, ex.col, ex.row
-        for i in range(ex.local):
-            e = ex.first + i  # its global index
-            ups = ["experts.gate", "experts.up"] if ex.gated else ["experts.up"]  # [gate_j | up_j]
-            for j, name in enumerate(ups):
-                block = ex.up.data[i, j * f_y : (j + 1) * f_y]  # (f/G_ty, hidden/G_tx)
-                tiled_init.fill_(block, uniform_for(ex.hidden), seed, name, mats[name], e * ex.ffn + row, col)
-            down = mats["experts.down"]  # rows e·hidden + this rank's hidden/G_tx, columns its f/G_ty
-            tiled_init.fill_(ex.down.data[i], uniform_for(ex.ffn), seed, "experts.down", down, e * ex.hidden + col, row)
+        ex.reset_(seed)
 
     # -- dense conversion -------------------------------------------------------------------------
     @torch.no_grad()
@@ -405,14 +322,7 @@ class MoE(nn.Module):
         grid, ex = self.grid, self.experts
         h_x = ex.hidden // grid.size("x")
         self.router.weight.copy_(dense.router.weight[:, grid.coord("x") * h_x : (grid.coord("x") + 1) * h_x])
-        cols, rows = ex.hidden_slice, ex.ffn_slice
-        mine = slice(ex.first, ex.first + ex.local)
-        up = dense.experts.up[mine, rows, cols]  # (E_l, f/G_ty, hidden/G_tx)
-        if ex.gated:
-            assert dense.experts.gate is not None
-            up = torch.cat([dense.experts.gate[mine, rows, cols], up], dim=1)  # [gate_j | up_j]
-        ex.up.copy_(up)
-        ex.down.copy_(dense.experts.down[mine, cols, rows])
+        ex.load_dense_(dense.experts)
         if self.expert_bias is not None and dense.expert_bias is not None:
             self.expert_bias.copy_(dense.expert_bias)
         if shared and self.shared is not None:
@@ -441,45 +351,14 @@ class MoE(nn.Module):
         comm = grid.comm
         router = comm.all_gather(pick(self.router.weight).detach().contiguous(), "x", dim=1, tag=Term.DENSE).wait()
 
-        def whole(t: torch.Tensor, row_axis: GridAxis, col_axis: GridAxis) -> torch.Tensor:
-            for axis, dim in ((row_axis, 1), (col_axis, 2)):
-                if ex.layout.splits(axis) and grid.size(axis) > 1:
-                    t = comm.all_gather(t.contiguous(), axis, dim=dim, tag=Term.DENSE).wait()
-            if ex.ep_axis is not None:
-                t = comm.all_gather(t.contiguous(), ex.ep_axis, dim=0, tag=Term.DENSE).wait()
-            return t
-
-        up = pick(ex.up).detach()
-        if ex.gated:  # split each y chunk's [gate_j | up_j] before gathering over y
-            gate, up = up.chunk(2, dim=1)
-            gate = whole(gate, "y", "x")
-        up = whole(up, "y", "x")
-        down = whole(pick(ex.down).detach(), "x", "y")
-        named = {
-            "router": (dense.router.weight, router),
-            "up": (dense.experts.up, up),
-            "down": (dense.experts.down, down),
-        }
-        if ex.gated:
-            assert dense.experts.gate is not None
-            named["gate"] = (dense.experts.gate, gate)
-        for target, value in named.values():
+        whole = ex.gathered(pick, grid)  # {"up", "down", and "gate" when gated}: the stacks, whole
+        named = [(dense.router.weight, router)]
+        named += [(getattr(dense.experts, name), value) for name, value in whole.items()]
+        for target, value in named:
             if grads:
                 target.grad = value.clone()
             else:
                 target.copy_(value)
-
-
-def expert_parameters(module: nn.Module, replicated_over_data: bool | None = None) -> list[nn.Parameter]:
-    """Every expert weight of ``module``; with ``replicated_over_data`` False (True), only those of
-    layers whose expert layout does not (does) hold replicas over data — the ones ZeRO leaves whole
-    on the rank that holds them (shards like any replicated parameter)."""
-    return [
-        p
-        for m in module.modules()
-        if isinstance(m, GridExperts) and replicated_over_data in (None, "data" in m.layout.dp)
-        for p in m.parameters()
-    ]
 
 
 def aux_loss(module: nn.Module) -> torch.Tensor | None:

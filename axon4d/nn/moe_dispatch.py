@@ -376,7 +376,7 @@ class _Transposed(torch.autograd.Function):
 
 def features_to_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
     """(Σ sizes, c) rows whose columns are split over ``axis`` → this rank's block of ``sizes[i]``
-    rows with every column, (sizes[i], G·c): an all-to-all over ``axis`` (E17b), reversed in backward."""
+    rows with every column, (sizes[i], G·c): an all-to-all over ``axis`` (E16: the move over x), reversed in backward."""
     return x if grid.size(axis) == 1 else _Transposed.apply(x, sizes, axis, grid, True)
 
 

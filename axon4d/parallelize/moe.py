@@ -39,8 +39,8 @@ from torch import nn
 from axon4d.config import ModelConfig
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
-from axon4d.nn.moe import check_layout
 from axon4d.nn.moe_dense import DenseMoE
+from axon4d.nn.moe_experts import check_layout
 from axon4d.parallelize.dense import to_dense
 from axon4d.parallelize.layers import linear_problem, owned_by_axon4d, sharded_norm_builder
 from axon4d.parallelize.moe_aux import HFMoE, RouterAux

@@ -53,7 +53,7 @@ from torch import nn
 from axon4d.grid.mesh import Grid
 from axon4d.layout.geometry import data_part_numel, zero_stored_dtype
 from axon4d.nn.linear import Linear
-from axon4d.nn.moe import expert_parameters
+from axon4d.nn.moe_experts import expert_parameters
 from axon4d.zero.checks import ELEMENTWISE, NOT_ELEMENTWISE, check_elementwise, check_fresh
 from axon4d.zero.gathers import GATHER_TAG, ParamGathers, Part
 
