@@ -2,7 +2,7 @@
 
 Started by tests/test_mpi.py. Every rank joins one torch world (for group bookkeeping) and builds
 each grid with ``axon4d.init(..., comm="mpi")``, so every collective goes through mpi4py. The
-tests of test_comm.py, test_linear.py, test_overlap.py and test_moe.py are called with ``MPIPools`` in place of
+tests of test_comm.py, test_linear.py, test_overlap.py, test_moe.py and test_moe_layouts.py are called with ``MPIPools`` in place of
 the gloo ``pools`` fixture: ``run`` calls the function on every MPI rank and gathers the results
 on all of them, so each rank evaluates the same assertions. Rank 0 prints one line per test:
 ``MPICHECK <name> ok`` or ``MPICHECK <name> FAIL <first line of the error>``.
@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import test_comm
 import test_linear
 import test_moe
+import test_moe_layouts
 import test_overlap
 import torch
 from mpi4py import MPI
@@ -85,6 +86,14 @@ TESTS = [
         test_moe.test_moe_layer_dispatched_in_overlapped_chunks_equals_the_dense_layer,
         {"world": 8, "grid": (2, 2, 1, 2), "case": "top2-shared-softmax"},
     ),
+    *[  # expert layouts whose groups are products of axes: MPI splits of the world (Grid.open_axis)
+        (
+            f"moe.layout.{kind}",
+            test_moe_layouts.test_the_moe_layer_under_each_expert_layout_equals_the_dense_layer,
+            {"kind": kind},
+        )
+        for kind in ("whole-over-world", "split-y-ep-x-z", "ep-z-replicas-data")
+    ],
     ("linear.padded", test_linear.test_weight_blocks_that_do_not_split_over_z_are_padded, {"grid": (1, 1, 4, 2)}),
     *[
         (
