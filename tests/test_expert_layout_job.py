@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import io
 import json
@@ -260,36 +259,22 @@ def rel_err(a, ref):
 
 def _mixtral_under(grid, layout: str):
     """On one rank of ``grid`` (its own layout the default): a tiny Mixtral parallelized with its
-    experts in ``layout`` against transformers' (logits, loss, every parameter and gradient), and
-    the refusal of a layout the grid cannot place."""
+    experts in ``layout`` against transformers' (``test_hf_moe._compare``: logits, loss, every
+    parameter and gradient), and the refusal of a layout the grid cannot place."""
+    from test_hf_moe import _compare
     from transformers import MixtralForCausalLM
 
-    import axon4d
-    from axon4d.parallelize import auto_parallelize, to_dense
+    from axon4d.parallelize import auto_parallelize
     from axon4d.parallelize.moe import HFMoEBlock
 
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(mixtral_config(VOCAB, attn="eager"))
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    par = auto_parallelize(model, expert_layout=layout)
-    local = axon4d.shard_batch(ids)
-    out = par(input_ids=local, labels=local)
-    out.loss.backward()
-    rout = ref(input_ids=ids, labels=ids)
-    rout.loss.backward()
-    errs = {"logits": rel_err(axon4d.gather_batch(out.logits), rout.logits)}
-    errs["loss"] = rel_err(axon4d.gather_batch(out.loss.detach().reshape(1)).mean(), rout.loss)
-    got = dict(to_dense(par, grads=True).named_parameters())
-    for name, p in ref.named_parameters():
-        errs[name] = rel_err(got[name], p)
-        errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
+    built: list = []
+    errs = _compare(grid, "mixtral", layout, built)
     try:  # 3 experts cannot be split over data = 2
         auto_parallelize(MixtralForCausalLM(mixtral_config(VOCAB, experts=3)), expert_layout="ep=data,tp=1")
         refused = ""
     except ValueError as e:
         refused = str(e)
-    return errs, [str(b.moe.layout) for b in par.modules() if isinstance(b, HFMoEBlock)], refused
+    return errs, [str(b.moe.layout) for b in built[0].modules() if isinstance(b, HFMoEBlock)], refused
 
 
 #: the grid's own layout: experts over data, each split over x; the one given: whole experts over x·data

@@ -38,12 +38,17 @@ def _model(family, **kw):
     return Qwen3MoeForCausalLM(qwen3_moe_config(VOCAB, norm_topk_prob=family == "qwen3_norm", attn="eager"))
 
 
-def _compare(grid, family):
+def _compare(grid, family, expert_layout=None, built=None):
+    """``family``'s tiny model parallelized on ``grid`` (its experts in ``expert_layout``; None: the
+    grid's) against transformers' one: the relative errors of the logits, the loss, every parameter
+    and gradient and the dense copy's logits. ``built``: a list the parallelized model is put in."""
     torch.manual_seed(0)
     model = _model(family)
     ref = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    par = auto_parallelize(model)
+    par = auto_parallelize(model, expert_layout=expert_layout)
+    if built is not None:
+        built.append(par)
     assert sum(isinstance(m, HFMoEBlock) for m in par.modules()) == (2 if family.startswith("mixtral") else 2)
     local = axon4d.shard_batch(ids)
     out = par(input_ids=local, labels=local)

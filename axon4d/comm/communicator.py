@@ -216,7 +216,9 @@ class Communicator:
     def _size(self, axis: Axis) -> int:
         """G_axis (a dict lookup per collective; an unknown axis gets ``GridShape.size``'s error)."""
         size = self._sizes.get(axis)
-        return size if size is not None else self.shape.size(axis)
+        if size is None:  # a product of axes an expert layout opened (``Grid.open_axis``): kept from now on
+            size = self._sizes[axis] = self.shape.size(axis)
+        return size
 
     @property
     def transport_name(self) -> str:

@@ -121,6 +121,32 @@ class ExpertLayout:
         """Whether expert tensor parallelism splits each expert over ``axis`` (x or y)."""
         return axis in self.tp
 
+    # -- on a grid: axes of one rank split nothing and name no group ------------------------------
+    def ep_axes(self, shape: GridShape) -> tuple[GridAxis, ...]:
+        """The expert-parallel axes of more than one rank on ``shape``."""
+        return tuple(a for a in self.ep if shape.size(a) > 1)
+
+    def dp_axes(self, shape: GridShape) -> tuple[GridAxis, ...]:
+        """The replicas' axes of more than one rank on ``shape``."""
+        return tuple(a for a in self.dp if shape.size(a) > 1)
+
+    def rows_over_x(self, shape: GridShape) -> bool:
+        """Whether each share is cut over x too, its rows moved from features to rows over x: x has
+        more than one rank and does not split the experts."""
+        return shape.x > 1 and not self.splits("x")
+
+    def gathers_y(self, shape: GridShape) -> bool:
+        """Whether the experts' ranks gather the shares over y (E17): y has more than one rank and
+        splits the experts."""
+        return shape.y > 1 and self.splits("y")
+
+    def count_axes(self, shape: GridShape) -> tuple[GridAxis, ...]:
+        """The axes the counts exchange (E15) gathers over on ``shape``: the expert-parallel ones, z,
+        data, y, and x where the shares are cut over it — each share of the micro-batch once, and
+        every share an expert-parallel peer or a y-neighbour at the experts dispatches."""
+        ep, x = self.ep_axes(shape), self.rows_over_x(shape)
+        return tuple(a for a in AXES if shape.size(a) > 1 and (a in ep or a in ("z", "data", "y") or (a == "x" and x)))
+
     def sizes(self, shape: GridShape) -> tuple[int, int, int]:
         """(G_ep, G_tp, G_dp) on ``shape``."""
         ep, tp, dp = (math.prod(shape.size(a) for a in axes) for axes in (self.ep, self.tp, self.dp))

@@ -39,7 +39,7 @@ from axon4d.device.pinned import to_device_queued
 from axon4d.grid import runtime
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
-from axon4d.grid.shape import AXES, axis_of
+from axon4d.grid.shape import axis_of
 from axon4d.layout import tiled_init
 from axon4d.layout.geometry import Term
 from axon4d.nn import moe_router
@@ -58,7 +58,7 @@ from axon4d.nn.moe_dispatch import (
     share_sizes,
     use_replicated,
 )
-from axon4d.nn.moe_experts import ExpertGEMM, GridExperts, check_layout, live_axes
+from axon4d.nn.moe_experts import ExpertGEMM, GridExperts, check_layout
 from axon4d.options.precision import compute_dtype
 
 
@@ -97,18 +97,14 @@ class MoE(nn.Module):
         self.router = Router(cfg.n_experts, cfg.hidden, grid, device, dtype)
         self.experts = GridExperts(cfg, grid, self.layout, device, dtype)
         #: the rows are cut over x too, and moved from features to rows, where x does not split experts
-        self.rows_over_x = grid.size("x") > 1 and not self.layout.splits("x")
-        gather_y = grid.size("y") > 1 and self.layout.splits("y")
-        ep = live_axes(grid, self.layout.ep)
-        count = live_axes(
-            grid, tuple(a for a in AXES if a in ep or a in ("z", "data", "y") or (a == "x" and self.rows_over_x))
-        )
-        for axis in (axis_of(ep), axis_of(count), axis_of(live_axes(grid, self.layout.dp))):
+        self.rows_over_x = self.layout.rows_over_x(grid.shape)
+        ep, count = self.layout.ep_axes(grid.shape), self.layout.count_axes(grid.shape)
+        #: the replicas' axis their weight gradients are summed over (None: none)
+        self.dp_axis = axis_of(self.layout.dp_axes(grid.shape))
+        for axis in (axis_of(ep), axis_of(count), self.dp_axis):
             if axis is not None:
                 grid.open_axis(axis)  # collective: every rank builds its layers in the same order
-        self.peers = Peers.of(grid.shape, grid.rank, ep, count, gather_y, cfg.n_experts)
-        #: the replicas' axis their weight gradients are summed over (None: none)
-        self.dp_axis = axis_of(live_axes(grid, self.layout.dp))
+        self.peers = Peers.of(grid.shape, grid.rank, ep, count, self.layout.gathers_y(grid.shape), cfg.n_experts)
         shared = cfg.shared_experts * cfg.expert_width
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.shared = MLP(cfg.hidden, shared, gated=cfg.gated, bias=False, **kw) if shared else None

@@ -6,7 +6,7 @@ Under a layout (``axon4d.grid.expert_layout``) rank i of the expert-parallel axe
 i·E/G_ep … (i+1)·E/G_ep − 1, each split over the tensor-parallel axes as the dense MLP is — up
 (hidden/G_x → f/G_y, gate|up by y chunk when gated) then down (f/G_y → hidden/G_x), an axis the
 layout does not give to tp splitting nothing — and replicated over the rest. Axes of one rank split
-nothing and name no group (``live_axes``).
+nothing and name no group (``ExpertLayout.ep_axes``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,6 @@ def check_layout(cfg: ModelConfig, grid: Grid, layout: ExpertLayout) -> None:
     layout.check(grid.shape, cfg.n_experts, cfg.expert_width, cfg.shared_experts * cfg.expert_width, cfg.hidden)
 
 
-def live_axes(grid: Grid, axes: tuple[str, ...]) -> tuple[str, ...]:
-    """``axes`` without those of one rank (they split nothing and need no group)."""
-    return tuple(a for a in axes if grid.size(a) > 1)  # type: ignore[arg-type]
-
-
 class GridExperts(nn.Module):
     """This rank's E/G_ep experts under ``layout``: ``up`` (E_l, f_up/G_ty, hidden/G_tx) — for
     gated FFNs each y chunk is [gate_j | up_j] — and ``down`` (E_l, hidden/G_tx, f/G_ty), where
@@ -55,7 +50,7 @@ class GridExperts(nn.Module):
         super().__init__()
         self.layout = layout
         self.n_experts, self.hidden, self.ffn, self.gated = cfg.n_experts, cfg.hidden, cfg.expert_width, cfg.gated
-        self.ep_axis = axis_of(live_axes(grid, layout.ep))  # None: every rank holds every expert
+        self.ep_axis = axis_of(layout.ep_axes(grid.shape))  # None: every rank holds every expert
         self.local = cfg.n_experts // (grid.size(self.ep_axis) if self.ep_axis else 1)
         self.first = (grid.coord(self.ep_axis) if self.ep_axis else 0) * self.local  # its first expert's index
         self.g_x = grid.size("x") if layout.splits("x") else 1  # hidden split over x

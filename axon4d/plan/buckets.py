@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from axon4d.layout.geometry import Collective, Term
+from axon4d.layout.geometry import GRADIENT_TERMS, Collective, Term
 from axon4d.plan.layers import collectives, in_block, priced
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import LinearSpec
@@ -31,16 +31,7 @@ from axon4d.plan.workload import LinearSpec
 #: the layers' reductions that are bucketed, each with the policy switches under which it is
 LAYER_TERMS = {Term.E12: ("ors", "odp"), Term.E13: ("odp",)}
 #: the replicated parameters' gradient reductions over batch: always bucketed, one bucket per kind
-REPLICATED_TERMS = frozenset(
-    {
-        Term.EMBEDDING_GRAD,
-        Term.POSITION_GRAD,
-        Term.NORM_GRAD,
-        Term.REPLICATED_GRAD,
-        Term.MOE_ROUTER_WEIGHT_GRAD,
-        Term.MOE_EXPERT_WEIGHT_GRAD,
-    }
-)
+REPLICATED_TERMS = GRADIENT_TERMS - {Term.E11, Term.E12, Term.E13}
 
 
 def limit(sc: Scenario) -> int:

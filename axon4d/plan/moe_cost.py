@@ -34,10 +34,9 @@ import math
 from axon4d.config import ModelConfig
 from axon4d.grid import rules
 from axon4d.grid.expert_layout import ExpertLayout
-from axon4d.grid.shape import AXES, GridShape, axis_of
+from axon4d.grid.shape import GridShape, axis_of
 from axon4d.layout.geometry import Collective, Op, Term
 from axon4d.options.overlap_policy import OverlapPolicy
-from axon4d.options.precision import Precision
 from axon4d.plan.collective_model import group_geometry
 from axon4d.plan.machine import Machine
 
@@ -81,10 +80,6 @@ class Placement:
         return dataclasses.asdict(self)
 
 
-def _live(shape: GridShape, axes: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(a for a in axes if shape.size(a) > 1)
-
-
 def placement(model: ModelConfig, shape: GridShape, layout: ExpertLayout | str | None = None) -> Placement:
     """The expert placement ``shape`` and ``layout`` (None: the default, experts over batch, each
     split over x·y) give ``model`` — the runtime's ``GridExperts`` and ``MoE``: axes of one rank
@@ -96,11 +91,8 @@ def placement(model: ModelConfig, shape: GridShape, layout: ExpertLayout | str |
 def _placement(model: ModelConfig, shape: GridShape, lay: ExpertLayout) -> Placement:
     """``placement`` of a parsed layout (cached: the search asks for the same few a million times)."""
     f = model.expert_width
-    rows_over_x = shape.x > 1 and not lay.splits("x")
-    ep = _live(shape, lay.ep)
-    count = tuple(a for a in AXES if a in ep or a in ("z", "data", "y") or (a == "x" and rows_over_x))
+    ep, dp = lay.ep_axes(shape), lay.dp_axes(shape)
     g_ep = math.prod(shape.size(a) for a in ep)
-    dp = _live(shape, lay.dp)
     return Placement(
         str(lay),
         model.n_experts,
@@ -112,9 +104,9 @@ def _placement(model: ModelConfig, shape: GridShape, lay: ExpertLayout) -> Place
         math.prod(shape.size(a) for a in dp),
         axis_of(ep),
         axis_of(dp),
-        axis_of(_live(shape, count)),
-        rows_over_x,
-        shape.y > 1 and lay.splits("y"),
+        axis_of(lay.count_axes(shape)),
+        lay.rows_over_x(shape),
+        lay.gathers_y(shape),
     )
 
 
@@ -252,16 +244,6 @@ def layer_collectives(
     add(Op.ALL_TO_ALL, "x", mine * model.hidden * elem, "backward", Term.MOE_ROWS_X_GRAD, p.rows_over_x)
     add(Op.ALL_GATHER, "y", g_y * most * h_x * elem, "backward", Term.MOE_ROWS_Y)
     return out
-
-
-def router_grad(model: ModelConfig, shape: GridShape, precision: Precision, param_bytes: int) -> Collective | None:
-    """The router weight's gradient all-reduce over batch (E·hidden/G_x elements in the reduction
-    dtype: fp32 under mixed precision, the parameters' own otherwise), once per step."""
-    if shape.size("batch") == 1:
-        return None
-    elem = precision.reduce.itemsize if precision.mixed else param_bytes
-    n = model.n_experts * (model.hidden // shape.x)
-    return Collective(Op.ALL_REDUCE, "batch", n * elem, "backward", Term.MOE_ROUTER_WEIGHT_GRAD)
 
 
 #: the MoE all-to-alls whose payload is what the rank sends of its own share, the same under any
