@@ -73,7 +73,10 @@ def quantise(
     data = torch.empty((r, padded), dtype=dtype, device=t.device)  # (r, c'), row-major
     if padded != c:
         data[:, c:].view(torch.uint8).zero_()  # the byte 0 is +0 in both formats
-    data[:, :c].copy_(torch.div(src, scale).clamp_(-fmax, fmax))  # fp32 quotient, rounded once to fp8
+    # the quotient in fp32, rounded once to fp8: a 16-bit t divided by a () fp32 scale would be rounded
+    # to t's dtype first (a 0-dim tensor does not promote), then again to fp8
+    wide = src if src.dtype == torch.float32 else src.float()  # (r, c) fp32
+    data[:, :c].copy_(torch.div(wide, scale).clamp_(-fmax, fmax))
     return Quantised(data, scale)
 
 
