@@ -1,14 +1,21 @@
 """Protects ZeRO's all-gathers over data left in flight into the next forward (axon4d.zero.gathers,
 ``overlap_gathers``) and the step skipped on the device (axon4d.train.optim.step, ``found_inf``):
 
-- a deferred step returns with its last bucket's gather in flight and parameters not yet whole; the next
+- a deferred step returns with every bucket's gather in flight and parameters not yet whole; the next
   forward completes them (module pre-hooks, the scheduler's gathers over z and its prefetches) and
   training equals the eager step's bit for bit, in fp32 and with 16-bit weights;
 - a checkpoint saved straight after a deferred step holds the whole parameters;
+- with the collectives timed on a stand-in accelerator (a clock whose marks are read only once the
+  device reached them, a link over data that completes its all-gathers late, reporting completion at
+  once as NCCL does), the step's read of the communication log waits for none of ZeRO-2's gathers:
+  every bucket's is still in flight when the next forward issues its first GEMM, the gathers' times
+  are reported by the next step's read, and training equals the unsharded optimizer's bit for bit;
 - a fused AdamW (torch's kernel, on the host here) given a non-finite flag leaves the weights, the
   moments and the step count as they were, sharded or not; a finite flag steps as without one;
 - a flag given to a sharded optimizer whose kernel cannot take it is refused, naming the fix.
 """
+
+import time
 
 import pytest
 import torch
@@ -18,6 +25,8 @@ from axon4d import checkpoint, grads
 from axon4d.config import ModelConfig
 from axon4d.layout.geometry import Term
 from axon4d.models.transformer import Transformer
+from axon4d.nn.linear import Linear
+from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.train import optim
 from axon4d.train.batches import accumulate
 from axon4d.zero import shard_optimizer
@@ -95,13 +104,174 @@ def test_deferred_gathers_finish_in_the_next_forward_and_train_as_eager_ones(poo
     for rank, (losses, in_flight, stale, settled, same, saved_whole, buckets, gathers) in enumerate(results):
         where = f"ZeRO-{stage} {precision} rank {rank}"
         assert all(a == b for a, b in losses), f"{where}: deferred and eager losses differ: {losses}"
-        assert in_flight == [1] * 4 and buckets > 1, f"{where}: gathers in flight after each step {in_flight}"
+        assert in_flight == [buckets] * 4 and buckets > 1, f"{where}: gathers in flight after each step {in_flight}"
         assert all(stale), f"{where}: the parameters were whole before the next forward: nothing was deferred"
         assert settled == [0, 0], f"{where}: gathers left in flight after a save / the next forward: {settled}"
         # an OAG prefetch of a weight still arriving would be gathered again once it arrived
         assert all(e == g > 0 for e, g in gathers), f"{where}: gathers over z (eager, deferred) per step: {gathers}"
         assert same, f"{where}: after the next forward the deferred model differs from the eager one"
         assert saved_whole, f"{where}: a checkpoint saved straight after a deferred step is not the whole model"
+
+
+#: seconds the stand-in link over data takes per all-gather, one after another
+LINK_S = 0.05
+
+
+class _LateEvent:
+    """A stand-in accelerator's timing event: the moment (``time.perf_counter``) the device reaches it."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def query(self):
+        return time.perf_counter() >= self.t
+
+
+class _StandInDevice:
+    """A clock like an accelerator's (``axon4d.device.Clock`` with ``on_device``): reading a mark the
+    device has not reached waits for it (``event.synchronize()``), and each such wait is counted;
+    inside a collective's completion callback (``late``) a mark happens when the collective completes."""
+
+    on_device = True
+
+    def __init__(self):
+        self.late = None
+        self.waits = 0
+
+    def mark(self):
+        return _LateEvent(self.late if self.late is not None else time.perf_counter())
+
+    def seconds(self, mark):
+        if isinstance(mark, float):
+            return mark
+        ahead = mark.t - time.perf_counter()
+        if ahead > 0:
+            self.waits += 1
+            time.sleep(ahead)
+        return mark.t
+
+
+class _LateWork:
+    """A collective on the stand-in link: complete at ``t``; its completion is reported at once on a
+    "stream" that waits for it (NCCL's future), and ``wait`` returns once it is complete."""
+
+    def __init__(self, work, t, clock):
+        self.work, self.t, self.clock = work, t, clock
+
+    def wait(self):
+        self.work.wait()
+        time.sleep(max(0.0, self.t - time.perf_counter()))
+        return True
+
+    def add_done_callback(self, callback):
+        self.clock.late = self.t
+        try:
+            callback()
+        finally:
+            self.clock.late = None
+
+
+class _SlowLink:
+    """The grid's transport with its all-gathers over data on a slow link: each completes ``LINK_S``
+    after the one before it (or its issue); the times they complete, in issue order, in ``done``."""
+
+    def __init__(self, inner, clock):
+        self.inner, self.clock, self.free, self.done = inner, clock, 0.0, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def all_gather(self, out, inp, axis):
+        work = self.inner.all_gather(out, inp, axis)
+        if axis != "data":
+            return work
+        self.free = max(time.perf_counter(), self.free) + LINK_S
+        self.done.append(self.free)
+        return _LateWork(work, self.free, self.clock)
+
+
+def _timed_overlap(grid, steps=3):
+    """ZeRO-2 with deferred gathers (the job's) and the unsharded optimizer, trained one after the other on
+    the stand-in accelerator and link, the job's log read after each step: per step of ZeRO's, the
+    stand-in clock's waits in that read, the buckets in flight after it, the times the next forward
+    issued its first GEMM and its gathers completed (the next read's carried records), and whether
+    they were in that read's times; both runs' losses and parameters."""
+    comm = grid.comm
+    clock, host = _StandInDevice(), comm.clock
+    link = _SlowLink(comm.transport, clock)
+    comm.use_clock(clock)
+    comm.transport = link
+    try:
+        runs = {}
+        for stage in (0, 2):
+            torch.manual_seed(0)
+            model = Transformer(LLAMA)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-5, foreach=True)
+            if stage:
+                opt = shard_optimizer(opt, model, grid, stage=2, overlap_gathers=True)
+            runs[stage] = (model, opt)
+        first = next(m for m in runs[2][0].modules() if isinstance(m, Linear))
+        gemm: list[float] = []
+        first.register_forward_hook(lambda *_: gemm.append(time.perf_counter()))
+        losses = {0: [], 2: []}
+        reads = []
+        for stage, (model, opt) in runs.items():  # one after the other: each read carries its own
+            for step in range(steps):
+                comm.log.clear()
+                gen = torch.Generator().manual_seed(100 + step)
+                batch = torch.randint(0, LLAMA.vocab_size, (8, LLAMA.seq_len + 1), generator=gen)
+                issued = len(link.done)
+                losses[stage].append(float(accumulate(model, [batch], grid)))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                waits = clock.waits
+                summary = comm.log.summary()  # the job's read at the end of the step
+                if stage:
+                    carried = [r for r in comm.log.carried if r.tag == Term.ZERO_GATHER]
+                    reads.append(
+                        {
+                            "waits": clock.waits - waits,
+                            "in_flight": opt.gathers_in_flight,
+                            "buckets": len(opt._gathers.buckets),
+                            "issued": link.done[issued:],
+                            "carried_done": [r.t_done for r in carried],
+                            "carried_timed": all(r in comm.log.timed_records() for r in carried),
+                            "comm_s": summary["comm_s"],
+                        }
+                    )
+        runs[2][1].settle()
+        params = {stage: [p.detach().clone() for p in model.parameters()] for stage, (model, _) in runs.items()}
+        same = all(torch.equal(p, q) for p, q in zip(params[0], params[2]))
+        moved = max(float((p - q).abs().max()) for p, q in zip(params[0], Transformer(LLAMA).parameters()))
+        runs[2][1].release()
+        return reads, gemm, losses, same, moved
+    finally:
+        comm.transport = link.inner
+        comm.use_clock(host)
+
+
+@pytest.mark.slow
+def test_timed_zero2_gathers_overlap_the_next_forward_and_train_as_the_unsharded_optimizer(pools):
+    """Reading the log at a step's end waits for no gather still meant to overlap the next forward:
+    with the stand-in accelerator (module docstring) every bucket's gather is still in flight after
+    the read, completes after the next forward issued its first GEMM, and is timed by the next read."""
+    results = pools(2).run((1, 1, 1, 2), _timed_overlap, overlap=OverlapPolicy(bucket_mb=0.0), timeout=300)
+    for rank, (reads, gemm, losses, same, moved) in enumerate(results):
+        where = f"rank {rank}"
+        assert losses[0] == losses[2] and same and moved > 1e-3, f"{where}: ZeRO-2 differs from unsharded: {losses}"
+        assert len(gemm) == len(reads)
+        for step, read in enumerate(reads):
+            at = f"{where} step {step + 1}"
+            assert read["waits"] == 0, f"{at}: the log's read waited for a collective ({read['waits']} marks)"
+            assert read["buckets"] > 4 and read["in_flight"] == read["buckets"], f"{at}: {read}"
+            assert len(read["issued"]) == read["buckets"], f"{at}: {read}"
+            if step + 1 < len(reads):  # the gathers of this step, completed under the next forward
+                nxt = reads[step + 1]
+                assert nxt["carried_timed"] and nxt["carried_done"] == pytest.approx(read["issued"]), f"{at}: {nxt}"
+                assert max(read["issued"]) > gemm[step + 1], (
+                    f"{at}: the last gather completed at {max(read['issued']):.3f}, before the next forward's "
+                    f"first GEMM at {gemm[step + 1]:.3f}: it did not overlap the forward"
+                )
 
 
 def _fused_pair():

@@ -11,6 +11,13 @@ training job's progress line and the benches: on this rank's clock,
 
 so collectives that run at once (a prefetch beside an all-reduce) are not counted twice.
 
+A collective still in flight when the log is read — issued, not yet waited for: ZeRO's all-gathers
+over data, left to finish under the next forward (axon4d.zero.gathers) — is never waited for by the
+read, which would cancel that overlap: its bytes count in the read of the step that issued it, its
+times (and the time blocked when it is finally waited for) in the first read after its wait. ``clear()``
+carries such records over (``carried``) for one clear; a collective counts its times once, at the
+read where it has been waited for.
+
 Times are on the grid device's ``Clock`` (axon4d.device): on the host, when the host issued, waited
 and saw completion; on an accelerator, when the device reached each point — the compute stream's
 position at issue and at the wait, the collective's completion on its own stream — from timing
@@ -68,6 +75,13 @@ def comm_and_blocked(records: Iterable[CommRecord]) -> tuple[float, float]:
         if r.blocked > 0 and r.t_wait_start is not None:
             blocked.append((r.t_wait_start, r.t_wait_start + r.blocked))
     return union_length(comm), union_length(blocked)
+
+
+def happened(mark: Mark) -> bool:
+    """Whether reading ``mark`` would not wait: a host time, or a device event that ``query()``
+    reports complete (the device has reached it)."""
+    query = getattr(mark, "query", None)
+    return query is None or bool(query())
 
 
 def hidden_pct(comm_s: float, blocked_s: float) -> float:
@@ -138,14 +152,24 @@ class CommRecord:
         if not (first and field in self.marks):
             self.marks[field] = mark
 
+    @property
+    def waited_for(self) -> bool:
+        """Whether this rank has waited for the collective (its wait's end is stamped or marked)."""
+        return self.t_wait_end is not None or bool(self.marks and "t_wait_end" in self.marks)
+
     def settle(self, clock: Clock) -> None:
-        """Read the pending device marks into the times (blocks until they have happened); once the
-        wait's end is read, the record is ``settled``: later completion reports are dropped."""
+        """Read the pending device marks into the times. A collective waited for: all of them (this
+        blocks until the compute stream reached its wait's end), and the record is ``settled``:
+        later completion reports are dropped. One still in flight: only the marks that have
+        ``happened`` — never waiting for the collective — the rest kept for a later read."""
         with _MARKS:  # the transport's thread may report completion meanwhile (``completed_on``)
             marks, self.marks = self.marks, None
-            if marks:
-                for field, mark in marks.items():
+            waited = self.t_wait_end is not None or bool(marks and "t_wait_end" in marks)
+            for field, mark in (marks or {}).items():
+                if waited or happened(mark):
                     setattr(self, field, clock.seconds(mark))
+                else:
+                    self._mark(field, mark, False)
             self.settled = self.t_wait_end is not None
         if self.t_done is not None and self.t_wait_end is not None and self.t_done > self.t_wait_end:
             self.t_done = self.t_wait_end  # the compute stream resumed only after completion
@@ -181,13 +205,28 @@ class CommLog:
         self.timed = timed
         self._records: list[CommRecord] = []
         self._spans: list[tuple[str, Mark, Mark]] = []  # (name, start, end): compute, for timelines
+        #: collectives issued before the last ``clear()`` and not waited for then (module docstring)
+        self._carried: list[CommRecord] = []
         self._lock = threading.Lock()
 
     @property
     def records(self) -> list[CommRecord]:
-        """The collectives, their times read (on an accelerator this waits for them to have run)."""
+        """The collectives issued since ``clear()``, their times read: on an accelerator this waits
+        for those waited for to have run, never for one still in flight (``CommRecord.settle``)."""
         self._settle()
         return self._records
+
+    @property
+    def carried(self) -> list[CommRecord]:
+        """The collectives issued before the last ``clear()`` that were still in flight then (not
+        waited for), their times read like ``records``': whose times the next read counts."""
+        self._settle()
+        return self._carried
+
+    def timed_records(self) -> list[CommRecord]:
+        """The collectives whose times this read counts (``summary``): those of ``records`` and
+        ``carried`` that have been waited for."""
+        return [r for r in self.carried + self.records if r.waited_for]
 
     @property
     def spans(self) -> list[tuple[str, float, float]]:
@@ -199,7 +238,7 @@ class CommLog:
         if not self.clock.on_device:  # host times are read as they happen
             return
         with self._lock:
-            for r in self._records:  # a wait or completion may have marked a record since the last read
+            for r in self._carried + self._records:  # a wait or completion may have marked one since the last read
                 r.settle(self.clock)
             self._spans = [(name, self.clock.seconds(a), self.clock.seconds(b)) for name, a, b in self._spans]
 
@@ -221,7 +260,10 @@ class CommLog:
             )
 
     def clear(self) -> None:
+        """Start a new read: forget the collectives and compute spans, except the collectives still
+        in flight (not waited for), carried to the next read for their times (``carried``)."""
         with self._lock:
+            self._carried = [r for r in self._records if self.timed and not r.waited_for]
             self._records = []
             self._spans = []
 
@@ -234,9 +276,10 @@ class CommLog:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """Per-axis bytes, counts, communication time and blocked time, and the share hidden
-        (times as interval unions: see the module docstring); an untimed log gives the bytes and
-        counts, its times and share None."""
+        """Per-axis bytes and counts of ``records``; communication time and blocked time, and the
+        share hidden, of the collectives waited for among them and ``carried`` (times as interval
+        unions: see the module docstring); an untimed log gives the bytes and counts, its times and
+        share None."""
         records = list(self.records)
         axes: dict[str, dict[str, Any]] = {}
         for r in records:
@@ -245,9 +288,12 @@ class CommLog:
             a["bytes"] += r.payload_bytes
         if not self.timed:
             return {"axes": axes, "comm_s": None, "blocked_s": None, "hidden_pct": None}
+        timed = self.timed_records()
+        for r in timed:  # a carried collective's axis may have none of this read's records
+            axes.setdefault(r.axis, {"count": 0, "bytes": 0, "comm_s": None, "blocked_s": None})
         for axis, a in axes.items():
-            a["comm_s"], a["blocked_s"] = comm_and_blocked(r for r in records if r.axis == axis)
-        comm, blocked = comm_and_blocked(records)
+            a["comm_s"], a["blocked_s"] = comm_and_blocked(r for r in timed if r.axis == axis)
+        comm, blocked = comm_and_blocked(timed)
         return {"axes": axes, "comm_s": comm, "blocked_s": blocked, "hidden_pct": hidden_pct(comm, blocked)}
 
     def format_summary(self) -> str:

@@ -8,13 +8,17 @@ bucket), one open bucket per dtype — half the bytes for the 16-bit weights.
 
 - **Eager** (``ParamGathers.run(defer=False)``): each bucket's gather is in flight while the next
   bucket steps, the last waited before the step returns: the parameters are whole when it returns.
-- **Deferred** (``defer=True``, the training job's): the same, but the last bucket's gather — the
-  one nothing overlapped — is left in flight when the step returns and completed as late as
-  correctness allows: before the forward of a module that holds one of its parameters (a forward
-  pre-hook), before the grid's scheduler reads one of its weight shards for a gather over z (E10f,
-  an OAG prefetch: ``Scheduler.defer_writes``), or at ``settle()`` (checkpoints, the next step).
-  It then runs under the next forward instead of between steps; its buffers (one bucket's) live
-  until then, never more than the two buckets the step itself holds.
+- **Deferred** (``defer=True``, the training job's): every bucket's gather is issued as its bucket
+  steps and none is waited in the step: all are left in flight when the step returns and each is
+  completed as late as correctness allows — before the forward of a module that holds one of its
+  parameters (a forward pre-hook), before the grid's scheduler reads one of its weight shards for a
+  gather over z (E10f, an OAG prefetch: ``Scheduler.defer_writes``), or at ``settle()``
+  (checkpoints, the next step) — in issue order, which is the parameters' order and so, near
+  enough, the forward's. The gathers run under the next forward instead of between steps: the
+  first layers' buckets are waited before its first GEMMs, the last layers' while the first
+  compute. Their buffers (every bucket's: the parameters' bytes received and 1/G_data of them sent)
+  live until their bucket is settled. Reading the communication log meanwhile does not wait for
+  them (axon4d.comm.log: their times are reported in the read after they are waited).
   A parameter read any other way between the step and its module's forward (``p.data`` in user
   code) must be settled first: ``ShardedOptimizer.settle()``.
 """
@@ -127,23 +131,22 @@ class ParamGathers:
 
     # -- a step's gathers -----------------------------------------------------------------------
     def run(self, step_bucket: Callable[[list[Part]], None], defer: bool) -> None:
-        """Step each bucket (``step_bucket``) and issue its gather, each in flight while the next
-        bucket steps; the last is waited here, or with ``defer`` left in flight (two buckets'
-        buffers at a time either way)."""
+        """Step each bucket (``step_bucket``) and issue its gather. Eager: each in flight while the
+        next bucket steps, the last waited here (two buckets' buffers at a time). With ``defer``:
+        every gather left in flight, completed in the next forward (the module docstring)."""
         self.settle()
         in_flight: tuple[list[Part], Handle] | None = None
         for bucket in self.buckets:
             step_bucket(bucket)
             handle = self.gather(bucket)
+            if defer:
+                self._pending.append((bucket, handle))
+                continue
             if in_flight is not None:
                 self.unpack(*in_flight)
             in_flight = (bucket, handle)
-        if in_flight is None:
-            return
-        if not defer:
+        if in_flight is not None:
             self.unpack(*in_flight)
-            return
-        self._pending.append(in_flight)
         if self._pending:
             params = [part.param for bucket, _ in self._pending for part in bucket]
             self._pending_ids = {id(p) for p in params}
