@@ -8,9 +8,9 @@ of ``axon4d.nn.linear``. What must hold:
 - the scales: current, tensorwise, amax/448 (a power of two for weights); an all-zero block, fp32
   subnormals and values near fp32's largest give finite, non-zero scales and no NaN; an inf or NaN
   input stays non-finite (the step is skipped as in bf16, not hidden);
-- the gathered block: FP8 gathers' chunks, each with its own power-of-two scale, brought to the
-  block's scale exactly (the chunk of the largest scale bit for bit, every value in e4m3's normal
-  range exactly), and a zero shard never sets the scale;
+- the weight's e4m3 copy: made once per optimizer step (however many forwards, backwards and
+  gathers read it), with one power-of-two scale its z ranks share, so the gathered bytes are the
+  block quantised whole — bit for bit — and reach the GEMM as a view of the gather's result;
 - one layer on grids with z > 1 (FP8 gathers) and x, y split: on every rank the layer's Y, dX and dW
   are the dequantised reference of the operands it quantised — the weight block taken as gathered —
   and within e4m3's rounding of the same layer under bf16-fp32-reduce; a layer whose local block is
@@ -20,6 +20,7 @@ of ``axon4d.nn.linear``. What must hold:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -29,7 +30,7 @@ import axon4d
 from axon4d import activations
 from axon4d.device import fp8 as kernel
 from axon4d.options import fp8_gemm
-from axon4d.options.precision import FP8, NAMED, Precision, fp8_pack, fp8_scale, resolve
+from axon4d.options.precision import FP8, NAMED, Precision, fp8_scale, resolve
 
 FP8_NAME, BF16_NAME = "bf16-fp8", "bf16-fp32-reduce"
 U_FP8 = 2.0**-4  # e4m3's unit roundoff
@@ -102,25 +103,6 @@ def test_scales_are_current_tensorwise_and_safe_for_zero_tiny_huge_and_non_finit
         assert not torch.isfinite(q.scale)
         assert not torch.isfinite(fp8_gemm.forward(q, fp8_gemm.quantise(torch.eye(16)), None, torch.float32)).all()
     assert fp8_scale(torch.tensor(0.0), pow2=True).item() == 2.0**-126  # never above a real shard's
-
-
-def test_gathered_chunks_are_brought_to_the_block_scale_exactly():
-    torch.manual_seed(3)
-    rows, cols, parts = 32, 48, 4
-    block = torch.randn(rows * cols) * torch.tensor([1.0, 1e-2, 0.0, 3.0]).repeat_interleave(rows * cols // parts)
-    shards = block.view(parts, -1)  # the z shards cut through rows (12 rows each … not whole rows here)
-    gathered = torch.cat([fp8_pack(s, pow2=True) for s in shards])
-    got = fp8_gemm.requantise(gathered, parts, rows, cols)
-    scales = [fp8_scale(s.abs().amax(), pow2=True) for s in shards]
-    assert got.scale == max(scales) == fp8_gemm.quantise(block.view(rows, cols), pow2=True).scale
-    restored = fp8_gemm.dequantise(got).view(parts, -1)
-    for i, s in enumerate(shards):
-        own = fp8_pack(s, pow2=True)[:-4].view(FP8).float() * scales[i]  # chunk i as its own scale restores it
-        normal = own.abs() >= 2.0**-6 * got.scale
-        assert torch.equal(restored[i][normal], own[normal]), i  # exact in e4m3's normal range
-        assert ((restored[i] - own).abs() <= 2.0**-10 * got.scale).all(), i  # half a subnormal step below it
-    assert torch.equal(got.data.view(parts, -1)[3].view(torch.uint8), gathered.view(parts, -1)[3, :-4])
-    assert (restored[2] == 0).all()  # the zero shard, whose scale 2⁻¹²⁶ set nothing
 
 
 def test_the_preset_is_opt_in_and_validated():
@@ -224,6 +206,58 @@ def test_one_layer_is_its_dequantised_reference_and_close_to_bf16(pools, grid):
             diff = math.sqrt(sum(float((p[name].double() - q[name].double()).square().sum()) for p, q in zip(a, b)))
             ref = math.sqrt(sum(float(q[name].double().square().sum()) for q in b))
             assert 2.0**-9 < diff / ref < U_FP8, (grid, layer, name, diff / ref)
+
+
+def _copies_per_step(grid):
+    """Three micro-batches, an optimizer step, two more: how many e4m3 weight copies were
+    made after each phase; whether the forward's block was a view of E10f's result and equal, bit
+    for bit, to the whole fp32 block quantised at once."""
+    torch.manual_seed(5)
+    layers = [axon4d.Linear(64, 96, bias=False), axon4d.Linear(96, 64, bias=False, transpose=True)]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    gathered: list[torch.Tensor] = []
+    issue = grid.comm.all_gather
+
+    def recording(tensor, axis, dim=0, tag=""):
+        handle = issue(tensor, axis, dim, tag)
+        if tag == "E10f":
+            gathered.append(handle.buffer)
+        return handle
+
+    grid.comm.all_gather = recording
+    made = []
+
+    def run(steps):  # micro-batches of one step: all but the last accumulating
+        for i in range(steps):
+            x = torch.randn(TOKENS * grid.size("batch"), 64, generator=torch.Generator().manual_seed(i))
+            xs = axon4d.shard_input(x).requires_grad_()
+            with grid.scheduler.accumulating() if i + 1 < steps else contextlib.nullcontext():
+                layers[1](layers[0](xs)).float().square().sum().backward()
+        made.append(grid.scheduler.fp8_copies_made)
+
+    run(3)
+    opt.step()
+    run(2)
+    block = grid.scheduler.gather_weight(layers[0], layers[0].weight, backward=False, fp8=True)
+    grid.comm.all_gather = issue
+    whole = fp8_gemm.quantise(layers[0].weight_block().float(), pow2=True)
+    # the last gathers: layer 0's, then the one OAG prefetches after it
+    view = any(block.data.untyped_storage().data_ptr() == g.untyped_storage().data_ptr() for g in gathered[-2:])
+    return {
+        "made": made,
+        "equal": torch.equal(block.data.view(torch.uint8), whole.data.view(torch.uint8))
+        and bool(block.scale == whole.scale),
+        "view": grid.size("z") == 1 or view,
+    }
+
+
+@pytest.mark.parametrize("grid", [(1, 1, 2, 1), (2, 1, 2, 1), (1, 1, 1, 2)])
+def test_the_weight_is_quantised_once_per_step_and_its_gathered_bytes_are_the_block(pools, grid):
+    for r in pools(math.prod(grid)).run(grid, _copies_per_step, precision=FP8_NAME):
+        assert r["made"] == [2, 4], r  # two layers: once each before the step, once each after
+        assert r["equal"], r
+        assert r["view"], r
 
 
 def _fp8_step_then_save(grid, path):

@@ -67,6 +67,7 @@ class Term(str, enum.Enum):
     NORM_STATS = "norm.stats"  # a split norm: all-reduce over x of the per-token sums [Σx, Σx²] (axon4d.nn.norm)
     NORM_STATS_GRAD = "norm.stats.grad"  # ... and in backward of the per-token sums its input gradient needs
     REPLICATED_GRAD = "replicated_grad"  # any other replicated parameter's gradient over batch
+    FP8_SCALE = "fp8.scale"  # FP8 GEMMs: all-gather over z of the shards' scales, once per weight and step
     ZERO_GATHER = "zero.gather"  # ZeRO: the updated parameters' all-gather over data after the optimizer step
     CE_LSE = "ce.lse"  # the vocabulary-parallel loss: all-gather of the log-sum-exps over y
     CE_TARGET = "ce.target"  # ... and all-reduce of the target logits over y
@@ -144,8 +145,9 @@ MOE_LAYER_TERMS = frozenset(
         Term.MOE_ROWS_X_GRAD,
     }
 )
-#: per-token statistics of the vocabulary-parallel loss: always fp32 (a split norm's: ``norm_statistics_wire``)
-STATISTIC_TERMS = frozenset({Term.CE_LSE, Term.CE_TARGET})
+#: per-token statistics of the vocabulary-parallel loss and FP8 GEMMs' weight scales: always fp32 (a split
+#: norm's: ``norm_statistics_wire``)
+STATISTIC_TERMS = frozenset({Term.CE_LSE, Term.CE_TARGET, Term.FP8_SCALE})
 
 
 def norm_statistics_wire(term: Term, centred: bool) -> tuple[int, torch.dtype]:
@@ -191,7 +193,7 @@ def wire_dtype(
       over a z axis of ``g_z`` > 1 ranks under FP8 gathers: uint8 (e4m3 bytes and each rank's fp32
       scale, ``precision.fp8_pack``; the payload is ``precision.gather_payload_bytes``);
     - ``GRADIENT_TERMS``: the reduction dtype under mixed precision, else ``param_dtype``;
-    - ``STATISTIC_TERMS`` (the loss's): fp32; a split norm's sums: ``norm_statistics_wire``;
+    - ``STATISTIC_TERMS`` (the loss's, FP8 weight scales): fp32; a split norm's sums: ``norm_statistics_wire``;
     - ``Term.ZERO_GATHER``: the stored dtype (``zero_stored_dtype``: ``linear_weight`` on a data
       axis of ``g_data`` ranks).
 

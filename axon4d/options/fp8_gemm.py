@@ -11,11 +11,9 @@ measured in ``bench/fp8_gemm_error.py``). The GEMMs (``device.fp8.scaled_mm``) s
 - dX          = (dŶ s_dy)(Ŵ s_w)       (b, out_l) × (out_l, in_l) → bf16
 - dW          = (dŶ s_dy)ᵀ(X̂ s_x)      (out_l, b) × (b, in_l) → fp32 (E11's sums, as bf16-fp32-reduce)
 
-A weight block is quantised with a power-of-two scale. Under FP8 gathers (E10 moves e4m3 z shards,
-each with its own scale, ``precision.fp8_pack``) the gathered chunks are brought to the block's
-scale S = max_i s_i by multiplying chunk i by s_i/S, a power of two (``requantise``): exact for
-every value that stays in e4m3's normal range, so the gathered weight feeds the GEMM as gathered,
-with no bf16 copy of the block and no collective for the scale.
+A weight block is quantised once per optimizer step, from the fp32 master shards, with one
+power-of-two scale its z ranks share (``axon4d.scheduler.fp8_copies``): E10 moves those e4m3 bytes
+and their result is the block, fed to the GEMM as gathered — a view, no pass over it, no bf16 copy.
 
 A layer runs in FP8 only where its local block's dims are multiples of 16 (``layer_fits``;
 the token dim of dW is zero-padded to 16, which adds nothing to the sums); otherwise in bf16.
@@ -29,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from axon4d.device import fp8 as kernel
-from axon4d.options.precision import FP8, SCALE_BYTES, fp8_scale
+from axon4d.options.precision import FP8, fp8_scale
 
 #: the float8 format of every operand (weights, activations and gradients): e4m3
 DTYPE = FP8
@@ -83,37 +81,6 @@ def quantise(
 def dequantise(q: Quantised) -> torch.Tensor:
     """q.data·q.scale in fp32 (exact: e4m3 values and a product by a power of two are fp32 values)."""
     return q.data.float() * q.scale
-
-
-def requantise(gathered: torch.Tensor, parts: int, rows: int, cols: int) -> Quantised:
-    """The (rows, cols) e4m3 weight block with one scale from E10's FP8 result: ``gathered`` is
-    ``parts`` chunks of ``fp8_pack(pow2=True)`` in z order, (parts·(n + 4),) uint8, chunk i holding
-    q_i with the power-of-two scale s_i. The block's scale is S = max_i s_i (= the pow2 scale of the
-    block's amax) and chunk i becomes round_e4m3(q_i·s_i/S): a power of two ≤ 1 times an e4m3 value,
-    exact unless it falls below e4m3's normal range (2⁻⁶·S), where it rounds to the subnormals'
-    spacing 2⁻⁹·S. The chunk of the largest scale is kept bit for bit. No collective."""
-    chunks = gathered.view(parts, -1)  # (G_z, n + 4)
-    n = chunks.shape[1] - SCALE_BYTES
-    scale_bytes = torch.empty(parts, SCALE_BYTES, dtype=torch.uint8, device=gathered.device)  # aligned
-    scales = scale_bytes.copy_(chunks[:, n:]).view(torch.float32)  # (G_z, 1) fp32, powers of two
-    block_scale = scales.amax()  # () fp32
-    wide = chunks[:, :n].view(FP8).float()  # (G_z, n), exact
-    wide.mul_(scales / block_scale)  # (G_z, 1) ratios, powers of two ≤ 1: exact in fp32
-    data = wide.view(-1)[: rows * cols].to(FP8).view(rows, cols)  # (rows, cols): rounds only below 2⁻⁶·S
-    return Quantised(data, block_scale)
-
-
-def weight_block(
-    flat: torch.Tensor, weight: torch.Tensor, g_z: int, fp8_gathered: bool, rows: int, cols: int
-) -> Quantised:
-    """The e4m3 (rows, cols) weight block of a layer with a power-of-two scale, from E10's result
-    ``flat``: requantised as gathered under FP8 gathers (``requantise``), else quantised from the
-    block — from the fp32 master ``weight`` itself when G_z = 1 (nothing was gathered), from the
-    gathered compute-dtype block otherwise."""
-    if fp8_gathered:
-        return requantise(flat, g_z, rows, cols)
-    source = weight if g_z == 1 else flat
-    return quantise(source.detach().reshape(-1)[: rows * cols].view(rows, cols), pow2=True)
 
 
 def forward(

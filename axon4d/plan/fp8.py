@@ -9,8 +9,9 @@ is refused (``check``). Per layer and grid the planner prices both ways (``layer
 - FP8: each GEMM at its bf16 time divided by the speed-up at its size, plus the casts the runtime
   makes (``axon4d.options.fp8_gemm``): X quantised in forward and again transposed in backward (amax, then
   a read of 2 bytes and a write of 1 per element), dY's amax and its two layouts, Ŵᵀ laid out
-  for dX, and the weight block brought to one scale (read 1, an fp32 pass, write 1 per element) —
-  the scales themselves are one amax each: no collective.
+  for dX, and the weight's e4m3 copy, made once per optimizer step from the fp32 master shard
+  (amax, read, write: 9 bytes per shard element, spread over the step's micro-batches;
+  ``axon4d.scheduler.fp8_copies``) — its scale's all-gather over z is 4 bytes a rank, not priced.
 
 and runs the layer in FP8 where its local block is a multiple of 16 in both dims and FP8 is the
 cheaper (``fp8_layers``); the LM head and the embedding stay in bf16, as in the runtime.
@@ -78,7 +79,7 @@ def cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
     streamed = 2 * b * in_l * (2 * elem + 1)  # X: amax, read, write e4m3 — forward, and transposed in backward
     streamed += b * out_l * (3 * elem + 2)  # dY: amax, two reads, two e4m3 layouts
     streamed += block * (1 + 1)  # Ŵᵀ for dX
-    streamed += block * (1 + 8 + 1) if sc.fp8_gather else block * (2 * elem + 1)  # the block to one scale
+    streamed += 9 * -(-block // sc.shape.z) / sc.micro_batches  # the weight's e4m3 copy, once per step
     return m.elementwise_time(streamed, sc.world) + 10 * m.op_overhead_s
 
 

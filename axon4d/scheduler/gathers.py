@@ -27,18 +27,12 @@ from axon4d.layout.geometry import Term, wire_dtype
 from axon4d.options import fp8_gemm
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import FP8, Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
+from axon4d.scheduler.fp8_copies import FP8Copies
+from axon4d.scheduler.fp8_copies import stamp as _stamp
 from axon4d.scheduler.replay import RegionMemo
 
 
-def _stamp(weight: torch.Tensor) -> tuple[int, int]:
-    """What changes when ``weight``'s values may have: its version (an in-place write through the
-    tensor or a ``detach()`` of it: ``torch.optim``'s for-loop and foreach steps, a load's ``copy_``,
-    ZeRO's gather) and its storage (``.data =``). Writes through ``.data`` or a fused optimizer's
-    kernel leave both as they were: the step's last backward drops every carried block for them."""
-    return weight._version, weight.data_ptr()
-
-
-class WeightGathers:
+class WeightGathers(FP8Copies):
     """OAG for one grid's layers: E10f/E10b issued ahead, kept and carried blocks (the module docstring)."""
 
     comm: Communicator
@@ -47,6 +41,7 @@ class WeightGathers:
     _holding: int  # depth of ``Scheduler.accumulating`` regions
 
     def _init_gathers(self) -> None:
+        self._init_fp8_copies()
         # per layer object, held weakly: a freed layer's entries go with it (keyed by id(), a new
         # layer that reused the id would inherit its successor and its prefetched block)
         self._next: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> weakref of the next in forward
@@ -75,8 +70,9 @@ class WeightGathers:
         of the layer that runs next (forward order, or reverse order when ``backward``). A forward
         outside full recomputation takes the block a held backward carried (``carry_block``) while
         ``weight`` is unchanged since: no E10f. With ``fp8`` (the layer's GEMMs run in FP8) the block
-        is an ``fp8_gemm.Quantised`` e4m3 block with one scale, taken from E10's FP8 bytes as
-        gathered (``fp8_gemm.weight_block``), else a tensor in the compute dtype."""
+        is an ``fp8_gemm.Quantised`` e4m3 block with one scale: E10's result as gathered, a view of
+        the z ranks' copies made once per step (``FP8Copies.fp8_shard``); else a tensor in the
+        compute dtype."""
         carried = None if backward or self.recomputing else self._carried_block(layer, weight)
         if carried is not None:
             if self.policy.oag:
@@ -84,14 +80,15 @@ class WeightGathers:
             return carried
         handle = self._take_prefetch(layer, weight)
         if handle is None:
-            handle = self._issue_gather(weight, backward)
+            handle = self._issue_gather(weight, backward, fp8)
         if self.policy.oag:
             self._prefetch_after(layer, backward)
         rows, cols = layer.block_shape
-        flat = handle.wait()  # (G_z·n,) in the compute dtype, or (G_z·(n + 4),) uint8 under fp8 gathers
+        flat = handle.wait()  # (G_z·n,) in the compute dtype; uint8 under FP8: (G_z·n,), or (G_z·(n + 4),) with scales
         g_z = self.comm.shape.size("z")
-        if fp8:  # FP8 GEMMs: the e4m3 block and its scale, no bf16 copy
-            return fp8_gemm.weight_block(flat, weight, g_z, gathers_fp8(self.precision, g_z), rows, cols)
+        if fp8:  # FP8 GEMMs: the gathered e4m3 bytes are the block, with the scale its z ranks share
+            data = flat.view(-1)[: rows * cols].view(FP8).view(rows, cols)  # (rows, cols): a view
+            return fp8_gemm.Quantised(data, self.fp8_shard_made(weight).scale)
         if gathers_fp8(self.precision, g_z):  # restored to the compute dtype for the GEMM
             flat = fp8_unpack(flat, g_z, compute_dtype(self.precision, weight))
         return flat[: rows * cols].view(rows, cols)
@@ -114,25 +111,30 @@ class WeightGathers:
             if not backward and self._carried_block(layer, layer.weight) is not None:
                 continue
             if layer not in self._prefetched:
-                self._prefetched[layer] = (self._issue_gather(layer.weight, backward), layer.weight._version)
+                handle = self._issue_gather(layer.weight, backward, getattr(layer, "fp8_gemms", False))
+                self._prefetched[layer] = (handle, layer.weight._version)
 
     def will_gather_in_backward(self, layer: Any, needed: bool) -> None:
         """Note (at forward) whether ``layer``'s backward will gather its weight block, so the
         backward prefetch never fetches a block nobody uses."""
         self._gathers_in_backward[layer] = needed
 
-    def _issue_gather(self, weight: torch.Tensor, backward: bool) -> Handle:
+    def _issue_gather(self, weight: torch.Tensor, backward: bool, fp8: bool = False) -> Handle:
         """Issue E10 (E10b when ``backward``, else E10f), the all-gather over z of ``weight``'s shard.
 
         Mixed precision: the shard is cast before the gather, so E10 moves compute-dtype bytes;
         under fp8 gathers (``precision.gather``) it moves the shard's e4m3 bytes and its scale, one
-        uint8 chunk per rank (``fp8_pack``), which ``gather_weight`` restores. A forward re-run under
+        uint8 chunk per rank (``fp8_pack``), which ``gather_weight`` restores. A layer whose GEMMs
+        run in FP8 (``fp8``) moves the e4m3 bytes of this step's copy alone (``fp8_shard``: its
+        scale is already the block's); with G_z = 1 the "gather" is that copy. A forward re-run under
         full recomputation gathers as a forward does (E10f)."""
         self._settle(weight)
         term = Term.E10B if backward else Term.E10F
+        if fp8:
+            return self.comm.all_gather(self.fp8_shard(weight).data.view(torch.uint8), "z", tag=term)
         dtype = wire_dtype(self.precision, term, weight.dtype, g_z=self.comm.shape.size("z"))
         if dtype == torch.uint8:  # FP8 gathers
-            packed = fp8_pack(weight, pow2=self.precision.gemm == FP8)  # (n + 4,); FP8 GEMMs rescale it exactly
+            packed = fp8_pack(weight)  # (n + 4,)
             return self.comm.all_gather(packed, "z", tag=term)
         return self.comm.all_gather(weight.detach().to(dtype), "z", tag=term)
 
@@ -255,10 +257,11 @@ class WeightGathers:
     def _drop_prefetches(self) -> None:
         """The end of a backward: wait the prefetches nobody asked for (control flow changed), forget
         the forward order, and — outside ``accumulating`` — the carried blocks of layers the step's
-        last backward did not reach."""
+        last backward did not reach and the weights' e4m3 copies (the optimizer step comes next)."""
         for handle, _ in list(self._prefetched.values()):
             handle.wait()
         self._prefetched.clear()
         self._last_forward = None
         if not self.holding:
             self._carried.clear()
+            self.forget_fp8_copies()
