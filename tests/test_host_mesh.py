@@ -1,7 +1,7 @@
 """Protects the check made before a gloo group of every rank is created (axon4d.comm.host_mesh, used by
-``axon4d.comm.communicator.host_group`` for checkpoints written in the background): the open-file limit against
-the group's full mesh of sockets, lifted where the hard limit allows and refused with what to set
-where not, and the interface gloo binds. In one process, with the host's limits, interfaces and
+``axon4d.comm.communicator.host_group``, the group checkpoints coordinate on): the open-file limit against
+the socket per rank that rank 0 holds, lifted where the hard limit allows and refused with what to set
+where not, and the interface gloo binds. (What the group costs the store: tests/test_host_group_scaling.py.) In one process, with the host's limits, interfaces and
 addresses injected."""
 
 from __future__ import annotations

@@ -34,8 +34,10 @@ class AsyncSaver:
     live on an accelerator, so the copies run at the link's speed), kept for the next save. DCP's
     ``async_save`` then writes the snapshot from a background thread into the partial directory,
     each file hashed as it is written (``axon4d.checkpoint.writer``); its coordination (DCP's gathers of plans and
-    results) runs on a process group of its own on the host backend (``axon4d.comm.communicator.host_group``),
-    so it never interleaves with the collectives training issues meanwhile. ``wait`` — called by
+    results) runs on a process group of its own on the host backend (``axon4d.comm.communicator.host_group``,
+    whose pairs connect at their first message — in the background thread, for the first save — so
+    it costs O(world) store requests on rank 0 and a few on the others, no full mesh), so it never
+    interleaves with the collectives training issues meanwhile. ``wait`` — called by
     the next ``save``, by ``close`` and at the end of a ``with`` block — waits for the write and
     publishes it on the calling thread, as ``save`` does: every rank agrees on the outcome, meta.json
     records the checksums, one rename publishes. A write that failed on any rank is raised there,

@@ -136,13 +136,23 @@ def host_group(timeout_s: float) -> dist.ProcessGroup:
     written in the background (``axon4d.checkpoint.AsyncSaver``) coordinates on a group of its own
     that never interleaves with the ones the grid's groups carry meanwhile. Every rank creates it at
     the same point (a collective); each of its collectives fails after ``timeout_s`` seconds.
-    ``close_group`` releases it. First ``axon4d.comm.host_mesh.check`` makes sure this rank can hold its
-    ≈ world sockets and reach the others (a ``RuntimeError`` saying what to set where not); rank 0
-    logs what it found (logger "axon4d.comm.communicator", INFO)."""
+    ``close_group`` releases it.
+
+    Its pairs of ranks connect lazily (``axon4d.comm.host_mesh.lazy_connections``): making it costs
+    each rank one store request (its own address, ≈ 170 B), and a pair connects at its first
+    message, reading the other's address once. DCP's coordination (gather to rank 0, scatter and
+    broadcast from it, ring all-gathers, barriers) thus costs rank 0 ≈ 2·(world − 1) store requests
+    and the others a few each — O(world) per rank where gloo's full mesh read world records of
+    ≈ 170 + 8·world bytes each on every rank at creation, O(world²) (bench/host_group_scaling.py). First
+    ``axon4d.comm.host_mesh.check`` makes sure this rank can hold up to world − 1 sockets (rank 0
+    does) and reach the others (a ``RuntimeError`` saying what to set where not); rank 0 logs what
+    it found (logger "axon4d.comm.communicator", INFO)."""
     found = host_mesh.check(dist.get_world_size())
     if dist.get_rank() == 0:
         logging.getLogger(__name__).info(found)
-    return dist.new_group(backend=devices.default_backend(devices.HOST), timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    with host_mesh.lazy_connections():
+        return dist.new_group(backend=devices.default_backend(devices.HOST), timeout=timeout)
 
 
 def close_group(group: dist.ProcessGroup) -> None:

@@ -1,12 +1,24 @@
-"""What a gloo group of every rank needs from the host it starts on: a socket to every other rank,
-and the network interface they connect over (``axon4d.comm.communicator.host_group``, which the checkpoint
-saved in the background coordinates on; docs/training.md, "Saving in the background").
+"""What a gloo group of every rank needs from the host it starts on: sockets to the other ranks,
+the network interface they connect over (``axon4d.comm.communicator.host_group``, the group
+checkpoints coordinate on; docs/reliability.md, "The host group"), and how its ranks connect.
 
-gloo connects a group as a full mesh: each rank opens a connection to each other rank, about
-world − 1 sockets (file descriptors) per rank for the group's life, on top of what the process has
-open. A process limited to fewer open files (``ulimit -n``; 1024 is a common soft limit) fails
-inside gloo's connect with a bare "Too many open files". ``check`` compares the two first and
-lifts the soft limit itself when the hard limit allows, else refuses, naming both and what to set.
+``lazy_connections``: gloo's default connects a group as a full mesh when it is made: every rank
+publishes its address and one identifier per pair (≈ 170 + 8·world bytes) in the store and reads
+every other rank's, ≈ world·(170 + 8·world) bytes per rank — 134 MB per rank and 550 GB through
+the one store at 4096 ranks. Under torch's ``TORCH_GLOO_LAZY_INIT`` (torch 2.8 and later) a rank
+publishes only its address, and a pair connects at its first message, reading the other's address
+once: DCP's coordination (gathers to rank 0, scatters and broadcasts from it, ring all-gathers,
+dissemination barriers) connects rank 0 to every rank and each other rank to a few, O(world)
+store requests and bytes per rank. A torch without it ignores the variable and connects the full
+mesh (``lazy_supported`` says which). Measured, on loopback, for 8 … 64 ranks and extrapolated to
+4096: ``python bench/host_group_scaling.py`` (bench/results/host_group_scaling.json).
+
+``check``: a connected pair holds a socket (a file descriptor) on each side for the group's life,
+on top of what the process has open; rank 0 connects to every other rank, world − 1 sockets. A
+process limited to fewer open files (``ulimit -n``; 1024 is a common soft limit) fails inside
+gloo's connect with a bare "Too many open files". ``check`` compares the two first (on every rank,
+against rank 0's need) and lifts the soft limit itself when the hard limit allows, else refuses,
+naming both and what to set.
 
 gloo binds the interface ``GLOO_SOCKET_IFNAME`` names, else the address this host's name resolves
 to. ``check`` refuses a ``GLOO_SOCKET_IFNAME`` naming an interface this host does not have, and a
@@ -17,10 +29,13 @@ on a multi-homed node, ``GLOO_SOCKET_IFNAME`` picks the network between the node
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import NamedTuple
+
+import torch.distributed as dist
 
 from axon4d.grid import launch
 from axon4d.grid.launch_env import LOCAL_SIZES, SLURM_NODES
@@ -28,6 +43,31 @@ from axon4d.grid.launch_env import LOCAL_SIZES, SLURM_NODES
 #: files a process is left free to open beside the group's sockets (checkpoint files, logs, pipes)
 SPARE_FILES = 64
 IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+#: what torch reads when it makes a gloo group: "1" connects each pair at its first message
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+
+
+def lazy_supported() -> bool:
+    """Whether this torch's gloo can connect pairs lazily (``LAZY_ENV``; torch 2.8 and later, whose
+    ``ProcessGroupGloo.create_device`` takes ``lazy_init`` alike)."""
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    return gloo is not None and "lazy_init" in (getattr(gloo.create_device, "__doc__", "") or "")
+
+
+@contextlib.contextmanager
+def lazy_connections(environ: MutableMapping[str, str] = os.environ) -> Iterator[None]:
+    """Within the block, gloo groups made connect each pair of ranks at its first message instead of
+    every pair at once (``LAZY_ENV`` set to "1", then restored as it was; module docstring). A torch
+    without lazy connections ignores it and connects the full mesh."""
+    before = environ.get(LAZY_ENV)
+    environ[LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            environ.pop(LAZY_ENV, None)
+        else:
+            environ[LAZY_ENV] = before
 
 
 class Limits(NamedTuple):
@@ -65,7 +105,8 @@ def interface_names() -> list[str]:
 
 
 def mesh_sockets(world: int) -> int:
-    """Sockets a gloo group of ``world`` ranks holds open on each rank (a full mesh)."""
+    """Sockets a gloo group of ``world`` ranks may hold open on one rank: world − 1 on rank 0 (which
+    DCP gathers to) and on every rank of a full mesh."""
     return max(0, world - 1)
 
 

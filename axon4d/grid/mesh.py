@@ -80,7 +80,9 @@ class Grid:
         """A group of every rank on the host backend (gloo; ``axon4d.comm.communicator.host_group``), made at the
         first call — on every rank at once, a collective — and released by ``destroy``. Checkpoints
         coordinate on it (DCP's gathers of plans and results, its broadcast of the index), so those
-        pickled objects travel through host memory, never through an accelerator's. ``timeout_s``
+        pickled objects travel through host memory, never through an accelerator's. Its pairs of
+        ranks connect at their first message, not as a full mesh: O(world) store requests and bytes
+        on rank 0, a few on the others (``axon4d.comm.host_mesh.lazy_connections``). ``timeout_s``
         (the first call's; default the grid's, ``axon4d.init``'s) bounds each of its collectives."""
         if self._host is None:
             self._host = host_group(self.timeout_s if timeout_s is None else timeout_s)
