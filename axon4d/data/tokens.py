@@ -1,8 +1,10 @@
 """Token streams for training: a synthetic default and tokenized text files (memmap).
 
-Both give, for a step, the *global* batch (B, S+1) of token ids — the same on every rank, drawn
+Both define, for a step, the *global* batch (B, S+1) of token ids — the same on every rank, drawn
 deterministically from (seed, step) — so a run is reproducible and a resumed run sees exactly the
-batches it would have seen; ``axon4d.shard_batch`` then takes this rank's rows.
+batches it would have seen. ``global_batch`` builds its rows range by range as they are read (a
+rank's share: the training loop's ``axon4d.train.batches.MicroBatch``), the same bits as those rows
+of the whole ``batch``.
 
 ``prepare_text`` turns text into a uint16 token file with a byte-level tokenizer (vocab 256), and
 ``demo_corpus`` writes a small English corpus made offline from the docstrings of Python's own
@@ -33,16 +35,62 @@ class SyntheticTokens:
 
     def batch(self, step: int, batch_size: int) -> torch.Tensor:
         """The global batch (batch_size, seq_len + 1) of step ``step``."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        d = self.stride[torch.randint(0, len(self.stride), (batch_size,), generator=gen)]
-        t = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long)
-        t[:, 0] = torch.randint(0, self.vocab_size, (batch_size,), generator=gen)
-        noise = torch.rand(batch_size, self.seq_len, generator=gen) < self.noise
-        random = torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=gen)
-        for i in range(self.seq_len):
-            nxt = (t[:, i] + d) % self.vocab_size
-            t[:, i + 1] = torch.where(noise[:, i], random[:, i], nxt)
-        return t
+        return self.global_batch(step, batch_size).rows(0, batch_size)
+
+    def global_batch(self, step: int, batch_size: int) -> SyntheticBatch:
+        """Step ``step``'s global batch of ``batch_size`` sequences, built as far as its rows are read."""
+        return SyntheticBatch(self, step, batch_size)
+
+
+class SyntheticBatch:
+    """One step's global batch of ``SyntheticTokens``, built row range by row range (``rows``), each
+    the same bits as those rows of the whole batch: the random draws are the whole batch's, made
+    once and in order by one generator (the last, the tokens noise draws, only as far as the rows
+    read), the counting only that of the rows read."""
+
+    def __init__(self, tokens: SyntheticTokens, step: int, size: int):
+        self.size, self.seq_len, self.vocab_size = size, tokens.seq_len, tokens.vocab_size
+        self._gen = gen = torch.Generator().manual_seed(tokens.seed * 1_000_003 + step)
+        self._d = tokens.stride[torch.randint(0, len(tokens.stride), (size,), generator=gen)]
+        self._first = torch.randint(0, self.vocab_size, (size,), generator=gen)
+        self._noise = torch.rand(size, self.seq_len, generator=gen) < tokens.noise
+        self._random = torch.empty(size, self.seq_len, dtype=torch.long)
+        self._drawn = 0  # rows of _random drawn so far
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` (hi − lo, seq_len + 1)."""
+        _check_rows(self.size, lo, hi)
+        if hi > self._drawn:  # the generator's next numbers are those of the rows after the last drawn
+            self._random[self._drawn : hi].random_(0, self.vocab_size, generator=self._gen)
+            self._drawn = hi
+        out = torch.empty(hi - lo, self.seq_len + 1, dtype=torch.long)
+        for i in range(lo, hi, COUNT_ROWS):
+            j = min(i + COUNT_ROWS, hi)
+            at = slice(i, j)
+            out[i - lo : j - lo] = _count(
+                self._first[at, None], self._noise[at], self._random[at], self._d[at, None], self.vocab_size
+            )
+        return out
+
+
+#: rows counted at once by ``SyntheticTokens.rows`` (a few MB: in cache, 4× faster than the whole batch at once)
+COUNT_ROWS = 32
+
+
+def _count(first: torch.Tensor, noise: torch.Tensor, random: torch.Tensor, d: torch.Tensor, v: int) -> torch.Tensor:
+    """Rows (b, S+1) of the counting language: t[0] = ``first``, t[i+1] = ``random[i]`` where
+    ``noise[i]``, else (t[i] + d) mod V — computed at once: each token counts on from the last
+    token k <= i that was drawn (the first, or a noisy one), t[i] = (t[k] + (i − k)·d) mod V."""
+    b, s = noise.shape
+    at = torch.arange(s + 1).expand(b, s + 1)
+    drawn = torch.cat([torch.ones_like(noise[:, :1]), noise], dim=1)
+    last = torch.where(drawn, at, 0).cummax(dim=1).values
+    return (torch.cat([first, random], dim=1).gather(1, last) + (at - last) * d) % v
+
+
+def _check_rows(batch_size: int, lo: int, hi: int) -> None:
+    if not 0 <= lo < hi <= batch_size:
+        raise ValueError(f"rows {lo}:{hi} are not rows of a batch of {batch_size}: give 0 <= lo < hi <= {batch_size}")
 
 
 #: the element types a token file may hold
@@ -106,10 +154,30 @@ class MemmapTokens:
             )
 
     def batch(self, step: int, batch_size: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (batch_size,), generator=gen)
-        rows = [np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts.tolist()]
-        return torch.from_numpy(np.stack(rows))
+        """The global batch (batch_size, seq_len + 1) of step ``step``: windows of the file."""
+        return self.global_batch(step, batch_size).rows(0, batch_size)
+
+    def global_batch(self, step: int, batch_size: int) -> MemmapBatch:
+        """Step ``step``'s global batch of ``batch_size`` windows, read as far as its rows are."""
+        return MemmapBatch(self, step, batch_size)
+
+
+class MemmapBatch:
+    """One step's global batch of ``MemmapTokens``: where its windows start, drawn for the whole
+    batch, and the windows of the rows read (``rows``)."""
+
+    def __init__(self, tokens: MemmapTokens, step: int, size: int):
+        self.size, self.seq_len, self._tokens = size, tokens.seq_len, tokens.tokens
+        gen = torch.Generator().manual_seed(tokens.seed * 1_000_003 + step)
+        self._starts = torch.randint(0, len(self._tokens) - self.seq_len - 1, (size,), generator=gen).tolist()
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` (hi − lo, seq_len + 1): only their windows are read."""
+        _check_rows(self.size, lo, hi)
+        n = self.seq_len + 1
+        return torch.from_numpy(
+            np.stack([np.asarray(self._tokens[s : s + n], dtype=np.int64) for s in self._starts[lo:hi]])
+        )
 
 
 def prepare_text(text: str, out_path: str) -> int:

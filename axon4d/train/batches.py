@@ -6,8 +6,9 @@ once, by rank 0, to ``build/corpus.u16``), or a token file. A step's global batc
 micro-batches, each rank on its own rows (``axon4d.activations.shard_batch``, tokens split over
 batch = data × z, docs/design.md §1; under ``--context-parallel`` each sequence's tokens split
 head–tail over z, ``axon4d.activations.shard_sequence``), so the gradients add up to those of the whole batch. The
-single-process reference run calls it with no grid and trains on all rows. Batches are made on the
-host (the same bits on every machine); a rank moves only its rows to the model's device
+single-process reference run calls it with no grid and trains on all rows. A step's micro-batches
+are ``MicroBatch``es: a rank builds only the rows it trains on (the same bits as those rows of the
+whole batch), on the host (the same bits on every machine), and moves them to the model's device
 (``axon4d.device.to_device``), where the loss is accumulated too.
 """
 
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from axon4d import activations
 from axon4d import device as devices
 from axon4d.config import ModelConfig
-from axon4d.data.tokens import MemmapTokens, SyntheticTokens, demo_corpus
+from axon4d.data.tokens import MemmapBatch, MemmapTokens, SyntheticBatch, SyntheticTokens, demo_corpus
 from axon4d.grid.mesh import Grid
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.train.config import TrainConfig
@@ -49,12 +52,40 @@ def make_data(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid | None = None) -> 
     return MemmapTokens(path, mcfg.seq_len, mcfg.vocab_size, seed=cfg.seed)
 
 
-def step_batches(data: SyntheticTokens | MemmapTokens, step: int, cfg: TrainConfig) -> tuple[torch.Tensor, ...]:
-    """The global micro-batches of ``step`` (``cfg.micro_batches`` of ``cfg.batch_size`` sequences each)."""
-    return data.batch(step, cfg.batch_size * cfg.micro_batches).chunk(cfg.micro_batches)
+@dataclass(frozen=True)
+class MicroBatch:
+    """Micro-batch ``index`` of a step: rows ``index·size`` to ``(index + 1)·size`` of the step's
+    global ``batch`` (``axon4d.data.tokens``: one for all the step's micro-batches, its random draws
+    made once), built only as far as they are read (``rows``, ``tensor``)."""
+
+    batch: SyntheticBatch | MemmapBatch
+    index: int
+    size: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.batch.seq_len
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        """Its rows ``lo:hi`` (hi − lo, S+1): the same bits as those rows of the whole batch."""
+        if not 0 <= lo < hi <= self.size:
+            raise ValueError(f"rows {lo}:{hi} are not rows of a micro-batch of {self.size}")
+        start = self.index * self.size
+        return self.batch.rows(start + lo, start + hi)
+
+    def tensor(self) -> torch.Tensor:
+        """All of it (size, S+1)."""
+        return self.rows(0, self.size)
 
 
-def accumulate(model: Trained, batches: tuple[torch.Tensor, ...], grid: Grid | None) -> torch.Tensor:
+def step_batches(data: SyntheticTokens | MemmapTokens, step: int, cfg: TrainConfig) -> tuple[MicroBatch, ...]:
+    """The global micro-batches of ``step`` (``cfg.micro_batches`` of ``cfg.batch_size`` sequences
+    each, in order, of the step's global batch), none built yet."""
+    batch = data.global_batch(step, cfg.batch_size * cfg.micro_batches)
+    return tuple(MicroBatch(batch, i, cfg.batch_size) for i in range(cfg.micro_batches))
+
+
+def accumulate(model: Trained, batches: Sequence[torch.Tensor | MicroBatch], grid: Grid | None) -> torch.Tensor:
     """Forward and backward of every micro-batch; returns the mean loss (this rank's tokens).
 
     With a grid each rank trains on its rows of each micro-batch; with ``grid=None`` (one
@@ -69,22 +100,45 @@ def _device(model: Trained, grid: Grid | None) -> torch.device:
     return grid.device if grid is not None else next(model.parameters()).device
 
 
-def accumulate_one(model: Trained, full: torch.Tensor, grid: Grid | None, last: bool, parts: int) -> torch.Tensor:
-    """Forward and backward of one micro-batch ``full`` (B, S+1) — inputs are the first S tokens of
-    each row, targets the last S — its loss divided by ``parts`` (the step's micro-batches); returns that
-    loss, detached. Unless it is the ``last`` of its step, its backward holds the data-axis
-    reductions (axon4d.scheduler, accumulation): the last one's reduces the step's sums once."""
+def accumulate_one(
+    model: Trained, full: torch.Tensor | MicroBatch, grid: Grid | None, last: bool, parts: int
+) -> torch.Tensor:
+    """Forward and backward of one micro-batch ``full`` (B, S+1: a tensor, or a ``MicroBatch`` of
+    which only this rank's rows are built) — inputs are the first S tokens of each row, targets the
+    last S — its loss divided by ``parts`` (the step's micro-batches); returns that loss, detached.
+    Unless it is the ``last`` of its step, its backward holds the data-axis reductions
+    (axon4d.scheduler, accumulation): the last one's reduces the step's sums once."""
     device = _device(model, grid)
-    if grid is not None and getattr(
-        model, "context_parallel", False
-    ):  # tokens split head–tail over z (docs/context.md)
-        inputs, targets = (activations.shard_sequence(t, grid) for t in (full[:, :-1], full[:, 1:]))
-    else:
-        rows = activations.shard_batch(full, grid) if grid is not None else full
-        inputs, targets = rows[:, :-1], rows[:, 1:]
+    inputs, targets = rank_tokens(full, grid, getattr(model, "context_parallel", False))
     inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
     loss = model.loss(inputs, targets) / parts
     hold = grid is not None and not last
     with grid.scheduler.accumulating() if hold else contextlib.nullcontext():  # type: ignore[union-attr]
         loss.backward()
     return loss.detach()
+
+
+def rank_tokens(
+    full: torch.Tensor | MicroBatch, grid: Grid | None, context_parallel: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets) of micro-batch ``full``: its rows over batch = data × z
+    (``axon4d.activations.shard_batch``), or under ``context_parallel`` its rows over data and its
+    head–tail tokens over z (``axon4d.activations.shard_sequence``); all of them without a grid. A
+    ``MicroBatch`` builds only those rows, which the two functions pick out of an index."""
+    if grid is None:
+        rows = full.tensor() if isinstance(full, MicroBatch) else full
+        return rows[:, :-1], rows[:, 1:]
+    if not isinstance(full, MicroBatch):
+        if context_parallel:
+            return activations.shard_sequence(full[:, :-1], grid), activations.shard_sequence(full[:, 1:], grid)
+        rows = activations.shard_batch(full, grid)
+        return rows[:, :-1], rows[:, 1:]
+    n, seq = full.size, full.seq_len
+    if context_parallel:  # the rows over data and the positions over z, picked out of indices
+        mine = activations.shard_sequence(torch.arange(n)[:, None].expand(n, seq), grid)[:, 0]
+        positions = activations.shard_sequence(torch.arange(seq)[None, :].expand(n, seq), grid)[0]
+        rows = full.rows(int(mine[0]), int(mine[-1]) + 1)
+        return rows[:, :-1].index_select(1, positions), rows[:, 1:].index_select(1, positions)
+    mine = activations.shard_batch(torch.arange(n), grid)
+    rows = full.rows(int(mine[0]), int(mine[-1]) + 1)
+    return rows[:, :-1], rows[:, 1:]
