@@ -157,7 +157,7 @@ def test_every_rank_at_once_on_a_slow_store_costs_requests_linear_in_the_world(c
     assert not wrong, (len(wrong), next(iter(wrong.values())))
     requests, beats = storm.store.requests, storm.store.beats
     print(f"{claimant}: {requests} requests ({beats} heartbeats) for {WORLD} ranks in {took:.1f} s")
-    assert requests - beats <= 8 * WORLD, (requests, beats)  # where each watching would be ≥ 2·world²
+    assert requests - beats <= 10 * WORLD, (requests, beats)  # where each watching would be ≥ 2·world²
     assert beats <= (took / storm.beat_s + 2) * WORLD, (beats, took)  # one a beat per rank, as when not diagnosing
 
 
