@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -417,3 +418,113 @@ def test_steady_sets_the_timeout_of_the_default_group_and_the_grids(pools):
         assert lifted == [100.0 + watchdog.PG_MARGIN_S] * len(start)
         assert after == steady
         assert stopped == start  # the groups outlive the job: back as they were
+
+
+# ---- deadlines that follow the step (the accelerator's path) -------------------------------------
+
+
+def test_a_step_s_host_read_may_take_a_multiple_of_the_median_step_and_a_stopped_rank_is_named(monkeypatch, clock):
+    """On an accelerator a step's host read waits for the whole queued step: steps of three times
+    --timeout (0.9 s at 0.3 s) finish, their read's deadline being 3 × the median step, the process
+    groups' timeout raised with it; a read blocked past that — a rank stopped mid-step, its
+    heartbeat silent — ends the rank naming the stopped one and the deadline."""
+    calls: list[float] = []
+    monkeypatch.setattr(
+        dist.distributed_c10d, "_set_pg_timeout", lambda t, g: calls.append(t.total_seconds()), raising=False
+    )
+    store = dist.HashStore()
+    store.add("axon4d/beat/1", 1)  # rank 1 beat once, then stopped
+    dog, ended, out = _dog(2, 0, store)
+    deadline = watchdog.STEP_DEADLINE_FACTOR * 0.9
+    grid = _grid(ended, clock)
+    dog.start()
+    try:
+        dog.step_took(0.95)  # the first step: start-up's deadline holds until steady()
+        dog.steady([object()])
+        for seconds in (0.9, 0.9):
+            dog.step_took(seconds)
+        assert dog.step_deadline_s == pytest.approx(deadline)
+        # set at steady() for 3 × 0.95 s; lowered only once the deadline needs less than half of it
+        assert calls == [pytest.approx(3 * 0.95 + watchdog.PG_MARGIN_S)]
+
+        def device_step(t, took):
+            clock.advance(took)
+            _looked(dog)  # the watchdog has seen the wait this long
+            return [1.0] * t.numel()
+
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: device_step(t, 0.9))
+        assert loop._read_step(torch.ones(1), torch.ones(()), grid) == (1.0, 1.0)
+        assert ended.code is None, out.getvalue()
+
+        def stopped_peer(t):  # the device waits for rank 1, stopped mid-step
+            clock.advance(deadline + 0.1)
+            ended.event.wait(60)
+            return [1.0] * t.numel()
+
+        monkeypatch.setattr(torch.Tensor, "tolist", stopped_peer)
+        loop._read_step(torch.ones(1), torch.ones(()), grid)
+    finally:
+        dog.stop()
+    message = out.getvalue()
+    assert ended.code == watchdog.EXIT_TIMEOUT, message
+    assert f"(deadline {deadline:g} s for a step's host read: 3 × the median step of 0.9 s)" in message, message
+    assert "rank(s) 1 stopped answering" in message, message
+
+
+LATE_SCRIPT = os.path.join(HERE, "late_device_check.py")
+#: --timeout of the stand-in accelerator's jobs, and the device time of each of their steps: 3 ×
+LATE_TIMEOUT, DEVICE_S = 2, 6.0
+
+
+def _late(stop_rank: int, stop_step: int, out_dir) -> tuple[list[int], list[str], float]:
+    """``late_device_check.py`` on 2 ranks (1,2,1,1), 4 steps of DEVICE_S each under --timeout
+    LATE_TIMEOUT; (exit codes, outputs, seconds until every rank but a stopped one ended)."""
+    port, procs, start = str(free_port()), [], time.monotonic()
+    flags = ["--model", "tiny", "--steps", "4", "--batch-size", "4", "--grid", "1,2,1,1", "--save-every", "0"]
+    flags += ["--timeout", str(LATE_TIMEOUT), "--startup-timeout", "120", "--no-progress", "--peak-tflops", "1"]
+    for r in range(WORLD):
+        env = dict(
+            _env(), RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+        )
+        cmd = [sys.executable, LATE_SCRIPT, str(DEVICE_S), str(stop_rank), str(stop_step), *flags]
+        cmd += ["--out-dir", str(out_dir)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        for r, p in enumerate(procs):
+            if r != stop_rank:
+                p.wait(timeout=BOUND_S)
+        elapsed = time.monotonic() - start
+        if 0 <= stop_rank < WORLD and stop_step:
+            procs[stop_rank].send_signal(signal.SIGKILL)  # stopped: nothing but a signal ends it
+        for p in procs:
+            p.wait(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], [p.stdout.read() for p in procs], elapsed
+
+
+@pytest.mark.slow
+def test_on_the_accelerator_s_path_steps_of_three_times_the_timeout_finish_and_a_rank_stopped_mid_step_is_named(
+    tmp_path,
+):
+    """The real job on a stand-in accelerator (``late_device_check.py``): each step's host read
+    lasts DEVICE_S = 3 × --timeout, then waits for every rank's. The job finishes; with rank 1
+    stopped halfway through step 3's read, rank 0 ends at its step read's deadline (3 × the median
+    step) naming rank 1, torch.distributed's own timeout (the barrier's) having been raised past it."""
+    codes, outs, _ = _late(-1, 0, tmp_path / "ok")
+    assert codes == [0, 0], (codes, outs[0][-3000:])
+    codes, outs, elapsed = _late(1, 3, tmp_path / "stop")
+    assert elapsed < BOUND_S
+    assert "LATE-CHECK stopping in the read of step 3" in outs[1], outs[1][-3000:]
+    assert codes[0] == watchdog.EXIT_TIMEOUT, (codes, outs[0][-3000:])
+    message = outs[0]
+    assert "rank(s) 1 stopped answering" in message and loop.STEP_READ in message, message[-3000:]
+    found = re.search(r"waited (\d+) s in .*\(deadline ([\d.]+) s for a step's host read: 3 × the median step", message)
+    assert found, message[-3000:]
+    waited, deadline = int(found[1]), float(found[2])
+    assert 3 * DEVICE_S <= deadline <= 3 * (DEVICE_S + 4), (
+        f"the deadline {deadline} s is not 3 × a step of ~{DEVICE_S} s"
+    )
+    assert waited <= deadline + 3, f"rank 0 waited {waited} s, past its deadline of {deadline} s"

@@ -21,6 +21,14 @@ works with three facts:
   deadline — ``startup_s`` until ``steady()`` is called after the first step, ``timeout_s`` after —
   ends the process (``EXIT_TIMEOUT``) after naming the wait and the ranks whose heartbeat stopped.
   From ``steady()`` on, the process groups' own timeout follows (``pg_timeout_s``).
+- **steps**: on an accelerator the host queues a whole step and then blocks at its host reads
+  (``step_waiting``: the loss and gradient norm, the device synchronize) for as long as the device
+  takes — a step, not a collective. Their deadline follows the measured step time: the job reports
+  each step's seconds (``step_took``) and ``step_deadline_s`` is ``STEP_DEADLINE_FACTOR`` × the
+  median of the last ``STEP_WINDOW`` steps, never less than the phase's deadline; torch.distributed's
+  own timeout (NCCL's, counted from each collective's enqueue) is raised with it, so a step of
+  many times ``--timeout`` finishes. A rank that stopped mid-step is named as before: the heartbeats
+  come from this thread, not from the step, so the diagnosis at the deadline finds it.
 
 The keys, and how one rank finds who stopped for all (store requests O(world) in all, not
 O(world²)), are ``axon4d.reliability.diagnosis``'s. Store operations use their own client with a short
@@ -30,9 +38,11 @@ rank enters one (``axon4d.grid.runtime.shutdown`` skips its barrier while an exc
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import os
+import statistics
 import sys
 import threading
 import time
@@ -55,6 +65,11 @@ GRACE_BEATS = 3
 #: if longer): the watchdog names the stopped rank first (a beat's check, 2.5 beats of watching), and
 #: NCCL's clock starts when a collective is queued, maybe a while before the host blocks on it
 PG_MARGIN_S = 10.0
+#: a step's host reads may wait this many times the median of the recent steps' seconds (when that is
+#: longer than the phase's deadline): a step three times slower than usual is still a step, not a hang
+STEP_DEADLINE_FACTOR = 3.0
+#: the recent steps whose median sets that deadline
+STEP_WINDOW = 16
 _current: Watchdog | None = None
 
 
@@ -129,7 +144,9 @@ class Watchdog:
         self._out = out if out is not None else sys.stderr
         self._steady = False
         self._failing = False
-        self._wait: tuple[float, str, float | None] | None = None  # (since, what, its own deadline)
+        #: (since, what, its own deadline, why that deadline: None for the phase's or "for this wait")
+        self._wait: tuple[float, str, float | None, str | None] | None = None
+        self._steps: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)  # recent steps' seconds
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seen_failures = 0
@@ -172,8 +189,28 @@ class Watchdog:
         for group in [dist.group.WORLD if dist.is_initialized() else None, *groups]:
             if group is not None and id(group) not in self._groups:
                 self._groups[id(group)] = (group, _timeout_of(group))
-        if self._groups and self._set_group_timeouts(self.pg_timeout_s(self.timeout_s)):
-            self._groups_timeout_s = self.pg_timeout_s(self.timeout_s)
+        if self._groups and self._set_group_timeouts(self.pg_timeout_s(self.step_deadline_s)):
+            self._groups_timeout_s = self.pg_timeout_s(self.step_deadline_s)
+
+    def step_took(self, seconds: float) -> None:
+        """The job's last step took ``seconds`` (its host time, start to end): the deadline of the
+        next steps' host reads follows (``step_deadline_s``), and after ``steady`` so does the
+        process groups' timeout: raised as soon as the deadline needs it, lowered only once the
+        deadline needs less than half of it (not a call per step), never within a wait that lifted
+        it."""
+        self._steps.append(seconds)
+        now, target = self._groups_timeout_s, self.pg_timeout_s(self.step_deadline_s)
+        if now is not None and self._wait is None and (target > now or target < now / 2):
+            if self._set_group_timeouts(target):
+                self._groups_timeout_s = target
+
+    @property
+    def step_deadline_s(self) -> float:
+        """The deadline of a step's host reads: ``STEP_DEADLINE_FACTOR`` × the median of the last
+        ``STEP_WINDOW`` steps' seconds (``step_took``), never less than the phase's (``deadline_s``)."""
+        if not self._steps:
+            return self.deadline_s
+        return max(self.deadline_s, STEP_DEADLINE_FACTOR * statistics.median(self._steps))
 
     def pg_timeout_s(self, deadline_s: float) -> float:
         """The process groups' timeout (NCCL's watchdog, gloo's) that goes with a deadline of
@@ -203,20 +240,21 @@ class Watchdog:
         return self.timeout_s if self._steady else self.startup_s
 
     @contextlib.contextmanager
-    def waiting(self, what: str, deadline_s: float | None = None) -> Iterator[None]:
+    def waiting(self, what: str, deadline_s: float | None = None, why: str | None = None) -> Iterator[None]:
         """Mark this rank as blocked in ``what`` (e.g. "all_gather over z (tag E10f)") meanwhile.
         ``deadline_s`` replaces the phase's deadline for this wait and the waits inside it (a
         checkpoint's save and its collectives), and lifts torch.distributed's timeout to match
-        while it lasts (after ``steady``)."""
+        while it lasts (after ``steady``); ``why`` says where it comes from (the message at the
+        deadline; "for this wait" when not given)."""
         outer = self._wait
         if deadline_s is None and outer is not None:
-            deadline_s = outer[2]
+            deadline_s, why = outer[2], outer[3]
         restore = self._groups_timeout_s  # lifted for a longer deadline of its own, then restored
         if deadline_s is None or restore is None or self.pg_timeout_s(deadline_s) <= restore:
             restore = None
         elif self._set_group_timeouts(self.pg_timeout_s(deadline_s)):
             self._groups_timeout_s = self.pg_timeout_s(deadline_s)
-        self._wait = (time.monotonic(), what, deadline_s)
+        self._wait = (time.monotonic(), what, deadline_s, why)
         try:
             yield
         finally:
@@ -334,7 +372,7 @@ class Watchdog:
             limit = self.deadline_s if wait is None or wait[2] is None else wait[2]
             if wait is not None and time.monotonic() - wait[0] > limit:
                 phase = (
-                    "for this wait"
+                    (wait[3] or "for this wait")
                     if wait[2] is not None
                     else "after the first step"
                     if self._steady
@@ -353,6 +391,25 @@ def waiting(what: str, deadline_s: float | None = None) -> Iterator[None]:
         yield
         return
     with dog.waiting(what, deadline_s):
+        yield
+
+
+@contextlib.contextmanager
+def step_waiting(what: str) -> Iterator[None]:
+    """``waiting`` for one of a step's host reads: under the running watchdog's ``step_deadline_s``
+    where the measured steps make it longer than the phase's deadline; nothing without a watchdog."""
+    dog = _current
+    if dog is None:
+        yield
+        return
+    deadline = dog.step_deadline_s
+    if deadline <= dog.deadline_s:
+        with dog.waiting(what):
+            yield
+        return
+    median = statistics.median(dog._steps)
+    why = f"for a step's host read: {STEP_DEADLINE_FACTOR:g} × the median step of {median:.3g} s"
+    with dog.waiting(what, deadline, why):
         yield
 
 

@@ -141,7 +141,7 @@ class TrainConfig:
     max_nonfinite: int = 3
     """With --on-nonfinite skip: end the run after this many non-finite steps in a row."""
     timeout: float = 60.0
-    """Seconds a rank waits for a collective after the first step before the job is ended and the waiting rank named."""
+    """Seconds a rank waits for a collective after the first step before the job is ended and the waiting rank named; a step's host reads (on an accelerator: the whole queued step) wait up to 3 × the median of the last 16 steps when that is longer, and torch.distributed's own timeout follows (docs/reliability.md, Deadlines)."""
     startup_timeout: float = 300.0
     """Seconds allowed for start-up and the first step (building, loading, first collectives)."""
     log_every: int = 1

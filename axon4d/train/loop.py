@@ -205,7 +205,9 @@ def _nonfinite(
 
 
 # Under NCCL a collective's wait() only makes the device's stream wait: the host blocks where it
-# reads a result or synchronises the device, so those are the waits the watchdog times.
+# reads a result or synchronises the device, so those are the waits the watchdog times — for as
+# long as the device runs the step the host queued: their deadline follows the measured step time
+# (``watchdog.step_waiting``; the job reports each step's seconds, ``Watchdog.step_took``).
 #: the wait the one host read of a step's loss and gradient norm is marked as (axon4d.reliability.watchdog)
 STEP_READ = (
     "the host read of the step's loss and gradient norm (the step's queued device work, the loss's "
@@ -225,20 +227,20 @@ def _read_step(loss_sum: torch.Tensor, norm: torch.Tensor, grid: Grid) -> tuple[
     the host together: the step's one host read, a marked wait (under NCCL it waits for the
     backward, the clipping and both all-reduces)."""
     both = torch.cat([loss_sum.reshape(1).float(), norm.reshape(1).float()])  # (2,) on the device
-    with watchdog.waiting(STEP_READ):
+    with watchdog.step_waiting(STEP_READ):
         total, norm_value = both.tolist()
     return total / grid.size("batch"), norm_value
 
 
 def _first_nonfinite(model: Model, grid: Grid) -> str | None:
     """``grads.first_nonfinite_grad``, its host read marked as a wait (only on a non-finite step)."""
-    with watchdog.waiting("the host read of the non-finite gradients' flags (their all-reduce over world)"):
+    with watchdog.step_waiting("the host read of the non-finite gradients' flags (their all-reduce over world)"):
         return grads.first_nonfinite_grad(model, grid)
 
 
 def _synchronize(grid: Grid, step: int) -> None:
     """Wait for the device's queued work of ``step`` (counted from 1), marked as a wait."""
-    with watchdog.waiting(f"the device synchronize at the end of step {step} (the step's queued compute)"):
+    with watchdog.step_waiting(f"the device synchronize at the end of step {step} (the step's queued compute)"):
         devices.synchronize_compute(grid.device)
 
 
@@ -337,6 +339,8 @@ def _train_on(
         log.write(rec)
         bar.set_postfix_str(report.progress_line(rec), refresh=False)
         bar.update()
+        if dog is not None:  # a step's host reads may wait a multiple of the recent steps' median
+            dog.step_took(rec["step_s"])
         if dog is not None and step == start:
             dog.steady(grid.groups.values())  # start-up is over: waits and the groups get --timeout
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
