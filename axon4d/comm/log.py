@@ -14,9 +14,10 @@ so collectives that run at once (a prefetch beside an all-reduce) are not counte
 A collective still in flight when the log is read — issued, not yet waited for: ZeRO's all-gathers
 over data, left to finish under the next forward (axon4d.zero.gathers) — is never waited for by the
 read, which would cancel that overlap: its bytes count in the read of the step that issued it, its
-times (and the time blocked when it is finally waited for) in the first read after its wait. ``clear()``
-carries such records over (``carried``) for one clear; a collective counts its times once, at the
-read where it has been waited for.
+times (and the time blocked when it is finally waited for) in the first read after its wait.
+``clear()`` carries the records not waited for by then over to the next read (``carried``), for one
+clear: a collective's times count in one read at most (in none when it was waited for between a
+read and the clear — a checkpoint's ``settle``, outside any step).
 
 Times are on the grid device's ``Clock`` (axon4d.device): on the host, when the host issued, waited
 and saw completion; on an accelerator, when the device reached each point — the compute stream's
