@@ -2,10 +2,12 @@
 (tests/test_checkpoint_plan.py).
 
 Usage: python plan_count_check.py SIZE x,y,z,data ZERO RANK — prints JSON: the plan's items and
-pickled bytes (as DCP's gather to the coordinator pickles it), and those of a plan of every piece
-and step count the rank holds (what each rank planned when DCP alone removed the duplicates).
+their pickled bytes, those of a plan of every piece and step count the rank holds (what each rank
+planned when DCP alone removed the duplicates), and the pickled bytes DCP's gather to the
+coordinator now carries (``sent_bytes``: the items stay on the rank, ``SavePieces``).
 """
 
+import dataclasses
 import json
 import pickle
 import sys
@@ -36,13 +38,14 @@ for group in opt.param_groups:  # both moments and a step count, as after a step
         opt.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p), "step": torch.tensor(1.0)}
 
 
-def count(load: bool) -> tuple[int, int]:
+def count(load: bool) -> tuple[int, int, int]:
     state = rank_state(model, opt, grid, load=load)
     planner = SavePieces(state.parts)
     planner.set_up_planner(state.steps, None, False)
-    plan = planner.create_local_plan()
-    return len(plan.items), len(pickle.dumps(plan))
+    sent = planner.create_local_plan()
+    plan = dataclasses.replace(sent, items=planner.items)
+    return len(plan.items), len(pickle.dumps(plan)), len(pickle.dumps(sent))
 
 
-(items, nbytes), (all_items, all_bytes) = count(load=False), count(load=True)
-print(json.dumps({"items": items, "bytes": nbytes, "all_items": all_items, "all_bytes": all_bytes}))
+(items, nbytes, sent), (all_items, all_bytes, _) = count(load=False), count(load=True)
+print(json.dumps({"items": items, "bytes": nbytes, "all_items": all_items, "all_bytes": all_bytes, "sent_bytes": sent}))

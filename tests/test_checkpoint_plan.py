@@ -1,7 +1,7 @@
 """Protects the size of what a save's coordination moves (``axon4d.checkpoint.pieces.writes``,
-``planners.SavePieces``): DCP pickles every rank's plan to the coordinator, one item per piece
-written, so each piece the ranks hold alike is planned by one of them only, and a step count by
-one rank of the world. Counted for one rank of the 80B job ``axon4d plan`` picks on 1024
+``planners.SavePieces``): each piece the ranks hold alike is planned by one of them only, and a
+step count by one rank of the world; and the items stay on the rank — DCP's gather of plans to the
+coordinator carries an empty plan from each (the piece index, not DCP's plans, records them). Counted for one rank of the 80B job ``axon4d plan`` picks on 1024
 Perlmutter GPUs — grid (1, 2, 32, 16), ZeRO-2 — built on the meta device in one process."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def test_a_rank_of_the_80b_job_plans_few_items(rank):
     # block (one rectangle each here: 12 × 42 = 504), and a share of the tensors held alike
     assert 504 <= got["items"] <= 540, got
     assert got["bytes"] <= 90_000 and got["bytes"] * 4 < got["all_bytes"], got
+    assert got["sent_bytes"] < 1_000, got  # what DCP's gather to the coordinator carries
 
 
 def _load_coordination(grid, path):

@@ -3,7 +3,8 @@ code; a flipped byte, a truncated or a missing file, a bad meta.json and another
 checkpoint are clear errors raised alike on every rank; a save is published atomically (a save
 that fails midway leaves the previous checkpoint as ``latest`` and loadable, and its leftovers are
 removed by the next save); ``keep_last``, the ``latest`` pointer and stray names; data position
-and RNG states come back from ``load``."""
+and RNG states come back from ``load``. A checkpoint from before the piece index (DCP's ``.metadata``,
+made here by ``_legacy``) loads as before, and its index is read as safely."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def _save(grid, out, steps, keep_last=0, **kwargs):
     opt.step()
     for s in steps:
         checkpoint.save(os.path.join(out, f"step_{s}"), model, grid, opt, step=s, keep_last=keep_last, **kwargs)
+    assert ckptfiles.wait_deletions() == []  # old checkpoints are deleted in the background
     return sorted(os.listdir(out))
 
 
@@ -75,6 +77,23 @@ def _record(path, name):
     meta["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     with open(os.path.join(path, "meta.json"), "w") as f:
         json.dump(meta, f)
+
+
+def _legacy(path):
+    """Make the checkpoint at ``path`` one written before the piece index: DCP's whole index pickled
+    as ``.metadata`` (as DCP wrote it) in place of pieces.json and pieces.npy, meta.json to match."""
+    md = ckptfiles.read_index(path)  # built from the piece index
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    for name in (ckptfiles.PIECES, ckptfiles.CHUNKS):
+        os.remove(os.path.join(path, name))
+        del meta["files"][name]
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    _record(path, ".metadata")
+    return path
 
 
 def _index(path):
@@ -114,10 +133,10 @@ def saved_once(pools, tmp_path_factory):
     return os.path.join(out, "step_2")
 
 
-def _copy(src, tmp_path):
+def _copy(src, tmp_path, legacy=True):
     dst = str(tmp_path / "ckpts" / "step_2")
     shutil.copytree(src, dst)
-    return dst
+    return _legacy(dst) if legacy else dst
 
 
 @pytest.mark.parametrize("kind", ["top-level", "nested", "bytes-entry", "eval"])
@@ -159,11 +178,59 @@ def test_a_planted_shard_is_refused_without_running_it(pools, saved_once, tmp_pa
     assert os.path.exists(marker)
 
 
+def test_a_planted_piece_index_is_refused_without_running_it(pools, saved_once, tmp_path):
+    path, marker = _copy(saved_once, tmp_path, legacy=False), str(tmp_path / "pwned")
+    with open(os.path.join(path, ckptfiles.CHUNKS), "wb") as f:  # an object array: np.load would unpickle it
+        pickle.dump(_Payload(marker), f)
+    _record(path, ckptfiles.CHUNKS)
+    with pytest.raises(ckptfiles.CheckpointError, match="piece index"):
+        ckptfiles.PieceIndex(path)
+    outcomes = pools(2).run((2, 1, 1, 1), _load, path)
+    assert not os.path.exists(marker)
+    assert outcomes[0] == outcomes[1] and outcomes[0][0] == "CheckpointError", outcomes
+
+
+def _sums(grid, path):
+    """This rank's sum of its loaded parameters and moments, exactly (as a float's hex)."""
+    torch.manual_seed(7)
+    model = Transformer(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    checkpoint.load(path, model, grid, opt)
+    total = sum(p.double().sum() for p in model.parameters())
+    total += sum(t.double().sum() for st in opt.state.values() for t in st.values())
+    return float(total).hex()
+
+
+def test_a_checkpoint_from_before_the_piece_index_loads_alike(pools, saved_once, tmp_path):
+    legacy = _copy(saved_once, tmp_path)
+    assert not ckptfiles.has_piece_index(legacy) and ckptfiles.has_piece_index(saved_once)
+    pool = pools(2)
+    assert pool.run((1, 2, 1, 1), _sums, legacy) == pool.run((1, 2, 1, 1), _sums, saved_once)
+
+
+def test_old_checkpoints_are_deleted_in_the_background_and_failures_reported(tmp_path, monkeypatch, caplog):
+    for n in (1, 2):
+        (tmp_path / f"step_{n}" / "sub").mkdir(parents=True)
+        (tmp_path / f"step_{n}" / "meta.json").write_text('{"step": 1}')
+    ckptfiles.delete_in_background([ckptfiles._discard(str(tmp_path / "step_1"))])
+    assert ckptfiles.wait_deletions() == [] and sorted(os.listdir(tmp_path)) == ["step_2"]
+
+    def refuse(path, *a, **k):
+        raise PermissionError(f"read-only: {path}")
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    ckptfiles.delete_in_background([ckptfiles._discard(str(tmp_path / "step_2"))])
+    failures = ckptfiles.wait_deletions()
+    assert len(failures) == 1 and "step_2.deleting" in failures[0] and "read-only" in failures[0], failures
+    assert "could not delete the old checkpoint" in caplog.text
+    assert checkpoint.list_checkpoints(str(tmp_path)) == []  # out of sight although not deleted
+
+
 def _shard_checked_by(path, world, rank):
-    """The shard file ``load`` gives ``rank`` to verify (the index's shards, dealt out in name order)."""
-    shards = sorted({info.relative_path for info in _index(path).storage_data.values()})
-    mine = shards[rank::world]
-    return mine[-1] if mine else shards[-1]
+    """A shard file ``load`` gives ``rank`` to verify (meta.json's files, dealt out in name order)."""
+    names = sorted(json.load(open(os.path.join(path, "meta.json")))["files"])
+    mine = [n for n in names[rank::world] if n.endswith(".distcp")]
+    return mine[-1]
 
 
 def _flip(file, n=4):
@@ -178,9 +245,11 @@ def _flip(file, n=4):
     "fault, expected",
     [
         ("flip", r"has sha256 [0-9a-f]{64}, meta.json records [0-9a-f]{64}"),
-        ("flip-index", r"\.metadata has sha256"),
-        ("truncate", r"truncated: \d+ bytes, \.metadata needs at least \d+"),
-        ("truncate-unrecorded", r"truncated: \d+ bytes, \.metadata needs at least \d+"),
+        ("flip-index", r"pieces\.json has sha256"),
+        ("flip-index-legacy", r"\.metadata has sha256"),
+        ("truncate", r"truncated: \d+ bytes, its index needs at least \d+|is \d+ bytes, meta.json records \d+"),
+        ("truncate-legacy", r"truncated: \d+ bytes, its index needs at least \d+|is \d+ bytes, meta.json records \d+"),
+        ("truncate-unrecorded", r"truncated: \d+ bytes, its index needs at least \d+"),
         ("remove", r"is missing"),
     ],
 )
@@ -188,10 +257,14 @@ def test_a_damaged_checkpoint_is_the_same_clear_error_on_every_rank(pools, tmp_p
     out = str(tmp_path / "ckpts")
     pools(4).run((2, 2, 1, 1), _save, out, [2])
     path = os.path.join(out, "step_2")
+    if fault.endswith("-legacy"):
+        _legacy(path)
     victim = os.path.join(path, _shard_checked_by(path, 4, 3))  # only rank 3 hashes it
     if fault == "flip":
         _flip(victim)
     elif fault == "flip-index":
+        _flip(os.path.join(path, ckptfiles.PIECES), n=1)
+    elif fault == "flip-index-legacy":
         _flip(os.path.join(path, ".metadata"), n=1)
     elif fault.startswith("truncate"):
         if fault == "truncate-unrecorded":  # a checkpoint from before checksums: lengths still checked
@@ -206,7 +279,7 @@ def test_a_damaged_checkpoint_is_the_same_clear_error_on_every_rank(pools, tmp_p
     kind, message = outcomes[0]
     assert kind == "CheckpointError", outcomes[0]
     assert re.search(expected, message), message
-    if fault != "flip-index":
+    if not fault.startswith("flip-index"):
         assert victim in message, message
 
 

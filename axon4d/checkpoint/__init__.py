@@ -6,26 +6,32 @@ stores it, cut into rectangles of the global tensors (``ParamLayout.boxes``), ea
 ``torch.distributed.checkpoint`` (DCP) from a view of the rank's storage; a piece several ranks
 hold alike is planned and written by one of them (``pieces.writes``), so each rank's plan holds
 few items. Nothing is gathered, and a save holds only DCP's copies of the one file it writes
-(``axon4d.checkpoint.writer``). DCP coordinates a save (its gathers of pickled plans and results,
-its broadcast of the index) on the grid's host group (``Grid.host_group``, gloo), in host memory,
-never through an accelerator's. A load cuts this grid's pieces alike and plans its own reads from
-the index (``planners.read_items``), so DCP reads into each piece, in place, the saved rectangles it
-overlaps — with nothing coordinated (``no_dist``: no plan leaves the rank, whatever the world size);
-so a checkpoint loads onto any grid. A directory holds DCP's files and
-``meta.json`` (step, grid, model config, each file's sha256 and size, data position, RNG states,
-extras), published by one rename (axon4d.files.ckptfiles). A load reads DCP's index with a restricted
-unpickler (a planted directory runs no code) and checks the checksums, and that the index covers
-every piece, first; a step whose failure one rank alone could see ends with one all-gather of the
-ranks' verdicts, so all raise the same error (``axon4d.reliability.agreement``). Files record no device (DCP
-writes host copies), so checkpoints move between GPUs and CPUs; a step count goes back where
-torch.optim keeps it.
+(``axon4d.checkpoint.writer``). DCP coordinates a save on the grid's host group
+(``Grid.host_group``, gloo), in host memory, never through an accelerator's; its plans carry no
+items (each rank keeps its own) and each rank returns its chunks as one array of records, which
+rank 0 merges into the *piece index* (``axon4d.checkpoint.index``) in place of DCP's
+``.metadata``: O(world + tensors) of Python on rank 0, whatever the number of chunks. A load cuts
+this grid's pieces alike and plans its own reads from the index entries its pieces overlap
+(``index.plan_load``: a bisection of the memory-mapped records, never the whole index), so DCP
+reads into each piece, in place, the saved rectangles it overlaps — with nothing coordinated
+(``no_dist``: no plan leaves the rank, whatever the world size); so a checkpoint loads onto any
+grid. A checkpoint written before the piece index loads from DCP's whole index, as before. A
+directory holds DCP's shard files, the piece index and ``meta.json`` (step, grid, model config,
+each file's sha256 and size, data position, RNG states, extras), published by one rename
+(axon4d.files.ckptfiles); older checkpoints beyond ``keep_last`` are deleted in the background. A
+load reads the index without running code from it (numpy without pickles, JSON; DCP's index of an
+older checkpoint with a restricted unpickler), checks the sizes of the files it reads and its
+share of every file's checksum, and that the index covers every piece, first; a step whose failure
+one rank alone could see ends with one all-gather of the ranks' verdicts, so all raise the same
+error (``axon4d.reliability.agreement``). Files record no device (DCP writes host copies), so
+checkpoints move between GPUs and CPUs; a step count goes back where torch.optim keeps it.
 
 ``AsyncSaver`` saves while training goes on: it snapshots a rank's pieces into host memory and
 DCP's ``async_save`` writes the snapshot from a background thread; the next save (or the end)
 publishes it as ``save`` does, with the same checksums and the same agreement of every rank.
 
 The modules: ``pieces`` (a rank's pieces and which it writes), ``planners`` (DCP's planners for
-them), ``writer`` (DCP's file writer: bounded files, checksums, the writing thread's device),
+them), ``index`` (the piece index: a rank's records, their merge, a load's plan), ``writer`` (DCP's file writer: bounded files, checksums, the writing thread's device),
 ``publish`` (a save's start and end, every rank agreeing), ``background`` (``AsyncSaver``).
 """
 
@@ -38,9 +44,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from axon4d import device as devices
+from axon4d.checkpoint import index
 from axon4d.checkpoint.background import AsyncSaver
 from axon4d.checkpoint.pieces import State, rank_state
-from axon4d.checkpoint.planners import LoadPieces, SavePieces, read_items
+from axon4d.checkpoint.planners import LoadPieces, SavePieces
 from axon4d.checkpoint.publish import begin, own_failure, publish
 from axon4d.checkpoint.writer import Writer
 from axon4d.config import ModelConfig
@@ -121,26 +128,20 @@ def load(
     (with ``data_position`` and ``rng`` when the save recorded them, for the caller to restore).
 
     Before DCP reads anything (straight into the parameters and moments), every rank checks
-    meta.json, the model config, DCP's index (read without running code from it; it must cover each
-    piece) and the shards it names, each file's checksum verified by one rank. All ranks agree: a bad
+    meta.json, the model config, the index entries its pieces overlap (read without running code;
+    they must cover each piece) and the sizes of the shards they name, each file's checksum
+    verified by one rank (``index.plan_load``). All ranks agree: a bad
     checkpoint raises the same error on every rank (``CheckpointError``, ``FileNotFoundError``, or
     ``ValueError`` for another model; with ``check_model=False`` only the tensors' shapes must match).
     """
     err = None
     meta: dict[str, Any] = {}
-    state, reads = State([], {}, [], []), []
+    state, plan = State([], {}, [], []), index.LoadPlan(dcp.Metadata({}), [], [])
     try:
         meta = read_meta(path)
         cfg = getattr(model, "cfg", None)
         if check_model and isinstance(cfg, ModelConfig) and "model_config" in meta:
             check_compatible(meta, model_config=cfg)
-        files = meta.get("files")  # absent only in checkpoints written before checksums
-        if files is not None:
-            ckptfiles.verify(path, files, [ckptfiles.DCP_INDEX])
-        index = ckptfiles.read_index(path)
-        shards = ckptfiles.check_shards(path, index, files)
-        if files is not None:
-            ckptfiles.verify(path, files, shards[grid.rank :: grid.size("world")])
         holder = masters_holder(model, grid)
         if holder is not None and optimizer is not holder:
             raise ValueError(
@@ -149,15 +150,15 @@ def load(
                 "optimizer), or its next step would overwrite what this load wrote"
             )
         state = rank_state(model, optimizer, grid, load=True)
-        reads = read_items(path, index, state.parts)
+        plan = index.plan_load(path, meta, state.parts, list(state.steps), grid.rank, grid.size("world"))
     except Exception as e:
         err = e
     agree(grid, err, f"checking {path}")
     try:  # each rank reads its own pieces: nothing to coordinate (its reads are planned above)
         dcp.load(
             state.steps,
-            storage_reader=ckptfiles.SafeReader(path),
-            planner=LoadPieces(state.parts, reads),
+            storage_reader=ckptfiles.SafeReader(path, plan.md),
+            planner=LoadPieces(state.parts, plan.reads),
             no_dist=True,
         )
     except Exception as e:

@@ -1,7 +1,11 @@
 """DCP's planners for a rank's pieces (``axon4d.checkpoint.pieces``): what a save writes and a load reads.
 
-A save writes each piece straight from the view of the rank's storage that holds it; a load asks
-DCP for the saved chunks each piece overlaps (``read_items``) and reads them into the piece's view, in
+A save writes each piece straight from the view of the rank's storage that holds it. Its items
+never cross DCP's gathers: a rank already knows which pieces it alone writes
+(``pieces.writes``), so rank 0 has nothing to deduplicate, and the plan it gathers, plans
+globally and scatters back is empty (O(world) of work on rank 0, not O(items)); each rank puts its
+own items back when DCP hands it its plan (``SavePieces.finish_plan``). A load asks the index for
+the saved chunks each piece overlaps (``read_items``) and reads them into the piece's view, in
 place, so a checkpoint loads onto any grid.
 """
 
@@ -22,11 +26,13 @@ from axon4d.files import ckptfiles
 
 
 class SavePieces(dcp.DefaultSavePlanner):
-    """DCP's save planner, plus one write of each piece, straight from this rank's storage."""
+    """DCP's save planner, plus one write of each piece, straight from this rank's storage; the
+    items stay on the rank (DCP's coordinator sees an empty plan from each)."""
 
     def __init__(self, parts: list[Piece]):
         super().__init__()
         self.parts = {(b.key, b.offsets): (b, view) for b, view in parts}
+        self.items: list[dcp.WriteItem] = []
 
     def create_local_plan(self) -> dcp.SavePlan:
         plan = super().create_local_plan()
@@ -39,7 +45,12 @@ class SavePieces(dcp.DefaultSavePlanner):
             props = alike.setdefault(dataclasses.astuple(props), props)
             data = TensorWriteData(chunk(b), props, shapes.setdefault(b.shape, torch.Size(b.shape)))
             writes.append(dcp.WriteItem(MetadataIndex(b.key, b.offsets), WriteItemType.SHARD, tensor_data=data))
-        return dataclasses.replace(plan, items=[*plan.items, *writes])
+        self.items = [*plan.items, *writes]
+        return dataclasses.replace(plan, items=[])  # what DCP gathers to rank 0: nothing per item
+
+    def finish_plan(self, new_plan: dcp.SavePlan) -> dcp.SavePlan:
+        """The plan DCP hands back (its file prefix for this rank) with this rank's items."""
+        return super().finish_plan(dataclasses.replace(new_plan, items=self.items))
 
     def resolve_data(self, write_item: dcp.WriteItem) -> torch.Tensor | io.BytesIO:
         part = self.parts.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
@@ -82,7 +93,7 @@ def read_items(path: str, md: dcp.Metadata, parts: list[Piece]) -> list[dcp.Read
         found = create_read_items_for_chunk_list(b.key, entry, [chunk(b)])
         if sum(math.prod(r.lengths) for r in found) != math.prod(b.sizes):
             raise ckptfiles.CheckpointError(
-                f"{path}/{ckptfiles.DCP_INDEX} does not cover {b.key} at {b.offsets} (sizes {b.sizes}) with its "
+                f"{path}'s index does not cover {b.key} at {b.offsets} (sizes {b.sizes}) with its "
                 "chunks: the index is damaged; resume from another checkpoint"
             )
         reads += [dataclasses.replace(r, dest_index=MetadataIndex(b.key, b.offsets, i)) for r in found]

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from axon4d import device as devices
+from axon4d.checkpoint import index
 from axon4d.files import ckptfiles
 
 FILES = 16  # a rank writes its pieces into about this many files (Writer)
@@ -38,8 +39,10 @@ class Writer(dcp.FileSystemWriter):
     """DCP's file writer, with this rank's items cut in order into files of about 1/``FILES``
     of its bytes (an item larger than that alone). DCP keeps each tensor it writes (a copy of a
     view, a host copy of a device tensor) until its file is closed: a file bounds what a save holds.
-    Each file is hashed as soon as it is written and synced, by the rank that wrote it, and DCP's
-    index by the coordinator (rank 0) once written and read back as a load reads it (``digests``:
+    Each file is hashed as soon as it is written and synced, by the rank that wrote it. A rank
+    returns to DCP, instead of a result per chunk, its part of the piece index (one array of
+    records, ``axon4d.checkpoint.index``); the coordinator (rank 0) merges them into the piece index
+    in place of DCP's ``.metadata``, reads it back as a load does and hashes it (``digests``:
     name -> {"sha256", "bytes"}); a background save hashes in the background too.
 
     ``device`` is the rank's device, bound in the writing thread (``set_up_storage_writer``, DCP's
@@ -75,10 +78,11 @@ class Writer(dcp.FileSystemWriter):
                 self._hash(name)
             results += written
         done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
+        done.set_result([index.result(index.rank_records(plan.items, results))])
         return done
 
     def finish(self, metadata: dcp.Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
-        ckptfiles.read_index(str(self.path))  # what a load will read: no class it refuses, files inside
-        self._hash(ckptfiles.DCP_INDEX)
+        index.write(str(self.path), index.merge(index.parts_of(results)))
+        ckptfiles.PieceIndex(str(self.path))  # what a load will read: well-formed, files inside
+        for name in (ckptfiles.PIECES, ckptfiles.CHUNKS):
+            self._hash(name)
