@@ -15,22 +15,29 @@ of ``axon4d.nn.linear``. What must hold:
   are the dequantised reference of the operands it quantised — the weight block taken as gathered —
   and within e4m3's rounding of the same layer under bf16-fp32-reduce; a layer whose local block is
   not a multiple of 16 runs in bf16 and says so;
-- the preset is opt-in (``auto`` never becomes it) and is refused, clearly, on a device without FP8.
+- the preset is opt-in (``auto`` never becomes it) and is refused, clearly, on a device without FP8;
+- the casts are few and priced as made: per micro-batch an FP8 layer issues at most twice the ops
+  of the bf16 one (X and dY quantised once each, dW's layouts copied from those bytes), and the
+  bytes and kernels of its casts are the planner's (``axon4d.plan.fp8.layer_cast_passes``);
+- one rounding: a 16-bit operand's quotient is formed in fp32 and rounded once to e4m3.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import axon4d
 from axon4d import activations
 from axon4d.device import fp8 as kernel
 from axon4d.options import fp8_gemm
 from axon4d.options.precision import FP8, NAMED, Precision, fp8_scale, resolve
+from axon4d.plan import fp8 as plan_fp8
 
 FP8_NAME, BF16_NAME = "bf16-fp8", "bf16-fp32-reduce"
 U_FP8 = 2.0**-4  # e4m3's unit roundoff
@@ -258,6 +265,71 @@ def test_the_weight_is_quantised_once_per_step_and_its_gathered_bytes_are_the_bl
         assert r["made"] == [2, 4], r  # two layers: once each before the step, once each after
         assert r["equal"], r
         assert r["view"], r
+
+
+#: the ops FP8's casts are made of (under bf16-fp8 nothing else issues them in a layer's micro-batch)
+CAST_OPS = {"linalg_vector_norm", "div", "clamp", "_to_copy", "copy_", "zero_", "clone"}
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the ATen ops that launch work (views and aliases excluded) by name, and the bytes the
+    cast ops read and write: each tensor argument and result once (an in-place op's result is its
+    first argument: ``copy_`` reads its source and writes its destination, ``zero_`` only writes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.cast_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ("detach", "promote_types"):
+            return out
+        self.ops[name] += 1
+        if name in CAST_OPS:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if name == "zero_":
+                self.cast_bytes += tensors[0].nbytes
+            elif name == "copy_":
+                self.cast_bytes += tensors[0].nbytes + tensors[1].nbytes
+            else:
+                self.cast_bytes += sum(t.nbytes for t in tensors) + out.nbytes
+        return out
+
+
+def _kernels_per_micro_batch(grid, tokens):
+    """The ops one layer's forward and backward issue on this rank, after a first micro-batch made
+    the step's weight copies (what is counted once per step is not counted here)."""
+    torch.manual_seed(2)
+    layer = axon4d.Linear(256, 512, bias=False)
+    x = torch.randn(tokens * grid.size("batch"), 256, generator=torch.Generator().manual_seed(3))
+    xs = axon4d.shard_input(x).bfloat16().requires_grad_()
+    dy = torch.randn(xs.shape[0], layer.block_shape[0], generator=torch.Generator().manual_seed(4)).bfloat16()
+    with grid.scheduler.accumulating():
+        layer(xs).backward(dy)
+        count = _Kernels()
+        with count:
+            layer(xs).backward(dy)
+    return dict(count.ops), count.cast_bytes, xs.shape[0]
+
+
+@pytest.mark.parametrize("tokens", [64, 40])
+def test_an_fp8_layer_issues_at_most_twice_the_kernels_of_bf16(pools, tokens):
+    """Per micro-batch, after the step's weight copy: X and dY quantised once each (amax, scale,
+    divide, cast), their transposed layouts copied from those bytes, Ŵᵀ laid out for dX, and
+    three scaled GEMMs — at most twice bf16's kernels (with 40 tokens, a multiple of 16 only after
+    padding, two fills more)."""
+    grid = (1, 1, 2, 1)
+    fp8, cast_bytes, b = pools(2).run(grid, _kernels_per_micro_batch, tokens, precision=FP8_NAME)[0]
+    bf16 = pools(2).run(grid, _kernels_per_micro_batch, tokens, precision=BF16_NAME)[0][0]
+    n_fp8, n_bf16 = sum(fp8.values()), sum(bf16.values())
+    assert fp8.get("_scaled_mm") == 3 and fp8.get("linalg_vector_norm") == 2, fp8  # X and dY only: not W
+    assert n_fp8 <= 2 * n_bf16, (n_fp8, n_bf16, fp8, bf16)
+    # the planner prices these passes (axon4d.plan.fp8): its bytes are the code's, its kernels too
+    priced_bytes, priced_kernels = plan_fp8.layer_cast_passes(256, 512, b, 2)
+    assert priced_bytes <= cast_bytes <= priced_bytes + 64, (cast_bytes, priced_bytes)  # + the scalars' bytes
+    assert priced_kernels == sum(n for op, n in fp8.items() if op in CAST_OPS | {"empty"}) - 1, fp8  # - dW's buffer
 
 
 def _fp8_step_then_save(grid, path):

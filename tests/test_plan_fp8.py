@@ -20,7 +20,8 @@ from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
 
 
-def _sc(preset, shape=(2, 4, 4, 2), machine="h100"):
+# casts priced as the code makes them (axon4d.plan.fp8.cast_passes): on (2, 4, 4, 2) no 20B layer wins in FP8
+def _sc(preset, shape=(1, 2, 4, 2), machine="h100"):
     return Scenario(Workload(get_config("20B"), 64, precision=preset), GridShape(*shape), load(machine))
 
 
@@ -61,7 +62,7 @@ def test_axon4d_plan_shows_which_layers_run_fp8(capsys):
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args("--model 20B --gpus 64 --machine h100 --batch 64 --precision bf16-fp8 --top 1".split())
+    args = p.parse_args("--model 20B --gpus 16 --machine h100 --batch 64 --precision bf16-fp8 --top 1".split())
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "FP8 GEMMs on (" in out and "runs" in out
@@ -79,7 +80,7 @@ def test_the_job_runs_the_plan_s_per_layer_choice(monkeypatch):
     from axon4d.train.config import TrainConfig
 
     cfg = TrainConfig(model="20B", grid="auto", precision="bf16-fp8", machine="h100", batch_size=64, steps=1)
-    job = plan_job(dataclasses.replace(planned.request(cfg, True), world=64))
+    job = plan_job(dataclasses.replace(planned.request(cfg, True), world=16))
     best = job.best
     run = planned.apply(cfg, job)
     o = best.options  # the plan's step, one micro-batch of it as the step is priced

@@ -94,14 +94,17 @@ class _Linear3D(torch.autograd.Function):
         y = y.view(*x.shape[:-1], out_l)
         ctx.layer = layer
         ctx.has_bias = bias is not None
+        ctx.x_shape = x.shape
+        # FP8: dW multiplies X's e4m3 copy made here (one byte per element kept, and no second quantisation)
+        saved_x, ctx.x_scale = (xq.data, xq.scale) if xq is not None else (x, None)
         kept = w if sched.policy.oag_keep else None  # OAG keep-for-backward: no E10b (FP8: the e4m3 block)
         sched.will_gather_in_backward(layer, ctx.needs_input_grad[0] and kept is None)
         if sched.recomputing:  # full recomputation: the kept block is the recomputed forward's
             ctx.w_block = None
-            ctx.save_for_backward(x, weight, *kept_tensors(kept))
+            ctx.save_for_backward(saved_x, weight, *kept_tensors(kept))
         else:  # held on ctx, so backward can free it before the dW matmul
             ctx.w_block = kept
-            ctx.save_for_backward(x, weight, None, None)
+            ctx.save_for_backward(saved_x, weight, None, None)
         return y
 
     @staticmethod
@@ -109,21 +112,19 @@ class _Linear3D(torch.autograd.Function):
         layer: Linear = ctx.layer
         comm, sched = layer.grid.comm, layer.grid.scheduler
         sched.backward_started()  # pending reductions land in .grad before backward() returns
-        x, weight, kept, kept_scale = ctx.saved_tensors
+        x, weight, kept, kept_scale = ctx.saved_tensors  # x: X (..., in_l), or under FP8 its e4m3 copy (b, in_l)
         kept = kept if kept_scale is None else fp8_gemm.Quantised(kept, kept_scale)
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()  # (b, out_l)
         fp8 = layer.fp8_gemms
-        dy_scale = None  # FP8: dY's one scale, shared by its two layouts
+        dyq = fp8_gemm.quantise(dy2) if fp8 else None  # (b, out_l) e4m3, its own scale: dX's and dW's
         dx_handle = None
         if ctx.needs_input_grad[0]:
             if kept is None:
                 kept = ctx.w_block
             w = kept if kept is not None else sched.gather_weight(layer, weight, backward=True, fp8=fp8)
             with sched.compute("bwd.dX"):
-                if fp8:  # (b, out_l) @ (out_l, in_l) in FP8
-                    dyq = fp8_gemm.quantise(dy2)
-                    dy_scale = dyq.scale
+                if dyq is not None:  # (b, out_l) @ (out_l, in_l) in FP8
                     dx = fp8_gemm.grad_input(dyq, w, dy2.dtype)
                 else:
                     dx = torch.matmul(dy2, w)  # (b, out_l) @ (out_l, in_l) = (b, in_l)
@@ -145,10 +146,12 @@ class _Linear3D(torch.autograd.Function):
                     if g_z == 1
                     else None
                 )
-                if fp8:  # dYᵀ and X quantised transposed, tokens padded to 16 (zeros add nothing)
+                if dyq is not None:  # dŶ's and X̂'s bytes laid out transposed, tokens padded to 16 (zeros add nothing)
                     pad = fp8_kernel.ALIGN
-                    dy_t = fp8_gemm.quantise(dy2, dy_scale, transpose=True, pad_to=pad)  # (out_l, b')
-                    x_t = fp8_gemm.quantise(x2, transpose=True, pad_to=pad)  # (in_l, b'): X's forward scale
+                    dy_t = fp8_gemm.transposed(dyq, pad)  # (out_l, b')
+                    x_t = fp8_gemm.transposed(
+                        fp8_gemm.Quantised(x2, ctx.x_scale), pad
+                    )  # (in_l, b'): the forward's copy
                     dw = dw_padded(dy_t, x_t, g_z, dtype, out=slot)
                 else:
                     dw = dw_padded(dy2, x2, g_z, dtype, out=slot)  # (shard_numel·G_z,): E11's input
@@ -159,7 +162,7 @@ class _Linear3D(torch.autograd.Function):
             dbias = sched.reduce_bias_grad(layer.bias, db, scale)  # E13 over batch
         dx_out = None
         if dx_handle is not None:
-            dx_out = dx_handle.wait().view(x.shape)
+            dx_out = dx_handle.wait().view(ctx.x_shape)
         return dx_out, dweight, dbias, None
 
 

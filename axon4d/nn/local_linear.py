@@ -48,20 +48,24 @@ class LocalLinear(torch.autograd.Function):
             w: Any = fp8_gemm.quantise(weight.view(layer.block_shape), pow2=True)
             copy, scale = (w.data, w.scale) if ctx.needs_input_grad[0] else (None, None)
             b = None if bias is None else cast(bias, x.dtype)
-            y = fp8_gemm.forward(fp8_gemm.quantise(rows(x)), w, b, x.dtype).view(*x.shape[:-1], -1)
+            xq = fp8_gemm.quantise(rows(x))  # (b, in) e4m3: the forward's and dW's
+            y = fp8_gemm.forward(xq, w, b, x.dtype).view(*x.shape[:-1], -1)
         else:
             w = block(weight, layer.block_shape, x.dtype)  # (out, in): a view, or this step's one cast copy
             copy = w if w.dtype != weight.dtype and ctx.needs_input_grad[0] else None  # what dX reuses
             scale = None
             y = linear(x, w, bias)
+            xq = None
         ctx.layer = layer
+        ctx.x_shape = x.shape
+        saved_x, ctx.x_scale = (xq.data, xq.scale) if xq is not None else (x, None)  # FP8: X's e4m3 copy
         # x and weight through autograd: recomputation and saved-tensor hooks see them
         if layer.grid.scheduler.recomputing:  # full recomputation: the copy is dropped and made again
             ctx.w_copy = ctx.w_scale = None
-            ctx.save_for_backward(x, weight, copy, scale)
+            ctx.save_for_backward(saved_x, weight, copy, scale)
         else:  # held here, not saved: activation offload never ships a weight's copy
             ctx.w_copy, ctx.w_scale = copy, scale  # the scale: FP8's, else None
-            ctx.save_for_backward(x, weight, None, None)
+            ctx.save_for_backward(saved_x, weight, None, None)
         return y
 
     @staticmethod
@@ -82,14 +86,15 @@ class LocalLinear(torch.autograd.Function):
                 w = copy if copy is not None else block(weight, layer.block_shape, dy.dtype)  # (out, in)
                 dx = dy2.mm(w)  # (b, out) @ (out, in) = (b, in)
                 del w
-            dx = dx if x.dim() == 2 else dx.view(x.shape)
+            dx = dx if len(ctx.x_shape) == 2 else dx.view(ctx.x_shape)
         del copy, saved  # a held copy is freed here, before the dW GEMM
         if ctx.needs_input_grad[1]:
             wide = torch.promote_types(dy2.dtype, reduce_dtype(precision, weight))  # fp32 sums stay fp32
             if dyq is not None:  # (out, b') @ (b', in) in FP8, tokens zero-padded to 16
                 dw = torch.empty(layer.block_shape, dtype=wide, device=dy.device)
-                dy_t = fp8_gemm.quantise(dy2, dyq.scale, transpose=True, pad_to=ALIGN)
-                fp8_gemm.grad_weight(dy_t, fp8_gemm.quantise(rows(x), transpose=True, pad_to=ALIGN), dw)
+                dy_t = fp8_gemm.transposed(dyq, ALIGN)  # (out, b'): dŶ's bytes, tokens zero-padded to 16
+                x_t = fp8_gemm.transposed(fp8_gemm.Quantised(x, ctx.x_scale), ALIGN)  # (in, b'): the forward's X̂
+                fp8_gemm.grad_weight(dy_t, x_t, dw)
                 dw = dw.view(-1)
             else:
                 dw = devices.mm_widening(dy2.t(), rows(x), wide).view(-1)  # (out, b) @ (b, in), flattened

@@ -48,6 +48,11 @@ def layer_fits(rows: int, cols: int) -> bool:
     return kernel.aligned(rows, cols)
 
 
+def amax(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a () fp32 tensor on t's device: one reduction kernel (nothing read back)."""
+    return torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)
+
+
 def quantise(
     t: torch.Tensor,
     scale: torch.Tensor | None = None,
@@ -59,23 +64,45 @@ def quantise(
 ) -> Quantised:
     """``t`` (r, c) — or tᵀ (c, r) with ``transpose`` — as ``dtype`` with the tensorwise scale
     ``scale``, by default ``fp8_scale`` of t's own amax (``pow2``: a power of two): q = round(t/s),
-    clamped to the format's largest value (a cast past it would be NaN on CUDA). The columns are
-    zero-padded to a multiple of ``pad_to``. Computed on t's device; nothing is read back."""
+    the quotient formed in fp32 and rounded once. A given ``scale`` may be smaller than t's own, so
+    the quotient is then clamped to the format's largest value (a cast past it would be NaN on
+    CUDA); t's own scale keeps it there already. The columns are zero-padded to a multiple of
+    ``pad_to``; the result is row-major. Computed on t's device; nothing is read back.
+
+    Kernels, t's own scale, row-major and unpadded: amax, two for the scale (``fp8_scale``), the
+    division and the cast — five passes, of which two read t."""
     t = t.detach()
     fmax = float(torch.finfo(dtype).max)
+    given = scale is not None
     if scale is None:
-        scale = fp8_scale(t.abs().amax().float(), pow2, fmax)  # () fp32
+        scale = fp8_scale(amax(t), pow2, fmax)  # () fp32
     src = t.t() if transpose else t  # (r, c)
     r, c = src.shape
+    # a (1,) scale takes part in type promotion as a tensor (a () one would not): the quotient is fp32
+    quotient = torch.div(src, scale.reshape(1))  # (r, c) fp32
+    if given:
+        quotient.clamp_(-fmax, fmax)
     padded = -(-c // pad_to) * pad_to
+    if padded == c and quotient.is_contiguous():
+        return Quantised(quotient.to(dtype), scale)  # (r, c) row-major: one cast
     data = torch.empty((r, padded), dtype=dtype, device=t.device)  # (r, c'), row-major
     if padded != c:
         data[:, c:].view(torch.uint8).zero_()  # the byte 0 is +0 in both formats
-    # the quotient in fp32, rounded once to fp8: a 16-bit t divided by a () fp32 scale would be rounded
-    # to t's dtype first (a 0-dim tensor does not promote), then again to fp8
-    wide = src if src.dtype == torch.float32 else src.float()  # (r, c) fp32
-    data[:, :c].copy_(torch.div(wide, scale).clamp_(-fmax, fmax))
+    data[:, :c].copy_(quotient)
     return Quantised(data, scale)
+
+
+def transposed(q: Quantised, pad_to: int = 1) -> Quantised:
+    """``q``'s values laid out transposed, (c, r') row-major with the columns zero-padded to a multiple
+    of ``pad_to``: a copy of bytes under the same scale — no amax, no rounding (the layout dW's
+    GEMM takes, from the copies the forward and dX made)."""
+    r, c = q.data.shape
+    padded = -(-r // pad_to) * pad_to
+    data = torch.empty((c, padded), dtype=q.data.dtype, device=q.data.device)  # (c, r')
+    if padded != r:
+        data[:, r:].view(torch.uint8).zero_()
+    data[:, :r].copy_(q.data.t())
+    return Quantised(data, q.scale)
 
 
 def dequantise(q: Quantised) -> torch.Tensor:

@@ -146,24 +146,24 @@ def fp8_scale(amax: torch.Tensor, pow2: bool = False, fmax: float = FP8_MAX) -> 
     """The float8 scale s of a tensor whose largest magnitude is ``amax`` (a () fp32 tensor, on its
     device: nothing is read back to the host), so that amax/s lands on the format's largest value
     ``fmax`` (e4m3: 448): s = amax/fmax, or with ``pow2`` the power of two 2^⌈log₂(amax/fmax)⌉
-    (amax/s in (fmax/2, fmax]: a bit of range given up so that rescaling between two such scales
-    is exact, ``fp8_gemm.requantise``). An all-zero tensor gets s = 1 — with ``pow2`` the smallest
-    scale, 2⁻¹²⁶, so a zero shard never sets its block's scale — and s is never below fp32's
-    smallest normal: no 0 or inf scale, hence no NaN, from a block of zeros or of fp32 subnormals. A
-    non-finite amax gives itself as s, so an inf or NaN input stays non-finite (the step is then
-    skipped, as it would be in bf16)."""
-    ratio = torch.clamp(amax / fmax, min=_TINY)  # () fp32, ≥ the smallest normal
-    if pow2:
-        mantissa, exponent = torch.frexp(ratio)  # ratio = m·2^e, m in [0.5, 1)
-        scale = torch.ldexp(torch.ones_like(ratio), torch.where(mantissa == 0.5, exponent - 1, exponent))
-    else:
-        scale = torch.where(amax > 0, ratio, torch.ones_like(ratio))
+    (amax/s in (fmax/2, fmax]: a bit of range given up so that the scales of a block's shards
+    compare exactly, ``axon4d.scheduler.fp8_copies``). s is never below fp32's smallest normal — the
+    scale of an all-zero tensor (with ``pow2``, 2⁻¹²⁶, so a zero shard never sets its block's
+    scale) — so no 0 or inf scale, hence no NaN, comes from a block of zeros or of fp32 subnormals.
+    A non-finite amax gives itself as s, so an inf or NaN input stays non-finite (the step is then
+    skipped, as it would be in bf16). Without ``pow2``: two kernels (a division and a clamp, which
+    keeps NaN and inf as they are)."""
+    ratio = torch.clamp(amax / fmax, min=_TINY)  # () fp32, ≥ the smallest normal; NaN and inf kept
+    if not pow2:
+        return ratio
+    mantissa, exponent = torch.frexp(ratio)  # ratio = m·2^e, m in [0.5, 1)
+    scale = torch.ldexp(torch.ones_like(ratio), torch.where(mantissa == 0.5, exponent - 1, exponent))
     return torch.where(torch.isfinite(amax), scale, amax)  # inf or NaN stays so
 
 
 def fp8_pack(shard: torch.Tensor, pow2: bool = False) -> torch.Tensor:
     """One rank's chunk of an fp8 E10: the flat z shard (n,) cast to e4m3 with the per-shard
-    scale s = amax(|shard|)/448 (``fp8_scale``; s = 1 for an all-zero shard; a power of two with
+    scale s = amax(|shard|)/448 (``fp8_scale``; fp32's smallest normal for an all-zero shard; a power of two with
     ``pow2``, under FP8 GEMMs), as raw bytes, followed by s's 4 bytes (fp32): a (n + 4,) uint8
     tensor on the shard's device. The scale is computed there; no value is read back to the host.
     Each element is q = round_e4m3(w/s), so |q·s − w| ≤ 2⁻⁴·|w| in e4m3's normal range and

@@ -7,10 +7,10 @@ is refused (``check``). Per layer and grid the planner prices both ways (``layer
 
 - bf16: the three GEMMs at the machine's bf16 rate (``Machine.matmul_time``);
 - FP8: each GEMM at its bf16 time divided by the speed-up at its size, plus the casts the runtime
-  makes (``axon4d.options.fp8_gemm``): X quantised in forward and again transposed in backward (amax, then
-  a read of 2 bytes and a write of 1 per element), dY's amax and its two layouts, Ŵᵀ laid out
-  for dX, and the weight's e4m3 copy, made once per optimizer step from the fp32 master shard
-  (amax, read, write: 9 bytes per shard element, spread over the step's micro-batches;
+  makes, pass by pass (``cast_passes``, counted against the code by a test): X and dY quantised
+  once each (amax, an fp32 quotient, the cast), their transposed layouts for dW copied from those
+  bytes, Ŵᵀ laid out for dX, and the weight's e4m3 copy, made once per optimizer step from the fp32
+  master shard (``weight_copy_bytes``, spread over the step's micro-batches;
   ``axon4d.scheduler.fp8_copies``) — its scale's all-gather over z is 4 bytes a rank, not priced.
 
 and runs the layer in FP8 where its local block is a multiple of 16 in both dims and FP8 is the
@@ -71,16 +71,57 @@ def gemm_seconds(machine: Machine, form: str, m: int, k: int, n: int, dtype: str
     return work / speedup(machine, 2.0 * m * k * n) + machine.op_overhead_s
 
 
-def cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
-    """Seconds of one run's FP8 casts on one rank (module docstring), elementwise at the machine's rate."""
+def quantise_passes(rows: int, cols: int, elem: int) -> tuple[int, int]:
+    """(bytes, kernels) of ``fp8_gemm.quantise`` of a (rows, cols) tensor of ``elem``-byte elements
+    with its own scale, row-major and unpadded: the amax reads it, the division reads it and writes
+    fp32, the cast reads that and writes e4m3 — 2·elem + 9 bytes per element — and two kernels on
+    the scale itself."""
+    return rows * cols * (2 * elem + 9), 5
+
+
+def transposed_passes(rows: int, cols: int) -> tuple[int, int]:
+    """(bytes, kernels) of ``fp8_gemm.transposed`` of a (rows, cols) e4m3 tensor, rows padded to 16:
+    one read and one write per element, and the padding's zeros (a kernel more where there is any)."""
+    padded = -(-rows // ALIGN) * ALIGN
+    return 2 * rows * cols + (padded - rows) * cols, 2 + (padded != rows)
+
+
+def cast_passes(spec: LinearSpec, sc: Scenario) -> tuple[int, int]:
+    """``layer_cast_passes`` of ``spec``'s local block on one rank of ``sc``."""
     in_l, out_l = spec.local(sc.shape)
-    b, elem, m = sc.tokens, sc.element_size, sc.machine
-    block = in_l * out_l
-    streamed = 2 * b * in_l * (2 * elem + 1)  # X: amax, read, write e4m3 — forward, and transposed in backward
-    streamed += b * out_l * (3 * elem + 2)  # dY: amax, two reads, two e4m3 layouts
-    streamed += block * (1 + 1)  # Ŵᵀ for dX
-    streamed += 9 * -(-block // sc.shape.z) / sc.micro_batches  # the weight's e4m3 copy, once per step
-    return m.elementwise_time(streamed, sc.world) + 10 * m.op_overhead_s
+    return layer_cast_passes(in_l, out_l, sc.tokens, sc.element_size, spec.input_grad)
+
+
+def layer_cast_passes(in_l: int, out_l: int, b: int, elem: int, input_grad: bool = True) -> tuple[int, int]:
+    """(bytes, kernels) of one run's FP8 casts of a layer whose local block is (out_l, in_l), on b
+    tokens of ``elem``-byte activations, as ``axon4d.nn.linear`` makes them after the step's weight
+    copy: X and dY quantised once each (``quantise_passes``), both laid out transposed for dW from
+    those bytes (``transposed_passes``), and — with ``input_grad`` — Ŵᵀ laid out for dX (a read and
+    a write per element of the block). ``tests/test_fp8_gemm.py`` counts the code's passes against these."""
+    parts = [
+        quantise_passes(b, in_l, elem),
+        quantise_passes(b, out_l, elem),
+        transposed_passes(b, in_l),
+        transposed_passes(b, out_l),
+    ]
+    if input_grad:
+        parts.append((2 * in_l * out_l, 1))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def weight_copy_bytes(spec: LinearSpec, sc: Scenario) -> int:
+    """Bytes of the weight's e4m3 copy, made once per optimizer step from the fp32 master shard
+    (``axon4d.scheduler.fp8_copies``): amax, division to fp32 and cast — 17 bytes per shard element."""
+    in_l, out_l = spec.local(sc.shape)
+    return 17 * -(-(in_l * out_l) // sc.shape.z)
+
+
+def cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
+    """Seconds of one run's FP8 casts on one rank (``cast_passes``, and the weight's copy spread over
+    the step's micro-batches), elementwise at the machine's rate."""
+    streamed, kernels = cast_passes(spec, sc)
+    streamed += weight_copy_bytes(spec, sc) / sc.micro_batches
+    return sc.machine.elementwise_time(streamed, sc.world) + kernels * sc.machine.op_overhead_s
 
 
 def fits(spec: LinearSpec, sc: Scenario) -> bool:
