@@ -21,6 +21,10 @@ parameter *kind* (the 42 blocks' tensors have the same geometry) and checked aga
   DCP's reads of them, and the sizes of the files they lie in (empty sparse files here). The sha256
   of its share of the shard files is data, not metadata, and is left out.
 
+With ``--legacy`` it also times what the same world cost before the piece index: rank 0 pickling
+DCP's whole index (the last step of its coordination then) and one rank's load from it (every
+rank unpickled all of it and stat()ed every file), once each.
+
 Each is timed ``--rounds`` times (median) with its Python peak (``tracemalloc``: numpy's arrays
 included; pages of pieces.npy mapped but not copied are not). Writes
 ``bench/results/checkpoint_scaling.json`` and prints one line::
@@ -210,11 +214,17 @@ def _timed(fn: Any, rounds: int) -> tuple[float, float, Any]:
 
 
 def measure(
-    grid_shape: tuple[int, ...] = GRID, rank: int | None = None, rounds: int = 3, check: bool = False
+    grid_shape: tuple[int, ...] = GRID,
+    rank: int | None = None,
+    rounds: int = 3,
+    check: bool = False,
+    legacy: bool = False,
 ) -> dict[str, Any]:
     """Simulate the save's coordination on rank 0 and ``rank``'s load (default: the last) at
     ``grid_shape``; the figures. ``check``: also plan the load from DCP's whole index (built from
-    the piece index: O(chunks), for small worlds) and require the same reads."""
+    the piece index: O(chunks), for small worlds) and require the same reads. ``legacy``: also
+    time what the same world cost before the piece index — rank 0 pickling DCP's whole index
+    (the last step of its coordination then) and a load from it (every rank unpickling all of it)."""
     from torch.distributed.checkpoint import SavePlan
 
     from axon4d.checkpoint import index
@@ -271,6 +281,30 @@ def measure(
         if check:
             whole = read_items(path, ckptfiles.read_index(path), load_state.parts)
             assert sorted(map(_read, whole)) == sorted(map(_read, plan.reads)), "the piece index planned other reads"
+        before: dict[str, Any] = {}
+        if legacy:  # the same checkpoint with DCP's .metadata only, as saves wrote it before the piece index
+            whole_md = ckptfiles.read_index(path)
+
+            def pickle_index() -> None:
+                with open(os.path.join(path, ckptfiles.DCP_INDEX), "wb") as f:
+                    pickle.dump(whole_md, f)
+
+            before["legacy_index_pickle_s"], before["legacy_index_pickle_peak_mb"], _ = _timed(pickle_index, 1)
+            del whole_md
+            meta = ckptfiles.read_meta(path)
+            for name in (ckptfiles.PIECES, ckptfiles.CHUNKS):
+                os.rename(os.path.join(path, name), os.path.join(tmp, name))
+                meta["files"].pop(name)
+            sha, size = ckptfiles.digest(os.path.join(path, ckptfiles.DCP_INDEX))  # each rank checked it whole
+            meta["files"][ckptfiles.DCP_INDEX] = {"sha256": sha, "bytes": size}
+            ckptfiles.write_atomic(os.path.join(path, ckptfiles.META), ckptfiles.meta_text(meta))
+            for info in ckptfiles.read_index(path).storage_data.values():  # the old check stat()ed every file
+                with open(os.path.join(path, info.relative_path), "ab") as f:
+                    f.truncate(max(os.path.getsize(f.name), info.offset + info.length))
+            before["legacy_load_s"], before["legacy_load_peak_mb"], _ = _timed(load, 1)
+            before["legacy_index_bytes"] = os.path.getsize(os.path.join(path, ckptfiles.DCP_INDEX))
+            for name in (ckptfiles.PIECES, ckptfiles.CHUNKS):
+                os.rename(os.path.join(tmp, name), os.path.join(path, name))
         index_bytes = {n: os.path.getsize(os.path.join(path, n)) for n in (ckptfiles.PIECES, ckptfiles.CHUNKS)}
         meta_bytes = os.path.getsize(os.path.join(path, ckptfiles.META))
     return {
@@ -294,6 +328,7 @@ def measure(
         "load_chunks": len(plan.md.storage_data),
         "load_files": len(plan.shards),
         "checked_against_whole_index": check,
+        **{k: round(v, 3) if isinstance(v, float) else v for k, v in before.items()},
     }
 
 
@@ -311,10 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=None, help="the rank whose load is simulated (default: the last)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="compare the load's reads with the whole index's")
+    ap.add_argument("--legacy", action="store_true", help="also time DCP's whole index (before the piece index)")
     ap.add_argument("--out", default=OUT, help="result JSON (default %(default)s); '-' prints it only")
     args = ap.parse_args(argv)
     head = common.header()
-    result = measure(tuple(int(s) for s in args.grid.split(",")), args.rank, args.rounds, args.check)
+    result = measure(tuple(int(s) for s in args.grid.split(",")), args.rank, args.rounds, args.check, args.legacy)
     if args.out == "-":
         print(json.dumps(result))
     else:
