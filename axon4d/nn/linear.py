@@ -40,7 +40,7 @@ from axon4d.layout.geometry import Term
 from axon4d.nn.local_linear import LocalLinear, block, cast, linear
 from axon4d.nn.weight_grad import dw_padded, kept_tensors
 from axon4d.options import fp8_gemm
-from axon4d.options.precision import FP8, compute_dtype
+from axon4d.options.precision import FP8, compute_dtype, gradient_fp8
 
 log = logging.getLogger("axon4d.fp8")
 
@@ -117,7 +117,10 @@ class _Linear3D(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (b, in_l)
         dy2 = dy.reshape(-1, dy.shape[-1]).contiguous()  # (b, out_l)
         fp8 = layer.fp8_gemms
-        dyq = fp8_gemm.quantise(dy2) if fp8 else None  # (b, out_l) e4m3, its own scale: dX's and dW's
+        # (b, out_l) in the gradients' float8 (e5m2 by default), its own scale: dX's and dW's
+        dyq = fp8_gemm.quantise(dy2, dtype=gradient_fp8(layer.grid.precision)) if fp8 else None
+        if dyq is not None and layer.fp8_flushes is not None:  # the job's underflow counter, on its steps
+            fp8_gemm.count_flushes(dy2, dyq, layer.fp8_flushes)
         dx_handle = None
         if ctx.needs_input_grad[0]:
             if kept is None:
@@ -178,6 +181,9 @@ class Linear(nn.Module):
     #: fused outputs (q | k | v, gate | up) interleaved by y group, so a checkpoint stores them apart
     #: (axon4d.layout.param_layout); None for a plain layer
     fused_rows: rectangles.FusedRows | None = None
+    #: under FP8 GEMMs, a (2,) int64 counter the backward adds [dY's entries flushed to zero, dY's
+    #: non-zero entries] to (``fp8_gemm.count_flushes``); None (the default): nothing counted
+    fp8_flushes: torch.Tensor | None = None
 
     def __init__(
         self,

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from axon4d import device as devices
 from axon4d.device.fp8 import ALIGN
 from axon4d.options import fp8_gemm
-from axon4d.options.precision import compute_dtype, reduce_dtype
+from axon4d.options.precision import compute_dtype, gradient_fp8, reduce_dtype
 
 
 class LocalLinear(torch.autograd.Function):
@@ -78,7 +78,9 @@ class LocalLinear(torch.autograd.Function):
         dy2 = rows(dy)  # (b, out)
         dx = dweight = dbias = None
         fp8 = layer.fp8_gemms
-        dyq = fp8_gemm.quantise(dy2) if fp8 else None  # (b, out) e4m3, its own scale
+        dyq = fp8_gemm.quantise(dy2, dtype=gradient_fp8(precision)) if fp8 else None  # (b, out), its own scale
+        if dyq is not None and layer.fp8_flushes is not None:  # the job's underflow counter, on its steps
+            fp8_gemm.count_flushes(dy2, dyq, layer.fp8_flushes)
         if ctx.needs_input_grad[0]:
             if dyq is not None:  # (b, out) @ (out, in) in FP8
                 dx = fp8_gemm.grad_input(dyq, fp8_gemm.Quantised(copy, scale), dy.dtype)

@@ -47,6 +47,9 @@ class Precision:
     #: what the 3D Linear's GEMMs multiply: None (the compute dtype) or ``FP8`` (e4m3 operands, one
     #: tensorwise scale per local block, sums in fp32: ``axon4d.options.fp8_gemm``)
     gemm: torch.dtype | None = None
+    #: under FP8 GEMMs, the float8 format of the output gradient dY (dX's and dW's first operand):
+    #: ``FP8_GRAD`` (e5m2, the default: its range keeps small gradients that e4m3 flushes) or ``FP8``
+    grad: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for d in (self.param, self.compute, self.reduce):
@@ -60,6 +63,11 @@ class Precision:
             raise ValueError(
                 f"Precision(gemm={self.gemm}): the Linear's GEMMs multiply the compute dtype (gemm=None) or "
                 f"{FP8} with a tensorwise scale per block (gemm=torch.float8_e4m3fn, the bf16-fp8 precision)"
+            )
+        if self.grad not in (None, FP8, FP8_GRAD) or (self.grad is not None and self.gemm != FP8):
+            raise ValueError(
+                f"Precision(grad={self.grad}, gemm={self.gemm}): the gradients' float8 format is {FP8_GRAD} or {FP8}, "
+                f"and only under FP8 GEMMs (gemm={FP8})"
             )
         if self.gemm == FP8 and (self.compute != torch.bfloat16 or self.reduce != torch.float32):
             raise ValueError(
@@ -86,13 +94,17 @@ class Precision:
 
 #: the 8-bit float E10 can move (``Precision.gather``): e4m3, 3 mantissa bits, largest finite 448
 FP8 = torch.float8_e4m3fn
+#: the 8-bit float of gradients under FP8 GEMMs by default (``Precision.grad``): e5m2, 2 mantissa bits
+#: and e4m3's range times 2¹⁴ — on a small Llama's layer gradients e4m3 flushed up to 4.5% of dY's
+#: entries to zero where e5m2 flushed 0.04% (docs/design.md §2 "FP8 GEMMs")
+FP8_GRAD = torch.float8_e5m2
 
 NAMED = {
     "fp32": Precision(),
     "bf16": Precision(compute=torch.bfloat16, reduce=torch.bfloat16),
     "bf16-fp32-reduce": Precision(compute=torch.bfloat16, reduce=torch.float32),
     "bf16-fp8-gather": Precision(compute=torch.bfloat16, reduce=torch.float32, gather=FP8),
-    "bf16-fp8": Precision(compute=torch.bfloat16, reduce=torch.float32, gather=FP8, gemm=FP8),
+    "bf16-fp8": Precision(compute=torch.bfloat16, reduce=torch.float32, gather=FP8, gemm=FP8, grad=FP8_GRAD),
 }
 
 
@@ -113,6 +125,11 @@ def resolve(spec: str, accelerator: bool) -> str:
     if spec not in NAMED:
         raise ValueError(f"precision {spec!r} is not supported; use one of {', '.join(NAMES)}")
     return spec
+
+
+def gradient_fp8(precision: Precision) -> torch.dtype:
+    """The float8 format dY is quantised to under FP8 GEMMs (``Precision.grad``; e5m2 when unset)."""
+    return precision.grad if precision.grad is not None else FP8_GRAD
 
 
 def compute_dtype(precision: Precision, param: torch.Tensor) -> torch.dtype:

@@ -25,6 +25,7 @@ from axon4d.grid import counts
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import check_sizes
 from axon4d.memory.offload import offload_blocks, parse_offload
+from axon4d.options.precision import FP8, NAMED, Precision
 from axon4d.options.precision import resolve as resolve_precision
 from axon4d.options.recompute_mode import check_recompute
 from axon4d.train import hf
@@ -108,6 +109,8 @@ class TrainConfig:
     """Shard the optimizer over the data axis (docs/training.md#sharding-the-optimizer): 0 off; 1 (ZeRO-1) AdamW's moments and master weights, 1/G_data per rank, the updated weights all-gathered over data; 2 (ZeRO-2) also the weights' gradients, reduce-scattered over data instead of all-reduced. Same results; with data 1 a no-op."""
     precision: str = "auto"
     """auto (bf16-fp32-reduce on GPUs, fp32 on CPUs; a resumed run keeps its checkpoint's; the banner and summary.json say which); fp32; bf16 (fp32 master weights, bf16 compute and gradient reductions); bf16-fp32-reduce (bf16 compute, fp32 reductions); bf16-fp8-gather (bf16-fp32-reduce with the weight all-gathers over z in FP8, half their bytes); bf16-fp8 (also the 3D Linear layers' GEMMs in FP8 on GPUs with FP8 tensor cores; opt-in)."""
+    fp8_gradients: str = "e5m2"
+    """Under --precision bf16-fp8: the float8 format of the output gradients in the dX and dW GEMMs: e5m2 (wider range; on a small Llama's layer gradients e4m3 flushed up to a share of 0.045 of them to zero, e5m2 0.0004) or e4m3 (one more mantissa bit). log.jsonl reports the flushed share per layer kind on logged steps (fp8_underflow)."""
     bf16_layers: str = ""
     """Under --precision bf16-fp8: the layer kinds whose GEMMs stay in bf16 (comma-separated, of qkv, attn_out, mlp_up, mlp_down; the LM head always is). --grid auto sets it to the planner's per-layer choice (FP8 where it is priced faster, axon4d.plan.fp8)."""
     tf32: bool = True
@@ -209,6 +212,13 @@ class TrainConfig:
                 f"--beta1 {self.beta1} / --beta2 {self.beta2}: AdamW's betas must be below 1, e.g. 0.9 and 0.95"
             )
 
+    def precision_spec(self) -> Precision | str:
+        """What ``axon4d.init`` is given for --precision: its name, or under ``bf16-fp8`` with
+        ``--fp8-gradients e4m3`` that preset with e4m3 gradients (``Precision.grad``)."""
+        if self.precision == "bf16-fp8" and self.fp8_gradients == "e4m3":
+            return dataclasses.replace(NAMED["bf16-fp8"], grad=FP8)
+        return self.precision
+
     def _check_planned(self) -> None:
         """Refuse a ZeRO stage that is not 0, 1 or 2, --pin naming what is not a planned option,
         --bf16-layers naming what is not an FP8 layer kind or without --precision bf16-fp8, and --try
@@ -228,6 +238,11 @@ class TrainConfig:
             raise ValueError(
                 f"--bf16-layers {self.bf16_layers!r}: name layer kinds of {', '.join(FP8_KINDS)} to keep in bf16, "
                 "with --precision bf16-fp8 (the only precision whose GEMMs run FP8)"
+            )
+        if self.fp8_gradients != "e5m2" and self.precision != "bf16-fp8":
+            raise ValueError(
+                f"--fp8-gradients {self.fp8_gradients} with --precision {self.precision}: the gradients' float8 "
+                "format applies to FP8 GEMMs only; add --precision bf16-fp8 or leave --fp8-gradients out"
             )
         if (self.try_plans or self.correction) and self.grid != "auto":
             given = f"--try {self.try_plans}" if self.try_plans else f"--correction {self.correction}"

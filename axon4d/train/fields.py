@@ -92,6 +92,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "comm": ("auto", "torch", "mpi"),
     "on_nonfinite": ("skip", "stop"),
     "resume": ("never", "always", "auto"),
+    "fp8_gradients": ("e5m2", "e4m3"),
 }
 #: fields whose flag may be given alone, meaning this value (``--resume`` is ``--resume always``)
 ALONE: dict[str, str] = {"resume": "always"}

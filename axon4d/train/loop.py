@@ -62,6 +62,7 @@ from axon4d.reliability import watchdog
 from axon4d.train import hf, optim, planned, reference, report, saves, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
+from axon4d.train.fp8_log import count_underflow, underflow_record
 from axon4d.train.moe_log import moe_record
 from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
 from axon4d.train.outdir import check_out_dir, finished
@@ -104,7 +105,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     grid = runtime.init(
         grid=grid_spec,
         seed=cfg.seed,
-        precision=cfg.precision,
+        precision=cfg.precision_spec(),
         comm=cfg.comm,
         overlap=overlap,
         plan={
@@ -270,6 +271,9 @@ def _step(
     grid.comm.log.clear()
     t0 = time.perf_counter()
     lr = set_lr(opt, step, cfg)
+    fp8_counted = grid.precision.gemm is not None and (step + 1) % cfg.log_every == 0  # a logged step
+    if fp8_counted:
+        count_underflow(model, True)
     loss = accumulate(model, step_batches(data, step, cfg), grid)
     loss_sum = _batch_sum(loss, grid)
     # clipped on the device (a non-finite norm leaves the gradients as they are); then one host
@@ -292,6 +296,8 @@ def _step(
     rec = report.step_record(step + 1, mean_loss, lr, norm, dt, tps, mfu(mcfg.flops_per_token(), tps, peak), comm)
     if mcfg.moe:  # after the step's timing: tokens per expert, balance
         rec["moe"] = moe_record(model, grid)
+    if fp8_counted:  # after the step's timing: dY's entries flushed to zero, per layer kind
+        rec["fp8_underflow"] = underflow_record(model, grid)
     return rec, finite, first_bad
 
 
@@ -317,6 +323,8 @@ def _train_on(
     check_compute_dtype(grid)
     peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)  # after allow_tf32: fp32 at TF32's peak
     chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": describe_optimizer(opt), "zero": cfg.zero}
+    if grid.precision.gemm is not None:  # FP8 GEMMs: the gradients' float8 format
+        chosen["fp8_gradients"] = cfg.fp8_gradients
     if rank0 and tried:
         print(trials.table(tried))
     if rank0:
@@ -352,6 +360,9 @@ def _train_on(
         [r for r in records if not r.get("skipped")], cfg.steps, grid, final, recompute=cfg.recompute
     )
     summary["nonfinite_skipped"] = skipped
+    counted = [r["fp8_underflow"] for r in records if r.get("fp8_underflow")]
+    if counted:  # the last logged step's: dY's entries the gradients' float8 flushed, per layer kind
+        summary["fp8_underflow"] = counted[-1]
     if mcfg.moe:  # where its experts ran: the grid's layout, which its layers take
         summary["expert_layout"] = str(grid.expert_layout)
     summary.update(report.save_summary(blocked, cfg.async_save))

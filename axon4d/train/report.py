@@ -117,9 +117,10 @@ def expert_line(grid: Grid, mcfg: ModelConfig) -> str:
 
 def chosen_line(chosen: dict[str, Any]) -> str:
     """The defaults a run took, as the banner shows them: the resolved precision, whether fp32
-    matmuls may use TF32, and the AdamW implementation."""
+    matmuls may use TF32, and the AdamW implementation (under FP8 GEMMs, the gradients' float8 too)."""
+    grads = f" (gradients {chosen['fp8_gradients']})" if chosen.get("fp8_gradients") else ""
     return (
-        f"precision {chosen['precision']}; fp32 matmuls {'TF32' if chosen['tf32'] else 'fp32'}; "
+        f"precision {chosen['precision']}{grads}; fp32 matmuls {'TF32' if chosen['tf32'] else 'fp32'}; "
         f"AdamW {chosen['optimizer']}"
     )
 

@@ -116,7 +116,7 @@ def _try_all(
     def init(cand: Candidate) -> dict[str, Any]:
         run = planned_cfg(cand)
         layout = run.expert_layout or None  # an MoE model's: the layout the plan was priced with
-        init = {"seed": run.seed, "precision": run.precision, "comm": run.comm, "timeout_s": run.startup_timeout}
+        init = {"seed": run.seed, "precision": run.precision_spec(), "comm": run.comm, "timeout_s": run.startup_timeout}
         return {**init, "expert_layout": layout}
 
     def built(grid: Any, cand: Candidate) -> trials.Trial:
