@@ -29,6 +29,7 @@ Hugging Face export). ``bench/checkpoint_scaling.py`` measures both sides for th
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -87,7 +88,9 @@ def merge(parts: list[dict[str, Any]]) -> Merged:
     """The piece index of a save from every rank's part (``rank_records``): the records
     concatenated, their files renumbered into one list, sorted by tensor then first offset; each
     tensor's shape, dtype, range of records and tallest chunk (``hmax``, which bounds a load's
-    search). Numpy does the per-record work; Python loops over ranks and tensors only."""
+    search); the chunks of each tensor must hold as many elements as its shape (the ranks' writes
+    neither overlap nor leave a gap, as DCP's global plan checked). Numpy does the per-record work;
+    Python loops over ranks and tensors only."""
     files: list[str] = []
     first: list[int] = []  # each part's first file's number in ``files``
     keys: dict[str, dict[str, Any]] = {}
@@ -102,12 +105,18 @@ def merge(parts: list[dict[str, Any]]) -> Merged:
     records = records.view(np.uint8).reshape(-1, RECORD.itemsize)[order].reshape(-1).view(RECORD)
     hashes, starts, counts = np.unique(records["key"], return_index=True, return_counts=True)
     hmax = np.maximum.reduceat(records["size"][:, 0], starts) if len(starts) else starts
+    volume = np.add.reduceat(np.prod(records["size"], axis=1), starts) if len(starts) else starts
     where = {int(h): i for i, h in enumerate(hashes)}
     table: dict[str, Any] = {"version": ckptfiles.INDEX_VERSION, "files": files, "keys": {}}
     for name in sorted(keys):
         i = where.pop(ckptfiles.key_hash(name), None)
         if i is None:
             raise ValueError(f"the piece index describes {name} but holds none of its chunks")
+        if int(volume[i]) != math.prod(keys[name]["shape"]):  # what DCP's global plan checked before
+            raise ValueError(
+                f"the chunks saved of {name} hold {int(volume[i])} elements, its shape {keys[name]['shape']} has "
+                f"{math.prod(keys[name]['shape'])}: the ranks' writes (pieces.writes) overlap or leave a gap"
+            )
         table["keys"][name] = {**keys[name], "start": int(starts[i]), "count": int(counts[i]), "hmax": int(hmax[i])}
     if where:
         raise ValueError(f"{len(where)} saved tensors have chunks but no chunk at offsets 0 (no shape): not written")
