@@ -361,10 +361,38 @@ def test_the_job_runs_the_gradients_float8_and_logs_its_underflow(pools, tmp_pat
     for rec in records:
         assert set(rec["fp8_underflow"]) == kinds and all(0 <= v < 1 for v in rec["fp8_underflow"].values()), rec
     assert summary["fp8_underflow"] == records[-1]["fp8_underflow"] and summary["fp8_gradients"] == fmt
+    # every layer kind's GEMM precision, and why a kind is not FP8, in summary.json and the banner
+    assert summary["gemm_precision"] == {**dict.fromkeys(kinds, "fp8"), "head": "bf16 (the LM head)"}
+    assert "GEMMs: fp8: blocks.*.attn.qkv, blocks.*.attn.out, blocks.*.mlp.up, blocks.*.mlp.down; " in printed
+    assert "bf16 (the LM head): head" in printed
     from axon4d.train import TrainConfig
 
     with pytest.raises(ValueError, match="--fp8-gradients e4m3 with --precision bf16-fp32-reduce"):
         TrainConfig(model="tiny", precision="bf16-fp32-reduce", fp8_gradients="e4m3").check()
+
+
+def _kept_in_bf16(grid):
+    """A layer kept in bf16 (``fp8_gemms = False``): its output and gradients, and E10f's bytes."""
+    torch.manual_seed(7)
+    layer = axon4d.Linear(64, 96, bias=False)
+    layer.fp8_gemms = False
+    x = torch.randn(TOKENS * grid.size("batch"), 64, generator=torch.Generator().manual_seed(8))
+    xs = axon4d.shard_input(x).requires_grad_()
+    grid.comm.log.clear()
+    y = layer(xs)
+    y.float().square().sum().backward()
+    gathered = sum(r.payload_bytes for r in grid.comm.log.records if r.tag == "E10f")
+    return y.detach().float(), layer.weight.grad.clone(), gathered, layer.shard_numel
+
+
+def test_a_layer_kept_in_bf16_under_fp8_gemms_is_bf16_exactly(pools):
+    """Under bf16-fp8 a layer whose GEMMs stay in bf16 (the LM head, --bf16-layers, a block not a
+    multiple of 16) gathers its weight in bf16, never e4m3-rounded: it computes what bf16-fp32-reduce does."""
+    fp8 = pools(2).run((1, 1, 2, 1), _kept_in_bf16, precision=FP8_NAME)
+    bf16 = pools(2).run((1, 1, 2, 1), _kept_in_bf16, precision=BF16_NAME)
+    for a, b in zip(fp8, bf16):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert a[2] == b[2] == 2 * 2 * a[3]  # G_z · n bf16 elements
 
 
 def _fp8_step_then_save(grid, path):

@@ -146,6 +146,7 @@ class Transformer(nn.Module):
         self.norm = norm_for(cfg, grid=grid, device=device, dtype=dtype)
         self.head = Linear(cfg.hidden, cfg.vocab_size, bias=False, transpose=False, **kw)
         self.head.fp8_gemms = False  # the LM head stays in bf16 under FP8 GEMMs (docs/design.md §2)
+        self.head.bf16_why = "the LM head"
 
     #: a block's 3D Linear layers in ``TransformerBlock.linears`` order, by their planner names
     #: (``axon4d.plan.workload.block_shapes``; an MoE block's shared experts are its MLP's)
@@ -160,6 +161,7 @@ class Transformer(nn.Module):
             for kind, layer in zip(self.LAYER_KINDS, block.linears()):
                 if kind in kinds:
                     layer.fp8_gemms = False
+                    layer.bf16_why = "--bf16-layers"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(b, s) ids of this rank's batch shard → (b, s, vocab/G_y) logits, replicated over x."""

@@ -184,6 +184,8 @@ class Linear(nn.Module):
     #: under FP8 GEMMs, a (2,) int64 counter the backward adds [dY's entries flushed to zero, dY's
     #: non-zero entries] to (``fp8_gemm.count_flushes``); None (the default): nothing counted
     fp8_flushes: torch.Tensor | None = None
+    #: under FP8 GEMMs, why a layer that fits runs in bf16 when ``fp8_gemms`` is set False (``gemm_precision``)
+    bf16_why = "kept in bf16"
 
     def __init__(
         self,
@@ -216,6 +218,21 @@ class Linear(nn.Module):
         #: whether this layer's GEMMs run in FP8 (module docstring); False runs it in bf16
         self.fp8_gemms = self.grid.precision.gemm == FP8 and self._fp8_fits(device)
         self.reset_parameters()
+
+    @property
+    def gemm_precision(self) -> str:
+        """What this layer's GEMMs multiply, and under FP8 GEMMs why not FP8: "fp8", "bf16 (the LM
+        head)", "bf16 (block (24, 64) not a multiple of 16)", … — what the job's banner and
+        summary.json list."""
+        precision = self.grid.precision
+        name = str(precision.compute).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
+        if precision.gemm is None:
+            return name
+        if self.fp8_gemms:
+            return "fp8"
+        if not fp8_gemm.layer_fits(*self.block_shape):
+            return f"{name} (block {tuple(self.block_shape)} not a multiple of {fp8_kernel.ALIGN})"
+        return f"{name} ({self.bf16_why})"
 
     def _fp8_fits(self, device: torch.device) -> bool:
         """Under FP8 GEMMs: the device must have them (else RuntimeError, ``device.fp8.check_gemm``)

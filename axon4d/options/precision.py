@@ -127,6 +127,16 @@ def resolve(spec: str, accelerator: bool) -> str:
     return spec
 
 
+def layer_precision(precision: Precision, fp8_gemms: bool) -> Precision:
+    """The precision one 3D Linear layer runs in: ``precision``, except that under FP8 GEMMs a layer
+    whose GEMMs stay in the compute dtype (``Linear.fp8_gemms`` False: the LM head, a block not a
+    multiple of 16, ``--bf16-layers``) runs as without FP8 at all — its weight gathered in the compute
+    dtype, never e4m3-rounded."""
+    if precision.gemm is None or fp8_gemms:
+        return precision
+    return dataclasses.replace(precision, gather=None, gemm=None, grad=None)
+
+
 def gradient_fp8(precision: Precision) -> torch.dtype:
     """The float8 format dY is quantised to under FP8 GEMMs (``Precision.grad``; e5m2 when unset)."""
     return precision.grad if precision.grad is not None else FP8_GRAD

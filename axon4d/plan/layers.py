@@ -27,6 +27,7 @@ from axon4d.layout.geometry import (
     linear_collectives,
     weight_shard_numel,
 )
+from axon4d.options.precision import layer_precision
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.collective_model import group_geometry, ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
@@ -170,7 +171,7 @@ def collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Co
         sc.shape,
         transpose=spec.transpose,
         bias=spec.bias,
-        precision=sc.precision,
+        precision=layer_precision(sc.precision, fp8_plan.layer_choice(spec, sc)[0]),  # a bf16 layer gathers bf16
         zero=sc.zero,
         cache_weight=ov.oag_keep,
         forward_chunks=ov.forward_chunks,
@@ -182,8 +183,10 @@ def collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Co
 
 def fp8_cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
     """Seconds of one FP8 E10 gather's casts on one rank: the shard to e4m3 with its scale (read
-    the 16-bit shard twice — amax, then cast — write bytes), the gathered block back to 16 bits."""
-    if not sc.fp8_gather or sc.shape.z == 1 or spec.embedding:
+    the 16-bit shard twice — amax, then cast — write bytes), the gathered block back to 16 bits.
+    None under FP8 GEMMs: an FP8 layer's weight copy is priced with its GEMMs (``plan.fp8``), and a
+    layer kept in bf16 gathers bf16 (``precision.layer_precision``)."""
+    if not sc.fp8_gather or sc.shape.z == 1 or spec.embedding or sc.precision.gemm is not None:
         return 0.0
     shard = weight_shard_numel(spec.in_features, spec.out_features, sc.shape, spec.transpose)
     elem = sc.element_size

@@ -26,7 +26,15 @@ from axon4d.comm.communicator import Communicator, Handle
 from axon4d.layout.geometry import Term, wire_dtype
 from axon4d.options import fp8_gemm
 from axon4d.options.overlap_policy import OverlapPolicy
-from axon4d.options.precision import FP8, Precision, compute_dtype, fp8_pack, fp8_unpack, gathers_fp8
+from axon4d.options.precision import (
+    FP8,
+    Precision,
+    compute_dtype,
+    fp8_pack,
+    fp8_unpack,
+    gathers_fp8,
+    layer_precision,
+)
 from axon4d.scheduler.fp8_copies import FP8Copies
 from axon4d.scheduler.fp8_copies import stamp as _stamp
 from axon4d.scheduler.replay import RegionMemo
@@ -89,7 +97,7 @@ class WeightGathers(FP8Copies):
         if fp8:  # FP8 GEMMs: the gathered e4m3 bytes are the block, with the scale its z ranks share
             data = flat.view(-1)[: rows * cols].view(FP8).view(rows, cols)  # (rows, cols): a view
             return fp8_gemm.Quantised(data, self.fp8_shard_made(weight).scale)
-        if gathers_fp8(self.precision, g_z):  # restored to the compute dtype for the GEMM
+        if gathers_fp8(layer_precision(self.precision, fp8), g_z):  # restored to the compute dtype for the GEMM
             flat = fp8_unpack(flat, g_z, compute_dtype(self.precision, weight))
         return flat[: rows * cols].view(rows, cols)
 
@@ -132,7 +140,8 @@ class WeightGathers(FP8Copies):
         term = Term.E10B if backward else Term.E10F
         if fp8:
             return self.comm.all_gather(self.fp8_shard(weight).data.view(torch.uint8), "z", tag=term)
-        dtype = wire_dtype(self.precision, term, weight.dtype, g_z=self.comm.shape.size("z"))
+        # a layer kept in the compute dtype under FP8 GEMMs gathers in it: its weight is never e4m3-rounded
+        dtype = wire_dtype(layer_precision(self.precision, fp8), term, weight.dtype, g_z=self.comm.shape.size("z"))
         if dtype == torch.uint8:  # FP8 gathers
             packed = fp8_pack(weight)  # (n + 4,)
             return self.comm.all_gather(packed, "z", tag=term)

@@ -21,13 +21,33 @@ from axon4d.nn.linear import Linear
 _INDEX = re.compile(r"\.\d+\.")
 
 
-def fp8_layers(model: nn.Module) -> dict[str, list[Linear]]:
-    """The model's Linear layers whose GEMMs run in FP8, by layer kind (module name, block index as ``*``)."""
+def layer_kinds(model: nn.Module) -> dict[str, list[Linear]]:
+    """The model's 3D Linear layers by layer kind (module name, block index as ``*``)."""
     kinds: dict[str, list[Linear]] = {}
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and module.fp8_gemms:
+        if isinstance(module, Linear):
             kinds.setdefault(_INDEX.sub(".*.", f".{name}.").strip("."), []).append(module)
     return kinds
+
+
+def fp8_layers(model: nn.Module) -> dict[str, list[Linear]]:
+    """The model's Linear layers whose GEMMs run in FP8, by layer kind."""
+    kinds = {k: [m for m in v if m.fp8_gemms] for k, v in layer_kinds(model).items()}
+    return {k: v for k, v in kinds.items() if v}
+
+
+def gemm_precisions(model: nn.Module) -> dict[str, str]:
+    """{layer kind: what its GEMMs multiply, and why not FP8} (``Linear.gemm_precision``; the kinds
+    whose layers differ list each answer once, joined by " / "): the banner's and summary.json's."""
+    return {k: " / ".join(dict.fromkeys(m.gemm_precision for m in v)) for k, v in layer_kinds(model).items()}
+
+
+def gemm_line(precisions: dict[str, str]) -> str:
+    """The banner's line of ``gemm_precisions``: each answer once, with its layer kinds."""
+    by: dict[str, list[str]] = {}
+    for kind, what in precisions.items():
+        by.setdefault(what, []).append(kind)
+    return "GEMMs: " + "; ".join(f"{what}: {', '.join(kinds)}" for what, kinds in by.items())
 
 
 def count_underflow(model: nn.Module, on: bool) -> None:

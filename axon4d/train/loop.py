@@ -62,7 +62,7 @@ from axon4d.reliability import watchdog
 from axon4d.train import hf, optim, planned, reference, report, saves, trial
 from axon4d.train.batches import accumulate, make_data, step_batches
 from axon4d.train.config import TrainConfig, from_args
-from axon4d.train.fp8_log import count_underflow, underflow_record
+from axon4d.train.fp8_log import count_underflow, gemm_line, gemm_precisions, underflow_record
 from axon4d.train.moe_log import moe_record
 from axon4d.train.optim import clip, describe_optimizer, make_optimizer, set_lr
 from axon4d.train.outdir import check_out_dir, finished
@@ -322,13 +322,21 @@ def _train_on(
     start, skipped = saves.resume(cfg, resume_from, model, grid, opt, ckpt_dir)  # skipped: non-finite steps so far
     check_compute_dtype(grid)
     peak_total, peak_source = world_peak_tflops(grid, cfg.peak_tflops)  # after allow_tf32: fp32 at TF32's peak
-    chosen = {"precision": cfg.precision, "tf32": tf32, "optimizer": describe_optimizer(opt), "zero": cfg.zero}
-    if grid.precision.gemm is not None:  # FP8 GEMMs: the gradients' float8 format
+    chosen: dict[str, Any] = {
+        "precision": cfg.precision,
+        "tf32": tf32,
+        "optimizer": describe_optimizer(opt),
+        "zero": cfg.zero,
+    }
+    if grid.precision.gemm is not None:  # FP8 GEMMs: the gradients' float8 format, each layer kind's GEMMs
         chosen["fp8_gradients"] = cfg.fp8_gradients
+        chosen["gemm_precision"] = gemm_precisions(model)
     if rank0 and tried:
         print(trials.table(tried))
     if rank0:
         print(report.banner(grid, cfg.model, mcfg, peak_total, start, cfg.recompute, peak_source, chosen))
+        if "gemm_precision" in chosen:
+            print(gemm_line(chosen["gemm_precision"]))
     log = report.LogFile(cfg.out_dir, cfg.log_every, enabled=rank0, start=start)
     bar = _progress(cfg, start, rank0)
     records: list[dict[str, Any]] = []
