@@ -10,9 +10,11 @@ through a counting store; start here if the group is ever made another way.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -30,9 +32,23 @@ import host_group_scaling as scaling  # noqa: E402  (bench/ is not a package)
 RECORD_BYTES = 16 + 128 + len(socket.gethostname()) + 32
 
 
+def _run_world(world: int) -> list[dict]:
+    """``run_world`` in a fresh interpreter: its ranks are forked, and a fork of this test process would
+    inherit the default process group an in-process test's ``axon4d.init`` leaves (``runtime.shutdown``
+    keeps it, as torchrun needs)."""
+    code = (
+        f"import json, host_group_scaling as s; print(json.dumps(s.run_world({world}, 'host_group', timeout_s=60.0)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=os.path.join(ROOT, "bench"), capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_the_host_group_is_no_full_mesh(world):
-    rows = scaling.run_world(world, "host_group", timeout_s=60.0)
+    rows = _run_world(world)
     # Made: one request per rank (its own address), whatever the world. A full mesh makes 2·W + 1
     # (its record, then a wait and a get of each rank's record): 9 at W = 4, 17 at W = 8.
     for row in rows:
