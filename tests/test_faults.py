@@ -352,7 +352,7 @@ def test_ranks_watching_at_once_do_not_name_each_other(clock):
         t.join()
     assert found == {0: [2], 1: [2]}
     clock.lockstep = None
-    store.set("axon4d/ending/1", "4")  # rank 1 ended on its own deadline: not hung
+    diagnosis.say_ending(store, 1, 4)  # rank 1 ended on its own deadline: not hung
     assert dogs[0].stalled_ranks() == [2]
 
 

@@ -139,7 +139,8 @@ class Watchdog:
         self._exit = exit
         # how the diagnosis waits between heartbeat reads (default: this module's clock, read at the call)
         self._sleep = sleep if sleep is not None else (lambda seconds: time.sleep(seconds))
-        #: how long a rank waits for the diagnosis another rank claimed before it watches itself
+        #: how long the claimant of a diagnosis may leave its heartbeat standing before one waiting rank
+        #: takes the claim over and watches (``diagnosis.shared_stalled``)
         self.publish_wait_s = 5 * beat_s + store_timeout_s
         self._out = out if out is not None else sys.stderr
         self._steady = False
