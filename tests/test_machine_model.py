@@ -222,3 +222,26 @@ def test_calibration_times_queued_calls_not_one_synchronize_per_call():
     calls.clear()
     timeit(lambda: calls.append(1), reps=4, sync=lambda: None, budget_s=None, window_s=0.0)
     assert len(calls) == 5  # the warm-up and one per sample
+
+
+#: what a shipped machine file holds besides figures
+NOT_FIGURES = {"name", "comment", "sources", "levels"}
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_figure_of_a_shipped_file_has_a_source_its_text_agrees_with(name):
+    """Each figure of a shipped machine file has a source (measured, published, or marked an
+    assumption), and a level's source states the per-step latency the level prices, no other."""
+    import re
+
+    from axon4d.plan.machine import MACHINE_DIR
+
+    with open(os.path.join(MACHINE_DIR, f"{name}.json")) as f:
+        d = json.load(f)
+    sourced = {key.strip() for keys in d["sources"] for key in keys.split(",")}
+    assert not [k for k in d if k not in NOT_FIGURES and k not in sourced], sorted(sourced)
+    for i, level in enumerate(d["levels"]):
+        text = d["sources"][f"levels[{i}]"]
+        stated = [float(v) for v in re.findall(r"(\d+(?:\.\d+)?) us per (?:ring )?step", text)]
+        stated += [float(v) for v in re.findall(r"Latency per step (\d+(?:\.\d+)?) us", text)]
+        assert stated and all(abs(v - level["alpha_s"] * 1e6) < 1e-6 for v in stated), (i, level["alpha_s"], text)

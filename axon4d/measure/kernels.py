@@ -175,8 +175,9 @@ def host_link(timer: Timer, nbytes: int = 1 << 28) -> dict[str, float]:
 
 
 def op_overhead(timer: Timer) -> float:
-    """Seconds of one tiny framework op (dispatch, not work)."""
-    return timer.measure(lambda: torch.add(torch.ones(1), 1))
+    """Seconds of one tiny framework op on the timer's device (dispatch and launch, not work)."""
+    one = torch.ones(1, device=timer.device)
+    return timer.measure(lambda: torch.add(one, 1))
 
 
 #: int64 values ``host_sync`` reads back: E15's G_ep·G_y·C·E counts of, e.g., 8 expert-parallel
