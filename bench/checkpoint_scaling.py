@@ -111,7 +111,7 @@ def world_parts(model: Any, opt: Any, grid: Any, ranks: range) -> tuple[list[dic
     """What each rank of ``ranks`` writes: its part of the piece index (``index.rank_records``'
     form: records, files, the tensors whose first chunk it writes) and, for checking, its boxes."""
     from axon4d.checkpoint.pieces import _owned_views, replicated_axes, writes
-    from axon4d.files.ckptfiles import RECORD, key_hash
+    from axon4d.files.ckptindex import RECORD, key_hash
     from axon4d.grid.shape import AXES
     from axon4d.layout.geometry import data_part_numel
     from axon4d.layout.param_layout import param_layouts
@@ -231,8 +231,8 @@ def measure(
     from axon4d.checkpoint.pieces import rank_state
     from axon4d.checkpoint.planners import SavePieces, read_items
     from axon4d.checkpoint.writer import Writer
-    from axon4d.files import ckptfiles
-    from axon4d.files.ckptfiles import RECORD
+    from axon4d.files import ckptfiles, ckptindex
+    from axon4d.files.ckptindex import RECORD
 
     world = int(np.prod(grid_shape))
     rank = world - 1 if rank is None else rank
@@ -267,7 +267,7 @@ def measure(
         save_s, save_mb, meta = _timed(coordinate, rounds)
         load_state = rank_state(model, opt, grid, load=True)
         steps = list(load_state.steps)
-        md = ckptfiles.PieceIndex(path).metadata(
+        md = ckptindex.PieceIndex(path).metadata(
             {**dict.fromkeys(steps), **{b.key: [(b.offsets, b.sizes)] for b, _ in load_state.parts}}
         )
         for info in md.storage_data.values():  # the files it reads, sparse, long enough
@@ -279,11 +279,11 @@ def measure(
 
         load_s, load_mb, plan = _timed(load, rounds)
         if check:
-            whole = read_items(path, ckptfiles.read_index(path), load_state.parts)
+            whole = read_items(path, ckptindex.read_index(path), load_state.parts)
             assert sorted(map(_read, whole)) == sorted(map(_read, plan.reads)), "the piece index planned other reads"
         before: dict[str, Any] = {}
         if legacy:  # the same checkpoint with DCP's .metadata only, as saves wrote it before the piece index
-            whole_md = ckptfiles.read_index(path)
+            whole_md = ckptindex.read_index(path)
 
             def pickle_index() -> None:
                 with open(os.path.join(path, ckptfiles.DCP_INDEX), "wb") as f:
@@ -298,7 +298,7 @@ def measure(
             sha, size = ckptfiles.digest(os.path.join(path, ckptfiles.DCP_INDEX))  # each rank checked it whole
             meta["files"][ckptfiles.DCP_INDEX] = {"sha256": sha, "bytes": size}
             ckptfiles.write_atomic(os.path.join(path, ckptfiles.META), ckptfiles.meta_text(meta))
-            for info in ckptfiles.read_index(path).storage_data.values():  # the old check stat()ed every file
+            for info in ckptindex.read_index(path).storage_data.values():  # the old check stat()ed every file
                 with open(os.path.join(path, info.relative_path), "ab") as f:
                     f.truncate(max(os.path.getsize(f.name), info.offset + info.length))
             before["legacy_load_s"], before["legacy_load_peak_mb"], _ = _timed(load, 1)

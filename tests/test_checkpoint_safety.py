@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from axon4d import checkpoint
 from axon4d import device as devices
 from axon4d.config import ModelConfig
-from axon4d.files import ckptfiles
+from axon4d.files import ckptdelete, ckptfiles, ckptindex
 from axon4d.models.transformer import Transformer
 
 CFG = ModelConfig(n_layers=1, hidden=32, n_heads=4, vocab_size=64, seq_len=16)
@@ -49,7 +49,7 @@ def _save(grid, out, steps, keep_last=0, **kwargs):
     opt.step()
     for s in steps:
         checkpoint.save(os.path.join(out, f"step_{s}"), model, grid, opt, step=s, keep_last=keep_last, **kwargs)
-    assert ckptfiles.wait_deletions() == []  # old checkpoints are deleted in the background
+    assert ckptdelete.wait_deletions() == []  # old checkpoints are deleted in the background
     return sorted(os.listdir(out))
 
 
@@ -82,7 +82,7 @@ def _record(path, name):
 def _legacy(path):
     """Make the checkpoint at ``path`` one written before the piece index: DCP's whole index pickled
     as ``.metadata`` (as DCP wrote it) in place of pieces.json and pieces.npy, meta.json to match."""
-    md = ckptfiles.read_index(path)  # built from the piece index
+    md = ckptindex.read_index(path)  # built from the piece index
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(md, f)
     with open(os.path.join(path, "meta.json")) as f:
@@ -144,7 +144,7 @@ def test_a_planted_index_is_refused_without_running_it(saved_once, tmp_path, kin
     path, marker = _copy(saved_once, tmp_path), str(tmp_path / "pwned")
     _planted(kind, path, marker)
     with pytest.raises(ckptfiles.CheckpointError, match=r"\.metadata") as e:
-        ckptfiles.read_index(path)
+        ckptindex.read_index(path)
     assert not os.path.exists(marker)
     assert "BytesStorageMetadata" in str(e.value) or "refusing" in str(e.value)
     if kind != "bytes-entry":  # the payload is real: a plain unpickling runs it
@@ -184,7 +184,7 @@ def test_a_planted_piece_index_is_refused_without_running_it(pools, saved_once, 
         pickle.dump(_Payload(marker), f)
     _record(path, ckptfiles.CHUNKS)
     with pytest.raises(ckptfiles.CheckpointError, match="piece index"):
-        ckptfiles.PieceIndex(path)
+        ckptindex.PieceIndex(path)
     outcomes = pools(2).run((2, 1, 1, 1), _load, path)
     assert not os.path.exists(marker)
     assert outcomes[0] == outcomes[1] and outcomes[0][0] == "CheckpointError", outcomes
@@ -203,7 +203,7 @@ def _sums(grid, path):
 
 def test_a_checkpoint_from_before_the_piece_index_loads_alike(pools, saved_once, tmp_path):
     legacy = _copy(saved_once, tmp_path)
-    assert not ckptfiles.has_piece_index(legacy) and ckptfiles.has_piece_index(saved_once)
+    assert not ckptindex.has_piece_index(legacy) and ckptindex.has_piece_index(saved_once)
     pool = pools(2)
     assert pool.run((1, 2, 1, 1), _sums, legacy) == pool.run((1, 2, 1, 1), _sums, saved_once)
 
@@ -212,15 +212,15 @@ def test_old_checkpoints_are_deleted_in_the_background_and_failures_reported(tmp
     for n in (1, 2):
         (tmp_path / f"step_{n}" / "sub").mkdir(parents=True)
         (tmp_path / f"step_{n}" / "meta.json").write_text('{"step": 1}')
-    ckptfiles.delete_in_background([ckptfiles._discard(str(tmp_path / "step_1"))])
-    assert ckptfiles.wait_deletions() == [] and sorted(os.listdir(tmp_path)) == ["step_2"]
+    ckptdelete.delete_in_background([ckptfiles._discard(str(tmp_path / "step_1"))])
+    assert ckptdelete.wait_deletions() == [] and sorted(os.listdir(tmp_path)) == ["step_2"]
 
     def refuse(path, *a, **k):
         raise PermissionError(f"read-only: {path}")
 
     monkeypatch.setattr(shutil, "rmtree", refuse)
-    ckptfiles.delete_in_background([ckptfiles._discard(str(tmp_path / "step_2"))])
-    failures = ckptfiles.wait_deletions()
+    ckptdelete.delete_in_background([ckptfiles._discard(str(tmp_path / "step_2"))])
+    failures = ckptdelete.wait_deletions()
     assert len(failures) == 1 and "step_2.deleting" in failures[0] and "read-only" in failures[0], failures
     assert "could not delete the old checkpoint" in caplog.text
     assert checkpoint.list_checkpoints(str(tmp_path)) == []  # out of sight although not deleted

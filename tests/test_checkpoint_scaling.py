@@ -44,7 +44,7 @@ def test_a_4096_rank_load_and_save_of_the_80b_checkpoint_stay_small(tmp_path):
 def _part(rows):
     """A rank's part of the piece index (``index.rank_records``' form): chunks (offset, size) of a
     1-D tensor "t" of 8 elements, and its shape if it holds the chunk at offset 0."""
-    from axon4d.files.ckptfiles import RECORD, key_hash
+    from axon4d.files.ckptindex import RECORD, key_hash
 
     r = np.zeros(len(rows), RECORD)
     r["key"], r["size"] = key_hash("t"), 1

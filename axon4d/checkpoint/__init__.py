@@ -51,7 +51,7 @@ from axon4d.checkpoint.planners import LoadPieces, SavePieces
 from axon4d.checkpoint.publish import begin, own_failure, publish
 from axon4d.checkpoint.writer import Writer
 from axon4d.config import ModelConfig
-from axon4d.files import ckptfiles
+from axon4d.files import ckptfiles, ckptindex
 from axon4d.grid import runtime
 from axon4d.grid.mesh import Grid
 from axon4d.models.transformer import Transformer
@@ -157,7 +157,7 @@ def load(
     try:  # each rank reads its own pieces: nothing to coordinate (its reads are planned above)
         dcp.load(
             state.steps,
-            storage_reader=ckptfiles.SafeReader(path, plan.md),
+            storage_reader=ckptindex.SafeReader(path, plan.md),
             planner=LoadPieces(state.parts, plan.reads),
             no_dist=True,
         )

@@ -6,7 +6,7 @@ ranks, 2 M at 4096. Each rank of a load read and unpickled all of it (≈ 1 GB o
 seconds). A save now writes a *piece index* instead, and a load reads of it only its part:
 
 - **Save.** Each rank describes the chunks it wrote as fixed-size records (``rank_records``:
-  ``ckptfiles.RECORD``, 76 bytes each; no Python object per chunk leaves it) and DCP's gather of
+  ``ckptindex.RECORD``, 76 bytes each; no Python object per chunk leaves it) and DCP's gather of
   write results carries that one array per rank to rank 0, which concatenates and sorts them by
   tensor and offsets with numpy (``merge``: O(items) in C, no Python loop over items) and writes
   ``pieces.npy`` (the records) and ``pieces.json`` (each tensor's shape, dtype and range of records;
@@ -15,12 +15,12 @@ seconds). A save now writes a *piece index* instead, and a load reads of it only
   caching across saves.
 - **Load.** A rank opens the index memory-mapped and, for each of its pieces, bisects its tensor's
   records on the first offset and reads only those whose rows can reach the piece
-  (``ckptfiles.PieceIndex.chunks``): the pages of its own chunks' records, ≈ 1 k of them, not
+  (``ckptindex.PieceIndex.chunks``): the pages of its own chunks' records, ≈ 1 k of them, not
   the world's (``plan_load``). It checks the sizes of the files those chunks lie in only, and the
   sha256 of every file is verified once over the world (each rank its share of meta.json's files).
 
 A checkpoint written before the piece index has DCP's ``.metadata`` and no ``pieces.json``: it
-loads as before, from the whole index (``plan_load`` falls back). ``ckptfiles.read_index`` builds
+loads as before, from the whole index (``plan_load`` falls back). ``ckptindex.read_index`` builds
 DCP's whole ``Metadata`` from a piece index for tools that read every chunk in one process (the
 Hugging Face export). ``bench/checkpoint_scaling.py`` measures both sides for the 80B model on
 4096 ranks.
@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from axon4d.checkpoint.pieces import Piece
 from axon4d.checkpoint.planners import read_items
-from axon4d.files import ckptfiles
-from axon4d.files.ckptfiles import DIMS, RECORD
+from axon4d.files import ckptfiles, ckptindex
+from axon4d.files.ckptindex import DIMS, RECORD
 
 #: the name of the one write result each rank returns to DCP: its chunks' records (``rank_records``)
 RESULT = "axon4d.pieces"
@@ -65,7 +65,7 @@ def rank_records(items: list[dcp.WriteItem], written: list[WriteResult]) -> dict
         if len(offsets) > DIMS:
             raise ValueError(f"{w.index.fqn} has {len(offsets)} dims; the piece index holds tensors of at most {DIMS}")
         r = records[n]
-        r["key"] = ckptfiles.key_hash(w.index.fqn)
+        r["key"] = ckptindex.key_hash(w.index.fqn)
         r["off"][: len(offsets)] = offsets
         r["size"][:] = 1
         r["size"][: len(sizes)] = sizes
@@ -107,9 +107,9 @@ def merge(parts: list[dict[str, Any]]) -> Merged:
     hmax = np.maximum.reduceat(records["size"][:, 0], starts) if len(starts) else starts
     volume = np.add.reduceat(np.prod(records["size"], axis=1), starts) if len(starts) else starts
     where = {int(h): i for i, h in enumerate(hashes)}
-    table: dict[str, Any] = {"version": ckptfiles.INDEX_VERSION, "files": files, "keys": {}}
+    table: dict[str, Any] = {"version": ckptindex.INDEX_VERSION, "files": files, "keys": {}}
     for name in sorted(keys):
-        i = where.pop(ckptfiles.key_hash(name), None)
+        i = where.pop(ckptindex.key_hash(name), None)
         if i is None:
             raise ValueError(f"the piece index describes {name} but holds none of its chunks")
         if int(volume[i]) != math.prod(keys[name]["shape"]):  # what DCP's global plan checked before
@@ -153,10 +153,10 @@ def plan_load(
     ``rank`` on — of the sha256 checks of all the files meta.json records (unless not ``share``:
     the simulation of ``bench/checkpoint_scaling.py``, whose shards hold no data)."""
     files = meta.get("files")  # absent only in checkpoints written before checksums
-    if ckptfiles.has_piece_index(path):
+    if ckptindex.has_piece_index(path):
         if files is not None:
             ckptfiles.verify(path, files, [ckptfiles.PIECES])  # each rank reads it whole; pieces.npy below
-        index = ckptfiles.PieceIndex(path)
+        index = ckptindex.PieceIndex(path)
         wanted: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]] | None] = dict.fromkeys(whole)
         for b, _ in parts:
             boxes = wanted.setdefault(b.key, [])
@@ -164,17 +164,17 @@ def plan_load(
                 boxes.append((b.offsets, b.sizes))
         md = index.metadata(wanted)  # only the chunks this rank reads, and their files
         reads = read_items(path, md, parts)
-        shards = ckptfiles.check_shards(path, md, files)
+        shards = ckptindex.check_shards(path, md, files)
     else:
         if files is not None:
             ckptfiles.verify(path, files, [ckptfiles.DCP_INDEX])
-        md = ckptfiles.read_index(path)
+        md = ckptindex.read_index(path)
         reads = read_items(path, md, parts)
         mine = [r.storage_index for r in reads] + [  # this rank's chunks: only their files are checked
             MetadataIndex(k, c.offsets) for k in whole for c in _chunks(md, k)
         ]
         needed = dcp.Metadata({}, storage_data={i: md.storage_data[i] for i in mine if i in md.storage_data})
-        shards = ckptfiles.check_shards(path, needed, files)
+        shards = ckptindex.check_shards(path, needed, files)
     if files is not None and share:
         ckptfiles.verify(path, files, sorted(files)[rank::world])
     return LoadPlan(md, reads, shards)

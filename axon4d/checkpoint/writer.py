@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from axon4d import device as devices
 from axon4d.checkpoint import index
-from axon4d.files import ckptfiles
+from axon4d.files import ckptfiles, ckptindex
 
 FILES = 16  # a rank writes its pieces into about this many files (Writer)
 #: bytes of accelerator tensors torch's writer copies to the host ahead of writing them (its default)
@@ -83,6 +83,6 @@ class Writer(dcp.FileSystemWriter):
 
     def finish(self, metadata: dcp.Metadata, results: list[list[WriteResult]]) -> None:
         index.write(str(self.path), index.merge(index.parts_of(results)))
-        ckptfiles.PieceIndex(str(self.path))  # what a load will read: well-formed, files inside
+        ckptindex.PieceIndex(str(self.path))  # what a load will read: well-formed, files inside
         for name in (ckptfiles.PIECES, ckptfiles.CHUNKS):
             self._hash(name)

@@ -28,7 +28,7 @@ from axon4d.export.output import (
     publish,
     write_config,
 )
-from axon4d.files import ckptfiles
+from axon4d.files import ckptfiles, ckptindex
 from axon4d.files.safetensors_files import ShardedWriter, TensorSpec, parse_size
 from axon4d.models.hf import Exported, hf_config, hf_tensors, stacked
 from axon4d.parallelize.layers import is_conv1d
@@ -41,8 +41,8 @@ def _checked_index(path: str, meta: dict[str, Any]) -> dcp.Metadata:
     files = meta.get("files")
     if files is not None:
         ckptfiles.verify(path, files, [ckptfiles.DCP_INDEX])
-    index = ckptfiles.read_index(path)
-    shards = ckptfiles.check_shards(path, index, files)
+    index = ckptindex.read_index(path)
+    shards = ckptindex.check_shards(path, index, files)
     if files is not None:
         ckptfiles.verify(path, files, shards)
     return index
@@ -201,7 +201,7 @@ def export_checkpoint(
                 rows = buffer.narrow(s.dim, s.row0, end - s.row0)
             with warnings.catch_warnings():  # that it loads in one process, as asked
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-                dcp.load({f"model.{s.key}": rows}, storage_reader=ckptfiles.SafeReader(path), no_dist=True)
+                dcp.load({f"model.{s.key}": rows}, storage_reader=ckptindex.SafeReader(path), no_dist=True)
         if entry.scale not in (0.0, 1.0):
             buffer.mul_(entry.scale)
         writer.write(entry.name, buffer)
