@@ -3,13 +3,18 @@ both of their paths — ``torch._grouped_mm`` and the padded batched GEMM — ``
 ``grouped_mm_t`` and ``grouped_weight_grad`` equal one product per group (the loop reference kept
 here, not in the library) in fp32 within 1e-6 relative, for uneven groups, empty groups, a single
 group, all rows in one group and no rows at all, and in bf16 within its rounding; and no Python
-loop over the groups runs (one batched GEMM per call, no per-group matmul). Start here when
-changing how the grouped GEMMs run."""
+loop over the groups runs (one batched GEMM per call, no per-group matmul). The FP8 grouped GEMMs
+(``scaled_grouped_mm``, ``scaled_grouped_weight_grad``, one scale per group) equal their
+dequantised reference bit for bit on the host, e4m3 and e5m2, empty groups included, and the call
+they make to ``torch._scaled_grouped_mm`` on a GPU (emulated here) gives the same products. Start
+here when changing how the grouped GEMMs run."""
 
 import pytest
 import torch
 
 from axon4d.device import grouped
+from axon4d.options import fp8_grouped
+from axon4d.options.fp8_gemm import Quantised
 
 SIZES = {
     "uneven": [5, 1, 9, 3],
@@ -180,3 +185,118 @@ def test_the_kernels_weight_gradient_of_an_empty_group_is_zero_even_if_it_leaves
     dw = grouped.grouped_weight_grad(dy, a, sizes)
     assert rel(dw, loop_weight_grad(dy, a, sizes)) <= 1e-6
     assert torch.equal(dw[0], torch.zeros_like(dw[0]))
+
+
+# -- FP8: one scale per group ------------------------------------------------------------------------------
+FP8_SIZES = {"uneven": [5, 1, 19, 3], "empty-groups": [0, 4, 0, 17, 0], "no-rows": [0, 0]}
+
+
+def fp8_operands(sizes, k=32, n=16, seed=0, grad=torch.float8_e4m3fn):
+    """Rows (M, k) and a stack (G, n, k) quantised per group (groups of different magnitudes), and
+    output gradients (M, n) in ``grad``."""
+    gen = torch.Generator().manual_seed(seed)
+    m, g = sum(sizes), len(sizes)
+    mags = torch.logspace(-3, 1, g)
+    ids = torch.repeat_interleave(torch.arange(g), torch.tensor(sizes, dtype=torch.long))
+    x = torch.randn(m, k, generator=gen) * mags[ids].unsqueeze(1)
+    w = torch.randn(g, n, k, generator=gen) * mags.view(-1, 1, 1)
+    dy = torch.randn(m, n, generator=gen) * mags.flip(0)[ids].unsqueeze(1)
+    q = fp8_grouped.quantise_grouped
+    return q(x.bfloat16(), sizes), q(w), q(dy.bfloat16(), sizes, dtype=grad)
+
+
+def fp8_products(xq, wq, dyq, sizes):
+    """Forward, dX and dW as ``ExpertFP8GEMM`` makes them."""
+    y = grouped.scaled_grouped_mm(xq.data, wq.data, xq.scale, wq.scale, sizes, torch.bfloat16)
+    w_t = wq.data.transpose(1, 2).contiguous()
+    dx = grouped.scaled_grouped_mm(dyq.data, w_t, dyq.scale, wq.scale, sizes, torch.bfloat16)
+    place, padded = grouped.aligned_rows(sizes, torch.device("cpu"))
+    dy_t = fp8_grouped.transposed_grouped(dyq, place, sum(padded))
+    x_t = fp8_grouped.transposed_grouped(xq, place, sum(padded))
+    dw = grouped.scaled_grouped_weight_grad(dy_t.data, x_t.data, dyq.scale, xq.scale, padded, torch.bfloat16)
+    return y, dx, dw
+
+
+def fp8_references(xq, wq, dyq, sizes):
+    w_t = Quantised(wq.data.transpose(1, 2), wq.scale)
+    return (
+        fp8_grouped.grouped_reference(xq, wq, sizes, torch.bfloat16),
+        fp8_grouped.grouped_reference(dyq, w_t, sizes, torch.bfloat16),
+        fp8_grouped.grouped_weight_reference(dyq, xq, sizes, torch.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("grad", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("case", list(FP8_SIZES))
+def test_fp8_grouped_products_equal_their_dequantised_reference_bit_for_bit(case, grad):
+    sizes = FP8_SIZES[case]
+    xq, wq, dyq = fp8_operands(sizes, grad=grad)
+    assert xq.scale.shape == wq.scale.shape == (len(sizes),)
+    for name, got, want in zip(
+        ("forward", "dX", "dW"), fp8_products(xq, wq, dyq, sizes), fp8_references(xq, wq, dyq, sizes)
+    ):
+        assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape, name
+        assert torch.equal(got, want), f"{name}: {(got.float() - want.float()).abs().max()}"
+    dw = fp8_products(xq, wq, dyq, sizes)[2]
+    for g in (g for g, m in enumerate(sizes) if m == 0):
+        assert not dw[g].any()
+
+
+def test_each_groups_scale_is_its_own_amax():
+    sizes = [3, 0, 5]
+    x = torch.randn(8, 16)
+    x[3:] *= 1e-4  # the last group's rows are small: its own scale keeps their precision
+    q = fp8_grouped.quantise_grouped(x, sizes)
+    assert torch.equal(q.scale[0], x[:3].abs().max() / 448) and torch.equal(q.scale[2], x[3:].abs().max() / 448)
+    assert q.scale[1] == torch.finfo(torch.float32).tiny  # a group of no rows
+    back = fp8_grouped.dequantise_grouped(q, sizes)
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 1e-30).all()  # e4m3's unit roundoff, every group
+
+
+def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):
+    """torch._scaled_grouped_mm's row-wise semantics on the host: 2d×3d (offsets along a's rows) and
+    2d×2d (offsets along the reduced dim), b column-major, each scale per row or column."""
+    assert b.stride(-2) == 1 and a.stride(-1) == 1 and a.dtype == b.dtype == torch.float8_e4m3fn
+    assert out_dtype == torch.bfloat16 and offs.dtype == torch.int32 and a.shape[-1] % 16 == 0
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+        x = a.float() * scale_a.unsqueeze(1)
+        parts = [x[s:e] @ (b[g].float() * scale_b[g]) for g, (s, e) in enumerate(zip(starts, ends))]
+        return torch.cat(parts).to(out_dtype)
+    n, k, groups = a.shape[0], b.shape[1], len(ends)
+    assert scale_a.shape == (groups * n,) and scale_b.shape == (groups * k,)
+    assert all((e - s) % 16 == 0 for s, e in zip(starts, ends))  # each group's tokens aligned
+    sa, sb = scale_a.view(groups, n), scale_b.view(groups, k)
+    parts = [
+        (a[:, s:e].float() * sa[g].unsqueeze(1)) @ (b[s:e].float() * sb[g])
+        for g, (s, e) in enumerate(zip(starts, ends))
+    ]
+    return torch.stack(parts).to(out_dtype)
+
+
+def test_the_gpu_kernels_call_gives_the_same_products(monkeypatch):
+    """The arguments handed to ``torch._scaled_grouped_mm`` on CUDA 9.x/10.x (scales repeated per row
+    and column, b column-major, offsets), checked with a host emulation of its row-wise semantics."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(args[1].dim())
+        return _emulated_scaled_grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", fake)
+    monkeypatch.setattr(grouped, "native_scaled_grouped_mm", lambda *args: True)
+    sizes = FP8_SIZES["empty-groups"]
+    xq, wq, dyq = fp8_operands(sizes)
+    for name, got, want in zip(
+        ("forward", "dX", "dW"), fp8_products(xq, wq, dyq, sizes), fp8_references(xq, wq, dyq, sizes)
+    ):
+        assert torch.equal(got, want), name
+    assert calls == [3, 3, 2]
+
+
+def test_fp8_weight_gradient_refuses_unaligned_token_runs():
+    q = torch.zeros(16, 24, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="each a multiple of 16"):
+        grouped.scaled_grouped_weight_grad(q, q, torch.ones(2), torch.ones(2), [8, 16], torch.bfloat16)

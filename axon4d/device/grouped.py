@@ -25,6 +25,16 @@ Each runs one of two ways (``native_grouped_mm`` says which ``grouped_mm`` takes
 A group of no rows gives no rows (and a zero weight gradient). The row index is computed on the
 operands' device from the G sizes, which reach it from page-locked host memory without the host
 waiting for the device (the layer's one host sync is its counts exchange, docs/moe.md).
+
+**FP8** (the experts under ``bf16-fp8``, docs/moe.md "FP8"): ``scaled_grouped_mm`` and
+``scaled_grouped_weight_grad`` multiply float8 operands with one fp32 scale per group, sums in
+fp32, as ``torch._scaled_grouped_mm`` does on CUDA of compute capability 9.x or 10.x (H100, H200:
+its row-wise kernel, given each group's scale repeated over its rows and columns; e4m3 operands,
+bf16 output). Elsewhere — the host, whose ``_scaled_grouped_mm`` has no kernel; an Ada GPU; an
+operand pair or output the kernel refuses, such as e5m2 gradients — each group runs one
+``torch._scaled_mm`` (``device.fp8.scaled_mm``) with its tensorwise scales: the same products, a
+Python loop over the groups. k and n are multiples of 16 (``device.fp8.ALIGN``), and in the weight
+gradient each group's run of tokens too (``aligned_sizes``: zero-padded, which adds nothing).
 """
 
 from __future__ import annotations
@@ -32,10 +42,14 @@ from __future__ import annotations
 import torch
 
 from axon4d import device as devices
+from axon4d.device import fp8
 from axon4d.device.pinned import to_device_queued
 
 #: (device type, dtype, form) on which torch's kernel raised once: the padded GEMM runs from then on
 _REFUSED: set[tuple[str, torch.dtype, str]] = set()
+#: (device type, operands' dtypes, output dtype, form) on which ``torch._scaled_grouped_mm`` raised
+#: once: one ``_scaled_mm`` per group runs from then on
+_REFUSED_FP8: set[tuple[str, torch.dtype, torch.dtype, torch.dtype, str]] = set()
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -151,3 +165,125 @@ def grouped_weight_grad(dy: torch.Tensor, a: torch.Tensor, sizes: list[int]) -> 
     place, r = _padded_rows(sizes, a.device)
     # (G, N, R) @ (G, R, K) → (G, N, K); a group's padding rows are zero in both
     return torch.bmm(_pad(dy, place, groups, r).transpose(1, 2), _pad(a, place, groups, r))
+
+
+# -- FP8: one scale per group ---------------------------------------------------------------------------
+
+
+def group_ids(sizes: list[int], device: torch.device) -> torch.Tensor:
+    """(M,) int64 on ``device``: the group of each row (rows sorted by group), computed there from
+    the sizes without the host waiting for the device."""
+    n = _sizes(sizes, device)
+    return torch.repeat_interleave(torch.arange(len(sizes), device=device), n, output_size=sum(sizes))
+
+
+def aligned_sizes(sizes: list[int], align: int = fp8.ALIGN) -> list[int]:
+    """Each group's rows rounded up to a multiple of ``align``: the runs of tokens the FP8 weight
+    gradient reduces over (each group's start aligned as the kernel needs)."""
+    return [-(-m // align) * align for m in sizes]
+
+
+def aligned_rows(sizes: list[int], device: torch.device, align: int = fp8.ALIGN) -> tuple[torch.Tensor, list[int]]:
+    """Where each of the M rows lies when each group's run is zero-padded to ``aligned_sizes``: (M,)
+    int64 on ``device`` — row j of group g goes to g's padded start + j — and the padded sizes. Made
+    on the host and copied without the host waiting for the device."""
+    padded = aligned_sizes(sizes, align)
+    n, p = torch.tensor(sizes, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64)
+    shift = (p.cumsum(0) - p) - (n.cumsum(0) - n)  # each group's padded start minus its start
+    place = torch.arange(sum(sizes)) + torch.repeat_interleave(shift, n, output_size=sum(sizes))
+    return to_device_queued(place, device), padded
+
+
+def native_scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, form: str) -> bool:
+    """Whether ``torch._scaled_grouped_mm`` is asked for float8 ``a`` and ``b`` in ``form`` ("2d3d",
+    "2d2d"): CUDA of compute capability 9.x or 10.x, bf16 output, e4m3 operands (what its row-wise
+    kernel takes), and not refused before on this device."""
+    if not hasattr(torch, "_scaled_grouped_mm") or not devices.is_accelerator(a.device):
+        return False
+    if (a.device.type, a.dtype, b.dtype, out_dtype, form) in _REFUSED_FP8 or out_dtype != torch.bfloat16:
+        return False
+    return a.dtype == b.dtype == torch.float8_e4m3fn and _native_kernel(a.device)
+
+
+def scaled_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    sizes: list[int],
+    out_dtype: torch.dtype,
+    *,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """(M, K) float8 rows sorted by group × (G, N, K) float8 → (M, N) in ``out_dtype``: group g's
+    rows (a·s_a[g]) times (b[g]·s_b[g])ᵀ, sums in fp32, ``scale_a`` and ``scale_b`` (G,) fp32.
+    ``b`` is row-major in nn.Linear's orientation; K and N are multiples of 16, M is free."""
+    _check(a, b.shape[0], sizes, "scaled_grouped_mm")
+    m, n = a.shape[0], b.shape[1]
+    if m and native_scaled_grouped_mm(a, b, out_dtype, "2d3d"):
+        try:  # the row-wise kernel: each row's group scale, each group's scale over its N columns
+            rows = scale_a.index_select(0, group_ids(sizes, a.device))  # (M,)
+            cols = scale_b.unsqueeze(1).expand(-1, n).contiguous()  # (G, N)
+            offs = _offsets(sizes, a.device)
+            return torch._scaled_grouped_mm(  # (M, K) × (G, K, N) column-major → (M, N)
+                a, b.transpose(-2, -1), rows, cols, offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum
+            )
+        except (RuntimeError, NotImplementedError, ValueError):
+            _REFUSED_FP8.add((a.device.type, a.dtype, b.dtype, out_dtype, "2d3d"))
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    start = 0
+    for g, rows_g in enumerate(sizes):  # one tensorwise GEMM per group: (m_g, K) × (N, K)ᵀ
+        if rows_g:
+            part = out[start : start + rows_g]
+            fp8.scaled_mm(
+                a[start : start + rows_g], b[g], scale_a[g], scale_b[g], out_dtype, fast_accum=fast_accum, out=part
+            )
+        start += rows_g
+    return out
+
+
+def scaled_grouped_weight_grad(
+    dy_t: torch.Tensor,
+    a_t: torch.Tensor,
+    scale_dy: torch.Tensor,
+    scale_a: torch.Tensor,
+    sizes: list[int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(G, N, K) in ``out_dtype``: out[g] = (dy_t[:, cols of g]·s_dy[g]) (a_t[:, cols of g]·s_a[g])ᵀ
+    for float8 ``dy_t`` (N, M') and ``a_t`` (K, M'), row-major, whose columns are the tokens sorted by
+    group in runs of ``sizes`` — each a multiple of 16 (``aligned_rows``: padding columns are zero).
+    Sums in fp32; zero for a group of no tokens. ``scale_dy`` and ``scale_a``: (G,) fp32."""
+    groups, n, k = len(sizes), dy_t.shape[0], a_t.shape[0]
+    if sum(sizes) != dy_t.shape[1] or dy_t.shape[1] != a_t.shape[1] or not fp8.aligned(*sizes):
+        raise ValueError(
+            f"scaled_grouped_weight_grad: group sizes {sizes} for dy_t {tuple(dy_t.shape)} and a_t {tuple(a_t.shape)}; "
+            f"give runs that add to both operands' columns, each a multiple of {fp8.ALIGN} (aligned_rows)"
+        )
+    empty = [g for g, m in enumerate(sizes) if m == 0]
+    if sum(sizes) and native_scaled_grouped_mm(dy_t, a_t, out_dtype, "2d2d"):
+        try:  # (N, M') × (M', K) column-major, offsets along M' → (G, N, K)
+            out = torch._scaled_grouped_mm(
+                dy_t,
+                a_t.t(),
+                scale_dy.repeat_interleave(n),  # (G·N,)
+                scale_a.repeat_interleave(k),  # (G·K,)
+                offs=_offsets(sizes, dy_t.device),
+                out_dtype=out_dtype,
+            )
+        except (RuntimeError, NotImplementedError, ValueError):
+            _REFUSED_FP8.add((dy_t.device.type, dy_t.dtype, a_t.dtype, out_dtype, "2d2d"))
+        else:
+            if empty:  # a kernel need not write a group that sums over no tokens
+                out.index_fill_(0, to_device_queued(torch.tensor(empty), dy_t.device), 0)
+            return out
+    out = torch.empty((groups, n, k), dtype=out_dtype, device=dy_t.device)
+    start = 0
+    for g, m in enumerate(sizes):  # one tensorwise GEMM per group: (N, m_g) × (K, m_g)ᵀ
+        if m:
+            cols = slice(start, start + m)
+            fp8.scaled_mm(dy_t[:, cols], a_t[:, cols], scale_dy[g], scale_a[g], out_dtype, out=out[g])
+        else:
+            out[g].zero_()
+        start += m
+    return out

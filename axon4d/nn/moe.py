@@ -58,7 +58,7 @@ from axon4d.nn.moe_dispatch import (
     share_sizes,
     use_replicated,
 )
-from axon4d.nn.moe_experts import ExpertGEMM, GridExperts, check_layout
+from axon4d.nn.moe_experts import GridExperts, check_layout
 from axon4d.options.precision import compute_dtype
 
 
@@ -265,11 +265,11 @@ class MoE(nn.Module):
         )  # (n_all,) local expert of each gathered row, made on the host (no device sync)
         perm = torch.argsort(ids, stable=True)
         sizes = plan.group_rows
-        dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16
+        dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16 (or FP8)
         xs = every.index_select(0, perm).to(dtype)  # (n_all, features) sorted by expert
         del every  # the gathered rows in gathered order: the GEMM keeps the sorted copy (memory)
         scale = 1.0 if self.dp_axis is not None else 1.0 / grid.size("batch")  # the replicas' reduction divides
-        h = ExpertGEMM.apply(xs, ex.up.to(xs.dtype), sizes, scale)  # (n_all, f_up/G_ty), partial over x if split
+        h = ex.gemm(xs, ex.up, sizes, scale)  # (n_all, f_up/G_ty), partial over x if split
         if ex.g_x > 1:
             h = sum_partials(h, "x", grid, in_place=True)  # the GEMM's partial output: nothing else reads it
         if ex.gated:
@@ -277,7 +277,7 @@ class MoE(nn.Module):
             a = F.silu(gate) * up
         else:
             a = F.gelu(h)
-        o = ExpertGEMM.apply(a, ex.down.to(a.dtype), sizes, scale)  # (n_all, hidden/G_tx), partial over y if split
+        o = ex.gemm(a, ex.down, sizes, scale)  # (n_all, hidden/G_tx), partial over y if split
         return o.index_select(0, torch.argsort(perm))  # summed over y by the caller's reduce-scatter
 
     def _aux(

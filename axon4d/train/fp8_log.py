@@ -16,6 +16,7 @@ from torch import nn
 
 from axon4d.grid.mesh import Grid
 from axon4d.nn.linear import Linear
+from axon4d.nn.moe_experts import GridExperts
 
 #: a block's index in a module's name, left out of its layer kind
 _INDEX = re.compile(r"\.\d+\.")
@@ -37,9 +38,14 @@ def fp8_layers(model: nn.Module) -> dict[str, list[Linear]]:
 
 
 def gemm_precisions(model: nn.Module) -> dict[str, str]:
-    """{layer kind: what its GEMMs multiply, and why not FP8} (``Linear.gemm_precision``; the kinds
+    """{layer kind: what its GEMMs multiply, and why not FP8} (``Linear.gemm_precision``, and an MoE
+    layer's experts' ``GridExperts.gemm_precision`` as kind ``blocks.*.moe.experts``; the kinds
     whose layers differ list each answer once, joined by " / "): the banner's and summary.json's."""
-    return {k: " / ".join(dict.fromkeys(m.gemm_precision for m in v)) for k, v in layer_kinds(model).items()}
+    kinds: dict[str, list[Linear | GridExperts]] = {k: list(v) for k, v in layer_kinds(model).items()}
+    for name, module in model.named_modules():
+        if isinstance(module, GridExperts):
+            kinds.setdefault(_INDEX.sub(".*.", f".{name}.").strip("."), []).append(module)
+    return {k: " / ".join(dict.fromkeys(m.gemm_precision for m in v)) for k, v in kinds.items()}
 
 
 def gemm_line(precisions: dict[str, str]) -> str:
