@@ -19,7 +19,10 @@ of ``axon4d.nn.linear``. What must hold:
 - the casts are few and priced as made: per micro-batch an FP8 layer issues at most twice the ops
   of the bf16 one (X and dY quantised once each, dW's layouts copied from those bytes), and the
   bytes and kernels of its casts are the planner's (``axon4d.plan.fp8.layer_cast_passes``);
-- one rounding: a 16-bit operand's quotient is formed in fp32 and rounded once to e4m3.
+- one rounding: a 16-bit operand's quotient is formed in fp32 and rounded once to e4m3;
+- the fused cast (``axon4d.device.fp8_fused``, an accelerator's default, forced here on the host)
+  gives the eager path's codes and scales bit for bit, is one op to a TorchDispatchMode, keeps the
+  layer within twice bf16's kernels, and falls back to the eager path, once and logged, when it fails.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import axon4d
 from axon4d import activations
 from axon4d.device import fp8 as kernel
+from axon4d.device import fp8_fused
 from axon4d.options import fp8_gemm
 from axon4d.options.precision import FP8, NAMED, Precision, fp8_scale, gradient_fp8, resolve
 from axon4d.plan import fp8 as plan_fp8
@@ -272,8 +276,10 @@ def test_the_weight_is_quantised_once_per_step_and_its_gathered_bytes_are_the_bl
         assert r["view"], r
 
 
+#: the fused cast's one op (``axon4d.device.fp8_fused``), and the kernels inductor makes of it on the host
+FUSED_OP, FUSED_KERNELS = "fp8_quantise", 3
 #: the ops FP8's casts are made of (under bf16-fp8 nothing else issues them in a layer's micro-batch)
-CAST_OPS = {"linalg_vector_norm", "div", "clamp", "_to_copy", "copy_", "zero_", "clone"}
+CAST_OPS = {"linalg_vector_norm", "div", "clamp", "_to_copy", "copy_", "zero_", "clone", FUSED_OP}
 
 
 class _Kernels(TorchDispatchMode):
@@ -299,42 +305,59 @@ class _Kernels(TorchDispatchMode):
             elif name == "copy_":
                 self.cast_bytes += tensors[0].nbytes + tensors[1].nbytes
             else:
-                self.cast_bytes += sum(t.nbytes for t in tensors) + out.nbytes
+                outs = out if isinstance(out, tuple) else (out,)  # the fused cast returns (q, scale)
+                self.cast_bytes += sum(t.nbytes for t in tensors) + sum(o.nbytes for o in outs)
         return out
 
 
-def _kernels_per_micro_batch(grid, tokens):
+def _kernels_per_micro_batch(grid, tokens, cast="eager"):
     """The ops one layer's forward and backward issue on this rank, after a first micro-batch made
-    the step's weight copies (what is counted once per step is not counted here)."""
-    torch.manual_seed(2)
-    layer = axon4d.Linear(256, 512, bias=False)
-    x = torch.randn(tokens * grid.size("batch"), 256, generator=torch.Generator().manual_seed(3))
-    xs = axon4d.shard_input(x).bfloat16().requires_grad_()
-    dy = torch.randn(xs.shape[0], layer.block_shape[0], generator=torch.Generator().manual_seed(4)).bfloat16()
-    with grid.scheduler.accumulating():
-        layer(xs).backward(dy)
-        count = _Kernels()
-        with count:
+    the step's weight copies (what is counted once per step is not counted here), with the casts'
+    path ``cast`` (``axon4d.device.fp8_fused.set_mode``)."""
+    fp8_fused.set_mode(cast)
+    try:
+        torch.manual_seed(2)
+        layer = axon4d.Linear(256, 512, bias=False)
+        x = torch.randn(tokens * grid.size("batch"), 256, generator=torch.Generator().manual_seed(3))
+        xs = axon4d.shard_input(x).bfloat16().requires_grad_()
+        dy = torch.randn(xs.shape[0], layer.block_shape[0], generator=torch.Generator().manual_seed(4)).bfloat16()
+        with grid.scheduler.accumulating():
             layer(xs).backward(dy)
+            count = _Kernels()
+            with count:
+                layer(xs).backward(dy)
+        assert fp8_fused.failure() is None, fp8_fused.failure()
+    finally:
+        fp8_fused.set_mode(None)
     return dict(count.ops), count.cast_bytes, xs.shape[0]
 
 
+@pytest.mark.parametrize("cast", ["eager", "fused"])
 @pytest.mark.parametrize("tokens", [64, 40])
-def test_an_fp8_layer_issues_at_most_twice_the_kernels_of_bf16(pools, tokens):
+def test_an_fp8_layer_issues_at_most_twice_the_kernels_of_bf16(pools, tokens, cast):
     """Per micro-batch, after the step's weight copy: X and dY quantised once each (amax, scale,
-    divide, cast), their transposed layouts copied from those bytes, Ŵᵀ laid out for dX, and
-    three scaled GEMMs — at most twice bf16's kernels (with 40 tokens, a multiple of 16 only after
-    padding, two fills more)."""
+    divide, cast — eager, or the fused cast, one op ``axon4d::fp8_quantise`` whose kernels inductor
+    counts: ``FUSED_KERNELS``), their transposed layouts copied from those bytes, Ŵᵀ laid out for
+    dX, and three scaled GEMMs — at most twice bf16's kernels (with 40 tokens, a multiple of 16 only
+    after padding, two fills more)."""
     grid = (1, 1, 2, 1)
-    fp8, cast_bytes, b = pools(2).run(grid, _kernels_per_micro_batch, tokens, precision=FP8_NAME)[0]
+    fp8, cast_bytes, b = pools(2).run(grid, _kernels_per_micro_batch, tokens, cast, precision=FP8_NAME)[0]
     bf16 = pools(2).run(grid, _kernels_per_micro_batch, tokens, precision=BF16_NAME)[0][0]
-    n_fp8, n_bf16 = sum(fp8.values()), sum(bf16.values())
-    assert fp8.get("_scaled_mm") == 3 and fp8.get("linalg_vector_norm") == 2, fp8  # X and dY only: not W
+    n_bf16 = sum(bf16.values())
+    fused = cast == "fused"
+    # the fused op stands for its compiled kernels (on the host: one C++ kernel of FUSED_KERNELS loops)
+    n_fp8 = sum(fp8.values()) + (FUSED_KERNELS - 1) * fp8.get(FUSED_OP, 0)
+    assert fp8.get("_scaled_mm") == 3, fp8
+    assert (fp8.get(FUSED_OP, 0), fp8.get("linalg_vector_norm", 0)) == ((2, 0) if fused else (0, 2)), fp8  # X, dY
     assert n_fp8 <= 2 * n_bf16, (n_fp8, n_bf16, fp8, bf16)
     # the planner prices these passes (axon4d.plan.fp8): its bytes are the code's, its kernels too
-    priced_bytes, priced_kernels = plan_fp8.layer_cast_passes(256, 512, b, 2)
+    priced_bytes, priced_kernels = plan_fp8.layer_cast_passes(256, 512, b, 2, fused=fused)
+    if fused:  # counted at the op: t read and q written; the planner adds the amax's read of t
+        cast_bytes += 2 * b * (256 + 512)
     assert priced_bytes <= cast_bytes <= priced_bytes + 64, (cast_bytes, priced_bytes)  # + the scalars' bytes
-    assert priced_kernels == sum(n for op, n in fp8.items() if op in CAST_OPS | {"empty"}) - 1, fp8  # - dW's buffer
+    counted = sum(n for op, n in fp8.items() if op in CAST_OPS | {"empty"}) - 1  # - dW's buffer
+    # priced for an accelerator: inductor's Triton reduction, then scale and cast (2 kernels a cast)
+    assert priced_kernels == counted + (2 - 1) * fp8.get(FUSED_OP, 0), fp8
 
 
 def _fp8_job(out_dir, fp8_gradients):
@@ -440,3 +463,97 @@ def test_a_bf16_run_resumes_from_an_fp8_gemm_checkpoint(pools, tmp_path):
         assert bf16 and math.isfinite(loss)
         assert sums.keys() == saved.keys()
         assert all(abs(sums[n] - saved[n]) <= 1e-9 * max(1.0, abs(saved[n])) for n in saved), (sums, saved)
+
+
+# -- the fused cast (axon4d.device.fp8_fused): the eager path's bits, one op, few kernels, a fallback ----
+def _bf16_cases():
+    """bf16 tensors the casts must agree on: token counts that vary (one compiled graph serves them),
+    columns spanning 2⁻¹⁰⁰…2¹⁰⁰, all zeros, subnormals only, and an inf and a NaN."""
+    g = torch.Generator().manual_seed(5)
+    spread = torch.logspace(-100, 100, 256, base=2.0)
+    cases = [(torch.randn(n, 256, generator=g) * spread).bfloat16() for n in (64, 40, 7)]
+    cases += [torch.zeros(16, 32, dtype=torch.bfloat16), torch.full((16, 32), 1e-40).bfloat16()]
+    for bad in (math.inf, math.nan):
+        t = torch.randn(16, 32, generator=g).bfloat16()
+        t[3, 3] = bad
+        cases.append(t)
+    return cases
+
+
+@pytest.fixture
+def cast_mode():
+    """Restores the cast path and the fused path's state after a test that sets them."""
+    yield fp8_fused.set_mode
+    fp8_fused.set_mode(None)
+    fp8_fused._State.failure = None
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_fused_cast_is_the_eager_one_bit_for_bit_in_one_op(cast_mode, fmt):
+    """Forced on the host (``set_mode("fused")``; ``auto`` keeps the host eager): codes and scales
+    equal the eager path's for every case (a NaN scale makes every code NaN on both paths); a
+    TorchDispatchMode sees one op, ``axon4d::fp8_quantise``, run compiled inside it."""
+    assert not fp8_fused.wanted(torch.device("cpu"))  # the host's default: eager
+    assert fp8_fused._division_rounding()  # this torch can make Triton's division eager's
+    cast_mode("fused")
+    assert fp8_fused.wanted(torch.device("cpu"))
+    for t in _bf16_cases():
+        cast_mode("eager")
+        eager = fp8_gemm.quantise(t, dtype=fmt)
+        cast_mode("fused")
+        count = _Kernels()
+        with count:
+            fused = fp8_gemm.quantise(t, dtype=fmt)
+        assert set(count.ops) == {FUSED_OP}, count.ops
+        assert count.ops[FUSED_OP] == 1 and fused.data.is_contiguous() and fused.data.dtype == fmt
+        if eager.scale.isnan():
+            assert fused.scale.isnan() and fused.data.float().isnan().all() and eager.data.float().isnan().all()
+            continue
+        assert torch.equal(fused.scale, eager.scale), (fused.scale, eager.scale)
+        assert torch.equal(fused.data.view(torch.uint8), eager.data.view(torch.uint8)), t
+    assert fp8_fused.failure() is None
+
+
+@pytest.mark.slow
+def test_inductor_makes_few_kernels_of_the_fused_cast(cast_mode):
+    """The kernels of the fused cast, counted where inductor compiles it afresh (no cached graph; some
+    15 s on a 2-core host): on the host one C++ kernel of ``FUSED_KERNELS`` loops (amax, scale,
+    cast); on an accelerator inductor emits a Triton reduction, then scale and cast — the two the
+    planner prices (not counted here: no accelerator)."""
+    from torch._inductor import config, metrics
+
+    cast_mode("fused")
+    torch._dynamo.reset()
+    metrics.reset()
+    with config.patch(fx_graph_cache=False):
+        fp8_gemm.quantise(_bf16_cases()[0])
+    assert metrics.generated_kernel_count == FUSED_KERNELS, metrics.generated_kernel_count
+    assert fp8_fused.failure() is None
+
+
+def test_a_failing_compile_falls_back_to_the_eager_path_once(cast_mode, monkeypatch, caplog):
+    """Compiling (or running) the fused cast raises: the cast is the eager one, the failure is logged
+    once and remembered, and the fused path is not tried again in this process; a wrong mode is refused."""
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(fp8_fused._State, "compiled", broken)
+    cast_mode("fused")
+    t = _bf16_cases()[1]
+    with caplog.at_level("WARNING", logger=fp8_fused.__name__):
+        got = [fp8_gemm.quantise(t) for _ in range(3)]
+    assert len(calls) == 1 and "no compiler" in (fp8_fused.failure() or "")
+    assert sum("fused FP8 cast failed" in r.getMessage() for r in caplog.records) == 1
+    assert not fp8_fused.wanted(torch.device("cpu"))
+    cast_mode("eager")
+    expected = fp8_gemm.quantise(t)
+    assert all(torch.equal(q.data.view(torch.uint8), expected.data.view(torch.uint8)) for q in got)
+    with pytest.raises(ValueError, match="expected one of auto, fused, eager"):
+        cast_mode("triton")
+    monkeypatch.setenv(fp8_fused.ENV, "fast")
+    cast_mode(None)
+    with pytest.raises(ValueError, match=fp8_fused.ENV):
+        fp8_fused.mode()

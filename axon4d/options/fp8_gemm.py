@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from axon4d.device import fp8 as kernel
+from axon4d.device import fp8_fused
 from axon4d.options.precision import FP8, fp8_scale
 
 #: the float8 format of every operand (weights, activations and gradients): e4m3
@@ -71,11 +72,17 @@ def quantise(
     CUDA); t's own scale keeps it there already. The columns are zero-padded to a multiple of
     ``pad_to``; the result is row-major. Computed on t's device; nothing is read back.
 
-    Kernels, t's own scale, row-major and unpadded: amax, two for the scale (``fp8_scale``), the
-    division and the cast — five passes, of which two read t."""
+    Kernels, t's own scale (not ``pow2``), row-major and unpadded: on an accelerator the fused cast
+    (``axon4d.device.fp8_fused``: the amax, then scale and cast in one pass, the same bits); on the
+    host, or where compiling fails, the eager path — amax, two for the scale (``fp8_scale``), the
+    division and the cast: five passes, of which two read t."""
     t = t.detach()
     fmax = float(torch.finfo(dtype).max)
     given = scale is not None
+    if fused(t, given, pow2, transpose, pad_to):
+        made = fp8_fused.quantise(t, fmax, dtype)
+        if made is not None:
+            return Quantised(*made)
     if scale is None:
         scale = fp8_scale(amax(t), pow2, fmax)  # () fp32
     src = t.t() if transpose else t  # (r, c)
@@ -92,6 +99,13 @@ def quantise(
         data[:, c:].view(torch.uint8).zero_()  # the byte 0 is +0 in both formats
     data[:, :c].copy_(quotient)
     return Quantised(data, scale)
+
+
+def fused(t: torch.Tensor, given: bool, pow2: bool, transpose: bool, pad_to: int) -> bool:
+    """Whether ``quantise`` takes the fused cast (``axon4d.device.fp8_fused.wanted``): for t's own
+    tensorwise scale (not a power of two) of a contiguous 2-D t, untransposed and unpadded — X and dY."""
+    plain = not given and not pow2 and not transpose and pad_to == 1
+    return plain and t.dim() == 2 and t.is_contiguous() and fp8_fused.wanted(t.device)
 
 
 def transposed(q: Quantised, pad_to: int = 1) -> Quantised:

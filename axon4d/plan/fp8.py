@@ -8,10 +8,11 @@ is refused (``check``). Per layer and grid the planner prices both ways (``layer
 - bf16: the three GEMMs at the machine's bf16 rate (``Machine.matmul_time``);
 - FP8: each GEMM at its bf16 time divided by the speed-up at its size, plus the casts the runtime
   makes, pass by pass (``cast_passes``, counted against the code by a test): X and dY quantised
-  once each (amax, an fp32 quotient, the cast), their transposed layouts for dW copied from those
-  bytes, Ŵᵀ laid out for dX, and the weight's e4m3 copy, made once per optimizer step from the fp32
-  master shard (``weight_copy_bytes``, spread over the step's micro-batches;
-  ``axon4d.scheduler.fp8_copies``) — its scale's all-gather over z is 4 bytes a rank, not priced.
+  once each (amax, an fp32 quotient, the cast: fused on an accelerator, eager on the host), their
+  transposed layouts for dW copied from those bytes, Ŵᵀ laid out for dX, and the weight's e4m3
+  copy, made once per optimizer step from the fp32 master shard (``weight_copy_bytes``, spread over
+  the step's micro-batches; ``axon4d.scheduler.fp8_copies``) — its scale's all-gather over z is
+  4 bytes a rank, not priced.
 
 and runs the layer in FP8 where its local block is a multiple of 16 in both dims and FP8 is the
 cheaper (``fp8_layers``); the LM head and the embedding stay in bf16, as in the runtime.
@@ -71,11 +72,16 @@ def gemm_seconds(machine: Machine, form: str, m: int, k: int, n: int, dtype: str
     return work / speedup(machine, 2.0 * m * k * n) + machine.op_overhead_s
 
 
-def quantise_passes(rows: int, cols: int, elem: int) -> tuple[int, int]:
+def quantise_passes(rows: int, cols: int, elem: int, fused: bool = False) -> tuple[int, int]:
     """(bytes, kernels) of ``fp8_gemm.quantise`` of a (rows, cols) tensor of ``elem``-byte elements
-    with its own scale, row-major and unpadded: the amax reads it, the division reads it and writes
-    fp32, the cast reads that and writes e4m3 — 2·elem + 9 bytes per element — and two kernels on
-    the scale itself."""
+    with its own scale, row-major and unpadded. Eager (the host's path, and the fallback): the amax
+    reads it, the division reads it and writes fp32, the cast reads that and writes e4m3 —
+    2·elem + 9 bytes per element — and two kernels on the scale itself, five in all. ``fused`` (an
+    accelerator's path, ``axon4d.device.fp8_fused``): the amax reads it, one pass reads it again and
+    writes e4m3 — 2·elem + 1 bytes per element — in two kernels (inductor's Triton reduction, then
+    the scale and the cast)."""
+    if fused:
+        return rows * cols * (2 * elem + 1), 2
     return rows * cols * (2 * elem + 9), 5
 
 
@@ -89,18 +95,21 @@ def transposed_passes(rows: int, cols: int) -> tuple[int, int]:
 def cast_passes(spec: LinearSpec, sc: Scenario) -> tuple[int, int]:
     """``layer_cast_passes`` of ``spec``'s local block on one rank of ``sc``."""
     in_l, out_l = spec.local(sc.shape)
-    return layer_cast_passes(in_l, out_l, sc.tokens, sc.element_size, spec.input_grad)
+    return layer_cast_passes(in_l, out_l, sc.tokens, sc.element_size, spec.input_grad, sc.machine.accelerator)
 
 
-def layer_cast_passes(in_l: int, out_l: int, b: int, elem: int, input_grad: bool = True) -> tuple[int, int]:
+def layer_cast_passes(
+    in_l: int, out_l: int, b: int, elem: int, input_grad: bool = True, fused: bool = False
+) -> tuple[int, int]:
     """(bytes, kernels) of one run's FP8 casts of a layer whose local block is (out_l, in_l), on b
     tokens of ``elem``-byte activations, as ``axon4d.nn.linear`` makes them after the step's weight
-    copy: X and dY quantised once each (``quantise_passes``), both laid out transposed for dW from
+    copy: X and dY quantised once each (``quantise_passes``: ``fused`` on an accelerator, where the
+    runtime's default is the fused cast, eager on the host), both laid out transposed for dW from
     those bytes (``transposed_passes``), and — with ``input_grad`` — Ŵᵀ laid out for dX (a read and
     a write per element of the block). ``tests/test_fp8_gemm.py`` counts the code's passes against these."""
     parts = [
-        quantise_passes(b, in_l, elem),
-        quantise_passes(b, out_l, elem),
+        quantise_passes(b, in_l, elem, fused),
+        quantise_passes(b, out_l, elem, fused),
         transposed_passes(b, in_l),
         transposed_passes(b, out_l),
     ]

@@ -1,0 +1,135 @@
+"""The fused FP8 cast of an activation or a gradient (docs/design.md §2 "FP8 GEMMs"): amax, scale,
+fp32 quotient and cast compiled by ``torch.compile`` into few kernels, in place of the eager path's
+five (``axon4d.options.fp8_gemm.quantise``, which calls ``quantise`` here and keeps its own eager
+path as the fallback).
+
+What runs where:
+
+- on an accelerator, by default: inductor generates Triton kernels — the amax reduction, then the
+  scale and the cast in one pointwise pass, its fp32 division correctly rounded (``div_rn``, asked
+  of inductor: ``_division_rounding``; a torch without that option keeps the eager path there) (bytes: the reduction reads t, the cast reads t and writes
+  one byte: 2·elem + 1 per element, against the eager path's 2·elem + 9; priced so by
+  ``axon4d.plan.fp8.quantise_passes``). Shapes are dynamic (``dynamic=True``): a new token count does
+  not recompile; a new input dtype or float8 format does, once. Nothing is read back to the host.
+- on the host, by default the eager path: inductor's C++ codegen needs a compiler and its first
+  compile costs seconds, for no speed that matters on the host. ``set_mode("fused")`` (or
+  ``AXON4D_FP8_CAST=fused``) forces the fused path anywhere; ``"eager"`` forces the fallback.
+
+The compiled function is wrapped in one custom op, ``axon4d::fp8_quantise``: a
+``TorchDispatchMode`` (which ``torch.compile`` does not run under) sees that one op and runs it
+compiled, and a model compiled whole sees an opaque op with a shape rule. Its kernels are counted by
+inductor when it compiles (``torch._inductor.metrics.generated_kernel_count``;
+``tests/test_fp8_gemm.py``). If compiling or running it fails, the failure is logged once and the
+eager path is used from then on in this process (``failure``).
+
+The result is bit for bit the eager path's: the amax is exact in any order, the scale the same two
+fp32 operations, the quotient the fp32 division of t widened exactly, rounded once to float8.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from axon4d.device import is_accelerator
+
+log = logging.getLogger(__name__)
+
+#: the environment variable that chooses the path when ``set_mode`` was not called
+ENV = "AXON4D_FP8_CAST"
+#: ``auto``: fused on an accelerator, eager on the host; ``fused``: fused on every device; ``eager``: never fused
+MODES = ("auto", "fused", "eager")
+#: fp32's smallest normal, the least scale (``axon4d.options.precision.fp8_scale``)
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class _State:
+    """This process's choice (``set_mode``), its compiled function and the failure that disabled it."""
+
+    mode: str | None = None
+    compiled: Callable[..., Any] | None = None
+    failure: str | None = None
+
+
+def set_mode(mode: str | None) -> None:
+    """Choose the cast path for this process: one of ``MODES``, or None to read ``AXON4D_FP8_CAST``
+    again (unset: ``auto``)."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"FP8 cast mode {mode!r}: expected one of {', '.join(MODES)}")
+    _State.mode = mode
+
+
+def mode() -> str:
+    """The cast path chosen: ``set_mode``'s, else ``AXON4D_FP8_CAST``'s, else ``auto``."""
+    chosen = _State.mode or os.environ.get(ENV, "auto")
+    if chosen not in MODES:
+        raise ValueError(f"{ENV}={chosen!r}: expected one of {', '.join(MODES)}")
+    return chosen
+
+
+def failure() -> str | None:
+    """Why the fused path was given up in this process (compiling or running it raised), or None."""
+    return _State.failure
+
+
+def wanted(device: torch.device) -> bool:
+    """Whether a cast on ``device`` takes the fused path: the mode asks for it (``auto``: on an
+    accelerator) and it has not failed in this process."""
+    chosen = mode()
+    on = chosen == "fused" or (chosen == "auto" and is_accelerator(device))
+    if on and is_accelerator(device) and not _division_rounding():
+        return False  # Triton's division would not be eager's: the codes could differ
+    return on and _State.failure is None
+
+
+def _quantise(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The function compiled: the eager path's operations, in its order (see the module docstring)."""
+    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)  # () fp32
+    scale = torch.clamp(amax / fmax, min=_TINY)  # () fp32, NaN and inf kept
+    return (t.float() / scale).to(dtype), scale  # (r, c) fp32 quotient, rounded once
+
+
+@functools.cache
+def _division_rounding() -> dict[str, str | int | bool | Callable[..., Any]]:
+    """Inductor's options that make a compiled fp32 division correctly rounded, as eager's is: Triton's
+    ``/`` is approximate (``div.full.f32``, up to 2 ulp) unless inductor is asked for ``div_rn``
+    (``eager_numerics.division_rounding`` in torch 2.13; the key's name is looked up, not assumed).
+    Empty where this torch has no such option."""
+    import torch._inductor.config as inductor
+
+    return {key: True for key in inductor.get_config_copy() if key.endswith("division_rounding")}
+
+
+def _compiled() -> Callable[..., Any]:
+    if _State.compiled is None:
+        options = _division_rounding()
+        _State.compiled = torch.compile(_quantise, dynamic=True, fullgraph=True, options=options or None)
+    return _State.compiled
+
+
+@torch.library.custom_op("axon4d::fp8_quantise", mutates_args=())
+def _op(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _compiled()(t, fmax, dtype)
+    return q, scale
+
+
+@_op.register_fake
+def _(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(t, dtype=dtype), t.new_empty((), dtype=torch.float32)
+
+
+def quantise(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q, s) of the contiguous 2-D ``t``: s = max(amax(t)/``fmax``, fp32's smallest normal) as a ()
+    fp32 tensor and q = round(t/s) as ``dtype`` (row-major), by the compiled kernels; None when the
+    fused path fails here — logged once, and not tried again in this process."""
+    try:
+        return _op(t, fmax, dtype)
+    except Exception as e:  # compilation is best effort: any failure falls back to the eager path
+        _State.failure = f"{type(e).__name__}: {e}"
+        log.warning("the fused FP8 cast failed (%s); the eager path is used from now on", _State.failure)
+        return None
