@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -76,11 +77,27 @@ class Transport(Protocol):
         self, out: torch.Tensor, inp: torch.Tensor, send_rows: list[int], recv_rows: list[int], axis: Axis
     ) -> Work: ...
 
+    def shift(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, channel: int) -> Work: ...
+
     def barrier(self) -> None: ...
 
     def open_axis(self, axis: Axis, shape: GridShape, rank: int) -> None: ...
 
     def close(self) -> None: ...
+
+
+class _Works:
+    """Several torch.distributed works waited on as one (a shift's send and receive)."""
+
+    def __init__(self, works: list[Any]):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 class TorchTransport:
@@ -116,6 +133,15 @@ class TorchTransport:
         return dist.all_to_all_single(
             out, inp, output_split_sizes=recv_rows, input_split_sizes=send_rows, group=self.groups[axis], async_op=True
         )
+
+    def shift(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, channel: int) -> Work:
+        """Send ``inp`` to the next rank of ``axis`` and receive ``out`` from the previous one (a ring
+        step): one batch of isend/irecv (NCCL fuses it; gloo runs the pair), ``channel`` its tag."""
+        group = self.groups[axis]
+        me, g = group.rank(), group.size()
+        to, source = (dist.get_global_rank(group, (me + step) % g) for step in (1, -1))
+        ops = [dist.P2POp(dist.isend, inp, to, group, channel), dist.P2POp(dist.irecv, out, source, group, channel)]
+        return _Works(dist.batch_isend_irecv(ops))
 
     def barrier(self) -> None:
         dist.barrier(group=self.groups["world"])
@@ -314,6 +340,23 @@ class Communicator:
         out = inp.new_empty((sum(recv_rows), *inp.shape[1:]))  # (Σ recv_rows, …)
         record = self._record(Op.ALL_TO_ALL, axis, g, inp.nbytes, tag)
         work = self.transport.all_to_all(out, inp, list(send_rows), list(recv_rows), axis)
+        if self.timing:
+            stamp_completion(work, record, self.clock)
+        return Handle(work, out, record, None, inp, self.device_clock, self.timing)
+
+    def shift(self, tensor: torch.Tensor, axis: Axis, tag: Term | str = "") -> Handle:
+        """One ring step over ``axis``: send ``tensor`` to the rank of the next index (the last to the
+        first) and receive the previous one's, of the same shape and dtype; the handle's result is
+        what arrived. The log records the bytes sent (``tensor``'s). Shifts of different ``tag``s may
+        be in flight at once (each moves on a channel of its own); of one tag, issue the next only
+        after waiting on the last. On an axis of one rank the result is ``tensor`` itself."""
+        g = self._size(axis)
+        if g == 1:
+            return Handle(None, tensor, None)
+        inp = tensor.contiguous()
+        out = torch.empty_like(inp)
+        record = self._record(Op.SHIFT, axis, g, inp.nbytes, tag)
+        work = self.transport.shift(out, inp, axis, zlib.crc32(str(tag).encode()) & 0x7FFF)
         if self.timing:
             stamp_completion(work, record, self.clock)
         return Handle(work, out, record, None, inp, self.device_clock, self.timing)

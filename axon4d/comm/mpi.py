@@ -66,6 +66,16 @@ class _MPIWork:
             return self.test()
 
 
+class _Requests:
+    """Several MPI requests tested as one (a shift's send and receive)."""
+
+    def __init__(self, MPI: Any, requests: list[Any]):
+        self.MPI, self.requests = MPI, requests
+
+    def Test(self) -> bool:  # an MPI request's name: what _MPIWork calls
+        return bool(self.MPI.Request.Testall(self.requests))
+
+
 def mpi_cuda_aware() -> bool:
     """True when the MPI library reports that it reads and writes device memory (CUDA-aware MPI).
 
@@ -275,6 +285,17 @@ class MPITransport:
             [recv, (recv_counts, _displacements(recv_counts)), self.MPI.BYTE],
         )
         return self._start(req, [staged])
+
+    def shift(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, channel: int) -> _MPIWork:
+        """Isend of ``inp`` to the next rank of ``axis`` and Irecv of ``out`` from the previous one, as
+        bytes, under tag ``channel``; one work that completes when both have."""
+        comm = self.comms[axis]
+        me, g = comm.Get_rank(), comm.Get_size()
+        send, _ = self._buffer(inp.view(-1).view(torch.uint8), writes=False)
+        recv, staged = self._buffer(out.view(-1).view(torch.uint8), writes=True)
+        sending = comm.Isend(send, dest=(me + 1) % g, tag=channel)
+        receiving = comm.Irecv(recv, source=(me - 1) % g, tag=channel)
+        return self._start(_Requests(self.MPI, [sending, receiving]), [staged])
 
     def barrier(self) -> None:
         self.comms["world"].Barrier()

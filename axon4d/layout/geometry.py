@@ -42,6 +42,7 @@ class Op(str, enum.Enum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
+    SHIFT = "shift"  # each rank sends to the next on an axis and receives from the previous (a ring step)
 
 
 class Term(str, enum.Enum):
@@ -60,6 +61,8 @@ class Term(str, enum.Enum):
     E13 = "E13"  # all-reduce over batch of db
     CP_KV = "cp_kv"  # context parallelism: all-gather over z of the keys and values (docs/context.md)
     CP_KV_GRAD = "cp_kv.grad"  # the reduce-scatter over z of their gradients
+    CP_KV_RING = "cp_kv.ring"  # ring context parallelism: one step's shift over z of a rank's keys and values
+    CP_KV_RING_GRAD = "cp_kv.ring.grad"  # ... and of their gradients' accumulators in backward
     EMBEDDING = "embedding"  # the token embedding lookup's all-reduce over y
     EMBEDDING_GRAD = "embedding.grad"  # the token table's gradient all-reduce over batch
     POSITION_GRAD = "position.grad"  # the position table's gradient all-reduce over batch
@@ -111,7 +114,19 @@ class Collective:
 
 
 #: collectives of activations and of the weights a GEMM uses: they move the compute dtype
-COMPUTE_TERMS = frozenset({Term.E8, Term.E9, Term.E10F, Term.E10B, Term.EMBEDDING, Term.CP_KV, Term.CP_KV_GRAD})
+COMPUTE_TERMS = frozenset(
+    {
+        Term.E8,
+        Term.E9,
+        Term.E10F,
+        Term.E10B,
+        Term.EMBEDDING,
+        Term.CP_KV,
+        Term.CP_KV_GRAD,
+        Term.CP_KV_RING,
+        Term.CP_KV_RING_GRAD,
+    }
+)
 #: gradient reductions: they move the reduction dtype (fp32 sums under ``bf16-fp32-reduce``)
 GRADIENT_TERMS = frozenset(
     {

@@ -41,6 +41,7 @@ from axon4d.grid.mesh import Grid
 from axon4d.layout import tiled_init
 from axon4d.memory.offload import Offloader, OffloadSpec, offload_blocks
 from axon4d.nn.block import DenseBlock, TransformerBlock
+from axon4d.nn.context import context_mode
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.loss import vocab_parallel_cross_entropy
@@ -109,7 +110,9 @@ class Transformer(nn.Module):
     ``recompute`` is every block's activation recomputation: "none", "selective", "balanced" or
     "full" (axon4d.nn.recompute; the planner's ``--recompute`` prices the same modes).
     ``context_parallel`` splits each sequence's tokens head–tail over z (docs/context.md): give it
-    ``axon4d.activations.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones.
+    ``axon4d.activations.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones;
+    True or "all-gather" all-gathers the keys and values over z, "ring" passes them around z
+    (O(chunk) memory per rank, ``axon4d.nn.context_ring``).
     ``offload`` moves what chosen blocks save for backward to host memory (``axon4d.memory.offload``): a
     fraction of the blocks (0.5: the first half, rounded), block indices ([0, 1]), or None."""
 
@@ -121,7 +124,7 @@ class Transformer(nn.Module):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         recompute: str = "none",
-        context_parallel: bool = False,
+        context_parallel: bool | str = False,
         offload: OffloadSpec = None,
     ):
         super().__init__()
@@ -133,7 +136,9 @@ class Transformer(nn.Module):
             )
         self.cfg = cfg
         self.recompute = check_recompute(recompute)
-        self.context_parallel = bool(context_parallel)
+        #: None, "all-gather" or "ring" (``axon4d.nn.context.context_mode``)
+        self.context_mode = context_mode(context_parallel)
+        self.context_parallel = self.context_mode is not None
         self.offload = offload_blocks(offload, cfg.n_layers)  # the offloaded blocks' indices
         self.offloader = Offloader(self.offload) if self.offload else None
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
@@ -225,7 +230,7 @@ class Transformer(nn.Module):
         *,
         grid: Grid | None = None,
         recompute: str = "none",
-        context_parallel: bool = False,
+        context_parallel: bool | str = False,
         offload: OffloadSpec = None,
     ) -> Transformer:
         p = dense.head.weight

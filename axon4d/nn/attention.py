@@ -13,8 +13,10 @@ scores, softmax, weighted sum — keeps only q, k, v and runs again in backward.
 
 ``context_parallel`` (docs/context.md): the s rows of this rank are its two head–tail chunks of
 each sequence, split over z (``axon4d.activations.shard_sequence``); rotary tables are taken at the
-tokens' global positions and core attention runs across the split (``axon4d.nn.context``). Under
-selective recomputation the all-gathered keys and values are kept, so no collective runs twice.
+tokens' global positions and core attention runs across the split: True or "all-gather" gathers
+every rank's keys and values (``axon4d.nn.context``; under selective recomputation they are kept,
+so no collective runs twice), "ring" passes them around z one rank's at a time, O(chunk) memory
+(``axon4d.nn.context_ring``; selective recomputation runs its ring again in backward).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from axon4d.activations import sequence_positions
 from axon4d.grid import counts, rules, runtime
 from axon4d.grid.mesh import Grid
 from axon4d.layout import rectangles
-from axon4d.nn.context import split_sequence_attention
+from axon4d.nn.context import context_mode, split_sequence_attention
+from axon4d.nn.context_ring import ring_sequence_attention
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed
 
@@ -123,12 +126,14 @@ class Attention(nn.Module):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         recompute_core: bool = False,
-        context_parallel: bool = False,
+        context_parallel: bool | str = False,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.recompute_core = recompute_core
-        self.context_parallel = bool(context_parallel)
+        #: None, "all-gather" or "ring" (``axon4d.nn.context.context_mode``)
+        self.context_mode = context_mode(context_parallel)
+        self.context_parallel = self.context_mode is not None
         rules.count(hidden, "hidden", example=1024)
         rules.count(n_heads, "n_heads", example=8)
         n_kv_heads = rules.count(n_kv_heads, "n_kv_heads", example=n_heads) if n_kv_heads is not None else n_heads
@@ -181,7 +186,8 @@ class Attention(nn.Module):
         if self.rope_theta is not None:
             cos, sin = rotary_tables_at(positions, d, self.rope_theta, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = split_sequence_attention(q, k, v, self.grid, recompute_core=self.recompute_core)
+        attend = ring_sequence_attention if self.context_mode == "ring" else split_sequence_attention
+        out = attend(q, k, v, self.grid, recompute_core=self.recompute_core)
         return out.transpose(1, 2).reshape(b, s, hq * d)
 
     @torch.no_grad()

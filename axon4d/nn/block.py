@@ -8,7 +8,8 @@ the MLP activation re-run inside the backward of the GEMM that consumes them; st
 "full" (only the block input kept; the whole forward, collectives included, re-run in backward).
 
 ``context_parallel`` (docs/context.md): the block's rows are head–tail chunks of sequences split
-over z; only attention differs (``axon4d.nn.context``), norms and MLP are untouched.
+over z; only attention differs (``axon4d.nn.context``; "ring": ``axon4d.nn.context_ring``), norms
+and MLP are untouched.
 
 Everything stays in the residual-stream layout (b, s, hidden/G_x), replicated over y: the QKV and
 MLP-up projections are normal layers, the attention-output and MLP-down projections transposed
@@ -24,6 +25,7 @@ from axon4d.config import ModelConfig
 from axon4d.grid import runtime
 from axon4d.grid.mesh import Grid
 from axon4d.nn.attention import Attention, DenseAttention
+from axon4d.nn.context import context_mode
 from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
 from axon4d.nn.moe import MoE
@@ -74,7 +76,7 @@ class TransformerBlock(nn.Module):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         recompute: str = "none",
-        context_parallel: bool = False,
+        context_parallel: bool | str = False,
         moe: bool | None = None,
     ):
         super().__init__()
@@ -87,7 +89,7 @@ class TransformerBlock(nn.Module):
                 "under context parallelism z splits them: use context_parallel=False or moe_seq_aux_coef=0"
             )
         self.recompute = check_recompute(recompute)
-        self.context_parallel = bool(context_parallel)
+        self.context_parallel = context_mode(context_parallel) is not None  # True, "all-gather" or "ring"
         bias = cfg.arch == "gpt"
         rope = cfg.rope_theta if cfg.arch == "llama" else None
         self.norm1 = norm_for(cfg, grid=grid, device=device, dtype=dtype)
