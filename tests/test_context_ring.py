@@ -175,6 +175,48 @@ def test_the_ring_holds_key_value_buffers_of_two_chunks_not_the_sequence(pools):
         assert figures["ring"] == (2 * 2 * c * 16 * 4,) * 2  # one rank's K/V (2 chunks) = kv_sequence / G_z
 
 
+LONG_LLAMA = ModelConfig(
+    n_layers=2, hidden=32, n_heads=2, n_kv_heads=1, ffn_hidden=48, vocab_size=64, seq_len=LONG, arch="llama"
+)  # GQA 2:1, head_dim 16: 16K tokens in seconds
+
+
+def _long_tokens():
+    torch.manual_seed(7)
+    dense = DenseTransformer(LONG_LLAMA)
+    ids, targets = (torch.randint(0, LONG_LLAMA.vocab_size, (1, LONG)) for _ in range(2))
+    return dense, ids, targets
+
+
+def _long_ring_model(grid):
+    """Loss and every parameter with its gradient of the ring-mode model at 16K tokens (rank 0's
+    dense copy); the reference runs once, in the test's process."""
+    dense, ids, targets = _long_tokens()
+    model = Transformer.from_dense(dense, context_parallel="ring")
+    del dense
+    loss = model.loss(activations.shard_sequence(ids), activations.shard_sequence(targets))
+    loss.backward()
+    got = {n: (p.detach(), p.grad) for n, p in model.to_dense(grads=True).named_parameters()}
+    tags = {r.tag for r in grid.comm.log.records}
+    return loss.detach(), got if grid.rank == 0 else None, Term.CP_KV not in tags and Term.CP_KV_RING in tags
+
+
+@pytest.mark.slow  # 16K tokens: the dense reference and 8 ranks, ~30 s
+@pytest.mark.parametrize("grid", [(2, 1, 4, 1), (1, 1, 8, 1)], ids=grid_id)
+def test_a_gqa_llama_at_16k_tokens_with_the_ring_mode_equals_one_process(pools, grid):
+    dense, ids, targets = _long_tokens()
+    ref = dense.loss(ids, targets)
+    ref.backward()
+    results = pools(8).run(grid, _long_ring_model, timeout=600)
+    # each rank's loss is the mean over its tokens, as many on every rank: their mean is the global one
+    loss = torch.stack([r[0] for r in results]).mean()
+    assert rel_err(loss, ref.detach()) <= TOL, f"loss {float(loss)} vs {float(ref)}"
+    assert all(r[2] for r in results)  # the ring's shifts ran, no all-gather
+    got = results[0][1]
+    for name, p in dense.named_parameters():
+        assert rel_err(got[name][0], p) <= TOL, name
+        assert rel_err(got[name][1], p.grad) <= TOL, f"{name}.grad"
+
+
 LLAMA = ModelConfig(
     n_layers=2, hidden=32, n_heads=8, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=SEQ, arch="llama"
 )  # GQA ratio 4
@@ -215,3 +257,49 @@ def test_a_llama_with_the_ring_mode_equals_the_single_process_model(pools, grid,
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"ring on {grid} ({recompute}) rank {rank}: {bad}"
         assert kinds == set(RING_TERMS), kinds  # no all-gather ran
+
+
+MPI_RING = r"""
+import os, torch, axon4d
+from axon4d import activations
+from axon4d.layout.geometry import Term
+from axon4d.nn.context_ring import ring_sequence_attention
+g = axon4d.init(grid=(1, 2, 4, 1), comm="mpi")
+z = g.coord("z")
+a = g.comm.shift(torch.full((3,), float(z)), "z", tag=Term.CP_KV_RING)
+b = g.comm.shift(torch.full((2,), 10.0 + z), "z", tag=Term.CP_KV_RING_GRAD)  # both in flight
+ok = torch.equal(a.wait(), torch.full((3,), float((z - 1) % 4)))
+ok = ok and torch.equal(b.wait(), torch.full((2,), 10.0 + (z - 1) % 4))
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, h, 64, 8, generator=gen) for h in (4, 2, 2))
+ref = [t.clone().requires_grad_() for t in (q, k, v)]
+out = torch.nn.functional.scaled_dot_product_attention(
+    ref[0], ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1), is_causal=True
+)
+out.sum().backward()
+mine = [activations.shard_sequence(t.transpose(1, 2)).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+o = ring_sequence_attention(*mine, g)
+o.sum().backward()
+pos = activations.sequence_positions(64, z, 4)
+for got, full in zip([o] + [t.grad for t in mine], [out] + [t.grad for t in ref]):
+    full = full.detach().index_select(2, pos)
+    ok = ok and float((got.detach() - full).abs().max() / full.abs().max()) <= 1e-5
+os.write(1, f"RING {g.rank} {ok}\n".encode())
+axon4d.shutdown()
+"""
+
+
+@pytest.mark.slow  # an mpiexec -n 8 job
+def test_the_ring_runs_on_the_mpi_transport(tmp_path):
+    """The shift's Isend/Irecv pair and the ring attention over it, under mpiexec -n 8."""
+    pytest.importorskip("mpi4py")
+    import test_mpi
+
+    if test_mpi._mpiexec() is None:
+        pytest.skip("no mpiexec: install the [mpi] extra")
+    script = tmp_path / "ring.py"
+    script.write_text(MPI_RING)
+    proc = test_mpi._run([str(script)], timeout=600)
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RING"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines == sorted(f"RING {r} True" for r in range(8)), proc.stdout[-3000:]
