@@ -14,6 +14,8 @@
   backward, each of 2·b·(S/G_z)·hkv·d·4 bytes.
 """
 
+import re
+
 import pytest
 import torch
 from test_context import BATCH, SEQ, TOL, grid_id, rel_err
@@ -173,6 +175,56 @@ def test_the_ring_holds_key_value_buffers_of_two_chunks_not_the_sequence(pools):
                 print(f"  {name}: forward {fwd} B, backward {bwd} B")
         assert figures["all-gather"] == (kv_sequence, kv_sequence)  # the gathered buffer, its gradients'
         assert figures["ring"] == (2 * 2 * c * 16 * 4,) * 2  # one rank's K/V (2 chunks) = kv_sequence / G_z
+
+
+def _events(grid):
+    """The order of shifts issued (K: keys and values, G: their gradients), their waits (k, g) and
+    attention kernels (a: forward, b: backward) in one forward and backward on this rank."""
+    from axon4d.device import attention as kernels
+
+    events = []
+    shift, fwd, bwd = grid.comm.shift, kernels.attention_with_lse, kernels.attention_with_lse_backward
+
+    class Waited:
+        def __init__(self, handle, letter):
+            self.handle, self.letter = handle, letter
+
+        def wait(self):
+            events.append(self.letter)
+            return self.handle.wait()
+
+    def logged_shift(t, axis, tag):
+        events.append("K" if tag == Term.CP_KV_RING else "G")
+        return Waited(shift(t, axis, tag), "k" if tag == Term.CP_KV_RING else "g")
+
+    def logged(kernel, letter):
+        def call(*args):
+            events.append(letter)
+            return kernel(*args)
+
+        return call
+
+    grid.comm.shift = logged_shift
+    kernels.attention_with_lse, kernels.attention_with_lse_backward = logged(fwd, "a"), logged(bwd, "b")
+    try:
+        q, k, v = (torch.randn(1, h, 8, 4, requires_grad=True) for h in (2, 1, 1))
+        out = ring_sequence_attention(q, k, v, grid)
+        events.append("|")
+        out.sum().backward()
+    finally:
+        del grid.comm.shift
+        kernels.attention_with_lse, kernels.attention_with_lse_backward = fwd, bwd
+    return "".join(events)
+
+
+def test_each_shift_travels_while_a_step_computes(pools):
+    """Forward: the next keys' shift is issued before a step's kernels and waited on after them.
+    Backward: the same, and each gradient accumulator is waited on only after the next step's
+    kernels (then added and passed on); the last one, this rank's own, is waited on at the end."""
+    for events in pools(4).run((1, 1, 4, 1), _events):
+        forward, backward = events.split("|")
+        assert re.fullmatch(r"(Ka+k){3}a+", forward), forward
+        assert re.fullmatch(r"Kb+Gk(Kb+gGk){2}b+gGg", backward), backward
 
 
 LONG_LLAMA = ModelConfig(

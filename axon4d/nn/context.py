@@ -47,6 +47,9 @@ to its result.
 
 Bytes per layer and rank, each way (forward all-gather, backward reduce-scatter), for b sequences
 of S tokens, head_dim d and element size e:  2 · b · S · (n_kv/G_y) · d · e · (G_z−1)/G_z.
+
+This is the default mode (``context_parallel=True`` or "all-gather", ``context_mode``); "ring"
+passes the keys and values around z instead of gathering them (``axon4d.nn.context_ring``).
 """
 
 from __future__ import annotations
