@@ -355,3 +355,18 @@ def test_the_ring_runs_on_the_mpi_transport(tmp_path):
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RING"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert lines == sorted(f"RING {r} True" for r in range(8)), proc.stdout[-3000:]
+
+
+def test_the_training_job_runs_the_ring_mode_on_the_all_gather_mode_s_curve(pools, tmp_path):
+    """``axon4d train --context-parallel --context-parallel-mode ring``: the same losses as the
+    all-gather mode (fp32, within 1e-5); the mode without --context-parallel is refused."""
+    from axon4d.train import TrainConfig
+    from tests.test_train import _base, _run
+
+    runs = {}
+    for mode in ("all-gather", "ring"):
+        cfg = _base(tmp_path / mode, grid="1,1,2,1", context_parallel=True, context_parallel_mode=mode)
+        runs[mode] = pools(2).run(None, _run, cfg)[0]
+    assert max(abs(a - b) / b for a, b in zip(runs["ring"], runs["all-gather"])) < 1e-5
+    with pytest.raises(ValueError, match="--context-parallel-mode ring without --context-parallel"):
+        TrainConfig(model="tiny", context_parallel_mode="ring").check()

@@ -191,9 +191,10 @@ class CommRecord:
 
     @property
     def traffic_bytes(self) -> float:
-        """Bytes a ring algorithm sends per rank for this collective (docs/design.md §3)."""
+        """Bytes a ring algorithm sends per rank for this collective (docs/design.md §3); a shift to
+        the next rank sends its whole payload."""
         phi = (self.group_size - 1) / self.group_size
-        factor = 2 * phi if self.op == Op.ALL_REDUCE else phi
+        factor = 2 * phi if self.op == Op.ALL_REDUCE else 1.0 if self.op == Op.SHIFT else phi
         return factor * self.payload_bytes
 
 

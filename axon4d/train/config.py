@@ -117,6 +117,8 @@ class TrainConfig:
     """On GPUs, let fp32 matmuls use TF32 tensor cores (axon4d.device.allow_tf32; --no-tf32: full fp32). No effect on CPUs."""
     context_parallel: bool = False
     """Split the tokens of each sequence over z (head–tail chunks, causal balance; sequences split over data only) for sequences too long for one rank (docs/context.md); the sequence length must be a multiple of 2·G_z."""
+    context_parallel_mode: str = "all-gather"
+    """With --context-parallel: all-gather (every z rank gathers the keys and values of the whole sequence: faster where they fit) or ring (they pass around z one rank's chunks at a time: K/V memory per rank 1/G_z of the sequence's; docs/context.md "Ring mode"). Axon4d's own models only."""
     expert_layout: str = ""
     """MoE models: where the experts run, ep=<axes>,tp=<axes> over the grid's axes x, y, z, data (e.g. ep=world,tp=1: whole experts over every rank; ep=z·data,tp=x·y, the default: experts over data × z, each split over x·y; '+' may stand for '·'; docs/moe.md). Default: the grid's, or under --grid auto the layout the planner chose with the grid; given, it is pinned. A model without experts refuses it."""
     recompute: str = "none"
@@ -212,6 +214,10 @@ class TrainConfig:
                 f"--beta1 {self.beta1} / --beta2 {self.beta2}: AdamW's betas must be below 1, e.g. 0.9 and 0.95"
             )
 
+    def context_parallel_option(self) -> bool | str:
+        """What a model is given as ``context_parallel``: False, True (all-gather) or "ring"."""
+        return "ring" if self.context_parallel and self.context_parallel_mode == "ring" else self.context_parallel
+
     def precision_spec(self) -> Precision | str:
         """What ``axon4d.init`` is given for --precision: its name, or under ``bf16-fp8`` with
         ``--fp8-gradients e4m3`` that preset with e4m3 gradients (``Precision.grad``)."""
@@ -238,6 +244,15 @@ class TrainConfig:
             raise ValueError(
                 f"--bf16-layers {self.bf16_layers!r}: name layer kinds of {', '.join(FP8_KINDS)} to keep in bf16, "
                 "with --precision bf16-fp8 (the only precision whose GEMMs run FP8)"
+            )
+        if self.context_parallel_mode != "all-gather" and (not self.context_parallel or self.hf):
+            raise ValueError(
+                f"--context-parallel-mode {self.context_parallel_mode} "
+                + (
+                    "with --hf: a Hugging Face model's context parallelism all-gathers (leave the mode out)"
+                    if self.hf
+                    else "without --context-parallel: add --context-parallel, or leave the mode out"
+                )
             )
         if self.fp8_gradients != "e5m2" and self.precision != "bf16-fp8":
             raise ValueError(

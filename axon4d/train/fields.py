@@ -93,6 +93,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "on_nonfinite": ("skip", "stop"),
     "resume": ("never", "always", "auto"),
     "fp8_gradients": ("e5m2", "e4m3"),
+    "context_parallel_mode": ("all-gather", "ring"),
 }
 #: fields whose flag may be given alone, meaning this value (``--resume`` is ``--resume always``)
 ALONE: dict[str, str] = {"resume": "always"}

@@ -166,7 +166,9 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_model(mcfg: ModelConfig, grid: Grid, recompute="none", context_parallel=False, offload="", bf16=""):
+def build_model(
+    mcfg: ModelConfig, grid: Grid, recompute="none", context_parallel: bool | str = False, offload="", bf16=""
+):
     """The run's ``Transformer`` on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute),
     with ``context_parallel`` each sequence's tokens split over z (docs/context.md), the blocks
     ``offload`` names (--offload's text: a fraction or indices; axon4d.memory.offload) offloading what they
@@ -182,7 +184,7 @@ def _model(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid) -> Model:
     axon4d's ``Transformer`` (``build_model``)."""
     if cfg.hf:
         return hf.build(cfg.hf, mcfg, grid, cfg.recompute, cfg.context_parallel)
-    return build_model(mcfg, grid, cfg.recompute, cfg.context_parallel, cfg.offload, cfg.bf16_layers)
+    return build_model(mcfg, grid, cfg.recompute, cfg.context_parallel_option(), cfg.offload, cfg.bf16_layers)
 
 
 def _nonfinite(
