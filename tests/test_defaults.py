@@ -250,17 +250,21 @@ def test_fill_draws_with_a_generator_on_the_tensors_device(monkeypatch):
 def _count_waits(cfg_dict: dict[str, object]) -> tuple[dict[str, object], list[str]]:
     """Train; return the summary and the labels of the marked waits of the steps."""
     labels: list[str] = []
-    real = watchdog.waiting
+    real, real_step = watchdog.waiting, watchdog.step_waiting
 
     def waiting(what: str, deadline_s: float | None = None) -> contextlib.AbstractContextManager[None]:
         labels.append(what)
         return real(what, deadline_s)
 
-    watchdog.waiting = waiting  # type: ignore[assignment]
+    def step_waiting(what: str) -> contextlib.AbstractContextManager[None]:  # a step's host reads
+        labels.append(what)
+        return real_step(what)
+
+    watchdog.waiting, watchdog.step_waiting = waiting, step_waiting  # type: ignore[assignment]
     try:
         summary = train(TrainConfig(**cfg_dict))  # type: ignore[arg-type]
     finally:
-        watchdog.waiting = real  # type: ignore[assignment]
+        watchdog.waiting, watchdog.step_waiting = real, real_step  # type: ignore[assignment]
     return summary, labels
 
 
