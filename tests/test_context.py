@@ -76,16 +76,20 @@ def test_a_length_that_does_not_split_names_the_rule_and_the_lengths_that_work()
     assert activations.sequence_chunk_len(12, 2) == 3
 
 
-def _check_model(grid, cfg, recompute):
+def _check_model(grid, cfg, recompute, mode=True, terms=(Term.CP_KV, Term.CP_KV_GRAD)):
+    """The model split over z (``context_parallel=mode``) against one process: relative errors of
+    the logits, the loss and every parameter and gradient, and the (op, axis, bytes, tag) of its
+    collectives of ``terms``."""
     torch.manual_seed(7)
     dense = DenseTransformer(cfg)
-    model = Transformer.from_dense(dense, recompute=recompute, context_parallel=True)
+    model = Transformer.from_dense(dense, recompute=recompute, context_parallel=mode)
     ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
     targets = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
     grid.comm.log.clear()
     loss = model.loss(activations.shard_sequence(ids), activations.shard_sequence(targets))
     loss.backward()
-    kv = [(r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records if r.tag in (Term.CP_KV, Term.CP_KV_GRAD)]
+    kv = [(r.op, r.axis, r.payload_bytes) for r in grid.comm.log.records if r.tag in terms]
+    kinds = {r.tag for r in grid.comm.log.records if r.tag in terms}
     ref = dense.loss(ids, targets)
     ref.backward()
     logits = activations.gather_sequence(activations.gather_features(model(activations.shard_sequence(ids)), "y"))
@@ -96,7 +100,7 @@ def _check_model(grid, cfg, recompute):
     for name, p in dense.named_parameters():
         errs[name] = rel_err(got[name], p)
         errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
-    return errs, kv
+    return (errs, kv) if mode is True else (errs, kinds)
 
 
 def _expected_kv_records(grid, cfg, recompute):

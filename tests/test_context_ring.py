@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from test_context import BATCH, SEQ, TOL, grid_id, rel_err
+from test_context import SEQ, TOL, _check_model, grid_id, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -275,27 +275,8 @@ LLAMA = ModelConfig(
 
 
 def _ring_model(grid, recompute):
-    """test_context's model check with ``context_parallel="ring"``."""
-    torch.manual_seed(7)
-    dense = DenseTransformer(LLAMA)
-    model = Transformer.from_dense(dense, recompute=recompute, context_parallel="ring")
-    ids = torch.randint(0, LLAMA.vocab_size, (BATCH, SEQ))
-    targets = torch.randint(0, LLAMA.vocab_size, (BATCH, SEQ))
-    grid.comm.log.clear()
-    loss = model.loss(activations.shard_sequence(ids), activations.shard_sequence(targets))
-    loss.backward()
-    ref = dense.loss(ids, targets)
-    ref.backward()
-    logits = activations.gather_sequence(activations.gather_features(model(activations.shard_sequence(ids)), "y"))
-    errs = {"logits": rel_err(logits, dense(ids))}
-    mean_loss = grid.comm.all_reduce(loss.detach().reshape(1).clone(), "batch").wait() / grid.size("batch")
-    errs["loss"] = rel_err(mean_loss, ref.detach().reshape(1))
-    got = dict(model.to_dense(grads=True).named_parameters())
-    for name, p in dense.named_parameters():
-        errs[name] = rel_err(got[name], p)
-        errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
-    kinds = {r.tag for r in grid.comm.log.records if r.tag in (Term.CP_KV, Term.CP_KV_GRAD, *RING_TERMS)}
-    return errs, kinds
+    """test_context's model check with ``context_parallel="ring"``: errors, and the K/V terms logged."""
+    return _check_model(grid, LLAMA, recompute, "ring", (Term.CP_KV, Term.CP_KV_GRAD, *RING_TERMS))
 
 
 @pytest.mark.parametrize(
