@@ -476,11 +476,11 @@ LATE_SCRIPT = os.path.join(HERE, "late_device_check.py")
 LATE_TIMEOUT, DEVICE_S = 2, 6.0
 
 
-def _late(stop_rank: int, stop_step: int, out_dir) -> tuple[list[int], list[str], float]:
-    """``late_device_check.py`` on 2 ranks (1,2,1,1), 4 steps of DEVICE_S each under --timeout
+def _late(stop_rank: int, stop_step: int, out_dir, steps: int = 3) -> tuple[list[int], list[str], float]:
+    """``late_device_check.py`` on 2 ranks (1,2,1,1), ``steps`` steps of DEVICE_S each under --timeout
     LATE_TIMEOUT; (exit codes, outputs, seconds until every rank but a stopped one ended)."""
     port, procs, start = str(free_port()), [], time.monotonic()
-    flags = ["--model", "tiny", "--steps", "4", "--batch-size", "4", "--grid", "1,2,1,1", "--save-every", "0"]
+    flags = ["--model", "tiny", "--steps", str(steps), "--batch-size", "4", "--grid", "1,2,1,1", "--save-every", "0"]
     flags += ["--timeout", str(LATE_TIMEOUT), "--startup-timeout", "120", "--no-progress", "--peak-tflops", "1"]
     for r in range(WORLD):
         env = dict(
@@ -510,14 +510,15 @@ def test_on_the_accelerator_s_path_steps_of_three_times_the_timeout_finish_and_a
     tmp_path,
 ):
     """The real job on a stand-in accelerator (``late_device_check.py``): each step's host read
-    lasts DEVICE_S = 3 × --timeout, then waits for every rank's. The job finishes; with rank 1
-    stopped halfway through step 3's read, rank 0 ends at its step read's deadline (3 × the median
-    step) naming rank 1, torch.distributed's own timeout (the barrier's) having been raised past it."""
+    lasts DEVICE_S = 3 × --timeout, then waits for every rank's. The job finishes (its second and
+    third steps under the step read's deadline, 3 × the median step); with rank 1 stopped halfway
+    through step 2's read, rank 0 ends at that deadline naming rank 1, torch.distributed's own
+    timeout (the barrier's) having been raised past it."""
     codes, outs, _ = _late(-1, 0, tmp_path / "ok")
     assert codes == [0, 0], (codes, outs[0][-3000:])
-    codes, outs, elapsed = _late(1, 3, tmp_path / "stop")
+    codes, outs, elapsed = _late(1, 2, tmp_path / "stop")
     assert elapsed < BOUND_S
-    assert "LATE-CHECK stopping in the read of step 3" in outs[1], outs[1][-3000:]
+    assert "LATE-CHECK stopping in the read of step 2" in outs[1], outs[1][-3000:]
     assert codes[0] == watchdog.EXIT_TIMEOUT, (codes, outs[0][-3000:])
     message = outs[0]
     assert "rank(s) 1 stopped answering" in message and loop.STEP_READ in message, message[-3000:]
