@@ -27,7 +27,7 @@ from axon4d.layout.geometry import (
     linear_collectives,
     weight_shard_numel,
 )
-from axon4d.options.precision import layer_precision
+from axon4d.options.precision import Precision, layer_precision
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.collective_model import group_geometry, ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
@@ -171,7 +171,7 @@ def collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Co
         sc.shape,
         transpose=spec.transpose,
         bias=spec.bias,
-        precision=layer_precision(sc.precision, fp8_plan.layer_choice(spec, sc)[0]),  # a bf16 layer gathers bf16
+        precision=_layer_precision(spec, sc),
         zero=sc.zero,
         cache_weight=ov.oag_keep,
         forward_chunks=ov.forward_chunks,
@@ -179,6 +179,14 @@ def collectives(spec: LinearSpec, sc: Scenario, gathers: bool = True) -> list[Co
         chunk_rows=rows,
     )
     return [c for c in out if (spec.input_grad or c.term != Term.E9) and (gathers or c.term != Term.E10F)]
+
+
+def _layer_precision(spec: LinearSpec, sc: Scenario) -> Precision:
+    """The precision ``spec`` runs in on ``sc`` (``precision.layer_precision``): under FP8 GEMMs a
+    layer the planner keeps in bf16 gathers bf16; the FP8 choice is priced only there."""
+    if sc.precision.gemm is None:
+        return sc.precision
+    return layer_precision(sc.precision, fp8_plan.layer_choice(spec, sc)[0])
 
 
 def fp8_cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
