@@ -6,7 +6,7 @@ collective: X and dY per micro-batch from their amax, the weight block once per 
 (``axon4d.scheduler.fp8_copies``). X and the weight are e4m3; dY is e5m2 by default
 (``Precision.grad``, ``precision.gradient_fp8``): a gradient's entries span a wider range than one
 scale serves in e4m3, whose smallest subnormal is 2⁻⁹ of a unit where e5m2's is 2⁻¹⁶ — on a small
-Llama's real layer gradients e4m3 flushed up to 4.5% of dY's non-zero entries to zero, e5m2 0.04%.
+Llama's real layer gradients e4m3 flushed up to 4.5% of dY's non-zero entries to zero, e5m2 0.04% (``bench/fp8_underflow.py``).
 ``count_flushes`` measures that share as training runs. The GEMMs (``device.fp8.scaled_mm``) sum in fp32:
 
 - forward  Y  = (X̂ s_x)(Ŵ s_w)ᵀ + b   (b, in_l) × (out_l, in_l)ᵀ → bf16, fast accumulation

@@ -96,7 +96,7 @@ class Precision:
 FP8 = torch.float8_e4m3fn
 #: the 8-bit float of gradients under FP8 GEMMs by default (``Precision.grad``): e5m2, 2 mantissa bits
 #: and e4m3's range times 2¹⁴ — on a small Llama's layer gradients e4m3 flushed up to 4.5% of dY's
-#: entries to zero where e5m2 flushed 0.04% (docs/design.md §2 "FP8 GEMMs")
+#: entries to zero where e5m2 flushed 0.04% (``bench/fp8_underflow.py``; docs/design.md §2 "FP8 GEMMs")
 FP8_GRAD = torch.float8_e5m2
 
 NAMED = {
