@@ -31,7 +31,9 @@ and receives to every peer fused in one group call (``ncclGroupStart``/``ncclGro
 p2p design: NVIDIA/nccl pull request 316), spread over its p2p channels, several peers in flight at
 once — and is priced on either device (``all_to_all_time``) where a machine has no measured curve
 of it: the peers of each level in rounds of ``P2P_PEERS_IN_FLIGHT``, one latency of the level per
-round, and the bytes to the other ranks at each level's per-rank bandwidth.
+round, and the bytes to the other ranks at each level's per-rank bandwidth. A shift (one step of
+ring context parallelism's ring, ``shift_time``) is one grouped send and receive: a latency and the
+payload at the slowest hop's bandwidth.
 """
 
 from __future__ import annotations
@@ -120,9 +122,12 @@ def group_geometry(shape: GridShape, axis: str, devices_per_node: int) -> tuple[
 def ring_traffic(op: str, group: int, payload: float) -> float:
     """Bytes one rank sends (and receives) in a ring ``op`` over ``group`` ranks of ``payload``
     bytes (the whole buffer: an all-reduce's, an all-gather's output, a reduce-scatter's input):
-    2(g−1)/g · payload for an all-reduce, (g−1)/g · payload for the other two."""
+    2(g−1)/g · payload for an all-reduce, payload for a shift (one step of a ring: ring context
+    parallelism's), (g−1)/g · payload for the other two."""
     if group <= 1:
         return 0.0
+    if op == "shift":  # one ring step: each rank sends its whole buffer to the next
+        return payload
     share = (group - 1) / group * payload
     return 2 * share if op == "all_reduce" else share
 
@@ -189,6 +194,17 @@ def all_to_all_time(payload: float, span: Span, intra: Link, net: Link) -> float
     local = payload * local_peers / g / intra.beta_Bps
     remote = payload * remote_peers / g / net.beta_Bps if remote_peers else 0.0
     return latency + max(local, remote)
+
+
+def shift_time(payload: float, span: Span, intra: Link, net: Link) -> float:
+    """One step of a ring over ``span`` (ring context parallelism's shift, ``Op.SHIFT``): every rank
+    sends ``payload`` bytes to the next and receives as many from the previous, all at once, as one
+    grouped send and receive — NCCL's base latency, then the slowest hop's: across the network where
+    the ring spans nodes (some rank's next is on another node), inside a node otherwise."""
+    if span.ranks <= 1:
+        return 0.0
+    link = net if span.nodes > 1 else intra
+    return BASE_LATENCY_S + link.alpha_s + payload / link.beta_Bps
 
 
 def _rounds(peers: int, per: int) -> int:

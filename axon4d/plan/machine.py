@@ -320,6 +320,11 @@ class Machine:
             return curve.time(payload)
         if op == "all_to_all":  # no ring and no tuner's choice: neither model below prices it
             return collective_model.all_to_all_time(payload, *self._links(group, stride))
+        if op == "shift":  # one ring step: a send and a receive per rank
+            if self.accelerator:
+                return collective_model.shift_time(payload, *self._links(group, stride))
+            link = self.level_of(group, stride).link
+            return link.alpha_s + payload / link.beta_Bps
         if self.accelerator:
             return self.collective_algorithm(op, group, stride, payload).seconds
         return collective_model.host_time(op, group, payload, self.level_of(group, stride).link)
