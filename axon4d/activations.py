@@ -10,13 +10,15 @@ Context parallelism (docs/context.md) splits the tokens of *one* sequence over z
 sequence of length S is cut into 2·G_z chunks of C = S/(2·G_z) tokens and z-rank r holds chunks r
 and 2·G_z−1−r (head–tail, in that order), so every rank does the same causal-attention work.
 Sequences are then split over data only (``shard_sequence``/``gather_sequence``; the positions of a
-rank's tokens are ``sequence_positions``).
+rank's tokens are ``sequence_positions``). Packed documents (``axon4d.data.documents``) choose each
+row's pair of chunks by their attention work instead: ``shard_sequence(x, documents=...)``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from axon4d.data.documents import Documents
 from axon4d.grid import rules, runtime
 from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import Axis
@@ -129,11 +131,12 @@ def sequence_order(seq_len: int, g_z: int, device: torch.device | str | None = N
     return torch.argsort(held)
 
 
-def shard_sequence(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, grid: Grid | None = None, documents: Documents | None = None) -> torch.Tensor:
     """This rank's part of full sequences (B, S, ...) under context parallelism: the sequences (dim 0)
     split over data, the tokens of each (dim 1) split head–tail over z — chunks z and 2·G_z−1−z of
     the 2·G_z chunks of S/(2·G_z) tokens. Local slices, differentiable; token ids, targets and
-    activations alike."""
+    activations alike. With ``documents`` (the packed layout of the B rows) each row's two chunks are
+    the ones ``documents.chunks(G_z)`` gives z-rank z (paired by attention work)."""
     grid = runtime.resolve(grid)
     if x.dim() < 2:
         raise ValueError(
@@ -145,13 +148,34 @@ def shard_sequence(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
     ).check(grid.shape)
     g_z = grid.size("z")
     c = sequence_chunk_len(x.shape[1], g_z)
+    if documents is not None:
+        documents.check(x.shape[0], x.shape[1], "the sequences to shard")
+        mine = shard_documents(documents, grid).index(grid.coord("z"), g_z).to(x.device)
+        x = _chunk(x, 0, grid.size("data"), grid.coord("data"))
+        return torch.stack([row.index_select(0, at) for row, at in zip(x, mine)])
     x = _chunk(x, 0, grid.size("data"), grid.coord("data"))
     return torch.cat([x.narrow(1, k * c, c) for k in sequence_chunks(grid.coord("z"), g_z)], dim=1)
 
 
-def gather_sequence(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
+def shard_documents(documents: Documents, grid: Grid | None = None, context_parallel: bool = True) -> Documents:
+    """The layout of this rank's rows of a batch's ``documents``: its sequences over data (context
+    parallelism: each row still describes the whole sequence), or over batch = data × z without it
+    (``shard_batch``'s rows). What the model's ``documents`` argument takes."""
+    grid = runtime.resolve(grid)
+    axis: Axis = "data" if context_parallel else "batch"
+    n = documents.batch // grid.size(axis)
+    if n * grid.size(axis) != documents.batch:
+        raise ValueError(
+            f"documents of {documents.batch} sequences cannot be split over {axis} = {grid.size(axis)}: give a "
+            f"multiple of {grid.size(axis)} rows"
+        )
+    return documents.rows(grid.coord(axis) * n, (grid.coord(axis) + 1) * n)
+
+
+def gather_sequence(x: torch.Tensor, grid: Grid | None = None, documents: Documents | None = None) -> torch.Tensor:
     """The full sequences (B, S, ...) from every rank's ``shard_sequence`` part (b, S/G_z, ...), in
-    global token order, on every rank (all-gather over z, then over data; detached)."""
+    global token order, on every rank (all-gather over z, then over data; detached). ``documents``:
+    the packed layout of the B rows, when they were sharded with it."""
     grid = runtime.resolve(grid)
     if x.dim() < 2:
         raise ValueError(f"gather_sequence needs (batch, seq/G_z, ...), got shape {tuple(x.shape)}")
@@ -159,5 +183,10 @@ def gather_sequence(x: torch.Tensor, grid: Grid | None = None) -> torch.Tensor:
     g_z = grid.size("z")
     if g_z > 1:
         x = grid.comm.all_gather(x, "z", dim=1, tag=Term.GATHER_SEQUENCE).wait()
-        x = x.index_select(1, sequence_order(x.shape[1], g_z, x.device))
+        if documents is None:
+            x = x.index_select(1, sequence_order(x.shape[1], g_z, x.device))
+        else:
+            mine = shard_documents(documents, grid)
+            held = torch.cat([mine.index(z, g_z) for z in range(g_z)], dim=1)  # (b, S): z order
+            x = torch.stack([row.index_select(0, order) for row, order in zip(x, held.argsort(1).to(x.device))])
     return grid.comm.all_gather(x.contiguous(), "data", dim=0, tag=Term.GATHER_SEQUENCE).wait()

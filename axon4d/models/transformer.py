@@ -20,6 +20,12 @@ instead of whole sequences: the model takes ``axon4d.activations.shard_sequence(
 b = B/G_data, this rank's head–tail chunks — returns logits for those tokens, and ``loss`` takes
 ``shard_sequence(targets)``. Positions (learned or rotary) are the tokens' global positions.
 
+``documents=`` (forward and loss; ``axon4d.data.documents.Documents`` or per-row document lengths)
+packs several documents into each sequence: a token attends only to its own document's earlier
+tokens and positions restart at every document (docs/context.md, "Packed documents"). It describes
+the rows this rank holds — b rows of whole sequences of S tokens (``shard_documents``), sharded
+under context parallelism with ``shard_sequence(x, documents=...)``.
+
 With ``offload=`` (a fraction of the blocks, or block indices; ``axon4d.memory.offload``) the tensors the
 chosen blocks save for backward move to host memory during the forward and come back one block
 ahead of their backward; ``model.offloader.stats()`` counts the bytes moved and held.
@@ -28,6 +34,7 @@ ahead of their backward; ``model.offloader.stats()`` counts the bytes moved and 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -36,6 +43,7 @@ from torch import nn
 
 from axon4d.activations import sequence_chunk_len, sequence_positions
 from axon4d.config import ModelConfig
+from axon4d.data.documents import Documents, as_documents
 from axon4d.grid import runtime
 from axon4d.grid.mesh import Grid
 from axon4d.layout import tiled_init
@@ -89,16 +97,25 @@ class DenseTransformer(nn.Module):
                     raise TypeError(f"{name}: no initialisation is defined for {type(m).__name__}")
         return out
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, documents: Documents | Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """(B, S) ids → (B, S, vocab) logits; ``documents``: the packed layout of the B rows (each
+        document attends within itself, positions restart at each), or None."""
+        docs = None if documents is None else as_documents(documents, ids.shape[0], ids.shape[1], "the token ids")
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[: ids.shape[1]]
+            x = x + (
+                self.pos_emb.weight[: ids.shape[1]]
+                if docs is None
+                else self.pos_emb(docs.local_positions(0, 1, ids.device))
+            )
         for block in self.blocks:
-            x = block(x)
+            x = block(x, docs)
         return self.head(self.norm(x))
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(ids)
+    def loss(
+        self, ids: torch.Tensor, targets: torch.Tensor, documents: Documents | Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        logits = self(ids, documents)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
         aux = aux_loss(self)  # MoE blocks: balance loss and z-loss (docs/moe.md)
         return loss if aux is None else loss + aux
@@ -168,8 +185,14 @@ class Transformer(nn.Module):
                     layer.fp8_gemms = False
                     layer.bf16_why = "--bf16-layers"
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """(b, s) ids of this rank's batch shard → (b, s, vocab/G_y) logits, replicated over x."""
+    def forward(self, ids: torch.Tensor, documents: Documents | Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """(b, s) ids of this rank's batch shard → (b, s, vocab/G_y) logits, replicated over x.
+
+        ``documents``: packed sequences — the layout (``Documents``, or per-row document lengths) of
+        the b rows this rank holds, each row's lengths summing to the whole sequence's length (S,
+        under context parallelism too: ``axon4d.activations.shard_documents``); tokens attend within
+        their documents and positions restart at each. A layout of other rows or lengths is a
+        ``ValueError``."""
         if not isinstance(ids, torch.Tensor):
             raise TypeError(f"Transformer takes a tensor of token ids (batch, seq), got {type(ids).__name__}")
         if ids.dim() != 2:
@@ -186,27 +209,38 @@ class Transformer(nn.Module):
             )
         if self.context_parallel:
             sequence_chunk_len(seq, self.grid.size("z"))  # the same ValueError on every rank, before any collective
+        docs = None if documents is None else as_documents(documents, ids.shape[0], seq, "this rank's token ids")
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
-            x = x + self._positions(seq, ids.device)
+            x = x + self._positions(seq, ids.device, docs)
         for i, block in enumerate(self.blocks):
-            x = block(x) if self.offloader is None else self.offloader.forward(i, block, x)
+            if self.offloader is not None:
+                x = self.offloader.forward(i, block if docs is None else _WithDocuments(block, docs), x)
+            else:
+                x = block(x, docs)
         return self.head(self.norm(x))
 
-    def _positions(self, seq: int, device: torch.device) -> torch.Tensor:
+    def _positions(self, seq: int, device: torch.device, documents: Documents | None = None) -> torch.Tensor:
         """The learned position rows (s, hidden/G_x) of this rank's tokens of sequences of ``seq``
-        tokens: 0 … seq−1, or under context parallelism this rank's head–tail global positions."""
+        tokens: 0 … seq−1, or under context parallelism this rank's head–tail global positions; with
+        ``documents`` (b, s, hidden/G_x), each token's position inside its document."""
         assert self.pos_emb is not None
+        if documents is not None:
+            z, g_z = (self.grid.coord("z"), self.grid.size("z")) if self.context_parallel else (0, 1)
+            return self.pos_emb(self.cfg.seq_len)[documents.local_positions(z, g_z, device)]
         if not self.context_parallel:
             return self.pos_emb(seq)
         z, g_z = self.grid.coord("z"), self.grid.size("z")
         rows = self.pos_emb(self.cfg.seq_len)  # the table in compute dtype; autograd reaches the weight
         return rows.index_select(0, sequence_positions(seq, z, g_z, device))  # checks 2·G_z | seq
 
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, ids: torch.Tensor, targets: torch.Tensor, documents: Documents | Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
         """Mean cross-entropy over this rank's tokens, computed without gathering the vocabulary; with
-        MoE blocks plus their auxiliary losses (this rank's share, docs/moe.md E19–E20)."""
-        loss = vocab_parallel_cross_entropy(self(ids), targets, self.grid, axis="y")
+        MoE blocks plus their auxiliary losses (this rank's share, docs/moe.md E19–E20). ``documents``:
+        as ``forward``."""
+        loss = vocab_parallel_cross_entropy(self(ids, documents), targets, self.grid, axis="y")
         aux = aux_loss(self)
         return loss if aux is None else loss + aux
 
@@ -255,6 +289,17 @@ class Transformer(nn.Module):
         dense.norm = self.norm.to_dense(grads)
         dense.head = self.head.to_dense(grads)
         return dense
+
+
+class _WithDocuments(nn.Module):
+    """A block called with the batch's documents: what the offloader runs (it takes ``block(x)``)."""
+
+    def __init__(self, block: nn.Module, documents: Documents):
+        super().__init__()
+        self.block, self.documents = block, documents
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, self.documents)
 
 
 def gpt(cfg: ModelConfig, **kw: object) -> Transformer:

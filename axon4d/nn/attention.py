@@ -17,6 +17,11 @@ tokens' global positions and core attention runs across the split: True or "all-
 every rank's keys and values (``axon4d.nn.context``; under selective recomputation they are kept,
 so no collective runs twice), "ring" passes them around z one rank's at a time, O(chunk) memory
 (``axon4d.nn.context_ring``; selective recomputation runs its ring again in backward).
+
+``documents`` (a forward argument, ``axon4d.data.documents.Documents`` of this rank's rows): packed
+sequences; a token attends only to its own document's earlier tokens and rotary positions restart at
+each document — per document in one process (``causal_attention``), across the split in spans
+without a mask tensor under context parallelism (``axon4d.nn.context_documents``).
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from axon4d.activations import sequence_positions
+from axon4d.data.documents import Documents
 from axon4d.grid import counts, rules, runtime
 from axon4d.grid.mesh import Grid
 from axon4d.layout import rectangles
 from axon4d.nn.context import context_mode, split_sequence_attention
+from axon4d.nn.context_documents import document_sequence_attention
 from axon4d.nn.context_ring import ring_sequence_attention
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed
@@ -63,14 +70,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None) -> torch.Tensor:
-    """softmax(q kᵀ/√d, causal) v for (b, s, heads, d) inputs with GQA; returns (b, s, heads·d)."""
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None, documents: Documents | None = None
+) -> torch.Tensor:
+    """softmax(q kᵀ/√d, causal) v for (b, s, heads, d) inputs with GQA; returns (b, s, heads·d). With
+    ``documents`` (b rows of s tokens) causal within each document, rotary positions counted from
+    each document's start: each document of each row attends as a sequence of its own."""
     b, s, hq, d = q.shape
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
     if rope_theta is not None:
-        cos, sin = rotary_tables(s, d, rope_theta, q.device, q.dtype)
+        if documents is None:
+            cos, sin = rotary_tables(s, d, rope_theta, q.device, q.dtype)
+        else:  # (b, 1, s, d): each row's own positions
+            positions = documents.local_positions(0, 1, q.device)
+            cos, sin = (
+                t.unflatten(0, (b, s)).unsqueeze(1)
+                for t in rotary_tables_at(positions.flatten(), d, rope_theta, q.dtype)
+            )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != hq)
+    gqa = k.shape[1] != hq
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        rows = []
+        for i, starts in enumerate(documents.starts):  # each document as a sequence of its own
+            parts = []
+            for a, e in zip(starts, starts[1:]):
+                qd, kd, vd = q[i : i + 1, :, a:e], k[i : i + 1, :, a:e], v[i : i + 1, :, a:e]
+                parts.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa))
+            rows.append(torch.cat(parts, dim=2))
+        out = torch.cat(rows)
     return out.transpose(1, 2).reshape(b, s, hq * d)
 
 
@@ -103,12 +132,12 @@ class DenseAttention(nn.Module):
         )
         self.o_proj = nn.Linear(hidden, hidden, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim)
-        return self.o_proj(causal_attention(q, k, v, self.rope_theta))
+        return self.o_proj(causal_attention(q, k, v, self.rope_theta, documents))
 
 
 class Attention(nn.Module):
@@ -155,8 +184,10 @@ class Attention(nn.Module):
             (("q", hidden), ("k", kv), ("v", kv)), grid.size("y")
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(b, s, hidden/G_x) → (b, s, hidden/G_x), causal self-attention over the s positions."""
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """(b, s, hidden/G_x) → (b, s, hidden/G_x), causal self-attention over the s positions;
+        ``documents``: the packed layout of this rank's b rows (their whole sequences under context
+        parallelism), or None (one document per row)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
@@ -169,23 +200,36 @@ class Attention(nn.Module):
         q, k, v = self.qkv_rows.local(qkv, dim=-1)
         q, k, v = q.view(b, s, hq, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
         if self.context_parallel:
-            return self.out(self._split_sequence_core(q, k, v))
+            return self.out(self._split_sequence_core(q, k, v, documents))
         if self.recompute_core:
-            y = recomputed(causal_attention, q, k, v, self.rope_theta)
+            y = recomputed(causal_attention, q, k, v, self.rope_theta, documents)
         else:
-            y = causal_attention(q, k, v, self.rope_theta)
+            y = causal_attention(q, k, v, self.rope_theta, documents)
         return self.out(y)  # (b, s, hidden/G_x)
 
-    def _split_sequence_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _split_sequence_core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None
+    ) -> torch.Tensor:
         """Core attention of (b, s, heads, d) q, k, v whose s rows are this rank's head–tail chunks of
-        sequences of s·G_z tokens split over z; returns (b, s, hq·d) like ``causal_attention``."""
+        sequences of s·G_z tokens split over z (with ``documents``, the chunks it chose); returns
+        (b, s, hq·d) like ``causal_attention``."""
         b, s, hq, d = q.shape
-        g_z = self.grid.size("z")
-        positions = sequence_positions(s * g_z, self.grid.coord("z"), g_z, q.device)  # checks 2·G_z | S
+        z, g_z = self.grid.coord("z"), self.grid.size("z")
+        if documents is None:
+            positions = sequence_positions(s * g_z, z, g_z, q.device)  # checks 2·G_z | S
+        else:
+            documents.check(b, s * g_z)
+            positions = documents.local_positions(z, g_z, q.device)  # (b, s): in-document positions
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
         if self.rope_theta is not None:
-            cos, sin = rotary_tables_at(positions, d, self.rope_theta, q.dtype)
+            cos, sin = rotary_tables_at(positions.flatten(), d, self.rope_theta, q.dtype)
+            if documents is not None:  # (b, 1, s, d): each row's own positions
+                cos, sin = (t.unflatten(0, (b, s)).unsqueeze(1) for t in (cos, sin))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if documents is not None:
+            ring = self.context_mode == "ring"
+            out = document_sequence_attention(q, k, v, self.grid, documents, ring, self.recompute_core)
+            return out.transpose(1, 2).reshape(b, s, hq * d)
         attend = ring_sequence_attention if self.context_mode == "ring" else split_sequence_attention
         out = attend(q, k, v, self.grid, recompute_core=self.recompute_core)
         return out.transpose(1, 2).reshape(b, s, hq * d)

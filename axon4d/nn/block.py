@@ -18,10 +18,14 @@ MLP-up projections are normal layers, the attention-output and MLP-down projecti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
 from axon4d.config import ModelConfig
+from axon4d.data.documents import Documents
 from axon4d.grid import runtime
 from axon4d.grid.mesh import Grid
 from axon4d.nn.attention import Attention, DenseAttention
@@ -59,8 +63,8 @@ class DenseBlock(nn.Module):
             else DenseMLP(cfg.hidden, cfg.ffn, cfg.gated, bias, device=device, dtype=dtype)
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), documents)
         return x + self.mlp(self.norm2(x))
 
 
@@ -122,10 +126,12 @@ class TransformerBlock(nn.Module):
             )
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: the packed layout of this rank's rows (``axon4d.nn.attention.Attention``)."""
+        fn = self._forward if documents is None else partial(self._forward, documents=documents)
         if self.recompute == Recompute.FULL:
-            return recompute_block(self._forward, x, scheduler=self.grid.scheduler, layers=self.linears())
-        return self._forward(x)
+            return recompute_block(fn, x, scheduler=self.grid.scheduler, layers=self.linears())
+        return fn(x)
 
     def linears(self) -> list[Linear]:
         """The block's 3D layers, in forward order."""
@@ -134,12 +140,15 @@ class TransformerBlock(nn.Module):
             return [self.attn.qkv, self.attn.out] + ([shared.up, shared.down] if shared is not None else [])
         return [self.attn.qkv, self.attn.out, self.mlp.up, self.mlp.down]
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._sublayer(self.norm1, self.attn, self.attn.qkv.weight, x)
+    def _forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        attn = self.attn if documents is None else partial(self.attn, documents=documents)
+        x = x + self._sublayer(self.norm1, attn, self.attn.qkv.weight, x)
         first = self.mlp.router.weight if isinstance(self.mlp, MoE) else self.mlp.up.weight
         return x + self._sublayer(self.norm2, self.mlp, first, x)
 
-    def _sublayer(self, norm: SplitFeatureNorm, body: nn.Module, first: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _sublayer(
+        self, norm: SplitFeatureNorm, body: Callable[[torch.Tensor], torch.Tensor], first: torch.Tensor, x: torch.Tensor
+    ) -> torch.Tensor:
         """``body(norm(x))``; under balanced recomputation ``body``'s first GEMM (of weight ``first``)
         keeps ``x`` and the norm's statistics instead of the normalised activations."""
         if self.recompute != Recompute.BALANCED:

@@ -9,7 +9,9 @@ head–tail over z, ``axon4d.activations.shard_sequence``), so the gradients add
 single-process reference run calls it with no grid and trains on all rows. A step's micro-batches
 are ``MicroBatch``es: a rank builds only the rows it trains on (the same bits as those rows of the
 whole batch), on the host (the same bits on every machine), and moves them to the model's device
-(``axon4d.device.to_device``), where the loss is accumulated too.
+(``axon4d.device.to_device``), where the loss is accumulated too. With packed documents (``eos``,
+``--packed-documents``) a rank reads the document boundaries of its rows on the host, before the
+step (``axon4d.data.documents.Documents.from_eos``), and gives them to the model.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from axon4d import activations
 from axon4d import device as devices
 from axon4d.config import ModelConfig
+from axon4d.data.documents import Documents
 from axon4d.data.tokens import MemmapBatch, MemmapTokens, SyntheticBatch, SyntheticTokens, demo_corpus
 from axon4d.grid.mesh import Grid
 from axon4d.models.transformer import DenseTransformer, Transformer
@@ -85,14 +88,17 @@ def step_batches(data: SyntheticTokens | MemmapTokens, step: int, cfg: TrainConf
     return tuple(MicroBatch(batch, i, cfg.batch_size) for i in range(cfg.micro_batches))
 
 
-def accumulate(model: Trained, batches: Sequence[torch.Tensor | MicroBatch], grid: Grid | None) -> torch.Tensor:
+def accumulate(
+    model: Trained, batches: Sequence[torch.Tensor | MicroBatch], grid: Grid | None, eos: int | None = None
+) -> torch.Tensor:
     """Forward and backward of every micro-batch; returns the mean loss (this rank's tokens).
 
     With a grid each rank trains on its rows of each micro-batch; with ``grid=None`` (one
-    process) on all of them. The rows go to the device of the model's parameters (the grid's)."""
+    process) on all of them. The rows go to the device of the model's parameters (the grid's).
+    ``eos``: packed documents, each ending after an ``eos`` token (``rank_documents``)."""
     total = torch.zeros((), device=_device(model, grid))
     for i, full in enumerate(batches):
-        total += accumulate_one(model, full, grid, last=i == len(batches) - 1, parts=len(batches))
+        total += accumulate_one(model, full, grid, last=i == len(batches) - 1, parts=len(batches), eos=eos)
     return total
 
 
@@ -101,7 +107,7 @@ def _device(model: Trained, grid: Grid | None) -> torch.device:
 
 
 def accumulate_one(
-    model: Trained, full: torch.Tensor | MicroBatch, grid: Grid | None, last: bool, parts: int
+    model: Trained, full: torch.Tensor | MicroBatch, grid: Grid | None, last: bool, parts: int, eos: int | None = None
 ) -> torch.Tensor:
     """Forward and backward of one micro-batch ``full`` (B, S+1: a tensor, or a ``MicroBatch`` of
     which only this rank's rows are built) — inputs are the first S tokens of each row, targets the
@@ -109,13 +115,45 @@ def accumulate_one(
     Unless it is the ``last`` of its step, its backward holds the data-axis reductions
     (axon4d.scheduler, accumulation): the last one's reduces the step's sums once."""
     device = _device(model, grid)
-    inputs, targets = rank_tokens(full, grid, getattr(model, "context_parallel", False))
+    context_parallel = getattr(model, "context_parallel", False)
+    if eos is None:
+        inputs, targets = rank_tokens(full, grid, context_parallel)
+    else:
+        inputs, targets, documents = rank_documents(full, grid, context_parallel, eos)
     inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
-    loss = model.loss(inputs, targets) / parts
+    if eos is None:
+        loss = model.loss(inputs, targets) / parts
+    else:
+        assert not isinstance(model, HFCausalLM)  # TrainConfig.check refuses --packed-documents with --hf
+        loss = model.loss(inputs, targets, documents) / parts
     hold = grid is not None and not last
     with grid.scheduler.accumulating() if hold else contextlib.nullcontext():  # type: ignore[union-attr]
         loss.backward()
     return loss.detach()
+
+
+def rank_documents(
+    full: torch.Tensor | MicroBatch, grid: Grid | None, context_parallel: bool, eos: int
+) -> tuple[torch.Tensor, torch.Tensor, Documents]:
+    """``rank_tokens`` of packed documents: this rank's (inputs, targets) and the ``Documents`` of its
+    rows, a document ending after each ``eos`` input token, read on the host. Under
+    ``context_parallel`` the layout describes each row's whole sequence, and the rank's tokens are the
+    two chunks ``Documents.chunks`` gives its z coordinate (balanced by attention work)."""
+    if grid is None or not context_parallel:
+        inputs, targets = rank_tokens(full, grid, False)
+        return inputs, targets, Documents.from_eos(inputs, eos)
+    total = full.size if isinstance(full, MicroBatch) else full.shape[0]
+    n = total // grid.size("data")
+    if n * grid.size("data") != total:
+        raise ValueError(
+            f"a micro-batch of {total} sequences cannot be split over data = {grid.size('data')} with context "
+            f"parallelism: give a batch size that is a multiple of {grid.size('data')}"
+        )
+    lo = grid.coord("data") * n  # this rank's sequences (over data), whole
+    rows = full.rows(lo, lo + n) if isinstance(full, MicroBatch) else full[lo : lo + n]
+    documents = Documents.from_eos(rows[:, :-1], eos)
+    index = documents.index(grid.coord("z"), grid.size("z"))  # (b, S/G_z): this rank's tokens
+    return rows[:, :-1].gather(1, index), rows[:, 1:].gather(1, index), documents
 
 
 def rank_tokens(

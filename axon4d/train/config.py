@@ -119,6 +119,8 @@ class TrainConfig:
     """Split the tokens of each sequence over z (head–tail chunks, causal balance; sequences split over data only) for sequences too long for one rank (docs/context.md); the sequence length must be a multiple of 2·G_z."""
     context_parallel_mode: str = "all-gather"
     """With --context-parallel: all-gather (every z rank gathers the keys and values of the whole sequence: faster where they fit) or ring (they pass around z one rank's chunks at a time: K/V memory per rank 1/G_z of the sequence's; docs/context.md "Ring mode"). Axon4d's own models only."""
+    packed_documents: int = -1
+    """The token id that ends each document of the data (EOS; axon4d prepare-data writes the tokenizer's after every document): each sequence is cut into documents after every such token, tokens attend only within their document and positions restart at each (docs/context.md "Packed documents"; with --context-parallel the chunks are balanced by attention work). -1 (default): off, one document per sequence. Axon4d's own models only."""
     expert_layout: str = ""
     """MoE models: where the experts run, ep=<axes>,tp=<axes> over the grid's axes x, y, z, data (e.g. ep=world,tp=1: whole experts over every rank; ep=z·data,tp=x·y, the default: experts over data × z, each split over x·y; '+' may stand for '·'; docs/moe.md). Default: the grid's, or under --grid auto the layout the planner chose with the grid; given, it is pinned. A model without experts refuses it."""
     recompute: str = "none"
@@ -253,6 +255,11 @@ class TrainConfig:
                     if self.hf
                     else "without --context-parallel: add --context-parallel, or leave the mode out"
                 )
+            )
+        if self.packed_documents < -1 or (self.packed_documents >= 0 and self.hf):
+            raise ValueError(
+                f"--packed-documents {self.packed_documents}: give the EOS token id that ends each document "
+                "(a whole number ≥ 0; -1 for off), with axon4d's own models (not --hf)"
             )
         if self.fp8_gradients != "e5m2" and self.precision != "bf16-fp8":
             raise ValueError(

@@ -276,7 +276,9 @@ def _step(
     fp8_counted = grid.precision.gemm is not None and (step + 1) % cfg.log_every == 0  # a logged step
     if fp8_counted:
         count_underflow(model, True)
-    loss = accumulate(model, step_batches(data, step, cfg), grid)
+    loss = accumulate(
+        model, step_batches(data, step, cfg), grid, eos=cfg.packed_documents if cfg.packed_documents >= 0 else None
+    )
     loss_sum = _batch_sum(loss, grid)
     # clipped on the device (a non-finite norm leaves the gradients as they are); then one host
     # read of the loss and the norm, the same on every rank: one decision

@@ -38,7 +38,7 @@ def train_single(dense: DenseTransformer | HFCausalLM, cfg: TrainConfig, mcfg: M
         set_lr(opt, step, cfg)
         batches = step_batches(data, step, cfg)
         with torch.autocast(p0.device.type, dtype=precision.compute, enabled=precision.mixed):
-            loss = accumulate(dense, batches, None)
+            loss = accumulate(dense, batches, None, eos=cfg.packed_documents if cfg.packed_documents >= 0 else None)
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(dense.parameters(), cfg.grad_clip)
         opt.step()
