@@ -14,7 +14,8 @@ not the whole product. A few cases on 4 ranks run in the fast tier.
 Every logged term is priced: the split norms' per-token sums over x and the vocabulary-parallel
 loss's collectives over y too. Recomputation (``RECOMPUTE``: full, balanced, selective, with and
 without context parallelism) is checked the same way: under full recomputation every block's
-forward collectives are issued again (``recompute.rerun_collectives``).
+forward collectives are issued again (``recompute.rerun_collectives``). Ring context parallelism
+(``RING``) is checked alike, with selective and full recomputation.
 """
 
 import dataclasses
@@ -88,7 +89,8 @@ FAST = [
 def case_id(case):
     grid, precision, zero, micro, keep, cp, arch, fp8 = case
     grid = "x{}y{}z{}d{}".format(*grid)
-    parts = [grid, precision, f"zero{zero}", f"mb{micro}", "keep" if keep else "", "cp" if cp else "", arch]
+    cp = "ring" if cp == "ring" else "cp" if cp else ""
+    parts = [grid, precision, f"zero{zero}", f"mb{micro}", "keep" if keep else "", cp, arch]
     return "-".join(p for p in parts if p) + ("" if fp8 == "-" else f"-fp8{fp8}")
 
 
@@ -105,6 +107,14 @@ RECOMPUTE = [
     ((2, 1, 1, 2), "bf16", 1, 1, False, False, "gpt", "-", "balanced"),
     ((1, 2, 2, 1), "fp32", 0, 1, False, True, "llama", "-", "selective"),
     ((2, 1, 2, 1), "fp32", 0, 1, False, True, "gpt", "-", "balanced"),
+]
+#: ring context parallelism (``cp`` "ring": axon4d.nn.context_ring), its shifts over z priced as the
+#: runtime issues them — forward, backward (keys and values again, their gradients' accumulators) and
+#: selective recomputation's forward ring again; the first is fast
+RING = [
+    ((1, 1, 4, 1), "bf16-fp32-reduce", 0, 2, False, "ring", "llama", "-", "none"),
+    ((1, 2, 2, 1), "fp32", 0, 1, False, "ring", "llama", "-", "selective"),
+    ((2, 1, 2, 1), "bf16", 1, 1, True, "ring", "gpt", "-", "full"),
 ]
 
 
@@ -148,7 +158,8 @@ def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none",
     shape = GridShape(*grid)
     seqs = shape.data * shape.z
     wl_precision = "bf16-fp32-reduce" if fp8 == "option" else precision
-    wl = Workload(CONFIGS[arch], seqs * micro, precision=wl_precision, context_parallel=cp)
+    mode = "ring" if cp == "ring" else "all-gather"
+    wl = Workload(CONFIGS[arch], seqs * micro, precision=wl_precision, context_parallel=bool(cp), context_mode=mode)
     sc = Scenario(
         wl,
         shape,
@@ -207,6 +218,15 @@ def test_logged_bytes_per_axis_and_term_equal_the_planner_s_pairwise(pools, case
     ids=lambda c: f"{case_id(c[:-1])}-{c[-1]}",
 )
 def test_logged_bytes_under_recomputation_equal_the_planner_s(pools, case):
+    _check(pools, case[:-1], recompute=case[-1])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [RING[0], *(pytest.param(c, marks=pytest.mark.slow) for c in RING[1:])],
+    ids=lambda c: f"{case_id(c[:-1])}-{c[-1]}",
+)
+def test_logged_bytes_of_ring_context_parallelism_equal_the_planner_s(pools, case):
     _check(pools, case[:-1], recompute=case[-1])
 
 

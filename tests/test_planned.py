@@ -50,6 +50,7 @@ def test_the_run_asks_one_request_and_applies_the_plan_that_comes_back():
         overlap=OverlapPolicy(),
         options=options,
         context_parallel=True,
+        context_mode="ring",
         recompute="balanced",
         option=options.__getitem__,
         expert_layout="",  # a dense model's
@@ -62,6 +63,7 @@ def test_the_run_asks_one_request_and_applies_the_plan_that_comes_back():
     run = planned.apply(cfg, JobPlan(asked, answer))
     assert (run.grid, run.recompute, run.micro_batches, run.batch_size) == ("1,2,2,2", "balanced", 4, 8)
     assert (run.zero, run.offload, run.context_parallel, run.precision) == (1, "0,1", True, "bf16-fp8-gather")
+    assert run.context_parallel_mode == "ring"  # the keys and values passed as the plan priced them
     assert (run.try_plans, run.correction) == (0, "")  # a named grid: nothing left to try nor to price
     # pinned micro-batches keep the batch per micro-batch as given
     pinned = dataclasses.replace(cfg, micro_batches=2, precision="fp32")

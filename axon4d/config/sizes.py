@@ -38,6 +38,22 @@ SIZES: dict[str, ModelConfig] = {
         shared_experts=1,
         name="tiny-moe",
     ),
+    # Llama 3 8B — Meta's "The Llama 3 Herd of Models" (arXiv:2407.21783) Table 3 and the Hugging Face
+    # config of meta-llama/Meta-Llama-3-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, FFN 14336
+    # (SwiGLU), vocabulary 128256, RoPE θ 500000, sequence 8192; n_params() = 8.0B. The long-context
+    # plans (docs/context.md) give it --seq-len.
+    "llama3-8b": ModelConfig(
+        n_layers=32,
+        hidden=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        vocab_size=128256,
+        seq_len=8192,
+        arch="llama",
+        rope_theta=500000.0,
+        name="llama3-8b",
+    ),
     # Mixture-of-Experts shapes (docs/planner.md, "Mixture of Experts"), each Llama-style (RMSNorm,
     # SwiGLU experts, RoPE), sequence 4096 (the pre-training length of all three sources):
     # Mixtral 8x7B — Jiang et al., "Mixtral of Experts" (arXiv:2401.04088) Table 1 and the Hugging Face

@@ -313,7 +313,7 @@ class BackwardWalk:
         t, s, balanced = self.t, self.saved, self.recompute == "balanced"
         self.layer("attn_out", t["att"], first)  # then attention: dq, dk, dv and their assembled qkv gradient
         self.done("attn_out")
-        self.note(t["att"] + 2 * t["qkv"])
+        self.note(t["att"] + 2 * t["qkv"] + t["kv_grad"])  # context parallelism's key/value gradients too
         self.free(s["attention"] - t["qkv"] + s["lse"])  # q, k, v are replaced by their gradient
         self.layer("qkv", t["x0"], first, remade=t["x0"] if balanced else 0.0)
         self.done("qkv", freed=t["qkv"] + s["norm1"])

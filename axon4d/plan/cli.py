@@ -41,7 +41,13 @@ from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import DEFAULT_PRECISION, OPTIMIZERS, Workload
 
 #: --context-parallel → plan(context_parallel=...)
-SPLIT_SEQUENCES: dict[str, bool | str] = {"off": False, "on": True, "auto": "auto"}
+SPLIT_SEQUENCES: dict[str, bool | str] = {
+    "off": False,
+    "on": True,
+    "auto": "auto",
+    "all-gather": "all-gather",
+    "ring": "ring",
+}
 #: --fp8-gather → plan(fp8_gather=...)
 FP8_GATHER: dict[str, bool | str] = {"off": False, "on": True, AUTO_OPTION: AUTO_OPTION}
 
@@ -159,8 +165,10 @@ def _option_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--context-parallel",
         default="auto",
-        choices=("off", "on", "auto"),
-        help="split each sequence's tokens over z (docs/context.md): auto (both searched, default), off or on",
+        choices=tuple(SPLIT_SEQUENCES),
+        help="split each sequence's tokens over z (docs/context.md): auto (whole and split searched, default), off, "
+        "on (both modes searched), all-gather (keys and values gathered over z) or ring (passed around z: memory "
+        "O(chunk), for the longest sequences)",
     )
     p.add_argument(
         "--expert-layout",
@@ -342,7 +350,7 @@ def best_scenario(wl: Workload, best: Any, machine: Any) -> Scenario:
     """The ``Scenario`` a candidate was priced as: its grid, policy and step options."""
     o = best.options
     return Scenario(
-        dataclasses.replace(wl, context_parallel=best.context_parallel),
+        dataclasses.replace(wl, context_parallel=best.context_parallel, context_mode=best.context_mode or "all-gather"),
         best.shape,
         machine,
         best.overlap,

@@ -106,7 +106,13 @@ class JobPlan:
         cp = bool(choice.context_parallel)
         layout = ExpertLayout.parse(choice.expert_layout or None)
         wl = Workload(
-            req.model, req.batch, "bfloat16", precision=fp8_plan.PRESET, context_parallel=cp, expert_layout=layout
+            req.model,
+            req.batch,
+            "bfloat16",
+            precision=fp8_plan.PRESET,
+            context_parallel=cp,
+            context_mode=choice.context_mode or "all-gather",
+            expert_layout=layout,
         )
         opts = choice.options
         sc = Scenario(

@@ -326,19 +326,40 @@ def attention_seconds(sc: Scenario) -> tuple[float, float]:
 
 
 def context_hidden(sc: Scenario) -> float:
-    """Seconds of the context-parallel key/value collectives hidden per step: the all-gather runs
-    while the local causal squares' forward computes, the reduce-scatter of their gradients while
-    the squares' backward does (axon4d.nn.context), each hidden up to the machine's overlap
-    efficiency (§4)."""
+    """Seconds of the context-parallel key/value collectives hidden per step, each up to the
+    machine's overlap efficiency (§4):
+
+    - "all-gather" (axon4d.nn.context): the all-gather runs while the local causal squares' forward
+      computes, the reduce-scatter of their gradients while the squares' backward does;
+    - "ring" (axon4d.nn.context_ring): each forward shift travels while one ring step's attention
+      computes (1/G_z of a block's); in backward each step's shift of the keys and values and of the
+      accumulator before it travel together while the step's gradients compute, and the last
+      accumulator's trip home is waited for at once. Selective recomputation's forward ring again
+      (``recompute.rerun_collectives``) hides as the forward's does."""
     if not sc.context_collectives:
         return 0.0
-    local = attention_seconds(sc)[0]
+    local, prefix = attention_seconds(sc)
+    if sc.workload.context_mode == "ring":
+        return sc.machine.overlap_efficiency * _ring_hidden(sc, local + prefix)
     fwd, bwd = ATTENTION_FORWARD * local, (1 - ATTENTION_FORWARD) * local
     hidden = 0.0
     for c in sc.context_collectives:
         seconds = priced(c, sc)[0]
         hidden += min(seconds, fwd if c.phase == "forward" else bwd)
     return sc.machine.overlap_efficiency * hidden
+
+
+def _ring_hidden(sc: Scenario, attention: float) -> float:
+    """Seconds of the ring's shifts that run behind attention in one step (``context_hidden``), from
+    one block's ``attention`` seconds (forward + backward), split evenly over its G_z ring steps."""
+    g_z, layers = sc.shape.z, sc.model.n_layers
+    fwd_step, bwd_step = ATTENTION_FORWARD * attention / g_z, (1 - ATTENTION_FORWARD) * attention / g_z
+    kv, grad = (next(c for c in sc.context_collectives if c.term == t) for t in sc.workload.context_terms)
+    kv_s, grad_s = priced(kv, sc)[0], priced(grad, sc)[0]
+    forward = (g_z - 1) * min(kv_s, fwd_step)
+    backward = (g_z - 1) * min(kv_s + grad_s, bwd_step)
+    again = forward if sc.recompute in ("selective", "full") else 0.0  # the forward's ring run again
+    return layers * (forward + backward + again)
 
 
 def norm_passes(wl: Workload, shape: GridShape, recompute: str = "none") -> tuple[int, int]:

@@ -76,6 +76,9 @@ class Machine:
     peak_flops: dict[str, float]  # dtype name -> FLOP/s per device
     levels: list[Level]
     matmul_efficiency: float = 0.7  # share of peak a large GEMM reaches when there is no table
+    # share of peak the fused attention kernel reaches, forward + backward, when there is no
+    # attention table (0: ``matmul_efficiency``); at long sequences attention is most of a step
+    attention_efficiency: float = 0.0
     matmul: dict[str, dict[str, dict[str, MatmulTable]]] = dataclasses.field(default_factory=dict)
     # dtype -> concurrency (ranks computing at once on a node, as str) -> form -> table
     comm: list[CommCurve] = dataclasses.field(default_factory=list)
@@ -155,6 +158,11 @@ class Machine:
             rate = self.matmul_efficiency * self.peak(dtype)
         return flops / rate + self.op_overhead_s
 
+    def attention_rate(self, dtype: str) -> float:
+        """FLOP/s of the fused attention kernel in ``dtype`` without a measured table:
+        ``attention_efficiency`` (else ``matmul_efficiency``) of the peak."""
+        return (self.attention_efficiency or self.matmul_efficiency) * self.peak(dtype)
+
     def attention_time(self, seq: int, head_dim: int, units: float, dtype: str, world: int = 1) -> float:
         """Seconds of causal attention forward + backward for ``units`` (sequence, head) pairs."""
         if units == 0:
@@ -171,7 +179,7 @@ class Machine:
                 per = float(sel[-1, 2]) * (seq / sel[-1, 0]) ** 2
             return units * per * head_dim / hd + 4 * self.op_overhead_s
         flops = units * 3.0 * 2.0 * seq * seq * head_dim  # fwd (2 GEMMs, causal half) + bwd 2×
-        return flops / (self.matmul_efficiency * self.peak(dtype)) + 4 * self.op_overhead_s
+        return flops / self.attention_rate(dtype) + 4 * self.op_overhead_s
 
     def prefix_attention_time(
         self, queries: int, keys: int, head_dim: int, units: float, dtype: str, world: int = 1
@@ -195,7 +203,7 @@ class Machine:
             square = max(queries, keys)
             return self.attention_time(square, head_dim, units, dtype, world) * pairs / (units * square * square / 2)
         flops = pairs * 3.0 * 4.0 * head_dim  # fwd: 2 GEMMs of 2·q·k·d FLOPs; bwd 2×
-        return flops / (self.matmul_efficiency * self.peak(dtype)) + 4 * self.op_overhead_s
+        return flops / self.attention_rate(dtype) + 4 * self.op_overhead_s
 
     def elementwise_time(self, nbytes: float, world: int = 1) -> float:
         """Seconds to stream ``nbytes`` (reads + writes) through elementwise ops on one rank: at the

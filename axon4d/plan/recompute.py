@@ -78,7 +78,8 @@ def rerun(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
     if sc.recompute == "full":
         return _full(sc, layers)
     if sc.recompute in ("selective", "balanced"):
-        return Rerun(compute_s=sc.model.n_layers * recomputed_seconds(sc))
+        again = _collectives(sc, rerun_collectives(sc))  # selective under the ring: the forward's ring again
+        return dataclasses.replace(again, compute_s=sc.model.n_layers * recomputed_seconds(sc))
     return Rerun()
 
 
@@ -87,9 +88,14 @@ def rerun_collectives(sc: Scenario) -> list[tuple[Collective, int]]:
     under full recomputation every block's forward again — each block layer's forward collectives
     (E8 in its chunks, E10f: ``layers.collectives``) n_layers times, and the norms' sums over x and
     the key/value all-gather of context parallelism (``Workload.block_forward_collectives``);
-    nothing under the other modes (no collective runs twice). The gathers of a block's last
+    under selective recomputation with ring context parallelism each block's forward ring of keys
+    and values (``Workload.context_collectives``' forward shifts: core attention re-runs its ring
+    in backward, ``axon4d.nn.context_ring``); nothing else under the other modes (no collective
+    runs twice). The gathers of a block's last
     ``oag_depth`` layers are those OAG's backward prefetch issued (tagged E10b, as the runtime logs
     them): the same bytes on the same axis."""
+    if sc.recompute == "selective" and sc.workload.context_mode == "ring":
+        return [(c, 1) for c in sc.context_collectives if c.phase == "forward"]
     if sc.recompute != "full":
         return []
     block = [spec for spec in sc.linears if in_block(spec, sc)]  # forward order
@@ -113,18 +119,7 @@ def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
     """Full recomputation: the forward of every block layer kind run n_layers times, with every
     collective of the blocks' forwards again (``rerun_collectives``)."""
     block = [lc for lc in layers if in_block(lc.spec, sc)]
-    comm = activation = traffic = 0.0
-    calls = 0
-    by_axis: dict[str, float] = {}
-    sent: dict[str, int] = {}
-    for c, n in rerun_collectives(sc):
-        seconds, moved = priced(c, sc)
-        comm += n * seconds
-        activation += n * seconds if c.term in ACTIVATION_TERMS else 0.0
-        traffic += n * moved
-        calls += n
-        by_axis[c.axis] = by_axis.get(c.axis, 0.0) + n * seconds
-        sent[c.axis] = sent.get(c.axis, 0) + n * c.payload_bytes
+    again = _collectives(sc, rerun_collectives(sc))
     moe = (
         sc.model.n_layers
         * layer_seconds(
@@ -140,8 +135,25 @@ def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
         if sc.model.moe
         else 0.0
     )
+    return dataclasses.replace(again, compute_s=sum(lc.spec.count * lc.fwd_s for lc in block) + moe)
+
+
+def _collectives(sc: Scenario, issued: list[tuple[Collective, int]]) -> Rerun:
+    """The collectives ``issued`` again (each with how many times) as a ``Rerun`` without compute:
+    their seconds, calls, bytes per axis, ring traffic and the interference it costs."""
+    comm = activation = traffic = 0.0
+    calls = 0
+    by_axis: dict[str, float] = {}
+    sent: dict[str, int] = {}
+    for c, n in issued:
+        seconds, moved = priced(c, sc)
+        comm += n * seconds
+        activation += n * seconds if c.term in ACTIVATION_TERMS else 0.0
+        traffic += n * moved
+        calls += n
+        by_axis[c.axis] = by_axis.get(c.axis, 0.0) + n * seconds
+        sent[c.axis] = sent.get(c.axis, 0) + n * c.payload_bytes
     return Rerun(
-        compute_s=sum(lc.spec.count * lc.fwd_s for lc in block) + moe,
         comm_s=comm,
         activation_comm_s=activation,
         collectives=calls,

@@ -15,6 +15,8 @@ from axon4d.plan.moe_cost import placement
 from axon4d.plan.options import Choices
 from axon4d.plan.workload import Workload
 
+#: the table's "seq" column for a sequence split over z, by context parallelism's mode ("whole" without)
+SPLITS = {"all-gather": "split", "ring": "ring"}
 #: the axes the table gives communication time for: every axis but "world", over which no
 #: collective of a step runs
 TABLE_AXES = tuple(a for a in ALL_AXES if a != "world")
@@ -111,7 +113,9 @@ class PlanResult:
         return {"expert_placement": placement(wl.model, c.shape, layout).to_json(), "imbalance": wl.imbalance}
 
     def table(self, top: int = 10) -> str:
-        """The top-k candidates as a text table, with the step options each was priced with; for an
+        """The top-k candidates as a text table, with the step options each was priced with (``seq``:
+        whole sequences per rank, or split over z with keys and values all-gathered, "split", or
+        passed around a ring, "ring": ``SPLITS``); for an
         MoE model also each one's expert layout and the seconds on products of axes an expert
         layout adds (``t_prod``: its all-to-alls, counts and replicas' reductions over y·z, world, …)."""
         moe = self.workload.model.moe
@@ -130,7 +134,7 @@ class PlanResult:
                 seconds.append(sum(v for a, v in t.comm_by_axis.items() if a not in TABLE_AXES))
             axes = " ".join(f"{v:>8.3g}" for v in seconds)
             lines.append(
-                f"{str(c.shape.as_tuple()):<18} {'split' if c.context_parallel else 'whole':>5} "
+                f"{str(c.shape.as_tuple()):<18} {SPLITS[c.context_mode] if c.context_parallel else 'whole':>5} "
                 f"{o.get('recompute', 'none'):>9} {o.get('micro_batches', 1):>3} {o.get('zero', 0):>4} "
                 f"{o.get('offload', 0):>4} {'yes' if o.get('fp8_gather') else 'no':>3} "
                 + (f"{c.expert_layout:<20} " if moe else "")

@@ -11,7 +11,8 @@ projection keeps too) and the log-sum-exp (b·heads/G_y fp32); the MLP keeps the
 activation output (SwiGLU: silu(gate) and the product); an MoE block's MLP is its shared experts'
 (none without them) and its MoE layer keeps ``axon4d.plan.moe_memory.saved`` ("moe"). With context parallelism attention also
 keeps the keys and values of its kv heads gathered over z for the whole sequences (b·G_z tokens;
-docs/context.md); the rest is the same per token, and a rank holds b = B·S/(G_data·G_z) tokens
+docs/context.md) — in the ring mode only a packed copy of its own (b tokens: O(chunk), not
+O(sequence)); the rest is the same per token, and a rank holds b = B·S/(G_data·G_z) tokens
 either way, so splitting a sequence over z lowers memory per rank like splitting the batch.
 Recomputation (§5, axon4d.nn.recompute): "selective" drops the rotated q, k and the log-sum-exp (core attention re-runs from q, k, v);
 "balanced" drops the norms' outputs (a norm keeps its input and its statistics) and the
@@ -140,14 +141,20 @@ def block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
     qkv_y = (m.n_heads + 2 * m.kv_heads) * m.head_dim // shape.y
     up_y = (2 if m.gated else 1) * mlp_width(m) // shape.y
     att = wl.attention
+    kv_own = b * 2 * (m.kv_heads // shape.y) * m.head_dim if att and wl.context_parallel else 0
     return {
         "x0": b * h_x,
         "qkv": b * qkv_y if att else 0,
         "rot": b * (m.n_heads + m.kv_heads) * m.head_dim // shape.y if att and m.arch == "llama" else 0,
         "att": b * h_y,
         "lse": b * (m.n_heads // shape.y) if att else 0,
-        # context parallelism: the whole sequences' keys and values of this rank's kv heads, gathered over z
-        "kv_all": b * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim if att and wl.context_parallel else 0,
+        # context parallelism: the keys and values of this rank's kv heads attention keeps — the whole
+        # sequences' gathered over z ("all-gather"), or the ring's packed copy of its own ("ring")
+        "kv_all": kv_own * (1 if wl.context_mode == "ring" else shape.z),
+        # what attention's backward holds besides: the gradients of the gathered keys and values
+        # ("all-gather"), or the ring's arriving keys and values, the step's gradients and the
+        # accumulator arriving ("ring": three of its own)
+        "kv_grad": kv_own * (3 if wl.context_mode == "ring" else shape.z),
         "x1": b * h_x,
         "up": b * up_y,
         "act": b * (mlp_width(m) // shape.y),

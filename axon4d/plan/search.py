@@ -22,6 +22,7 @@ from axon4d.config import ModelConfig, get_config
 from axon4d.grid import rules
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import AXES, GridShape, factorizations
+from axon4d.options.context_mode import MODES
 from axon4d.options.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan import stepfit
 from axon4d.plan.candidate import Candidate, tune_overlap
@@ -109,7 +110,9 @@ def plan(
     cp = _checked_inputs(context_parallel, world, top, memory_limit)
     choices = Choices.parse(recompute, micro_batches, zero, offload, fp8_gather)
     mach = load_machine(machine)
-    workload = _workload(workload, model, batch, dtype, optimizer, precision, cp is True, async_save)
+    workload = _workload(
+        workload, model, batch, dtype, optimizer, precision, cp not in (False, AUTO_OPTION), async_save
+    )
     if expert_layout != AUTO_OPTION:  # pinned: refused here when it is not a layout
         workload = dataclasses.replace(workload, expert_layout=ExpertLayout.parse(expert_layout))
     if choices.offload is not None:
@@ -142,12 +145,16 @@ def plan(
 def _checked_inputs(
     context_parallel: bool | str, world: int, top: int | None, memory_limit: float | None
 ) -> bool | str:
-    """``plan``'s ``context_parallel`` as True, False or ``AUTO_OPTION``, after refusing (``ValueError``)
+    """``plan``'s ``context_parallel`` as True, False, a mode (``axon4d.options.context_mode.MODES``)
+    or ``AUTO_OPTION``, after refusing (``ValueError``)
     any other value, a world or ``top`` that is not a whole number ≥ 1 and a memory limit that is
     not a finite number of bytes above 0."""
     cp = AUTO_OPTION if context_parallel == "auto" else context_parallel
-    if cp not in (False, True, AUTO_OPTION):
-        raise ValueError(f"context_parallel = {context_parallel!r}: use False, True or 'auto'")
+    if cp not in (False, True, AUTO_OPTION, *MODES):
+        raise ValueError(
+            f"context_parallel = {context_parallel!r}: use False, True (either mode), "
+            f"{', '.join(repr(m) for m in MODES)} or 'auto' (docs/context.md)"
+        )
     rules.count(world, "world (ranks, --gpus)", example=8)
     if top is not None:
         rules.count(top, "top (candidates kept)", example=10)
@@ -177,7 +184,7 @@ def _workload(
         cfg = get_config(model) if isinstance(model, str) else model
         workload = Workload(cfg, batch, dtype, optimizer=optimizer, precision=precision)
     if split and not workload.context_parallel:
-        workload = dataclasses.replace(workload, context_parallel=True)
+        workload = dataclasses.replace(workload, context_parallel=True)  # its mode: ``valid_grids``'s
     if async_save and not workload.async_save:
         workload = dataclasses.replace(workload, async_save=True)
     return workload
@@ -188,22 +195,37 @@ def valid_grids(
 ) -> tuple[list[tuple[Workload, GridShape]], int]:
     """The (workload, grid) pairs ``plan`` prices, and how many factorisations of ``world`` break a
     divisibility rule (§1) under every sequence split priced: each valid grid with ``workload`` as
-    it is, and with ``cp`` ``AUTO_OPTION`` each valid grid of G_z > 1 with the sequences split over z
-    too, where the sequence length is even and the model has no MoE layers (context parallelism
-    with MoE layers is not priced: ``Workload``). An MoE model with ``expert_layouts``
-    ``AUTO_OPTION``: each grid with each expert layout it admits (``expert_layouts.with_layouts``)."""
+    it is — with context parallelism pinned, in each mode ``cp`` names (True: both) — and with ``cp``
+    ``AUTO_OPTION`` each valid grid of G_z > 1 with the sequences split over z too, in each mode,
+    where the sequence length is even and the model has no MoE layers (context parallelism with MoE
+    layers is not priced: ``Workload``). An MoE model with ``expert_layouts`` ``AUTO_OPTION``: each
+    grid with each expert layout it admits (``expert_layouts.with_layouts``)."""
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     if workload.model.moe and expert_layouts == AUTO_OPTION:  # every layout each grid admits
         return with_layouts(workload, shapes)
-    mask = valid_mask(workload, arr)
-    grids = [(workload, s) for s, ok in zip(shapes, mask) if ok]
-    moe = workload.model.moe  # context parallelism with MoE layers is not priced (``Workload``)
-    if cp == AUTO_OPTION and not workload.context_parallel and workload.model.seq_len % 2 == 0 and not moe:
-        split = dataclasses.replace(workload, context_parallel=True)
-        split_mask = valid_mask(split, arr)
-        grids += [(split, s) for s, ok in zip(shapes, split_mask) if ok and s.z > 1]
-        mask |= split_mask
+    modes = [cp] if cp in MODES else list(MODES)
+    if workload.context_parallel:  # pinned on: the modes asked for (the workload's own unless named)
+        modes = modes if cp is True or cp in MODES else [workload.context_mode]
+        splits, whole = [dataclasses.replace(workload, context_mode=m) for m in modes], []
+    else:
+        whole = [workload]
+        moe = workload.model.moe  # context parallelism with MoE layers is not priced (``Workload``)
+        searched = cp == AUTO_OPTION and workload.model.seq_len % 2 == 0 and not moe
+        splits = (
+            [dataclasses.replace(workload, context_parallel=True, context_mode=m) for m in modes] if searched else []
+        )
+    grids: list[tuple[Workload, GridShape]] = []
+    mask = np.zeros(len(shapes), dtype=bool)
+    for wl in whole:
+        ok = valid_mask(wl, arr)
+        grids += [(wl, s) for s, good in zip(shapes, ok) if good]
+        mask |= ok
+    for wl in splits:  # the rules do not depend on the mode
+        ok = valid_mask(wl, arr)
+        # G_z = 1 splits nothing: priced once, as the whole sequences or in the first mode
+        grids += [(wl, s) for s, good in zip(shapes, ok) if good and (s.z > 1 or (not whole and wl is splits[0]))]
+        mask |= ok
     return grids, int((~mask).sum())
 
 
@@ -239,7 +261,7 @@ def search_grids(
 def candidate_order(c: Candidate) -> tuple[Any, ...]:
     """The candidates' order: fitting ones first by step time, then the others by peak memory;
     ties by grid and sequence split."""
-    return not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel
+    return not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel, c.context_mode
 
 
 def _tune_fastest(
@@ -250,7 +272,8 @@ def _tune_fastest(
     policy (``ov`` when there is none)."""
     cands = list(cands)
     for i, c in enumerate(cands[:TUNE_TOP]):
-        wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel)
+        mode = c.context_mode or workload.context_mode
+        wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel, context_mode=mode)
         if c.expert_layout:
             wl_c = dataclasses.replace(wl_c, expert_layout=ExpertLayout.parse(c.expert_layout))
         opts = {k: v for k, v in c.options.items() if k != "recompute"}

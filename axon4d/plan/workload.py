@@ -43,6 +43,7 @@ from axon4d.grid import rules as grid_rules
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
+from axon4d.options.context_mode import MODES
 from axon4d.options.precision import NAMED, Precision
 from axon4d.plan.moe_cost import moe_rules, placement
 
@@ -130,6 +131,9 @@ class Workload:
     norms: bool = True
     optimizer: str = "adam"
     context_parallel: bool = False
+    #: with ``context_parallel``, how keys and values reach the ranks: "all-gather" or "ring"
+    #: (``axon4d.options.context_mode``; ignored without it)
+    context_mode: str = "all-gather"
     async_save: bool = False  # the job checkpoints with --async-save: a pinned snapshot (plan.host_memory)
     accelerator: bool = False  # the step runs on accelerators (a Scenario sets it from its machine): ``norm_kernel``
     precision: str = ""  # as given; "": DEFAULT_PRECISION of dtype (``preset``)
@@ -144,6 +148,10 @@ class Workload:
             raise ValueError(
                 "context parallelism with Mixture-of-Experts layers is not priced (nor tested in the runtime): "
                 "use context_parallel=False for an MoE model"
+            )
+        if self.context_mode not in MODES:
+            raise ValueError(
+                f"context_mode = {self.context_mode!r}: choose one of {', '.join(MODES)} (docs/context.md)"
             )
         if isinstance(self.imbalance, bool) or not isinstance(self.imbalance, numbers.Real) or self.imbalance < 1:
             raise ValueError(
@@ -243,21 +251,40 @@ class Workload:
         return self.local_tokens(shape) // self.model.seq_len
 
     def context_collectives(self, shape: GridShape) -> list[Collective]:
-        """With ``context_parallel``, per layer on one rank: the all-gather over z of the keys and
-        values of the rank's n_kv/G_y key/value heads for its B/G_data whole sequences (forward,
-        payload B/G_data · S · 2 · n_kv/G_y · head_dim · e bytes, e of the compute dtype:
-        ``geometry.wire_dtype``) and the reduce-scatter of their gradients (backward, the same
-        payload: the attention backward's dK, dV are in the compute dtype); each moves φ(G_z) of
-        it (docs/context.md)."""
+        """With ``context_parallel``, per layer on one rank, the collectives over z that bring attention
+        the keys and values of the rank's n_kv/G_y key/value heads (docs/context.md), each in the
+        compute dtype (``geometry.wire_dtype``: the attention backward's dK, dV are too):
+
+        - "all-gather": the all-gather of its B/G_data whole sequences' keys and values (forward,
+          payload B/G_data · S · 2 · n_kv/G_y · head_dim · e bytes) and the reduce-scatter of their
+          gradients (backward, the same payload); each moves φ(G_z) of it;
+        - "ring" (``axon4d.nn.context_ring``): G_z − 1 shifts of the rank's own keys and values
+          (forward, payload b · 2 · n_kv/G_y · head_dim · e for its b tokens), in backward G_z − 1
+          shifts of them again and G_z of their gradients' accumulators (the last one's trip home).
+          Selective recomputation's forward ring again is ``recompute.rerun_collectives``'."""
         m = self.model
         if not self.context_parallel or shape.z == 1:
             return []
-        elems = self.local_tokens(shape) * shape.z * 2 * (m.kv_heads // shape.y) * m.head_dim
-        keys = elems * wire_element_size(self.dtypes, Term.CP_KV)  # the compute dtype, as their gradients
-        grads = elems * wire_element_size(self.dtypes, Term.CP_KV_GRAD)
-        return [Collective(Op.ALL_GATHER, "z", keys, "forward", Term.CP_KV)] * m.n_layers + [
-            Collective(Op.REDUCE_SCATTER, "z", grads, "backward", Term.CP_KV_GRAD)
+        per_token = 2 * (m.kv_heads // shape.y) * m.head_dim  # keys and values of the rank's kv heads
+        keys, grads = (wire_element_size(self.dtypes, t) for t in self.context_terms)
+        own = self.local_tokens(shape) * per_token
+        if self.context_mode == "ring":
+            shift, steps = Op.SHIFT, shape.z - 1
+            kv_f = Collective(shift, "z", own * keys, "forward", Term.CP_KV_RING)
+            kv_b = dataclasses.replace(kv_f, phase="backward")
+            grad = Collective(shift, "z", own * grads, "backward", Term.CP_KV_RING_GRAD)
+            return [kv_f] * (steps * m.n_layers) + [kv_b] * (steps * m.n_layers) + [grad] * (shape.z * m.n_layers)
+        whole = own * shape.z
+        return [Collective(Op.ALL_GATHER, "z", whole * keys, "forward", Term.CP_KV)] * m.n_layers + [
+            Collective(Op.REDUCE_SCATTER, "z", whole * grads, "backward", Term.CP_KV_GRAD)
         ] * m.n_layers
+
+    @property
+    def context_terms(self) -> tuple[Term, Term]:
+        """The (keys and values, their gradients) terms of ``context_mode``'s collectives."""
+        if self.context_mode == "ring":
+            return Term.CP_KV_RING, Term.CP_KV_RING_GRAD
+        return Term.CP_KV, Term.CP_KV_GRAD
 
     def linears(self) -> list[LinearSpec]:
         """Every linear layer kind of a step, in forward order."""

@@ -78,10 +78,19 @@ def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
         "micro_batches": ask("micro_batches", cfg.micro_batches),
         "zero": ask("zero", cfg.zero),
         "offload": ask("offload", offload),
-        "context_parallel": ask("context_parallel", cfg.context_parallel),
+        # pinned on: the mode --context-parallel-mode names, or both searched where it was left at its default
+        "context_parallel": ask("context_parallel", _split(cfg)),
         "fp8_gather": ask("fp8_gather", fp8),
         "expert_layout": ask("expert_layout", cfg.expert_layout or str(ExpertLayout())),  # pinned "": the default
     }
+
+
+def _split(cfg: TrainConfig) -> bool | str:
+    """What a pinned ``--context-parallel`` asks the planner (``plan(context_parallel=)``): False; the
+    mode ``--context-parallel-mode`` names when given; True (either mode) when it was left as it is."""
+    if not cfg.context_parallel:
+        return False
+    return cfg.context_parallel_mode if cfg.context_parallel_mode != _DEFAULTS["context_parallel_mode"] else True
 
 
 def _offload_indices(cfg: TrainConfig) -> tuple[int, ...]:
@@ -126,6 +135,7 @@ def apply(cfg: TrainConfig, job: JobPlan, choice: Candidate | None = None) -> Tr
         "zero": int(best.option("zero")),
         "offload": ",".join(str(i) for i in range(blocks)) if blocks else "",
         "context_parallel": bool(best.context_parallel),
+        "context_parallel_mode": best.context_mode or _DEFAULTS["context_parallel_mode"],
         "grid": ",".join(str(s) for s in best.shape.as_tuple()),
         "try_plans": 0,  # a named grid: nothing left to try (axon4d.train.trial) nor to price
         "correction": "",
