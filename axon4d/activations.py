@@ -135,8 +135,8 @@ def shard_sequence(x: torch.Tensor, grid: Grid | None = None, documents: Documen
     """This rank's part of full sequences (B, S, ...) under context parallelism: the sequences (dim 0)
     split over data, the tokens of each (dim 1) split head–tail over z — chunks z and 2·G_z−1−z of
     the 2·G_z chunks of S/(2·G_z) tokens. Local slices, differentiable; token ids, targets and
-    activations alike. With ``documents`` (the packed layout of the B rows) each row's two chunks are
-    the ones ``documents.chunks(G_z)`` gives z-rank z (paired by attention work)."""
+    activations alike. With ``documents`` (the packed layout of the B rows) each row's chunks are
+    the ones ``documents.chunks(G_z)`` gives z-rank z (handed out by attention work)."""
     grid = runtime.resolve(grid)
     if x.dim() < 2:
         raise ValueError(

@@ -7,20 +7,20 @@ document's first token. ``Documents`` is the layout of a batch of such sequences
 documents' lengths in order, summing to S — computed once per batch on the host (from the lengths,
 or from the EOS tokens that ``axon4d prepare-data`` puts after every document: ``from_eos``).
 
-Under context parallelism a sequence is cut into 2·G_z chunks of C = S/(2·G_z) tokens and each
-z-rank holds two (the linear layers need the same token count on every rank). Without documents the
-chunks are paired head–tail, (r, 2·G_z−1−r), which gives every rank the same causal work. With
-documents the work of a chunk is the number of (query, key) pairs its queries attend to,
-Σ_{i in chunk} (i − start of i's document + 1), and the pairs are chosen by it (``chunks``):
+Under context parallelism without documents a sequence is cut into 2·G_z chunks paired head–tail,
+(r, 2·G_z−1−r), which gives every z-rank the same causal work. With documents the work of a chunk is
+the number of (query, key) pairs its queries attend to, Σ_{i in chunk} (i − start of i's document
++ 1), and the chunks are handed out by it (``chunks``); every rank still holds as many tokens (the
+linear layers need it):
 
-    order a row's chunks by (work, index); pair the k-th lightest with the k-th heaviest;
-    row by row, give the heaviest pair to the z-rank with the least work so far (ties: the pair
-    with the first chunk first, the rank of lowest index); a rank holds its two in global order.
+    cut each row into n·G_z chunks of C = S/(n·G_z) tokens, n = 4 when 4·G_z divides S, else 2;
+    take a row's chunks heaviest first (ties: lower index first) and give each to the z-rank with
+    the least work so far, rows before included, among those holding fewer than n (ties: lower z);
+    a rank holds its n chunks in global order.
 
-With one document the work grows with the chunk index, every pair carries the same work and the
-rule gives head–tail back exactly. Pairing the lightest with the heaviest minimises the largest
-pair sum of a row; handing the pairs out by load keeps what is left over from adding up over rows. ``balance``
-measures the result: the largest rank's work over the mean.
+With n = 2 and one document this is head–tail (the k-th heaviest chunk goes with the k-th lightest).
+Four chunks per rank give the rule room where one row's documents make a few chunks heavy.
+``balance`` measures the result: the largest rank's work over the mean.
 
 ``spans`` is what the attention kernels run: for one query chunk against one key chunk, the query
 rows and key columns that see each other, each a whole block (every key visible) or a causal square
@@ -71,7 +71,7 @@ class Documents:
             )
         self.lengths: tuple[tuple[int, ...], ...] = tuple(rows)
         self.seq_len = totals.pop()
-        self._chunks: dict[int, tuple[tuple[tuple[int, int], ...], ...]] = {}
+        self._chunks: dict[int, tuple[tuple[tuple[int, ...], ...], ...]] = {}
         self._cache: dict[tuple[object, ...], torch.Tensor] = {}
 
     @classmethod
@@ -140,38 +140,41 @@ class Documents:
         c = self.seq_len // parts
         return (self.positions()[row] + 1).view(parts, c).sum(1).tolist()
 
-    def chunks(self, g_z: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-        """Per row, per z-rank, the two chunk indices (of 2·G_z) it holds, in global order, paired by
-        their work (module docstring). ``ValueError`` unless 2·G_z divides S."""
+    def per_rank(self, g_z: int) -> int:
+        """How many chunks each of ``g_z`` z-ranks holds of a row: 4 when 4·G_z divides S (finer
+        chunks balance better), else 2 (``ValueError`` unless 2·G_z divides S)."""
+        for n in (4, 2):
+            if self.seq_len % (n * g_z) == 0:
+                return n
+        raise ValueError(
+            f"documents of sequences of {self.seq_len} tokens cannot be split over G_z = {g_z}: the sequence is cut "
+            f"into 2·G_z = {2 * g_z} equal chunks or more, so S must be a multiple of {2 * g_z}"
+        )
+
+    def chunks(self, g_z: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Per row, per z-rank, the ``per_rank(G_z)`` chunk indices it holds, in global order, chosen by
+        their attention work (module docstring)."""
         if g_z not in self._chunks:
-            parts = 2 * g_z
-            if self.seq_len % parts:
-                raise ValueError(
-                    f"documents of sequences of {self.seq_len} tokens cannot be split over G_z = {g_z}: the sequence "
-                    f"is cut into 2·G_z = {parts} equal chunks, so S must be a multiple of {parts}"
-                )
-            out = []
+            n = self.per_rank(g_z)
             load = [0] * g_z  # each rank's work over the rows so far
+            out = []
             for row in range(self.batch):
-                work = self.chunk_work(row, parts)
-                order = sorted(range(parts), key=lambda k: (work[k], k))
-                pairs = [tuple(sorted((order[j], order[parts - 1 - j]))) for j in range(g_z)]
-                pairs.sort(key=lambda p: (-(work[p[0]] + work[p[1]]), p[0]))  # heaviest first
-                ranks = sorted(range(g_z), key=lambda z: (load[z], z))  # least loaded first
-                held: list[tuple[int, int]] = [(0, 0)] * g_z
-                for z, (a, b) in zip(ranks, pairs):
-                    held[z] = (a, b)
-                    load[z] += work[a] + work[b]
-                out.append(tuple(held))
+                work = self.chunk_work(row, n * g_z)
+                held: list[list[int]] = [[] for _ in range(g_z)]
+                for k in sorted(range(n * g_z), key=lambda k: (-work[k], k)):  # heaviest first
+                    z = min((z for z in range(g_z) if len(held[z]) < n), key=lambda z: (load[z], z))
+                    held[z].append(k)
+                    load[z] += work[k]
+                out.append(tuple(tuple(sorted(h)) for h in held))
             self._chunks[g_z] = tuple(out)
         return self._chunks[g_z]
 
     def index(self, z: int, g_z: int) -> torch.Tensor:
         """(B, S/G_z) long: the global positions of the tokens z-rank ``z`` holds of each row, in its
-        local order (its first chunk, then its second)."""
+        local order (its chunks in global order)."""
         key = ("index", z, g_z)
         if key not in self._cache:
-            c = self.seq_len // (2 * g_z)
+            c = self.seq_len // (self.per_rank(g_z) * g_z)
             self._cache[key] = torch.stack(
                 [torch.cat([torch.arange(k * c, (k + 1) * c) for k in row[z]]) for row in self.chunks(g_z)]
             )
@@ -211,15 +214,17 @@ class Documents:
 
 
 def balance(documents: Documents, g_z: int, head_tail: bool = False) -> float:
-    """The largest z-rank's attention work over the mean, summed over the rows: under the work-balanced
-    pairing (``Documents.chunks``), or the plain head–tail one with ``head_tail``."""
-    parts = 2 * g_z
+    """The largest z-rank's attention work over the mean, summed over the rows: under the layout
+    ``Documents.chunks`` chooses, or the plain head–tail one (2·G_z chunks) with ``head_tail``."""
     per_rank = [0] * g_z
+    held: list[tuple[int, ...]]
     for row in range(documents.batch):
-        work = documents.chunk_work(row, parts)
-        pairs = [(z, parts - 1 - z) for z in range(g_z)] if head_tail else documents.chunks(g_z)[row]
-        for z, (a, b) in enumerate(pairs):
-            per_rank[z] += work[a] + work[b]
+        if head_tail:
+            work, held = documents.chunk_work(row, 2 * g_z), [(z, 2 * g_z - 1 - z) for z in range(g_z)]
+        else:
+            work, held = documents.chunk_work(row, documents.per_rank(g_z) * g_z), list(documents.chunks(g_z)[row])
+        for z, chunks in enumerate(held):
+            per_rank[z] += sum(work[k] for k in chunks)
     return max(per_rank) / (sum(per_rank) / g_z)
 
 

@@ -142,12 +142,12 @@ Keys = _GlobalKeys | _GatheredKeys
 
 
 def _send_buffer(k: torch.Tensor, v: torch.Tensor, c: int) -> torch.Tensor:
-    """This rank's keys and values (b, hkv, 2·C, d) in the layout the all-gather over z concatenates:
-    (C, 2 chunks, 2 [k, v], b, hkv, d)."""
-    b, h, _, d = k.shape
-    buf = k.new_empty(c, 2, 2, b, h, d)
+    """This rank's keys and values (b, hkv, n·C, d) — its n chunks of C, n = 2 here — in the layout the
+    all-gather over z concatenates: (C, n chunks, 2 [k, v], b, hkv, d)."""
+    b, h, s, d = k.shape
+    buf = k.new_empty(c, s // c, 2, b, h, d)
     for i, t in enumerate((k, v)):
-        buf[:, :, i] = t.unflatten(2, (2, c)).permute(3, 2, 0, 1, 4)
+        buf[:, :, i] = t.unflatten(2, (s // c, c)).permute(3, 2, 0, 1, 4)
     return buf
 
 

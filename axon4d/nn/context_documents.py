@@ -2,8 +2,8 @@
 modes (docs/context.md, "Packed documents").
 
 The layout is the one ``axon4d.data.documents.Documents.chunks`` chose: z-rank r holds, of row i,
-two chunks of C = S/(2·G_z) tokens paired by their attention work (head–tail for one document), in
-global order. The keys and values reach the ranks as in the modes without documents — all-gathered
+n chunks of C = S/(n·G_z) tokens (n = 4, or 2 where 4·G_z does not divide S) handed out by their
+attention work, in global order. The keys and values reach the ranks as in the modes without documents — all-gathered
 over z (``axon4d.nn.context``: the rank's own chunks attended while the gather is in flight) or
 passed around z one rank's at a time (``axon4d.nn.context_ring``: the next shift issued before each
 step's kernels) — so the traffic and the memory are those modes' own.
@@ -39,10 +39,12 @@ from axon4d.nn.context import _send_buffer
 
 #: one held key chunk of one row: (global chunk index, keys, values (1, hkv, C, d))
 Held = tuple[int, torch.Tensor, torch.Tensor]
+#: per row, per z-rank, the chunks it holds (``Documents.chunks``)
+Layout = tuple[tuple[tuple[int, ...], ...], ...]
 
 
 class _Running:
-    """The running output (b, hq, 2·C, d) fp32 and log-sum-exp (b, hq, 2·C) of a rank's query rows."""
+    """The running output (b, hq, n·C, d) fp32 and log-sum-exp (b, hq, n·C) of a rank's query rows."""
 
     def __init__(self, q: torch.Tensor):
         self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -56,18 +58,18 @@ class _Running:
         run_lse.copy_(new)
 
 
-def _parts(docs: Documents, held: list[list[Held]], mine: list[tuple[int, int]], c: int):  # type: ignore[no-untyped-def]
+def _parts(docs: Documents, held: list[list[Held]], mine: list[tuple[int, ...]], c: int):  # type: ignore[no-untyped-def]
     """Every (row, query start, query stop, key chunk's keys and values, span) to attend: row i's
     query chunk h (global index mine[i][h]) against each of its held key chunks."""
     for i, row_held in enumerate(held):
-        for h in range(2):
+        for h in range(len(mine[i])):
             for chunk, k, v in row_held:
                 for qa, qb, ka, kb, causal in docs.spans(i, mine[i][h], chunk, c):
                     yield i, h * c + qa, h * c + qb, k, v, ka, kb, causal
 
 
 def _attend(q: torch.Tensor, docs: Documents, held: list[list[Held]], mine, c: int, run: _Running) -> None:  # type: ignore[no-untyped-def]
-    """Merge into ``run`` the attention of q (b, hq, 2·C, d) against the ``held`` key chunks."""
+    """Merge into ``run`` the attention of q (b, hq, n·C, d) against the ``held`` key chunks."""
     for i, s, e, k, v, ka, kb, causal in _parts(docs, held, mine, c):
         out, lse = kernels.attention_with_lse(q[i : i + 1, :, s:e], k[:, :, ka:kb], v[:, :, ka:kb], causal)
         run.merge(i, s, e, out, lse)
@@ -89,7 +91,7 @@ def _attend_backward(  # type: ignore[no-untyped-def]
     gradients, from the merged ``out`` and ``lse``."""
     for i, row in enumerate(held):
         for (chunk, k, v), (_, dk, dv) in zip(row, grads[i]):
-            for h in range(2):
+            for h in range(len(mine[i])):
                 for qa, qb, ka, kb, causal in docs.spans(i, mine[i][h], chunk, c):
                     s, e = h * c + qa, h * c + qb
                     rows = (slice(i, i + 1), slice(None), slice(s, e))
@@ -101,31 +103,31 @@ def _attend_backward(  # type: ignore[no-untyped-def]
                     dv[:, :, ka:kb] += dv_p
 
 
-def _local(k: torch.Tensor, v: torch.Tensor, chunks: list[tuple[int, int]], c: int) -> list[list[Held]]:
-    """Each row's own two chunks of (b, hkv, 2·C, d) keys and values."""
+def _local(k: torch.Tensor, v: torch.Tensor, chunks: list[tuple[int, ...]], c: int) -> list[list[Held]]:
+    """Each row's own chunks ``chunks[i]`` of (b, hkv, n·C, d) keys and values."""
     return [
-        [(chunks[i][h], k[i : i + 1, :, h * c : (h + 1) * c], v[i : i + 1, :, h * c : (h + 1) * c]) for h in range(2)]
-        for i in range(k.shape[0])
+        [(at, k[i : i + 1, :, h * c : (h + 1) * c], v[i : i + 1, :, h * c : (h + 1) * c]) for h, at in enumerate(row)]
+        for i, row in enumerate(chunks)
     ]
 
 
-def _gathered(buf: torch.Tensor, layout: tuple[tuple[tuple[int, int], ...], ...], ranks: list[int]) -> list[list[Held]]:
-    """Each row's chunks of z-ranks ``ranks`` in the all-gather's buffer (G_z·C, 2 chunks, 2 [k, v],
+def _gathered(buf: torch.Tensor, layout: Layout, ranks: list[int]) -> list[list[Held]]:
+    """Each row's chunks of z-ranks ``ranks`` in the all-gather's buffer (G_z·C, n chunks, 2 [k, v],
     b, hkv, d) (``axon4d.nn.context._send_buffer``): views, (1, hkv, C, d) each."""
     c = buf.shape[0] // len(layout[0])
     out: list[list[Held]] = []
     for i, row in enumerate(layout):
         held = []
         for o in ranks:
-            for h in range(2):
+            for h in range(len(row[o])):
                 rows = buf[o * c : (o + 1) * c, h, :, i]  # (C, 2, hkv, d)
                 held.append((row[o][h], rows[:, 0].permute(1, 0, 2)[None], rows[:, 1].permute(1, 0, 2)[None]))
         out.append(held)
     return out
 
 
-def _ring_held(kv: torch.Tensor, layout: tuple[tuple[tuple[int, int], ...], ...], o: int, c: int) -> list[list[Held]]:
-    """Each row's two chunks of z-rank ``o`` in a travelling (2, b, hkv, 2·C, d) buffer."""
+def _ring_held(kv: torch.Tensor, layout: Layout, o: int, c: int) -> list[list[Held]]:
+    """Each row's chunks of z-rank ``o`` in a travelling (2, b, hkv, n·C, d) buffer."""
     return _local(kv[0], kv[1], [row[o] for row in layout], c)
 
 
@@ -143,8 +145,8 @@ def _ring_forward(q: torch.Tensor, kv: torch.Tensor, docs: Documents, grid: Grid
 
 
 class _DocumentAttention(torch.autograd.Function):
-    """Causal attention within documents of a rank's two query chunks per row (module docstring):
-    q (b, hq, 2·C, d), k and v (b, hkv, 2·C, d), in the layout ``docs.chunks(G_z)``."""
+    """Causal attention within documents of a rank's n query chunks per row (module docstring):
+    q (b, hq, n·C, d), k and v (b, hkv, n·C, d), in the layout ``docs.chunks(G_z)``."""
 
     @staticmethod
     def forward(
@@ -157,12 +159,12 @@ class _DocumentAttention(torch.autograd.Function):
         ring: bool,
         recompute: bool,
     ) -> torch.Tensor:
-        c = q.shape[2] // 2
         z, g_z = grid.coord("z"), grid.size("z")
         layout = docs.chunks(g_z)
+        c = q.shape[2] // docs.per_rank(g_z)
         mine = [row[z] for row in layout]
         if ring:
-            held = torch.stack([k, v])  # (2, b, hkv, 2·C, d): what travels
+            held = torch.stack([k, v])  # (2, b, hkv, n·C, d): what travels
             run = _ring_forward(q, held, docs, grid, c)
         else:
             gathering = grid.comm.all_gather(_send_buffer(k, v, c), "z", dim=0, tag=Term.CP_KV)
@@ -183,6 +185,7 @@ class _DocumentAttention(torch.autograd.Function):
         grid, docs, c = ctx.grid, ctx.docs, ctx.c
         q, held, *kept = ctx.saved_tensors
         z, g_z = grid.coord("z"), grid.size("z")
+        n = docs.per_rank(g_z)
         layout = docs.chunks(g_z)
         mine = [row[z] for row in layout]
         if ctx.recompute:
@@ -203,13 +206,13 @@ class _DocumentAttention(torch.autograd.Function):
                 grad, q, out, lse, docs, _gathered(held, layout, others), _gathered(dbuf, layout, others), mine, c, dq
             )
             scattering = grid.comm.reduce_scatter(dbuf, "z", dim=0, tag=Term.CP_KV_GRAD)
-            own = _gathered(held, layout, [z])  # this rank's own two chunks, read from the buffer
-            dk = torch.zeros(held.shape[3], held.shape[4], 2 * c, held.shape[5], dtype=held.dtype, device=held.device)
+            own = _gathered(held, layout, [z])  # this rank's own chunks, read from the buffer
+            dk = torch.zeros(held.shape[3], held.shape[4], n * c, held.shape[5], dtype=held.dtype, device=held.device)
             dv = torch.zeros_like(dk)
             _attend_backward(grad, q, out, lse, docs, own, _local(dk, dv, mine, c), mine, c, dq)
-            mine_grads = scattering.wait()  # (C, 2 chunks, 2 [k, v], b, hkv, d): this rank's tokens
-            dk.unflatten(2, (2, c)).add_(mine_grads[:, :, 0].permute(2, 3, 1, 0, 4))
-            dv.unflatten(2, (2, c)).add_(mine_grads[:, :, 1].permute(2, 3, 1, 0, 4))
+            mine_grads = scattering.wait()  # (C, n chunks, 2 [k, v], b, hkv, d): this rank's tokens
+            dk.unflatten(2, (n, c)).add_(mine_grads[:, :, 0].permute(2, 3, 1, 0, 4))
+            dv.unflatten(2, (n, c)).add_(mine_grads[:, :, 1].permute(2, 3, 1, 0, 4))
             return dq, dk, dv, None, None, None, None
         kv = held
         carried = None  # the accumulator of the held keys' gradients, arriving from z − 1
@@ -226,7 +229,7 @@ class _DocumentAttention(torch.autograd.Function):
             if arriving is not None:
                 kv = arriving.wait()
         assert carried is not None
-        own_grads = carried.wait()  # (2, b, hkv, 2·C, d): every rank's contributions to this rank's keys
+        own_grads = carried.wait()  # (2, b, hkv, n·C, d): every rank's contributions to this rank's keys
         return dq, own_grads[0], own_grads[1], None, None, None, None
 
 
@@ -239,16 +242,12 @@ def document_sequence_attention(
     ring: bool = False,
     recompute_core: bool = False,
 ) -> torch.Tensor:
-    """softmax(q kᵀ/√d) v, causal within ``documents``, for this rank's two chunks per row of packed
+    """softmax(q kᵀ/√d) v, causal within ``documents``, for this rank's n chunks per row of packed
     sequences split over z in ``documents.chunks(G_z)``'s layout (``shard_sequence(x,
-    documents=...)``): q (b, hq, 2·C, d), k and v (b, hkv, 2·C, d), positions applied (rotary at
+    documents=...)``): q (b, hq, n·C, d), k and v (b, hkv, n·C, d), positions applied (rotary at
     in-document positions); ``documents`` has this rank's b rows. The keys and values are all-gathered
-    over z or, with ``ring``, passed around z (module docstring). Returns (b, hq, 2·C, d)."""
-    if q.shape[2] % 2:
-        raise ValueError(
-            f"a rank holds {q.shape[2]} tokens per sequence, but under context parallelism it holds two equal "
-            "chunks (an even count): shard the sequences with axon4d.activations.shard_sequence"
-        )
+    over z or, with ``ring``, passed around z (module docstring). Returns (b, hq, n·C, d)."""
     kernels.query_groups(q, k)
     documents.check(q.shape[0], q.shape[2] * grid.size("z"), "the attention's query rows")
+    documents.per_rank(grid.size("z"))  # checks the split, before any collective
     return _DocumentAttention.apply(q, k, v, grid, documents, ring, recompute_core)
