@@ -109,6 +109,11 @@ def _hf_checkpoint_tensors(
                 f"has {tuple(p.shape)}: the checkpoint is not of that model"
             )
         out.append(entry)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for name in model.state_dict():  # saved buffers: an MoE block's routing bias (DeepSeek-V3's)
+        moe = saved_sources(name, saved) if name not in params else None
+        if moe is not None:
+            out.append(stacked(name, [(prefix + k, saved[k]) for k in moe[0]], False, moe[1]))
     return config, out
 
 

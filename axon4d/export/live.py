@@ -65,15 +65,21 @@ def _parallelized_tensors(model: nn.Module) -> list[Exported]:
         conv1d = isinstance(wrapper, ShardedLinear) and wrapper.conv1d_class is not None and p_name == "weight"
         parts = list(layouts[name].saved_tensors(name).items())
         out.append(stacked(f"{dense}.{p_name}" if dense else p_name, parts, conv1d))
-    for block in blocks:  # as transformers keeps them: fused [gate | up] experts, down, the router
+    buffers = []
+    for name, buf in _persistent_buffers(model):
+        if any(name.startswith(f"{b}.moe.") for b in blocks):  # DeepSeek-V3's routing bias: under the router's name
+            moe_saved[name] = tuple(buf.shape)
+        else:
+            buffers.append(stacked(name, [(name, tuple(buf.shape))], False))
+    for block in blocks:  # as transformers keeps them: fused [gate | up] experts, down, the router (its bias)
         for rel in HF_TENSORS:
             found = saved_sources(f"{block}.{rel}", moe_saved)
+            if found is None and rel.endswith("e_score_correction_bias"):
+                continue  # only DeepSeek-V3's blocks hold one
             assert found is not None  # every HFMoEBlock holds a router and gated experts
             keys, dim = found
             out.append(stacked(f"{block}.{rel}", [(k, moe_saved[k]) for k in keys], False, dim))
-    for name, buf in _persistent_buffers(model):
-        out.append(stacked(name, [(name, tuple(buf.shape))], False))
-    return out
+    return out + buffers
 
 
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

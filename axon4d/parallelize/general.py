@@ -24,9 +24,9 @@ def general_linears(
     """
     linears: dict[str, LinearStyle] = {}
     skipped: dict[str, str] = {}
-    whole: list[str] = []  # prefixes whose linear layers are left alone
+    whole: list[str] = sorted(taken)  # prefixes whose linear layers are left alone (a replaced module's too)
     for name, m in model.named_modules():
-        if name in taken or owned_by_axon4d(m) or within(name, whole):
+        if owned_by_axon4d(m) or within(name, whole):
             continue
         if is_linear(m):
             problem = linear_problem(name, m, False, grid, users)

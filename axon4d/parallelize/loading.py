@@ -263,7 +263,8 @@ def _load_moe_blocks(
 
     for name, block in moe_blocks(model):
         for (module, p_name), reads in moe_loading.block_reads(name, block, find, grid).items():
-            p = module._parameters[p_name]
+            buffer = p_name in module._buffers  # DeepSeek-V3's routing bias
+            p = module._buffers[p_name] if buffer else module._parameters[p_name]
             assert p is not None
             local = torch.empty(p.shape, dtype=p.dtype, device=device) if p.is_meta else p.detach()
             for r in reads:
@@ -273,7 +274,9 @@ def _load_moe_blocks(
                         f"checkpoint tensor {r.tensor} has shape {tuple(sl.get_shape())}, the model needs {r.shape}"
                     )
                 local[r.dest].copy_(sl[r.index])
-            if p.is_meta:
+            if p.is_meta and buffer:
+                module._buffers[p_name] = local
+            elif p.is_meta:
                 tiled_init.replace_parameter_(module, p_name, local)
 
 

@@ -41,6 +41,7 @@ from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.nn.moe_experts import check_layout
+from axon4d.parallelize import deepseek
 from axon4d.parallelize.dense import to_dense
 from axon4d.parallelize.layers import linear_problem, owned_by_axon4d, sharded_norm_builder
 from axon4d.parallelize.moe_aux import HFMoE, RouterAux
@@ -61,20 +62,18 @@ MODELS = {
     "Qwen3MoeForCausalLM": ("Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeSparseMoeBlock"),
     "Qwen2MoeForCausalLM": ("Qwen2MoeModel", "Qwen2MoeDecoderLayer", "Qwen2MoeSparseMoeBlock"),
     "OlmoeForCausalLM": ("OlmoeModel", "OlmoeDecoderLayer", "OlmoeSparseMoeBlock"),
+    deepseek.CLASSES[0]: deepseek.CLASSES[1:4],
 }
 #: the dense MLP class of a family's non-MoE layers
-DENSE_MLPS = ("Qwen3MoeMLP", "MixtralMLP", "Qwen2MoeMLP", "OlmoeMLP")
+DENSE_MLPS = ("Qwen3MoeMLP", "MixtralMLP", "Qwen2MoeMLP", "OlmoeMLP", deepseek.CLASSES[4])
 #: what the refusal of an unsupported MoE model lists
 SUPPORTED = (
-    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (its sigmoid-gated shared expert) and "
-    "OlmoeForCausalLM (softmax top-k routers, renormalised or not, SiLU-gated experts, style='sharded')"
+    "MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM (its sigmoid-gated shared expert), "
+    "OlmoeForCausalLM (softmax top-k routers, renormalised or not) and DeepseekV3ForCausalLM (MLA, grouped sigmoid "
+    "routing with its fixed correction bias, a shared expert; SiLU-gated experts, style='sharded')"
 )
 #: why a known MoE family is refused: what of it is not implemented
 REFUSED = {
-    "DeepseekV3ForCausalLM": (
-        "its multi-head latent attention (MLA: low-rank q_a/kv_a projections, a decoupled rotary key) is not "
-        "implemented, and its grouped sigmoid routing with e_score_correction_bias is not loaded from transformers"
-    ),
     "GptOssForCausalLM": "its experts (biased, clamped SwiGLU), biased router and attention sinks are not implemented",
 }
 #: config fields by which a Hugging Face config says its model has routed experts
@@ -85,22 +84,28 @@ def moe_config(config: Any, n_moe_layers: int) -> ModelConfig:
     """The ``ModelConfig`` of one sparse MoE block of a Mixtral or Qwen3-MoE ``config`` (only the
     fields ``MoE`` reads are meaningful)."""
     mixtral = config.model_type == "mixtral"
-    e = int(config.num_local_experts if mixtral else config.num_experts)
     k = int(config.num_experts_per_tok)
-    ffn = int(config.intermediate_size if mixtral or config.model_type == "olmoe" else config.moe_intermediate_size)
+    fields: dict[str, Any]
+    if config.model_type == "deepseek_v3":
+        fields = deepseek.moe_fields(config)
+    else:
+        ffn = int(config.intermediate_size if mixtral or config.model_type == "olmoe" else config.moe_intermediate_size)
+        fields = dict(
+            n_experts=int(config.num_local_experts if mixtral else config.num_experts),
+            ffn_hidden=ffn,
+            expert_ffn=ffn,
+            router_topk_norm=True if mixtral else bool(config.norm_topk_prob),
+        )
     return ModelConfig(
         n_layers=1,
         hidden=int(config.hidden_size),
         n_heads=1,
         arch="llama",
-        ffn_hidden=ffn,
-        n_experts=e,
         experts_per_token=k,
-        expert_ffn=ffn,
-        router_topk_norm=True if mixtral else bool(config.norm_topk_prob),
         moe_aux_coef=0.0,  # transformers' pooled balance loss instead: ``RouterAux``
         moe_z_coef=0.0,
         name=str(config.model_type),
+        **fields,
     )
 
 
@@ -109,6 +114,8 @@ def is_sparse_layer(config: Any, i: int) -> bool:
     (Qwen3-MoE: not in ``mlp_only_layers`` and (i + 1) divisible by ``decoder_sparse_step``)."""
     if config.model_type in ("mixtral", "olmoe"):
         return True
+    if config.model_type == "deepseek_v3":
+        return deepseek.is_sparse_layer(config, i)
     step = int(getattr(config, "decoder_sparse_step", 1) or 1)
     return i not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0 and (i + 1) % step == 0
 
@@ -145,6 +152,9 @@ def check_supported(model: nn.Module, style: str) -> None:
         raise _refuse(model, f"hidden_act {config.hidden_act!r}: the grid's experts are SiLU-gated")
     if float(getattr(config, "router_jitter_noise", 0.0) or 0.0):
         raise _refuse(model, f"router_jitter_noise = {config.router_jitter_noise} is not implemented; set it to 0")
+    why = deepseek.refusal(config) if name == deepseek.CLASSES[0] else None
+    if why:
+        raise _refuse(model, why)
 
 
 class HFMoEBlock(nn.Module):
@@ -158,6 +168,9 @@ class HFMoEBlock(nn.Module):
         w = block.gate.weight
         self.moe = HFMoE(cfg, grid=grid, device=w.device, dtype=w.dtype, layout=layout)
         self.template = [original]
+        bias = getattr(block.gate, "e_score_correction_bias", None)  # DeepSeek-V3: fixed, ranks the choice only
+        if bias is not None:  # the balancing bias of moe_router.choose, never moved (moe_bias_update_rate 0)
+            self.moe.register_buffer("expert_bias", bias.detach().clone().float())
         if not w.is_meta:
             self.moe.load_dense_(self.dense_of(block, cfg))
 
@@ -206,6 +219,9 @@ class HFMoEBlock(nn.Module):
                 ga = a.grad if a.grad is not None else torch.zeros_like(a)
                 gb = None if b is None else (b.grad if b.grad is not None else torch.zeros_like(b))
                 target.grad = ga.clone() if gb is None else torch.cat([ga, gb], dim=1)
+        bias = getattr(hf.gate, "e_score_correction_bias", None)
+        if bias is not None and self.moe.expert_bias is not None:
+            hf.gate.e_score_correction_bias = self.moe.expert_bias.detach().clone().to(bias.dtype)
         return block
 
 
@@ -232,6 +248,22 @@ class GatedSharedMoEBlock(HFMoEBlock):
         }
 
 
+class SharedMoEBlock(HFMoEBlock):
+    """DeepSeek-V3's sparse block: the routed experts (``HFMoEBlock``) plus its shared experts, one
+    dense ``DeepseekV3MLP`` every token passes through, its linears chained as Llama's MLP."""
+
+    def __init__(self, original: nn.Module, cfg: ModelConfig, grid: Grid, layout: ExpertLayout | None = None):
+        super().__init__(original, cfg, grid, layout)
+        self.shared_experts = cast(Any, original).shared_experts  # its linears replaced by the style
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.moe(hidden_states) + self.shared_experts(hidden_states)
+
+    def _dense_parts(self, grads: bool) -> dict[int, Any]:
+        hf = cast(Any, self.template[0])
+        return {id(hf.shared_experts): to_dense(self.shared_experts, grads=grads)}
+
+
 def sharded_style(name: str, m: nn.Module, grid: Grid, layout: ExpertLayout | str | None = None) -> BlockStyle | None:
     """A Mixtral or Qwen3-MoE causal LM with its residual stream split over x (module docstring):
     attention and dense MLPs as Llama's, every sparse MoE block an ``HFMoEBlock`` whose experts
@@ -256,7 +288,11 @@ def sharded_style(name: str, m: nn.Module, grid: Grid, layout: ExpertLayout | st
 
     def moe_block(block: nn.Module) -> nn.Module:
         kind = GatedSharedMoEBlock if hasattr(block, "shared_expert") else HFMoEBlock
+        kind = SharedMoEBlock if hasattr(block, "shared_experts") else kind
         return kind(block, mcfg, grid, lay)
+
+    def mla(n: nn.Module) -> nn.Module:
+        return deepseek.HFMLA(n, grid)
 
     def head_norm(n: nn.Module) -> nn.Module:
         return HeadNorm(n, grid)
@@ -283,9 +319,12 @@ def sharded_style(name: str, m: nn.Module, grid: Grid, layout: ExpertLayout | st
             users.setdefault(id(q), []).append(mod_name)
     for i, layer in enumerate(body.layers):
         p = f"model.layers.{i}"
-        attn = [f"{p}.self_attn.{c}" for c in ("q_proj", "k_proj", "v_proj")]
-        style.linears.update(dict.fromkeys(attn, NORMAL_SPLIT))
-        style.linears[f"{p}.self_attn.o_proj"] = TRANSPOSED_SPLIT
+        if hasattr(layer.self_attn, "kv_a_proj_with_mqa"):  # DeepSeek-V3's multi-head latent attention
+            style.replace[f"{p}.self_attn"] = mla
+        else:
+            attn = [f"{p}.self_attn.{c}" for c in ("q_proj", "k_proj", "v_proj")]
+            style.linears.update(dict.fromkeys(attn, NORMAL_SPLIT))
+            style.linears[f"{p}.self_attn.o_proj"] = TRANSPOSED_SPLIT
         style.replace.update({f"{p}.input_layernorm": norm, f"{p}.post_attention_layernorm": norm})
         for qk in ("q_norm", "k_norm"):
             if hasattr(layer.self_attn, qk):  # per head (Qwen3-MoE) or over all heads (OLMoE)
@@ -298,6 +337,10 @@ def sharded_style(name: str, m: nn.Module, grid: Grid, layout: ExpertLayout | st
                 style.linears.update({f"{shared}.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
                 style.linears[f"{shared}.down_proj"] = TRANSPOSED_SPLIT
                 style.replace[f"{p}.mlp.shared_expert_gate"] = shared_gate
+            if hasattr(layer.mlp, "shared_experts"):  # DeepSeek-V3: chained as a dense MLP, no gate
+                shared = f"{p}.mlp.shared_experts"
+                style.linears.update({f"{shared}.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
+                style.linears[f"{shared}.down_proj"] = TRANSPOSED_SPLIT
         elif type(layer.mlp).__name__ in DENSE_MLPS:
             style.linears.update({f"{p}.mlp.{c}": NORMAL_SPLIT for c in ("gate_proj", "up_proj")})
             style.linears[f"{p}.mlp.down_proj"] = TRANSPOSED_SPLIT
@@ -318,6 +361,7 @@ HF_TENSORS: dict[str, tuple[tuple[str, ...], int]] = {
     "gate.weight": (("moe.router.weight",), 0),
     "experts.gate_up_proj": (("moe.experts.up.gate", "moe.experts.up.up"), 1),
     "experts.down_proj": (("moe.experts.down",), 0),
+    "gate.e_score_correction_bias": (("moe.expert_bias",), 0),  # DeepSeek-V3's routing bias: a buffer
 }
 
 

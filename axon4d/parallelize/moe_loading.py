@@ -57,8 +57,8 @@ def _block_name(name: str, find: Callable[[str], str | None]) -> str:
 def block_reads(
     name: str, block: HFMoEBlock, find: Callable[[str], str | None], grid: Grid
 ) -> dict[tuple[nn.Module, str], list[Read]]:
-    """{(module, parameter name): reads} filling this rank's router columns and experts of the
-    ``HFMoEBlock`` called ``name``. ``find(tensor)`` is the name the checkpoint holds ``tensor``
+    """{(module, parameter or buffer name): reads} filling this rank's router columns and experts of
+    the ``HFMoEBlock`` called ``name`` (and DeepSeek-V3's routing bias, ``expert_bias``, whole). ``find(tensor)`` is the name the checkpoint holds ``tensor``
     under (the base model's prefix resolved), None if it holds none."""
     moe, ex = block.moe, block.moe.experts
     saved = _block_name(name, find)
@@ -98,4 +98,9 @@ def block_reads(
             down.append(Read((li,), d, (cols, rows), (hidden, ffn)))
     out[(ex, "up")] = up
     out[(ex, "down")] = down
+    bias = find(f"{saved}.gate.e_score_correction_bias")
+    if moe.expert_bias is not None:  # DeepSeek-V3's fixed routing bias (E,), whole: a buffer
+        if bias is None:
+            raise KeyError(f"the checkpoint holds no {saved}.gate.e_score_correction_bias (MoE block {name}'s bias)")
+        out[(moe, "expert_bias")] = [Read((slice(None),), bias, (slice(None),), (e_all,))]
     return out

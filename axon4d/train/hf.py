@@ -7,7 +7,7 @@ or shards with their index), maybe the tokenizer's files. Three pieces:
   FLOPs and MFU, the banner, the data (vocabulary, sequence length), a resume's checks and the
   planner of ``--grid auto``. Llama-family and GPT-2 configurations are read field by field
   (``PLANNED_TYPES``); other families through the common names, as an approximation the planner
-  does not price. Mixtral, Qwen3-MoE, Qwen2-MoE and OLMoE (``MOE_TYPES``) add their experts' fields (one sparse
+  does not price. Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE and DeepSeek-V3 (``MOE_TYPES``) add their experts' fields (one sparse
   block's: ``axon4d.parallelize.moe.moe_config``), so the job logs its tokens per expert. The sequence length defaults to the model's positions, at most ``DEFAULT_SEQ_LEN``.
 - ``build(path, cfg, grid, ...)``: the model built on the meta device from its configuration
   (``AutoModelForCausalLM.from_config``, fp32 master weights), parallelized there
@@ -47,7 +47,7 @@ from axon4d.parallelize.layers import ShardedLinear
 #: the model types whose configuration is read exactly and whose parallel style the planner prices
 PLANNED_TYPES = ("llama", "gpt2")
 #: the Mixture-of-Experts model types whose configuration carries its experts into the run's ModelConfig
-MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3")
 #: the sequence length of a run that gives none: the model's positions, but at most this
 DEFAULT_SEQ_LEN = 2048
 #: the file ``save_pretrained`` writes the configuration to
@@ -136,8 +136,13 @@ def _with_experts(config: Any, cfg: ModelConfig) -> ModelConfig:
         return cfg
     sparse = sum(1 for i in range(config.num_hidden_layers) if moe.is_sparse_layer(config, i))
     block = moe.moe_config(config, sparse)
-    fields = ("n_experts", "experts_per_token", "expert_ffn", "router_topk_norm", "moe_aux_coef", "moe_z_coef")
-    return dataclasses.replace(cfg, **{f: getattr(block, f) for f in fields})
+    fields: tuple[str, ...] = ("n_experts", "experts_per_token", "expert_ffn", "router_topk_norm", "moe_aux_coef")
+    fields += ("moe_z_coef",)
+    fields += ("router_scoring", "n_groups", "topk_groups", "routed_scaling_factor")  # DeepSeek-V3's, else off
+    values: dict[str, Any] = {f: getattr(block, f) for f in fields}
+    if config.model_type == "deepseek_v3":  # its dense first blocks and its shared experts
+        values.update(first_k_dense=int(config.first_k_dense_replace or 0), shared_experts=int(config.n_shared_experts))
+    return dataclasses.replace(cfg, **values)
 
 
 class HFCausalLM(nn.Module):

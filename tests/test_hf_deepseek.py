@@ -1,0 +1,196 @@
+"""Protects DeepSeek-V3 from Hugging Face under ``auto_parallelize`` (axon4d/parallelize/deepseek.py:
+``HFMLA``; axon4d/parallelize/moe.py: ``SharedMoEBlock``, the routing bias; docs/moe.md).
+
+A tiny random ``DeepseekV3ForCausalLM`` — a dense first block, 8 routed experts in 4 groups of which a
+token keeps 2 (top-2 experts), a non-zero ``e_score_correction_bias``, ``routed_scaling_factor``
+2.5, a shared expert, MLA with a q latent (``q_lora_rank``) or a plain ``q_proj`` and interleaved
+rotary features — is parallelized on grids of 4 ranks and must equal transformers' model in one
+process, fp32, to 1e-5: logits, loss, every parameter's gradient under its own name (``to_dense``)
+and the dense copy's logits. Then the round trip: ``axon4d train --hf`` of a saved model for 2 steps
+equals the one-process run, ``axon4d export-hf`` of its checkpoint loads with ``from_pretrained``
+holding the trained weights and the routing bias, and its logits are the trained model's.
+"""
+
+import copy
+
+import pytest
+import torch
+from test_hf_moe_families import BATCH, SEQ, TOL, VOCAB, _dense_after, _train, rel_err
+
+import axon4d
+from axon4d.parallelize import auto_parallelize, to_dense
+from axon4d.parallelize.deepseek import HFMLA
+from axon4d.parallelize.moe import SharedMoEBlock, check_supported
+
+
+def _model(q_lora_rank, vocab=VOCAB, seed=0):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=12,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # norms, router and bias away from their trivial values: slices must matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.2)
+    return model
+
+
+def _compare(grid, q_lora_rank, out_dir=None):
+    model = _model(q_lora_rank)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    par = auto_parallelize(model)
+    kinds = (
+        sum(isinstance(m, HFMLA) for m in par.modules()),
+        sum(isinstance(m, SharedMoEBlock) for m in par.modules()),
+    )
+    local = axon4d.shard_batch(ids)
+    out = par(input_ids=local, labels=local, use_cache=False)
+    out.loss.backward()
+    rout = ref(input_ids=ids, labels=ids, use_cache=False)
+    rout.loss.backward()
+    errs = {"logits": rel_err(axon4d.gather_batch(out.logits), rout.logits)}
+    errs["loss"] = rel_err(axon4d.gather_batch(out.loss.detach().reshape(1)).mean(), rout.loss)
+    dense = to_dense(par, grads=True)
+    got = dict(dense.named_parameters())
+    assert set(got) == set(dict(ref.named_parameters())), "to_dense must give transformers' parameter names"
+    for name, p in ref.named_parameters():
+        errs[name] = rel_err(got[name], p)
+        errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    errs["bias"] = rel_err(dense.state_dict()[bias], ref.state_dict()[bias])
+    with torch.no_grad():
+        errs["dense_copy_logits"] = rel_err(dense(input_ids=ids, use_cache=False).logits, rout.logits)
+    stepped = None
+    if out_dir is not None:  # the live export after an SGD step: the logits from_pretrained must give
+        from axon4d.export import save_pretrained_
+
+        with torch.no_grad():
+            for p in par.parameters():
+                p -= 0.5 * p.grad
+            save_pretrained_(par, out_dir)
+            stepped = to_dense(par)(input_ids=ids, use_cache=False).logits
+            assert rel_err(stepped, rout.logits) > 1e-3  # the step changed the model
+    return errs, kinds, stepped
+
+
+@pytest.mark.parametrize("grid,q_lora_rank", [((2, 2, 1, 1), 24), ((1, 2, 2, 1), None)])
+def test_deepseek_v3_matches_transformers(pools, tmp_path, grid, q_lora_rank):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "live") if q_lora_rank is None else None  # one grid also exports live
+    results = pools(4).run(grid, _compare, q_lora_rank, out)
+    for rank, (errs, kinds, _) in enumerate(results):
+        assert kinds == (2, 1)  # MLA in both blocks, the second sparse
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, f"{grid} q_lora_rank={q_lora_rank} rank {rank}: {worst} {errs[worst]:.2e}"
+    if out is not None:
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert torch.equal(exported.state_dict()[bias], _model(None).state_dict()[bias])
+        with torch.no_grad():
+            assert rel_err(exported(input_ids=ids, use_cache=False).logits, results[0][2]) <= TOL
+
+
+def test_deepseek_v3_refuses_what_is_not_built():
+    from transformers import DeepseekV3ForCausalLM
+
+    config = _model(24).config
+    config.rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "mscale_all_dim": 1.0,
+    }
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM: rope_parameters rope_type 'yarn'"):
+        check_supported(model, "sharded")  # what auto_parallelize asks first, the same on every rank
+
+
+def test_train_hf_export_round_trip(pools, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from axon4d.data.tokens import SyntheticTokens
+    from axon4d.export.from_checkpoint import export_checkpoint
+    from axon4d.train import hf
+
+    vocab, seq, grid = 320, 16, "2,1,1,2"
+    path = str(tmp_path / "deepseek")
+    _model(24, vocab).save_pretrained(path)
+    cfg = hf.model_config(path, seq)
+    assert (cfg.n_experts, cfg.n_groups, cfg.topk_groups, cfg.first_k_dense, cfg.router_scoring) == (
+        8,
+        4,
+        2,
+        1,
+        "sigmoid",
+    )
+    job = dict(
+        hf=path,
+        grid=grid,
+        seq_len=seq,
+        batch_size=4,
+        micro_batches=2,
+        steps=2,
+        warmup_steps=1,
+        lr=1e-2,
+        out_dir=str(tmp_path / "run"),
+        progress=False,
+        peak_tflops=1.0,
+        compare_single=True,
+    )
+    got = pools(4).run(None, _train, job)[0]
+    assert got["max_rel_diff"] < 1e-5 and len(got["single_process_losses"]) == 2
+    original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    first = SyntheticTokens(vocab, seq, seed=0).batch(0, 8)
+    with torch.no_grad():
+        assert got["losses"][0] == pytest.approx(original(input_ids=first, labels=first).loss.item(), rel=1e-6)
+    ckpt = str(tmp_path / "run" / "checkpoints" / "step_2")
+    export_checkpoint(ckpt, str(tmp_path / "exported"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32).eval()
+    trained = pools(4).run(tuple(int(g) for g in grid.split(",")), _dense_after, path, seq, ckpt)[0]
+    state = exported.state_dict()
+    assert set(state) == set(trained)
+    for name, value in trained.items():
+        assert torch.equal(state[name], value), name
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(state[bias], original.state_dict()[bias])  # fixed, as transformers keeps it
+    for tuned in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.kv_b_proj.weight"):
+        assert not torch.equal(state[tuned], original.state_dict()[tuned])  # fine-tuned
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.load_state_dict(trained)
+    with torch.no_grad():
+        assert rel_err(exported(input_ids=first).logits, model(input_ids=first).logits) <= TOL
