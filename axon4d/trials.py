@@ -1,19 +1,28 @@
 """Plan, then measure: build each of the planner's best few plans in turn, time a few steps of each,
-tear it down, and take the fastest measured (docs/planner.md#trying-the-top-plans).
+tear it down, and take the planner's first unless another is faster beyond the measured spread
+(docs/planner.md#trying-the-top-plans).
 
 ``try_plans`` does it for a library user's model: the caller gives a builder that makes the model,
 its optimizer and one training step on a plan's grid (a ``Trial``); the training job's ``--try``
 (``axon4d.train.trial``) runs the same trials (``run``) with its own model, step and data.
 
-Each plan is built with ``axon4d.init`` on its grid and overlap knobs, stepped ``WARMUP`` times
-untimed (the second tracked for its peak memory, ``axon4d.memory.peakmem.peak_bytes``) and ``steps``
-times timed, and torn down: ``axon4d.shutdown`` destroys the grid's process groups, the trial's
-objects are dropped and collected, the accelerator's cached memory released. A plan whose build
-or steps fail (out of memory, a refused option) is skipped with its reason: the ranks agree on each
-plan's outcome and times in one all-gather over the world's default group (which outlives the
-grids) through the communication layer, so every rank skips and chooses alike. A rank left waiting
-in a collective another rank will not join ends by the watchdog's deadline (``timeout_s``). The
-host's random state is restored after the trials.
+Plans are timed in interleaved repeats: ``rounds`` rounds, each trying every plan in the planner's
+order. Each try builds the plan with ``axon4d.init`` on its grid and overlap knobs, steps it
+untimed (round 1: ``WARMUP`` steps, the second tracked for its peak memory,
+``axon4d.memory.peakmem.peak_bytes``; later rounds one) and ``steps`` times timed, and tears it
+down: ``axon4d.shutdown`` destroys the grid's process groups, the trial's objects are dropped and
+collected, the accelerator's cached memory released. A plan's time is the median of its rounds
+(each round's: the slowest rank's median step); ``choose`` keeps the planner's first plan that ran
+unless another's slowest round beat its fastest.
+
+Each try runs in a world of its own (``axon4d.reliability.fence``): a plan whose build or steps fail
+on any rank (out of memory mid-step, a refused option) is skipped with the reason of the rank that
+failed first, and not tried again. That rank says so on the job's store and tears its grid down,
+which frees every rank blocked in a collective with it within seconds; all count themselves out
+on the store, then agree on each try's outcome and times in one all-gather over the job's default
+group (which outlives the grids and never carries a trial's collectives) through the
+communication layer, so every rank skips and chooses alike. The host's random state is restored
+after the trials. ``$AXON4D_TRIAL_OOM`` (a test's hook) plants an out-of-memory mid-step.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -39,11 +49,16 @@ from axon4d.grid.shape import GridShape
 from axon4d.memory.peakmem import peak_bytes
 from axon4d.plan.auto import ranked
 from axon4d.plan.candidate import Candidate
-from axon4d.reliability import watchdog
+from axon4d.plan.correction import Correction
+from axon4d.reliability import fence, watchdog
 
 #: untimed steps before the timed ones: the first allocates the optimizer's state, the second is
 #: tracked for the peak memory
 WARMUP = 2
+#: rounds of the plans' tries, round-robin (``run``)
+ROUNDS = 3
+#: a test's hook: "x,y,z,data@rank" plants an out-of-memory on that rank mid-step in that plan (``_plant``)
+OOM_ENV = "AXON4D_TRIAL_OOM"
 #: the characters of a failed plan's reason kept in its row
 REASON_CHARS = 300
 #: bytes each rank contributes to the agreement on a plan (its verdict and measurement as JSON)
@@ -92,23 +107,28 @@ def try_plans(
     plan: dict[str, Any],
     top: int = 3,
     steps: int = 3,
+    rounds: int | None = None,
     seed: int | None = None,
     precision: str | None = None,
     comm: str = "auto",
     timeout_s: float = 600.0,
+    correction: Correction | str | None = None,
 ) -> Tried:
     """Try the planner's ``top`` fastest fitting plans for ``plan`` (``axon4d.init``'s: {"model",
     "batch", "machine", and the step options, "auto" to let the planner choose}) on this job's
-    ranks: each built by ``build(grid, candidate)`` on ``axon4d.init(grid=..., overlap=...,
-    expert_layout=..., seed=seed, precision=precision, comm=comm)``, stepped ``WARMUP`` + ``steps`` times and torn down
-    (module docstring). The builder applies the candidate's step options it supports
-    (``candidate.recompute``, ``candidate.option("zero")``, ...). Returns the fastest measured plan
-    and the rows; rank 0 prints them. Call it on every rank, with no grid built; build the chosen
-    plan afterwards with ``axon4d.init(**tried.init_args(), ...)``.
+    ranks, priced with ``correction`` (``axon4d.plan.correction``: a file's path or a loaded one;
+    ``axon4d.plan.auto.ranked``): each built by ``build(grid, candidate)`` on ``axon4d.init(grid=...,
+    overlap=..., expert_layout=..., seed=seed, precision=precision, comm=comm)``, stepped and torn
+    down, ``rounds`` times round-robin (module docstring). The builder applies the candidate's step
+    options it supports (``candidate.recompute``, ``candidate.option("zero")``, ...). Returns the
+    chosen plan (``choose``) and the rows; rank 0 prints them. Call it on every rank, with no grid
+    built; build the chosen plan afterwards with ``axon4d.init(**tried.init_args(), ...)``.
 
-    ``ValueError`` (every rank alike, before any plan is built) for a bad ``top``/``steps`` or a
-    plan that does not fit; ``RuntimeError`` when a grid is already built, or when no plan ran."""
-    for name, value in (("top", top), ("steps", steps)):
+    ``ValueError`` (every rank alike, before any plan is built) for a bad ``top``/``steps``/``rounds``,
+    a correction of another world, or a plan that does not fit; ``RuntimeError`` when a grid is
+    already built, or when no plan ran."""
+    rounds = ROUNDS if rounds is None else rounds
+    for name, value in (("top", top), ("steps", steps), ("rounds", rounds)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"try_plans({name}={value!r}): must be a whole number ≥ 1, e.g. {name}=3")
     try:
@@ -122,15 +142,17 @@ def try_plans(
     info = launch.detect()
     if isinstance(precision, str) and "precision" not in plan and "workload" not in plan:
         plan = {**plan, "precision": precision}  # the planner prices what the grid's collectives move
-    result = ranked(info.world_size, **{"overlap": "auto", **plan, "rank": info.rank, "top": top})
+    asked = {"overlap": "auto", **plan, "rank": info.rank, "top": top, "correction": correction}
+    result = ranked(info.world_size, **asked)
     fitting = [c for c in result.candidates if c.fits][:top]
     init = {"seed": seed, "precision": precision, "comm": comm, "timeout_s": timeout_s}
 
     def built(cand: Candidate) -> dict[str, Any]:  # an MoE model's plan in the layout it was priced with
         return {**init, "expert_layout": cand.expert_layout or None}
 
-    rows = run(fitting, build, steps=steps, init=built, timeout_s=timeout_s, label=f"try_plans(top={top})")
-    chosen = fastest(rows, f"try_plans(top={top})", "build a grid of your own with axon4d.init(grid=(x, y, z, data))")
+    label = f"try_plans(top={top})"
+    rows = run(fitting, build, steps=steps, rounds=rounds, init=built, timeout_s=timeout_s, label=label)
+    chosen = choose(rows, label, "build a grid of your own with axon4d.init(grid=(x, y, z, data))")
     if info.rank == 0:
         print(table(rows), file=sys.stderr, flush=True)
     return Tried(fitting[chosen["rank"] - 1], rows)
@@ -144,57 +166,95 @@ def run(
     init: Callable[[Candidate], dict[str, Any]],
     timeout_s: float,
     label: str = "try_plans",
+    rounds: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Try each of ``plans`` in turn, built on ``axon4d.init(grid, overlap, **init(plan))`` by
-    ``build``; their rows, in the given order, the same on every rank. Rank 0 says what the trial
-    costs before it starts (led by ``label``) and how each plan went as it ends."""
+    """Try each of ``plans``, built on ``axon4d.init(grid, overlap, **init(plan))`` by ``build``,
+    ``rounds`` times round-robin (round 1: every plan in the planner's order, then round 2, ...; a
+    plan that failed is not tried again); their rows, in the given order, the same on every rank.
+    Rank 0 says what the trial costs before it starts (led by ``label``) and how each try went.
+    ``rounds``: None for ``ROUNDS``."""
+    rounds = ROUNDS if rounds is None else rounds
     info = launch.detect()
     rank0 = info.rank == 0
     if rank0:
-        predicted = sum((WARMUP + steps) * c.time.step_s for c in plans)
+        n = len(plans) * (WARMUP + steps + (rounds - 1) * (1 + steps))
+        predicted = n * sum(c.time.step_s for c in plans) / max(len(plans), 1)
         say(
-            f"{label}: trying the planner's {len(plans)} fastest fitting plans, {WARMUP} warm-up + {steps} timed steps each "
-            f"({(WARMUP + steps) * len(plans)} steps, {predicted:.2f} s by the planner's prices, plus building each "
-            "plan); none is trained on"
+            f"{label}: trying the planner's {len(plans)} fastest fitting plans in {rounds} interleaved round(s), "
+            f"{WARMUP} warm-up (1 in later rounds) + {steps} timed steps each ({n} steps, {predicted:.2f} s by the "
+            "planner's prices, plus building each plan each round); none is trained on"
         )
     agreement = devices.rank_device(None, info.local_rank)  # the world group's device, where it is not gloo's
     saved_rng = devices.rng_state()
-    rows = []
-    for i, cand in enumerate(plans):
-        t0 = time.perf_counter()
-        rows.append(_try_one(cand, i + 1, build, steps, init(cand), timeout_s, agreement))
-        if rank0:
-            say(f"trial {i + 1}/{len(plans)} ({time.perf_counter() - t0:.1f} s): {line(rows[-1])}")
+    rows = [_row(cand, i + 1) for i, cand in enumerate(plans)]
+    job = fence.next_id()
+    for r in range(rounds):
+        for i, cand in enumerate(plans):
+            row = rows[i]
+            if row["error"] is not None:
+                continue
+            t0 = time.perf_counter()
+            key = f"{job}/{r}/{i}"
+            seconds, peak, err, kind = _try_one(cand, build, steps, init(cand), timeout_s, agreement, r, key)
+            row["rounds_s"].append(seconds)
+            if err is not None:
+                row["error"], row["failure"] = err, kind
+            elif r == 0:
+                row["measured_peak_bytes"] = peak
+            if rank0:
+                say(
+                    f"round {r + 1}/{rounds}, plan {i + 1}/{len(plans)} ({time.perf_counter() - t0:.1f} s): {line(row)}"
+                )
+    for row in rows:
+        ok = row["error"] is None and row["rounds_s"]
+        row["measured_s"] = statistics.median(row["rounds_s"]) if ok else None
+        row["spread_s"] = max(row["rounds_s"]) - min(row["rounds_s"]) if ok else None
+        if not ok:
+            row["measured_peak_bytes"] = None
     devices.restore_rng(saved_rng)
     return rows
 
 
-def fastest(rows: list[dict[str, Any]], what: str, hint: str) -> dict[str, Any]:
-    """The row of the fastest measured plan (the planner's order breaks ties), marked chosen;
-    ``RuntimeError`` listing every plan's reason when none ran (``what`` and ``hint`` say what was
-    tried and what to do instead)."""
+def choose(rows: list[dict[str, Any]], what: str, hint: str) -> dict[str, Any]:
+    """The row of the plan to train with, marked chosen: the planner's first plan that ran (the
+    reference), unless another's slowest round was faster than the reference's fastest round — then
+    the one of those with the fastest median (the planner's order breaks ties). ``RuntimeError``
+    listing every plan's reason when none ran (``what`` and ``hint`` say what was tried and what to
+    do instead)."""
     ok = [r for r in rows if r["measured_s"] is not None]
     if not ok:
         reasons = "; ".join(f"{r['grid']}: {r['error']}" for r in rows)
         raise RuntimeError(f"{what}: no plan ran ({reasons}); {hint}")
-    chosen = min(ok, key=lambda r: (r["measured_s"], r["rank"]))
+    reference = min(ok, key=lambda r: r["rank"])
+    beyond = [r for r in ok if max(r["rounds_s"]) < min(reference["rounds_s"])]
+    chosen = min(beyond, key=lambda r: (r["measured_s"], r["rank"])) if beyond else reference
     chosen["chosen"] = True
     return chosen
 
 
-def _try_one(
-    cand: Candidate,
-    rank: int,
-    build: Build,
-    steps: int,
-    init: dict[str, Any],
-    timeout_s: float,
-    agreement: torch.device,
-) -> dict[str, Any]:
-    """Build ``cand`` (the ``rank``-th plan tried), measure it, tear it down; its row, the same on every rank."""
+#: what ``choose`` does, in the words trials.json keeps
+RULE = (
+    "the planner's first plan that ran, unless another plan's slowest round was faster than its fastest round; "
+    "then the fastest median of those"
+)
+
+
+def repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The interleaved repeat table: one entry per try, in the order they ran (round by round, the
+    plans in the planner's order), with its seconds (None: it failed)."""
+    out = []
+    for r in range(max((len(row["rounds_s"]) for row in rows), default=0)):
+        for row in rows:
+            if r < len(row["rounds_s"]):
+                out.append({"round": r + 1, "plan": row["rank"], "grid": row["grid"], "measured_s": row["rounds_s"][r]})
+    return out
+
+
+def _row(cand: Candidate, rank: int) -> dict[str, Any]:
+    """The row of ``cand``, the ``rank``-th plan tried, before it is tried."""
     t = cand.time
     compute_s = t.scale[0] * t.parts[0]  # the priced compute, as scaled into the step
-    row: dict[str, Any] = {
+    return {
         "rank": rank,
         "grid": list(cand.shape.as_tuple()),
         "options": cand.options_spec(),
@@ -203,61 +263,139 @@ def _try_one(
         "predicted_comm_s": t.step_s - compute_s,
         "predicted_peak_bytes": int(cand.mem.peak),
         "measured_s": None,
+        "rounds_s": [],
+        "spread_s": None,
         "measured_peak_bytes": None,
         "error": None,
+        "failure": None,
         "chosen": False,
     }
-    measured, err, device = _measure(cand, build, steps, init, timeout_s, agreement)
-    verdicts = _agree(err, measured, agreement)
-    failed = _failures(verdicts)
-    runtime.shutdown(clean=not failed)  # after a failure no barrier and no draining, on every rank alike
+
+
+def _try_one(
+    cand: Candidate,
+    build: Build,
+    steps: int,
+    init: dict[str, Any],
+    timeout_s: float,
+    agreement: torch.device,
+    round_: int,
+    key: str,
+) -> tuple[float | None, int | None, str | None, str | None]:
+    """Build ``cand`` in its own world (``axon4d.reliability.fence``), measure it, tear it down:
+    (the slowest rank's median step seconds, the largest peak bytes — round 0 only —, None, None), or
+    (None, None, the failure's origin's reason, "out of memory" or "error"); the same on every rank."""
+    info = launch.detect()
+    store = watchdog.default_store()
+    trial_world = fence.TrialWorld(store, key, info.rank, info.world_size, timeout_s) if store is not None else None
+    with watchdog.guard(info.rank, info.world_size, timeout_s, timeout_s):
+        if trial_world is not None:
+            trial_world.enter()
+        measured, err, kind, device = _measure(cand, build, steps, init, round_, trial_world)
+        origin = err is not None and (trial_world is None or trial_world.fail())
+        if err is not None:  # torn down now: a rank blocked in a collective with this one gets an error
+            _teardown(device, clean=False, trial_world=trial_world)
+        failed = trial_world.arrive() if trial_world is not None else err is not None
+        if err is None:
+            _teardown(device, clean=not failed, trial_world=trial_world)
+    verdicts = _agree(err, measured, origin, kind, agreement)
+    failures = [v for v in verdicts if v[0] is not None]
+    if failures:
+        first = next((v for v in failures if v[2]), failures[0])  # the origin's reason
+        return None, None, first[0], first[3]
+    return max(v[1][0] for v in verdicts), max(v[1][1] for v in verdicts), None, None
+
+
+def _teardown(device: torch.device | None, clean: bool, trial_world: fence.TrialWorld | None) -> None:
+    """The trial's grid shut down (``clean``: with a barrier and its reductions drained), the
+    trial's world left, the objects collected, the accelerator's cache released."""
+    runtime.shutdown(clean=clean)
+    if trial_world is not None:
+        trial_world.leave()
     gc.collect()
     if device is not None:
         devices.release_cached_memory(device)
-    if failed:
-        row["error"] = failed[0][1]  # the lowest failing rank's reason
-    else:
-        row["measured_s"] = max(v[1][0] for v in verdicts)  # the slowest rank's median sets the step
-        row["measured_peak_bytes"] = max(v[1][1] for v in verdicts)
-    return row
 
 
 def _measure(
-    cand: Candidate, build: Build, steps: int, init: dict[str, Any], timeout_s: float, agreement: torch.device
-) -> tuple[tuple[float, int] | None, str | None, torch.device | None]:
+    cand: Candidate, build: Build, steps: int, init: dict[str, Any], round_: int, trial_world: fence.TrialWorld | None
+) -> tuple[tuple[float, int] | None, str | None, str | None, torch.device | None]:
     """((median seconds of the timed steps on this rank, peak bytes of torch tensors — the maximum
-    over ranks), None, the grid's device) of the plan ``cand``; (None, why, the device if the grid
-    was built) when the build or a step failed. The grid is left built (``_try_one`` shuts it down)."""
+    over ranks, tracked in round 0 only), None, None, the grid's device) of the plan ``cand``;
+    (None, why, "out of memory" or "error", the device if the grid was built) when the build or a
+    step failed. The grid is left built (``_try_one`` shuts it down)."""
     try:
         grid = runtime.init(grid=cand.shape.as_tuple(), overlap=cand.overlap, **init)
     except Exception as e:
-        return None, _reason(e, launch.detect().rank), None
-    with watchdog.guard(grid.rank, grid.world_size, timeout_s, timeout_s, abort=grid.comm.abort):
-        try:
-            trial: Trial | None = build(grid, cand)
-        except Exception as e:  # a rank that cannot build (out of memory) has joined no step's collective
-            built: str | None = _reason(e, grid.rank)
-            trial = None
-        else:
-            built = None
-        failed = _failures(_agree(built, None, agreement))
-        if failed or trial is None:  # every rank skips the plan before its first step
-            return None, failed[0][1], grid.device
-        try:
-            trial.step()
+        return None, _reason(e, launch.detect().rank), _kind(e), None
+    built: tuple[str, str] | None = None
+    try:
+        trial: Trial | None = build(grid, cand)
+    except Exception as e:  # a rank that cannot build (out of memory) has joined no step's collective
+        built, trial = (_reason(e, grid.rank), _kind(e)), None
+    verdicts = _agree(built[0] if built else None, None, True, built[1] if built else None, grid.device)
+    failed = [v for v in verdicts if v[0] is not None]
+    if failed or trial is None:  # every rank skips the plan before its first step (the lowest failing rank's reason)
+        return None, failed[0][0], failed[0][3], grid.device
+    try:
+        if trial_world is not None:
+            trial_world.watch(lambda: list(grid.groups.values()), devices.default_backend(devices.HOST))
+        planted = _plant(trial.model, cand, grid.rank) if round_ == 0 else None
+        trial.step()
+        peak = 0
+        if round_ == 0:
             if trial.passes is not None:
                 peak = peak_bytes(grid, trial.model, trial.optimizer, trial.passes, passes=True)
             else:
                 peak = peak_bytes(grid, trial.model, trial.optimizer, trial.step)
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                trial.step()
-                devices.synchronize(grid.device)
-                times.append(time.perf_counter() - t0)
-            return (statistics.median(times), peak), None, grid.device
-        except Exception as e:  # skipped and reported
-            return None, _reason(e, grid.rank), grid.device
+        if planted is not None:
+            planted.arm()  # mid-step, in the first timed step
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            trial.step()
+            devices.synchronize(grid.device)
+            times.append(time.perf_counter() - t0)
+        return (statistics.median(times), peak), None, None, grid.device
+    except Exception as e:  # skipped and reported
+        return None, _reason(e, grid.rank), _kind(e), grid.device
+    finally:
+        if trial_world is not None:
+            trial_world.stop_watching()
+
+
+class _Planted:
+    """An out-of-memory planted in a model's forward (``OOM_ENV``), raised once armed."""
+
+    def __init__(self, module: nn.Module, where: str):
+        self.armed, self.where = False, where
+        self.handle = module.register_forward_pre_hook(self._raise)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _raise(self, *_: Any) -> None:
+        if self.armed:
+            self.handle.remove()
+            raise torch.OutOfMemoryError(f"out of memory planted by {OOM_ENV} in {self.where}'s forward")
+
+
+def _plant(model: nn.Module, cand: Candidate, rank: int) -> _Planted | None:
+    """A test's out-of-memory for ``cand`` on this ``rank``, where ``$AXON4D_TRIAL_OOM`` names them
+    ("x,y,z,data@rank"): in the forward of the module halfway down the model, in the first timed
+    step of round 1 (a collective of that step done, the next one left waiting). None otherwise."""
+    spec = os.environ.get(OOM_ENV, "")
+    grid, _, where = spec.partition("@")
+    if not spec or grid.replace(" ", "") != ",".join(map(str, cand.shape.as_tuple())) or where.strip() != str(rank):
+        return None
+    named = [(name, m) for name, m in model.named_modules() if name]
+    name, module = named[len(named) // 2]
+    return _Planted(module, name)
+
+
+def _kind(e: BaseException) -> str:
+    """ "out of memory" for an accelerator's (or a host's) allocation failure, else "error"."""
+    return "out of memory" if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower() else "error"
 
 
 def _reason(e: BaseException, rank: int) -> str:
@@ -265,21 +403,19 @@ def _reason(e: BaseException, rank: int) -> str:
     return f"rank {rank}: {type(e).__name__}: {e}"[:REASON_CHARS]
 
 
-def _failures(verdicts: list[tuple[str | None, Any]]) -> list[tuple[int, str]]:
-    """(rank, reason) of each rank whose verdict (``_agree``) is a failure, lowest rank first."""
-    return [(r, v[0]) for r, v in enumerate(verdicts) if v[0] is not None]
-
-
-def _agree(err: str | None, measured: tuple[float, int] | None, device: torch.device) -> list[tuple[str | None, Any]]:
-    """Every rank's (error, measurement), gathered over the world's default group (which outlives
-    the trial's grid) through the communication layer, as JSON in a fixed slot per rank: the same
-    list on every rank. ``device``: where the default group's collectives take tensors when its
-    backend is not the host's."""
+def _agree(
+    err: str | None, measured: tuple[float, int] | None, origin: bool, kind: str | None, device: torch.device
+) -> list[tuple[Any, ...]]:
+    """Every rank's (error, measurement, whether it failed first, the failure's kind), gathered over
+    the world's default group (the job's, after a trial: every rank has left the trial's) through
+    the communication layer, as JSON in a fixed slot per rank: the same list on every rank.
+    ``device``: where the default group's collectives take tensors when its backend is not the
+    host's."""
     if not dist.is_initialized():
-        return [(err, measured)]
-    data = json.dumps([err, measured]).encode()
+        return [(err, measured, origin, kind)]
+    data = json.dumps([err, measured, origin, kind]).encode()
     if len(data) > SLOT:  # a reason of many escaped characters: shortened, still one verdict
-        data = json.dumps([err[: SLOT // 8] if err else err, measured]).encode()
+        data = json.dumps([err[: SLOT // 8] if err else err, measured, origin, kind]).encode()
     if dist.get_backend() == devices.default_backend(devices.HOST):
         device = devices.HOST
     mine = torch.zeros((1, SLOT), dtype=torch.uint8)  # (1, SLOT) bytes, zero-padded
@@ -292,7 +428,7 @@ def _agree(err: str | None, measured: tuple[float, int] | None, device: torch.de
     finally:
         comm.close()
     rows = [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in table]
-    return [(e, None if m is None else tuple(m)) for e, m in rows]
+    return [(e, None if m is None else tuple(m), o, k) for e, m, o, k in rows]
 
 
 def error_pct(row: dict[str, Any], key: str) -> float | None:
@@ -302,37 +438,41 @@ def error_pct(row: dict[str, Any], key: str) -> float | None:
 
 
 def line(row: dict[str, Any]) -> str:
-    """One tried plan in a line: the grid and options, predicted and measured, or why it failed."""
+    """One tried plan in a line: the grid and options, predicted and measured (its last round), or why it failed."""
     head = f"{tuple(row['grid'])} {row['options']}: predicted {1e3 * row['predicted_s']:.1f} ms"
-    if row["measured_s"] is None:
-        return f"{head}; skipped ({row['error']})"
-    return f"{head}, measured {1e3 * row['measured_s']:.1f} ms ({error_pct(row, 's'):+.0f}%)"
+    if row["error"] is not None:
+        return f"{head}; skipped ({row['failure']}: {row['error']})"
+    last = row["rounds_s"][-1] if row["rounds_s"] else row["measured_s"]
+    return f"{head}, measured {1e3 * last:.1f} ms ({100 * (row['predicted_s'] - last) / last:+.0f}%)"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The tried plans as the banner and the summary show them: predicted and measured step time and
-    peak memory per rank, the error of each prediction, and which plan the run trains with."""
+    """The tried plans as the banner and the summary show them: predicted and measured step time
+    (the median of the rounds, and each round's) and peak memory per rank, the error of each
+    prediction, and which plan the run trains with."""
     head = (
         f"{'#':>2} {'grid (x,y,z,d)':<15} {'options':<34} {'pred ms':>8} {'meas ms':>8} {'err':>5} "
-        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>5}  "
+        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>5}  {'rounds ms':<20}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
-        mark = "chosen" if r["chosen"] else ("" if r["measured_s"] is not None else f"skipped: {r['error']}")
+        rounds = "/".join(f"{1e3 * t:.0f}" for t in r.get("rounds_s") or [] if t is not None) or "-"
         if r["measured_s"] is None:
             measured = f"{'-':>8} {'-':>5} {r['predicted_peak_bytes'] / 2**20:>9.1f} {'-':>9} {'-':>5}"
+            mark = f"skipped: {r.get('failure') or 'error'}: {r['error']}"
         else:
             measured = (
                 f"{1e3 * r['measured_s']:>8.1f} {error_pct(r, 's'):>+4.0f}% "
                 f"{r['predicted_peak_bytes'] / 2**20:>9.1f} {r['measured_peak_bytes'] / 2**20:>9.1f} "
                 f"{error_pct(r, 'peak_bytes'):>+4.0f}%"
             )
+            mark = "chosen" if r["chosen"] else ""
         out.append(
             f"{r['rank']:>2} {str(tuple(r['grid'])):<15} {r['options'][:34]:<34} {1e3 * r['predicted_s']:>8.1f} "
-            f"{measured}  {mark}"
+            f"{measured}  {rounds:<20} {mark}"
         )
     recorded = " (recorded by the first launch; not tried again)" if rows and rows[0].get("recorded") else ""
-    return f"plans tried (--try){recorded}; err = (predicted − measured) / measured\n" + "\n".join(out)
+    return f"plans tried (--try){recorded}; err = (predicted − measured) / measured; chosen: {RULE}\n" + "\n".join(out)
 
 
 def say(text: str) -> None:

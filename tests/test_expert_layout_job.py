@@ -333,7 +333,7 @@ def _tried_run(cfg_dict: dict) -> tuple[list[str], list[dict]]:
 
 @pytest.mark.slow
 def test_try_builds_each_plan_in_its_own_layout_and_trains_the_chosen_one_s(pools, tmp_path):
-    cfg = {**JOB, "grid": "auto", "machine": HOST_MACHINE, "steps": 1, "try_plans": 2, "try_steps": 1}
+    cfg = {**JOB, "grid": "auto", "machine": HOST_MACHINE, "steps": 1, "try_plans": 2, "try_steps": 1, "try_rounds": 1}
     cfg["out_dir"] = str(tmp_path / "try")
     asked = dataclasses.replace(planned.request(TrainConfig(**cfg), False, 2), world=4, rank=1)
     fitting = plan_job(asked).fitting

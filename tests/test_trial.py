@@ -53,7 +53,14 @@ def _tried_then_pinned(base):
 @pytest.mark.slow
 def test_the_top_plans_are_tried_and_the_fastest_trains_as_a_run_pinned_to_it(pools, tmp_path):
     base = dict(
-        grid="auto", try_plans=3, try_steps=1, machine=HOST_MACHINE, steps=3, batch_size=8, out_dir=str(tmp_path / "a")
+        grid="auto",
+        try_plans=3,
+        try_steps=1,
+        try_rounds=1,
+        machine=HOST_MACHINE,
+        steps=3,
+        batch_size=8,
+        out_dir=str(tmp_path / "a"),
     )
     tried, top, pinned = pools(WORLD).run(None, _tried_then_pinned, {**base, **TINY}, timeout=300)[0]
     rows = tried["trials"]
@@ -77,7 +84,7 @@ def _resumed(base):
 
 @pytest.mark.slow
 def test_a_resumed_run_takes_the_plan_tried_before(pools, tmp_path):
-    base = dict(grid="auto", try_plans=2, try_steps=1, machine=HOST_MACHINE, steps=2, batch_size=8)
+    base = dict(grid="auto", try_plans=2, try_steps=1, try_rounds=1, machine=HOST_MACHINE, steps=2, batch_size=8)
     first, again = pools(WORLD).run(None, _resumed, {**base, **TINY, "out_dir": str(tmp_path / "r")}, timeout=300)[0]
     assert again["grid"] == first["grid"] and len(again["losses"]) == 1
     assert all(r.get("recorded") for r in again["trials"])  # read from trials.json, not measured again
@@ -104,7 +111,7 @@ def _one_fails(base, failing_rank):
 
 @pytest.mark.slow
 def test_a_plan_that_fails_on_one_rank_is_skipped_with_its_reason_on_every_rank(pools, tmp_path):
-    base = dict(grid="auto", try_plans=3, try_steps=1, machine=HOST_MACHINE, steps=1, batch_size=8)
+    base = dict(grid="auto", try_plans=3, try_steps=1, try_rounds=1, machine=HOST_MACHINE, steps=1, batch_size=8)
     results = pools(WORLD).run(None, _one_fails, {**base, **TINY, "out_dir": str(tmp_path / "f")}, 3, timeout=300)
     for summary, doomed in results:  # every rank reached the same verdict and trained
         rows = {tuple(r["grid"]): r for r in summary["trials"]}
@@ -167,7 +174,16 @@ def test_tried_plans_are_built_with_every_option_the_planner_gives_them(pools, t
     # a step of 2 micro-batches of 2 sequences split over data ≤ 2: grids with z = 2 lead, where
     # FP8 gathers and split sequences take effect
     options = dict(recompute="full", micro_batches=2, zero=2, offload="0", context_parallel=True)
-    base = dict(grid="auto", try_plans=3, try_steps=1, steps=2, batch_size=2, precision="bf16-fp8-gather", **options)
+    base = dict(
+        grid="auto",
+        try_plans=3,
+        try_steps=1,
+        try_rounds=1,
+        steps=2,
+        batch_size=2,
+        precision="bf16-fp8-gather",
+        **options,
+    )
     args = ({**base, **TINY, "out_dir": str(tmp_path / "o")}, str(tmp_path / "bf16.json"))
     for top, seen, summary, before, after, freed in pools(WORLD).run(None, _every_option, *args, timeout=400):
         assert [r["grid"] for r in summary["trials"]] == [g for g, _ in top] == [s["grid"] for s in seen]
@@ -207,7 +223,7 @@ def _leaks(base):
 
 @pytest.mark.slow
 def test_trials_leak_neither_process_groups_nor_host_memory(pools, tmp_path):
-    base = dict(grid="auto", try_plans=1, try_steps=1, machine=HOST_MACHINE, steps=1, batch_size=8)
+    base = dict(grid="auto", try_plans=1, try_steps=1, try_rounds=1, machine=HOST_MACHINE, steps=1, batch_size=8)
     for before, after, one, five in pools(WORLD).run(None, _leaks, {**base, **TINY, "out_dir": str(tmp_path)}):
         (rss_one, threads_one, peak_one), (rss_five, threads_five, peak_five) = one, five
         assert after == before

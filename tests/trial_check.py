@@ -56,6 +56,7 @@ def main(out: str, transports: list[str]) -> None:
             grid="auto",
             try_plans=TRIED,
             try_steps=1,
+            try_rounds=1,
             machine=HOST_MACHINE,
             steps=2,
             batch_size=8,

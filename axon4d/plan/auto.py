@@ -17,6 +17,7 @@ from axon4d.config import ModelConfig, get_config
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
 from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.plan import correction as corrections
 from axon4d.plan.candidate import Candidate, tune_overlap
 from axon4d.plan.machine import Machine, available
 from axon4d.plan.options import AUTO_OPTION
@@ -137,6 +138,23 @@ def choose(world: int, **options: Any) -> Candidate:
     return ranked(world, **options).best
 
 
+def corrected(machine: Machine | str, correction: corrections.Correction | str | None, world: int) -> Machine | str:
+    """``machine`` (a name, a file's path or a loaded one), its in-step scale multiplied by
+    ``correction``'s factors where one is given (``axon4d.plan.correction.apply``; a path is
+    loaded). ``ValueError`` when the correction was measured on another number of ranks than
+    ``world``: its factors scale that world's prices only."""
+    if correction is None:
+        return machine
+    corr = corrections.load(correction) if isinstance(correction, str) else correction
+    if corr.world != world:
+        raise ValueError(
+            f"correction {correction if isinstance(correction, str) else corr.machine!r} was measured on "
+            f"{corr.world} ranks, this job has {world}: its factors scale the prices of {corr.world}-rank steps "
+            "only; measure one on this job (axon4d.try_plans, or axon4d train --try N)"
+        )
+    return corrections.apply(load_machine(machine) if isinstance(machine, str) else machine, corr)
+
+
 def ranked(
     world: int,
     *,
@@ -159,18 +177,22 @@ def ranked(
     context_parallel: bool | str = False,
     async_save: bool = False,
     expert_layout: ExpertLayout | str = AUTO_OPTION,
+    correction: corrections.Correction | str | None = None,
 ) -> PlanResult:
     """``choose``'s search (its arguments), every priced candidate ranked (``PlanResult``: at least
     the ``top`` fastest fitting ones, where so many fit); rank 0 prints the best and the top ``top``.
     ``expert_layout``: an MoE model's expert layout, pinned, or ``AUTO_OPTION`` (searched with each
-    grid; the chosen one is the candidate's ``expert_layout``).
-    Raises ``ValueError`` (on every rank alike) when no grid fits."""
+    grid; the chosen one is the candidate's ``expert_layout``). ``correction``: a correction
+    (``axon4d.plan.correction``; a loaded one or its file's path, as ``axon4d plan --correction``)
+    whose factors scale the machine's prices first (``corrected``).
+    Raises ``ValueError`` (on every rank alike) when no grid fits, or when the correction is not
+    one or was measured on another number of ranks."""
     if workload is None:
         workload = _workload(world, model, batch, dtype, optimizer, "grid='auto'", precision)
     result = plan(
         workload.model,
         world,
-        machine or default_machine(),
+        corrected(machine or default_machine(), correction, world),
         workload.batch,
         overlap=overlap,
         recompute=recompute,

@@ -56,9 +56,11 @@ class TrainConfig:
     pin: str = ""
     """With --grid auto, step options the planner may not choose although they are at their defaults, comma-separated: recompute, micro_batches, zero, offload, context_parallel, fp8_gather (an option given another value than its default is pinned anyway; docs/planner.md)."""
     try_plans: int = 0
-    """With --grid auto (also --try): build the planner's N fastest fitting plans in turn, time --try-steps steps of each, and train with the fastest measured; a plan that fails is skipped with its reason; the rows go to the banner, summary.json and trials.json, and correction.json (for axon4d plan --correction) is written (docs/planner.md#trying-the-top-plans). 0: the planner's first choice."""
+    """With --grid auto (also --try): build the planner's N fastest fitting plans in turn, time --try-steps steps of each in --try-rounds interleaved rounds, and train with the planner's first unless another is faster beyond the rounds' spread; a plan that fails on any rank (out of memory mid-step) is skipped with its reason within seconds; the rows go to the banner, summary.json and trials.json, and correction.json (for axon4d plan --correction) is written (docs/planner.md#trying-the-top-plans). 0: the planner's first choice."""
     try_steps: int = 3
-    """With --try: timed steps per plan, after two untimed warm-up steps (the second tracked for peak memory); the run trains on none of them."""
+    """With --try: timed steps per plan, after two untimed warm-up steps (the second tracked for peak memory; one in later rounds); the run trains on none of them."""
+    try_rounds: int = 3
+    """With --try: rounds of the plans' tries, round-robin (every plan built, stepped and torn down once a round); a plan is chosen over the planner's first only when its slowest round beats the first's fastest (docs/planner.md#trying-the-top-plans)."""
     correction: str = ""
     """With --grid auto: a correction.json an earlier --try run of this job wrote (on as many ranks); its factors scale the machine's priced compute and communication before the planner ranks the plans, as axon4d plan --correction does (the machine file is unchanged; docs/planner.md#trying-the-top-plans)."""
     retry: bool = False

@@ -34,6 +34,7 @@ RESUMABLE_CHANGES = checkpoint.RESUMABLE_CHANGES | {
     "hf",
     "try_plans",
     "try_steps",
+    "try_rounds",
     "retry",
 }
 

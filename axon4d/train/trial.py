@@ -7,18 +7,21 @@ each of the ``JobPlan``'s ``fitting`` ones in turn on the job's ranks (``choose`
 plan's grid, overlap knobs and (an MoE model's) expert layout, the model with its step options, the optimizer, the data (``_trial``);
 ``axon4d.trials.WARMUP`` untimed steps (the second tracked for its peak memory) and ``--try-steps``
 timed ones; torn down (the model, the optimizer and their buffers dropped, the grid's process groups
-destroyed, the allocator's cache released). The run trains with the fastest measured plan, built
-afresh by the training loop. A plan whose build or steps fail (out of memory, a refused option) is
-skipped with its reason, on every rank alike; when no plan runs, every rank raises the same error
-listing the reasons.
+destroyed, the allocator's cache released); ``--try-rounds`` rounds of that, round-robin over
+the plans. The run trains with the plan ``axon4d.trials.choose`` picks (the planner's first, unless
+another is faster beyond the rounds' spread), built afresh by the training loop. A plan whose build
+or steps fail on any rank (out of memory mid-step, a refused option) is skipped with its reason, on
+every rank alike, within seconds (``axon4d.reliability.fence``); when no plan runs, every rank
+raises the same error listing the reasons.
 
 The trial trains nothing the run keeps: the run's data is indexed by step from 0, ``axon4d.init``
 seeds it afresh and the host's random state is restored after the trial, so its loss curve is the
 one a run pinned to the chosen grid and options draws.
 
 Rank 0 prints the trial's cost before it starts (plans, steps, predicted seconds) and a line per
-plan as it ends, and writes ``trials.json`` (the rows: predicted and measured step time and peak
-memory, the error, the choice) and ``correction.json`` (``axon4d.plan.correction``, for ``axon4d
+try as it ends, and writes ``trials.json`` (the rows: predicted and measured step time — each
+round's and their median — and peak memory, the error, the choice; the rule; the interleaved repeat
+table, ``axon4d.trials.repeats``) and ``correction.json`` (``axon4d.plan.correction``, for ``axon4d
 plan --correction`` and ``axon4d train --correction``) to the output directory. A resumed run
 takes the plan recorded in ``trials.json`` (``--retry``: tries again).
 """
@@ -78,7 +81,7 @@ def choose(
     first = planned.apply(cfg, job, fitting[0])
     outdir.check_out_dir(dataclasses.replace(first, precision=resolve(first)), first.model_config())  # refused now
     rows = _try_all(cfg, job, fitting, resolve, build, step)
-    chosen = trials.fastest(rows, f"--try {cfg.try_plans}", "pin a grid with --grid x,y,z,data")
+    chosen = trials.choose(rows, f"--try {cfg.try_plans}", "pin a grid with --grid x,y,z,data")
     if job.request.rank == 0:
         prior = correction.load(cfg.correction) if cfg.correction else None
         _write(cfg.out_dir, rows, job.machine_name, job.request.world, prior)
@@ -123,7 +126,8 @@ def _try_all(
         return _trial(planned_cfg(cand), grid, build, step)
 
     label = f"--try {cfg.try_plans}"
-    return trials.run(fitting, built, steps=cfg.try_steps, init=init, timeout_s=cfg.startup_timeout, label=label)
+    steps, rounds = cfg.try_steps, cfg.try_rounds
+    return trials.run(fitting, built, steps=steps, rounds=rounds, init=init, timeout_s=cfg.startup_timeout, label=label)
 
 
 def _trial(cfg: TrainConfig, grid: Any, build: Build, step: Step) -> trials.Trial:
@@ -181,7 +185,8 @@ def _write(
     ``machine``'s own prices (with ``prior``, the --correction the plans were priced with, composed
     in: ``correction.compose``)."""
     with open(os.path.join(out_dir, TRIALS_FILE), "w") as f:
-        json.dump({"world": world, "machine": machine, "trials": rows}, f, indent=1)
+        record = {"world": world, "machine": machine, "rule": trials.RULE, "trials": rows}
+        json.dump({**record, "repeats": trials.repeats(rows)}, f, indent=1)
     ok = [r for r in rows if r["measured_s"] is not None]
     fitted = correction.fit(machine, world, ok)
     correction.write(os.path.join(out_dir, CORRECTION_FILE), correction.compose(fitted, prior) if prior else fitted)
