@@ -43,7 +43,7 @@ import torch
 from axon4d.device import DTYPES
 from axon4d.grid import launch, runtime
 from axon4d.grid.mesh import Grid
-from axon4d.measure import collectives, kernels
+from axon4d.measure import collectives, kernels, memory_figures
 from axon4d.measure import steps as step_probe
 from axon4d.measure.merge import host_memory, merge
 from axon4d.measure.spawn import run_local
@@ -87,12 +87,16 @@ def measure_world(
     # the grid's device: on an accelerator the planner leaves forward chunking to the device and
     # prices offload's copies over the host link (whatever part is measured)
     out: dict[str, Any] = {"world": world, "accelerator": timer.grid.scheduler.accelerator}
+    before = memory_figures.in_use(timer.device) if out["accelerator"] else None  # the grid built, no table yet
     if "compute" in parts:
         lattice = kernels.gemm_dims(timer.device) if dims is None else dims
         out.update(_measure_compute(timer, dtypes, attention_seqs, prefix_keys, lattice, log))
     elif "kernels" in parts:
         out.update(_measure_kernels(timer))
         log(f"[{world} ranks] elementwise, activation, optimizer done")
+    if "compute" in parts or "kernels" in parts:  # the device-memory figures the fit test needs, with their sources
+        figures = memory_figures.accelerator(timer.device, before) if before else memory_figures.host()
+        out["device_memory"] = figures
     if "network" in parts:
         out.update(_measure_network(timer, passes, payloads, log))
     samples = step_probe.measure(grid, step_wl, rounds=step_rounds, log=log) if step_wl and world > 1 else []

@@ -13,6 +13,7 @@ import os
 import statistics
 from typing import Any
 
+from axon4d.measure import memory_figures
 from axon4d.plan import stepfit
 from axon4d.plan.machine import Level, Machine
 
@@ -30,7 +31,11 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
             peak_flops={},
             levels=[Level("host", 0, 1e-5, 1e9)],
             elementwise_Bps={},
-            sources={"all": "measured by `axon4d calibrate` on this host"},
+            sources={
+                "all": "measured by `axon4d calibrate` on this host",
+                "memory_per_device": "given to `axon4d calibrate` (--memory-gib; by default the host's memory shared "
+                "evenly by the ranks): a stated figure, replaced by the device's measured memory on an accelerator",
+            },
         )
     for dt, forms in result.get("matmul", {}).items():
         machine.matmul.setdefault(dt, {})[key] = forms
@@ -56,6 +61,8 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
                 "this host's memory less /proc/meminfo's MemAvailable while `axon4d calibrate` ran (the OS, "
                 "other processes and the calibrating ranks themselves), at most 90% of it"
             )
+        if "device_memory" in result:  # the fit test's figures, each measured or stated with its source
+            _device_memory(machine, result["device_memory"])
         machine.elementwise_Bps[key] = result["elementwise_Bps"]
         machine.activation_s[key] = result["activation_s"]
         machine.adam_s[key] = result["adam_s"]
@@ -94,6 +101,19 @@ def merge(machine: Machine | None, result: dict[str, Any], name: str, memory: fl
             ]
     machine.devices_per_node = max(machine.devices_per_node, world)
     return _with_steps(machine, world, result)
+
+
+def _device_memory(machine: Machine, measured: dict[str, Any]) -> None:
+    """Set ``machine``'s device-memory figures and their sources from a calibration's
+    (``axon4d.measure.memory_figures``); on an accelerator NCCL's buffers at its defaults over the
+    machine's channels (a stated assumption, said so)."""
+    for field, value in measured["figures"].items():
+        setattr(machine, field, value)
+    machine.sources.update(measured["sources"])
+    if machine.accelerator:
+        machine.nccl_buffer_bytes, machine.sources["nccl_buffer_bytes"] = memory_figures.nccl_buffers(
+            machine.nccl_channels
+        )
 
 
 def _with_steps(machine: Machine, world: int, result: dict[str, Any]) -> Machine:
