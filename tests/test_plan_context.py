@@ -137,3 +137,31 @@ def test_context_parallel_values_are_checked():
         plan("tiny", 8, "perlmutter", 8, context_parallel="rings")
     with pytest.raises(ValueError, match="context_mode = 'rings'"):
         Workload(get_config("tiny"), 8, context_parallel=True, context_mode="rings")
+
+
+def test_packed_documents_price_attention_within_each_document():
+    """``document_tokens`` D: the document mask leaves (S/D)·D(D+1)/2 of S(S+1)/2 causal pairs; whole
+    sequences run S/D causal squares of D, a split sequence its parts' share of the pairs, and the
+    model FLOPs count the attention done. Bad values are refused naming the range."""
+    from axon4d.plan.layers import attention_seconds
+
+    seq, d = 65536, 4096
+    wl = Workload(get_config("llama3-8b", seq_len=seq), batch=8)
+    packed = dataclasses.replace(wl, document_tokens=d)
+    assert packed.attention_share == pytest.approx((d + 1) / (seq + 1))
+    assert dataclasses.replace(wl, document_tokens=seq).attention_share == 1.0
+    odd = dataclasses.replace(wl, document_tokens=5000)  # 13 documents of 5000 and one of 536
+    assert odd.attention_share == pytest.approx((13 * 5000 * 5001 + 536 * 537) / (seq * (seq + 1)))
+    m = load("h100")
+    shape = GridShape(1, 8, 1, 8)
+    units = packed.local_sequences(shape) * 32 // 8
+    expect = m.attention_time(d, 128, units * seq // d, "bfloat16", 64)
+    assert attention_seconds(Scenario(packed, shape, m)) == (pytest.approx(expect), 0.0)
+    split = dataclasses.replace(packed, context_parallel=True)
+    whole_split = attention_seconds(Scenario(dataclasses.replace(split, document_tokens=0), GridShape(1, 8, 8, 1), m))
+    parts = attention_seconds(Scenario(split, GridShape(1, 8, 8, 1), m))
+    assert parts == pytest.approx(tuple(t * packed.attention_share for t in whole_split))
+    att = 3 * 2 * 2 * 32 * seq * 4096 / 2 * packed.tokens
+    assert wl.flops() - packed.flops() == pytest.approx(att * (1 - packed.attention_share))
+    with pytest.raises(ValueError, match="from 1 to the sequence length 65536"):
+        dataclasses.replace(wl, document_tokens=seq + 1)

@@ -171,6 +171,13 @@ def _option_arguments(p: argparse.ArgumentParser) -> None:
         "O(chunk), for the longest sequences)",
     )
     p.add_argument(
+        "--document-tokens",
+        type=int,
+        default=0,
+        help="packed documents of this many tokens per sequence (axon4d train --packed-documents): attention is "
+        "priced within each document (docs/context.md); 0: one document per sequence (default)",
+    )
+    p.add_argument(
         "--expert-layout",
         default=AUTO_OPTION,
         help="MoE models: where the experts run, ep=<axes>,tp=<axes> (axon4d train --expert-layout): auto (every "
@@ -252,7 +259,13 @@ def _search(args: argparse.Namespace, cfg: ModelConfig) -> tuple[PlanResult, flo
     machine (its prices scaled by --correction's factors where one is given) and the options — and
     the seconds the search took."""
     wl = Workload(
-        cfg, args.batch, args.dtype, optimizer=args.optimizer, precision=args.precision, imbalance=args.imbalance
+        cfg,
+        args.batch,
+        args.dtype,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        imbalance=args.imbalance,
+        document_tokens=args.document_tokens,
     )
     machine: Any = args.machine
     if args.correction:

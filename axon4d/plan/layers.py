@@ -310,11 +310,22 @@ def attention_seconds(sc: Scenario) -> tuple[float, float]:
     Context parallelism (docs/context.md): per sequence and head, each of the rank's two query chunks
     of C = S/(2·G_z) tokens attends causally to its own chunk (a causal square of C, run while the
     keys and values of the other chunks are gathered: "local") and, unmasked, to the chunks before
-    it — r·C and (2·G_z−1−r)·C keys on z-rank r ("prefix"); the slowest z-rank is priced."""
+    it — r·C and (2·G_z−1−r)·C keys on z-rank r ("prefix"); the slowest z-rank is priced.
+
+    Packed documents (``Workload.document_tokens`` D): whole sequences run causal squares of D, S/D
+    per sequence; split, each part keeps its share of the pairs the document mask leaves
+    (``Workload.attention_share``; the chunks are handed out by their work, axon4d.data.documents,
+    so the ranks stay balanced)."""
     wl, shape, m, mod, world = sc.workload, sc.shape, sc.machine, sc.model, sc.world
     heads = mod.n_heads // shape.y
+    docs = wl.document_tokens if 0 < wl.document_tokens < mod.seq_len else 0
     if not (wl.context_parallel and shape.z > 1):
-        return m.attention_time(mod.seq_len, mod.head_dim, wl.local_sequences(shape) * heads, wl.dtype, world), 0.0
+        units = wl.local_sequences(shape) * heads
+        if docs:  # each sequence's documents: causal squares of D (the last of S mod D)
+            whole, rest = divmod(mod.seq_len, docs)
+            square = m.attention_time(docs, mod.head_dim, units * whole, wl.dtype, world)
+            return square + (m.attention_time(rest, mod.head_dim, units, wl.dtype, world) if rest else 0.0), 0.0
+        return m.attention_time(mod.seq_len, mod.head_dim, units, wl.dtype, world), 0.0
     units = sc.tokens * shape.z // mod.seq_len * heads  # B/G_data sequences, this rank's heads
     c = mod.seq_len // (2 * shape.z)
     local = 2 * m.attention_time(c, mod.head_dim, units, wl.dtype, world)
@@ -322,7 +333,8 @@ def attention_seconds(sc: Scenario) -> tuple[float, float]:
         sum(m.prefix_attention_time(c, j * c, mod.head_dim, units, wl.dtype, world) for j in (r, 2 * shape.z - 1 - r))
         for r in range(shape.z)
     )
-    return local, prefix
+    share = wl.attention_share
+    return local * share, prefix * share
 
 
 def context_hidden(sc: Scenario) -> float:

@@ -134,6 +134,9 @@ class Workload:
     #: with ``context_parallel``, how keys and values reach the ranks: "all-gather" or "ring"
     #: (``axon4d.options.context_mode``; ignored without it)
     context_mode: str = "all-gather"
+    #: packed documents (docs/context.md): each sequence holds documents of this many tokens (the
+    #: last one shorter where it does not divide S), attention only within each; 0: one document
+    document_tokens: int = 0
     async_save: bool = False  # the job checkpoints with --async-save: a pinned snapshot (plan.host_memory)
     accelerator: bool = False  # the step runs on accelerators (a Scenario sets it from its machine): ``norm_kernel``
     precision: str = ""  # as given; "": DEFAULT_PRECISION of dtype (``preset``)
@@ -152,6 +155,15 @@ class Workload:
         if self.context_mode not in MODES:
             raise ValueError(
                 f"context_mode = {self.context_mode!r}: choose one of {', '.join(MODES)} (docs/context.md)"
+            )
+        if (
+            isinstance(self.document_tokens, bool)
+            or not isinstance(self.document_tokens, int)
+            or not (0 <= self.document_tokens <= self.model.seq_len)
+        ):
+            raise ValueError(
+                f"document_tokens = {self.document_tokens!r}: the tokens of each packed document, a whole number from "
+                f"1 to the sequence length {self.model.seq_len} (0: one document per sequence)"
             )
         if isinstance(self.imbalance, bool) or not isinstance(self.imbalance, numbers.Real) or self.imbalance < 1:
             raise ValueError(
@@ -363,8 +375,20 @@ class Workload:
         kv = [c for c in self.context_collectives(shape) if c.phase == "forward"]
         return self.norm_sums(shape, Term.NORM_STATS, 2 * self.model.n_layers) + kv
 
+    @property
+    def attention_share(self) -> float:
+        """The causal attention pairs the document mask leaves, over a whole sequence's: documents of
+        D = ``document_tokens`` tokens (the last r = S mod D shorter) attend (S//D)·D(D+1)/2 + r(r+1)/2
+        pairs of the S(S+1)/2 one document would (1 without documents)."""
+        s, d = self.model.seq_len, self.document_tokens
+        if not d or d >= s:
+            return 1.0
+        r = s % d
+        return ((s // d) * d * (d + 1) + r * (r + 1)) / (s * (s + 1))
+
     def flops(self) -> float:
-        """Model FLOPs of one step (6 per matmul parameter per token, plus causal attention); in an
+        """Model FLOPs of one step (6 per matmul parameter per token, plus causal attention — within
+        each document for packed documents, ``attention_share``); in an
         MoE model the parameters a token passes through — its k routed experts, the shared ones and
         the router (``moe_cost.active_matmul_params``), not the experts it does not reach."""
         m = self.model
@@ -372,7 +396,7 @@ class Workload:
         if m.moe:  # the shared experts are among the linears; the router and k routed experts besides
             per_expert = ((2 if m.gated else 1) + 1) * m.hidden * m.expert_width
             matmul += m.n_layers * (m.n_experts * m.hidden + m.experts_per_token * per_expert)
-        att = 2 * 2 * m.n_layers * m.seq_len * m.hidden / 2 if self.attention else 0.0
+        att = 2 * 2 * m.n_layers * m.seq_len * m.hidden / 2 * self.attention_share if self.attention else 0.0
         return self.tokens * (6.0 * matmul + 3.0 * att)
 
     def rules(self) -> list[grid_rules.Rule]:
