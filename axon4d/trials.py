@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -51,14 +50,30 @@ from axon4d.plan.auto import ranked
 from axon4d.plan.candidate import Candidate
 from axon4d.plan.correction import Correction
 from axon4d.reliability import fence, watchdog
+from axon4d.trial_table import RULE, error_pct, line, say, table
+
+__all__ = [
+    "RULE",
+    "Build",
+    "Trial",
+    "Tried",
+    "choose",
+    "error_pct",
+    "line",
+    "repeats",
+    "run",
+    "say",
+    "table",
+    "try_plans",
+]
 
 #: untimed steps before the timed ones: the first allocates the optimizer's state, the second is
 #: tracked for the peak memory
 WARMUP = 2
 #: rounds of the plans' tries, round-robin (``run``)
 ROUNDS = 3
-#: a test's hook: "x,y,z,data@rank" plants an out-of-memory on that rank mid-step in that plan (``_plant``)
-OOM_ENV = "AXON4D_TRIAL_OOM"
+#: a test's hook: "x,y,z,data@rank" plants an out-of-memory on that rank mid-step in that plan (``fence.plant``)
+OOM_ENV = fence.OOM_ENV
 #: the characters of a failed plan's reason kept in its row
 REASON_CHARS = 300
 #: bytes each rank contributes to the agreement on a plan (its verdict and measurement as JSON)
@@ -232,13 +247,6 @@ def choose(rows: list[dict[str, Any]], what: str, hint: str) -> dict[str, Any]:
     return chosen
 
 
-#: what ``choose`` does, in the words trials.json keeps
-RULE = (
-    "the planner's first plan that ran, unless another plan's slowest round was faster than its fastest round; "
-    "then the fastest median of those"
-)
-
-
 def repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The interleaved repeat table: one entry per try, in the order they ran (round by round, the
     plans in the planner's order), with its seconds (None: it failed)."""
@@ -340,7 +348,7 @@ def _measure(
     try:
         if trial_world is not None:
             trial_world.watch(lambda: list(grid.groups.values()), devices.default_backend(devices.HOST))
-        planted = _plant(trial.model, cand, grid.rank) if round_ == 0 else None
+        planted = fence.plant(trial.model, cand.shape.as_tuple(), grid.rank) if round_ == 0 else None
         trial.step()
         peak = 0
         if round_ == 0:
@@ -362,35 +370,6 @@ def _measure(
     finally:
         if trial_world is not None:
             trial_world.stop_watching()
-
-
-class _Planted:
-    """An out-of-memory planted in a model's forward (``OOM_ENV``), raised once armed."""
-
-    def __init__(self, module: nn.Module, where: str):
-        self.armed, self.where = False, where
-        self.handle = module.register_forward_pre_hook(self._raise)
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def _raise(self, *_: Any) -> None:
-        if self.armed:
-            self.handle.remove()
-            raise torch.OutOfMemoryError(f"out of memory planted by {OOM_ENV} in {self.where}'s forward")
-
-
-def _plant(model: nn.Module, cand: Candidate, rank: int) -> _Planted | None:
-    """A test's out-of-memory for ``cand`` on this ``rank``, where ``$AXON4D_TRIAL_OOM`` names them
-    ("x,y,z,data@rank"): in the forward of the module halfway down the model, in the first timed
-    step of round 1 (a collective of that step done, the next one left waiting). None otherwise."""
-    spec = os.environ.get(OOM_ENV, "")
-    grid, _, where = spec.partition("@")
-    if not spec or grid.replace(" ", "") != ",".join(map(str, cand.shape.as_tuple())) or where.strip() != str(rank):
-        return None
-    named = [(name, m) for name, m in model.named_modules() if name]
-    name, module = named[len(named) // 2]
-    return _Planted(module, name)
 
 
 def _kind(e: BaseException) -> str:
@@ -429,52 +408,3 @@ def _agree(
         comm.close()
     rows = [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in table]
     return [(e, None if m is None else tuple(m), o, k) for e, m, o, k in rows]
-
-
-def error_pct(row: dict[str, Any], key: str) -> float | None:
-    """How far the prediction of ``key`` ("s" or "peak_bytes") was off, in % of the measured value."""
-    measured = row[f"measured_{key}"]
-    return None if not measured else 100 * (row[f"predicted_{key}"] - measured) / measured
-
-
-def line(row: dict[str, Any]) -> str:
-    """One tried plan in a line: the grid and options, predicted and measured (its last round), or why it failed."""
-    head = f"{tuple(row['grid'])} {row['options']}: predicted {1e3 * row['predicted_s']:.1f} ms"
-    if row["error"] is not None:
-        return f"{head}; skipped ({row['failure']}: {row['error']})"
-    last = row["rounds_s"][-1] if row["rounds_s"] else row["measured_s"]
-    return f"{head}, measured {1e3 * last:.1f} ms ({100 * (row['predicted_s'] - last) / last:+.0f}%)"
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """The tried plans as the banner and the summary show them: predicted and measured step time
-    (the median of the rounds, and each round's) and peak memory per rank, the error of each
-    prediction, and which plan the run trains with."""
-    head = (
-        f"{'#':>2} {'grid (x,y,z,d)':<15} {'options':<34} {'pred ms':>8} {'meas ms':>8} {'err':>5} "
-        f"{'pred MiB':>9} {'meas MiB':>9} {'err':>5}  {'rounds ms':<20}"
-    )
-    out = [head, "-" * len(head)]
-    for r in rows:
-        rounds = "/".join(f"{1e3 * t:.0f}" for t in r.get("rounds_s") or [] if t is not None) or "-"
-        if r["measured_s"] is None:
-            measured = f"{'-':>8} {'-':>5} {r['predicted_peak_bytes'] / 2**20:>9.1f} {'-':>9} {'-':>5}"
-            mark = f"skipped: {r.get('failure') or 'error'}: {r['error']}"
-        else:
-            measured = (
-                f"{1e3 * r['measured_s']:>8.1f} {error_pct(r, 's'):>+4.0f}% "
-                f"{r['predicted_peak_bytes'] / 2**20:>9.1f} {r['measured_peak_bytes'] / 2**20:>9.1f} "
-                f"{error_pct(r, 'peak_bytes'):>+4.0f}%"
-            )
-            mark = "chosen" if r["chosen"] else ""
-        out.append(
-            f"{r['rank']:>2} {str(tuple(r['grid'])):<15} {r['options'][:34]:<34} {1e3 * r['predicted_s']:>8.1f} "
-            f"{measured}  {rounds:<20} {mark}"
-        )
-    recorded = " (recorded by the first launch; not tried again)" if rows and rows[0].get("recorded") else ""
-    return f"plans tried (--try){recorded}; err = (predicted − measured) / measured; chosen: {RULE}\n" + "\n".join(out)
-
-
-def say(text: str) -> None:
-    """A line of the trial's progress on stderr, as ``axon4d: ...``."""
-    print(f"axon4d: {text}", file=sys.stderr, flush=True)

@@ -19,6 +19,8 @@ block's forward): the other ranks are then blocked in a collective that rank wil
 - **an arrival on the store.** Every rank then counts itself out of the trial (``arrive``) and waits
   for all to be out before any collective of the job's own world: none waits in a collective
   another rank left. O(world) store requests per trial.
+
+``plant`` is a test's hook (``$AXON4D_TRIAL_OOM``): an out-of-memory on one rank mid-step in one plan.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ import contextlib
 import datetime
 import gc
 import itertools
+import os
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch import nn
 
 #: how often the watch thread reads the store for another rank's failure (NCCL only)
 POLL_S = 0.5
@@ -130,3 +135,38 @@ class TrialWorld:
         if self._watch is not None and self._watch is not threading.current_thread():
             self._watch.join(timeout=2 * POLL_S + 1)
         self._watch = None
+
+
+# ---- a test's hook: an out-of-memory planted mid-step ----------------------------------------
+#: "x,y,z,data@rank": the plan's grid and the rank that runs out of memory (docs/planner.md)
+OOM_ENV = "AXON4D_TRIAL_OOM"
+
+
+class Planted:
+    """An out-of-memory planted in a module's forward (``OOM_ENV``), raised once armed."""
+
+    def __init__(self, module: nn.Module, where: str):
+        self.armed, self.where = False, where
+        self.handle = module.register_forward_pre_hook(self._raise)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _raise(self, *_: Any) -> None:
+        if self.armed:
+            self.handle.remove()
+            raise torch.OutOfMemoryError(f"out of memory planted by {OOM_ENV} in {self.where}'s forward")
+
+
+def plant(model: nn.Module, grid: tuple[int, ...], rank: int) -> Planted | None:
+    """A test's out-of-memory in the plan on ``grid`` on this ``rank``, where ``$AXON4D_TRIAL_OOM``
+    names them ("x,y,z,data@rank"): in the forward of the module halfway down ``model``, raised once
+    the caller arms it (``axon4d.trials``: in the first timed step of round 1, a collective of that
+    step done, the next one left waiting on the other ranks). None otherwise."""
+    spec = os.environ.get(OOM_ENV, "")
+    planned, _, where = spec.partition("@")
+    if not spec or planned.replace(" ", "") != ",".join(map(str, grid)) or where.strip() != str(rank):
+        return None
+    named = [(name, m) for name, m in model.named_modules() if name]
+    name, module = named[len(named) // 2]
+    return Planted(module, name)
