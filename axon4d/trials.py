@@ -347,7 +347,8 @@ def _measure(
         return None, failed[0][0], failed[0][3], grid.device
     try:
         if trial_world is not None:
-            trial_world.watch(lambda: list(grid.groups.values()), devices.default_backend(devices.HOST))
+            on_host = dist.get_backend() == devices.default_backend(devices.HOST)  # the trial's world
+            trial_world.watch(lambda: list(grid.groups.values()), on_host)
         planted = fence.plant(trial.model, cand.shape.as_tuple(), grid.rank) if round_ == 0 else None
         trial.step()
         peak = 0

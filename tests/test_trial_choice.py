@@ -56,3 +56,36 @@ def test_ranked_takes_a_correction():
     assert same.time.step_s == pytest.approx(2.0 * plain.time.step_s, rel=0.05)
     with pytest.raises(ValueError, match="measured on 4 ranks, this job has 8"):
         ranked(8, **ask, correction=dataclasses.replace(corr, world=4))
+
+
+def test_under_nccl_a_rank_aborts_the_trials_groups_when_another_failed():
+    """``fence.TrialWorld.watch`` (NCCL's path, here with stand-in groups and an in-memory store):
+    within a poll or two of another rank's failure the watching rank aborts its trial's groups; the
+    rank that failed first does not abort its own."""
+    import time
+
+    import torch.distributed as dist
+
+    from axon4d.reliability import fence
+
+    class Group:
+        aborted = 0
+
+        def abort(self):
+            self.aborted += 1
+
+    store = dist.HashStore()
+    worlds = [fence.TrialWorld(store, "t", rank, 2, 10.0) for rank in range(2)]
+    groups = [[Group(), Group()] for _ in worlds]
+    for w, g in zip(worlds, groups, strict=True):
+        w._group = g[1]  # the trial's world
+        w.watch(lambda g=g: g[:1], on_host=False)
+    assert worlds[1].fail() and not worlds[0].fail()  # rank 1 first, rank 0 after it
+    deadline = time.monotonic() + 10
+    while groups[0][0].aborted == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2 * fence.POLL_S)
+    for w in worlds:
+        w.stop_watching()
+    assert [g.aborted for g in groups[0]] == [1, 1] and [g.aborted for g in groups[1]] == [0, 0]
+    assert worlds[0].origin() == 1 and worlds[0].failed()

@@ -110,11 +110,11 @@ class TrialWorld:
         return self.failed()
 
     # ---- NCCL: abort the trial's groups when another rank failed ----------------------------
-    def watch(self, groups: Callable[[], Iterable[Any]], host_backend: str) -> None:
-        """Under a backend other than ``host_backend`` (whose freed groups close their connections
-        themselves), start a thread that aborts ``groups()`` and the trial's world as soon as
-        another rank says it failed."""
-        if dist.get_backend(self._group) == host_backend:
+    def watch(self, groups: Callable[[], Iterable[Any]], on_host: bool) -> None:
+        """Unless the trial's groups are on the host backend (``on_host``: gloo, whose freed groups
+        close their connections themselves), start a thread that aborts ``groups()`` and the
+        trial's world as soon as another rank says it failed."""
+        if on_host:
             return
         self._stop.clear()
 
@@ -122,9 +122,11 @@ class TrialWorld:
             while not self._stop.wait(POLL_S):
                 with contextlib.suppress(Exception):
                     if self.failed() and self.origin() != self.rank:
-                        for group in [*groups(), self._group]:
+                        # each group's own abort: torch's _abort_process_group of the group standing
+                        # in for the default one would abort every group of the job
+                        for group in {id(g): g for g in [*groups(), self._group] if g is not None}.values():
                             with contextlib.suppress(Exception):
-                                c10d._abort_process_group(group)
+                                group.abort()
                         return
 
         self._watch = threading.Thread(target=run, name=f"axon4d-trial-watch-{self.rank}", daemon=True)
