@@ -22,8 +22,18 @@ from axon4d.parallelize import auto_parallelize, to_dense
 from axon4d.parallelize.deepseek import HFMLA
 from axon4d.parallelize.moe import SharedMoEBlock, check_supported
 
+#: DeepSeek-V3's published rotary scaling, shrunk: YaRN's frequency ramps and softmax mscale
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
-def _model(q_lora_rank, vocab=VOCAB, seed=0):
+
+def _model(q_lora_rank, vocab=VOCAB, seed=0, rope=None):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(
@@ -47,12 +57,13 @@ def _model(q_lora_rank, vocab=VOCAB, seed=0):
         qk_nope_head_dim=8,
         v_head_dim=12,
         max_position_embeddings=64,
+        rope_parameters=rope,
         tie_word_embeddings=False,
         pad_token_id=0,
         bos_token_id=0,
         eos_token_id=0,
     )
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():  # norms, router and bias away from their trivial values: slices must matter
@@ -65,11 +76,11 @@ def _model(q_lora_rank, vocab=VOCAB, seed=0):
     return model
 
 
-def _compare(grid, q_lora_rank, out_dir=None):
-    model = _model(q_lora_rank)
+def _compare(grid, q_lora_rank, rope, recompute, out_dir=None):
+    model = _model(q_lora_rank, rope=rope)
     ref = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    par = auto_parallelize(model)
+    par = auto_parallelize(model, recompute=recompute)
     kinds = (
         sum(isinstance(m, HFMLA) for m in par.modules()),
         sum(isinstance(m, SharedMoEBlock) for m in par.modules()),
@@ -104,12 +115,16 @@ def _compare(grid, q_lora_rank, out_dir=None):
     return errs, kinds, stepped
 
 
-@pytest.mark.parametrize("grid,q_lora_rank", [((2, 2, 1, 1), 24), ((1, 2, 2, 1), None)])
-def test_deepseek_v3_matches_transformers(pools, tmp_path, grid, q_lora_rank):
+@pytest.mark.parametrize(
+    "grid,q_lora_rank,rope,recompute",
+    [((2, 2, 1, 1), 24, None, "selective"), ((1, 2, 2, 1), None, YARN, "full")],
+    ids=["q_lora-selective", "q_proj-yarn-full"],
+)
+def test_deepseek_v3_matches_transformers(pools, tmp_path, grid, q_lora_rank, rope, recompute):
     from transformers import AutoModelForCausalLM
 
     out = str(tmp_path / "live") if q_lora_rank is None else None  # one grid also exports live
-    results = pools(4).run(grid, _compare, q_lora_rank, out)
+    results = pools(4).run(grid, _compare, q_lora_rank, rope, recompute, out)
     for rank, (errs, kinds, _) in enumerate(results):
         assert kinds == (2, 1)  # MLA in both blocks, the second sparse
         worst = max(errs, key=errs.get)
@@ -118,7 +133,7 @@ def test_deepseek_v3_matches_transformers(pools, tmp_path, grid, q_lora_rank):
         exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
         bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-        assert torch.equal(exported.state_dict()[bias], _model(None).state_dict()[bias])
+        assert torch.equal(exported.state_dict()[bias], _model(None, rope=rope).state_dict()[bias])
         with torch.no_grad():
             assert rel_err(exported(input_ids=ids, use_cache=False).logits, results[0][2]) <= TOL
 
@@ -127,16 +142,10 @@ def test_deepseek_v3_refuses_what_is_not_built():
     from transformers import DeepseekV3ForCausalLM
 
     config = _model(24).config
-    config.rope_parameters = {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 16,
-        "mscale_all_dim": 1.0,
-    }
+    config.num_key_value_heads = 2
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config)
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM: rope_parameters rope_type 'yarn'"):
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM: num_key_value_heads = 2 ≠ num_attention_heads = 4"):
         check_supported(model, "sharded")  # what auto_parallelize asks first, the same on every rank
 
 

@@ -8,9 +8,14 @@ checkpoint of transformers' loads into it by slices, and ``axon4d export-hf`` wr
 the same names. The rotary tables are the ones the model computes for the layer
 (``position_embeddings``), the softmax scale the attention module's own (``scaling``).
 
+Rotary scaling (YaRN, DeepSeek-V3's published setting) is therefore the model's own: its tables
+carry the frequency ramps and ``scaling`` the mscale. Selective recomputation
+(``auto_parallelize(recompute="selective")``) recomputes MLA's core (``MLA.recompute_core``), full
+recomputation re-runs the decoder layer with MLA's 3D layers in it.
+
 ``refusal(config)`` says, in one line, what of a DeepSeek-V3 configuration is not implemented:
-rotary scaling other than the default (YaRN's mscale and frequency ramps are not built), key/value
-heads fewer than the query heads, a sequence split over z (context parallelism).
+key/value heads fewer than the query heads; at the first forward, a sequence split over z (context
+parallelism) or a key/value cache.
 ``moe_fields(config)`` gives the routing fields of its sparse blocks (sigmoid scores, the fixed
 ``e_score_correction_bias`` for the choice, group-limited routing, ``routed_scaling_factor``).
 """
@@ -25,22 +30,15 @@ from torch import nn
 
 from axon4d.grid.mesh import Grid
 from axon4d.nn.mla import MLA
+from axon4d.parallelize.context import ATTENTION_NAME
+from axon4d.parallelize.recompute import SELECTIVE_PREFIX
 
 #: the causal LM class, its body's and decoder layer's, its sparse block's and its dense MLP's
 CLASSES = ("DeepseekV3ForCausalLM", "DeepseekV3Model", "DeepseekV3DecoderLayer", "DeepseekV3MoE", "DeepseekV3MLP")
-#: the attention implementation name under which ``axon4d.parallelize.context`` splits sequences
-CONTEXT_IMPLEMENTATION = "axon4d_context"
 
 
 def refusal(config: Any) -> str | None:
     """What of the DeepSeek-V3 ``config`` the grid does not implement (the first such thing), None when all is."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    kind = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
-    if kind != "default":
-        return (
-            f"rope_parameters rope_type {kind!r}: only the default rotary embedding is implemented for MLA "
-            "(YaRN's frequency ramps and softmax mscale are not); load it with rope_type 'default'"
-        )
     heads, kv = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
     if kv != heads:
         return f"num_key_value_heads = {kv} ≠ num_attention_heads = {heads}: MLA's kv_b_proj makes every head's keys"
@@ -105,13 +103,15 @@ class HFMLA(MLA):
         attention_mask: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        if getattr(self.config, "_attn_implementation", None) == CONTEXT_IMPLEMENTATION:
+        implementation = str(getattr(self.config, "_attn_implementation", None))
+        if implementation == ATTENTION_NAME:
             raise ValueError(
                 "DeepseekV3ForCausalLM with context parallelism: MLA's core is not split over z; "
                 "run it with context_parallel=False"
             )
         if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError("DeepseekV3ForCausalLM on the grid runs without a key/value cache; pass use_cache=False")
+        self.recompute_core = implementation.startswith(SELECTIVE_PREFIX)  # recompute="selective"
         return super().forward(hidden_states, position_embeddings), None
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from axon4d.grid.mesh import Grid
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import Recipes, recompute_block, recomputed
 from axon4d.options.recompute_mode import Recompute, check_recompute
-from axon4d.parallelize.layers import ShardedLinear, ShardedNorm
+from axon4d.parallelize.layers import ShardedNorm
 from axon4d.parallelize.styles import RESTORE_ATTR, marked
 
 #: prefix of the attention functions registered for selective recomputation
@@ -46,7 +46,8 @@ def apply(model: nn.Module, mode: str, grid: Grid) -> None:
 
 
 def _layers_of(module: nn.Module) -> list[Linear]:
-    return [m.inner for m in module.modules() if isinstance(m, ShardedLinear)]
+    """The 3D layers in ``module``: the ``ShardedLinear``s' and those of the library's own modules (MLA's)."""
+    return [m for m in module.modules() if isinstance(m, Linear)]
 
 
 def _recompute_layers(model: nn.Module, grid: Grid) -> None:
