@@ -95,6 +95,25 @@ def gather_output(y: torch.Tensor, transpose: bool = False, grid: Grid | None = 
     return gather_batch(gather_features(y, out_axis, grid=grid), grid=grid)
 
 
+#: the axes context parallelism splits a sequence over: z (sequences over data), or z and data
+#: together (hierarchical: the ``batch`` axis, coordinate d·G_z + z; every data rank holds parts of
+#: every sequence)
+CONTEXT_AXES: dict[str, Axis] = {"z": "z", "z,data": "batch"}
+
+
+def context_axis(axes: str) -> Axis:
+    """The grid axis a ``context_parallel_axes`` option names: "z" → z, "z,data" (or "data,z",
+    "z·data") → batch; anything else is a ``ValueError`` naming the choices."""
+    names = ",".join(sorted(a.strip() for a in str(axes).replace("·", ",").split(","))) if axes else ""
+    key = "z,data" if names == "data,z" else names
+    if key not in CONTEXT_AXES:
+        raise ValueError(
+            f"context_parallel_axes={axes!r}: context parallelism splits each sequence over 'z' (sequences over "
+            "data) or 'z,data' (over z and data together, for sequences too long for z alone)"
+        )
+    return CONTEXT_AXES[key]
+
+
 def sequence_chunk_len(seq_len: int, g_z: int) -> int:
     """C = S/(2·G_z): the length of one head–tail chunk of a sequence of ``seq_len`` tokens split over
     G_z = ``g_z`` ranks. ``ValueError`` naming S, G_z and the nearest lengths that split, unless 2·G_z
@@ -131,37 +150,48 @@ def sequence_order(seq_len: int, g_z: int, device: torch.device | str | None = N
     return torch.argsort(held)
 
 
-def shard_sequence(x: torch.Tensor, grid: Grid | None = None, documents: Documents | None = None) -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, grid: Grid | None = None, documents: Documents | None = None, axes: str = "z"
+) -> torch.Tensor:
     """This rank's part of full sequences (B, S, ...) under context parallelism: the sequences (dim 0)
     split over data, the tokens of each (dim 1) split head–tail over z — chunks z and 2·G_z−1−z of
     the 2·G_z chunks of S/(2·G_z) tokens. Local slices, differentiable; token ids, targets and
     activations alike. With ``documents`` (the packed layout of the B rows) each row's chunks are
-    the ones ``documents.chunks(G_z)`` gives z-rank z (handed out by attention work)."""
+    the ones ``documents.chunks(G_z)`` gives z-rank z (handed out by attention work). With
+    ``axes="z,data"`` (hierarchical) every rank keeps every sequence and the tokens are split over
+    batch = z × data instead (G = G_z·G_data, coordinate d·G_z + z)."""
     grid = runtime.resolve(grid)
+    axis = context_axis(axes)
     if x.dim() < 2:
         raise ValueError(
             f"shard_sequence needs (batch, seq, ...) with a sequence dim (dim 1), got shape {tuple(x.shape)}; "
             "a single sequence takes x.unsqueeze(0)"
         )
-    rules.divisible(
-        x.shape[0], "the batch (dim 0 of the input)", ["data"], "with context parallelism sequences split over data"
-    ).check(grid.shape)
-    g_z = grid.size("z")
-    c = sequence_chunk_len(x.shape[1], g_z)
-    if documents is not None:
-        documents.check(x.shape[0], x.shape[1], "the sequences to shard")
-        mine = shard_documents(documents, grid).index(grid.coord("z"), g_z).to(x.device)
+    if axis == "z":
+        rules.divisible(
+            x.shape[0], "the batch (dim 0 of the input)", ["data"], "with context parallelism sequences split over data"
+        ).check(grid.shape)
+    g = grid.size(axis)
+    c = sequence_chunk_len(x.shape[1], g)
+    if axis == "z":
         x = _chunk(x, 0, grid.size("data"), grid.coord("data"))
+    if documents is not None:
+        documents.check(x.shape[0] * (grid.size("data") if axis == "z" else 1), x.shape[1], "the sequences to shard")
+        mine = shard_documents(documents, grid, axes=axes).index(grid.coord(axis), g).to(x.device)
         return torch.stack([row.index_select(0, at) for row, at in zip(x, mine)])
-    x = _chunk(x, 0, grid.size("data"), grid.coord("data"))
-    return torch.cat([x.narrow(1, k * c, c) for k in sequence_chunks(grid.coord("z"), g_z)], dim=1)
+    return torch.cat([x.narrow(1, k * c, c) for k in sequence_chunks(grid.coord(axis), g)], dim=1)
 
 
-def shard_documents(documents: Documents, grid: Grid | None = None, context_parallel: bool = True) -> Documents:
+def shard_documents(
+    documents: Documents, grid: Grid | None = None, context_parallel: bool = True, axes: str = "z"
+) -> Documents:
     """The layout of this rank's rows of a batch's ``documents``: its sequences over data (context
-    parallelism: each row still describes the whole sequence), or over batch = data × z without it
-    (``shard_batch``'s rows). What the model's ``documents`` argument takes."""
+    parallelism: each row still describes the whole sequence; every row with ``axes="z,data"``), or
+    over batch = data × z without it (``shard_batch``'s rows). What the model's ``documents``
+    argument takes."""
     grid = runtime.resolve(grid)
+    if context_parallel and context_axis(axes) == "batch":
+        return documents
     axis: Axis = "data" if context_parallel else "batch"
     n = documents.batch // grid.size(axis)
     if n * grid.size(axis) != documents.batch:
@@ -172,21 +202,26 @@ def shard_documents(documents: Documents, grid: Grid | None = None, context_para
     return documents.rows(grid.coord(axis) * n, (grid.coord(axis) + 1) * n)
 
 
-def gather_sequence(x: torch.Tensor, grid: Grid | None = None, documents: Documents | None = None) -> torch.Tensor:
+def gather_sequence(
+    x: torch.Tensor, grid: Grid | None = None, documents: Documents | None = None, axes: str = "z"
+) -> torch.Tensor:
     """The full sequences (B, S, ...) from every rank's ``shard_sequence`` part (b, S/G_z, ...), in
-    global token order, on every rank (all-gather over z, then over data; detached). ``documents``:
-    the packed layout of the B rows, when they were sharded with it."""
+    global token order, on every rank (all-gather over z, then over data; detached). ``documents``
+    and ``axes``: as they were given to ``shard_sequence``."""
     grid = runtime.resolve(grid)
+    axis = context_axis(axes)
     if x.dim() < 2:
         raise ValueError(f"gather_sequence needs (batch, seq/G_z, ...), got shape {tuple(x.shape)}")
     x = x.detach().contiguous()
-    g_z = grid.size("z")
-    if g_z > 1:
-        x = grid.comm.all_gather(x, "z", dim=1, tag=Term.GATHER_SEQUENCE).wait()
+    g = grid.size(axis)
+    if g > 1:
+        x = grid.comm.all_gather(x, axis, dim=1, tag=Term.GATHER_SEQUENCE).wait()
         if documents is None:
-            x = x.index_select(1, sequence_order(x.shape[1], g_z, x.device))
+            x = x.index_select(1, sequence_order(x.shape[1], g, x.device))
         else:
-            mine = shard_documents(documents, grid)
-            held = torch.cat([mine.index(z, g_z) for z in range(g_z)], dim=1)  # (b, S): z order
+            mine = shard_documents(documents, grid, axes=axes)
+            held = torch.cat([mine.index(r, g) for r in range(g)], dim=1)  # (b, S): in gathered order
             x = torch.stack([row.index_select(0, order) for row, order in zip(x, held.argsort(1).to(x.device))])
+    if axis == "batch":  # every rank held every sequence
+        return x
     return grid.comm.all_gather(x.contiguous(), "data", dim=0, tag=Term.GATHER_SEQUENCE).wait()

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d.activations import sequence_chunk_len, sequence_positions
+from axon4d.activations import context_axis, sequence_chunk_len, sequence_positions
 from axon4d.config import ModelConfig
 from axon4d.data.documents import Documents, as_documents
 from axon4d.grid import runtime
@@ -129,7 +129,9 @@ class Transformer(nn.Module):
     ``context_parallel`` splits each sequence's tokens head–tail over z (docs/context.md): give it
     ``axon4d.activations.shard_sequence`` parts of ids and targets instead of ``shard_batch`` ones;
     True or "all-gather" all-gathers the keys and values over z, "ring" passes them around z
-    (O(chunk) memory per rank, ``axon4d.nn.context_ring``).
+    (O(chunk) memory per rank, ``axon4d.nn.context_ring``). ``context_parallel_axes="z,data"``
+    splits each sequence over z and data together (hierarchical, docs/context.md): every rank then
+    holds every sequence's 2 chunks of 2·G_z·G_data (``shard_sequence(x, axes="z,data")``).
     ``offload`` moves what chosen blocks save for backward to host memory (``axon4d.memory.offload``): a
     fraction of the blocks (0.5: the first half, rounded), block indices ([0, 1]), or None."""
 
@@ -142,10 +144,10 @@ class Transformer(nn.Module):
         dtype: torch.dtype | None = None,
         recompute: str = "none",
         context_parallel: bool | str = False,
+        context_parallel_axes: str = "z",
         offload: OffloadSpec = None,
     ):
         super().__init__()
-        self.grid = grid = runtime.resolve(grid)
         if not isinstance(cfg, ModelConfig):
             raise TypeError(
                 f"Transformer takes a ModelConfig, got {type(cfg).__name__}; "
@@ -156,13 +158,28 @@ class Transformer(nn.Module):
         #: None, "all-gather" or "ring" (``axon4d.nn.context.context_mode``)
         self.context_mode = context_mode(context_parallel)
         self.context_parallel = self.context_mode is not None
+        #: the axis each sequence is split over: z, or batch (z × data) for ``context_parallel_axes="z,data"``
+        self.context_axis = context_axis(context_parallel_axes)
+        if self.context_axis != "z" and not self.context_parallel:
+            raise ValueError(
+                f"context_parallel_axes={context_parallel_axes!r} without context_parallel: give context_parallel=True "
+                "or 'ring' too, or leave the axes out"
+            )
+        self.grid = grid = runtime.resolve(grid)
         self.offload = offload_blocks(offload, cfg.n_layers)  # the offloaded blocks' indices
         self.offloader = Offloader(self.offload) if self.offload else None
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, **kw)
         self.pos_emb = PositionEmbedding(cfg.seq_len, cfg.hidden, **kw) if cfg.arch == "gpt" else None
         self.blocks = nn.ModuleList(
-            TransformerBlock(cfg, recompute=recompute, context_parallel=context_parallel, moe=cfg.moe_block(i), **kw)
+            TransformerBlock(
+                cfg,
+                recompute=recompute,
+                context_parallel=context_parallel,
+                context_parallel_axes=context_parallel_axes,
+                moe=cfg.moe_block(i),
+                **kw,
+            )
             for i in range(cfg.n_layers)
         )
         self.norm = norm_for(cfg, grid=grid, device=device, dtype=dtype)
@@ -200,7 +217,7 @@ class Transformer(nn.Module):
                 f"expected token ids of shape (batch, seq), got {tuple(ids.shape)}; "
                 "a single sequence takes ids.unsqueeze(0)"
             )
-        seq = ids.shape[1] * (self.grid.size("z") if self.context_parallel else 1)  # the full sequence's length
+        seq = ids.shape[1] * (self.grid.size(self.context_axis) if self.context_parallel else 1)  # the full sequence's
         if seq > self.cfg.seq_len:
             held = f" (this rank holds {ids.shape[1]} of its tokens, split over z)" if self.context_parallel else ""
             raise ValueError(
@@ -208,7 +225,7 @@ class Transformer(nn.Module):
                 f"give at most {self.cfg.seq_len} tokens per sequence or build the model with a longer seq_len"
             )
         if self.context_parallel:
-            sequence_chunk_len(seq, self.grid.size("z"))  # the same ValueError on every rank, before any collective
+            sequence_chunk_len(seq, self.grid.size(self.context_axis))  # the same ValueError on every rank, first
         docs = None if documents is None else as_documents(documents, ids.shape[0], seq, "this rank's token ids")
         x = self.tok_emb(ids)
         if self.pos_emb is not None:
@@ -226,11 +243,12 @@ class Transformer(nn.Module):
         ``documents`` (b, s, hidden/G_x), each token's position inside its document."""
         assert self.pos_emb is not None
         if documents is not None:
-            z, g_z = (self.grid.coord("z"), self.grid.size("z")) if self.context_parallel else (0, 1)
+            axis = self.context_axis
+            z, g_z = (self.grid.coord(axis), self.grid.size(axis)) if self.context_parallel else (0, 1)
             return self.pos_emb(self.cfg.seq_len)[documents.local_positions(z, g_z, device)]
         if not self.context_parallel:
             return self.pos_emb(seq)
-        z, g_z = self.grid.coord("z"), self.grid.size("z")
+        z, g_z = self.grid.coord(self.context_axis), self.grid.size(self.context_axis)
         rows = self.pos_emb(self.cfg.seq_len)  # the table in compute dtype; autograd reaches the weight
         return rows.index_select(0, sequence_positions(seq, z, g_z, device))  # checks 2·G_z | seq
 
@@ -265,6 +283,7 @@ class Transformer(nn.Module):
         grid: Grid | None = None,
         recompute: str = "none",
         context_parallel: bool | str = False,
+        context_parallel_axes: str = "z",
         offload: OffloadSpec = None,
     ) -> Transformer:
         p = dense.head.weight
@@ -274,6 +293,7 @@ class Transformer(nn.Module):
             dtype=p.dtype,
             recompute=recompute,
             context_parallel=context_parallel,
+            context_parallel_axes=context_parallel_axes,
             offload=offload,
         )
         return model.load_dense_(dense)

@@ -17,6 +17,8 @@ tokens' global positions and core attention runs across the split: True or "all-
 every rank's keys and values (``axon4d.nn.context``; under selective recomputation they are kept,
 so no collective runs twice), "ring" passes them around z one rank's at a time, O(chunk) memory
 (``axon4d.nn.context_ring``; selective recomputation runs its ring again in backward).
+``context_parallel_axes="z,data"`` splits each sequence over z and data together (the ``batch``
+axis; hierarchical, docs/context.md) instead of z alone.
 
 ``documents`` (a forward argument, ``axon4d.data.documents.Documents`` of this rank's rows): packed
 sequences; a token attends only to its own document's earlier tokens and rotary positions restart at
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d.activations import sequence_positions
+from axon4d.activations import context_axis, sequence_positions
 from axon4d.data.documents import Documents
 from axon4d.grid import counts, rules, runtime
 from axon4d.grid.mesh import Grid
@@ -156,6 +158,7 @@ class Attention(nn.Module):
         dtype: torch.dtype | None = None,
         recompute_core: bool = False,
         context_parallel: bool | str = False,
+        context_parallel_axes: str = "z",
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
@@ -163,6 +166,8 @@ class Attention(nn.Module):
         #: None, "all-gather" or "ring" (``axon4d.nn.context.context_mode``)
         self.context_mode = context_mode(context_parallel)
         self.context_parallel = self.context_mode is not None
+        #: the axis each sequence is split over: z, or batch (z × data, ``context_parallel_axes="z,data"``)
+        self.context_axis = context_axis(context_parallel_axes)
         rules.count(hidden, "hidden", example=1024)
         rules.count(n_heads, "n_heads", example=8)
         n_kv_heads = rules.count(n_kv_heads, "n_kv_heads", example=n_heads) if n_kv_heads is not None else n_heads
@@ -214,7 +219,7 @@ class Attention(nn.Module):
         sequences of s·G_z tokens split over z (with ``documents``, the chunks it chose); returns
         (b, s, hq·d) like ``causal_attention``."""
         b, s, hq, d = q.shape
-        z, g_z = self.grid.coord("z"), self.grid.size("z")
+        z, g_z = self.grid.coord(self.context_axis), self.grid.size(self.context_axis)
         if documents is None:
             positions = sequence_positions(s * g_z, z, g_z, q.device)  # checks 2·G_z | S
         else:
@@ -228,10 +233,12 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if documents is not None:
             ring = self.context_mode == "ring"
-            out = document_sequence_attention(q, k, v, self.grid, documents, ring, self.recompute_core)
+            out = document_sequence_attention(
+                q, k, v, self.grid, documents, ring, self.recompute_core, self.context_axis
+            )
             return out.transpose(1, 2).reshape(b, s, hq * d)
         attend = ring_sequence_attention if self.context_mode == "ring" else split_sequence_attention
-        out = attend(q, k, v, self.grid, recompute_core=self.recompute_core)
+        out = attend(q, k, v, self.grid, recompute_core=self.recompute_core, axis=self.context_axis)
         return out.transpose(1, 2).reshape(b, s, hq * d)
 
     @torch.no_grad()

@@ -81,6 +81,7 @@ class TransformerBlock(nn.Module):
         dtype: torch.dtype | None = None,
         recompute: str = "none",
         context_parallel: bool | str = False,
+        context_parallel_axes: str = "z",
         moe: bool | None = None,
     ):
         super().__init__()
@@ -109,6 +110,7 @@ class TransformerBlock(nn.Module):
             dtype=dtype,
             recompute_core=self.recompute == Recompute.SELECTIVE,
             context_parallel=context_parallel,
+            context_parallel_axes=context_parallel_axes,
         )
         #: the FFN sublayer: the dense MLP, or with ``cfg.n_experts`` a Mixture-of-Experts (docs/moe.md)
         self.mlp: MLP | MoE = (

@@ -61,6 +61,7 @@ import torch
 from axon4d.activations import sequence_chunks
 from axon4d.device import attention as kernels
 from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
 from axon4d.layout.geometry import Term
 
 #: the ways keys and values reach the ranks that need them: all-gathered over z (this module, the
@@ -190,6 +191,7 @@ class _SplitAttention(torch.autograd.Function):
         grid: Grid | None,
         chunks: tuple[int, int],
         recompute: bool,
+        axis: Axis,
     ) -> torch.Tensor:
         c, grouped = q.shape[2] // 2, q.shape[1] > k.shape[1]
         qs = _chunks(q, c, grouped)
@@ -198,13 +200,13 @@ class _SplitAttention(torch.autograd.Function):
             keys = _GlobalKeys(k, v, chunks, c)
             diagonal = [kernels.attention_with_lse(qs[h], *keys.own(h), True) for h in range(2)]
         else:
-            gathering = grid.comm.all_gather(_send_buffer(k, v, c), "z", dim=0, tag=Term.CP_KV)
+            gathering = grid.comm.all_gather(_send_buffer(k, v, c), axis, dim=0, tag=Term.CP_KV)
             local = list(zip(_chunks(k, c, False), _chunks(v, c, False)))
             diagonal = [kernels.attention_with_lse(qs[h], *local[h], True) for h in range(2)]  # while in flight
-            keys = _GatheredKeys(gathering.wait(), grid.coord("z"), grid.size("z"))
+            keys = _GatheredKeys(gathering.wait(), grid.coord(axis), grid.size(axis))
         merged = [_attend(qs[h], keys, h, diagonal[h]) for h in range(2)]
         out = torch.cat([m[0] for m in merged], dim=2)
-        ctx.grid, ctx.chunks, ctx.recompute, ctx.c, ctx.grouped = grid, chunks, recompute, c, grouped
+        ctx.grid, ctx.chunks, ctx.recompute, ctx.c, ctx.grouped, ctx.axis = grid, chunks, recompute, c, grouped, axis
         held = (keys.k, keys.v) if isinstance(keys, _GlobalKeys) else (keys.buf,)
         if recompute:  # selective recomputation: q and the gathered keys and values only
             ctx.save_for_backward(*qs, *held)
@@ -214,14 +216,14 @@ class _SplitAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grid, chunks, c, grouped = ctx.grid, ctx.chunks, ctx.c, ctx.grouped
+        grid, chunks, c, grouped, axis = ctx.grid, ctx.chunks, ctx.c, ctx.grouped, ctx.axis
         q_head, q_tail, *saved = ctx.saved_tensors
         qs = [q_head, q_tail]
         keys: Keys
         if grid is None:
             keys, kept = _GlobalKeys(saved[0], saved[1], chunks, c), saved[2:]
         else:
-            keys, kept = _GatheredKeys(saved[0], grid.coord("z"), grid.size("z")), saved[1:]
+            keys, kept = _GatheredKeys(saved[0], grid.coord(axis), grid.size(axis)), saved[1:]
         if ctx.recompute:  # the forward's parts again, from the kept keys and values: no all-gather
             merged = [_attend(qs[h], keys, h, kernels.attention_with_lse(qs[h], *keys.own(h), True)) for h in range(2)]
         else:
@@ -237,7 +239,7 @@ class _SplitAttention(torch.autograd.Function):
                 dv_at.add_(dv)
         if isinstance(dkeys, _GatheredKeys):  # every rank's share of each rank's tokens: during the diagonals
             assert grid is not None
-            scattering = grid.comm.reduce_scatter(dkeys.buf, "z", dim=0, tag=Term.CP_KV_GRAD)
+            scattering = grid.comm.reduce_scatter(dkeys.buf, axis, dim=0, tag=Term.CP_KV_GRAD)
         diagonal_grads = []
         for h in range(2):
             dq_d, dk, dv = kernels.attention_with_lse_backward(grads[h], qs[h], *keys.own(h), *merged[h], True)
@@ -249,13 +251,13 @@ class _SplitAttention(torch.autograd.Function):
                 dk_at, dv_at = dkeys.own(h)
                 dk_at.add_(dk)
                 dv_at.add_(dv)
-            return dq_all, dkeys.k, dkeys.v, None, None, None
+            return dq_all, dkeys.k, dkeys.v, None, None, None, None
         mine = scattering.wait()  # (C, 2 chunks, 2 [k, v], b, hkv, d): this rank's tokens
         dk_local = torch.cat([g[0] for g in diagonal_grads], dim=2)  # (b, hkv, 2·C, d)
         dv_local = torch.cat([g[1] for g in diagonal_grads], dim=2)
         dk_local.unflatten(2, (2, c)).add_(mine[:, :, 0].permute(2, 3, 1, 0, 4))
         dv_local.unflatten(2, (2, c)).add_(mine[:, :, 1].permute(2, 3, 1, 0, 4))
-        return dq_all, dk_local, dv_local, None, None, None
+        return dq_all, dk_local, dv_local, None, None, None, None
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int]) -> torch.Tensor:
@@ -265,13 +267,14 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: 
     rank computes once the keys and values are gathered). Returns (b, hq, 2·C, d); grouped-query
     attention (hkv < hq) is read from the shapes."""
     kernels.query_groups(q, k)
-    return _SplitAttention.apply(q, k, v, None, chunks, False)
+    return _SplitAttention.apply(q, k, v, None, chunks, False, "z")
 
 
 def split_sequence_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, recompute_core: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, recompute_core: bool = False, axis: Axis = "z"
 ) -> torch.Tensor:
-    """softmax(q kᵀ/√d, causal) v for this rank's tokens of sequences split head–tail over z:
+    """softmax(q kᵀ/√d, causal) v for this rank's tokens of sequences split head–tail over z (or over
+    ``axis``: "batch" = z × data, hierarchical context parallelism):
     q (b, hq, 2·C, d), k and v (b, hkv, 2·C, d), positions already applied (rotary at global
     positions). Returns (b, hq, 2·C, d). Communicates over z: the all-gather of k and v (overlapped
     with the diagonal parts) and, in backward, the reduce-scatter of their gradients (overlapped with
@@ -283,5 +286,5 @@ def split_sequence_attention(
             "chunks (an even count): shard the sequences with axon4d.activations.shard_sequence"
         )
     kernels.query_groups(q, k)
-    chunks = sequence_chunks(grid.coord("z"), grid.size("z"))
-    return _SplitAttention.apply(q, k, v, grid, chunks, recompute_core)
+    chunks = sequence_chunks(grid.coord(axis), grid.size(axis))
+    return _SplitAttention.apply(q, k, v, grid, chunks, recompute_core, axis)

@@ -34,6 +34,7 @@ import torch
 from axon4d.data.documents import Documents
 from axon4d.device import attention as kernels
 from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
 from axon4d.layout.geometry import Term
 from axon4d.nn.context import _send_buffer
 
@@ -131,13 +132,13 @@ def _ring_held(kv: torch.Tensor, layout: Layout, o: int, c: int) -> list[list[He
     return _local(kv[0], kv[1], [row[o] for row in layout], c)
 
 
-def _ring_forward(q: torch.Tensor, kv: torch.Tensor, docs: Documents, grid: Grid, c: int) -> _Running:
-    z, g_z = grid.coord("z"), grid.size("z")
+def _ring_forward(q: torch.Tensor, kv: torch.Tensor, docs: Documents, grid: Grid, c: int, axis: Axis) -> _Running:
+    z, g_z = grid.coord(axis), grid.size(axis)
     layout = docs.chunks(g_z)
     mine = [row[z] for row in layout]
     run = _Running(q)
     for s in range(g_z):
-        arriving = grid.comm.shift(kv, "z", tag=Term.CP_KV_RING) if s + 1 < g_z else None  # in flight meanwhile
+        arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None  # in flight meanwhile
         _attend(q, docs, _ring_held(kv, layout, (z - s) % g_z, c), mine, c, run)
         if arriving is not None:
             kv = arriving.wait()
@@ -158,22 +159,23 @@ class _DocumentAttention(torch.autograd.Function):
         docs: Documents,
         ring: bool,
         recompute: bool,
+        axis: Axis,
     ) -> torch.Tensor:
-        z, g_z = grid.coord("z"), grid.size("z")
+        z, g_z = grid.coord(axis), grid.size(axis)
         layout = docs.chunks(g_z)
         c = q.shape[2] // docs.per_rank(g_z)
         mine = [row[z] for row in layout]
         if ring:
             held = torch.stack([k, v])  # (2, b, hkv, n·C, d): what travels
-            run = _ring_forward(q, held, docs, grid, c)
+            run = _ring_forward(q, held, docs, grid, c, axis)
         else:
-            gathering = grid.comm.all_gather(_send_buffer(k, v, c), "z", dim=0, tag=Term.CP_KV)
+            gathering = grid.comm.all_gather(_send_buffer(k, v, c), axis, dim=0, tag=Term.CP_KV)
             run = _Running(q)
             _attend(q, docs, _local(k, v, mine, c), mine, c, run)  # while in flight
             held = gathering.wait()
             _attend(q, docs, _gathered(held, layout, [o for o in range(g_z) if o != z]), mine, c, run)
         out = run.out.to(q.dtype)
-        ctx.grid, ctx.docs, ctx.ring, ctx.recompute, ctx.c = grid, docs, ring, recompute, c
+        ctx.grid, ctx.docs, ctx.ring, ctx.recompute, ctx.c, ctx.axis = grid, docs, ring, recompute, c, axis
         if recompute:  # selective recomputation: q and the held keys and values only
             ctx.save_for_backward(q, held)
         else:
@@ -182,15 +184,15 @@ class _DocumentAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grid, docs, c = ctx.grid, ctx.docs, ctx.c
+        grid, docs, c, axis = ctx.grid, ctx.docs, ctx.c, ctx.axis
         q, held, *kept = ctx.saved_tensors
-        z, g_z = grid.coord("z"), grid.size("z")
+        z, g_z = grid.coord(axis), grid.size(axis)
         n = docs.per_rank(g_z)
         layout = docs.chunks(g_z)
         mine = [row[z] for row in layout]
         if ctx.recompute:
             if ctx.ring:
-                run = _ring_forward(q, held, docs, grid, c)
+                run = _ring_forward(q, held, docs, grid, c, axis)
             else:
                 run = _Running(q)
                 _attend(q, docs, _gathered(held, layout, list(range(g_z))), mine, c, run)
@@ -205,7 +207,7 @@ class _DocumentAttention(torch.autograd.Function):
             _attend_backward(
                 grad, q, out, lse, docs, _gathered(held, layout, others), _gathered(dbuf, layout, others), mine, c, dq
             )
-            scattering = grid.comm.reduce_scatter(dbuf, "z", dim=0, tag=Term.CP_KV_GRAD)
+            scattering = grid.comm.reduce_scatter(dbuf, axis, dim=0, tag=Term.CP_KV_GRAD)
             own = _gathered(held, layout, [z])  # this rank's own chunks, read from the buffer
             dk = torch.zeros(held.shape[3], held.shape[4], n * c, held.shape[5], dtype=held.dtype, device=held.device)
             dv = torch.zeros_like(dk)
@@ -213,11 +215,11 @@ class _DocumentAttention(torch.autograd.Function):
             mine_grads = scattering.wait()  # (C, n chunks, 2 [k, v], b, hkv, d): this rank's tokens
             dk.unflatten(2, (n, c)).add_(mine_grads[:, :, 0].permute(2, 3, 1, 0, 4))
             dv.unflatten(2, (n, c)).add_(mine_grads[:, :, 1].permute(2, 3, 1, 0, 4))
-            return dq, dk, dv, None, None, None, None
+            return dq, dk, dv, None, None, None, None, None
         kv = held
         carried = None  # the accumulator of the held keys' gradients, arriving from z − 1
         for s in range(g_z):
-            arriving = grid.comm.shift(kv, "z", tag=Term.CP_KV_RING) if s + 1 < g_z else None
+            arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None
             o = (z - s) % g_z
             dkv = torch.zeros_like(kv)
             _attend_backward(
@@ -225,12 +227,12 @@ class _DocumentAttention(torch.autograd.Function):
             )
             if carried is not None:
                 dkv += carried.wait()
-            carried = grid.comm.shift(dkv, "z", tag=Term.CP_KV_RING_GRAD)  # the last one goes home
+            carried = grid.comm.shift(dkv, axis, tag=Term.CP_KV_RING_GRAD)  # the last one goes home
             if arriving is not None:
                 kv = arriving.wait()
         assert carried is not None
         own_grads = carried.wait()  # (2, b, hkv, n·C, d): every rank's contributions to this rank's keys
-        return dq, own_grads[0], own_grads[1], None, None, None, None
+        return dq, own_grads[0], own_grads[1], None, None, None, None, None
 
 
 def document_sequence_attention(
@@ -241,13 +243,15 @@ def document_sequence_attention(
     documents: Documents,
     ring: bool = False,
     recompute_core: bool = False,
+    axis: Axis = "z",
 ) -> torch.Tensor:
     """softmax(q kᵀ/√d) v, causal within ``documents``, for this rank's n chunks per row of packed
     sequences split over z in ``documents.chunks(G_z)``'s layout (``shard_sequence(x,
     documents=...)``): q (b, hq, n·C, d), k and v (b, hkv, n·C, d), positions applied (rotary at
     in-document positions); ``documents`` has this rank's b rows. The keys and values are all-gathered
-    over z or, with ``ring``, passed around z (module docstring). Returns (b, hq, n·C, d)."""
+    over z or, with ``ring``, passed around z (module docstring) — over ``axis``: z, or batch = z ×
+    data for hierarchical context parallelism. Returns (b, hq, n·C, d)."""
     kernels.query_groups(q, k)
-    documents.check(q.shape[0], q.shape[2] * grid.size("z"), "the attention's query rows")
-    documents.per_rank(grid.size("z"))  # checks the split, before any collective
-    return _DocumentAttention.apply(q, k, v, grid, documents, ring, recompute_core)
+    documents.check(q.shape[0], q.shape[2] * grid.size(axis), "the attention's query rows")
+    documents.per_rank(grid.size(axis))  # checks the split, before any collective
+    return _DocumentAttention.apply(q, k, v, grid, documents, ring, recompute_core, axis)

@@ -45,6 +45,7 @@ import torch
 from axon4d.activations import sequence_chunks
 from axon4d.device import attention as kernels
 from axon4d.grid.mesh import Grid
+from axon4d.grid.shape import Axis
 from axon4d.layout.geometry import Term
 from axon4d.nn.context import Part, _chunks, _merge
 
@@ -73,13 +74,13 @@ def _keys(kv: torch.Tensor, span: Span, c: int) -> tuple[torch.Tensor, torch.Ten
     return kv[0].narrow(2, start * c, n * c), kv[1].narrow(2, start * c, n * c)
 
 
-def _ring_forward(qs: list[torch.Tensor], kv: torch.Tensor, grid: Grid, c: int) -> list[Part]:
+def _ring_forward(qs: list[torch.Tensor], kv: torch.Tensor, grid: Grid, c: int, axis: Axis) -> list[Part]:
     """Each query chunk's attention over the whole ring (module docstring): (out in fp32, lse)."""
-    z, g_z = grid.coord("z"), grid.size("z")
+    z, g_z = grid.coord(axis), grid.size(axis)
     mine = sequence_chunks(z, g_z)
     running: list[Part | None] = [None, None]
     for s in range(g_z):
-        arriving = grid.comm.shift(kv, "z", tag=Term.CP_KV_RING) if s + 1 < g_z else None  # in flight meanwhile
+        arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None  # in flight meanwhile
         held = sequence_chunks((z - s) % g_z, g_z)
         for h in range(2):
             for span in visible(mine[h], held):
@@ -99,14 +100,14 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, recompute: bool
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, recompute: bool, axis: Axis
     ) -> torch.Tensor:
         c, grouped = q.shape[2] // 2, q.shape[1] > k.shape[1]
         qs = _chunks(q, c, grouped)
         kv = torch.stack([k, v])  # (2, b, hkv, 2·C, d): what travels
-        merged = _ring_forward(qs, kv, grid, c)
+        merged = _ring_forward(qs, kv, grid, c, axis)
         out = torch.cat([m[0] for m in merged], dim=2).to(q.dtype)
-        ctx.grid, ctx.recompute, ctx.c, ctx.grouped = grid, recompute, c, grouped
+        ctx.grid, ctx.recompute, ctx.c, ctx.grouped, ctx.axis = grid, recompute, c, grouped, axis
         if recompute:  # selective recomputation: q and this rank's keys and values only
             ctx.save_for_backward(*qs, kv)
         else:
@@ -115,20 +116,20 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grid, c, grouped = ctx.grid, ctx.c, ctx.grouped
+        grid, c, grouped, axis = ctx.grid, ctx.c, ctx.grouped, ctx.axis
         q_head, q_tail, kv, *kept = ctx.saved_tensors
         qs = [q_head, q_tail]
         if ctx.recompute:  # the forward's ring once more
-            merged = [(out.to(q_head.dtype), lse) for out, lse in _ring_forward(qs, kv, grid, c)]
+            merged = [(out.to(q_head.dtype), lse) for out, lse in _ring_forward(qs, kv, grid, c, axis)]
         else:
             merged = list(zip(_chunks(kept[0], c, grouped), _chunks(kept[1], c, grouped)))
-        z, g_z = grid.coord("z"), grid.size("z")
+        z, g_z = grid.coord(axis), grid.size(axis)
         mine = sequence_chunks(z, g_z)
         grads = _chunks(grad, c, True)
         dq = [torch.zeros_like(qh) for qh in qs]
         carried = None  # the accumulator of the held keys' gradients, arriving from z − 1
         for s in range(g_z):
-            arriving = grid.comm.shift(kv, "z", tag=Term.CP_KV_RING) if s + 1 < g_z else None
+            arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None
             held = sequence_chunks((z - s) % g_z, g_z)
             dkv = torch.zeros_like(kv)
             for h in range(2):
@@ -141,18 +142,19 @@ class _RingAttention(torch.autograd.Function):
                     dv_at.add_(dv)
             if carried is not None:
                 dkv += carried.wait()
-            carried = grid.comm.shift(dkv, "z", tag=Term.CP_KV_RING_GRAD)  # the last one goes home
+            carried = grid.comm.shift(dkv, axis, tag=Term.CP_KV_RING_GRAD)  # the last one goes home
             if arriving is not None:
                 kv = arriving.wait()
         assert carried is not None
         own = carried.wait()  # (2, b, hkv, 2·C, d): every rank's contributions to this rank's keys
-        return torch.cat(dq, dim=2), own[0], own[1], None, None
+        return torch.cat(dq, dim=2), own[0], own[1], None, None, None
 
 
 def ring_sequence_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, recompute_core: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: Grid, recompute_core: bool = False, axis: Axis = "z"
 ) -> torch.Tensor:
-    """``axon4d.nn.context.split_sequence_attention``'s result, the keys and values passed around z
+    """``axon4d.nn.context.split_sequence_attention``'s result (around ``axis``: z, or batch = z ×
+    data for hierarchical context parallelism), the keys and values passed around z
     one rank's at a time instead of all-gathered (module docstring): q (b, hq, 2·C, d), k and v
     (b, hkv, 2·C, d) this rank's head–tail chunks, positions applied. Returns (b, hq, 2·C, d). With
     ``recompute_core`` only q, k and v are kept, and backward runs the forward's ring again."""
@@ -162,4 +164,4 @@ def ring_sequence_attention(
             "chunks (an even count): shard the sequences with axon4d.activations.shard_sequence"
         )
     kernels.query_groups(q, k)
-    return _RingAttention.apply(q, k, v, grid, recompute_core)
+    return _RingAttention.apply(q, k, v, grid, recompute_core, axis)

@@ -116,10 +116,11 @@ def accumulate_one(
     (axon4d.scheduler, accumulation): the last one's reduces the step's sums once."""
     device = _device(model, grid)
     context_parallel = getattr(model, "context_parallel", False)
+    axes = "z,data" if getattr(model, "context_axis", "z") == "batch" else "z"  # hierarchical: z × data
     if eos is None:
-        inputs, targets = rank_tokens(full, grid, context_parallel)
+        inputs, targets = rank_tokens(full, grid, context_parallel, axes)
     else:
-        inputs, targets, documents = rank_documents(full, grid, context_parallel, eos)
+        inputs, targets, documents = rank_documents(full, grid, context_parallel, eos, axes)
     inputs, targets = devices.to_device(inputs, device), devices.to_device(targets, device)
     if eos is None:
         loss = model.loss(inputs, targets) / parts
@@ -133,7 +134,7 @@ def accumulate_one(
 
 
 def rank_documents(
-    full: torch.Tensor | MicroBatch, grid: Grid | None, context_parallel: bool, eos: int
+    full: torch.Tensor | MicroBatch, grid: Grid | None, context_parallel: bool, eos: int, axes: str = "z"
 ) -> tuple[torch.Tensor, torch.Tensor, Documents]:
     """``rank_tokens`` of packed documents: this rank's (inputs, targets) and the ``Documents`` of its
     rows, a document ending after each ``eos`` input token, read on the host. Under
@@ -143,38 +144,44 @@ def rank_documents(
         inputs, targets = rank_tokens(full, grid, False)
         return inputs, targets, Documents.from_eos(inputs, eos)
     total = full.size if isinstance(full, MicroBatch) else full.shape[0]
-    n = total // grid.size("data")
-    if n * grid.size("data") != total:
+    axis = activations.context_axis(axes)
+    split = grid.size("data") if axis == "z" else 1  # hierarchical: every rank reads every sequence
+    n = total // split
+    if n * split != total:
         raise ValueError(
             f"a micro-batch of {total} sequences cannot be split over data = {grid.size('data')} with context "
             f"parallelism: give a batch size that is a multiple of {grid.size('data')}"
         )
-    lo = grid.coord("data") * n  # this rank's sequences (over data), whole
+    lo = grid.coord("data") * n if axis == "z" else 0  # this rank's sequences (over data), whole
     rows = full.rows(lo, lo + n) if isinstance(full, MicroBatch) else full[lo : lo + n]
     documents = Documents.from_eos(rows[:, :-1], eos)
-    index = documents.index(grid.coord("z"), grid.size("z"))  # (b, S/G_z): this rank's tokens
+    index = documents.index(grid.coord(axis), grid.size(axis))  # (b, S/G): this rank's tokens
     return rows[:, :-1].gather(1, index), rows[:, 1:].gather(1, index), documents
 
 
 def rank_tokens(
-    full: torch.Tensor | MicroBatch, grid: Grid | None, context_parallel: bool = False
+    full: torch.Tensor | MicroBatch, grid: Grid | None, context_parallel: bool = False, axes: str = "z"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (inputs, targets) of micro-batch ``full``: its rows over batch = data × z
     (``axon4d.activations.shard_batch``), or under ``context_parallel`` its rows over data and its
-    head–tail tokens over z (``axon4d.activations.shard_sequence``); all of them without a grid. A
+    head–tail tokens over z (``axon4d.activations.shard_sequence``; with ``axes="z,data"`` every row,
+    its tokens over z × data); all of them without a grid. A
     ``MicroBatch`` builds only those rows, which the two functions pick out of an index."""
     if grid is None:
         rows = full.tensor() if isinstance(full, MicroBatch) else full
         return rows[:, :-1], rows[:, 1:]
     if not isinstance(full, MicroBatch):
         if context_parallel:
-            return activations.shard_sequence(full[:, :-1], grid), activations.shard_sequence(full[:, 1:], grid)
+            inputs, targets = full[:, :-1], full[:, 1:]
+            return activations.shard_sequence(inputs, grid, axes=axes), activations.shard_sequence(
+                targets, grid, axes=axes
+            )
         rows = activations.shard_batch(full, grid)
         return rows[:, :-1], rows[:, 1:]
     n, seq = full.size, full.seq_len
     if context_parallel:  # the rows over data and the positions over z, picked out of indices
-        mine = activations.shard_sequence(torch.arange(n)[:, None].expand(n, seq), grid)[:, 0]
-        positions = activations.shard_sequence(torch.arange(seq)[None, :].expand(n, seq), grid)[0]
+        mine = activations.shard_sequence(torch.arange(n)[:, None].expand(n, seq), grid, axes=axes)[:, 0]
+        positions = activations.shard_sequence(torch.arange(seq)[None, :].expand(n, seq), grid, axes=axes)[0]
         rows = full.rows(int(mine[0]), int(mine[-1]) + 1)
         return rows[:, :-1].index_select(1, positions), rows[:, 1:].index_select(1, positions)
     mine = activations.shard_batch(torch.arange(n), grid)

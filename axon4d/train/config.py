@@ -121,6 +121,8 @@ class TrainConfig:
     """Split the tokens of each sequence over z (head–tail chunks, causal balance; sequences split over data only) for sequences too long for one rank (docs/context.md); the sequence length must be a multiple of 2·G_z."""
     context_parallel_mode: str = "all-gather"
     """With --context-parallel: all-gather (every z rank gathers the keys and values of the whole sequence: faster where they fit) or ring (they pass around z one rank's chunks at a time: K/V memory per rank 1/G_z of the sequence's; docs/context.md "Ring mode"). Axon4d's own models only."""
+    context_parallel_axes: str = "z"
+    """With --context-parallel: the axes each sequence is split over: z (sequences over data), or z,data (hierarchical: over z and data together, every rank holding a part of every sequence, for sequences too long for z alone; docs/context.md "Hierarchical")."""
     packed_documents: int = -1
     """The token id that ends each document of the data (EOS; axon4d prepare-data writes the tokenizer's after every document): each sequence is cut into documents after every such token, tokens attend only within their document and positions restart at each (docs/context.md "Packed documents"; with --context-parallel the chunks are balanced by attention work). -1 (default): off, one document per sequence. Axon4d's own models only."""
     expert_layout: str = ""
@@ -257,6 +259,13 @@ class TrainConfig:
                     if self.hf
                     else "without --context-parallel: add --context-parallel, or leave the mode out"
                 )
+            )
+        if self.context_parallel_axes != "z" and (
+            self.context_parallel_axes not in ("z,data", "data,z") or not self.context_parallel or self.hf
+        ):
+            raise ValueError(
+                f"--context-parallel-axes {self.context_parallel_axes}: give z or z,data, with --context-parallel "
+                "and axon4d's own models (not --hf)"
             )
         if self.packed_documents < -1 or (self.packed_documents >= 0 and self.hf):
             raise ValueError(

@@ -167,14 +167,28 @@ def main(args: argparse.Namespace) -> int:
 
 
 def build_model(
-    mcfg: ModelConfig, grid: Grid, recompute="none", context_parallel: bool | str = False, offload="", bf16=""
+    mcfg: ModelConfig,
+    grid: Grid,
+    recompute="none",
+    context_parallel: bool | str = False,
+    offload="",
+    bf16="",
+    context_parallel_axes="z",
 ):
     """The run's ``Transformer`` on ``grid`` with activation recomputation ``recompute`` (axon4d.nn.recompute),
     with ``context_parallel`` each sequence's tokens split over z (docs/context.md), the blocks
     ``offload`` names (--offload's text: a fraction or indices; axon4d.memory.offload) offloading what they
-    save for backward to host memory, and under FP8 GEMMs the layer kinds ``bf16`` names in bf16."""
+    save for backward to host memory, and under FP8 GEMMs the layer kinds ``bf16`` names in bf16;
+    ``context_parallel_axes``: z, or z,data (hierarchical)."""
     offloaded = parse_offload(offload)
-    model = Transformer(mcfg, grid=grid, recompute=recompute, context_parallel=context_parallel, offload=offloaded)
+    model = Transformer(
+        mcfg,
+        grid=grid,
+        recompute=recompute,
+        context_parallel=context_parallel,
+        context_parallel_axes=context_parallel_axes,
+        offload=offloaded,
+    )
     model.keep_in_bf16({k.strip() for k in bf16.split(",") if k.strip()})
     return model
 
@@ -183,8 +197,16 @@ def _model(cfg: TrainConfig, mcfg: ModelConfig, grid: Grid) -> Model:
     """The run's model on ``grid``: the saved Hugging Face model --hf names (``hf.build``), else
     axon4d's ``Transformer`` (``build_model``)."""
     if cfg.hf:
-        return hf.build(cfg.hf, mcfg, grid, cfg.recompute, cfg.context_parallel)
-    return build_model(mcfg, grid, cfg.recompute, cfg.context_parallel_option(), cfg.offload, cfg.bf16_layers)
+        return hf.build(cfg.hf, mcfg, grid, cfg.recompute, cfg.context_parallel_option())
+    return build_model(
+        mcfg,
+        grid,
+        cfg.recompute,
+        cfg.context_parallel_option(),
+        cfg.offload,
+        cfg.bf16_layers,
+        cfg.context_parallel_axes,
+    )
 
 
 def _nonfinite(
