@@ -203,3 +203,17 @@ def test_train_hf_export_round_trip(pools, tmp_path):
     model.load_state_dict(trained)
     with torch.no_grad():
         assert rel_err(exported(input_ids=first).logits, model(input_ids=first).logits) <= TOL
+
+
+def _context_parallel_refusal(grid):
+    try:  # refused by auto_parallelize (MLA has no q/k/v projections to split the sequence for)
+        auto_parallelize(_model(24), context_parallel=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_deepseek_v3_refuses_context_parallelism_on_every_rank(pools):
+    results = pools(2).run((1, 1, 2, 1), _context_parallel_refusal)
+    assert results[0] == results[1]
+    assert results[0] is not None and "context_parallel=True" in results[0] and "DeepseekV3ForCausalLM" in results[0]

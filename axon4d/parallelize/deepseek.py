@@ -14,8 +14,9 @@ carry the frequency ramps and ``scaling`` the mscale. Selective recomputation
 recomputation re-runs the decoder layer with MLA's 3D layers in it.
 
 ``refusal(config)`` says, in one line, what of a DeepSeek-V3 configuration is not implemented:
-key/value heads fewer than the query heads; at the first forward, a sequence split over z (context
-parallelism) or a key/value cache.
+key/value heads fewer than the query heads. At the first forward ``HFMLA`` refuses a key/value cache
+and a sequence split over z (context parallelism, which ``auto_parallelize`` refuses first: it
+finds no q/k/v attention to split).
 ``moe_fields(config)`` gives the routing fields of its sparse blocks (sigmoid scores, the fixed
 ``e_score_correction_bias`` for the choice, group-limited routing, ``routed_scaling_factor``).
 """
