@@ -6,7 +6,8 @@ sequence split over z × data together (``context_parallel_axes="z,data"``, the 
 - exactness: every rank holds every sequence's chunks (data ranks share sequences), and the logits,
   the loss and every gradient equal the one-process model (fp32, ≤ 1e-5 relative) in both modes,
   with and without packed documents, on (1,1,2,2), (1,2,2,2) and (1,1,4,2) (G = 4 and 8), under
-  selective and full recomputation; the key/value collectives run over batch, not z;
+  selective and full recomputation, and at 16K tokens on (1,1,4,2); the key/value collectives run
+  over batch, not z; the training job with ``--context-parallel-axes z,data``;
 - the layout: the chunks each rank holds and ``gather_sequence`` putting them back.
 """
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from harness import value_errors
 from test_context import TOL, grid_id, rel_err
-from test_context_documents import DOCS, LLAMA, SEQ
+from test_context_documents import DOCS, LLAMA, SEQ, _long_docs
+from test_context_ring import LONG, LONG_LLAMA
 
 from axon4d import activations
 from axon4d.layout.geometry import Term
@@ -93,6 +95,44 @@ def test_a_sequence_split_over_z_and_data_equals_one_process(pools, grid, cases)
             if not packed:  # head–tail over the batch coordinate d·G_z + z
                 r = (rank // (grid[0] * grid[1] * grid[2])) * grid[2] + (rank // (grid[0] * grid[1])) % grid[2]
                 assert held[0] == activations.sequence_positions(SEQ, r, g).tolist()
+
+
+LONG_CASES = (("all-gather", False), ("ring", True))  # (mode, packed documents)
+
+
+def _long(grid):
+    """Loss and every gradient (rank 0's) of the GQA Llama at 16K tokens split over z × data, per case."""
+    out = {}
+    for mode, packed in LONG_CASES:
+        torch.manual_seed(7)
+        dense = DenseTransformer(LONG_LLAMA)
+        ids, targets = (torch.randint(0, LONG_LLAMA.vocab_size, (1, LONG)) for _ in range(2))
+        model = Transformer.from_dense(dense, context_parallel=mode, context_parallel_axes=AXES)
+        del dense
+        docs = _long_docs() if packed else None
+        shard = lambda t: activations.shard_sequence(t, documents=docs, axes=AXES)  # noqa: E731
+        loss = model.loss(shard(ids), shard(targets), docs)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.to_dense(grads=True).named_parameters()}
+        out[mode, packed] = (loss.detach(), grads if grid.rank == 0 else None)
+    return out
+
+
+@pytest.mark.slow  # 16K tokens, 8 ranks, two cases: ~40 s
+def test_a_gqa_llama_at_16k_tokens_split_over_z_and_data_equals_one_process(pools):
+    """(1,1,4,2), G = 8: all-gathered, and the ring with packed documents."""
+    results = pools(8).run((1, 1, 4, 2), _long, timeout=600)
+    for mode, packed in LONG_CASES:
+        torch.manual_seed(7)
+        dense = DenseTransformer(LONG_LLAMA)
+        ids, targets = (torch.randint(0, LONG_LLAMA.vocab_size, (1, LONG)) for _ in range(2))
+        ref = dense.loss(ids, targets, _long_docs() if packed else None)
+        ref.backward()
+        loss = torch.stack([r[mode, packed][0] for r in results]).mean()  # as many tokens on every rank
+        assert rel_err(loss, ref.detach()) <= TOL, f"{mode}: loss {float(loss)} vs {float(ref)}"
+        got = results[0][mode, packed][1]
+        for name, p in dense.named_parameters():
+            assert rel_err(got[name], p.grad) <= TOL, f"{mode}: {name}.grad"
 
 
 def _summary(cfg_dict):
