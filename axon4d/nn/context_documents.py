@@ -27,6 +27,7 @@ reduce-scatter over z, or an accumulator passed around z with the keys and value
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,7 +60,11 @@ class _Running:
         run_lse.copy_(new)
 
 
-def _parts(docs: Documents, held: list[list[Held]], mine: list[tuple[int, ...]], c: int):  # type: ignore[no-untyped-def]
+#: one kernel call: (row, first query row, end query row, keys, values, first key, end key, causal)
+Call = tuple[int, int, int, torch.Tensor, torch.Tensor, int, int, bool]
+
+
+def _parts(docs: Documents, held: list[list[Held]], mine: list[tuple[int, ...]], c: int) -> Iterator[Call]:
     """Every (row, query start, query stop, key chunk's keys and values, span) to attend: row i's
     query chunk h (global index mine[i][h]) against each of its held key chunks."""
     for i, row_held in enumerate(held):
@@ -69,14 +74,16 @@ def _parts(docs: Documents, held: list[list[Held]], mine: list[tuple[int, ...]],
                     yield i, h * c + qa, h * c + qb, k, v, ka, kb, causal
 
 
-def _attend(q: torch.Tensor, docs: Documents, held: list[list[Held]], mine, c: int, run: _Running) -> None:  # type: ignore[no-untyped-def]
+def _attend(
+    q: torch.Tensor, docs: Documents, held: list[list[Held]], mine: list[tuple[int, ...]], c: int, run: _Running
+) -> None:
     """Merge into ``run`` the attention of q (b, hq, n·C, d) against the ``held`` key chunks."""
     for i, s, e, k, v, ka, kb, causal in _parts(docs, held, mine, c):
         out, lse = kernels.attention_with_lse(q[i : i + 1, :, s:e], k[:, :, ka:kb], v[:, :, ka:kb], causal)
         run.merge(i, s, e, out, lse)
 
 
-def _attend_backward(  # type: ignore[no-untyped-def]
+def _attend_backward(
     grad: torch.Tensor,
     q: torch.Tensor,
     out: torch.Tensor,
@@ -84,7 +91,7 @@ def _attend_backward(  # type: ignore[no-untyped-def]
     docs: Documents,
     held: list[list[Held]],
     grads: list[list[Held]],
-    mine,
+    mine: list[tuple[int, ...]],
     c: int,
     dq: torch.Tensor,
 ) -> None:
