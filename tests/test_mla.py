@@ -76,7 +76,7 @@ def _refusals(grid):
 
 
 def test_mla_refuses_bad_sizes_and_context_parallel(pools):
-    errors = pools(4).run((4, 1, 1, 1), _refusals)[0]
+    errors = pools(8).run((4, 1, 1, 2), _refusals)[0]  # the 8-rank pool of the test above
     assert "kv_lora_rank" in errors[0] and "x" in errors[0]
     assert "qk_rope_head_dim = 3" in errors[1]
     assert "context_parallel" in errors[2]
