@@ -3,7 +3,7 @@
 sequences over z, fed ``axon4d.parallelize.context.inputs(ids)``, equals the unparallelized model on
 the full sequences — logits, loss and every gradient — through transformers' AttentionInterface,
 with no model code patched; GQA ratios 1, 2 and 4 (8 query heads, 8, 4 or 2 key/value heads) with
-the heads split over y."""
+the heads split over y; and in the ring mode (``context_parallel="ring"``)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ def _llama(kv_heads: int):
     return LlamaForCausalLM(llama_config(VOCAB, attn="sdpa", heads=8, kv_heads=kv_heads))
 
 
-def _compare(grid, kv_heads, recompute):
+def _compare(grid, kv_heads, recompute, mode=True):
     torch.manual_seed(0)
     model = _llama(kv_heads)
     ref = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    par = auto_parallelize(model, grid=grid, context_parallel=True, recompute=recompute)
+    par = auto_parallelize(model, grid=grid, context_parallel=mode, recompute=recompute)
     assert model.config._attn_implementation == ATTENTION_NAME
     par.train()
     out = par(**inputs(ids, grid))
@@ -46,7 +46,8 @@ def _compare(grid, kv_heads, recompute):
     # this rank's logits are its head–tail chunks of every sequence of its data rank: put them back
     full = activations.gather_sequence(out.logits.detach(), grid)
     errs = {"logits": rel_err(full, rout.logits)}
-    kv = [r for r in grid.comm.log.records if r.tag in (Term.CP_KV, Term.CP_KV_GRAD)]
+    tags = (Term.CP_KV_RING, Term.CP_KV_RING_GRAD) if mode == "ring" else (Term.CP_KV, Term.CP_KV_GRAD)
+    kv = [r for r in grid.comm.log.records if r.tag in tags]
     dense = to_dense(par, grads=True)
     got = dict(dense.named_parameters())
     for name, p in ref.named_parameters():
@@ -74,6 +75,21 @@ def test_context_parallel_llama_matches_the_unparallelized_model(pools, grid, kv
         worst = max(errs, key=errs.get)
         assert errs[worst] <= TOL, f"rank {rank} on {grid}: {worst} error {errs[worst]:.2e}"
         assert kv >= 2 * 2  # one K/V all-gather and one reduce-scatter per layer, through the comm log
+
+
+@pytest.mark.parametrize(
+    "grid,recompute", [((1, 2, 4, 1), "none"), pytest.param((1, 1, 4, 1), "selective", marks=pytest.mark.slow)]
+)
+def test_the_ring_mode_runs_through_the_model_s_own_attention(pools, grid, recompute):
+    """``context_parallel="ring"``: the keys and values passed around z (axon4d.nn.context_ring),
+    the same logits, loss and gradients as the unparallelized model; G_z − 1 forward shifts, G_z − 1
+    and G_z backward per layer (selective: the forward's ring again)."""
+    world = grid[0] * grid[1] * grid[2] * grid[3]
+    shifts = 2 * (3 + 3 + 4 + (3 if recompute == "selective" else 0))  # two layers, G_z = 4
+    for rank, (errs, kv) in enumerate(pools(world).run(grid, _compare, 2, recompute, "ring")):
+        worst = max(errs, key=errs.get)
+        assert errs[worst] <= TOL, f"rank {rank} on {grid}: {worst} error {errs[worst]:.2e}"
+        assert kv == shifts
 
 
 def _refused(grid):

@@ -121,9 +121,10 @@ def tokens(tmp_path_factory):
     "family,options",
     [
         ("gpt2", dict(grid="2,1,1,2", micro_batches=2, zero=1, recompute="full")),
-        ("llama", dict(grid="1,2,2,1", context_parallel=True, recompute="selective")),
+        # the ring mode through --hf (the model-level tests cover both modes: test_parallelize_context)
+        ("llama", dict(grid="1,2,2,1", context_parallel=True, context_parallel_mode="ring", recompute="selective")),
     ],
-    ids=["gpt2-zero-microbatches", "llama-context-parallel"],
+    ids=["gpt2-zero-microbatches", "llama-context-parallel-ring"],
 )
 def test_a_fine_tune_equals_the_model_trained_in_one_process(pools, saved, tokens, tmp_path, family, options):
     cfg = _base(saved[family], tmp_path, data=tokens, compare_single=True, lr=1e-2, **options)

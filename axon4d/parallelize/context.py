@@ -8,7 +8,8 @@ tokens and rotate them at the positions they are given — the tokens' *global* 
 ``inputs`` supplies as ``position_ids`` — and the registered function runs
 ``axon4d.nn.context.split_sequence_attention``: keys and values of this rank's key/value heads
 all-gathered over z, each query chunk against exactly the prefix it needs, dK and dV
-reduce-scattered in backward.
+reduce-scattered in backward — or, in the ring mode, ``axon4d.nn.context_ring.ring_sequence_attention``
+(keys and values passed around z, memory O(chunk)).
 
 ``inputs(ids, grid)`` makes the keyword arguments of one forward from full sequences (B, S): this
 rank's ``input_ids`` and ``position_ids``, and for training ``labels`` with ``shift_labels`` (the
@@ -29,6 +30,8 @@ from axon4d import activations
 from axon4d.grid import runtime
 from axon4d.grid.mesh import Grid
 from axon4d.nn.context import split_sequence_attention
+from axon4d.nn.context_ring import ring_sequence_attention
+from axon4d.options.context_mode import MODES, context_mode
 from axon4d.parallelize.styles import RESTORE_ATTR
 
 #: the name the attention and mask functions are registered under
@@ -40,6 +43,10 @@ GRID_ATTR = "grid"
 BASE_ATTR = "_axon4d_context_base"
 #: the attribute of an attention module saying whether core attention is recomputed (selective)
 RECOMPUTE_ATTR = "_axon4d_context_recompute"
+#: the attribute of an attention module naming how keys and values travel ("all-gather" or "ring")
+MODE_ATTR = "_axon4d_context_mode"
+#: each mode's split attention
+SPLIT_ATTENTION = {"all-gather": split_sequence_attention, "ring": ring_sequence_attention}
 #: what transformers' loss ignores
 IGNORE_INDEX = -100
 
@@ -73,7 +80,8 @@ def _attention(
     d = query.shape[-1]
     if scaling is not None and not math.isclose(scaling, d**-0.5, rel_tol=1e-6):
         query = query * (scaling * math.sqrt(d))  # the kernel scales by 1/√d
-    out = split_sequence_attention(query, key, value, grid, recompute_core=getattr(module, RECOMPUTE_ATTR, False))
+    attend = SPLIT_ATTENTION[getattr(module, MODE_ATTR, MODES[0])]
+    out = attend(query, key, value, grid, recompute_core=getattr(module, RECOMPUTE_ATTR, False))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -88,10 +96,14 @@ def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any)
     return None
 
 
-def enable(model: nn.Module, grid: Grid, recompute_core: bool = False) -> None:
-    """Run ``model``'s attention across sequences split over z (module docstring); with
-    ``recompute_core`` (selective recomputation) the scores are recomputed in backward from q and
-    the gathered keys and values, and no collective runs twice."""
+def enable(model: nn.Module, grid: Grid, recompute_core: bool = False, mode: str = MODES[0]) -> None:
+    """Run ``model``'s attention across sequences split over z (module docstring), the keys and
+    values all-gathered (``mode`` "all-gather", ``axon4d.nn.context``) or passed around z ("ring",
+    ``axon4d.nn.context_ring``); with ``recompute_core`` (selective recomputation) the scores are
+    recomputed in backward — from q and the gathered keys and values (no collective runs twice), or
+    by the ring run again."""
+    if context_mode(mode) is None or mode is True:
+        raise ValueError(f"context parallelism's mode {mode!r}: choose one of {', '.join(MODES)} (docs/context.md)")
     from transformers import AttentionInterface  # optional dependency: only Hugging Face models get here
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -112,6 +124,7 @@ def enable(model: nn.Module, grid: Grid, recompute_core: bool = False) -> None:
         if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "v_proj"):
             setattr(m, GRID_ATTR, grid)
             setattr(m, RECOMPUTE_ATTR, recompute_core)
+            setattr(m, MODE_ATTR, mode)
             setattr(m, BASE_ATTR, base)
             m.__dict__.setdefault(RESTORE_ATTR, {})[GRID_ATTR] = None  # axon4d.to_dense's copy: no grid
             found += 1

@@ -20,6 +20,7 @@ from axon4d.grid import runtime
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.mesh import Grid
 from axon4d.nn.functional import average_grad_over_batch
+from axon4d.options.context_mode import context_mode
 from axon4d.options.recompute_mode import check_recompute
 from axon4d.parallelize import context, gpt2, llama, moe
 from axon4d.parallelize import recompute as recomputation
@@ -43,7 +44,7 @@ def auto_parallelize(
     grid: Grid | None = None,
     style: str = "sharded",
     recompute: str = "none",
-    context_parallel: bool = False,
+    context_parallel: bool | str = False,
     expert_layout: ExpertLayout | str | None = None,
 ) -> nn.Module:
     """Replace ``model``'s linear layers by 3D-parallel ones in place and return ``model``.
@@ -61,12 +62,14 @@ def auto_parallelize(
     or "full" (axon4d.parallelize.recompute, docs/design.md §5). ``context_parallel``: the tokens
     of each sequence are split head–tail over z and attention runs across the split through
     transformers' AttentionInterface (axon4d.parallelize.context, docs/context.md); feed the model
-    ``axon4d.parallelize.context.inputs(ids)``. ``expert_layout``: where the experts of every MoE
+    ``axon4d.parallelize.context.inputs(ids)``; True or "all-gather" gathers the keys and values over z,
+    "ring" passes them around z (``axon4d.options.context_mode``). ``expert_layout``: where the experts of every MoE
     block it builds run (``axon4d.grid.expert_layout``, e.g. "ep=world,tp=1"; None: the grid's,
     ``axon4d.init(expert_layout=...)``); a layout the grid cannot place is refused with the rule it
     breaks and the layouts that fit, on every rank before any collective.
     """
     _check_arguments(model, style, recompute)
+    mode = context_mode(context_parallel)  # a bad value: refused here, before anything is replaced
     grid = runtime.resolve(grid)
     layout = ExpertLayout.parse(expert_layout if expert_layout is not None else grid.expert_layout)
     moe.check_supported(model, style)  # an MoE model it cannot place: one line naming its class
@@ -76,9 +79,9 @@ def auto_parallelize(
     _replace(model, grid, blocks, linears)
     _patch_and_hook(model, blocks)
     _hook_replicated_grads(model, grid)
-    recomputation.apply(model, "none" if context_parallel and recompute == "selective" else recompute, grid)
-    if context_parallel:
-        context.enable(model, grid, recompute_core=recompute == "selective")
+    recomputation.apply(model, "none" if mode and recompute == "selective" else recompute, grid)
+    if mode:
+        context.enable(model, grid, recompute_core=recompute == "selective", mode=mode)
     if skipped:
         listed = "; ".join(f"{n} ({why})" for n, why in skipped.items())
         warnings.warn(

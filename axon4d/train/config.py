@@ -251,14 +251,10 @@ class TrainConfig:
                 f"--bf16-layers {self.bf16_layers!r}: name layer kinds of {', '.join(FP8_KINDS)} to keep in bf16, "
                 "with --precision bf16-fp8 (the only precision whose GEMMs run FP8)"
             )
-        if self.context_parallel_mode != "all-gather" and (not self.context_parallel or self.hf):
+        if self.context_parallel_mode != "all-gather" and not self.context_parallel:
             raise ValueError(
-                f"--context-parallel-mode {self.context_parallel_mode} "
-                + (
-                    "with --hf: a Hugging Face model's context parallelism all-gathers (leave the mode out)"
-                    if self.hf
-                    else "without --context-parallel: add --context-parallel, or leave the mode out"
-                )
+                f"--context-parallel-mode {self.context_parallel_mode} without --context-parallel: add "
+                "--context-parallel, or leave the mode out"
             )
         if self.context_parallel_axes != "z" and (
             self.context_parallel_axes not in ("z,data", "data,z") or not self.context_parallel or self.hf

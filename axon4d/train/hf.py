@@ -149,7 +149,9 @@ class HFCausalLM(nn.Module):
     """A (parallelized) Hugging Face causal LM with the interface of axon4d's ``Transformer`` that
     the training job uses (module docstring). ``grid`` None: the unparallelized model of one process."""
 
-    def __init__(self, module: nn.Module, cfg: ModelConfig, grid: Grid | None = None, context_parallel: bool = False):
+    def __init__(
+        self, module: nn.Module, cfg: ModelConfig, grid: Grid | None = None, context_parallel: bool | str = False
+    ):
         super().__init__()
         self.module = module
         self.cfg = cfg
@@ -213,7 +215,7 @@ class HFCausalLM(nn.Module):
 
 
 def build(
-    path: str, cfg: ModelConfig, grid: Grid, recompute: str = "none", context_parallel: bool = False
+    path: str, cfg: ModelConfig, grid: Grid, recompute: str = "none", context_parallel: bool | str = False
 ) -> HFCausalLM:
     """The model saved in ``path`` on ``grid``: built on meta, parallelized with activation
     recomputation ``recompute`` and, with ``context_parallel``, each sequence's tokens split over z
