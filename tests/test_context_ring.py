@@ -27,8 +27,9 @@ from axon4d.config import ModelConfig
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Op, Term
 from axon4d.models.transformer import DenseTransformer, Transformer
-from axon4d.nn.context import context_mode, split_sequence_attention
+from axon4d.nn.context import split_sequence_attention
 from axon4d.nn.context_ring import ring_sequence_attention, visible
+from axon4d.options.context_mode import context_mode
 
 RING_TERMS = (Term.CP_KV_RING, Term.CP_KV_RING_GRAD)
 

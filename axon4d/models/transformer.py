@@ -49,13 +49,13 @@ from axon4d.grid.mesh import Grid
 from axon4d.layout import tiled_init
 from axon4d.memory.offload import Offloader, OffloadSpec, offload_blocks
 from axon4d.nn.block import DenseBlock, TransformerBlock
-from axon4d.nn.context import context_mode
 from axon4d.nn.embedding import PositionEmbedding, VocabParallelEmbedding
 from axon4d.nn.linear import Linear
 from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.moe import aux_loss
 from axon4d.nn.moe_dense import DenseExperts
 from axon4d.nn.norm import dense_norm_for, norm_for
+from axon4d.options.context_mode import context_mode
 from axon4d.options.recompute_mode import check_recompute
 
 
@@ -155,7 +155,7 @@ class Transformer(nn.Module):
             )
         self.cfg = cfg
         self.recompute = check_recompute(recompute)
-        #: None, "all-gather" or "ring" (``axon4d.nn.context.context_mode``)
+        #: None, "all-gather" or "ring" (``axon4d.options.context_mode``)
         self.context_mode = context_mode(context_parallel)
         self.context_parallel = self.context_mode is not None
         #: the axis each sequence is split over: z, or batch (z × data) for ``context_parallel_axes="z,data"``

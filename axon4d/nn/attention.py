@@ -39,11 +39,12 @@ from axon4d.data.documents import Documents
 from axon4d.grid import counts, rules, runtime
 from axon4d.grid.mesh import Grid
 from axon4d.layout import rectangles
-from axon4d.nn.context import context_mode, split_sequence_attention
+from axon4d.nn.context import split_sequence_attention
 from axon4d.nn.context_documents import document_sequence_attention
 from axon4d.nn.context_ring import ring_sequence_attention
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed
+from axon4d.options.context_mode import context_mode
 
 
 def rotary_tables(
@@ -163,7 +164,7 @@ class Attention(nn.Module):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
         self.recompute_core = recompute_core
-        #: None, "all-gather" or "ring" (``axon4d.nn.context.context_mode``)
+        #: None, "all-gather" or "ring" (``axon4d.options.context_mode``)
         self.context_mode = context_mode(context_parallel)
         self.context_parallel = self.context_mode is not None
         #: the axis each sequence is split over: z, or batch (z × data, ``context_parallel_axes="z,data"``)

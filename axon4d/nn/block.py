@@ -29,13 +29,13 @@ from axon4d.data.documents import Documents
 from axon4d.grid import runtime
 from axon4d.grid.mesh import Grid
 from axon4d.nn.attention import Attention, DenseAttention
-from axon4d.nn.context import context_mode
 from axon4d.nn.linear import Linear
 from axon4d.nn.mlp import MLP, DenseMLP
 from axon4d.nn.moe import MoE
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.nn.norm import SplitFeatureNorm, dense_norm_for, norm_for
 from axon4d.nn.recompute import recompute_block, recomputed_input
+from axon4d.options.context_mode import context_mode
 from axon4d.options.precision import compute_dtype
 from axon4d.options.recompute_mode import Recompute, check_recompute
 

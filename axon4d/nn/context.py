@@ -48,7 +48,7 @@ to its result.
 Bytes per layer and rank, each way (forward all-gather, backward reduce-scatter), for b sequences
 of S tokens, head_dim d and element size e:  2 · b · S · (n_kv/G_y) · d · e · (G_z−1)/G_z.
 
-This is the default mode (``context_parallel=True`` or "all-gather", ``context_mode``); "ring"
+This is the default mode (``context_parallel=True`` or "all-gather", ``axon4d.options.context_mode``); "ring"
 passes the keys and values around z instead of gathering them (``axon4d.nn.context_ring``).
 """
 
@@ -63,26 +63,6 @@ from axon4d.device import attention as kernels
 from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import Axis
 from axon4d.layout.geometry import Term
-
-#: the ways keys and values reach the ranks that need them: all-gathered over z (this module, the
-#: default) or passed around z one rank's at a time (``axon4d.nn.context_ring``)
-MODES = ("all-gather", "ring")
-
-
-def context_mode(context_parallel: bool | str | None) -> str | None:
-    """The mode a ``context_parallel`` option names: None (off: False, None, ""), "all-gather" (True
-    or "all-gather") or "ring"; anything else is a ``ValueError`` naming the choices."""
-    if context_parallel is None or context_parallel is False or context_parallel == "":
-        return None
-    if context_parallel is True:
-        return MODES[0]
-    if context_parallel in MODES:
-        return str(context_parallel)
-    raise ValueError(
-        f"context_parallel={context_parallel!r}: choose False (whole sequences per rank), True or "
-        f"'all-gather' (keys and values all-gathered over z) or 'ring' (passed around z, O(chunk) memory)"
-    )
-
 
 Part = tuple[torch.Tensor, torch.Tensor]  # (out (b, hq, C, d), lse (b, hq, C))
 Piece = tuple[torch.Tensor, torch.Tensor]  # keys and values (b, hkv, L, d): views of the held ones
