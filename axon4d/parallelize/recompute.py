@@ -71,6 +71,7 @@ def _recompute_layers(model: nn.Module, grid: Grid) -> None:
 
 def _selective_attention(model: nn.Module) -> None:
     from transformers import AttentionInterface  # optional dependency: only Hugging Face models get here
+    from transformers.masking_utils import AttentionMaskInterface
 
     config = getattr(model, "config", None)
     base = getattr(config, "_attn_implementation", None)
@@ -100,6 +101,9 @@ def _selective_attention(model: nn.Module) -> None:
 
     name = SELECTIVE_PREFIX + base
     AttentionInterface.register(name, attention)
+    masks = AttentionMaskInterface()
+    if base in masks:  # the model builds the mask its own implementation takes (eager: the additive causal mask)
+        AttentionMaskInterface.register(name, masks[base])
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and getattr(cfg, "_attn_implementation", None) == base:
