@@ -8,7 +8,8 @@ block's forward): the other ranks are then blocked in a collective that rank wil
   every rank made for the trial (``enter``), so the trial's grid — its axis groups, and those
   spanning every rank, which torch's DeviceMesh takes from the default group — never uses the job's
   own default group. ``leave`` puts the job's back and destroys the trial's: a failed trial leaves
-  the job's world as it was, its collectives in step on every rank.
+  the job's world as it was, its collectives in step on every rank. Under NCCL that costs a try one
+  communicator more than the run (the job's world's, beside the trial's).
 - **the failure on the store.** A rank whose trial failed says so first (``fail``: the job's
   key-value store, the one the watchdog uses; the first to say so is the failure's origin), then
   tears its grid and the trial's world down: on the host backend (gloo) freeing a group closes its
