@@ -276,6 +276,53 @@ def test_packed_documents_with_offloaded_blocks(pools):
     assert max(pools(2).run((1, 1, 2, 1), _offloaded)) <= TOL
 
 
+def _on_kernels(grid):
+    """The document attention alone (fp32, GQA 2:1, ``DOCS``) in both modes on the host kernel, then on
+    stand-ins of the CUDA kernels keeping their contracts (test_context's: flash with native
+    grouped-query heads and lse read contiguous; the memory-efficient kernel reading ``out`` in its
+    own layout) and on fp32 matmuls: the largest relative error of out, dq, dk, dv against the host
+    kernel's, per (mode, kernel), and whether the efficient kernel always got its layout."""
+    from test_context import _cuda_kernels_on_host, _flash_on_host
+
+    from axon4d.nn.context_documents import document_sequence_attention
+
+    gen = torch.Generator().manual_seed(11)
+    full = [torch.randn(2, h, SEQ, 8, generator=gen) for h in (4, 2, 2)]
+    mine = activations.shard_documents(DOCS)
+    q, k, v = (activations.shard_sequence(t.transpose(1, 2), documents=DOCS).transpose(1, 2) for t in full)
+    grad = torch.randn(q.shape, generator=gen)
+
+    def run(mode):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = document_sequence_attention(*leaves, grid, mine, ring=mode == "ring")
+        return [out.detach(), *torch.autograd.grad(out, leaves, grad)]
+
+    errs, layouts = {}, []
+    for mode in ("all-gather", "ring"):
+        want = run(mode)
+        for kernel in (kernels.FLASH, kernels.EFFICIENT, kernels.MATH):
+            patch = pytest.MonkeyPatch()
+            if kernel == kernels.FLASH:
+                _flash_on_host(patch, [])
+            elif kernel == kernels.EFFICIENT:
+                _cuda_kernels_on_host(patch, layouts)
+            else:
+                patch.setattr(kernels, "kernel_for", lambda q, k, causal: kernels.MATH)
+            try:
+                errs[mode, kernel] = max(rel_err(a, b) for a, b in zip(run(mode), want))
+            finally:
+                patch.undo()
+    return errs, bool(layouts) and all(layouts)
+
+
+def test_the_spans_run_on_the_gpu_kernels_stood_in_for_on_the_host(pools):
+    """The CUDA branches of the kernel seam (flash, memory-efficient) and the fp32 matmuls, each on
+    the document spans' strided views of queries and keys, equal the host kernel (fp32, both modes)."""
+    for errs, layouts in pools(2).run((1, 1, 2, 1), _on_kernels):
+        assert all(e <= TOL for e in errs.values()), errs
+        assert layouts
+
+
 def _long_docs():
     """One row of 16K tokens packed with documents of up to 6000 tokens (seeded)."""
     return _random_docs(random.Random(5), LONG, 1, 6000)

@@ -49,14 +49,15 @@ class _Running:
     """The running output (b, hq, n·C, d) fp32 and log-sum-exp (b, hq, n·C) of a rank's query rows."""
 
     def __init__(self, q: torch.Tensor):
-        self.out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs (the kernels' lse)
+        self.out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
 
     def merge(self, i: int, start: int, stop: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Merge a part's (out (1, hq, n, d), lse (1, hq, n)) into row ``i``'s query rows start:stop."""
         run_out, run_lse = self.out[i : i + 1, :, start:stop], self.lse[i : i + 1, :, start:stop]
         new = torch.logaddexp(run_lse, lse)
-        run_out.mul_((run_lse - new).exp().unsqueeze(-1)).add_((lse - new).exp().unsqueeze(-1) * out.float())
+        run_out.mul_((run_lse - new).exp().unsqueeze(-1)).add_((lse - new).exp().unsqueeze(-1) * out.to(run_out.dtype))
         run_lse.copy_(new)
 
 
