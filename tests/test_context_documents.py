@@ -73,6 +73,31 @@ def test_bad_layouts_are_refused_with_the_rule():
     assert Documents(torch.tensor([[3, 5]])) == Documents([[3, 5]])
 
 
+def test_each_rank_reads_its_documents_and_tokens_from_eos_tokens():
+    """``rank_documents`` (the training job's batches): from a micro-batch (only its rows read) or a
+    whole tensor, a rank's inputs, targets and documents are ``shard_sequence`` / ``shard_documents``
+    of the whole batch's, under context parallelism over z and over z × data."""
+    from test_data import _Rank, _same
+
+    from axon4d.data.tokens import SyntheticTokens
+    from axon4d.grid.shape import GridShape
+    from axon4d.train.batches import MicroBatch, rank_documents
+
+    data = SyntheticTokens(8, SEQ, seed=7, noise=0.5)  # vocabulary of 8: many tokens 0 end documents
+    batch = data.global_batch(5, 4)
+    full = batch.rows(0, 4)
+    docs = Documents.from_eos(full[:, :-1], 0)
+    assert all(len(row) > 1 for row in docs.lengths)
+    for shape, axes in ((GridShape(1, 2, 4, 1), "z"), (GridShape(1, 1, 2, 2), "z"), (GridShape(1, 1, 2, 2), "z,data")):
+        for rank in range(shape.world_size):
+            grid = _Rank(shape, rank)
+            want = [activations.shard_sequence(t, grid, documents=docs, axes=axes) for t in (full[:, :-1], full[:, 1:])]
+            mine = activations.shard_documents(docs, grid, axes=axes)
+            for source in (MicroBatch(batch, 0, 4), full):
+                inputs, targets, got = rank_documents(source, grid, True, 0, axes)  # type: ignore[arg-type]
+                assert _same(inputs, want[0]) and _same(targets, want[1]) and got == mine, (shape, axes, rank)
+
+
 def _mask(docs: Documents, row: int) -> torch.Tensor:
     """(S, S) bool: query i sees key j — causal, within i's document."""
     s = docs.seq_len
