@@ -9,7 +9,7 @@ axon4d/nn/context_documents.py):
 - the reference: the one-process model with documents equals each document run on its own;
 - exactness: under context parallelism in both modes (all-gather, ring) the logits, the loss and
   every gradient equal the one-process model with the same documents (fp32, ≤ 1e-5 relative), with
-  GQA, rotary (Llama) and learned (GPT) positions, y and data splits, selective and full
+  GQA, rotary (Llama) and learned (GPT) positions, y and data splits, selective, balanced and full
   recomputation, on 8-rank grids with G_z = 4 — and at 16K tokens on (2,1,4,1) and (1,1,8,1);
   without context parallelism too (rows over data × z);
 - the data path: ``axon4d train --packed-documents EOS`` follows the one-process run with the same
@@ -260,8 +260,8 @@ KV_TAGS = {"all-gather": {Term.CP_KV, Term.CP_KV_GRAD}, "ring": {Term.CP_KV_RING
 @pytest.mark.parametrize(
     "grid,cases",
     [
-        ((1, 1, 2, 1), [("llama", "all-gather", "none"), ("llama", "ring", "none")]),
-        ((1, 2, 2, 1), [("llama", False, "none")]),  # no context parallelism: a row per z-rank
+        ((1, 1, 2, 1), [("llama", "all-gather", "none"), ("llama", "ring", "none"), ("llama", "ring", "balanced")]),
+        ((1, 2, 2, 1), [("llama", False, "none"), ("gpt", False, "selective")]),  # no context parallelism
         ((1, 2, 4, 1), [("llama", "all-gather", "none"), ("llama", "ring", "none")]),
         ((1, 1, 4, 2), [("llama", "ring", "selective"), ("gpt", "all-gather", "full")]),
     ],
