@@ -24,6 +24,7 @@ from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import Axis
 from axon4d.layout import geometry
 from axon4d.layout.geometry import Term
+from axon4d.options.context_mode import context_axis
 
 #: the attribute a layer sets on its output tensor: the axis that output's features are split over
 #: (``mark_features``); ``gather_output`` compares it with the layout it is asked to gather
@@ -93,25 +94,6 @@ def gather_output(y: torch.Tensor, transpose: bool = False, grid: Grid | None = 
             f"output of {made_by} layer (features split over {split}); call gather_output(y, transpose={not transpose})"
         )
     return gather_batch(gather_features(y, out_axis, grid=grid), grid=grid)
-
-
-#: the axes context parallelism splits a sequence over: z (sequences over data), or z and data
-#: together (hierarchical: the ``batch`` axis, coordinate d·G_z + z; every data rank holds parts of
-#: every sequence)
-CONTEXT_AXES: dict[str, Axis] = {"z": "z", "z,data": "batch"}
-
-
-def context_axis(axes: str) -> Axis:
-    """The grid axis a ``context_parallel_axes`` option names: "z" → z, "z,data" (or "data,z",
-    "z·data") → batch; anything else is a ``ValueError`` naming the choices."""
-    names = ",".join(sorted(a.strip() for a in str(axes).replace("·", ",").split(","))) if axes else ""
-    key = "z,data" if names == "data,z" else names
-    if key not in CONTEXT_AXES:
-        raise ValueError(
-            f"context_parallel_axes={axes!r}: context parallelism splits each sequence over 'z' (sequences over "
-            "data) or 'z,data' (over z and data together, for sequences too long for z alone)"
-        )
-    return CONTEXT_AXES[key]
 
 
 def sequence_chunk_len(seq_len: int, g_z: int) -> int:

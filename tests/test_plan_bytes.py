@@ -118,7 +118,7 @@ RING = [
 ]
 
 
-def _logged(grid, arch, cp, micro, zero, recompute="none"):
+def _logged(grid, arch, cp, micro, zero, recompute="none", axes="z"):
     """One step of a tiny ``arch`` Transformer (after one that warms it up): Adam (sharded over data
     at ``zero``), ``micro`` micro-batches of G_data·G_z sequences. The communication log's
     {(axis, tag): [calls, payload bytes]}."""
@@ -128,12 +128,12 @@ def _logged(grid, arch, cp, micro, zero, recompute="none"):
 
     cfg = CONFIGS[arch]
     torch.manual_seed(0)
-    model = Transformer(cfg, context_parallel=cp, recompute=recompute)
+    model = Transformer(cfg, context_parallel=cp, recompute=recompute, context_parallel_axes=axes)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
     if zero:
         opt = shard_optimizer(opt, model, grid, stage=zero)
     gen = torch.Generator().manual_seed(1)
-    seqs = grid.size("data") * grid.size("z")
+    seqs = grid.size("data") * grid.size("z") if axes == "z" else grid.size("z")  # hierarchical: any batch
 
     def step():
         batch = torch.randint(0, cfg.vocab_size, (seqs * micro, SEQ + 1), generator=gen)
@@ -153,13 +153,20 @@ def _logged(grid, arch, cp, micro, zero, recompute="none"):
     return out
 
 
-def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none", bucket_mb=None):
+def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none", bucket_mb=None, axes="z"):
     """The planner's {(axis, term): (calls, payload bytes)} of the same step, and the step estimate."""
     shape = GridShape(*grid)
-    seqs = shape.data * shape.z
+    seqs = shape.data * shape.z if axes == "z" else shape.z
     wl_precision = "bf16-fp32-reduce" if fp8 == "option" else precision
     mode = "ring" if cp == "ring" else "all-gather"
-    wl = Workload(CONFIGS[arch], seqs * micro, precision=wl_precision, context_parallel=bool(cp), context_mode=mode)
+    wl = Workload(
+        CONFIGS[arch],
+        seqs * micro,
+        precision=wl_precision,
+        context_parallel=bool(cp),
+        context_mode=mode,
+        context_axes=axes,
+    )
     sc = Scenario(
         wl,
         shape,
@@ -175,9 +182,9 @@ def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none",
     return {(axis, str(term)): (calls[(axis, term)], sent[(axis, term)]) for axis, term in calls}, step_estimate(sc)
 
 
-def _check(pools, case, recompute="none", bucket_mb=None):
+def _check(pools, case, recompute="none", bucket_mb=None, axes="z"):
     grid, precision, zero, micro, keep, cp, arch, fp8 = case
-    priced, estimate = _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute, bucket_mb)
+    priced, estimate = _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute, bucket_mb, axes)
     by_axis: dict = {}
     for (axis, _), (_, sent) in priced.items():
         by_axis[axis] = by_axis.get(axis, 0) + sent
@@ -191,6 +198,7 @@ def _check(pools, case, recompute="none", bucket_mb=None):
         micro,
         zero,
         recompute,
+        axes,
         precision=precision,
         overlap=OverlapPolicy(oag_keep=keep, bucket_mb=bucket_mb),
     )
@@ -228,6 +236,20 @@ def test_logged_bytes_under_recomputation_equal_the_planner_s(pools, case):
 )
 def test_logged_bytes_of_ring_context_parallelism_equal_the_planner_s(pools, case):
     _check(pools, case[:-1], recompute=case[-1])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ((1, 1, 2, 2), "bf16-fp32-reduce", 1, 2, False, "ring", "llama", "-", "none"),
+        pytest.param(((1, 2, 2, 2), "fp32", 0, 1, False, True, "gpt", "-", "full"), marks=pytest.mark.slow),
+    ],
+    ids=lambda c: f"{case_id(c[:-1])}-{c[-1]}",
+)
+def test_logged_bytes_of_hierarchical_context_parallelism_equal_the_planner_s(pools, case):
+    """Each sequence split over z × data (``context_axes`` "z,data"): the key/value collectives run
+    over the batch axis, G_z·G_data ranks, every rank holding every sequence."""
+    _check(pools, case[:-1], recompute=case[-1], axes="z,data")
 
 
 def _gathers_logged(grid):

@@ -165,3 +165,29 @@ def test_packed_documents_price_attention_within_each_document():
     assert wl.flops() - packed.flops() == pytest.approx(att * (1 - packed.attention_share))
     with pytest.raises(ValueError, match="from 1 to the sequence length 65536"):
         dataclasses.replace(wl, document_tokens=seq + 1)
+
+
+def test_hierarchical_context_parallelism_splits_a_sequence_over_z_and_data():
+    """``context_axes`` "z,data": each sequence over G_z·G_data ranks (the batch axis), every rank
+    holding every sequence — one 1M-token sequence fits a grid with data ranks, its key/value
+    traffic over batch, its attention that of a split over as many z-ranks; the search prices it
+    beside the split over z and says which in the plan."""
+    from axon4d.plan.layers import attention_seconds
+
+    cfg = get_config("llama3-8b", seq_len=MILLION)
+    over_z = Workload(cfg, batch=1, context_parallel=True, context_mode="ring")
+    both = dataclasses.replace(over_z, context_axes="z,data")
+    shape, tall = GridShape(1, 8, 16, 8), GridShape(1, 8, 128, 1)
+    assert over_z.grid_problems(shape) and not both.grid_problems(shape)  # one sequence cannot split over data
+    assert both.context_group(shape) == over_z.context_group(tall) == 128
+    sent = both.context_collectives(shape)
+    assert {c.axis for c in sent} == {"batch"} and len(sent) == (127 + 127 + 128) * cfg.n_layers
+    m = load("h100")
+    assert attention_seconds(Scenario(both, shape, m)) == pytest.approx(attention_seconds(Scenario(over_z, tall, m)))
+    result = plan("llama3-8b", 1024, m, 1, workload=Workload(cfg, batch=1), top=8)
+    assert result.best.fits and result.best.context_parallel
+    assert any(c.context_axes == "z,data" for c in result.candidates)
+    pinned = plan("llama3-8b", 1024, m, 1, workload=Workload(cfg, batch=1), context_axes="z", top=3)
+    assert all(c.context_axes in ("z", "") for c in pinned.candidates)
+    with pytest.raises(ValueError, match="'z' .* or 'z,data'"):
+        plan("llama3-8b", 1024, m, 1, workload=Workload(cfg, batch=1), context_axes="x")

@@ -51,6 +51,7 @@ def test_the_run_asks_one_request_and_applies_the_plan_that_comes_back():
         options=options,
         context_parallel=True,
         context_mode="ring",
+        context_axes="z,data",
         recompute="balanced",
         option=options.__getitem__,
         expert_layout="",  # a dense model's
@@ -64,6 +65,7 @@ def test_the_run_asks_one_request_and_applies_the_plan_that_comes_back():
     assert (run.grid, run.recompute, run.micro_batches, run.batch_size) == ("1,2,2,2", "balanced", 4, 8)
     assert (run.zero, run.offload, run.context_parallel, run.precision) == (1, "0,1", True, "bf16-fp8-gather")
     assert run.context_parallel_mode == "ring"  # the keys and values passed as the plan priced them
+    assert run.context_parallel_axes == "z,data"  # over the axes the plan priced
     assert (run.try_plans, run.correction) == (0, "")  # a named grid: nothing left to try nor to price
     # pinned micro-batches keep the batch per micro-batch as given
     pinned = dataclasses.replace(cfg, micro_batches=2, precision="fp32")

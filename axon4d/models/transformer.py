@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d.activations import context_axis, sequence_chunk_len, sequence_positions
+from axon4d.activations import sequence_chunk_len, sequence_positions
 from axon4d.config import ModelConfig
 from axon4d.data.documents import Documents, as_documents
 from axon4d.grid import runtime
@@ -55,7 +55,7 @@ from axon4d.nn.loss import vocab_parallel_cross_entropy
 from axon4d.nn.moe import aux_loss
 from axon4d.nn.moe_dense import DenseExperts
 from axon4d.nn.norm import dense_norm_for, norm_for
-from axon4d.options.context_mode import context_mode
+from axon4d.options.context_mode import context_axis, context_mode
 from axon4d.options.recompute_mode import check_recompute
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axon4d.activations import context_axis, sequence_positions
+from axon4d.activations import sequence_positions
 from axon4d.data.documents import Documents
 from axon4d.grid import counts, rules, runtime
 from axon4d.grid.mesh import Grid
@@ -44,7 +44,7 @@ from axon4d.nn.context_documents import document_sequence_attention
 from axon4d.nn.context_ring import ring_sequence_attention
 from axon4d.nn.linear import Linear
 from axon4d.nn.recompute import recomputed
-from axon4d.options.context_mode import context_mode
+from axon4d.options.context_mode import context_axis, context_mode
 
 
 def rotary_tables(

@@ -178,11 +178,13 @@ def ranked(
     async_save: bool = False,
     expert_layout: ExpertLayout | str = AUTO_OPTION,
     correction: corrections.Correction | str | None = None,
+    context_axes: str = AUTO_OPTION,
 ) -> PlanResult:
     """``choose``'s search (its arguments), every priced candidate ranked (``PlanResult``: at least
     the ``top`` fastest fitting ones, where so many fit); rank 0 prints the best and the top ``top``.
     ``expert_layout``: an MoE model's expert layout, pinned, or ``AUTO_OPTION`` (searched with each
-    grid; the chosen one is the candidate's ``expert_layout``). ``correction``: a correction
+    grid; the chosen one is the candidate's ``expert_layout``). ``context_axes``: the axes a split
+    sequence may span, "z", "z,data" or ``AUTO_OPTION`` (both; ``search.plan``). ``correction``: a correction
     (``axon4d.plan.correction``; a loaded one or its file's path, as ``axon4d plan --correction``)
     whose factors scale the machine's prices first (``corrected``).
     Raises ``ValueError`` (on every rank alike) when no grid fits, or when the correction is not
@@ -205,6 +207,7 @@ def ranked(
         context_parallel=context_parallel,
         async_save=async_save,
         expert_layout=expert_layout,
+        context_axes=context_axes,
         top=max(top, 1),
     )
     best = result.best

@@ -36,6 +36,7 @@ class Candidate:
     bound_ratio: float  # communication words / Agarwal's lower bound
     context_parallel: bool = False  # each sequence's tokens split over z (docs/context.md)
     context_mode: str = ""  # with it, how keys and values travel: "all-gather" or "ring" ("" without)
+    context_axes: str = ""  # with it, the axes each sequence is split over: "z" or "z,data" ("" without)
     overlap: OverlapPolicy = OverlapPolicy()  # the policy it was priced with
     options: dict[str, Any] = dataclasses.field(default_factory=dict)  # ``Scenario.options``: recompute, …
     expert_layout: str = ""  # an MoE model's expert layout (axon4d.grid.expert_layout), "" for a dense one
@@ -61,7 +62,8 @@ class Candidate:
         if o.get("fp8_gather"):
             words.append("fp8 gathers")
         if self.context_parallel:
-            words.append(f"context parallel ({self.context_mode})")
+            over = "z·data" if self.context_axes == "z,data" else "z"
+            words.append(f"context parallel ({self.context_mode} over {over})")
         if self.expert_layout:
             words.append(f"experts {self.expert_layout}")
         return ", ".join(words)
@@ -71,7 +73,7 @@ class Candidate:
         return {
             "grid": list(self.shape.as_tuple()),
             "context_parallel": self.context_parallel,
-            **({"context_mode": self.context_mode} if self.context_parallel else {}),
+            **({"context_mode": self.context_mode, "context_axes": self.context_axes} if self.context_parallel else {}),
             **self.options,
             **({"expert_layout": self.expert_layout} if self.expert_layout else {}),
             "overlap": self.overlap.spec(),
@@ -188,6 +190,7 @@ def candidate(sc: Scenario, memory_limit: float | None = None, mem: MemoryEstima
         agarwal_ratio(sc, t),
         wl.context_parallel,
         wl.context_mode if wl.context_parallel else "",
+        wl.context_axes if wl.context_parallel else "",
         sc.overlap,
         sc.options(),
         str(wl.expert_layout) if wl.model.moe else "",

@@ -171,6 +171,13 @@ def _option_arguments(p: argparse.ArgumentParser) -> None:
         "O(chunk), for the longest sequences)",
     )
     p.add_argument(
+        "--context-axes",
+        default=AUTO_OPTION,
+        choices=(AUTO_OPTION, "z", "z,data"),
+        help="the axes a split sequence spans (axon4d train --context-parallel-axes): z, z,data (hierarchical: "
+        "z and data together) or auto (both searched, default)",
+    )
+    p.add_argument(
         "--document-tokens",
         type=int,
         default=0,
@@ -281,6 +288,7 @@ def _search(args: argparse.Namespace, cfg: ModelConfig) -> tuple[PlanResult, flo
         recompute=args.recompute,
         optimizer=args.optimizer,
         context_parallel=SPLIT_SEQUENCES[args.context_parallel],
+        context_axes=args.context_axes,
         memory_limit=args.memory_gib * 2**30 if args.memory_gib is not None else None,
         micro_batches=args.micro_batches,
         zero=args.zero,
@@ -363,7 +371,12 @@ def best_scenario(wl: Workload, best: Any, machine: Any) -> Scenario:
     """The ``Scenario`` a candidate was priced as: its grid, policy and step options."""
     o = best.options
     return Scenario(
-        dataclasses.replace(wl, context_parallel=best.context_parallel, context_mode=best.context_mode or "all-gather"),
+        dataclasses.replace(
+            wl,
+            context_parallel=best.context_parallel,
+            context_mode=best.context_mode or "all-gather",
+            context_axes=best.context_axes or "z",
+        ),
         best.shape,
         machine,
         best.overlap,

@@ -52,6 +52,8 @@ class JobRequest:
     zero: int | str = AUTO_OPTION
     offload: int | str = AUTO_OPTION
     context_parallel: bool | str = AUTO_OPTION
+    context_parallel_axes: str = AUTO_OPTION
+    """The axes a split sequence may span: "z", "z,data" (hierarchical) or ``AUTO_OPTION`` (both)."""
     fp8_gather: bool | str = AUTO_OPTION
     expert_layout: str = AUTO_OPTION
     """An MoE model's expert layout (``axon4d.grid.expert_layout``, e.g. "ep=world,tp=1"): ``AUTO_OPTION``
@@ -112,6 +114,7 @@ class JobPlan:
             precision=fp8_plan.PRESET,
             context_parallel=cp,
             context_mode=choice.context_mode or "all-gather",
+            context_axes=choice.context_axes or "z",
             expert_layout=layout,
         )
         opts = choice.options
@@ -150,6 +153,7 @@ def plan_job(request: JobRequest) -> JobPlan:
         zero=request.zero,
         offload=request.offload,
         context_parallel=request.context_parallel,
+        context_axes=request.context_parallel_axes,
         fp8_gather=request.fp8_gather,
         expert_layout=request.expert_layout,
         async_save=request.async_save,

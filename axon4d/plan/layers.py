@@ -310,7 +310,9 @@ def attention_seconds(sc: Scenario) -> tuple[float, float]:
     Context parallelism (docs/context.md): per sequence and head, each of the rank's two query chunks
     of C = S/(2·G_z) tokens attends causally to its own chunk (a causal square of C, run while the
     keys and values of the other chunks are gathered: "local") and, unmasked, to the chunks before
-    it — r·C and (2·G_z−1−r)·C keys on z-rank r ("prefix"); the slowest z-rank is priced.
+    it — r·C and (2·G_z−1−r)·C keys on z-rank r ("prefix"); the slowest z-rank is priced. Hierarchical
+    context parallelism (``Workload.context_axes`` "z,data"): the same over G = G_z·G_data ranks, each
+    holding every sequence's two chunks of 2·G.
 
     Packed documents (``Workload.document_tokens`` D): whole sequences run causal squares of D, S/D
     per sequence; split, each part keeps its share of the pairs the document mask leaves
@@ -319,19 +321,20 @@ def attention_seconds(sc: Scenario) -> tuple[float, float]:
     wl, shape, m, mod, world = sc.workload, sc.shape, sc.machine, sc.model, sc.world
     heads = mod.n_heads // shape.y
     docs = wl.document_tokens if 0 < wl.document_tokens < mod.seq_len else 0
-    if not (wl.context_parallel and shape.z > 1):
+    g = wl.context_group(shape)  # G_z, or G_z·G_data (hierarchical)
+    if g == 1:
         units = wl.local_sequences(shape) * heads
         if docs:  # each sequence's documents: causal squares of D (the last of S mod D)
             whole, rest = divmod(mod.seq_len, docs)
             square = m.attention_time(docs, mod.head_dim, units * whole, wl.dtype, world)
             return square + (m.attention_time(rest, mod.head_dim, units, wl.dtype, world) if rest else 0.0), 0.0
         return m.attention_time(mod.seq_len, mod.head_dim, units, wl.dtype, world), 0.0
-    units = sc.tokens * shape.z // mod.seq_len * heads  # B/G_data sequences, this rank's heads
-    c = mod.seq_len // (2 * shape.z)
+    units = sc.tokens * g // mod.seq_len * heads  # B/G_data sequences (hierarchical: B), this rank's heads
+    c = mod.seq_len // (2 * g)
     local = 2 * m.attention_time(c, mod.head_dim, units, wl.dtype, world)
     prefix = max(
-        sum(m.prefix_attention_time(c, j * c, mod.head_dim, units, wl.dtype, world) for j in (r, 2 * shape.z - 1 - r))
-        for r in range(shape.z)
+        sum(m.prefix_attention_time(c, j * c, mod.head_dim, units, wl.dtype, world) for j in (r, 2 * g - 1 - r))
+        for r in range(g)
     )
     share = wl.attention_share
     return local * share, prefix * share
@@ -364,7 +367,7 @@ def context_hidden(sc: Scenario) -> float:
 def _ring_hidden(sc: Scenario, attention: float) -> float:
     """Seconds of the ring's shifts that run behind attention in one step (``context_hidden``), from
     one block's ``attention`` seconds (forward + backward), split evenly over its G_z ring steps."""
-    g_z, layers = sc.shape.z, sc.model.n_layers
+    g_z, layers = sc.workload.context_group(sc.shape), sc.model.n_layers
     fwd_step, bwd_step = ATTENTION_FORWARD * attention / g_z, (1 - ATTENTION_FORWARD) * attention / g_z
     kv, grad = (next(c for c in sc.context_collectives if c.term == t) for t in sc.workload.context_terms)
     kv_s, grad_s = priced(kv, sc)[0], priced(grad, sc)[0]

@@ -77,12 +77,14 @@ class Choices:
 
 def micro_counts(wl: Workload, shape: GridShape, pinned: int | None = None) -> list[int]:
     """The micro-batch counts k a step of ``wl`` can run on ``shape``: each micro-batch of batch/k
-    sequences must still split over batch (over data with context parallelism). ``pinned``: that one,
+    sequences must still split over batch (over data with context parallelism over z; with it over
+    z × data every rank holds every sequence). ``pinned``: that one,
     if valid."""
-    per = shape.data if wl.context_parallel else shape.size("batch")
+    # sequences per rank: per data rank with context parallelism over z; hierarchical, every sequence
+    per = (1 if wl.context_axis == "batch" else shape.data) if wl.context_parallel else shape.size("batch")
     if wl.batch % per:
         return []
-    local = wl.batch // per  # sequences per rank (per data rank with context parallelism)
+    local = wl.batch // per
     if pinned is not None:
         return [pinned] if local % pinned == 0 else []
     counts = [k for k in range(1, local + 1) if local % k == 0]

@@ -15,7 +15,8 @@ from axon4d.plan.moe_cost import placement
 from axon4d.plan.options import Choices
 from axon4d.plan.workload import Workload
 
-#: the table's "seq" column for a sequence split over z, by context parallelism's mode ("whole" without)
+#: the table's "seq" column for a sequence split over z, by context parallelism's mode ("whole"
+#: without); split over z × data (hierarchical) they end in "+d"
 SPLITS = {"all-gather": "split", "ring": "ring"}
 #: the axes the table gives communication time for: every axis but "world", over which no
 #: collective of a step runs
@@ -115,12 +116,12 @@ class PlanResult:
     def table(self, top: int = 10) -> str:
         """The top-k candidates as a text table, with the step options each was priced with (``seq``:
         whole sequences per rank, or split over z with keys and values all-gathered, "split", or
-        passed around a ring, "ring": ``SPLITS``); for an
+        passed around a ring, "ring": ``SPLITS``; "+d" when split over z × data); for an
         MoE model also each one's expert layout and the seconds on products of axes an expert
         layout adds (``t_prod``: its all-to-alls, counts and replicas' reductions over y·z, world, …)."""
         moe = self.workload.model.moe
         head = (
-            f"{'grid (x,y,z,d)':<18} {'seq':>5} {'recompute':>9} {'mb':>3} {'zero':>4} {'offl':>4} {'fp8':>3} "
+            f"{'grid (x,y,z,d)':<18} {'seq':>7} {'recompute':>9} {'mb':>3} {'zero':>4} {'offl':>4} {'fp8':>3} "
             + (f"{'experts':<20} " if moe else "")
             + f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'pin GiB':>7} {'fits':>4} "
             + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES + (("prod",) if moe else ()))
@@ -134,7 +135,7 @@ class PlanResult:
                 seconds.append(sum(v for a, v in t.comm_by_axis.items() if a not in TABLE_AXES))
             axes = " ".join(f"{v:>8.3g}" for v in seconds)
             lines.append(
-                f"{str(c.shape.as_tuple()):<18} {SPLITS[c.context_mode] if c.context_parallel else 'whole':>5} "
+                f"{str(c.shape.as_tuple()):<18} {_seq(c):>7} "
                 f"{o.get('recompute', 'none'):>9} {o.get('micro_batches', 1):>3} {o.get('zero', 0):>4} "
                 f"{o.get('offload', 0):>4} {'yes' if o.get('fp8_gather') else 'no':>3} "
                 + (f"{c.expert_layout:<20} " if moe else "")
@@ -143,3 +144,10 @@ class PlanResult:
                 f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"
             )
         return "\n".join(lines)
+
+
+def _seq(c: Candidate) -> str:
+    """The table's "seq" column of ``c``: whole, or its split's mode (``SPLITS``), "+d" over z × data."""
+    if not c.context_parallel:
+        return "whole"
+    return SPLITS[c.context_mode] + ("+d" if c.context_axes == "z,data" else "")

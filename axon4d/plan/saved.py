@@ -150,11 +150,11 @@ def block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
         "lse": b * (m.n_heads // shape.y) if att else 0,
         # context parallelism: the keys and values of this rank's kv heads attention keeps — the whole
         # sequences' gathered over z ("all-gather"), or the ring's packed copy of its own ("ring")
-        "kv_all": kv_own * (1 if wl.context_mode == "ring" else shape.z),
+        "kv_all": kv_own * (1 if wl.context_mode == "ring" else wl.context_group(shape)),
         # what attention's backward holds besides: the gradients of the gathered keys and values
         # ("all-gather"), or the ring's arriving keys and values, the step's gradients and the
         # accumulator arriving ("ring": three of its own)
-        "kv_grad": kv_own * (3 if wl.context_mode == "ring" else shape.z),
+        "kv_grad": kv_own * (3 if wl.context_mode == "ring" else wl.context_group(shape)),
         "x1": b * h_x,
         "up": b * up_y,
         "act": b * (mlp_width(m) // shape.y),

@@ -22,7 +22,7 @@ from axon4d.config import ModelConfig, get_config
 from axon4d.grid import rules
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import AXES, GridShape, factorizations
-from axon4d.options.context_mode import MODES
+from axon4d.options.context_mode import MODES, context_axis
 from axon4d.options.overlap_policy import AUTO, OverlapPolicy
 from axon4d.plan import stepfit
 from axon4d.plan.candidate import Candidate, tune_overlap
@@ -83,6 +83,7 @@ def plan(
     async_save: bool = False,
     top: int | None = 10,
     expert_layout: ExpertLayout | str = AUTO_OPTION,
+    context_axes: str = AUTO_OPTION,
 ) -> PlanResult:
     """Search every valid grid of ``world`` ranks for ``model`` on ``machine`` with every step
     option — recomputation, micro-batches, ZeRO stage, activation offload, FP8 weight gathers,
@@ -94,7 +95,8 @@ def plan(
     ``memory_limit`` (bytes per device) defaults to the machine's device memory. Each option is
     ``AUTO_OPTION`` (searched; the default) or pinned: ``recompute`` a mode, ``micro_batches`` a
     count, ``zero`` 0/1/2, ``offload`` a number of blocks, ``fp8_gather`` True/False,
-    ``context_parallel`` True/False, ``expert_layout`` an MoE model's expert layout
+    ``context_parallel`` True/False or a mode ("all-gather", "ring"), ``context_axes`` "z" or "z,data"
+    (hierarchical: each sequence over z × data; ``AUTO_OPTION``: both searched), ``expert_layout`` an MoE model's expert layout
     (``axon4d.grid.expert_layout``: e.g. "ep=world,tp=1"; searched: every layout each grid admits).
     ``optimizer``: "adam" or "sgd" (``Workload``). ``async_save``: the
     job checkpoints asynchronously, and its host snapshot counts against the node's host memory. ``overlap``: a
@@ -119,7 +121,10 @@ def plan(
         offload_levels(workload, mach, choices.offload)  # refused here when above n_layers
     auto = overlap == AUTO
     ov = OverlapPolicy() if auto else OverlapPolicy.parse(overlap)
-    grids, invalid = valid_grids(workload, world, cp, AUTO_OPTION if expert_layout == AUTO_OPTION else "")
+    if context_axes != AUTO_OPTION:
+        context_axis(context_axes)  # refused here when it names no axes context parallelism splits over
+    layouts = AUTO_OPTION if expert_layout == AUTO_OPTION else ""
+    grids, invalid = valid_grids(workload, world, cp, layouts, context_axes)
     grids = undominated(grids, mach, ov)  # an MoE model's layouts no option could make the fastest: dropped
     cands, searched = search_grids(grids, mach, ov, choices, memory_limit, top)
     if auto:  # the knobs, for the fastest few grids (each variant is one more pricing)
@@ -191,12 +196,13 @@ def _workload(
 
 
 def valid_grids(
-    workload: Workload, world: int, cp: bool | str, expert_layouts: str = ""
+    workload: Workload, world: int, cp: bool | str, expert_layouts: str = "", context_axes: str = AUTO_OPTION
 ) -> tuple[list[tuple[Workload, GridShape]], int]:
     """The (workload, grid) pairs ``plan`` prices, and how many factorisations of ``world`` break a
     divisibility rule (§1) under every sequence split priced: each valid grid with ``workload`` as
     it is — with context parallelism pinned, in each mode ``cp`` names (True: both) — and with ``cp``
-    ``AUTO_OPTION`` each valid grid of G_z > 1 with the sequences split over z too, in each mode,
+    ``AUTO_OPTION`` each valid grid of G_z > 1 with the sequences split over z too, in each mode (and
+    each grid with G_data > 1 split over z × data, hierarchical),
     where the sequence length is even and the model has no MoE layers (context parallelism with MoE
     layers is not priced: ``Workload``). An MoE model with ``expert_layouts`` ``AUTO_OPTION``: each
     grid with each expert layout it admits (``expert_layouts.with_layouts``)."""
@@ -215,6 +221,12 @@ def valid_grids(
         splits = (
             [dataclasses.replace(workload, context_parallel=True, context_mode=m) for m in modes] if searched else []
         )
+    # each split over z, and over z × data together (hierarchical) where the grid has data ranks
+    # (``context_axes``: both, or the one pinned)
+    if context_axes != AUTO_OPTION:
+        splits = [dataclasses.replace(wl, context_axes=context_axes) for wl in splits]
+    else:
+        splits += [dataclasses.replace(wl, context_axes="z,data") for wl in splits if wl.context_axes == "z"]
     grids: list[tuple[Workload, GridShape]] = []
     mask = np.zeros(len(shapes), dtype=bool)
     for wl in whole:
@@ -223,8 +235,13 @@ def valid_grids(
         mask |= ok
     for wl in splits:  # the rules do not depend on the mode
         ok = valid_mask(wl, arr)
-        # G_z = 1 splits nothing: priced once, as the whole sequences or in the first mode
-        grids += [(wl, s) for s, good in zip(shapes, ok) if good and (s.z > 1 or (not whole and wl is splits[0]))]
+        # a split over one rank splits nothing: priced once, as the whole sequences or in the first mode;
+        # z × data with G_data = 1 is the split over z
+        for s, good in zip(shapes, ok):
+            if not good or (wl.context_axis == "batch" and s.data == 1):
+                continue
+            if wl.context_group(s) > 1 or (not whole and wl is splits[0]):
+                grids.append((wl, s))
         mask |= ok
     return grids, int((~mask).sum())
 
@@ -261,7 +278,8 @@ def search_grids(
 def candidate_order(c: Candidate) -> tuple[Any, ...]:
     """The candidates' order: fitting ones first by step time, then the others by peak memory;
     ties by grid and sequence split."""
-    return not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), c.context_parallel, c.context_mode
+    split = (c.context_parallel, c.context_mode, c.context_axes)
+    return not c.fits, c.time.step_s if c.fits else c.mem.peak, c.shape.as_tuple(), split
 
 
 def _tune_fastest(
@@ -272,8 +290,8 @@ def _tune_fastest(
     policy (``ov`` when there is none)."""
     cands = list(cands)
     for i, c in enumerate(cands[:TUNE_TOP]):
-        mode = c.context_mode or workload.context_mode
-        wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel, context_mode=mode)
+        mode, axes = c.context_mode or workload.context_mode, c.context_axes or workload.context_axes
+        wl_c = dataclasses.replace(workload, context_parallel=c.context_parallel, context_mode=mode, context_axes=axes)
         if c.expert_layout:
             wl_c = dataclasses.replace(wl_c, expert_layout=ExpertLayout.parse(c.expert_layout))
         opts = {k: v for k, v in c.options.items() if k != "recompute"}

@@ -43,7 +43,7 @@ from axon4d.grid import rules as grid_rules
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
-from axon4d.options.context_mode import MODES
+from axon4d.options.context_mode import MODES, context_axis
 from axon4d.options.precision import NAMED, Precision
 from axon4d.plan.moe_cost import moe_rules, placement
 
@@ -134,6 +134,9 @@ class Workload:
     #: with ``context_parallel``, how keys and values reach the ranks: "all-gather" or "ring"
     #: (``axon4d.options.context_mode``; ignored without it)
     context_mode: str = "all-gather"
+    #: with ``context_parallel``, the axes each sequence is split over: "z" (sequences over data) or
+    #: "z,data" (hierarchical: over z and data together, the batch axis; ``options.context_mode``)
+    context_axes: str = "z"
     #: packed documents (docs/context.md): each sequence holds documents of this many tokens (the
     #: last one shorter where it does not divide S), attention only within each; 0: one document
     document_tokens: int = 0
@@ -152,6 +155,7 @@ class Workload:
                 "context parallelism with Mixture-of-Experts layers is not priced (nor tested in the runtime): "
                 "use context_parallel=False for an MoE model"
             )
+        context_axis(self.context_axes)  # a ValueError naming the choices
         if self.context_mode not in MODES:
             raise ValueError(
                 f"context_mode = {self.context_mode!r}: choose one of {', '.join(MODES)} (docs/context.md)"
@@ -273,23 +277,36 @@ class Workload:
         - "ring" (``axon4d.nn.context_ring``): G_z − 1 shifts of the rank's own keys and values
           (forward, payload b · 2 · n_kv/G_y · head_dim · e for its b tokens), in backward G_z − 1
           shifts of them again and G_z of their gradients' accumulators (the last one's trip home).
-          Selective recomputation's forward ring again is ``recompute.rerun_collectives``'."""
+          Selective recomputation's forward ring again is ``recompute.rerun_collectives``'.
+
+        Over z, or over the batch axis (z × data) for hierarchical context parallelism
+        (``context_axes`` "z,data"), with G_z·G_data in place of G_z."""
         m = self.model
-        if not self.context_parallel or shape.z == 1:
+        g, axis = self.context_group(shape), self.context_axis
+        if g == 1:
             return []
         per_token = 2 * (m.kv_heads // shape.y) * m.head_dim  # keys and values of the rank's kv heads
         keys, grads = (wire_element_size(self.dtypes, t) for t in self.context_terms)
         own = self.local_tokens(shape) * per_token
         if self.context_mode == "ring":
-            shift, steps = Op.SHIFT, shape.z - 1
-            kv_f = Collective(shift, "z", own * keys, "forward", Term.CP_KV_RING)
+            kv_f = Collective(Op.SHIFT, axis, own * keys, "forward", Term.CP_KV_RING)
             kv_b = dataclasses.replace(kv_f, phase="backward")
-            grad = Collective(shift, "z", own * grads, "backward", Term.CP_KV_RING_GRAD)
-            return [kv_f] * (steps * m.n_layers) + [kv_b] * (steps * m.n_layers) + [grad] * (shape.z * m.n_layers)
-        whole = own * shape.z
-        return [Collective(Op.ALL_GATHER, "z", whole * keys, "forward", Term.CP_KV)] * m.n_layers + [
-            Collective(Op.REDUCE_SCATTER, "z", whole * grads, "backward", Term.CP_KV_GRAD)
+            grad = Collective(Op.SHIFT, axis, own * grads, "backward", Term.CP_KV_RING_GRAD)
+            return [kv_f] * ((g - 1) * m.n_layers) + [kv_b] * ((g - 1) * m.n_layers) + [grad] * (g * m.n_layers)
+        whole = own * g
+        return [Collective(Op.ALL_GATHER, axis, whole * keys, "forward", Term.CP_KV)] * m.n_layers + [
+            Collective(Op.REDUCE_SCATTER, axis, whole * grads, "backward", Term.CP_KV_GRAD)
         ] * m.n_layers
+
+    @property
+    def context_axis(self) -> str:
+        """The grid axis each sequence is split over with ``context_parallel``: z, or batch (z × data)
+        for hierarchical context parallelism (``context_axes`` "z,data")."""
+        return context_axis(self.context_axes)
+
+    def context_group(self, shape: GridShape) -> int:
+        """G: the ranks each sequence is split over (1 without ``context_parallel``): G_z, or G_z·G_data."""
+        return shape.size(self.context_axis) if self.context_parallel else 1
 
     @property
     def context_terms(self) -> tuple[Term, Term]:
@@ -406,7 +423,7 @@ class Workload:
         over x)."""
         m = self.model
         out = [grid_rules.batch(self.batch, "the batch (sequences per step)"), *grid_rules.heads(m.n_heads, m.kv_heads)]
-        if self.context_parallel:  # sequences over data, each one's 2·G_z chunks over z
+        if self.context_parallel and self.context_axis == "z":  # sequences over data, each one's 2·G_z chunks over z
             out[0] = grid_rules.divisible(
                 self.batch, "the batch (sequences per step)", ["data"], "context parallelism splits sequences over data"
             )
@@ -417,6 +434,13 @@ class Workload:
                     ["z"],
                     "context parallelism cuts each sequence into 2·G_z chunks, two per z-rank",
                 )
+            )
+        elif self.context_parallel:  # hierarchical: every rank holds every sequence's 2 of 2·G_z·G_data chunks
+            out[0] = grid_rules.divisible(
+                m.seq_len // 2,
+                "seq_len/2",
+                ["z", "data"],
+                "hierarchical context parallelism cuts each sequence into 2·G_z·G_data chunks, two per rank",
             )
         if m.moe:
             out += moe_rules(m, self.expert_layout)

@@ -30,6 +30,7 @@ from axon4d.data.documents import Documents
 from axon4d.data.tokens import MemmapBatch, MemmapTokens, SyntheticBatch, SyntheticTokens, demo_corpus
 from axon4d.grid.mesh import Grid
 from axon4d.models.transformer import DenseTransformer, Transformer
+from axon4d.options.context_mode import context_axis
 from axon4d.train.config import TrainConfig
 from axon4d.train.hf import HFCausalLM
 
@@ -144,7 +145,7 @@ def rank_documents(
         inputs, targets = rank_tokens(full, grid, False)
         return inputs, targets, Documents.from_eos(inputs, eos)
     total = full.size if isinstance(full, MicroBatch) else full.shape[0]
-    axis = activations.context_axis(axes)
+    axis = context_axis(axes)
     split = grid.size("data") if axis == "z" else 1  # hierarchical: every rank reads every sequence
     n = total // split
     if n * split != total:

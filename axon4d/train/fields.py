@@ -87,7 +87,16 @@ DATA_NAMES = ("synthetic", "corpus")
 #: the layer kinds of a block whose GEMMs may run FP8 (``--bf16-layers``; the planner's names, axon4d.plan.fp8)
 FP8_KINDS = ("qkv", "attn_out", "mlp_up", "mlp_down")
 #: the step options ``--grid auto`` lets the planner choose (axon4d.train.planned), as --pin names them
-PLANNED = ("recompute", "micro_batches", "zero", "offload", "context_parallel", "fp8_gather", "expert_layout")
+PLANNED = (
+    "recompute",
+    "micro_batches",
+    "zero",
+    "offload",
+    "context_parallel",
+    "context_parallel_axes",
+    "fp8_gather",
+    "expert_layout",
+)
 #: fields whose flag accepts only these values.
 CHOICES: dict[str, tuple[str, ...]] = {
     "recompute": RECOMPUTE_MODES,

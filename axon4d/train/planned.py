@@ -65,6 +65,7 @@ def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
     free = set(PLANNED) - pinned(cfg)
     if cfg.hf:
         free.discard("offload")  # a Hugging Face model has no axon4d blocks to offload from
+        free.discard("context_parallel_axes")  # and splits its sequences over z only
     if not accelerator:
         free.discard("fp8_gather")  # on the host the run computes in fp32: no 16-bit weights to gather in FP8
 
@@ -80,6 +81,7 @@ def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
         "offload": ask("offload", offload),
         # pinned on: the mode --context-parallel-mode names, or both searched where it was left at its default
         "context_parallel": ask("context_parallel", _split(cfg)),
+        "context_parallel_axes": ask("context_parallel_axes", cfg.context_parallel_axes),
         "fp8_gather": ask("fp8_gather", fp8),
         "expert_layout": ask("expert_layout", cfg.expert_layout or str(ExpertLayout())),  # pinned "": the default
     }
@@ -136,6 +138,7 @@ def apply(cfg: TrainConfig, job: JobPlan, choice: Candidate | None = None) -> Tr
         "offload": ",".join(str(i) for i in range(blocks)) if blocks else "",
         "context_parallel": bool(best.context_parallel),
         "context_parallel_mode": best.context_mode or _DEFAULTS["context_parallel_mode"],
+        "context_parallel_axes": best.context_axes or _DEFAULTS["context_parallel_axes"],
         "grid": ",".join(str(s) for s in best.shape.as_tuple()),
         "try_plans": 0,  # a named grid: nothing left to try (axon4d.train.trial) nor to price
         "correction": "",
