@@ -3,10 +3,11 @@ modes (docs/context.md, "Packed documents").
 
 The layout is the one ``axon4d.data.documents.Documents.chunks`` chose: z-rank r holds, of row i,
 n chunks of C = S/(n·G_z) tokens (n = 4, or 2 where 4·G_z does not divide S) handed out by their
-attention work, in global order. The keys and values reach the ranks as in the modes without documents — all-gathered
-over z (``axon4d.nn.context``: the rank's own chunks attended while the gather is in flight) or
-passed around z one rank's at a time (``axon4d.nn.context_ring``: the next shift issued before each
-step's kernels) — so the traffic and the memory are those modes' own.
+attention work, in global order. The keys and values reach the ranks as in the modes without
+documents — all-gathered over z (``axon4d.nn.context``: the rank's own chunks attended while the
+gather is in flight) or passed around z one rank's at a time (``axon4d.nn.context_ring``: the next
+shift issued before each step's kernels) — so the traffic and the memory are those modes' own.
+Hierarchical context parallelism runs the same over batch = z × data instead of z (``axis``).
 
 What a query chunk sees of a key chunk comes from ``Documents.spans`` (host integers, computed
 from the batch's document lengths before the step; no device read): a causal square per document
