@@ -11,6 +11,8 @@ three searches of ``axon4d.plan.search.plan`` with the shipped machine file's fi
 - **ablation**: the after search again with one option pinned to its before value at a time
   (recomputation to ``full``, the one mode that fit the 80B job before; micro-batches 1; ZeRO 0;
   no offload; no FP8 gathers; whole sequences), and the MFU lost;
+- **sensitivity**: the after plan with every priced compute 10% slower (a correction of the
+  machine's in-step scale, ``axon4d.plan.correction``), as it is and searched again;
 - **precision**: the after search in each precision preset a GPU job can train in — the default
   ``bf16-fp32-reduce`` (fp32 gradient reductions: dW's reduce-scatters move 4 bytes per element;
   FP8 gathers searched, ``bf16-fp8-gather``) and ``bf16`` (bf16 reductions, as AxoNN reduces;
@@ -44,7 +46,9 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
 from axon4d.options.recompute_mode import RECOMPUTE_MODES  # noqa: E402
-from axon4d.plan.candidate import Candidate  # noqa: E402
+from axon4d.plan import correction as corrections  # noqa: E402
+from axon4d.plan.candidate import Candidate, evaluate  # noqa: E402
+from axon4d.plan.machine import load  # noqa: E402
 from axon4d.plan.search import plan  # noqa: E402
 
 #: the options the planner had before, each pinned to the value it then always had
@@ -60,6 +64,8 @@ ABLATION = {
 }
 #: the precision presets the after search is repeated in (the first is the default, ``after``)
 PRESETS = ("bf16-fp32-reduce", "bf16")
+#: the sensitivity's factor on every priced compute (GEMMs 10% slower, and the rest with them)
+SLOWER = 1.1
 #: the jobs: (model, GPUs, batch)
 JOBS = (("80B", 1024, 2048), ("20B", 512, 1024))
 
@@ -120,6 +126,17 @@ def job(model: str, gpus: int, machine: str, batch: int, top: int) -> dict[str, 
             "mfu": fitting[0].mfu if fitting else None,
             "mfu_lost": new.mfu - fitting[0].mfu if fitting else None,
         }
+    # sensitivity: every priced compute (the GEMMs with it) 10% slower, the plan searched again and
+    # the chosen plan priced as it is (a correction of the machine's in-step scale, axon4d.plan.correction)
+    slower = corrections.apply(load(machine), corrections.Correction(machine, gpus, SLOWER, 1.0))
+    replanned = plan(model, gpus, slower, batch, overlap="all", top=top)
+    same = evaluate(after.workload, new.shape, slower, new.overlap, new.recompute, **_step_options(new))
+    sensitivity = {
+        "compute_factor": SLOWER,
+        "replanned": _row(replanned.best),
+        "replanned_options": replanned.best.options_spec(),
+        "same_plan_mfu": same.mfu,
+    }
     presets = {}
     for preset in PRESETS[1:]:
         other = plan(model, gpus, machine, batch, overlap="all", top=top, precision=preset)
@@ -144,7 +161,13 @@ def job(model: str, gpus: int, machine: str, batch: int, top: int) -> dict[str, 
             "top": [_row(c) for c in after.candidates if c.fits][:top],
         },
         "ablation": ablation,
+        "sensitivity": sensitivity,
     }
+
+
+def _step_options(c: Candidate) -> dict[str, Any]:
+    """A candidate's step options as ``evaluate`` takes them (recomputation aside)."""
+    return {k: v for k, v in c.options.items() if k != "recompute"}
 
 
 def headline(r: dict[str, Any]) -> str:
@@ -171,6 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             mfu = f"{100 * a['mfu']:.1f}%" if a["mfu"] is not None else "nothing fits"
             lost = f"{100 * a['mfu_lost']:+.1f} points" if a["mfu_lost"] is not None else ""
             print(f"  {option} = {a['pinned_to']}: {mfu} {lost}")
+        sens = r["sensitivity"]
+        print(
+            f"  compute {sens['compute_factor']:.1f}x slower: the same plan {100 * sens['same_plan_mfu']:.1f}%, "
+            f"searched again {100 * sens['replanned']['mfu']:.1f}% on {tuple(sens['replanned']['grid'])}, "
+            f"{sens['replanned_options']}"
+        )
         for preset, o in r["other_precisions"].items():
             b = o["best"]
             what = f"{100 * b['mfu']:.1f}% on {tuple(b['grid'])}, {o['options']}" if b else "nothing fits"

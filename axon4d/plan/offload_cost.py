@@ -1,20 +1,24 @@
-"""Seconds activation offload adds to a pass, with the host link shared (docs/design.md §5, §6).
+"""Seconds activation offload adds to a pass, with the host link shared phase by phase (docs/design.md §5, §6).
 
 Offload (``axon4d.memory.offload``) copies the first n blocks' saved activations to host memory during the
 forward and back ahead of their backward, on one side stream (``copy_queue``). On an accelerator
 those copies cross the device's one host link (PCIe) — and so does every byte the device's
 collectives send to or receive from other nodes: with GPUDirect RDMA the network card reads and
 writes device memory across the same link. The link runs both ways at once at
-``Machine.host_link_Bps`` each; in each direction one pass moves the offload copies (out in the
-forward, back in the backward) and the network traffic of its collectives (``link_traffic``).
+``Machine.host_link_Bps`` each; in each direction the forward moves the copies out and its
+collectives' network traffic, the backward the copies back in and its own collectives' traffic
+(``link_traffic``: the layers', the edge collectives', the MoE layers' and what recomputation
+issues again, each in the phase it runs in).
 
-The copies are priced at the share of the link the network leaves them: with N bytes of network
-traffic per direction spread over a pass of T seconds of compute, a copy runs at
-β_link·(1 − N/(β_link·T)) (the share capped at ``MAX_NETWORK_SHARE``), and the pass can never be
-shorter than all its link bytes at the full link rate: the exposed time is at least
-(N + copies)/β_link − max(T, N/β_link) — what the copies add beyond what the network alone needs.
-On a host without accelerators the copies are memory copies on the compute cores: nothing is
-hidden and no network shares a link (``Machine.host_copy_time``).
+The copies of each phase are priced at the share of the link that phase's network leaves them:
+with N bytes of network traffic per direction spread over the phase's T seconds of compute, a
+copy runs at β_link·(1 − N/(β_link·T)) (the share capped at ``MAX_NETWORK_SHARE``) — the backward,
+which carries most of a step's network traffic (the weight gradients' reductions), leaves its
+fetches less of the link than the step's average would. No phase can be shorter than all its link
+bytes at the full link rate: the exposed time is at least Σ over the phases of
+(N + copies)/β_link − max(T, N/β_link). On a host without accelerators the copies are memory
+copies on the compute cores: nothing is hidden and no network shares a link
+(``Machine.host_copy_time``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 import math
 
 from axon4d.plan.collective_model import group_geometry, ring_traffic
-from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, in_block
+from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, collectives, in_block
+from axon4d.plan.recompute import rerun_collectives
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 
@@ -44,30 +49,38 @@ def network_share(sc: Scenario, axis: str) -> float:
     return 1.0 / on_node
 
 
-def link_traffic(sc: Scenario, layers: list[LayerCost]) -> float:
+def link_traffic(sc: Scenario, layers: list[LayerCost]) -> dict[str, float]:
     """Bytes one pass's collectives move across a rank's host link in each direction (sent and
-    received alike): the ring traffic of every collective of ``layers`` and of the edge collectives
-    (replicated parameters' gradients), times its ``network_share``. 0 on a host."""
+    received alike), by phase ("forward", "backward"): the ring traffic of every collective of
+    ``layers``, of the edge collectives (replicated parameters' gradients, context parallelism's),
+    of every MoE layer's and of what recomputation issues again (in the backward, where the block
+    is rebuilt), each times its ``network_share``. 0 on a host."""
+    out = {"forward": 0.0, "backward": 0.0}
     if not sc.machine.accelerator:
-        return 0.0
-    total = 0.0
+        return out
     for lc in layers:
+        phases = {c.term: c.phase for c in collectives(lc.spec, sc)}
         for term, traffic in lc.term_traffic.items():
-            total += lc.spec.count * traffic * network_share(sc, lc.comm_axis[term])
-    for c in sc.edge_collectives:
-        if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's
-            group = sc.shape.size(c.axis)
-            total += ring_traffic(c.op.value, group, c.payload_bytes) * network_share(sc, c.axis)
-    return total
+            out[phases.get(term, "backward")] += lc.spec.count * traffic * network_share(sc, lc.comm_axis[term])
+    issued = [(c, 1) for c in sc.edge_collectives if c.term not in EMBEDDING_TERMS]  # the embedding's: its layer's
+    issued += [(c, sc.model.n_layers) for c in sc.moe_collectives]
+    for c, n in issued:
+        out[c.phase] += n * ring_traffic(c.op.value, sc.shape.size(c.axis), c.payload_bytes) * network_share(sc, c.axis)
+    for c, n in rerun_collectives(sc):  # a recomputed block's collectives run in the backward
+        out["backward"] += (
+            n * ring_traffic(c.op.value, sc.shape.size(c.axis), c.payload_bytes) * network_share(sc, c.axis)
+        )
+    return out
 
 
 def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
     """Seconds activation offload adds to one pass (docs/design.md §5): what the copies of the first
-    ``offload`` blocks' saved activations leave exposed (``copy_queue``) at the share of the host
-    link the pass's network traffic leaves them, and at least what the link's whole load in one
-    direction takes beyond the pass (module docstring). The copies run on the accelerator's copy
-    engines, not its cores, so no overlap efficiency applies. On a host the copies are memory
-    copies on the compute cores: nothing is hidden."""
+    ``offload`` blocks' saved activations leave exposed (``copy_queue``), the forward's copies out at
+    the share of the host link the forward's network traffic leaves them and the backward's copies
+    in at the backward's, and at least what each phase's whole link load in one direction takes
+    beyond the phase (module docstring). The copies run on the accelerator's copy engines, not its
+    cores, so no overlap efficiency applies. On a host the copies are memory copies on the compute
+    cores: nothing is hidden."""
     if not sc.offload:
         return 0.0
     moved, fwd, bwd, between = _offload_windows(sc, layers)
@@ -75,14 +88,25 @@ def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
     if not m.accelerator:
         return 2 * sc.offload * m.host_copy_time(moved, sc.world)
     alone = m.host_copy_time(moved, sc.world)  # the link to itself (refused without host_link_Bps)
-    compute = sc.model.n_layers * (fwd + bwd) + between
+    n, link = sc.model.n_layers, m.host_link_Bps
+    head_fwd, head_bwd = _between_phases(sc, layers)
+    compute = {"forward": n * fwd + head_fwd, "backward": n * bwd + head_bwd}
     network = link_traffic(sc, layers)
-    link = m.host_link_Bps
-    share = min(network / (link * compute), MAX_NETWORK_SHARE) if compute > 0 else MAX_NETWORK_SHARE
-    copy = alone / (1.0 - share)
-    exposed = copy_queue(copy, sc.offload, sc.model.n_layers, fwd, bwd, between)
-    floor = (network + sc.offload * moved) / link - max(compute, network / link)
+    copy = {}
+    floor = 0.0
+    for phase, t in compute.items():
+        share = min(network[phase] / (link * t), MAX_NETWORK_SHARE) if t > 0 else MAX_NETWORK_SHARE
+        copy[phase] = alone / (1.0 - share)
+        floor += max((network[phase] + sc.offload * moved) / link - max(t, network[phase] / link), 0.0)
+    exposed = copy_queue(copy["forward"], sc.offload, n, fwd, bwd, between, copy_in=copy["backward"])
     return max(exposed, floor, 0.0)
+
+
+def _between_phases(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float]:
+    """(forward, backward) seconds of the layers outside the blocks (the head's), as the phases split them."""
+    outside = [lc for lc in layers if not in_block(lc.spec, sc) and not lc.spec.embedding]
+    fwd = sum(lc.spec.count * lc.fwd_s for lc in outside)
+    return fwd, sum(lc.spec.count * lc.compute_s for lc in outside) - fwd
 
 
 def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float, float, float]:
@@ -94,14 +118,18 @@ def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, floa
     return moved, fwd, bwd, between
 
 
-def copy_queue(copy: float, offloaded: int, n_layers: int, fwd: float, bwd: float, between: float) -> float:
+def copy_queue(
+    copy: float, offloaded: int, n_layers: int, fwd: float, bwd: float, between: float, copy_in: float | None = None
+) -> float:
     """Seconds the offload copies expose in one pass, as the runtime issues them (axon4d.memory.offload):
     one side stream runs every copy in order. Block i < ``offloaded`` sends its activations out from
     the start of its forward (each is copied as it is saved), the copy ending no sooner than that
     forward; the forward does not wait for them. In the backward, when block j's output gradient
     arrives, block j−1's activations are fetched (one block ahead; the last block fetches its own),
-    and block j's backward waits for its fetch. ``copy``: seconds of one block's copy one way;
-    ``fwd``/``bwd``: one block's forward/backward; ``between``: the head's forward and backward."""
+    and block j's backward waits for its fetch. ``copy``: seconds of one block's copy out (and back
+    in, unless ``copy_in`` gives the backward's); ``fwd``/``bwd``: one block's forward/backward;
+    ``between``: the head's forward and backward."""
+    back = copy if copy_in is None else copy_in
     t = free = 0.0  # compute stream's time; when the side stream is next free
     for i in range(n_layers):
         if i < offloaded:
@@ -112,7 +140,7 @@ def copy_queue(copy: float, offloaded: int, n_layers: int, fwd: float, bwd: floa
     for j in reversed(range(n_layers)):
         for i in (j, j - 1):  # block j (if nobody fetched it) and, one ahead, block j − 1
             if 0 <= i < offloaded and i not in ready:
-                free = max(free, t) + copy
+                free = max(free, t) + back
                 ready[i] = free
         t = max(t, ready.get(j, 0.0)) + bwd
     return max(0.0, t - n_layers * (fwd + bwd) - between)  # no negative rounding residue
