@@ -261,7 +261,8 @@ PLAN_CASES = [
         "machine lacks fields",
         _plan("--machine", "{dir}/empty.json"),
         ValueError,
-        r"machine file '.*empty\.json' is not a machine description \(KeyError: lacks the field 'levels'\)",
+        r"machine file '.*empty\.json' is not a machine description \(ValueError: machine file 'without a name' "
+        r"gives no memory_per_device",
     ),
     Case(
         "machine is a list",

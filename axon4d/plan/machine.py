@@ -376,7 +376,7 @@ class Machine:
         cannot be used (``axon4d.plan.device_memory.check_memory_fields``)."""
         d = dict(d)
         d.pop("comment", None)
-        check_memory_fields(d, str(d.get("name", "?")))
+        check_memory_fields(d, str(d.get("name", "without a name")))
         d["levels"] = [Level(**lv) for lv in d["levels"]]
         d["matmul"] = {
             dt: {c: {f: MatmulTable.from_json(t) for f, t in forms.items()} for c, forms in per.items()}
