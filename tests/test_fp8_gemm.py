@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import axon4d
 from axon4d import activations
+from axon4d.config import ModelConfig
 from axon4d.device import fp8 as kernel
 from axon4d.device import fp8_fused
 from axon4d.options import fp8_gemm
@@ -274,6 +275,37 @@ def test_the_weight_is_quantised_once_per_step_and_its_gathered_bytes_are_the_bl
         assert r["made"] == [2, 4], r  # two layers: once each before the step, once each after
         assert r["equal"], r
         assert r["view"], r
+
+
+def _recomputed(grid):
+    """A small Llama under FP8 GEMMs, one step with and one without full recomputation (OAG on): the
+    loss, the flat gradient and the e4m3 copies made in each."""
+    from axon4d.models.transformer import DenseTransformer, Transformer
+
+    cfg = ModelConfig(
+        n_layers=2, hidden=32, n_heads=4, n_kv_heads=2, ffn_hidden=48, vocab_size=64, seq_len=8, arch="llama"
+    )
+    torch.manual_seed(5)
+    dense = DenseTransformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2 * grid.size("batch"), cfg.seq_len + 1), generator=torch.Generator())
+    out = {}
+    for recompute in ("none", "full"):
+        model = Transformer.from_dense(dense, recompute=recompute)
+        before = grid.scheduler.fp8_copies_made
+        model.loss(axon4d.shard_batch(ids[:, :-1]), axon4d.shard_batch(ids[:, 1:])).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.to_dense(grads=True).parameters()])
+        out[recompute] = (grads, grid.scheduler.fp8_copies_made - before)
+    return out
+
+
+def test_full_recomputation_reuses_the_step_s_e4m3_copies(pools):
+    """Full recomputation's backward reads a weight through the saved tensor checkpoint hands back
+    (another object, the same storage): it gathers the copy made in the forward — no second copy,
+    no second scale — and the gradients are those of the step without recomputation, bit for bit
+    (a KeyError in the scheduler before)."""
+    for r in pools(4).run((2, 1, 2, 1), _recomputed, precision=FP8_NAME):
+        assert torch.equal(r["full"][0], r["none"][0])
+        assert r["full"][1] == r["none"][1] > 0
 
 
 #: the fused cast's one op (``axon4d.device.fp8_fused``), and the kernels inductor makes of it on the host

@@ -46,9 +46,9 @@ def _with_nan_steps(cfg_dict, nan_steps, rank_only=None):
     forward = Transformer.forward
     calls = {"n": 0}
 
-    def planted(self, ids):
+    def planted(self, ids, documents=None):
         calls["n"] += 1
-        out = forward(self, ids)
+        out = forward(self, ids, documents)
         if calls["n"] in nan_steps and (rank_only is None or dist.get_rank() == rank_only):
             return out * float("nan")
         return out

@@ -223,11 +223,13 @@ def fp8_unpack(gathered: torch.Tensor, parts: int, dtype: torch.dtype) -> torch.
 def gather_payload_bytes(precision: Precision, shard_numel: int, g_z: int, param_dtype: torch.dtype) -> int:
     """E10's payload (one E10f or E10b, the gathered result's bytes) on a z axis of ``g_z`` ranks
     for a z shard of ``shard_numel`` elements of a parameter of ``param_dtype``: under fp8 gathers
-    G_z·(n + 4) — one byte per element and each rank's 4-byte scale — else G_z·n elements of the
-    compute dtype; 0 when G_z = 1 (no gather)."""
+    G_z·(n + 4) — one byte per element and each rank's 4-byte scale — except under FP8 GEMMs, whose
+    z ranks share one scale per weight all-gathered once per step (``Term.FP8_SCALE``,
+    ``axon4d.scheduler.fp8_copies``): G_z·n; else G_z·n elements of the compute dtype; 0 when
+    G_z = 1 (no gather)."""
     if g_z == 1:
         return 0
     if gathers_fp8(precision, g_z):
-        return g_z * (shard_numel + SCALE_BYTES)
+        return g_z * (shard_numel + (0 if precision.gemm is not None else SCALE_BYTES))
     dtype = precision.compute if precision.mixed else param_dtype
     return g_z * shard_numel * dtype.itemsize

@@ -38,6 +38,7 @@ from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
 from axon4d.plan.buckets import edge_collectives as bucketed_edges
 from axon4d.plan.buckets import layer_scales
+from axon4d.plan.fp8 import scale_gathers
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
     EMBEDDING_TERMS,
@@ -255,6 +256,10 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         opt += copies
         by_mechanism["zero"] = min(seconds, opt) * m.overlap_efficiency
         hidden_s += by_mechanism["zero"]
+    for c in scale_gathers(sc):  # the FP8 weights' scales, once per weight and step (never hidden)
+        t, traffic = priced(c, sc)
+        totals.add_collective(c, t, traffic)
+        once.add_collective(c, t, traffic)
     offload = offload_seconds(sc, layers)
     again = rerun(sc, layers)  # what recomputation runs again (0 without it)
     interference = m.interference_time(totals.traffic, world) + again.interference_s

@@ -24,7 +24,8 @@ import math
 from typing import Any
 
 from axon4d.device.fp8 import ALIGN
-from axon4d.layout.geometry import weight_block_shape
+from axon4d.layout.geometry import Collective, Op, Term, weight_block_shape
+from axon4d.options.precision import SCALE_BYTES
 from axon4d.plan.machine import Machine
 from axon4d.plan.workload import LinearSpec
 
@@ -163,6 +164,19 @@ def layer_choice(spec: LinearSpec, sc: Scenario) -> tuple[bool, float, float]:
 def fp8_layers(sc: Scenario, specs: list[LinearSpec]) -> dict[str, tuple[bool, float, float]]:
     """``layer_choice`` of each of ``specs`` (the workload's layers) by name."""
     return {s.name: layer_choice(s, sc) for s in specs}
+
+
+def scale_gathers(sc: Scenario) -> list[Collective]:
+    """The all-gathers over z of the FP8 layers' shards' scales, once per weight and step
+    (``axon4d.scheduler.fp8_copies``: each z rank's 4-byte power-of-two scale, the largest kept, so
+    that the gathered e4m3 block feeds the GEMM as it is): one per run of each layer kind that runs
+    FP8 (``layer_choice`` on one micro-batch, as the step is priced), in the forward where the step
+    first gathers it; none without FP8 GEMMs or with G_z = 1."""
+    if sc.workload.preset != PRESET or sc.shape.z == 1:
+        return []
+    micro = sc.micro()
+    gather = Collective(Op.ALL_GATHER, "z", SCALE_BYTES * sc.shape.z, "forward", Term.FP8_SCALE)
+    return [gather for s in micro.linears if not s.embedding and layer_choice(s, micro)[0] for _ in range(s.count)]
 
 
 def table(sc: Scenario) -> str:

@@ -23,6 +23,7 @@ from axon4d.layout.geometry import Collective, Term
 from axon4d.plan.buckets import edge_collectives as bucketed_edges
 from axon4d.plan.buckets import layer_scales
 from axon4d.plan.cost import ONCE_PER_STEP, zero_gathers
+from axon4d.plan.fp8 import scale_gathers
 from axon4d.plan.layers import EMBEDDING_TERMS, carried, collectives
 from axon4d.plan.recompute import rerun_collectives
 from axon4d.plan.scenario import Scenario
@@ -70,7 +71,7 @@ def step_collectives(sc: Scenario) -> tuple[Tally, Tally]:
         if key[1] not in ONCE_PER_STEP:
             calls[key] += (k - 1) * later_calls[key]
             sent[key] += (k - 1) * later_sent[key]
-    for c in zero_gathers(sc):
+    for c in zero_gathers(sc) + scale_gathers(sc):  # once per step: ZeRO's gathers, the FP8 weights' scales
         calls[(c.axis, c.term)] += 1
         sent[(c.axis, c.term)] += c.payload_bytes
     return calls, sent

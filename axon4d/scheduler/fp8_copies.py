@@ -18,6 +18,7 @@ from the fp32 master. The copy costs one byte per element of the shard during a 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -46,6 +47,10 @@ class FP8Copies:
     def _init_fp8_copies(self) -> None:
         # weight -> (stamp, Quantised (n,) e4m3 shard with the block's scale); held weakly, by identity
         self._fp8_made: Any = WeakIdKeyDictionary()
+        # the same copies by storage, with the weight they were made for held weakly: a weight's alias
+        # (the saved tensor full recomputation hands back, detached: another object on the same storage)
+        # finds its weight's copy while that weight lives
+        self._fp8_by_storage: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], fp8_gemm.Quantised]] = {}
         #: how many e4m3 copies were made (each one quantisation of a master shard): what tests count
         self.fp8_copies_made = 0
 
@@ -54,7 +59,7 @@ class FP8Copies:
         the weight changed since the last copy (one all-gather of 4 bytes over z when G_z > 1, which
         every z rank of the block reaches at the same point), else the copy already made."""
         now = stamp(weight)
-        entry = self._fp8_made.get(weight)
+        entry = self._made(weight)
         if entry is not None and entry[0] == now:
             return entry[1]
         flat = weight.detach().reshape(-1)  # (n,) the fp32 master shard
@@ -64,13 +69,28 @@ class FP8Copies:
         copy = fp8_gemm.quantise(flat.view(1, -1), scale)  # (1, n): fp32 quotients, rounded once
         made = fp8_gemm.Quantised(copy.data.view(-1), scale)
         self._fp8_made[weight] = (now, made)
+        self._fp8_by_storage[weight.data_ptr()] = (weakref.ref(weight), now, made)
         self.fp8_copies_made += 1
         return made
 
+    def _made(self, weight: torch.Tensor) -> tuple[tuple[int, int], fp8_gemm.Quantised] | None:
+        """(stamp, copy) made last for ``weight``, or for the live weight it aliases (the same storage)."""
+        entry = self._fp8_made.get(weight)
+        if entry is not None:
+            return entry
+        alias = self._fp8_by_storage.get(weight.data_ptr())
+        if alias is None or alias[0]() is None:
+            return None
+        return alias[1], alias[2]
+
     def fp8_shard_made(self, weight: torch.Tensor) -> fp8_gemm.Quantised:
         """The copy ``fp8_shard`` made last for ``weight`` (a gather of its bytes is read with its scale)."""
-        return self._fp8_made[weight][1]
+        entry = self._made(weight)
+        if entry is None:
+            raise RuntimeError(f"no e4m3 copy was made this step for a weight of shape {tuple(weight.shape)}")
+        return entry[1]
 
     def forget_fp8_copies(self) -> None:
         """Drop every e4m3 copy: the next read makes them again (after a write the stamp cannot see)."""
         self._fp8_made = WeakIdKeyDictionary()
+        self._fp8_by_storage = {}
