@@ -1,9 +1,10 @@
 """Protects one source for what is sent (docs/planner.md rule 1; ``axon4d.layout.geometry.wire_dtype``):
-the planner prices exactly the bytes the runtime sends.
+the planner prices exactly the bytes the runtime sends, in the part of the step it sends them.
 
 A real ``Transformer`` (GPT and Llama, tiny) trains a step on a real gloo grid and the
-communication log's calls and payload bytes per (axis, term) must equal the planner's
-(``axon4d.plan.sent.step_collectives``) exactly, and their sums per axis the step estimate's
+communication log's calls and payload bytes per (axis, term, phase) — forward, backward (a
+recomputed forward's included) or optimizer (ZeRO's all-gathers) — must equal the planner's
+(``axon4d.plan.sent.step_collectives_by_phase``) exactly, and their sums per axis the step estimate's
 ``bytes_by_axis`` and ``collectives``, for every precision preset (fp32, bf16, bf16-fp32-reduce,
 bf16-fp8-gather — FP8 gathers given to the planner as the preset or as ``fp8_gather`` on
 bf16-fp32-reduce — and bf16-fp8, ``FP8``), ZeRO 0, 1 and 2, micro-batches 1 and 4 with and without keep-for-backward, and
@@ -34,7 +35,7 @@ from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan import load
 from axon4d.plan.cost import step_estimate, zero_gathers
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.sent import step_collectives
+from axon4d.plan.sent import step_collectives_by_phase
 from axon4d.plan.workload import Workload
 from axon4d.train.fields import FP8_KINDS
 
@@ -155,15 +156,16 @@ def _logged(grid, arch, cp, micro, zero, recompute="none", axes="z", bf16=""):
     step()
     out: dict = {}
     for r in grid.comm.log.records:
-        calls, sent = out.get((r.axis, str(r.tag)), (0, 0))
-        out[(r.axis, str(r.tag))] = (calls + 1, sent + r.payload_bytes)
+        calls, sent = out.get((r.axis, str(r.tag), r.phase), (0, 0))
+        out[(r.axis, str(r.tag), r.phase)] = (calls + 1, sent + r.payload_bytes)
     if zero:
         opt.release()
     return out
 
 
 def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none", bucket_mb=None, axes="z"):
-    """The planner's {(axis, term): (calls, payload bytes)} of the same step, and the step estimate."""
+    """The planner's {(axis, term, phase): (calls, payload bytes)} of the same step, the step estimate
+    and, under FP8 GEMMs, the layer kinds it keeps in bf16."""
     shape = GridShape(*grid)
     seqs = shape.data * shape.z if axes == "z" else shape.z
     wl_precision = "bf16-fp32-reduce" if fp8 == "option" else precision
@@ -187,8 +189,8 @@ def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none",
         fp8_gather=fp8 == "option",
     )
     assert sc.precision == NAMED[precision]  # the option and the preset are the same precision
-    calls, sent = step_collectives(sc)
-    priced = {(axis, str(term)): (calls[(axis, term)], sent[(axis, term)]) for axis, term in calls}
+    calls, sent = step_collectives_by_phase(sc)
+    priced = {(axis, str(term), phase): (calls[key], sent[key]) for key in calls for axis, term, phase in [key]}
     if precision == "bf16-fp8":  # the layer kinds the planner keeps in bf16, which the runtime is told
         micro = sc.micro()
         kept = [s.name for s in micro.linears if s.name in FP8_KINDS and not fp8_plan.layer_choice(s, micro)[0]]
@@ -201,7 +203,7 @@ def _check(pools, case, recompute="none", bucket_mb=None, axes="z"):
     grid, precision, zero, micro, keep, cp, arch, fp8 = case
     priced, estimate, bf16 = _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute, bucket_mb, axes)
     by_axis: dict = {}
-    for (axis, _), (_, sent) in priced.items():
+    for (axis, *_), (_, sent) in priced.items():
         by_axis[axis] = by_axis.get(axis, 0) + sent
     assert by_axis == estimate.bytes_by_axis  # the list is the one the step's time is priced from
     assert sum(calls for calls, _ in priced.values()) == estimate.collectives
@@ -222,7 +224,7 @@ def _check(pools, case, recompute="none", bucket_mb=None, axes="z"):
         differ = {
             k: (logged.get(k), priced.get(k)) for k in logged.keys() | priced.keys() if logged.get(k) != priced.get(k)
         }
-        assert not differ, f"rank {rank}: (axis, term): (logged, priced) (calls, bytes) differ: {differ}"
+        assert not differ, f"rank {rank}: (axis, term, phase): (logged, priced) (calls, bytes) differ: {differ}"
 
 
 @pytest.mark.parametrize("case", FAST, ids=case_id)
@@ -300,7 +302,7 @@ def test_zero_s_bucketed_gathers_are_the_planner_s(pools, bucket_mb):
     policy = OverlapPolicy(bucket_mb=bucket_mb)
     wl = Workload(CONFIGS["llama"], 2, precision=precision)
     gathers = zero_gathers(Scenario(wl, GridShape(*grid), _host(), policy, zero=1))
-    priced = {("data", str(Term.ZERO_GATHER)): (len(gathers), sum(g.payload_bytes for g in gathers))}
+    priced = {("data", str(Term.ZERO_GATHER), "optimizer"): (len(gathers), sum(g.payload_bytes for g in gathers))}
     for logged in pools(2).run(grid, _gathers_logged, precision=precision, overlap=policy):
         assert logged == priced
     assert (len(gathers) == 2) == (bucket_mb == 1.0)  # the 16-bit weights' bucket and the fp32 rest's

@@ -23,12 +23,13 @@ Which transport ``axon4d.init`` uses is decided by ``axon4d.comm.transport``; th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -237,6 +238,7 @@ class Communicator:
         #: host's when untimed, so that compute spans take no device events either
         host = Clock(devices.HOST)
         self.log = CommLog(host, timed=self.timing)
+        self._phase = ""  # ``in_phase``'s
         self.use_clock(host if clock is None or not self.timing else clock)
         #: which transport and why; ``axon4d.init`` records its choice here (``settle_transport``)
         self.transport_choice = TransportChoice(transport.name, "given to the grid")
@@ -276,8 +278,24 @@ class Communicator:
         with watchdog.waiting("a barrier of the world"):
             self.transport.barrier()
 
+    @contextlib.contextmanager
+    def in_phase(self, phase: str) -> Iterator[None]:
+        """Log the collectives issued inside as issued in ``phase`` (the optimizer step's, e.g.)."""
+        before, self._phase = self._phase, phase
+        try:
+            yield
+        finally:
+            self._phase = before
+
+    def _current_phase(self) -> str:
+        """The part of the step a collective issued now belongs to: ``in_phase``'s, else "backward"
+        inside autograd's backward pass (a recomputed forward included), else "forward"."""
+        if self._phase:
+            return self._phase
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
     def _record(self, op: Op, axis: Axis, group: int, payload_bytes: int, tag: Term | str) -> CommRecord:
-        record = CommRecord(op, axis, group, payload_bytes, tag, time.perf_counter())
+        record = CommRecord(op, axis, group, payload_bytes, tag, time.perf_counter(), phase=self._current_phase())
         if self._on_device:  # the compute stream's position: the collective cannot start before it
             record.mark("t_issue", self.clock.mark())
         self.log.add(record)

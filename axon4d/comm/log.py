@@ -112,6 +112,9 @@ class CommRecord:
     marks: dict[str, Mark] | None = None
     #: its marks were read after its wait ended (``settle``): a completion reported later changes nothing
     settled: bool = False
+    #: the part of the step it was issued in: "forward", "backward" (inside autograd's backward pass,
+    #: a recomputed forward included) or "optimizer" (``Communicator.in_phase``)
+    phase: str = "forward"
 
     def completed_on(self, clock: Clock) -> Callable[[Any], None]:
         """A callback for the transport's completion of this collective: stamps ``t_done`` on

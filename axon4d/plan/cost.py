@@ -377,7 +377,7 @@ def zero_gathers(sc: Scenario) -> list[Collective]:
                 held = 0.0
             buckets[-1] += data_part_numel(n, d) * d
             held += n * elem
-        out += [Collective(Op.ALL_GATHER, "data", n * elem, "backward", Term.ZERO_GATHER) for n in buckets]
+        out += [Collective(Op.ALL_GATHER, "data", n * elem, "optimizer", Term.ZERO_GATHER) for n in buckets]
     return out
 
 

@@ -1,5 +1,6 @@
 """What one training step sends, collective by collective, as the planner prices it (docs/planner.md,
-rule 1): the calls and payload bytes per (axis, term) on one rank (``step_collectives``).
+rule 1): the calls and payload bytes per (axis, term, phase) on one rank (``step_collectives_by_phase``;
+``step_collectives`` sums the phases).
 
 The list is assembled from the same pieces ``axon4d.plan.cost`` prices a step from — every layer
 kind's collectives (``layers.collectives``: ``geometry.linear_collectives`` under the step's
@@ -30,25 +31,30 @@ from axon4d.plan.scenario import Scenario
 
 #: (axis, term) → a count of one step's collectives or of their payload bytes on one rank
 Tally = Counter[tuple[str, Term]]
+#: (axis, term, phase) → the same, by the part of the step each is issued in
+PhaseTally = Counter[tuple[str, Term, str]]
 
 
-def _pass(sc: Scenario, reuse: bool) -> tuple[Tally, Tally]:
-    """(calls, payload bytes) per (axis, term) of one forward + backward of ``sc`` (one micro-batch);
-    ``reuse``: a micro-batch after the first, whose carried weight blocks are not gathered."""
-    calls: Tally = Counter()
-    sent: Tally = Counter()
+def _pass(sc: Scenario, reuse: bool) -> tuple[PhaseTally, PhaseTally]:
+    """(calls, payload bytes) per (axis, term, phase) of one forward + backward of ``sc`` (one
+    micro-batch); ``reuse``: a micro-batch after the first, whose carried weight blocks are not
+    gathered. What recomputation issues again runs in the backward."""
+    calls: PhaseTally = Counter()
+    sent: PhaseTally = Counter()
 
-    def add(c: Collective, n: int = 1) -> None:
-        calls[(c.axis, c.term)] += n
-        sent[(c.axis, c.term)] += n * c.payload_bytes
+    def add(c: Collective, n: int = 1, phase: str = "") -> None:
+        key = (c.axis, c.term, phase or c.phase)
+        calls[key] += n
+        sent[key] += n * c.payload_bytes
 
     scales = layer_scales(sc)
-    shares: dict[tuple[str, Term], float] = {}  # bucketed: each run's share of its bucket's call
+    shares: dict[tuple[str, Term, str], float] = {}  # bucketed: each run's share of its bucket's call
     for spec in sc.linears:
         for c in collectives(spec, sc, gathers=not (reuse and carried(spec, sc))):
             add(c, spec.count)
             if c.term in scales:
-                shares[(c.axis, c.term)] = shares.get((c.axis, c.term), 0.0) + spec.count * scales[c.term][1]
+                key = (c.axis, c.term, c.phase)
+                shares[key] = shares.get(key, 0.0) + spec.count * scales[c.term][1]
     for key, share in shares.items():  # the step's calls of a bucketed term: its buckets
         calls[key] = round(share)
     for c in bucketed_edges(sc):
@@ -56,14 +62,16 @@ def _pass(sc: Scenario, reuse: bool) -> tuple[Tally, Tally]:
             add(c)
     for c in sc.moe_collectives:  # every block's MoE layer (plan.moe_cost)
         add(c, sc.model.n_layers)
-    for c, n in rerun_collectives(sc):  # what recomputation issues again
-        add(c, n)
+    for c, n in rerun_collectives(sc):  # what recomputation issues again, inside the backward
+        add(c, n, "backward")
     return calls, sent
 
 
-def step_collectives(sc: Scenario) -> tuple[Tally, Tally]:
-    """(calls, payload bytes) per (axis, term) of one step of ``sc`` on one rank: ``micro_batches``
-    passes of a micro-batch, the data-axis reductions and ZeRO's all-gathers once (module docstring)."""
+def step_collectives_by_phase(sc: Scenario) -> tuple[PhaseTally, PhaseTally]:
+    """(calls, payload bytes) per (axis, term, phase) of one step of ``sc`` on one rank —
+    "forward", "backward" or "optimizer" (ZeRO's all-gathers): ``micro_batches`` passes of a
+    micro-batch, the data-axis reductions, ZeRO's all-gathers and the FP8 weights' scales once
+    (module docstring)."""
     micro, k = sc.micro(), sc.micro_batches
     calls, sent = _pass(micro, reuse=False)
     later_calls, later_sent = _pass(micro, reuse=True) if sc.overlap.oag_keep else (calls, sent)
@@ -72,6 +80,17 @@ def step_collectives(sc: Scenario) -> tuple[Tally, Tally]:
             calls[key] += (k - 1) * later_calls[key]
             sent[key] += (k - 1) * later_sent[key]
     for c in zero_gathers(sc) + scale_gathers(sc):  # once per step: ZeRO's gathers, the FP8 weights' scales
-        calls[(c.axis, c.term)] += 1
-        sent[(c.axis, c.term)] += c.payload_bytes
+        calls[(c.axis, c.term, c.phase)] += 1
+        sent[(c.axis, c.term, c.phase)] += c.payload_bytes
     return calls, sent
+
+
+def step_collectives(sc: Scenario) -> tuple[Tally, Tally]:
+    """(calls, payload bytes) per (axis, term) of one step of ``sc`` on one rank
+    (``step_collectives_by_phase`` summed over the phases)."""
+    by_phase = step_collectives_by_phase(sc)
+    out: tuple[Tally, Tally] = (Counter(), Counter())
+    for tally, phased in zip(out, by_phase):
+        for (axis, term, _), n in phased.items():
+            tally[(axis, term)] += n
+    return out

@@ -107,7 +107,8 @@ class ParamGathers:
             send[offset : offset + owned].copy_(part.master)
             send[offset + owned : offset + part.chunk].zero_()
             offset += part.chunk
-        return self.comm.all_gather(send, "data", tag=GATHER_TAG)
+        with self.comm.in_phase("optimizer"):
+            return self.comm.all_gather(send, "data", tag=GATHER_TAG)
 
     def unpack(self, bucket: list[Part], handle: Handle) -> None:
         """Wait for a bucket's all-gather and copy every rank's parts into the parameters."""
