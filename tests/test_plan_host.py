@@ -201,8 +201,7 @@ def test_the_network_share_of_an_axis_is_what_leaves_the_node():
     assert network_share(sc2, "z") == 0.5  # two of a z group on each node: half of the ring crosses
     # a host: nothing crosses a host link
     host = dataclasses.replace(PERLMUTTER, accelerator=False)
-    layers = [layer_cost(s, Scenario(wl, sc.shape, host, ALL)) for s in sc.linears]
-    assert link_traffic(Scenario(wl, sc.shape, host, ALL), layers) == {"forward": 0.0, "backward": 0.0}
+    assert link_traffic(Scenario(wl, sc.shape, host, ALL)) == {"forward": 0.0, "backward": 0.0}
 
 
 def test_offload_shares_the_host_link_with_the_network_phase_by_phase():
@@ -215,14 +214,14 @@ def test_offload_shares_the_host_link_with_the_network_phase_by_phase():
     sc = Scenario(wl, shape, PERLMUTTER, ALL, "balanced", offload=32)
     extras = block_extras(sc)
     layers = [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0))) for s in sc.linears]
-    network = link_traffic(sc, layers)
+    network = link_traffic(sc)
     assert network["backward"] > 2 * network["forward"] > 0
     shared = offload_seconds(sc, layers)
     # the same copies on a link the network does not use (a machine whose nodes hold the whole job)
     alone = dataclasses.replace(PERLMUTTER, devices_per_node=1024)
     sc_alone = dataclasses.replace(sc, machine=alone)
     layers_alone = [layer_cost(s, sc_alone, extras.get(s.name, (0.0, 0.0))) for s in sc.linears]
-    assert link_traffic(sc_alone, layers_alone) == {"forward": 0.0, "backward": 0.0}
+    assert link_traffic(sc_alone) == {"forward": 0.0, "backward": 0.0}
     free = offload_seconds(sc_alone, layers_alone)
     assert shared > free
     # priced by phase, more is exposed than with the step's traffic spread over the whole step

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import math
 
-from axon4d.plan.collective_model import group_geometry, ring_traffic
-from axon4d.plan.layers import EMBEDDING_TERMS, LayerCost, collectives, in_block
-from axon4d.plan.recompute import rerun_collectives
+from axon4d.plan.collective_model import group_geometry
+from axon4d.plan.layers import LayerCost, in_block
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
+from axon4d.plan.walk import pass_collectives
 
 #: the most of the host link the network may be taken to use while copies run beside it: beyond it
 #: the link-bound floor of ``offload_seconds`` prices the pass
@@ -49,27 +49,17 @@ def network_share(sc: Scenario, axis: str) -> float:
     return 1.0 / on_node
 
 
-def link_traffic(sc: Scenario, layers: list[LayerCost]) -> dict[str, float]:
+def link_traffic(sc: Scenario) -> dict[str, float]:
     """Bytes one pass's collectives move across a rank's host link in each direction (sent and
-    received alike), by phase ("forward", "backward"): the ring traffic of every collective of
-    ``layers``, of the edge collectives (replicated parameters' gradients, context parallelism's),
-    of every MoE layer's and of what recomputation issues again (in the backward, where the block
-    is rebuilt), each times its ``network_share``. 0 on a host."""
+    received alike), by phase ("forward", "backward"): the ring traffic on each axis of the pass's
+    collectives as ``axon4d.plan.walk`` enumerates them (the layers', the edge collectives', every
+    MoE layer's and what recomputation issues again, in the backward), times the axis'
+    ``network_share``. 0 on a host."""
     out = {"forward": 0.0, "backward": 0.0}
     if not sc.machine.accelerator:
         return out
-    for lc in layers:
-        phases = {c.term: c.phase for c in collectives(lc.spec, sc)}
-        for term, traffic in lc.term_traffic.items():
-            out[phases.get(term, "backward")] += lc.spec.count * traffic * network_share(sc, lc.comm_axis[term])
-    issued = [(c, 1) for c in sc.edge_collectives if c.term not in EMBEDDING_TERMS]  # the embedding's: its layer's
-    issued += [(c, sc.model.n_layers) for c in sc.moe_collectives]
-    for c, n in issued:
-        out[c.phase] += n * ring_traffic(c.op.value, sc.shape.size(c.axis), c.payload_bytes) * network_share(sc, c.axis)
-    for c, n in rerun_collectives(sc):  # a recomputed block's collectives run in the backward
-        out["backward"] += (
-            n * ring_traffic(c.op.value, sc.shape.size(c.axis), c.payload_bytes) * network_share(sc, c.axis)
-        )
+    for (axis, phase), traffic in pass_collectives(sc).traffic.items():
+        out[phase] += traffic * network_share(sc, axis)
     return out
 
 
@@ -91,7 +81,7 @@ def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
     n, link = sc.model.n_layers, m.host_link_Bps
     head_fwd, head_bwd = _between_phases(sc, layers)
     compute = {"forward": n * fwd + head_fwd, "backward": n * bwd + head_bwd}
-    network = link_traffic(sc, layers)
+    network = link_traffic(sc)
     copy = {}
     floor = 0.0
     for phase, t in compute.items():
