@@ -245,16 +245,16 @@ def test_fp8_gathers_compose_with_prefetch_keep_chunks_recomputation_and_context
 
 # -- training --------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_80_steps_with_fp8_gathers_track_the_bf16_loss_curve_within_1_percent(tmp_path):
-    """bench/fp8_gather.py's run, shortened: a small llama on (1,1,2,1), 80 steps, the same seed and
+def test_40_steps_with_fp8_gathers_track_the_bf16_loss_curve_within_1_percent(tmp_path):
+    """bench/fp8_gather.py's run, shortened: a small llama on (1,1,2,1), 40 steps, the same seed and
     data with bf16-fp8-gather and bf16-fp32-reduce; the mean of the last 20 losses and every step's
     loss agree within 1% (the bench's own 200 steps, bench/results/fp8_gather_loss.json: 0.03% and
     0.42%)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import fp8_gather
 
-    result = fp8_gather.run(steps=80, out=str(tmp_path / "fp8_gather_loss.json"))
-    assert len(result["losses"][FP8_NAME]) == len(result["losses"][BF16_NAME]) == 80
+    result = fp8_gather.run(steps=40, out=str(tmp_path / "fp8_gather_loss.json"))
+    assert len(result["losses"][FP8_NAME]) == len(result["losses"][BF16_NAME]) == 40
     assert result["final_rel_diff"] < 0.01
     assert result["max_rel_diff"] < 0.01
     assert result["losses"][FP8_NAME] != result["losses"][BF16_NAME]  # fp8 did act
