@@ -141,7 +141,7 @@ def block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
     qkv_y = (m.n_heads + 2 * m.kv_heads) * m.head_dim // shape.y
     up_y = (2 if m.gated else 1) * mlp_width(m) // shape.y
     att = wl.attention
-    kv_own = b * 2 * (m.kv_heads // shape.y) * m.head_dim if att and wl.context_parallel else 0
+    kv_own = wl.context_kv_elements(shape) if att else 0
     return {
         "x0": b * h_x,
         "qkv": b * qkv_y if att else 0,

@@ -285,9 +285,8 @@ class Workload:
         g, axis = self.context_group(shape), self.context_axis
         if g == 1:
             return []
-        per_token = 2 * (m.kv_heads // shape.y) * m.head_dim  # keys and values of the rank's kv heads
         keys, grads = (wire_element_size(self.dtypes, t) for t in self.context_terms)
-        own = self.local_tokens(shape) * per_token
+        own = self.context_kv_elements(shape)
         if self.context_mode == "ring":
             kv_f = Collective(Op.SHIFT, axis, own * keys, "forward", Term.CP_KV_RING)
             kv_b = dataclasses.replace(kv_f, phase="backward")
@@ -307,6 +306,13 @@ class Workload:
     def context_group(self, shape: GridShape) -> int:
         """G: the ranks each sequence is split over (1 without ``context_parallel``): G_z, or G_z·G_data."""
         return shape.size(self.context_axis) if self.context_parallel else 1
+
+    def context_kv_elements(self, shape: GridShape) -> int:
+        """Elements of the keys and values of a rank's own tokens and kv heads (n_kv/G_y) that context
+        parallelism moves and keeps: b · 2 · n_kv/G_y · head_dim (0 without it)."""
+        if not self.context_parallel:
+            return 0
+        return self.local_tokens(shape) * 2 * (self.model.kv_heads // shape.y) * self.model.head_dim
 
     @property
     def context_terms(self) -> tuple[Term, Term]:
