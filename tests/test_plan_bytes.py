@@ -16,7 +16,10 @@ Every logged term is priced: the split norms' per-token sums over x and the voca
 loss's collectives over y too. Recomputation (``RECOMPUTE``: full, balanced, selective, with and
 without context parallelism) is checked the same way: under full recomputation every block's
 forward collectives are issued again (``recompute.rerun_collectives``). Ring context parallelism
-(``RING``) is checked alike, with selective and full recomputation.
+(``RING``) is checked alike, with selective and full recomputation, and activation offload
+(``OFFLOAD``: every saved tensor of the offloaded blocks to host memory and back, with every
+recompute mode, ZeRO stage and context mode): its copies send nothing, so the step's collectives
+and their phases are those without it.
 """
 
 import dataclasses
@@ -127,17 +130,21 @@ RING = [
 ]
 
 
-def _logged(grid, arch, cp, micro, zero, recompute="none", axes="z", bf16=""):
+def _logged(grid, arch, cp, micro, zero, recompute="none", axes="z", bf16="", offload=0):
     """One step of a tiny ``arch`` Transformer (after one that warms it up): Adam (sharded over data
-    at ``zero``), ``micro`` micro-batches of G_data·G_z sequences. The communication log's
-    {(axis, tag): [calls, payload bytes]}."""
+    at ``zero``), ``micro`` micro-batches of G_data·G_z sequences, the first ``offload`` blocks'
+    saved tensors offloaded (every one but the parameters: the size threshold at 0). The
+    communication log's {(axis, tag, phase): [calls, payload bytes]}."""
     from axon4d.models.transformer import Transformer
     from axon4d.train.batches import accumulate
     from axon4d.zero import shard_optimizer
 
     cfg = CONFIGS[arch]
     torch.manual_seed(0)
-    model = Transformer(cfg, context_parallel=cp, recompute=recompute, context_parallel_axes=axes)
+    blocks = list(range(offload)) or None
+    model = Transformer(cfg, context_parallel=cp, recompute=recompute, context_parallel_axes=axes, offload=blocks)
+    if model.offloader is not None:
+        model.offloader.min_bytes = 0  # these tiny blocks save nothing of 64 KiB: move every saved tensor
     model.keep_in_bf16({k for k in bf16.split(",") if k})  # under FP8 GEMMs: the planner's bf16 layer kinds
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
     if zero:
@@ -153,7 +160,13 @@ def _logged(grid, arch, cp, micro, zero, recompute="none", axes="z", bf16=""):
 
     step()
     grid.comm.log.clear()
+    if model.offloader is not None:
+        model.offloader.reset_peaks()
     step()
+    if model.offloader is not None:  # the case proves something: the blocks' tensors went and came back
+        moved = model.offloader.stats()
+        assert moved.copies_out > 0 and moved.copies_in == moved.copies_out, moved
+        assert all(moved.peak_block_bytes.get(b, 0) > 0 for b in range(offload)), moved
     out: dict = {}
     for r in grid.comm.log.records:
         calls, sent = out.get((r.axis, str(r.tag), r.phase), (0, 0))
@@ -163,7 +176,7 @@ def _logged(grid, arch, cp, micro, zero, recompute="none", axes="z", bf16=""):
     return out
 
 
-def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none", bucket_mb=None, axes="z"):
+def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none", bucket_mb=None, axes="z", offload=0):
     """The planner's {(axis, term, phase): (calls, payload bytes)} of the same step, the step estimate
     and, under FP8 GEMMs, the layer kinds it keeps in bf16."""
     shape = GridShape(*grid)
@@ -186,6 +199,7 @@ def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none",
         recompute,
         micro_batches=micro,
         zero=zero,
+        offload=offload,
         fp8_gather=fp8 == "option",
     )
     assert sc.precision == NAMED[precision]  # the option and the preset are the same precision
@@ -199,9 +213,11 @@ def _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute="none",
     return priced, step_estimate(sc), ""
 
 
-def _check(pools, case, recompute="none", bucket_mb=None, axes="z"):
+def _check(pools, case, recompute="none", bucket_mb=None, axes="z", offload=0):
     grid, precision, zero, micro, keep, cp, arch, fp8 = case
-    priced, estimate, bf16 = _priced(grid, precision, zero, micro, keep, cp, arch, fp8, recompute, bucket_mb, axes)
+    priced, estimate, bf16 = _priced(
+        grid, precision, zero, micro, keep, cp, arch, fp8, recompute, bucket_mb, axes, offload
+    )
     by_axis: dict = {}
     for (axis, *_), (_, sent) in priced.items():
         by_axis[axis] = by_axis.get(axis, 0) + sent
@@ -217,6 +233,7 @@ def _check(pools, case, recompute="none", bucket_mb=None, axes="z"):
         recompute,
         axes,
         bf16,
+        offload,
         precision=precision,
         overlap=OverlapPolicy(oag_keep=keep, bucket_mb=bucket_mb),
     )
@@ -287,6 +304,42 @@ def test_logged_bytes_of_hierarchical_context_parallelism_equal_the_planner_s(po
     """Each sequence split over z × data (``context_axes`` "z,data"): the key/value collectives run
     over the batch axis, G_z·G_data ranks, every rank holding every sequence."""
     _check(pools, case[:-1], recompute=case[-1], axes="z,data")
+
+
+#: activation offload (``Transformer(offload=)``, the planner's ``Scenario.offload``: the first n of the
+#: 2 blocks), every saved tensor moved (the size threshold at 0): its copies send nothing, so the step's
+#: collectives and their phases are the same as without it — a hook on a block's output gradient, a
+#: recomputation inside an offloaded block or an FP8 layer's saved shards must not add, drop or move
+#: one. (grid, precision, zero, micro-batches, keep, context parallel, arch, fp8, recompute, offloaded
+#: blocks): every recompute mode, ZeRO stage, micro-batch count, context mode and four presets with
+#: offload (``test_the_offload_cases_pair_offload_with_every_option_value``); the first is fast
+OFFLOAD = [
+    ((2, 1, 1, 2), "bf16-fp32-reduce", 1, 2, False, False, "llama", "-", "none", 1),
+    ((2, 1, 2, 1), "fp32", 0, 1, False, True, "gpt", "-", "full", 2),
+    ((1, 2, 1, 2), "bf16", 2, 4, True, False, "gpt", "-", "selective", 1),
+    ((1, 1, 2, 2), "bf16-fp8-gather", 2, 1, False, True, "llama", "preset", "balanced", 2),
+    ((1, 2, 2, 1), "bf16-fp8", 0, 2, False, False, "llama", "-", "full", 1),
+    ((2, 1, 2, 1), "bf16", 0, 2, True, "ring", "gpt", "-", "selective", 2),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [OFFLOAD[0], *(pytest.param(c, marks=pytest.mark.slow) for c in OFFLOAD[1:])],
+    ids=lambda c: f"{case_id(c[:-2])}-{c[-2]}-offload{c[-1]}",
+)
+def test_logged_bytes_under_activation_offload_equal_the_planner_s(pools, case):
+    _check(pools, case[:-2], recompute=case[-2], offload=case[-1])
+
+
+def test_the_offload_cases_pair_offload_with_every_option_value():
+    """Offload meets every recompute mode, ZeRO stage, micro-batch count and context mode, and more
+    than one preset, in ``OFFLOAD``."""
+    columns = list(zip(*OFFLOAD))
+    assert set(columns[-2]) == {"none", "selective", "balanced", "full"}
+    assert set(columns[2]) == {0, 1, 2} and set(columns[3]) >= {1, 2} and set(columns[4]) == {False, True}
+    assert set(columns[5]) == {False, True, "ring"} and len(set(columns[1])) >= 2
+    assert set(columns[-1]) == {1, 2}  # some of the blocks, and all of them
 
 
 def _gathers_logged(grid):

@@ -3,13 +3,14 @@ docs/planner.md "Mixture of Experts"): the collectives it prices are the ones th
 
 - One MoE layer (``axon4d.nn.moe.MoE``) on inputs whose routing is *uniform* by construction —
   token g's k experts are (g·k + q) mod E, every share and chunk covering the experts evenly —
-  logs exactly the planner's calls and payload bytes per (axis, term) on every rank
-  (``moe_cost.layer_collectives``), in one chunk and in overlapped chunks.
+  logs exactly the planner's calls and payload bytes per (axis, term, phase) on every rank
+  (``moe_cost.layer_collectives``; the phase the communication log records, forward or backward),
+  in one chunk and in overlapped chunks, under each expert layout kind.
 - A whole MoE ``Transformer`` step under random routing: every term the routing does not change
   (the router's, the counts', the dispatch's own rows, the combine's gradient, the router weight's
-  gradient, the shared experts' and the dense layers') equals the planner's on every rank; the
-  terms the routing moves have the planner's calls on every rank and, summed over the ranks, its
-  bytes — what one rank receives another sent (the y gathers, padded to the largest share, at
+  gradient, the shared experts' and the dense layers') equals the planner's per (axis, term,
+  phase) on every rank (``sent.step_collectives_by_phase``); the terms the routing moves have the
+  planner's calls on every rank and, summed over the ranks, its bytes — what one rank receives another sent (the y gathers, padded to the largest share, at
   least the planner's over the ranks).
 
 Start here when the MoE layer's collectives change: the planner mirrors them (it may not import
@@ -34,7 +35,7 @@ from axon4d.plan import load
 from axon4d.plan.cost import step_estimate
 from axon4d.plan.moe_cost import layer_collectives, moe_chunks
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.sent import step_collectives
+from axon4d.plan.sent import step_collectives_by_phase
 from axon4d.plan.workload import Workload
 
 SEQ = 16
@@ -79,17 +80,29 @@ def _host():
 
 
 def _tally(records, keep=lambda tag: True):
+    """{(axis, tag, phase): (calls, payload bytes)} of the log's ``records`` whose tag ``keep`` takes."""
     out: dict = {}
     for r in records:
         if keep(str(r.tag)):
-            calls, sent = out.get((r.axis, str(r.tag)), (0, 0))
-            out[(r.axis, str(r.tag))] = (calls + 1, sent + r.payload_bytes)
+            key = (r.axis, str(r.tag), r.phase)
+            calls, sent = out.get(key, (0, 0))
+            out[key] = (calls + 1, sent + r.payload_bytes)
+    return out
+
+
+def _priced_layer(collectives):
+    """{(axis, term, phase): (calls, payload bytes)} of one layer's ``collectives`` (the planner's)."""
+    out: dict = {}
+    for c in collectives:
+        key = (c.axis, str(c.term), c.phase)
+        calls, sent = out.get(key, (0, 0))
+        out[key] = (calls + 1, sent + c.payload_bytes)
     return out
 
 
 def _uniform_layer(grid, cfg, tokens, policy):
     """One MoE layer's forward + backward on inputs routed uniformly (module docstring): the log's
-    {(axis, tag): (calls, bytes)} of the layer's terms, and the chunks the planner gives the layer."""
+    {(axis, tag, phase): (calls, bytes)} of the layer's terms, and the chunks the planner gives the layer."""
     from axon4d.nn.moe import MoE
     from axon4d.nn.moe_dense import DenseMoE
 
@@ -134,10 +147,7 @@ def test_a_uniformly_routed_layer_logs_the_planner_s_collectives(pools, grid, po
     local = tokens // shape.size("batch")
     for rank, (logged, chunks) in enumerate(pools(math.prod(grid)).run(grid, _uniform_layer, cfg, tokens, policy)):
         assert chunks == (2 if policy and shape.size("batch") > 1 else 1)
-        priced: dict = {}
-        for c in layer_collectives(cfg, local, shape, 4, chunks):
-            calls, sent = priced.get((c.axis, str(c.term)), (0, 0))
-            priced[(c.axis, str(c.term))] = (calls + 1, sent + c.payload_bytes)
+        priced = _priced_layer(layer_collectives(cfg, local, shape, 4, chunks))
         assert logged == priced, f"rank {rank} on {grid}: logged {logged} priced {priced}"
 
 
@@ -153,8 +163,8 @@ LAYOUT_CASES = [
 
 @pytest.mark.parametrize("grid,layout", LAYOUT_CASES)
 def test_each_expert_layout_logs_the_planner_s_collectives(pools, grid, layout):
-    """The planner's calls and bytes per (axis, term) for one uniformly routed layer under each
-    layout kind, in two overlapped chunks, equal the comm log's on every rank."""
+    """The planner's calls and bytes per (axis, term, phase) for one uniformly routed layer under
+    each layout kind, in two overlapped chunks, equal the comm log's on every rank."""
     cfg = moe_cfg(shared=0)
     tokens = 16 * SEQ  # every share of every rank (cut over y and x) and chunk covers the 8 experts evenly
     shape = GridShape(*grid)
@@ -163,21 +173,25 @@ def test_each_expert_layout_logs_the_planner_s_collectives(pools, grid, layout):
     results = pools(math.prod(grid)).run(grid, _uniform_layer, cfg, tokens, policy, expert_layout=layout)
     for rank, (logged, chunks) in enumerate(results):
         assert chunks == 2
-        priced: dict = {}
-        for c in layer_collectives(cfg, local, shape, 4, chunks, 1.0, layout):
-            calls, sent = priced.get((c.axis, str(c.term)), (0, 0))
-            priced[(c.axis, str(c.term))] = (calls + 1, sent + c.payload_bytes)
+        priced = _priced_layer(layer_collectives(cfg, local, shape, 4, chunks, 1.0, layout))
         assert logged == priced, f"rank {rank} on {grid} under {layout}: logged {logged} priced {priced}"
 
 
-def _model_step(grid, cfg, micro):
-    """One logged training step of an MoE Transformer (after a warm-up step): the log's tally."""
+def _model_step(grid, cfg, micro, recompute="none", zero=0, offload=0):
+    """One logged training step of an MoE Transformer (after a warm-up step) under ``recompute``,
+    Adam sharded over data at ``zero`` and the first ``offload`` blocks' saved tensors offloaded
+    (every one: the size threshold at 0): the log's tally."""
     from axon4d.models.transformer import Transformer
     from axon4d.train.batches import accumulate
+    from axon4d.zero import shard_optimizer
 
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = Transformer(cfg, recompute=recompute, offload=list(range(offload)) or None)
+    if model.offloader is not None:
+        model.offloader.min_bytes = 0
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    if zero:
+        opt = shard_optimizer(opt, model, grid, stage=zero)
     gen = torch.Generator().manual_seed(1)
     seqs = 2 * grid.size("batch")
 
@@ -190,18 +204,21 @@ def _model_step(grid, cfg, micro):
     step()
     grid.comm.log.clear()
     step()
+    assert model.offloader is None or model.offloader.stats().copies_out > 0  # offload did move tensors
+    if zero:
+        opt.release()
     return _tally(grid.comm.log.records)
 
 
-def _priced_step(cfg, grid, precision, micro, recompute="none", layout=None):
+def _priced_step(cfg, grid, precision, micro, recompute="none", layout=None, zero=0, offload=0):
     shape = GridShape(*grid)
     wl = Workload(cfg, 2 * shape.size("batch") * micro, precision=precision, expert_layout=layout)
-    sc = Scenario(wl, shape, _host(), OverlapPolicy(), recompute, micro_batches=micro)
-    calls, sent = step_collectives(sc)
-    priced = {(axis, str(term)): (calls[(axis, term)], sent[(axis, term)]) for axis, term in calls}
+    sc = Scenario(wl, shape, _host(), OverlapPolicy(), recompute, micro_batches=micro, zero=zero, offload=offload)
+    calls, sent = step_collectives_by_phase(sc)
+    priced = {(axis, str(term), phase): (calls[key], sent[key]) for key in calls for axis, term, phase in [key]}
     est = step_estimate(sc)
     by_axis = Counter()
-    for (axis, _), (_, nbytes) in priced.items():
+    for (axis, *_), (_, nbytes) in priced.items():
         by_axis[axis] += nbytes
     assert dict(by_axis) == est.bytes_by_axis and sum(c for c, _ in priced.values()) == est.collectives
     return priced
@@ -223,11 +240,47 @@ MODEL_CASES = [
 
 @pytest.mark.parametrize("grid,precision,arch,micro,layout", MODEL_CASES)
 def test_a_model_step_logs_the_planner_s_collectives(pools, grid, precision, arch, micro, layout):
+    _check_step(pools, grid, precision, arch, micro, layout)
+
+
+#: MoE with the step's other options, each expert layout kind (on 4 ranks): (grid, precision, arch,
+#: micro-batches, layout, recompute, ZeRO stage, offloaded blocks). Under full recomputation every
+#: block's MoE forward collectives but the counts exchange are issued again in the backward
+#: (``recompute.rerun_collectives``); ZeRO's all-gathers run in the optimizer phase; offload moves
+#: none. Full recomputation only on grids where the layer issues nothing after its last saved tensor
+#: (G_y = 1, rows not moved over x): torch's checkpoint stops a block's re-run there, so the output's
+#: rows back to features over x and its gather over y are not issued again, which
+#: ``recompute.rerun_collectives`` still prices. The first is fast.
+OPTION_CASES = [
+    ((2, 1, 2, 1), "bf16-fp32-reduce", "llama", 2, "ep=x·z,tp=y", "selective", 0, 1),
+    ((1, 2, 1, 2), "bf16", "gpt", 1, "ep=data,tp=x·y", "balanced", 1, 2),
+    ((1, 1, 2, 2), "fp32", "llama", 2, "ep=z,tp=x·y", "full", 2, 0),
+    ((2, 2, 1, 1), "bf16", "gpt", 1, "ep=world,tp=1", "none", 0, 2),
+    ((2, 1, 1, 2), "bf16-fp32-reduce", "llama", 1, None, "full", 1, 1),
+    ((1, 1, 2, 2), "bf16-fp8-gather", "gpt", 2, None, "selective", 0, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [OPTION_CASES[0], *(pytest.param(c, marks=pytest.mark.slow) for c in OPTION_CASES[1:])],
+    ids=lambda c: "-".join(str(v) for v in (*c[:2], f"mb{c[3]}", c[4] or "default", c[5], f"zero{c[6]}", f"off{c[7]}")),
+)
+def test_a_model_step_with_recompute_zero_and_offload_logs_the_planner_s_collectives(pools, case):
+    _check_step(pools, *case)
+
+
+def _check_step(pools, grid, precision, arch, micro, layout, recompute="none", zero=0, offload=0):
+    """A whole MoE model's logged step against the planner's per (axis, term, phase) (module docstring)."""
     cfg = moe_cfg(arch, shared=1 if arch == "llama" else 0)
-    priced = _priced_step(cfg, grid, precision, micro, layout=layout)
-    results = pools(math.prod(grid)).run(grid, _model_step, cfg, micro, precision=precision, expert_layout=layout)
+    priced = _priced_step(cfg, grid, precision, micro, recompute, layout, zero, offload)
+    results = pools(math.prod(grid)).run(
+        grid, _model_step, cfg, micro, recompute, zero, offload, precision=precision, expert_layout=layout
+    )
     for rank, logged in enumerate(results):
-        assert logged.keys() == priced.keys(), f"rank {rank}: terms differ {logged.keys() ^ priced.keys()}"
+        assert logged.keys() == priced.keys(), (
+            f"rank {rank}: (axis, term, phase) differ {logged.keys() ^ priced.keys()}"
+        )
         for key, (calls, nbytes) in priced.items():
             got_calls, got_bytes = logged[key]
             assert got_calls == calls, f"rank {rank} {key}: {got_calls} calls logged, {calls} priced"
