@@ -5,8 +5,9 @@ The layout is the one ``axon4d.data.documents.Documents.chunks`` chose: z-rank r
 n chunks of C = S/(n·G_z) tokens (n = 4, or 2 where 4·G_z does not divide S) handed out by their
 attention work, in global order. The keys and values reach the ranks as in the modes without
 documents — all-gathered over z (``axon4d.nn.context``: the rank's own chunks attended while the
-gather is in flight) or passed around z one rank's at a time (``axon4d.nn.context_ring``: the next
-shift issued before each step's kernels) — so the traffic and the memory are those modes' own.
+gather is in flight) or passed around z one rank's at a time (the ring of ``axon4d.nn.ring_loop``,
+which ``axon4d.nn.context_ring`` runs too: the next shift issued before each step's kernels) — so
+the traffic and the memory are those modes' own.
 Hierarchical context parallelism runs the same over batch = z × data instead of z (``axis``).
 
 What a query chunk sees of a key chunk comes from ``Documents.spans`` (host integers, computed
@@ -39,6 +40,7 @@ from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import Axis
 from axon4d.layout.geometry import Term
 from axon4d.nn.context import _send_buffer
+from axon4d.nn.ring_loop import ring_backward, ring_forward
 
 #: one held key chunk of one row: (global chunk index, keys, values (1, hkv, C, d))
 Held = tuple[int, torch.Tensor, torch.Tensor]
@@ -142,15 +144,12 @@ def _ring_held(kv: torch.Tensor, layout: Layout, o: int, c: int) -> list[list[He
 
 
 def _ring_forward(q: torch.Tensor, kv: torch.Tensor, docs: Documents, grid: Grid, c: int, axis: Axis) -> _Running:
-    z, g_z = grid.coord(axis), grid.size(axis)
-    layout = docs.chunks(g_z)
-    mine = [row[z] for row in layout]
+    """The attention of q (b, hq, n·C, d) over every z-rank's keys and values, ``kv`` (2 [k, v], b,
+    hkv, n·C, d) this rank's, passed around ``axis`` (``axon4d.nn.ring_loop``)."""
+    layout = docs.chunks(grid.size(axis))
+    mine = [row[grid.coord(axis)] for row in layout]
     run = _Running(q)
-    for s in range(g_z):
-        arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None  # in flight meanwhile
-        _attend(q, docs, _ring_held(kv, layout, (z - s) % g_z, c), mine, c, run)
-        if arriving is not None:
-            kv = arriving.wait()
+    ring_forward(kv, grid, axis, lambda held, o: _attend(q, docs, _ring_held(held, layout, o, c), mine, c, run))
     return run
 
 
@@ -225,22 +224,12 @@ class _DocumentAttention(torch.autograd.Function):
             dk.unflatten(2, (n, c)).add_(mine_grads[:, :, 0].permute(2, 3, 1, 0, 4))
             dv.unflatten(2, (n, c)).add_(mine_grads[:, :, 1].permute(2, 3, 1, 0, 4))
             return dq, dk, dv, None, None, None, None, None
-        kv = held
-        carried = None  # the accumulator of the held keys' gradients, arriving from z − 1
-        for s in range(g_z):
-            arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None
-            o = (z - s) % g_z
-            dkv = torch.zeros_like(kv)
-            _attend_backward(
-                grad, q, out, lse, docs, _ring_held(kv, layout, o, c), _ring_held(dkv, layout, o, c), mine, c, dq
-            )
-            if carried is not None:
-                dkv += carried.wait()
-            carried = grid.comm.shift(dkv, axis, tag=Term.CP_KV_RING_GRAD)  # the last one goes home
-            if arriving is not None:
-                kv = arriving.wait()
-        assert carried is not None
-        own_grads = carried.wait()  # (2, b, hkv, n·C, d): every rank's contributions to this rank's keys
+
+        def attend_backward(kv: torch.Tensor, dkv: torch.Tensor, o: int) -> None:  # z-rank o's, (2, b, hkv, n·C, d)
+            held_o, grads_o = _ring_held(kv, layout, o, c), _ring_held(dkv, layout, o, c)
+            _attend_backward(grad, q, out, lse, docs, held_o, grads_o, mine, c, dq)
+
+        own_grads = ring_backward(held, grid, axis, attend_backward)  # (2, b, hkv, n·C, d): all ranks' share
         return dq, own_grads[0], own_grads[1], None, None, None, None, None
 
 

@@ -5,8 +5,9 @@ head and tail chunks r and 2·G_z−1−r of C = S/(2·G_z) tokens. Instead of g
 and values, each rank packs its own (2 [k, v], b, hkv, 2·C, d) and passes it to the next z-rank,
 G_z − 1 times: at ring step s a rank holds the keys and values of z-rank o = (z − s) mod G_z, its
 chunks o and 2·G_z−1−o, and the shift that brings step s+1's is issued before step s's attention,
-so it travels while the rank computes. A rank holds two such buffers (the one it reads, the one
-arriving), whatever the sequence's length: O(C), not O(S).
+so it travels while the rank computes (the loop: ``axon4d.nn.ring_loop``, which the packed-documents
+mode runs too). A rank holds two such buffers (the one it reads, the one arriving), whatever the
+sequence's length: O(C), not O(S).
 
 Which keys a query chunk sees follows from global chunk indices alone: query chunk q against key
 chunk k is every key when k < q, causal when k = q, nothing when k > q. On step 0 (its own keys) a
@@ -46,8 +47,8 @@ from axon4d.activations import sequence_chunks
 from axon4d.device import attention as kernels
 from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import Axis
-from axon4d.layout.geometry import Term
 from axon4d.nn.context import Part, _chunks, _merge
+from axon4d.nn.ring_loop import ring_backward, ring_forward
 
 Span = tuple[int, int, bool]  # (first key chunk slot, how many slots, causal)
 
@@ -76,20 +77,20 @@ def _keys(kv: torch.Tensor, span: Span, c: int) -> tuple[torch.Tensor, torch.Ten
 
 def _ring_forward(qs: list[torch.Tensor], kv: torch.Tensor, grid: Grid, c: int, axis: Axis) -> list[Part]:
     """Each query chunk's attention over the whole ring (module docstring): (out in fp32, lse)."""
-    z, g_z = grid.coord(axis), grid.size(axis)
-    mine = sequence_chunks(z, g_z)
+    g_z = grid.size(axis)
+    mine = sequence_chunks(grid.coord(axis), g_z)
     running: list[Part | None] = [None, None]
-    for s in range(g_z):
-        arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None  # in flight meanwhile
-        held = sequence_chunks((z - s) % g_z, g_z)
+
+    def attend(held_kv: torch.Tensor, o: int) -> None:  # held_kv (2, b, hkv, 2·C, d): z-rank o's
+        held = sequence_chunks(o, g_z)
         for h in range(2):
             for span in visible(mine[h], held):
-                out, lse = kernels.attention_with_lse(qs[h], *_keys(kv, span, c), span[2])
+                out, lse = kernels.attention_with_lse(qs[h], *_keys(held_kv, span, c), span[2])
                 part = (out.float(), lse)
                 now = running[h]
                 running[h] = part if now is None else _merge([now, part])
-        if arriving is not None:
-            kv = arriving.wait()
+
+    ring_forward(kv, grid, axis, attend)
     assert running[0] is not None and running[1] is not None  # step 0 always has the diagonals
     return [running[0], running[1]]
 
@@ -123,30 +124,23 @@ class _RingAttention(torch.autograd.Function):
             merged = [(out.to(q_head.dtype), lse) for out, lse in _ring_forward(qs, kv, grid, c, axis)]
         else:
             merged = list(zip(_chunks(kept[0], c, grouped), _chunks(kept[1], c, grouped)))
-        z, g_z = grid.coord(axis), grid.size(axis)
-        mine = sequence_chunks(z, g_z)
+        g_z = grid.size(axis)
+        mine = sequence_chunks(grid.coord(axis), g_z)
         grads = _chunks(grad, c, True)
         dq = [torch.zeros_like(qh) for qh in qs]
-        carried = None  # the accumulator of the held keys' gradients, arriving from z − 1
-        for s in range(g_z):
-            arriving = grid.comm.shift(kv, axis, tag=Term.CP_KV_RING) if s + 1 < g_z else None
-            held = sequence_chunks((z - s) % g_z, g_z)
-            dkv = torch.zeros_like(kv)
+
+        def attend_backward(held_kv: torch.Tensor, dkv: torch.Tensor, o: int) -> None:
+            held = sequence_chunks(o, g_z)  # held_kv and dkv (2, b, hkv, 2·C, d): z-rank o's
             for h in range(2):
                 for span in visible(mine[h], held):
-                    k, v = _keys(kv, span, c)
+                    k, v = _keys(held_kv, span, c)
                     dq_p, dk, dv = kernels.attention_with_lse_backward(grads[h], qs[h], k, v, *merged[h], span[2])
                     dq[h] += dq_p
                     dk_at, dv_at = _keys(dkv, span, c)
                     dk_at.add_(dk)
                     dv_at.add_(dv)
-            if carried is not None:
-                dkv += carried.wait()
-            carried = grid.comm.shift(dkv, axis, tag=Term.CP_KV_RING_GRAD)  # the last one goes home
-            if arriving is not None:
-                kv = arriving.wait()
-        assert carried is not None
-        own = carried.wait()  # (2, b, hkv, 2·C, d): every rank's contributions to this rank's keys
+
+        own = ring_backward(kv, grid, axis, attend_backward)  # (2, b, hkv, 2·C, d): all ranks' share
         return torch.cat(dq, dim=2), own[0], own[1], None, None, None
 
 
