@@ -476,9 +476,9 @@ LATE_SCRIPT = os.path.join(HERE, "late_device_check.py")
 LATE_TIMEOUT, DEVICE_S = 2, 6.0
 
 
-def _late(stop_rank: int, stop_step: int, out_dir, steps: int = 3) -> tuple[list[int], list[str], float]:
-    """``late_device_check.py`` on 2 ranks (1,2,1,1), ``steps`` steps of DEVICE_S each under --timeout
-    LATE_TIMEOUT; (exit codes, outputs, seconds until every rank but a stopped one ended)."""
+def _start_late(stop_rank: int, stop_step: int, out_dir, steps: int = 3) -> tuple[list[subprocess.Popen], float]:
+    """Start ``late_device_check.py`` on 2 ranks (1,2,1,1), ``steps`` steps of DEVICE_S each under
+    --timeout LATE_TIMEOUT; (its processes, the time it started)."""
     port, procs, start = str(free_port()), [], time.monotonic()
     flags = ["--model", "tiny", "--steps", str(steps), "--batch-size", "4", "--grid", "1,2,1,1", "--save-every", "0"]
     flags += ["--timeout", str(LATE_TIMEOUT), "--startup-timeout", "120", "--no-progress", "--peak-tflops", "1"]
@@ -489,6 +489,14 @@ def _late(stop_rank: int, stop_step: int, out_dir, steps: int = 3) -> tuple[list
         cmd = [sys.executable, LATE_SCRIPT, str(DEVICE_S), str(stop_rank), str(stop_step), *flags]
         cmd += ["--out-dir", str(out_dir)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs, start
+
+
+def _end_late(
+    procs: list[subprocess.Popen], start: float, stop_rank: int, stop_step: int
+) -> tuple[list[int], list[str], float]:
+    """Wait for a job of ``_start_late``; (exit codes, outputs, seconds from its start until every
+    rank but a stopped one ended)."""
     try:
         for r, p in enumerate(procs):
             if r != stop_rank:
@@ -514,9 +522,14 @@ def test_on_the_accelerator_s_path_steps_of_three_times_the_timeout_finish_and_a
     third steps under the step read's deadline, 3 × the median step); with rank 1 stopped halfway
     through step 2's read, rank 0 ends at that deadline naming rank 1, torch.distributed's own
     timeout (the barrier's) having been raised past it."""
-    codes, outs, _ = _late(-1, 0, tmp_path / "ok")
+    # the two jobs run side by side (their steps mostly sleep: the stand-in device's time)
+    ok, stop = _start_late(-1, 0, tmp_path / "ok"), _start_late(1, 2, tmp_path / "stop")
+    try:
+        codes, outs, _ = _end_late(*ok, -1, 0)
+    finally:
+        stopped = _end_late(*stop, 1, 2)
     assert codes == [0, 0], (codes, outs[0][-3000:])
-    codes, outs, elapsed = _late(1, 2, tmp_path / "stop")
+    codes, outs, elapsed = stopped
     assert elapsed < BOUND_S
     assert "LATE-CHECK stopping in the read of step 2" in outs[1], outs[1][-3000:]
     assert codes[0] == watchdog.EXIT_TIMEOUT, (codes, outs[0][-3000:])
