@@ -3,7 +3,8 @@ backend — collectives, byte log against axon4d.layout.geometry, Linear against
 of 8 ranks, overlap on = overlap off — run under ``mpiexec -n 8`` with every collective going
 through mpi4py's non-blocking collectives (tests/mpi_check.py); and, launched by mpiexec,
 ``axon4d.init(comm="auto")`` times both transports and every rank takes the faster, while
-``AXON4D_COMM`` chooses without a probe."""
+``AXON4D_COMM`` chooses without a probe. Every test but the bench's reads one ``mpiexec -n 8`` job (``JOB``):
+eight ranks start once."""
 
 import json
 import os
@@ -38,15 +39,6 @@ def _run(args, timeout=1400, **env):
     return proc
 
 
-@pytest.fixture(scope="module")
-def checks():
-    pytest.importorskip("mpi4py")
-    proc = _run([os.path.join(HERE, "mpi_check.py")])
-    lines = [line.split(" ", 2) for line in proc.stdout.splitlines() if line.startswith("MPICHECK")]
-    assert proc.returncode == 0, f"mpiexec exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return {name: rest for _, name, rest in lines}, proc.stdout + proc.stderr
-
-
 def test_every_check_ran_and_passed_under_mpiexec(checks):
     results, output = checks
     from mpi_check import TESTS
@@ -58,35 +50,76 @@ def test_every_check_ran_and_passed_under_mpiexec(checks):
 
 AUTO = r"""
 import json, os, torch, axon4d
-g = axon4d.init(grid=(2, 2, 2, 1))
-t = torch.full((4,), float(g.rank))
-s = g.comm.all_reduce(t, "x").wait()
-c = g.comm.transport_choice
-line = {"backend": g.comm.transport_name, "launcher": g.launcher, "sum": s.tolist(), "name": c.name, "why": c.why,
-        "seconds": c.seconds, "cost_s": c.cost_s}
-axon4d.shutdown()
-again = axon4d.init(grid=(1, 1, 2, 4))  # a second grid in the same job: the probe is not run again
-line["again"] = again.comm.transport_choice == c and again.comm.transport_name == c.name
-axon4d.shutdown()
-os.write(1, ("AUTO " + json.dumps(line) + "\n").encode())  # one write: ranks share stdout
+lines = {}
+# launched with AXON4D_COMM=torch: that, then "mpi", chooses without a probe; unset, init probes
+for phase in ("torch", "mpi", "auto"):
+    if phase == "auto":
+        del os.environ["AXON4D_COMM"]
+    else:
+        os.environ["AXON4D_COMM"] = phase
+    g = axon4d.init(grid=(2, 2, 2, 1))
+    t = torch.full((4,), float(g.rank))
+    s = g.comm.all_reduce(t, "x").wait()
+    c = g.comm.transport_choice
+    line = {"backend": g.comm.transport_name, "launcher": g.launcher, "sum": s.tolist(), "name": c.name,
+            "why": c.why, "seconds": c.seconds, "cost_s": c.cost_s}
+    axon4d.shutdown()
+    again = axon4d.init(grid=(1, 1, 2, 4))  # a second grid in the same job: the probe is not run again
+    line["again"] = again.comm.transport_choice == c and again.comm.transport_name == c.name
+    axon4d.shutdown()
+    lines[phase] = line
+os.write(1, ("AUTO " + json.dumps(lines) + "\n").encode())  # one write: ranks share stdout
 """
 
 
-def _auto(**env):
-    proc = _run(["-c", AUTO], timeout=300, **env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("AUTO ")]
-    assert len(lines) == 8, proc.stdout[-3000:]
-    for line in lines:
-        assert line["launcher"] == "mpi" and line["backend"] == line["name"] and line["again"]
-    # x pairs are (2k, 2k+1): their sum is 4k+1, whichever transport moved it
-    assert sorted({str(line["sum"]) for line in lines}) == sorted({str([4.0 * k + 1] * 4) for k in range(4)})
-    return lines
+#: the one mpiexec job of this file: AUTO (its first ``init`` creates the world), then
+#: tests/mpi_check.py's checks on that world
+JOB = (
+    AUTO
+    + f"""
+import sys
+sys.path.insert(0, {HERE!r})
+import mpi_check
+mpi_check.main()
+"""
+)
 
 
-def test_init_under_mpiexec_probes_both_transports_and_takes_the_faster_on_every_rank():
+@pytest.fixture(scope="module")
+def job():
+    """JOB under ``mpiexec -n 8``, launched with ``AXON4D_COMM=torch``; its output."""
     pytest.importorskip("mpi4py")
-    lines = _auto()
+    proc = _run(["-c", JOB], AXON4D_COMM="torch")
+    assert proc.returncode == 0, f"mpiexec exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def checks(job):
+    """mpi_check.py's verdict by check name, and the job's output."""
+    stdout, output = job
+    lines = [line.split(" ", 2) for line in stdout.splitlines() if line.startswith("MPICHECK")]
+    return {name: rest for _, name, rest in lines}, output
+
+
+@pytest.fixture(scope="module")
+def auto(job):
+    """AUTO's lines, every rank's per phase: "torch" and "mpi" (``AXON4D_COMM`` set), "auto"
+    (unset: ``comm="auto"`` probes)."""
+    stdout, output = job
+    ranks = [json.loads(line[5:]) for line in stdout.splitlines() if line.startswith("AUTO ")]
+    assert len(ranks) == 8, output[-3000:]
+    phases = {phase: [r[phase] for r in ranks] for phase in ("torch", "mpi", "auto")}
+    for lines in phases.values():
+        for line in lines:
+            assert line["launcher"] == "mpi" and line["backend"] == line["name"] and line["again"]
+        # x pairs are (2k, 2k+1): their sum is 4k+1, whichever transport moved it
+        assert sorted({str(line["sum"]) for line in lines}) == sorted({str([4.0 * k + 1] * 4) for k in range(4)})
+    return phases
+
+
+def test_init_under_mpiexec_probes_both_transports_and_takes_the_faster_on_every_rank(auto):
+    lines = auto["auto"]
     first = lines[0]
     assert set(first["seconds"]) == {"mpi", "torch"} and all(s > 0 for s in first["seconds"].values())
     # one verdict from one set of figures on every rank, and it is the faster transport by them
@@ -100,9 +133,8 @@ def test_init_under_mpiexec_probes_both_transports_and_takes_the_faster_on_every
 
 
 @pytest.mark.parametrize("forced", ["torch", "mpi"])
-def test_axon4d_comm_chooses_the_transport_under_mpiexec_without_a_probe(forced):
-    pytest.importorskip("mpi4py")
-    for line in _auto(AXON4D_COMM=forced):
+def test_axon4d_comm_chooses_the_transport_under_mpiexec_without_a_probe(auto, forced):
+    for line in auto[forced]:
         assert (line["name"], line["why"]) == (forced, f"AXON4D_COMM={forced}")
         assert line["seconds"] is None and line["cost_s"] is None
 
