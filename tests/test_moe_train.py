@@ -1,6 +1,12 @@
-"""Protects MoE training on the grid end to end (docs/moe.md): 200 AdamW steps of a top-2 MoE model
+"""Protects MoE training on the grid end to end (docs/moe.md): 40 AdamW steps of a top-2 MoE model
 with a shared expert, balance and z-loss on an 8-rank grid (y, z and data split, 4 expert-parallel
-ranks) follow the one-process loss curve within 1% at every step."""
+ranks) follow the one-process loss curve within 0.1% at every step.
+
+Measured: the grid's curve stays within 2.3e-7 of the one-process one over 40 steps, and over 200
+(4300× below the bound). One-process curves with a planted fault leave it by more than 0.1% within 40 steps: without
+the balance loss (5.7e-3), without the z-loss (3.1e-3), either doubled (5.9e-3, 2.9e-3), with
+gradients from half the batch for the routed experts (2.5e-3), the router and gate projections
+(3.8e-3) or attention (6.4e-3); none of them leaves it by 1% within 200 steps (the largest: 9.97e-3)."""
 
 import pytest
 import torch
@@ -24,7 +30,9 @@ CFG = ModelConfig(
     moe_aux_coef=0.01,
     moe_z_coef=1e-3,
 )
-STEPS = 200
+STEPS = 40
+#: the loss curve's largest relative deviation from the one-process one, at any step
+TOL = 1e-3
 
 
 def _batches():
@@ -68,5 +76,5 @@ def test_moe_training_on_eight_ranks_follows_the_one_process_loss_curve(pools):
     for curve in pools(8).run((1, 2, 2, 2), _train, timeout=900):
         worst = max(abs(a - b) / b for a, b in zip(curve, ref))
         print(f"worst deviation from the one-process curve over {STEPS} steps: {worst:.2e}")
-        assert len(curve) == STEPS and worst < 0.01, f"the loss curve deviates by {worst:.2%}"
-    assert ref[-1] < ref[0] - 0.1  # it learned (uniform random tokens: the floor is ln 64 ≈ 4.16)
+        assert len(curve) == STEPS and worst < TOL, f"the loss curve deviates by {worst:.2%}"
+    assert ref[-1] < ref[0] - 0.05  # it learned: 4.36 -> 4.28 (uniform random tokens: the floor is ln 64 ≈ 4.16)
