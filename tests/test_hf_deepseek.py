@@ -13,9 +13,11 @@ holding the trained weights and the routing bias, and its logits are the trained
 
 import copy
 
+import hf_round_trip
 import pytest
 import torch
-from test_hf_moe_families import BATCH, SEQ, TOL, VOCAB, _dense_after, _train, rel_err
+from hf_round_trip import rel_err
+from test_hf_moe_families import BATCH, SEQ, TOL, VOCAB
 
 import axon4d
 from axon4d.parallelize import auto_parallelize, to_dense
@@ -150,16 +152,11 @@ def test_deepseek_v3_refuses_what_is_not_built():
 
 
 def test_train_hf_export_round_trip(pools, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from axon4d.data.tokens import SyntheticTokens
-    from axon4d.export.from_checkpoint import export_checkpoint
     from axon4d.train import hf
 
-    vocab, seq, grid = 320, 16, "2,1,1,2"
     path = str(tmp_path / "deepseek")
-    _model(24, vocab).save_pretrained(path)
-    cfg = hf.model_config(path, seq)
+    _model(24, hf_round_trip.VOCAB).save_pretrained(path)
+    cfg = hf.model_config(path, hf_round_trip.SEQ)
     assert (cfg.n_experts, cfg.n_groups, cfg.topk_groups, cfg.first_k_dense, cfg.router_scoring) == (
         8,
         4,
@@ -167,42 +164,12 @@ def test_train_hf_export_round_trip(pools, tmp_path):
         1,
         "sigmoid",
     )
-    job = dict(
-        hf=path,
-        grid=grid,
-        seq_len=seq,
-        batch_size=4,
-        micro_batches=2,
-        steps=2,
-        warmup_steps=1,
-        lr=1e-2,
-        out_dir=str(tmp_path / "run"),
-        progress=False,
-        peak_tflops=1.0,
-        compare_single=True,
-    )
-    got = pools(4).run(None, _train, job)[0]
-    assert got["max_rel_diff"] < 1e-5 and len(got["single_process_losses"]) == 2
-    original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    first = SyntheticTokens(vocab, seq, seed=0).batch(0, 8)
-    with torch.no_grad():
-        assert got["losses"][0] == pytest.approx(original(input_ids=first, labels=first).loss.item(), rel=1e-6)
-    ckpt = str(tmp_path / "run" / "checkpoints" / "step_2")
-    export_checkpoint(ckpt, str(tmp_path / "exported"))
-    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32).eval()
-    trained = pools(4).run(tuple(int(g) for g in grid.split(",")), _dense_after, path, seq, ckpt)[0]
-    state = exported.state_dict()
-    assert set(state) == set(trained)
-    for name, value in trained.items():
-        assert torch.equal(state[name], value), name
+    done = hf_round_trip.round_trip(pools, tmp_path, path, "2,1,1,2", steps=2)
+    state, original = done.exported.state_dict(), done.original.state_dict()
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert torch.equal(state[bias], original.state_dict()[bias])  # fixed, as transformers keeps it
+    assert torch.equal(state[bias], original[bias])  # fixed, as transformers keeps it
     for tuned in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.kv_b_proj.weight"):
-        assert not torch.equal(state[tuned], original.state_dict()[tuned])  # fine-tuned
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.load_state_dict(trained)
-    with torch.no_grad():
-        assert rel_err(exported(input_ids=first).logits, model(input_ids=first).logits) <= TOL
+        assert not torch.equal(state[tuned], original[tuned])  # fine-tuned
 
 
 def _context_parallel_refusal(grid):

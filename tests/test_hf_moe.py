@@ -13,9 +13,11 @@ un-normalised gates (Qwen3-MoE's norm_topk_prob=False) is checked against ``Dens
 
 import copy
 
+import hf_round_trip
 import pytest
 import torch
 from hf_models import mixtral_config, qwen3_moe_config, save_moe
+from hf_round_trip import rel_err
 
 import axon4d
 from axon4d.parallelize import auto_parallelize, load_pretrained_, to_dense
@@ -23,11 +25,6 @@ from axon4d.parallelize.moe import HFMoEBlock
 
 TOL = 1e-5
 VOCAB, BATCH, SEQ = 128, 8, 8
-
-
-def rel_err(a, ref):
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def _model(family, **kw):
@@ -194,75 +191,17 @@ def test_unsupported_moe_models_get_one_line_naming_their_class(pools):
     assert "num_key_value_heads = 2 ≠ num_attention_heads = 4" in results[0][0]  # DeepSeek-V3: why, in the line
 
 
-def _train(cfg_dict):
-    import warnings
-
-    from axon4d.train import TrainConfig, train
-
-    warnings.simplefilter("ignore")
-    summary = train(TrainConfig(**cfg_dict))
-    return {k: summary.get(k) for k in ("losses", "single_process_losses", "max_rel_diff")}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family,grid", [("qwen3", "2,1,1,2"), ("mixtral", "1,2,2,1")])
 def test_train_hf_fine_tunes_a_saved_moe_model_as_one_process_does(pools, tmp_path, family, grid):
-    from transformers import AutoModelForCausalLM
-
-    from axon4d.data.tokens import SyntheticTokens
     from axon4d.train import hf
 
-    vocab, seq = 320, 16
-    path = save_moe(str(tmp_path / family), family, vocab)
-    assert hf.model_config(path, seq).n_experts == 4
-    cfg = dict(
-        hf=path,
-        grid=grid,
-        seq_len=seq,
-        batch_size=4,
-        micro_batches=2,
-        steps=3,
-        warmup_steps=1,
-        lr=1e-2,
-        out_dir=str(tmp_path / "run"),
-        progress=False,
-        peak_tflops=1.0,
-        compare_single=True,
-    )
-    got = pools(4).run(None, _train, cfg)[0]
-    assert got["max_rel_diff"] < 1e-5 and len(got["single_process_losses"]) == 3
-    first = SyntheticTokens(vocab, seq, seed=0).batch(0, 8)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        assert got["losses"][0] == pytest.approx(model(input_ids=first, labels=first).loss.item(), rel=1e-6)
+    path = save_moe(str(tmp_path / family), family, hf_round_trip.VOCAB)
+    assert hf.model_config(path, hf_round_trip.SEQ).n_experts == 4
     # axon4d export-hf of the job's checkpoint: what transformers loads is the fine-tuned model
-    from axon4d.export.from_checkpoint import export_checkpoint
-
-    ckpt = str(tmp_path / "run" / "checkpoints" / "step_3")
-    export_checkpoint(ckpt, str(tmp_path / "exported"))
-    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32)
-    trained = pools(4).run(tuple(int(g) for g in grid.split(",")), _dense_after, path, seq, ckpt)[0]
-    got_state = exported.state_dict()
-    assert set(got_state) == set(trained)
-    for name, value in trained.items():
-        assert torch.equal(got_state[name], value), name
-    assert not torch.equal(
-        got_state["model.layers.0.mlp.experts.gate_up_proj"],
-        model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"],
-    )
-
-
-def _dense_after(grid, path, seq, ckpt):
-    """The dense Hugging Face model of ``path`` with the weights of the job's checkpoint ``ckpt``."""
-    import warnings
-
-    from axon4d import checkpoint
-    from axon4d.train import hf
-
-    warnings.simplefilter("ignore")
-    model = hf.build(path, hf.model_config(path, seq), grid)
-    checkpoint.load(ckpt, model, grid, check_model=False)
-    return {k: v.detach().clone() for k, v in model.to_dense().module.state_dict().items()}
+    done = hf_round_trip.round_trip(pools, tmp_path, path, grid, steps=3)
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(done.exported.state_dict()[gate_up], done.original.state_dict()[gate_up])
 
 
 def _live_export(grid, family, out):

@@ -14,8 +14,10 @@ model's.
 
 import copy
 
+import hf_round_trip
 import pytest
 import torch
+from hf_round_trip import rel_err
 
 import axon4d
 from axon4d.parallelize import auto_parallelize, to_dense
@@ -23,11 +25,6 @@ from axon4d.parallelize.moe import FeatureNorm, GatedSharedMoEBlock, HFMoEBlock,
 
 TOL = 1e-5
 VOCAB, BATCH, SEQ = 128, 8, 8
-
-
-def rel_err(a, ref):
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def _config(family, vocab=VOCAB):
@@ -118,76 +115,16 @@ def test_olmoe_and_qwen2_moe_match_transformers(pools, family, grid):
         assert errs[worst] <= TOL, f"{family} {grid} rank {rank}: {worst} error {errs[worst]:.2e} > {TOL:.0e}"
 
 
-def _train(cfg_dict):
-    import warnings
-
-    from axon4d.train import TrainConfig, train
-
-    warnings.simplefilter("ignore")
-    summary = train(TrainConfig(**cfg_dict))
-    return {k: summary.get(k) for k in ("losses", "single_process_losses", "max_rel_diff")}
-
-
-def _dense_after(grid, path, seq, ckpt):
-    """The dense Hugging Face model of ``path`` with the weights of the job's checkpoint ``ckpt``."""
-    import warnings
-
-    from axon4d import checkpoint
-    from axon4d.train import hf
-
-    warnings.simplefilter("ignore")
-    model = hf.build(path, hf.model_config(path, seq), grid)
-    checkpoint.load(ckpt, model, grid, check_model=False)
-    return {k: v.detach().clone() for k, v in model.to_dense().module.state_dict().items()}
-
-
 @pytest.mark.parametrize("family,grid", [("olmoe", "1,2,2,1"), ("qwen2_moe", "2,1,1,2")])
 def test_train_hf_export_round_trip(pools, tmp_path, family, grid):
-    from transformers import AutoModelForCausalLM
-
-    from axon4d.data.tokens import SyntheticTokens
-    from axon4d.export.from_checkpoint import export_checkpoint
     from axon4d.train import hf
 
-    vocab, seq = 320, 16
     path = str(tmp_path / family)
-    _model(family, vocab).save_pretrained(path)
-    assert hf.model_config(path, seq).n_experts == 4
-    job = dict(
-        hf=path,
-        grid=grid,
-        seq_len=seq,
-        batch_size=4,
-        micro_batches=2,
-        steps=2,
-        warmup_steps=1,
-        lr=1e-2,
-        out_dir=str(tmp_path / "run"),
-        progress=False,
-        peak_tflops=1.0,
-        compare_single=True,
-    )
-    got = pools(4).run(None, _train, job)[0]
-    assert got["max_rel_diff"] < 1e-5 and len(got["single_process_losses"]) == 2
-    original = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    first = SyntheticTokens(vocab, seq, seed=0).batch(0, 8)
-    with torch.no_grad():
-        assert got["losses"][0] == pytest.approx(original(input_ids=first, labels=first).loss.item(), rel=1e-6)
-    ckpt = str(tmp_path / "run" / "checkpoints" / "step_2")
-    export_checkpoint(ckpt, str(tmp_path / "exported"))
-    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported"), dtype=torch.float32).eval()
-    trained = pools(4).run(tuple(int(g) for g in grid.split(",")), _dense_after, path, seq, ckpt)[0]
-    state = exported.state_dict()
-    assert set(state) == set(trained)
-    for name, value in trained.items():
-        assert torch.equal(state[name], value), name
+    _model(family, hf_round_trip.VOCAB).save_pretrained(path)
+    assert hf.model_config(path, hf_round_trip.SEQ).n_experts == 4
+    done = hf_round_trip.round_trip(pools, tmp_path, path, grid, steps=2)
     gate_up = "model.layers.0.mlp.experts.gate_up_proj"
-    assert not torch.equal(state[gate_up], original.state_dict()[gate_up])  # fine-tuned
-    # the exported model computes what the trained one does
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.load_state_dict(trained)
-    with torch.no_grad():
-        assert rel_err(exported(input_ids=first).logits, model(input_ids=first).logits) <= TOL
+    assert not torch.equal(done.exported.state_dict()[gate_up], done.original.state_dict()[gate_up])  # fine-tuned
 
 
 def _aux(grid, family):
