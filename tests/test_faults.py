@@ -6,7 +6,7 @@ rank's own error must be printed, and the ranks that were still running must nam
 
 Each job case runs ``tests/fault_check.py`` (the real ``axon4d train`` with a fault planted from
 outside the library) on 2 ranks with a tiny model (4 for naming the hung rank among several
-survivors). The in-process cases check the watchdog's parts that a CPU job cannot reach: the
+survivors); the plain-launch jobs run two at a time, as the module starts (``plain_jobs``). The in-process cases check the watchdog's parts that a CPU job cannot reach: the
 host reads that block under NCCL (loss, gradient norm, device synchronize) end the rank at their
 deadline and are named, and torch.distributed's own timeout follows the watchdog's after the
 first step.
@@ -14,8 +14,10 @@ first step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -108,42 +110,85 @@ def _plain(
     return [p.returncode for p in procs], [p.stdout.read() for p in procs], elapsed
 
 
+#: the plain-launch jobs the tests below read, by name: (fault, rank, step, ``_plain``'s other arguments)
+PLAIN_JOBS: dict[str, tuple[str, int, int, dict]] = {
+    "forward": ("forward", 1, 3, {}),
+    "backward": ("backward", 1, 3, {}),
+    "save": ("save", 1, 3, {}),
+    "kill": ("kill", 1, 3, {}),
+    "write-kill": ("write-kill", 1, 2, {"extra": ("--async-save",)}),  # in step_4's write
+    "stop": ("stop", 1, 3, {}),
+    "stop of 4": ("stop", 2, 3, {"world": 4, "grid": "1,2,1,2"}),
+}
+#: the job each test reads (the parametrized error test: its fault's)
+JOB_OF_TEST = {
+    "test_a_killed_rank_ends_the_job_and_is_named": "kill",
+    "test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous_checkpoint": "write-kill",
+    "test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named": "stop",
+    "test_every_survivor_names_only_the_hung_rank": "stop of 4",
+}
+
+
+def _job_of(item: pytest.Item) -> str | None:
+    if getattr(item, "originalname", None) == "test_an_error_on_one_rank_ends_the_job_and_is_named":
+        return item.callspec.params["fault"]  # type: ignore[attr-defined]
+    return JOB_OF_TEST.get(getattr(item, "originalname", ""))
+
+
+@pytest.fixture(scope="module")
+def plain_jobs(request, tmp_path_factory):
+    """The PLAIN_JOBS of the tests of this module that were selected, run two at a time in the
+    background in the tests' order (a job mostly waits: for its ranks' start-up, then for the
+    fault and the deadlines): name -> future of (exit codes, outputs, seconds, its --out-dir)."""
+    wanted = dict.fromkeys(
+        name for item in request.session.items if item.module is request.module and (name := _job_of(item))
+    )
+    dirs = {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in wanted}
+
+    def run(name: str) -> tuple[list[int], list[str], float, pathlib.Path]:
+        fault, rank, step, kwargs = PLAIN_JOBS[name]
+        return (*_plain(fault, rank, step, dirs[name], **kwargs), dirs[name])
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        yield {name: pool.submit(run, name) for name in wanted}
+
+
 @pytest.mark.parametrize("fault", ["forward", "backward", "save"])
 @pytest.mark.slow
-def test_an_error_on_one_rank_ends_the_job_and_is_named(tmp_path, fault):
-    codes, outs, elapsed = _plain(fault, 1, 3, tmp_path)
+def test_an_error_on_one_rank_ends_the_job_and_is_named(plain_jobs, fault):
+    codes, outs, elapsed, out_dir = plain_jobs[fault].result()
     assert elapsed < BOUND_S
     assert all(c != 0 for c in codes), codes
     assert "PlantedError: planted" in outs[1], outs[1]  # the original error, printed, not lost
     assert "axon4d: rank 1 failed" in outs[1]
     assert "rank 1 failed with PlantedError" in outs[0], outs[0]  # the survivor names the rank and the error
     if fault == "save":  # the checkpoint of step 2 was never published
-        assert not os.path.exists(tmp_path / "checkpoints" / "step_2" / "meta.json")
+        assert not os.path.exists(out_dir / "checkpoints" / "step_2" / "meta.json")
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_the_job_and_is_named(tmp_path):
-    codes, outs, elapsed = _plain("kill", 1, 3, tmp_path)
+def test_a_killed_rank_ends_the_job_and_is_named(plain_jobs):
+    codes, outs, elapsed, _ = plain_jobs["kill"].result()
     assert elapsed < BOUND_S
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
     assert "rank(s) 1 stopped answering" in outs[0], outs[0]
 
 
 @pytest.mark.slow
-def test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous_checkpoint(tmp_path):
-    codes, outs, elapsed = _plain("write-kill", 1, 2, tmp_path, extra=("--async-save",))  # in step_4's write
+def test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous_checkpoint(plain_jobs):
+    codes, outs, elapsed, out_dir = plain_jobs["write-kill"].result()
     assert elapsed < BOUND_S
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
     assert "rank(s) 1 stopped answering" in outs[0], outs[0]
-    ckpts = str(tmp_path / "checkpoints")
+    ckpts = str(out_dir / "checkpoints")
     assert checkpoint.list_checkpoints(ckpts) == [os.path.join(ckpts, "step_2")], outs[0]
     meta = checkpoint.read_meta(checkpoint.latest(ckpts))
     ckptfiles.verify(os.path.join(ckpts, "step_2"), meta["files"], meta["files"])  # every file as it was saved
 
 
 @pytest.mark.slow
-def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
-    codes, outs, elapsed = _plain("stop", 1, 3, tmp_path)
+def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(plain_jobs):
+    codes, outs, elapsed, _ = plain_jobs["stop"].result()
     assert elapsed < BOUND_S
     assert codes[0] == 4, (codes, outs[0])  # watchdog.EXIT_TIMEOUT
     assert f"(deadline {TIMEOUT} s after the first step)" in outs[0], outs[0]
@@ -152,12 +197,12 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_survivor_names_only_the_hung_rank(tmp_path):
+def test_every_survivor_names_only_the_hung_rank(plain_jobs):
     """4 ranks on a 1,2,1,2 grid; rank 2 stops at step 3. Its partners on y (rank 3) and on data
     (rank 0) block in a collective with it first, rank 1 only once they do: the survivors reach
     their deadlines at different times, and each must name rank 2 alone, not the others that are
     ending on their own deadline at the same time."""
-    codes, outs, elapsed = _plain("stop", 2, 3, tmp_path, world=4, grid="1,2,1,2")
+    codes, outs, elapsed, _ = plain_jobs["stop of 4"].result()
     assert elapsed < BOUND_S
     for r in (0, 1, 3):
         assert codes[r] == 4, (r, codes, outs[r])  # watchdog.EXIT_TIMEOUT
