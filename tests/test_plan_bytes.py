@@ -36,9 +36,10 @@ from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import NAMED
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan import load
-from axon4d.plan.cost import step_estimate, zero_gathers
+from axon4d.plan.cost import step_estimate
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.sent import step_collectives_by_phase
+from axon4d.plan.walk import zero_gathers
 from axon4d.plan.workload import Workload
 from axon4d.train.fields import FP8_KINDS
 

@@ -246,11 +246,10 @@ def test_a_model_step_logs_the_planner_s_collectives(pools, grid, precision, arc
 #: MoE with the step's other options, each expert layout kind (on 4 ranks): (grid, precision, arch,
 #: micro-batches, layout, recompute, ZeRO stage, offloaded blocks). Under full recomputation every
 #: block's MoE forward collectives but the counts exchange are issued again in the backward
-#: (``recompute.rerun_collectives``); ZeRO's all-gathers run in the optimizer phase; offload moves
-#: none. Full recomputation only on grids where the layer issues nothing after its last saved tensor
-#: (G_y = 1, rows not moved over x): torch's checkpoint stops a block's re-run there, so the output's
-#: rows back to features over x and its gather over y are not issued again, which
-#: ``recompute.rerun_collectives`` still prices. The first is fast.
+#: (``recompute.rerun_collectives``), up to the layer's last saved tensor: torch's checkpoint stops
+#: a block's re-run there, so the output's rows back to features over x and its gather over y are not
+#: issued again (``moe_cost.output_moves``; the last two cases); ZeRO's all-gathers run in the
+#: optimizer phase; offload moves none. The first is fast.
 OPTION_CASES = [
     ((2, 1, 2, 1), "bf16-fp32-reduce", "llama", 2, "ep=x·z,tp=y", "selective", 0, 1),
     ((1, 2, 1, 2), "bf16", "gpt", 1, "ep=data,tp=x·y", "balanced", 1, 2),
@@ -258,6 +257,8 @@ OPTION_CASES = [
     ((2, 2, 1, 1), "bf16", "gpt", 1, "ep=world,tp=1", "none", 0, 2),
     ((2, 1, 1, 2), "bf16-fp32-reduce", "llama", 1, None, "full", 1, 1),
     ((1, 1, 2, 2), "bf16-fp8-gather", "gpt", 2, None, "selective", 0, 2),
+    ((2, 2, 1, 1), "bf16", "llama", 1, "ep=x·z,tp=y", "full", 0, 0),
+    ((1, 2, 2, 1), "bf16", "llama", 1, None, "full", 0, 0),
 ]
 
 

@@ -19,7 +19,7 @@ from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import SCALE_BYTES
 from axon4d.plan import cli
 from axon4d.plan.candidate import device_need, fits, scenario_memory
-from axon4d.plan.cost import ONCE_PER_STEP, step_estimate, zero_gathers
+from axon4d.plan.cost import step_estimate
 from axon4d.plan.layers import in_block, layer_cost
 from axon4d.plan.machine import load
 from axon4d.plan.memory import local_param_count, local_param_tensors, memory, sixteen_bit_weights
@@ -28,6 +28,7 @@ from axon4d.plan.options import Choices, best_options, lower_bound
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import plan
+from axon4d.plan.walk import ONCE_PER_STEP, zero_gathers
 from axon4d.plan.workload import Workload
 
 ALL = OverlapPolicy.parse("all")

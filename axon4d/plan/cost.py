@@ -1,13 +1,15 @@
 """Predicted time of one training step on one grid: compute + communication − overlap (docs/design.md §3, §4, §6).
 
-The step is assembled here from its parts, each priced elsewhere: every linear layer kind's run —
-its GEMMs, its collectives E8–E13 and the non-GEMM work after it — by ``axon4d.plan.layers``;
-what overlap hides (§4) by ``axon4d.plan.overlap_credit``'s credit over the layers' windows (and the
-context-parallel key/value collectives behind attention, ``layers.context_hidden``); what
-recomputation runs again (§5) by ``axon4d.plan.recompute``; the collectives outside the layers
-(replicated parameters' gradients) and the optimizer step here. An MoE block's layer — its
-compute and its collectives E14–E18, never hidden (the forward's dispatch chunks overlap the
-expert GEMMs in the runtime; no credit is taken for it) — is ``axon4d.plan.moe_cost``'s.
+The step is assembled here from its parts, each priced elsewhere. Its collectives are the step's
+one walk (``axon4d.plan.walk.step_walk``), the list the byte parity test and the host link's load
+read too; each is priced by its source: every linear layer kind's run — its GEMMs, its collectives
+E8–E13 and the non-GEMM work after it — by ``axon4d.plan.layers``; what overlap hides (§4) by
+``axon4d.plan.overlap_credit``'s credit over the layers' windows (and the context-parallel
+key/value collectives behind attention, ``layers.context_hidden``); what recomputation runs again
+(§5) by ``axon4d.plan.recompute``; the collectives outside the layers (replicated parameters'
+gradients), ZeRO's gathers and the optimizer step here. An MoE block's layer — its compute and
+its collectives E14–E18 — is ``axon4d.plan.moe_cost``'s; of its collectives only the dispatches
+and combines are hidden, behind its other chunks' expert GEMMs (``moe_cost.chunks_hidden``).
 
 Interference: where the machine measured it (``Machine.interference_time``; a host whose ranks
 share CPU cores), every collective also costs the compute its ring traffic's bytes take, hidden
@@ -29,34 +31,29 @@ measured steps; 1, 1, 1, 0 for a machine without step calibration):
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from typing import Any
 
 from axon4d.grid.shape import GridShape
-from axon4d.layout.geometry import GRADIENT_TERMS, Collective, Op, Term, data_part_numel, wire_element_size
+from axon4d.layout.geometry import Collective, Op, Term
 from axon4d.options.overlap_policy import OverlapPolicy
-from axon4d.plan import moe_memory
-from axon4d.plan.buckets import edge_collectives as bucketed_edges
 from axon4d.plan.buckets import layer_scales
-from axon4d.plan.fp8 import scale_gathers
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
-    EMBEDDING_TERMS,
     LayerCost,
     block_extras,
-    carried,
     context_hidden,
     in_block,
     layer_cost,
     priced,
 )
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import local_param_tensors, optimizer_elements, sixteen_bit_weights
+from axon4d.plan.memory import optimizer_elements
 from axon4d.plan.moe_cost import MoESeconds, chunks_hidden, layer_seconds
 from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
+from axon4d.plan.walk import ONCE_PER_STEP, step_walk, stored
 from axon4d.plan.workload import Workload
 
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
@@ -180,10 +177,6 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
     return _accumulated(first, _one_pass(micro, reuse=True) if sc.overlap.oag_keep else first, k)
 
 
-#: the gradient reductions accumulation issues once per step however many micro-batches it runs
-#: (``axon4d.overlap.accumulating``, docs/design.md §4): every gradient reduction but E11, the
-#: reduce-scatter over z each micro-batch's backward issues
-ONCE_PER_STEP = GRADIENT_TERMS - {Term.E11}
 #: the overlap mechanism that hides the once-per-step reductions, and the one that hides ZeRO's all-gather
 ONCE_MECHANISMS = ("odp", "zero")
 
@@ -191,49 +184,54 @@ ONCE_MECHANISMS = ("odp", "zero")
 def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]:
     """One forward + backward of ``sc`` (micro-batches aside) with the optimizer step, and the
     once-per-step collectives among its collectives (priced, as ``_Totals``); ``reuse``: a
-    micro-batch after the step's first, whose carried weight blocks are not gathered (``carried``)."""
+    micro-batch after the step's first, whose carried weight blocks are not gathered (``carried``).
+    Every collective is the step's walk's (``axon4d.plan.walk.step_walk``), priced by its source."""
     m, world = sc.machine, sc.world
     extras = block_extras(sc)
     scales = layer_scales(sc)  # the runtime's buckets of E12 and E13
-    layers = [
-        layer_cost(s, sc, extras.get(s.name, (0.0, 0.0)), not (reuse and carried(s, sc)), scales) for s in sc.linears
-    ]
+    walked = step_walk(sc, reuse, scales)
+    issued: dict[str, list[Collective]] = {spec.name: [] for spec in sc.linears}
+    for s in walked:
+        if s.source == "layer":
+            issued[s.layer].append(s.collective)
+    layers = [layer_cost(s, sc, extras.get(s.name, (0.0, 0.0)), issued[s.name], scales) for s in sc.linears]
     hidden = credit([lc.window(in_block(lc.spec, sc)) for lc in layers], sc.overlap, m.overlap_efficiency)
     hidden_cp = context_hidden(sc)
     totals, once = _Totals(), _Totals()
     for lc in layers:
         totals.add_layer(lc)
         once.add_layer(lc, ONCE_PER_STEP)
-    # replicated parameters' gradients (one collective per bucket of a kind), norms' sums, the
-    # loss's: each alike collective priced once
+    # the walk's other entries, each alike collective priced once: replicated parameters' gradients
+    # (one collective per bucket of a kind), norms' sums, the loss's; every block's MoE layer's
+    # collectives (never hidden but by its chunked exchanges); ZeRO's gathers; the FP8 scales
     replicas_s = 0.0  # the expert replicas' weight-gradient reductions (an MoE layout with replicas)
-    moe_chunks = 0.0  # what the MoE layers' chunked exchanges hide
-    for c, n in Counter(bucketed_edges(sc)).items():
-        if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's (``layers.layer_cost``)
-            seconds, traffic = priced(c, sc)
-            totals.add_collective(c, seconds, traffic, n)
-            if c.term in ONCE_PER_STEP:
-                once.add_collective(c, seconds, traffic, n)
-            if c.term == Term.MOE_EXPERT_WEIGHT_GRAD:
-                replicas_s += n * seconds
-    odp_experts = 0.0
-    if sc.model.moe:  # every block's MoE layer: its compute and its collectives (never hidden)
+    a2a = {"forward": 0.0, "backward": 0.0}  # one MoE layer's dispatches and combines, per phase
+    gathers_s = 0.0  # ZeRO's all-gathers
+    for s in walked:
+        if s.source in ("layer", "rerun"):  # the layers' own; recomputation's are ``rerun``'s
+            continue
+        c = s.collective
+        seconds, traffic = priced(c, sc)
+        totals.add_collective(c, seconds, traffic, s.runs)
+        if s.once:
+            once.add_collective(c, seconds, traffic, s.runs)
+        if c.term == Term.MOE_EXPERT_WEIGHT_GRAD:
+            replicas_s += s.runs * seconds
+        if s.source == "moe" and c.op == Op.ALL_TO_ALL and c.axis != "x":  # not the moves over x
+            a2a[c.phase] += s.runs // sc.model.n_layers * seconds
+        if c.term == Term.ZERO_GATHER:
+            gathers_s += seconds
+    odp_experts = moe_chunks = 0.0  # what ODP hides of the replicas' reductions, the chunked exchanges
+    if sc.model.moe:  # every block's MoE layer's compute
         n = sc.model.n_layers
         moe = moe_seconds(sc)
         totals.compute += n * (moe.fwd + moe.bwd)
         totals.matmul += n * moe.matmul
-        a2a = {"forward": 0.0, "backward": 0.0}
-        for c, count in Counter(sc.moe_collectives).items():
-            seconds, traffic = priced(c, sc)
-            totals.add_collective(c, seconds, traffic, n * count)
-            if c.op == Op.ALL_TO_ALL and c.axis != "x":  # the dispatches and combines (not the moves over x)
-                a2a[c.phase] += count * seconds
         odp_experts = replicas_hidden(sc, replicas_s, moe.bwd)
         reruns = 2 if sc.recompute == "full" else 1  # a fully recomputed block runs its forward again
         fwd_only = chunks_hidden(a2a["forward"], 0.0, moe, sc.moe_chunks, m.overlap_efficiency)
         both = chunks_hidden(a2a["forward"], a2a["backward"], moe, sc.moe_chunks, m.overlap_efficiency)
         moe_chunks = n * (both + (reruns - 1) * fwd_only)
-    once.interference = m.interference_time(once.traffic, world)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
     if odp_experts:
@@ -241,27 +239,16 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     if moe_chunks:
         by_mechanism["moe_chunks"] = moe_chunks
     hidden_s = hidden.total + hidden_cp + odp_experts + moe_chunks
-    gathers = zero_gathers(sc)
-    if gathers:  # ZeRO: the updated parameters all-gathered over data, bucket by bucket, behind the optimizer
-        seconds = 0.0
-        for gather in gathers:
-            t, traffic = priced(gather, sc)
-            totals.add_collective(gather, t, traffic)
-            once.add_collective(gather, t, traffic)
-            seconds += t
-        once.interference = m.interference_time(once.traffic, world)
+    if any(s.collective.term == Term.ZERO_GATHER for s in walked):
+        # ZeRO: the updated parameters all-gathered over data, bucket by bucket, behind the optimizer;
         # each bucket's parts are copied into the send buffer and every rank's back into the parameters
-        stored = sum(sum(tensors) * size for tensors, size in _stored(sc))
-        copies = m.elementwise_time(2 * (1 + 1 / sc.shape.data) * stored, world)
-        opt += copies
-        by_mechanism["zero"] = min(seconds, opt) * m.overlap_efficiency
+        held = sum(sum(tensors) * size for tensors, size in stored(sc))
+        opt += m.elementwise_time(2 * (1 + 1 / sc.shape.data) * held, world)
+        by_mechanism["zero"] = min(gathers_s, opt) * m.overlap_efficiency
         hidden_s += by_mechanism["zero"]
-    for c in scale_gathers(sc):  # the FP8 weights' scales, once per weight and step (never hidden)
-        t, traffic = priced(c, sc)
-        totals.add_collective(c, t, traffic)
-        once.add_collective(c, t, traffic)
-    offload = offload_seconds(sc, layers)
-    again = rerun(sc, layers)  # what recomputation runs again (0 without it)
+    once.interference = m.interference_time(once.traffic, world)
+    offload = offload_seconds(sc, layers, walked)
+    again = rerun(sc, layers, [(s.collective, s.runs) for s in walked if s.source == "rerun"])
     interference = m.interference_time(totals.traffic, world) + again.interference_s
     slowdown = m.overlap_slowdown
     if slowdown:  # an accelerator: the compute overlapped with a collective runs on the SMs it leaves
@@ -355,50 +342,3 @@ def _owned(sc: Scenario) -> float:
     """Parameter elements whose optimizer step runs on this rank: all of its own, or with ZeRO
     ⌈N/G_data⌉ of them, an MoE model's experts whole (``memory.optimizer_elements``)."""
     return optimizer_elements(sc.workload, sc.shape, sc.zero)
-
-
-def zero_gathers(sc: Scenario) -> list[Collective]:
-    """ZeRO's all-gathers over data of the updated parameters, once per step, one per bucket as
-    ``axon4d.zero`` issues them: parameters in order, a bucket closed once it holds the policy's
-    ``bucket_bytes`` on the machine's device (0: one parameter each); each moves every rank's part of ⌈n/G_data⌉ elements of
-    each of its parameters, in the parameters' dtype as stored (``_stored``), one dtype per bucket.
-    None without ZeRO or with G_data = 1."""
-    if not sc.zero or sc.shape.data == 1:
-        return []
-    d = sc.shape.data
-    limit = sc.overlap.bucket_bytes(sc.machine.accelerator)  # the runtime's: the device's where unset
-    out = []
-    for tensors, elem in _stored(sc):
-        buckets: list[int] = []  # elements gathered per bucket
-        held = 0.0
-        for n in tensors:
-            if not buckets or held >= limit:
-                buckets.append(0)
-                held = 0.0
-            buckets[-1] += data_part_numel(n, d) * d
-            held += n * elem
-        out += [Collective(Op.ALL_GATHER, "data", n * elem, "optimizer", Term.ZERO_GATHER) for n in buckets]
-    return out
-
-
-def _stored(sc: Scenario) -> list[tuple[list[int], int]]:
-    """The rank's parameter tensors (elements of each) by the bytes per element they are stored in,
-    which ZeRO's all-gather moves (``geometry.wire_dtype`` of ``Term.ZERO_GATHER``): the 3D Linear
-    weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``: mixed precision, G_data > 1) in
-    the compute dtype, the others as the parameters are (fp32 master weights)."""
-    wl, shape, precision = sc.workload, sc.shape, sc.precision
-    # ZeRO gathers an expert weight only where the layout replicates it over data (``axon4d.zero``)
-    tensors = local_param_tensors(wl, shape, experts=not moe_memory.experts_whole_under_zero(wl.expert_layout))
-    sixteen = sixteen_bit_weights(wl, shape, sc.zero)
-
-    def size(linear_weight: bool) -> int:
-        return wire_element_size(
-            precision, Term.ZERO_GATHER, precision.param, g_data=shape.data, linear_weight=linear_weight
-        )
-
-    if not sixteen:
-        return [(tensors, size(False))]
-    rest = list(tensors)
-    for n in sixteen:
-        rest.remove(n)
-    return [(sixteen, size(True)), (rest, size(False))]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import (
@@ -243,13 +244,15 @@ def layer_cost(
     spec: LinearSpec,
     sc: Scenario,
     post: tuple[float, float] = (0.0, 0.0),
-    gathers: bool = True,
+    issued: Sequence[Collective] | None = None,
     scales: dict[Term, tuple[float, float]] | None = None,
 ) -> LayerCost:
     """One run of ``spec`` on one rank; ``post``: the (forward, backward) seconds of the non-GEMM
-    work after it (``block_extras``); ``gathers``: False for a run that reuses the weight block the
-    step's first micro-batch gathered (no E10f nor its FP8 casts, ``carried``); ``scales``: term →
-    (seconds, calls) factors of the reductions the runtime buckets (``axon4d.plan.buckets.layer_scales``)."""
+    work after it (``block_extras``); ``issued``: the collectives of one run as the step's walk
+    lists them (``axon4d.plan.walk``: without E10f nor its FP8 casts in a run that reuses the
+    weight block the step's first micro-batch gathered, ``carried``), by default ``collectives``;
+    ``scales``: term → (seconds, calls) factors of the reductions the runtime buckets
+    (``axon4d.plan.buckets.layer_scales``)."""
     comm: dict[Term, float] = {}
     axes: dict[Term, str] = {}
     by_axis: dict[str, int] = {}
@@ -259,7 +262,7 @@ def layer_cost(
     term_calls: dict[Term, float] = {}
     term_bytes: dict[Term, int] = {}
     term_traffic: dict[Term, float] = {}
-    for c in collectives(spec, sc, gathers):
+    for c in collectives(spec, sc) if issued is None else issued:
         chunks += c.term == Term.E8
         fwd_calls += c.phase == "forward"
         seconds, moved = priced(c, sc)

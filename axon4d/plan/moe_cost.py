@@ -246,6 +246,15 @@ def layer_collectives(
     return out
 
 
+def output_moves(model: ModelConfig, shape: GridShape, layout: ExpertLayout | str | None = None) -> int:
+    """How many of ``layer_collectives``' forward collectives follow the layer's last tensor saved
+    for backward (its gated sum's): the sums moved back to features over x (where the rows moved)
+    and gathered over y — its last forward ones. A fully recomputed block's re-run stops before
+    them: torch's checkpoint stops re-running a forward once the last tensor it saved is rebuilt."""
+    p = placement(model, shape, layout)
+    return int(shape.x > 1 and p.rows_over_x) + int(shape.y > 1)
+
+
 #: the MoE all-to-alls whose payload is what the rank sends of its own share, the same under any
 #: routing: their busiest peer still receives ``imbalance`` times its mean share
 OWN_SHARE_TERMS = frozenset({Term.MOE_DISPATCH, Term.MOE_COMBINE_GRAD})

@@ -24,12 +24,13 @@ copies on the compute cores: nothing is hidden and no network shares a link
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from axon4d.plan.collective_model import group_geometry
 from axon4d.plan.layers import LayerCost, in_block
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.walk import pass_collectives
+from axon4d.plan.walk import Sent, pass_collectives
 
 #: the most of the host link the network may be taken to use while copies run beside it: beyond it
 #: the link-bound floor of ``offload_seconds`` prices the pass
@@ -49,28 +50,28 @@ def network_share(sc: Scenario, axis: str) -> float:
     return 1.0 / on_node
 
 
-def link_traffic(sc: Scenario) -> dict[str, float]:
+def link_traffic(sc: Scenario, walked: Sequence[Sent] | None = None) -> dict[str, float]:
     """Bytes one pass's collectives move across a rank's host link in each direction (sent and
     received alike), by phase ("forward", "backward"): the ring traffic on each axis of the pass's
     collectives as ``axon4d.plan.walk`` enumerates them (the layers', the edge collectives', every
     MoE layer's and what recomputation issues again, in the backward), times the axis'
-    ``network_share``. 0 on a host."""
+    ``network_share``; ``walked``: the pass's ``walk.step_walk`` where the caller has it. 0 on a host."""
     out = {"forward": 0.0, "backward": 0.0}
     if not sc.machine.accelerator:
         return out
-    for (axis, phase), traffic in pass_collectives(sc).traffic.items():
+    for (axis, phase), traffic in pass_collectives(sc, walked=walked).traffic.items():
         out[phase] += traffic * network_share(sc, axis)
     return out
 
 
-def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
+def offload_seconds(sc: Scenario, layers: list[LayerCost], walked: Sequence[Sent] | None = None) -> float:
     """Seconds activation offload adds to one pass (docs/design.md §5): what the copies of the first
     ``offload`` blocks' saved activations leave exposed (``copy_queue``), the forward's copies out at
     the share of the host link the forward's network traffic leaves them and the backward's copies
     in at the backward's, and at least what each phase's whole link load in one direction takes
     beyond the phase (module docstring). The copies run on the accelerator's copy engines, not its
     cores, so no overlap efficiency applies. On a host the copies are memory copies on the compute
-    cores: nothing is hidden."""
+    cores: nothing is hidden. ``walked``: the pass's ``walk.step_walk`` where the caller has it."""
     if not sc.offload:
         return 0.0
     moved, fwd, bwd, between = _offload_windows(sc, layers)
@@ -81,7 +82,7 @@ def offload_seconds(sc: Scenario, layers: list[LayerCost]) -> float:
     n, link = sc.model.n_layers, m.host_link_Bps
     head_fwd, head_bwd = _between_phases(sc, layers)
     compute = {"forward": n * fwd + head_fwd, "backward": n * bwd + head_bwd}
-    network = link_traffic(sc)
+    network = link_traffic(sc, walked)
     copy = {}
     floor = 0.0
     for phase, t in compute.items():

@@ -12,7 +12,8 @@ priced here and only here (``rerun``); ``axon4d.plan.cost`` adds it to the step 
 - ``full``: every block's whole forward runs again in backward — the compute of its layers'
   forwards and every collective of the block's forward issued again (``rerun_collectives``: the
   layers' E8 and E10f, the norms' sums over x, context parallelism's key/value all-gather, an MoE
-  layer's forward collectives but its counts exchange, whose routing the re-run reuses):
+  layer's forward collectives but its counts exchange, whose routing the re-run reuses, and its
+  output's moves after the gated sum, where torch's checkpoint stops the re-run):
   counted, with their bytes per axis, ring traffic and the interference it costs.
 
 What each mode keeps for backward is the memory model's (``axon4d.plan.saved.block_saved``).
@@ -34,7 +35,7 @@ from axon4d.plan.layers import (
     norm_passes,
     priced,
 )
-from axon4d.plan.moe_cost import layer_seconds
+from axon4d.plan.moe_cost import layer_seconds, output_moves
 from axon4d.plan.scenario import Scenario
 
 
@@ -73,12 +74,14 @@ def recomputed_seconds(sc: Scenario) -> float:
     return 0.0
 
 
-def rerun(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
-    """What ``sc.recompute`` adds to a step whose layer kinds cost ``layers`` (``layer_cost``)."""
+def rerun(sc: Scenario, layers: Sequence[LayerCost], issued: Sequence[tuple[Collective, int]] | None = None) -> Rerun:
+    """What ``sc.recompute`` adds to a step whose layer kinds cost ``layers`` (``layer_cost``);
+    ``issued``: the collectives it issues again, each with how many times, as the step's walk
+    lists them (``axon4d.plan.walk``), by default ``rerun_collectives``."""
+    again = _collectives(sc, rerun_collectives(sc) if issued is None else issued)
     if sc.recompute == "full":
-        return _full(sc, layers)
-    if sc.recompute in ("selective", "balanced"):
-        again = _collectives(sc, rerun_collectives(sc))  # selective under the ring: the forward's ring again
+        return _full(sc, layers, again)
+    if sc.recompute in ("selective", "balanced"):  # selective under the ring: the forward's ring again
         return dataclasses.replace(again, compute_s=sc.model.n_layers * recomputed_seconds(sc))
     return Rerun()
 
@@ -110,16 +113,18 @@ def rerun_collectives(sc: Scenario) -> list[tuple[Collective, int]]:
             if c.phase == "forward":
                 prefetched = c.term == Term.E10F and i >= len(block) - early
                 out.append((dataclasses.replace(c, term=Term.E10B) if prefetched else c, spec.count))
-    # an MoE layer's re-run reuses its first run's routing and dispatch plan: no counts exchange again
-    moe = [(c, sc.model.n_layers) for c in sc.moe_collectives if c.phase == "forward" and c.term != Term.MOE_COUNTS]
+    # an MoE layer's re-run reuses its first run's routing and dispatch plan: no counts exchange again;
+    # it stops at the gated sum, the block's last saved tensor (``moe_cost.output_moves``)
+    forward = [c for c in sc.moe_collectives if c.phase == "forward"]
+    forward = forward[: len(forward) - output_moves(sc.model, sc.shape, sc.workload.expert_layout)]
+    moe = [(c, sc.model.n_layers) for c in forward if c.term != Term.MOE_COUNTS]
     return out + moe + [(c, 1) for c in sc.workload.block_forward_collectives(sc.shape)]
 
 
-def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
+def _full(sc: Scenario, layers: Sequence[LayerCost], again: Rerun) -> Rerun:
     """Full recomputation: the forward of every block layer kind run n_layers times, with every
-    collective of the blocks' forwards again (``rerun_collectives``)."""
+    collective of the blocks' forwards again (``again``: ``rerun_collectives`` priced)."""
     block = [lc for lc in layers if in_block(lc.spec, sc)]
-    again = _collectives(sc, rerun_collectives(sc))
     moe = (
         sc.model.n_layers
         * layer_seconds(
@@ -138,7 +143,7 @@ def _full(sc: Scenario, layers: Sequence[LayerCost]) -> Rerun:
     return dataclasses.replace(again, compute_s=sum(lc.spec.count * lc.fwd_s for lc in block) + moe)
 
 
-def _collectives(sc: Scenario, issued: list[tuple[Collective, int]]) -> Rerun:
+def _collectives(sc: Scenario, issued: Sequence[tuple[Collective, int]]) -> Rerun:
     """The collectives ``issued`` again (each with how many times) as a ``Rerun`` without compute:
     their seconds, calls, bytes per axis, ring traffic and the interference it costs."""
     comm = activation = traffic = 0.0

@@ -6,7 +6,7 @@ The options besides the grid, each priced where its cost lands:
 - ``micro_batches`` k: the step's batch runs as k micro-batches accumulated into one update (the
   training job's ``--micro-batches``; ``axon4d.overlap.accumulating``): activations of one
   micro-batch are live at a time; every collective of the layers and context parallelism runs once
-  per micro-batch except the data-axis gradient reductions (``cost.ONCE_PER_STEP``), which run
+  per micro-batch except the data-axis gradient reductions (``walk.ONCE_PER_STEP``), which run
   once per step, as does the optimizer (``cost``; ``memory``), and, under keep-for-backward, the
   weight all-gathers over z (E10f) of the layers outside blocks under full recomputation: the
   first micro-batch's blocks are carried to the others (``layers.carried``).

@@ -2,13 +2,13 @@
 rule 1): the calls and payload bytes per (axis, term, phase) on one rank (``step_collectives_by_phase``;
 ``step_collectives`` sums the phases).
 
-A pass's collectives are ``axon4d.plan.walk``'s one enumeration (``pass_collectives``); a step of k
-micro-batches issues them every pass — the passes after the first without the weight gathers
-keep-for-backward carries over (``layers.carried``) — and the data-axis reductions
-(``cost.ONCE_PER_STEP``), ZeRO's parameter all-gathers (``cost.zero_gathers``) and the FP8 weights'
-scales (``fp8.scale_gathers``) once. Its sum over terms is ``TimeEstimate.bytes_by_axis`` and its
-calls ``TimeEstimate.collectives`` (tests/test_plan_bytes.py checks both, and this list against the
-communication log per (axis, term, phase)).
+A step's collectives are ``axon4d.plan.walk``'s one enumeration (``step_walk``); a step of k
+micro-batches issues a pass's every pass — the passes after the first without the weight gathers
+keep-for-backward carries over (``layers.carried``) — and the once-per-step ones (``Sent.once``:
+the data-axis reductions, ZeRO's parameter all-gathers, the FP8 weights' scales) once. Its sum over
+terms is ``TimeEstimate.bytes_by_axis`` and its calls ``TimeEstimate.collectives``
+(tests/test_plan_bytes.py checks both, and this list against the communication log per (axis,
+term, phase)).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from __future__ import annotations
 from collections import Counter
 
 from axon4d.layout.geometry import Term
-from axon4d.plan.cost import ONCE_PER_STEP, zero_gathers
-from axon4d.plan.fp8 import scale_gathers
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.walk import PhaseTally, pass_collectives
+from axon4d.plan.walk import PhaseTally, step_walk, tally
 
 #: (axis, term) → a count of one step's collectives or of their payload bytes on one rank
 Tally = Counter[tuple[str, Term]]
@@ -28,21 +26,15 @@ Tally = Counter[tuple[str, Term]]
 def step_collectives_by_phase(sc: Scenario) -> tuple[PhaseTally, PhaseTally]:
     """(calls, payload bytes) per (axis, term, phase) of one step of ``sc`` on one rank —
     "forward", "backward" or "optimizer" (ZeRO's all-gathers): ``micro_batches`` passes of a
-    micro-batch, the data-axis reductions, ZeRO's all-gathers and the FP8 weights' scales once
-    (module docstring)."""
+    micro-batch, the once-per-step collectives once (module docstring)."""
     micro, k = sc.micro(), sc.micro_batches
-    first = pass_collectives(micro)
-    calls, sent = first.calls, first.sent
-    later = pass_collectives(micro, reuse=True) if sc.overlap.oag_keep else first
-    later_calls, later_sent = later.calls, later.sent
-    for key in later_calls:
-        if key[1] not in ONCE_PER_STEP:
-            calls[key] += (k - 1) * later_calls[key]
-            sent[key] += (k - 1) * later_sent[key]
-    for c in zero_gathers(sc) + scale_gathers(sc):  # once per step: ZeRO's gathers, the FP8 weights' scales
-        calls[(c.axis, c.term, c.phase)] += 1
-        sent[(c.axis, c.term, c.phase)] += c.payload_bytes
-    return calls, sent
+    first = step_walk(micro)
+    later = step_walk(micro, reuse=True) if sc.overlap.oag_keep else first
+    one, again = tally(first, micro), tally([s for s in later if not s.once], micro)
+    for key in again.calls:
+        one.calls[key] += (k - 1) * again.calls[key]
+        one.sent[key] += (k - 1) * again.sent[key]
+    return one.calls, one.sent
 
 
 def step_collectives(sc: Scenario) -> tuple[Tally, Tally]:
@@ -50,7 +42,7 @@ def step_collectives(sc: Scenario) -> tuple[Tally, Tally]:
     (``step_collectives_by_phase`` summed over the phases)."""
     by_phase = step_collectives_by_phase(sc)
     out: tuple[Tally, Tally] = (Counter(), Counter())
-    for tally, phased in zip(out, by_phase):
+    for tally_, phased in zip(out, by_phase):
         for (axis, term, _), n in phased.items():
-            tally[(axis, term)] += n
+            tally_[(axis, term)] += n
     return out
