@@ -972,7 +972,10 @@ def test_long_work_is_timed_until_the_slowest_rank_is_done(pools):
     from axon4d.measure.timing import LOCKSTEP_S
 
     times = pools(2).run((1, 1, 1, 2), _timed_in_lockstep)
-    assert times[0] == times[1] and times[0] >= 3 * LOCKSTEP_S * 3  # the slower rank's pause
+    # the slower rank's pause, 9·LOCKSTEP_S, less the ranks' skew leaving the first barrier (one
+    # rank starts its clock late; 0.3 ms measured on a loaded host): far above the 6·LOCKSTEP_S
+    # mean of the two pauses that ranks timed apart would give
+    assert times[0] == times[1] and times[0] >= 0.95 * 3 * LOCKSTEP_S * 3
 
 
 def test_norms_are_priced_as_the_kernel_that_runs():
