@@ -16,8 +16,12 @@ runs. Nothing is timed; the two 1024-rank searches take a minute or two on a 2-c
 
     .venv/bin/python bench/plan_moe.py
 
+Then ``moe-1t``'s ceilings: the same search on what-if machines — device memory ×8, every
+collective free (latency 0, bandwidth ×1e6), both — to show which part of the cost model holds the
+job where it is. Those machines do not exist; their figures are bounds, not plans.
+
 Saves ``bench/results/plan_moe.json`` (each search's top candidates: grid, options, layout,
-predicted step time, time parts and memory, and the header of bench/common.py); the last lines are,
+predicted step time, time parts and memory, the ceilings, and the header of bench/common.py); the last lines are,
 per job, ``plan MoE: mixtral-8x7b on 256 × h100, batch 1024: default layout B% → searched A% model MFU
 (predicted; grid G, options O)``.
 """
@@ -25,6 +29,7 @@ per job, ``plan MoE: mixtral-8x7b on 256 × h100, batch 1024: default layout B% 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -35,6 +40,7 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 
 from axon4d.plan.candidate import Candidate  # noqa: E402
+from axon4d.plan.machine import Machine, load  # noqa: E402
 from axon4d.plan.search import plan  # noqa: E402
 
 #: (model, GPUs, batch in sequences): the issue's two jobs
@@ -79,6 +85,36 @@ def headline(model: str, gpus: int, machine: str, batch: int, default: dict[str,
     )
 
 
+#: what-if machines for ``moe-1t``'s ceilings: (name, what is relaxed) — not machines that exist
+CEILINGS = (
+    ("memory unlimited", "device memory ×8"),
+    ("collectives free", "every link's latency 0 and bandwidth ×1e6"),
+    ("both", "device memory ×8, collectives free"),
+)
+
+
+def relaxed(machine: str, what: str) -> Machine:
+    """``machine`` with ``what`` (a ``CEILINGS`` name) relaxed: a bound, not a machine."""
+    m = load(machine)
+    if what in ("memory unlimited", "both"):
+        m = dataclasses.replace(m, memory_per_device=8 * m.memory_per_device)
+    if what in ("collectives free", "both"):
+        free = [dataclasses.replace(lv, alpha_s=0.0, beta_Bps=lv.beta_Bps * 1e6) for lv in m.levels]
+        m = dataclasses.replace(m, levels=free, comm=[], host_sync_s=0.0)
+    return m
+
+
+def ceilings(model: str, gpus: int, batch: int, machine: str) -> list[dict[str, Any]]:
+    """The best plan of ``model`` when the planner is told memory is unlimited, collectives are
+    free, or both: how far each part of the cost model holds the job below its target."""
+    out = []
+    for name, what in CEILINGS:
+        r = plan(model, gpus, relaxed(machine, name), batch, top=1)
+        best = next(c for c in r.candidates if c.fits)
+        out.append({"relaxed": name, "how": what, **_row(best)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machine", default="h100")
@@ -92,7 +128,13 @@ def main(argv: list[str] | None = None) -> int:
         best = search(model, gpus, batch, args.machine, args.top, None)
         jobs.append({"model": model, "gpus": gpus, "batch": batch, "default_layout": default, "searched": best})
         lines.append(headline(model, gpus, args.machine, batch, default, best))
-    common.save(args.out, {"machine": args.machine, "jobs": jobs}, head)
+    bound = ceilings("moe-1t", 1024, 1024, args.machine)
+    common.save(args.out, {"machine": args.machine, "jobs": jobs, "moe_1t_ceilings": bound}, head)
+    for row in bound:
+        print(
+            f"ceiling: moe-1t on 1024 × {args.machine} with {row['relaxed']} ({row['how']}): "
+            f"{100 * row['mfu']:.1f}% model MFU (grid {tuple(row['grid'])}, {row['options']})"
+        )
     for line in lines:
         print(line)
     return 0
