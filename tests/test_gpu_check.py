@@ -36,11 +36,44 @@ def _saved(out):
     return saved, {c["name"]: c["status"] for c in ran}
 
 
-def _run(*args):
+def _run(*args, timeout=600):
     env = {**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
-        [sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, SCRIPT, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+#: the cases the host-run tests below check, all in one ``--on-host --jobs 2`` run (one start-up,
+#: two cases side by side throughout); each test judges its own cases in the one JSON
+HOST_ONLY = {
+    "on_the_host": "exact llama x1y1z2d1 overlap-on,checkpoint,one rank",
+    "offload": "offload",
+    "fp8_and_zero": "fp8,zero",
+    "step": "sync,micro,hf,async,moe",
+}
+
+
+@pytest.fixture(scope="module")
+def host_run(tmp_path_factory):
+    """The host run of every case of ``HOST_ONLY``: (the process, its JSON file, this tree's source
+    digest taken as the run started)."""
+    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
+    only = ",".join(HOST_ONLY.values())
+    digest = gpu_check.source_digest()
+    return _run("--on-host", "--only", only, "--jobs", "2", "--out", str(out), timeout=1200), out, digest
+
+
+def _host_cases(host_run, test):
+    """The JSON of ``host_run`` and the status by name of the cases it ran for ``test`` (a key of
+    ``HOST_ONLY``); fails naming any of them that did not pass."""
+    proc, out, _ = host_run
+    saved, status = _saved(out)
+    prefixes = tuple(HOST_ONLY[test].split(","))
+    saved["ran"] = [c for c in saved["ran"] if c["name"].startswith(prefixes)]
+    status = {name: s for name, s in status.items() if name.startswith(prefixes)}
+    failed = {c["name"]: c["why"] for c in saved["ran"] if c["status"] != "passed"}
+    assert not failed and proc.returncode == 0, (failed, proc.stdout + proc.stderr)
+    return saved, status
 
 
 @pytest.mark.slow
@@ -51,15 +84,21 @@ def test_without_cuda_it_says_so_and_fails():
 
 
 @pytest.mark.slow
-def test_on_the_host_the_cases_run_and_the_result_is_saved(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    only = "exact llama x1y1z2d1 overlap-on,checkpoint,one rank"
-    proc = _run("--on-host", "--only", only, "--out", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+@pytest.mark.timeout(1500)  # the shared host run of every case below
+def test_on_the_host_the_cases_run_and_the_result_is_saved(host_run):
+    proc, _, digest = host_run
+    saved, _ = _host_cases(host_run, "on_the_host")
+    # the closing line and the JSON's counts: every case of the run, each once
+    counts = collections.Counter(c["status"] for c in saved["cases"])
+    assert len({(c["name"], c["transport"]) for c in saved["cases"]}) == len(saved["cases"])
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("gpu-check: host: 3 passed, 0 failed, 2 skipped (")
-    saved, _ = _saved(out)
-    status = {(c["name"], c["transport"]): (c["status"], c["why"]) for c in saved["cases"]}
+    assert last.startswith(f"gpu-check: host: {counts['passed']} passed, 0 failed, {counts['skipped']} skipped (")
+    assert saved["counts"] == {"passed": counts["passed"], "failed": 0, "skipped": counts["skipped"]}
+    status = {
+        (c["name"], c["transport"]): (c["status"], c["why"])
+        for c in saved["cases"]
+        if c["name"].startswith(tuple(HOST_ONLY["on_the_host"].split(",")))
+    }
     no_nccl = ("skipped", "NCCL needs CUDA: the host has none")
     assert status == {
         ("exact llama x1y1z2d1 overlap-on", "staged"): ("passed", None),
@@ -73,9 +112,9 @@ def test_on_the_host_the_cases_run_and_the_result_is_saved(tmp_path):
     assert len(exact["metrics"]) == 2 and all(m["grad_rel"] <= fp32 for m in exact["metrics"])
     assert all(m["collectives"] > 0 for m in exact["metrics"])  # the distributed code ran, not a short cut
     assert exact["tolerances"]["fp32"]["applied"] == fp32 and exact["tolerances"]["fp32"]["measured"] > 0
-    assert saved["device"] == "host" and saved["counts"] == {"passed": 3, "failed": 0, "skipped": 2}
+    assert saved["device"] == "host"
     # the code that ran: this tree's digest, and a commit only where no tracked file differs from it
-    assert saved["source_digest"] == gpu_check.source_digest()
+    assert saved["source_digest"] == digest
     assert saved["commit"] in (None, saved["head"]) and (saved["commit"] is None) == bool(saved["changed_files"])
 
 
@@ -243,14 +282,12 @@ def test_the_source_digest_names_the_code_and_nothing_else(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_the_offload_cases_run_on_the_host_and_record_time_and_memory(tmp_path):
+@pytest.mark.timeout(1500)  # the shared host run
+def test_the_offload_cases_run_on_the_host_and_record_time_and_memory(host_run):
     """The offload cases (exactness against no offload on (1,2,2,1) with and without context
     parallelism; step time and peak memory with and without on one rank) pass on the host and
     write what a GPU run reports: bitwise equality there, bytes moved, both step times and peaks."""
-    out = tmp_path / "gpu_check.json"
-    proc = _run("--on-host", "--only", "offload", "--out", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    saved, status = _saved(out)
+    saved, status = _host_cases(host_run, "offload")
     assert status == {
         "offload exact x1y2z2d1": "passed",
         "offload exact x1y2z2d1 context": "passed",
@@ -270,13 +307,11 @@ def test_the_offload_cases_run_on_the_host_and_record_time_and_memory(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_fp8_and_zero_cases_run_side_by_side_on_the_host(tmp_path):
+@pytest.mark.timeout(1500)  # the shared host run
+def test_the_fp8_and_zero_cases_run_side_by_side_on_the_host(host_run):
     """--jobs 2: the FP8-gather and ZeRO cases pass on the host, each recording what it compared,
     and the JSON holds every case once (rewritten after each)."""
-    out = tmp_path / "gpu_check.json"
-    proc = _run("--on-host", "--only", "fp8,zero", "--jobs", "2", "--out", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    saved, status = _saved(out)
+    saved, status = _host_cases(host_run, "fp8_and_zero")
     zero = ["zero 1 and 2 x1y1z1d2", "zero 1 and 2 x1y2z1d2", "zero bf16 job AdamW x1y1z1d2"]
     assert status == dict.fromkeys(["fp8 gather x1y1z2d1", "fp8 gather x1y2z2d1", *zero], "passed")
     for case in saved["ran"]:
@@ -293,21 +328,19 @@ def test_the_fp8_and_zero_cases_run_side_by_side_on_the_host(tmp_path):
                 ran = "foreach" if "job AdamW" in case["name"] else "for-loop"
                 assert m["unsharded_optimizer"] == m["zero1_optimizer"] == m["zero2_optimizer"] == ran
                 assert m["collectives"] > 0
-    assert saved["source_digest"] == gpu_check.source_digest()
+    assert saved["source_digest"] == host_run[2]
 
 
 @pytest.mark.slow
-def test_the_step_cases_run_on_the_host(tmp_path):
+@pytest.mark.timeout(1500)  # the shared host run
+def test_the_step_cases_run_on_the_host(host_run):
     """The cases of a step as the job runs it pass on the host and record what a GPU run judges:
     the watched step on (1,2,2,1) (no read of a device tensor — none can be on the host — the
     host's own reads counted, the job's optimizer); two micro-batches with keep-for-backward
     (blocks carried between them, none after, the peak within the planner's host bound); train
     --hf then export-hf (every weight transformers loads is the trained one, the export's peak
     resident memory); background saves on one rank resumed on the same losses, bit for bit."""
-    out = tmp_path / "gpu_check.json"
-    proc = _run("--on-host", "--only", "sync,micro,hf,async,moe", "--jobs", "2", "--out", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    saved, status = _saved(out)
+    saved, status = _host_cases(host_run, "step")
     names = ["sync training step x1y2z2d1", "micro keep x1y2z2d1", "hf train then export x1y2z2d1"]
     moe = ["moe exact one read x1y1z2d1", "moe exact one read x1y2z2d1"]
     assert status == dict.fromkeys([*names, "async save resume x1y1z1d1", *moe], "passed")
