@@ -230,9 +230,9 @@ def test_offload_shares_the_host_link_with_the_network_phase_by_phase():
     compute = sum(lc.spec.count * lc.compute_s for lc in layers if not lc.spec.embedding)
     total = network["forward"] + network["backward"]
     average = alone.host_copy_time(moved, sc.world) / (1 - min(total / (link * compute), 0.95))
-    from axon4d.plan.offload_cost import _offload_windows, copy_queue
+    from axon4d.plan.offload_cost import copy_queue, offload_windows
 
-    _, fwd, bwd, between = _offload_windows(sc, layers)
+    _, fwd, bwd, between = offload_windows(sc, layers)
     assert shared > copy_queue(average, 32, wl.model.n_layers, fwd, bwd, between)
     # the floor: each phase's link bytes in one direction at the full rate, beyond the phase's compute
     floor = sum(max((network[p] + 32 * moved) / link - compute, 0.0) for p in network)  # compute: a bound on each

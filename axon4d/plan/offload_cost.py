@@ -74,7 +74,7 @@ def offload_seconds(sc: Scenario, layers: list[LayerCost], walked: Sequence[Sent
     cores: nothing is hidden. ``walked``: the pass's ``walk.step_walk`` where the caller has it."""
     if not sc.offload:
         return 0.0
-    moved, fwd, bwd, between = _offload_windows(sc, layers)
+    moved, fwd, bwd, between = offload_windows(sc, layers)
     m = sc.machine
     if not m.accelerator:
         return 2 * sc.offload * m.host_copy_time(moved, sc.world)
@@ -100,7 +100,10 @@ def _between_phases(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float
     return fwd, sum(lc.spec.count * lc.compute_s for lc in outside) - fwd
 
 
-def _offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float, float, float]:
+def offload_windows(sc: Scenario, layers: list[LayerCost]) -> tuple[float, float, float, float]:
+    """(bytes one offloaded block's saved activations move each way, one block's forward seconds,
+    its backward seconds — with its forward again under full recomputation —, the seconds of the
+    layers outside the blocks): what ``copy_queue`` schedules the copies against."""
     moved = block_bytes(sc.workload, sc.shape, sc.recompute)
     block = [lc for lc in layers if in_block(lc.spec, sc)]
     fwd = sum(lc.fwd_s for lc in block)
