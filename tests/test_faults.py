@@ -6,7 +6,7 @@ rank's own error must be printed, and the ranks that were still running must nam
 
 Each job case runs ``tests/fault_check.py`` (the real ``axon4d train`` with a fault planted from
 outside the library) on 2 ranks with a tiny model (4 for naming the hung rank among several
-survivors); the plain-launch jobs run two at a time, as the module starts (``plain_jobs``). The in-process cases check the watchdog's parts that a CPU job cannot reach: the
+survivors); the jobs run two at a time, in the background from the module's first (``jobs``). The in-process cases check the watchdog's parts that a CPU job cannot reach: the
 host reads that block under NCCL (loss, gradient norm, device synchronize) end the rank at their
 deadline and are named, and torch.distributed's own timeout follows the watchdog's after the
 first step.
@@ -15,6 +15,7 @@ first step.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import io
 import os
 import pathlib
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -110,44 +112,79 @@ def _plain(
     return [p.returncode for p in procs], [p.stdout.read() for p in procs], elapsed
 
 
-#: the plain-launch jobs the tests below read, by name: (fault, rank, step, ``_plain``'s other arguments)
-PLAIN_JOBS: dict[str, tuple[str, int, int, dict]] = {
-    "forward": ("forward", 1, 3, {}),
-    "backward": ("backward", 1, 3, {}),
-    "save": ("save", 1, 3, {}),
-    "kill": ("kill", 1, 3, {}),
-    "write-kill": ("write-kill", 1, 2, {"extra": ("--async-save",)}),  # in step_4's write
-    "stop": ("stop", 1, 3, {}),
-    "stop of 4": ("stop", 2, 3, {"world": 4, "grid": "1,2,1,2"}),
+def _torchrun(out_dir) -> tuple[int, str, float]:
+    """The forward fault under torchrun (2 ranks); (exit code, output, seconds)."""
+    torchrun = os.path.join(BIN, "torchrun")
+    cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), SCRIPT, "forward", "1", "3"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd + _flags(out_dir), env=_env(), capture_output=True, text=True, timeout=BOUND_S + 30)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def _mpiexec():
+    found = os.path.join(BIN, "mpiexec")
+    return found if os.path.exists(found) else shutil.which("mpiexec")
+
+
+def _under_mpiexec(fault: str, out_dir) -> tuple[int, str, float]:
+    """``fault`` on rank 1 at step 3 under ``mpiexec -n 2``; (exit code, output, seconds)."""
+    cmd = [_mpiexec(), "-n", str(WORLD), sys.executable, SCRIPT, fault, "1", "3", *_flags(out_dir)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, time.monotonic() - start
+
+
+def _mpi_runs() -> bool:
+    """Whether the mpiexec jobs can run here (mpiexec found, mpi4py importable)."""
+    import importlib.util
+
+    return _mpiexec() is not None and importlib.util.find_spec("mpi4py") is not None
+
+
+#: the fault jobs the tests below read, by name: each a function of its --out-dir
+JOBS = {
+    **{fault: functools.partial(_plain, fault, 1, 3) for fault in ("forward", "backward", "save", "kill", "stop")},
+    "write-kill": functools.partial(_plain, "write-kill", 1, 2, extra=("--async-save",)),  # in step_4's write
+    "stop of 4": functools.partial(_plain, "stop", 2, 3, world=4, grid="1,2,1,2"),
+    "torchrun": _torchrun,
+    **{f"mpiexec {fault}": functools.partial(_under_mpiexec, fault) for fault in ("forward", "stop")},
 }
-#: the job each test reads (the parametrized error test: its fault's)
+#: the job each test reads (a parametrized one: by its fault)
 JOB_OF_TEST = {
     "test_a_killed_rank_ends_the_job_and_is_named": "kill",
     "test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous_checkpoint": "write-kill",
     "test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named": "stop",
     "test_every_survivor_names_only_the_hung_rank": "stop of 4",
+    "test_under_torchrun_an_error_ends_the_job": "torchrun",
 }
 
 
 def _job_of(item: pytest.Item) -> str | None:
-    if getattr(item, "originalname", None) == "test_an_error_on_one_rank_ends_the_job_and_is_named":
+    name = getattr(item, "originalname", "")
+    if name == "test_an_error_on_one_rank_ends_the_job_and_is_named":
         return item.callspec.params["fault"]  # type: ignore[attr-defined]
-    return JOB_OF_TEST.get(getattr(item, "originalname", ""))
+    if name == "test_under_mpiexec_a_failing_or_hung_rank_ends_the_job":
+        return f"mpiexec {item.callspec.params['fault']}" if _mpi_runs() else None  # type: ignore[attr-defined]
+    return JOB_OF_TEST.get(name)
 
 
 @pytest.fixture(scope="module")
-def plain_jobs(request, tmp_path_factory):
-    """The PLAIN_JOBS of the tests of this module that were selected, run two at a time in the
+def jobs(request, tmp_path_factory):
+    """The JOBS of the tests of this module that were selected, run two at a time in the
     background in the tests' order (a job mostly waits: for its ranks' start-up, then for the
-    fault and the deadlines): name -> future of (exit codes, outputs, seconds, its --out-dir)."""
+    fault and the deadlines): name -> future of (the job's result, its --out-dir)."""
     wanted = dict.fromkeys(
         name for item in request.session.items if item.module is request.module and (name := _job_of(item))
     )
     dirs = {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in wanted}
 
-    def run(name: str) -> tuple[list[int], list[str], float, pathlib.Path]:
-        fault, rank, step, kwargs = PLAIN_JOBS[name]
-        return (*_plain(fault, rank, step, dirs[name], **kwargs), dirs[name])
+    def run(name: str) -> tuple[Any, pathlib.Path]:
+        return JOBS[name](dirs[name]), dirs[name]
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         yield {name: pool.submit(run, name) for name in wanted}
@@ -155,8 +192,8 @@ def plain_jobs(request, tmp_path_factory):
 
 @pytest.mark.parametrize("fault", ["forward", "backward", "save"])
 @pytest.mark.slow
-def test_an_error_on_one_rank_ends_the_job_and_is_named(plain_jobs, fault):
-    codes, outs, elapsed, out_dir = plain_jobs[fault].result()
+def test_an_error_on_one_rank_ends_the_job_and_is_named(jobs, fault):
+    (codes, outs, elapsed), out_dir = jobs[fault].result()
     assert elapsed < BOUND_S
     assert all(c != 0 for c in codes), codes
     assert "PlantedError: planted" in outs[1], outs[1]  # the original error, printed, not lost
@@ -167,16 +204,16 @@ def test_an_error_on_one_rank_ends_the_job_and_is_named(plain_jobs, fault):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_the_job_and_is_named(plain_jobs):
-    codes, outs, elapsed, _ = plain_jobs["kill"].result()
+def test_a_killed_rank_ends_the_job_and_is_named(jobs):
+    (codes, outs, elapsed), _ = jobs["kill"].result()
     assert elapsed < BOUND_S
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
     assert "rank(s) 1 stopped answering" in outs[0], outs[0]
 
 
 @pytest.mark.slow
-def test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous_checkpoint(plain_jobs):
-    codes, outs, elapsed, out_dir = plain_jobs["write-kill"].result()
+def test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous_checkpoint(jobs):
+    (codes, outs, elapsed), out_dir = jobs["write-kill"].result()
     assert elapsed < BOUND_S
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
     assert "rank(s) 1 stopped answering" in outs[0], outs[0]
@@ -187,8 +224,8 @@ def test_a_rank_killed_in_a_background_write_ends_the_job_and_keeps_the_previous
 
 
 @pytest.mark.slow
-def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(plain_jobs):
-    codes, outs, elapsed, _ = plain_jobs["stop"].result()
+def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(jobs):
+    (codes, outs, elapsed), _ = jobs["stop"].result()
     assert elapsed < BOUND_S
     assert codes[0] == 4, (codes, outs[0])  # watchdog.EXIT_TIMEOUT
     assert f"(deadline {TIMEOUT} s after the first step)" in outs[0], outs[0]
@@ -197,12 +234,12 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(plain_jobs):
 
 
 @pytest.mark.slow
-def test_every_survivor_names_only_the_hung_rank(plain_jobs):
+def test_every_survivor_names_only_the_hung_rank(jobs):
     """4 ranks on a 1,2,1,2 grid; rank 2 stops at step 3. Its partners on y (rank 3) and on data
     (rank 0) block in a collective with it first, rank 1 only once they do: the survivors reach
     their deadlines at different times, and each must name rank 2 alone, not the others that are
     ending on their own deadline at the same time."""
-    codes, outs, elapsed, _ = plain_jobs["stop of 4"].result()
+    (codes, outs, elapsed), _ = jobs["stop of 4"].result()
     assert elapsed < BOUND_S
     for r in (0, 1, 3):
         assert codes[r] == 4, (r, codes, outs[r])  # watchdog.EXIT_TIMEOUT
@@ -210,38 +247,22 @@ def test_every_survivor_names_only_the_hung_rank(plain_jobs):
 
 
 @pytest.mark.slow
-def test_under_torchrun_an_error_ends_the_job(tmp_path):
-    torchrun = os.path.join(BIN, "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(WORLD), "--master-port", str(free_port()), SCRIPT, "forward", "1", "3"]
-    start = time.monotonic()
-    proc = subprocess.run(cmd + _flags(tmp_path), env=_env(), capture_output=True, text=True, timeout=BOUND_S + 30)
-    assert time.monotonic() - start < BOUND_S
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+def test_under_torchrun_an_error_ends_the_job(jobs):
+    (returncode, out, elapsed), _ = jobs["torchrun"].result()
+    assert elapsed < BOUND_S
+    assert returncode != 0
     assert "PlantedError: planted forward failure" in out and "axon4d: rank 1 failed" in out, out
     assert "rank 1 failed with PlantedError" in out, out  # printed by rank 0 before the agent stopped it
-
-
-def _mpiexec():
-    found = os.path.join(BIN, "mpiexec")
-    return found if os.path.exists(found) else shutil.which("mpiexec")
 
 
 @pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec: install the [mpi] extra (make test does)")
 @pytest.mark.parametrize("fault", ["forward", "stop"])
 @pytest.mark.slow
-def test_under_mpiexec_a_failing_or_hung_rank_ends_the_job(tmp_path, fault):
+def test_under_mpiexec_a_failing_or_hung_rank_ends_the_job(jobs, fault):
     pytest.importorskip("mpi4py")
-    cmd = [_mpiexec(), "-n", str(WORLD), sys.executable, SCRIPT, fault, "1", "3", *_flags(tmp_path)]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=BOUND_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert time.monotonic() - start < BOUND_S
-    assert proc.returncode != 0
+    (returncode, out, elapsed), _ = jobs[f"mpiexec {fault}"].result()
+    assert elapsed < BOUND_S
+    assert returncode != 0
     if fault == "forward":  # MPI_Abort after the error was printed and announced
         assert "PlantedError: planted forward failure" in out and "rank 1 failed with PlantedError" in out, out
     else:  # the MPI transport's waits poll: the watchdog's deadline ends them
