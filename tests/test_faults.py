@@ -6,7 +6,8 @@ rank's own error must be printed, and the ranks that were still running must nam
 
 Each job case runs ``tests/fault_check.py`` (the real ``axon4d train`` with a fault planted from
 outside the library) on 2 ranks with a tiny model (4 for naming the hung rank among several
-survivors); the jobs run two at a time, in the background from the module's first (``jobs``). The in-process cases check the watchdog's parts that a CPU job cannot reach: the
+survivors); the jobs run in the background from the module's first test, two at a time, the
+stand-in accelerator's beside them (``jobs``). The in-process cases check the watchdog's parts that a CPU job cannot reach: the
 host reads that block under NCCL (loss, gradient norm, device synchronize) end the rank at their
 deadline and are named, and torch.distributed's own timeout follows the watchdog's after the
 first step.
@@ -153,7 +154,10 @@ JOBS = {
     "stop of 4": functools.partial(_plain, "stop", 2, 3, world=4, grid="1,2,1,2"),
     "torchrun": _torchrun,
     **{f"mpiexec {fault}": functools.partial(_under_mpiexec, fault) for fault in ("forward", "stop")},
+    "late": lambda out_dir: _late_pair(out_dir),
 }
+#: jobs whose time is mostly sleep (the stand-in accelerator's steps): run beside the others from the start
+BESIDE = {"late"}
 #: the job each test reads (a parametrized one: by its fault)
 JOB_OF_TEST = {
     "test_a_killed_rank_ends_the_job_and_is_named": "kill",
@@ -161,6 +165,7 @@ JOB_OF_TEST = {
     "test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named": "stop",
     "test_every_survivor_names_only_the_hung_rank": "stop of 4",
     "test_under_torchrun_an_error_ends_the_job": "torchrun",
+    "test_on_the_accelerator_s_path_steps_of_three_times_the_timeout_finish_and_a_rank_stopped_mid_step_is_named": "late",
 }
 
 
@@ -177,7 +182,8 @@ def _job_of(item: pytest.Item) -> str | None:
 def jobs(request, tmp_path_factory):
     """The JOBS of the tests of this module that were selected, run two at a time in the
     background in the tests' order (a job mostly waits: for its ranks' start-up, then for the
-    fault and the deadlines): name -> future of (the job's result, its --out-dir)."""
+    fault and the deadlines), those of BESIDE beside them from the start: name -> future of (the
+    job's result, its --out-dir)."""
     wanted = dict.fromkeys(
         name for item in request.session.items if item.module is request.module and (name := _job_of(item))
     )
@@ -186,8 +192,11 @@ def jobs(request, tmp_path_factory):
     def run(name: str) -> tuple[Any, pathlib.Path]:
         return JOBS[name](dirs[name]), dirs[name]
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        yield {name: pool.submit(run, name) for name in wanted}
+    with (
+        concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool,
+        concurrent.futures.ThreadPoolExecutor(max_workers=1) as beside,
+    ):
+        yield {name: (beside if name in BESIDE else pool).submit(run, name) for name in wanted}
 
 
 @pytest.mark.parametrize("fault", ["forward", "backward", "save"])
@@ -579,21 +588,27 @@ def _end_late(
     return [p.returncode for p in procs], [p.stdout.read() for p in procs], elapsed
 
 
+def _late_pair(out_dir) -> tuple[tuple[list[int], list[str], float], tuple[list[int], list[str], float]]:
+    """Two jobs of ``_start_late`` side by side (their steps mostly sleep: the stand-in device's
+    time): fault-free, and rank 1 stopped in step 2; (exit codes, outputs, seconds) of each."""
+    ok, stop = _start_late(-1, 0, out_dir / "ok"), _start_late(1, 2, out_dir / "stop")
+    try:
+        done = _end_late(*ok, -1, 0)
+    finally:
+        stopped = _end_late(*stop, 1, 2)
+    return done, stopped
+
+
 @pytest.mark.slow
 def test_on_the_accelerator_s_path_steps_of_three_times_the_timeout_finish_and_a_rank_stopped_mid_step_is_named(
-    tmp_path,
+    jobs,
 ):
     """The real job on a stand-in accelerator (``late_device_check.py``): each step's host read
     lasts DEVICE_S = 3 × --timeout, then waits for every rank's. The job finishes (its second and
     third steps under the step read's deadline, 3 × the median step); with rank 1 stopped halfway
     through step 2's read, rank 0 ends at that deadline naming rank 1, torch.distributed's own
     timeout (the barrier's) having been raised past it."""
-    # the two jobs run side by side (their steps mostly sleep: the stand-in device's time)
-    ok, stop = _start_late(-1, 0, tmp_path / "ok"), _start_late(1, 2, tmp_path / "stop")
-    try:
-        codes, outs, _ = _end_late(*ok, -1, 0)
-    finally:
-        stopped = _end_late(*stop, 1, 2)
+    ((codes, outs, _), stopped), _ = jobs["late"].result()
     assert codes == [0, 0], (codes, outs[0][-3000:])
     codes, outs, elapsed = stopped
     assert elapsed < BOUND_S
