@@ -59,7 +59,7 @@ def link_traffic(sc: Scenario, walked: Sequence[Sent] | None = None) -> dict[str
     out = {"forward": 0.0, "backward": 0.0}
     if not sc.machine.accelerator:
         return out
-    for (axis, phase), traffic in pass_collectives(sc, walked=walked).traffic.items():
+    for (axis, phase), traffic in pass_collectives(sc, walked).traffic.items():
         out[phase] += traffic * network_share(sc, axis)
     return out
 

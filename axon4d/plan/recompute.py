@@ -74,11 +74,11 @@ def recomputed_seconds(sc: Scenario) -> float:
     return 0.0
 
 
-def rerun(sc: Scenario, layers: Sequence[LayerCost], issued: Sequence[tuple[Collective, int]] | None = None) -> Rerun:
+def rerun(sc: Scenario, layers: Sequence[LayerCost], issued: Sequence[tuple[Collective, int]]) -> Rerun:
     """What ``sc.recompute`` adds to a step whose layer kinds cost ``layers`` (``layer_cost``);
-    ``issued``: the collectives it issues again, each with how many times, as the step's walk
-    lists them (``axon4d.plan.walk``), by default ``rerun_collectives``."""
-    again = _collectives(sc, rerun_collectives(sc) if issued is None else issued)
+    ``issued``: the collectives it issues again (``rerun_collectives``), each with how many times,
+    as the step's walk lists them (``axon4d.plan.walk``)."""
+    again = _collectives(sc, issued)
     if sc.recompute == "full":
         return _full(sc, layers, again)
     if sc.recompute in ("selective", "balanced"):  # selective under the ring: the forward's ring again

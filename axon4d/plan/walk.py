@@ -121,11 +121,11 @@ def tally(walked: Sequence[Sent], sc: Scenario) -> PassCollectives:
     return out
 
 
-def pass_collectives(sc: Scenario, reuse: bool = False, walked: Sequence[Sent] | None = None) -> PassCollectives:
+def pass_collectives(sc: Scenario, walked: Sequence[Sent] | None = None) -> PassCollectives:
     """The tally (``tally``) of one forward + backward of ``sc`` (one micro-batch) on one rank: the
-    walk's entries but the once-per-step "step" ones; ``walked``: ``step_walk(sc, reuse)`` where
-    the caller has it."""
-    entries = step_walk(sc, reuse) if walked is None else walked
+    walk's entries but the once-per-step "step" ones; ``walked``: ``step_walk(sc)`` where the
+    caller has it."""
+    entries = step_walk(sc) if walked is None else walked
     return tally([s for s in entries if s.source != "step"], sc)
 
 
