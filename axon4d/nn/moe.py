@@ -151,7 +151,12 @@ class MoE(nn.Module):
         g = moe_router.gates(s, chosen, cfg.router_topk_norm, cfg.routed_scaling_factor)  # (T, k)
         self.tokens_per_expert = np.sum([p.tokens_per_expert() for p in plans], axis=0).tolist()  # (E,), all chunks
         seq_len = x.shape[-2] if x.dim() > 2 else tokens
-        self.aux_loss = self._aux(logits, s, tokens, chosen, seq_len)
+        # the re-run of a fully recomputed forward computes the losses again — its ops must save what
+        # the forward's did, in order — but keeps the forward's: a re-run's graph kept here would hold
+        # the block's rebuilt activations to the end of the backward
+        aux = self._aux(logits, s, tokens, chosen, seq_len)
+        if fresh:
+            self.aux_loss = aux
         if self.expert_bias is not None and self.training and fresh:  # not in a recomputed re-run
             moe_router.bias_step(self.expert_bias, self.tokens_per_expert, cfg.moe_bias_update_rate)
         t0 = sum(shares[:mine])

@@ -336,3 +336,28 @@ class BackwardWalk:
         self.live = start + (n - 1) * (self.live - start)
         self.block_backward(first=n == 1)
         return self.peak
+
+
+def walk_kinds(walks: list[tuple[BackwardWalk, int]]) -> float:
+    """The peak live bytes of the backward of a model whose blocks are of several kinds: ``walks``
+    holds each kind's walk (``BackwardWalk`` of a workload whose blocks are all of that kind, the
+    first one's starting from the step's live bytes) and how many blocks of it the model has, in
+    the order the backward reaches them (the MoE blocks, the last ones, before the dense blocks of
+    ``first_k_dense``). The head's backward, then per kind its first block walked, the rest of its
+    blocks but the last repeating that block's change of live bytes, and its last block walked:
+    with one kind, ``BackwardWalk.run``'s walk. A kind's first block starts from the live bytes
+    the kind before it left, with its own blocks' layers as the ones the scheduler prefetches and
+    still reduces (the boundary's one block of the other kind is not modelled)."""
+    head = walks[0][0]
+    if head.wl.head:
+        head.head()
+    live, peak, first = head.live, head.peak, True
+    for walk, count in walks:
+        walk.live, walk.peak = live, peak
+        start = walk.live
+        walk.block_backward(first=first)
+        if count > 1:
+            walk.live = start + (count - 1) * (walk.live - start)
+            walk.block_backward(first=False)
+        live, peak, first = walk.live, walk.peak, False
+    return peak

@@ -342,8 +342,8 @@ def _print_plans(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult,
         print(f"expert layout {where} ({routing}; MFU counts active parameters)")
         if cfg.first_k_dense:
             print(
-                f"note: the first {cfg.first_k_dense} block(s) run a dense MLP; the planner prices every block as an "
-                "MoE block (their time and memory as the MoE blocks', not their own)"
+                f"blocks: the first {cfg.first_k_dense} dense (an MLP of {cfg.ffn}), the other {cfg.moe_layers} MoE; "
+                "each kind priced as its own blocks (docs/planner.md)"
             )
     print()
     print(result.table(min(args.top, len(fitting))))

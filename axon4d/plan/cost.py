@@ -54,7 +54,7 @@ from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.walk import ONCE_PER_STEP, step_walk, stored
-from axon4d.plan.workload import Workload
+from axon4d.plan.workload import DENSE_MLP, Workload
 
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})
@@ -168,7 +168,12 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
     with the once-per-step parts — the data-axis gradient reductions (``ONCE_PER_STEP``) and what
     ODP hides of them, the optimizer, ZeRO's parameter all-gather — counted once (``_accumulated``).
     Under keep-for-backward the k − 1 passes after the first gather no weight block that the first
-    carried over (``layers.carried``): they are priced as such a pass."""
+    carried over (``layers.carried``): they are priced as such a pass. A model with blocks of two
+    kinds (dense blocks before MoE blocks, ``Workload.kinds``) is the sum of its kinds' steps, each
+    weighted by its share of the blocks (``combined``)."""
+    kinds = sc.kinds()
+    if len(kinds) > 1:
+        return combined([(step_estimate(kind), share, not kind.model.moe) for kind, share in kinds])
     k = sc.micro_batches
     micro = sc.micro()
     first = _one_pass(micro)
@@ -218,12 +223,12 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         if c.term == Term.MOE_EXPERT_WEIGHT_GRAD:
             replicas_s += s.runs * seconds
         if s.source == "moe" and c.op == Op.ALL_TO_ALL and c.axis != "x":  # not the moves over x
-            a2a[c.phase] += s.runs // sc.model.n_layers * seconds
+            a2a[c.phase] += s.runs // sc.model.moe_layers * seconds
         if c.term == Term.ZERO_GATHER:
             gathers_s += seconds
     odp_experts = moe_chunks = 0.0  # what ODP hides of the replicas' reductions, the chunked exchanges
-    if sc.model.moe:  # every block's MoE layer's compute
-        n = sc.model.n_layers
+    if sc.model.moe:  # every MoE block's MoE layer's compute
+        n = sc.model.moe_layers
         moe = moe_seconds(sc)
         totals.compute += n * (moe.fwd + moe.bwd)
         totals.matmul += n * moe.matmul
@@ -276,6 +281,60 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     )
 
 
+def combined(parts: list[tuple[TimeEstimate, float, bool]]) -> TimeEstimate:
+    """A step whose blocks are of several kinds from the steps of each kind alone (every block of
+    that kind), each weighted by its share of the blocks: every sum of the estimate is the weighted
+    sum of the kinds' — each kind's blocks counted as many times as the model has them, the edges
+    (embedding, head, optimizer of their parameters) once. A layer of every kind (attention) keeps
+    its per-run figures weighted by the kinds' shares; a layer of one kind (the dense blocks' MLP,
+    ``workload.DENSE_MLP``, or the MoE blocks' shared experts) its kind's, with its own count.
+    What this leaves out: overlap across the one boundary between the kinds, where each kind's
+    schedule assumes a neighbour of its own kind. ``parts``: (the kind's estimate, its share of the
+    blocks, whether it is the dense blocks' kind of an MoE model)."""
+    first = parts[0][0]
+
+    def total(field: str) -> float:
+        return sum(share * getattr(t, field) for t, share, _ in parts)
+
+    def by_key(field: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t, share, _ in parts:
+            for key, v in getattr(t, field).items():
+                out[key] = out.get(key, 0.0) + share * v
+        return out
+
+    layers: dict[str, dict[str, float]] = {}
+    weight: dict[str, float] = {}
+    for t, share, dense in parts:
+        for name, report in t.layers.items():
+            name = DENSE_MLP.get(name, name) if dense else name
+            row = layers.setdefault(name, {})
+            weight[name] = weight.get(name, 0.0) + share
+            for key, v in report.items():
+                row[key] = row.get(key, 0.0) + share * v
+    for name, row in layers.items():  # per-run figures: the kinds' mean; the count: the runs of all kinds
+        for key in row:
+            if key != "count":
+                row[key] /= weight[name]
+    return dataclasses.replace(
+        first,
+        compute_s=total("compute_s"),
+        matmul_s=total("matmul_s"),
+        optimizer_s=total("optimizer_s"),
+        comm_s=total("comm_s"),
+        hidden_s=total("hidden_s"),
+        comm_by_axis=by_key("comm_by_axis"),
+        bytes_by_axis={axis: round(v) for axis, v in by_key("bytes_by_axis").items()},
+        hidden_by_mechanism=by_key("hidden_by_mechanism"),
+        layers=layers,
+        activation_comm_s=total("activation_comm_s"),
+        collectives=round(total("collectives")),
+        traffic_bytes=total("traffic_bytes"),
+        interference_s=total("interference_s"),
+        offload_s=total("offload_s"),
+    )
+
+
 def replicas_hidden(sc: Scenario, seconds: float, moe_bwd: float) -> float:
     """Seconds ODP hides of the expert replicas' weight-gradient all-reduces (``seconds`` in all):
     the scheduler launches each block's as its experts' backward ends (``track_replicated``,
@@ -283,7 +342,7 @@ def replicas_hidden(sc: Scenario, seconds: float, moe_bwd: float) -> float:
     at most their compute (``moe_bwd`` each), which no other overlap window uses (the MoE layer's
     own collectives are waited for in place) — at the machine's overlap efficiency. Nothing
     without ODP or replicas."""
-    n = sc.model.n_layers
+    n = sc.model.moe_layers
     if not sc.overlap.odp or seconds <= 0 or n < 2:
         return 0.0
     return min(seconds * (n - 1) / n, (n - 1) * moe_bwd) * sc.machine.overlap_efficiency

@@ -55,14 +55,14 @@ def moe_costs(wl: Workload, shape: GridShape, machine: Machine, overlap: Overlap
     sc = Scenario(wl, shape, machine, overlap)
     m, layout = wl.model, wl.expert_layout
     moe = moe_seconds(sc)
-    seconds = m.n_layers * (moe.fwd + moe.bwd)
-    seconds += m.n_layers * sum(priced(c, sc)[0] for c in sc.moe_collectives)
+    seconds = m.moe_layers * (moe.fwd + moe.bwd)
+    seconds += m.moe_layers * sum(priced(c, sc)[0] for c in sc.moe_collectives)
     seconds += sum(priced(c, sc)[0] for c in sc.edge_collectives if c.term == Term.MOE_EXPERT_WEIGHT_GRAD)
     experts = moe_memory.expert_elements(m, shape, layout)
     sharded = experts if moe_memory.experts_whole_under_zero(layout) else experts / shape.data
     elem = sc.element_size
     saved = moe_memory.saved_bytes(m, wl.local_tokens(shape), shape, elem, wl.dtype != "float32", wl.imbalance, layout)
-    return seconds, float(experts), float(sharded), m.n_layers * saved
+    return seconds, float(experts), float(sharded), m.moe_layers * saved
 
 
 def undominated(

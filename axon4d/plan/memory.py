@@ -26,9 +26,9 @@ from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Term, weight_shard_numel, wire_element_size
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
-from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk
+from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk, walk_kinds
 from axon4d.plan.saved import block_bytes, final_norm_saved
-from axon4d.plan.workload import OPTIMIZERS, Workload
+from axon4d.plan.workload import DENSE_MLP, OPTIMIZERS, Workload
 
 
 def param_bytes(wl: Workload, master_weights: bool | None = None) -> int:
@@ -53,7 +53,7 @@ def sixteen_bit_weights(wl: Workload, shape: GridShape, zero: int, master_weight
         for _ in range(s.count)
     ]
     if wl.model.moe and not moe_memory.experts_whole_under_zero(wl.expert_layout):  # expert replicas over data
-        out += moe_memory.param_tensors(wl.model, shape, wl.expert_layout)[1:3] * wl.model.n_layers
+        out += moe_memory.param_tensors(wl.model, shape, wl.expert_layout)[1:3] * wl.model.moe_layers
     return out
 
 
@@ -81,7 +81,7 @@ def local_param_tensors(wl: Workload, shape: GridShape, experts: bool = True) ->
     if experts:  # MoE: each layer's router weight and this rank's experts (plan.moe_memory)
         out += moe_memory.param_tensors(m, shape, wl.expert_layout)
     elif m.moe:  # the router weights alone
-        out += [moe_memory.layer_tensors(m, shape, wl.expert_layout)[0]] * m.n_layers
+        out += [moe_memory.layer_tensors(m, shape, wl.expert_layout)[0]] * m.moe_layers
     return out
 
 
@@ -165,10 +165,14 @@ def kept_weights(wl: Workload, shape: GridShape, recompute: str, overlap: Overla
         sum(
             s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
             for s in wl.linears()
-            if not s.embedding and not (recompute == "full" and s.name in BACKWARD_ORDER[1:])
+            if not s.embedding and not (recompute == "full" and _BLOCK_NAMES.get(s.name, s.name) in BACKWARD_ORDER[1:])
         )
         * wl.element_size
     )
+
+
+#: a mixed model's dense blocks' MLP layers (``workload.DENSE_MLP``) by the block layer names they are
+_BLOCK_NAMES = {dense: name for name, dense in DENSE_MLP.items()}
 
 
 def edge_activations(wl: Workload, shape: GridShape) -> float:
@@ -308,34 +312,56 @@ def memory(
     if micro_batches > 1:
         wl = dataclasses.replace(wl, batch=wl.batch // micro_batches)
     state = persistent(wl, shape, zero, micro_batches, master_weights)
-    per_block = block_bytes(wl, shape, recompute)
+    # each block kind (``Workload.kinds``: dense blocks before MoE blocks, or one kind), its blocks and
+    # the bytes one of them keeps for backward; the first ``offload`` blocks are the first kind's first
+    kinds = [(kind, round(share * wl.model.n_layers)) for kind, share in wl.kinds()]
+    per_kind = [block_bytes(kind, shape, recompute) for kind, _ in kinds]
+    per_block = per_kind[0]  # the first blocks': those offload moves first (and fetches back last)
     cast = state.p_bytes != wl.element_size and not state.sixteen  # fp32 masters, cast per use
     weights = kept_weights(wl, shape, recompute, overlap, cast)
     # the backward starts with the activations of the blocks not offloaded (axon4d.memory.offload: the
     # first ``offload``, whose backward comes last)
-    acts = (wl.model.n_layers - offload) * per_block + weights + edge_activations(wl, shape)
+    blocks = host = 0.0
+    left = offload
+    for (_, count), saved in zip(kinds, per_kind):
+        moved = min(left, count)
+        blocks += (count - moved) * saved
+        host += moved * saved
+        left -= moved
+    acts = blocks + weights + edge_activations(wl, shape)
     held, share = held_gradients(state, shape, zero, micro_batches, staged_reduce_scatter)
     wire_dtype = torch.float32 if state.p_bytes == 4 else DTYPES[wl.dtype]
-    walk = functools.partial(  # the walk of this step from a given start (live bytes, gradient share)
-        BackwardWalk,
-        wl,
-        shape,
-        recompute,
-        overlap,
-        staged_reduce_scatter,
-        grad_bytes=state.p_bytes,
-        wire_bytes=wire_element_size(wl.dtypes, Term.E11, wire_dtype),
-        fp8_gather=fp8_gather,
-        carried=micro_batches > 1,  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
-        cast_weights=cast,
-        widened_gemms=widened_gemms,
-    )
-    live_peak = walk(acts + held, share).run()
-    if offload:
-        live_peak = max(live_peak, offload_peak(walk, wl, shape, state, per_block, weights, held, share))
+
+    def walk(start: float, share: float, kind: Workload = wl) -> BackwardWalk:
+        """The walk of this step's blocks of ``kind``'s kind from ``start`` live bytes, each layer's
+        gradient adding ``share`` of its bytes."""
+        return BackwardWalk(
+            kind,
+            shape,
+            recompute,
+            overlap,
+            staged_reduce_scatter,
+            start,
+            share,
+            grad_bytes=state.p_bytes,
+            wire_bytes=wire_element_size(wl.dtypes, Term.E11, wire_dtype),
+            fp8_gather=fp8_gather,
+            carried=micro_batches > 1,  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
+            cast_weights=cast,
+            widened_gemms=widened_gemms,
+        )
+
+    if len(kinds) == 1:
+        live_peak = walk(acts + held, share, kinds[0][0]).run()
+    else:  # the backward reaches the MoE blocks (the last ones) first
+        live_peak = walk_kinds([(walk(acts + held, share, kind), count) for kind, count in reversed(kinds)])
+    if offload:  # the backward's last two blocks: the first kind's (a mixed model's dense blocks)
+        first = kinds[0][0]
+        last = functools.partial(walk, kind=first)
+        live_peak = max(live_peak, offload_peak(last, first, shape, state, per_block, weights, held, share))
     gathers, deferred, largest_part = zero_gathers(wl, shape, zero, overlap, accelerator, state)
     # per-tensor temporaries of a non-foreach Adam; SGD updates in place
     optimizer_step = state.grads + gathers + (2 * largest_part * 4 if wl.optimizer == "adam" else 0)
     peak = state.params + state.optimizer + max(live_peak, acts + deferred, optimizer_step)
     buffers = max(live_peak - acts, 0.0)
-    return MemoryEstimate(state.params, state.grads, state.optimizer, acts, buffers, peak, offload * per_block)
+    return MemoryEstimate(state.params, state.grads, state.optimizer, acts, buffers, peak, host)

@@ -370,5 +370,5 @@ def param_counts(model: ModelConfig) -> tuple[int, int]:
     token uses — the total less the routed experts it does not reach."""
     per_expert = ((2 if model.gated else 1) + 1) * model.hidden * model.expert_width
     total = model.n_params()
-    idle = model.n_layers * (model.n_experts - model.experts_per_token) * per_expert if model.moe else 0
+    idle = model.moe_layers * (model.n_experts - model.experts_per_token) * per_expert if model.moe else 0
     return total, total - idle

@@ -42,17 +42,17 @@ def layer_tensors(model: ModelConfig, shape: GridShape, layout: Layout = None) -
 
 
 def param_tensors(model: ModelConfig, shape: GridShape, layout: Layout = None) -> list[int]:
-    """Elements of every MoE parameter tensor one rank holds (router, up, down per layer; none
+    """Elements of every MoE parameter tensor one rank holds (router, up, down per MoE layer; none
     without MoE)."""
-    return list(layer_tensors(model, shape, layout)) * model.n_layers if model.moe else []
+    return list(layer_tensors(model, shape, layout)) * model.moe_layers if model.moe else []
 
 
 def expert_elements(model: ModelConfig, shape: GridShape, layout: Layout = None) -> int:
-    """Expert weight elements on one rank, every layer's."""
+    """Expert weight elements on one rank, every MoE layer's."""
     if not model.moe:
         return 0
     _, up, down = layer_tensors(model, shape, layout)
-    return model.n_layers * (up + down)
+    return model.moe_layers * (up + down)
 
 
 def experts_whole_under_zero(layout: Layout) -> bool:

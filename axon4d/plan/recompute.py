@@ -117,7 +117,7 @@ def rerun_collectives(sc: Scenario) -> list[tuple[Collective, int]]:
     # it stops at the gated sum, the block's last saved tensor (``moe_cost.output_moves``)
     forward = [c for c in sc.moe_collectives if c.phase == "forward"]
     forward = forward[: len(forward) - output_moves(sc.model, sc.shape, sc.workload.expert_layout)]
-    moe = [(c, sc.model.n_layers) for c in forward if c.term != Term.MOE_COUNTS]
+    moe = [(c, sc.model.moe_layers) for c in forward if c.term != Term.MOE_COUNTS]
     return out + moe + [(c, 1) for c in sc.workload.block_forward_collectives(sc.shape)]
 
 
@@ -126,7 +126,7 @@ def _full(sc: Scenario, layers: Sequence[LayerCost], again: Rerun) -> Rerun:
     collective of the blocks' forwards again (``again``: ``rerun_collectives`` priced)."""
     block = [lc for lc in layers if in_block(lc.spec, sc)]
     moe = (
-        sc.model.n_layers
+        sc.model.moe_layers
         * layer_seconds(
             sc.model,
             sc.tokens,

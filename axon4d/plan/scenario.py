@@ -149,6 +149,14 @@ class Scenario:
         wl = dataclasses.replace(self.workload, batch=self.workload.batch // self.micro_batches)
         return dataclasses.replace(self, workload=wl, micro_batches=1)
 
+    def kinds(self) -> list[tuple[Scenario, float]]:
+        """This step as steps of one block kind each, with each kind's share of the blocks
+        (``Workload.kinds``): [(self, 1.0)] where every block is of one kind."""
+        return [
+            (self if wl is self.workload else dataclasses.replace(self, workload=wl), share)
+            for wl, share in self.workload.kinds()
+        ]
+
     def options(self) -> dict[str, object]:
         """The step's options as the planner shows them (``candidate.Candidate.to_json``)."""
         return {

@@ -26,7 +26,17 @@ Tally = Counter[tuple[str, Term]]
 def step_collectives_by_phase(sc: Scenario) -> tuple[PhaseTally, PhaseTally]:
     """(calls, payload bytes) per (axis, term, phase) of one step of ``sc`` on one rank —
     "forward", "backward" or "optimizer" (ZeRO's all-gathers): ``micro_batches`` passes of a
-    micro-batch, the once-per-step collectives once (module docstring)."""
+    micro-batch, the once-per-step collectives once (module docstring). A model with blocks of two
+    kinds: its kinds' steps, each weighted by its share of the blocks (``Workload.kinds``), to the
+    nearest whole call and byte."""
+    kinds = sc.kinds()
+    if len(kinds) > 1:
+        sums: tuple[dict[tuple[str, Term, str], float], ...] = ({}, {})  # calls, bytes
+        for kind, share in kinds:
+            for out, part in zip(sums, step_collectives_by_phase(kind)):
+                for key, n in part.items():
+                    out[key] = out.get(key, 0.0) + share * n
+        return Counter({k: round(v) for k, v in sums[0].items()}), Counter({k: round(v) for k, v in sums[1].items()})
     micro, k = sc.micro(), sc.micro_batches
     first = step_walk(micro)
     later = step_walk(micro, reuse=True) if sc.overlap.oag_keep else first

@@ -85,7 +85,7 @@ def step_walk(sc: Scenario, reuse: bool = False, scales: dict[Term, tuple[float,
         if c.term not in EMBEDDING_TERMS:  # the embedding's are its layer's
             out.append(Sent(c, n, n, c.phase, "edge"))
     for c, n in Counter(sc.moe_collectives).items():  # every block's MoE layer (plan.moe_cost)
-        out.append(Sent(c, n * sc.model.n_layers, n * sc.model.n_layers, c.phase, "moe"))
+        out.append(Sent(c, n * sc.model.moe_layers, n * sc.model.moe_layers, c.phase, "moe"))
     for c, n in rerun_collectives(sc):  # what recomputation issues again, inside the backward
         out.append(Sent(c, n, n, "backward", "rerun"))
     for c in zero_gathers(sc) + scale_gathers(sc):

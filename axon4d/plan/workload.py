@@ -81,6 +81,24 @@ def block_shapes(m: ModelConfig) -> list[tuple[str, int, int, bool, bool]]:
     return shapes
 
 
+#: the names a mixed model's dense blocks give their MLP's layers (``Workload.linears``), beside the
+#: MoE blocks' shared experts, which keep the MLP's own names
+DENSE_MLP = {"mlp_up": "dense_mlp_up", "mlp_down": "dense_mlp_down"}
+
+
+def block_kinds(m: ModelConfig) -> list[tuple[ModelConfig, int]]:
+    """The kinds of block ``m`` has, each as a model whose blocks are all of that kind, and how many
+    of ``m``'s blocks are of it: one kind — ``m`` itself — for a dense model or an MoE model whose
+    blocks are all MoE; for an MoE model with ``first_k_dense`` dense blocks (DeepSeek-V3), the dense
+    model of its first blocks (its MLP of ``ffn``, no experts) and ``m`` with every block MoE (an
+    MoE model whose blocks are all dense: the dense model alone)."""
+    if not m.moe or not m.first_k_dense:
+        return [(m, m.n_layers)]
+    dense = m.replace(n_experts=0, shared_experts=0, first_k_dense=0, n_groups=1, topk_groups=None)
+    kinds = [(dense, m.first_k_dense), (m.replace(first_k_dense=0), m.moe_layers)]
+    return [(model, n) for model, n in kinds if n]
+
+
 def unmixed_precision(dtype: str) -> str:
     """The preset whose collectives move what a model whose parameters are ``dtype`` itself moves
     on a grid without mixed precision (``axon4d.measure.probe.ProbeModel``: no fp32 masters, its
@@ -321,15 +339,35 @@ class Workload:
             return Term.CP_KV_RING, Term.CP_KV_RING_GRAD
         return Term.CP_KV, Term.CP_KV_GRAD
 
+    def kinds(self) -> list[tuple[Workload, float]]:
+        """This step as steps of one block kind each (``block_kinds``), each with its share of the
+        blocks: [(self, 1.0)] where every block is of one kind. A step of a mixed model is priced
+        as the sum of its kinds' steps, each weighted by its share (``plan.cost.step_estimate``,
+        ``plan.sent``, ``plan.memory``): every per-block term then counts each kind's blocks, and
+        the edges (embedding, head), the same in every kind, count once."""
+        kinds = block_kinds(self.model)
+        if len(kinds) == 1 and kinds[0][0] is self.model:
+            return [(self, 1.0)]
+        n = self.model.n_layers
+        return [(dataclasses.replace(self, model=m), count / n) for m, count in kinds]
+
     def linears(self) -> list[LinearSpec]:
-        """Every linear layer kind of a step, in forward order."""
+        """Every linear layer kind of a step, in forward order, each with how many times it runs: a
+        block's layers once per block of their kind — with dense blocks beside MoE blocks
+        (``block_kinds``), the dense blocks' MLP as ``DENSE_MLP``'s layers."""
         m = self.model
         out = []
         if self.embedding:
             out.append(
                 LinearSpec("embedding", m.vocab_size, m.hidden, True, False, 1, input_grad=False, embedding=True)
             )
-        out += [LinearSpec(n, i, o, t, b, m.n_layers) for n, i, o, t, b in block_shapes(m)]
+        kinds = block_kinds(m)
+        counts: dict[tuple[str, int, int, bool, bool], int] = {}
+        for model, n in kinds:
+            for name, i, o, t, b in block_shapes(model):
+                name = DENSE_MLP.get(name, name) if len(kinds) > 1 and not model.moe else name
+                counts[(name, i, o, t, b)] = counts.get((name, i, o, t, b), 0) + n
+        out += [LinearSpec(n, i, o, t, b, count) for (n, i, o, t, b), count in counts.items()]
         if self.head:
             out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
         return out
@@ -361,12 +399,12 @@ class Workload:
             tensors = (2 if m.arch == "gpt" else 1) * (2 * m.n_layers + 1)
             add(Op.ALL_REDUCE, "batch", h_x, "backward", Term.NORM_GRAD, tensors)
         if m.moe:  # each MoE layer's router weight (E, hidden/G_x), its gradient averaged over batch
-            add(Op.ALL_REDUCE, "batch", m.n_experts * h_x, "backward", Term.MOE_ROUTER_WEIGHT_GRAD, m.n_layers)
+            add(Op.ALL_REDUCE, "batch", m.n_experts * h_x, "backward", Term.MOE_ROUTER_WEIGHT_GRAD, m.moe_layers)
             p = placement(m, shape, self.expert_layout)
             if p.dp_axis is not None:  # expert replicas: up and down's gradients summed over their axis
                 block = p.local * p.hidden_x * p.ffn_y  # down's elements; up's are ups times as many
                 for n in ((2 if m.gated else 1) * block, block):
-                    add(Op.ALL_REDUCE, p.dp_axis, n, "backward", Term.MOE_EXPERT_WEIGHT_GRAD, m.n_layers)
+                    add(Op.ALL_REDUCE, p.dp_axis, n, "backward", Term.MOE_EXPERT_WEIGHT_GRAD, m.moe_layers)
         if self.norms:
             # the split norms' per-token sums over x, forward and backward: two per block, the final norm's
             norms = 2 * m.n_layers + (1 if self.head else 0)
@@ -418,7 +456,7 @@ class Workload:
         matmul = sum(s.in_features * s.out_features * s.count for s in self.linears() if not s.embedding)
         if m.moe:  # the shared experts are among the linears; the router and k routed experts besides
             per_expert = ((2 if m.gated else 1) + 1) * m.hidden * m.expert_width
-            matmul += m.n_layers * (m.n_experts * m.hidden + m.experts_per_token * per_expert)
+            matmul += m.moe_layers * (m.n_experts * m.hidden + m.experts_per_token * per_expert)
         att = 2 * 2 * m.n_layers * m.seq_len * m.hidden / 2 * self.attention_share if self.attention else 0.0
         return self.tokens * (6.0 * matmul + 3.0 * att)
 
