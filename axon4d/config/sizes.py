@@ -73,14 +73,15 @@ SIZES: dict[str, ModelConfig] = {
         name="mixtral-8x7b",
     ),
     # DeepSeek-V3 at its scale — DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437) §4.2:
-    # 61 layers, hidden 7168, 128 heads, 256 routed experts top-8 and 1 shared expert of FFN 2048,
-    # sigmoid routing, vocabulary 129280. Simplified: standard multi-head attention (head_dim 56)
-    # instead of MLA, every layer MoE (the report's first 3 are dense, FFN 18432), no multi-token
-    # prediction module: 705B total (the report's 671B: +5%) and 38.7B active (37B: +5%).
+    # 61 layers, hidden 7168, 128 heads, the first 3 blocks dense (FFN 18432), the rest 256 routed
+    # experts top-8 and 1 shared expert of FFN 2048, sigmoid routing, vocabulary 129280. Simplified:
+    # standard multi-head attention (head_dim 56) instead of MLA, no multi-token prediction module:
+    # 672B total (the report's 671B: +0.2%) and 38.7B active (37B: +5%, MLA's smaller projections).
     "deepseek-v3-scale": ModelConfig(
         n_layers=61,
         hidden=7168,
         n_heads=128,
+        ffn_hidden=18432,
         vocab_size=129280,
         seq_len=4096,
         arch="llama",
@@ -89,17 +90,20 @@ SIZES: dict[str, ModelConfig] = {
         expert_ffn=2048,
         shared_experts=1,
         router_scoring="sigmoid",
+        first_k_dense=3,
         name="deepseek-v3-scale",
     ),
     # A 1T-parameter MoE — the shape of Kimi K2 (Moonshot AI's Kimi K2 technical report, 2025, and the
-    # config of moonshotai/Kimi-K2-Base: 1.04T total, 32B active): DeepSeek-V3's width and depth with 384 routed
-    # experts top-8, 1 shared, FFN 2048, 64 heads, vocabulary 163840; standard attention instead of
-    # MLA (head_dim 112), every layer MoE: 1.05T total, 39B active. 384 = 2^7·3 experts split over up
-    # to 128 expert-parallel ranks, so 1024 GPUs split each expert over x·y ≥ 8.
+    # config of moonshotai/Kimi-K2-Base: 1.04T total, 32B active): DeepSeek-V3's width and depth with the
+    # first block dense (FFN 18432, first_k_dense_replace 1) and 384 routed experts top-8, 1 shared, FFN
+    # 2048, 64 heads, vocabulary 163840; standard attention instead of MLA (head_dim 112): 1.03T total,
+    # 39B active. 384 = 2^7·3 experts split over up to 128 expert-parallel ranks, so 1024 GPUs
+    # replicate or split each expert over the other 8.
     "moe-1t": ModelConfig(
         n_layers=61,
         hidden=7168,
         n_heads=64,
+        ffn_hidden=18432,
         vocab_size=163840,
         seq_len=4096,
         arch="llama",
@@ -108,6 +112,7 @@ SIZES: dict[str, ModelConfig] = {
         expert_ffn=2048,
         shared_experts=1,
         router_scoring="sigmoid",
+        first_k_dense=1,
         name="moe-1t",
     ),
     # DeepSeek-V3's routing at tiny-moe's size (docs/moe.md, "DeepSeek-V3 routing"): sigmoid scores,
