@@ -114,6 +114,35 @@ def test_the_job_runs_the_plan_s_per_layer_choice(monkeypatch):
             dataclasses.replace(cfg, **bad).check()
 
 
+def test_a_layer_kind_runs_fp8_in_the_dense_and_the_moe_blocks_alike():
+    """The runtime makes one FP8 choice per layer kind (``--bf16-layers``; ``keep_in_bf16`` sets every
+    block's): in a model with dense blocks first, the dense blocks' MLP and the MoE blocks' shared
+    experts are the kinds mlp_up and mlp_down together. DeepSeek-V3 on (1,1,8,32): the dense blocks'
+    MLP down (7168 × 18432 per rank) is cheaper in FP8, the shared experts' (7168 × 2048) in bf16 —
+    the kind runs FP8 over its 61 runs, and each block kind's step, the step's scale gathers and the
+    job's ``--bf16-layers`` take that one choice."""
+    from axon4d.plan.sent import step_collectives_by_phase
+    from axon4d.plan.workload import layer_kind
+
+    wl = Workload(get_config("deepseek-v3-scale"), 256, precision="bf16-fp8")
+    sc = Scenario(wl, GridShape(1, 1, 8, 32), load("h100"), recompute="full", zero=2)
+    specs = {s.name: s for s in wl.linears()}
+    dense, shared = fp8.layer_choice(specs["dense_mlp_down"], sc), fp8.layer_choice(specs["mlp_down"], sc)
+    assert dense[0] and not shared[0]  # alone they would differ
+    kinds = fp8.kind_choices(sc)
+    together = 3 * dense[2] + 58 * shared[2] < 3 * dense[1] + 58 * shared[1]
+    assert kinds["mlp_down"][0] == together
+    for kind, _ in sc.kinds():  # each block kind's step runs the kind's choice
+        for spec in kind.workload.linears():
+            if not spec.embedding:
+                assert fp8.layer_choice(spec, kind)[0] == kinds[layer_kind(spec.name)][0], (kind.model.moe, spec.name)
+    calls, _ = step_collectives_by_phase(sc)  # one scale gather per run of every FP8 layer, of every kind
+    fp8_runs = sum(s.count for s in wl.linears() if not s.embedding and kinds[layer_kind(s.name)][0])
+    assert calls[("z", Term.FP8_SCALE, "forward")] == fp8_runs
+    chosen = fp8.fp8_layers(sc, [s for s in wl.linears() if layer_kind(s.name) in ("mlp_up", "mlp_down")])
+    assert set(chosen) == {"mlp_up", "mlp_down"} and chosen["mlp_down"][0] == together
+
+
 def _fp8_per_layer(grid):
     from axon4d.config import ModelConfig
     from axon4d.train.loop import build_model

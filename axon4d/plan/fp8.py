@@ -27,7 +27,7 @@ from axon4d.device.fp8 import ALIGN
 from axon4d.layout.geometry import Collective, Op, Term, weight_block_shape
 from axon4d.options.precision import SCALE_BYTES
 from axon4d.plan.machine import Machine
-from axon4d.plan.workload import LinearSpec
+from axon4d.plan.workload import LinearSpec, layer_kind
 
 #: a ``axon4d.plan.scenario.Scenario`` (which imports this module: not imported here)
 Scenario = Any
@@ -158,12 +158,28 @@ def layer_choice(spec: LinearSpec, sc: Scenario) -> tuple[bool, float, float]:
     if not runs_fp8_at_all(spec, sc):
         return False, bf16, math.inf
     fp8 = sum(gemm_seconds(m, f, mm, k, n, dt, world) for f, mm, k, n in gemms) + cast_seconds(spec, sc)
-    return fp8 < bf16, bf16, fp8
+    decided = dict(sc.workload.decided_kinds)  # its kind decided with the other blocks' layers
+    return decided.get(layer_kind(spec.name), fp8 < bf16), bf16, fp8
+
+
+def kind_choices(sc: Scenario, specs: list[LinearSpec] | None = None) -> dict[str, tuple[bool, float, float]]:
+    """(FP8?, bf16 seconds, FP8 seconds) of each layer kind (``workload.layer_kind``) of ``specs``
+    (None: the workload's layers) on one rank of ``sc``, its layers' runs summed: the runtime makes
+    one choice per kind (``--bf16-layers``), so a mixed model's dense blocks' MLP and its MoE blocks'
+    shared experts run FP8 together, where every one of them can and FP8 is cheaper over them all
+    (``layer_choice`` of each alone otherwise)."""
+    sums: dict[str, tuple[float, float]] = {}  # kind -> (bf16, FP8) seconds of all its layers' runs
+    for s in sc.workload.linears() if specs is None else specs:
+        _, bf16_s, fp8_s = layer_choice(s, sc)  # FP8 seconds inf where the layer cannot run FP8
+        b, f = sums.get(layer_kind(s.name), (0.0, 0.0))
+        sums[layer_kind(s.name)] = (b + s.count * bf16_s, f + s.count * fp8_s)
+    decided = dict(sc.workload.decided_kinds)
+    return {k: (decided.get(k, f < b), b, f) for k, (b, f) in sums.items()}
 
 
 def fp8_layers(sc: Scenario, specs: list[LinearSpec]) -> dict[str, tuple[bool, float, float]]:
-    """``layer_choice`` of each of ``specs`` (the workload's layers) by name."""
-    return {s.name: layer_choice(s, sc) for s in specs}
+    """``kind_choices`` of ``specs`` (the workload's layers), by layer kind."""
+    return kind_choices(sc, specs)
 
 
 def scale_gathers(sc: Scenario) -> list[Collective]:
@@ -183,12 +199,16 @@ def table(sc: Scenario) -> str:
     """Which layers of ``sc``'s workload run FP8 on its grid, and why: one line per layer with its
     local block, its GEMMs' priced seconds per run in bf16 and in FP8 (casts included)."""
     lines = [f"{'layer':<12} {'block (out_l, in_l)':>20} {'bf16 ms':>9} {'fp8 ms':>9}  runs"]
+    kinds = kind_choices(sc)
     for spec in sc.workload.linears():
         if spec.embedding:
             continue
-        fp8, bf16_s, fp8_s = layer_choice(spec, sc)
+        alone, bf16_s, fp8_s = layer_choice(spec, sc)
+        fp8 = kinds[layer_kind(spec.name)][0]
         block = weight_block_shape(spec.in_features, spec.out_features, sc.shape, spec.transpose)
-        if fp8:
+        if fp8 != alone:  # a mixed model's kind, decided over its blocks of both kinds
+            why = f"{'fp8' if fp8 else 'bf16'} (as the other blocks' {layer_kind(spec.name)}: one choice per kind)"
+        elif fp8:
             why = "fp8"
         elif spec.name in BF16_LAYERS:
             why = "bf16 (kept in bf16)"

@@ -28,7 +28,7 @@ from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.result import PlanResult
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine
-from axon4d.plan.workload import Workload
+from axon4d.plan.workload import Workload, layer_kind
 
 #: the fastest fitting plans a job that takes the planner's first choice asks for (and rank 0 prints)
 FIRST_CHOICE_TOP = 3
@@ -129,7 +129,7 @@ class JobPlan:
             offload=int(opts["offload"]),
             fp8_gather=bool(opts["fp8_gather"]),
         ).micro()
-        chosen = fp8_plan.fp8_layers(sc, [s for s in wl.linears() if s.name in kinds])
+        chosen = fp8_plan.fp8_layers(sc, [s for s in wl.linears() if layer_kind(s.name) in kinds])
         return [name for name in kinds if name in chosen and not chosen[name][0]]
 
 

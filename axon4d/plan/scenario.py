@@ -151,10 +151,19 @@ class Scenario:
 
     def kinds(self) -> list[tuple[Scenario, float]]:
         """This step as steps of one block kind each, with each kind's share of the blocks
-        (``Workload.kinds``): [(self, 1.0)] where every block is of one kind."""
+        (``Workload.kinds``): [(self, 1.0)] where every block is of one kind. Under FP8 GEMMs each
+        layer kind runs FP8 in every block or in none (the runtime's ``--bf16-layers``): the kinds'
+        steps take the choice of the whole model's layers of that kind (``fp8.kind_choices`` on one
+        micro-batch, as the step is priced)."""
+        kinds = self.workload.kinds()
+        if len(kinds) == 1:
+            return [(self if kinds[0][0] is self.workload else dataclasses.replace(self, workload=kinds[0][0]), 1.0)]
+        decided: tuple[tuple[str, bool], ...] = ()
+        if self.workload.preset == fp8_plan.PRESET:
+            decided = tuple((k, c[0]) for k, c in fp8_plan.kind_choices(self.micro()).items())
         return [
-            (self if wl is self.workload else dataclasses.replace(self, workload=wl), share)
-            for wl, share in self.workload.kinds()
+            (dataclasses.replace(self, workload=dataclasses.replace(wl, decided_kinds=decided)), share)
+            for wl, share in kinds
         ]
 
     def options(self) -> dict[str, object]:

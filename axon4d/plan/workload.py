@@ -84,6 +84,15 @@ def block_shapes(m: ModelConfig) -> list[tuple[str, int, int, bool, bool]]:
 #: the names a mixed model's dense blocks give their MLP's layers (``Workload.linears``), beside the
 #: MoE blocks' shared experts, which keep the MLP's own names
 DENSE_MLP = {"mlp_up": "dense_mlp_up", "mlp_down": "dense_mlp_down"}
+#: each layer of ``DENSE_MLP`` by the layer kind it is (the runtime's ``--bf16-layers`` kinds name both)
+_KIND_OF = {dense: kind for kind, dense in DENSE_MLP.items()}
+
+
+def layer_kind(name: str) -> str:
+    """The layer kind a linear layer of ``Workload.linears`` is in the runtime (``axon4d.models.
+    transformer.Transformer.LAYER_KINDS``): its name, or for a mixed model's dense blocks' MLP the
+    MLP's (their layers and the MoE blocks' shared experts are one kind: one FP8 choice)."""
+    return _KIND_OF.get(name, name)
 
 
 def block_kinds(m: ModelConfig) -> list[tuple[ModelConfig, int]]:
@@ -164,6 +173,10 @@ class Workload:
     imbalance: float = 1.0  # MoE: the busiest rank's rows over the mean under uniform routing (plan.moe_cost)
     #: MoE: where the experts run (axon4d.grid.expert_layout; text is parsed); the default: over batch, split over x·y
     expert_layout: ExpertLayout = ExpertLayout()
+    #: under FP8 GEMMs, layer kinds (``layer_kind``) whose choice is made already, (kind, FP8?) each:
+    #: in a block kind's step of a mixed model, the choice the model's blocks of both kinds made
+    #: together (``axon4d.plan.fp8.kind_choices``, ``Scenario.kinds``), whatever this kind's own price
+    decided_kinds: tuple[tuple[str, bool], ...] = ()
 
     def __post_init__(self) -> None:
         self._resolve_precision()
