@@ -114,7 +114,7 @@ class TransformerBlock(nn.Module):
         )
         #: the FFN sublayer: the dense MLP, or with ``cfg.n_experts`` a Mixture-of-Experts (docs/moe.md)
         self.mlp: MLP | MoE = (
-            MoE(cfg, grid=grid, device=device, dtype=dtype)
+            MoE(cfg, grid=grid, device=device, dtype=dtype, recompute_activation=self.recompute == Recompute.BALANCED)
             if moe
             else MLP(
                 cfg.hidden,

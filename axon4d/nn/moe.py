@@ -83,6 +83,7 @@ class MoE(nn.Module):
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         layout: ExpertLayout | str | None = None,
+        recompute_activation: bool = False,
     ):
         super().__init__()
         self.grid = grid = runtime.resolve(grid)
@@ -107,7 +108,13 @@ class MoE(nn.Module):
         self.peers = Peers.of(grid.shape, grid.rank, ep, count, self.layout.gathers_y(grid.shape), cfg.n_experts)
         shared = cfg.shared_experts * cfg.expert_width
         kw: dict[str, Any] = dict(grid=grid, device=device, dtype=dtype)
-        self.shared = MLP(cfg.hidden, shared, gated=cfg.gated, bias=False, **kw) if shared else None
+        # the shared experts' MLP re-makes its activation in backward under balanced recomputation
+        # (``recompute_activation``), as a dense block's MLP does
+        self.shared = (
+            MLP(cfg.hidden, shared, gated=cfg.gated, bias=False, recompute_activation=recompute_activation, **kw)
+            if shared
+            else None
+        )
         if not self.router.weight.is_meta:
             self.reset_parameters(seed)
         average_grad_over_batch(self.router.weight, grid, Term.MOE_ROUTER_WEIGHT_GRAD)

@@ -37,6 +37,7 @@ from axon4d.plan.layers import (
 )
 from axon4d.plan.moe_cost import layer_seconds, output_moves
 from axon4d.plan.scenario import Scenario
+from axon4d.plan.workload import mlp_width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,8 @@ def recomputed_seconds(sc: Scenario) -> float:
             return 0.0
         return ATTENTION_FORWARD * sum(attention_seconds(sc))
     if sc.recompute == "balanced":
-        act = m.activation_time(b * mod.ffn // shape.y * (2 if mod.gated else 1), world)[0]
+        # the activation the MLP re-makes: a dense block's, an MoE block's shared experts' (none without)
+        act = m.activation_time(b * mlp_width(mod) // shape.y * (2 if mod.gated else 1), world)[0]
         h_x = mod.hidden // shape.x
         normalize = m.elementwise_time(3 * b * h_x * elem, world) if wl.norms else 0.0
         # the step prices each norm by ``norm_passes`` without recomputation; balanced takes the chain
