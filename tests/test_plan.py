@@ -1011,6 +1011,26 @@ def test_norms_are_priced_as_the_kernel_that_runs():
     )
 
 
+def test_balanced_recomputation_re_makes_the_activation_of_the_mlp_a_block_has():
+    """Balanced recomputation re-makes each block's MLP activation in backward: a dense block's, of
+    ``ffn``; an MoE block's shared experts' (``axon4d.nn.moe``, shared_experts · expert_ffn wide) —
+    the dense width an MoE block does not have changes nothing, and without shared experts there is
+    no activation to re-make."""
+    from axon4d.plan.recompute import recomputed_seconds
+
+    moe = ModelConfig(n_layers=2, hidden=256, n_heads=4, vocab_size=256, seq_len=64, arch="llama")
+    moe = moe.replace(n_experts=8, experts_per_token=2, expert_ffn=128, shared_experts=1)
+    m, shape = load("perlmutter"), GridShape(1, 2, 2, 1)
+
+    def rerun(cfg):
+        return recomputed_seconds(Scenario(Workload(cfg, 8, dtype="bfloat16"), shape, m, recompute="balanced"))
+
+    assert rerun(moe) == pytest.approx(rerun(moe.replace(ffn_hidden=4096)))  # the dense MLP's width: not in it
+    b = Workload(moe, 8, dtype="bfloat16").local_tokens(shape)
+    act = m.activation_time(b * 128 * 2 // 2, 4)[0]  # the shared experts' SwiGLU, f/G_y columns of gate and up
+    assert rerun(moe) - rerun(moe.replace(shared_experts=0)) == pytest.approx(2 * act)
+
+
 def test_the_loss_chunk_the_planner_prices_is_the_loss_s():
     """The planner may not import the layers: its copy of the vocabulary-parallel loss's row chunk
     (fp32 bytes, bounding the loss's temporaries in ``BackwardWalk.head``) must be the loss's own."""
