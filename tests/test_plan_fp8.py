@@ -121,8 +121,8 @@ def test_a_layer_kind_runs_fp8_in_the_dense_and_the_moe_blocks_alike():
     MLP down (7168 × 18432 per rank) is cheaper in FP8, the shared experts' (7168 × 2048) in bf16 —
     the kind runs FP8 over its 61 runs, and each block kind's step, the step's scale gathers and the
     job's ``--bf16-layers`` take that one choice."""
+    from axon4d.plan.blocks import layer_kind
     from axon4d.plan.sent import step_collectives_by_phase
-    from axon4d.plan.workload import layer_kind
 
     wl = Workload(get_config("deepseek-v3-scale"), 256, precision="bf16-fp8")
     sc = Scenario(wl, GridShape(1, 1, 8, 32), load("h100"), recompute="full", zero=2)

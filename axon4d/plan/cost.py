@@ -36,6 +36,7 @@ from typing import Any
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term
 from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.plan.blocks import DENSE_MLP
 from axon4d.plan.buckets import layer_scales
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
@@ -54,7 +55,7 @@ from axon4d.plan.overlap_credit import credit
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.walk import ONCE_PER_STEP, step_walk, stored
-from axon4d.plan.workload import DENSE_MLP, Workload
+from axon4d.plan.workload import Workload
 
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})

@@ -26,8 +26,9 @@ from typing import Any
 from axon4d.device.fp8 import ALIGN
 from axon4d.layout.geometry import Collective, Op, Term, weight_block_shape
 from axon4d.options.precision import SCALE_BYTES
+from axon4d.plan.blocks import layer_kind
 from axon4d.plan.machine import Machine
-from axon4d.plan.workload import LinearSpec, layer_kind
+from axon4d.plan.workload import LinearSpec
 
 #: a ``axon4d.plan.scenario.Scenario`` (which imports this module: not imported here)
 Scenario = Any

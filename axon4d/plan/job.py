@@ -22,13 +22,14 @@ from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.plan import correction
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.auto import default_machine, ranked
+from axon4d.plan.blocks import layer_kind
 from axon4d.plan.candidate import Candidate
 from axon4d.plan.machine import Machine
 from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.result import PlanResult
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine
-from axon4d.plan.workload import Workload, layer_kind
+from axon4d.plan.workload import Workload
 
 #: the fastest fitting plans a job that takes the planner's first choice asks for (and rank 0 prints)
 FIRST_CHOICE_TOP = 3

@@ -30,11 +30,12 @@ from axon4d.layout.geometry import (
 )
 from axon4d.options.precision import Precision, layer_precision
 from axon4d.plan import fp8 as fp8_plan
+from axon4d.plan.blocks import mlp_width
 from axon4d.plan.collective_model import group_geometry, ring_traffic
 from axon4d.plan.moe_cost import all_to_all_seconds
 from axon4d.plan.overlap_credit import Window
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.workload import LinearSpec, Workload, mlp_width
+from axon4d.plan.workload import LinearSpec, Workload
 
 #: Collectives that move activations on the critical path (each waited on at once: E8's chunks aside,
 #: nothing hides them but what ``overlap_credit`` credits); every other one moves weights or gradients.

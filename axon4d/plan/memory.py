@@ -27,8 +27,9 @@ from axon4d.layout.geometry import Term, weight_shard_numel, wire_element_size
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
 from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk, walk_kinds
+from axon4d.plan.blocks import DENSE_MLP
 from axon4d.plan.saved import block_bytes, final_norm_saved
-from axon4d.plan.workload import DENSE_MLP, OPTIMIZERS, Workload
+from axon4d.plan.workload import OPTIMIZERS, Workload
 
 
 def param_bytes(wl: Workload, master_weights: bool | None = None) -> int:

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from axon4d.layout.geometry import Collective, Term
+from axon4d.plan.blocks import mlp_width
 from axon4d.plan.layers import (
     ACTIVATION_TERMS,
     ATTENTION_FORWARD,
@@ -37,7 +38,6 @@ from axon4d.plan.layers import (
 )
 from axon4d.plan.moe_cost import layer_seconds, output_moves
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.workload import mlp_width
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from axon4d.grid.shape import GridShape
 from axon4d.options.recompute_mode import check_recompute
+from axon4d.plan.blocks import mlp_width
 from axon4d.plan.moe_memory import saved as moe_saved
-from axon4d.plan.workload import Workload, mlp_width
+from axon4d.plan.workload import Workload
 
 
 def saved_tensors(wl: Workload, shape: GridShape, recompute: str = "none") -> dict[str, list[tuple[float, int]]]:

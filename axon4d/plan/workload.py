@@ -45,6 +45,7 @@ from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
 from axon4d.options.context_mode import MODES, context_axis
 from axon4d.options.precision import NAMED, Precision
+from axon4d.plan.blocks import DENSE_MLP, block_kinds, block_shapes
 from axon4d.plan.moe_cost import moe_rules, placement
 
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
@@ -57,55 +58,6 @@ DEFAULT_PRECISION = {"float32": "fp32", "bfloat16": "bf16-fp32-reduce"}
 def dtype_name(dtype: object) -> str:
     """The name ``DTYPES`` gives ``dtype`` (e.g. "bfloat16")."""
     return next(name for name, d in DTYPES.items() if d == dtype)
-
-
-def mlp_width(model: ModelConfig) -> int:
-    """Inner width of a block's MLP of Linear layers: the dense MLP's, or an MoE block's shared
-    experts' (shared_experts·expert_ffn; 0 without them)."""
-    return model.shared_experts * model.expert_width if model.moe else model.ffn
-
-
-def block_shapes(m: ModelConfig) -> list[tuple[str, int, int, bool, bool]]:
-    """(name, in, out, transpose, bias) of the 3D Linear layers of one block (``ModelConfig.
-    linear_shapes``); in an MoE block the dense MLP gives way to the MoE layer (priced by
-    ``axon4d.plan.moe_cost``) and its shared experts, one MLP of shared_experts·expert_ffn without
-    bias (``axon4d.nn.moe``), named as the MLP's layers."""
-    shapes = m.linear_shapes()
-    if not m.moe:
-        return shapes
-    shapes = [s for s in shapes if not s[0].startswith("mlp")]
-    width = m.shared_experts * m.expert_width
-    if width:
-        up = (2 if m.gated else 1) * width
-        shapes += [("mlp_up", m.hidden, up, False, False), ("mlp_down", width, m.hidden, True, False)]
-    return shapes
-
-
-#: the names a mixed model's dense blocks give their MLP's layers (``Workload.linears``), beside the
-#: MoE blocks' shared experts, which keep the MLP's own names
-DENSE_MLP = {"mlp_up": "dense_mlp_up", "mlp_down": "dense_mlp_down"}
-#: each layer of ``DENSE_MLP`` by the layer kind it is (the runtime's ``--bf16-layers`` kinds name both)
-_KIND_OF = {dense: kind for kind, dense in DENSE_MLP.items()}
-
-
-def layer_kind(name: str) -> str:
-    """The layer kind a linear layer of ``Workload.linears`` is in the runtime (``axon4d.models.
-    transformer.Transformer.LAYER_KINDS``): its name, or for a mixed model's dense blocks' MLP the
-    MLP's (their layers and the MoE blocks' shared experts are one kind: one FP8 choice)."""
-    return _KIND_OF.get(name, name)
-
-
-def block_kinds(m: ModelConfig) -> list[tuple[ModelConfig, int]]:
-    """The kinds of block ``m`` has, each as a model whose blocks are all of that kind, and how many
-    of ``m``'s blocks are of it: one kind — ``m`` itself — for a dense model or an MoE model whose
-    blocks are all MoE; for an MoE model with ``first_k_dense`` dense blocks (DeepSeek-V3), the dense
-    model of its first blocks (its MLP of ``ffn``, no experts) and ``m`` with every block MoE (an
-    MoE model whose blocks are all dense: the dense model alone)."""
-    if not m.moe or not m.first_k_dense:
-        return [(m, m.n_layers)]
-    dense = m.replace(n_experts=0, shared_experts=0, first_k_dense=0, n_groups=1, topk_groups=None)
-    kinds = [(dense, m.first_k_dense), (m.replace(first_k_dense=0), m.moe_layers)]
-    return [(model, n) for model, n in kinds if n]
 
 
 def unmixed_precision(dtype: str) -> str:
