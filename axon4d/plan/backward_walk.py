@@ -19,7 +19,7 @@ import itertools
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import weight_shard_numel
 from axon4d.options.overlap_policy import OverlapPolicy
-from axon4d.plan import moe_memory
+from axon4d.plan import moe_cost, moe_memory
 from axon4d.plan.saved import (
     NORM_BACKWARD_TEMPORARIES,
     block_activation_elements,
@@ -70,7 +70,13 @@ class BackwardWalk:
     backward (``note``)          dk, dv and the assembled qkv gradient)
     ``free``                     − saved tensors consumed
     ``rebuild`` (full)           + the block's activations, re-made from its saved input, and the
-                                 blocks its re-run keeps (keep-for-backward)
+                                 blocks its re-run keeps (keep-for-backward); ~ an MoE layer's re-run's
+                                 forward rows (``moe_memory.forward_held``)
+    ``forward_end``              ~ before the backward, the last block's MoE layer at its gated sum:
+                                 every activation but the head's, and its forward's rows
+    an MoE block's MLP           ~ the gated sum's gradients; + the rows' gradient through the shared
+    (``moe_block_backward``)     experts' backward; ~ the experts' gradients; − what the layer and
+                                 the norm saved (``moe_memory.backward_phases``)
     ===========================  ======================================================================
 
     In one block, in backward order: MLP down (its dX stays as the activation's incoming gradient;
@@ -119,9 +125,14 @@ class BackwardWalk:
         self.live = self.peak = acts
         m = wl.model
         tokens = wl.local_tokens(shape)
-        # an MoE block: its MoE layer's backward peak and the gradients it leaves (plan.moe_memory)
+        # an MoE block: its MoE layer's backward phases, what its forward holds and the gradients it
+        # leaves (plan.moe_memory)
         lay = wl.expert_layout
-        self.moe_peak = moe_memory.backward_transient(m, tokens, shape, self.elem, wl.imbalance, lay) if m.moe else 0.0
+        share = min(self.grad_share, 1.0) * self.grad_bytes  # a new gradient's bytes per element
+        self.moe_phases = moe_memory.backward_phases(m, tokens, shape, self.elem, share, wl.imbalance, lay)
+        # what its forward holds beside its saved tensors: (at the pairs, where a re-run stops; at the gated sum)
+        chunks = moe_cost.moe_chunks(m, tokens, shape, self.elem, overlap, wl.accelerator, lay) if m.moe else 1
+        self.moe_forward = moe_memory.forward_held(m, tokens, shape, self.elem, chunks, wl.imbalance, lay)
         self.moe_grads = moe_memory.grad_elements(m, shape, lay) * self.grad_bytes if m.moe else 0.0
         z = shape.z
         # a layer's forward block kept for its backward: every block gathered over z under keep-for-backward,
@@ -246,6 +257,18 @@ class BackwardWalk:
         self.live += self.rebuilt[0] * self.elem + self.rebuilt[1] * 4 - self.t["x0"] + kept
 
     # -- the walk ---------------------------------------------------------------------------------------
+    def forward_end(self) -> None:
+        """The last block's MoE layer at its gated sum in the forward, before the backward starts:
+        every saved activation live but the head's and the final norm's, not made yet, and what
+        the layer's forward holds beside its saved tensors (``moe_memory.forward_held``). Under
+        full recomputation the layer saves nothing and its re-run, in the backward, is the larger
+        (``block_backward``)."""
+        if not self.wl.model.moe or self.recompute == "full":
+            return
+        m, shape, b = self.wl.model, self.shape, self.wl.local_tokens(self.shape)
+        head = b * (m.vocab_size // shape.y + m.hidden // shape.x) * self.elem + final_norm_saved(self.wl, shape)
+        self.note(self.moe_forward[1] - (head if self.wl.head else 0.0))
+
     def head(self) -> None:
         """The loss's backward, then the head's; the head's input is freed and its dX, the same size,
         is the incoming gradient of the last block's output."""
@@ -278,20 +301,20 @@ class BackwardWalk:
 
     def block_backward(self, first: bool) -> None:
         """One block's backward (``first``: the block right after the head)."""
-        t, s, balanced = self.t, self.saved, self.recompute == "balanced"
         if self.recompute == "full":
             self.rebuild()
         self.note()
-        if self.wl.model.moe:  # the MoE layer's backward, then its shared experts' MLP (if any)
-            # beside it, OAG's blocks of the layers after it, prefetched when the one before it ran,
-            # and the reduce-scatters of the layers before it, which no layer of its own waits on
-            inflight = self.in_flight(self.order[0], first) if self.order else 0.0
-            self.note(self.moe_peak + self.prefetched("moe") + inflight)
-            self.live += min(self.grad_share, 1.0) * self.moe_grads - s["moe"]
-            if "mlp_down" not in self.specs:
-                self.free(s["norm2"])
-                self.attention_and_qkv(first)
-                return
+        if self.wl.model.moe:
+            if self.recompute == "full":  # its re-run's peak, stopped at the pairs: the forward's rows held
+                self.note(self.moe_forward[0])
+            self.moe_block_backward(first)
+            return
+        self.mlp_backward(first)
+        self.attention_and_qkv(first)
+
+    def mlp_backward(self, first: bool) -> None:
+        """A block's dense MLP's backward (an MoE block's shared experts'), down then up."""
+        t, s, balanced = self.t, self.saved, self.recompute == "balanced"
         # dX (b, F/G_y), then the activation's backward, then MLP up; under balanced recomputation
         # each GEMM's backward first re-makes the input it did not keep (the activation, the norm output)
         self.layer("mlp_down", t["act"], first, remade=t["act"] if balanced else 0.0)
@@ -304,8 +327,31 @@ class BackwardWalk:
         grads = t["act"] * ((2 if gated else 1) + (1 if balanced and gated else 0))
         self.note(grads + self.prefetched("mlp_down") + self.in_flight("mlp_up", first))
         self.layer("mlp_up", t["x1"], first, remade=t["x1"] if balanced else 0.0)
-        # frees dX of MLP down, the up output, what the activation and the norm kept
-        self.done("mlp_up", freed=t["act"] + s["mid"] + s["up"] + s["norm2"])
+        # frees dX of MLP down, the up output, what the activation and the norm kept (the MoE
+        # layer's router and experts keep the norm's output past the shared experts' backward)
+        self.done("mlp_up", freed=t["act"] + s["mid"] + s["up"] + (0.0 if self.wl.model.moe else s["norm2"]))
+
+    def moe_block_backward(self, first: bool) -> None:
+        """An MoE block's MLP backward in the order autograd runs it (``moe_memory.BackwardPhases``):
+        the gated sum's, then the shared experts' MLP (if any) with the MoE layer's saved tensors
+        and the rows' gradient live, then the experts', the router's; then attention and QKV.
+        Beside the MoE layer's phases: OAG's blocks of the layers after it (prefetched when the
+        layer before ran) and the reduce-scatters of the layers before it, which no layer of the
+        MoE layer waits on."""
+        s, ph = self.saved, self.moe_phases
+        inflight = self.in_flight(self.order[0], first) if self.order else 0.0
+        self.note(ph.gated_sum + self.prefetched("moe") + inflight)
+        self.live += ph.handed_on
+        if "mlp_down" in self.specs:
+            self.mlp_backward(first)
+            # the shared experts' input gradient, held while the experts' and router's add to it
+            inflight = self.in_flight(self.order[2], first) if len(self.order) > 2 else 0.0
+            self.note(ph.experts + self.t["x1"] + self.prefetched("mlp_up") + inflight)
+        else:
+            self.note(ph.experts + self.prefetched("moe") + inflight)
+        # the experts' and router's gradients kept; what the layer saved, the rows' gradient and the
+        # norm's output (the router's and the shared experts' input) freed
+        self.live += min(self.grad_share, 1.0) * self.moe_grads - s["moe"] - ph.handed_on - s["norm2"]
         self.attention_and_qkv(first)
 
     def attention_and_qkv(self, first: bool) -> None:
@@ -327,7 +373,8 @@ class BackwardWalk:
         return self.peak
 
     def run(self) -> float:
-        """The peak live bytes of the step's backward."""
+        """The peak live bytes of the step's backward (and of the forward's end, ``forward_end``)."""
+        self.forward_end()
         if self.wl.head:
             self.head()
         start = self.live
@@ -349,6 +396,7 @@ def walk_kinds(walks: list[tuple[BackwardWalk, int]]) -> float:
     the kind before it left, with its own blocks' layers as the ones the scheduler prefetches and
     still reduces (the boundary's one block of the other kind is not modelled)."""
     head = walks[0][0]
+    head.forward_end()
     if head.wl.head:
         head.head()
     live, peak, first = head.live, head.peak, True

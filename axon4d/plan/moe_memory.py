@@ -25,6 +25,8 @@ for the GEMMs (kept to their backward).
 
 from __future__ import annotations
 
+import dataclasses
+
 from axon4d.config import ModelConfig
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
@@ -109,20 +111,93 @@ def saved_bytes(
     return sum(c * b for c, b in saved(model, tokens, shape, elem, mixed, imbalance, layout))
 
 
-def backward_transient(
-    model: ModelConfig, tokens: int, shape: GridShape, elem: int, imbalance: float, layout: Layout = None
-) -> float:
-    """Bytes live only during one MoE layer's backward at its peak, on one rank, beside what it
-    saved (which its backward frees as it goes): the share's outputs' gradient (T_j·k·h, T_j the
-    largest y share), the rows' gradient through down (n·h), the up output's gradient (n·ups·f/G_y)
-    and one activation-sized gradient more (n·f/G_y), in the compute dtype — sized against torch's memory tracker on a
-    (1,1,2,1) grid (tests/test_plan_moe.py), where counting every gradient the experts' backward
-    makes (SwiGLU's two products and the all-reduce's copy too) priced the step's peak 7% high."""
+@dataclasses.dataclass(frozen=True)
+class BackwardPhases:
+    """Bytes of one MoE layer's backward on one rank, in the compute dtype unless said, in the
+    order autograd runs it (it runs a node's backward after those of every node made later in the
+    forward: the gated sum, made after the shared experts, comes first; the experts, made before
+    them, after the shared experts' backward — ``axon4d.nn.moe``):
+
+    - ``gated_sum``: live beside everything saved during the gated sum's backward (``MulBackward``
+      of pairs·gates): the pairs' gradient (T_j·k·h) and grad·pairs (T_j·k·h), summed into the
+      gates' gradient (T_j·k);
+    - ``handed_on``: the change of live bytes from there through the shared experts' backward:
+      the pairs (T_j·k·h) and the gates' cast (T_j·k, 16-bit only) freed, the rows' gradient
+      (``back``'s, T_j·k·h: ``IndexSelectBackward``'s result) held — and where an axis exchanges
+      the rows, the reverse all-to-all's receive buffer (the rows this rank's experts received)
+      on the wire;
+    - ``experts``: live beside what is live at the experts' backward's start, at its peak — the
+      most of the outputs' index_select backward (its zeros and their index_add'ed copy, n·h
+      each, and the rows gathered over y where y splits the experts: the reduce-scatter's
+      backward), the down GEMM's backward (the outputs' gradient n·h, the activation's n·f and
+      down's dW, in the gradients' dtype) and the activation's backward (SwiGLU's d(silu(gate))
+      and d(up), GELU's d(h): n·f each, the activation's gradient n·f, down's dW; the incoming
+      rows' gradient and the saved activation freed); the later GEMM's and dispatch's backward
+      hold less (the up output, silu(gate) and activation freed first).
+    """
+
+    gated_sum: float
+    handed_on: float
+    experts: float
+
+
+def backward_phases(
+    model: ModelConfig,
+    tokens: int,
+    shape: GridShape,
+    elem: int,
+    grad_bytes: float,
+    imbalance: float = 1.0,
+    layout: Layout = None,
+) -> BackwardPhases:
+    """``BackwardPhases`` of one MoE layer on one rank (T_j the largest share's tokens, h the
+    features of a dispatched row, n the rows the experts compute: ``saved``; ``grad_bytes``: a
+    weight gradient's bytes per element as the walk keeps it)."""
     p = placement(model, shape, layout)
-    ups = 2 if model.gated else 1
+    k, h, f = model.experts_per_token, p.hidden_x, p.ffn_y
+    n = computed_rows(model, tokens, shape, imbalance, layout)
+    pairs = first_share(tokens, shape, p.rows_over_x) * k  # T_j·k: the share's assignments
+    gated_sum = elem * (2 * pairs * h + pairs)
+    received = n / shape.y if p.gather_y else n  # rows this rank's experts received, before E17
+    exchanged = p.ep_axis is not None and shape.size(p.ep_axis) > 1
+    incoming = elem * (pairs * h + (received * h if exchanged else 0.0))  # consumed first by the experts' backward
+    cast = pairs if elem != 4 else 0
+    handed_on = incoming - elem * (pairs * h + cast)
+    down = p.local * p.hidden_x * p.ffn_y * grad_bytes  # down's dW
+    index_select = elem * n * h * (3 if p.gather_y else 2)
+    down_gemm = -incoming + elem * (n * h + n * f) + down
+    activation = -incoming + elem * (n * f * (2 if model.gated else 1)) + down  # − the saved activation + its gradient
+    return BackwardPhases(gated_sum, handed_on, max(index_select, down_gemm, activation))
+
+
+def forward_held(
+    model: ModelConfig,
+    tokens: int,
+    shape: GridShape,
+    elem: int,
+    chunks: int,
+    imbalance: float = 1.0,
+    layout: Layout = None,
+) -> tuple[float, float]:
+    """Bytes one MoE layer's forward holds on one rank beside what it saved, in the compute dtype,
+    (at the share's pairs, at the gated sum): the forward's locals keep to its return the rows
+    each chunk dispatched (``dispatches``: T_j·k·h in all), the experts' output rows sent back
+    (``combines``: the rows its experts received, n/G_y where y splits them, else n) and, where
+    an axis exchanges the rows, the rows received back (T_j·k·h; with more than one chunk also
+    their cat, ``back``) and the shared experts' output (T·hidden/G_x; the residual's layout).
+    A fully recomputed re-run stops at the pairs (``torch.utils.checkpoint`` stops once the last
+    saved tensor is re-made); the first forward goes on to the gated sum: the product pairs·gates
+    (T_j·k·h) and its sum (T_j·h), with the rest."""
+    p = placement(model, shape, layout)
+    k, h = model.experts_per_token, p.hidden_x
     n = computed_rows(model, tokens, shape, imbalance, layout)
     most = first_share(tokens, shape, p.rows_over_x)
-    return elem * (most * model.experts_per_token * p.hidden_x + n * p.hidden_x + n * (ups + 1) * p.ffn_y)
+    exchanged = p.ep_axis is not None and shape.size(p.ep_axis) > 1
+    sent_back = n / shape.y if p.gather_y else n
+    back = most * k * ((1 if exchanged else 0) + (1 if exchanged and chunks > 1 else 0))
+    shared = tokens * (model.hidden // shape.x) if model.shared_experts else 0
+    at_pairs = elem * (most * k * h + sent_back * h + back * h + shared)
+    return at_pairs, at_pairs + elem * (most * k * h + most * h)
 
 
 def grad_elements(model: ModelConfig, shape: GridShape, layout: Layout = None) -> int:
