@@ -360,6 +360,9 @@ MEM_DENSE_FIRST = MEM_MOE.replace(n_layers=3, first_k_dense=1)
         pytest.param(4, (1, 2, 1, 2), {"zero": 1}, MEM_MOE, marks=pytest.mark.slow),
         pytest.param(2, (1, 1, 2, 1), {"recompute": "full"}, MEM_DENSE_FIRST, marks=pytest.mark.slow),
         pytest.param(4, (1, 2, 1, 2), {"zero": 2, "offload": 1 / 3}, MEM_DENSE_FIRST, marks=pytest.mark.slow),
+        # balanced: the shared experts' MLP re-makes its activation in backward, as a dense MLP does
+        pytest.param(2, (1, 1, 2, 1), {"recompute": "balanced"}, MEM_MOE, marks=pytest.mark.slow),
+        pytest.param(2, (1, 2, 1, 1), {"recompute": "balanced"}, MEM_MOE, marks=pytest.mark.slow),
     ],
     ids=lambda v: (
         f"dense{v.first_k_dense}-f{v.expert_ffn}-top{v.experts_per_token}"
@@ -483,7 +486,8 @@ def test_the_plan_command_prices_the_1t_moe_on_1024_gpus_and_shows_its_placement
     out = capsys.readouterr().out
     assert "39.2B active" in out
     line = next(x for x in out.splitlines() if x.startswith("expert layout "))
-    assert "384 experts over batch" in line and "per rank" in line
+    # over batch: the expert-parallel axes z·data, named as the grid has them (data alone where G_z = 1)
+    assert "384 experts over " in line and "(G_ep = 128)" in line and "per rank" in line
 
 
 @pytest.mark.parametrize("name", ["tiny-moe", "mixtral-8x7b", "deepseek-v3-scale", "moe-1t", "small"])
