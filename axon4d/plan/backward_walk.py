@@ -129,9 +129,10 @@ class BackwardWalk:
         # leaves (plan.moe_memory)
         lay = wl.expert_layout
         share = min(self.grad_share, 1.0) * self.grad_bytes  # a new gradient's bytes per element
-        self.moe_phases = moe_memory.backward_phases(m, tokens, shape, self.elem, share, wl.imbalance, lay)
-        # what its forward holds beside its saved tensors: (at the pairs, where a re-run stops; at the gated sum)
+        # the share's forward chunks, each taking the experts' weights again (``moe_cost.moe_chunks``)
         chunks = moe_cost.moe_chunks(m, tokens, shape, self.elem, overlap, wl.accelerator, lay) if m.moe else 1
+        self.moe_phases = moe_memory.backward_phases(m, tokens, shape, self.elem, share, wl.imbalance, lay, chunks)
+        # what its forward holds beside its saved tensors: (at the pairs, where a re-run stops; at the gated sum)
         self.moe_forward = moe_memory.forward_held(m, tokens, shape, self.elem, chunks, wl.imbalance, lay)
         self.moe_grads = moe_memory.grad_elements(m, shape, lay) * self.grad_bytes if m.moe else 0.0
         z = shape.z

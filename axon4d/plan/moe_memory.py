@@ -133,7 +133,16 @@ class BackwardPhases:
       down's dW, in the gradients' dtype) and the activation's backward (SwiGLU's d(silu(gate))
       and d(up), GELU's d(h): n·f each, the activation's gradient n·f, down's dW; the incoming
       rows' gradient and the saved activation freed); the later GEMM's and dispatch's backward
-      hold less (the up output, silu(gate) and activation freed first).
+      hold less (the up output, silu(gate) and activation freed first). In ``chunks`` c > 1
+      (``moe_cost.moe_chunks``: the share dispatched in overlapped chunks, each chunk's GEMMs
+      taking the experts' weights again), autograd runs the later chunks' backward first and
+      keeps each weight's dW of them to add the next chunk's to, out of place; at the first
+      chunk's up GEMM's backward, the last one, live are down's dW summed (D, as the walk keeps
+      a gradient), up's dW of the later chunks, the first chunk's and their sum (3U, in the
+      compute dtype: the GEMM's, ``w.to(x.dtype)``), the chunk's up output's gradient
+      (n/c·ups·f) and its rows' gradient (n/c·h) beside its saved rows (n/c·h) — every other
+      row tensor saved (the later chunks' and the chunk's up output, silu(gate) and activation)
+      and the incoming rows' gradient freed.
     """
 
     gated_sum: float
@@ -149,10 +158,12 @@ def backward_phases(
     grad_bytes: float,
     imbalance: float = 1.0,
     layout: Layout = None,
+    chunks: int = 1,
 ) -> BackwardPhases:
     """``BackwardPhases`` of one MoE layer on one rank (T_j the largest share's tokens, h the
     features of a dispatched row, n the rows the experts compute: ``saved``; ``grad_bytes``: a
-    weight gradient's bytes per element as the walk keeps it)."""
+    weight gradient's bytes per element as the walk keeps it; ``chunks``: the share's forward
+    chunks)."""
     p = placement(model, shape, layout)
     k, h, f = model.experts_per_token, p.hidden_x, p.ffn_y
     n = computed_rows(model, tokens, shape, imbalance, layout)
@@ -167,7 +178,14 @@ def backward_phases(
     index_select = elem * n * h * (3 if p.gather_y else 2)
     down_gemm = -incoming + elem * (n * h + n * f) + down
     activation = -incoming + elem * (n * f * (2 if model.gated else 1)) + down  # − the saved activation + its gradient
-    return BackwardPhases(gated_sum, handed_on, max(index_select, down_gemm, activation))
+    phases = [index_select, down_gemm, activation]
+    if chunks > 1:  # the first chunk's up GEMM's backward, its dW summed into the later chunks'
+        ups = 2 if model.gated else 1
+        up = p.local * ups * p.ffn_y * p.hidden_x  # up's dW elements
+        rows_saved = n * (h + ups * f + (f if model.gated else 0) + f)  # sorted rows, up output, silu(gate), activation
+        first = n / chunks  # the first chunk's rows
+        phases.append(-incoming - elem * rows_saved + elem * first * (2 * h + ups * f) + down + 3 * up * elem)
+    return BackwardPhases(gated_sum, handed_on, max(phases))
 
 
 def forward_held(
