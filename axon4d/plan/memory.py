@@ -27,7 +27,7 @@ from axon4d.layout.geometry import Term, weight_shard_numel, wire_element_size
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
 from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk, walk_kinds
-from axon4d.plan.blocks import DENSE_MLP
+from axon4d.plan.blocks import DENSE_MLP, block_kinds, block_shapes
 from axon4d.plan.saved import block_bytes, final_norm_saved
 from axon4d.plan.workload import OPTIMIZERS, Workload
 
@@ -84,6 +84,56 @@ def local_param_tensors(wl: Workload, shape: GridShape, experts: bool = True) ->
     elif m.moe:  # the router weights alone
         out += [moe_memory.layer_tensors(m, shape, wl.expert_layout)[0]] * m.moe_layers
     return out
+
+
+def step_order_tensors(wl: Workload, shape: GridShape) -> list[int]:
+    """Elements of each parameter tensor one rank holds, in the order the model registers them and
+    the optimizer steps them: the token and position tables; per block its norms' weights (and
+    biases), then each linear layer's weight shard and bias slice in forward order — in an MoE block
+    the MoE layer's router, its experts' up and down (``moe_memory.layer_tensors``) and then its
+    shared experts' up and down; the final norm's and the head's last (``local_param_tensors``'
+    tensors, ordered)."""
+    m = wl.model
+    specs = {s.name: s for s in wl.linears()}
+    norm = [m.hidden // shape.x] * (2 if m.arch == "gpt" else 1) if wl.norms else []
+
+    def linear(name: str) -> list[int]:
+        s = specs[name]
+        shard = weight_shard_numel(s.in_features, s.out_features, shape, s.transpose)
+        return [shard] + ([s.local(shape)[1]] if s.bias else [])
+
+    out: list[int] = []
+    if wl.embedding:
+        s = specs["embedding"]
+        out.append((s.in_features // shape.y) * (s.out_features // shape.x))
+        if m.arch == "gpt":
+            out.append(m.seq_len * m.hidden // shape.x)
+    kinds = block_kinds(m)
+    for kind, count in kinds:
+        names = [DENSE_MLP.get(n, n) if len(kinds) > 1 and not kind.moe else n for n, *_ in block_shapes(kind)]
+        block = norm * 2
+        for name in names:
+            if kind.moe and name == "mlp_up":  # the MoE layer: router, experts, then its shared experts
+                block += list(moe_memory.layer_tensors(m, shape, wl.expert_layout))
+            block += linear(name)
+        if kind.moe and "mlp_up" not in names:
+            block += list(moe_memory.layer_tensors(m, shape, wl.expert_layout))
+        out += block * count
+    out += norm
+    if wl.head:
+        out += linear("head")
+    return out
+
+
+def adam_step_temporaries(wl: Workload, shape: GridShape) -> int:
+    """Elements of the temporaries a non-foreach Adam step holds at its peak, without ZeRO: stepping
+    tensor i it makes sqrt(v_i) and its quotient by the bias correction (the denominator), n_i each,
+    while the previous tensor's denominator, n_(i-1), is still bound to the loop's ``denom`` (torch's
+    ``_single_tensor_adam``): max over i of n_(i-1) + 2·n_i in the order the optimizer steps the
+    tensors (``step_order_tensors``) — an MoE layer's experts' up then down, each the rank's largest
+    tensor where y splits the experts, hold three of it."""
+    sizes = step_order_tensors(wl, shape)
+    return max(prev + 2 * cur for prev, cur in zip([0, *sizes], sizes))
 
 
 def optimizer_elements(wl: Workload, shape: GridShape, zero: int) -> int:
@@ -361,8 +411,10 @@ def memory(
         last = functools.partial(walk, kind=first)
         live_peak = max(live_peak, offload_peak(last, first, shape, state, per_block, weights, held, share))
     gathers, deferred, largest_part = zero_gathers(wl, shape, zero, overlap, accelerator, state)
-    # per-tensor temporaries of a non-foreach Adam; SGD updates in place
-    optimizer_step = state.grads + gathers + (2 * largest_part * 4 if wl.optimizer == "adam" else 0)
+    # per-tensor temporaries of a non-foreach Adam (``adam_step_temporaries``; under ZeRO over data
+    # the largest part's two); SGD updates in place
+    temporaries = 2 * largest_part if zero and shape.data > 1 else adam_step_temporaries(wl, shape)
+    optimizer_step = state.grads + gathers + (temporaries * 4 if wl.optimizer == "adam" else 0)
     peak = state.params + state.optimizer + max(live_peak, acts + deferred, optimizer_step)
     buffers = max(live_peak - acts, 0.0)
     return MemoryEstimate(state.params, state.grads, state.optimizer, acts, buffers, peak, host)
