@@ -41,7 +41,7 @@ def test_machines_with_and_without_fp8_tensor_cores():
 
 def test_each_layer_is_priced_both_ways_and_runs_fp8_only_where_it_fits_and_is_cheaper():
     sc, base, plain = _sc("bf16-fp8"), _sc("bf16-fp8-gather"), _sc("bf16-fp32-reduce")
-    choices = fp8.fp8_layers(sc, sc.workload.linears())
+    choices = fp8.kind_choices(sc, sc.workload.linears())
     assert not choices["head"][0] and not math.isfinite(choices["head"][2])  # the LM head stays bf16
     assert any(c[0] for c in choices.values()) and any(not c[0] for n, c in choices.items() if n != "head")
     for spec in sc.workload.linears():
@@ -100,7 +100,7 @@ def test_the_job_runs_the_plan_s_per_layer_choice(monkeypatch):
     sc = Scenario(
         wl, best.shape, load("h100"), best.overlap, best.recompute, o["micro_batches"], o["zero"], o["offload"]
     )
-    priced = fp8.fp8_layers(sc.micro(), sc.workload.linears())
+    priced = fp8.kind_choices(sc.micro(), sc.workload.linears())
     want = [n for n in ("qkv", "attn_out", "mlp_up", "mlp_down") if not priced[n][0]]
     assert run.bf16_layers == ",".join(want)
     assert any(priced[n][0] for n in ("qkv", "mlp_up", "mlp_down")), "nothing runs FP8: the test proves little"
@@ -139,7 +139,7 @@ def test_a_layer_kind_runs_fp8_in_the_dense_and_the_moe_blocks_alike():
     calls, _ = step_collectives_by_phase(sc)  # one scale gather per run of every FP8 layer, of every kind
     fp8_runs = sum(s.count for s in wl.linears() if not s.embedding and kinds[layer_kind(s.name)][0])
     assert calls[("z", Term.FP8_SCALE, "forward")] == fp8_runs
-    chosen = fp8.fp8_layers(sc, [s for s in wl.linears() if layer_kind(s.name) in ("mlp_up", "mlp_down")])
+    chosen = fp8.kind_choices(sc, [s for s in wl.linears() if layer_kind(s.name) in ("mlp_up", "mlp_down")])
     assert set(chosen) == {"mlp_up", "mlp_down"} and chosen["mlp_down"][0] == together
 
 

@@ -374,16 +374,9 @@ class BackwardWalk:
         return self.peak
 
     def run(self) -> float:
-        """The peak live bytes of the step's backward (and of the forward's end, ``forward_end``)."""
-        self.forward_end()
-        if self.wl.head:
-            self.head()
-        start = self.live
-        self.block_backward(first=True)
-        n = self.wl.model.n_layers
-        self.live = start + (n - 1) * (self.live - start)
-        self.block_backward(first=n == 1)
-        return self.peak
+        """The peak live bytes of the step's backward (and of the forward's end, ``forward_end``):
+        ``walk_kinds`` of this walk's blocks alone."""
+        return walk_kinds([(self, self.wl.model.n_layers)])
 
 
 def walk_kinds(walks: list[tuple[BackwardWalk, int]]) -> float:
@@ -391,9 +384,9 @@ def walk_kinds(walks: list[tuple[BackwardWalk, int]]) -> float:
     holds each kind's walk (``BackwardWalk`` of a workload whose blocks are all of that kind, the
     first one's starting from the step's live bytes) and how many blocks of it the model has, in
     the order the backward reaches them (the MoE blocks, the last ones, before the dense blocks of
-    ``first_k_dense``). The head's backward, then per kind its first block walked, the rest of its
-    blocks but the last repeating that block's change of live bytes, and its last block walked:
-    with one kind, ``BackwardWalk.run``'s walk. A kind's first block starts from the live bytes
+    ``first_k_dense``). The forward's end (``forward_end``), the head's backward, then per kind its
+    first block walked, the rest of its blocks but the last repeating that block's change of live
+    bytes, and its last block walked. A kind's first block starts from the live bytes
     the kind before it left, with its own blocks' layers as the ones the scheduler prefetches and
     still reduces (the boundary's one block of the other kind is not modelled)."""
     head = walks[0][0]

@@ -56,3 +56,14 @@ def block_kinds(m: ModelConfig) -> list[tuple[ModelConfig, int]]:
     dense = m.replace(n_experts=0, shared_experts=0, first_k_dense=0, n_groups=1, topk_groups=None)
     kinds = [(dense, m.first_k_dense), (m.replace(first_k_dense=0), m.moe_layers)]
     return [(model, n) for model, n in kinds if n]
+
+
+def kind_shapes(m: ModelConfig) -> list[tuple[ModelConfig, int, list[tuple[str, int, int, bool, bool]]]]:
+    """Each of ``block_kinds(m)`` with its block's 3D Linear layers (``block_shapes``) as a step of
+    ``m`` names them: with dense blocks beside MoE blocks, the dense blocks' MLP as ``DENSE_MLP``'s."""
+    kinds = block_kinds(m)
+    mixed = len(kinds) > 1
+    return [
+        (kind, n, [(DENSE_MLP.get(s[0], s[0]) if mixed and not kind.moe else s[0], *s[1:]) for s in block_shapes(kind)])
+        for kind, n in kinds
+    ]

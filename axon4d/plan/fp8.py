@@ -15,7 +15,7 @@ is refused (``check``). Per layer and grid the planner prices both ways (``layer
   4 bytes a rank, not priced.
 
 and runs the layer in FP8 where its local block is a multiple of 16 in both dims and FP8 is the
-cheaper (``fp8_layers``); the LM head and the embedding stay in bf16, as in the runtime.
+cheaper (``kind_choices``: one choice per layer kind, as the runtime makes it); the LM head and the embedding stay in bf16, as in the runtime.
 """
 
 from __future__ import annotations
@@ -176,11 +176,6 @@ def kind_choices(sc: Scenario, specs: list[LinearSpec] | None = None) -> dict[st
         sums[layer_kind(s.name)] = (b + s.count * bf16_s, f + s.count * fp8_s)
     decided = dict(sc.workload.decided_kinds)
     return {k: (decided.get(k, f < b), b, f) for k, (b, f) in sums.items()}
-
-
-def fp8_layers(sc: Scenario, specs: list[LinearSpec]) -> dict[str, tuple[bool, float, float]]:
-    """``kind_choices`` of ``specs`` (the workload's layers), by layer kind."""
-    return kind_choices(sc, specs)
 
 
 def scale_gathers(sc: Scenario) -> list[Collective]:

@@ -103,7 +103,7 @@ class JobPlan:
     def bf16_layers(self, choice: Candidate, kinds: Sequence[str]) -> list[str]:
         """Under FP8 GEMMs (precision ``bf16-fp8``): those of the layer ``kinds`` the plan ``choice``
         runs in bf16 — where a layer's block does not fit the FP8 kernel or FP8 with its casts is
-        priced slower on its grid (``axon4d.plan.fp8.fp8_layers``, on one micro-batch as the step is
+        priced slower on its grid (``axon4d.plan.fp8.kind_choices``, on one micro-batch as the step is
         priced)."""
         req = self.request
         cp = bool(choice.context_parallel)
@@ -130,7 +130,7 @@ class JobPlan:
             offload=int(opts["offload"]),
             fp8_gather=bool(opts["fp8_gather"]),
         ).micro()
-        chosen = fp8_plan.fp8_layers(sc, [s for s in wl.linears() if layer_kind(s.name) in kinds])
+        chosen = fp8_plan.kind_choices(sc, [s for s in wl.linears() if layer_kind(s.name) in kinds])
         return [name for name in kinds if name in chosen and not chosen[name][0]]
 
 

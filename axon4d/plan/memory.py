@@ -27,7 +27,7 @@ from axon4d.layout.geometry import Term, weight_shard_numel, wire_element_size
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
 from axon4d.plan.backward_walk import BACKWARD_ORDER, BackwardWalk, walk_kinds
-from axon4d.plan.blocks import DENSE_MLP, block_kinds, block_shapes
+from axon4d.plan.blocks import kind_shapes, layer_kind
 from axon4d.plan.saved import block_bytes, final_norm_saved
 from axon4d.plan.workload import OPTIMIZERS, Workload
 
@@ -108,9 +108,8 @@ def step_order_tensors(wl: Workload, shape: GridShape) -> list[int]:
         out.append((s.in_features // shape.y) * (s.out_features // shape.x))
         if m.arch == "gpt":
             out.append(m.seq_len * m.hidden // shape.x)
-    kinds = block_kinds(m)
-    for kind, count in kinds:
-        names = [DENSE_MLP.get(n, n) if len(kinds) > 1 and not kind.moe else n for n, *_ in block_shapes(kind)]
+    for kind, count, shapes in kind_shapes(m):
+        names = [name for name, *_ in shapes]
         block = norm * 2
         for name in names:
             if kind.moe and name == "mlp_up":  # the MoE layer: router, experts, then its shared experts
@@ -216,14 +215,10 @@ def kept_weights(wl: Workload, shape: GridShape, recompute: str, overlap: Overla
         sum(
             s.count * weight_shard_numel(s.in_features, s.out_features, shape, s.transpose) * shape.z
             for s in wl.linears()
-            if not s.embedding and not (recompute == "full" and _BLOCK_NAMES.get(s.name, s.name) in BACKWARD_ORDER[1:])
+            if not s.embedding and not (recompute == "full" and layer_kind(s.name) in BACKWARD_ORDER[1:])
         )
         * wl.element_size
     )
-
-
-#: a mixed model's dense blocks' MLP layers (``workload.DENSE_MLP``) by the block layer names they are
-_BLOCK_NAMES = {dense: name for name, dense in DENSE_MLP.items()}
 
 
 def edge_activations(wl: Workload, shape: GridShape) -> float:
@@ -402,10 +397,8 @@ def memory(
             widened_gemms=widened_gemms,
         )
 
-    if len(kinds) == 1:
-        live_peak = walk(acts + held, share, kinds[0][0]).run()
-    else:  # the backward reaches the MoE blocks (the last ones) first
-        live_peak = walk_kinds([(walk(acts + held, share, kind), count) for kind, count in reversed(kinds)])
+    # the backward reaches a mixed model's MoE blocks (the last ones) first
+    live_peak = walk_kinds([(walk(acts + held, share, kind), count) for kind, count in reversed(kinds)])
     if offload:  # the backward's last two blocks: the first kind's (a mixed model's dense blocks)
         first = kinds[0][0]
         last = functools.partial(walk, kind=first)

@@ -45,7 +45,7 @@ from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
 from axon4d.options.context_mode import MODES, context_axis
 from axon4d.options.precision import NAMED, Precision
-from axon4d.plan.blocks import DENSE_MLP, block_kinds, block_shapes
+from axon4d.plan.blocks import block_kinds, kind_shapes
 from axon4d.plan.moe_cost import moe_rules, placement
 
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
@@ -319,19 +319,17 @@ class Workload:
     def linears(self) -> list[LinearSpec]:
         """Every linear layer kind of a step, in forward order, each with how many times it runs: a
         block's layers once per block of their kind — with dense blocks beside MoE blocks
-        (``block_kinds``), the dense blocks' MLP as ``DENSE_MLP``'s layers."""
+        (``blocks.kind_shapes``: the dense blocks' MLP as ``blocks.DENSE_MLP``'s layers)."""
         m = self.model
         out = []
         if self.embedding:
             out.append(
                 LinearSpec("embedding", m.vocab_size, m.hidden, True, False, 1, input_grad=False, embedding=True)
             )
-        kinds = block_kinds(m)
         counts: dict[tuple[str, int, int, bool, bool], int] = {}
-        for model, n in kinds:
-            for name, i, o, t, b in block_shapes(model):
-                name = DENSE_MLP.get(name, name) if len(kinds) > 1 and not model.moe else name
-                counts[(name, i, o, t, b)] = counts.get((name, i, o, t, b), 0) + n
+        for _, n, shapes in kind_shapes(m):
+            for shape in shapes:
+                counts[shape] = counts.get(shape, 0) + n
         out += [LinearSpec(n, i, o, t, b, count) for (n, i, o, t, b), count in counts.items()]
         if self.head:
             out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
