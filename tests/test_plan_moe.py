@@ -447,6 +447,22 @@ def test_the_size_table_s_moe_models_have_their_sources_sizes():
     assert get_config("tiny-moe").moe
 
 
+def test_an_moe_model_whose_blocks_are_all_dense_is_priced_as_the_dense_model():
+    """``first_k_dense`` = n_layers: every block keeps the dense MLP (the runtime builds no MoE
+    layer), so the step's time, bytes and memory are the dense model's."""
+    from axon4d.plan.memory import memory
+
+    cfg = moe_cfg(layers=2, dense=2)
+    dense = cfg.replace(n_experts=0, shared_experts=0, first_k_dense=0)
+    shape = GridShape(1, 2, 2, 1)
+    a, b = Workload(cfg, 8), Workload(dense, 8)
+    sa, sb = Scenario(a, shape, load("h100")), Scenario(b, shape, load("h100"))
+    assert step_estimate(sa).step_s == step_estimate(sb).step_s
+    assert step_collectives_by_phase(sa) == step_collectives_by_phase(sb)
+    assert memory(a, shape).peak == memory(b, shape).peak
+    assert a.flops() == b.flops()
+
+
 def test_mfu_counts_the_active_parameters():
     """One more routed expert per token adds its 6·(3·hidden·f) FLOPs per token and layer; the
     experts a token does not reach add none."""

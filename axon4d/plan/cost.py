@@ -175,6 +175,7 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
     kinds = sc.kinds()
     if len(kinds) > 1:
         return combined([(step_estimate(kind), share, not kind.model.moe) for kind, share in kinds])
+    sc = kinds[0][0]  # its one kind: an MoE model whose blocks are all dense is the dense model
     k = sc.micro_batches
     micro = sc.micro()
     first = _one_pass(micro)

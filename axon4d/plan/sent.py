@@ -37,6 +37,7 @@ def step_collectives_by_phase(sc: Scenario) -> tuple[PhaseTally, PhaseTally]:
                 for key, n in part.items():
                     out[key] = out.get(key, 0.0) + share * n
         return Counter({k: round(v) for k, v in sums[0].items()}), Counter({k: round(v) for k, v in sums[1].items()})
+    sc = kinds[0][0]  # its one kind: an MoE model whose blocks are all dense is the dense model
     micro, k = sc.micro(), sc.micro_batches
     first = step_walk(micro)
     later = step_walk(micro, reuse=True) if sc.overlap.oag_keep else first
