@@ -13,7 +13,9 @@ An ``ExpertLayout`` splits the four axes (x, y, z, data) three ways:
 
 The default, ``ep=batch tp=x·y``, is the grid's own: experts over data × z, each split over x·y.
 Written as text (``parse``, ``str``) it reads ``ep=z·data,tp=x·y`` ('+' may stand for '·';
-``batch``, ``world``, ``1`` and ``none`` are understood). Pure data: the runtime (axon4d.nn.moe)
+``batch``, ``world``, ``1`` and ``none`` are understood). ``dispatch=fp8`` adds how the rows bound
+for the experts travel: in float8 e4m3 with a scale per 128 features (``axon4d.options.fp8_rows``;
+``dispatch=compute``, the default, in the compute dtype). Pure data: the runtime (axon4d.nn.moe)
 and the planner (axon4d.plan) read the same layout and the same divisibility rules.
 """
 
@@ -26,9 +28,12 @@ from collections.abc import Iterator, Sequence
 
 from axon4d.grid import rules
 from axon4d.grid.shape import AXES, Axis, GridAxis, GridShape, axis_of, members
+from axon4d.options.fp8_rows import BLOCK
 
 #: the axes expert tensor parallelism may use: x splits hidden, y the FFN width (as the dense MLP)
 TP_AXES: tuple[GridAxis, ...] = ("x", "y")
+#: how the rows bound for the experts may travel (``ExpertLayout.fp8_dispatch``): as computed, or fp8
+DISPATCH = ("compute", "fp8")
 
 
 def _axes(text: str, what: str) -> tuple[GridAxis, ...]:
@@ -52,10 +57,14 @@ def _axes(text: str, what: str) -> tuple[GridAxis, ...]:
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
     """Expert-parallel axes ``ep`` and expert tensor-parallel axes ``tp`` (fastest first, disjoint);
-    the rest are the expert data-parallel axes ``dp`` (module docstring)."""
+    the rest are the expert data-parallel axes ``dp`` (module docstring). ``fp8_dispatch``: the rows
+    sent to the experts over ``ep`` — the dispatch, and in backward the combine's gradient — travel
+    in e4m3 with a scale per 128 features (``axon4d.options.fp8_rows``); the rows sent home stay in
+    the compute dtype."""
 
     ep: tuple[GridAxis, ...] = ("z", "data")
     tp: tuple[GridAxis, ...] = ("x", "y")
+    fp8_dispatch: bool = False
 
     def __post_init__(self) -> None:
         for what, axes in (("ep", self.ep), ("tp", self.tp)):
@@ -79,8 +88,9 @@ class ExpertLayout:
     @classmethod
     def parse(cls, layout: ExpertLayout | str | None) -> ExpertLayout:
         """``layout`` as an ``ExpertLayout``: None is the default (ep=batch, tp=x·y); text is
-        ``ep=<axes>,tp=<axes>`` (either part may be left out: ep defaults to batch, tp to those of
-        x and y that ep leaves — "ep=world" is whole experts over every rank)."""
+        ``ep=<axes>,tp=<axes>[,dispatch=fp8]`` (either axes part may be left out: ep defaults to
+        batch, tp to those of x and y that ep leaves — "ep=world" is whole experts over every rank;
+        dispatch defaults to compute, the rows in the compute dtype)."""
         if layout is None:
             return cls()
         if isinstance(layout, ExpertLayout):
@@ -91,16 +101,21 @@ class ExpertLayout:
                 "'ep=world,tp=1' (whole experts over every rank) or 'ep=z·data,tp=x·y' (the default)"
             )
         parts: dict[str, tuple[GridAxis, ...]] = {}
+        dispatch: str | None = None
         for item in filter(None, (p.strip() for p in layout.replace(" ", ",").split(","))):
             key, eq, value = item.partition("=")
+            if key == "dispatch" and eq and dispatch is None and value.strip() in DISPATCH:
+                dispatch = value.strip()
+                continue
             if not eq or key not in ("ep", "tp") or key in parts:
                 raise ValueError(
-                    f"expert layout {layout!r}: write ep=<axes>,tp=<axes>, each at most once, e.g. 'ep=world,tp=1' "
-                    "or 'ep=z,tp=x·y' (axes x, y, z, data joined by '·' or '+'; batch, world; 1 for none)"
+                    f"expert layout {layout!r}: write ep=<axes>,tp=<axes>[,dispatch=fp8], each at most once, e.g. "
+                    "'ep=world,tp=1' or 'ep=z,tp=x·y,dispatch=fp8' (axes x, y, z, data joined by '·' or '+'; batch, "
+                    f"world; 1 for none; dispatch one of {', '.join(DISPATCH)})"
                 )
             parts[key] = _axes(value, key)
         ep = parts.get("ep", ("z", "data"))
-        return cls(ep, parts.get("tp", tuple(a for a in TP_AXES if a not in ep)))
+        return cls(ep, parts.get("tp", tuple(a for a in TP_AXES if a not in ep)), dispatch == "fp8")
 
     @property
     def dp(self) -> tuple[GridAxis, ...]:
@@ -153,7 +168,16 @@ class ExpertLayout:
         return ep, tp, dp
 
     def __str__(self) -> str:
-        return f"ep={self.ep_axis or 1},tp={'·'.join(self.tp) or 1}"
+        return f"ep={self.ep_axis or 1},tp={'·'.join(self.tp) or 1}" + (",dispatch=fp8" if self.fp8_dispatch else "")
+
+    def dispatched_features(self, shape: GridShape, hidden: int) -> int:
+        """Features of one row sent to the experts: hidden/G_x where x splits them, else hidden."""
+        return hidden // shape.x if self.splits("x") else hidden
+
+    def fp8_dispatches(self, shape: GridShape) -> bool:
+        """Whether rows travel to the experts in fp8 on ``shape``: ``fp8_dispatch`` and an
+        expert-parallel axis of more than one rank (no all-to-all, nothing cast)."""
+        return self.fp8_dispatch and bool(self.ep_axes(shape))
 
     def describe(self, shape: GridShape, n_experts: int) -> str:
         """One line, e.g. "ep=y·z·data,tp=x: 64 experts over y·z·data (32 ranks), 2 per rank, each split over
@@ -180,6 +204,15 @@ class ExpertLayout:
         if shared_width:
             why = "the shared experts' MLP splits its inner features over y"
             out.append(rules.divisible(shared_width, "shared_experts·expert_ffn", ("y",), why))
+        if self.fp8_dispatch:  # whole blocks of 128 features in every rank's share of a row
+            if hidden % BLOCK:
+                raise ValueError(
+                    f"expert layout {self} with hidden = {hidden}: dispatch=fp8 casts rows in blocks of {BLOCK} "
+                    f"features, so hidden must be a multiple of {BLOCK}; leave dispatch out (rows in the compute dtype)"
+                )
+            if self.splits("x"):
+                why = f"dispatch=fp8 casts the rows' hidden/G_x features in blocks of {BLOCK}"
+                out.append(rules.divisible(hidden // BLOCK, f"hidden/{BLOCK}", ("x",), why))
         return out
 
     def check(self, shape: GridShape, n_experts: int, expert_ffn: int, shared_width: int, hidden: int) -> None:

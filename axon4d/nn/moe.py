@@ -22,7 +22,10 @@ experts (E18, all-reduce over x after up where x splits them, reduce-scatter ove
 where y does) → all-to-all back → gates · outputs summed per token → back to features over x →
 gathered over y. The share is dispatched in the overlap policy's forward chunks, each chunk's
 exchanges in flight while other chunks' GEMMs run (``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md
-"Overlap").
+"Overlap"). Under a layout with ``dispatch=fp8`` the rows travel to the experts — the dispatch, and
+in backward the combine's gradient — in e4m3 with a scale per 128 features
+(``axon4d.options.fp8_rows``); ``to_dense`` casts the reference's expert inputs and output gradients
+alike.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ class MoE(nn.Module):
         if self.rows_over_x:  # this rank's rows of the share, every feature: (T_ji, hidden)
             x_share = features_to_rows(x_share, x_shares, "x", grid)
         ep = self.experts.ep_axis
+        fp8 = self.layout.fp8_dispatches(grid.shape)  # rows toward the experts in e4m3 (``fp8_rows``)
         # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
         # its expert GEMMs, the later chunks' still on the wire, and each chunk's combine stays in
         # flight behind the next chunk's GEMMs; backward mirrors it (``Exchange``)
@@ -178,7 +182,7 @@ class MoE(nn.Module):
         for plan, n in zip(plans, share_sizes(shares[mine], len(plans))):
             assigned = chosen[t0 + start : t0 + start + n].reshape(-1)  # (n·k,) experts of the chunk's assignments
             order = torch.argsort(assigned, stable=True)  # sorted by expert
-            ex = Exchange(plan.send_rows, plan.recv_rows, ep, grid, Term.MOE_DISPATCH)
+            ex = Exchange(plan.send_rows, plan.recv_rows, ep, grid, Term.MOE_DISPATCH, fp8_forward=fp8)
             rows = ex.awaited(x_share.index_select(0, order // k + start))  # (n·k, features)
             ex.issue(rows)
             dispatches.append((ex, rows))
@@ -187,7 +191,7 @@ class MoE(nn.Module):
         combines = []
         for plan, (ex, rows) in zip(plans, dispatches):
             out = self._experts(ex.adopt(rows), plan)  # (n_all, features), partial over y where y splits experts
-            home = Exchange(plan.recv_rows, plan.send_rows, ep, grid, Term.MOE_COMBINE)
+            home = Exchange(plan.recv_rows, plan.send_rows, ep, grid, Term.MOE_COMBINE, fp8_backward=fp8)
             if self.peers.y_members is not None:  # the down GEMM's partial sums reduced over y, each keeping its rows
                 out = scatter_rows(out, plan.y_rows, "y", grid, Term.MOE_EXPERT)
             rows = home.awaited(out)
@@ -343,6 +347,7 @@ class MoE(nn.Module):
         rank, gathered over x, y and the expert-parallel axes."""
         p = self.router.weight
         dense = DenseMoE(self.cfg, device=p.device, dtype=p.dtype)
+        dense.fp8_dispatch = self.layout.fp8_dispatches(self.grid.shape)
         with torch.no_grad():
             self._into(dense, lambda t: t)
             if grads:

@@ -28,6 +28,7 @@ from axon4d.config import ModelConfig
 from axon4d.layout import tiled_init
 from axon4d.nn import moe_router
 from axon4d.nn.mlp import DenseMLP
+from axon4d.options import fp8_rows
 
 
 def expert_matrices(n_experts: int, hidden: int, ffn: int, gated: bool) -> dict[str, tuple[int, int]]:
@@ -116,6 +117,9 @@ class DenseMoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         #: the last forward's assignments per expert (E,)
         self.tokens_per_expert: torch.Tensor | None = None
+        #: cast each expert's input rows, and in backward its output's gradient, as an FP8 dispatch
+        #: moves them (``axon4d.options.fp8_rows``; ``MoE.to_dense`` sets it under ``dispatch=fp8``)
+        self.fp8_dispatch = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -134,7 +138,10 @@ class DenseMoE(nn.Module):
         for e in range(cfg.n_experts):
             token, slot = torch.nonzero(experts == e, as_tuple=True)  # the assignments to e
             if token.numel():
-                y = self.experts.forward_expert(e, x2[token]) * g[token, slot, None].to(x2.dtype)
+                rows = fp8_rows.cast_rows(x2[token]) if self.fp8_dispatch else x2[token]  # (n_e, hidden)
+                y = self.experts.forward_expert(e, rows)
+                y = fp8_rows.grad_round_trip(y) if self.fp8_dispatch else y
+                y = y * g[token, slot, None].to(x2.dtype)
                 out = out.index_add(0, token, y)
         out = out.view(x.shape)
         return out + self.shared(x) if self.shared is not None else out

@@ -35,6 +35,7 @@ from axon4d.comm.communicator import Handle
 from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import AXES, Axis, GridShape, axis_of
 from axon4d.layout.geometry import Term
+from axon4d.options import fp8_rows
 
 
 def share_sizes(tokens: int, parts: int) -> list[int]:
@@ -203,9 +204,21 @@ class Exchange:
     reverse exchange, issued by ``adopt``'s backward, is in flight during the backward of whatever
     was made between ``awaited`` and ``adopt`` — the other chunks' experts."""
 
-    def __init__(self, send: list[int], recv: list[int], axis: Axis | None, grid: Grid, tag: Term):
+    def __init__(
+        self,
+        send: list[int],
+        recv: list[int],
+        axis: Axis | None,
+        grid: Grid,
+        tag: Term,
+        fp8_forward: bool = False,
+        fp8_backward: bool = False,
+    ):
         self.send, self.recv, self.axis, self.grid, self.tag = send, recv, axis, grid, tag
         self.live = axis is not None and grid.size(axis) > 1  # an axis of one rank (or none) exchanges nothing
+        #: the rows (``fp8_forward``) or their gradient (``fp8_backward``) travel packed in e4m3 with a
+        #: scale per 128 features (``axon4d.options.fp8_rows``) and are restored on arrival
+        self.fp8_forward, self.fp8_backward = fp8_forward and self.live, fp8_backward and self.live
         self.forward: Handle | None = None
         self.backward: Handle | None = None
 
@@ -217,7 +230,8 @@ class Exchange:
         """Start the exchange of ``rows`` (values only: autograd joins at ``adopt``)."""
         if self.live:
             assert self.axis is not None  # live
-            self.forward = self.grid.comm.all_to_all(rows.detach(), self.axis, self.send, self.recv, tag=self.tag)
+            payload = fp8_rows.pack(rows) if self.fp8_forward else rows.detach()  # (n, F + 4·F/128) uint8 or (n, F)
+            self.forward = self.grid.comm.all_to_all(payload, self.axis, self.send, self.recv, tag=self.tag)
 
     def adopt(self, rows: torch.Tensor) -> torch.Tensor:
         """The exchanged rows (Σ recv, …), waited for now, differentiable with respect to ``rows``."""
@@ -233,12 +247,16 @@ class _Adopted(torch.autograd.Function):
         ctx.ex = ex
         assert ex.forward is not None, "Exchange.adopt before Exchange.issue"
         handle, ex.forward = ex.forward, None
-        return handle.wait()
+        got = handle.wait()
+        return fp8_rows.unpack(got, rows.shape[-1], rows.dtype) if ex.fp8_forward else got  # (Σ recv, F)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         ex = ctx.ex
-        ex.backward = ex.grid.comm.all_to_all(g.contiguous(), ex.axis, ex.recv, ex.send, tag=f"{ex.tag}.grad")
+        payload = fp8_rows.pack(g) if ex.fp8_backward else g.contiguous()
+        ex.backward = ex.grid.comm.all_to_all(payload, ex.axis, ex.recv, ex.send, tag=f"{ex.tag}.grad")
+        if ex.fp8_backward:  # restored by ``_Awaited.backward`` once arrived; a stand-in holds no memory
+            return g.new_zeros(()).expand(sum(ex.send), g.shape[-1]), None
         return ex.backward.buffer, None  # complete once ``_Awaited.backward`` has waited
 
 
@@ -252,10 +270,12 @@ class _Awaited(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
-        handle, ctx.ex.backward = ctx.ex.backward, None
-        if handle is not None:
-            handle.wait()  # ``g`` is its buffer
-        return g, None
+        ex = ctx.ex
+        handle, ex.backward = ex.backward, None
+        if handle is None:
+            return g, None
+        got = handle.wait()  # ``g`` is its buffer, or under fp8 a stand-in for the packed rows
+        return (fp8_rows.unpack(got, g.shape[-1], g.dtype) if ex.fp8_backward else g), None
 
 
 class _ShareRows(torch.autograd.Function):
