@@ -97,7 +97,7 @@ def _predicted(grid, cfg, recompute="none", micro_batches=1, offload_blocks=0, z
     from axon4d.plan.workload import Workload
 
     preset = next(name for name, p in NAMED.items() if p == grid.precision)  # the grid's, by name
-    wl = Workload(cfg, MEM_BATCH * micro_batches, precision=preset)
+    wl = Workload(cfg, MEM_BATCH * micro_batches, precision=preset, expert_layout=grid.expert_layout)
     return memory(
         wl,
         grid.shape,

@@ -41,10 +41,10 @@ from axon4d.plan.workload import Workload
 SEQ = 16
 
 
-def moe_cfg(arch="llama", shared=1, k=2, experts=8, layers=2, dense=0):
+def moe_cfg(arch="llama", shared=1, k=2, experts=8, layers=2, dense=0, hidden=32):
     return ModelConfig(
         n_layers=layers,
-        hidden=32,
+        hidden=hidden,
         n_heads=4,
         n_kv_heads=2 if arch == "llama" else None,
         vocab_size=64,
@@ -272,6 +272,34 @@ def test_a_model_step_with_recompute_zero_and_offload_logs_the_planner_s_collect
     _check_step(pools, *case)
 
 
+#: FP8 dispatch (``dispatch=fp8``: the dispatch and the combine's gradient move e4m3 rows and a scale
+#: per 128 features) on a model of hidden 256: one layer in two chunks under two layout kinds, and
+#: a step under full recomputation, whose re-run dispatches in FP8 again
+FP8_LAYOUT_CASES = [((2, 2, 2, 1), "ep=world,tp=1,dispatch=fp8"), ((2, 2, 1, 2), "ep=data,tp=x·y,dispatch=fp8")]
+
+
+@pytest.mark.parametrize("grid,layout", FP8_LAYOUT_CASES)
+def test_fp8_dispatch_logs_the_planner_s_packed_bytes(pools, grid, layout):
+    cfg = moe_cfg(shared=0, hidden=256)
+    tokens = 16 * SEQ
+    shape = GridShape(*grid)
+    local = tokens // shape.size("batch")
+    policy = {"forward_chunks": 2, "min_chunk_kb": 0}
+    results = pools(math.prod(grid)).run(grid, _uniform_layer, cfg, tokens, policy, expert_layout=layout)
+    for rank, (logged, chunks) in enumerate(results):
+        priced = _priced_layer(layer_collectives(cfg, local, shape, 4, chunks, 1.0, layout))
+        assert logged == priced, f"rank {rank} on {grid} under {layout}: logged {logged} priced {priced}"
+        plain = _priced_layer(layer_collectives(cfg, local, shape, 4, chunks, 1.0, layout.replace(",dispatch=fp8", "")))
+        assert priced != plain  # the packed rows are priced, not the fp32 ones
+
+
+@pytest.mark.slow
+def test_a_step_under_fp8_dispatch_and_full_recomputation_logs_the_planner_s_collectives(pools):
+    _check_step(
+        pools, (1, 1, 2, 2), "bf16-fp32-reduce", "llama", 1, "ep=z·data,tp=1,dispatch=fp8", "full", 2, 0, hidden=256
+    )
+
+
 #: dense blocks first (DeepSeek-V3's ``first_k_dense``): 3 blocks, the first dense, the other two MoE
 #: — a step of two block kinds, priced as each kind's step weighted by its share of the blocks
 #: (``Workload.kinds``), with each expert layout kind and the step's options; the first is fast
@@ -291,9 +319,11 @@ def test_a_step_with_dense_blocks_first_logs_the_planner_s_collectives(pools, ca
     _check_step(pools, *case, layers=3, dense=1)
 
 
-def _check_step(pools, grid, precision, arch, micro, layout, recompute="none", zero=0, offload=0, layers=2, dense=0):
+def _check_step(
+    pools, grid, precision, arch, micro, layout, recompute="none", zero=0, offload=0, layers=2, dense=0, hidden=32
+):
     """A whole MoE model's logged step against the planner's per (axis, term, phase) (module docstring)."""
-    cfg = moe_cfg(arch, shared=1 if arch == "llama" else 0, layers=layers, dense=dense)
+    cfg = moe_cfg(arch, shared=1 if arch == "llama" else 0, layers=layers, dense=dense, hidden=hidden)
     priced = _priced_step(cfg, grid, precision, micro, recompute, layout, zero, offload)
     results = pools(math.prod(grid)).run(
         grid, _model_step, cfg, micro, recompute, zero, offload, precision=precision, expert_layout=layout
@@ -363,6 +393,14 @@ MEM_DENSE_FIRST = MEM_MOE.replace(n_layers=3, first_k_dense=1)
         # balanced: the shared experts' MLP re-makes its activation in backward, as a dense MLP does
         pytest.param(2, (1, 1, 2, 1), {"recompute": "balanced"}, MEM_MOE, marks=pytest.mark.slow),
         pytest.param(2, (1, 2, 1, 1), {"recompute": "balanced"}, MEM_MOE, marks=pytest.mark.slow),
+        # FP8 dispatch: priced as the compute dtype's exchange (docs/moe.md "FP8 dispatch")
+        pytest.param(
+            2,
+            (1, 1, 2, 1),
+            {"recompute": "full", "expert_layout": "ep=batch,dispatch=fp8"},
+            MEM_MOE,
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=lambda v: (
         f"dense{v.first_k_dense}-f{v.expert_ffn}-top{v.experts_per_token}"
@@ -381,7 +419,9 @@ def test_an_moe_step_s_peak_memory_is_the_planner_s(pools, world, grid, options,
     twice the width and +14% under full recomputation)."""
     from tests.test_plan_memory_options import TOLERANCE, _check
 
-    result = pools(world).run(grid, _memory_case, cfg, options)[0]
+    options = dict(options)
+    layout = options.pop("expert_layout", None)  # the grid's: measured and priced under it
+    result = pools(world).run(grid, _memory_case, cfg, options, expert_layout=layout)[0]
     _check(result, f"MoE ({cfg.first_k_dense} dense first) on {grid} with {options}", TOLERANCE)
 
 

@@ -188,8 +188,9 @@ def _option_arguments(p: argparse.ArgumentParser) -> None:
         "--expert-layout",
         default=AUTO_OPTION,
         help="MoE models: where the experts run, ep=<axes>,tp=<axes> (axon4d train --expert-layout): auto (every "
-        "layout each grid admits searched, default) or a layout, e.g. ep=world,tp=1 (whole experts over every rank) "
-        "or ep=z·data,tp=x·y (the runtime's default; '+' may stand for '·'; docs/moe.md)",
+        "layout each grid admits searched, each with and without FP8 dispatch under bf16, default) or a layout, e.g. "
+        "ep=world,tp=1 (whole experts over every rank), ep=z·data,tp=x·y (the runtime's default; '+' may stand for "
+        "'·') or ep=batch,tp=x,dispatch=fp8 (rows sent to the experts in FP8; docs/moe.md)",
     )
     p.add_argument(
         "--async-save",

@@ -7,8 +7,9 @@ option would multiply the search by as many. Most cannot win: a layout whose MoE
 every step option, since the rest of the step (attention, the dense layers, the embedding) is the
 same under both. ``undominated`` keeps, per grid, the layouts on the Pareto front of
 
-- the MoE layers' seconds (compute and collectives, ``moe_cost``, and the expert replicas'
-  gradient reductions), and
+- the MoE layers' compute seconds (``moe_cost``) and, apart, their collectives' seconds (with the
+  expert replicas' gradient reductions) — overlap can hide the one behind the other, so neither
+  alone orders the steps; a layout's ``dispatch=fp8`` variant is a layout of its own — and
 - their bytes on the rank: the experts' weights with and without ZeRO (replicas over data are
   sharded by it, experts held by one data rank are not) and what the layers keep for backward
   (``moe_memory``).
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from axon4d.grid.expert_layout import candidates
+from axon4d.grid.expert_layout import ExpertLayout, candidates
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Term
+from axon4d.options.fp8_rows import BLOCK
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import moe_memory
 from axon4d.plan.cost import moe_seconds
@@ -34,13 +36,12 @@ def with_layouts(workload: Workload, shapes: list[GridShape]) -> tuple[list[tupl
     """Each of ``shapes`` with ``workload`` under each expert layout it admits
     (``axon4d.grid.expert_layout.candidates``: one per distinct placement) where every other rule
     holds too, and how many shapes admit none."""
-    m = workload.model
     out: list[tuple[Workload, GridShape]] = []
     invalid = 0
     variants: dict[str, Workload] = {}
     for s in shapes:
         pairs = []
-        for layout in candidates(s, m.n_experts, m.expert_width, m.shared_experts * m.expert_width, m.hidden):
+        for layout in with_fp8_dispatch(workload, s):
             wl = variants.setdefault(str(layout), dataclasses.replace(workload, expert_layout=layout))
             if all(rule.holds(s) for rule in wl.rules()):
                 pairs.append((wl, s))
@@ -49,20 +50,38 @@ def with_layouts(workload: Workload, shapes: list[GridShape]) -> tuple[list[tupl
     return out, invalid
 
 
+def with_fp8_dispatch(workload: Workload, shape: GridShape) -> list[ExpertLayout]:
+    """The layouts ``shape`` admits for ``workload``'s model (``candidates``), each followed by its
+    ``dispatch=fp8`` variant where that is a different step: rows cross an expert-parallel axis,
+    the model computes in 16 bits (as FP8 weight gathers, a numerics choice the search makes under
+    bf16; an fp32 run stays exact) and every rank's features are whole blocks of 128."""
+    m = workload.model
+    out = []
+    for layout in candidates(shape, m.n_experts, m.expert_width, m.shared_experts * m.expert_width, m.hidden):
+        out.append(layout)
+        fp8 = dataclasses.replace(layout, fp8_dispatch=True)
+        if workload.element_size == 2 and m.hidden % BLOCK == 0 and fp8.fp8_dispatches(shape):
+            if layout.dispatched_features(shape, m.hidden) % BLOCK == 0:
+                out.append(fp8)
+    return out
+
+
 def moe_costs(wl: Workload, shape: GridShape, machine: Machine, overlap: OverlapPolicy) -> tuple[float, ...]:
-    """(seconds, expert bytes unsharded, expert bytes under ZeRO, saved bytes) of the MoE layers of
-    one step of ``wl`` on ``shape``: what the layouts of one grid differ in."""
+    """(compute seconds, communication seconds, expert bytes unsharded, expert bytes under ZeRO,
+    saved bytes) of the MoE layers of one step of ``wl`` on ``shape``: what the layouts of one grid
+    differ in. Compute and communication apart: overlap may hide the one behind the other, so a
+    layout that moves fewer bytes for more compute (FP8 dispatch) beats another on neither alone."""
     sc = Scenario(wl, shape, machine, overlap)
     m, layout = wl.model, wl.expert_layout
     moe = moe_seconds(sc)
-    seconds = m.moe_layers * (moe.fwd + moe.bwd)
-    seconds += m.moe_layers * sum(priced(c, sc)[0] for c in sc.moe_collectives)
+    compute = m.moe_layers * (moe.fwd + moe.bwd)
+    seconds = m.moe_layers * sum(priced(c, sc)[0] for c in sc.moe_collectives)
     seconds += sum(priced(c, sc)[0] for c in sc.edge_collectives if c.term == Term.MOE_EXPERT_WEIGHT_GRAD)
     experts = moe_memory.expert_elements(m, shape, layout)
     sharded = experts if moe_memory.experts_whole_under_zero(layout) else experts / shape.data
     elem = sc.element_size
     saved = moe_memory.saved_bytes(m, wl.local_tokens(shape), shape, elem, wl.dtype != "float32", wl.imbalance, layout)
-    return seconds, float(experts), float(sharded), m.moe_layers * saved
+    return compute, seconds, float(experts), float(sharded), m.moe_layers * saved
 
 
 def undominated(

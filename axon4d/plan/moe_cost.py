@@ -36,6 +36,7 @@ from axon4d.grid import rules
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape, axis_of
 from axon4d.layout.geometry import Collective, Op, Term
+from axon4d.options import fp8_rows
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.collective_model import group_geometry
 from axon4d.plan.machine import Machine
@@ -67,6 +68,7 @@ class Placement:
     count_axis: str | None  # the counts exchange's axis (E15)
     rows_over_x: bool  # the shares are cut over x and their rows moved from features to rows over x
     gather_y: bool  # y splits the experts: the rows are gathered over y at the experts (E17)
+    fp8_dispatch: bool = False  # rows travel to the experts in e4m3, a scale per 128 features (``fp8_rows``)
 
     def describe(self) -> str:
         """One line: the layout, where the experts are, how each is split, and the replicas."""
@@ -74,7 +76,8 @@ class Placement:
         over = f"over {self.ep_axis} (G_ep = {self.ep})" if self.ep_axis else "on every rank"
         replicas = f"; replicated over {self.dp_axis} ({self.replicas})" if self.dp_axis else ""
         shared = f"; shared experts' MLP {self.shared_y} wide per rank" if self.shared_y else ""
-        return f"{self.layout}: {self.experts} experts {over}, {self.local} per rank, {split}{replicas}{shared}"
+        fp8 = "; rows sent to the experts in FP8 (e4m3, a scale per 128 features)" if self.fp8_dispatch else ""
+        return f"{self.layout}: {self.experts} experts {over}, {self.local} per rank, {split}{replicas}{shared}{fp8}"
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -107,6 +110,7 @@ def _placement(model: ModelConfig, shape: GridShape, lay: ExpertLayout) -> Place
         axis_of(lay.count_axes(shape)),
         lay.rows_over_x(shape),
         lay.gathers_y(shape),
+        lay.fp8_dispatches(shape),
     )
 
 
@@ -191,6 +195,8 @@ def layer_collectives(
     ``elem``: bytes of an activation element (the compute dtype). Axes of one rank issue nothing.
     F = the features of a dispatched row: hidden/G_x where x splits the experts, else hidden.
 
+    Under FP8 dispatch (``Placement.fp8_dispatch``) the dispatch and the combine's gradient move
+    each row packed: F e4m3 bytes and an fp32 scale per 128 features (``fp8_rows.packed_width``).
     Forward: E14 over x (T·E fp32 logits); E15 over the count axis (G_count·C·E int64 counts: each
     rank its share's); where the rows move over x, the share's features to rows (an all-to-all over
     x); per chunk E16's dispatch over the expert-parallel axis, where y splits the experts E17's
@@ -223,8 +229,9 @@ def layer_collectives(
     add(Op.ALL_REDUCE, "x", tokens * e_count * 4, "forward", Term.MOE_ROUTER)
     add(Op.ALL_GATHER, p.count_axis, count * chunks * e_count * 8, "forward", Term.MOE_COUNTS)
     add(Op.ALL_TO_ALL, "x", y_shares[0] * h_x * elem, "forward", Term.MOE_ROWS_X, p.rows_over_x)
+    to_experts = fp8_rows.packed_width(feat) if p.fp8_dispatch else feat * elem  # bytes of a row sent to the experts
     for r in rows:
-        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * feat * elem, "forward", Term.MOE_DISPATCH)
+        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * to_experts, "forward", Term.MOE_DISPATCH)
         add(Op.ALL_GATHER, "y", g_y * r.gathered_max * feat * elem, "forward", Term.MOE_ROWS_Y, p.gather_y)
         add(Op.ALL_REDUCE, "x", r.computed * up * elem, "forward", Term.MOE_EXPERT_UP, split_x)
         add(Op.REDUCE_SCATTER, "y", g_y * r.gathered_max * feat * elem, "forward", Term.MOE_EXPERT, p.gather_y)
@@ -236,7 +243,7 @@ def layer_collectives(
     add(Op.ALL_REDUCE, "x", tokens * k * 4, "backward", Term.MOE_ROUTER_GRAD, not p.rows_over_x)
     add(Op.ALL_TO_ALL, "x", y_shares[0] * h_x * elem, "backward", Term.MOE_ROWS_X_GRAD, p.rows_over_x)
     for r in reversed(rows):
-        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * feat * elem, "backward", Term.MOE_COMBINE_GRAD)
+        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * to_experts, "backward", Term.MOE_COMBINE_GRAD)
         add(Op.ALL_GATHER, "y", g_y * r.gathered_max * feat * elem, "backward", Term.MOE_ROWS_Y, p.gather_y)
         add(Op.ALL_REDUCE, "x", r.computed * up * elem, "backward", Term.MOE_EXPERT_UP_GRAD, split_x)
         add(Op.ALL_REDUCE, "y", r.computed * feat * elem, "backward", Term.MOE_ROWS_Y_GRAD, p.gather_y)
@@ -292,6 +299,26 @@ class MoESeconds:
     experts_bwd: float = 0.0  # ... and backward
 
 
+def pack_passes(rows: float, features: int, elem: int, fused: bool) -> tuple[float, int]:
+    """(bytes, kernels) of ``fp8_rows.pack`` of ``rows`` rows of ``features`` ``elem``-byte values, as
+    the code runs it: eager (the host's path and the fallback) the blocks' amax reads the rows, the
+    division reads them and writes fp32, the clamp reads and writes that, the cast reads it and
+    writes e4m3, and the e4m3 bytes are copied into the packed rows — 2·elem + 15 bytes per
+    element — in 8 kernels with the scales' own; fused (an accelerator's,
+    ``axon4d.device.fp8_fused.quantise_rows``) the amax and one pass read the rows and write e4m3,
+    then the copy: 2·elem + 3, in 4 kernels. The scales (4 bytes per 128 values) are left out."""
+    if fused:
+        return rows * features * (2 * elem + 3), 4
+    return rows * features * (2 * elem + 15), 8
+
+
+def unpack_passes(rows: float, features: int, elem: int) -> tuple[float, int]:
+    """(bytes, kernels) of ``fp8_rows.unpack`` of ``rows`` packed rows of ``features`` into the
+    compute dtype: the e4m3 bytes read and the rows written, then read and written again by the
+    product with the scales (1 + 3·elem bytes per element), in 3 kernels with the scales' copy."""
+    return rows * features * (1 + 3 * elem), 3
+
+
 def layer_seconds(
     model: ModelConfig,
     tokens: int,
@@ -309,7 +336,9 @@ def layer_seconds(
     backward, the weight gradient scaled by 1/G_batch where no replica reduction does it), the
     activation, the row copies of the dispatch (index selects, sorts, the gathered rows' unpadding,
     the moves over x) and the gated sum, each op's launch overhead (``FORWARD_OPS``,
-    ``BACKWARD_OPS``), and on an accelerator the host sync of E15."""
+    ``BACKWARD_OPS``), and on an accelerator the host sync of E15. Under FP8 dispatch, in forward
+    and again in backward, the share's rows packed and the received rows unpacked (``pack_passes``,
+    ``unpack_passes``; the fused cast on an accelerator, the eager one on the host)."""
     world = shape.world_size
     p = placement(model, shape, layout)
     k, e_count, h = model.experts_per_token, model.n_experts, p.hidden_x
@@ -339,6 +368,11 @@ def layer_seconds(
     fwd += FORWARD_OPS * machine.op_overhead_s
     bwd = router_b + scores + up_b + down_b + act_b + ew(2 * moved, world) + 2 * combine + scale
     bwd += BACKWARD_OPS * machine.op_overhead_s
+    if p.fp8_dispatch:  # each way: the share's rows packed here, the experts' received rows unpacked there
+        packed, pack_k = pack_passes(share * k, h, elem, machine.accelerator)
+        unpacked, unpack_k = unpack_passes(rows / shape.y if p.gather_y else rows, h, elem)
+        cast = ew(packed + unpacked, world) + (pack_k + unpack_k) * machine.op_overhead_s  # kernels: one chunk's
+        fwd, bwd = fwd + cast, bwd + cast
     return MoESeconds(
         fwd, bwd, router_f + router_b + up_f + down_f + up_b + down_b, up_f + down_f + act_f, up_b + down_b + act_b
     )

@@ -120,15 +120,17 @@ class PlanResult:
         MoE model also each one's expert layout and the seconds on products of axes an expert
         layout adds (``t_prod``: its all-to-alls, counts and replicas' reductions over y·z, world, …)."""
         moe = self.workload.model.moe
+        shown = self.candidates[:top]
+        wide = max([20, *(len(c.expert_layout) for c in shown)]) if moe else 0  # the experts column
         head = (
             f"{'grid (x,y,z,d)':<18} {'seq':>7} {'recompute':>9} {'mb':>3} {'zero':>4} {'offl':>4} {'fp8':>3} "
-            + (f"{'experts':<20} " if moe else "")
+            + (f"{'experts':<{wide}} " if moe else "")
             + f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'pin GiB':>7} {'fits':>4} "
             + " ".join(f"{'t_' + a:>8}" for a in TABLE_AXES + (("prod",) if moe else ()))
             + f" {'hidden':>7} {'×bound':>7}"
         )
         lines = [head, "-" * len(head)]
-        for c in self.candidates[:top]:
+        for c in shown:
             t, o = c.time, c.options
             seconds = [t.comm_by_axis.get(a, 0.0) for a in TABLE_AXES]
             if moe:
@@ -138,7 +140,7 @@ class PlanResult:
                 f"{str(c.shape.as_tuple()):<18} {_seq(c):>7} "
                 f"{o.get('recompute', 'none'):>9} {o.get('micro_batches', 1):>3} {o.get('zero', 0):>4} "
                 f"{o.get('offload', 0):>4} {'yes' if o.get('fp8_gather') else 'no':>3} "
-                + (f"{c.expert_layout:<20} " if moe else "")
+                + (f"{c.expert_layout:<{wide}} " if moe else "")
                 + f"{t.step_s:>9.4g} {100 * c.mfu:>5.1f}% "
                 f"{c.mem.peak / 2**30:>8.2f} {c.mem.pinned_node / 2**30:>7.1f} {'yes' if c.fits else 'NO':>4} {axes} "
                 f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"

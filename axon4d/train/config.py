@@ -126,7 +126,7 @@ class TrainConfig:
     packed_documents: int = -1
     """The token id that ends each document of the data (EOS; axon4d prepare-data writes the tokenizer's after every document): each sequence is cut into documents after every such token, tokens attend only within their document and positions restart at each (docs/context.md "Packed documents"; with --context-parallel the chunks are balanced by attention work). -1 (default): off, one document per sequence. Axon4d's own models only."""
     expert_layout: str = ""
-    """MoE models: where the experts run, ep=<axes>,tp=<axes> over the grid's axes x, y, z, data (e.g. ep=world,tp=1: whole experts over every rank; ep=z·data,tp=x·y, the default: experts over data × z, each split over x·y; '+' may stand for '·'; docs/moe.md). Default: the grid's, or under --grid auto the layout the planner chose with the grid; given, it is pinned. A model without experts refuses it."""
+    """MoE models: where the experts run, ep=<axes>,tp=<axes> over the grid's axes x, y, z, data (e.g. ep=world,tp=1: whole experts over every rank; ep=z·data,tp=x·y, the default: experts over data × z, each split over x·y; '+' may stand for '·'; add ,dispatch=fp8 to send the rows to the experts in FP8; docs/moe.md). Default: the grid's, or under --grid auto the layout the planner chose with the grid; given, it is pinned. A model without experts refuses it."""
     recompute: str = "none"
     """Activation recomputation in every block (docs/design.md §5): none keeps every activation; selective recomputes core attention; balanced re-makes the norms' and the MLP activation's outputs inside the GEMMs that read them; full keeps only each block's input."""
     offload: str = ""
