@@ -3,12 +3,14 @@ docs/moe.md "FP8 dispatch"): rows cast to e4m3 once, with fp32 quotients and one
 features; on 8-rank grids of each layout kind the MoE layer equals the single-process layer whose
 expert inputs and expert-output gradients are cast alike (forward, every gradient; ≤ 1e-5 relative)
 while it differs from the uncast one; the dispatch and the combine's gradient move the packed bytes
-(the comm log), the combine and the dispatch's gradient the compute dtype. Start here when changing
-how MoE rows travel."""
+(the comm log), the combine and the dispatch's gradient the compute dtype; the casts make the passes
+the planner prices; a training job runs under such a layout. Start here when changing how MoE rows
+travel."""
 
 import pytest
 import torch
 from test_moe import TOL, margin_inputs, rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import axon4d
 from axon4d.config import ModelConfig
@@ -19,6 +21,7 @@ from axon4d.nn.moe import MoE
 from axon4d.nn.moe_dense import DenseMoE
 from axon4d.options import fp8_rows
 from axon4d.options.precision import FP8
+from axon4d.plan.moe_cost import pack_passes, unpack_passes
 
 
 def test_a_row_is_rounded_once_from_an_fp32_quotient_whatever_its_dtype():
@@ -72,6 +75,50 @@ def test_the_fused_row_cast_packs_the_eager_bytes(cast_mode):
         fused = fp8_rows.pack(rows)
         assert fp8_fused.failure() is None
         assert torch.equal(fused, eager)
+
+
+class _Passes(TorchDispatchMode):
+    """Counts the ATen ops that launch work (views, aliases and allocations apart) and the bytes
+    they move: each tensor argument read and each result written once; an in-place op reads and
+    writes its first argument (``copy_`` reads its source and writes its destination)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in ("detach", "empty", "promote_types"):
+            return out
+        self.kernels += 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if name == "copy_":
+            self.bytes += tensors[0].nbytes + tensors[1].nbytes
+        elif name.endswith("_"):
+            self.bytes += 2 * tensors[0].nbytes + sum(t.nbytes for t in tensors[1:])
+        else:
+            outs = out if isinstance(out, tuple) else (out,)
+            self.bytes += sum(t.nbytes for t in tensors) + sum(o.nbytes for o in outs)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_planner_prices_the_casts_passes_the_code_makes(dtype):
+    """The eager pack and the unpack, counted op by op, against ``moe_cost.pack_passes`` and
+    ``unpack_passes``: the same kernels, the same bytes but the scales' (4 per 128 values)."""
+    rows, features = 64, 512
+    x = torch.randn(rows, features, dtype=dtype)
+    with _Passes() as packing:
+        packed = fp8_rows.pack(x)
+    with _Passes() as unpacking:
+        fp8_rows.unpack(packed, features, dtype)
+    for counted, (priced, kernels) in (
+        (packing, pack_passes(rows, features, dtype.itemsize, fused=False)),
+        (unpacking, unpack_passes(rows, features, dtype.itemsize)),
+    ):
+        assert counted.kernels == kernels
+        assert priced <= counted.bytes <= priced * (1 + 4 * 4 / 128 / (2 * dtype.itemsize + 1)), (counted.bytes, priced)
 
 
 def test_rows_not_in_whole_blocks_and_layouts_of_a_narrow_model_are_refused():
@@ -170,3 +217,32 @@ def test_the_layer_under_fp8_dispatch_equals_the_reference_cast_alike(pools, kin
             assert len(sizes) == chunks and all(n % width == 0 for n in sizes), (tag, sizes, width)
         rows = sum(by_tag["moe.dispatch"]) // packed
         assert rows == sum(by_tag["moe.combine.grad"]) // packed  # the rows sent out come back
+
+
+def _fp8_job(root):
+    """On each rank: a 3-step tiny-moe job (hidden 128) under whole experts over data in bf16 rows
+    and in FP8 rows — (losses, the layout each summary names) — and the job's refusal of FP8
+    dispatch for tiny-moe's own hidden of 64."""
+    import os
+
+    from axon4d.train import TrainConfig, train
+
+    job = dict(model="tiny-moe", hidden=128, steps=3, batch_size=4, warmup_steps=0, progress=False, grid="1,1,1,4")
+    out = []
+    for layout in ("ep=data,tp=1", "ep=data,tp=1,dispatch=fp8"):
+        summary = train(TrainConfig(**job, expert_layout=layout, out_dir=os.path.join(root, layout)))
+        out.append((summary["losses"], summary["expert_layout"]))
+    try:
+        train(TrainConfig(**{**job, "hidden": 0}, expert_layout="ep=data,dispatch=fp8", out_dir=root + "/narrow"))
+        refusal = ""
+    except ValueError as e:
+        refusal = str(e)
+    return out, refusal
+
+
+def test_a_training_job_runs_under_fp8_dispatch_and_refuses_a_narrow_model(pools, tmp_path):
+    for ((plain, plain_layout), (fp8, fp8_layout)), refusal in pools(4).run(None, _fp8_job, str(tmp_path), timeout=300):
+        assert (plain_layout, fp8_layout) == ("ep=data,tp=1", "ep=data,tp=1,dispatch=fp8")
+        assert len(fp8) == 3 and all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(fp8, plain)), (fp8, plain)
+        assert fp8 != plain  # the rows were cast
+        assert "hidden = 64" in refusal and "multiple of 128" in refusal, refusal

@@ -141,8 +141,8 @@ def quantise_blocks(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[t
     fp32's smallest normal) as (n, blocks, 1) fp32 and q = round(t/s) as ``dtype``, the quotient in
     fp32 (t widened exactly), clamped to ±``fmax`` so a non-finite input stays non-finite, never
     out of range. The eager path runs these operations as written (bytes: the amax reads t, the
-    division reads t and writes fp32, the clamp and the cast read and write it: 2·elem + 13 per
-    element); the fused path compiles them (``quantise_rows``)."""
+    division reads t and writes fp32, the clamp reads and writes it, the cast reads it and writes
+    e4m3: 2·elem + 17 per element); the fused path compiles them (``quantise_rows``)."""
     amax = torch.linalg.vector_norm(t, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)  # (n, blocks, 1)
     scale = torch.clamp(amax / fmax, min=_TINY)  # NaN and inf kept
     return torch.div(t, scale).clamp_(-fmax, fmax).to(dtype), scale  # fp32 quotient, rounded once

@@ -303,13 +303,13 @@ def pack_passes(rows: float, features: int, elem: int, fused: bool) -> tuple[flo
     """(bytes, kernels) of ``fp8_rows.pack`` of ``rows`` rows of ``features`` ``elem``-byte values, as
     the code runs it: eager (the host's path and the fallback) the blocks' amax reads the rows, the
     division reads them and writes fp32, the clamp reads and writes that, the cast reads it and
-    writes e4m3, and the e4m3 bytes are copied into the packed rows — 2·elem + 15 bytes per
+    writes e4m3, and the e4m3 bytes are copied into the packed rows — 2·elem + 19 bytes per
     element — in 8 kernels with the scales' own; fused (an accelerator's,
     ``axon4d.device.fp8_fused.quantise_rows``) the amax and one pass read the rows and write e4m3,
     then the copy: 2·elem + 3, in 4 kernels. The scales (4 bytes per 128 values) are left out."""
     if fused:
         return rows * features * (2 * elem + 3), 4
-    return rows * features * (2 * elem + 15), 8
+    return rows * features * (2 * elem + 19), 8
 
 
 def unpack_passes(rows: float, features: int, elem: int) -> tuple[float, int]:
