@@ -220,9 +220,9 @@ def test_the_layer_under_fp8_dispatch_equals_the_reference_cast_alike(pools, kin
 
 
 def _fp8_job(root):
-    """On each rank: a 3-step tiny-moe job (hidden 128) under whole experts over data in bf16 rows
-    and in FP8 rows — (losses, the layout each summary names) — and the job's refusal of FP8
-    dispatch for tiny-moe's own hidden of 64."""
+    """On each rank: a 3-step tiny-moe job (hidden 128) under whole experts over data with rows in
+    the compute dtype, in FP8, and in FP8 under bf16-fp8 (FP8 grouped GEMMs) — (losses, the layout
+    each summary names) — and the job's refusal of FP8 dispatch for tiny-moe's own hidden of 64."""
     import os
 
     from axon4d.train import TrainConfig, train
@@ -232,6 +232,11 @@ def _fp8_job(root):
     for layout in ("ep=data,tp=1", "ep=data,tp=1,dispatch=fp8"):
         summary = train(TrainConfig(**job, expert_layout=layout, out_dir=os.path.join(root, layout)))
         out.append((summary["losses"], summary["expert_layout"]))
+    # with the experts' grouped GEMMs in FP8 too: the restored rows are cast again, per expert
+    gemms = train(
+        TrainConfig(**job, expert_layout="ep=data,tp=1,dispatch=fp8", precision="bf16-fp8", out_dir=root + "/gemms")
+    )
+    out.append((gemms["losses"], gemms["expert_layout"]))
     try:
         train(TrainConfig(**{**job, "hidden": 0}, expert_layout="ep=data,dispatch=fp8", out_dir=root + "/narrow"))
         refusal = ""
@@ -241,8 +246,10 @@ def _fp8_job(root):
 
 
 def test_a_training_job_runs_under_fp8_dispatch_and_refuses_a_narrow_model(pools, tmp_path):
-    for ((plain, plain_layout), (fp8, fp8_layout)), refusal in pools(4).run(None, _fp8_job, str(tmp_path), timeout=300):
+    runs = pools(4).run(None, _fp8_job, str(tmp_path), timeout=300)
+    for ((plain, plain_layout), (fp8, fp8_layout), (gemms, _)), refusal in runs:
         assert (plain_layout, fp8_layout) == ("ep=data,tp=1", "ep=data,tp=1,dispatch=fp8")
         assert len(fp8) == 3 and all(abs(a - b) <= 0.01 * abs(b) for a, b in zip(fp8, plain)), (fp8, plain)
         assert fp8 != plain  # the rows were cast
+        assert len(gemms) == 3 and all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(gemms, plain)), (gemms, plain)
         assert "hidden = 64" in refusal and "multiple of 128" in refusal, refusal
