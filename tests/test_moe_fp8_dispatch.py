@@ -161,12 +161,12 @@ LAYOUTS = {
 }
 
 
-def _check(grid, chunks):
+def _check(grid, chunks, starve=0):
     grid.comm.log.clear()
     torch.manual_seed(5)
     dense = DenseMoE(CFG)
     b, s = 4, CFG.seq_len
-    x_full = margin_inputs(dense, b * s, seed=9).view(b, s, CFG.hidden)
+    x_full = margin_inputs(dense, b * s, seed=9, starve=starve).view(b, s, CFG.hidden)
     plain = DenseMoE(CFG)  # the uncast reference: FP8 dispatch must differ from it
     plain.load_state_dict(dense.state_dict())
     mod = MoE(CFG).load_dense_(dense)
@@ -195,11 +195,14 @@ def _check(grid, chunks):
     return errs, far, by_tag, mod.rows_over_x
 
 
-@pytest.mark.parametrize("kind", list(LAYOUTS))
+@pytest.mark.parametrize("kind", [*LAYOUTS, "starved"])
 def test_the_layer_under_fp8_dispatch_equals_the_reference_cast_alike(pools, kind):
-    grid, layout = LAYOUTS[kind]
+    """Each layout kind; "starved": whole experts over every rank, the last four experts reached by
+    no token, so four ranks receive no row and send none back (empty packs)."""
+    grid, layout = LAYOUTS["whole-over-world" if kind == "starved" else kind]
     chunks = 2 if kind == "whole-over-world" else 1  # chunked exchanges too
-    for errs, far, by_tag, rows_over_x in pools(8).run(grid, _check, chunks, expert_layout=layout):
+    starve = 4 if kind == "starved" else 0
+    for errs, far, by_tag, rows_over_x in pools(8).run(grid, _check, chunks, starve, expert_layout=layout):
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"{layout} on {grid}: {bad}"
         assert rows_over_x == (not ExpertLayout.parse(layout).splits("x"))  # whole rows travel where x doesn't split
