@@ -10,6 +10,7 @@ bound for its GEMMs, Σ 3·(M·K·N/P)^{2/3} per rank (§3).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -134,26 +135,58 @@ def scenario_memory(sc: Scenario) -> MemoryEstimate:
     """``memory.memory`` of ``sc``: its workload, grid, recomputation, overlap and options, with the
     host memory its buffers pin per rank and per node (``host_memory``) and the device memory its
     grid's communicators, the CUDA context and the libraries' workspaces take before the first
-    tensor (``Machine.usable_device_memory``, ``device_memory.grid_communicators``)."""
-    mem = memory(
-        sc.workload,
+    tensor (``Machine.usable_device_memory``, ``device_memory.grid_communicators``). An MoE layout
+    with FP8 dispatch is priced as its twin without (docs/moe.md "FP8 dispatch"), from one walk."""
+    wl = sc.workload
+    if wl.expert_layout.fp8_dispatch:
+        wl = dataclasses.replace(wl, expert_layout=dataclasses.replace(wl.expert_layout, fp8_dispatch=False))
+    m = sc.machine
+    mem = _memory(
+        wl,
         sc.shape,
         sc.recompute,
         sc.overlap,
-        staged_reduce_scatter=sc.machine.staged_reduce_scatter,
-        micro_batches=sc.micro_batches,
-        zero=sc.zero,
-        offload=sc.offload,
-        fp8_gather=sc.fp8_gather,
-        widened_gemms=not sc.machine.accelerator,
-        accelerator=sc.machine.accelerator,
+        m.staged_reduce_scatter,
+        sc.micro_batches,
+        sc.zero,
+        sc.offload,
+        sc.fp8_gather,
+        m.accelerator,
     )
-    m = sc.machine
     return dataclasses.replace(
         mem,
         pinned=pinned_per_rank(sc),
         pinned_node=pinned_per_node(sc),
         reserved=m.memory_per_device - m.usable_device_memory(grid_communicators(sc.shape)),
+    )
+
+
+@functools.lru_cache(maxsize=16384)
+def _memory(
+    wl: Workload,
+    shape: GridShape,
+    recompute: str,
+    overlap: OverlapPolicy,
+    staged: bool,
+    micro_batches: int,
+    zero: int,
+    offload: int,
+    fp8_gather: bool,
+    accelerator: bool,
+) -> MemoryEstimate:
+    """``memory.memory`` of these arguments (cached: FP8 dispatch's twins ask for the same walks)."""
+    return memory(
+        wl,
+        shape,
+        recompute,
+        overlap,
+        staged_reduce_scatter=staged,
+        micro_batches=micro_batches,
+        zero=zero,
+        offload=offload,
+        fp8_gather=fp8_gather,
+        widened_gemms=not accelerator,
+        accelerator=accelerator,
     )
 
 
