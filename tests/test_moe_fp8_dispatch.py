@@ -118,7 +118,8 @@ def test_the_planner_prices_the_casts_passes_the_code_makes(dtype):
         (unpacking, unpack_passes(rows, features, dtype.itemsize)),
     ):
         assert counted.kernels == kernels
-        assert priced <= counted.bytes <= priced * (1 + 4 * 4 / 128 / (2 * dtype.itemsize + 1)), (counted.bytes, priced)
+        scales = rows * features // 128 * 64  # the per-block ops on the scales: a few 4-byte values per 128
+        assert priced <= counted.bytes <= priced + scales, (counted.bytes, priced)
 
 
 def test_rows_not_in_whole_blocks_and_layouts_of_a_narrow_model_are_refused():

@@ -301,15 +301,16 @@ class MoESeconds:
 
 def pack_passes(rows: float, features: int, elem: int, fused: bool) -> tuple[float, int]:
     """(bytes, kernels) of ``fp8_rows.pack`` of ``rows`` rows of ``features`` ``elem``-byte values, as
-    the code runs it: eager (the host's path and the fallback) the blocks' amax reads the rows, the
-    division reads them and writes fp32, the clamp reads and writes that, the cast reads it and
-    writes e4m3, and the e4m3 bytes are copied into the packed rows — 2·elem + 19 bytes per
-    element — in 8 kernels with the scales' own; fused (an accelerator's,
+    the code runs it: eager (the host's path and the fallback) the blocks' largest and smallest
+    values read the rows twice, the division reads them and writes fp32, the clamp reads and writes
+    that, the cast reads it and writes e4m3, and the e4m3 bytes are copied into the packed rows —
+    3·elem + 19 bytes per element — in 11 kernels with the scales' own (12 from 16 bits: the
+    scales widened to fp32); fused (an accelerator's,
     ``axon4d.device.fp8_fused.quantise_rows``) the amax and one pass read the rows and write e4m3,
     then the copy: 2·elem + 3, in 4 kernels. The scales (4 bytes per 128 values) are left out."""
     if fused:
         return rows * features * (2 * elem + 3), 4
-    return rows * features * (2 * elem + 19), 8
+    return rows * features * (3 * elem + 19), 11 + (elem != 4)
 
 
 def unpack_passes(rows: float, features: int, elem: int) -> tuple[float, int]:
