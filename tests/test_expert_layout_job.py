@@ -77,6 +77,13 @@ def test_the_plan_command_pins_a_layout_or_searches_them():
     assert "expert layout searched" in out.splitlines()[0]
 
 
+def test_the_plan_command_pins_fp8_dispatch_and_refuses_it_beside_a_pinned_layout():
+    code, out, _ = _plan("--fp8-dispatch", "off")
+    assert code == 0 and "expert layout searched (FP8 dispatch off)" in out.splitlines()[0]
+    with pytest.raises(ValueError, match="ep=world,tp=1: a pinned layout says how its rows travel"):
+        _plan("--expert-layout", "ep=world,tp=1", "--fp8-dispatch", "on")
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

@@ -257,3 +257,41 @@ def test_a_training_job_runs_under_fp8_dispatch_and_refuses_a_narrow_model(pools
         assert fp8 != plain  # the rows were cast
         assert len(gemms) == 3 and all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(gemms, plain)), (gemms, plain)
         assert "hidden = 64" in refusal and "multiple of 128" in refusal, refusal
+
+
+#: an MoE model whose hidden is whole blocks of 128 on every split a small search tries
+PLANNED = CFG.replace(n_layers=2, seq_len=256, vocab_size=1024)
+
+
+def _layouts(**kw):
+    from axon4d.plan.search import plan
+
+    r = plan(PLANNED, 8, "h100", 16, top=None, **kw)
+    return {(c.shape, c.expert_layout) for c in r.candidates}
+
+
+def test_the_search_offers_fp8_dispatch_as_asked_and_a_pinned_layout_says_it_itself():
+    both, on, off = _layouts(), _layouts(fp8_dispatch=True), _layouts(fp8_dispatch=False)
+    fp8 = {lay for _, lay in both if lay.endswith(",dispatch=fp8")}
+    assert fp8 and {lay for _, lay in both} - fp8  # auto: each layout both ways
+    assert not any(lay.endswith(",dispatch=fp8") for _, lay in off)
+    crossing = {(s, lay) for s, lay in on if ExpertLayout.parse(lay).ep_axes(s)}  # rows cross an axis
+    assert crossing and all(lay.endswith(",dispatch=fp8") for _, lay in crossing)
+    from axon4d.plan.search import plan
+
+    with pytest.raises(ValueError, match="pinned expert layout ep=world,tp=1: a pinned layout says how its rows"):
+        plan(PLANNED, 8, "h100", 16, expert_layout="ep=world,tp=1", fp8_dispatch=True)
+    with pytest.raises(ValueError, match="fp8_dispatch = 'yes': use auto, True or False"):
+        plan(PLANNED, 8, "h100", 16, fp8_dispatch="yes")
+
+
+def test_the_training_job_asks_for_fp8_dispatch_as_pinned():
+    from axon4d.plan.options import AUTO_OPTION
+    from axon4d.train import TrainConfig, planned
+
+    assert planned.question(TrainConfig(model="tiny-moe", grid="auto"), accelerator=True)["fp8_dispatch"] == AUTO_OPTION
+    pinned = TrainConfig(model="tiny-moe", grid="auto", pin="fp8_dispatch")
+    assert planned.question(pinned, accelerator=True)["fp8_dispatch"] is False  # the default layout's rows
+    given = TrainConfig(model="tiny-moe", hidden=128, grid="auto", expert_layout="ep=world,tp=1,dispatch=fp8")
+    asked = planned.question(given, accelerator=True)
+    assert asked["fp8_dispatch"] is True and asked["expert_layout"] == "ep=world,tp=1,dispatch=fp8"

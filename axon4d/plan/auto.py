@@ -122,9 +122,9 @@ def choose_grid(world: int, **options: Any) -> GridShape:
     "bf16-fp32-reduce"; either alone sets the other), ``overlap`` (a
     policy, or "auto": the knobs tuned too, ``search.plan``), ``recompute``, ``optimizer`` ("adam"
     or "sgd"), ``memory_gib``, ``workload``, ``rank``, ``top``, and the step options
-    ``micro_batches``, ``zero``, ``offload``, ``fp8_gather``, ``context_parallel`` (each pinned by
-    default to what a model built without them runs; "auto" lets the search choose, and the choice
-    is the returned candidate's ``options``), and ``async_save`` (the job keeps a pinned host snapshot
+    ``micro_batches``, ``zero``, ``offload``, ``fp8_gather``, ``context_parallel``, ``fp8_dispatch``
+    (each pinned by default to what a model built without them runs; "auto" lets the search choose,
+    and the choice is the returned candidate's ``options``, or for FP8 dispatch its ``expert_layout``), and ``async_save`` (the job keeps a pinned host snapshot
     for asynchronous checkpoints: it counts against the node's host memory). Raises ``ValueError`` (on every rank alike) when no
     grid fits."""
     return choose(world, **options).shape
@@ -179,11 +179,14 @@ def ranked(
     expert_layout: ExpertLayout | str = AUTO_OPTION,
     correction: corrections.Correction | str | None = None,
     context_axes: str = AUTO_OPTION,
+    fp8_dispatch: bool | str = False,
 ) -> PlanResult:
     """``choose``'s search (its arguments), every priced candidate ranked (``PlanResult``: at least
     the ``top`` fastest fitting ones, where so many fit); rank 0 prints the best and the top ``top``.
     ``expert_layout``: an MoE model's expert layout, pinned, or ``AUTO_OPTION`` (searched with each
-    grid; the chosen one is the candidate's ``expert_layout``). ``context_axes``: the axes a split
+    grid; the chosen one is the candidate's ``expert_layout``); ``fp8_dispatch``: the searched layouts'
+    rows travel to the experts in FP8 (True), not (False, the default: as a layout built without it), or
+    either (``AUTO_OPTION``). ``context_axes``: the axes a split
     sequence may span, "z", "z,data" or ``AUTO_OPTION`` (both; ``search.plan``). ``correction``: a correction
     (``axon4d.plan.correction``; a loaded one or its file's path, as ``axon4d plan --correction``)
     whose factors scale the machine's prices first (``corrected``).
@@ -208,6 +211,7 @@ def ranked(
         async_save=async_save,
         expert_layout=expert_layout,
         context_axes=context_axes,
+        fp8_dispatch=fp8_dispatch if expert_layout == AUTO_OPTION else AUTO_OPTION,
         top=max(top, 1),
     )
     best = result.best

@@ -48,7 +48,7 @@ SPLIT_SEQUENCES: dict[str, bool | str] = {
     "all-gather": "all-gather",
     "ring": "ring",
 }
-#: --fp8-gather → plan(fp8_gather=...)
+#: --fp8-gather → plan(fp8_gather=...); --fp8-dispatch → plan(fp8_dispatch=...)
 FP8_GATHER: dict[str, bool | str] = {"off": False, "on": True, AUTO_OPTION: AUTO_OPTION}
 
 
@@ -185,6 +185,14 @@ def _option_arguments(p: argparse.ArgumentParser) -> None:
         "priced within each document (docs/context.md); 0: one document per sequence (default)",
     )
     p.add_argument(
+        "--fp8-dispatch",
+        default=AUTO_OPTION,
+        choices=tuple(FP8_GATHER),
+        help="MoE models: the searched expert layouts send their rows to the experts in FP8 (on), not (off), or both "
+        "searched (auto, default; only where the model computes in 16 bits). A pinned --expert-layout says it itself "
+        "(dispatch=fp8); docs/moe.md",
+    )
+    p.add_argument(
         "--expert-layout",
         default=AUTO_OPTION,
         help="MoE models: where the experts run, ep=<axes>,tp=<axes> (axon4d train --expert-layout): auto (every "
@@ -298,6 +306,7 @@ def _search(args: argparse.Namespace, cfg: ModelConfig) -> tuple[PlanResult, flo
         async_save=args.async_save,
         top=args.top,
         expert_layout=args.expert_layout if cfg.moe else AUTO_OPTION,
+        fp8_dispatch=FP8_GATHER[args.fp8_dispatch],
     )
     return result, time.perf_counter() - start
 
@@ -312,7 +321,7 @@ def _print_search(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult
         f"{cfg.name or 'model'} ({size}), batch {wl.batch} × {cfg.seq_len} tokens, "
         f"precision {wl.preset}, on {args.gpus} × {result.machine.name} ({result.memory_limit / 2**30:.0f} GiB each); "
         f"overlap {result.overlap.spec()}; {searched_options(result)}"
-        + (f", {_layout_searched(args.expert_layout)}" if cfg.moe else "")
+        + (f", {_layout_searched(args.expert_layout, args.fp8_dispatch)}" if cfg.moe else "")
     )
     if result.machine.step_scale:
         used, steps = stepfit.samples_for(result.machine, args.gpus)
@@ -411,9 +420,12 @@ def fp8_option(precision: str, flag: str) -> bool | str:
     return FP8_GATHER[flag]
 
 
-def _layout_searched(layout: str) -> str:
-    """--expert-layout in the searched line: "expert layout searched", or the pinned layout."""
-    return "expert layout searched" if layout == AUTO_OPTION else f"expert layout {ExpertLayout.parse(layout)}"
+def _layout_searched(layout: str, fp8_dispatch: str = AUTO_OPTION) -> str:
+    """--expert-layout in the searched line: "expert layout searched" (with "FP8 dispatch on" or
+    "off" where --fp8-dispatch pins it), or the pinned layout."""
+    if layout != AUTO_OPTION:
+        return f"expert layout {ExpertLayout.parse(layout)}"
+    return "expert layout searched" + (f" (FP8 dispatch {fp8_dispatch})" if fp8_dispatch != AUTO_OPTION else "")
 
 
 def searched_options(result: Any) -> str:

@@ -28,20 +28,23 @@ from axon4d.plan import moe_memory
 from axon4d.plan.cost import moe_seconds
 from axon4d.plan.layers import priced
 from axon4d.plan.machine import Machine
+from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload
 
 
-def with_layouts(workload: Workload, shapes: list[GridShape]) -> tuple[list[tuple[Workload, GridShape]], int]:
+def with_layouts(
+    workload: Workload, shapes: list[GridShape], fp8_dispatch: bool | str = AUTO_OPTION
+) -> tuple[list[tuple[Workload, GridShape]], int]:
     """Each of ``shapes`` with ``workload`` under each expert layout it admits
-    (``axon4d.grid.expert_layout.candidates``: one per distinct placement) where every other rule
-    holds too, and how many shapes admit none."""
+    (``axon4d.grid.expert_layout.candidates``: one per distinct placement; ``with_fp8_dispatch``)
+    where every other rule holds too, and how many shapes admit none."""
     out: list[tuple[Workload, GridShape]] = []
     invalid = 0
     variants: dict[str, Workload] = {}
     for s in shapes:
         pairs = []
-        for layout in with_fp8_dispatch(workload, s):
+        for layout in with_fp8_dispatch(workload, s, fp8_dispatch):
             wl = variants.setdefault(str(layout), dataclasses.replace(workload, expert_layout=layout))
             if all(rule.holds(s) for rule in wl.rules()):
                 pairs.append((wl, s))
@@ -50,19 +53,30 @@ def with_layouts(workload: Workload, shapes: list[GridShape]) -> tuple[list[tupl
     return out, invalid
 
 
-def with_fp8_dispatch(workload: Workload, shape: GridShape) -> list[ExpertLayout]:
-    """The layouts ``shape`` admits for ``workload``'s model (``candidates``), each followed by its
+def with_fp8_dispatch(
+    workload: Workload, shape: GridShape, fp8_dispatch: bool | str = AUTO_OPTION
+) -> list[ExpertLayout]:
+    """The layouts ``shape`` admits for ``workload``'s model (``candidates``), each with its
     ``dispatch=fp8`` variant where that is a different step: rows cross an expert-parallel axis,
     the model computes in 16 bits (as FP8 weight gathers, a numerics choice the search makes under
-    bf16; an fp32 run stays exact) and every rank's features are whole blocks of 128."""
+    bf16; an fp32 run stays exact) and every rank's features are whole blocks of 128.
+    ``fp8_dispatch``: ``AUTO_OPTION`` both (the plain one first), True the variant in place of the
+    plain one where there is one, False the plain ones only."""
     m = workload.model
     out = []
     for layout in candidates(shape, m.n_experts, m.expert_width, m.shared_experts * m.expert_width, m.hidden):
-        out.append(layout)
         fp8 = dataclasses.replace(layout, fp8_dispatch=True)
-        if workload.element_size == 2 and m.hidden % BLOCK == 0 and fp8.fp8_dispatches(shape):
-            if layout.dispatched_features(shape, m.hidden) % BLOCK == 0:
-                out.append(fp8)
+        offered = (
+            fp8_dispatch is not False
+            and workload.element_size == 2
+            and m.hidden % BLOCK == 0
+            and fp8.fp8_dispatches(shape)
+            and layout.dispatched_features(shape, m.hidden) % BLOCK == 0
+        )
+        if not offered or fp8_dispatch == AUTO_OPTION:
+            out.append(layout)
+        if offered:
+            out.append(fp8)
     return out
 
 

@@ -59,6 +59,9 @@ class JobRequest:
     expert_layout: str = AUTO_OPTION
     """An MoE model's expert layout (``axon4d.grid.expert_layout``, e.g. "ep=world,tp=1"): ``AUTO_OPTION``
     searches every layout each grid admits (the chosen one is each candidate's ``expert_layout``)."""
+    fp8_dispatch: bool | str = AUTO_OPTION
+    """Whether the searched layouts send their rows to the experts in FP8: True, False or
+    ``AUTO_OPTION`` (both searched); a pinned layout says it itself."""
     machine: str = ""
     """A shipped machine's name or a machine file's path; "": ``$AXON4D_MACHINE`` (``default_machine``)."""
     correction: str = ""
@@ -157,6 +160,7 @@ def plan_job(request: JobRequest) -> JobPlan:
         context_axes=request.context_parallel_axes,
         fp8_gather=request.fp8_gather,
         expert_layout=request.expert_layout,
+        fp8_dispatch=request.fp8_dispatch,
         async_save=request.async_save,
     )
     return JobPlan(request, result)

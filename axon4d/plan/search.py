@@ -84,6 +84,7 @@ def plan(
     top: int | None = 10,
     expert_layout: ExpertLayout | str = AUTO_OPTION,
     context_axes: str = AUTO_OPTION,
+    fp8_dispatch: bool | str = AUTO_OPTION,
 ) -> PlanResult:
     """Search every valid grid of ``world`` ranks for ``model`` on ``machine`` with every step
     option — recomputation, micro-batches, ZeRO stage, activation offload, FP8 weight gathers,
@@ -97,7 +98,10 @@ def plan(
     count, ``zero`` 0/1/2, ``offload`` a number of blocks, ``fp8_gather`` True/False,
     ``context_parallel`` True/False or a mode ("all-gather", "ring"), ``context_axes`` "z" or "z,data"
     (hierarchical: each sequence over z × data; ``AUTO_OPTION``: both searched), ``expert_layout`` an MoE model's expert layout
-    (``axon4d.grid.expert_layout``: e.g. "ep=world,tp=1"; searched: every layout each grid admits).
+    (``axon4d.grid.expert_layout``: e.g. "ep=world,tp=1"; searched: every layout each grid admits),
+    ``fp8_dispatch`` True/False: the searched layouts send their rows to the experts in FP8 or not
+    (``AUTO_OPTION``: each layout both ways where the model computes in 16 bits; a pinned layout
+    says it itself, ``dispatch=fp8``).
     ``optimizer``: "adam" or "sgd" (``Workload``). ``async_save``: the
     job checkpoints asynchronously, and its host snapshot counts against the node's host memory. ``overlap``: a
     policy (``OverlapPolicy.parse``), or "auto": the knobs tuned (``tune_overlap``) for the
@@ -115,8 +119,15 @@ def plan(
     workload = _workload(
         workload, model, batch, dtype, optimizer, precision, cp not in (False, AUTO_OPTION), async_save
     )
+    if fp8_dispatch not in (AUTO_OPTION, True, False):
+        raise ValueError(f"fp8_dispatch = {fp8_dispatch!r}: use auto, True or False (--fp8-dispatch auto|on|off)")
     if expert_layout != AUTO_OPTION:  # pinned: refused here when it is not a layout
         workload = dataclasses.replace(workload, expert_layout=ExpertLayout.parse(expert_layout))
+        if fp8_dispatch not in (AUTO_OPTION, workload.expert_layout.fp8_dispatch):
+            raise ValueError(
+                f"fp8_dispatch = {fp8_dispatch} with the pinned expert layout {workload.expert_layout}: a pinned "
+                "layout says how its rows travel; write dispatch=fp8 in it (or leave it out), or leave fp8_dispatch auto"
+            )
     if choices.offload is not None:
         offload_levels(workload, mach, choices.offload)  # refused here when above n_layers
     auto = overlap == AUTO
@@ -124,7 +135,7 @@ def plan(
     if context_axes != AUTO_OPTION:
         context_axis(context_axes)  # refused here when it names no axes context parallelism splits over
     layouts = AUTO_OPTION if expert_layout == AUTO_OPTION else ""
-    grids, invalid = valid_grids(workload, world, cp, layouts, context_axes)
+    grids, invalid = valid_grids(workload, world, cp, layouts, context_axes, fp8_dispatch)
     grids = undominated(grids, mach, ov)  # an MoE model's layouts no option could make the fastest: dropped
     cands, searched = search_grids(grids, mach, ov, choices, memory_limit, top)
     if auto:  # the knobs, for the fastest few grids (each variant is one more pricing)
@@ -196,7 +207,12 @@ def _workload(
 
 
 def valid_grids(
-    workload: Workload, world: int, cp: bool | str, expert_layouts: str = "", context_axes: str = AUTO_OPTION
+    workload: Workload,
+    world: int,
+    cp: bool | str,
+    expert_layouts: str = "",
+    context_axes: str = AUTO_OPTION,
+    fp8_dispatch: bool | str = AUTO_OPTION,
 ) -> tuple[list[tuple[Workload, GridShape]], int]:
     """The (workload, grid) pairs ``plan`` prices, and how many factorisations of ``world`` break a
     divisibility rule (§1) under every sequence split priced: each valid grid with ``workload`` as
@@ -205,11 +221,12 @@ def valid_grids(
     each grid with G_data > 1 split over z × data, hierarchical),
     where the sequence length is even and the model has no MoE layers (context parallelism with MoE
     layers is not priced: ``Workload``). An MoE model with ``expert_layouts`` ``AUTO_OPTION``: each
-    grid with each expert layout it admits (``expert_layouts.with_layouts``)."""
+    grid with each expert layout it admits (``expert_layouts.with_layouts``; ``fp8_dispatch``: with
+    FP8 dispatch, without, or each both ways)."""
     shapes = factorizations(world)
     arr = np.array([s.as_tuple() for s in shapes], dtype=np.int64)
     if workload.model.moe and expert_layouts == AUTO_OPTION:  # every layout each grid admits
-        return with_layouts(workload, shapes)
+        return with_layouts(workload, shapes, fp8_dispatch)
     modes = [cp] if cp in MODES else list(MODES)
     if workload.context_parallel:  # pinned on: the modes asked for (the workload's own unless named)
         modes = modes if cp is True or cp in MODES else [workload.context_mode]

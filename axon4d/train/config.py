@@ -54,7 +54,7 @@ class TrainConfig:
     machine: str = ""
     """The planner's machine (a shipped name such as perlmutter, or a file from axon4d calibrate): for --grid auto, and for the overlap knobs the planner tunes (axon4d.init's overlap="auto"); default $AXON4D_MACHINE, else none (the default knobs; --grid auto then needs one)."""
     pin: str = ""
-    """With --grid auto, step options the planner may not choose although they are at their defaults, comma-separated: recompute, micro_batches, zero, offload, context_parallel, context_parallel_axes, fp8_gather, expert_layout (an option given another value than its default is pinned anyway; docs/planner.md)."""
+    """With --grid auto, step options the planner may not choose although they are at their defaults, comma-separated: recompute, micro_batches, zero, offload, context_parallel, context_parallel_axes, fp8_gather, expert_layout, fp8_dispatch (an MoE layout's rows to the experts in FP8; pinned by --expert-layout, which says it) (an option given another value than its default is pinned anyway; docs/planner.md)."""
     try_plans: int = 0
     """With --grid auto (also --try): build the planner's N fastest fitting plans in turn, time --try-steps steps of each in --try-rounds interleaved rounds, and train with the planner's first unless another is faster beyond the rounds' spread; a plan that fails on any rank (out of memory mid-step) is skipped with its reason within seconds; the rows go to the banner, summary.json and trials.json, and correction.json (for axon4d plan --correction) is written (docs/planner.md#trying-the-top-plans). 0: the planner's first choice."""
     try_steps: int = 3

@@ -96,6 +96,7 @@ PLANNED = (
     "context_parallel_axes",
     "fp8_gather",
     "expert_layout",
+    "fp8_dispatch",
 )
 #: fields whose flag accepts only these values.
 CHOICES: dict[str, tuple[str, ...]] = {

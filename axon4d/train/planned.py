@@ -54,6 +54,9 @@ def pinned(cfg: TrainConfig) -> set[str]:
         if name == "fp8_gather":
             if cfg.precision != AUTO:
                 out.add(name)
+        elif name == "fp8_dispatch":  # a given layout says how its rows travel
+            if cfg.expert_layout:
+                out.add(name)
         elif getattr(cfg, name) != _DEFAULTS[name]:
             out.add(name)
     return out
@@ -84,6 +87,8 @@ def question(cfg: TrainConfig, accelerator: bool) -> dict[str, Any]:
         "context_parallel_axes": ask("context_parallel_axes", cfg.context_parallel_axes),
         "fp8_gather": ask("fp8_gather", fp8),
         "expert_layout": ask("expert_layout", cfg.expert_layout or str(ExpertLayout())),  # pinned "": the default
+        # the layout's own (given, or the default's: no FP8) unless the planner may choose it
+        "fp8_dispatch": ask("fp8_dispatch", ExpertLayout.parse(cfg.expert_layout or None).fp8_dispatch),
     }
 
 
