@@ -105,11 +105,26 @@ def _division_rounding() -> dict[str, str | int | bool | Callable[..., Any]]:
     return {key: True for key in inductor.get_config_copy() if key.endswith("division_rounding")}
 
 
+def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` compiled as every fused cast is: dynamic shapes, one graph, a correctly rounded division."""
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=_division_rounding() or None)
+
+
 def _compiled() -> Callable[..., Any]:
     if _State.compiled is None:
-        options = _division_rounding()
-        _State.compiled = torch.compile(_quantise, dynamic=True, fullgraph=True, options=options or None)
+        _State.compiled = _compile(_quantise)
     return _State.compiled
+
+
+def _fused(op: Callable[..., Any], t: torch.Tensor, fmax: float, dtype: torch.dtype) -> Any:
+    """``op(t, fmax, dtype)``, or None when it fails here — logged once, and the fused path not tried
+    again in this process (``failure``)."""
+    try:
+        return op(t, fmax, dtype)
+    except Exception as e:  # compilation is best effort: any failure falls back to the eager path
+        _State.failure = f"{type(e).__name__}: {e}"
+        log.warning("the fused FP8 cast failed (%s); the eager path is used from now on", _State.failure)
+        return None
 
 
 @torch.library.custom_op("axon4d::fp8_quantise", mutates_args=())
@@ -127,12 +142,7 @@ def quantise(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Te
     """(q, s) of the contiguous 2-D ``t``: s = max(amax(t)/``fmax``, fp32's smallest normal) as a ()
     fp32 tensor and q = round(t/s) as ``dtype`` (row-major), by the compiled kernels; None when the
     fused path fails here — logged once, and not tried again in this process."""
-    try:
-        return _op(t, fmax, dtype)
-    except Exception as e:  # compilation is best effort: any failure falls back to the eager path
-        _State.failure = f"{type(e).__name__}: {e}"
-        log.warning("the fused FP8 cast failed (%s); the eager path is used from now on", _State.failure)
-        return None
+    return _fused(_op, t, fmax, dtype)
 
 
 # -- rows cast per block of features (the MoE's FP8 dispatch, ``axon4d.options.fp8_rows``) --------------
@@ -143,24 +153,22 @@ def quantise_blocks(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[t
     out of range. The eager path runs these operations as written (bytes: the largest and the
     smallest value per block read t twice, the division reads t and writes fp32, the clamp reads
     and writes it, the cast reads it and writes e4m3: 3·elem + 17 per element — max(amax, −amin)
-    rather than a norm of |t|: the same value, 7× faster on a CPU, where an ∞-norm over a dim
-    takes a slow path); the fused path compiles them (``quantise_rows``)."""
+    rather than an ∞-norm over the last dim: the same value, without that norm's slow CPU path);
+    the fused path compiles them (``quantise_rows``)."""
     top, bottom = t.amax(dim=-1, keepdim=True), t.amin(dim=-1, keepdim=True)  # (n, blocks, 1)
     amax = torch.maximum(top, -bottom).float()  # max |t| per block, exact; NaN kept
     scale = torch.clamp(amax / fmax, min=_TINY)  # NaN and inf kept
     return torch.div(t, scale).clamp_(-fmax, fmax).to(dtype), scale  # fp32 quotient, rounded once
 
 
-class _Rows:
-    compiled: Callable[..., Any] | None = None
+@functools.cache
+def _compiled_rows() -> Callable[..., Any]:
+    return _compile(quantise_blocks)
 
 
 @torch.library.custom_op("axon4d::fp8_quantise_rows", mutates_args=())
 def _rows_op(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    if _Rows.compiled is None:
-        options = _division_rounding()
-        _Rows.compiled = torch.compile(quantise_blocks, dynamic=True, fullgraph=True, options=options or None)
-    q, scale = _Rows.compiled(t, fmax, dtype)
+    q, scale = _compiled_rows()(t, fmax, dtype)
     return q, scale
 
 
@@ -172,10 +180,5 @@ def _(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, t
 def quantise_rows(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``quantise_blocks`` of the contiguous (n, blocks, B) ``t`` by compiled kernels (the amax per
     block, then the scale and the cast in one pass: 2·elem + 1 bytes per element), bit for bit the
-    eager result; None when the fused path fails here — logged once, not tried again (``failure``)."""
-    try:
-        return _rows_op(t, fmax, dtype)
-    except Exception as e:  # compilation is best effort: any failure falls back to the eager path
-        _State.failure = f"{type(e).__name__}: {e}"
-        log.warning("the fused FP8 cast failed (%s); the eager path is used from now on", _State.failure)
-        return None
+    eager result; None when the fused path fails here (``_fused``)."""
+    return _fused(_rows_op, t, fmax, dtype)

@@ -48,8 +48,8 @@ SPLIT_SEQUENCES: dict[str, bool | str] = {
     "all-gather": "all-gather",
     "ring": "ring",
 }
-#: --fp8-gather → plan(fp8_gather=...); --fp8-dispatch → plan(fp8_dispatch=...)
-FP8_GATHER: dict[str, bool | str] = {"off": False, "on": True, AUTO_OPTION: AUTO_OPTION}
+#: an on/off/auto flag → the option's value: --fp8-gather → plan(fp8_gather=...), --fp8-dispatch → plan(fp8_dispatch=...)
+SWITCH: dict[str, bool | str] = {"off": False, "on": True, AUTO_OPTION: AUTO_OPTION}
 
 
 def _auto_or_int(text: str) -> Any:
@@ -187,7 +187,7 @@ def _option_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fp8-dispatch",
         default=AUTO_OPTION,
-        choices=tuple(FP8_GATHER),
+        choices=tuple(SWITCH),
         help="MoE models: the searched expert layouts send their rows to the experts in FP8 (on), not (off), or both "
         "searched (auto, default; only where the model computes in 16 bits). A pinned --expert-layout says it itself "
         "(dispatch=fp8); docs/moe.md",
@@ -306,7 +306,7 @@ def _search(args: argparse.Namespace, cfg: ModelConfig) -> tuple[PlanResult, flo
         async_save=args.async_save,
         top=args.top,
         expert_layout=args.expert_layout if cfg.moe else AUTO_OPTION,
-        fp8_dispatch=FP8_GATHER[args.fp8_dispatch],
+        fp8_dispatch=SWITCH[args.fp8_dispatch],
     )
     return result, time.perf_counter() - start
 
@@ -417,7 +417,7 @@ def fp8_option(precision: str, flag: str) -> bool | str:
                 "gradients in fp32; use --precision bf16-fp32-reduce (FP8 searched) or bf16-fp8-gather"
             )
         return False
-    return FP8_GATHER[flag]
+    return SWITCH[flag]
 
 
 def _layout_searched(layout: str, fp8_dispatch: str = AUTO_OPTION) -> str:
