@@ -285,3 +285,21 @@ def test_a_host_training_step_reads_the_device_once_and_the_run_records_its_defa
     assert loop._resolve_precision(TrainConfig(**{**cfg, "resume": "always", "precision": "bf16"})) == "bf16"
     assert loop._resolve_precision(TrainConfig(**{**cfg, "overwrite": True})) == "bf16-fp32-reduce"
     assert "tf32" in outdir.RESUMABLE_CHANGES  # --no-tf32 may be given to a resumed run
+
+
+def test_calibration_times_the_adamw_the_job_runs(monkeypatch):
+    """``axon4d calibrate``'s optimizer rate is a step of the AdamW ``make_optimizer`` builds on the
+    device (``adamw_kernel``: foreach on the host), not another implementation's."""
+    from axon4d.measure import kernels
+
+    made = []
+
+    class Recorded(torch.optim.AdamW):
+        def __init__(self, params, **kw):
+            super().__init__(params, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(torch.optim, "AdamW", Recorded)
+    timer = types.SimpleNamespace(device=devices.HOST, measure=lambda fn, **kw: (fn(), 1.0)[1])
+    kernels.elementwise(timer, torch.float32)
+    assert len(made) == 1 and optimizer_kernel(made[0]) == devices.adamw_kernel(devices.HOST) == "foreach"
