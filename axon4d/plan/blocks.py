@@ -6,6 +6,8 @@ the runtime (``layer_kind``: one FP8 choice per kind)."""
 
 from __future__ import annotations
 
+import functools
+
 from axon4d.config import ModelConfig
 
 
@@ -45,25 +47,38 @@ def layer_kind(name: str) -> str:
     return _KIND_OF.get(name, name)
 
 
-def block_kinds(m: ModelConfig) -> list[tuple[ModelConfig, int]]:
+def block_kinds(m: ModelConfig) -> tuple[tuple[ModelConfig, int], ...]:
     """The kinds of block ``m`` has, each as a model whose blocks are all of that kind, and how many
     of ``m``'s blocks are of it: one kind — ``m`` itself — for a dense model or an MoE model whose
     blocks are all MoE; for an MoE model with ``first_k_dense`` dense blocks (DeepSeek-V3), the dense
     model of its first blocks (its MLP of ``ffn``, no experts) and ``m`` with every block MoE (an
     MoE model whose blocks are all dense: the dense model alone)."""
     if not m.moe or not m.first_k_dense:
-        return [(m, m.n_layers)]
+        return ((m, m.n_layers),)
+    return _mixed_kinds(m)
+
+
+@functools.lru_cache(maxsize=256)
+def _mixed_kinds(m: ModelConfig) -> tuple[tuple[ModelConfig, int], ...]:
+    """``block_kinds`` of a model with dense blocks before its MoE blocks, cached: the search asks it
+    of one model hundreds of thousands of times, and each kind is a validated ``ModelConfig``."""
     dense = m.replace(n_experts=0, shared_experts=0, first_k_dense=0, n_groups=1, topk_groups=None)
     kinds = [(dense, m.first_k_dense), (m.replace(first_k_dense=0), m.moe_layers)]
-    return [(model, n) for model, n in kinds if n]
+    return tuple((model, n) for model, n in kinds if n)
 
 
-def kind_shapes(m: ModelConfig) -> list[tuple[ModelConfig, int, list[tuple[str, int, int, bool, bool]]]]:
+@functools.lru_cache(maxsize=256)
+def kind_shapes(m: ModelConfig) -> tuple[tuple[ModelConfig, int, tuple[tuple[str, int, int, bool, bool], ...]], ...]:
     """Each of ``block_kinds(m)`` with its block's 3D Linear layers (``block_shapes``) as a step of
-    ``m`` names them: with dense blocks beside MoE blocks, the dense blocks' MLP as ``DENSE_MLP``'s."""
+    ``m`` names them: with dense blocks beside MoE blocks, the dense blocks' MLP as ``DENSE_MLP``'s.
+    Cached, as ``block_kinds``."""
     kinds = block_kinds(m)
     mixed = len(kinds) > 1
-    return [
-        (kind, n, [(DENSE_MLP.get(s[0], s[0]) if mixed and not kind.moe else s[0], *s[1:]) for s in block_shapes(kind)])
+    return tuple(
+        (
+            kind,
+            n,
+            tuple((DENSE_MLP.get(s[0], s[0]) if mixed and not kind.moe else s[0], *s[1:]) for s in block_shapes(kind)),
+        )
         for kind, n in kinds
-    ]
+    )

@@ -35,6 +35,7 @@ grid breaks, and the search evaluates the same rules on every grid at once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 from axon4d.config import ModelConfig
@@ -320,6 +321,11 @@ class Workload:
         """Every linear layer kind of a step, in forward order, each with how many times it runs: a
         block's layers once per block of their kind — with dense blocks beside MoE blocks
         (``blocks.kind_shapes``: the dense blocks' MLP as ``blocks.DENSE_MLP``'s layers)."""
+        return list(self._linears)
+
+    @functools.cached_property
+    def _linears(self) -> tuple[LinearSpec, ...]:
+        """``linears``, made once per workload (the search asks it of each hundreds of times)."""
         m = self.model
         out = []
         if self.embedding:
@@ -333,7 +339,7 @@ class Workload:
         out += [LinearSpec(n, i, o, t, b, count) for (n, i, o, t, b), count in counts.items()]
         if self.head:
             out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
-        return out
+        return tuple(out)
 
     def edge_collectives(self, shape: GridShape) -> list[Collective]:
         """Collectives of one step outside the linear layers, on one rank: the embedding's forward
