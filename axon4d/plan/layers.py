@@ -57,7 +57,14 @@ def axis_group_and_stride(shape: GridShape, axis: str, devices_per_node: int) ->
 
 
 def priced(c: Collective, sc: Scenario) -> tuple[float, float]:
-    """(seconds, ring traffic bytes) of one collective (§3's time model on its axis, E1)."""
+    """(seconds, ring traffic bytes) of one collective (§3's time model on its axis, E1), remembered
+    per collective, grid and MoE imbalance by the machine (``Machine.remembered``)."""
+    key = ("priced", c, sc.shape, sc.workload.imbalance)
+    return sc.machine.remembered(key, lambda: _priced(c, sc))
+
+
+def _priced(c: Collective, sc: Scenario) -> tuple[float, float]:
+    """``priced``, made."""
     group, stride = axis_group_and_stride(sc.shape, c.axis, sc.machine.devices_per_node)
     if c.op == Op.ALL_TO_ALL:  # an MoE layer's dispatch or combine (E16)
         seconds = all_to_all_seconds(sc.machine, sc.shape, c, sc.workload.imbalance)

@@ -38,7 +38,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -50,6 +51,9 @@ from axon4d.plan.tables import CommCurve, MatmulTable
 MACHINE_DIR = os.path.join(os.path.dirname(__file__), "machines")
 #: GEMM forms: forward X·Wᵀ ("nt"), input gradient dY·W ("nn"), weight gradient dYᵀ·X ("tn").
 FORMS = ("nt", "nn", "tn")
+#: values a machine keeps for ``Machine.remembered`` before it starts again (a search makes ~10⁴)
+REMEMBERED = 1 << 18
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -129,6 +133,21 @@ class Machine:
     # (E15's counts; calibrate's kernels part measures it): what an accelerator's MoE layer idles; None: unknown
     sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a field set (``axon4d.measure.merge`` builds a machine so) forgets what was priced on the old values
+        self.__dict__.pop("_remembered", None)
+        object.__setattr__(self, name, value)
+
+    def remembered(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, made once per ``key`` on this machine and kept until one of its fields is set:
+        a search prices the same collectives on it a million times."""
+        memo = self.__dict__.setdefault("_remembered", {})
+        if key not in memo:
+            if len(memo) >= REMEMBERED:
+                memo.clear()
+            memo[key] = make()
+        return memo[key]
+
     # -- lookups ----------------------------------------------------------------------------------
     @staticmethod
     def _nearest(table: dict[str, Any], concurrency: int) -> Any:
@@ -147,7 +166,14 @@ class Machine:
         return self.peak_flops[dtype]
 
     def matmul_time(self, form: str, m: int, k: int, n: int, dtype: str, world: int = 1) -> float:
-        """Seconds of one (m×k)·(k×n) GEMM in ``form`` on one rank while ``world`` ranks run."""
+        """Seconds of one (m×k)·(k×n) GEMM in ``form`` on one rank while ``world`` ranks run
+        (remembered: ``remembered``)."""
+        return self.remembered(
+            ("matmul", form, m, k, n, dtype, world), lambda: self._matmul_time(form, m, k, n, dtype, world)
+        )
+
+    def _matmul_time(self, form: str, m: int, k: int, n: int, dtype: str, world: int) -> float:
+        """``matmul_time``, made."""
         flops = 2.0 * m * k * n
         if flops == 0:
             return 0.0
