@@ -245,3 +245,24 @@ def test_every_figure_of_a_shipped_file_has_a_source_its_text_agrees_with(name):
         stated = [float(v) for v in re.findall(r"(\d+(?:\.\d+)?) us per (?:ring )?step", text)]
         stated += [float(v) for v in re.findall(r"Latency per step (\d+(?:\.\d+)?) us", text)]
         assert stated and all(abs(v - level["alpha_s"] * 1e6) < 1e-6 for v in stated), (i, level["alpha_s"], text)
+
+
+def test_a_machine_forgets_what_it_priced_when_a_field_is_set():
+    """``Machine.remembered`` keeps prices only while the machine is unchanged: calibration's merge
+    sets fields of a machine it has priced with (``axon4d.measure.merge``)."""
+    from axon4d.config import get_config
+    from axon4d.layout.geometry import Collective, Op, Term
+    from axon4d.plan.layers import priced
+    from axon4d.plan.scenario import Scenario
+    from axon4d.plan.workload import Workload
+
+    m = load("h100")
+    sc = Scenario(Workload(get_config("20B"), 64), GridShape(2, 2, 4, 16), m)
+    c = Collective(Op.ALL_GATHER, "data", 64 * MB, "forward", Term.E12)
+    before = priced(c, sc)
+    assert priced(c, sc) == before  # remembered
+    gemm = m.matmul_time("nt", 4096, 4096, 4096, "bfloat16", 64)
+    m.levels = [dataclasses.replace(lv, beta_Bps=lv.beta_Bps / 4) for lv in m.levels]
+    assert priced(c, sc)[0] > 2 * before[0]
+    m.matmul = {}  # no tables: the efficiency × peak model
+    assert m.matmul_time("nt", 4096, 4096, 4096, "bfloat16", 64) != gemm
