@@ -24,6 +24,8 @@ on the logits instead of the cross-entropy.
 
 from __future__ import annotations
 
+import functools
+
 from axon4d.grid.shape import GridShape
 from axon4d.options.recompute_mode import check_recompute
 from axon4d.plan.blocks import mlp_width
@@ -88,11 +90,18 @@ def block_saved(wl: Workload, shape: GridShape, recompute: str = "none") -> dict
     context parallelism also the keys and values gathered over z), ``lse`` (fp32), ``norm2`` (the
     MLP's norm, or the up input), ``up`` (the up output), ``mid`` (SwiGLU's silu(gate)) and ``act``
     (the down input): ``saved_tensors`` summed, fp32 tensors counted in the step's elements."""
+    return dict(_block_saved(wl, shape, recompute))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_saved(wl: Workload, shape: GridShape, recompute: str) -> tuple[tuple[str, float], ...]:
+    """``block_saved``'s items, made once per (workload, grid, mode): a search asks them of each a
+    hundred times."""
     elem = wl.element_size
-    return {
-        k: sum(n * (1 if k == "lse" else b / elem) for n, b in tensors)
+    return tuple(
+        (k, sum(n * (1 if k == "lse" else b / elem) for n, b in tensors))
         for k, tensors in saved_tensors(wl, shape, recompute).items()
-    }
+    )
 
 
 def block_storages(wl: Workload, shape: GridShape, recompute: str = "none") -> list[float]:
@@ -136,6 +145,17 @@ def block_bytes(wl: Workload, shape: GridShape, recompute: str = "none") -> floa
 
 def block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
     """Elements of the tensors one block creates on one rank (b tokens)."""
+    return dict(_block_tensors(wl, shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_tensors(wl: Workload, shape: GridShape) -> tuple[tuple[str, float], ...]:
+    """``block_tensors``'s items, made once per (workload, grid)."""
+    return tuple(_made_block_tensors(wl, shape).items())
+
+
+def _made_block_tensors(wl: Workload, shape: GridShape) -> dict[str, float]:
+    """``block_tensors``, made."""
     m = wl.model
     b = wl.local_tokens(shape)
     h_x, h_y = m.hidden // shape.x, m.hidden // shape.y
