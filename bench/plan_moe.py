@@ -18,10 +18,12 @@ runs. Nothing is timed; the two 1024-rank searches take a minute or two on a 2-c
 
 Then ``moe-1t``'s ceilings: the same search on what-if machines — device memory ×8, every
 collective free (latency 0, bandwidth ×1e6), both — to show which part of the cost model holds the
-job where it is. Those machines do not exist; their figures are bounds, not plans.
+job where it is. Those machines do not exist; their figures are bounds, not plans. And the best
+``moe-1t`` plan's floor: the bytes its all-to-alls send across the network per rank and step, their
+seconds at the network's bandwidth, and its MFU were every collective hidden behind compute.
 
 Saves ``bench/results/plan_moe.json`` (each search's top candidates: grid, options, layout,
-predicted step time, time parts and memory, the ceilings, and the header of bench/common.py); the last lines are,
+predicted step time, time parts and memory, the ceilings, the floor, and the header of bench/common.py); the last lines are,
 per job, ``plan MoE: mixtral-8x7b on 256 × h100, batch 1024: default layout B% → searched A% model MFU
 (predicted; grid G, options O)``.
 """
@@ -39,8 +41,13 @@ sys.path.insert(0, ROOT)
 
 import common  # noqa: E402
 
+from axon4d.config import get_config  # noqa: E402
+from axon4d.grid.shape import GridShape  # noqa: E402
+from axon4d.options import fp8_rows  # noqa: E402
 from axon4d.plan.candidate import Candidate  # noqa: E402
+from axon4d.plan.collective_model import group_geometry, span_of  # noqa: E402
 from axon4d.plan.machine import Machine, load  # noqa: E402
+from axon4d.plan.moe_cost import placement  # noqa: E402
 from axon4d.plan.search import plan  # noqa: E402
 
 #: (model, GPUs, batch in sequences): the issue's two jobs
@@ -115,6 +122,40 @@ def ceilings(model: str, gpus: int, batch: int, machine: str) -> list[dict[str, 
     return out
 
 
+def floor(model: str, gpus: int, batch: int, machine: str, best: dict[str, Any]) -> dict[str, Any]:
+    """What the best plan's all-to-alls and overlap allow at most: the bytes its MoE layers send
+    across the network per rank and step (each rank's share of the tokens × top-k rows, to the
+    experts — packed under FP8 dispatch — and back, forward and backward; again in the re-run of a
+    fully recomputed block), over the network's bandwidth; and the model MFU if every collective
+    were hidden behind compute (a step of max(compute, communication)). Bounds, not plans."""
+    cfg, m = get_config(model), load(machine)
+    shape = GridShape(*best["grid"])
+    p = placement(cfg, shape, best["expert_layout"])
+    group, stride = group_geometry(shape, p.ep_axis, m.devices_per_node) if p.ep_axis else (1, 1)
+    span = span_of(group, stride, m.devices_per_node)
+    remote = (group - span.per_node) / group  # the share of a rank's rows bound for another node
+    rows = batch * cfg.seq_len // gpus * cfg.experts_per_token  # per rank and MoE layer
+    out = fp8_rows.packed_width(cfg.hidden) if p.fp8_dispatch else 2 * cfg.hidden  # bytes of a row sent out
+    home = 2 * cfg.hidden  # ... and of a row sent home (bf16)
+    step = rows * 2 * (out + home) * cfg.moe_layers  # dispatch, combine and their gradients
+    rerun = rows * (out + home) * cfg.moe_layers  # a fully recomputed block's second dispatch and combine
+    net = m.levels[-1].beta_Bps
+    flops_s = best["mfu"] * best["step_s"]  # the step's model FLOPs at peak, in seconds
+    hidden_all = max(best["compute_s"], best["comm_s"])
+    return {
+        "grid": best["grid"],
+        "expert_layout": best["expert_layout"],
+        "remote_share": remote,
+        "all_to_all_bytes_per_layer": rows * 2 * (out + home),
+        "all_to_all_bytes_per_step": step,
+        "network_s": step * remote / net,
+        "network_s_full_recompute": (step + rerun) * remote / net,
+        "step_s_all_hidden": hidden_all,
+        "mfu_all_hidden": flops_s / hidden_all,
+        "step_s_at_30pct": flops_s / 0.30,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--machine", default="h100")
@@ -129,12 +170,21 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append({"model": model, "gpus": gpus, "batch": batch, "default_layout": default, "searched": best})
         lines.append(headline(model, gpus, args.machine, batch, default, best))
     bound = ceilings("moe-1t", 1024, 1024, args.machine)
-    common.save(args.out, {"machine": args.machine, "jobs": jobs, "moe_1t_ceilings": bound}, head)
+    least = floor("moe-1t", 1024, 1024, args.machine, jobs[-1]["searched"]["top"][0])
+    result = {"machine": args.machine, "jobs": jobs, "moe_1t_ceilings": bound, "moe_1t_floor": least}
+    common.save(args.out, result, head)
     for row in bound:
         print(
             f"ceiling: moe-1t on 1024 × {args.machine} with {row['relaxed']} ({row['how']}): "
             f"{100 * row['mfu']:.1f}% model MFU (grid {tuple(row['grid'])}, {row['options']})"
         )
+    print(
+        f"floor: moe-1t on 1024 × {args.machine}, grid {tuple(least['grid'])}: all-to-alls "
+        f"{least['all_to_all_bytes_per_step'] / 1e9:.0f} GB a step per rank, "
+        f"{100 * least['remote_share']:.0f}% across the network: {least['network_s']:.1f} s "
+        f"({least['network_s_full_recompute']:.1f} s under full recomputation); every collective hidden: "
+        f"{100 * least['mfu_all_hidden']:.1f}% model MFU (predicted bounds)"
+    )
     for line in lines:
         print(line)
     return 0
