@@ -122,12 +122,19 @@ def ceilings(model: str, gpus: int, batch: int, machine: str) -> list[dict[str, 
     return out
 
 
+def _spans_nodes(shape: GridShape, axis: str, per_node: int) -> bool:
+    """Whether a group of ``axis`` on ``shape`` spans nodes of ``per_node`` ranks."""
+    group, stride = group_geometry(shape, axis, per_node)
+    return span_of(group, stride, per_node).nodes > 1
+
+
 def floor(model: str, gpus: int, batch: int, machine: str, best: dict[str, Any]) -> dict[str, Any]:
     """What the best plan's all-to-alls and overlap allow at most: the bytes its MoE layers send
     across the network per rank and step (each rank's share of the tokens × top-k rows, to the
     experts — packed under FP8 dispatch — and back, forward and backward; again in the re-run of a
     fully recomputed block), over the network's bandwidth; and the model MFU if every collective
-    were hidden behind compute (a step of max(compute, communication)). Bounds, not plans."""
+    were hidden behind compute, the network's collectives one after another and the nodes' beside
+    them (a step of max(compute, network communication, node communication)). Bounds, not plans."""
     cfg, m = get_config(model), load(machine)
     shape = GridShape(*best["grid"])
     p = placement(cfg, shape, best["expert_layout"])
@@ -141,7 +148,12 @@ def floor(model: str, gpus: int, batch: int, machine: str, best: dict[str, Any])
     rerun = rows * (out + home) * cfg.moe_layers  # a fully recomputed block's second dispatch and combine
     net = m.levels[-1].beta_Bps
     flops_s = best["mfu"] * best["step_s"]  # the step's model FLOPs at peak, in seconds
-    hidden_all = max(best["compute_s"], best["comm_s"])
+    # every collective hidden behind compute, each link busy with its own: those whose groups span
+    # nodes one after another on the network, the others inside the nodes
+    across = {a: _spans_nodes(shape, a, m.devices_per_node) for a in best["comm_by_axis_s"]}
+    network_comm = sum(s for a, s in best["comm_by_axis_s"].items() if across[a])
+    node_comm = sum(s for a, s in best["comm_by_axis_s"].items() if not across[a])
+    hidden_all = max(best["compute_s"], network_comm, node_comm)
     return {
         "grid": best["grid"],
         "expert_layout": best["expert_layout"],
@@ -150,6 +162,9 @@ def floor(model: str, gpus: int, batch: int, machine: str, best: dict[str, Any])
         "all_to_all_bytes_per_step": step,
         "network_s": step * remote / net,
         "network_s_full_recompute": (step + rerun) * remote / net,
+        "compute_s": best["compute_s"],
+        "network_comm_s": network_comm,
+        "node_comm_s": node_comm,
         "step_s_all_hidden": hidden_all,
         "mfu_all_hidden": flops_s / hidden_all,
         "step_s_at_30pct": flops_s / 0.30,
@@ -182,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         f"floor: moe-1t on 1024 × {args.machine}, grid {tuple(least['grid'])}: all-to-alls "
         f"{least['all_to_all_bytes_per_step'] / 1e9:.0f} GB a step per rank, "
         f"{100 * least['remote_share']:.0f}% across the network: {least['network_s']:.1f} s "
-        f"({least['network_s_full_recompute']:.1f} s under full recomputation); every collective hidden: "
+        f"({least['network_s_full_recompute']:.1f} s under full recomputation); every collective hidden behind "
+        f"{least['compute_s']:.2f} s of compute, {least['network_comm_s']:.2f} s of it on the network: "
         f"{100 * least['mfu_all_hidden']:.1f}% model MFU (predicted bounds)"
     )
     for line in lines:
