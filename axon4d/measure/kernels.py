@@ -139,7 +139,7 @@ def elementwise(timer: Timer, dtype: torch.dtype) -> tuple[float, list[float], f
     t_fb = timer.measure(lambda: torch.autograd.grad(F.gelu(x), x, g))
     p = torch.nn.Parameter(torch.randn(n, device=timer.device))
     p.grad = torch.randn(n, device=timer.device)
-    opt = torch.optim.AdamW([p], **{devices.adamw_kernel(p.device): True})
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.95), **{devices.adamw_kernel(p.device): True})
     t_adam = timer.measure(opt.step)
     return bps, [t_f / n, max(t_fb - t_f, 0.0) / n], t_adam / n
 
