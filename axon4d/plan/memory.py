@@ -178,7 +178,7 @@ class Persistent:
     """parameter elements on the rank (``local_param_count``)"""
     p_bytes: int
     """bytes of one parameter element and of its gradient (``param_bytes``)"""
-    sixteen: list[int]
+    sixteen: tuple[int, ...]
     """the weight shards ZeRO stores in 16 bits (``sixteen_bit_weights``)"""
 
 
@@ -190,7 +190,16 @@ def persistent(
     the GEMMs and E10) and their gradients are fp32; ZeRO's masters are views of them, but those of
     the Linear weights it stores in 16 bits (G_data > 1), which are fp32 parts. With ``zero`` ≥ 1 the
     optimizer state is that of ⌈N/G_data⌉ elements, and at ``zero`` = 2 with one micro-batch the
-    gradients too (under accumulation the local sums of the whole shards are held to the last one)."""
+    gradients too (under accumulation the local sums of the whole shards are held to the last one).
+    Made once per arguments (a search asks for each a hundred times; the result is frozen)."""
+    return _persistent(wl, shape, zero, micro_batches, master_weights)
+
+
+@functools.lru_cache(maxsize=4096)
+def _persistent(
+    wl: Workload, shape: GridShape, zero: int, micro_batches: int, master_weights: bool | None
+) -> Persistent:
+    """``persistent``, made."""
     elem = wl.element_size
     n_params = local_param_count(wl, shape)
     owned = optimizer_elements(wl, shape, zero)  # elements whose optimizer state is here
@@ -201,7 +210,7 @@ def persistent(
     grads = (owned if zero == 2 and micro_batches == 1 else n_params) * p_bytes
     if sixteen and not (zero == 2 and micro_batches == 1):  # the 16-bit weights' gradients: the masters' parts
         grads = (n_params - n_sixteen) * p_bytes + master_parts * 4
-    return Persistent(params, grads, owned * OPTIMIZERS[wl.optimizer], n_params, p_bytes, sixteen)
+    return Persistent(params, grads, owned * OPTIMIZERS[wl.optimizer], n_params, p_bytes, tuple(sixteen))
 
 
 def kept_weights(wl: Workload, shape: GridShape, recompute: str, overlap: OverlapPolicy, cast: bool) -> float:
