@@ -209,3 +209,34 @@ def test_peak_memory_of_micro_batches_and_offload_is_the_planners(pools, world, 
         tolerance = TOLERANCE_BF16 if "precision" in options else TOLERANCE
         unpriced = _unpriced(MEM_CFG[arch], grid, options) if options.get("offload") else None
         _check(result, f"{arch} on {grid} with {options}", tolerance, unpriced)
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "deepseek-v3-scale", "20B"])
+@pytest.mark.parametrize("recompute", ["none", "balanced", "full"])
+def test_the_backward_walk_s_peak_moves_with_the_bytes_it_starts_from(model, recompute):
+    """``memory`` walks the backward once from zero live bytes and adds where it starts
+    (``memory._walk_added``): that holds only while every event of ``BackwardWalk`` moves the live
+    bytes by its own. A walk from any start must peak that much higher."""
+    from axon4d.config import get_config
+    from axon4d.grid.shape import GridShape
+    from axon4d.options.overlap_policy import OverlapPolicy
+    from axon4d.plan.backward_walk import BackwardWalk, walk_kinds
+    from axon4d.plan.workload import Workload
+
+    wl = Workload(get_config(model), 256, precision="bf16-fp32-reduce")
+    shape = GridShape(2, 2, 4, 16)
+    kinds = [(kind, round(share * wl.model.n_layers)) for kind, share in reversed(wl.kinds())]
+    for overlap in (OverlapPolicy(), OverlapPolicy.parse("all,keep,oag_depth=2")):
+
+        def peak(start: float, carried: bool) -> float:
+            walks = [
+                (BackwardWalk(kind, shape, recompute, overlap, True, start, 0.5, carried=carried), n)
+                for kind, n in kinds
+            ]
+            return walk_kinds(walks)
+
+        for carried in (False, True):
+            zero = peak(0.0, carried)
+            assert zero > 0
+            for start in (1e9, 3.7e10):
+                assert peak(start, carried) == pytest.approx(start + zero, rel=1e-12)
