@@ -482,6 +482,9 @@ def test_the_size_table_s_moe_models_have_their_sources_sizes():
     assert round(total / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9
     total, active = param_counts(get_config("deepseek-v3-scale"))  # 671B, 37B: 3 dense blocks, MHA (+5% active)
     assert 1.0 < total / 671e9 < 1.01 and 1.0 < active / 37e9 < 1.06
+    ds = get_config("deepseek-v3-scale")  # DeepSeek-V3's routing: its config's n_group, topk_group, scaling
+    routing = (ds.router_scoring, ds.n_groups, ds.topk_groups, ds.routed_scaling_factor, ds.moe_aux_coef)
+    assert routing == ("sigmoid", 8, 4, 2.5, 0.0) and ds.moe_bias_update_rate > 0 and ds.moe_seq_aux_coef > 0
     total, active = param_counts(get_config("moe-1t"))  # Kimi K2: 1.04T, 32B active; MHA
     assert 1.0e12 < total < 1.05e12 and active < 0.05 * total
     assert get_config("tiny-moe").moe
@@ -557,7 +560,7 @@ def test_the_job_s_mfu_counts_the_planner_s_active_flops(name):
     wl = Workload(cfg, 8)
     assert cfg.flops_per_token() == pytest.approx(wl.flops() / wl.tokens, rel=1e-12)
     if cfg.moe:
-        all_experts = cfg.replace(experts_per_token=cfg.n_experts)
+        all_experts = cfg.replace(experts_per_token=cfg.n_experts, n_groups=1, topk_groups=None)  # no group limit
         assert cfg.flops_per_token() < all_experts.flops_per_token()
 
 

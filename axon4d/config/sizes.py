@@ -74,9 +74,13 @@ SIZES: dict[str, ModelConfig] = {
     ),
     # DeepSeek-V3 at its scale — DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437) §4.2:
     # 61 layers, hidden 7168, 128 heads, the first 3 blocks dense (FFN 18432), the rest 256 routed
-    # experts top-8 and 1 shared expert of FFN 2048, sigmoid routing, vocabulary 129280. Simplified:
-    # standard multi-head attention (head_dim 56) instead of MLA, no multi-token prediction module:
-    # 672B total (the report's 671B: +0.2%) and 38.7B active (37B: +5%, MLA's smaller projections).
+    # experts top-8 and 1 shared expert of FFN 2048, vocabulary 129280; its routing (§2.1.2, §4.2 and
+    # the config of deepseek-ai/DeepSeek-V3: n_group 8, topk_group 4, routed_scaling_factor 2.5):
+    # sigmoid scores, auxiliary-loss-free bias balancing (update speed 0.001), the experts in 8 groups
+    # of which a token's top-8 come from 4 (the node limit), gates scaled by 2.5, the sequence-wise
+    # balance loss (α = 0.0001) instead of E19. Simplified: standard multi-head attention (head_dim
+    # 56) instead of MLA, no multi-token prediction module: 672B total (the report's 671B: +0.2%)
+    # and 38.7B active (37B: +5%, MLA's smaller projections).
     "deepseek-v3-scale": ModelConfig(
         n_layers=61,
         hidden=7168,
@@ -90,6 +94,12 @@ SIZES: dict[str, ModelConfig] = {
         expert_ffn=2048,
         shared_experts=1,
         router_scoring="sigmoid",
+        moe_aux_coef=0.0,
+        moe_bias_update_rate=1e-3,
+        n_groups=8,
+        topk_groups=4,
+        routed_scaling_factor=2.5,
+        moe_seq_aux_coef=1e-4,
         first_k_dense=3,
         name="deepseek-v3-scale",
     ),
