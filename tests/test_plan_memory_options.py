@@ -36,7 +36,12 @@ import torch
 from collective_copies import private_collectives
 
 import axon4d
+from axon4d.config import get_config
+from axon4d.grid.shape import GridShape
 from axon4d.models.transformer import Transformer
+from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.plan.backward_walk import BackwardWalk, walk_kinds
+from axon4d.plan.workload import Workload
 from axon4d.train.batches import accumulate_one
 from tests.test_recompute import MEM_BATCH, MEM_CFG
 
@@ -217,12 +222,6 @@ def test_the_backward_walk_s_peak_moves_with_the_bytes_it_starts_from(model, rec
     """``memory`` walks the backward once from zero live bytes and adds where it starts
     (``memory._walk_added``): that holds only while every event of ``BackwardWalk`` moves the live
     bytes by its own. A walk from any start must peak that much higher."""
-    from axon4d.config import get_config
-    from axon4d.grid.shape import GridShape
-    from axon4d.options.overlap_policy import OverlapPolicy
-    from axon4d.plan.backward_walk import BackwardWalk, walk_kinds
-    from axon4d.plan.workload import Workload
-
     wl = Workload(get_config(model), 256, precision="bf16-fp32-reduce")
     shape = GridShape(2, 2, 4, 16)
     kinds = [(kind, round(share * wl.model.n_layers)) for kind, share in reversed(wl.kinds())]

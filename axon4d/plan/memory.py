@@ -328,47 +328,48 @@ def zero_gathers(
     return 2 * bucket * (1 + 1 / shape.data), bucket * (1 + 1 / shape.data), math.ceil(largest_shard / shape.data)
 
 
-@functools.lru_cache(maxsize=16384)
-def _walk_added(
-    kinds: tuple[tuple[Workload, int], ...],
-    shape: GridShape,
-    recompute: str,
-    overlap: OverlapPolicy,
-    staged_reduce_scatter: bool,
-    share: float,
-    grad_bytes: int,
-    wire_bytes: int,
-    fp8_gather: bool,
-    carried: bool,
-    cast: bool,
-    widened: bool,
-) -> float:
-    """The most bytes the step's backward adds to what is live as it starts: ``walk_kinds`` of the
-    ``BackwardWalk`` of each of ``kinds`` (in the order the backward reaches them, with their block
-    counts) from zero live bytes, each layer's gradient adding ``share`` of its bytes. Made once
-    per arguments: the step options that leave them alone (offload, ZeRO stage) share it."""
-    walks = [
-        (
-            BackwardWalk(
-                kind,
-                shape,
-                recompute,
-                overlap,
-                staged_reduce_scatter,
-                0.0,
-                share,
-                grad_bytes=grad_bytes,
-                wire_bytes=wire_bytes,
-                fp8_gather=fp8_gather,
-                carried=carried,
-                cast_weights=cast,
-                widened_gemms=widened,
-            ),
-            count,
+@dataclasses.dataclass(frozen=True)
+class _WalkOptions:
+    """What ``memory``'s walks of one step share beside their kind, start and gradient share."""
+
+    shape: GridShape
+    recompute: str
+    overlap: OverlapPolicy
+    staged_reduce_scatter: bool
+    grad_bytes: int  # per gradient element
+    wire_bytes: int  # per element of a dW block and of its E11
+    fp8_gather: bool
+    carried: bool  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
+    cast: bool
+    widened: bool
+
+    def walk(self, kind: Workload, start: float, share: float) -> BackwardWalk:
+        """The walk of the step's blocks of ``kind``'s kind from ``start`` live bytes, each layer's
+        gradient adding ``share`` of its bytes."""
+        return BackwardWalk(
+            kind,
+            self.shape,
+            self.recompute,
+            self.overlap,
+            self.staged_reduce_scatter,
+            start,
+            share,
+            grad_bytes=self.grad_bytes,
+            wire_bytes=self.wire_bytes,
+            fp8_gather=self.fp8_gather,
+            carried=self.carried,
+            cast_weights=self.cast,
+            widened_gemms=self.widened,
         )
-        for kind, count in kinds
-    ]
-    return walk_kinds(walks)
+
+
+@functools.lru_cache(maxsize=16384)
+def _walk_added(kinds: tuple[tuple[Workload, int], ...], share: float, options: _WalkOptions) -> float:
+    """The most bytes the step's backward adds to what is live as it starts: ``walk_kinds`` of the
+    walk of each of ``kinds`` (in the order the backward reaches them, with their block counts)
+    from zero live bytes, each layer's gradient adding ``share`` of its bytes. Made once per
+    arguments: the step options that leave them alone (offload, ZeRO stage) share it."""
+    return walk_kinds([(options.walk(kind, 0.0, share), count) for kind, count in kinds])
 
 
 def memory(
@@ -430,35 +431,26 @@ def memory(
     held, share = held_gradients(state, shape, zero, micro_batches, staged_reduce_scatter)
     wire_dtype = torch.float32 if state.p_bytes == 4 else DTYPES[wl.dtype]
 
-    wire = wire_element_size(wl.dtypes, Term.E11, wire_dtype)  # per element of a dW block and its E11
-
-    def walk(start: float, share: float, kind: Workload = wl) -> BackwardWalk:
-        """The walk of this step's blocks of ``kind``'s kind from ``start`` live bytes, each layer's
-        gradient adding ``share`` of its bytes."""
-        return BackwardWalk(
-            kind,
-            shape,
-            recompute,
-            overlap,
-            staged_reduce_scatter,
-            start,
-            share,
-            grad_bytes=state.p_bytes,
-            wire_bytes=wire,
-            fp8_gather=fp8_gather,
-            carried=micro_batches > 1,  # the held backward passes carry kept blocks over (``BackwardWalk.released``)
-            cast_weights=cast,
-            widened_gemms=widened_gemms,
-        )
+    options = _WalkOptions(
+        shape,
+        recompute,
+        overlap,
+        staged_reduce_scatter,
+        state.p_bytes,
+        wire_element_size(wl.dtypes, Term.E11, wire_dtype),
+        fp8_gather,
+        micro_batches > 1,
+        cast,
+        widened_gemms,
+    )
 
     # the backward reaches a mixed model's MoE blocks (the last ones) first; every event of the walk
     # moves the live bytes by its own, so its peak is where it starts plus what it adds (``_walk_added``)
     walked = tuple((kind, count) for kind, count in reversed(kinds))
-    options = (recompute, overlap, staged_reduce_scatter, share, state.p_bytes, wire, fp8_gather)
-    live_peak = acts + held + _walk_added(walked, shape, *options, micro_batches > 1, cast, widened_gemms)
+    live_peak = acts + held + _walk_added(walked, share, options)
     if offload:  # the backward's last two blocks: the first kind's (a mixed model's dense blocks)
         first = kinds[0][0]
-        last = functools.partial(walk, kind=first)
+        last = functools.partial(options.walk, first)  # (start, share) → the first kind's walk
         live_peak = max(live_peak, offload_peak(last, first, shape, state, per_block, weights, held, share))
     gathers, deferred, largest_part = zero_gathers(wl, shape, zero, overlap, accelerator, state)
     # per-tensor temporaries of a non-foreach Adam (``adam_step_temporaries``; under ZeRO over data

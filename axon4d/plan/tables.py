@@ -26,13 +26,14 @@ class MatmulTable:
 
     def rate(self, m: float, k: float, n: float) -> float:
         """Throughput at (m, k, n): trilinear interpolation of log rate over log2 dims, clamped."""
-        lg, logr = self._logs()
+        lg = np.log2(np.asarray(self.dims, dtype=float))
         idx, wts = [], []
         for v in (m, k, n):
             p = float(np.clip(math.log2(max(v, 1)), lg[0], lg[-1]))
             i = min(int(np.searchsorted(lg, p, side="right")) - 1, len(lg) - 2)
             idx.append(i)
             wts.append((p - lg[i]) / (lg[i + 1] - lg[i]))
+        logr = np.log(self.rates)
         acc = 0.0
         for a in (0, 1):
             for b in (0, 1):
@@ -41,15 +42,6 @@ class MatmulTable:
                     if w:
                         acc += w * logr[idx[0] + a, idx[1] + b, idx[2] + c]
         return float(math.exp(acc))
-
-    def _logs(self) -> tuple[np.ndarray, np.ndarray]:
-        """(log2 of the dims, log of the rates), made once for the ``dims`` and ``rates`` held now
-        (the planner asks ``rate`` hundreds of thousands of times per search)."""
-        memo = self.__dict__.get("_memo")
-        if memo is None or memo[0] is not self.dims or memo[1] is not self.rates:
-            memo = (self.dims, self.rates, np.log2(np.asarray(self.dims, dtype=float)), np.log(self.rates))
-            self.__dict__["_memo"] = memo
-        return memo[2], memo[3]
 
     def __eq__(self, other: object) -> bool:
         """The same lattice and the same rates (numpy arrays compare elementwise)."""
