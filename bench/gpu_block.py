@@ -14,7 +14,14 @@ The FP8 row (issue 44) is the headline row's axon4d block under ``precision="bf1
 Linear GEMMs in e4m3 with one tensorwise scale per block (docs/design.md §2 "FP8 GEMMs"), norms and
 attention in bf16 — against the same autocast baseline; its outputs agree within 2⁻³ (two e4m3
 operands' rounding). It runs where the device has FP8 GEMMs (H100, H200; the host, which checks the
-script but times nothing of interest), and is left out elsewhere (A100). Not yet timed on a GPU.
+script but times nothing of interest), and is left out elsewhere (A100). Its step over the headline
+row's axon4d step is ``fp8_speedup`` (both rows paired with the same baseline).
+
+The FP8 sweep (``--sweep`` widths, heads of ``--head-dim``): per width one axon4d block under
+``bf16-fp8`` stepped with every layer in bf16, every layer in FP8 and each layer kind alone in FP8,
+``--sweep-pairs`` alternating rounds; each kind's measured saving (median over rounds of the
+all-bf16 step less the step with that kind in FP8) beside the planner's (``axon4d.plan.fp8.
+kind_choices`` on ``--machine``'s file), and the width from which each says FP8 wins.
 
 The second row is pure bf16: axon4d under ``precision="bf16"`` with bf16 parameters against the
 reference ``DenseBlock`` itself (separate q, k and v ``nn.Linear``) in bf16 parameters.
@@ -38,10 +45,15 @@ peak for a device it does not list).
 Saves ``bench/results/gpu_block_<device>.json``: ``precision``, ``baseline``, ``agreement``,
 ``samples_s`` and ``median_s`` (keys ``axon4d``, ``torch``), ``ratio``, ``pair_ratios``,
 ``pair_spread`` (``min``, ``q1``, ``median``, ``q3``, ``max``) of the headline row; the same
-under ``pure_bf16`` for the second and under ``fp8`` for the FP8 row (null without FP8 GEMMs); ``step_flops``, ``peak_tflops``, ``peak_source``, ``mfu``. It
-prints the second row, then, last, the headline:
+under ``pure_bf16`` for the second and under ``fp8`` for the FP8 row (null without FP8 GEMMs); ``fp8_speedup``,
+``fp8_cast`` (fused or not, and why not), ``fp8_sweep`` (per width: samples, medians, per kind the
+measured and planned savings and the planner's choice), ``fp8_first_win``; ``step_flops``,
+``peak_tflops``, ``peak_source``, ``mfu``. It prints a line per sweep width, the FP8 rows, the
+second row, then, last, the headline:
 
     gpu fp8 GEMMs: step S ms, plain PyTorch (fused QKV, autocast) P ms (ratio R), pair ratios A-B
+    gpu fp8: bf16-fp8 step S ms against bf16-fp32-reduce M ms: X× (fused casts: True|False)
+    gpu fp8 sweep: FP8 wins from width (measured / planner): qkv W/W, attn_out W/W, mlp_up W/W, mlp_down W/W
     gpu pure bf16: step S ms, plain PyTorch (unfused QKV, bf16 weights) P ms (ratio R), pair ratios A-B
     gpu: 20B width 7168, 1 rank, bf16 over fp32 weights: step S ms, plain PyTorch (fused QKV, autocast) P ms (ratio R), pair ratios A-B, MFU M%
 
@@ -72,10 +84,16 @@ import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
 from axon4d.config import SIZES, ModelConfig  # noqa: E402
 from axon4d.device import fp8 as fp8_kernel  # noqa: E402
+from axon4d.device import fp8_fused  # noqa: E402
 from axon4d.grid.mesh import Grid  # noqa: E402
+from axon4d.grid.shape import GridShape  # noqa: E402
+from axon4d.models.transformer import Transformer  # noqa: E402
 from axon4d.nn.attention import causal_attention  # noqa: E402
 from axon4d.nn.block import DenseBlock, TransformerBlock  # noqa: E402
 from axon4d.plan import Workload  # noqa: E402
+from axon4d.plan import fp8 as fp8_plan  # noqa: E402
+from axon4d.plan.machine import load as load_machine  # noqa: E402
+from axon4d.plan.scenario import Scenario  # noqa: E402
 from axon4d.train import peak  # noqa: E402
 
 #: the headline row's precision preset, and the pure-bf16 row's
@@ -191,6 +209,97 @@ def timed_row(
     }
 
 
+def fp8_sweep(widths: list[int], head_dim: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Where FP8 starts to win, per width and layer kind: for each hidden width W (heads W/head_dim,
+    ffn 4W, ``args.tokens`` tokens) one axon4d block under ``bf16-fp8``, stepped with every layer in
+    bf16 (``fp8_gemms`` off: the GEMMs of ``bf16-fp32-reduce``), with every layer that fits in FP8,
+    and with each layer kind alone in FP8 (``Transformer.LAYER_KINDS``), ``args.sweep_pairs``
+    alternating rounds of all of them. Each kind's measured saving (ms) is the median over rounds of
+    the all-bf16 step less the step with that kind in FP8, beside the planner's (``axon4d.plan.fp8.
+    kind_choices`` on ``args.machine``'s file, one rank: bf16 seconds less FP8 seconds, casts
+    included) and the planner's choice."""
+    rows = []
+    machine = load_machine(args.machine)
+    for width in widths:
+        cfg = dataclasses.replace(
+            SIZES["20B"], hidden=width, n_heads=width // head_dim, ffn_hidden=4 * width, n_layers=1
+        )
+        grid = _init(FP8, args.on_host)
+        try:
+            device = grid.device
+            torch.manual_seed(0)
+            block = TransformerBlock(cfg, device=device, dtype=torch.float32)
+            x = torch.randn(1, args.tokens, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(width, device=device, dtype=torch.bfloat16)
+            layers = dict(zip(Transformer.LAYER_KINDS, block.linears()))
+            fits = {k: layer.fp8_gemms for k, layer in layers.items()}
+            step = step_of(block, x, v, device)
+
+            def with_fp8(kinds: tuple[str, ...]) -> Callable[[], float]:
+                def run() -> float:
+                    for k, layer in layers.items():
+                        layer.fp8_gemms = fits[k] and k in kinds
+                    return step()
+
+                return run
+
+            kinds = tuple(k for k in layers if fits[k])
+            steps = {"bf16": with_fp8(()), "fp8": with_fp8(kinds), **{k: with_fp8((k,)) for k in kinds}}
+            for run in steps.values():
+                for _ in range(args.warmup):
+                    run()
+            samples = common.paired(steps, args.sweep_pairs)
+        finally:
+            axon4d.shutdown()
+        wl = Workload(
+            dataclasses.replace(cfg, seq_len=args.tokens), batch=1, embedding=False, head=False, precision=FP8
+        )
+        priced = fp8_plan.kind_choices(Scenario(wl, GridShape(1, 1, 1, 1), machine))
+        med = {k: common.median(s) for k, s in samples.items()}
+        per_kind = {}
+        for k in layers:
+            saved = [b - f for b, f in zip(samples["bf16"], samples[k])] if k in samples else None
+            choice, bf16_s, fp8_s = priced.get(k, (False, float("nan"), float("inf")))
+            per_kind[k] = {
+                "fits": fits[k],
+                "measured_saving_ms": None if saved is None else 1e3 * common.median(saved),
+                "planned_saving_ms": 1e3 * (bf16_s - fp8_s) if fp8_s != float("inf") else None,
+                "planner_fp8": choice,
+            }
+        rows.append(
+            {
+                "hidden": width,
+                "heads": cfg.n_heads,
+                "samples_s": samples,
+                "median_s": med,
+                "bf16_over_fp8": med["bf16"] / med["fp8"],
+                "kinds": per_kind,
+            }
+        )
+        print(
+            f"fp8 sweep width {width}: all bf16 {med['bf16'] * 1e3:.2f} ms, all fp8 {med['fp8'] * 1e3:.2f} ms "
+            f"({med['bf16'] / med['fp8']:.3f}×); saved ms measured/planned "
+            + ", ".join(
+                f"{k} {r['measured_saving_ms']:.3f}/{r['planned_saving_ms']:.3f}{'*' if r['planner_fp8'] else ''}"
+                for k, r in per_kind.items()
+                if r["measured_saving_ms"] is not None and r["planned_saving_ms"] is not None
+            ),
+            flush=True,
+        )
+    return rows
+
+
+def first_win(rows: list[dict[str, Any]], kind: str, key: str) -> int | None:
+    """The smallest width of ``rows`` from which on ``kind``'s ``key`` (a saving in ms, or the
+    planner's choice) says FP8 wins at every larger width too; None if it never does."""
+    win = None
+    for r in sorted(rows, key=lambda r: r["hidden"]):
+        value = r["kinds"][kind][key]
+        won = bool(value) if key == "planner_fp8" else value is not None and value > 0
+        win = (win or r["hidden"]) if won else None
+    return win
+
+
 def _init(precision: str, on_host: bool) -> Grid:
     return axon4d.init(grid=(1, 1, 1, 1), precision=precision, device=devices.HOST if on_host else None)
 
@@ -203,6 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--pairs", type=int, default=20, help="timed A/B pairs per row")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--sweep",
+        default="1024,2048,3072,4096,5120,6144,7168",
+        help="hidden widths of the FP8 sweep, comma-separated ('' skips it)",
+    )
+    p.add_argument("--head-dim", type=int, default=128, help="the sweep's head width (20B's: 128)")
+    p.add_argument("--sweep-pairs", type=int, default=8, help="alternating rounds per width of the sweep")
+    p.add_argument("--machine", default="h100", help="the planner's machine file the sweep compares with")
     p.add_argument("--on-host", action="store_true", help="run on the host without an accelerator")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/gpu_block_<device>.json)")
     args = p.parse_args(argv)
@@ -237,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             del ours8
         finally:
             axon4d.shutdown()
+    widths = [int(w) for w in args.sweep.split(",") if w.strip()]
+    sweep = fp8_sweep(widths, args.head_dim, args) if fp8 is not None and widths else []
     _init(PURE, args.on_host)
     try:
         dense16 = copy.deepcopy(dense).to(bf16)
@@ -259,6 +378,18 @@ def main(argv: list[str] | None = None) -> int:
         **mixed,
         "pure_bf16": {"precision": PURE, "baseline": PURE_BASELINE, **pure},
         "fp8": None if fp8 is None else {"precision": FP8, "baseline": BASELINE, **fp8},
+        # axon4d's bf16-fp32-reduce step over its bf16-fp8 step, each the median of its row (both
+        # rows paired with the same baseline; the sweep pairs the two directly)
+        "fp8_speedup": None if fp8 is None else mixed["median_s"]["axon4d"] / fp8["median_s"]["axon4d"],
+        "fp8_cast": {"fused": fp8_fused.wanted(device), "failure": fp8_fused.failure()},
+        "fp8_sweep": sweep,
+        "fp8_first_win": {
+            k: {"measured": first_win(sweep, k, "measured_saving_ms"), "planner": first_win(sweep, k, "planner_fp8")}
+            for k in Transformer.LAYER_KINDS
+        }
+        if sweep
+        else None,
+        "planner_machine": args.machine,
         "step_flops": flops,
         "peak_tflops": peak_tflops,
         "peak_source": source,
@@ -267,6 +398,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"saved {common.save(out, result)}")
     if fp8 is not None:
         print(f"gpu fp8 GEMMs: {_row(fp8, 'fused QKV, autocast')}")
+        print(
+            f"gpu fp8: bf16-fp8 step {fp8['median_s']['axon4d'] * 1e3:.2f} ms against bf16-fp32-reduce "
+            f"{mixed['median_s']['axon4d'] * 1e3:.2f} ms: {result['fp8_speedup']:.3f}× "
+            f"(fused casts: {result['fp8_cast']['fused']})"
+        )
+    if sweep:
+        wins = result["fp8_first_win"]
+        print(
+            "gpu fp8 sweep: FP8 wins from width (measured / planner): "
+            + ", ".join(f"{k} {w['measured']}/{w['planner']}" for k, w in wins.items())
+        )
     print(f"gpu pure bf16: {_row(pure, 'unfused QKV, bf16 weights')}")
     what = "20B width" if cfg.hidden == width.hidden else "width"
     print(

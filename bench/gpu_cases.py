@@ -346,6 +346,11 @@ class HostReads(TorchFunctionMode):
             on_device = any(devices.is_accelerator(t.device) for t in tensors)
             if on_device and (func in _READS or _to_host(func, args, kwargs)):
                 self.reads.append(f"{getattr(func, '__name__', func)} at {_where()}")
+                # the synchronising calls this read makes (a copy to the host, and the waits torch
+                # adds to it) are the read's, not further syncs: kept out of ``_watched``'s list
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    return func(*args, **kwargs)
             elif func in _READS:
                 self.host_reads += 1
         return func(*args, **kwargs)
@@ -361,9 +366,10 @@ def _to_host(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 def _where() -> str:
     """The innermost frame of the caller's stack outside torch and this file."""
-    here = os.path.abspath(__file__)
+    here, stdlib_warnings = os.path.abspath(__file__), os.path.abspath(warnings.__file__)
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    stack = [f for f in traceback.extract_stack() if f.filename != here and not f.filename.startswith(torch_dir)]
+    skipped = (here, stdlib_warnings)  # a warning's own frames (a sync's report) are not its cause
+    stack = [f for f in traceback.extract_stack() if f.filename not in skipped and not f.filename.startswith(torch_dir)]
     frame = stack[-1]
     return f"{os.path.relpath(frame.filename, ROOT)}:{frame.lineno} in {frame.name}"
 
@@ -376,8 +382,15 @@ def _watched(device: torch.device, fn: Any) -> tuple[Any, list[str], list[str], 
     calls, the count of reads of host tensors)."""
     cuda = device.type == "cuda"
     mode = HostReads()
-    with warnings.catch_warnings(record=True) as caught:
+    syncs: list[str] = []
+
+    def shown(message: Any, *_: Any, **__: Any) -> None:  # runs where the warning is raised: its stack is the call's
+        if _sync_warning(str(message)):
+            syncs.append(f"{str(message).split(' (Triggered')[0]} at {_where()}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = shown
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -386,8 +399,13 @@ def _watched(device: torch.device, fn: Any) -> tuple[Any, list[str], list[str], 
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.message} ({w.filename}:{w.lineno})" for w in caught if "synchroniz" in str(w.message)]
     return result, mode.reads, syncs, mode.host_reads
+
+
+def _sync_warning(message: str) -> bool:
+    """Whether a warning caught under the sync debug mode reports a synchronising call — not the
+    notice torch 2.11 gives as the mode is set ("Synchronization debug mode is a prototype feature")."""
+    return "synchroniz" in message.lower() and not message.startswith("Synchronization debug mode")
 
 
 def no_host_sync(grid: Any) -> dict[str, Any]:

@@ -96,7 +96,7 @@ from axon4d.measure.spawn import run_local
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the H200 run the measured errors below come from
-MEASURED_IN = "bench/results/gpu_check_nvidia_h200.json"
+MEASURED_IN = "bench/results/gpu_check_nvidia_h200_cf1edc0.json"
 
 
 @dataclasses.dataclass(frozen=True)

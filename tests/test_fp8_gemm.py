@@ -311,7 +311,9 @@ def test_full_recomputation_reuses_the_step_s_e4m3_copies(pools):
 #: the fused cast's one op (``axon4d.device.fp8_fused``), and the kernels inductor makes of it on the host
 FUSED_OP, FUSED_KERNELS = "fp8_quantise", 3
 #: the ops FP8's casts are made of (under bf16-fp8 nothing else issues them in a layer's micro-batch)
-CAST_OPS = {"linalg_vector_norm", "div", "clamp", "_to_copy", "copy_", "zero_", "clone", FUSED_OP}
+#: the fused transposition's one op (dW's layouts and Ŵᵀ on the fused path)
+FUSED_TRANSPOSE = "fp8_transpose"
+CAST_OPS = {"linalg_vector_norm", "div", "clamp", "_to_copy", "copy_", "zero_", "clone", FUSED_OP, FUSED_TRANSPOSE}
 
 
 class _Kernels(TorchDispatchMode):
@@ -379,6 +381,7 @@ def test_an_fp8_layer_issues_at_most_twice_the_kernels_of_bf16(pools, tokens, ca
     fused = cast == "fused"
     # the fused op stands for its compiled kernels (on the host: one C++ kernel of FUSED_KERNELS loops)
     n_fp8 = sum(fp8.values()) + (FUSED_KERNELS - 1) * fp8.get(FUSED_OP, 0)
+    assert fp8.get(FUSED_TRANSPOSE, 0) == (3 if fused else 0), fp8  # X̂ᵀ, dŶᵀ, Ŵᵀ: one tiled kernel each
     assert fp8.get("_scaled_mm") == 3, fp8
     assert (fp8.get(FUSED_OP, 0), fp8.get("linalg_vector_norm", 0)) == ((2, 0) if fused else (0, 2)), fp8  # X, dY
     assert n_fp8 <= 2 * n_bf16, (n_fp8, n_bf16, fp8, bf16)
@@ -543,6 +546,76 @@ def test_the_fused_cast_is_the_eager_one_bit_for_bit_in_one_op(cast_mode, fmt):
             continue
         assert torch.equal(fused.scale, eager.scale), (fused.scale, eager.scale)
         assert torch.equal(fused.data.view(torch.uint8), eager.data.view(torch.uint8)), t
+    assert fp8_fused.failure() is None
+
+
+class _ShardBytes(TorchDispatchMode):
+    """The bytes ops move over tensors of at least ``n`` elements (each argument read, each result
+    written once), and the ops' names: a weight shard's passes, its scale's scalar ops left out."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n, self.bytes, self.ops = n, 0, collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        big = [t for t in (*args, *(out if isinstance(out, tuple) else (out,))) if isinstance(t, torch.Tensor)]
+        big = [t for t in big if t.numel() >= self.n]
+        if big and not func.is_view:
+            self.ops[func.overloadpacket.__name__] += 1
+            self.bytes += sum(t.nbytes for t in big)
+        return out
+
+
+@pytest.mark.parametrize("cast", ["eager", "fused"])
+def test_the_weight_copy_reads_the_master_twice_as_priced(cast_mode, cast):
+    """The e4m3 copy of an fp32 master shard (``fp8_copies.fp8_shard``: its amax, its power-of-two
+    scale, ``fp8_gemm.cast_weight``): the amax then one cast — fused, one op (9 bytes per element),
+    eager, the division and the cast (17) — the planner's ``weight_copy_passes``; the codes are the
+    same bit for bit on both paths (the scale a power of two, the quotient exact), within e4m3's
+    range without a clamp, and a shard holding inf or NaN stays non-finite."""
+    g = torch.Generator().manual_seed(7)
+    shards = [(torch.randn(48, 64, generator=g) * torch.logspace(-3, 3, 64)).reshape(-1) for _ in range(2)]
+    shards += [torch.zeros(3072), torch.full((3072,), 1e-40)]
+    for bad in (math.inf, math.nan):
+        shards.append(torch.randn(3072, generator=g))
+        shards[-1][5] = bad
+    for flat in shards:
+        cast_mode("eager")
+        expected = fp8_gemm.cast_weight(flat, fp8_scale(fp8_gemm.amax(flat), pow2=True))
+        cast_mode(cast)
+        count = _ShardBytes(flat.numel())
+        with count:
+            scale = fp8_scale(fp8_gemm.amax(flat), pow2=True)
+            got = fp8_gemm.cast_weight(flat, scale)
+        fused_ops = {"linalg_vector_norm": 1, "fp8_cast_scaled": 1}
+        assert dict(count.ops) == (fused_ops if cast == "fused" else {"linalg_vector_norm": 1, "div": 1, "_to_copy": 1})
+        assert count.bytes == plan_fp8.weight_copy_passes(flat.numel(), fused=cast == "fused"), count.bytes
+        assert got.dtype == fp8_gemm.DTYPE and got.shape == flat.shape
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        if torch.isfinite(flat).all():
+            back = got.float() * scale
+            assert torch.isfinite(back).all() and ((back - flat).abs() <= flat.abs() * 2**-4 + scale * 2**-9).all()
+        else:
+            assert not torch.isfinite(got.float()).all()
+    assert fp8_fused.failure() is None
+
+
+@pytest.mark.parametrize("rows", [64, 40, 7])
+def test_the_fused_transposition_lays_out_the_eager_bytes(cast_mode, rows):
+    """``fp8_gemm.transposed`` forced fused on the host (one op, ``axon4d::fp8_transpose``): the
+    bytes of the eager strided copy, padding zeros included, in both float8 formats."""
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q = fp8_gemm.quantise(_bf16_cases()[0][:rows].contiguous(), dtype=fmt)
+        cast_mode("eager")
+        eager = fp8_gemm.transposed(q, kernel.ALIGN)
+        cast_mode("fused")
+        count = _Kernels()
+        with count:
+            fused = fp8_gemm.transposed(q, kernel.ALIGN)
+        assert dict(count.ops) == {FUSED_TRANSPOSE: 1}, count.ops
+        assert fused.data.dtype == fmt and fused.data.shape == eager.data.shape == (256, -(-rows // 16) * 16)
+        assert torch.equal(fused.data.view(torch.uint8), eager.data.view(torch.uint8)) and fused.scale is q.scale
     assert fp8_fused.failure() is None
 
 

@@ -87,7 +87,7 @@ def wanted(device: torch.device) -> bool:
     return on and _State.failure is None
 
 
-def _quantise(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantise(t: torch.Tensor, fmax: float | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The function compiled: the eager path's operations, in its order (see the module docstring)."""
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32)  # () fp32
     scale = torch.clamp(amax / fmax, min=_TINY)  # () fp32, NaN and inf kept
@@ -105,6 +105,16 @@ def _division_rounding() -> dict[str, str | int | bool | Callable[..., Any]]:
     return {key: True for key in inductor.get_config_copy() if key.endswith("division_rounding")}
 
 
+@functools.cache
+def _divisor(fmax: float, device: torch.device) -> torch.Tensor:
+    """``fmax`` as a () fp32 tensor on ``device``, made once: what the compiled casts divide the amax
+    by. Given as a Python float it would be a constant of the graph, and inductor divides by a
+    constant as a product with its reciprocal — 1/448 is not an fp32 value, so the scale could be an
+    ulp off eager's (seen on an H200: scales, and with them codes, one ulp apart); divided by a
+    tensor it is the division, correctly rounded."""
+    return torch.full((), fmax, dtype=torch.float32, device=device)
+
+
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` compiled as every fused cast is: dynamic shapes, one graph, a correctly rounded division."""
     return torch.compile(fn, dynamic=True, fullgraph=True, options=_division_rounding() or None)
@@ -116,11 +126,11 @@ def _compiled() -> Callable[..., Any]:
     return _State.compiled
 
 
-def _fused(op: Callable[..., Any], t: torch.Tensor, fmax: float, dtype: torch.dtype) -> Any:
-    """``op(t, fmax, dtype)``, or None when it fails here — logged once, and the fused path not tried
-    again in this process (``failure``)."""
+def _fused(op: Callable[..., Any], *args: Any) -> Any:
+    """``op(*args)`` (a compiled cast), or None when it fails here — logged once, and the fused path
+    not tried again in this process (``failure``)."""
     try:
-        return op(t, fmax, dtype)
+        return op(*args)
     except Exception as e:  # compilation is best effort: any failure falls back to the eager path
         _State.failure = f"{type(e).__name__}: {e}"
         log.warning("the fused FP8 cast failed (%s); the eager path is used from now on", _State.failure)
@@ -129,7 +139,7 @@ def _fused(op: Callable[..., Any], t: torch.Tensor, fmax: float, dtype: torch.dt
 
 @torch.library.custom_op("axon4d::fp8_quantise", mutates_args=())
 def _op(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _compiled()(t, fmax, dtype)
+    q, scale = _compiled()(t, _divisor(fmax, t.device), dtype)
     return q, scale
 
 
@@ -145,8 +155,84 @@ def quantise(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Te
     return _fused(_op, t, fmax, dtype)
 
 
+# -- a cast under a given power-of-two scale (the weight's e4m3 copy, ``axon4d.scheduler.fp8_copies``) ---
+def cast_scaled_eager(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """round(t/``scale``) as ``dtype``, the quotient in fp32 (t widened exactly), for a () fp32
+    ``scale`` that is a power of two at or above t's own (amax/fmax): the division is exact, so any
+    division gives these codes, and no quotient passes the format's largest value (no clamp). Eager:
+    the division reads t and writes fp32, the cast reads that and writes one byte."""
+    return torch.div(t, scale.reshape(1)).to(dtype)  # a (1,) scale promotes: the quotient is fp32
+
+
+@functools.cache
+def _compiled_cast() -> Callable[..., Any]:
+    return torch.compile(cast_scaled_eager, dynamic=True, fullgraph=True)
+
+
+@torch.library.custom_op("axon4d::fp8_cast_scaled", mutates_args=())
+def _cast_op(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _compiled_cast()(t, scale, dtype)
+
+
+@_cast_op.register_fake
+def _(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(t, dtype=dtype)
+
+
+def cast_scaled(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``cast_scaled_eager`` of the contiguous ``t`` in one compiled pass (t read, one byte written);
+    the same codes bit for bit, whatever the division's rounding (the scale is a power of two); None
+    when the fused path fails here (``_fused``)."""
+    return _fused(_cast_op, t, scale, dtype)
+
+
+# -- a float8 tensor laid out transposed (dW's operands, Ŵᵀ for dX) ----------------------------------
+def transpose_padded_eager(t: torch.Tensor, padded: int) -> torch.Tensor:
+    """tᵀ (c, ``padded``) row-major of a 2-D (r, c) tensor of one-byte elements, columns r…padded−1
+    zero bytes (+0 in both float8 formats): the copy of bytes ``axon4d.options.fp8_gemm.transposed``
+    makes. Eager: an empty tensor, a strided copy (one read and one write per element) and, where
+    there is padding, a fill."""
+    r, c = t.shape
+    out = torch.empty((c, padded), dtype=t.dtype, device=t.device)  # (c, r')
+    if padded != r:
+        out[:, r:].view(torch.uint8).zero_()
+    out[:, :r].copy_(t.t())
+    return out
+
+
+def _transpose_bytes(t: torch.Tensor, padded: int) -> torch.Tensor:
+    """The function compiled: the same bytes as uint8 (tiled by inductor: coalesced reads and writes)."""
+    return torch.nn.functional.pad(t.t(), (0, padded - t.shape[0])).contiguous()
+
+
+@functools.cache
+def _compiled_transpose() -> Callable[..., Any]:
+    return torch.compile(_transpose_bytes, dynamic=True, fullgraph=True)
+
+
+@torch.library.custom_op("axon4d::fp8_transpose", mutates_args=())
+def _transpose_op(t: torch.Tensor, padded: int) -> torch.Tensor:
+    return _compiled_transpose()(t, padded)
+
+
+@_transpose_op.register_fake
+def _(t: torch.Tensor, padded: int) -> torch.Tensor:
+    return t.new_empty((t.shape[1], padded))
+
+
+def transpose_padded(t: torch.Tensor, padded: int) -> torch.Tensor | None:
+    """``transpose_padded_eager`` of the contiguous (r, c) float8 ``t`` in one compiled kernel (each
+    byte read once and written once, the padding written as zeros) — ATen's strided copy of one-byte
+    elements reads across rows uncoalesced, several times slower than the bytes need; None when the
+    fused path fails here (``_fused``)."""
+    made = _fused(_transpose_op, t.view(torch.uint8), padded)
+    return None if made is None else made.view(t.dtype)
+
+
 # -- rows cast per block of features (the MoE's FP8 dispatch, ``axon4d.options.fp8_rows``) --------------
-def quantise_blocks(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantise_blocks(
+    t: torch.Tensor, fmax: float | torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, s) of ``t`` (n, blocks, B) of any float dtype, a scale per block: s = max(amax(|block|)/``fmax``,
     fp32's smallest normal) as (n, blocks, 1) fp32 and q = round(t/s) as ``dtype``, the quotient in
     fp32 (t widened exactly), clamped to ±``fmax`` so a non-finite input stays non-finite, never
@@ -158,7 +244,8 @@ def quantise_blocks(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[t
     top, bottom = t.amax(dim=-1, keepdim=True), t.amin(dim=-1, keepdim=True)  # (n, blocks, 1)
     amax = torch.maximum(top, -bottom).float()  # max |t| per block, exact; NaN kept
     scale = torch.clamp(amax / fmax, min=_TINY)  # NaN and inf kept
-    return torch.div(t, scale).clamp_(-fmax, fmax).to(dtype), scale  # fp32 quotient, rounded once
+    quotient = torch.div(t, scale).clamp_(-fmax, fmax)  # type: ignore[arg-type]  # torch takes a float or a () tensor
+    return quotient.to(dtype), scale  # fp32 quotient, rounded once
 
 
 @functools.cache
@@ -168,7 +255,7 @@ def _compiled_rows() -> Callable[..., Any]:
 
 @torch.library.custom_op("axon4d::fp8_quantise_rows", mutates_args=())
 def _rows_op(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _compiled_rows()(t, fmax, dtype)
+    q, scale = _compiled_rows()(t, _divisor(fmax, t.device), dtype)
     return q, scale
 
 

@@ -257,7 +257,7 @@ class MoE(nn.Module):
             torch.repeat_interleave(torch.arange(chunks), torch.tensor(sizes, dtype=torch.long)), s.device
         )
         key = (bins.unsqueeze(1) * cfg.n_experts + chosen[t0 : t0 + shares[mine]]).reshape(-1)
-        counts = torch.bincount(key, minlength=chunks * cfg.n_experts).view(chunks, cfg.n_experts)
+        counts = moe_router.value_counts(key, chunks * cfg.n_experts).view(chunks, cfg.n_experts)
         plans = DispatchPlan.exchange(counts, self.peers, grid)  # E15: the host sync
         self.exchanges += 1
         if memo is not None:

@@ -87,11 +87,13 @@ def quantise_passes(rows: int, cols: int, elem: int, fused: bool = False) -> tup
     return rows * cols * (2 * elem + 9), 5
 
 
-def transposed_passes(rows: int, cols: int) -> tuple[int, int]:
+def transposed_passes(rows: int, cols: int, fused: bool = False) -> tuple[int, int]:
     """(bytes, kernels) of ``fp8_gemm.transposed`` of a (rows, cols) e4m3 tensor, rows padded to 16:
-    one read and one write per element, and the padding's zeros (a kernel more where there is any)."""
+    one read and one write per element, and the padding's zeros. ``fused`` (an accelerator:
+    ``fp8_fused.transpose_padded``) one tiled kernel; eager an empty tensor, the strided copy and a
+    fill where there is padding."""
     padded = -(-rows // ALIGN) * ALIGN
-    return 2 * rows * cols + (padded - rows) * cols, 2 + (padded != rows)
+    return 2 * rows * cols + (padded - rows) * cols, 1 if fused else 2 + (padded != rows)
 
 
 def cast_passes(spec: LinearSpec, sc: Scenario) -> tuple[int, int]:
@@ -107,24 +109,33 @@ def layer_cast_passes(
     tokens of ``elem``-byte activations, as ``axon4d.nn.linear`` makes them after the step's weight
     copy: X and dY quantised once each (``quantise_passes``: ``fused`` on an accelerator, where the
     runtime's default is the fused cast, eager on the host), both laid out transposed for dW from
-    those bytes (``transposed_passes``), and — with ``input_grad`` — Ŵᵀ laid out for dX (a read and
-    a write per element of the block). ``tests/test_fp8_gemm.py`` counts the code's passes against these."""
+    those bytes (``transposed_passes``, fused likewise), and — with ``input_grad`` — Ŵᵀ laid out for
+    dX (the same transposition of the (out_l, in_l) block, a multiple of 16: no padding).
+    ``tests/test_fp8_gemm.py`` counts the code's passes against these."""
     parts = [
         quantise_passes(b, in_l, elem, fused),
         quantise_passes(b, out_l, elem, fused),
-        transposed_passes(b, in_l),
-        transposed_passes(b, out_l),
+        transposed_passes(b, in_l, fused),
+        transposed_passes(b, out_l, fused),
     ]
     if input_grad:
-        parts.append((2 * in_l * out_l, 1))
+        parts.append(transposed_passes(out_l, in_l, fused))
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
+def weight_copy_passes(elements: int, fused: bool = False) -> int:
+    """Bytes of the e4m3 copy of an fp32 master shard of ``elements`` (``axon4d.scheduler.fp8_copies``):
+    the amax reads it (4 per element), then ``fused`` (an accelerator: ``fp8_gemm.cast_weight``'s
+    one pass) reads it and writes a byte — 9 per element; eager (the host) the division reads it
+    and writes fp32 and the cast reads that and writes a byte — 17."""
+    return elements * (9 if fused else 17)
+
+
 def weight_copy_bytes(spec: LinearSpec, sc: Scenario) -> int:
-    """Bytes of the weight's e4m3 copy, made once per optimizer step from the fp32 master shard
-    (``axon4d.scheduler.fp8_copies``): amax, division to fp32 and cast — 17 bytes per shard element."""
+    """Bytes of the weight's e4m3 copy, made once per optimizer step from the fp32 master shard on
+    one rank of ``sc`` (``weight_copy_passes``: fused on an accelerator)."""
     in_l, out_l = spec.local(sc.shape)
-    return 17 * -(-(in_l * out_l) // sc.shape.z)
+    return weight_copy_passes(-(-(in_l * out_l) // sc.shape.z), sc.machine.accelerator)
 
 
 def cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
