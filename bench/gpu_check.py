@@ -41,7 +41,10 @@ rank runs is in ``bench/gpu_cases.py``. The cases:
   one runs no collective, which the record says; ``async save``: the job with background saves on
   one rank over NCCL, resumed from its step-2 checkpoint on the same losses;
 - ``suite``: the GPU test suite (``pytest tests/gpu``);
-- ``speed``: ``bench/gpu_block.py`` (its own JSON and line); it fails only if the bench does not run.
+- ``speed``: ``bench/gpu_block.py`` (the 20B-width block; its FP8 row and width sweep),
+  ``bench/fp8_gemm_speed.py`` (FP8 GEMMs against bf16 by size) and ``bench/moe_block.py --gpu`` (a
+  Mixtral-width MoE block), each alone, each saving its own JSON and line (``SPEED_BENCHES``); a
+  bench fails only if it does not run.
 
 Every multi-rank case fails unless each rank issued collectives (the distributed code ran, not a
 short cut); each variant this machine cannot run is recorded as skipped with the reason — the NCCL
@@ -510,24 +513,56 @@ def run_suite(timeout: float) -> dict[str, Any]:
     }
 
 
-def run_speed(timeout: float) -> dict[str, Any]:
-    """``bench/gpu_block.py`` in a subprocess: its headline, and whether it met the target (step
-    within 1.00× of the fair plain-PyTorch baseline's)."""
+#: the benches the ``speed`` cases run, each alone on the device after the others: (case name,
+#: script and arguments under bench/, the prefix of its headline line, what it proves); each saves
+#: its own JSON under bench/results/ and fails only if it does not run
+SPEED_BENCHES = (
+    ("speed 20B block", ["gpu_block.py"], "gpu: ", "the 20B-width block against plain PyTorch, its FP8 row and sweep"),
+    ("speed FP8 GEMMs", ["fp8_gemm_speed.py"], "fp8_gemm_speed: ", "FP8 GEMMs against bf16 by size"),
+    (
+        "speed MoE block",
+        [
+            "moe_block.py",
+            "--gpu",
+            "--hidden",
+            "4096",
+            "--ffn",
+            "14336",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--tokens",
+            "8192",
+        ],
+        "moe_block --gpu: ",
+        "a Mixtral-width MoE block: tokens/s, MFU, grouped GEMM against the loop",
+    ),
+)
+
+
+def run_speed(name: str, script: list[str], prefix: str, timeout: float) -> dict[str, Any]:
+    """``bench/<script>`` in a subprocess: its headline (the last line starting with ``prefix``);
+    for the 20B block also whether it met its target (step within 1.00× of the fair plain-PyTorch
+    baseline's)."""
     start = time.perf_counter()
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpu_block.py")]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", script[0]), *script[1:]]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-10:]
-        line = next((t for t in reversed(tail) if t.startswith("gpu: ")), "")
-        ratio = re.search(r"\(ratio ([0-9.]+)", line)
-        ok = proc.returncode == 0 and ratio is not None
-        why = line if ok else f"bench/gpu_block.py exit {proc.returncode}: {tail[-1] if tail else ''}"
-        metrics = {"line": line, "within_1.00": ratio is not None and float(ratio.group(1)) <= 1.0, "tail": tail}
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+        line = next((t for t in reversed(tail) if t.startswith(prefix)), "")
+        ok = proc.returncode == 0 and bool(line)
+        why = line if ok else f"bench/{script[0]} exit {proc.returncode}: {tail[-1] if tail else ''}"
+        metrics: dict[str, Any] = {"line": line, "tail": tail}
+        if script[0] == "gpu_block.py":
+            ratio = re.search(r"\(ratio ([0-9.]+)", line)
+            ok = ok and ratio is not None
+            metrics["within_1.00"] = ratio is not None and float(ratio.group(1)) <= 1.0
     except subprocess.TimeoutExpired:
-        ok, why, metrics = False, f"bench/gpu_block.py ran past {timeout:.0f} s", {}
+        ok, why, metrics = False, f"bench/{script[0]} ran past {timeout:.0f} s", {}
     return {
-        "name": "speed 20B block",
+        "name": name,
         "transport": "none",
         "status": "passed" if ok else "failed",
         "why": why,
@@ -676,11 +711,13 @@ def main(argv: list[str] | None = None) -> int:
         for c, t in runs:  # the timings, alone on the device
             if c.timed:
                 record(run_case(c, t, args.timeout))
-    if chosen("speed"):
+    for bench, script, prefix, _ in SPEED_BENCHES:  # the timings, alone on the device, last
+        if not chosen(bench):
+            continue
         if args.on_host:
-            record(skipped("speed 20B block", "none", "the 20B block's speed is a GPU's: the host has none"))
+            record(skipped(bench, "none", f"{bench[len('speed ') :]}: a GPU's speed; the host has none"))
         else:
-            record(run_speed(args.timeout))
+            record(run_speed(bench, script, prefix, args.timeout))
     c = counts()
     print(
         f"gpu-check: {name}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped ({os.path.relpath(out, ROOT)})"
