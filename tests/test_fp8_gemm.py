@@ -601,6 +601,24 @@ def test_the_weight_copy_reads_the_master_twice_as_priced(cast_mode, cast):
     assert fp8_fused.failure() is None
 
 
+def test_outside_a_dispatch_mode_the_fused_cast_calls_its_compiled_function_directly(cast_mode, monkeypatch):
+    """The training step (no ``TorchDispatchMode``, nothing compiling around it, no gradient wanted)
+    skips the custom op's dispatch; under a mode the one op runs; both give the same bits."""
+    calls = []
+    real = fp8_fused._op
+    monkeypatch.setattr(fp8_fused, "_op", lambda *a: calls.append(a) or real(*a))
+    cast_mode("fused")
+    t = _bf16_cases()[0]
+    direct = fp8_gemm.quantise(t)
+    assert calls == []
+    count = _Kernels()
+    with count:
+        via_op = fp8_gemm.quantise(t)
+    assert len(calls) == 1 and dict(count.ops) == {FUSED_OP: 1}
+    assert torch.equal(direct.data.view(torch.uint8), via_op.data.view(torch.uint8))
+    assert torch.equal(direct.scale, via_op.scale) and fp8_fused.failure() is None
+
+
 @pytest.mark.parametrize("rows", [64, 40, 7])
 def test_the_fused_transposition_lays_out_the_eager_bytes(cast_mode, rows):
     """``fp8_gemm.transposed`` forced fused on the host (one op, ``axon4d::fp8_transpose``): the
