@@ -73,6 +73,7 @@ def test_the_block_speed_bench_runs_on_the_host_and_prints_its_line(tmp_path):
     """bench/gpu_block.py, which make gpu-check runs on a GPU, checked at a small width on the host."""
     out = tmp_path / "gpu_block.json"
     args = ["--on-host", "--hidden", "64", "--heads", "4", "--tokens", "32", "--pairs", "2", "--warmup", "1"]
+    args += ["--sweep", "32,64", "--head-dim", "16", "--sweep-pairs", "2"]  # the FP8 sweep, two small widths
     proc = subprocess.run(
         [sys.executable, SCRIPT, *args, "--out", str(out)],
         env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""},
@@ -103,3 +104,21 @@ def test_the_block_speed_bench_runs_on_the_host_and_prints_its_line(tmp_path):
     spread = saved["pair_spread"]
     assert headline.group(2, 3) == (f"{spread['min']:.3f}", f"{spread['max']:.3f}")
     assert saved["mfu"] > 0
+    # the FP8 row (the host has FP8 GEMMs, emulated) and the sweep: per width every layer kind's
+    # measured saving beside the planner's, and the width from which each says FP8 wins
+    lines = proc.stdout.splitlines()
+    assert saved["fp8"]["precision"] == "bf16-fp8" and saved["fp8_speedup"] > 0
+    assert saved["fp8_speedup"] == saved["median_s"]["axon4d"] / saved["fp8"]["median_s"]["axon4d"]
+    assert [r["hidden"] for r in saved["fp8_sweep"]] == [32, 64]
+    kinds = ("qkv", "attn_out", "mlp_up", "mlp_down")
+    for r in saved["fp8_sweep"]:
+        assert set(r["samples_s"]) == {"bf16", "fp8", *kinds} and all(len(v) == 2 for v in r["samples_s"].values())
+        assert set(r["kinds"]) == set(kinds) and all(k["fits"] for k in r["kinds"].values())
+        for k in kinds:
+            saved_ms = [1e3 * (b - f) for b, f in zip(r["samples_s"]["bf16"], r["samples_s"][k])]
+            assert r["kinds"][k]["measured_saving_ms"] == pytest.approx(statistics.median(saved_ms))
+            assert r["kinds"][k]["planned_saving_ms"] is not None and not r["kinds"][k]["planner_fp8"]  # the host
+    assert set(saved["fp8_first_win"]) == set(kinds)
+    assert sum(line.startswith("fp8 sweep width ") for line in lines) == 2
+    assert any(line.startswith("gpu fp8: bf16-fp8 step ") and "(fused casts: False)" in line for line in lines)
+    assert any(line.startswith("gpu fp8 sweep: FP8 wins from width (measured / planner): qkv ") for line in lines)
