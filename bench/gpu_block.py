@@ -21,7 +21,9 @@ The FP8 sweep (``--sweep`` widths, heads of ``--head-dim``): per width one axon4
 ``bf16-fp8`` stepped with every layer in bf16, every layer in FP8 and each layer kind alone in FP8,
 ``--sweep-pairs`` alternating rounds; each kind's measured saving (median over rounds of the
 all-bf16 step less the step with that kind in FP8) beside the planner's (``axon4d.plan.fp8.
-kind_choices`` on ``--machine``'s file), and the width from which each says FP8 wins.
+kind_choices`` on ``--machine``'s file), and the width from which each says FP8 wins. ``--profile W``
+records where three all-FP8 steps at width W spend their time (``torch.profiler``: the top ops by
+device and by host time, per step) as ``fp8_profile``.
 
 The second row is pure bf16: axon4d under ``precision="bf16"`` with bf16 parameters against the
 reference ``DenseBlock`` itself (separate q, k and v ``nn.Linear``) in bf16 parameters.
@@ -289,6 +291,53 @@ def fp8_sweep(widths: list[int], head_dim: int, args: argparse.Namespace) -> lis
     return rows
 
 
+def fp8_profile(width: int, head_dim: int, args: argparse.Namespace, top: int = 20) -> dict[str, Any]:
+    """Where an all-FP8 step's time goes at ``width``: ``torch.profiler`` over three steps of one
+    axon4d block under ``bf16-fp8`` (after ``args.warmup``), the ``top`` ops by device time and by
+    host time (name, calls, self device µs, self host µs, per step), and both totals per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = dataclasses.replace(SIZES["20B"], hidden=width, n_heads=width // head_dim, ffn_hidden=4 * width, n_layers=1)
+    grid = _init(FP8, args.on_host)
+    try:
+        device = grid.device
+        torch.manual_seed(0)
+        block = TransformerBlock(cfg, device=device, dtype=torch.float32)
+        x = torch.randn(1, args.tokens, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(width, device=device, dtype=torch.bfloat16)
+        step = step_of(block, x, v, device)
+        for _ in range(max(1, args.warmup)):
+            step()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        steps = 3
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+    finally:
+        axon4d.shutdown()
+    events = prof.key_averages()
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    def row(e: Any) -> dict[str, Any]:
+        return {
+            "name": e.key,
+            "calls_per_step": e.count / steps,
+            "self_device_us_per_step": device_us(e) / steps,
+            "self_host_us_per_step": e.self_cpu_time_total / steps,
+        }
+
+    return {
+        "width": width,
+        "tokens": args.tokens,
+        "by_device": [row(e) for e in sorted(events, key=device_us, reverse=True)[:top]],
+        "by_host": [row(e) for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]],
+        "device_us_per_step": sum(device_us(e) for e in events) / steps,
+        "host_us_per_step": sum(e.self_cpu_time_total for e in events) / steps,
+    }
+
+
 def first_win(rows: list[dict[str, Any]], kind: str, key: str) -> int | None:
     """The smallest width of ``rows`` from which on ``kind``'s ``key`` (a saving in ms, or the
     planner's choice) says FP8 wins at every larger width too; None if it never does."""
@@ -319,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--head-dim", type=int, default=128, help="the sweep's head width (20B's: 128)")
     p.add_argument("--sweep-pairs", type=int, default=8, help="alternating rounds per width of the sweep")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="profile three all-FP8 steps at this width (0: none); saved as fp8_profile",
+    )
     p.add_argument("--machine", default="h100", help="the planner's machine file the sweep compares with")
     p.add_argument("--on-host", action="store_true", help="run on the host without an accelerator")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/gpu_block_<device>.json)")
@@ -356,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             axon4d.shutdown()
     widths = [int(w) for w in args.sweep.split(",") if w.strip()]
     sweep = fp8_sweep(widths, args.head_dim, args) if fp8 is not None and widths else []
+    profiled = fp8_profile(args.profile, args.head_dim, args) if fp8 is not None and args.profile else None
     _init(PURE, args.on_host)
     try:
         dense16 = copy.deepcopy(dense).to(bf16)
@@ -383,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         "fp8_speedup": None if fp8 is None else mixed["median_s"]["axon4d"] / fp8["median_s"]["axon4d"],
         "fp8_cast": {"fused": fp8_fused.wanted(device), "failure": fp8_fused.failure()},
         "fp8_sweep": sweep,
+        "fp8_profile": profiled,
         "fp8_first_win": {
             k: {"measured": first_win(sweep, k, "measured_saving_ms"), "planner": first_win(sweep, k, "planner_fp8")}
             for k in Transformer.LAYER_KINDS
@@ -402,6 +459,12 @@ def main(argv: list[str] | None = None) -> int:
             f"gpu fp8: bf16-fp8 step {fp8['median_s']['axon4d'] * 1e3:.2f} ms against bf16-fp32-reduce "
             f"{mixed['median_s']['axon4d'] * 1e3:.2f} ms: {result['fp8_speedup']:.3f}× "
             f"(fused casts: {result['fp8_cast']['fused']})"
+        )
+    if profiled is not None:
+        print(
+            f"gpu fp8 profile width {profiled['width']}: device {profiled['device_us_per_step'] / 1e3:.2f} ms, "
+            f"host {profiled['host_us_per_step'] / 1e3:.2f} ms a step; most device time: "
+            + ", ".join(f"{r['name']} {r['self_device_us_per_step'] / 1e3:.2f}" for r in profiled["by_device"][:4])
         )
     if sweep:
         wins = result["fp8_first_win"]

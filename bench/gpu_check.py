@@ -517,7 +517,12 @@ def run_suite(timeout: float) -> dict[str, Any]:
 #: script and arguments under bench/, the prefix of its headline line, what it proves); each saves
 #: its own JSON under bench/results/ and fails only if it does not run
 SPEED_BENCHES = (
-    ("speed 20B block", ["gpu_block.py"], "gpu: ", "the 20B-width block against plain PyTorch, its FP8 row and sweep"),
+    (
+        "speed 20B block",
+        ["gpu_block.py", "--profile", "7168"],
+        "gpu: ",
+        "the 20B-width block against plain PyTorch, its FP8 row, sweep and profile",
+    ),
     ("speed FP8 GEMMs", ["fp8_gemm_speed.py"], "fp8_gemm_speed: ", "FP8 GEMMs against bf16 by size"),
     (
         "speed MoE block",

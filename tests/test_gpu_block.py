@@ -74,6 +74,7 @@ def test_the_block_speed_bench_runs_on_the_host_and_prints_its_line(tmp_path):
     out = tmp_path / "gpu_block.json"
     args = ["--on-host", "--hidden", "64", "--heads", "4", "--tokens", "32", "--pairs", "2", "--warmup", "1"]
     args += ["--sweep", "32,64", "--head-dim", "16", "--sweep-pairs", "2"]  # the FP8 sweep, two small widths
+    args += ["--profile", "32"]
     proc = subprocess.run(
         [sys.executable, SCRIPT, *args, "--out", str(out)],
         env={**os.environ, "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""},
@@ -122,3 +123,8 @@ def test_the_block_speed_bench_runs_on_the_host_and_prints_its_line(tmp_path):
     assert sum(line.startswith("fp8 sweep width ") for line in lines) == 2
     assert any(line.startswith("gpu fp8: bf16-fp8 step ") and "(fused casts: False)" in line for line in lines)
     assert any(line.startswith("gpu fp8 sweep: FP8 wins from width (measured / planner): qkv ") for line in lines)
+    # the profile of the all-FP8 step: its ops by host time (the host has no device timeline)
+    prof = saved["fp8_profile"]
+    assert prof["width"] == 32 and prof["host_us_per_step"] > 0 and prof["by_host"] and len(prof["by_host"]) <= 20
+    assert any("scaled_mm" in r["name"] for r in prof["by_host"]), prof["by_host"]
+    assert any(line.startswith("gpu fp8 profile width 32: device ") for line in lines)

@@ -152,7 +152,7 @@ def _fused(op: Callable[..., Any], *args: Any) -> Any:
 
 @torch.library.custom_op("axon4d::fp8_quantise", mutates_args=())
 def _op(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _compiled()(t, _divisor(fmax, t.device), dtype)
+    q, scale = _direct(t, fmax, dtype)
     return q, scale
 
 
@@ -165,8 +165,12 @@ def quantise(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Te
     """(q, s) of the contiguous 2-D ``t``: s = max(amax(t)/``fmax``, fp32's smallest normal) as a ()
     fp32 tensor and q = round(t/s) as ``dtype`` (row-major), by the compiled kernels; None when the
     fused path fails here — logged once, and not tried again in this process."""
-    direct = lambda t, fmax, dtype: _compiled()(t, _divisor(fmax, t.device), dtype)  # noqa: E731
-    return _fused(_call, _op, direct, t, fmax, dtype)
+    return _fused(_call, _op, _direct, t, fmax, dtype)
+
+
+def _direct(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``_op`` runs, called without it (``_call``)."""
+    return _compiled()(t, _divisor(fmax, t.device), dtype)
 
 
 # -- a cast under a given power-of-two scale (the weight's e4m3 copy, ``axon4d.scheduler.fp8_copies``) ---
@@ -269,7 +273,7 @@ def _compiled_rows() -> Callable[..., Any]:
 
 @torch.library.custom_op("axon4d::fp8_quantise_rows", mutates_args=())
 def _rows_op(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _compiled_rows()(t, _divisor(fmax, t.device), dtype)
+    q, scale = _direct_rows(t, fmax, dtype)
     return q, scale
 
 
@@ -282,5 +286,9 @@ def quantise_rows(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[tor
     """``quantise_blocks`` of the contiguous (n, blocks, B) ``t`` by compiled kernels (the amax per
     block, then the scale and the cast in one pass: 2·elem + 1 bytes per element), bit for bit the
     eager result; None when the fused path fails here (``_fused``)."""
-    direct = lambda t, fmax, dtype: _compiled_rows()(t, _divisor(fmax, t.device), dtype)  # noqa: E731
-    return _fused(_call, _rows_op, direct, t, fmax, dtype)
+    return _fused(_call, _rows_op, _direct_rows, t, fmax, dtype)
+
+
+def _direct_rows(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``_rows_op`` runs, called without it (``_call``)."""
+    return _compiled_rows()(t, _divisor(fmax, t.device), dtype)
