@@ -40,12 +40,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import axon4d
 from axon4d import activations
-from axon4d.config import ModelConfig
+from axon4d.config import ModelConfig, get_config
 from axon4d.device import fp8 as kernel
 from axon4d.device import fp8_fused
+from axon4d.grid.shape import GridShape
 from axon4d.options import fp8_gemm
 from axon4d.options.precision import FP8, NAMED, Precision, fp8_scale, gradient_fp8, resolve
 from axon4d.plan import fp8 as plan_fp8
+from axon4d.plan.machine import load
+from axon4d.plan.scenario import Scenario
+from axon4d.plan.workload import Workload
 
 FP8_NAME, BF16_NAME = "bf16-fp8", "bf16-fp32-reduce"
 U_FP8 = 2.0**-4  # e4m3's unit roundoff
@@ -275,6 +279,32 @@ def test_the_weight_is_quantised_once_per_step_and_its_gathered_bytes_are_the_bl
         assert r["made"] == [2, 4], r  # two layers: once each before the step, once each after
         assert r["equal"], r
         assert r["view"], r
+
+
+def _one_rank_copies(grid):
+    """A layer on a grid of one rank (``LocalLinear``) under FP8 GEMMs: the weight copies three
+    micro-batches make, counted where they are made (``fp8_gemm.quantise_weight``)."""
+    made = []
+    quantise_weight = fp8_gemm.quantise_weight
+    fp8_gemm.quantise_weight = lambda t: made.append(t.shape) or quantise_weight(t)
+    try:
+        layer = axon4d.Linear(64, 32, bias=False)
+        for i in range(3):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(i)).requires_grad_()
+            with grid.scheduler.accumulating() if i < 2 else contextlib.nullcontext():
+                layer(x).float().square().sum().backward()
+    finally:
+        fp8_gemm.quantise_weight = quantise_weight
+    return len(made)
+
+
+def test_a_one_rank_grid_copies_the_weight_each_forward_as_the_planner_prices_it(pools):
+    """A grid of one rank makes the weight's e4m3 copy in each forward (three micro-batches: three
+    copies), a larger grid once per step: ``plan.fp8.weight_copies_per_run`` prices each so."""
+    assert pools(1).run((1, 1, 1, 1), _one_rank_copies, precision=FP8_NAME) == [3]
+    wl = Workload(get_config("20B"), 64, precision=FP8_NAME)
+    one, four = (Scenario(wl, GridShape(*g), load("h100"), micro_batches=4) for g in ((1, 1, 1, 1), (1, 2, 2, 1)))
+    assert plan_fp8.weight_copies_per_run(one) == 1.0 and plan_fp8.weight_copies_per_run(four) == 0.25
 
 
 def _recomputed(grid):

@@ -138,11 +138,18 @@ def weight_copy_bytes(spec: LinearSpec, sc: Scenario) -> int:
     return weight_copy_passes(-(-(in_l * out_l) // sc.shape.z), sc.machine.accelerator)
 
 
+def weight_copies_per_run(sc: Scenario) -> float:
+    """How many e4m3 copies of a weight one run (one micro-batch's forward and backward) makes: on a
+    grid of one rank each forward makes its own (``axon4d.nn.local_linear``), elsewhere one per
+    step serves every micro-batch (``axon4d.scheduler.fp8_copies``)."""
+    return 1.0 if sc.world == 1 else 1.0 / sc.micro_batches
+
+
 def cast_seconds(spec: LinearSpec, sc: Scenario) -> float:
-    """Seconds of one run's FP8 casts on one rank (``cast_passes``, and the weight's copy spread over
-    the step's micro-batches), elementwise at the machine's rate."""
-    streamed, kernels = cast_passes(spec, sc)
-    streamed += weight_copy_bytes(spec, sc) / sc.micro_batches
+    """Seconds of one run's FP8 casts on one rank (``cast_passes``, and the weight's copies:
+    ``weight_copies_per_run``), elementwise at the machine's rate."""
+    casts, kernels = cast_passes(spec, sc)
+    streamed = casts + weight_copy_bytes(spec, sc) * weight_copies_per_run(sc)
     return sc.machine.elementwise_time(streamed, sc.world) + kernels * sc.machine.op_overhead_s
 
 
