@@ -72,7 +72,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,6 +81,7 @@ sys.path.insert(0, ROOT)
 import common  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import axon4d  # noqa: E402
 from axon4d import device as devices  # noqa: E402
@@ -211,6 +212,27 @@ def timed_row(
     }
 
 
+def width_config(width: int, head_dim: int) -> ModelConfig:
+    """One block of the 20B model's kind at ``width``: heads of ``head_dim``, ffn 4·width."""
+    return dataclasses.replace(SIZES["20B"], hidden=width, n_heads=width // head_dim, ffn_hidden=4 * width, n_layers=1)
+
+
+@contextlib.contextmanager
+def fp8_block(cfg: ModelConfig, args: argparse.Namespace) -> Iterator[tuple[TransformerBlock, Callable[[], float]]]:
+    """A one-rank grid under ``bf16-fp8`` holding one axon4d block of ``cfg`` (fp32 weights, seed 0)
+    and its timed step on ``args.tokens`` tokens of bf16 input (``step_of``); shut down on exit."""
+    grid = _init(FP8, args.on_host)
+    try:
+        device = grid.device
+        torch.manual_seed(0)
+        block = TransformerBlock(cfg, device=device, dtype=torch.float32)
+        x = torch.randn(1, args.tokens, cfg.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(cfg.hidden, device=device, dtype=torch.bfloat16)
+        yield block, step_of(block, x, v, device)
+    finally:
+        axon4d.shutdown()
+
+
 def fp8_sweep(widths: list[int], head_dim: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Where FP8 starts to win, per width and layer kind: for each hidden width W (heads W/head_dim,
     ffn 4W, ``args.tokens`` tokens) one axon4d block under ``bf16-fp8``, stepped with every layer in
@@ -223,19 +245,10 @@ def fp8_sweep(widths: list[int], head_dim: int, args: argparse.Namespace) -> lis
     rows = []
     machine = load_machine(args.machine)
     for width in widths:
-        cfg = dataclasses.replace(
-            SIZES["20B"], hidden=width, n_heads=width // head_dim, ffn_hidden=4 * width, n_layers=1
-        )
-        grid = _init(FP8, args.on_host)
-        try:
-            device = grid.device
-            torch.manual_seed(0)
-            block = TransformerBlock(cfg, device=device, dtype=torch.float32)
-            x = torch.randn(1, args.tokens, width, device=device, dtype=torch.bfloat16, requires_grad=True)
-            v = torch.randn(width, device=device, dtype=torch.bfloat16)
+        cfg = width_config(width, head_dim)
+        with fp8_block(cfg, args) as (block, step):
             layers = dict(zip(Transformer.LAYER_KINDS, block.linears()))
             fits = {k: layer.fp8_gemms for k, layer in layers.items()}
-            step = step_of(block, x, v, device)
 
             def with_fp8(kinds: tuple[str, ...]) -> Callable[[], float]:
                 def run() -> float:
@@ -251,8 +264,6 @@ def fp8_sweep(widths: list[int], head_dim: int, args: argparse.Namespace) -> lis
                 for _ in range(args.warmup):
                     run()
             samples = common.paired(steps, args.sweep_pairs)
-        finally:
-            axon4d.shutdown()
         wl = Workload(
             dataclasses.replace(cfg, seq_len=args.tokens), batch=1, embedding=False, head=False, precision=FP8
         )
@@ -295,26 +306,16 @@ def fp8_profile(width: int, head_dim: int, args: argparse.Namespace, top: int = 
     """Where an all-FP8 step's time goes at ``width``: ``torch.profiler`` over three steps of one
     axon4d block under ``bf16-fp8`` (after ``args.warmup``), the ``top`` ops by device time and by
     host time (name, calls, self device µs, self host µs, per step), and both totals per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cfg = dataclasses.replace(SIZES["20B"], hidden=width, n_heads=width // head_dim, ffn_hidden=4 * width, n_layers=1)
-    grid = _init(FP8, args.on_host)
-    try:
-        device = grid.device
-        torch.manual_seed(0)
-        block = TransformerBlock(cfg, device=device, dtype=torch.float32)
-        x = torch.randn(1, args.tokens, width, device=device, dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(width, device=device, dtype=torch.bfloat16)
-        step = step_of(block, x, v, device)
+    with fp8_block(width_config(width, head_dim), args) as (block, step):
         for _ in range(max(1, args.warmup)):
             step()
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        activities = [ProfilerActivity.CPU] + (
+            [ProfilerActivity.CUDA] if devices.is_accelerator(block.attn.qkv.weight.device) else []
+        )
         steps = 3
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 step()
-    finally:
-        axon4d.shutdown()
     events = prof.key_averages()
 
     def device_us(e: Any) -> float:

@@ -283,10 +283,10 @@ def test_the_weight_is_quantised_once_per_step_and_its_gathered_bytes_are_the_bl
 
 def _one_rank_copies(grid):
     """A layer on a grid of one rank (``LocalLinear``) under FP8 GEMMs: the weight copies three
-    micro-batches make, counted where they are made (``fp8_gemm.quantise_weight``)."""
+    micro-batches make, counted where they are made (``fp8_gemm.cast_weight``)."""
     made = []
-    quantise_weight = fp8_gemm.quantise_weight
-    fp8_gemm.quantise_weight = lambda t: made.append(t.shape) or quantise_weight(t)
+    cast_weight = fp8_gemm.cast_weight
+    fp8_gemm.cast_weight = lambda t, scale, dtype=fp8_gemm.DTYPE: made.append(t.shape) or cast_weight(t, scale, dtype)
     try:
         layer = axon4d.Linear(64, 32, bias=False)
         for i in range(3):
@@ -294,7 +294,7 @@ def _one_rank_copies(grid):
             with grid.scheduler.accumulating() if i < 2 else contextlib.nullcontext():
                 layer(x).float().square().sum().backward()
     finally:
-        fp8_gemm.quantise_weight = quantise_weight
+        fp8_gemm.cast_weight = cast_weight
     return len(made)
 
 

@@ -18,9 +18,8 @@ What runs where:
 The compiled function is wrapped in one custom op, ``axon4d::fp8_quantise``: a
 ``TorchDispatchMode`` (which ``torch.compile`` does not run under) sees that one op and runs it
 compiled, and a model compiled whole sees an opaque op with a shape rule. Outside both — the
-training step — the compiled function is called directly (``_call``): the op's dispatch cost a
-third of each call's host time (31 against 21 µs on a 2-core host), and the host's time per call
-is what bounds a small FP8 layer on a GPU. Its kernels are counted by
+training step — the compiled function is called directly (``_call``), without the op's dispatch:
+the host's time per call is what bounds a small FP8 layer on a GPU. Its kernels are counted by
 inductor when it compiles (``torch._inductor.metrics.generated_kernel_count``;
 ``tests/test_fp8_gemm.py``). If compiling or running it fails, the failure is logged once and the
 eager path is used from then on in this process (``failure``).

@@ -45,7 +45,7 @@ class LocalLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: Any) -> torch.Tensor:
         x = cast(x, compute_dtype(layer.grid.precision, weight))  # mixed precision: the compute dtype
         if layer.fp8_gemms:  # (out, in) e4m3 from the fp32 master, its power-of-two scale
-            w: Any = fp8_gemm.quantise_weight(weight.view(layer.block_shape))
+            w: Any = fp8_gemm.quantise(weight.view(layer.block_shape), pow2=True)
             copy, scale = (w.data, w.scale) if ctx.needs_input_grad[0] else (None, None)
             b = None if bias is None else cast(bias, x.dtype)
             xq = fp8_gemm.quantise(rows(x))  # (b, in) e4m3: the forward's and dW's

@@ -75,7 +75,8 @@ def quantise(
     Kernels, t's own scale (not ``pow2``), row-major and unpadded: on an accelerator the fused cast
     (``axon4d.device.fp8_fused``: the amax, then scale and cast in one pass, the same bits); on the
     host, or where compiling fails, the eager path — amax, two for the scale (``fp8_scale``), the
-    division and the cast: five passes, of which two read t."""
+    division and the cast: five passes, of which two read t. With ``pow2`` and t's own scale (a
+    weight's copy), the amax and ``cast_weight``'s one pass."""
     t = t.detach()
     fmax = float(torch.finfo(dtype).max)
     given = scale is not None
@@ -85,6 +86,8 @@ def quantise(
             return Quantised(*made)
     if scale is None:
         scale = fp8_scale(amax(t), pow2, fmax)  # () fp32
+        if pow2 and not transpose and pad_to == 1:  # at or above t's own: one exact pass (``cast_weight``)
+            return Quantised(cast_weight(t, scale, dtype), scale)
     src = t.t() if transpose else t  # (r, c)
     r, c = src.shape
     # a (1,) scale takes part in type promotion as a tensor (a () one would not): the quotient is fp32
@@ -103,7 +106,7 @@ def quantise(
 
 def cast_weight(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = DTYPE) -> torch.Tensor:
     """``t`` (any shape, contiguous) as ``dtype`` under ``scale``, a () fp32 power of two at or above
-    t's own (``fp8_scale(amax(t), pow2=True)``, or a larger one its block shares): round(t/s), the
+    t's own (``quantise(t, pow2=True)``'s, or a larger one its block shares): round(t/s), the
     fp32 quotient exact and rounded once, never past the format's largest value. On an accelerator
     one fused pass (``fp8_fused.cast_scaled``: t read, one byte written); on the host, or where
     compiling fails, the division and the cast (``fp8_fused.cast_scaled_eager``)."""
@@ -112,14 +115,6 @@ def cast_weight(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = DTYPE
         if made is not None:
             return made
     return fp8_fused.cast_scaled_eager(t, scale, dtype)
-
-
-def quantise_weight(t: torch.Tensor) -> Quantised:
-    """A weight (block or flat shard, contiguous fp32 master) in e4m3 with its own power-of-two
-    scale: ``fp8_scale(amax(t), pow2=True)`` and ``cast_weight`` — two reads of t (9 bytes per
-    element fused on an accelerator, 17 eager: ``axon4d.plan.fp8.weight_copy_passes``)."""
-    scale = fp8_scale(amax(t), pow2=True)  # () fp32
-    return Quantised(cast_weight(t, scale), scale)
 
 
 def fused(t: torch.Tensor, given: bool, pow2: bool, transpose: bool, pad_to: int) -> bool:

@@ -10,8 +10,9 @@ is refused (``check``). Per layer and grid the planner prices both ways (``layer
   makes, pass by pass (``cast_passes``, counted against the code by a test): X and dY quantised
   once each (amax, an fp32 quotient, the cast: fused on an accelerator, eager on the host), their
   transposed layouts for dW copied from those bytes, Ŵᵀ laid out for dX, and the weight's e4m3
-  copy, made once per optimizer step from the fp32 master shard (``weight_copy_bytes``, spread over
-  the step's micro-batches; ``axon4d.scheduler.fp8_copies``) — its scale's all-gather over z is
+  copy from the fp32 master shard (``weight_copy_bytes``), made once per optimizer step and spread
+  over the step's micro-batches (``axon4d.scheduler.fp8_copies``), on a grid of one rank in every
+  forward (``weight_copies_per_run``) — its scale's all-gather over z is
   4 bytes a rank, not priced.
 
 and runs the layer in FP8 where its local block is a multiple of 16 in both dims and FP8 is the
