@@ -47,7 +47,7 @@ from axon4d.options import fp8_rows  # noqa: E402
 from axon4d.plan.candidate import Candidate  # noqa: E402
 from axon4d.plan.collective_model import group_geometry, span_of  # noqa: E402
 from axon4d.plan.machine import Machine, load  # noqa: E402
-from axon4d.plan.moe_cost import placement  # noqa: E402
+from axon4d.plan.moe_cost import GATE_BYTES, placement  # noqa: E402
 from axon4d.plan.search import plan  # noqa: E402
 
 #: (model, GPUs, batch in sequences): the issue's two jobs
@@ -131,8 +131,9 @@ def _spans_nodes(shape: GridShape, axis: str, per_node: int) -> bool:
 def floor(model: str, gpus: int, batch: int, machine: str, best: dict[str, Any]) -> dict[str, Any]:
     """What the best plan's all-to-alls and overlap allow at most: the bytes its MoE layers send
     across the network per rank and step (each rank's share of the tokens × top-k rows, to the
-    experts — packed under FP8 dispatch — and back, forward and backward; again in the re-run of a
-    fully recomputed block), over the network's bandwidth; and the model MFU if every collective
+    experts — packed under FP8 dispatch — each with its gate, and back, forward and backward; a
+    fully recomputed block's re-run exchanges none again), over the network's bandwidth; and the
+    model MFU if every collective
     were hidden behind compute, the network's collectives one after another and the nodes' beside
     them (a step of max(compute, network communication, node communication)). Bounds, not plans."""
     cfg, m = get_config(model), load(machine)
@@ -144,8 +145,9 @@ def floor(model: str, gpus: int, batch: int, machine: str, best: dict[str, Any])
     rows = batch * cfg.seq_len // gpus * cfg.experts_per_token  # per rank and MoE layer
     out = fp8_rows.packed_width(cfg.hidden) if p.fp8_dispatch else 2 * cfg.hidden  # bytes of a row sent out
     home = 2 * cfg.hidden  # ... and of a row sent home (bf16)
-    step = rows * 2 * (out + home) * cfg.moe_layers  # dispatch, combine and their gradients
-    rerun = rows * (out + home) * cfg.moe_layers  # a fully recomputed block's second dispatch and combine
+    # dispatch (with the gates) and combine, the combine's gradient and the dispatch's (with the gates')
+    per_layer = rows * (2 * out + 2 * home + 2 * GATE_BYTES)
+    step = per_layer * cfg.moe_layers
     net = m.levels[-1].beta_Bps
     flops_s = best["mfu"] * best["step_s"]  # the step's model FLOPs at peak, in seconds
     # every collective hidden behind compute, each link busy with its own: those whose groups span
@@ -158,10 +160,9 @@ def floor(model: str, gpus: int, batch: int, machine: str, best: dict[str, Any])
         "grid": best["grid"],
         "expert_layout": best["expert_layout"],
         "remote_share": remote,
-        "all_to_all_bytes_per_layer": rows * 2 * (out + home),
+        "all_to_all_bytes_per_layer": per_layer,
         "all_to_all_bytes_per_step": step,
         "network_s": step * remote / net,
-        "network_s_full_recompute": (step + rerun) * remote / net,
         "compute_s": best["compute_s"],
         "network_comm_s": network_comm,
         "node_comm_s": node_comm,
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         f"floor: moe-1t on 1024 × {args.machine}, grid {tuple(least['grid'])}: all-to-alls "
         f"{least['all_to_all_bytes_per_step'] / 1e9:.0f} GB a step per rank, "
         f"{100 * least['remote_share']:.0f}% across the network: {least['network_s']:.1f} s "
-        f"({least['network_s_full_recompute']:.1f} s under full recomputation); every collective hidden behind "
+        f"(none again in a fully recomputed block's re-run); every collective hidden behind "
         f"{least['compute_s']:.2f} s of compute, {least['network_comm_s']:.2f} s of it on the network: "
         f"{100 * least['mfu_all_hidden']:.1f}% model MFU (predicted bounds)"
     )

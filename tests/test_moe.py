@@ -95,13 +95,14 @@ def _check_layer(grid, cfg, starve, policy=None):
     for name, p in dense.named_parameters():
         errs[name] = rel_err(got[name], p)
         errs[f"{name}.grad"] = rel_err(got[name].grad, p.grad)
-    # each y rank dispatches only its share of the tokens: over y the rows cross batch once (E16)
+    # each y rank dispatches only its share of the tokens: over y the rows cross batch once (E16),
+    # each row with its gate's 4 bytes
     sent = sum(r.payload_bytes for r in grid.comm.log.records if str(r.tag) == "moe.dispatch")
     share = share_sizes(b * s // grid.size("batch"), grid.size("y"))[grid.coord("y")]
     features = cfg.hidden // grid.size("x")
     if mod.rows_over_x:  # its expert layout does not split experts over x: the share is cut over x too
         share, features = share_sizes(share, grid.size("x"))[grid.coord("x")], cfg.hidden
-    want = share * cfg.experts_per_token * features * 4 if mod.experts.ep_axis is not None else 0
+    want = share * cfg.experts_per_token * (features + 1) * 4 if mod.experts.ep_axis is not None else 0
     errs["dispatch_bytes"] = abs(sent - want) / max(want, 1)
     counts = dense.tokens_per_expert.tolist()
     errs["tokens_per_expert"] = 0.0 if mod.tokens_per_expert == counts else 1.0

@@ -211,15 +211,15 @@ def test_the_layer_under_fp8_dispatch_equals_the_reference_cast_alike(pools, kin
         shape = GridShape(*grid)
         features = ExpertLayout.parse(layout).dispatched_features(shape, CFG.hidden)
         packed, plain = features + 4 * (features // 128), features * 4  # bytes of a row: fp8 + scales, fp32
-        for tag, width in (
-            ("moe.dispatch", packed),
+        for tag, width in (  # the dispatch's rows carry their gates' 4 bytes, and their gradients the gates'
+            ("moe.dispatch", packed + 4),
             ("moe.combine.grad", packed),
             ("moe.combine", plain),
-            ("moe.dispatch.grad", plain),
+            ("moe.dispatch.grad", plain + 4),
         ):
             sizes = by_tag[tag]
             assert len(sizes) == chunks and all(n % width == 0 for n in sizes), (tag, sizes, width)
-        rows = sum(by_tag["moe.dispatch"]) // packed
+        rows = sum(by_tag["moe.dispatch"]) // (packed + 4)
         assert rows == sum(by_tag["moe.combine.grad"]) // packed  # the rows sent out come back
 
 

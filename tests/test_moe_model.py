@@ -12,8 +12,10 @@ import axon4d
 from axon4d import checkpoint
 from axon4d.config import ModelConfig
 from axon4d.grads import clip_grad_norm_, grad_norm
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.models.transformer import DenseTransformer, Transformer
 from axon4d.nn.moe import MoE
+from axon4d.nn.moe_dense import DenseMoE
 
 CFG = ModelConfig(
     n_layers=2,
@@ -46,6 +48,9 @@ def _check_model(grid, cfg, recompute, micro, probes=0):
     torch.manual_seed(7)
     dense = DenseTransformer(cfg)
     model = Transformer.from_dense(dense, recompute=recompute)
+    for layer in dense.modules():  # the reference casts the rows as an FP8 dispatch moves them
+        if isinstance(layer, DenseMoE):
+            layer.fp8_dispatch = ExpertLayout.parse(grid.expert_layout).fp8_dispatches(grid.shape)
     gen = torch.Generator().manual_seed(1)
     for _ in range(probes):
         other = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=gen)
@@ -81,6 +86,25 @@ def _check_model(grid, cfg, recompute, micro, probes=0):
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     # one host sync per forward, none in a re-run: full recomputation reused each routing
     errs["extra_exchanges"] = float(sum(m.exchanges for m in moes) - len(moes) * (micro + probes))
+    # nor an all-to-all: the re-run adopts the rows its forward's dispatches delivered and stops
+    # before the combines (the backward's own exchanges are the dispatch's and combine's ".grad")
+    rerun = [r for r in grid.comm.log.records if r.phase == "backward" and str(r.tag) in EXCHANGES]
+    errs["rerun_all_to_alls"] = float(len(rerun))
+    return errs
+
+
+#: the MoE layer's forward all-to-alls (E16), which a re-run of a recomputed forward would log in backward
+EXCHANGES = ("moe.dispatch", "moe.combine")
+
+
+def _check_without_early_stop(grid, cfg, layout):
+    """``_check_model`` under full recomputation with torch's checkpoint told not to stop a re-run
+    early: the re-run then reaches its combines, which exchange there (lazily) and are exact too."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        errs = _check_model(grid, cfg, "full", 1)
+    errs["rerun_all_to_alls"] = 0.0 if errs["rerun_all_to_alls"] > 0 else 1.0  # the combines, re-run
     return errs
 
 
@@ -93,6 +117,20 @@ def _assert_small(results, label):
 @pytest.mark.parametrize("recompute", ["none", "selective", "balanced", "full"])
 def test_moe_model_equals_the_dense_model_under_every_recompute_mode(pools, recompute):
     _assert_small(pools(2).run((1, 1, 2, 1), _check_model, CFG, recompute, 1), f"{recompute} on (1,1,2,1)")
+
+
+@pytest.mark.parametrize("layout", ["ep=batch,tp=1", "ep=batch,tp=1,dispatch=fp8"])
+def test_full_recomputation_exchanges_no_rows_again_and_stays_exact(pools, layout):
+    """Under full recomputation each MoE block's re-run takes the payload its forward's dispatch
+    delivered (in FP8 too) and stops before its combines: no all-to-all in backward but the
+    gradients' own, and the step equals the dense model's; with torch's early stop off the re-run
+    reaches its combines, which then exchange, and the step is exact still."""
+    cfg = CFG.replace(hidden=128, n_heads=4)  # FP8 rows: whole blocks of 128 features
+    grid = (1, 1, 2, 1)
+    _assert_small(pools(2).run(grid, _check_model, cfg, "full", 1, expert_layout=layout), f"{layout} on {grid}")
+    _assert_small(
+        pools(2).run(grid, _check_without_early_stop, cfg, layout, expert_layout=layout), f"{layout}, no early stop"
+    )
 
 
 @pytest.mark.parametrize("grid", [(1, 1, 2, 1), (1, 2, 1, 1), (2, 1, 1, 1)])

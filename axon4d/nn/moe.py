@@ -54,11 +54,13 @@ from axon4d.nn.moe_dispatch import (
     Exchange,
     Peers,
     features_to_rows,
+    gated,
     gather_rows,
     rows_to_features,
     scatter_rows,
     share_rows,
     share_sizes,
+    summed_pairs,
     use_replicated,
 )
 from axon4d.nn.moe_experts import GridExperts, check_layout
@@ -173,43 +175,65 @@ class MoE(nn.Module):
         x_share = share_rows(x2, y_shares, "y", grid)  # (T_j, hidden/G_x)
         if self.rows_over_x:  # this rank's rows of the share, every feature: (T_ji, hidden)
             x_share = features_to_rows(x_share, x_shares, "x", grid)
+        # the gates of this share's assignments (T_share, k), sent with the rows: each expert applies
+        # its rows' gates before they travel home, so the gated sum there keeps nothing for backward
+        gate = g if self.rows_over_x else use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD)
+        gate = share_rows(gate, y_shares, "y", grid, Term.MOE_ROUTER_GRAD)
+        if self.rows_over_x:
+            gate = share_rows(gate, x_shares, "x", grid, Term.MOE_ROUTER_GRAD)
+        gate = gate.reshape(-1)  # (T_share·k,) in assignment order
         ep = self.experts.ep_axis
         fp8 = self.layout.fp8_dispatches(grid.shape)  # rows toward the experts in e4m3 (``fp8_rows``)
+        # a fully recomputed forward keeps what its dispatches delivered, and its re-run adopts that
+        # instead of exchanging again; the re-run's combines would send only when reached (``lazy``),
+        # and torch's checkpoint stops the re-run before them: nothing after them is saved
+        memo, replaying = grid.scheduler.region_memo
+        kept = memo.replay(self.experts) if memo is not None and replaying else [None] * len(plans)
+        recording = memo is not None and not replaying
         # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
         # its expert GEMMs, the later chunks' still on the wire, and each chunk's combine stays in
         # flight behind the next chunk's GEMMs; backward mirrors it (``Exchange``)
         dispatches, orders, start = [], [], 0
-        for plan, n in zip(plans, share_sizes(shares[mine], len(plans))):
+        for plan, n, payload in zip(plans, share_sizes(shares[mine], len(plans)), kept):
             assigned = chosen[t0 + start : t0 + start + n].reshape(-1)  # (n·k,) experts of the chunk's assignments
             order = torch.argsort(assigned, stable=True)  # sorted by expert
-            ex = Exchange(plan.send_rows, plan.recv_rows, ep, grid, Term.MOE_DISPATCH, fp8_forward=fp8)
-            rows = ex.awaited(x_share.index_select(0, order // k + start))  # (n·k, features)
-            ex.issue(rows)
-            dispatches.append((ex, rows))
+            ex = Exchange(
+                plan.send_rows,
+                plan.recv_rows,
+                ep,
+                grid,
+                Term.MOE_DISPATCH,
+                fp8_forward=fp8,
+                kept=payload,
+                keep=recording,
+            )
+            rows, gates = ex.dispatch(x_share, order // k + start, gate, order + start * k)  # (n·k, features), (n·k,)
+            dispatches.append((ex, rows, gates))
             orders.append(order + start * k)
             start += n
         combines = []
-        for plan, (ex, rows) in zip(plans, dispatches):
-            out = self._experts(ex.adopt(rows), plan)  # (n_all, features), partial over y where y splits experts
-            home = Exchange(plan.recv_rows, plan.send_rows, ep, grid, Term.MOE_COMBINE, fp8_backward=fp8)
+        for plan, (ex, rows, gates) in zip(plans, dispatches):
+            got, got_gates = ex.adopt(rows, gates)
+            out = self._experts(got, plan)  # (n_all, features), partial over y where y splits experts
+            home = Exchange(
+                plan.recv_rows, plan.send_rows, ep, grid, Term.MOE_COMBINE, fp8_backward=fp8, lazy=replaying
+            )
             if self.peers.y_members is not None:  # the down GEMM's partial sums reduced over y, each keeping its rows
                 out = scatter_rows(out, plan.y_rows, "y", grid, Term.MOE_EXPERT)
+            out = gated(out, got_gates)  # (n_recv, features): each row times its gate
             rows = home.awaited(out)
             del out  # the experts' rows of every y index: none is kept past its share (memory)
             home.issue(rows)
             combines.append((home, rows))
+        if recording and memo is not None:
+            memo.record(self.experts, [ex.received for ex, _, _ in dispatches])  # for the re-run (memory: priced)
         # the shared experts run while the combines travel; in backward, while the combines' reverse
         # exchanges travel (their gradients' all-to-alls are issued before the shared MLP's backward)
         shared = self.shared(x) if self.shared is not None else None
         backs = [ex.adopt(rows) for ex, rows in combines]  # (n_j, features) in all, sorted chunk by chunk
         back = torch.cat(backs) if len(backs) > 1 else backs[0]
-        pairs = back.index_select(0, torch.argsort(torch.cat(orders)))  # (T_share·k, features) in token order
-        # the gates applied to this share's outputs before they move on: T rows travel, not T·k
-        gate = g if self.rows_over_x else use_replicated(g, "x", grid, Term.MOE_ROUTER_GRAD)
-        gate = share_rows(gate, y_shares, "y", grid, Term.MOE_ROUTER_GRAD)
-        if self.rows_over_x:
-            gate = share_rows(gate, x_shares, "x", grid, Term.MOE_ROUTER_GRAD)
-        out = (pairs.view(shares[mine], k, -1) * gate.to(pairs.dtype).unsqueeze(-1)).sum(dim=1)  # (T_share, features)
+        # the gated rows back in token order and summed per token: T rows travel on, not T·k
+        out = summed_pairs(back, torch.argsort(torch.cat(orders)), k)  # (T_share, features)
         if self.rows_over_x:
             out = rows_to_features(out, x_shares, "x", grid)  # (T_j, hidden/G_x)
         y = gather_rows(out, y_shares, "y", grid, summed=False).view(x.shape)  # (T, hidden/G_x)

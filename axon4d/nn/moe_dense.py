@@ -117,7 +117,7 @@ class DenseMoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         #: the last forward's assignments per expert (E,)
         self.tokens_per_expert: torch.Tensor | None = None
-        #: cast each expert's input rows, and in backward its output's gradient, as an FP8 dispatch
+        #: cast each expert's input rows, and in backward its gated output's gradient, as an FP8 dispatch
         #: moves them (``axon4d.options.fp8_rows``; ``MoE.to_dense`` sets it under ``dispatch=fp8``)
         self.fp8_dispatch = False
 
@@ -139,9 +139,8 @@ class DenseMoE(nn.Module):
             token, slot = torch.nonzero(experts == e, as_tuple=True)  # the assignments to e
             if token.numel():
                 rows = fp8_rows.cast_rows(x2[token]) if self.fp8_dispatch else x2[token]  # (n_e, hidden)
-                y = self.experts.forward_expert(e, rows)
+                y = self.experts.forward_expert(e, rows) * g[token, slot, None].to(x2.dtype)  # gated by the expert
                 y = fp8_rows.grad_round_trip(y) if self.fp8_dispatch else y
-                y = y * g[token, slot, None].to(x2.dtype)
                 out = out.index_add(0, token, y)
         out = out.view(x.shape)
         return out + self.shared(x) if self.shared is not None else out

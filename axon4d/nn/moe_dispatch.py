@@ -189,6 +189,16 @@ def _own_rows(x: torch.Tensor, sizes: list[int], index: int) -> torch.Tensor:
     return x[start : start + sizes[index]]
 
 
+def _gate_bits(gates: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(n,) fp32 gates as the (n, 4/elem) values of ``dtype`` that hold their bits (a row's tail)."""
+    return gates.detach().float().contiguous().view(-1, 1).view(dtype)
+
+
+def _bits_gates(tail: torch.Tensor) -> torch.Tensor:
+    """The (n,) fp32 gates whose bits ``tail`` (n, 4/elem) holds (``_gate_bits`` undone)."""
+    return tail.contiguous().view(torch.float32).view(-1)
+
+
 class Exchange:
     """One all-to-all of rows over ``axis`` (E16) whose communication is issued as soon as its
     rows exist and joined to the autograd graph later, where its result is needed — so it travels
@@ -202,7 +212,16 @@ class Exchange:
 
     Autograd runs a node's backward after those of every node made later in the forward, so the
     reverse exchange, issued by ``adopt``'s backward, is in flight during the backward of whatever
-    was made between ``awaited`` and ``adopt`` — the other chunks' experts."""
+    was made between ``awaited`` and ``adopt`` — the other chunks' experts.
+
+    The dispatch sends its rows with their gates (``dispatch`` in place of ``awaited`` and
+    ``issue``; ``adopt`` then takes and returns (rows, gates)): each row carries its gate's four
+    bytes after its features, and in backward the gate's gradient after the row's — one exchange
+    either way; the expert applies the gate. ``received`` is the payload the forward's exchange
+    delivered, made with ``keep`` (what a fully recomputed forward keeps for its re-run); one made
+    with ``kept`` (that payload) exchanges nothing and adopts it, and one made ``lazy`` sends at
+    ``adopt``, not at ``issue`` (the re-run's combine: torch's checkpoint stops the re-run before
+    it, so it never sends)."""
 
     def __init__(
         self,
@@ -213,6 +232,9 @@ class Exchange:
         tag: Term,
         fp8_forward: bool = False,
         fp8_backward: bool = False,
+        kept: torch.Tensor | None = None,
+        lazy: bool = False,
+        keep: bool = False,
     ):
         self.send, self.recv, self.axis, self.grid, self.tag = send, recv, axis, grid, tag
         self.live = axis is not None and grid.size(axis) > 1  # an axis of one rank (or none) exchanges nothing
@@ -221,43 +243,143 @@ class Exchange:
         self.fp8_forward, self.fp8_backward = fp8_forward and self.live, fp8_backward and self.live
         self.forward: Handle | None = None
         self.backward: Handle | None = None
+        self.kept, self.lazy = kept, lazy
+        self.payload: torch.Tensor | None = None  # a lazy exchange's rows, sent at ``adopt``
+        #: the payload the forward's exchange delivered, (Σ recv, W), where ``keep`` asks for it
+        self.keep = keep
+        self.received: torch.Tensor | None = None
 
     def awaited(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows``, whose gradient is passed on once the reverse exchange has arrived."""
         return _Awaited.apply(rows, self) if self.live else rows
 
+    def dispatch(
+        self, x: torch.Tensor, rows: torch.Tensor, gates: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send ``x``'s rows ``rows`` (n,) with the gates ``gates[slots]`` (n,) — selected straight
+        into the payload, no copy of the rows made first — and return (rows, gates) for ``adopt``:
+        (n, F) and (n,) stand-ins whose gradients, once the reverse exchange has arrived, go back to
+        ``x``'s rows and ``gates``' slots (``_Dispatched``)."""
+        if not self.live:
+            return x.index_select(0, rows), gates.index_select(0, slots)
+        return _Dispatched.apply(x, gates, rows, slots, self)
+
     def issue(self, rows: torch.Tensor) -> None:
-        """Start the exchange of ``rows`` (values only: autograd joins at ``adopt``)."""
-        if self.live:
-            assert self.axis is not None  # live
-            payload = fp8_rows.pack(rows) if self.fp8_forward else rows.detach()  # (n, F + 4·F/128) uint8 or (n, F)
+        """Start the exchange of ``rows`` (values only: autograd joins at ``adopt``); a lazy one's at ``adopt``."""
+        if not self.live or self.kept is not None:
+            return
+        assert self.axis is not None  # live
+        payload = self._pack(rows, None, self.fp8_forward)
+        if self.lazy:
+            self.payload = payload
+        else:
             self.forward = self.grid.comm.all_to_all(payload, self.axis, self.send, self.recv, tag=self.tag)
 
-    def adopt(self, rows: torch.Tensor) -> torch.Tensor:
-        """The exchanged rows (Σ recv, …), waited for now, differentiable with respect to ``rows``."""
-        return _Adopted.apply(rows, self) if self.live else rows
+    def adopt(self, rows: torch.Tensor, gates: torch.Tensor | None = None) -> Any:
+        """The exchanged rows (Σ recv, …) (and their gates), waited for now, differentiable with
+        respect to ``rows`` (and ``gates``)."""
+        if not self.live:
+            return rows if gates is None else (rows, gates)
+        if gates is None:
+            return _Adopted.apply(rows, None, self)[0]
+        return _Adopted.apply(rows, gates, self)
+
+    @staticmethod
+    def _pack(rows: torch.Tensor, gates: torch.Tensor | None, fp8: bool) -> torch.Tensor:
+        """What travels: ``rows`` (n, F), packed in e4m3 where ``fp8``, each followed by its gate's bytes."""
+        if fp8:
+            return fp8_rows.pack(rows, None if gates is None else _gate_bits(gates, torch.uint8))
+        if gates is None:
+            return rows.detach()
+        out = rows.new_empty(rows.shape[0], rows.shape[1] + 4 // rows.element_size())  # (n, F + 4/elem)
+        out[:, : rows.shape[1]].copy_(rows.detach())
+        out[:, rows.shape[1] :].copy_(_gate_bits(gates, rows.dtype))
+        return out
+
+    @staticmethod
+    def _unpack(
+        got: torch.Tensor, features: int, dtype: torch.dtype, gated: bool, fp8: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_pack``'s rows (Σ recv, ``features``) in ``dtype`` and their gates (Σ recv,) fp32 (None without)."""
+        rows = fp8_rows.unpack(got, features, dtype) if fp8 else got[:, :features]
+        if not gated:
+            return rows, None
+        start = fp8_rows.packed_width(features) if fp8 else features
+        return rows, _bits_gates(got[:, start:])
+
+
+class _Dispatched(torch.autograd.Function):
+    """Forward: the payload of ``x``'s rows ``rows`` and the gates ``gates[slots]`` packed and put on
+    the wire (nothing under a kept payload: the re-run adopts it); returns stand-ins holding no
+    memory. Backward: wait for the reverse exchange, then each row's gradient added to its token's
+    and each gate's put in its slot. The indices are held by the node, not saved for backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, gates: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, ex: Exchange
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.ex, ctx.rows, ctx.slots, ctx.shapes = ex, rows, slots, (x.shape, gates.shape)
+        n, f = rows.shape[0], x.shape[-1]
+        if ex.kept is None:
+            picked = gates.index_select(0, slots)  # (n,) fp32
+            if ex.fp8_forward:
+                payload = fp8_rows.pack(x.index_select(0, rows), _gate_bits(picked, torch.uint8))
+            else:
+                payload = x.new_empty(n, f + 4 // x.element_size())  # (n, F + 4/elem): each row, then its gate's bits
+                torch.index_select(x, 0, rows, out=payload[:, :f])
+                payload[:, f:].copy_(_gate_bits(picked, x.dtype))
+            assert ex.axis is not None  # live
+            ex.forward = ex.grid.comm.all_to_all(payload, ex.axis, ex.send, ex.recv, tag=ex.tag)
+        return x.new_zeros(()).expand(n, f), gates.new_zeros(()).expand(n)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, g_gates: torch.Tensor) -> tuple[Any, ...]:
+        ex = ctx.ex
+        handle, ex.backward = ex.backward, None
+        x_shape, gates_shape = ctx.shapes
+        if handle is None:  # no gradient came through the exchange
+            return g.new_zeros(x_shape), g_gates.new_zeros(gates_shape), None, None, None
+        got = handle.wait()
+        rows, gates = Exchange._unpack(got, x_shape[-1], g.dtype, True, False)
+        assert gates is not None
+        dx = rows.new_zeros(x_shape).index_add_(0, ctx.rows, rows)
+        return dx, gates.new_zeros(gates_shape).index_add_(0, ctx.slots, gates), None, None, None
 
 
 class _Adopted(torch.autograd.Function):
-    """Forward: wait for the exchange issued earlier. Backward: issue the reverse exchange of the
-    gradient and hand its buffer on, to be waited for by ``_Awaited``."""
+    """Forward: wait for the exchange issued earlier (or adopt the kept payload, or exchange a lazy
+    one now). Backward: issue the reverse exchange of the gradient (and the gates' gradient) and
+    hand stand-ins on, replaced by ``_Awaited`` once it has arrived."""
 
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, ex: Exchange) -> torch.Tensor:
-        ctx.ex = ex
-        assert ex.forward is not None, "Exchange.adopt before Exchange.issue"
-        handle, ex.forward = ex.forward, None
-        got = handle.wait()
-        return fp8_rows.unpack(got, rows.shape[-1], rows.dtype) if ex.fp8_forward else got  # (Σ recv, F)
+    def forward(ctx: Any, rows: torch.Tensor, gates: torch.Tensor | None, ex: Exchange) -> tuple[Any, ...]:
+        ctx.ex, ctx.gated = ex, gates is not None
+        if ex.kept is not None:
+            got = ex.kept
+        elif ex.lazy:
+            assert ex.payload is not None and ex.axis is not None, "Exchange.adopt before Exchange.issue"
+            got = ex.grid.comm.all_to_all(ex.payload, ex.axis, ex.send, ex.recv, tag=ex.tag).wait()
+            ex.payload = None
+        else:
+            assert ex.forward is not None, "Exchange.adopt before Exchange.issue"
+            handle, ex.forward = ex.forward, None
+            got = handle.wait()
+        if ex.keep:
+            ex.received = got
+        out, g = Exchange._unpack(got, rows.shape[-1], rows.dtype, gates is not None, ex.fp8_forward)
+        return out, g
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, g: torch.Tensor, g_gates: torch.Tensor | None) -> tuple[Any, ...]:
         ex = ctx.ex
-        payload = fp8_rows.pack(g) if ex.fp8_backward else g.contiguous()
+        if ctx.gated and g_gates is None:
+            g_gates = g.new_zeros(g.shape[0], dtype=torch.float32)
+        payload = Exchange._pack(g, g_gates if ctx.gated else None, ex.fp8_backward)
         ex.backward = ex.grid.comm.all_to_all(payload, ex.axis, ex.recv, ex.send, tag=f"{ex.tag}.grad")
-        if ex.fp8_backward:  # restored by ``_Awaited.backward`` once arrived; a stand-in holds no memory
-            return g.new_zeros(()).expand(sum(ex.send), g.shape[-1]), None
-        return ex.backward.buffer, None  # complete once ``_Awaited.backward`` has waited
+        if ex.fp8_backward or ctx.gated:  # restored by ``_Awaited.backward`` once arrived; stand-ins hold no memory
+            stand_in = g.new_zeros(()).expand(sum(ex.send), g.shape[-1])
+            return stand_in, (g.new_zeros((), dtype=torch.float32).expand(sum(ex.send)) if ctx.gated else None), None
+        return ex.backward.buffer, None, None  # complete once ``_Awaited.backward`` has waited
 
 
 class _Awaited(torch.autograd.Function):
@@ -403,3 +525,56 @@ def features_to_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) 
 def rows_to_features(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid) -> torch.Tensor:
     """The inverse of ``features_to_rows``: (sizes[i], G·c) → (Σ sizes, c)."""
     return x if grid.size(axis) == 1 else _Transposed.apply(x, sizes, axis, grid, False)
+
+
+class _SummedPairs(torch.autograd.Function):
+    """Forward: the rows of ``back`` taken in ``index`` order, (T·k, F), summed over each token's k
+    consecutive rows: (T, F). Backward: each token's gradient to its k rows, put back where
+    ``index`` took them. The index is held by the node, not saved for backward: nothing of the
+    gated sum is a saved tensor, so a fully recomputed block's re-run stops before it (and before
+    the combines that feed it)."""
+
+    @staticmethod
+    def forward(ctx: Any, back: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.index, ctx.k = index, k
+        pairs = back.index_select(0, index)  # (T·k, F) in token order
+        return pairs.view(-1, k, pairs.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        k, index = ctx.k, ctx.index
+        each = g.unsqueeze(1).expand(-1, k, -1).reshape(-1, g.shape[-1])  # (T·k, F) in token order
+        return torch.empty_like(each).index_copy_(0, index, each), None, None
+
+
+def summed_pairs(back: torch.Tensor, index: torch.Tensor, k: int) -> torch.Tensor:
+    """(T, F): ``back``'s rows in ``index`` order (a permutation of its T·k rows), each token's k
+    rows summed — the gated sum of an MoE layer's outputs (``_SummedPairs``)."""
+    return _SummedPairs.apply(back, index, k)
+
+
+class _Gated(torch.autograd.Function):
+    """Forward: each of the experts' output rows (n, F) times its gate (n,) fp32, cast to the rows'
+    dtype. Backward: the gates' gradient summed over each row's features (rounded as autograd's
+    product would, and the single-process reference's), then the rows' gradient scaled in place of
+    the incoming one (the combine's reverse exchange's buffer, which nothing else reads): one (n, F)
+    tensor fewer than autograd's product makes."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        cast = gates.to(out.dtype)
+        ctx.save_for_backward(out, cast)
+        ctx.gate_dtype = gates.dtype
+        return out * cast.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        out, cast = ctx.saved_tensors
+        d_gates = (g * out).sum(dim=-1)  # (n,): Σ_f g·out per row, summed as a product's broadcast gradient is
+        d_out = g.mul_(cast.unsqueeze(-1)) if g.is_contiguous() else g * cast.unsqueeze(-1)
+        return d_out, d_gates.to(ctx.gate_dtype)
+
+
+def gated(out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """(n, F) rows ``out`` each times its gate of ``gates`` (n,) (``_Gated``)."""
+    return _Gated.apply(out, gates)

@@ -37,30 +37,37 @@ def packed_width(features: int) -> int:
     return features + SCALE_BYTES * (features // BLOCK)
 
 
-def pack(rows: torch.Tensor) -> torch.Tensor:
+def pack(rows: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
     """``rows`` (n, F) of any float dtype as (n, F + 4·F/128) uint8: per row and block of 128 features
     the e4m3 values of x/s, then the blocks' fp32 scales s = amax/448 (module docstring), by the
     fused cast on an accelerator (``axon4d.device.fp8_fused.quantise_rows``), else its eager
-    operations — the same bits. Nothing is read back to the host."""
+    operations — the same bits; ``tail`` (n, t) uint8, bytes that travel with each row unchanged
+    (an MoE dispatch's gates), written after them: (n, F + 4·F/128 + t). Nothing is read back to
+    the host."""
     n, f = rows.shape
     width = packed_width(f)
     blocks = rows.detach().contiguous().view(n, f // BLOCK, BLOCK)  # (n, F/128, 128)
     made = fp8_fused.quantise_rows(blocks, FP8_MAX, FP8) if fp8_fused.wanted(rows.device) else None
     q, scale = made if made is not None else fp8_fused.quantise_blocks(blocks, FP8_MAX, FP8)
-    out = torch.empty(n, width, dtype=torch.uint8, device=rows.device)  # (n, F + 4·F/128)
+    extra = 0 if tail is None else tail.shape[1]
+    out = torch.empty(n, width + extra, dtype=torch.uint8, device=rows.device)  # (n, F + 4·F/128 [+ t])
     out[:, :f].copy_(q.view(n, f).view(torch.uint8))
-    out[:, f:].copy_(scale.view(n, f // BLOCK).view(torch.uint8))  # the scales' bytes
+    out[:, f:width].copy_(scale.view(n, f // BLOCK).view(torch.uint8))  # the scales' bytes
+    if tail is not None:
+        out[:, width:].copy_(tail)
     return out
 
 
 def unpack(packed: torch.Tensor, features: int, dtype: torch.dtype) -> torch.Tensor:
     """The (n, ``features``) rows in ``dtype`` from ``pack``'s (n, F + 4·F/128) uint8: q·s per block,
     computed in fp32 and rounded once to ``dtype`` (bytes: the e4m3 values read, the rows written,
-    then read and written by the product: 1 + 3·elem per element)."""
+    then read and written by the product: 1 + 3·elem per element). Bytes past the scales (``pack``'s
+    tail) are left out."""
     n = packed.shape[0]
     nb = features // BLOCK
     scale_bytes = torch.empty(n, SCALE_BYTES * nb, dtype=torch.uint8, device=packed.device)  # aligned
-    scales = scale_bytes.copy_(packed[:, features:]).view(torch.float32).view(n, nb, 1)  # (n, F/128, 1) fp32
+    scale_part = packed[:, features : packed_width(features)]  # the scales' bytes (a tail after them left out)
+    scales = scale_bytes.copy_(scale_part).view(torch.float32).view(n, nb, 1)  # (n, F/128, 1) fp32
     rows = packed[:, :features].view(FP8).to(dtype)  # (n, F): exact (e4m3 values are bf16 and fp32 values)
     blocks = rows.view(n, nb, BLOCK)
     torch.mul(blocks, scales, out=blocks)  # q·s in fp32 (promoted), rounded once into the rows

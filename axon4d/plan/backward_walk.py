@@ -262,9 +262,9 @@ class BackwardWalk:
         """The last block's MoE layer at its gated sum in the forward, before the backward starts:
         every saved activation live but the head's and the final norm's, not made yet, and what
         the layer's forward holds beside its saved tensors (``moe_memory.forward_held``). Under
-        full recomputation the layer saves nothing and its re-run, in the backward, is the larger
-        (``block_backward``)."""
-        if not self.wl.model.moe or self.recompute == "full":
+        full recomputation the layer saves nothing but its dispatched rows (counted with the
+        blocks' inputs) and holds the same locals."""
+        if not self.wl.model.moe:
             return
         m, shape, b = self.wl.model, self.shape, self.wl.local_tokens(self.shape)
         head = b * (m.vocab_size // shape.y + m.hidden // shape.x) * self.elem + final_norm_saved(self.wl, shape)
@@ -306,9 +306,9 @@ class BackwardWalk:
             self.rebuild()
         self.note()
         if self.wl.model.moe:
-            if self.recompute == "full":  # its re-run's peak, stopped at the pairs: the forward's rows held
+            if self.recompute == "full":  # its re-run's peak, stopped before the combines: its rows held
                 self.note(self.moe_forward[0])
-            self.moe_block_backward(first)
+            self.moe_block_backward(first)  # the rows its forward kept stay to the step's end, with the graph
             return
         self.mlp_backward(first)
         self.attention_and_qkv(first)

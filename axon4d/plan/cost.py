@@ -235,10 +235,8 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         totals.compute += n * (moe.fwd + moe.bwd)
         totals.matmul += n * moe.matmul
         odp_experts = replicas_hidden(sc, replicas_s, moe.bwd)
-        reruns = 2 if sc.recompute == "full" else 1  # a fully recomputed block runs its forward again
-        fwd_only = chunks_hidden(a2a["forward"], 0.0, moe, sc.moe_chunks, m.overlap_efficiency)
-        both = chunks_hidden(a2a["forward"], a2a["backward"], moe, sc.moe_chunks, m.overlap_efficiency)
-        moe_chunks = n * (both + (reruns - 1) * fwd_only)
+        # (a fully recomputed block's re-run exchanges nothing: its all-to-alls hide nothing more)
+        moe_chunks = n * chunks_hidden(a2a["forward"], a2a["backward"], moe, sc.moe_chunks, m.overlap_efficiency)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
     if odp_experts:

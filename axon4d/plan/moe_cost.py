@@ -49,6 +49,10 @@ HOST_SYNC_S = 50e-6
 #: scatters, concatenations, casts: counted in axon4d.nn.moe's forward and its autograd graph)
 FORWARD_OPS, BACKWARD_OPS = 40, 50
 
+#: bytes a dispatched row carries beside its features, and its gradient beside the row's: its gate,
+#: fp32 (``axon4d.nn.moe_dispatch.Exchange``: the experts apply the gates)
+GATE_BYTES = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -197,6 +201,8 @@ def layer_collectives(
 
     Under FP8 dispatch (``Placement.fp8_dispatch``) the dispatch and the combine's gradient move
     each row packed: F e4m3 bytes and an fp32 scale per 128 features (``fp8_rows.packed_width``).
+    Each dispatched row carries its gate (``GATE_BYTES``, fp32: the experts apply the gates), and
+    its gradient the gate's gradient.
     Forward: E14 over x (T·E fp32 logits); E15 over the count axis (G_count·C·E int64 counts: each
     rank its share's); where the rows move over x, the share's features to rows (an all-to-all over
     x); per chunk E16's dispatch over the expert-parallel axis, where y splits the experts E17's
@@ -230,8 +236,8 @@ def layer_collectives(
     add(Op.ALL_GATHER, p.count_axis, count * chunks * e_count * 8, "forward", Term.MOE_COUNTS)
     add(Op.ALL_TO_ALL, "x", y_shares[0] * h_x * elem, "forward", Term.MOE_ROWS_X, p.rows_over_x)
     to_experts = fp8_rows.packed_width(feat) if p.fp8_dispatch else feat * elem  # bytes of a row sent to the experts
-    for r in rows:
-        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * to_experts, "forward", Term.MOE_DISPATCH)
+    for r in rows:  # each dispatched row with its gate's bytes, and in backward its gradient with the gate's
+        add(Op.ALL_TO_ALL, p.ep_axis, r.sent * (to_experts + GATE_BYTES), "forward", Term.MOE_DISPATCH)
         add(Op.ALL_GATHER, "y", g_y * r.gathered_max * feat * elem, "forward", Term.MOE_ROWS_Y, p.gather_y)
         add(Op.ALL_REDUCE, "x", r.computed * up * elem, "forward", Term.MOE_EXPERT_UP, split_x)
         add(Op.REDUCE_SCATTER, "y", g_y * r.gathered_max * feat * elem, "forward", Term.MOE_EXPERT, p.gather_y)
@@ -247,7 +253,7 @@ def layer_collectives(
         add(Op.ALL_GATHER, "y", g_y * r.gathered_max * feat * elem, "backward", Term.MOE_ROWS_Y, p.gather_y)
         add(Op.ALL_REDUCE, "x", r.computed * up * elem, "backward", Term.MOE_EXPERT_UP_GRAD, split_x)
         add(Op.ALL_REDUCE, "y", r.computed * feat * elem, "backward", Term.MOE_ROWS_Y_GRAD, p.gather_y)
-        add(Op.ALL_TO_ALL, p.ep_axis, r.received * feat * elem, "backward", Term.MOE_DISPATCH_GRAD)
+        add(Op.ALL_TO_ALL, p.ep_axis, r.received * (feat * elem + GATE_BYTES), "backward", Term.MOE_DISPATCH_GRAD)
     add(Op.ALL_TO_ALL, "x", mine * model.hidden * elem, "backward", Term.MOE_ROWS_X_GRAD, p.rows_over_x)
     add(Op.ALL_GATHER, "y", g_y * most * h_x * elem, "backward", Term.MOE_ROWS_Y)
     return out
@@ -297,6 +303,7 @@ class MoESeconds:
     matmul: float  # of which GEMMs (router and experts, forward and backward)
     experts_fwd: float = 0.0  # of which the experts' GEMMs and activation, forward
     experts_bwd: float = 0.0  # ... and backward
+    rerun: float = 0.0  # the forward again under full recomputation (``layer_seconds``)
 
 
 def pack_passes(rows: float, features: int, elem: int, fused: bool) -> tuple[float, int]:
@@ -339,7 +346,9 @@ def layer_seconds(
     the moves over x) and the gated sum, each op's launch overhead (``FORWARD_OPS``,
     ``BACKWARD_OPS``), and on an accelerator the host sync of E15. Under FP8 dispatch, in forward
     and again in backward, the share's rows packed and the received rows unpacked (``pack_passes``,
-    ``unpack_passes``; the fused cast on an accelerator, the eager one on the host)."""
+    ``unpack_passes``; the fused cast on an accelerator, the eager one on the host). ``rerun``: the
+    forward again under full recomputation, which where the rows are exchanged makes no host sync,
+    selects and packs no rows and makes no gated sum (``axon4d.nn.moe``)."""
     world = shape.world_size
     p = placement(model, shape, layout)
     k, e_count, h = model.experts_per_token, model.n_experts, p.hidden_x
@@ -369,13 +378,25 @@ def layer_seconds(
     fwd += FORWARD_OPS * machine.op_overhead_s
     bwd = router_b + scores + up_b + down_b + act_b + ew(2 * moved, world) + 2 * combine + scale
     bwd += BACKWARD_OPS * machine.op_overhead_s
+    # the re-run of a fully recomputed forward, where the rows are exchanged: no host sync (the
+    # routing is the forward's), no rows selected or packed (the dispatched payload is the forward's,
+    # unpacked again), no gated sum (it stops before the combines)
+    exchanged = p.ep_axis is not None and shape.size(p.ep_axis) > 1
+    skipped = host_sync_seconds(machine) + (ew(2 * share * k * h * elem, world) + combine if exchanged else 0.0)
+    rerun = fwd - skipped
     if p.fp8_dispatch:  # each way: the share's rows packed here, the experts' received rows unpacked there
         packed, pack_k = pack_passes(share * k, h, elem, machine.accelerator)
         unpacked, unpack_k = unpack_passes(rows / shape.y if p.gather_y else rows, h, elem)
         cast = ew(packed + unpacked, world) + (pack_k + unpack_k) * machine.op_overhead_s  # kernels: one chunk's
         fwd, bwd = fwd + cast, bwd + cast
+        rerun += ew(unpacked, world) + unpack_k * machine.op_overhead_s
     return MoESeconds(
-        fwd, bwd, router_f + router_b + up_f + down_f + up_b + down_b, up_f + down_f + act_f, up_b + down_b + act_b
+        fwd,
+        bwd,
+        router_f + router_b + up_f + down_f + up_b + down_b,
+        up_f + down_f + act_f,
+        up_b + down_b + act_b,
+        rerun,
     )
 
 

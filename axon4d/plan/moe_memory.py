@@ -30,7 +30,8 @@ import dataclasses
 from axon4d.config import ModelConfig
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
-from axon4d.plan.moe_cost import first_share, placement
+from axon4d.options import fp8_rows
+from axon4d.plan.moe_cost import GATE_BYTES, first_share, placement
 
 Layout = ExpertLayout | str | None
 
@@ -87,13 +88,14 @@ def saved(
     ups = 2 if model.gated else 1
     n = computed_rows(model, tokens, shape, imbalance, layout)
     most = first_share(tokens, shape, p.rows_over_x)  # the largest share's tokens
+    received = n / shape.y if p.gather_y else n  # rows this rank's experts received, before E17
     t = [
         (n * h, elem),  # rows sorted by expert: the up GEMM's input
         (n * ups * p.ffn_y, elem),  # the up output (a gated FFN's [gate | up])
         (n * p.ffn_y if model.gated else 0, elem),  # silu(gate)
         (n * p.ffn_y, elem),  # the activation: the down GEMM's input
-        (most * k * h, elem),  # this share's outputs, the gated sum's (gated before the gather over y)
-        (most * k if elem != 4 else 0, elem),  # this share's gates cast to the outputs' dtype
+        (received * h, elem),  # the experts' outputs of the rows this rank received, gated here
+        (received if elem != 4 else 0, elem),  # their gates cast to the outputs' dtype
         (tokens * e_count * (2 if model.moe_z_coef else 1), 4),  # scores (and the z-loss' logits)
         (tokens * (k + 1), 4),  # the chosen scores and their sums
         (tokens * k + 2 * most * k + 2 * n, 8),  # chosen experts, the dispatch's orders
@@ -102,6 +104,23 @@ def saved(
         t.append((tokens * (model.hidden // shape.x), 4))  # the router's input widened to fp32
         t.append((p.local * (ups + 1) * p.ffn_y * h, elem))  # the experts' weights cast for the GEMMs
     return [(c, b) for c, b in t if c > 0]
+
+
+def kept_rows(
+    model: ModelConfig, tokens: int, shape: GridShape, elem: int, imbalance: float = 1.0, layout: Layout = None
+) -> tuple[float, int]:
+    """(rows, bytes per row) one MoE layer's forward keeps for its re-run under full recomputation:
+    what its dispatches delivered — the rows this rank's experts received (before E17), each as it
+    travelled (F values in the compute dtype, or packed in e4m3 with its scales under FP8 dispatch)
+    with its gate's bytes (``axon4d.nn.moe``; ``moe_cost.GATE_BYTES``); none where no axis exchanges
+    the rows (the re-run selects them again)."""
+    p = placement(model, shape, layout)
+    if p.ep_axis is None or shape.size(p.ep_axis) == 1:
+        return 0.0, 0
+    n = computed_rows(model, tokens, shape, imbalance, layout)
+    received = n / shape.y if p.gather_y else n
+    row = fp8_rows.packed_width(p.hidden_x) if p.fp8_dispatch else p.hidden_x * elem
+    return received, row + GATE_BYTES
 
 
 def saved_bytes(
@@ -198,14 +217,18 @@ def forward_held(
     layout: Layout = None,
 ) -> tuple[float, float]:
     """Bytes one MoE layer's forward holds on one rank beside what it saved, in the compute dtype,
-    (at the share's pairs, at the gated sum): the forward's locals keep to its return the rows
-    each chunk dispatched (``dispatches``: T_j·k·h in all), the experts' output rows sent back
-    (``combines``: the rows its experts received, n/G_y where y splits them, else n) and, where
-    an axis exchanges the rows, the rows received back (T_j·k·h; with more than one chunk also
-    their cat, ``back``) and the shared experts' output (T·hidden/G_x; the residual's layout).
-    A fully recomputed re-run stops at the pairs (``torch.utils.checkpoint`` stops once the last
-    saved tensor is re-made); the first forward goes on to the gated sum: the product pairs·gates
-    (T_j·k·h) and its sum (T_j·h), with the rest."""
+    (where a fully recomputed re-run stops, at the gated sum): the forward's locals keep to its
+    return the rows each chunk dispatched (``dispatches``: T_j·k·h in all; an exchange's payload),
+    the gated rows sent back (``combines``: the rows its experts received, n/G_y where y splits
+    them, else n) and, where an axis exchanges the rows, the rows received back (T_j·k·h; with more
+    than one chunk also their cat, ``back``) and the shared experts' output (T·hidden/G_x; the
+    residual's layout). A fully recomputed re-run stops at its last saved tensor, before the
+    combines (``torch.utils.checkpoint`` stops once it is re-made), its dispatches adopting the
+    payload the forward kept: the rows selected where nothing is exchanged, the gated rows, and —
+    made by the backward before it needed the re-run — the gated sum's input gradient (T_j·k·h)
+    and, where the rows are exchanged, the combines' reverse exchanges' receive buffers (the gated
+    rows' gradient). The first forward goes on to the gated sum: the rows taken in token order
+    (T_j·k·h) and their sum (T_j·h), with the rest."""
     p = placement(model, shape, layout)
     k, h = model.experts_per_token, p.hidden_x
     n = computed_rows(model, tokens, shape, imbalance, layout)
@@ -214,8 +237,12 @@ def forward_held(
     sent_back = n / shape.y if p.gather_y else n
     back = most * k * ((1 if exchanged else 0) + (1 if exchanged and chunks > 1 else 0))
     shared = tokens * (model.hidden // shape.x) if model.shared_experts else 0
-    at_pairs = elem * (most * k * h + sent_back * h + back * h + shared)
-    return at_pairs, at_pairs + elem * (most * k * h + most * h)
+    # the re-run: the rows selected where nothing is exchanged (an exchange's payload is the kept
+    # one), the gated rows, the gated sum's gradient and, exchanged, its reverse exchanges' receive buffers
+    selected = 0 if exchanged else most * k * h
+    rerun = elem * (selected + sent_back * h + most * k * h + (sent_back * h if exchanged else 0))
+    first = elem * (most * k * h + sent_back * h + back * h + shared)
+    return rerun, first + elem * (most * k * h + most * h)
 
 
 def grad_elements(model: ModelConfig, shape: GridShape, layout: Layout = None) -> int:

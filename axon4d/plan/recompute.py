@@ -12,8 +12,9 @@ priced here and only here (``rerun``); ``axon4d.plan.cost`` adds it to the step 
 - ``full``: every block's whole forward runs again in backward — the compute of its layers'
   forwards and every collective of the block's forward issued again (``rerun_collectives``: the
   layers' E8 and E10f, the norms' sums over x, context parallelism's key/value all-gather, an MoE
-  layer's forward collectives but its counts exchange, whose routing the re-run reuses, and its
-  output's moves after the gated sum, where torch's checkpoint stops the re-run):
+  layer's forward collectives but its counts exchange, whose routing the re-run reuses, its
+  dispatches, whose received rows the forward kept, and its combines and output's moves, before
+  which torch's checkpoint stops the re-run):
   counted, with their bytes per axis, ring traffic and the interference it costs.
 
 What each mode keeps for backward is the memory model's (``axon4d.plan.saved.block_saved``).
@@ -88,6 +89,12 @@ def rerun(sc: Scenario, layers: Sequence[LayerCost], issued: Sequence[tuple[Coll
     return Rerun()
 
 
+#: an MoE layer's forward collectives its re-run under full recomputation does not issue: the counts
+#: exchange (the routing is the forward's), the dispatch (its rows are the forward's, kept) and the
+#: combine (the re-run stops before it: ``axon4d.nn.moe``)
+NOT_RERUN = frozenset({Term.MOE_COUNTS, Term.MOE_DISPATCH, Term.MOE_COMBINE})
+
+
 def rerun_collectives(sc: Scenario) -> list[tuple[Collective, int]]:
     """The collectives recomputation issues again in one pass on one rank, each with how many times:
     under full recomputation every block's forward again — each block layer's forward collectives
@@ -115,11 +122,12 @@ def rerun_collectives(sc: Scenario) -> list[tuple[Collective, int]]:
             if c.phase == "forward":
                 prefetched = c.term == Term.E10F and i >= len(block) - early
                 out.append((dataclasses.replace(c, term=Term.E10B) if prefetched else c, spec.count))
-    # an MoE layer's re-run reuses its first run's routing and dispatch plan: no counts exchange again;
-    # it stops at the gated sum, the block's last saved tensor (``moe_cost.output_moves``)
+    # an MoE layer's re-run reuses its first run's routing and dispatch plan (no counts exchange
+    # again) and the rows its dispatches delivered (no dispatch again); it stops before the combines,
+    # whose gated sum keeps nothing for backward, and the output's moves (``moe_cost.output_moves``)
     forward = [c for c in sc.moe_collectives if c.phase == "forward"]
     forward = forward[: len(forward) - output_moves(sc.model, sc.shape, sc.workload.expert_layout)]
-    moe = [(c, sc.model.moe_layers) for c in forward if c.term != Term.MOE_COUNTS]
+    moe = [(c, sc.model.moe_layers) for c in forward if c.term not in NOT_RERUN]
     return out + moe + [(c, 1) for c in sc.workload.block_forward_collectives(sc.shape)]
 
 
@@ -138,7 +146,7 @@ def _full(sc: Scenario, layers: Sequence[LayerCost], again: Rerun) -> Rerun:
             sc.element_size,
             sc.workload.imbalance,
             sc.workload.expert_layout,
-        ).fwd
+        ).rerun
         if sc.model.moe
         else 0.0
     )

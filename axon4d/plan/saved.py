@@ -17,7 +17,8 @@ either way, so splitting a sequence over z lowers memory per rank like splitting
 Recomputation (§5, axon4d.nn.recompute): "selective" drops the rotated q, k and the log-sum-exp (core attention re-runs from q, k, v);
 "balanced" drops the norms' outputs (a norm keeps its input and its statistics) and the
 activation outputs, which the consuming GEMM re-makes in its backward; "full" keeps only block
-inputs and rebuilds one block at a time. A workload without norms (``norms=False``) describes the
+inputs — and an MoE layer's dispatched rows, which its re-run adopts instead of exchanging them
+again (``moe_memory.kept_rows``) — and rebuilds one block at a time. A workload without norms (``norms=False``) describes the
 planner probe's blocks (axon4d.measure.probe): no norms, no rotary, GELU, and a mean-square loss
 on the logits instead of the cross-entropy.
 """
@@ -29,6 +30,7 @@ import functools
 from axon4d.grid.shape import GridShape
 from axon4d.options.recompute_mode import check_recompute
 from axon4d.plan.blocks import mlp_width
+from axon4d.plan.moe_memory import kept_rows
 from axon4d.plan.moe_memory import saved as moe_saved
 from axon4d.plan.workload import Workload
 
@@ -43,8 +45,10 @@ def saved_tensors(wl: Workload, shape: GridShape, recompute: str = "none") -> di
     elem = wl.element_size
     keys = ("attention", "lse", "norm2", "up", "mid", "act", "moe")
     empty: dict[str, list[tuple[float, int]]] = {k: [] for k in keys}
-    if recompute == "full":
-        return {"norm1": [(t["x0"], elem)], **empty}
+    if recompute == "full":  # the block's input, and its MoE layer's dispatched rows (``kept_rows``)
+        m = wl.model
+        kept = kept_rows(m, wl.local_tokens(shape), shape, elem, wl.imbalance, wl.expert_layout) if m.moe else (0, 0)
+        return {"norm1": [(t["x0"], elem)], **empty, "moe": [kept] if kept[0] else []}
     real = wl.norms  # axon4d's blocks; without norms, the probe's (no rotary, GELU)
 
     def norm(x: float) -> list[tuple[float, int]]:
