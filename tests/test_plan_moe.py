@@ -390,6 +390,15 @@ MEM_DENSE_FIRST = MEM_MOE.replace(n_layers=3, first_k_dense=1)
         pytest.param(4, (1, 2, 1, 2), {"zero": 1}, MEM_MOE, marks=pytest.mark.slow),
         pytest.param(2, (1, 1, 2, 1), {"recompute": "full"}, MEM_DENSE_FIRST, marks=pytest.mark.slow),
         pytest.param(4, (1, 2, 1, 2), {"zero": 2, "offload": 1 / 3}, MEM_DENSE_FIRST, marks=pytest.mark.slow),
+        # full recomputation with the first block offloaded: its MoE layer's kept rows go to the host
+        # too (every token to every expert: the rows each rank receives are the planner's uniform ones)
+        pytest.param(
+            2,
+            (1, 1, 2, 1),
+            {"recompute": "full", "offload": 1 / 2},
+            MEM_MOE.replace(n_experts=4, experts_per_token=4),
+            marks=pytest.mark.slow,
+        ),
         # balanced: the shared experts' MLP re-makes its activation in backward, as a dense MLP does
         pytest.param(2, (1, 1, 2, 1), {"recompute": "balanced"}, MEM_MOE, marks=pytest.mark.slow),
         pytest.param(2, (1, 2, 1, 1), {"recompute": "balanced"}, MEM_MOE, marks=pytest.mark.slow),

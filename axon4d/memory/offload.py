@@ -31,7 +31,8 @@ A storage saved several times in one block (the norm's input kept by the norm an
 recomputation) is copied once, unless it was written in between.
 
 Recomputation (axon4d.nn.recompute) composes: under ``full`` only the block input is saved
-(checkpoint's own hooks take the rest), so that is what moves; under ``selective`` q, k, v and the
+(checkpoint's own hooks take the rest), so that is what moves, with the rows an MoE layer's
+dispatches delivered, which it keeps for its re-run through ``pack`` (axon4d.nn.moe); under ``selective`` q, k, v and the
 rest; under ``balanced`` the recipes' inputs go through the same hooks (``pack``/``unpack``, which
 recompute.py's own hooks call for what they do not turn into recipes).
 

@@ -45,6 +45,7 @@ from axon4d.grid.mesh import Grid
 from axon4d.grid.shape import axis_of
 from axon4d.layout import tiled_init
 from axon4d.layout.geometry import Term
+from axon4d.memory import offload
 from axon4d.nn import moe_router
 from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
 from axon4d.nn.mlp import MLP
@@ -188,7 +189,8 @@ class MoE(nn.Module):
         # instead of exchanging again; the re-run's combines would send only when reached (``lazy``),
         # and torch's checkpoint stops the re-run before them: nothing after them is saved
         memo, replaying = grid.scheduler.region_memo
-        kept = memo.replay(self.experts) if memo is not None and replaying else [None] * len(plans)
+        kept = [offload.unpack(k) for k in memo.replay(self.experts)] if memo is not None and replaying else []
+        kept = kept or [None] * len(plans)
         recording = memo is not None and not replaying
         # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
         # its expert GEMMs, the later chunks' still on the wire, and each chunk's combine stays in
@@ -225,8 +227,12 @@ class MoE(nn.Module):
             del out  # the experts' rows of every y index: none is kept past its share (memory)
             home.issue(rows)
             combines.append((home, rows))
-        if recording and memo is not None:
-            memo.record(self.experts, [ex.received for ex, _, _ in dispatches])  # for the re-run (memory: priced)
+        if recording and memo is not None:  # for the re-run (memory: priced), on the host where the block is offloaded
+            memo.record(
+                self.experts, [None if ex.received is None else offload.pack(ex.received) for ex, _, _ in dispatches]
+            )
+            for ex, _, _ in dispatches:
+                ex.received = None  # the memo's (a host copy where the block is offloaded) is the one kept
         # the shared experts run while the combines travel; in backward, while the combines' reverse
         # exchanges travel (their gradients' all-to-alls are issued before the shared MLP's backward)
         shared = self.shared(x) if self.shared is not None else None
