@@ -133,6 +133,30 @@ def test_full_recomputation_exchanges_no_rows_again_and_stays_exact(pools, layou
     )
 
 
+def _combine_gradients_in_flight(grid):
+    """For each combine gradient's all-to-all of a fully recomputed one-block MoE model's backward:
+    whether one of the block's re-run weight gathers (E10f, which only the re-run issues in
+    backward) was issued after it and before it was waited for."""
+    torch.manual_seed(0)
+    cfg = CFG.replace(n_layers=1)
+    model = Transformer(cfg, recompute="full")
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
+    loss = model.loss(axon4d.shard_batch(ids), axon4d.shard_batch(ids))
+    grid.comm.log.clear()
+    loss.backward()
+    records = grid.comm.log.records
+    rerun = [r.t_issue for r in records if r.phase == "backward" and str(r.tag) == "E10f"]
+    combines = [r for r in records if str(r.tag) == "moe.combine.grad"]
+    return [any(c.t_issue < t < c.t_wait_start for t in rerun) for c in combines]
+
+
+def test_under_full_recomputation_the_combine_gradients_travel_during_the_re_run(pools):
+    """The overlap the planner credits (``cost``'s ``moe_rerun``): the combine gradients' all-to-alls
+    are issued before the block's re-run and waited for after it has started."""
+    for rank, flags in enumerate(pools(2).run((1, 1, 2, 1), _combine_gradients_in_flight)):
+        assert flags and all(flags), f"rank {rank}: combine gradients in flight during the re-run: {flags}"
+
+
 @pytest.mark.parametrize("grid", [(1, 1, 2, 1), (1, 2, 1, 1), (2, 1, 1, 1)])
 def test_a_forward_without_backward_leaves_no_routing_for_the_next_backward(pools, grid):
     """Full recomputation re-runs each block's forward in backward with the routing that forward

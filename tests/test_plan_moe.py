@@ -540,6 +540,22 @@ def test_imbalance_prices_the_busiest_rank():
         Workload(moe_cfg(), 8, imbalance=0.5)
 
 
+def test_full_recomputation_hides_the_combine_gradients_behind_the_re_run():
+    """Under full recomputation each MoE layer's combine gradients travel during its block's re-run
+    (tests/test_moe_model.py checks the runtime does so): credited at most the machine's overlap
+    efficiency times those all-to-alls' seconds, and not at all without full recomputation."""
+    from axon4d.plan.layers import priced
+
+    shape, m = GridShape(1, 2, 2, 2), load("h100")
+    wl = Workload(moe_cfg(), 8)
+    full, balanced = (step_estimate(Scenario(wl, shape, m, recompute=r)) for r in ("full", "balanced"))
+    sc = Scenario(wl, shape, m, recompute="full")
+    grads = sum(priced(c, sc)[0] for c in sc.moe_collectives if c.term == Term.MOE_COMBINE_GRAD)
+    credit = full.hidden_by_mechanism.get("moe_rerun", 0.0)
+    assert 0.0 < credit <= m.overlap_efficiency * grads * wl.model.moe_layers + 1e-12
+    assert "moe_rerun" not in balanced.hidden_by_mechanism
+
+
 @pytest.mark.slow
 def test_the_plan_command_prices_the_1t_moe_on_1024_gpus_and_shows_its_placement(capsys):
     from axon4d.cli import main

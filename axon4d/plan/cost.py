@@ -213,6 +213,7 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
     # collectives (never hidden but by its chunked exchanges); ZeRO's gathers; the FP8 scales
     replicas_s = 0.0  # the expert replicas' weight-gradient reductions (an MoE layout with replicas)
     a2a = {"forward": 0.0, "backward": 0.0}  # one MoE layer's dispatches and combines, per phase
+    combine_grads = 0.0  # ... of which its combines' gradients (backward)
     gathers_s = 0.0  # ZeRO's all-gathers
     for s in walked:
         if s.source in ("layer", "rerun"):  # the layers' own; recomputation's are ``rerun``'s
@@ -226,24 +227,34 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
             replicas_s += s.runs * seconds
         if s.source == "moe" and c.op == Op.ALL_TO_ALL and c.axis != "x":  # not the moves over x
             a2a[c.phase] += s.runs // sc.model.moe_layers * seconds
+            combine_grads += s.runs // sc.model.moe_layers * seconds if c.term == Term.MOE_COMBINE_GRAD else 0.0
         if c.term == Term.ZERO_GATHER:
             gathers_s += seconds
-    odp_experts = moe_chunks = 0.0  # what ODP hides of the replicas' reductions, the chunked exchanges
+    again = rerun(sc, layers, [(s.collective, s.runs) for s in walked if s.source == "rerun"])
+    # what ODP hides of the replicas' reductions, the chunked exchanges, a fully recomputed block's re-run
+    odp_experts = moe_chunks = moe_rerun = 0.0
     if sc.model.moe:  # every MoE block's MoE layer's compute
         n = sc.model.moe_layers
         moe = moe_seconds(sc)
         totals.compute += n * (moe.fwd + moe.bwd)
         totals.matmul += n * moe.matmul
         odp_experts = replicas_hidden(sc, replicas_s, moe.bwd)
-        # (a fully recomputed block's re-run exchanges nothing: its all-to-alls hide nothing more)
-        moe_chunks = n * chunks_hidden(a2a["forward"], a2a["backward"], moe, sc.moe_chunks, m.overlap_efficiency)
+        # under full recomputation a block's combine gradients, issued before its re-run needs them,
+        # travel while the re-run (which exchanges nothing) computes the block's forward again: the
+        # chunked exchange hides what is left of the backward's
+        behind = min(combine_grads, again.compute_s / sc.model.n_layers) if sc.recompute == "full" else 0.0
+        moe_rerun = n * m.overlap_efficiency * behind
+        eff = m.overlap_efficiency
+        moe_chunks = n * chunks_hidden(a2a["forward"], a2a["backward"] - behind, moe, sc.moe_chunks, eff)
     opt = m.optimizer_time(_owned(sc), world, sc.workload.optimizer)
     by_mechanism = {**hidden.by_mechanism, **({"context": hidden_cp} if hidden_cp else {})}
     if odp_experts:
         by_mechanism["odp"] = by_mechanism.get("odp", 0.0) + odp_experts
     if moe_chunks:
         by_mechanism["moe_chunks"] = moe_chunks
-    hidden_s = hidden.total + hidden_cp + odp_experts + moe_chunks
+    if moe_rerun:
+        by_mechanism["moe_rerun"] = moe_rerun
+    hidden_s = hidden.total + hidden_cp + odp_experts + moe_chunks + moe_rerun
     if any(s.collective.term == Term.ZERO_GATHER for s in walked):
         # ZeRO: the updated parameters all-gathered over data, bucket by bucket, behind the optimizer;
         # each bucket's parts are copied into the send buffer and every rank's back into the parameters
@@ -253,7 +264,6 @@ def _one_pass(sc: Scenario, reuse: bool = False) -> tuple[TimeEstimate, _Totals]
         hidden_s += by_mechanism["zero"]
     once.interference = m.interference_time(once.traffic, world)
     offload = offload_seconds(sc, layers, walked)
-    again = rerun(sc, layers, [(s.collective, s.runs) for s in walked if s.source == "rerun"])
     interference = m.interference_time(totals.traffic, world) + again.interference_s
     slowdown = m.overlap_slowdown
     if slowdown:  # an accelerator: the compute overlapped with a collective runs on the SMs it leaves
