@@ -19,13 +19,15 @@ share of the plane's tokens (the y-th share; cut over x too, the rows moved from
 over x, where x does not split the experts), its assignments sorted by expert, all-to-all over
 ``ep`` (E16) → gathered over y where y splits the experts (E17) → grouped GEMMs of the local
 experts (E18, all-reduce over x after up where x splits them, reduce-scatter over y after down
-where y does) → all-to-all back → gates · outputs summed per token → back to features over x →
-gathered over y. The share is dispatched in the overlap policy's forward chunks, each chunk's
-exchanges in flight while other chunks' GEMMs run (``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md
-"Overlap"). Under a layout with ``dispatch=fp8`` the rows travel to the experts — the dispatch, and
+where y does) → each row times its gate (the gates travel with the rows) → all-to-all back →
+summed per token → back to features over x → gathered over y. The share is dispatched in the
+overlap policy's forward chunks, each chunk's exchanges in flight while other chunks' GEMMs run
+(``axon4d.nn.moe_dispatch.Exchange``, docs/moe.md "Overlap"). Under full recomputation the re-run
+adopts the rows the forward's dispatches delivered and stops before the combines: it exchanges
+nothing (docs/moe.md, "Recomputation"). Under a layout with ``dispatch=fp8`` the rows travel to the experts — the dispatch, and
 in backward the combine's gradient — in e4m3 with a scale per 128 features
-(``axon4d.options.fp8_rows``); ``to_dense`` casts the reference's expert inputs and output gradients
-alike.
+(``axon4d.options.fp8_rows``); ``to_dense`` casts the reference's expert inputs and gated output
+gradients alike.
 """
 
 from __future__ import annotations
@@ -189,8 +191,9 @@ class MoE(nn.Module):
         # instead of exchanging again; the re-run's combines would send only when reached (``lazy``),
         # and torch's checkpoint stops the re-run before them: nothing after them is saved
         memo, replaying = grid.scheduler.region_memo
-        kept = [offload.unpack(k) for k in memo.replay(self.experts)] if memo is not None and replaying else []
-        kept = kept or [None] * len(plans)
+        kept: list[Any] = [None] * len(plans)  # each chunk's payload, in the re-run
+        if memo is not None and replaying:
+            kept = [offload.unpack(payload) for payload in memo.replay(self.experts)]
         recording = memo is not None and not replaying
         # E16 for every chunk of this share issued at once; chunk i's rows are waited for just before
         # its expert GEMMs, the later chunks' still on the wire, and each chunk's combine stays in
@@ -224,7 +227,7 @@ class MoE(nn.Module):
                 out = scatter_rows(out, plan.y_rows, "y", grid, Term.MOE_EXPERT)
             out = gated(out, got_gates)  # (n_recv, features): each row times its gate
             rows = home.awaited(out)
-            del out  # the experts' rows of every y index: none is kept past its share (memory)
+            del out  # the gated rows live on as the combine's payload alone (memory)
             home.issue(rows)
             combines.append((home, rows))
         if recording and memo is not None:  # for the re-run (memory: priced), on the host where the block is offloaded
