@@ -435,8 +435,9 @@ def test_an_moe_step_s_peak_memory_is_the_planner_s(pools, world, grid, options,
 
 
 def test_full_recomputation_keeps_no_moe_layer_s_rebuilt_activations_past_its_backward(pools):
-    """Under full recomputation each MoE block keeps only its input until its backward, so one more
-    block adds its parameters, gradients and Adam states and that input alone: the measured peak's
+    """Under full recomputation each MoE block keeps only its input (and, where rows are exchanged,
+    the rows its dispatches delivered; none on (2,1,1,1)) until its backward, so one more block
+    adds its parameters, gradients and Adam states and that input alone: the measured peak's
     growth from 2 to 3 MoE blocks equals the planner's within 5%. Each block's re-run computes the
     auxiliary losses again (its ops must save what the forward's did); kept as the layer's
     ``aux_loss`` that re-run's graph held the rebuilt block's activations to the end of the backward
