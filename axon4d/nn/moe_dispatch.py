@@ -285,15 +285,24 @@ class Exchange:
         return _Adopted.apply(rows, gates, self)
 
     @staticmethod
-    def _pack(rows: torch.Tensor, gates: torch.Tensor | None, fp8: bool) -> torch.Tensor:
-        """What travels: ``rows`` (n, F), packed in e4m3 where ``fp8``, each followed by its gate's bytes."""
+    def _pack(
+        rows: torch.Tensor, gates: torch.Tensor | None, fp8: bool, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """What travels: ``rows`` (n, F) — or, with ``select`` (n,), those rows of ``rows``, selected
+        straight into the send buffer — packed in e4m3 where ``fp8``, each followed by its gate's bytes."""
         if fp8:
-            return fp8_rows.pack(rows, None if gates is None else _gate_bits(gates, torch.uint8))
-        if gates is None:
+            picked = rows if select is None else rows.index_select(0, select)
+            return fp8_rows.pack(picked, None if gates is None else _gate_bits(gates, torch.uint8))
+        if gates is None and select is None:
             return rows.detach()
-        out = rows.new_empty(rows.shape[0], rows.shape[1] + 4 // rows.element_size())  # (n, F + 4/elem)
-        out[:, : rows.shape[1]].copy_(rows.detach())
-        out[:, rows.shape[1] :].copy_(_gate_bits(gates, rows.dtype))
+        n, f = (rows.shape[0] if select is None else select.shape[0]), rows.shape[1]
+        out = rows.new_empty(n, f + (0 if gates is None else 4 // rows.element_size()))  # (n, F [+ 4/elem])
+        if select is None:
+            out[:, :f].copy_(rows.detach())
+        else:
+            torch.index_select(rows.detach(), 0, select, out=out[:, :f])
+        if gates is not None:
+            out[:, f:].copy_(_gate_bits(gates, rows.dtype))
         return out
 
     @staticmethod
@@ -321,13 +330,7 @@ class _Dispatched(torch.autograd.Function):
         ctx.ex, ctx.rows, ctx.slots, ctx.shapes = ex, rows, slots, (x.shape, gates.shape)
         n, f = rows.shape[0], x.shape[-1]
         if ex.kept is None:
-            picked = gates.index_select(0, slots)  # (n,) fp32
-            if ex.fp8_forward:
-                payload = fp8_rows.pack(x.index_select(0, rows), _gate_bits(picked, torch.uint8))
-            else:
-                payload = x.new_empty(n, f + 4 // x.element_size())  # (n, F + 4/elem): each row, then its gate's bits
-                torch.index_select(x, 0, rows, out=payload[:, :f])
-                payload[:, f:].copy_(_gate_bits(picked, x.dtype))
+            payload = Exchange._pack(x, gates.index_select(0, slots), ex.fp8_forward, select=rows)
             assert ex.axis is not None  # live
             ex.forward = ex.grid.comm.all_to_all(payload, ex.axis, ex.send, ex.recv, tag=ex.tag)
         return x.new_zeros(()).expand(n, f), gates.new_zeros(()).expand(n)
