@@ -436,7 +436,7 @@ def test_the_zero_case_fails_where_a_sharded_step_ran_another_kernel():
 
 
 def test_the_moe_case_fails_on_a_second_read_or_a_read_in_backward():
-    good = {"device": "cuda:0", "forward_reads": ["tolist at moe_dispatch.py:61"], "forward_syncs": []}
+    good = {"device": "cuda:0", "forward_reads": ["tolist at moe_routes.py:61"], "forward_syncs": []}
     good.update(backward=[], host_tensor_reads=0, loss_rel=1e-7, grad_rel=1e-7)
     assert gpu_check._moe([good]) is None
     assert gpu_check._moe([{**good, "forward_reads": good["forward_reads"] * 2}]) is not None

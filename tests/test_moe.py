@@ -15,7 +15,7 @@ from axon4d.config import ModelConfig
 from axon4d.device import grouped
 from axon4d.nn.moe import MoE
 from axon4d.nn.moe_dense import DenseMoE
-from axon4d.nn.moe_dispatch import share_sizes
+from axon4d.nn.moe_routes import share_sizes
 
 TOL = 1e-5
 FLOOR = 1e-3
@@ -285,7 +285,7 @@ def test_the_dispatch_plan_s_sizes_are_the_sums_of_the_counts():
     import numpy as np
 
     from axon4d.grid.shape import GridShape
-    from axon4d.nn.moe_dispatch import DispatchPlan, Peers
+    from axon4d.nn.moe_routes import DispatchPlan, Peers
 
     g_ep, g_y, e = 4, 2, 12
     local = e // g_ep

@@ -338,7 +338,7 @@ class Communicator:
         rank of index i on ``axis``, and the result holds the ``recv_rows[j]`` rows received from
         each rank j, concatenated in index order: (Σ recv_rows, …). The split sizes must agree
         across ranks (what i sends to j is what j expects from i) — the caller derives both from one
-        exchange of counts (``axon4d.nn.moe_dispatch``); a rank may send or receive no row at all.
+        exchange of counts (``axon4d.nn.moe_routes``); a rank may send or receive no row at all.
         The log records the bytes this rank sends, its own rows included (payload of docs/design.md
         E16). On an axis of one rank the result is ``tensor`` itself."""
         g = self._size(axis)

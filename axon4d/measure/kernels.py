@@ -190,7 +190,7 @@ HOST_SYNC_VALUES = 1024
 def host_sync(timer: Timer, values: int = HOST_SYNC_VALUES) -> float:
     """Seconds one read of a small tensor to the host adds to each iteration of a loop of queued
     ops — what an MoE layer's counts exchange (E15) costs besides its all-gather, where the host
-    reads the gathered counts (a copy to host memory, as ``axon4d.nn.moe_dispatch`` makes) and the device's
+    reads the gathered counts (a copy to host memory, as ``axon4d.nn.moe_routes`` makes) and the device's
     queue drains before the next op is queued: a loop that queues a small op on ``values`` int64
     elements and reads them to the host, less the same loop without the read; clamped at 0 (on a
     host, where an op is done when it returns, only the conversion to Python numbers and noise

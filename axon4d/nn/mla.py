@@ -56,7 +56,7 @@ from axon4d.layout.geometry import Term
 from axon4d.nn.attention import apply_rotary, rotary_tables
 from axon4d.nn.functional import average_grad_over_batch, split_replicated, sum_to_replicas
 from axon4d.nn.linear import Linear
-from axon4d.nn.moe_dispatch import use_replicated
+from axon4d.nn.moe_rows import use_replicated
 from axon4d.nn.recompute import recomputed
 
 

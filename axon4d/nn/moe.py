@@ -52,21 +52,18 @@ from axon4d.nn import moe_router
 from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
 from axon4d.nn.mlp import MLP
 from axon4d.nn.moe_dense import ROUTER, DenseMoE, uniform_for
-from axon4d.nn.moe_dispatch import (
-    DispatchPlan,
-    Exchange,
-    Peers,
+from axon4d.nn.moe_dispatch import Exchange
+from axon4d.nn.moe_experts import GridExperts, check_layout
+from axon4d.nn.moe_gates import gated, summed_pairs
+from axon4d.nn.moe_routes import DispatchPlan, Peers, share_sizes
+from axon4d.nn.moe_rows import (
     features_to_rows,
-    gated,
     gather_rows,
     rows_to_features,
     scatter_rows,
     share_rows,
-    share_sizes,
-    summed_pairs,
     use_replicated,
 )
-from axon4d.nn.moe_experts import GridExperts, check_layout
 from axon4d.options.precision import compute_dtype
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from axon4d.grid.mesh import Grid
 from axon4d.layout.geometry import Term
 from axon4d.nn.functional import average_grad_over_batch, sum_partials, sum_to_replicas
-from axon4d.nn.moe_dispatch import use_replicated
+from axon4d.nn.moe_rows import use_replicated
 
 
 class HeadNorm(nn.Module):

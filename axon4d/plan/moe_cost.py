@@ -1,7 +1,7 @@
 """A Mixture-of-Experts layer priced on one rank (docs/moe.md; docs/design.md §10, E14–E18): its
 placement on the grid, the collectives it issues per step and their seconds, and its compute.
 
-The runtime (``axon4d.nn.moe``, ``moe_dispatch``) is mirrored here, not imported (the planner's
+The runtime (``axon4d.nn.moe``, ``moe_routes``, ``moe_dispatch``) is mirrored here, not imported (the planner's
 pricing may not import the layers): T tokens per rank, k experts per token, f an expert's FFN
 width, and the layer's expert layout (``axon4d.grid.expert_layout``): G_ep ranks of its
 expert-parallel axes hold E_l = E/G_ep experts each, split over its tensor-parallel axes (hidden
@@ -127,7 +127,7 @@ def moe_rules(model: ModelConfig, layout: ExpertLayout | None = None) -> list[ru
 
 
 def shares(tokens: int, parts: int) -> list[int]:
-    """Rows of each of ``parts`` contiguous shares of ``tokens`` (``moe_dispatch.share_sizes``)."""
+    """Rows of each of ``parts`` contiguous shares of ``tokens`` (``moe_routes.share_sizes``)."""
     base, extra = divmod(tokens, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
