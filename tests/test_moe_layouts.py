@@ -9,10 +9,11 @@ Start here when changing where experts run."""
 import pytest
 from test_moe import CASES, TOL, _check_layer
 from test_moe import _assert_small as assert_layer
-from test_moe_model import CFG, _check_model, _load_and_step, _sharded_and_not, _step_and_save, rel_err
+from test_moe_model import CFG, _check_model, _load_and_step, _step_and_save, _steps, rel_err
 
 from axon4d.grid.expert_layout import ExpertLayout, candidates
 from axon4d.grid.shape import GridShape
+from axon4d.layout.geometry import Term
 
 #: (grid, layout): one of each kind the issue names, then mixed ones
 LAYOUTS = {
@@ -63,16 +64,38 @@ def test_an_moe_model_under_a_mixed_layout_over_micro_batches_equals_the_dense_m
     _assert_small(pools(8).run(grid, _check_model, cfg, "full", 2, expert_layout=layout), f"{layout} on {grid}")
 
 
+def _zero_and_the_replicas_reductions(grid, stage, cfg):
+    """``_sharded_and_not``, and the ops the sharded steps reduced the expert replicas' gradients with."""
+    grid.comm.log.clear()
+    sharded = _steps(grid, stage, cfg)
+    ops = {r.op.value for r in grid.comm.log.records if r.tag == Term.MOE_EXPERT_WEIGHT_GRAD}
+    return sharded, _steps(grid, 0, cfg), sorted(ops)
+
+
 @pytest.mark.parametrize("kind", ["whole-over-world", "split-xy-ep-data", "ep-z-replicas-data"])
 def test_zero_2_under_each_layout_kind_equals_the_unsharded_optimizer(pools, kind):
     """Expert weights replicated over data (ep-z-replicas-data) are sharded by ZeRO like any
-    replicated parameter; held by one data rank each, they are stepped whole there."""
+    replicated parameter — their gradients reduce-scattered over data, each rank receiving the sum
+    of its own parts, as the 3D Linear weights' E12; held by one data rank each, they are stepped
+    whole there and reduced over nothing."""
     grid, layout = LAYOUTS[kind]
-    for rank, (sharded, plain) in enumerate(
-        pools(8).run(grid, _sharded_and_not, 2, CFG.replace(n_experts=8), expert_layout=layout)
-    ):
+    results = pools(8).run(grid, _zero_and_the_replicas_reductions, 2, CFG.replace(n_experts=8), expert_layout=layout)
+    for rank, (sharded, plain, ops) in enumerate(results):
         bad = {n: rel_err(sharded[n], p) for n, p in plain.items() if not rel_err(sharded[n], p) <= 1e-6}
         assert not bad, f"{layout} on {grid} rank {rank}: {bad}"
+        assert ops == (["reduce_scatter"] if kind == "ep-z-replicas-data" else []), ops
+
+
+@pytest.mark.slow
+def test_under_zero_2_expert_replicas_over_an_axis_beyond_data_are_all_reduced_and_stay_exact(pools):
+    """Replicas over z·data (whole experts over x): ZeRO shards over data alone, so their
+    gradients are all-reduced over z·data and each rank's parts handed to the optimizer."""
+    cfg = CFG.replace(n_experts=8)
+    results = pools(8).run((2, 1, 2, 2), _zero_and_the_replicas_reductions, 2, cfg, expert_layout="ep=x,tp=1")
+    for rank, (sharded, plain, ops) in enumerate(results):
+        bad = {n: rel_err(sharded[n], p) for n, p in plain.items() if not rel_err(sharded[n], p) <= 1e-6}
+        assert not bad, f"ep=x,tp=1 on (2,1,2,2) rank {rank}: {bad}"
+        assert ops == ["all_reduce"], ops
 
 
 @pytest.mark.parametrize(
@@ -180,7 +203,8 @@ def test_zero_stores_expert_replicas_over_data_in_16_bits_and_steps_them_as_the_
 ):
     """Expert weights a layout replicates over data are stored in bf16 under ZeRO in mixed precision
     (their fp32 masters sharded over data, as the 3D Linear weights'); their gradients — summed over
-    the micro-batches in fp32, all-reduced over the replicas, handed to the masters — step them as
+    the micro-batches in fp32, reduced over the replicas (all-reduced under ZeRO-1, reduce-scattered
+    under ZeRO-2), handed to the masters — step them as
     the unsharded optimizer steps its fp32 parameters (≤ 1e-6 relative over the model), with the
     gathers over data left in flight into the next forward, where the MoE layer's forward settles them."""
     grid, layout = LAYOUTS["ep-z-replicas-data"]

@@ -88,7 +88,7 @@ class Term(str, enum.Enum):
     MOE_ROUTER_WEIGHT_GRAD = "moe.router_weight.grad"  # the router weight's gradient all-reduce over batch
     MOE_ROWS_X = "moe.rows_x"  # all-to-all over x moving rows from features to rows, where x does not split experts
     MOE_ROWS_X_GRAD = "moe.rows_x.grad"  # ... and its gradients' in backward
-    MOE_EXPERT_WEIGHT_GRAD = "moe.expert_weight.grad"  # expert weight gradients all-reduced over the replicas' axes
+    MOE_EXPERT_WEIGHT_GRAD = "moe.expert_weight.grad"  # expert replicas' weight gradients (ZeRO-2: RS over data)
     # the tags the runtime logs for the rest of an MoE layer's collectives (named here so the planner
     # prices them under the same name): the all-to-alls' reverse exchanges in backward, and the
     # experts' up projection's all-reduce over x (``nn.functional.sum_partials``'s own tags)

@@ -10,7 +10,8 @@ Input and output are the residual layout (T, hidden/G_x) per rank, replicated ov
   (i+1)·E/G_ep − 1; each expert's FFN is split over the tensor-parallel axes as the dense MLP is —
   up (hidden/G_x → f/G_y, gate|up by y chunk when gated) then down (f/G_y → hidden/G_x), an axis
   the layout does not give to ``tp`` splitting nothing — and the expert data-parallel axes ``dp``
-  hold replicas, whose weight gradients are all-reduced over ``dp`` (``Term.MOE_EXPERT_WEIGHT_GRAD``);
+  hold replicas, whose weight gradients are all-reduced over ``dp`` (``Term.MOE_EXPERT_WEIGHT_GRAD``;
+  reduce-scattered over data under ZeRO-2 where dp is data alone, ``axon4d.scheduler.sharding``);
   every gradient is scaled by 1/G_batch (the batch average, docs/design.md §2);
 - the **shared experts** are one dense ``MLP`` of shared_experts·f (3D Linear layers).
 

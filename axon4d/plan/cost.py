@@ -346,7 +346,7 @@ def combined(parts: list[tuple[TimeEstimate, float, bool]]) -> TimeEstimate:
 
 
 def replicas_hidden(sc: Scenario, seconds: float, moe_bwd: float) -> float:
-    """Seconds ODP hides of the expert replicas' weight-gradient all-reduces (``seconds`` in all):
+    """Seconds ODP hides of the expert replicas' weight-gradient reductions (``seconds`` in all):
     the scheduler launches each block's as its experts' backward ends (``track_replicated``,
     bucketed), so all but the first block's run behind the backward of the MoE layers below it —
     at most their compute (``moe_bwd`` each), which no other overlap window uses (the MoE layer's

@@ -66,7 +66,7 @@ class Placement:
     hidden_x: int  # each expert's hidden features per rank (hidden/G_x where x splits experts, else hidden)
     ffn_y: int  # each expert's FFN width per rank (f/G_y where y splits experts, else f)
     shared_y: int  # the shared experts' MLP width per rank (shared·f/G_y; 0: none)
-    replicas: int  # G_dp, copies of each expert block (their gradients all-reduced over dp)
+    replicas: int  # G_dp, copies of each expert block (their gradients reduced over dp)
     ep_axis: str | None  # the all-to-alls' axis (None: every rank holds every expert)
     dp_axis: str | None  # the replicas' axis (None: none)
     count_axis: str | None  # the counts exchange's axis (E15)

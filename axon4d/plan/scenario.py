@@ -201,7 +201,7 @@ class Scenario:
     @cached_property
     def edge_collectives(self) -> tuple[Collective, ...]:
         """The step's collectives outside the linear layers (``Workload.edge_collectives``)."""
-        return tuple(self.workload.edge_collectives(self.shape))
+        return tuple(self.workload.edge_collectives(self.shape, self.zero))
 
     @cached_property
     def context_collectives(self) -> tuple[Collective, ...]:

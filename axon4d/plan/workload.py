@@ -43,7 +43,15 @@ from axon4d.device import DTYPES
 from axon4d.grid import rules as grid_rules
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
-from axon4d.layout.geometry import Collective, Op, Term, layer_axes, norm_statistics_wire, wire_element_size
+from axon4d.layout.geometry import (
+    Collective,
+    Op,
+    Term,
+    data_part_numel,
+    layer_axes,
+    norm_statistics_wire,
+    wire_element_size,
+)
 from axon4d.options.context_mode import MODES, context_axis
 from axon4d.options.precision import NAMED, Precision
 from axon4d.plan.blocks import block_kinds, kind_shapes
@@ -341,12 +349,14 @@ class Workload:
             out.append(LinearSpec("head", m.hidden, m.vocab_size, False, False, 1))
         return tuple(out)
 
-    def edge_collectives(self, shape: GridShape) -> list[Collective]:
+    def edge_collectives(self, shape: GridShape, zero: int = 0) -> list[Collective]:
         """Collectives of one step outside the linear layers, on one rank: the embedding's forward
         all-reduce over y (compute dtype) and its table's gradient all-reduce over batch; one
         gradient all-reduce over batch per replicated tensor (norm weights and biases, position
         embedding) — the gradients in the reduction dtype (fp32 masters' gradients: fp32 under
-        "bf16-fp32-reduce", bf16 under "bf16"; ``geometry.wire_dtype``); the split norms' per-token
+        "bf16-fp32-reduce", bf16 under "bf16"; ``geometry.wire_dtype``); an MoE layer's router
+        gradient over batch and its expert replicas' over their axis — a reduce-scatter over data
+        under ZeRO-2 (``zero``) where the replicas lie on data alone, as the scheduler issues it; the split norms' per-token
         sums over x, forward and backward (G_x > 1, ``norm_sums``); the vocabulary-parallel
         loss's all-gather of log-sum-exps and all-reduce of target logits over y (fp32; G_y > 1);
         with ``context_parallel``, attention's key/value collectives (``context_collectives``)."""
@@ -373,7 +383,11 @@ class Workload:
             if p.dp_axis is not None:  # expert replicas: up and down's gradients summed over their axis
                 block = p.local * p.hidden_x * p.ffn_y  # down's elements; up's are ups times as many
                 for n in ((2 if m.gated else 1) * block, block):
-                    add(Op.ALL_REDUCE, p.dp_axis, n, "backward", Term.MOE_EXPERT_WEIGHT_GRAD, m.moe_layers)
+                    if zero == 2 and p.dp_axis == "data":  # ZeRO-2: each data rank receives its part's sum
+                        n, op = data_part_numel(n, shape.data) * shape.data, Op.REDUCE_SCATTER
+                    else:
+                        op = Op.ALL_REDUCE
+                    add(op, p.dp_axis, n, "backward", Term.MOE_EXPERT_WEIGHT_GRAD, m.moe_layers)
         if self.norms:
             # the split norms' per-token sums over x, forward and backward: two per block, the final norm's
             norms = 2 * m.n_layers + (1 if self.head else 0)

@@ -25,9 +25,10 @@ hand it their gradients; they hold no overlap flags.
   held backward keeps each layer's weight block (outside full recomputation) for the next
   micro-batch's forward, which gathers nothing while the weight is unchanged; the backward outside
   frees the blocks as it would without accumulation.
-- **ZeRO** (``shard_over_data``): under ZeRO-2 the E12 buckets are reduce-scattered over data
-  instead of all-reduced — each rank receives only the sum of the parts of the weight shards it
-  owns, which go to the ``DataSharding`` (axon4d.zero) instead of ``.grad``; under ZeRO-1 training
+- **ZeRO** (``shard_over_data``): under ZeRO-2 the E12 buckets — and an MoE layer's expert
+  replicas' gradient buckets where its layout puts the replicas on data alone — are reduce-scattered
+  over data instead of all-reduced: each rank receives only the sum of the parts it owns, which go
+  to the ``DataSharding`` (axon4d.zero) instead of ``.grad``; under ZeRO-1 training
   in 16 bits the all-reduced gradients of the 16-bit weights go to it whole, in the reduction dtype,
   never rounded into a 16-bit ``.grad`` (docs/design.md §4; ``axon4d.scheduler.sharding``).
 - **Chunked forward all-reduce** (E8): the tokens are split into ``forward_chunks`` chunks and
@@ -59,7 +60,7 @@ from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import Precision
 from axon4d.scheduler.gathers import WeightGathers
 from axon4d.scheduler.layout import BucketLayout, Item
-from axon4d.scheduler.sharding import DataSharding, DataShardings, scaled
+from axon4d.scheduler.sharding import SCATTERED_OVER_DATA, DataSharding, DataShardings, scaled
 
 __all__ = ["DataSharding", "Scheduler"]
 
@@ -308,8 +309,8 @@ class Scheduler(WeightGathers, DataShardings):
             return
         if key == ("data", Term.E12) and self.policy.bucket_bytes(self.accelerator) > 0:
             self._layout.learn(items)
-        if key == ("data", Term.E12) and self._shardings:
-            self._scatter([item for item in items if self._scattered(item[0])])
+        if key in SCATTERED_OVER_DATA and self._shardings:  # ZeRO-2: each data rank receives its parts
+            self._scatter([item for item in items if self._scattered(item[0])], key[1])
             items = [item for item in items if not self._scattered(item[0])]
             if not items:
                 return

@@ -73,6 +73,12 @@ def scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
     return grad if scale == 1.0 else grad.mul_(scale)
 
 
+#: the gradient buckets ZeRO-2 reduce-scatters over data (axis, tag): the 3D Linear weight shards'
+#: (E12), and an MoE layer's expert replicas' where its layout puts the replicas on data alone
+#: (``Scheduler.track_replicated`` with axis "data"); every other replicated gradient is all-reduced
+SCATTERED_OVER_DATA = frozenset({("data", Term.E12), ("data", Term.MOE_EXPERT_WEIGHT_GRAD)})
+
+
 class DataShardings:
     """The scheduler's ZeRO hand-off: the ``DataSharding`` s that take E12 gradients instead of
     ``.grad``, ZeRO-2's reduce-scatters over data and the parts they deliver."""
@@ -123,19 +129,20 @@ class DataShardings:
     def _whole_taker(self, param: torch.Tensor) -> DataSharding | None:
         """The ``DataSharding`` that takes ``param``'s all-reduced gradient whole, or None: ZeRO-1
         training in 16 bits, and under ZeRO-2 a 16-bit parameter whose gradient is all-reduced, not
-        reduce-scattered (an MoE layer's expert replicas, ``track_replicated``)."""
+        reduce-scattered (an MoE layer's expert replicas whose axis is not data alone, e.g. z·data)."""
         sharding = self.sharding_of(param) if self._shardings else None
         if sharding is None or (sharding.scatters and not sharding.stores_sixteen(param)):
             return None
         return sharding
 
-    def _scatter(self, items: list[Item]) -> None:
-        """ZeRO-2's E12 for one bucket: reduce-scatter its weight shards over data, each rank
-        receiving the sum of its own part of each (``sharding.scatter_input``)."""
+    def _scatter(self, items: list[Item], tag: Term = Term.E12) -> None:
+        """ZeRO-2's reduction over data of one bucket (``tag``: E12, or an MoE layer's expert
+        replicas' gradients where the replicas lie on data alone): reduce-scatter its gradients over
+        data, each rank receiving the sum of its own part of each (``sharding.scatter_input``)."""
         if not items:
             return
         flat, parts = scatter_input(items, self.comm.shape.size("data"), self.sharding_of)  # (G, S)
-        handle = self.comm.reduce_scatter(flat, "data", tag=Term.E12)  # (1, S): this rank's parts
+        handle = self.comm.reduce_scatter(flat, "data", tag=tag)  # (1, S): this rank's parts
         if not self.policy.odp:
             handle.wait()
         self._reducing_parts.append((items, parts, handle))
