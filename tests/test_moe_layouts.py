@@ -197,7 +197,7 @@ def _bf16_masters_against_unsharded(grid, stage, cfg, micro):
     return stored, math.sqrt(num / den)
 
 
-@pytest.mark.parametrize("stage,micro", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage,micro", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_zero_stores_expert_replicas_over_data_in_16_bits_and_steps_them_as_the_unsharded_optimizer(
     pools, stage, micro
 ):
