@@ -356,8 +356,8 @@ class Workload:
         embedding) — the gradients in the reduction dtype (fp32 masters' gradients: fp32 under
         "bf16-fp32-reduce", bf16 under "bf16"; ``geometry.wire_dtype``); an MoE layer's router
         gradient over batch and its expert replicas' over their axis — a reduce-scatter over data
-        under ZeRO-2 (``zero``) where the replicas lie on data alone, as the scheduler issues it; the split norms' per-token
-        sums over x, forward and backward (G_x > 1, ``norm_sums``); the vocabulary-parallel
+        under ZeRO-2 (``zero``) where the replicas lie on data alone, as the scheduler issues it;
+        the split norms' per-token sums over x, forward and backward (G_x > 1, ``norm_sums``); the vocabulary-parallel
         loss's all-gather of log-sum-exps and all-reduce of target logits over y (fp32; G_y > 1);
         with ``context_parallel``, attention's key/value collectives (``context_collectives``)."""
         m = self.model
@@ -382,12 +382,19 @@ class Workload:
             p = placement(m, shape, self.expert_layout)
             if p.dp_axis is not None:  # expert replicas: up and down's gradients summed over their axis
                 block = p.local * p.hidden_x * p.ffn_y  # down's elements; up's are ups times as many
+                scattered = zero == 2 and p.dp_axis == "data"  # ZeRO-2: each data rank receives its parts' sum
                 for n in ((2 if m.gated else 1) * block, block):
-                    if zero == 2 and p.dp_axis == "data":  # ZeRO-2: each data rank receives its part's sum
-                        n, op = data_part_numel(n, shape.data) * shape.data, Op.REDUCE_SCATTER
+                    if scattered:  # the scheduler's input: G_data parts of ⌈n/G_data⌉, the last zero-padded
+                        add(
+                            Op.REDUCE_SCATTER,
+                            "data",
+                            data_part_numel(n, shape.data) * shape.data,
+                            "backward",
+                            Term.MOE_EXPERT_WEIGHT_GRAD,
+                            m.moe_layers,
+                        )
                     else:
-                        op = Op.ALL_REDUCE
-                    add(op, p.dp_axis, n, "backward", Term.MOE_EXPERT_WEIGHT_GRAD, m.moe_layers)
+                        add(Op.ALL_REDUCE, p.dp_axis, n, "backward", Term.MOE_EXPERT_WEIGHT_GRAD, m.moe_layers)
         if self.norms:
             # the split norms' per-token sums over x, forward and backward: two per block, the final norm's
             norms = 2 * m.n_layers + (1 if self.head else 0)
