@@ -28,6 +28,7 @@ def _bench(tmp_path, *args):
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_the_piece_index_plans_the_reads_of_the_whole_index(tmp_path):
     got = _bench(tmp_path, "--grid", "1,2,2,4", "--rounds", "1", "--check", "--rank", "5")
     assert got["checked_against_whole_index"] and got["load_reads"] >= got["load_pieces"] > 1000, got

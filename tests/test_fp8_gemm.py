@@ -396,7 +396,7 @@ def _kernels_per_micro_batch(grid, tokens, cast="eager"):
     return dict(count.ops), count.cast_bytes, xs.shape[0]
 
 
-@pytest.mark.parametrize("cast", ["eager", "fused"])
+@pytest.mark.parametrize("cast", ["eager", pytest.param("fused", marks=pytest.mark.slow)])  # fused: a compile
 @pytest.mark.parametrize("tokens", [64, 40])
 def test_an_fp8_layer_issues_at_most_twice_the_kernels_of_bf16(pools, tokens, cast):
     """Per micro-batch, after the step's weight copy: X and dY quantised once each (amax, scale,

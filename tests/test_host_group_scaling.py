@@ -46,7 +46,8 @@ def _run_world(world: int) -> list[dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("world", [4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 8])
 def test_the_host_group_is_no_full_mesh(world):
     rows = _run_world(world)
     # Made: one request per rank (its own address), whatever the world. A full mesh makes 2·W + 1

@@ -57,6 +57,7 @@ def built_on_meta() -> dict[tuple[str, str, str], int]:
     return {(size, arch, grid): int(n) for _, size, arch, grid, n in lines}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,arch,grid", LARGE)
 def test_large_models_build_on_meta_as_one_rank_of_a_fake_grid(built_on_meta, size, arch, grid):
     got = built_on_meta[(size, arch, ",".join(map(str, grid)))]

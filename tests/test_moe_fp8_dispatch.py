@@ -249,6 +249,7 @@ def _fp8_job(root):
     return out, refusal
 
 
+@pytest.mark.slow
 def test_a_training_job_runs_under_fp8_dispatch_and_refuses_a_narrow_model(pools, tmp_path):
     runs = pools(4).run(None, _fp8_job, str(tmp_path), timeout=300)
     for ((plain, plain_layout), (fp8, fp8_layout), (gemms, _)), refusal in runs:

@@ -136,6 +136,7 @@ def test_20b_80b_shards_on_a_fake_world_equal_the_planner(name, world, grid):
     assert mem.params == total * 4 and mem.grads == mem.params and mem.optimizer == total * 8
 
 
+@pytest.mark.slow
 def test_the_1t_moe_shards_on_a_fake_world_equal_the_planner():
     """One rank of ``moe-1t`` on 1024 ranks in the planner's placement (a fake process group, the
     model on ``meta``): the parameters it holds — router columns, its 3 of 384 experts split over
@@ -151,6 +152,7 @@ def test_the_1t_moe_shards_on_a_fake_world_equal_the_planner():
 PINNED = dict(recompute="none", micro_batches=1, zero=0, offload=0, fp8_gather=False, context_parallel=False)
 
 
+@pytest.mark.slow
 def test_search_enumerates_valid_grids_best_first_and_flags_memory():
     result = plan("20B", 512, "perlmutter", batch=512, top=None, **PINNED)
     wl = result.workload
@@ -578,6 +580,7 @@ def test_memory_policies_order_and_count_parameters():
     assert c.time.step_s > evaluate(wl, shape, load("perlmutter")).time.step_s
 
 
+@pytest.mark.slow
 def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     import argparse
 

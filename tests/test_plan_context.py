@@ -86,6 +86,7 @@ def test_ring_shifts_hide_behind_one_ring_step_s_attention_each():
     assert context_hidden(sc) == pytest.approx(expect)
 
 
+@pytest.mark.slow
 def test_a_million_tokens_of_llama3_8b_on_1024_h100s_plan_within_the_machine():
     """``axon4d plan --model llama3-8b --seq-len 1048576 --gpus 1024 --machine h100 --batch 8``: the
     best plan splits the sequences over z, fits by the dense plans' checks (device need within 80
@@ -167,6 +168,7 @@ def test_packed_documents_price_attention_within_each_document():
         dataclasses.replace(wl, document_tokens=seq + 1)
 
 
+@pytest.mark.slow
 def test_hierarchical_context_parallelism_splits_a_sequence_over_z_and_data():
     """``context_axes`` "z,data": each sequence over G_z·G_data ranks (the batch axis), every rank
     holding every sequence — one 1M-token sequence fits a grid with data ranks, its key/value

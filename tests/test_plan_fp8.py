@@ -86,6 +86,7 @@ def test_axon4d_plan_shows_which_layers_run_fp8(capsys):
     assert lines["head"].endswith("bf16 (kept in bf16)") and lines["mlp_up"].endswith("fp8")
 
 
+@pytest.mark.slow
 def test_the_job_runs_the_plan_s_per_layer_choice(monkeypatch):
     """``--grid auto`` with ``--precision bf16-fp8``: the layer kinds the plan prices slower in FP8
     become ``--bf16-layers`` (axon4d.train.planned), and the model runs them in bf16."""
