@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 
 # The layering (docs/design.md §9), lint and format, and the public API's types, then the suite
 # (`make test`: every test, the 25 slowest listed at the end; what CI runs) or its fast tier
-# (`make check`: the tests not marked slow, about 2 minutes on a 2-core host; the edit-test loop).
+# (`make check`: the tests not marked slow, under 5 minutes on a 2-core host; the edit-test loop).
 lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
