@@ -21,14 +21,16 @@ copies are plain host tensors that take the bytes they hold, and host memory is 
 
 from __future__ import annotations
 
+import functools
 import math
 
 from axon4d.device.pinned import carve, pinned_footprint
+from axon4d.grid.shape import GridShape
 from axon4d.memory.offload import MIN_BYTES
 from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.saved import block_storages
 from axon4d.plan.scenario import Scenario
-from axon4d.plan.workload import OPTIMIZERS
+from axon4d.plan.workload import OPTIMIZERS, Workload
 
 
 def offload_pinned(sc: Scenario) -> float:
@@ -36,8 +38,16 @@ def offload_pinned(sc: Scenario) -> float:
     ``offload`` blocks' storages at or above ``MIN_BYTES``."""
     if not sc.offload:
         return 0.0
-    block = [math.ceil(s) for s in block_storages(sc.workload, sc.shape, sc.recompute) if s >= MIN_BYTES]
-    return float(pinned_footprint(sc.offload * carve(block)[1], sc.machine.accelerator))
+    return float(
+        pinned_footprint(sc.offload * _carved_block(sc.workload, sc.shape, sc.recompute), sc.machine.accelerator)
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _carved_block(wl: Workload, shape: GridShape, recompute: str) -> int:
+    """Bytes of one block's offloaded storages (those at or above ``MIN_BYTES``) carved into one
+    allocation (cached: a search asks it of each (workload, grid, mode) for every option)."""
+    return carve([math.ceil(s) for s in block_storages(wl, shape, recompute) if s >= MIN_BYTES])[1]
 
 
 def snapshot_tensors(sc: Scenario) -> list[int]:
