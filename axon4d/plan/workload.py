@@ -357,8 +357,9 @@ class Workload:
         "bf16-fp32-reduce", bf16 under "bf16"; ``geometry.wire_dtype``); an MoE layer's router
         gradient over batch and its expert replicas' over their axis — a reduce-scatter over data
         under ZeRO-2 (``zero``) where the replicas lie on data alone, as the scheduler issues it;
-        the split norms' per-token sums over x, forward and backward (G_x > 1, ``norm_sums``); the vocabulary-parallel
-        loss's all-gather of log-sum-exps and all-reduce of target logits over y (fp32; G_y > 1);
+        the split norms' per-token sums over x, forward and backward (G_x > 1, ``norm_sums``); the
+        vocabulary-parallel loss's all-gather of log-sum-exps and all-reduce of target logits over y
+        (fp32; G_y > 1);
         with ``context_parallel``, attention's key/value collectives (``context_collectives``)."""
         m = self.model
         h_x = m.hidden // shape.x

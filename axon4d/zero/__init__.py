@@ -22,7 +22,8 @@ optimizer so that each data rank keeps the masters and the state of one part of 
   sharding; a 16-bit weight's reduced gradient never becomes a bf16 ``.grad``: the scheduler hands
   it whole to this optimizer (``Scheduler.shard_over_data``). Stage 2 also turns E12 into a
   reduce-scatter over data: a rank receives only the sum of its parts, straight into the masters'
-  ``.grad`` — and so the gradients of MoE expert replicas whose layout puts them on data alone. Biases, norm weights and embedding tables are reduced and held whole as in stage 1.
+  ``.grad`` — and so the gradients of MoE expert replicas whose layout puts them on data alone.
+  Biases, norm weights and embedding tables are reduced and held whole as in stage 1.
 
 A parameter the data axis does not replicate — an MoE expert weight whose expert layout puts data
 among the expert-parallel axes (docs/moe.md, the default) — is each data rank's alone: its part is
