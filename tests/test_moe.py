@@ -301,3 +301,38 @@ def test_the_dispatch_plan_s_sizes_are_the_sums_of_the_counts():
             peers = Peers.of(shape, r * g_y + j, ("z",), ("y", "z"), True, e)
             plan = DispatchPlan(counts, peers)
             assert plan.tokens_per_expert().tolist() == [int(c[:, :, i].sum()) for i in range(e)]
+
+
+def test_the_counts_are_gathered_over_the_dispatch_s_peers_and_summed_over_the_micro_batch():
+    """E15 on Mixtral's planned grid (1, 2, 8, 16) with experts over z split over y: the counts are
+    all-gathered over y·z alone (16 ranks: the dispatch's peers and their y-neighbours, one node)
+    and summed over y·z·data (every share of the micro-batch once), as the planner prices it; where
+    the two groups are one (the default layout), nothing is summed besides the gather. A plan's
+    tokens per expert are the sums."""
+    import numpy as np
+
+    from axon4d.grid.expert_layout import ExpertLayout
+    from axon4d.grid.shape import GridShape
+    from axon4d.layout.geometry import Op, Term
+    from axon4d.nn.moe_routes import DispatchPlan, Peers
+    from axon4d.plan.moe_cost import layer_collectives
+
+    shape, lay = GridShape(1, 2, 8, 16), ExpertLayout.parse("ep=z,tp=y")
+    assert lay.count_axes(shape) == ("y", "z") and lay.total_axes(shape) == ("y", "z", "data")
+    peers = Peers.of(shape, 5, lay.ep_axes(shape), lay.count_axes(shape), True, 8, lay.total_axes(shape))
+    assert (peers.count_axis, peers.total_axis) == ("y·z", "y·z·data")
+    cfg = ModelConfig(
+        n_layers=1, hidden=64, n_heads=4, vocab_size=64, seq_len=8, n_experts=8, experts_per_token=2, expert_ffn=32
+    )
+    counted = [c for c in layer_collectives(cfg, 64, shape, 2, 2, 1.0, lay) if c.term == Term.MOE_COUNTS]
+    assert [(c.op, c.axis, c.payload_bytes) for c in counted] == [
+        (Op.ALL_REDUCE, "y·z·data", 2 * 8 * 8),  # (C, E) int64 sums
+        (Op.ALL_GATHER, "y·z", 16 * 2 * 8 * 8),  # every peer's (C, E)
+    ]
+    default, small = ExpertLayout(), GridShape(2, 2, 2, 2)
+    assert default.count_axes(small) == default.total_axes(small) == ("y", "z", "data")
+    one = Peers.of(small, 3, default.ep_axes(small), default.count_axes(small), True, 8, default.total_axes(small))
+    assert one.total_axis is None
+    gathered = np.arange(16 * 8).reshape(16, 8)
+    assert DispatchPlan(gathered, peers, np.arange(8) * 7).tokens_per_expert().tolist() == [7 * i for i in range(8)]
+    assert DispatchPlan(gathered, peers).tokens_per_expert().tolist() == gathered.sum(axis=0).tolist()

@@ -156,9 +156,16 @@ class ExpertLayout:
         return shape.y > 1 and self.splits("y")
 
     def count_axes(self, shape: GridShape) -> tuple[GridAxis, ...]:
-        """The axes the counts exchange (E15) gathers over on ``shape``: the expert-parallel ones, z,
-        data, y, and x where the shares are cut over it — each share of the micro-batch once, and
-        every share an expert-parallel peer or a y-neighbour at the experts dispatches."""
+        """The axes the counts exchange (E15) gathers over on ``shape``: the expert-parallel ones, and
+        y where it splits the experts — every rank a dispatch of this rank's exchanges rows with,
+        and where y splits the experts, their y-neighbours (whose rows E17 gathers)."""
+        ep, y = self.ep_axes(shape), self.gathers_y(shape)
+        return tuple(a for a in AXES if a in ep or (a == "y" and y))
+
+    def total_axes(self, shape: GridShape) -> tuple[GridAxis, ...]:
+        """The axes over which the counts exchange (E15) sums the micro-batch's tokens per expert on
+        ``shape``: the expert-parallel ones, z, data, y, and x where the shares are cut over it —
+        every share of the micro-batch counted once."""
         ep, x = self.ep_axes(shape), self.rows_over_x(shape)
         return tuple(a for a in AXES if shape.size(a) > 1 and (a in ep or a in ("z", "data", "y") or (a == "x" and x)))
 

@@ -79,7 +79,8 @@ class Term(str, enum.Enum):
     GATHER_SEQUENCE = "gather_sequence"  # whole sequences from their context-parallel chunks
     MOE_ROUTER = "moe.router"  # MoE: all-reduce over x of the router's partial logits (docs/moe.md, E14)
     MOE_ROUTER_GRAD = "moe.router.grad"  # ... backward: all-reduce over x of the gates' partial gradients
-    MOE_COUNTS = "moe.counts"  # all-gather over the expert-parallel axis of the tokens per expert (E15)
+    #: MoE: the tokens per expert, gathered over the count group and summed over the total group (E15)
+    MOE_COUNTS = "moe.counts"
     MOE_DISPATCH = "moe.dispatch"  # all-to-all of token rows to their experts' ranks (E16), and back in backward
     MOE_COMBINE = "moe.combine"  # all-to-all of the experts' outputs back to the tokens' ranks (E16)
     MOE_ROWS_Y = "moe.rows_y"  # all-gather over y of rows dispatched once per y group (E17)

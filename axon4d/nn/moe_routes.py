@@ -9,11 +9,13 @@ experts' ranks gather the shares over y (E17): a token crosses the expert-parall
 G_y times.
 
 **The plan** (``DispatchPlan.exchange``, E15). Every rank counts its (T, k) assignments per share,
-chunk of the share and expert, (C, E), and all-gathers the counts over the count group
-(``Peers``), read on the host — the one host synchronisation of an MoE layer — from which every
-rank derives the same split sizes for both all-to-alls (E16, ``axon4d.nn.moe_dispatch``) and the y
-gathers of each chunk, the rows per local expert, and the micro-batch's tokens per expert for the
-balance loss. A recomputed forward (docs/design.md §5) reuses the plan of its first forward: no
+chunk of the share and expert, (C, E), all-gathers the counts over the count group (``Peers``:
+the ranks its dispatch exchanges rows with, and their y-neighbours where y splits the experts)
+and, at the same time, sums them over the total group (every share of the micro-batch once),
+both read on the host in one copy — the one host synchronisation of an MoE layer. From them every
+rank derives the same split sizes for both all-to-alls (E16, ``axon4d.nn.moe_dispatch``) and the
+y gathers of each chunk, the rows per local expert, and the micro-batch's tokens per expert for
+the balance loss. A recomputed forward (docs/design.md §5) reuses the plan of its first forward: no
 routing decision and no host sync runs again.
 """
 
@@ -45,13 +47,18 @@ class Peers:
 
     Every (x, y) plane holds the same tokens; each rank dispatches its own **share** of them: the
     y-th contiguous share, cut again into G_x sub-shares where x does not split the experts (the
-    rows are then moved from features to rows over x first). The counts of every share are
-    all-gathered over the **count group** — the expert-parallel axes, z and data, y, and x where
-    shares are cut over it (axes of one rank left out) — so that every rank knows the sizes of its
-    all-to-alls, of its gather over y, and the micro-batch's tokens per expert (E15)."""
+    rows are then moved from features to rows over x first). The counts are all-gathered over the
+    **count group** — the expert-parallel axes, and y where it splits the experts (axes of one rank
+    left out) — so that every rank knows the sizes of its all-to-alls and of its gather over y, and
+    summed over the **total group** — the expert-parallel axes, z and data, y, and x where shares
+    are cut over it: every share of the micro-batch once — for the micro-batch's tokens per expert
+    (E15). Where the two groups are one, the gathered counts hold every share and nothing is summed."""
 
     count_axis: Axis | None
     """The axis (a product of grid axes) the counts are all-gathered over; None: one rank."""
+    total_axis: Axis | None
+    """The axis the counts are summed over besides (the total group); None: the count group's
+    gathered counts hold every share of the micro-batch already."""
     me: int
     """This rank's index in the count group."""
     members: tuple[int, ...]
@@ -65,10 +72,18 @@ class Peers:
 
     @classmethod
     def of(
-        cls, shape: GridShape, rank: int, ep: tuple[str, ...], count: tuple[str, ...], gather_y: bool, n_experts: int
+        cls,
+        shape: GridShape,
+        rank: int,
+        ep: tuple[str, ...],
+        count: tuple[str, ...],
+        gather_y: bool,
+        n_experts: int,
+        total: tuple[str, ...] | None = None,
     ) -> Peers:
         """The peers of ``rank`` for experts over the ``ep`` axes (of more than one rank), counts
-        gathered over the ``count`` axes, gathered over y at the experts when ``gather_y``."""
+        gathered over the ``count`` axes and summed over the ``total`` axes (None: the count axes,
+        which then hold every share), gathered over y at the experts when ``gather_y``."""
         mine: dict[str, int] = {a: shape.coordinate(rank, a) for a in AXES}
         radix = [shape.size(a) for a in count]
 
@@ -95,7 +110,8 @@ class Peers:
                 tuple(index({**every[m], "y": y}, count) for m in members) for y in range(shape.size("y"))
             )
         g_ep = math.prod(shape.size(a) for a in ep)
-        return cls(axis_of(count), index(mine, count), members, y_members, index(mine, ep), n_experts // g_ep)
+        summed = None if total is None or tuple(total) == tuple(count) else axis_of(total)
+        return cls(axis_of(count), summed, index(mine, count), members, y_members, index(mine, ep), n_experts // g_ep)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -107,18 +123,27 @@ class DispatchPlan:
     counts: np.ndarray
     """K: (G_count, E) int64 assignments of each count-group member's share per expert."""
     peers: Peers
+    totals: np.ndarray | None = None
+    """(E,) int64 assignments per expert of every share of the micro-batch; None: ``counts``' sums."""
 
     @classmethod
     def exchange(cls, counts: torch.Tensor, peers: Peers, grid: Grid) -> list[DispatchPlan]:
         """Gather every rank's (C, E) ``counts`` — its share's assignments per chunk and expert —
-        over the count group (E15) and read them on the host: one plan per chunk."""
-        flat = counts.reshape(-1).to(torch.int64).contiguous()
-        if peers.count_axis is not None:
-            flat = grid.comm.all_gather(flat, peers.count_axis, tag=Term.MOE_COUNTS).wait()  # (G_count·C·E,)
-        values = flat.to(devices.HOST).numpy()  # the host sync of the layer
+        over the count group and sum them over the total group (E15), both issued at once, and
+        read them on the host in one copy: one plan per chunk."""
         chunks, e = counts.shape
-        every = values.reshape(-1, chunks, e)
-        return [cls(every[:, c, :], peers) for c in range(chunks)]
+        flat = counts.reshape(-1).to(torch.int64).contiguous()  # (C·E,)
+        summed = None
+        if peers.total_axis is not None:  # in flight with the gather: the sums need no other rank's counts
+            summed = grid.comm.all_reduce(flat.clone(), peers.total_axis, tag=Term.MOE_COUNTS)
+        gathered = flat
+        if peers.count_axis is not None:
+            gathered = grid.comm.all_gather(flat, peers.count_axis, tag=Term.MOE_COUNTS).wait()  # (G_count·C·E,)
+        both = gathered if summed is None else torch.cat([gathered, summed.wait()])
+        values = both.to(devices.HOST).numpy()  # the host sync of the layer
+        every = values[: gathered.numel()].reshape(-1, chunks, e)
+        totals = values[gathered.numel() :].reshape(chunks, e) if summed is not None else every.sum(axis=0)
+        return [cls(every[:, c, :], peers, totals[c]) for c in range(chunks)]
 
     @functools.cached_property
     def _local(self) -> np.ndarray:
@@ -163,4 +188,4 @@ class DispatchPlan:
 
     def tokens_per_expert(self) -> np.ndarray:
         """The chunk's assignments per expert over the micro-batch (every share counted once), (E,)."""
-        return self.counts.sum(axis=0)
+        return self.counts.sum(axis=0) if self.totals is None else self.totals

@@ -69,7 +69,10 @@ class Placement:
     replicas: int  # G_dp, copies of each expert block (their gradients reduced over dp)
     ep_axis: str | None  # the all-to-alls' axis (None: every rank holds every expert)
     dp_axis: str | None  # the replicas' axis (None: none)
-    count_axis: str | None  # the counts exchange's axis (E15)
+    count_axis: str | None  # the counts exchange's gather axis (E15)
+    total_axis: (
+        str | None
+    )  # ... and the axis it sums the micro-batch's counts over (None: the gather's counts hold them)
     rows_over_x: bool  # the shares are cut over x and their rows moved from features to rows over x
     gather_y: bool  # y splits the experts: the rows are gathered over y at the experts (E17)
     fp8_dispatch: bool = False  # rows travel to the experts in e4m3, a scale per 128 features (``fp8_rows``)
@@ -112,6 +115,7 @@ def _placement(model: ModelConfig, shape: GridShape, lay: ExpertLayout) -> Place
         axis_of(ep),
         axis_of(dp),
         axis_of(lay.count_axes(shape)),
+        None if lay.total_axes(shape) == lay.count_axes(shape) else axis_of(lay.total_axes(shape)),
         lay.rows_over_x(shape),
         lay.gathers_y(shape),
         lay.fp8_dispatches(shape),
@@ -203,7 +207,8 @@ def layer_collectives(
     each row packed: F e4m3 bytes and an fp32 scale per 128 features (``fp8_rows.packed_width``).
     Each dispatched row carries its gate (``GATE_BYTES``, fp32: the experts apply the gates), and
     its gradient the gate's gradient.
-    Forward: E14 over x (T·E fp32 logits); E15 over the count axis (G_count·C·E int64 counts: each
+    Forward: E14 over x (T·E fp32 logits); E15's sum over the total axis (C·E int64 counts, where
+    it is not the count axis) and its gather over the count axis (G_count·C·E int64 counts: each
     rank its share's); where the rows move over x, the share's features to rows (an all-to-all over
     x); per chunk E16's dispatch over the expert-parallel axis, where y splits the experts E17's
     gather over y (padded to the largest share), where x splits them the all-reduce over x after
@@ -233,6 +238,7 @@ def layer_collectives(
             out.append(Collective(op, axis, int(round(nbytes)), phase, term))
 
     add(Op.ALL_REDUCE, "x", tokens * e_count * 4, "forward", Term.MOE_ROUTER)
+    add(Op.ALL_REDUCE, p.total_axis, chunks * e_count * 8, "forward", Term.MOE_COUNTS)
     add(Op.ALL_GATHER, p.count_axis, count * chunks * e_count * 8, "forward", Term.MOE_COUNTS)
     add(Op.ALL_TO_ALL, "x", y_shares[0] * h_x * elem, "forward", Term.MOE_ROWS_X, p.rows_over_x)
     to_experts = fp8_rows.packed_width(feat) if p.fp8_dispatch else feat * elem  # bytes of a row sent to the experts
