@@ -225,9 +225,9 @@ def _priced_step(cfg, grid, precision, micro, recompute="none", layout=None, zer
     return priced
 
 
-#: routed terms whose blocks over y are padded to the largest: E17's gather, the experts'
-#: reduce-scatter after the down GEMM
-PADDED = {str(Term.MOE_ROWS_Y), str(Term.MOE_EXPERT)}
+#: routed terms whose blocks over y are padded to the largest: E17's gather and its gradient's
+#: reduce-scatter, the experts' reduce-scatter after the down GEMM
+PADDED = {str(Term.MOE_ROWS_Y), str(Term.MOE_ROWS_Y_GRAD), str(Term.MOE_EXPERT)}
 
 MODEL_CASES = [
     ((1, 1, 2, 1), "fp32", "llama", 1, None),

@@ -84,7 +84,7 @@ class Term(str, enum.Enum):
     MOE_DISPATCH = "moe.dispatch"  # all-to-all of token rows to their experts' ranks (E16), and back in backward
     MOE_COMBINE = "moe.combine"  # all-to-all of the experts' outputs back to the tokens' ranks (E16)
     MOE_ROWS_Y = "moe.rows_y"  # all-gather over y of rows dispatched once per y group (E17)
-    MOE_ROWS_Y_GRAD = "moe.rows_y.grad"  # ... and the all-reduce over y of their partial gradients
+    MOE_ROWS_Y_GRAD = "moe.rows_y.grad"  # ... and the reduce-scatter over y of their partial gradients
     MOE_EXPERT = "moe.expert"  # all-reduce of an expert GEMM's partial sums (over x after up, y after down)
     MOE_ROUTER_WEIGHT_GRAD = "moe.router_weight.grad"  # the router weight's gradient all-reduce over batch
     MOE_ROWS_X = "moe.rows_x"  # all-to-all over x moving rows from features to rows, where x does not split experts

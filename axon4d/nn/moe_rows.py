@@ -27,6 +27,19 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag:
     return torch.cat([whole[i * most : i * most + n] for i, n in enumerate(sizes)])
 
 
+def _scatter_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
+    """This rank's block of the rows of ``Σ_axis x`` (``x``: each rank's partial sum of every block,
+    blocks of ``sizes`` back to back): one reduce-scatter of blocks padded to the largest, half the
+    bytes of an all-reduce."""
+    most, start = max(sizes), 0
+    padded = x.new_zeros((len(sizes) * most, *x.shape[1:]))  # (G·most, …): block i at i·most
+    for i, n in enumerate(sizes):
+        padded[i * most : i * most + n] = x[start : start + n]
+        start += n
+    mine = grid.comm.reduce_scatter(padded, axis, tag=tag).wait()  # (most, …)
+    return mine[: sizes[grid.coord(axis)]]
+
+
 def _own_rows(x: torch.Tensor, sizes: list[int], index: int) -> torch.Tensor:
     """Rows of index ``index``'s block of ``x`` (blocks of ``sizes`` back to back)."""
     start = sum(sizes[:index])
@@ -62,13 +75,7 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag: Term) -> torch.Tensor:
         ctx.sizes, ctx.axis, ctx.grid = sizes, axis, grid
-        most, start = max(sizes), 0
-        padded = x.new_zeros((len(sizes) * most, *x.shape[1:]))  # (G·most, …): block i at i·most
-        for i, n in enumerate(sizes):
-            padded[i * most : i * most + n] = x[start : start + n]
-            start += n
-        mine = grid.comm.reduce_scatter(padded, axis, tag=tag).wait()  # (most, …)
-        return mine[: sizes[grid.coord(axis)]]
+        return _scatter_rows(x, sizes, axis, grid, tag)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
@@ -83,8 +90,9 @@ def scatter_rows(x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, tag:
 
 class _GatherRows(torch.autograd.Function):
     """Forward: every rank's block of rows gathered over ``axis`` (E17). Backward: this rank's
-    block of the gradient, summed over ``axis`` first when the ranks used the whole apart
-    (``summed``: each computed a partial gradient, e.g. of its own output features)."""
+    block of the gradient — summed over ``axis`` when the ranks used the whole apart (``summed``:
+    each computed a partial gradient, e.g. of its own output features), in one reduce-scatter of
+    padded blocks: each rank receives the sum of its own block only."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, sizes: list[int], axis: Axis, grid: Grid, summed: bool) -> torch.Tensor:
@@ -94,7 +102,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         if ctx.summed:
-            g = ctx.grid.comm.all_reduce(g.contiguous().clone(), ctx.axis, tag=Term.MOE_ROWS_Y_GRAD).wait()
+            return _scatter_rows(g, ctx.sizes, ctx.axis, ctx.grid, Term.MOE_ROWS_Y_GRAD), None, None, None, None
         return _own_rows(g, ctx.sizes, ctx.grid.coord(ctx.axis)).contiguous(), None, None, None, None
 
 

@@ -219,7 +219,7 @@ def layer_collectives(
     the rows moved) or summed over x; the rows' gradient to rows over x; per chunk the combine's and
     dispatch's reverse all-to-alls, and where y and x split the experts the outputs' gradient
     gathered over y, the up all-reduce's gradient over x and the gathered rows' partial gradients
-    summed over y (E17); the share's gradient back to features over x; the y share's input gradient
+    reduce-scattered over y (E17: each y index its own rows, padded blocks); the share's gradient back to features over x; the y share's input gradient
     gathered over y."""
     p = placement(model, shape, layout)
     g_x, g_y = shape.x, shape.y
@@ -258,7 +258,7 @@ def layer_collectives(
         add(Op.ALL_TO_ALL, p.ep_axis, r.sent * to_experts, "backward", Term.MOE_COMBINE_GRAD)
         add(Op.ALL_GATHER, "y", g_y * r.gathered_max * feat * elem, "backward", Term.MOE_ROWS_Y, p.gather_y)
         add(Op.ALL_REDUCE, "x", r.computed * up * elem, "backward", Term.MOE_EXPERT_UP_GRAD, split_x)
-        add(Op.ALL_REDUCE, "y", r.computed * feat * elem, "backward", Term.MOE_ROWS_Y_GRAD, p.gather_y)
+        add(Op.REDUCE_SCATTER, "y", g_y * r.gathered_max * feat * elem, "backward", Term.MOE_ROWS_Y_GRAD, p.gather_y)
         add(Op.ALL_TO_ALL, p.ep_axis, r.received * (feat * elem + GATE_BYTES), "backward", Term.MOE_DISPATCH_GRAD)
     add(Op.ALL_TO_ALL, "x", mine * model.hidden * elem, "backward", Term.MOE_ROWS_X_GRAD, p.rows_over_x)
     add(Op.ALL_GATHER, "y", g_y * most * h_x * elem, "backward", Term.MOE_ROWS_Y)
