@@ -52,7 +52,8 @@ from axon4d.plan import cost  # noqa: E402
 from axon4d.plan.candidate import Candidate  # noqa: E402
 from axon4d.plan.collective_model import group_geometry, span_of  # noqa: E402
 from axon4d.plan.machine import Machine, load  # noqa: E402
-from axon4d.plan.moe_cost import GATE_BYTES, placement  # noqa: E402
+from axon4d.plan.moe_cost import GATE_BYTES  # noqa: E402
+from axon4d.plan.moe_placement import placement  # noqa: E402
 from axon4d.plan.search import plan  # noqa: E402
 
 #: (model, GPUs, batch in sequences): the issue's two jobs

@@ -33,7 +33,8 @@ from axon4d.layout.geometry import MOE_LAYER_TERMS, Term
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan import load
 from axon4d.plan.cost import step_estimate
-from axon4d.plan.moe_cost import layer_collectives, moe_chunks
+from axon4d.plan.moe_cost import layer_collectives
+from axon4d.plan.moe_placement import moe_chunks
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.sent import step_collectives_by_phase
 from axon4d.plan.workload import Workload

@@ -19,7 +19,7 @@ import itertools
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import weight_shard_numel
 from axon4d.options.overlap_policy import OverlapPolicy
-from axon4d.plan import moe_cost, moe_memory
+from axon4d.plan import moe_memory, moe_placement
 from axon4d.plan.saved import (
     NORM_BACKWARD_TEMPORARIES,
     block_activation_elements,
@@ -129,8 +129,8 @@ class BackwardWalk:
         # leaves (plan.moe_memory)
         lay = wl.expert_layout
         share = min(self.grad_share, 1.0) * self.grad_bytes  # a new gradient's bytes per element
-        # the share's forward chunks, each taking the experts' weights again (``moe_cost.moe_chunks``)
-        chunks = moe_cost.moe_chunks(m, tokens, shape, self.elem, overlap, wl.accelerator, lay) if m.moe else 1
+        # the share's forward chunks, each taking the experts' weights again (``moe_placement.moe_chunks``)
+        chunks = moe_placement.moe_chunks(m, tokens, shape, self.elem, overlap, wl.accelerator, lay) if m.moe else 1
         self.moe_phases = moe_memory.backward_phases(m, tokens, shape, self.elem, share, wl.imbalance, lay, chunks)
         # what its forward holds beside its saved tensors: (at the pairs, where a re-run stops; at the gated sum)
         self.moe_forward = moe_memory.forward_held(m, tokens, shape, self.elem, chunks, wl.imbalance, lay)

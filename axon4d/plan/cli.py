@@ -33,7 +33,8 @@ from axon4d.plan import correction, stepfit
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan.candidate import Candidate
 from axon4d.plan.machine import available
-from axon4d.plan.moe_cost import param_counts, placement
+from axon4d.plan.moe_cost import param_counts
+from axon4d.plan.moe_placement import placement
 from axon4d.plan.options import AUTO_OPTION
 from axon4d.plan.result import PlanResult
 from axon4d.plan.scenario import Scenario

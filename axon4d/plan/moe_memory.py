@@ -31,7 +31,8 @@ from axon4d.config import ModelConfig
 from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
 from axon4d.options import fp8_rows
-from axon4d.plan.moe_cost import GATE_BYTES, first_share, placement
+from axon4d.plan.moe_cost import GATE_BYTES
+from axon4d.plan.moe_placement import first_share, placement
 
 Layout = ExpertLayout | str | None
 
@@ -153,7 +154,7 @@ class BackwardPhases:
       and d(up), GELU's d(h): n·f each, the activation's gradient n·f, down's dW; the incoming
       rows' gradient and the saved activation freed); the later GEMM's and dispatch's backward
       hold less (the up output, silu(gate) and activation freed first). In ``chunks`` c > 1
-      (``moe_cost.moe_chunks``: the share dispatched in overlapped chunks, each chunk's GEMMs
+      (``moe_placement.moe_chunks``: the share dispatched in overlapped chunks, each chunk's GEMMs
       taking the experts' weights again), autograd runs the later chunks' backward first and
       keeps each weight's dW of them to add the next chunk's to, out of place; at the first
       chunk's up GEMM's backward, the last one, live are down's dW summed (D, as the walk keeps

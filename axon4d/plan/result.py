@@ -11,7 +11,7 @@ from axon4d.grid.shape import ALL_AXES
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, device_need
 from axon4d.plan.machine import Machine
-from axon4d.plan.moe_cost import placement
+from axon4d.plan.moe_placement import placement
 from axon4d.plan.options import Choices
 from axon4d.plan.workload import Workload
 

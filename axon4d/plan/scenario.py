@@ -43,7 +43,7 @@ from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.precision import FP8, NAMED, Precision
 from axon4d.options.recompute_mode import check_recompute
 from axon4d.plan import fp8 as fp8_plan
-from axon4d.plan import moe_cost
+from axon4d.plan import moe_cost, moe_placement
 from axon4d.plan.machine import Machine
 from axon4d.plan.memory import local_param_count
 from axon4d.plan.workload import LinearSpec, Workload
@@ -210,10 +210,10 @@ class Scenario:
 
     @cached_property
     def moe_chunks(self) -> int:
-        """Chunks each y share of an MoE layer is dispatched in (``moe_cost.moe_chunks``; 1 without MoE)."""
+        """Chunks each y share of an MoE layer is dispatched in (``moe_placement.moe_chunks``; 1 without MoE)."""
         if not self.model.moe:
             return 1
-        return moe_cost.moe_chunks(
+        return moe_placement.moe_chunks(
             self.model,
             self.tokens,
             self.shape,

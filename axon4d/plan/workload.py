@@ -55,7 +55,7 @@ from axon4d.layout.geometry import (
 from axon4d.options.context_mode import MODES, context_axis
 from axon4d.options.precision import NAMED, Precision
 from axon4d.plan.blocks import block_kinds, kind_shapes
-from axon4d.plan.moe_cost import moe_rules, placement
+from axon4d.plan.moe_placement import moe_rules, placement
 
 #: optimizers the planner prices: name → fp32 state bytes per parameter (master weights aside)
 OPTIMIZERS = {"adam": 8, "sgd": 0}
