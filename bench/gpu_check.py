@@ -37,6 +37,8 @@ rank runs is in ``bench/gpu_cases.py``. The cases:
   on (1,1,2,1) and (1,2,2,1), fp32: the output and every gradient, one host read in the forward
   (the counts exchange) and none in the backward (``gpu_cases.moe_against_dense``); on an H200 it
   was exact (3.4e-7) and found two syncs more in the forward (``torch.bincount``, since replaced);
+  again on (1,1,2,2) with experts over z (``ep=z,tp=x·y``), whose counts exchange issues its
+  gather over z and its sum over z·data together and still reads the host once (not yet run on a GPU);
 - ``one rank``: one rank on NCCL (the production backend), fp32 exact against dense — a world of
   one runs no collective, which the record says; ``async save``: the job with background saves on
   one rank over NCCL, resumed from its step-2 checkpoint on the same losses;
@@ -415,6 +417,9 @@ def cases(scratch: str) -> list[Case]:
     for grid in [(1, 1, 2, 1), (1, 2, 2, 1)]:
         name = f"moe exact one read {_label(grid)}"
         out.append(Case(name, _world(grid), grid, run.moe_against_dense, (), {}, _moe, ("fp32",)))
+    grid, layout = (1, 1, 2, 2), {"expert_layout": "ep=z,tp=x·y"}  # the counts gathered over z, summed over z·data
+    name = f"moe exact one read ep=z {_label(grid)}"
+    out.append(Case(name, _world(grid), grid, run.moe_against_dense, (), layout, _moe, ("fp32",)))
     one = (1, 1, 1, 1)
     name = "one rank exact llama x1y1z1d1"
     out.append(Case(name, 1, one, run.against_dense, ("llama",), {}, _exact(), ("fp32",), production=True))

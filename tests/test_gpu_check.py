@@ -342,7 +342,7 @@ def test_the_step_cases_run_on_the_host(host_run):
     resident memory); background saves on one rank resumed on the same losses, bit for bit."""
     saved, status = _host_cases(host_run, "step")
     names = ["sync training step x1y2z2d1", "micro keep x1y2z2d1", "hf train then export x1y2z2d1"]
-    moe = ["moe exact one read x1y1z2d1", "moe exact one read x1y2z2d1"]
+    moe = ["moe exact one read x1y1z2d1", "moe exact one read x1y2z2d1", "moe exact one read ep=z x1y1z2d2"]
     assert status == dict.fromkeys([*names, "async save resume x1y1z1d1", *moe], "passed")
     got = {c["name"]: c["metrics"] for c in saved["ran"]}
     sync = got[names[0]]
@@ -356,7 +356,9 @@ def test_the_step_cases_run_on_the_host(host_run):
     assert hf["export_peak_rss_bytes"] > 0 and hf["train_peak_device_bytes"] is None  # the host keeps no peak
     resume = got["async save resume x1y1z1d1"][0]
     assert resume["async_save"] and resume["written"] == ["step_2", "step_4"] and resume["bitwise"]
-    for m in got[moe[0]] + got[moe[1]]:  # exact, its host's own reads seen (the counts exchange), none flagged
+    for m in (
+        got[moe[0]] + got[moe[1]] + got[moe[2]]
+    ):  # exact, its host's reads seen (the counts exchange), none flagged
         assert m["loss_rel"] <= 8e-6 and m["grad_rel"] <= 8e-6 and m["host_tensor_reads"] > 0
         assert m["forward_reads"] == [] == m["backward"] and m["collectives"] > 0
 
