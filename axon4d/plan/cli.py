@@ -93,7 +93,7 @@ def _job_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="MoE models: the busiest rank's expert rows over the mean (1: uniform routing, the default; "
-        "axon4d.plan.moe_cost)",
+        "axon4d.plan.moe_placement)",
     )
 
 

@@ -18,9 +18,10 @@ Parameters replicated over batch (norms, position embeddings, an MoE layer's rou
 gradients all-reduced over batch, one collective per tensor.
 
 A Mixture-of-Experts model (``n_experts`` > 0, docs/moe.md) has in each block, instead of the dense
-MLP, the MoE layer — priced by ``axon4d.plan.moe_cost`` (its collectives, compute, placement) and
-``axon4d.plan.moe_memory`` (its weights and what it saves) under a stated routing assumption
-(uniform routing, ``imbalance`` for the busiest rank) — and its shared experts as an MLP of Linear
+MLP, the MoE layer — placed by ``axon4d.plan.moe_placement``, priced by ``axon4d.plan.moe_cost``
+(its collectives and compute) and ``axon4d.plan.moe_memory`` (its weights and what it saves) under
+a stated routing assumption (uniform routing, ``imbalance`` for the busiest rank) — and its shared
+experts as an MLP of Linear
 layers (``block_shapes``); its placement rules join the grid's (``rules``), and its FLOPs count the
 active path only (``flops``).
 
@@ -131,7 +132,7 @@ class Workload:
     async_save: bool = False  # the job checkpoints with --async-save: a pinned snapshot (plan.host_memory)
     accelerator: bool = False  # the step runs on accelerators (a Scenario sets it from its machine): ``norm_kernel``
     precision: str = ""  # as given; "": DEFAULT_PRECISION of dtype (``preset``)
-    imbalance: float = 1.0  # MoE: the busiest rank's rows over the mean under uniform routing (plan.moe_cost)
+    imbalance: float = 1.0  # MoE: the busiest rank's rows over the mean under uniform routing (plan.moe_placement)
     #: MoE: where the experts run (axon4d.grid.expert_layout; text is parsed); the default: over batch, split over x·y
     expert_layout: ExpertLayout = ExpertLayout()
     #: under FP8 GEMMs, layer kinds (``layer_kind``) whose choice is made already, (kind, FP8?) each:
