@@ -21,9 +21,8 @@ A Mixture-of-Experts model (``n_experts`` > 0, docs/moe.md) has in each block, i
 MLP, the MoE layer — placed by ``axon4d.plan.moe_placement``, priced by ``axon4d.plan.moe_cost``
 (its collectives and compute) and ``axon4d.plan.moe_memory`` (its weights and what it saves) under
 a stated routing assumption (uniform routing, ``imbalance`` for the busiest rank) — and its shared
-experts as an MLP of Linear
-layers (``block_shapes``); its placement rules join the grid's (``rules``), and its FLOPs count the
-active path only (``flops``).
+experts as an MLP of Linear layers (``block_shapes``); its placement rules join the grid's
+(``rules``), and its FLOPs count the active path only (``flops``).
 
 With ``context_parallel`` (docs/context.md) the tokens of each sequence are split head–tail over z
 and whole sequences over data only: a rank still holds B·S/(G_data·G_z) tokens, so every linear
