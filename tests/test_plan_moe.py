@@ -733,6 +733,9 @@ PROBE_BENCH = PROBE_SMALL.replace(hidden=512, n_heads=8, vocab_size=2048, seq_le
         pytest.param(2, (1, 2, 1, 1), PROBE_BENCH, 2, marks=pytest.mark.slow),
         # the bench's (1,2,4,1), priced -6.6% there (and here) without the chunks' dW sums
         pytest.param(8, (1, 2, 4, 1), PROBE_BENCH, 8, marks=pytest.mark.slow),
+        # one expert per rank (nothing sorted): whole experts over z; four experts over z, split over y
+        pytest.param(8, (1, 1, 8, 1), PROBE_SMALL, 8, marks=pytest.mark.slow),
+        pytest.param(8, (1, 2, 4, 1), PROBE_SMALL.replace(n_experts=4), 8, marks=pytest.mark.slow),
     ],
     ids=lambda v: (
         ".".join(map(str, v)) if isinstance(v, tuple) else f"h{v.hidden}" if isinstance(v, ModelConfig) else None

@@ -298,23 +298,28 @@ class MoE(nn.Module):
 
     def _experts(self, received: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """The local experts' FFNs of the rows this rank received, gathered over y first where y
-        splits the experts (E17), in gathered order (E18): each y rank's partial sum over its f/G_y
-        features (the whole sum where y does not split them)."""
+        splits the experts (E17), in gathered order (E18; sorted by expert for the grouped GEMMs
+        and back where the rank holds several): each y rank's partial sum over its f/G_y features
+        (the whole sum where y does not split them)."""
         grid, ex = self.grid, self.experts
         every = received
         if self.peers.y_members is not None:
             every = gather_rows(received, plan.y_rows, "y", grid, summed=True)  # E17: (n_all, features)
-        run_experts, run_rows = plan.runs()
-        ids = to_device_queued(
-            torch.repeat_interleave(
-                torch.tensor(run_experts, dtype=torch.long), torch.tensor(run_rows, dtype=torch.long)
-            ),
-            every.device,
-        )  # (n_all,) local expert of each gathered row, made on the host (no device sync)
-        perm = torch.argsort(ids, stable=True)
         sizes = plan.group_rows
         dtype = compute_dtype(grid.precision, ex.up)  # mixed precision: the experts' GEMMs in bf16 (or FP8)
-        xs = every.index_select(0, perm).to(dtype)  # (n_all, features) sorted by expert
+        perm = None
+        if ex.local == 1:  # one expert: the gathered rows are its one group as they come, nothing sorted
+            xs = every.to(dtype).contiguous()  # a copy only of a column slice (the rows' gates cut off) or to bf16
+        else:
+            run_experts, run_rows = plan.runs()
+            ids = to_device_queued(
+                torch.repeat_interleave(
+                    torch.tensor(run_experts, dtype=torch.long), torch.tensor(run_rows, dtype=torch.long)
+                ),
+                every.device,
+            )  # (n_all,) local expert of each gathered row, made on the host (no device sync)
+            perm = torch.argsort(ids, stable=True)
+            xs = every.index_select(0, perm).to(dtype)  # (n_all, features) sorted by expert
         del every  # the gathered rows in gathered order: the GEMM keeps the sorted copy (memory)
         scale = 1.0 if self.dp_axis is not None else 1.0 / grid.size("batch")  # the replicas' reduction divides
         h = ex.gemm(xs, ex.up, sizes, scale)  # (n_all, f_up/G_ty), partial over x if split
@@ -326,7 +331,8 @@ class MoE(nn.Module):
         else:
             a = F.gelu(h)
         o = ex.gemm(a, ex.down, sizes, scale)  # (n_all, hidden/G_tx), partial over y if split
-        return o.index_select(0, torch.argsort(perm))  # summed over y by the caller's reduce-scatter
+        # back in gathered order, summed over y by the caller's reduce-scatter
+        return o if perm is None else o.index_select(0, torch.argsort(perm))
 
     def _aux(
         self, logits: torch.Tensor, s: torch.Tensor, tokens: int, chosen: torch.Tensor, seq_len: int

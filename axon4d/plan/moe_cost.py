@@ -225,7 +225,9 @@ def layer_seconds(
     down_b = p.local * (mm("nn", per, h, p.ffn_y, dtype, world) + mm("tn", h, per, p.ffn_y, dtype, world))
     act_f, act_b = machine.activation_time(rows * p.ffn_y * ups, world)
     scores = ew(8 * tokens * e_count * 4, world)  # softmax/sigmoid, top-k, gates, the balance loss' means
-    moved = (share * k + 3 * rows) * h * elem  # rows selected for the dispatch, sorted, unsorted, unpadded
+    # rows selected for the dispatch, sorted, unsorted, unpadded; one local expert's rows are neither
+    # sorted nor unsorted, only made contiguous where they arrive as a column slice (not gathered over y)
+    moved = (share * k + (3 if p.local > 1 else 2 if not p.gather_y else 1) * rows) * h * elem
     if p.rows_over_x:  # the share's rows to every feature and back, each a copy on either side
         moved += 2 * share * model.hidden * elem
     combine = ew(3 * share * k * h * elem, world)  # gates · outputs summed per token

@@ -99,7 +99,7 @@ def saved(
         (received if elem != 4 else 0, elem),  # their gates cast to the outputs' dtype
         (tokens * e_count * (2 if model.moe_z_coef else 1), 4),  # scores (and the z-loss' logits)
         (tokens * (k + 1), 4),  # the chosen scores and their sums
-        (tokens * k + 2 * most * k + 2 * n, 8),  # chosen experts, the dispatch's orders
+        (tokens * k + 2 * most * k + (2 * n if p.local > 1 else 0), 8),  # chosen experts, the orders
     ]
     if mixed:
         t.append((tokens * (model.hidden // shape.x), 4))  # the router's input widened to fp32
@@ -148,8 +148,8 @@ class BackwardPhases:
       on the wire;
     - ``experts``: live beside what is live at the experts' backward's start, at its peak — the
       most of the outputs' index_select backward (its zeros and their index_add'ed copy, n·h
-      each, and the rows gathered over y where y splits the experts: the reduce-scatter's
-      backward), the down GEMM's backward (the outputs' gradient n·h, the activation's n·f and
+      each, where the rank holds several experts: one expert's rows are never sorted) and the
+      rows gathered over y where y splits the experts (the reduce-scatter's backward), the down GEMM's backward (the outputs' gradient n·h, the activation's n·f and
       down's dW, in the gradients' dtype) and the activation's backward (SwiGLU's d(silu(gate))
       and d(up), GELU's d(h): n·f each, the activation's gradient n·f, down's dW; the incoming
       rows' gradient and the saved activation freed); the later GEMM's and dispatch's backward
@@ -195,7 +195,8 @@ def backward_phases(
     cast = pairs if elem != 4 else 0
     handed_on = incoming - elem * (pairs * h + cast)
     down = p.local * p.hidden_x * p.ffn_y * grad_bytes  # down's dW
-    index_select = elem * n * h * (3 if p.gather_y else 2)
+    # the outputs' unsort (one local expert: none) and the rows gathered over y
+    index_select = elem * n * h * ((2 if p.local > 1 else 0) + (1 if p.gather_y else 0))
     down_gemm = -incoming + elem * (n * h + n * f) + down
     activation = -incoming + elem * (n * f * (2 if model.gated else 1)) + down  # − the saved activation + its gradient
     phases = [index_select, down_gemm, activation]
