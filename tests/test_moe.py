@@ -319,7 +319,7 @@ def test_the_counts_are_gathered_over_the_dispatch_s_peers_and_summed_over_the_m
 
     shape, lay = GridShape(1, 2, 8, 16), ExpertLayout.parse("ep=z,tp=y")
     assert lay.count_axes(shape) == ("y", "z") and lay.total_axes(shape) == ("y", "z", "data")
-    peers = Peers.of(shape, 5, lay.ep_axes(shape), lay.count_axes(shape), True, 8, lay.total_axes(shape))
+    peers = Peers.of(shape, 5, lay.ep_axes(shape), lay.count_axes(shape), True, 8, lay.summed_axes(shape))
     assert (peers.count_axis, peers.total_axis) == ("y·z", "y·z·data")
     cfg = ModelConfig(
         n_layers=1, hidden=64, n_heads=4, vocab_size=64, seq_len=8, n_experts=8, experts_per_token=2, expert_ffn=32
@@ -331,7 +331,7 @@ def test_the_counts_are_gathered_over_the_dispatch_s_peers_and_summed_over_the_m
     ]
     default, small = ExpertLayout(), GridShape(2, 2, 2, 2)
     assert default.count_axes(small) == default.total_axes(small) == ("y", "z", "data")
-    one = Peers.of(small, 3, default.ep_axes(small), default.count_axes(small), True, 8, default.total_axes(small))
+    one = Peers.of(small, 3, default.ep_axes(small), default.count_axes(small), True, 8, default.summed_axes(small))
     assert one.total_axis is None
     gathered = np.arange(16 * 8).reshape(16, 8)
     assert DispatchPlan(gathered, peers, np.arange(8) * 7).tokens_per_expert().tolist() == [7 * i for i in range(8)]

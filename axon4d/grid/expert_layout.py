@@ -169,6 +169,12 @@ class ExpertLayout:
         ep, x = self.ep_axes(shape), self.rows_over_x(shape)
         return tuple(a for a in AXES if shape.size(a) > 1 and (a in ep or a in ("z", "data", "y") or (a == "x" and x)))
 
+    def summed_axes(self, shape: GridShape) -> tuple[GridAxis, ...]:
+        """The axes the counts exchange sums over besides its gather: ``total_axes``, or none where
+        they are the count axes (the gathered counts then hold every share)."""
+        total = self.total_axes(shape)
+        return () if total == self.count_axes(shape) else total
+
     def sizes(self, shape: GridShape) -> tuple[int, int, int]:
         """(G_ep, G_tp, G_dp) on ``shape``."""
         ep, tp, dp = (math.prod(shape.size(a) for a in axes) for axes in (self.ep, self.tp, self.dp))

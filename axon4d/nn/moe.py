@@ -106,10 +106,12 @@ class MoE(nn.Module):
         #: the rows are cut over x too, and moved from features to rows, where x does not split experts
         self.rows_over_x = self.layout.rows_over_x(grid.shape)
         ep, count = self.layout.ep_axes(grid.shape), self.layout.count_axes(grid.shape)
-        total = self.layout.total_axes(grid.shape)
+        summed = self.layout.summed_axes(grid.shape)
         #: the replicas' axis their weight gradients are summed over (None: none)
         self.dp_axis = axis_of(self.layout.dp_axes(grid.shape))
-        self.peers = Peers.of(grid.shape, grid.rank, ep, count, self.layout.gathers_y(grid.shape), cfg.n_experts, total)
+        self.peers = Peers.of(
+            grid.shape, grid.rank, ep, count, self.layout.gathers_y(grid.shape), cfg.n_experts, summed
+        )
         for axis in (axis_of(ep), self.peers.count_axis, self.peers.total_axis, self.dp_axis):
             if axis is not None:
                 grid.open_axis(axis)  # collective: every rank builds its layers in the same order

@@ -79,11 +79,11 @@ class Peers:
         count: tuple[str, ...],
         gather_y: bool,
         n_experts: int,
-        total: tuple[str, ...] | None = None,
+        summed: tuple[str, ...] = (),
     ) -> Peers:
         """The peers of ``rank`` for experts over the ``ep`` axes (of more than one rank), counts
-        gathered over the ``count`` axes and summed over the ``total`` axes (None: the count axes,
-        which then hold every share), gathered over y at the experts when ``gather_y``."""
+        gathered over the ``count`` axes and summed over the ``summed`` axes (none: the count axes
+        hold every share; ``ExpertLayout.summed_axes``), gathered over y at the experts when ``gather_y``."""
         mine: dict[str, int] = {a: shape.coordinate(rank, a) for a in AXES}
         radix = [shape.size(a) for a in count]
 
@@ -110,8 +110,9 @@ class Peers:
                 tuple(index({**every[m], "y": y}, count) for m in members) for y in range(shape.size("y"))
             )
         g_ep = math.prod(shape.size(a) for a in ep)
-        summed = None if total is None or tuple(total) == tuple(count) else axis_of(total)
-        return cls(axis_of(count), summed, index(mine, count), members, y_members, index(mine, ep), n_experts // g_ep)
+        return cls(
+            axis_of(count), axis_of(summed), index(mine, count), members, y_members, index(mine, ep), n_experts // g_ep
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -93,7 +93,7 @@ def _placement(model: ModelConfig, shape: GridShape, lay: ExpertLayout) -> Place
         axis_of(ep),
         axis_of(dp),
         axis_of(lay.count_axes(shape)),
-        None if lay.total_axes(shape) == lay.count_axes(shape) else axis_of(lay.total_axes(shape)),
+        axis_of(lay.summed_axes(shape)),
         lay.rows_over_x(shape),
         lay.gathers_y(shape),
         lay.fp8_dispatches(shape),
