@@ -36,6 +36,7 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import axon4d
@@ -44,8 +45,9 @@ from axon4d.config import ModelConfig, get_config
 from axon4d.device import fp8 as kernel
 from axon4d.device import fp8_fused
 from axon4d.grid.shape import GridShape
-from axon4d.options import fp8_gemm
-from axon4d.options.precision import FP8, NAMED, Precision, fp8_scale, gradient_fp8, resolve
+from axon4d.options import fp8_gemm, fp8_rows
+from axon4d.options.fp8_grouped import quantise_grouped
+from axon4d.options.precision import FP8, NAMED, Precision, fp8_pack, fp8_scale, gradient_fp8, resolve
 from axon4d.plan import fp8 as plan_fp8
 from axon4d.plan.machine import load
 from axon4d.plan.scenario import Scenario
@@ -710,3 +712,48 @@ def test_a_failing_compile_falls_back_to_the_eager_path_once(cast_mode, monkeypa
     cast_mode(None)
     with pytest.raises(ValueError, match=fp8_fused.ENV):
         fp8_fused.mode()
+
+
+class _DivisionsByANumber(TorchFunctionMode):
+    """Every division of a floating tensor by a Python number seen while active: on CUDA, ATen
+    computes it as a product with the number's reciprocal (not the correctly rounded quotient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if "div" in name and len(args) > 1 and isinstance(args[1], (int, float)):
+            if isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                self.seen.append((name, args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_fp8_scale_is_the_correctly_rounded_quotient_on_every_path(cast_mode):
+    """Each FP8 scale is amax/fmax rounded once (fp32), as the fused casts compute it: no eager path
+    divides by fmax given as a Python number, which CUDA would compute as amax·(1/448) — an ulp off
+    for some amaxes, so the eager and fused paths' scales and codes differed on an H200. Checked by
+    watching the divisions of every cast (per tensor, pow2, per group, per block of rows, the gather's
+    pack) and by the bits of the scales against the quotient in float64 rounded to fp32."""
+    cast_mode("eager")
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(64, 256, generator=g) * torch.logspace(-3, 3, 256)
+    watch = _DivisionsByANumber()
+    with watch:
+        q = fp8_gemm.quantise(t)
+        w = fp8_gemm.quantise(t, pow2=True)
+        grouped_q = quantise_grouped(t, [16, 0, 48])
+        packed = fp8_rows.pack(t.bfloat16())
+        shard = fp8_pack(t.reshape(-1))
+    assert watch.seen == [], watch.seen
+    amax = t.abs().amax()
+    assert torch.equal(q.scale, (amax.double() / 448).float())
+    assert w.scale.item() == 2.0 ** math.ceil(math.log2((amax.double() / 448).item()))
+    amaxes = torch.stack([t[:16].abs().amax(), torch.tensor(0.0), t[16:].abs().amax()])
+    expect = (amaxes.double() / 448).float().clamp(min=torch.finfo(torch.float32).tiny)
+    assert torch.equal(grouped_q.scale, expect)
+    blocks = t.bfloat16().float().view(64, 2, 128).abs().amax(-1)  # (64, 2)
+    scales = packed[:, 256:264].clone().view(torch.float32)  # (64, 2)
+    assert torch.equal(scales, (blocks.double() / 448).float())
+    assert torch.equal(shard[-4:].clone().view(torch.float32)[0], (amax.double() / 448).float())

@@ -108,13 +108,21 @@ def _division_rounding() -> dict[str, str | int | bool | Callable[..., Any]]:
     return {key: True for key in inductor.get_config_copy() if key.endswith("division_rounding")}
 
 
+def divisor(fmax: float, device: torch.device) -> torch.Tensor:
+    """``fmax`` as a () fp32 tensor on ``device``, made once per (value, device): what every FP8 scale
+    divides its amax by, eager and compiled, so that each path computes the correctly rounded
+    quotient amax/fmax. Divided by a Python float, neither would: ATen on CUDA computes
+    ``tensor / float`` as a product with the float's reciprocal, and inductor does the same with a
+    constant of the graph — 1/448 is not an fp32 value, so scales (and with them codes) would come
+    out an ulp apart between paths and devices (seen on an H200). Divided by a tensor, both divide.
+    While ``torch.compile`` traces, a fresh tensor is returned (nothing traced is cached)."""
+    if torch.compiler.is_compiling():
+        return torch.full((), fmax, dtype=torch.float32, device=device)
+    return _divisor(fmax, torch.device(device))
+
+
 @functools.cache
 def _divisor(fmax: float, device: torch.device) -> torch.Tensor:
-    """``fmax`` as a () fp32 tensor on ``device``, made once: what the compiled casts divide the amax
-    by. Given as a Python float it would be a constant of the graph, and inductor divides by a
-    constant as a product with its reciprocal — 1/448 is not an fp32 value, so the scale could be an
-    ulp off eager's (seen on an H200: scales, and with them codes, one ulp apart); divided by a
-    tensor it is the division, correctly rounded."""
     return torch.full((), fmax, dtype=torch.float32, device=device)
 
 
@@ -169,7 +177,7 @@ def quantise(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Te
 
 def _direct(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``_op`` runs, called without it (``_call``)."""
-    return _compiled()(t, _divisor(fmax, t.device), dtype)
+    return _compiled()(t, divisor(fmax, t.device), dtype)
 
 
 # -- a cast under a given power-of-two scale (the weight's e4m3 copy, ``axon4d.scheduler.fp8_copies``) ---
@@ -260,7 +268,8 @@ def quantise_blocks(
     the fused path compiles them (``quantise_rows``)."""
     top, bottom = t.amax(dim=-1, keepdim=True), t.amin(dim=-1, keepdim=True)  # (n, blocks, 1)
     amax = torch.maximum(top, -bottom).float()  # max |t| per block, exact; NaN kept
-    scale = torch.clamp(amax / fmax, min=_TINY)  # NaN and inf kept
+    by = divisor(fmax, t.device) if isinstance(fmax, float) else fmax  # a tensor: the division (``divisor``)
+    scale = torch.clamp(amax / by, min=_TINY)  # NaN and inf kept
     quotient = torch.div(t, scale).clamp_(-fmax, fmax)  # type: ignore[arg-type]  # torch takes a float or a () tensor
     return quotient.to(dtype), scale  # fp32 quotient, rounded once
 
@@ -290,4 +299,4 @@ def quantise_rows(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[tor
 
 def _direct_rows(t: torch.Tensor, fmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``_rows_op`` runs, called without it (``_call``)."""
-    return _compiled_rows()(t, _divisor(fmax, t.device), dtype)
+    return _compiled_rows()(t, divisor(fmax, t.device), dtype)
