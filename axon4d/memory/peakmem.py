@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from axon4d import device as devices
 from axon4d.grid.mesh import Grid
@@ -35,6 +34,9 @@ def peak_bytes(grid: Grid, model: nn.Module, opt: Any, step: Callable[..., Any],
     device = grid.device
     grid.comm.barrier()
     if devices.is_host(device):
+        # imported here: it pulls in inductor and dynamo, ~1 s of every process's start otherwise
+        from torch.distributed._tools.mem_tracker import MemTracker
+
         tracker = MemTracker()
         external: list[Any] = [opt] if isinstance(opt, torch.optim.Optimizer) else []
         if isinstance(opt, ShardedOptimizer):
