@@ -495,25 +495,33 @@ def plan_runs(
     return runs, skips
 
 
-def run_suite(timeout: float) -> dict[str, Any]:
-    """``pytest tests/gpu`` in a subprocess; its counts."""
+#: the most lines of failure detail the suite's record keeps
+FAILURE_LINES = 40
+
+
+def run_suite(timeout: float, path: str = "tests/gpu") -> dict[str, Any]:
+    """``pytest tests/gpu`` (or ``path``) in a subprocess: its counts, its output's last lines and,
+    for each failing test, its one-line traceback (``--tb=line``: the file, the line and the
+    assertion's message) and its summary line, so a GPU run says why a test failed, not only which."""
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"]
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "--tb=line", "-rfE"]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "COLUMNS": "200"}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        tail = lines[-15:]
+        failures = [ln for ln in lines if re.match(r"(FAILED|ERROR) |\S+\.py:\d+: ", ln)][:FAILURE_LINES]
         counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|skipped)", "\n".join(tail[-1:]))}
         ok = proc.returncode == 0 and counts.get("passed", 0) > 0
         why = None if ok else f"pytest exit {proc.returncode}: {tail[-1] if tail else ''}"
     except subprocess.TimeoutExpired:
-        tail, counts, ok, why = [], {}, False, f"pytest ran past {timeout:.0f} s"
+        tail, failures, counts, ok, why = [], [], {}, False, f"pytest ran past {timeout:.0f} s"
     return {
         "name": "suite tests/gpu",
         "transport": "default",
         "status": "passed" if ok else "failed",
         "why": why,
-        "metrics": {"counts": counts, "tail": tail},
+        "metrics": {"counts": counts, "tail": tail, "failures": failures},
         "seconds": round(time.perf_counter() - start, 2),
     }
 

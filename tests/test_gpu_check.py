@@ -6,7 +6,8 @@ of hanging or passing; what a machine cannot run is recorded skipped with the re
 tolerance's measured error is the worst the H200 run's JSON holds for its cases, and its bound
 within ≈ 10× of it; the ZeRO case records the AdamW kernel each optimizer's steps ran (seen in what
 they dispatched) and fails where a sharded one ran another; the sync case's watch catches a host read
-planted in a copy of the step, at its line; the JSON names the code that ran. The GPU itself is
+planted in a copy of the step, at its line; the JSON names the code that ran, and the GPU suite's
+record says why each of its tests failed. The GPU itself is
 never needed."""
 
 import collections
@@ -459,3 +460,19 @@ def test_the_offload_speed_case_fails_when_nothing_moved_or_the_peak_did_not_fal
         "offloaded": {"step_s": 1.2, "peak_bytes": offload_peak, "offloaded_bytes": moved, "late_fetches": late},
     }
     assert (gpu_check._offload_saves([metrics]) is None) == passes
+
+
+@pytest.mark.slow
+def test_the_suite_s_record_says_why_each_test_failed(tmp_path):
+    """A failing GPU test's record keeps its one-line traceback (file, line, the assertion's message)
+    and its summary line, not only the counts: the H200 run that failed the fused row cast said
+    which test, not why."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_fine():\n    pass\n\n\ndef test_off():\n    assert 1 + 1 == 3, 'scales differ in 7 of 229376 blocks'\n"
+    )
+    record = gpu_check.run_suite(120, str(tmp_path))
+    assert record["status"] == "failed" and record["metrics"]["counts"] == {"failed": 1, "passed": 1}
+    failures = record["metrics"]["failures"]
+    assert any(line.startswith(f"{tmp_path / 'test_two.py'}:6: ") and "7 of 229376" in line for line in failures)
+    assert any(line.startswith("FAILED ") and "test_off" in line for line in failures)
+    assert not any("test_fine" in line for line in failures)

@@ -39,7 +39,7 @@ def test_the_fused_row_cast_packs_the_eager_bytes(grid, cast_mode, dtype):
     assert fp8_fused.wanted(device)
     fused = fp8_rows.pack(rows)
     assert fp8_fused.failure() is None
-    assert torch.equal(fused, eager)
+    _same_bytes(fused, eager, rows)
     back = fp8_rows.unpack(fused, 7168, dtype).float()
     finite = torch.isfinite(rows.float()).all(dim=1)
     big = rows.float().abs() >= rows.float().abs().view(4096, -1, 128).amax(-1).repeat_interleave(128, 1) * 2**-6
@@ -62,3 +62,26 @@ def test_the_fused_row_cast_packs_the_eager_bytes(grid, cast_mode, dtype):
             f"fp8 rows {dtype}: pack {n * (2 * dtype.itemsize + 3) / pack_s / 1e9:.0f} GB/s as priced, "
             f"unpack {n * (1 + 3 * dtype.itemsize) / unpack_s / 1e9:.0f} GB/s as priced"
         )
+
+
+def _same_bytes(fused, eager, rows):
+    """``fused`` and ``eager`` (n, F + 4·F/128) packed rows are equal; where not, fails saying how
+    many blocks' scales and how many codes differ, with the first differing scale beside the amax
+    divided by 448 in float64 and rounded once to fp32 (which path's scale is the quotient)."""
+    n, f = rows.shape
+    nb = f // fp8_rows.BLOCK
+    scales = {k: v[:, f:].contiguous().view(torch.float32).view(n, nb) for k, v in (("fused", fused), ("eager", eager))}
+    codes_off = int((fused[:, :f] != eager[:, :f]).sum())
+    scale_off = scales["fused"] != scales["eager"]
+    if not codes_off and not scale_off.any():
+        return
+    detail = f"{int(scale_off.sum())} of {n * nb} blocks' scales and {codes_off} of {n * f} codes differ"
+    if scale_off.any():
+        r, b = (int(i) for i in scale_off.nonzero()[0])
+        amax = rows[r, b * fp8_rows.BLOCK : (b + 1) * fp8_rows.BLOCK].double().abs().max()
+        quotient = (amax / 448).float().item()
+        detail += (
+            f"; row {r} block {b}: fused {scales['fused'][r, b].item()!r}, eager {scales['eager'][r, b].item()!r}, "
+            f"amax/448 rounded once {quotient!r}"
+        )
+    raise AssertionError(detail)
