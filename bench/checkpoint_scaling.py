@@ -86,17 +86,21 @@ def build(grid_shape: tuple[int, ...], rank: int) -> tuple[Any, Any, Any]:
 
 
 class _As:
-    """The grid as another rank of it sees it: what the layout code asks (sizes, coordinates)."""
+    """The grid as another rank of it sees it: what the layout code asks (sizes, coordinates), each
+    answer kept (``sizes`` shared by every rank of the shape)."""
 
-    def __init__(self, shape: Any, rank: int):
-        self.shape, self.rank, self.coords = shape, rank, shape.coordinates(rank)
+    def __init__(self, shape: Any, rank: int, sizes: dict[str, int]):
+        self.shape, self.rank, self.coords, self.sizes = shape, rank, shape.coordinates(rank), sizes
 
     def size(self, axis: str) -> int:
-        return int(self.shape.size(axis))
+        if axis not in self.sizes:
+            self.sizes[axis] = int(self.shape.size(axis))
+        return self.sizes[axis]
 
     def coord(self, axis: str) -> int:
-        index = self.coords.get(axis)
-        return int(index if index is not None else self.shape.coordinate(self.rank, axis))
+        if axis not in self.coords:
+            self.coords[axis] = int(self.shape.coordinate(self.rank, axis))
+        return int(self.coords[axis])
 
 
 def _kinds(model: Any) -> dict[str, list[str]]:
@@ -110,7 +114,7 @@ def _kinds(model: Any) -> dict[str, list[str]]:
 def world_parts(model: Any, opt: Any, grid: Any, ranks: range) -> tuple[list[dict[str, Any]], list[set[tuple]]]:
     """What each rank of ``ranks`` writes: its part of the piece index (``index.rank_records``'
     form: records, files, the tensors whose first chunk it writes) and, for checking, its boxes."""
-    from axon4d.checkpoint.pieces import _owned_views, replicated_axes, writes
+    from axon4d.checkpoint.pieces import _owned_views, replicated_axes
     from axon4d.files.ckptindex import RECORD, key_hash
     from axon4d.grid.shape import AXES
     from axon4d.layout.geometry import data_part_numel
@@ -121,9 +125,15 @@ def world_parts(model: Any, opt: Any, grid: Any, ranks: range) -> tuple[list[dic
     kinds = _kinds(model)
     named = (lambda n: f"model.{n}", *(lambda n, m=m: f"optim.{n}.{m}" for m in MOMENTS))  # rank_state's keys
     known: dict[str, tuple[int, int]] = {}  # key -> (its hash in the index, crc32: which replica writes it)
+    sizes: dict[str, int] = {}
+    steps: dict[int, list[str]] = {}  # a step count's writer (pieces.writes over every axis) -> its keys
+    world = math.prod(grid.shape.size(a) for a in AXES)
+    for name in params:
+        key = f"optim.{name}.step"
+        steps.setdefault(zlib.crc32(key.encode()) % world, []).append(key)
     parts, boxes_of = [], []
     for r in ranks:
-        me = _As(grid.shape, r)
+        me = _As(grid.shape, r, sizes)
         rows: list[tuple[int, ...]] = []  # (hash, 3 offsets, 3 sizes, bytes)
         keys: dict[str, dict[str, Any]] = {}
         boxes: set[tuple] = set()
@@ -144,24 +154,29 @@ def world_parts(model: Any, opt: Any, grid: Any, ranks: range) -> tuple[list[dic
                     mine, _ = _owned_views(layout, tensor(rep), numel, start, t, me)
                 else:
                     mine = layout.views(tensor(rep), torch.empty(numel, device="meta"), me)
+                names = [tensor(member) for member in members]
+                cut = len(names[0])  # the representative's name: a piece's key is it and a suffix
                 for b, _ in mine:
-                    for member in members:
-                        key = tensor(member) + b.key[len(tensor(rep)) :]  # pieces.writes names the tensor
+                    place = (*_pad(b.offsets, 0), *_pad(b.sizes, 1), 4 * math.prod(b.sizes))
+                    first = not any(b.offsets)
+                    for name in names:
+                        key = name + b.key[cut:]  # pieces.writes names the tensor
                         if key not in known:
-                            known[key] = (key_hash(key), zlib.crc32(tensor(member).encode()))
+                            known[key] = (key_hash(key), zlib.crc32(name.encode()))
                         h, crc = known[key]
                         if crc % count != index:
                             continue
-                        rows.append((h, *_pad(b.offsets, 0), *_pad(b.sizes, 1), 4 * math.prod(b.sizes)))
+                        rows.append((h, *place))
                         boxes.add((key, b.offsets, b.sizes))
-                        if not any(b.offsets):
+                        if first:
                             keys[key] = {"shape": list(b.shape), "dtype": "float32"}
-        for name in params:  # step counts: one rank of the world each
-            key = f"optim.{name}.step"
-            if writes(key, me, AXES):
-                rows.append((key_hash(key), 0, 0, 0, 1, 1, 1, 8))
-                boxes.add((key, (), ()))
-                keys[key] = {"shape": [], "dtype": "float32"}
+        index = 0  # this rank's place over every axis, row-major, as pieces.writes counts it
+        for axis in AXES:
+            index = index * me.size(axis) + me.coord(axis)
+        for key in steps.get(index, []):  # step counts: one rank of the world each
+            rows.append((key_hash(key), 0, 0, 0, 1, 1, 1, 8))
+            boxes.add((key, (), ()))
+            keys[key] = {"shape": [], "dtype": "float32"}
         records = np.zeros(len(rows), RECORD)  # as index.rank_records makes them
         table = np.array([r[1:] for r in rows], np.int64).reshape(-1, 7)
         nbytes = table[:, 6]
