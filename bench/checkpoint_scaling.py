@@ -35,6 +35,7 @@ included; pages of pieces.npy mapped but not copied are not). Writes
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -46,7 +47,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-import zlib
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -103,18 +103,23 @@ class _As:
         return int(self.coords[axis])
 
 
+def _kind(name: str) -> str:
+    """A parameter's kind: blocks.<i>.<rest> is blocks.*.<rest>."""
+    return re.sub(r"\.\d+\.", ".*.", name, count=1)
+
+
 def _kinds(model: Any) -> dict[str, list[str]]:
-    """The model's parameters grouped by kind: blocks.<i>.<rest> share the kind blocks.*.<rest>."""
+    """The model's parameters grouped by kind (``_kind``)."""
     kinds: dict[str, list[str]] = {}
     for name, _ in model.named_parameters():
-        kinds.setdefault(re.sub(r"\.\d+\.", ".*.", name, count=1), []).append(name)
+        kinds.setdefault(_kind(name), []).append(name)
     return kinds
 
 
 def world_parts(model: Any, opt: Any, grid: Any, ranks: range) -> tuple[list[dict[str, Any]], list[set[tuple]]]:
     """What each rank of ``ranks`` writes: its part of the piece index (``index.rank_records``'
     form: records, files, the tensors whose first chunk it writes) and, for checking, its boxes."""
-    from axon4d.checkpoint.pieces import _owned_views, replicated_axes
+    from axon4d.checkpoint.pieces import _owned_views, place, replicated_axes, writer
     from axon4d.files.ckptindex import RECORD, key_hash
     from axon4d.grid.shape import AXES
     from axon4d.layout.geometry import data_part_numel
@@ -124,13 +129,20 @@ def world_parts(model: Any, opt: Any, grid: Any, ranks: range) -> tuple[list[dic
     g_data = grid.size("data")
     kinds = _kinds(model)
     named = (lambda n: f"model.{n}", *(lambda n, m=m: f"optim.{n}.{m}" for m in MOMENTS))  # rank_state's keys
-    known: dict[str, tuple[int, int]] = {}  # key -> (its hash in the index, crc32: which replica writes it)
+    known: dict[str, int] = {}  # key -> its hash in the index
+    writer_of = functools.cache(writer)  # the same few thousand tensors asked of by every rank
+
+    @functools.cache
+    def names_of(tensor: Any, rep: str) -> list[str]:
+        """The saved names of ``tensor`` (a ``named`` entry) for every layer of ``rep``'s kind."""
+        return [tensor(m) for m in kinds[_kind(rep)]]
+
     sizes: dict[str, int] = {}
-    steps: dict[int, list[str]] = {}  # a step count's writer (pieces.writes over every axis) -> its keys
+    steps: dict[int, list[str]] = {}  # a step count's writer over every axis (pieces.writer) -> its keys
     world = math.prod(grid.shape.size(a) for a in AXES)
     for name in params:
         key = f"optim.{name}.step"
-        steps.setdefault(zlib.crc32(key.encode()) % world, []).append(key)
+        steps.setdefault(writer(key, world), []).append(key)
     parts, boxes_of = [], []
     for r in ranks:
         me = _As(grid.shape, r, sizes)
@@ -146,34 +158,26 @@ def world_parts(model: Any, opt: Any, grid: Any, ranks: range) -> tuple[list[dic
             size = min(numel, start + chunk) - start
             for tensor in named:
                 part = not (tensor is named[0] and opt.master_copy(params[rep]) is None)  # else the parameter
-                index, count = 0, 1  # pieces.writes: this rank's place among those holding the same piece
-                for axis in replicated_axes(layout, part=part):
-                    index, count = index * me.size(axis) + me.coord(axis), count * me.size(axis)
+                index, count = place(me, replicated_axes(layout, part=part))  # among those holding it alike
                 if part:
                     t = torch.empty(size, device="meta")
                     mine, _ = _owned_views(layout, tensor(rep), numel, start, t, me)
                 else:
                     mine = layout.views(tensor(rep), torch.empty(numel, device="meta"), me)
-                names = [tensor(member) for member in members]
-                cut = len(names[0])  # the representative's name: a piece's key is it and a suffix
+                cut = len(tensor(rep))  # the representative's name: a piece's key is it and a suffix
+                names = [n for n in names_of(tensor, rep) if writer_of(n, count) == index]  # pieces.writes
                 for b, _ in mine:
-                    place = (*_pad(b.offsets, 0), *_pad(b.sizes, 1), 4 * math.prod(b.sizes))
+                    where = (*_pad(b.offsets, 0), *_pad(b.sizes, 1), 4 * math.prod(b.sizes))
                     first = not any(b.offsets)
                     for name in names:
-                        key = name + b.key[cut:]  # pieces.writes names the tensor
+                        key = name + b.key[cut:]
                         if key not in known:
-                            known[key] = (key_hash(key), zlib.crc32(name.encode()))
-                        h, crc = known[key]
-                        if crc % count != index:
-                            continue
-                        rows.append((h, *place))
+                            known[key] = key_hash(key)
+                        rows.append((known[key], *where))
                         boxes.add((key, b.offsets, b.sizes))
                         if first:
                             keys[key] = {"shape": list(b.shape), "dtype": "float32"}
-        index = 0  # this rank's place over every axis, row-major, as pieces.writes counts it
-        for axis in AXES:
-            index = index * me.size(axis) + me.coord(axis)
-        for key in steps.get(index, []):  # step counts: one rank of the world each
+        for key in steps.get(place(me, AXES)[0], []):  # step counts: one rank of the world each
             rows.append((key_hash(key), 0, 0, 0, 1, 1, 1, 8))
             boxes.add((key, (), ()))
             keys[key] = {"shape": [], "dtype": "float32"}

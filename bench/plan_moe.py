@@ -18,9 +18,9 @@ runs. Nothing is timed; the two 1024-rank searches take a minute or two on a 2-c
 
 Then ``moe-1t``'s ceilings: the same search on what-if machines — device memory ×8, every
 collective free (latency 0, bandwidth ×1e6), both — and on the shipped machine with every MoE
-all-to-all hidden behind compute (an ideal two-micro-batch schedule), and with both device memory ×8
-and every all-to-all hidden, to show which part of the cost model holds the job where it is. Those machines and that schedule do not exist; their figures are
-bounds, not plans. And the best
+all-to-all hidden behind compute (an ideal two-micro-batch schedule), and with both device memory
+×8 and every all-to-all hidden, to show which part of the cost model holds the job where it is.
+Those machines and that schedule do not exist; their figures are bounds, not plans. And the best
 ``moe-1t`` plan's floor: the bytes its all-to-alls send across the network per rank and step, their
 seconds at the network's bandwidth, and its MFU were every collective hidden behind compute.
 
@@ -152,10 +152,8 @@ def ceilings(model: str, gpus: int, batch: int, machine: str) -> list[dict[str, 
     of the cost model holds the job below its target."""
     out = []
     for name, what in CEILINGS:
-        if name in ("all-to-alls hidden", "memory and all-to-alls"):
-            with all_to_alls_hidden():
-                r = plan(model, gpus, relaxed(machine, name), batch, top=1)
-        else:
+        hidden = name in ("all-to-alls hidden", "memory and all-to-alls")
+        with all_to_alls_hidden() if hidden else contextlib.nullcontext():
             r = plan(model, gpus, relaxed(machine, name), batch, top=1)
         best = next(c for c in r.candidates if c.fits)
         out.append({"relaxed": name, "how": what, **_row(best)})

@@ -104,10 +104,22 @@ def writes(key: str, grid: Grid, axes: tuple[GridAxis, ...]) -> bool:
     it only along ``axes`` hold alike: one of them does, the one at index crc32(key) mod their
     number (row-major over ``axes``), so the tensors' writes spread over the replicas and every
     rank names the same writer without a collective."""
+    index, count = place(grid, axes)
+    return index == writer(key, count)
+
+
+def place(grid: Grid, axes: tuple[GridAxis, ...]) -> tuple[int, int]:
+    """(this rank's index among the ranks differing from it only along ``axes``, row-major over
+    ``axes``; their number)."""
     index, count = 0, 1
     for axis in axes:
         index, count = index * grid.size(axis) + grid.coord(axis), count * grid.size(axis)
-    return index == zlib.crc32(key.encode()) % count
+    return index, count
+
+
+def writer(key: str, count: int) -> int:
+    """The index (``place``) of the one of ``count`` ranks holding ``key`` alike that writes it."""
+    return zlib.crc32(key.encode()) % count
 
 
 def _owned_views(

@@ -181,9 +181,8 @@ def fp8_scale(amax: torch.Tensor, pow2: bool = False, fmax: float = FP8_MAX) -> 
     A non-finite amax gives itself as s, so an inf or NaN input stays non-finite (the step is then
     skipped, as it would be in bf16). Without ``pow2``: two kernels (a division and a clamp, which
     keeps NaN and inf as they are)."""
-    ratio = torch.clamp(
-        amax / fp8_fused.divisor(fmax, amax.device), min=_TINY
-    )  # () fp32, ≥ the smallest normal; NaN and inf kept
+    by = fp8_fused.divisor(fmax, amax.device)  # a tensor: the correctly rounded quotient on every device
+    ratio = torch.clamp(amax / by, min=_TINY)  # () fp32, ≥ the smallest normal; NaN and inf kept
     if not pow2:
         return ratio
     mantissa, exponent = torch.frexp(ratio)  # ratio = m·2^e, m in [0.5, 1)

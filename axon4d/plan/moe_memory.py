@@ -149,7 +149,8 @@ class BackwardPhases:
     - ``experts``: live beside what is live at the experts' backward's start, at its peak — the
       most of the outputs' index_select backward (its zeros and their index_add'ed copy, n·h
       each, where the rank holds several experts: one expert's rows are never sorted) and the
-      rows gathered over y where y splits the experts (the reduce-scatter's backward), the down GEMM's backward (the outputs' gradient n·h, the activation's n·f and
+      rows gathered over y where y splits the experts (the reduce-scatter's backward), the down
+      GEMM's backward (the outputs' gradient n·h, the activation's n·f and
       down's dW, in the gradients' dtype) and the activation's backward (SwiGLU's d(silu(gate))
       and d(up), GELU's d(h): n·f each, the activation's gradient n·f, down's dW; the incoming
       rows' gradient and the saved activation freed); the later GEMM's and dispatch's backward
