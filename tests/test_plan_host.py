@@ -22,8 +22,8 @@ from axon4d.options.recompute_mode import RECOMPUTE_MODES
 from axon4d.plan.host_memory import offload_pinned, pinned_per_node, snapshot_pinned, snapshot_tensors
 from axon4d.plan.layers import block_extras, layer_cost
 from axon4d.plan.machine import load
-from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.offload_cost import link_traffic, network_share, offload_seconds
+from axon4d.plan.persistent import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.saved import block_bytes, block_storages
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import Workload

@@ -142,7 +142,7 @@ def _unpriced(cfg, grid, options):
     an accelerator); the loss, its token count (int64) and the backward's seed, 0-dim; Adam's step
     count of each parameter tensor, a 0-dim fp32."""
     from axon4d.grid.shape import GridShape
-    from axon4d.plan.memory import local_param_tensors
+    from axon4d.plan.persistent import local_param_tensors
     from axon4d.plan.workload import Workload
 
     shape = GridShape(*grid)

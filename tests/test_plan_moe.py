@@ -729,7 +729,7 @@ PROBE_BENCH = PROBE_SMALL.replace(hidden=512, n_heads=8, vocab_size=2048, seq_le
         pytest.param(4, (1, 4, 1, 1), PROBE_SMALL, 8, marks=pytest.mark.slow),
         # experts whole on one rank, each split over y: the optimizer step is the peak, Adam holding
         # the previous tensor's denominator beside sqrt(v) and its quotient of experts.down (3 of the
-        # largest tensor, ``memory.adam_step_temporaries``): priced -11.9% with 2 of the largest linear's
+        # largest tensor, ``persistent.adam_step_temporaries``): priced -11.9% with 2 of the largest linear's
         pytest.param(2, (1, 2, 1, 1), PROBE_BENCH, 2, marks=pytest.mark.slow),
         # the bench's (1,2,4,1), priced -6.6% there (and here) without the chunks' dW sums
         pytest.param(8, (1, 2, 4, 1), PROBE_BENCH, 8, marks=pytest.mark.slow),

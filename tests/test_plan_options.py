@@ -22,9 +22,10 @@ from axon4d.plan.candidate import device_need, fits, scenario_memory
 from axon4d.plan.cost import step_estimate
 from axon4d.plan.layers import in_block, layer_cost
 from axon4d.plan.machine import load
-from axon4d.plan.memory import local_param_count, local_param_tensors, memory, sixteen_bit_weights
+from axon4d.plan.memory import memory
 from axon4d.plan.offload_cost import copy_queue
 from axon4d.plan.options import Choices, best_options, lower_bound
+from axon4d.plan.persistent import local_param_count, local_param_tensors, sixteen_bit_weights
 from axon4d.plan.saved import block_bytes
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import plan

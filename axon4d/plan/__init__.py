@@ -20,7 +20,8 @@ Measuring a machine is ``axon4d.measure``'s; this package only reads the machine
 from axon4d.plan.candidate import Candidate, candidate, evaluate
 from axon4d.plan.cost import TimeEstimate, step_estimate, step_time
 from axon4d.plan.machine import Machine, available, load
-from axon4d.plan.memory import MemoryEstimate, local_param_count, memory
+from axon4d.plan.memory import MemoryEstimate, memory
+from axon4d.plan.persistent import local_param_count
 from axon4d.plan.result import PlanResult
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import plan

@@ -48,10 +48,10 @@ from axon4d.plan.layers import (
     priced,
 )
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import optimizer_elements
 from axon4d.plan.moe_cost import MoESeconds, chunks_hidden, layer_seconds
 from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
+from axon4d.plan.persistent import optimizer_elements
 from axon4d.plan.recompute import rerun
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.walk import ONCE_PER_STEP, step_walk, stored
@@ -409,5 +409,5 @@ def _accumulated(first: tuple[TimeEstimate, _Totals], later: tuple[TimeEstimate,
 
 def _owned(sc: Scenario) -> float:
     """Parameter elements whose optimizer step runs on this rank: all of its own, or with ZeRO
-    ⌈N/G_data⌉ of them, an MoE model's experts whole (``memory.optimizer_elements``)."""
+    ⌈N/G_data⌉ of them, an MoE model's experts whole (``persistent.optimizer_elements``)."""
     return optimizer_elements(sc.workload, sc.shape, sc.zero)

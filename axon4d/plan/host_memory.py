@@ -27,7 +27,7 @@ import math
 from axon4d.device.pinned import carve, pinned_footprint
 from axon4d.grid.shape import GridShape
 from axon4d.memory.offload import MIN_BYTES
-from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
+from axon4d.plan.persistent import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.saved import block_storages
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.workload import OPTIMIZERS, Workload

@@ -9,7 +9,7 @@ over batch like a norm's); this rank's E_l = E/G_ep experts, each split as the l
 — up (ups·f/G_ty, hidden/G_tx), ups = 2 for a gated FFN, and down (hidden/G_tx, f/G_ty), G_tx and
 G_ty the x and y sizes where they split the experts, else 1. Held by one data rank (data among
 the expert-parallel axes), ZeRO leaves them whole; replicated over data, ZeRO shards them (and in
-mixed precision stores them in 16 bits: ``memory.sixteen_bit_weights``).
+mixed precision stores them in 16 bits: ``persistent.sixteen_bit_weights``).
 
 Saved for backward per layer (T tokens, h the features of a dispatched row — hidden/G_x where x
 splits the experts, else hidden —, n = the rows the experts compute: ρ·k times the rank's share of

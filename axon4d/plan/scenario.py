@@ -45,7 +45,7 @@ from axon4d.options.recompute_mode import check_recompute
 from axon4d.plan import fp8 as fp8_plan
 from axon4d.plan import moe_cost, moe_placement
 from axon4d.plan.machine import Machine
-from axon4d.plan.memory import local_param_count
+from axon4d.plan.persistent import local_param_count
 from axon4d.plan.workload import LinearSpec, Workload
 
 #: ZeRO stages the planner prices (``Scenario.zero``)
@@ -238,5 +238,5 @@ class Scenario:
 
     @cached_property
     def params(self) -> int:
-        """Parameter elements one rank holds (``memory.local_param_count``)."""
+        """Parameter elements one rank holds (``persistent.local_param_count``)."""
         return local_param_count(self.workload, self.shape)

@@ -36,7 +36,7 @@ from axon4d.plan.buckets import layer_scales
 from axon4d.plan.collective_model import ring_traffic
 from axon4d.plan.fp8 import scale_gathers
 from axon4d.plan.layers import EMBEDDING_TERMS, carried, collectives
-from axon4d.plan.memory import local_param_tensors, sixteen_bit_weights
+from axon4d.plan.persistent import local_param_tensors, sixteen_bit_weights
 from axon4d.plan.recompute import rerun_collectives
 from axon4d.plan.scenario import Scenario
 
@@ -156,7 +156,7 @@ def zero_gathers(sc: Scenario) -> list[Collective]:
 def stored(sc: Scenario) -> list[tuple[list[int], int]]:
     """The rank's parameter tensors (elements of each) by the bytes per element they are stored in,
     which ZeRO's all-gather moves (``geometry.wire_dtype`` of ``Term.ZERO_GATHER``): the 3D Linear
-    weights ZeRO keeps in 16 bits (``memory.sixteen_bit_weights``: mixed precision, G_data > 1) in
+    weights ZeRO keeps in 16 bits (``persistent.sixteen_bit_weights``: mixed precision, G_data > 1) in
     the compute dtype, the others as the parameters are (fp32 master weights)."""
     wl, shape, precision = sc.workload, sc.shape, sc.precision
     # ZeRO gathers an expert weight only where the layout replicates it over data (``axon4d.zero``)
