@@ -883,7 +883,7 @@ def test_context_parallel_attention_is_priced_as_the_rank_runs_it():
     (2·G_z−1)·C² pairs in all; the key/value all-gather hides behind the squares' forward."""
     import dataclasses
 
-    from axon4d.plan.layers import attention_seconds, context_hidden
+    from axon4d.plan.block_extras import attention_seconds, context_hidden
 
     cfg = ModelConfig(n_layers=2, hidden=256, n_heads=8, n_kv_heads=2, ffn_hidden=512, vocab_size=128, seq_len=4096)
     shape = GridShape(1, 2, 4, 1)
@@ -987,7 +987,7 @@ def test_norms_are_priced_as_the_kernel_that_runs():
     ~2 + 6); RMSNorm with G_x = 1 (``F.rms_norm``) and balanced recomputation (which keeps the
     statistics and re-runs ``normalize``) take the elementwise chain's ~5 + 8 — for balanced the
     recomputed work adds back the difference from what the step priced."""
-    from axon4d.plan.layers import norm_passes
+    from axon4d.plan.block_extras import norm_passes
     from axon4d.plan.recompute import recomputed_seconds
 
     gpt = Workload(SIZES["5B"], batch=16, dtype="bfloat16")

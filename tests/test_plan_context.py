@@ -12,8 +12,8 @@ from axon4d.config import get_config
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Op, Term
 from axon4d.plan import load, plan
+from axon4d.plan.block_extras import context_hidden
 from axon4d.plan.candidate import device_need, evaluate
-from axon4d.plan.layers import context_hidden
 from axon4d.plan.recompute import rerun_collectives
 from axon4d.plan.saved import block_saved
 from axon4d.plan.scenario import Scenario
@@ -144,7 +144,7 @@ def test_packed_documents_price_attention_within_each_document():
     """``document_tokens`` D: the document mask leaves (S/D)·D(D+1)/2 of S(S+1)/2 causal pairs; whole
     sequences run S/D causal squares of D, a split sequence its parts' share of the pairs, and the
     model FLOPs count the attention done. Bad values are refused naming the range."""
-    from axon4d.plan.layers import attention_seconds
+    from axon4d.plan.block_extras import attention_seconds
 
     seq, d = 65536, 4096
     wl = Workload(get_config("llama3-8b", seq_len=seq), batch=8)
@@ -174,7 +174,7 @@ def test_hierarchical_context_parallelism_splits_a_sequence_over_z_and_data():
     holding every sequence — one 1M-token sequence fits a grid with data ranks, its key/value
     traffic over batch, its attention that of a split over as many z-ranks; the search prices it
     beside the split over z and says which in the plan."""
-    from axon4d.plan.layers import attention_seconds
+    from axon4d.plan.block_extras import attention_seconds
 
     cfg = get_config("llama3-8b", seq_len=MILLION)
     over_z = Workload(cfg, batch=1, context_parallel=True, context_mode="ring")

@@ -19,8 +19,9 @@ from axon4d.memory import host_pool, host_snapshot
 from axon4d.memory.offload import MIN_BYTES
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.options.recompute_mode import RECOMPUTE_MODES
+from axon4d.plan.block_extras import block_extras
 from axon4d.plan.host_memory import offload_pinned, pinned_per_node, snapshot_pinned, snapshot_tensors
-from axon4d.plan.layers import block_extras, layer_cost
+from axon4d.plan.layers import layer_cost
 from axon4d.plan.machine import load
 from axon4d.plan.offload_cost import link_traffic, network_share, offload_seconds
 from axon4d.plan.persistent import local_param_tensors, sixteen_bit_weights

@@ -5,7 +5,7 @@ one walk (``axon4d.plan.walk.step_walk``), the list the byte parity test and the
 read too; each is priced by its source: every linear layer kind's run — its GEMMs, its collectives
 E8–E13 and the non-GEMM work after it — by ``axon4d.plan.layers``; what overlap hides (§4) by
 ``axon4d.plan.overlap_credit``'s credit over the layers' windows (and the context-parallel
-key/value collectives behind attention, ``layers.context_hidden``); what recomputation runs again
+key/value collectives behind attention, ``block_extras.context_hidden``); what recomputation runs again
 (§5) by ``axon4d.plan.recompute``; the collectives outside the layers (replicated parameters'
 gradients), ZeRO's gathers and the optimizer step here. An MoE block's layer — its compute and
 its collectives E14–E18 — is ``axon4d.plan.moe_cost``'s; of its collectives only the dispatches
@@ -36,17 +36,10 @@ from typing import Any
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term
 from axon4d.options.overlap_policy import OverlapPolicy
+from axon4d.plan.block_extras import block_extras, context_hidden
 from axon4d.plan.blocks import DENSE_MLP
 from axon4d.plan.buckets import layer_scales
-from axon4d.plan.layers import (
-    ACTIVATION_TERMS,
-    LayerCost,
-    block_extras,
-    context_hidden,
-    in_block,
-    layer_cost,
-    priced,
-)
+from axon4d.plan.layers import ACTIVATION_TERMS, LayerCost, in_block, layer_cost, priced
 from axon4d.plan.machine import Machine
 from axon4d.plan.moe_cost import MoESeconds, chunks_hidden, layer_seconds
 from axon4d.plan.offload_cost import offload_seconds

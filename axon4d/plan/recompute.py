@@ -8,7 +8,7 @@ priced here and only here (``rerun``); ``axon4d.plan.cost`` adds it to the step 
   when the consuming GEMM's backward re-makes its input, once in the op's own backward — and the
   norms take the elementwise chain (statistics kept, normalisation re-run) where they would
   otherwise be a fused kernel: torch's (G_x = 1) or the fused split norm (G_x > 1); the difference
-  in passes is ``layers.norm_passes``'.
+  in passes is ``block_extras.norm_passes``'.
 - ``full``: every block's whole forward runs again in backward — the compute of its layers'
   forwards and every collective of the block's forward issued again (``rerun_collectives``: the
   layers' E8 and E10f, the norms' sums over x, context parallelism's key/value all-gather, an MoE
@@ -26,17 +26,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from axon4d.layout.geometry import Collective, Term
+from axon4d.plan.block_extras import ATTENTION_FORWARD, attention_seconds, norm_passes
 from axon4d.plan.blocks import mlp_width
-from axon4d.plan.layers import (
-    ACTIVATION_TERMS,
-    ATTENTION_FORWARD,
-    LayerCost,
-    attention_seconds,
-    collectives,
-    in_block,
-    norm_passes,
-    priced,
-)
+from axon4d.plan.layers import ACTIVATION_TERMS, LayerCost, collectives, in_block, priced
 from axon4d.plan.moe_cost import layer_seconds, output_moves
 from axon4d.plan.scenario import Scenario
 
