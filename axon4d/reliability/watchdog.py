@@ -52,10 +52,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: exit code of a rank ended because another rank failed
 from axon4d.grid import launch
 from axon4d.reliability import diagnosis, errors
 
+#: exit code of a rank ended because another rank failed
 EXIT_PEER_FAILED = 3
 #: exit code of a rank ended because a wait passed its deadline
 EXIT_TIMEOUT = 4
