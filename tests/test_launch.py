@@ -168,7 +168,8 @@ def _alive(pid):
 
 @pytest.mark.slow
 def test_local_ranks_end_with_the_process_that_spawned_them(tmp_path):
-    """axon4d.measure.spawn: killing the spawner leaves no rank behind; a rank that dies is reported."""
+    """axon4d.measure.spawn: killing the spawner leaves no rank (nor the fork server they came from)
+    behind; a rank that dies is reported."""
     import signal
     import time
 
@@ -182,6 +183,9 @@ def test_local_ranks_end_with_the_process_that_spawned_them(tmp_path):
         time.sleep(0.2)
     pids = [int((tmp_path / name).read_text()) for name in written()]
     assert len(pids) == 2
+    # the ranks' parent: the spawner, or the fork server it forks them from, which must end with it too
+    parents = {int(open(f"/proc/{p}/stat").read().split(") ")[1].split()[1]) for p in pids} - {spawner.pid}
+    pids += sorted(parents)
     spawner.send_signal(signal.SIGKILL)
     spawner.wait()
     deadline = time.monotonic() + 120  # a rank notices within half a second; a loaded host may take longer
@@ -191,6 +195,28 @@ def test_local_ranks_end_with_the_process_that_spawned_them(tmp_path):
     (tmp_path / "again").mkdir()
     with pytest.raises(RuntimeError, match="rank 1 of the local 2-rank world ended with exit code 9"):
         run_local(2, _rank_pid_then_wait, str(tmp_path / "again"), 1)
+
+
+_FORK_SERVER_IMPORTS = """
+import torch
+
+def refuse(*args, **kwargs):
+    raise AssertionError("importing the fork server's modules asked torch.cuda")
+
+for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "set_device"):
+    setattr(torch.cuda, name, refuse)
+import axon4d.measure.spawn as spawn
+
+assert spawn._context().get_start_method() == "forkserver"
+"""
+
+
+def test_the_fork_server_that_forks_local_ranks_touches_no_accelerator():
+    """axon4d.measure.spawn: local ranks are forked from a server that imported torch and the
+    spawner's module; a process forked after CUDA is initialised cannot use it, so that import must
+    never ask torch.cuda anything (each rank initialises its own device, as a spawned one would)."""
+    proc = subprocess.run([sys.executable, "-c", _FORK_SERVER_IMPORTS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 class _Ended:
