@@ -517,6 +517,24 @@ def test_an_moe_model_whose_blocks_are_all_dense_is_priced_as_the_dense_model():
     assert a.flops() == b.flops()
 
 
+def test_the_dense_blocks_step_is_priced_once_for_every_expert_layout():
+    """A model with dense blocks before its MoE blocks: the dense blocks' step, which no expert
+    layout changes, is made once per grid and options and shared by every layout the search prices
+    (``cost._kind_estimate``): each layout's step equals the one priced on a machine that has
+    priced no other layout, field for field."""
+    cfg = moe_cfg(layers=3, dense=1)
+    shape = GridShape(2, 2, 2, 2)
+    layouts = ["ep=z·data,tp=x·y", "ep=x·y·z,tp=1", "ep=data,tp=x"]
+    shared = load("h100")
+    for layout in layouts:
+        wl = Workload(cfg, 16, expert_layout=layout)
+        alone = step_estimate(Scenario(wl, shape, load("h100")))
+        reused = step_estimate(Scenario(wl, shape, shared))
+        assert dataclasses.asdict(reused) == dataclasses.asdict(alone), layout
+    kept = [key for key in shared.__dict__["_remembered"] if key[0] == "dense kind"]
+    assert len(kept) == 1  # one dense step for the three layouts
+
+
 def test_mfu_counts_the_active_parameters():
     """One more routed expert per token adds its 6·(3·hidden·f) FLOPs per token and layer; the
     experts a token does not reach add none."""

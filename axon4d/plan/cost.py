@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from axon4d.grid.expert_layout import ExpertLayout
 from axon4d.grid.shape import GridShape
 from axon4d.layout.geometry import Collective, Op, Term
 from axon4d.options.overlap_policy import OverlapPolicy
@@ -167,7 +168,7 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
     weighted by its share of the blocks (``combined``)."""
     kinds = sc.kinds()
     if len(kinds) > 1:
-        return combined([(step_estimate(kind), share, not kind.model.moe) for kind, share in kinds])
+        return combined([(_kind_estimate(kind), share, not kind.model.moe) for kind, share in kinds])
     sc = kinds[0][0]  # its one kind: an MoE model whose blocks are all dense is the dense model
     k = sc.micro_batches
     micro = sc.micro()
@@ -175,6 +176,17 @@ def step_estimate(sc: Scenario) -> TimeEstimate:
     if k == 1:
         return first[0]
     return _accumulated(first, _one_pass(micro, reuse=True) if sc.overlap.oag_keep else first, k)
+
+
+def _kind_estimate(sc: Scenario) -> TimeEstimate:
+    """``step_estimate`` of one kind of a mixed model's blocks; its dense blocks' step, which no
+    expert layout changes (they have no experts), is made once per step options on the machine
+    (``Machine.remembered``) and shared by every layout the search prices on the grid."""
+    if sc.model.moe:
+        return step_estimate(sc)
+    wl = dataclasses.replace(sc.workload, expert_layout=ExpertLayout())
+    key = ("dense kind", wl, sc.shape, sc.overlap, sc.recompute, sc.micro_batches, sc.zero, sc.offload, sc.fp8_gather)
+    return sc.machine.remembered(key, lambda: step_estimate(dataclasses.replace(sc, workload=wl)))
 
 
 #: the overlap mechanism that hides the once-per-step reductions, and the one that hides ZeRO's all-gather
