@@ -220,8 +220,9 @@ def test_peak_memory_of_micro_batches_and_offload_is_the_planners(pools, world, 
 @pytest.mark.parametrize("recompute", ["none", "balanced", "full"])
 def test_the_backward_walk_s_peak_moves_with_the_bytes_it_starts_from(model, recompute):
     """``memory`` walks the backward once from zero live bytes and adds where it starts
-    (``memory._walk_added``): that holds only while every event of ``BackwardWalk`` moves the live
-    bytes by its own. A walk from any start must peak that much higher."""
+    (``memory._walk_added``; under offload the last two blocks' too, ``memory._last_blocks_added``):
+    that holds only while every event of ``BackwardWalk`` moves the live bytes by its own. A walk
+    from any start must peak that much higher."""
     wl = Workload(get_config(model), 256, precision="bf16-fp32-reduce")
     shape = GridShape(2, 2, 4, 16)
     kinds = [(kind, round(share * wl.model.n_layers)) for kind, share in reversed(wl.kinds())]
@@ -234,8 +235,14 @@ def test_the_backward_walk_s_peak_moves_with_the_bytes_it_starts_from(model, rec
             ]
             return walk_kinds(walks)
 
+        def last(start: float, carried: bool) -> float:
+            first = kinds[-1][0]  # the model's first blocks' kind, whose last two the backward ends with
+            walk = BackwardWalk(first, shape, recompute, overlap, True, start, 0.5, carried=carried)
+            return walk.last_blocks(first=first.model.n_layers <= 2)
+
         for carried in (False, True):
-            zero = peak(0.0, carried)
-            assert zero > 0
+            zero, last_zero = peak(0.0, carried), last(0.0, carried)
+            assert zero > 0 and last_zero > 0
             for start in (1e9, 3.7e10):
                 assert peak(start, carried) == pytest.approx(start + zero, rel=1e-12)
+                assert last(start, carried) == pytest.approx(start + last_zero, rel=1e-12)

@@ -94,7 +94,7 @@ def held_gradients(
 
 
 def offload_peak(
-    walk: Callable[..., BackwardWalk],
+    last: Callable[[float, float], float],
     wl: Workload,
     shape: GridShape,
     state: Persistent,
@@ -111,13 +111,15 @@ def offload_peak(
     block 0's, fetched back when it started, beside the gradient coming down the residual stream
     (b · H/G_x: the head's dX, which ``run`` holds from the head on) and the gradients of every
     parameter whose backward ran — all but the two blocks' and the embedding's; block 0's then
-    starts with its own tensors alone and block 1's gradients too."""
+    starts with its own tensors alone and block 1's gradients too. ``last(start, share)``: the peak
+    of the last two blocks' backward from ``start`` live bytes, each layer's gradient adding
+    ``share`` of its bytes (``_last_blocks_added``)."""
     m = wl.model
     blocks = min(m.n_layers, 2)
     residual = wl.local_tokens(shape) * (m.hidden // shape.x) * wl.element_size if wl.head else 0.0
     done = state.n_params - blocks * block_param_elements(wl, shape) - embedding_elements(wl, shape)
     start = blocks * per_block + weights + held + residual + done * state.p_bytes * share
-    return walk(start, share).last_blocks(first=m.n_layers <= 2)
+    return last(start, share)
 
 
 def zero_gathers(
@@ -187,6 +189,16 @@ def _walk_added(kinds: tuple[tuple[Workload, int], ...], share: float, options: 
     from zero live bytes, each layer's gradient adding ``share`` of its bytes. Made once per
     arguments: the step options that leave them alone (offload, ZeRO stage) share it."""
     return walk_kinds([(options.walk(kind, 0.0, share), count) for kind, count in kinds])
+
+
+@functools.lru_cache(maxsize=16384)
+def _last_blocks_added(kind: Workload, share: float, options: _WalkOptions) -> float:
+    """The most bytes the backward's last two blocks of ``kind`` add to what is live as the first
+    of them starts (``BackwardWalk.last_blocks`` from zero live bytes; the first is the block right
+    after the head where the model has at most two), each layer's gradient adding ``share`` of its
+    bytes. Made once per arguments: as in ``_walk_added``, the peak from any start is that start
+    plus this, and the offload levels, ZeRO stages and starts share it."""
+    return options.walk(kind, 0.0, share).last_blocks(first=kind.model.n_layers <= 2)
 
 
 def memory(
@@ -267,7 +279,7 @@ def memory(
     live_peak = acts + held + _walk_added(walked, share, options)
     if offload:  # the backward's last two blocks: the first kind's (a mixed model's dense blocks)
         first = kinds[0][0]
-        last = functools.partial(options.walk, first)  # (start, share) → the first kind's walk
+        last = lambda start, share: start + _last_blocks_added(first, share, options)  # noqa: E731
         live_peak = max(live_peak, offload_peak(last, first, shape, state, per_block, weights, held, share))
     gathers, deferred, largest_part = zero_gathers(wl, shape, zero, overlap, accelerator, state)
     # per-tensor temporaries of a non-foreach Adam (``adam_step_temporaries``; under ZeRO over data
