@@ -219,6 +219,37 @@ def test_the_fork_server_that_forks_local_ranks_touches_no_accelerator():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def _say(_, word):
+    """On a rank: ``word`` with the rank's pid, once to stdout and once to stderr."""
+    print(f"{word} out {os.getpid()}", flush=True)
+    print(f"{word} err {os.getpid()}", file=sys.stderr, flush=True)
+    return os.getpid()
+
+
+@pytest.mark.slow
+def test_local_ranks_write_where_the_starting_process_writes_now(tmp_path):
+    """axon4d.measure.spawn: a rank's stdout and stderr are those of the process that starts its world,
+    as they are when it does — not those of the fork server the ranks come from, which keeps the
+    streams of whatever started it first (an earlier command, another test's captured output)."""
+    from axon4d.measure.spawn import run_local
+
+    run_local(1, _say, "first", grid=None)  # the fork server runs from here on, with today's streams
+    out, err = tmp_path / "out", tmp_path / "err"
+    saved = os.dup(1), os.dup(2)
+    with open(out, "w") as o, open(err, "w") as e:
+        os.dup2(o.fileno(), 1)
+        os.dup2(e.fileno(), 2)
+        try:
+            pids = run_local(2, _say, "second", grid=None, every_rank=True)
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    assert sorted(out.read_text().split("\n")[:-1]) == sorted(f"second out {p}" for p in pids)
+    assert sorted(err.read_text().split("\n")[:-1]) == sorted(f"second err {p}" for p in pids)
+
+
 class _Ended:
     """A rank process of a local world that has ended with exit code 1."""
 

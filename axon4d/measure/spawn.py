@@ -35,6 +35,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -67,6 +68,40 @@ def _context() -> Any:
     return ctx
 
 
+class _Streams:
+    """The starting process's stdout and stderr as a rank receives them: pickled at the rank's start
+    as duplicates of file descriptors 1 and 2 (``multiprocessing.reduction.DupFd``, passed to the
+    child as its start method passes descriptors), made the rank's own by ``adopt``. A spawned rank
+    inherits them anyway; a forked one would otherwise write where its fork server's pointed when
+    the server started (another command's, or a test's captured output)."""
+
+    fds: tuple[int, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        sent: list[Any] = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed here: the rank keeps what it has
+                sent.append(None)
+                continue
+            sent.append(reduction.DupFd(fd))
+        return (_Streams._received, tuple(sent))
+
+    @staticmethod
+    def _received(*sent: Any) -> _Streams:
+        streams = _Streams()
+        streams.fds = tuple(-1 if s is None else s.detach() for s in sent)
+        return streams
+
+    def adopt(self) -> None:
+        """Make the received descriptors this process's stdout and stderr."""
+        for fd, target in zip(self.fds, (1, 2)):
+            if fd >= 0 and fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
 def _exit_with_parent(parent: int) -> None:
     """End this process as soon as ``parent`` — the process that started the world, whose child it
     is when spawned and whose fork server's child it is when forked — ends or is killed: when its
@@ -97,6 +132,7 @@ def _serve(rank: int, world: int, port: int, how: dict[str, Any], inbox: Any, ou
     # forked one has its fork server's, from when that started)
     os.environ.clear()
     os.environ.update(how["environ"])
+    how["streams"].adopt()  # ... and its stdout and stderr
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if how["device_per_rank"]:
         os.environ["LOCAL_RANK"] = str(rank)  # runtime.init's default device: accelerator ``rank``
@@ -158,6 +194,7 @@ class LocalWorld:
         self.inboxes = [ctx.Queue() for _ in range(world)]
         how = {
             "environ": dict(os.environ),
+            "streams": _Streams(),
             "backend": backend or devices.default_backend(devices.HOST),
             "device_per_rank": device_per_rank,
             "timeout": timeout,
