@@ -535,6 +535,21 @@ def test_the_dense_blocks_step_is_priced_once_for_every_expert_layout():
     assert len(kept) == 1  # one dense step for the three layouts
 
 
+def test_evaluate_refuses_a_grid_the_job_cannot_run_naming_each_broken_rule():
+    """``axon4d.plan.evaluate`` (the public price of one grid) of a grid whose expert layout leaves
+    a rank no whole expert: a ValueError naming the rule, the layout and what to do — not a
+    division by zero deep in the MoE layer's price."""
+    from axon4d.plan import evaluate
+
+    wl = Workload(moe_cfg(layers=3, dense=1), 16, expert_layout="ep=world,tp=1")  # 8 experts, 16 ranks
+    with pytest.raises(ValueError) as refused:
+        evaluate(wl, GridShape(2, 2, 2, 2), load("h100"))
+    message = str(refused.value)
+    assert "grid (2, 2, 2, 2)" in message and "experts ep=world,tp=1" in message
+    assert "n_experts = 8 is not divisible by G_x·G_y·G_z·G_data = 16" in message and "axon4d plan" in message
+    assert evaluate(wl, GridShape(2, 2, 1, 2), load("h100")).mfu > 0  # 8 ranks: one expert each
+
+
 def test_mfu_counts_the_active_parameters():
     """One more routed expert per token adds its 6·(3·hidden·f) FLOPs per token and layer; the
     experts a token does not reach add none."""

@@ -127,7 +127,16 @@ def evaluate(
     **options: Any,
 ) -> Candidate:
     """Predicted time, memory and MFU of one valid grid: ``candidate`` of their ``Scenario``
-    (``options``: its ``micro_batches``, ``zero``, ``offload``, ``fp8_gather``)."""
+    (``options``: its ``micro_batches``, ``zero``, ``offload``, ``fp8_gather``). A grid that breaks
+    one of the job's divisibility rules (``Workload.grid_problems``) is refused with each rule it
+    breaks."""
+    problems = wl.grid_problems(shape)
+    if problems:
+        layout = f" with experts {wl.expert_layout}" if wl.model.moe else ""
+        raise ValueError(
+            f"grid {shape.as_tuple()} cannot run {wl.model.name or 'this model'}{layout}: {'; '.join(problems)}; "
+            "choose sizes that divide them (`axon4d plan` searches only the grids that do)"
+        )
     return candidate(Scenario(wl, shape, machine, overlap, recompute, **options), memory_limit)
 
 
