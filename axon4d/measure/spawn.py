@@ -4,7 +4,9 @@ one host, ranks that share its cores — and its one accelerator, if it has one 
 The one spawner of local worlds: the tests' pool of ranks (tests/harness.py), the calibration
 (axon4d.measure.calibrate), bench/gpu_check.py and the benches start their ranks here.
 
-``LocalWorld(world)`` starts ``world`` processes that join one process group over loopback (gloo
+``LocalWorld(world)`` starts ``world`` processes — forked from a fork server that imported torch
+once (``_context``), each with the environment, stdout and stderr of the process that starts it —
+that join one process group over loopback (gloo
 unless ``backend`` is given; NCCL with ``device_per_rank``: rank r on accelerator r) and then serve
 tasks until ``close()``: ``run(grid, fn, args)`` builds ``axon4d.init(grid)`` on every rank, calls
 ``fn(grid, *args)`` (``fn(*args)`` with ``grid=None``), shuts the grid down and returns the results
