@@ -59,9 +59,8 @@ class RankFailure(RuntimeError):
 
 def _context() -> Any:
     """How local worlds start their ranks: forked from a fork server that imported torch and this
-    module once (a rank then starts in milliseconds instead of importing torch, seconds each: a
-    world of four cost ~6 s on a 2-core host, ~0.05 s forked), where the platform has one; else
-    spawned. The server never touches an accelerator (importing torch initialises no CUDA), so
+    module once (a rank then starts without importing torch again), where the platform has one;
+    else spawned. The server never touches an accelerator (importing torch initialises no CUDA), so
     every rank still initialises its own, as a spawned one would."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")

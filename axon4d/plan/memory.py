@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -94,7 +93,7 @@ def held_gradients(
 
 
 def offload_peak(
-    last: Callable[[float, float], float],
+    added: float,
     wl: Workload,
     shape: GridShape,
     state: Persistent,
@@ -111,15 +110,15 @@ def offload_peak(
     block 0's, fetched back when it started, beside the gradient coming down the residual stream
     (b · H/G_x: the head's dX, which ``run`` holds from the head on) and the gradients of every
     parameter whose backward ran — all but the two blocks' and the embedding's; block 0's then
-    starts with its own tensors alone and block 1's gradients too. ``last(start, share)``: the peak
-    of the last two blocks' backward from ``start`` live bytes, each layer's gradient adding
-    ``share`` of its bytes (``_last_blocks_added``)."""
+    starts with its own tensors alone and block 1's gradients too. ``added``: the most bytes those
+    two blocks' backward adds to where it starts, each layer's gradient adding ``share`` of its
+    bytes (``_last_blocks_added``)."""
     m = wl.model
     blocks = min(m.n_layers, 2)
     residual = wl.local_tokens(shape) * (m.hidden // shape.x) * wl.element_size if wl.head else 0.0
     done = state.n_params - blocks * block_param_elements(wl, shape) - embedding_elements(wl, shape)
     start = blocks * per_block + weights + held + residual + done * state.p_bytes * share
-    return last(start, share)
+    return start + added
 
 
 def zero_gathers(
@@ -279,8 +278,8 @@ def memory(
     live_peak = acts + held + _walk_added(walked, share, options)
     if offload:  # the backward's last two blocks: the first kind's (a mixed model's dense blocks)
         first = kinds[0][0]
-        last = lambda start, share: start + _last_blocks_added(first, share, options)  # noqa: E731
-        live_peak = max(live_peak, offload_peak(last, first, shape, state, per_block, weights, held, share))
+        added = _last_blocks_added(first, share, options)
+        live_peak = max(live_peak, offload_peak(added, first, shape, state, per_block, weights, held, share))
     gathers, deferred, largest_part = zero_gathers(wl, shape, zero, overlap, accelerator, state)
     # per-tensor temporaries of a non-foreach Adam (``adam_step_temporaries``; under ZeRO over data
     # the largest part's two); SGD updates in place
