@@ -12,7 +12,7 @@ shipped ``h100.json``:
 Every plan is held to what the machine file says a node has (docs/planner.md). These are
 predictions of the cost model — its GPU figures are published peaks derated by the stated
 assumptions of ``axon4d/plan/machines/h100.json``, its all-to-all an unmeasured model — not GPU
-runs. Nothing is timed; the two 1024-rank searches take a minute or two on a 2-core host.
+runs. Nothing is timed; the whole bench takes about five minutes on a 2-core host.
 
     .venv/bin/python bench/plan_moe.py
 
@@ -22,7 +22,10 @@ all-to-all hidden behind compute (an ideal two-micro-batch schedule), and with b
 ×8 and every all-to-all hidden, to show which part of the cost model holds the job where it is.
 Those machines and that schedule do not exist; their figures are bounds, not plans. And the best
 ``moe-1t`` plan's floor: the bytes its all-to-alls send across the network per rank and step, their
-seconds at the network's bandwidth, and its MFU were every collective hidden behind compute.
+seconds at the network's bandwidth, and its MFU were every collective hidden behind compute. The
+``moe-1t`` search, its ceilings and its floor are made again at a batch of 4096 sequences
+(``LARGER_BATCH``), nearer what a 1T model trains with, where the once-per-step collectives weigh
+less.
 
 Saves ``bench/results/plan_moe.json`` (each search's top candidates: grid, options, layout,
 predicted step time, time parts and memory, the ceilings, the floor, and the header of bench/common.py); the last lines are,
@@ -58,6 +61,9 @@ from axon4d.plan.search import plan  # noqa: E402
 
 #: (model, GPUs, batch in sequences): the issue's two jobs
 JOBS = (("mixtral-8x7b", 256, 1024), ("moe-1t", 1024, 1024))
+#: ``moe-1t``'s search, ceilings and floor again at a batch nearer a 1T model's in practice (Kimi
+#: K2's report: 67M tokens a step; DeepSeek-V3's: 15360 × 4096): 4096 sequences, 16.8M tokens
+LARGER_BATCH = 4096
 #: the placement the runtime had before expert layouts
 DEFAULT_LAYOUT = "ep=batch,tp=x·y"
 
@@ -88,14 +94,16 @@ def search(model: str, gpus: int, batch: int, machine: str, top: int, layout: st
     return {"layout": layout or "searched", "searched": r.searched, "valid": r.valid, "top": [_row(c) for c in fitting]}
 
 
+def _best(found: dict[str, Any]) -> str:
+    """``A% model MFU (predicted; grid G, options O)`` of a search's best fitting candidate."""
+    b = found["top"][0]
+    return f"{100 * b['mfu']:.1f}% model MFU (predicted; grid {tuple(b['grid'])}, {b['options']})"
+
+
 def headline(model: str, gpus: int, machine: str, batch: int, default: dict[str, Any], best: dict[str, Any]) -> str:
     """``plan MoE: <model> on <gpus> × <machine>, batch <b>: default layout B% → searched A% ...``."""
     was = f"{100 * default['top'][0]['mfu']:.1f}%" if default["top"] else "nothing fits"
-    b = best["top"][0]
-    return (
-        f"plan MoE: {model} on {gpus} × {machine}, batch {batch}: default layout {was} → searched "
-        f"{100 * b['mfu']:.1f}% model MFU (predicted; grid {tuple(b['grid'])}, {b['options']})"
-    )
+    return f"plan MoE: {model} on {gpus} × {machine}, batch {batch}: default layout {was} → searched {_best(best)}"
 
 
 #: what-if machines for ``moe-1t``'s ceilings: (name, what is relaxed) — not machines that exist
@@ -225,21 +233,36 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(headline(model, gpus, args.machine, batch, default, best))
     bound = ceilings("moe-1t", 1024, 1024, args.machine)
     least = floor("moe-1t", 1024, 1024, args.machine, jobs[-1]["searched"]["top"][0])
-    result = {"machine": args.machine, "jobs": jobs, "moe_1t_ceilings": bound, "moe_1t_floor": least}
+    larger = search("moe-1t", 1024, LARGER_BATCH, args.machine, args.top, None)
+    at_larger = {
+        "batch": LARGER_BATCH,
+        "searched": larger,
+        "ceilings": ceilings("moe-1t", 1024, LARGER_BATCH, args.machine),
+        "floor": floor("moe-1t", 1024, LARGER_BATCH, args.machine, larger["top"][0]),
+    }
+    result = {
+        "machine": args.machine,
+        "jobs": jobs,
+        "moe_1t_ceilings": bound,
+        "moe_1t_floor": least,
+        "moe_1t_larger_batch": at_larger,
+    }
     common.save(args.out, result, head)
-    for row in bound:
+    for batch, rows, low in ((1024, bound, least), (LARGER_BATCH, at_larger["ceilings"], at_larger["floor"])):
+        for row in rows:
+            print(
+                f"ceiling: moe-1t on 1024 × {args.machine}, batch {batch}, with {row['relaxed']} ({row['how']}): "
+                f"{100 * row['mfu']:.1f}% model MFU (grid {tuple(row['grid'])}, {row['options']})"
+            )
         print(
-            f"ceiling: moe-1t on 1024 × {args.machine} with {row['relaxed']} ({row['how']}): "
-            f"{100 * row['mfu']:.1f}% model MFU (grid {tuple(row['grid'])}, {row['options']})"
+            f"floor: moe-1t on 1024 × {args.machine}, batch {batch}, grid {tuple(low['grid'])}: all-to-alls "
+            f"{low['all_to_all_bytes_per_step'] / 1e9:.0f} GB a step per rank, "
+            f"{100 * low['remote_share']:.0f}% across the network: {low['network_s']:.1f} s "
+            f"(none again in a fully recomputed block's re-run); every collective hidden behind "
+            f"{low['compute_s']:.2f} s of compute, {low['network_comm_s']:.2f} s of it on the network: "
+            f"{100 * low['mfu_all_hidden']:.1f}% model MFU (predicted bounds)"
         )
-    print(
-        f"floor: moe-1t on 1024 × {args.machine}, grid {tuple(least['grid'])}: all-to-alls "
-        f"{least['all_to_all_bytes_per_step'] / 1e9:.0f} GB a step per rank, "
-        f"{100 * least['remote_share']:.0f}% across the network: {least['network_s']:.1f} s "
-        f"(none again in a fully recomputed block's re-run); every collective hidden behind "
-        f"{least['compute_s']:.2f} s of compute, {least['network_comm_s']:.2f} s of it on the network: "
-        f"{100 * least['mfu_all_hidden']:.1f}% model MFU (predicted bounds)"
-    )
+    print(f"plan MoE: moe-1t on 1024 × {args.machine}, batch {LARGER_BATCH}: {_best(larger)}")
     for line in lines:
         print(line)
     return 0
