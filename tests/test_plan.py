@@ -20,7 +20,7 @@ from axon4d.config import SIZES, ModelConfig
 from axon4d.grid.shape import GridShape, factorizations
 from axon4d.layout.geometry import Term, chunk_sizes, linear_collectives, weight_shard_numel
 from axon4d.options.overlap_policy import OverlapPolicy
-from axon4d.plan import Workload, evaluate, load, local_param_count, memory, plan, step_time
+from axon4d.plan import Workload, evaluate, load, local_param_count, memory, plan, step_breakdown, step_time
 from axon4d.plan.candidate import device_need
 from axon4d.plan.layers import axis_group_and_stride, comm_field, layer_cost
 from axon4d.plan.machine import available
@@ -613,6 +613,20 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     assert code == 0 and "grid (x,y,z,d)" in text and "t_data" in text
     data = json.loads(out.read_text())
     assert len(data["candidates"]) == 3 and data["world"] == 64
+    # the best plan's step in its parts, which add up to it where no in-step scale weights them
+    (line,) = [line for line in text.splitlines() if line.startswith("step ")]
+    seconds = re.match(
+        r"step (\S+) s \(predicted, one rank\) = compute (\S+) s \(GEMMs (\S+) s outside recomputation, "
+        r"optimizer (\S+) s\) \+ collectives left exposed (\S+) s \(of (\S+) s issued; overlap hides (\S+) s\) "
+        r"\+ compute lost to their traffic (\S+) s$",
+        line,
+    )
+    assert seconds, line
+    step, compute, gemms, optimizer, exposed, issued, hidden, lost = map(float, seconds.groups())
+    best = data["candidates"][0]
+    assert step == pytest.approx(best["step_s"], rel=1e-3) and gemms == pytest.approx(best["matmul_s"], rel=1e-2)
+    assert compute + exposed + lost == pytest.approx(step, rel=2e-3)
+    assert issued - hidden == pytest.approx(exposed, rel=2e-2) and gemms + optimizer < compute
     assert "in-step scale" not in text  # shipped machines have no step calibration
     from axon4d.plan.stepfit import model_fields
 
@@ -635,6 +649,9 @@ def test_plan_cli_prints_a_table_and_json(capsys, tmp_path):
     text = capsys.readouterr().out
     assert (
         "in-step scale compute ×1.50, activation all-reduces ×1.00, weight/gradient collectives ×0.50, 2.00 ms" in text
+    )
+    assert re.search(
+        r"^step \S+ s \(predicted, one rank\), weighted by the machine's in-step scale, from compute ", text, re.M
     )
     assert (
         "fitted to steps of layers=32,hidden=7168,heads=56,kv_heads=56,ffn=28672,vocab=51200," in text
@@ -673,6 +690,18 @@ def test_init_auto_builds_the_planners_choice_on_every_rank(pools):
     """grid="auto" with init's default overlap="auto": the planner's grid and its tuned knobs."""
     best = plan(PROBE, 8, "perlmutter", batch=8, dtype="float32", overlap="auto", **PINNED).best
     assert pools(8).run(None, _auto_grid, PROBE) == [(best.shape.as_tuple(), best.overlap)] * 8
+
+
+def test_auto_prints_the_chosen_plans_step_in_its_parts(capsys):
+    from axon4d.plan.auto import ranked
+
+    best = ranked(8, model=PROBE, batch=8, machine="perlmutter", dtype="float32").best
+    err = capsys.readouterr().err
+    assert f"grid='auto' chose {best.shape.as_tuple()}" in err
+    (line,) = [line for line in err.splitlines() if line.startswith("axon4d: step ")]
+    assert line == f"axon4d: {step_breakdown(best.time)}" and f"step {best.time.step_s:.4g} s" in line
+    ranked(8, model=PROBE, batch=8, machine="perlmutter", dtype="float32", rank=1)
+    assert capsys.readouterr().err == ""  # rank 0 alone prints
 
 
 def test_auto_without_a_model_or_machine_says_what_to_pass(monkeypatch, tmp_path):

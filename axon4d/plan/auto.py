@@ -21,7 +21,7 @@ from axon4d.plan import correction as corrections
 from axon4d.plan.candidate import Candidate, tune_overlap
 from axon4d.plan.machine import Machine, available
 from axon4d.plan.options import AUTO_OPTION
-from axon4d.plan.result import PlanResult
+from axon4d.plan.result import PlanResult, step_breakdown
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import Workload
 
@@ -182,7 +182,8 @@ def ranked(
     fp8_dispatch: bool | str = False,
 ) -> PlanResult:
     """``choose``'s search (its arguments), every priced candidate ranked (``PlanResult``: at least
-    the ``top`` fastest fitting ones, where so many fit); rank 0 prints the best and the top ``top``.
+    the ``top`` fastest fitting ones, where so many fit); rank 0 prints the best, its step in parts
+    (``result.step_breakdown``) and the top ``top``.
     ``expert_layout``: an MoE model's expert layout, pinned, or ``AUTO_OPTION`` (searched with each
     grid; the chosen one is the candidate's ``expert_layout``); ``fp8_dispatch``: the searched layouts'
     rows travel to the experts in FP8 (True), not (False, the default: as a layout built without it), or
@@ -229,6 +230,7 @@ def ranked(
             file=sys.stderr,
             flush=True,
         )
+        print(f"axon4d: {step_breakdown(t)}", file=sys.stderr, flush=True)
         print(result.table(top), file=sys.stderr, flush=True)
         if result.caveat:
             print(f"axon4d: warning: {result.caveat}", file=sys.stderr, flush=True)

@@ -34,7 +34,7 @@ from axon4d.plan.flags import SPLIT_SEQUENCES, SWITCH, add_arguments
 from axon4d.plan.moe_cost import param_counts
 from axon4d.plan.moe_placement import placement
 from axon4d.plan.options import AUTO_OPTION
-from axon4d.plan.result import PlanResult
+from axon4d.plan.result import PlanResult, step_breakdown
 from axon4d.plan.scenario import Scenario
 from axon4d.plan.search import load_machine, plan
 from axon4d.plan.workload import Workload
@@ -181,6 +181,7 @@ def _print_plans(args: argparse.Namespace, cfg: ModelConfig, result: PlanResult,
     wl = result.workload
     best = fitting[0]
     print(f"best: {best.shape.as_tuple()} with {best.options_spec()}")
+    print(step_breakdown(best.time))
     if cfg.moe:
         routing = "uniform routing" if wl.imbalance == 1 else f"the busiest rank at {wl.imbalance:g}× the mean"
         where = placement(cfg, best.shape, best.expert_layout or wl.expert_layout).describe()

@@ -53,6 +53,8 @@ from axon4d.plan.workload import Workload
 
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})
+#: the in-step scale of a machine without a step calibration: each part as the model prices it
+UNSCALED = (1.0, 1.0, 1.0, 0.0)
 
 
 @dataclasses.dataclass
@@ -76,7 +78,7 @@ class TimeEstimate:
     collectives: int = 0  # issued per step on one rank (the communication log's count)
     traffic_bytes: float = 0.0  # ring traffic of those collectives (collective_model.ring_traffic)
     interference_s: float = 0.0  # compute lost to that traffic (Machine.interference_time)
-    scale: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 0.0)  # (k_c, k_a, k_w, k_n s per collective)
+    scale: tuple[float, float, float, float] = UNSCALED  # (k_c, k_a, k_w, k_n s per collective)
     offload_s: float = 0.0  # of compute_s, the activation offload copies exposed (``offload_seconds``)
     micro_batches: int = 1  # passes the step's batch ran as (``layers`` holds one pass's)
 

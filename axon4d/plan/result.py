@@ -10,6 +10,7 @@ from typing import Any
 from axon4d.grid.shape import ALL_AXES
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, device_need
+from axon4d.plan.cost import UNSCALED, TimeEstimate
 from axon4d.plan.machine import Machine
 from axon4d.plan.moe_placement import placement
 from axon4d.plan.options import Choices
@@ -146,6 +147,25 @@ class PlanResult:
                 f"{t.hidden_pct:>6.0f}% {c.bound_ratio:>7.2f}"
             )
         return "\n".join(lines)
+
+
+def step_breakdown(t: TimeEstimate) -> str:
+    """Where one step's predicted seconds go (``TimeEstimate.parts``): compute (its GEMMs outside
+    recomputation, the offload copies left exposed, the optimizer), the collectives overlap leaves
+    exposed of those issued, and the compute lost to their traffic — which add up to the step
+    unless the machine's in-step scale (``axon4d.plan.stepfit``) weights them, as the line then says."""
+    compute, activation, weight = t.parts
+    within = [f"GEMMs {t.matmul_s:.3g} s outside recomputation"]
+    if t.offload_s:
+        within.append(f"offload copies left exposed {t.offload_s:.3g} s")
+    within.append(f"optimizer {t.optimizer_s:.3g} s")
+    # without a step calibration the parts add up to the step; with one, its scale weights them
+    joined = " = " if t.scale == UNSCALED else ", weighted by the machine's in-step scale, from "
+    return (
+        f"step {t.step_s:.4g} s (predicted, one rank){joined}compute {t.compute_s:.4g} s ({', '.join(within)}) + "
+        f"collectives left exposed {activation + weight:.3g} s (of {t.comm_s:.3g} s issued; overlap hides "
+        f"{t.hidden_s:.3g} s) + compute lost to their traffic {compute - t.compute_s:.3g} s"
+    )
 
 
 def _seq(c: Candidate) -> str:
