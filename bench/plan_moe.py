@@ -28,9 +28,10 @@ seconds at the network's bandwidth, and its MFU were every collective hidden beh
 less.
 
 Saves ``bench/results/plan_moe.json`` (each search's top candidates: grid, options, layout,
-predicted step time, time parts and memory, the ceilings, the floor, and the header of bench/common.py); the last lines are,
-per job, ``plan MoE: mixtral-8x7b on 256 × h100, batch 1024: default layout B% → searched A% model MFU
-(predicted; grid G, options O)``.
+predicted step time, time parts and memory, the ceilings, the floor, and the header of bench/common.py). It prints
+each ceiling and floor, then ``plan MoE: moe-1t on 1024 × h100, batch 4096: A% model MFU (predicted;
+grid G, options O)``; the last lines are, per job, ``plan MoE: mixtral-8x7b on 256 × h100, batch
+1024: default layout B% → searched A% model MFU (predicted; grid G, options O)``.
 """
 
 from __future__ import annotations
