@@ -41,7 +41,7 @@ from axon4d.plan.block_extras import block_extras, context_hidden
 from axon4d.plan.blocks import DENSE_MLP
 from axon4d.plan.buckets import layer_scales
 from axon4d.plan.layers import ACTIVATION_TERMS, LayerCost, in_block, layer_cost, priced
-from axon4d.plan.machine import Machine
+from axon4d.plan.machine import UNSCALED, Machine
 from axon4d.plan.moe_cost import MoESeconds, chunks_hidden, layer_seconds
 from axon4d.plan.offload_cost import offload_seconds
 from axon4d.plan.overlap_credit import credit
@@ -53,8 +53,6 @@ from axon4d.plan.workload import Workload
 
 #: Overlap mechanisms that hide activation collectives (the rest hide weight/gradient collectives).
 ACTIVATION_MECHANISMS = frozenset({"chunks", "oar"})
-#: the in-step scale of a machine without a step calibration: each part as the model prices it
-UNSCALED = (1.0, 1.0, 1.0, 0.0)
 
 
 @dataclasses.dataclass
@@ -187,7 +185,11 @@ def _kind_estimate(sc: Scenario) -> TimeEstimate:
     if sc.model.moe:
         return step_estimate(sc)
     wl = dataclasses.replace(sc.workload, expert_layout=ExpertLayout())
-    key = ("dense kind", wl, sc.shape, sc.overlap, sc.recompute, sc.micro_batches, sc.zero, sc.offload, sc.fp8_gather)
+    # every input of the price but the machine, whose memo this is (a Machine does not hash)
+    key = (
+        "dense kind",
+        *(wl if f.name == "workload" else getattr(sc, f.name) for f in dataclasses.fields(sc) if f.name != "machine"),
+    )
     return sc.machine.remembered(key, lambda: step_estimate(dataclasses.replace(sc, workload=wl)))
 
 

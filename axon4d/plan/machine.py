@@ -53,6 +53,9 @@ MACHINE_DIR = os.path.join(os.path.dirname(__file__), "machines")
 FORMS = ("nt", "nn", "tn")
 #: values a machine keeps for ``Machine.remembered`` before it starts again (a search makes ~10⁴)
 REMEMBERED = 1 << 18
+#: the in-step scale (k_c, k_a, k_w, k_n) where no step was measured: each part of a step as the
+#: tables price it, no per-collective cost (``Machine.step_scale_for``)
+UNSCALED = (1.0, 1.0, 1.0, 0.0)
 T = TypeVar("T")
 
 
@@ -329,7 +332,7 @@ class Machine:
         """(k_c, k_a, k_w, k_n) of the nearest world size that was step-calibrated; (1, 1, 1, 0) if none."""
         used = self.step_world(world)
         if used is None:
-            return (1.0, 1.0, 1.0, 0.0)
+            return UNSCALED
         k_c, k_a, k_w, k_n = self.step_scale[str(used)]
         return (float(k_c), float(k_a), float(k_w), float(k_n))
 

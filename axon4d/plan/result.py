@@ -10,8 +10,8 @@ from typing import Any
 from axon4d.grid.shape import ALL_AXES
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.candidate import Candidate, device_need
-from axon4d.plan.cost import UNSCALED, TimeEstimate
-from axon4d.plan.machine import Machine
+from axon4d.plan.cost import TimeEstimate
+from axon4d.plan.machine import UNSCALED, Machine
 from axon4d.plan.moe_placement import placement
 from axon4d.plan.options import Choices
 from axon4d.plan.workload import Workload
@@ -154,7 +154,7 @@ def step_breakdown(t: TimeEstimate) -> str:
     recomputation, the offload copies left exposed, the optimizer), the collectives overlap leaves
     exposed of those issued, and the compute lost to their traffic — which add up to the step
     unless the machine's in-step scale (``axon4d.plan.stepfit``) weights them, as the line then says."""
-    compute, activation, weight = t.parts
+    _, activation, weight = t.parts
     within = [f"GEMMs {t.matmul_s:.3g} s outside recomputation"]
     if t.offload_s:
         within.append(f"offload copies left exposed {t.offload_s:.3g} s")
@@ -164,7 +164,7 @@ def step_breakdown(t: TimeEstimate) -> str:
     return (
         f"step {t.step_s:.4g} s (predicted, one rank){joined}compute {t.compute_s:.4g} s ({', '.join(within)}) + "
         f"collectives left exposed {activation + weight:.3g} s (of {t.comm_s:.3g} s issued; overlap hides "
-        f"{t.hidden_s:.3g} s) + compute lost to their traffic {compute - t.compute_s:.3g} s"
+        f"{t.hidden_s:.3g} s) + compute lost to their traffic {t.interference_s:.3g} s"
     )
 
 

@@ -44,15 +44,13 @@ from axon4d.config import ModelConfig
 from axon4d.grid.shape import GridShape
 from axon4d.options.overlap_policy import OverlapPolicy
 from axon4d.plan.cost import step_time
-from axon4d.plan.machine import Machine
+from axon4d.plan.machine import UNSCALED, Machine
 from axon4d.plan.workload import Workload, unmixed_precision
 
 #: grids over several axes ``calibration_grids`` adds to the single-axis ones
 MIXED = 3
 #: calibration steps a world needs for the four weights
 MIN_GRIDS = 4
-#: (k_c, k_a, k_w, k_n) where nothing was measured: the tables as they are, no per-collective cost
-UNSCALED = (1.0, 1.0, 1.0, 0.0)
 #: ``parse_model`` keys → ModelConfig fields
 _SPEC_KEYS = {
     "layers": "n_layers",
